@@ -1,0 +1,43 @@
+"""Direct (one-shot): every rank reads what it needs straight from its peers.
+
+One step, whatever the number of ranks:
+
+* allreduce:      every rank reduces all ranks' buffers, in rank order 0..n-1,
+                  into its SCRATCH. Same order everywhere, so same bits.
+* reduce_scatter: rank r reduces chunk r of all ranks, in rank order.
+* reduce:         the root alone reduces all ranks' buffers, in rank order.
+* allgather:      rank r copies chunk q from each rank q.
+* broadcast:      every rank copies the root's buffer.
+
+It sends (n-1)/n of the data per rank for allgather and broadcast, but every
+rank reads all n buffers for allreduce: fewest steps (lowest latency), most
+bytes. `auto` takes it for small messages.
+"""
+
+from .schedule import (
+    ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT, SCRATCH, WORK,
+    Region, Schedule, copy, reduce,
+)
+
+
+def direct(collective, nranks, root=None):
+    n = nranks
+    if n == 1:
+        return Schedule(collective, 1, 1, (), root=root)
+    every_rank = range(n)
+    if collective == ALLREDUCE:
+        step = [reduce([Region(q, WORK, 0) for q in every_rank], dst=Region(r, SCRATCH, 0)) for r in every_rank]
+        return Schedule(collective, n, 1, (tuple(step),), result_buffer=SCRATCH)
+    if collective == REDUCE_SCATTER:
+        step = [reduce([Region(q, WORK, r) for q in every_rank], dst=Region(r, SCRATCH, r)) for r in every_rank]
+        return Schedule(collective, n, n, (tuple(step),), result_buffer=SCRATCH)
+    if collective == REDUCE_TO_ROOT:
+        step = [reduce([Region(q, WORK, 0) for q in every_rank], dst=Region(root, SCRATCH, 0))]
+        return Schedule(collective, n, 1, (tuple(step),), result_buffer=SCRATCH, root=root)
+    if collective == ALLGATHER:
+        step = [copy(Region(q, WORK, q), dst=Region(r, WORK, q)) for r in every_rank for q in every_rank if q != r]
+        return Schedule(collective, n, n, (tuple(step),))
+    if collective == BROADCAST:
+        step = [copy(Region(root, WORK, 0), dst=Region(r, WORK, 0)) for r in every_rank if r != root]
+        return Schedule(collective, n, 1, (tuple(step),), root=root)
+    raise ValueError(f"direct has no schedule for {collective!r}")

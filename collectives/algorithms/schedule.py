@@ -1,0 +1,241 @@
+"""What an algorithm produces: a schedule of transfers between rank buffers.
+
+A schedule is pure data, independent of element type, size and device:
+
+* Each rank owns two shared buffers, WORK and SCRATCH, of the same size and
+  split into the same `nchunks` chunks. Before step 0 each rank's input has
+  been copied into its WORK buffer (where the collective says); after the
+  last step each rank's output is read from its `result_buffer`.
+* A step is a set of transfers that may run in any order or all at once.
+  Between steps every rank's reads and writes of the step before are done.
+* A transfer is executed by the rank that owns its destination ("pull"):
+  nobody ever writes another rank's memory, so the only cross-rank hazards
+  are reads of a peer's region, which the plan turns into waits.
+* COPY: dst = src. REDUCE: dst = srcs[0] op srcs[1] op ... folded left to
+  right, which fixes the order in which every element is reduced.
+* A transfer never moves data between chunk indices: chunk c of one rank only
+  ever meets chunk c of another. This keeps an element's identity obvious.
+
+`trace()` executes a schedule symbolically. It is how the plan learns where
+each reduction completes (where avg divides) and how the tests prove that
+every output element holds every rank's contribution exactly once, combined
+in the same order on every rank.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Tuple
+
+WORK = 0
+SCRATCH = 1
+BUFFER_NAMES = {WORK: "WORK", SCRATCH: "SCRATCH"}
+
+COPY = "copy"
+REDUCE = "reduce"
+
+ALLREDUCE = "allreduce"
+REDUCE_SCATTER = "reduce_scatter"
+ALLGATHER = "allgather"
+BROADCAST = "broadcast"
+REDUCE_TO_ROOT = "reduce"
+COLLECTIVES = (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE_TO_ROOT)
+REDUCING_COLLECTIVES = (ALLREDUCE, REDUCE_SCATTER, REDUCE_TO_ROOT)
+
+
+class Region(NamedTuple):
+    rank: int
+    buffer: int
+    chunk: int
+
+    def __str__(self):
+        return f"rank{self.rank}.{BUFFER_NAMES[self.buffer]}[{self.chunk}]"
+
+
+class Transfer(NamedTuple):
+    kind: str
+    dst: Region
+    srcs: Tuple[Region, ...]
+
+    @property
+    def rank(self):
+        """The rank that executes this transfer: the owner of the destination."""
+        return self.dst.rank
+
+
+def copy(src, dst):
+    return Transfer(COPY, dst, (src,))
+
+
+def reduce(srcs, dst):
+    return Transfer(REDUCE, dst, tuple(srcs))
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks one of the rules in this module's docstring."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    collective: str
+    nranks: int
+    nchunks: int
+    steps: Tuple[Tuple[Transfer, ...], ...]
+    result_buffer: int = WORK
+    root: Optional[int] = None
+
+    def __post_init__(self):
+        validate(self)
+
+    @property
+    def nsteps(self):
+        return len(self.steps)
+
+    def chunks_sent(self, rank):
+        """How many chunks peers read from `rank`'s buffers over the schedule."""
+        return sum(
+            1
+            for step in self.steps
+            for t in step
+            for src in t.srcs
+            if src.rank == rank and t.rank != rank
+        )
+
+    def bytes_sent(self, rank, nbytes):
+        """Bytes `rank` sends when the buffer holds `nbytes` (a multiple of nchunks)."""
+        return self.chunks_sent(rank) * nbytes / self.nchunks
+
+    def chunks_moved(self, rank):
+        """Chunks `rank` reads plus writes while executing its transfers.
+
+        On shared-memory machines a step's cost is set by this traffic, not by
+        what crosses a link, so it is what `auto` weighs.
+        """
+        return sum(len(t.srcs) + 1 for step in self.steps for t in step if t.rank == rank)
+
+    def input_chunks(self, rank):
+        """The WORK chunks that hold `rank`'s input before step 0."""
+        if self.collective == ALLGATHER:
+            return (rank,)
+        if self.collective == BROADCAST and rank != self.root:
+            return ()
+        return tuple(range(self.nchunks))
+
+    def output_chunks(self, rank):
+        """The `result_buffer` chunks that form `rank`'s output, in order."""
+        if self.collective == REDUCE_SCATTER:
+            return (rank,)
+        if self.collective == BROADCAST and rank == self.root:
+            return ()  # the root's buffer already holds what it sends
+        if self.collective == REDUCE_TO_ROOT and rank != self.root:
+            return ()  # only the root receives the reduction
+        return tuple(range(self.nchunks))
+
+    def trace(self):
+        """Execute symbolically; see `Trace`."""
+        return _trace(self)
+
+
+class Trace(NamedTuple):
+    # Region -> expression: an int is that rank's original contribution to the
+    # chunk, a tuple is the left fold of its members' values.
+    final: dict
+    # (step index, transfer index) of every REDUCE whose result holds all
+    # ranks' contributions: where avg divides.
+    completing: frozenset
+
+
+def contributions(expr):
+    """The ranks whose data an expression contains, with repetitions."""
+    if isinstance(expr, int):
+        return [expr]
+    return [rank for member in expr for rank in contributions(member)]
+
+
+def _trace(schedule):
+    n = schedule.nranks
+    values = {}
+    for rank in range(n):
+        for chunk in schedule.input_chunks(rank):
+            values[Region(rank, WORK, chunk)] = rank
+    completing = set()
+    for s, step in enumerate(schedule.steps):
+        # All reads of a step see the state before it (validate() guarantees
+        # no region is read and written by different transfers of one step).
+        before = dict(values)
+        for i, t in enumerate(step):
+            try:
+                inputs = [before[src] for src in t.srcs]
+            except KeyError as missing:
+                raise ScheduleError(f"step {s}: {t.kind} reads {missing.args[0]} before it holds data") from None
+            if t.kind == COPY:
+                values[t.dst] = inputs[0]
+            else:
+                values[t.dst] = tuple(inputs)
+                ranks = contributions(values[t.dst])
+                if len(ranks) != len(set(ranks)):
+                    raise ScheduleError(f"step {s}: {t.dst} would hold a contribution twice: {sorted(ranks)}")
+                if len(ranks) == n:
+                    completing.add((s, i))
+    return Trace(values, frozenset(completing))
+
+
+def validate(schedule):
+    """Raise ScheduleError unless the schedule follows the module's rules."""
+    n, nchunks = schedule.nranks, schedule.nchunks
+    if schedule.collective not in COLLECTIVES:
+        raise ScheduleError(f"unknown collective {schedule.collective!r}")
+    if n < 1 or nchunks < 1:
+        raise ScheduleError("a schedule needs at least one rank and one chunk")
+    if schedule.collective in (REDUCE_SCATTER, ALLGATHER) and nchunks != n:
+        raise ScheduleError(f"{schedule.collective} splits its buffer into one chunk per rank")
+    for s, step in enumerate(schedule.steps):
+        written = set()
+        read_by_other = set()
+        for t in step:
+            regions = (t.dst,) + t.srcs
+            if any(not (0 <= r.rank < n and r.buffer in BUFFER_NAMES and 0 <= r.chunk < nchunks) for r in regions):
+                raise ScheduleError(f"step {s}: {t} addresses a region out of range")
+            if any(src.chunk != t.dst.chunk for src in t.srcs):
+                raise ScheduleError(f"step {s}: {t} moves data between chunk indices")
+            if t.kind == COPY and len(t.srcs) != 1:
+                raise ScheduleError(f"step {s}: a copy has exactly one source")
+            if t.kind == REDUCE and len(t.srcs) < 2:
+                raise ScheduleError(f"step {s}: a reduce has at least two sources")
+            if t.kind not in (COPY, REDUCE):
+                raise ScheduleError(f"step {s}: unknown transfer kind {t.kind!r}")
+            # The fold writes dst after combining srcs[0] and srcs[1], so dst
+            # may stand only in those places.
+            if t.dst in t.srcs[2:]:
+                raise ScheduleError(f"step {s}: {t.dst} is a later source of its own reduce")
+            if t.dst in written:
+                raise ScheduleError(f"step {s}: {t.dst} is written twice")
+            written.add(t.dst)
+            read_by_other.update(src for src in t.srcs if src != t.dst)
+        clash = written & read_by_other
+        if clash:
+            raise ScheduleError(f"step {s}: {sorted(map(str, clash))} read and written in the same step")
+    if schedule.collective in (BROADCAST, REDUCE_TO_ROOT) and not (
+        schedule.root is not None and 0 <= schedule.root < n
+    ):
+        raise ScheduleError(f"{schedule.collective} needs a root in [0, {n})")
+    trace = _trace(schedule)
+    _check_outputs(schedule, trace)
+
+
+def _check_outputs(schedule, trace):
+    """Every output chunk holds what the collective promises."""
+    n = schedule.nranks
+    reducing = schedule.collective in REDUCING_COLLECTIVES
+    for rank in range(n):
+        for chunk in schedule.output_chunks(rank):
+            region = Region(rank, schedule.result_buffer, chunk)
+            if region not in trace.final:
+                raise ScheduleError(f"output {region} never receives data")
+            got = sorted(contributions(trace.final[region]))
+            if reducing:
+                want = list(range(n))
+            elif schedule.collective == ALLGATHER:
+                want = [chunk]
+            else:
+                want = [schedule.root]
+            if got != want:
+                raise ScheduleError(f"output {region} holds contributions {got}, expected {want}")

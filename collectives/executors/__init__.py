@@ -1,0 +1,1 @@
+"""Executors interpret plans (see collectives.plan) on one kind of memory."""

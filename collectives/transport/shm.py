@@ -1,0 +1,304 @@
+"""Host ranks in separate processes on one machine, through shared memory.
+
+Each rank owns one data segment (its WORK and SCRATCH buffers) that the
+others map read-only in spirit: plans only ever write the executing rank's
+own memory. One control segment, made by rank 0, holds a row per rank:
+
+    COUNTER   phases this rank has completed, over the communicator's life
+    PID       so that a dead peer is reported instead of waited for
+    SEQ, SIG  which call the rank is in, to catch ranks calling different things
+    GEN, CAP  generation and size of the rank's data segment (it grows)
+
+and an abort flag with a reason: a rank that fails mid-collective sets it, and
+every other rank's wait raises instead of waiting out its timeout.
+
+Ordering: a rank stores its data, then its counter; a peer loads the counter,
+then the data. Aligned 8-byte stores are atomic and not reordered with earlier
+stores on x86-64 (total store order); the Python interpreter's own locking
+between the two also orders them on other architectures in practice.
+"""
+
+import hashlib
+import os
+import secrets
+import time
+import weakref
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from ..executors import host
+from ..plan import SCRATCH, WORK, INPUT, OUTPUT
+
+COUNTER, PID, SEQ, SIG, GEN, CAP = range(6)
+ROW = 8                      # int64 slots per rank row (two spare)
+HEADER = 2                   # ABORT flag, aborting rank + 1
+ABORT, ABORT_RANK = 0, 1
+REASON_BYTES = 1024
+SEGMENT_ALIGN = 4096
+
+
+def new_prefix():
+    """A name no other communicator on this machine uses."""
+    return f"coll-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _open_segment(name, size=0, create=False):
+    """Map a named segment. Only the creator's resource tracker owns it, so an
+    attaching process never unlinks it at exit, yet a crashed creator's
+    segment is still removed by its tracker."""
+    segment = shared_memory.SharedMemory(name=name, create=create, size=size)
+    if not create:
+        resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
+    return segment
+
+
+def _release(segment, unlink):
+    try:
+        segment.close()
+    except BufferError:
+        pass  # a caller still holds a view; the mapping goes when it does
+    if unlink:
+        try:
+            segment.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def describe_call(plan):
+    return (f"{plan.collective} of {plan.count} {plan.dtype} (op {plan.op}, root {plan.root}, "
+            f"algorithm {plan.algorithm})")
+
+
+def call_signature(seq, description):
+    """64 bits that differ when two ranks make different calls."""
+    text = f"{seq}: {description}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+class Waiter:
+    """Polls with a deadline: spins briefly, then yields, then sleeps.
+
+    Spinning alone would starve peers when ranks outnumber cores (tests run 4
+    ranks on 2 cores); sleeping at once would add scheduler latency to every
+    step. The schedule below keeps a satisfied wait at a few microseconds.
+    """
+
+    SPIN = 200
+    YIELD_SECONDS = 2e-3
+    MAX_SLEEP = 1e-3
+    LIVENESS_EVERY = 0.05
+
+    def __init__(self, deadline):
+        self.deadline = deadline
+
+    def until(self, ready, describe, check):
+        """Return once ready(); call check() now and then (it raises to stop)."""
+        for _ in range(self.SPIN):
+            if ready():
+                return
+        start = time.perf_counter()
+        next_check = start
+        sleep = 1e-5
+        while not ready():
+            now = time.perf_counter()
+            if now >= next_check:
+                check()
+                next_check = now + self.LIVENESS_EVERY
+            if now >= self.deadline:
+                raise CollectiveTimeoutError(f"timed out waiting for {describe()}")
+            if now - start < self.YIELD_SECONDS:
+                os.sched_yield()
+            else:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, self.MAX_SLEEP)
+
+
+class ShmRank:
+    """This process's rank of a communicator whose ranks share one machine."""
+
+    def __init__(self, rank, size, prefix, timeout):
+        self.rank, self.size, self.prefix, self.timeout = rank, size, prefix, timeout
+        control_bytes = 8 * (HEADER + ROW * size) + REASON_BYTES
+        name = f"{prefix}-control"
+        self._control_segment = _open_segment(name, control_bytes, create=(rank == 0))
+        buf = self._control_segment.buf
+        self._header = np.ndarray((HEADER,), np.int64, buf)
+        self._rows = np.ndarray((size, ROW), np.int64, buf, offset=8 * HEADER)
+        self._reason = np.ndarray((REASON_BYTES,), np.uint8, buf, offset=8 * (HEADER + ROW * size))
+        self._mine = self._rows[rank]
+        self._mine[PID] = os.getpid()
+        self._seq = 0
+        self._own_segment = None
+        self._peer_segments = {}   # rank -> (generation, segment)
+        # Released by close(), or at exit/collection if the caller forgot:
+        # segments left behind would outlive the job in /dev/shm.
+        self._segments = {"control": (self._control_segment, rank == 0), "own": None, "peers": {}}
+        self._finalizer = weakref.finalize(self, _release_all, self._segments)
+
+    # -- waiting ------------------------------------------------------------
+
+    def _check_health(self, peer=None):
+        """Raise if the communicator was aborted or `peer` died."""
+        if self._header[ABORT]:
+            who = int(self._header[ABORT_RANK]) - 1
+            reason = bytes(self._reason).rstrip(b"\0").decode(errors="replace")
+            raise CollectiveError(f"rank {who} aborted the communicator: {reason}")
+        if peer is not None:
+            pid = int(self._rows[peer, PID])
+            if pid and not _alive(pid):
+                raise RankFailedError(f"rank {peer} (pid {pid}) died before completing the collective")
+
+    def _wait_for(self, peer, phases_done, waiter, description):
+        """Wait until `peer` has completed `phases_done` phases in all."""
+        counters = self._rows[:, COUNTER]
+        waiter.until(
+            lambda: counters[peer] >= phases_done,
+            lambda: f"rank {peer} in call #{self._seq}, {description} (it has completed "
+                    f"{int(counters[peer])} phases, this rank needs {phases_done}; "
+                    "is every rank making the same calls?)",
+            lambda: self._check_health(peer),
+        )
+
+    def _check_same_call(self, peer, signature, description):
+        """Once `peer` is past phase 0 of this call, its SIG names this call."""
+        if self._rows[peer, SIG] != signature:
+            raise InvalidUsageError(
+                f"rank {peer} is making a different call from rank {self.rank}, whose call "
+                f"#{self._seq} is {description}; every rank must make the same calls in the same order")
+
+    def _enter(self, description):
+        """Start a call: its sequence number, signature and counter base."""
+        self._check_health()
+        self._seq += 1
+        return call_signature(self._seq, description), int(self._mine[COUNTER])
+
+    def abort(self, reason):
+        """Tell every rank this communicator cannot go on."""
+        if not self._header[ABORT]:
+            data = reason.encode()[:REASON_BYTES - 1]
+            self._reason[:] = 0
+            self._reason[:len(data)] = np.frombuffer(data, np.uint8)
+            self._header[ABORT_RANK] = self.rank + 1
+            self._header[ABORT] = 1
+
+    # -- buffers ------------------------------------------------------------
+
+    def _ensure_capacity(self, nbytes):
+        """Grow this rank's data segment. Called in phase 0, when no peer can
+        still be reading the old one (phase 0 waits for all to leave the last call)."""
+        if self._own_segment is not None and self._mine[CAP] >= nbytes:
+            return
+        generation = int(self._mine[GEN]) + 1
+        capacity = max(nbytes, 2 * int(self._mine[CAP]), SEGMENT_ALIGN)
+        segment = _open_segment(f"{self.prefix}-r{self.rank}-g{generation}", capacity, create=True)
+        if self._own_segment is not None:
+            _release(self._own_segment, unlink=True)
+        self._own_segment = self._segments["own"] = segment
+        self._mine[CAP] = capacity
+        self._mine[GEN] = generation
+
+    def _segment_of(self, rank):
+        if rank == self.rank:
+            return self._own_segment
+        generation = int(self._rows[rank, GEN])
+        known = self._peer_segments.get(rank)
+        if known is None or known[0] != generation:
+            if known is not None:
+                _release(known[1], unlink=False)
+            segment = _open_segment(f"{self.prefix}-r{rank}-g{generation}")
+            self._peer_segments[rank] = self._segments["peers"][rank] = known = (generation, segment)
+        return known[1]
+
+    # -- collectives ----------------------------------------------------------
+
+    def run(self, plan, inputs, outputs, deadline):
+        """Execute this rank's part of `plan`; inputs/outputs hold one array."""
+        description = describe_call(plan)
+        signature, base = self._enter(description)
+        itemsize = plan.dtype.itemsize
+        scratch_offset = -(-plan.work_elements * itemsize // SEGMENT_ALIGN) * SEGMENT_ALIGN
+        views = {}
+
+        def buffer(rank, buffer_id):
+            if buffer_id == INPUT:
+                return inputs[0].reshape(-1)
+            if buffer_id == OUTPUT:
+                return outputs[0].reshape(-1)
+            key = (rank, buffer_id)
+            if key not in views:
+                offset = 0 if buffer_id == WORK else scratch_offset
+                count = plan.work_elements if buffer_id == WORK else plan.scratch_elements
+                views[key] = np.ndarray((count,), plan.dtype, self._segment_of(rank).buf, offset=offset)
+            return views[key]
+
+        waiter = Waiter(deadline)
+        try:
+            for p, phase in enumerate(plan.phases):
+                for peer, done in phase.waits[self.rank]:
+                    self._wait_for(peer, base + done, waiter, description)
+                    if done >= 1:
+                        self._check_same_call(peer, signature, description)
+                if p == 0:
+                    self._ensure_capacity(scratch_offset + plan.scratch_elements * itemsize)
+                    self._mine[SEQ] = self._seq
+                    self._mine[SIG] = signature
+                host.execute(phase.rows_by_rank[self.rank], buffer, plan.op, plan.nranks)
+                self._mine[COUNTER] = base + p + 1
+        except BaseException as error:
+            self.abort(f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            views.clear()  # drop views before any segment may be released
+
+    def barrier(self, deadline):
+        """Return once every rank has entered the barrier.
+
+        Two phases, like a plan: phase 0 waits for every peer to leave the
+        previous call before this rank's signature overwrites its last one;
+        phase 1 waits for every peer to enter.
+        """
+        signature, base = self._enter("barrier")
+        waiter = Waiter(deadline)
+        peers = [peer for peer in range(self.size) if peer != self.rank]
+        try:
+            for peer in peers:
+                self._wait_for(peer, base, waiter, "barrier")
+            self._mine[SEQ] = self._seq
+            self._mine[SIG] = signature
+            self._mine[COUNTER] = base + 1
+            for peer in peers:
+                self._wait_for(peer, base + 1, waiter, "barrier")
+                self._check_same_call(peer, signature, "barrier")
+            self._mine[COUNTER] = base + 2
+        except BaseException as error:
+            self.abort(f"{type(error).__name__}: {error}")
+            raise
+
+    def close(self):
+        """Unmap and remove this rank's segments. Call it after a barrier:
+        a peer may still be reading this rank's buffers until then."""
+        self._header = self._rows = self._reason = self._mine = None
+        self._own_segment = self._control_segment = None
+        self._peer_segments.clear()
+        self._finalizer()
+
+
+def _release_all(segments):
+    for _, segment in segments["peers"].values():
+        _release(segment, unlink=False)
+    if segments["own"] is not None:
+        _release(segments["own"], unlink=True)
+    control, owned = segments["control"]
+    _release(control, unlink=owned)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
