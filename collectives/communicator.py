@@ -175,8 +175,6 @@ class Communicator:
             result_elements = elements
 
         if out is not None:
-            if collective in (BROADCAST, REDUCE_TO_ROOT):
-                raise InvalidUsageError(f"{collective} works in place and takes no out")
             outputs = validation.output_arrays(out, nlocal, result_elements, dtype)
         elif collective == REDUCE_SCATTER:
             outputs = [self._own_block(a, rank) for a, rank in zip(inputs, self.local_ranks)]

@@ -18,12 +18,13 @@ stores on x86-64 (total store order); the Python interpreter's own locking
 between the two also orders them on other architectures in practice.
 """
 
+import glob
 import hashlib
+import mmap
 import os
 import secrets
 import time
 import weakref
-from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
@@ -37,6 +38,7 @@ HEADER = 2                   # ABORT flag, aborting rank + 1
 ABORT, ABORT_RANK = 0, 1
 REASON_BYTES = 1024
 SEGMENT_ALIGN = 4096
+SHM_DIR = "/dev/shm"
 
 
 def new_prefix():
@@ -44,26 +46,39 @@ def new_prefix():
     return f"coll-{os.getpid()}-{secrets.token_hex(6)}"
 
 
-def _open_segment(name, size=0, create=False):
-    """Map a named segment. Only the creator's resource tracker owns it, so an
-    attaching process never unlinks it at exit, yet a crashed creator's
-    segment is still removed by its tracker."""
-    segment = shared_memory.SharedMemory(name=name, create=create, size=size)
-    if not create:
-        resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
-    return segment
+class Segment:
+    """A named file in /dev/shm, mapped into this process.
 
+    Plain files rather than multiprocessing.shared_memory: that module starts a
+    resource-tracker process per rank which shares the rank's pipes with
+    mpiexec and, in Python < 3.13, unlinks segments it merely attached to.
+    """
 
-def _release(segment, unlink):
-    try:
-        segment.close()
-    except BufferError:
-        pass  # a caller still holds a view; the mapping goes when it does
-    if unlink:
+    def __init__(self, name, size=0, create=False):
+        self.path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
         try:
-            segment.unlink()
-        except FileNotFoundError:
-            pass
+            if create:
+                os.ftruncate(fd, size)
+            self.buf = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+    def release(self, unlink):
+        try:
+            self.buf.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with it
+        if unlink:
+            _remove(self.path)
+
+
+def _remove(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def describe_call(plan):
@@ -122,7 +137,7 @@ class ShmRank:
         self.rank, self.size, self.prefix, self.timeout = rank, size, prefix, timeout
         control_bytes = 8 * (HEADER + ROW * size) + REASON_BYTES
         name = f"{prefix}-control"
-        self._control_segment = _open_segment(name, control_bytes, create=(rank == 0))
+        self._control_segment = Segment(name, control_bytes, create=(rank == 0))
         buf = self._control_segment.buf
         self._header = np.ndarray((HEADER,), np.int64, buf)
         self._rows = np.ndarray((size, ROW), np.int64, buf, offset=8 * HEADER)
@@ -134,7 +149,7 @@ class ShmRank:
         self._peer_segments = {}   # rank -> (generation, segment)
         # Released by close(), or at exit/collection if the caller forgot:
         # segments left behind would outlive the job in /dev/shm.
-        self._segments = {"control": (self._control_segment, rank == 0), "own": None, "peers": {}}
+        self._segments = {"control": self._control_segment, "prefix": prefix, "own": None, "peers": {}}
         self._finalizer = weakref.finalize(self, _release_all, self._segments)
 
     # -- waiting ------------------------------------------------------------
@@ -192,9 +207,9 @@ class ShmRank:
             return
         generation = int(self._mine[GEN]) + 1
         capacity = max(nbytes, 2 * int(self._mine[CAP]), SEGMENT_ALIGN)
-        segment = _open_segment(f"{self.prefix}-r{self.rank}-g{generation}", capacity, create=True)
+        segment = Segment(f"{self.prefix}-r{self.rank}-g{generation}", capacity, create=True)
         if self._own_segment is not None:
-            _release(self._own_segment, unlink=True)
+            self._own_segment.release(unlink=True)
         self._own_segment = self._segments["own"] = segment
         self._mine[CAP] = capacity
         self._mine[GEN] = generation
@@ -206,8 +221,8 @@ class ShmRank:
         known = self._peer_segments.get(rank)
         if known is None or known[0] != generation:
             if known is not None:
-                _release(known[1], unlink=False)
-            segment = _open_segment(f"{self.prefix}-r{rank}-g{generation}")
+                known[1].release(unlink=False)
+            segment = Segment(f"{self.prefix}-r{rank}-g{generation}")
             self._peer_segments[rank] = self._segments["peers"][rank] = known = (generation, segment)
         return known[1]
 
@@ -286,19 +301,32 @@ class ShmRank:
 
 
 def _release_all(segments):
+    """Unmap everything; remove every file of the communicator, a dead
+    peer's included (removing a name others still map is harmless)."""
     for _, segment in segments["peers"].values():
-        _release(segment, unlink=False)
+        segment.release(unlink=False)
     if segments["own"] is not None:
-        _release(segments["own"], unlink=True)
-    control, owned = segments["control"]
-    _release(control, unlink=owned)
+        segments["own"].release(unlink=True)
+    segments["control"].release(unlink=True)
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(segments["prefix"]) + "-*")):
+        _remove(path)
 
 
 def _alive(pid):
+    """Whether process `pid` still runs. A zombie (dead, not yet reaped by its
+    launcher) counts as dead: kill(pid, 0) alone would call it alive."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass  # no /proc: ask the kernel directly
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True

@@ -1,0 +1,53 @@
+"""Inputs and closed-form expectations shared by the host, MPI and GPU suites.
+
+Rank r's element i is chosen so that every result is exact in every dtype
+(float16 and int8 included, for up to 8 ranks), whatever the reduction order:
+so one expectation serves every algorithm and backend, with no tolerance.
+"""
+
+import numpy as np
+
+from collectives import SUPPORTED_DTYPES
+
+DTYPES = tuple(np.dtype(name) for name in SUPPORTED_DTYPES)
+OPS = ("sum", "prod", "max", "min", "avg")
+RANK_COUNTS = tuple(range(1, 9))
+
+
+def counts_for(n):
+    """The element counts worth testing with n ranks."""
+    return sorted({0, 1, max(n - 1, 0), n + 1, 1000, 65537})
+
+
+def _sign(dtype):
+    return 1 if dtype.kind == "u" else -1
+
+
+def reduction_input(op, dtype, n, r, count):
+    i = np.arange(count)
+    if op in ("sum", "avg"):
+        values = _sign(dtype) * ((i % 5) + r + 1)
+    elif op == "prod":
+        values = np.where((i + r) % n == 0, 2, 1)  # exactly one rank contributes 2
+    else:
+        values = (i + r) % n + (0 if dtype.kind == "u" else -3)
+    return values.astype(dtype)
+
+
+def reduction_expected(op, dtype, n, count):
+    i = np.arange(count)
+    if op in ("sum", "avg"):
+        total = n * (i % 5) + n * (n + 1) // 2
+        if op == "avg":
+            # Floats divide exactly here ((n+1)/2 is a half-integer at worst);
+            # integers truncate the magnitude, i.e. round toward zero.
+            total = total / n if dtype.kind == "f" else total // n
+        return (_sign(dtype) * total).astype(dtype)
+    if op == "prod":
+        return np.full(count, 2, dtype)
+    offset = 0 if dtype.kind == "u" else -3
+    return np.full(count, (n - 1 if op == "max" else 0) + offset, dtype)
+
+
+def gather_input(dtype, r, count):
+    return ((r * 7 + np.arange(count)) % 100).astype(dtype)

@@ -1,0 +1,156 @@
+"""One rank of a multi-process test; tests/test_mpi.py starts N of these under mpiexec.
+
+    mpiexec -n N python tests/mpi_worker.py SCENARIO
+
+Each rank prints "OK <scenario> <rank>" when everything it checked held, and
+fails with a traceback (non-zero exit) otherwise.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+from cases import DTYPES, OPS, counts_for, gather_input, reduction_expected, reduction_input
+from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+
+TIMEOUT = 3.0
+
+
+def check(got, want, case):
+    assert got.dtype == want.dtype and got.shape == want.shape, case
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{case}: {got[:6]} != {want[:6]}"
+
+
+def scenario_collectives(comm):
+    r, n = comm.rank, comm.size
+    dtypes = [d for d in DTYPES if d.name in ("int8", "uint16", "int64", "float16", "float32", "float64")]
+    for algorithm in ("ring", "direct"):
+        for count in counts_for(n):
+            for dtype in dtypes:
+                for op in OPS:
+                    case = f"{algorithm} {op} {dtype} count={count} rank {r}"
+                    x = reduction_input(op, dtype, n, r, count)
+                    check(comm.allreduce(x.copy(), op=op, algorithm=algorithm),
+                          reduction_expected(op, dtype, n, count), f"allreduce {case}")
+                    out = np.empty(count, dtype)
+                    comm.reduce_scatter(reduction_input(op, dtype, n, r, n * count), op=op, out=out,
+                                        algorithm=algorithm)
+                    check(out, reduction_expected(op, dtype, n, n * count)[r * count:(r + 1) * count],
+                          f"reduce_scatter {case}")
+                    got = comm.reduce(x.copy(), root=n - 1, op=op, algorithm=algorithm)
+                    check(got, reduction_expected(op, dtype, n, count) if r == n - 1 else x, f"reduce {case}")
+                gathered = comm.allgather(gather_input(dtype, r, count), algorithm=algorithm)
+                want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
+                check(gathered, want, f"allgather {algorithm} {dtype} count={count}")
+                got = comm.broadcast(gather_input(dtype, r, count), root=n // 2, algorithm=algorithm)
+                check(got, gather_input(dtype, n // 2, count), f"broadcast {algorithm} {dtype} count={count}")
+    # Random floats: every rank must hold the same bits (one reduction order).
+    rng = np.random.default_rng(r)
+    for algorithm in ("ring", "direct"):
+        for size in (5, 70001, 1 << 20):  # 1 << 20 makes every rank grow its shared segment
+            mine = comm.allreduce(rng.standard_normal(size).astype(np.float32), algorithm=algorithm)
+            everyone = MPI.COMM_WORLD.allgather(mine.tobytes())
+            assert all(b == everyone[0] for b in everyone), f"ranks disagree, {algorithm} size {size}"
+    comm.barrier()
+
+
+def scenario_stalled(comm):
+    """Rank 1 stops calling in: the others time out, then the group is unusable."""
+    x = np.ones(100, np.float32)
+    if comm.rank == 1:
+        time.sleep(TIMEOUT + 2)
+        try:
+            comm.allreduce(x)
+        except CollectiveError as error:
+            assert "aborted" in str(error), error
+            return
+        raise AssertionError("a call into an aborted communicator succeeded")
+    start = time.perf_counter()
+    try:
+        comm.allreduce(x)
+    except CollectiveTimeoutError as error:
+        elapsed = time.perf_counter() - start
+        assert not isinstance(error, RankFailedError), error
+        assert elapsed < TIMEOUT + 1.5, f"took {elapsed:.1f}s with a {TIMEOUT}s timeout"
+        return
+    except CollectiveError as error:  # a peer timed out first and aborted the group
+        assert "aborted" in str(error) and "timed out" in str(error), error
+        return
+    raise AssertionError("allreduce completed without rank 1")
+
+
+def scenario_stalled_barrier(comm):
+    if comm.rank == 1:
+        time.sleep(TIMEOUT + 2)
+        return
+    start = time.perf_counter()
+    try:
+        comm.barrier()
+    except CollectiveError as error:
+        assert "timed out" in str(error), error
+        assert time.perf_counter() - start < TIMEOUT + 1.5
+        return
+    raise AssertionError("barrier completed without rank 1")
+
+
+def scenario_killed(comm):
+    """Rank 1 dies: the others learn it from its pid, long before the timeout."""
+    comm.barrier()
+    if comm.rank == 1:
+        os._exit(0)
+    start = time.perf_counter()
+    try:
+        comm.allreduce(np.ones(1000, np.float64))
+    except (RankFailedError, CollectiveError) as error:
+        assert isinstance(error, RankFailedError) or "died" in str(error), error
+        assert time.perf_counter() - start < TIMEOUT / 2, "a dead rank should not be waited out"
+    else:
+        raise AssertionError("allreduce completed without rank 1")
+    # Closing after a failure is quick and removes the dead rank's files too.
+    prefix = comm._ranks.prefix  # noqa: SLF001
+    start = time.perf_counter()
+    comm.close()
+    assert time.perf_counter() - start < TIMEOUT / 2
+    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+    assert not leftovers, leftovers
+
+
+def scenario_mismatch(comm):
+    """Ranks disagree on the count: one raises InvalidUsageError, none hangs."""
+    count = 10 if comm.rank == 0 else 11
+    try:
+        comm.allreduce(np.ones(count, np.float32))
+    except InvalidUsageError as error:
+        assert "different call" in str(error), error
+        return
+    except CollectiveError as error:
+        assert "aborted" in str(error) and "different call" in str(error), error
+        return
+    raise AssertionError("mismatched allreduce completed")
+
+
+def scenario_shared_segments_are_removed(comm):
+    prefix = comm._ranks.prefix  # noqa: SLF001 - the test looks at the transport on purpose
+    comm.allreduce(np.ones(1 << 16, np.float32))
+    comm.close()
+    MPI.COMM_WORLD.Barrier()
+    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+    assert not leftovers, leftovers
+
+
+def main():
+    scenario = sys.argv[1]
+    comm = collectives.init(timeout=TIMEOUT)
+    assert comm.size == MPI.COMM_WORLD.size and comm.rank == MPI.COMM_WORLD.rank
+    globals()[f"scenario_{scenario}"](comm)
+    print(f"OK {scenario} {comm.rank}", flush=True)
+    if scenario == "killed":
+        os._exit(0)  # MPI_Finalize would wait for the dead rank
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Every collective, dtype and op on virtual host ranks, against closed forms.
+
+Parametrized over ranks, counts, algorithms and in/out of place; each test
+loops over the 11 dtypes and 5 ops and names the case in its message.
+"""
+
+import numpy as np
+import pytest
+
+import collectives
+from cases import DTYPES, OPS, RANK_COUNTS, counts_for, gather_input, reduction_expected, reduction_input
+
+ALGORITHMS = ("ring", "direct", "auto")
+matrix = pytest.mark.parametrize("n,count", [(n, c) for n in RANK_COUNTS for c in counts_for(n)])
+algorithms = pytest.mark.parametrize("algorithm", ALGORITHMS)
+placement = pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "out-of-place"])
+
+
+@pytest.fixture(scope="module")
+def communicators():
+    made = {}
+    yield lambda n: made.setdefault(n, collectives.Communicator.local(n))
+    for comm in made.values():
+        comm.close()
+
+
+def assert_bits_equal(got, want, case):
+    assert got.dtype == want.dtype, case
+    assert got.shape == want.shape, case
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{case}: got {got[:8]}..., want {want[:8]}..."
+
+
+@matrix
+@algorithms
+@placement
+def test_allreduce(communicators, n, count, algorithm, in_place):
+    comm = communicators(n)
+    for dtype in DTYPES:
+        for op in OPS:
+            case = f"allreduce {op} {dtype} n={n} count={count} {algorithm}"
+            xs = [reduction_input(op, dtype, n, r, count) for r in range(n)]
+            originals = [x.copy() for x in xs]
+            outs = None if in_place else [np.empty_like(x) for x in xs]
+            results = comm.allreduce(xs, op=op, out=outs, algorithm=algorithm)
+            want = reduction_expected(op, dtype, n, count)
+            for r in range(n):
+                assert results[r] is (xs[r] if in_place else outs[r]), case
+                assert_bits_equal(results[r], want, f"{case} rank {r}")
+                if not in_place:
+                    assert_bits_equal(xs[r], originals[r], f"{case}: input of rank {r} changed")
+
+
+@matrix
+@algorithms
+@placement
+def test_reduce_scatter(communicators, n, count, algorithm, in_place):
+    comm = communicators(n)
+    for dtype in DTYPES:
+        for op in OPS:
+            case = f"reduce_scatter {op} {dtype} n={n} count={count} {algorithm}"
+            xs = [reduction_input(op, dtype, n, r, n * count) for r in range(n)]
+            originals = [x.copy() for x in xs]
+            outs = None if in_place else [np.empty(count, dtype) for _ in range(n)]
+            results = comm.reduce_scatter(xs, op=op, out=outs, algorithm=algorithm)
+            want = reduction_expected(op, dtype, n, n * count)
+            for r in range(n):
+                block = slice(r * count, (r + 1) * count)
+                assert_bits_equal(results[r], want[block], f"{case} rank {r}")
+                if in_place:
+                    assert np.shares_memory(results[r], xs[r]) or count == 0, case
+                    others = np.ones(n * count, bool)
+                    others[block] = False
+                    assert_bits_equal(xs[r][others], originals[r][others], f"{case}: other blocks changed")
+                else:
+                    assert_bits_equal(xs[r], originals[r], f"{case}: input of rank {r} changed")
+
+
+@matrix
+@algorithms
+@placement
+def test_allgather(communicators, n, count, algorithm, in_place):
+    comm = communicators(n)
+    for dtype in DTYPES:
+        case = f"allgather {dtype} n={n} count={count} {algorithm}"
+        xs = [gather_input(dtype, r, count) for r in range(n)]
+        outs = None if in_place else [np.empty(n * count, dtype) for _ in range(n)]
+        results = comm.allgather(xs, out=outs, algorithm=algorithm)
+        want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
+        for r in range(n):
+            assert_bits_equal(results[r], want, f"{case} rank {r}")
+
+
+@matrix
+@algorithms
+def test_broadcast(communicators, n, count, algorithm):
+    comm = communicators(n)
+    for root in sorted({0, n // 2, n - 1}):
+        for dtype in DTYPES:
+            case = f"broadcast {dtype} n={n} count={count} root={root} {algorithm}"
+            xs = [gather_input(dtype, r, count) for r in range(n)]
+            results = comm.broadcast(xs, root=root, algorithm=algorithm)
+            for r in range(n):
+                assert results[r] is xs[r]
+                assert_bits_equal(results[r], gather_input(dtype, root, count), f"{case} rank {r}")
+
+
+@matrix
+@algorithms
+def test_reduce(communicators, n, count, algorithm):
+    comm = communicators(n)
+    for root in sorted({0, n - 1}):
+        for dtype in DTYPES:
+            for op in OPS:
+                case = f"reduce {op} {dtype} n={n} count={count} root={root} {algorithm}"
+                xs = [reduction_input(op, dtype, n, r, count) for r in range(n)]
+                originals = [x.copy() for x in xs]
+                comm.reduce(xs, root=root, op=op, algorithm=algorithm)
+                for r in range(n):
+                    want = reduction_expected(op, dtype, n, count) if r == root else originals[r]
+                    assert_bits_equal(xs[r], want, f"{case} rank {r}")
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_float_results_are_bitwise_identical_on_every_rank(n, dtype):
+    """Random floats are not exact: equal bits show one reduction order."""
+    rng = np.random.default_rng(n)
+    eps, tiny = np.finfo(dtype).eps, np.finfo(dtype).smallest_subnormal
+    with collectives.Communicator.local(n) as comm:
+        for algorithm in ("ring", "direct"):
+            for op in ("sum", "prod", "avg"):
+                xs = [rng.standard_normal(4099).astype(dtype) for _ in range(n)]
+                exact, bound = _reference_and_error_bound(xs, op, eps)
+                bound += n * tiny  # results that underflow to subnormals lose relative accuracy
+                out_of_place = comm.allreduce(xs, op=op, out=[np.empty_like(x) for x in xs], algorithm=algorithm)
+                in_place = comm.allreduce(xs, op=op, algorithm=algorithm)
+                for r in range(n):
+                    assert_bits_equal(out_of_place[r], out_of_place[0], f"{algorithm} {op} rank {r}")
+                    assert_bits_equal(in_place[r], out_of_place[0], f"{algorithm} {op} rank {r} in place")
+                error = np.abs(out_of_place[0].astype(np.float64) - exact)
+                assert (error <= bound).all(), f"{algorithm} {op}: error {error.max()} over its bound"
+
+
+def _reference_and_error_bound(xs, op, eps):
+    """The exact result and the classic bound for n-1 rounded operations
+    (plus one for avg's division): |error| <= n * eps * sum|x| for sums,
+    n * eps * |result| for products."""
+    stacked = np.stack(xs).astype(np.float64)
+    n = len(xs)
+    if op == "prod":
+        exact = stacked.prod(0)
+        return exact, n * eps * np.abs(exact)
+    total_magnitude = np.abs(stacked).sum(0)
+    if op == "sum":
+        return stacked.sum(0), n * eps * total_magnitude
+    return stacked.mean(0), (n + 1) * eps * total_magnitude / n
+
+
+def test_single_rank_communicator_takes_and_returns_a_bare_array():
+    with collectives.init() as comm:
+        assert (comm.size, comm.rank, comm.local_ranks) == (1, 0, (0,))
+        x = np.arange(5, dtype=np.int32)
+        assert comm.allreduce(x) is x
+        assert np.array_equal(comm.allgather(x), x)
+        assert comm.allreduce([x])[0] is x  # a sequence of one comes back as a list
+
+
+def test_results_keep_shapes():
+    with collectives.Communicator.local(2) as comm:
+        xs = [np.ones((4, 3), np.float32) * (r + 1) for r in range(2)]
+        assert comm.allreduce(xs)[0].shape == (4, 3)
+        assert comm.allgather(xs)[0].shape == (8, 3)
+        blocks = comm.reduce_scatter([np.ones((4, 3), np.float32) for _ in range(2)])
+        assert [b.shape for b in blocks] == [(2, 3), (2, 3)]
+        flat = comm.reduce_scatter([np.ones((3, 2), np.float32) for _ in range(2)])  # 3 rows do not split
+        assert [b.shape for b in flat] == [(3,), (3,)]

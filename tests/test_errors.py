@@ -1,0 +1,171 @@
+"""Bad input: InvalidUsageError that names the problem, and nothing modified."""
+
+import numpy as np
+import pytest
+
+import collectives
+from collectives import CollectiveError, InvalidUsageError
+
+
+@pytest.fixture
+def comm():
+    with collectives.Communicator.local(3) as c:
+        yield c
+
+
+def arrays(n=3, count=6, dtype=np.float32):
+    return [np.full(count, r + 1, dtype) for r in range(n)]
+
+
+def rejected(call, match, *watched):
+    """Assert `call` raises InvalidUsageError matching `match` and leaves `watched` as they were."""
+    before = [np.copy(a) for a in watched]
+    with pytest.raises(InvalidUsageError, match=match) as info:
+        call()
+    assert isinstance(info.value, ValueError) and isinstance(info.value, CollectiveError)
+    for a, b in zip(watched, before):
+        assert np.array_equal(a, b)
+
+
+def test_wrong_number_of_arrays(comm):
+    xs = arrays(2)
+    rejected(lambda: comm.allreduce(xs), "holds 2 arrays but this communicator owns 3", *xs)
+
+
+def test_bare_array_when_several_local_ranks(comm):
+    x = np.ones(4)
+    rejected(lambda: comm.allreduce(x), "sequence of 3 arrays", x)
+
+
+def test_mixed_dtypes(comm):
+    xs = arrays()
+    xs[1] = xs[1].astype(np.float64)
+    rejected(lambda: comm.allreduce(xs), r"x\[1\] has dtype float64 but x\[0\] has float32", *xs)
+
+
+def test_mixed_shapes(comm):
+    xs = arrays()
+    xs[2] = np.ones(7, np.float32)
+    rejected(lambda: comm.allreduce(xs), r"x\[2\] has shape \(7,\)", *xs)
+
+
+def test_non_contiguous(comm):
+    xs = arrays(count=12)
+    views = [x[::2] for x in xs]
+    rejected(lambda: comm.allreduce(views), "C-contiguous", *xs)
+
+
+def test_bool(comm):
+    xs = [np.ones(4, bool) for _ in range(3)]
+    rejected(lambda: comm.allreduce(xs), "dtype bool.*uint8", *xs)
+
+
+def test_unsupported_dtype(comm):
+    xs = [np.ones(4, np.complex64) for _ in range(3)]
+    rejected(lambda: comm.allreduce(xs), "complex64", *xs)
+
+
+def test_not_an_array(comm):
+    rejected(lambda: comm.allreduce([[1.0, 2.0]] * 3), "must be a NumPy array")
+    rejected(lambda: comm.allreduce("abc"), "got str")
+    rejected(lambda: comm.allreduce(None), "got NoneType")
+
+
+def test_unknown_op(comm):
+    xs = arrays()
+    rejected(lambda: comm.allreduce(xs, op="xor"), "unknown reduction op 'xor'.*'sum'", *xs)
+    rejected(lambda: comm.reduce_scatter(xs, op=7), "unknown reduction op 7", *xs)
+
+
+def test_unknown_algorithm(comm):
+    xs = arrays()
+    rejected(lambda: comm.allreduce(xs, algorithm="tree"), "unknown algorithm 'tree'.*'ring'", *xs)
+    rejected(lambda: comm.allreduce(xs, algorithm=None), "algorithm must be a name", *xs)
+
+
+def test_reduce_scatter_size_not_divisible(comm):
+    xs = arrays(count=7)
+    rejected(lambda: comm.reduce_scatter(xs), "divides by the communicator size 3; it has 7", *xs)
+
+
+def test_root_out_of_range(comm):
+    xs = arrays()
+    rejected(lambda: comm.broadcast(xs, root=3), "root 3 is out of range", *xs)
+    rejected(lambda: comm.reduce(xs, root=-1), "root -1 is out of range", *xs)
+    rejected(lambda: comm.reduce(xs, root=1.0), "root must be an integer", *xs)
+    rejected(lambda: comm.broadcast(xs, root=True), "root must be a rank number", *xs)
+
+
+def test_out_of_wrong_size_or_dtype(comm):
+    xs = arrays()
+    wrong_size = [np.zeros(5, np.float32) for _ in range(3)]
+    wrong_dtype = [np.zeros(6, np.float64) for _ in range(3)]
+    rejected(lambda: comm.allreduce(xs, out=wrong_size), r"out\[0\] has 5 elements, expected 6", *xs, *wrong_size)
+    rejected(lambda: comm.allreduce(xs, out=wrong_dtype), "dtype float64, expected float32", *xs, *wrong_dtype)
+    gathered = [np.zeros(6, np.float32) for _ in range(3)]
+    rejected(lambda: comm.allgather(xs, out=gathered), "expected 18", *xs, *gathered)
+    scattered = [np.zeros(6, np.float32) for _ in range(3)]
+    rejected(lambda: comm.reduce_scatter(xs, out=scattered), "expected 2", *xs, *scattered)
+
+
+def test_read_only_output(comm):
+    xs = arrays()
+    xs[1].setflags(write=False)
+    rejected(lambda: comm.allreduce(xs), r"x\[1\] is read-only", *xs)
+
+
+def test_ranks_sharing_memory(comm):
+    shared = np.ones(6, np.float32)
+    rejected(lambda: comm.allreduce([shared, shared, np.ones(6, np.float32)]), "share memory", shared)
+    xs = arrays()
+    outs = [np.zeros(6, np.float32)] * 3
+    rejected(lambda: comm.allreduce(xs, out=outs), "share memory", *xs, outs[0])
+
+
+def test_in_place_collectives_take_no_out(comm):
+    xs = arrays()
+    with pytest.raises(TypeError):
+        comm.broadcast(xs, out=xs)
+    with pytest.raises(TypeError):
+        comm.reduce(xs, out=xs)
+
+
+def test_device_array_without_device_support(comm):
+    class FakeDeviceArray:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
+
+    rejected(lambda: comm.allreduce([FakeDeviceArray()] * 3), "works on NumPy")
+
+
+def test_closed_communicator():
+    comm = collectives.Communicator.local(2)
+    comm.close()
+    comm.close()  # idempotent
+    xs = arrays(2)
+    rejected(lambda: comm.allreduce(xs), "closed", *xs)
+    rejected(lambda: comm.barrier(), "closed")
+
+
+@pytest.mark.parametrize("nranks", [0, -1, 2.5, True, "2"])
+def test_bad_rank_count(nranks):
+    with pytest.raises(InvalidUsageError, match="positive integer"):
+        collectives.Communicator.local(nranks)
+
+
+def test_timeout_from_argument_and_environment(monkeypatch):
+    monkeypatch.delenv("COLLECTIVES_TIMEOUT", raising=False)
+    assert collectives.Communicator.local(1).timeout == 300
+    assert collectives.Communicator.local(1, timeout=2.5).timeout == 2.5
+    monkeypatch.setenv("COLLECTIVES_TIMEOUT", "7")
+    assert collectives.Communicator.local(1).timeout == 7
+    assert collectives.Communicator.local(1, timeout=1).timeout == 1
+    for bad in ("soon", "0", "-3", "inf", "nan"):
+        monkeypatch.setenv("COLLECTIVES_TIMEOUT", bad)
+        with pytest.raises(InvalidUsageError, match="COLLECTIVES_TIMEOUT"):
+            collectives.Communicator.local(1)
+
+
+def test_reduce_op_enum_is_accepted(comm):
+    xs = arrays()
+    comm.allreduce(xs, op=collectives.ReduceOp.MAX)
+    assert all((x == 3).all() for x in xs)

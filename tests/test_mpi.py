@@ -1,0 +1,63 @@
+"""Ranks in separate processes, started with mpiexec as users do.
+
+Each test has a hard time limit: a hang fails the test instead of CI.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+pytestmark = pytest.mark.mpi
+
+WORKER = Path(__file__).with_name("mpi_worker.py")
+
+
+def mpiexec():
+    beside_python = Path(sys.executable).with_name("mpiexec")
+    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec found (pip install '.[test]' brings MPICH's)")
+    return found
+
+
+def run_ranks(n, scenario, *launcher_flags, limit=240):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    done = subprocess.run(
+        [mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(WORKER), scenario],
+        capture_output=True, text=True, timeout=limit, env=env,
+    )
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert done.returncode == 0, report
+    # Ranks' lines can reach mpiexec's stdout glued together.
+    oks = re.findall(rf"OK {scenario} \d+", done.stdout)
+    return oks, report
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_collective_across_processes(n):
+    oks, report = run_ranks(n, "collectives")
+    assert len(oks) == n, report
+
+
+@pytest.mark.parametrize("scenario", ["stalled", "stalled_barrier", "mismatch"])
+def test_a_rank_that_stops_calling_in_or_disagrees_raises_instead_of_hanging(scenario):
+    oks, report = run_ranks(3, scenario)
+    assert len(oks) == 3, report
+
+
+def test_a_killed_rank_is_reported_quickly():
+    # Hydra would otherwise kill the survivors itself when one rank exits.
+    oks, report = run_ranks(3, "killed", "-disable-auto-cleanup")
+    assert len(oks) == 2, report
+
+
+def test_close_removes_shared_memory():
+    oks, report = run_ranks(2, "shared_segments_are_removed")
+    assert len(oks) == 2, report

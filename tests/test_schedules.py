@@ -1,0 +1,121 @@
+"""Schedules, checked without any array library: closed-form costs and the
+symbolic trace (every output element holds each rank once, in one order)."""
+
+import pytest
+from hypothesis import given, strategies as st
+
+from collectives.algorithms import REGISTRY, choose, schedule_for
+from collectives.algorithms.schedule import (
+    ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_SCATTER, REDUCE_TO_ROOT, REDUCING_COLLECTIVES,
+    SCRATCH, WORK, Region, Schedule, ScheduleError, contributions, copy, reduce,
+)
+
+ROOTED = (BROADCAST, REDUCE_TO_ROOT)
+
+
+def make(algorithm, collective, n, root=0):
+    return schedule_for(algorithm, collective, n, root if collective in ROOTED else None)
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_ring_allreduce_closed_form(n):
+    s = make("ring", ALLREDUCE, n)
+    assert s.nsteps == 2 * (n - 1)
+    nbytes = 1024 * n  # divisible by n chunks
+    for rank in range(n):
+        assert s.bytes_sent(rank, nbytes) == pytest.approx(2 * (n - 1) / n * nbytes)
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_ring_reduce_scatter_and_allgather_closed_form(n):
+    for collective in (REDUCE_SCATTER, ALLGATHER):
+        s = make("ring", collective, n)
+        assert s.nsteps == n - 1
+        assert all(s.bytes_sent(r, 1024 * n) == pytest.approx((n - 1) / n * 1024 * n) for r in range(n))
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_direct_closed_form(n):
+    nbytes = 1024 * n
+    allreduce = make("direct", ALLREDUCE, n)
+    assert allreduce.nsteps == 1
+    # Every peer reads the whole buffer of every rank.
+    assert all(allreduce.bytes_sent(r, nbytes) == (n - 1) * nbytes for r in range(n))
+    allgather = make("direct", ALLGATHER, n)
+    assert allgather.nsteps == 1
+    assert all(allgather.bytes_sent(r, nbytes) == pytest.approx((n - 1) / n * nbytes) for r in range(n))
+    broadcast = make("direct", BROADCAST, n, root=1)
+    assert broadcast.bytes_sent(1, nbytes) == (n - 1) * nbytes
+    assert all(broadcast.bytes_sent(r, nbytes) == 0 for r in range(n) if r != 1)
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_ring_chain_is_pipelined(n):
+    for collective in ROOTED:
+        s = make("ring", collective, n, root=n - 1)
+        assert s.nsteps == 2 * n - 2
+        # Each rank but the last on the chain forwards every chunk once.
+        assert sorted(s.chunks_sent(r) for r in range(n)) == [0] + [n] * (n - 1)
+
+
+schedules = st.tuples(
+    st.sampled_from(sorted(REGISTRY)), st.sampled_from(COLLECTIVES), st.integers(1, 12), st.integers(0, 11),
+).filter(lambda t: t[3] < t[2])
+
+
+@given(schedules)
+def test_every_output_holds_each_rank_once_in_one_order(case):
+    algorithm, collective, n, root = case
+    s = make(algorithm, collective, n, root)
+    trace = s.trace()
+    for chunk in range(s.nchunks):
+        receivers = [r for r in range(n) if chunk in s.output_chunks(r)]
+        expressions = {trace.final[Region(r, s.result_buffer, chunk)] for r in receivers}
+        # One expression per chunk: every rank folds the same values in the
+        # same order, so floats come out bitwise identical everywhere.
+        assert len(expressions) <= 1
+        for expression in expressions:
+            held = sorted(contributions(expression))
+            if collective in REDUCING_COLLECTIVES:
+                assert held == list(range(n))
+            elif collective == ALLGATHER:
+                assert held == [chunk]
+            else:
+                assert held == [root]
+
+
+@given(schedules)
+def test_avg_divides_only_where_a_reduction_completes(case):
+    algorithm, collective, n, root = case
+    s = make(algorithm, collective, n, root)
+    completing = s.trace().completing
+    if collective not in REDUCING_COLLECTIVES or n == 1:
+        assert not completing
+        return
+    # Each chunk completes on the ranks that reduce it last, and only there.
+    for s_index, t_index in completing:
+        t = s.steps[s_index][t_index]
+        assert sorted(contributions(s.trace().final[t.dst])) == list(range(n))
+
+
+def test_rules_are_enforced():
+    a, b = Region(0, WORK, 0), Region(1, WORK, 0)
+    with pytest.raises(ScheduleError, match="read and written"):
+        Schedule(ALLREDUCE, 2, 1, ((copy(a, dst=b), copy(b, dst=a)),))
+    with pytest.raises(ScheduleError, match="between chunk"):
+        Schedule(ALLREDUCE, 2, 2, ((copy(Region(0, WORK, 1), dst=b),),))
+    with pytest.raises(ScheduleError, match="twice"):
+        Schedule(ALLREDUCE, 2, 1, ((reduce([a, b], dst=b),), (reduce([a, b], dst=b),)))
+    with pytest.raises(ScheduleError, match="before it holds data"):
+        Schedule(ALLREDUCE, 2, 1, ((copy(Region(0, SCRATCH, 0), dst=b),),))
+    with pytest.raises(ScheduleError, match="holds contributions"):
+        Schedule(ALLREDUCE, 2, 1, ())  # nothing reduced
+    with pytest.raises(ScheduleError, match="later source"):
+        Schedule(ALLREDUCE, 3, 1, ((reduce([a, Region(2, WORK, 0), b], dst=b),),))
+
+
+def test_auto_prefers_few_steps_for_small_and_ring_for_large_messages():
+    for n in (2, 4, 8):
+        assert choose(ALLREDUCE, n, 8) == "direct"
+        assert choose(ALLREDUCE, n, 256 << 20) == "ring"
+    assert choose(ALLREDUCE, 1, 1 << 20) in REGISTRY
