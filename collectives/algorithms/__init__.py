@@ -43,8 +43,10 @@ def schedule_for(algorithm, collective, nranks, root=None):
 # The latency-bandwidth model `auto` uses: a step costs a synchronisation
 # (STEP_SECONDS) plus the memory traffic of the busiest rank at
 # BYTES_PER_SECOND. Shared memory makes traffic, not hops, the price of bytes.
-# Calibrated with bench/all_reduce_perf.py on 2 processes (see README).
-STEP_SECONDS = 30e-6
+# Calibrated with `mpiexec -n 2 python -m bench.all_reduce_perf --algorithm
+# ring|direct` on the 2-core development machine: direct wins up to 64 KiB,
+# ring from 256 KiB; this model puts the crossover at 2 ranks near 200 KB.
+STEP_SECONDS = 10e-6
 BYTES_PER_SECOND = 10e9
 
 

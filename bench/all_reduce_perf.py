@@ -1,0 +1,61 @@
+"""Allreduce bandwidth sweep, nccl-tests compatible: python -m bench.all_reduce_perf -h
+
+Rank r's element i is (i mod 3) + r + 1 (for prod: 2 on one rank, 1 on the
+others), so every correct result is exact and has a closed form.
+"""
+
+import sys
+
+import numpy as np
+
+from bench.harness import Spec, main
+
+
+def fill(dtype, op, nranks, rank, count):
+    i = np.arange(count)
+    if op == "prod":
+        return np.where((i + rank) % nranks == 0, 2, 1).astype(dtype)
+    return ((i % 3) + rank + 1).astype(dtype)
+
+
+def expected(dtype, op, nranks, rank, count):
+    base = np.arange(count) % 3
+    if op == "prod":
+        return np.full(count, 2, dtype)
+    if op == "max":
+        return (base + nranks).astype(dtype)
+    if op == "min":
+        return (base + 1).astype(dtype)
+    total = nranks * base + nranks * (nranks + 1) // 2
+    if op == "avg":
+        total = total / nranks if dtype.kind == "f" else total // nranks
+    return total.astype(dtype)
+
+
+def run_ours(comm, x, out, args):
+    comm.allreduce(x, op=args.op, out=out, algorithm=args.algorithm)
+
+
+def run_mpi(comm, x, out, args):
+    from mpi4py import MPI
+    op = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}.get(args.op)
+    if op is None:
+        raise SystemExit(f"MPI has no {args.op!r} reduction; the mpi backend cannot run -o {args.op}")
+    if out is None:
+        comm.Allreduce(MPI.IN_PLACE, x, op=op)
+    else:
+        comm.Allreduce(x, out, op=op)
+
+
+ALLREDUCE = Spec(
+    name="allreduce",
+    busbw_factor=lambda n: 2 * (n - 1) / n,
+    counts=lambda nbytes, itemsize, n: (nbytes // itemsize, nbytes // itemsize),
+    run_ours=run_ours,
+    run_mpi=run_mpi,
+    expected=expected,
+    fill=fill,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(ALLREDUCE))

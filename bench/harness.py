@@ -1,0 +1,292 @@
+"""The benchmark harness shared by the *_perf scripts, after nccl-tests.
+
+A collective is a small spec (what to allocate, the bus-bandwidth factor, how
+each backend runs it, what a correct result is); this module does the sweep,
+the timing, the check outside the timed loop, the table and the JSON.
+
+Ranks: under `mpiexec -n N` one rank per process; otherwise `--ranks N`
+virtual ranks in this process. `--backend` may list several backends, run on
+identical inputs in one invocation; asking for `mpi` without a launcher
+relaunches the benchmark under MPICH's mpiexec with `--ranks` processes.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+import collectives
+from collectives.bootstrap import LAUNCHER_VARIABLES
+
+DTYPE_NAMES = {  # nccl-tests' type names -> NumPy
+    "int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32", "int64": "int64",
+    "uint64": "uint64", "half": "float16", "float16": "float16", "float": "float32",
+    "float32": "float32", "double": "float64", "float64": "float64", "int16": "int16", "uint16": "uint16",
+}
+RELAUNCHED = "COLLECTIVES_BENCH_RELAUNCHED"
+
+
+@dataclass
+class Spec:
+    name: str                      # e.g. "allreduce"
+    busbw_factor: Callable         # nranks -> factor, as nccl-tests
+    counts: Callable               # (bytes, itemsize, nranks) -> (input count, output count)
+    run_ours: Callable             # (comm, inputs, outputs, args) -> None
+    run_mpi: Callable              # (mpi_comm, input, output, args) -> None; output is input in place
+    expected: Callable             # (dtype, op, nranks, rank, count) -> expected output of `rank`
+    fill: Callable                 # (dtype, op, nranks, rank, count) -> input of `rank`
+    has_op: bool = True
+    root: int = -1
+    # Where rank `rank`'s result is after an in-place call on buffer x.
+    in_place_result: Callable = lambda x, rank, nranks: x
+
+
+def parse_args(spec, argv=None):
+    p = argparse.ArgumentParser(prog=f"python -m bench.{spec.name.replace('allreduce', 'all_reduce')}_perf",
+                                description=f"{spec.name} bandwidth sweep, nccl-tests style")
+    p.add_argument("-b", "--minbytes", default="8", help="smallest message (suffixes K, M, G)")
+    p.add_argument("-e", "--maxbytes", default="32M", help="largest message")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations first")
+    p.add_argument("-o", "--op", default="sum", choices=[op.value for op in collectives.ReduceOp])
+    p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES))
+    p.add_argument("-c", "--check", type=int, default=1, help="check results (outside the timed loop)")
+    p.add_argument("-J", "--output_file", help="write rows and environment as JSON here")
+    p.add_argument("--ranks", type=int, default=4, help="virtual ranks when not under mpiexec")
+    p.add_argument("--backend", default="host", help="comma-separated: host (ours), mpi (mpi4py Allreduce)")
+    p.add_argument("--algorithm", default="auto", help="our algorithm: auto, ring, direct")
+    p.add_argument("--timeout", type=float, default=None, help="communicator timeout in seconds")
+    args = p.parse_args(argv)
+    args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
+    args.dtype = np.dtype(DTYPE_NAMES[args.datatype])
+    args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    unknown = set(args.backends) - {"host", "mpi"}
+    if unknown or not args.backends:
+        p.error(f"unknown backend(s) {sorted(unknown)}; choose from host, mpi")
+    if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1 or args.warmup_iters < 0:
+        p.error("need -b <= -e, -f >= 2, -n >= 1 and -w >= 0")
+    if args.ranks < 1:
+        p.error("--ranks must be at least 1")
+    return args
+
+
+def parse_size(text):
+    text = str(text).strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def sizes(args):
+    size = args.minbytes
+    while size <= args.maxbytes:
+        yield size
+        size *= args.stepfactor
+
+
+def mpi_world():
+    """The MPI world when launched by mpiexec, else None (and no MPI import)."""
+    if not any(v in os.environ for v in LAUNCHER_VARIABLES):
+        return None
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def relaunch_under_mpiexec(args, argv):
+    """Run this same benchmark as `--ranks` processes; return its exit code."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        sys.exit("--backend mpi needs mpiexec: pip install '.[mpi]'")
+    module = f"bench.{os.path.splitext(os.path.basename(sys.argv[0]))[0]}"
+    command = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", module, *argv]
+    print(f"# relaunching as {args.ranks} processes: {' '.join(command)}", flush=True)
+    return subprocess.call(command, env=dict(os.environ, **{RELAUNCHED: "1"}))
+
+
+class Backend:
+    """One way of running the collective on this process's ranks."""
+
+    def __init__(self, name, spec, args, world):
+        self.name, self.spec, self.args = name, spec, args
+        if name == "host":
+            if world is None:
+                self.comm = collectives.Communicator.local(args.ranks, timeout=args.timeout)
+            else:
+                self.comm = collectives.init(timeout=args.timeout, comm=world)
+            self.local_ranks, self.nranks = list(self.comm.local_ranks), self.comm.size
+        else:
+            if world is None and args.ranks != 1:
+                raise SystemExit("the mpi backend runs one rank per process: run under mpiexec")
+            from mpi4py import MPI
+            self.comm = world if world is not None else MPI.COMM_WORLD
+            self.local_ranks, self.nranks = [self.comm.rank], self.comm.size
+
+    def run(self, inputs, outputs):
+        """One collective; `outputs` None means in place."""
+        if self.name == "mpi":
+            self.spec.run_mpi(self.comm, inputs[0], None if outputs is None else outputs[0], self.args)
+        elif len(self.local_ranks) > 1:
+            self.spec.run_ours(self.comm, inputs, outputs, self.args)
+        else:
+            self.spec.run_ours(self.comm, inputs[0], None if outputs is None else outputs[0], self.args)
+
+    def barrier(self):
+        self.comm.barrier() if self.name == "host" else self.comm.Barrier()
+
+    def close(self):
+        if self.name == "host":
+            self.comm.close()
+
+
+def count_wrong(got, want):
+    """Elements whose bits differ from the expectation."""
+    differs = got.reshape(-1).view(np.uint8) != want.reshape(-1).view(np.uint8)
+    return int(np.count_nonzero(differs.reshape(-1, got.itemsize).any(axis=1)))
+
+
+def measure(backend, spec, args, nbytes, world):
+    """[seconds, #wrong] out of place then in place, for one message size.
+
+    Seconds: mean over the timed iterations, the slowest rank's (ranks in
+    other processes report through MPI). #wrong: over every rank, from a run
+    on fresh inputs after the timed loop.
+    """
+    dtype, op, n = args.dtype, args.op, backend.nranks
+    in_count, out_count = spec.counts(nbytes, dtype.itemsize, n)
+    ranks = backend.local_ranks
+    inputs = [spec.fill(dtype, op, n, r, in_count) for r in ranks]
+    outputs = [np.empty(out_count, dtype) for _ in ranks]
+    row = []
+    for in_place in (False, True):
+        dst = None if in_place else outputs
+        for _ in range(args.warmup_iters):
+            backend.run(inputs, dst)
+        backend.barrier()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            backend.run(inputs, dst)
+        seconds = (time.perf_counter() - start) / args.iters
+        wrong = 0
+        if args.check:
+            fresh = [spec.fill(dtype, op, n, r, in_count) for r in ranks]
+            checked = [np.empty(out_count, dtype) for _ in ranks]
+            backend.run(fresh, None if in_place else checked)
+            results = [spec.in_place_result(f, r, n) for f, r in zip(fresh, ranks)] if in_place else checked
+            wrong = sum(count_wrong(got, spec.expected(dtype, op, n, r, out_count)) for got, r in zip(results, ranks))
+        if world is not None:
+            seconds = world.allreduce(seconds, op=_mpi_max())
+            wrong = world.allreduce(wrong)
+        row += [seconds, wrong]
+    return row
+
+
+def _mpi_max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def environment(args, nranks, backends):
+    """What the numbers were measured on and with."""
+    env = {
+        "command": " ".join([sys.executable, "-m", f"bench.{os.path.basename(sys.argv[0])[:-3]}", *sys.argv[1:]]),
+        "host": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "collectives": collectives.__version__,
+        "ranks": nranks,
+        "processes": int(os.environ.get("PMI_SIZE", "1")),
+        "backends": backends,
+        "device": "host (no GPU)",
+    }
+    if "mpi" in backends or env["processes"] > 1:
+        from mpi4py import MPI
+        import mpi4py
+        env["mpi4py"] = mpi4py.__version__
+        env["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+    return env
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+HEADER = (
+    "#                                                              out-of-place                       in-place\n"
+    "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong\n"
+    "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)"
+)
+
+
+def format_row(row):
+    cells = f"{row['size']:12d}  {row['count']:12d}  {row['type']:>8s}  {row['redop']:>6s}  {row['root']:6d}"
+    for place in ("out_of_place", "in_place"):
+        m = row[place]
+        cells += f"  {m['time_us']:7.1f}  {m['algbw']:6.2f}  {m['busbw']:6.2f}  {m['wrong']:5d}"
+    return cells + f"  {row['backend']:>6s}" + (f"  {row['vs_first']:5.2f}x" if "vs_first" in row else "")
+
+
+def main(spec, argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(spec, argv)
+    world = mpi_world()
+    if world is None and "mpi" in args.backends and args.ranks > 1 and not os.environ.get(RELAUNCHED):
+        return relaunch_under_mpiexec(args, argv)
+    backends = [Backend(name, spec, args, world) for name in args.backends]
+    nranks = backends[0].nranks
+    leader = world is None or world.rank == 0
+    say = print if leader else (lambda *a, **k: None)
+    mode = f"{nranks} processes" if world is not None else f"{nranks} virtual ranks in one process"
+    say(f"# collectives {spec.name} benchmark: {mode}, backends {', '.join(args.backends)}, "
+        f"algorithm {args.algorithm}, {args.iters} iterations after {args.warmup_iters} warm-up")
+    say(HEADER + ("  backend" + ("  vs first" if len(backends) > 1 else "")))
+    rows = []
+    for nbytes in sizes(args):
+        in_count, out_count = spec.counts(nbytes, args.dtype.itemsize, nranks)
+        first_time = None
+        for backend in backends:
+            row = {"backend": backend.name, "size": nbytes, "count": max(in_count, out_count),
+                   "type": args.dtype.name, "redop": args.op if spec.has_op else "none", "root": spec.root}
+            t_out, w_out, t_in, w_in = measure(backend, spec, args, nbytes, world)
+            factor = spec.busbw_factor(nranks)
+            for place, seconds, wrong in (("out_of_place", t_out, w_out), ("in_place", t_in, w_in)):
+                algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+                row[place] = {"time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * factor, "wrong": wrong}
+            if len(backends) > 1:
+                first_time = first_time or t_out
+                row["vs_first"] = t_out / first_time
+            rows.append(row)
+            say(format_row(row), flush=True)
+    wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in rows)
+    for backend in backends:
+        mine = [r for r in rows if r["backend"] == backend.name]
+        average = sum(r["out_of_place"]["busbw"] for r in mine) / max(len(mine), 1)
+        say(f"# {backend.name:>6s}: out of bounds values: {wrong}  avg bus bandwidth: {average:.3f} GB/s")
+    if args.output_file and leader:
+        with open(args.output_file, "w") as f:
+            json.dump({"collective": spec.name, "environment": environment(args, nranks, args.backends),
+                       "rows": rows}, f, indent=1)
+        say(f"# wrote {args.output_file}")
+    for backend in backends:
+        backend.close()
+    say("# " + ("all results correct" if wrong == 0 else f"{wrong} WRONG elements"))
+    return 1 if wrong else 0

@@ -1,0 +1,91 @@
+"""The benchmark harness: its arithmetic, table, JSON, and that it catches wrong results."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import harness
+from bench.all_reduce_perf import ALLREDUCE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_size_sweep_and_suffixes():
+    args = harness.parse_args(ALLREDUCE, ["-b", "8", "-e", "1K", "-f", "4"])
+    assert list(harness.sizes(args)) == [8, 32, 128, 512]
+    assert harness.parse_size("64M") == 64 << 20 and harness.parse_size("1.5K") == 1536
+
+
+def test_busbw_factor_is_nccl_tests():
+    assert [ALLREDUCE.busbw_factor(n) for n in (1, 2, 4, 8)] == [0, 1, 1.5, 1.75]
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min", "avg"])
+@pytest.mark.parametrize("dtype", ["int8", "uint16", "float16", "float64"])
+def test_closed_form_matches_a_direct_reduction(op, dtype):
+    dtype, n, count = np.dtype(dtype), 5, 103
+    stacked = np.stack([ALLREDUCE.fill(dtype, op, n, r, count).astype(np.float64) for r in range(n)])
+    reference = {"sum": stacked.sum(0), "prod": stacked.prod(0), "max": stacked.max(0),
+                 "min": stacked.min(0), "avg": stacked.mean(0)}[op]
+    if op == "avg" and dtype.kind != "f":
+        reference = np.trunc(reference)
+    assert np.array_equal(ALLREDUCE.expected(dtype, op, n, 0, count), reference.astype(dtype))
+
+
+def run_bench(spec, argv, capsys):
+    code = harness.main(spec, argv)
+    return code, capsys.readouterr().out
+
+
+def test_table_and_json(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    code, out = run_bench(ALLREDUCE, ["--ranks", "3", "-b", "8", "-e", "4K", "-f", "8", "-n", "2", "-w", "1",
+                                      "-d", "half", "-o", "max", "-J", str(path)], capsys)
+    assert code == 0, out
+    rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
+    assert [int(r[0]) for r in rows] == [8, 64, 512, 4096]
+    assert all(r[2:5] == ["float16", "max", "-1"] and r[8] == r[12] == "0" for r in rows)
+    report = json.loads(path.read_text())
+    assert report["collective"] == "allreduce"
+    assert report["environment"]["ranks"] == 3 and report["environment"]["command"]
+    row = report["rows"][-1]
+    assert row["size"] == 4096 and row["count"] == 2048 and row["backend"] == "host"
+    for place in ("out_of_place", "in_place"):
+        m = row[place]
+        assert m["wrong"] == 0 and m["time_us"] > 0
+        assert m["algbw"] == pytest.approx(4096 / (m["time_us"] * 1e-6) / 1e9)
+        assert m["busbw"] == pytest.approx(m["algbw"] * 2 * 2 / 3)
+
+
+def test_a_wrong_backend_is_caught(capsys):
+    def off_by_one(comm, x, out, args):
+        results = comm.allreduce(x, op=args.op, out=out)
+        results[-1][-1] += 1  # one wrong element on the last rank
+
+    broken = dataclasses.replace(ALLREDUCE, run_ours=off_by_one)
+    code, out = run_bench(broken, ["--ranks", "2", "-b", "64", "-e", "64", "-n", "1", "-w", "0"], capsys)
+    assert code == 1
+    row = next(line.split() for line in out.splitlines() if not line.startswith("#"))
+    assert row[8] == "1" and row[12] == "1"
+    assert "# 2 WRONG elements" in out  # one out of place, one in place
+
+
+@pytest.mark.mpi
+def test_host_and_mpi_side_by_side_across_processes(tmp_path):
+    pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
+    path = tmp_path / "side.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.all_reduce_perf", "--backend", "host,mpi", "--ranks", "2",
+         "-b", "1K", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "-J", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(path.read_text())
+    assert report["environment"]["processes"] == 2 and "MPICH" in report["environment"]["mpi_library"]
+    assert [r["backend"] for r in report["rows"]] == ["host", "mpi"] * 3
+    assert all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in report["rows"])
+    assert all(r["vs_first"] > 0 for r in report["rows"])
