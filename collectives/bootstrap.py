@@ -49,11 +49,11 @@ def shared_memory_rank(comm, timeout):
     shm = None
     if rank == 0:
         prefix = new_prefix()
-        shm = ShmRank(0, size, prefix, timeout)  # makes the control segment before anyone looks
+        shm = ShmRank(0, size, prefix)  # makes the control segment before anyone looks
         name[:len(prefix)] = prefix.encode()
     _wait(comm.Ibcast([name, MPI.BYTE], root=0), deadline, "rank 0 to share the communicator's name")
     if rank != 0:
-        shm = ShmRank(rank, size, bytes(name).rstrip(b"\0").decode(), timeout)
+        shm = ShmRank(rank, size, bytes(name).rstrip(b"\0").decode())
     # Nobody returns (and could close) before every rank has mapped the control segment.
     _wait(comm.Ibarrier(), deadline, "every rank to attach")
     return shm

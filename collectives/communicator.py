@@ -13,9 +13,7 @@ from .config import resolve_timeout
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
 from .ops import ReduceOp, as_reduce_op
-from .plan import INPUT, OUTPUT, SCRATCH, build_plan
-
-_WORKSPACE_ALIGN = 64
+from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
 
 
 class VirtualHostRanks:
@@ -27,19 +25,15 @@ class VirtualHostRanks:
         self._workspaces = [np.empty(0, np.uint8) for _ in range(nranks)]
 
     def run(self, plan, inputs, outputs, deadline):
-        itemsize = plan.dtype.itemsize
-        scratch_offset = -(-plan.work_elements * itemsize // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
-        needed = scratch_offset + plan.scratch_elements * itemsize
         for rank, workspace in enumerate(self._workspaces):
-            if workspace.size < needed:
-                self._workspaces[rank] = np.empty(max(needed, 2 * workspace.size), np.uint8)
+            if workspace.size < plan.workspace_bytes:
+                self._workspaces[rank] = np.empty(max(plan.workspace_bytes, 2 * workspace.size), np.uint8)
         views = {}
         for rank, workspace in enumerate(self._workspaces):
             views[rank, INPUT] = inputs[rank].reshape(-1)
             views[rank, OUTPUT] = outputs[rank].reshape(-1)
-            views[rank, 0] = workspace[:plan.work_elements * itemsize].view(plan.dtype)
-            scratch = workspace[scratch_offset:scratch_offset + plan.scratch_elements * itemsize]
-            views[rank, SCRATCH] = scratch.view(plan.dtype)
+            views[rank, WORK] = workspace[:plan.count * plan.dtype.itemsize].view(plan.dtype)
+            views[rank, SCRATCH] = workspace[plan.scratch_offset:plan.workspace_bytes].view(plan.dtype)
         for phase in plan.phases:
             host.execute(phase.table, lambda rank, buffer_id: views[rank, buffer_id], plan.op, plan.nranks)
 

@@ -48,6 +48,8 @@ SRC_RANK, SRC_BUF, SRC_OFF = 0, 1, 2
 
 # Chunk boundaries fall on 16-byte multiples so kernels can use vector loads.
 ALIGN_BYTES = 16
+# SCRATCH starts on a page boundary of a rank's workspace.
+SCRATCH_ALIGN_BYTES = 4096
 
 
 class Phase(NamedTuple):
@@ -65,8 +67,9 @@ class Plan(NamedTuple):
     op: str
     root: int
     chunk_bounds: Tuple[Tuple[int, int], ...]
-    work_elements: int
     scratch_elements: int
+    scratch_offset: int     # bytes from the start of a rank's workspace to SCRATCH
+    workspace_bytes: int    # WORK, padding and SCRATCH
     phases: Tuple[Phase, ...]
 
 
@@ -161,10 +164,13 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0):
     phases = tuple(
         _make_phase(rows, nranks, max_sources, phase_waits) for rows, phase_waits in zip(phase_rows, waits)
     )
+    scratch_elements = count if uses_scratch else 0
+    scratch_offset = -(-count * dtype.itemsize // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
     return Plan(
         collective=collective, algorithm=algorithm, nranks=nranks, count=count, dtype=dtype,
-        op=op, root=root, chunk_bounds=bounds, work_elements=count,
-        scratch_elements=count if uses_scratch else 0, phases=phases,
+        op=op, root=root, chunk_bounds=bounds, scratch_elements=scratch_elements,
+        scratch_offset=scratch_offset, workspace_bytes=scratch_offset + scratch_elements * dtype.itemsize,
+        phases=phases,
     )
 
 

@@ -14,8 +14,8 @@ every other rank's wait raises instead of waiting out its timeout.
 
 Ordering: a rank stores its data, then its counter; a peer loads the counter,
 then the data. Aligned 8-byte stores are atomic and not reordered with earlier
-stores on x86-64 (total store order); the Python interpreter's own locking
-between the two also orders them on other architectures in practice.
+stores on x86-64 (total store order), which this module relies on; a weaker
+memory model (aarch64) would need a fence between the two, not provided yet.
 """
 
 import glob
@@ -133,8 +133,8 @@ class Waiter:
 class ShmRank:
     """This process's rank of a communicator whose ranks share one machine."""
 
-    def __init__(self, rank, size, prefix, timeout):
-        self.rank, self.size, self.prefix, self.timeout = rank, size, prefix, timeout
+    def __init__(self, rank, size, prefix):
+        self.rank, self.size, self.prefix = rank, size, prefix
         control_bytes = 8 * (HEADER + ROW * size) + REASON_BYTES
         name = f"{prefix}-control"
         self._control_segment = Segment(name, control_bytes, create=(rank == 0))
@@ -180,8 +180,9 @@ class ShmRank:
         """Once `peer` is past phase 0 of this call, its SIG names this call."""
         if self._rows[peer, SIG] != signature:
             raise InvalidUsageError(
-                f"rank {peer} is making a different call from rank {self.rank}, whose call "
-                f"#{self._seq} is {description}; every rank must make the same calls in the same order")
+                f"rank {peer} is in its call #{int(self._rows[peer, SEQ])}, a different call from "
+                f"rank {self.rank}'s call #{self._seq}, {description}; every rank must make the same "
+                "calls in the same order")
 
     def _enter(self, description):
         """Start a call: its sequence number, signature and counter base."""
@@ -232,8 +233,6 @@ class ShmRank:
         """Execute this rank's part of `plan`; inputs/outputs hold one array."""
         description = describe_call(plan)
         signature, base = self._enter(description)
-        itemsize = plan.dtype.itemsize
-        scratch_offset = -(-plan.work_elements * itemsize // SEGMENT_ALIGN) * SEGMENT_ALIGN
         views = {}
 
         def buffer(rank, buffer_id):
@@ -243,8 +242,8 @@ class ShmRank:
                 return outputs[0].reshape(-1)
             key = (rank, buffer_id)
             if key not in views:
-                offset = 0 if buffer_id == WORK else scratch_offset
-                count = plan.work_elements if buffer_id == WORK else plan.scratch_elements
+                offset = 0 if buffer_id == WORK else plan.scratch_offset
+                count = plan.count if buffer_id == WORK else plan.scratch_elements
                 views[key] = np.ndarray((count,), plan.dtype, self._segment_of(rank).buf, offset=offset)
             return views[key]
 
@@ -256,7 +255,7 @@ class ShmRank:
                     if done >= 1:
                         self._check_same_call(peer, signature, description)
                 if p == 0:
-                    self._ensure_capacity(scratch_offset + plan.scratch_elements * itemsize)
+                    self._ensure_capacity(plan.workspace_bytes)
                     self._mine[SEQ] = self._seq
                     self._mine[SIG] = signature
                 host.execute(phase.rows_by_rank[self.rank], buffer, plan.op, plan.nranks)
