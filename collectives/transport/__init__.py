@@ -1,0 +1,1 @@
+"""Transports: how a rank reaches its peers' buffers."""
