@@ -50,8 +50,13 @@ class Spec:
     in_place_result: Callable = lambda x, rank, nranks: x
 
 
+def module_name():
+    """The benchmark's module as `python -m` takes it, e.g. bench.all_reduce_perf."""
+    return f"bench.{os.path.splitext(os.path.basename(sys.argv[0]))[0]}"
+
+
 def parse_args(spec, argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m bench.{spec.name.replace('allreduce', 'all_reduce')}_perf",
+    p = argparse.ArgumentParser(prog=f"python -m {module_name()}",
                                 description=f"{spec.name} bandwidth sweep, nccl-tests style")
     p.add_argument("-b", "--minbytes", default="8", help="smallest message (suffixes K, M, G)")
     p.add_argument("-e", "--maxbytes", default="32M", help="largest message")
@@ -108,8 +113,7 @@ def relaunch_under_mpiexec(args, argv):
         mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         sys.exit("--backend mpi needs mpiexec: pip install '.[mpi]'")
-    module = f"bench.{os.path.splitext(os.path.basename(sys.argv[0]))[0]}"
-    command = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", module, *argv]
+    command = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", module_name(), *argv]
     print(f"# relaunching as {args.ranks} processes: {' '.join(command)}", flush=True)
     return subprocess.call(command, env=dict(os.environ, **{RELAUNCHED: "1"}))
 
@@ -198,8 +202,10 @@ def _mpi_max():
 
 def environment(args, nranks, backends):
     """What the numbers were measured on and with."""
+    processes = int(os.environ.get("PMI_SIZE", "1"))
+    launcher = ["mpiexec", "-n", str(processes)] if processes > 1 else []
     env = {
-        "command": " ".join([sys.executable, "-m", f"bench.{os.path.basename(sys.argv[0])[:-3]}", *sys.argv[1:]]),
+        "command": " ".join([*launcher, sys.executable, "-m", module_name(), *sys.argv[1:]]),
         "host": socket.gethostname(),
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
@@ -207,7 +213,7 @@ def environment(args, nranks, backends):
         "numpy": np.__version__,
         "collectives": collectives.__version__,
         "ranks": nranks,
-        "processes": int(os.environ.get("PMI_SIZE", "1")),
+        "processes": processes,
         "backends": backends,
         "device": "host (no GPU)",
     }
@@ -276,11 +282,12 @@ def main(spec, argv=None):
                 row["vs_first"] = t_out / first_time
             rows.append(row)
             say(format_row(row), flush=True)
-    wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in rows)
     for backend in backends:
         mine = [r for r in rows if r["backend"] == backend.name]
         average = sum(r["out_of_place"]["busbw"] for r in mine) / max(len(mine), 1)
-        say(f"# {backend.name:>6s}: out of bounds values: {wrong}  avg bus bandwidth: {average:.3f} GB/s")
+        mine_wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in mine)
+        say(f"# {backend.name:>6s}: out of bounds values: {mine_wrong}  avg bus bandwidth: {average:.3f} GB/s")
+    wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in rows)
     if args.output_file and leader:
         with open(args.output_file, "w") as f:
             json.dump({"collective": spec.name, "environment": environment(args, nranks, args.backends),
