@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from bench.harness import Spec, main
+from collectives.ops import is_floating
 
 
 def fill(dtype, op, nranks, rank, count):
@@ -28,7 +29,7 @@ def expected(dtype, op, nranks, rank, count):
         return (base + 1).astype(dtype)
     total = nranks * base + nranks * (nranks + 1) // 2
     if op == "avg":
-        total = total / nranks if dtype.kind == "f" else total // nranks
+        total = total / nranks if is_floating(dtype) else total // nranks
     return total.astype(dtype)
 
 

@@ -68,7 +68,10 @@ def parse_args(spec, argv=None):
     p.add_argument("-c", "--check", type=int, default=1, help="check results (outside the timed loop)")
     p.add_argument("-J", "--output_file", help="write rows and environment as JSON here")
     p.add_argument("--ranks", type=int, default=4, help="virtual ranks when not under mpiexec")
-    p.add_argument("--backend", default="host", help="comma-separated: host (ours), mpi (mpi4py Allreduce)")
+    p.add_argument("--device", default="host", choices=["host", "emulated", "cuda"],
+                   help="where our ranks run: host (NumPy), emulated (our CUDA kernels on the CPU), "
+                        "cuda (every rank on GPU 0)")
+    p.add_argument("--backend", default="host", help="comma-separated: host (ours, on --device), mpi (mpi4py Allreduce)")
     p.add_argument("--algorithm", default="auto", help="our algorithm: auto, ring, direct")
     p.add_argument("--timeout", type=float, default=None, help="communicator timeout in seconds")
     args = p.parse_args(argv)
@@ -82,6 +85,8 @@ def parse_args(spec, argv=None):
         p.error("need -b <= -e, -f >= 2, -n >= 1 and -w >= 0")
     if args.ranks < 1:
         p.error("--ranks must be at least 1")
+    if args.device != "host" and "mpi" in args.backends:
+        p.error("--backend mpi runs on the host; compare it with --device host")
     return args
 
 
@@ -123,9 +128,13 @@ class Backend:
 
     def __init__(self, name, spec, args, world):
         self.name, self.spec, self.args = name, spec, args
+        self.device = args.device if name == "host" else "host"
         if name == "host":
             if world is None:
-                self.comm = collectives.Communicator.local(args.ranks, timeout=args.timeout)
+                devices = None if args.device == "host" else ["cuda:0" if args.device == "cuda" else "emulated"] * args.ranks
+                self.comm = collectives.Communicator.local(args.ranks, devices=devices, timeout=args.timeout)
+            elif args.device != "host":
+                raise SystemExit("one rank per process runs on the host for now: drop --device or mpiexec")
             else:
                 self.comm = collectives.init(timeout=args.timeout, comm=world)
             self.local_ranks, self.nranks = list(self.comm.local_ranks), self.comm.size
@@ -146,7 +155,25 @@ class Backend:
             self.spec.run_ours(self.comm, inputs[0], None if outputs is None else outputs[0], self.args)
 
     def barrier(self):
-        self.comm.barrier() if self.name == "host" else self.comm.Barrier()
+        """Every rank here, and every rank's issued work done."""
+        if self.name == "host":
+            self.comm.synchronize()
+            self.comm.barrier()
+        else:
+            self.comm.Barrier()
+
+    def to_device(self, array):
+        """A rank's array where this backend takes it (a GPU copy on cuda)."""
+        if self.device == "cuda":
+            import cupy
+            return cupy.asarray(array)
+        return array
+
+    def to_host(self, array):
+        if self.device == "cuda":
+            import cupy
+            return cupy.asnumpy(array)
+        return array
 
     def close(self):
         if self.name == "host":
@@ -169,8 +196,8 @@ def measure(backend, spec, args, nbytes, world):
     dtype, op, n = args.dtype, args.op, backend.nranks
     in_count, out_count = spec.counts(nbytes, dtype.itemsize, n)
     ranks = backend.local_ranks
-    inputs = [spec.fill(dtype, op, n, r, in_count) for r in ranks]
-    outputs = [np.empty(out_count, dtype) for _ in ranks]
+    inputs = [backend.to_device(spec.fill(dtype, op, n, r, in_count)) for r in ranks]
+    outputs = [backend.to_device(np.empty(out_count, dtype)) for _ in ranks]
     row = []
     for in_place in (False, True):
         dst = None if in_place else outputs
@@ -180,14 +207,16 @@ def measure(backend, spec, args, nbytes, world):
         start = time.perf_counter()
         for _ in range(args.iters):
             backend.run(inputs, dst)
+        backend.barrier()  # GPU work is asynchronous: the time is until it is done
         seconds = (time.perf_counter() - start) / args.iters
         wrong = 0
         if args.check:
-            fresh = [spec.fill(dtype, op, n, r, in_count) for r in ranks]
-            checked = [np.empty(out_count, dtype) for _ in ranks]
+            fresh = [backend.to_device(spec.fill(dtype, op, n, r, in_count)) for r in ranks]
+            checked = [backend.to_device(np.empty(out_count, dtype)) for _ in ranks]
             backend.run(fresh, None if in_place else checked)
             results = [spec.in_place_result(f, r, n) for f, r in zip(fresh, ranks)] if in_place else checked
-            wrong = sum(count_wrong(got, spec.expected(dtype, op, n, r, out_count)) for got, r in zip(results, ranks))
+            wrong = sum(count_wrong(backend.to_host(got), spec.expected(dtype, op, n, r, out_count))
+                        for got, r in zip(results, ranks))
         if world is not None:
             seconds = world.allreduce(seconds, op=_mpi_max())
             wrong = world.allreduce(wrong)
@@ -215,7 +244,7 @@ def environment(args, nranks, backends):
         "ranks": nranks,
         "processes": processes,
         "backends": backends,
-        "device": "host (no GPU)",
+        **device_environment(args.device),
     }
     if "mpi" in backends or env["processes"] > 1:
         from mpi4py import MPI
@@ -223,6 +252,45 @@ def environment(args, nranks, backends):
         env["mpi4py"] = mpi4py.__version__
         env["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
     return env
+
+
+def device_environment(device):
+    """The device, driver and library versions the numbers were measured with."""
+    if device == "host":
+        return {"device": "host (no GPU)"}
+    if device == "emulated":
+        return {"device": "emulated (our CUDA kernels compiled for the CPU)"}
+    import cupy
+    runtime = cupy.cuda.runtime
+    properties = runtime.getDeviceProperties(0)
+    env = {
+        "device": properties["name"].decode() if isinstance(properties["name"], bytes) else properties["name"],
+        "compute_capability": f"{properties['major']}.{properties['minor']}",
+        "driver": _cuda_version(runtime.driverGetVersion()),
+        "cuda_runtime": _cuda_version(runtime.runtimeGetVersion()),
+        "cupy": cupy.__version__,
+    }
+    try:
+        from cupy.cuda import nccl
+        env["nccl"] = _nccl_version(nccl.get_version())
+    except Exception as error:  # NCCL is optional for our own backend
+        env["nccl"] = f"unavailable ({type(error).__name__})"
+    try:
+        import subprocess
+        env["driver_release"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except Exception:
+        pass
+    return env
+
+
+def _cuda_version(code):
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def _nccl_version(code):
+    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
 
 
 def _cpu_model():
@@ -262,6 +330,7 @@ def main(spec, argv=None):
     leader = world is None or world.rank == 0
     say = print if leader else (lambda *a, **k: None)
     mode = f"{nranks} processes" if world is not None else f"{nranks} virtual ranks in one process"
+    mode += f" on {args.device}" if args.device != "host" else ""
     say(f"# collectives {spec.name} benchmark: {mode}, backends {', '.join(args.backends)}, "
         f"algorithm {args.algorithm}, {args.iters} iterations after {args.warmup_iters} warm-up")
     say(HEADER + ("  backend" + ("  vs first" if len(backends) > 1 else "")))

@@ -1,14 +1,14 @@
 """The public API: a Communicator validates, plans, and hands the plan to its ranks."""
 
 import time
-
 import numpy as np
 
-from . import validation
+from . import arrays, validation
 from .algorithms import choose
 from .algorithms.schedule import (
     ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT, REDUCING_COLLECTIVES,
 )
+from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
 from .config import resolve_timeout
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
@@ -21,19 +21,26 @@ class VirtualHostRanks:
     runs rank after rank, which is a valid order since the transfers of one
     phase are independent."""
 
+    addressable = True  # ranks read each other's arrays: plans skip the workspace copies
+    host_only = True    # it indexes NumPy arrays
+    locations = None
+
     def __init__(self, nranks):
         self._workspaces = [np.empty(0, np.uint8) for _ in range(nranks)]
 
-    def run(self, plan, inputs, outputs, deadline):
-        for rank, workspace in enumerate(self._workspaces):
-            if workspace.size < plan.workspace_bytes:
-                self._workspaces[rank] = np.empty(max(plan.workspace_bytes, 2 * workspace.size), np.uint8)
+    def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
+        """Run `plan` on the ranks' arrays (one per rank, with their ArrayInfos)."""
         views = {}
-        for rank, workspace in enumerate(self._workspaces):
+        for rank in range(len(self._workspaces)):
             views[rank, INPUT] = inputs[rank].reshape(-1)
             views[rank, OUTPUT] = outputs[rank].reshape(-1)
-            views[rank, WORK] = workspace[:plan.count * plan.dtype.itemsize].view(plan.dtype)
-            views[rank, SCRATCH] = workspace[plan.scratch_offset:plan.workspace_bytes].view(plan.dtype)
+            if plan.workspace_bytes:
+                workspace = self._workspaces[rank]
+                if workspace.size < plan.workspace_bytes:
+                    workspace = np.empty(max(plan.workspace_bytes, 2 * workspace.size), np.uint8)
+                    self._workspaces[rank] = workspace
+                views[rank, WORK] = workspace[:plan.count * plan.dtype.itemsize].view(plan.dtype)
+                views[rank, SCRATCH] = workspace[plan.scratch_offset:plan.workspace_bytes].view(plan.dtype)
         for phase in plan.phases:
             host.execute(phase.table, lambda rank, buffer_id: views[rank, buffer_id], plan.op, plan.nranks)
 
@@ -63,15 +70,33 @@ class Communicator:
         self.rank = self.local_ranks[0]
         self.timeout = timeout
         self._closed = False
+        self._last_checked = None  # ((collective, root, input infos, output infos), binding) that passed
+        self._plans = {}           # call shape -> plan
 
     @classmethod
-    def local(cls, nranks, *, timeout=None):
-        """`nranks` ranks owned by this process ("virtual ranks")."""
+    def local(cls, nranks, *, devices=None, timeout=None):
+        """`nranks` ranks owned by this process ("virtual ranks").
+
+        Without `devices` they work on NumPy arrays. `devices` puts rank r on
+        devices[r]: a CUDA device number (or "cuda:N") for GPU arrays, or
+        "emulated"/"emulated:N" for our kernels run on the CPU, whose arrays
+        are NumPy arrays. Devices may repeat. A single spec puts every rank there.
+        """
         if isinstance(nranks, bool) or not isinstance(nranks, (int, np.integer)) or nranks < 1:
             raise InvalidUsageError(f"nranks must be a positive integer, got {nranks!r}")
         nranks = int(nranks)
-        return cls(VirtualHostRanks(nranks), size=nranks, local_ranks=range(nranks),
-                   timeout=resolve_timeout(timeout))
+        timeout = resolve_timeout(timeout)
+        if devices is None:
+            return cls(VirtualHostRanks(nranks), size=nranks, local_ranks=range(nranks), timeout=timeout)
+        from .devices import open_device
+        from .executors.device import DeviceRanks
+        if isinstance(devices, (str, int)):
+            devices = [devices] * nranks
+        devices = list(devices)
+        if len(devices) != nranks:
+            raise InvalidUsageError(f"devices names {len(devices)} devices for {nranks} ranks; give one per rank")
+        return cls(DeviceRanks([open_device(spec) for spec in devices]), size=nranks, local_ranks=range(nranks),
+                   timeout=timeout)
 
     def __repr__(self):
         state = "closed" if self._closed else "open"
@@ -109,6 +134,14 @@ class Communicator:
         """Return once every rank has called barrier (or raise after the timeout)."""
         self._check_open()
         self._ranks.barrier(time.perf_counter() + self.timeout)
+
+    def synchronize(self):
+        """Wait until every collective issued so far has completed. Collectives
+        on GPU ranks return once their work is queued on the caller's current
+        streams; on host ranks they complete before returning."""
+        self._check_open()
+        for device in getattr(self._ranks, "devices", ()):
+            device.synchronize()
 
     # -- life cycle -------------------------------------------------------------
 
@@ -148,15 +181,15 @@ class Communicator:
     # -- the one path every collective takes -------------------------------------
 
     def _collective(self, collective, x, *, op="sum", out=None, root=0, algorithm="auto"):
-        self._check_open()
+        if self._closed:
+            raise InvalidUsageError("this communicator is closed")
+        ranks = self._ranks
         nlocal = len(self.local_ranks)
-        inputs, as_sequence = validation.rank_arrays(x, nlocal)
-        validation.same_dtype_and_shape(inputs)
-        dtype, elements = inputs[0].dtype, inputs[0].size
-        op = as_reduce_op(op) if collective in REDUCING_COLLECTIVES else ReduceOp.SUM
-        root = validation.root_rank(root, self.size) if collective in (BROADCAST, REDUCE_TO_ROOT) else 0
+        inputs, input_infos, as_sequence = validation.rank_arrays(x, nlocal, ranks)
+        validation.same_dtype_and_shape(input_infos)
+        first = input_infos[0]
+        dtype, elements = first.dtype, first.size
 
-        count = elements  # elements of each rank's WORK buffer
         if collective == REDUCE_SCATTER:
             if elements % self.size:
                 raise InvalidUsageError(
@@ -164,29 +197,78 @@ class Communicator:
                     f"{self.size}; it has {elements} elements")
             result_elements = elements // self.size
         elif collective == ALLGATHER:
-            count = result_elements = elements * self.size
+            result_elements = elements * self.size
         else:
             result_elements = elements
 
         if out is not None:
-            outputs = validation.output_arrays(out, nlocal, result_elements, dtype)
+            outputs, output_infos = validation.output_arrays(out, nlocal, result_elements, dtype, ranks)
         elif collective == REDUCE_SCATTER:
             outputs = [self._own_block(a, rank) for a, rank in zip(inputs, self.local_ranks)]
+            output_infos = [arrays.describe(o) for o in outputs]
         elif collective == ALLGATHER:
-            outputs = [np.empty(self._gathered_shape(a), dtype) for a in inputs]
+            outputs = [arrays.empty_like(a, info, self._gathered_shape(info)) for a, info in zip(inputs, input_infos)]
+            output_infos = [arrays.describe(o) for o in outputs]
         else:
-            outputs = inputs
-        written = [o for o, rank in zip(outputs, self.local_ranks) if _receives(collective, rank, root)]
-        validation.writable(written, "out" if out is not None else "x")
-        validation.no_overlap_between_ranks(inputs, outputs)
+            outputs, output_infos = inputs, input_infos
 
+        binding = self._check_buffers(collective, root, out is not None, input_infos, output_infos)
+        plan = self._plan(collective, dtype, elements, op, root, algorithm, binding)
+        ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
+        return outputs if as_sequence else outputs[0]
+
+    def _plan(self, collective, dtype, elements, op, root, algorithm, binding):
+        """The plan for a call shape, checking its op, root and algorithm
+        (remembered: a repeated shape costs one dictionary lookup)."""
+        key = (collective, dtype, elements, op, root, algorithm, binding)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable argument: the checks below say what is wrong with it
+            key = None
+        op = _reduce_op(op) if collective in REDUCING_COLLECTIVES else ReduceOp.SUM
+        root = validation.root_rank(root, self.size) if collective in (BROADCAST, REDUCE_TO_ROOT) else 0
         if not isinstance(algorithm, str):
             raise InvalidUsageError(f"algorithm must be a name, got {type(algorithm).__name__}")
+        count = elements * self.size if collective == ALLGATHER else elements  # each rank's WORK buffer
         if algorithm == "auto":
             algorithm = choose(collective, self.size, count * dtype.itemsize, root)
-        plan = build_plan(collective, algorithm, self.size, count, dtype, op, root)
-        self._ranks.run(plan, inputs, outputs, time.perf_counter() + self.timeout)
-        return outputs if as_sequence else outputs[0]
+        plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding)
+        if key is not None:
+            if len(self._plans) >= 1024:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _check_buffers(self, collective, root, out_given, input_infos, output_infos):
+        """Outputs writable, no memory shared between ranks; returns the
+        plan binding. The same descriptions as the last call (describing
+        caches them) passed these checks already."""
+        key = (collective, root, tuple(input_infos), tuple(output_infos))
+        last = self._last_checked
+        if last is not None and last[0] == key:  # equal descriptions pass equally (identical ones compare fast)
+            return last[1]
+        written = [o for o, rank in zip(output_infos, self.local_ranks) if _receives(collective, rank, root)]
+        validation.writable(written, "out" if out_given else "x")
+        validation.no_overlap_between_ranks(input_infos, output_infos)
+        binding = self._binding(collective, input_infos, output_infos) if self._ranks.addressable else WORKSPACE
+        self._last_checked = (key, binding)
+        return binding
+
+    def _binding(self, collective, inputs, outputs):
+        """How a plan may use the arrays of ranks that address each other's
+        (binding.py): IN_PLACE when every rank's output is its input chunk for
+        chunk, OUT_OF_PLACE when they are separate, else through a workspace."""
+        ranks = self.local_ranks
+        if collective == REDUCE_SCATTER:    # the output is the rank's block of the input
+            def same(i, a, b): return b.address == a.address + ranks[i] * b.nbytes and a.device == b.device
+        elif collective == ALLGATHER:       # the input is the rank's block of the output
+            def same(i, a, b): return a.address == b.address + ranks[i] * a.nbytes and a.device == b.device
+        else:
+            def same(i, a, b): return a.address == b.address and a.device == b.device
+        relation = validation.relation(inputs, outputs, same)
+        return {validation.SAME: IN_PLACE, validation.DISJOINT: OUT_OF_PLACE}.get(relation, WORKSPACE)
 
     def _own_block(self, a, rank):
         """Rank `rank`'s block of a reduce_scatter input, as a view."""
@@ -196,8 +278,18 @@ class Communicator:
         k = a.size // self.size
         return a.reshape(-1)[rank * k:(rank + 1) * k]
 
-    def _gathered_shape(self, a):
-        return (self.size * a.shape[0], *a.shape[1:]) if a.ndim >= 1 else (self.size,)
+    def _gathered_shape(self, info):
+        return (self.size * info.shape[0], *info.shape[1:]) if len(info.shape) >= 1 else (self.size,)
+
+
+_OPS = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
+
+
+def _reduce_op(op):
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):
+        return as_reduce_op(op)  # other spellings, or the error that names the valid ones
 
 
 def _receives(collective, rank, root):

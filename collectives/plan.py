@@ -1,7 +1,7 @@
 """Plans: a schedule made concrete for one element type and count.
 
 A plan is a list of phases, each one flat integer op table that any executor
-interprets (NumPy on the host today, our kernels on the GPU next):
+interprets (NumPy on the host, our step kernel on GPUs and emulated devices):
 
     phase 0         copy each rank's INPUT into its WORK buffer
     phases 1..S     the schedule's steps
@@ -14,7 +14,14 @@ Op table row (int64), one per transfer, executed by the rank in column RANK:
 Offsets and counts are in elements. Unused source slots hold -1. KIND is COPY
 (dst = src), REDUCE (dst = fold of srcs) or REDUCE_FINAL (a REDUCE that
 completes the reduction of its elements, where avg divides by the rank count).
-INPUT and OUTPUT are the caller's arrays and only their own rank touches them.
+The rows of one phase are independent: no row reads what another row of the
+same phase writes, so they may run in any order or all at once.
+
+INPUT and OUTPUT are the caller's arrays. How the plan uses them is its
+`binding` (see binding.py): with WORKSPACE, as above, only their own rank
+touches them; when ranks can address each other's arrays (ranks in one
+process), the plan reads inputs and writes outputs in place of WORK, and the
+copies in and out disappear.
 
 For ranks in different processes, `waits[phase][rank]` lists (peer, t): the
 phase may start once `peer` has completed t phases of this collective.
@@ -30,17 +37,12 @@ from typing import NamedTuple, Tuple
 
 import numpy as np
 
+from . import binding as bindings
 from .algorithms import schedule_for
-from .algorithms.schedule import (
-    ALLGATHER, REDUCE, REDUCE_SCATTER, SCRATCH, WORK, Region,
-)
+from .algorithms.schedule import ALLGATHER, BROADCAST, REDUCE, REDUCE_SCATTER, REDUCE_TO_ROOT, SCRATCH, WORK
+from .binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, WORKSPACE, Loc, Move  # noqa: F401
 
-INPUT = 2
-OUTPUT = 3
-
-COPY_OP = 0
-REDUCE_OP = 1
-REDUCE_FINAL_OP = 2
+BUFFER_COUNT = 4  # WORK, SCRATCH, INPUT, OUTPUT: the buffer ids a row may name
 
 RANK, KIND, COUNT, DST_BUF, DST_OFF, NSRC = range(6)
 SRC0 = 6  # source i is at columns SRC0 + 3*i (rank), +1 (buffer), +2 (offset)
@@ -58,6 +60,12 @@ class Phase(NamedTuple):
     waits: Tuple[Tuple[Tuple[int, int], ...], ...]  # per rank: ((peer, phases done), ...)
 
 
+class Traffic(NamedTuple):
+    """Bytes of memory a plan reads plus writes, over all ranks."""
+    total: int
+    workspace_copies: int   # copy rows between a caller's array and a workspace
+
+
 class Plan(NamedTuple):
     collective: str
     algorithm: str
@@ -66,11 +74,16 @@ class Plan(NamedTuple):
     dtype: np.dtype
     op: str
     root: int
+    binding: str
     chunk_bounds: Tuple[Tuple[int, int], ...]
     scratch_elements: int
     scratch_offset: int     # bytes from the start of a rank's workspace to SCRATCH
-    workspace_bytes: int    # WORK, padding and SCRATCH
+    workspace_bytes: int    # WORK, padding and SCRATCH; 0 when the plan uses neither
     phases: Tuple[Phase, ...]
+    traffic: Traffic
+    # Per phase: (regions written, (reading rank, peer region) pairs), for
+    # executors that derive their own ordering (executors/device.py).
+    access: Tuple[Tuple[frozenset, frozenset], ...]
 
 
 def chunk_bounds(collective, nranks, nchunks, count, itemsize):
@@ -84,94 +97,76 @@ def chunk_bounds(collective, nranks, nchunks, count, itemsize):
     return tuple((min(c * size, count), min((c + 1) * size, count)) for c in range(nchunks))
 
 
-def _merge_ranges(pairs):
-    """Join (offset, count) pairs that continue each other; drops empty ones."""
-    merged = []
-    for offset, count in pairs:
-        if count == 0:
-            continue
-        if merged and merged[-1][0] + merged[-1][1] == offset:
-            merged[-1] = (merged[-1][0], merged[-1][1] + count)
-        else:
-            merged.append((offset, count))
-    return merged
-
-
 @functools.lru_cache(maxsize=256)
-def build_plan(collective, algorithm, nranks, count, dtype, op, root=0):
+def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=WORKSPACE):
     """The plan for one call shape; cached, so a repeated call plans nothing.
 
     `count` is the number of elements in each rank's WORK buffer: the message
     for allreduce, broadcast and reduce; size * per-rank count for
-    reduce_scatter and allgather.
+    reduce_scatter and allgather. `binding` says how the caller's arrays may
+    be used (binding.py).
     """
     dtype = np.dtype(dtype)
-    schedule = schedule_for(algorithm, collective, nranks, root if collective in ("broadcast", "reduce") else None)
+    schedule = schedule_for(algorithm, collective, nranks, root if collective in (BROADCAST, REDUCE_TO_ROOT) else None)
     bounds = chunk_bounds(collective, nranks, schedule.nchunks, count, dtype.itemsize)
-    trace = schedule.trace()
-    uses_scratch = schedule.result_buffer == SCRATCH or any(
-        region.buffer == SCRATCH for step in schedule.steps for t in step for region in (t.dst, *t.srcs)
-    )
+    moves = bindings.bind(bindings.logical_phases(schedule), schedule, binding)
 
-    def offset(chunk):
-        return bounds[chunk][0]
+    def element_offset(loc):
+        start = bounds[loc.chunk][0]
+        # The caller's allgather input and reduce_scatter output hold only the
+        # rank's own block: chunk `rank` of the full buffer.
+        if (loc.buffer == INPUT and collective == ALLGATHER) or (loc.buffer == OUTPUT and collective == REDUCE_SCATTER):
+            start -= bounds[loc.rank][0]
+        return start
 
-    def length(chunk):
-        return bounds[chunk][1] - bounds[chunk][0]
+    def length(loc):
+        return bounds[loc.chunk][1] - bounds[loc.chunk][0]
 
-    # Each row as (rank, kind, count, dst_buf, dst_off, [(src_rank, src_buf, src_off)]),
-    # and each phase's region accesses, for the waits.
-    phase_rows = []
-    phase_access = []  # per phase: (regions written, (reading rank, peer region) pairs)
-
-    # The caller's array maps onto WORK one to one, except allgather's input
-    # and reduce_scatter's output, which are the rank's own block.
-    copy_in, writes = [], set()
-    for rank in range(nranks):
-        chunks = schedule.input_chunks(rank)
-        writes.update(Region(rank, WORK, chunk) for chunk in chunks)
-        block_start = offset(rank) if collective == ALLGATHER else 0
-        for start, n in _merge_ranges((offset(c), length(c)) for c in chunks):
-            copy_in.append((rank, COPY_OP, n, WORK, start, [(rank, INPUT, start - block_start)]))
-    phase_rows.append(copy_in)
-    phase_access.append((writes, set()))
-
-    for s, step in enumerate(schedule.steps):
-        rows, writes, reads = [], set(), set()
-        for i, t in enumerate(step):
-            writes.add(t.dst)
-            reads.update((t.rank, src) for src in t.srcs if src.rank != t.rank)
-            n = length(t.dst.chunk)
-            if n == 0:
-                continue
-            kind = COPY_OP if t.kind != REDUCE else (REDUCE_FINAL_OP if (s, i) in trace.completing else REDUCE_OP)
-            rows.append((t.rank, kind, n, t.dst.buffer, offset(t.dst.chunk),
-                         [(src.rank, src.buffer, offset(src.chunk)) for src in t.srcs]))
-        phase_rows.append(rows)
-        phase_access.append((writes, reads))
-
-    copy_out = []
-    for rank in range(nranks):
-        chunks = schedule.output_chunks(rank)
-        block_start = offset(rank) if collective == REDUCE_SCATTER else 0
-        for start, n in _merge_ranges((offset(c), length(c)) for c in chunks):
-            copy_out.append((rank, COPY_OP, n, OUTPUT, start - block_start, [(rank, schedule.result_buffer, start)]))
-    phase_rows.append(copy_out)
-    phase_access.append((set(), set()))
-
+    phase_rows = [
+        _merge_rows([
+            (m.rank, m.kind, length(m.dst), m.dst.buffer, element_offset(m.dst),
+             [(s.rank, s.buffer, element_offset(s)) for s in m.srcs])
+            for m in phase if length(m.dst)
+        ])
+        for phase in moves
+    ]
+    memory = bindings.storage(schedule, binding)
+    phase_access = [
+        ({memory(m.dst) for m in phase}, {(m.rank, memory(s)) for m in phase for s in m.srcs if s.rank != m.rank})
+        for phase in moves
+    ]
     max_sources = max([len(row[5]) for rows in phase_rows for row in rows] + [1])
-    waits = _derive_waits(nranks, phase_access)
-    phases = tuple(
-        _make_phase(rows, nranks, max_sources, phase_waits) for rows, phase_waits in zip(phase_rows, waits)
-    )
-    scratch_elements = count if uses_scratch else 0
-    scratch_offset = -(-count * dtype.itemsize // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
+    waits = derive_waits(nranks, phase_access)
+    phases = tuple(_make_phase(rows, nranks, max_sources, w) for rows, w in zip(phase_rows, waits))
+
+    used = {loc.buffer for phase in moves for m in phase for loc in (m.dst, *m.srcs)}
+    work_bytes = count * dtype.itemsize if WORK in used else 0
+    scratch_elements = count if SCRATCH in used else 0
+    scratch_offset = -(-work_bytes // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
     return Plan(
         collective=collective, algorithm=algorithm, nranks=nranks, count=count, dtype=dtype,
-        op=op, root=root, chunk_bounds=bounds, scratch_elements=scratch_elements,
-        scratch_offset=scratch_offset, workspace_bytes=scratch_offset + scratch_elements * dtype.itemsize,
-        phases=phases,
+        op=op, root=root, binding=binding, chunk_bounds=bounds, scratch_elements=scratch_elements,
+        scratch_offset=scratch_offset,
+        workspace_bytes=scratch_offset + scratch_elements * dtype.itemsize if used & {WORK, SCRATCH} else 0,
+        phases=phases, traffic=_traffic(phases, dtype.itemsize),
+        access=tuple((frozenset(w), frozenset(r)) for w, r in phase_access),
     )
+
+
+def _merge_rows(rows):
+    """Join each row with the next when both continue each other in every
+    buffer they name (copies of adjacent chunks become one row)."""
+    merged = []
+    for row in rows:
+        if merged:
+            rank, kind, count, dst_buf, dst_off, srcs = merged[-1]
+            if (row[0], row[1], row[3], len(row[5])) == (rank, kind, dst_buf, len(srcs)) \
+                    and row[4] == dst_off + count \
+                    and all(s[:2] == t[:2] and s[2] == t[2] + count for s, t in zip(row[5], srcs)):
+                merged[-1] = (rank, kind, count + row[2], dst_buf, dst_off, srcs)
+                continue
+        merged.append(row)
+    return merged
 
 
 def _make_phase(rows, nranks, max_sources, waits):
@@ -185,19 +180,39 @@ def _make_phase(rows, nranks, max_sources, waits):
     return Phase(table, by_rank, waits)
 
 
-def _derive_waits(nranks, phase_access):
-    """Per phase and rank, the (peer, phases completed) to wait for; see module doc."""
+def _traffic(phases, itemsize):
+    user = (INPUT, OUTPUT)
+    total = copies = 0
+    for phase in phases:
+        for row in phase.table:
+            nbytes = int(row[COUNT]) * itemsize
+            total += nbytes * (int(row[NSRC]) + 1)
+            if row[KIND] == COPY_OP and (row[DST_BUF] in user) != (row[SRC0 + SRC_BUF] in user):
+                copies += 2 * nbytes
+    return Traffic(total, copies)
+
+
+def derive_waits(nranks, phase_access, after_previous_call=True):
+    """Per phase and rank, the (peer, phases completed) to wait for; see module doc.
+
+    `phase_access[p]` is (regions written, (reading rank, peer region) pairs).
+    A read of a region the call has not written waits for (peer, 0): the peer
+    has started this call, so what the region held before the call is there.
+    With `after_previous_call`, phase 0 also waits for every peer to have
+    left the previous call (the process transport needs it; the device
+    executor orders calls another way).
+    """
     last_write = {}      # region -> phase that last wrote it
     readers = {}         # region -> {peer: last phase in which peer read it}
     waits = []
     for p, (writes, reads) in enumerate(phase_access):
         need = [dict() for _ in range(nranks)]
-        if p == 0:
+        if p == 0 and after_previous_call:
             for rank in range(nranks):
                 need[rank] = {peer: 0 for peer in range(nranks) if peer != rank}
         for reader, region in reads:   # read after write
-            t = last_write[region]
-            need[reader][region.rank] = max(need[reader].get(region.rank, 0), t + 1)
+            t = last_write[region] + 1 if region in last_write else 0
+            need[reader][region.rank] = max(need[reader].get(region.rank, 0), t)
         for region in writes:          # write after read
             for peer, t in readers.get(region, {}).items():
                 need[region.rank][peer] = max(need[region.rank].get(peer, 0), t + 1)
@@ -208,3 +223,6 @@ def _derive_waits(nranks, phase_access):
             readers.pop(region, None)  # earlier reads are now ordered before this write
         waits.append(tuple(tuple(sorted(need[rank].items())) for rank in range(nranks)))
     return waits
+
+
+assert REDUCE == "reduce" and BUFFER_COUNT == 4

@@ -2,97 +2,146 @@
 
 Each check raises InvalidUsageError with a sentence that names the argument,
 the rank and what was expected, so a rejected call modifies nothing and says
-why.
+why. Arrays are checked as `arrays.ArrayInfo`s, whatever library made them;
+which arrays a rank takes is its executor's say (`host_only`, `locations`).
 """
 
 import operator
 
 import numpy as np
 
+from . import arrays
 from .errors import InvalidUsageError
-from .ops import SUPPORTED_DTYPES
+
+# How a rank's output relates to its input, for binding.py.
+DISJOINT, SAME, OVERLAPPING = "disjoint", "same", "overlapping"
 
 
-def rank_arrays(x, nlocal, name="x"):
-    """`x` as a list with one array per local rank, and whether it came as a sequence.
+def rank_arrays(x, nlocal, ranks, name="x"):
+    """`x` as (arrays, ArrayInfos), one per local rank, and whether it came as
+    a sequence. `ranks.host_only` asks for NumPy arrays; `ranks.locations`,
+    when not None, says where each rank's array must be (ArrayInfo.device).
 
     A communicator that owns one rank takes a bare array (or a sequence of
     one); one that owns several takes a sequence with one array per rank.
     """
-    if _is_array_like(x):
+    if isinstance(x, (list, tuple)):
+        if len(x) != nlocal:
+            raise InvalidUsageError(f"{name} holds {len(x)} arrays but this communicator owns {nlocal} ranks")
+        objects, as_sequence = list(x), True
+    elif arrays.is_array(x):
         if nlocal != 1:
             raise InvalidUsageError(
                 f"this communicator owns {nlocal} ranks, so {name} must be a sequence of {nlocal} arrays, "
                 "one per local rank")
-        return [_host_array(x, name)], False
-    if isinstance(x, (list, tuple)):
-        if len(x) != nlocal:
-            raise InvalidUsageError(f"{name} holds {len(x)} arrays but this communicator owns {nlocal} ranks")
-        arrays = [_host_array(a, f"{name}[{i}]") for i, a in enumerate(x)]
-        return arrays, True
-    raise InvalidUsageError(f"{name} must be a NumPy array or a sequence of them, got {type(x).__name__}")
+        objects, as_sequence = [x], False
+    else:
+        raise InvalidUsageError(f"{name} must be an array or a sequence of them, got {type(x).__name__}")
+    infos = []
+    describe = arrays.describe
+    for rank, obj in enumerate(objects):
+        if ranks.host_only and not isinstance(obj, np.ndarray):
+            _refuse_for_host(obj, _name(name, rank, as_sequence))
+        try:
+            infos.append(describe(obj))
+        except InvalidUsageError:
+            describe(obj, _name(name, rank, as_sequence))  # the same error, naming the argument
+            raise
+    locations = ranks.locations
+    if locations is not None and [info.device for info in infos] != locations:
+        for rank, (info, location) in enumerate(zip(infos, locations)):
+            if info.device != location:
+                where = "host memory" if info.device == arrays.HOST else info.device
+                raise InvalidUsageError(
+                    f"{_name(name, rank, as_sequence)} is in {where}, but local rank {rank} lives on "
+                    f"{ranks.rank_devices[rank].name}; pass arrays in {location} for it")
+    return objects, infos, as_sequence
 
 
-def _is_array_like(x):
-    return isinstance(x, np.ndarray) or hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")
+def _name(name, rank, as_sequence):
+    return f"{name}[{rank}]" if as_sequence else name
 
 
-def _host_array(a, name):
-    if not isinstance(a, np.ndarray):
-        if hasattr(a, "__cuda_array_interface__") or hasattr(a, "__dlpack__"):
-            raise InvalidUsageError(
-                f"{name} is a {type(a).__module__}.{type(a).__name__}; this communicator works on NumPy "
-                "(host) arrays")
-        raise InvalidUsageError(f"{name} must be a NumPy array, got {type(a).__name__}")
-    if a.dtype.name not in SUPPORTED_DTYPES:
-        hint = " (use uint8 for flags)" if a.dtype == np.bool_ else ""
+def _refuse_for_host(obj, name):
+    """A host communicator was given something other than a NumPy array:
+    say what, and which communicator takes it, without touching it."""
+    if arrays.is_array(obj):
+        kind = type(obj)
         raise InvalidUsageError(
-            f"{name} has dtype {a.dtype}{hint}; supported: {', '.join(SUPPORTED_DTYPES)}")
-    if not a.flags.c_contiguous:
-        raise InvalidUsageError(f"{name} must be C-contiguous (np.ascontiguousarray makes a copy that is)")
-    return a
+            f"{name} is a {kind.__module__}.{kind.__name__}; this communicator works on NumPy (host) arrays. "
+            "For GPU arrays make one with Communicator.local(n, devices=[...])")
+    raise InvalidUsageError(f"{name} must be a NumPy array, got {type(obj).__name__}")
 
 
-def same_dtype_and_shape(arrays, name="x"):
-    first = arrays[0]
-    for i, a in enumerate(arrays[1:], start=1):
-        if a.dtype != first.dtype:
-            raise InvalidUsageError(f"{name}[{i}] has dtype {a.dtype} but {name}[0] has {first.dtype}")
-        if a.shape != first.shape:
-            raise InvalidUsageError(f"{name}[{i}] has shape {a.shape} but {name}[0] has {first.shape}")
+def same_dtype_and_shape(infos, name="x"):
+    dtype, shape = infos[0].dtype, infos[0].shape
+    for info in infos:
+        if info.dtype is not dtype or info.shape != shape:
+            break
+    else:
+        return
+    for i, a in enumerate(infos[1:], start=1):
+        if a.dtype != dtype:
+            raise InvalidUsageError(f"{name}[{i}] has dtype {a.dtype} but {name}[0] has {dtype}")
+        if a.shape != shape:
+            raise InvalidUsageError(f"{name}[{i}] has shape {a.shape} but {name}[0] has {shape}")
 
 
-def writable(arrays, name):
-    for i, a in enumerate(arrays):
-        if not a.flags.writeable:
+def writable(infos, name):
+    for i, a in enumerate(infos):
+        if not a.writable:
             raise InvalidUsageError(f"{name}[{i}] is read-only, but the collective writes it")
 
 
-def output_arrays(out, nlocal, count, dtype):
+def output_arrays(out, nlocal, count, dtype, ranks):
     """Validate caller-given outputs: `count` elements of `dtype` each."""
-    outs, _ = rank_arrays(out, nlocal, name="out")
-    for i, o in enumerate(outs):
+    objects, infos, _ = rank_arrays(out, nlocal, ranks, name="out")
+    for i, o in enumerate(infos):
         if o.dtype != dtype:
             raise InvalidUsageError(f"out[{i}] has dtype {o.dtype}, expected {dtype} like the input")
         if o.size != count:
             raise InvalidUsageError(f"out[{i}] has {o.size} elements, expected {count}")
-    return outs
+    return objects, infos
+
+
+def _overlap(a, b):
+    return a.device == b.device and a.address < b.address + b.nbytes and b.address < a.address + a.nbytes \
+        and a.size and b.size
 
 
 def no_overlap_between_ranks(inputs, outputs):
     """No output may share memory with another local rank's input or output:
     two ranks writing one buffer (or one reading what another writes) race.
-    A rank's own input and output may overlap: plans read all input (phase 0)
-    before they write any output (the last phase)."""
-    buffers = [(rank, "input", a) for rank, a in enumerate(inputs)]
-    buffers += [(rank, "out", o) for rank, o in enumerate(outputs)]
-    for j, (rank_a, kind_a, a) in enumerate(buffers):
-        for rank_b, kind_b, b in buffers[j + 1:]:
-            if rank_a == rank_b or kind_a == kind_b == "input":
-                continue
-            if a.size and b.size and np.may_share_memory(a, b):
+    A rank's own input and output may overlap (see `relation`).
+
+    One sweep over the buffers sorted by address, keeping those still open:
+    linear for buffers that do not overlap, the usual case."""
+    spans = [(a.device, a.address, a.address + a.size * a.dtype.itemsize, rank, kind)
+             for kind, infos in (("input", inputs), ("out", outputs)) for rank, a in enumerate(infos) if a.size]
+    spans.sort()
+    open_spans = []
+    for device, start, end, rank, kind in spans:
+        open_spans = [s for s in open_spans if s[0] == device and s[2] > start]
+        for _, _, _, other_rank, other_kind in open_spans:
+            if other_rank != rank and "out" in (kind, other_kind):
                 raise InvalidUsageError(
-                    f"{kind_a} of local rank {rank_a} and {kind_b} of local rank {rank_b} share memory")
+                    f"{other_kind} of local rank {other_rank} and {kind} of local rank {rank} share memory")
+        open_spans.append((device, start, end, rank, kind))
+
+
+def relation(inputs, outputs, same_chunks):
+    """SAME when `same_chunks(rank, input, output)` holds for every rank (its
+    output is its input, chunk for chunk); DISJOINT when no rank's input and
+    output share memory; else OVERLAPPING."""
+    kinds = set()
+    for rank, (i, o) in enumerate(zip(inputs, outputs)):
+        if same_chunks(rank, i, o):
+            kinds.add(SAME)
+        elif _overlap(i, o):
+            kinds.add(OVERLAPPING)
+        else:
+            kinds.add(DISJOINT)
+    return kinds.pop() if len(kinds) == 1 else OVERLAPPING
 
 
 def root_rank(root, size):

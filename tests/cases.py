@@ -8,6 +8,7 @@ so one expectation serves every algorithm and backend, with no tolerance.
 import numpy as np
 
 from collectives import SUPPORTED_DTYPES
+from collectives.ops import is_floating
 
 DTYPES = tuple(np.dtype(name) for name in SUPPORTED_DTYPES)
 OPS = ("sum", "prod", "max", "min", "avg")
@@ -41,7 +42,7 @@ def reduction_expected(op, dtype, n, count):
         if op == "avg":
             # Floats divide exactly here ((n+1)/2 is a half-integer at worst);
             # integers truncate the magnitude, i.e. round toward zero.
-            total = total / n if dtype.kind == "f" else total // n
+            total = total / n if is_floating(dtype) else total // n
         return (_sign(dtype) * total).astype(dtype)
     if op == "prod":
         return np.full(count, 2, dtype)

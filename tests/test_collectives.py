@@ -1,13 +1,17 @@
-"""Every collective, dtype and op on virtual host ranks, against closed forms.
+"""Every collective, dtype and op, against closed forms, on every backend.
 
-Parametrized over ranks, counts, algorithms and in/out of place; each test
-loops over the 11 dtypes and 5 ops and names the case in its message.
+Parametrized over backends (host ranks, emulated devices, a GPU), ranks,
+counts, algorithms and in/out of place; each test loops over the 12 dtypes
+and 5 ops and names the case in its message. The closed forms are exact, so
+they are also what the NumPy interpreter computes: a backend that passes
+agrees with it bit for bit.
 """
 
 import numpy as np
 import pytest
 
 import collectives
+from backends import GPU_DEVICE, Backend, backend_params, require_gpu, shares_memory
 from cases import DTYPES, OPS, RANK_COUNTS, counts_for, gather_input, reduction_expected, reduction_input
 
 ALGORITHMS = ("ring", "direct", "auto")
@@ -16,15 +20,25 @@ algorithms = pytest.mark.parametrize("algorithm", ALGORITHMS)
 placement = pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "out-of-place"])
 
 
+@pytest.fixture(scope="module", params=backend_params())
+def backend(request):
+    if request.param == "gpu":
+        require_gpu()
+        if GPU_DEVICE == "emulated":
+            pytest.skip("the emulated backends of this module run this matrix already")
+    return Backend(request.param)
+
+
 @pytest.fixture(scope="module")
-def communicators():
+def communicators(backend):
     made = {}
-    yield lambda n: made.setdefault(n, collectives.Communicator.local(n))
+    yield lambda n: made.setdefault(n, backend.communicator(n))
     for comm in made.values():
         comm.close()
 
 
 def assert_bits_equal(got, want, case):
+    got = np.asarray(got)
     assert got.dtype == want.dtype, case
     assert got.shape == want.shape, case
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{case}: got {got[:8]}..., want {want[:8]}..."
@@ -33,91 +47,99 @@ def assert_bits_equal(got, want, case):
 @matrix
 @algorithms
 @placement
-def test_allreduce(communicators, n, count, algorithm, in_place):
+def test_allreduce(backend, communicators, n, count, algorithm, in_place):
     comm = communicators(n)
     for dtype in DTYPES:
         for op in OPS:
-            case = f"allreduce {op} {dtype} n={n} count={count} {algorithm}"
-            xs = [reduction_input(op, dtype, n, r, count) for r in range(n)]
-            originals = [x.copy() for x in xs]
-            outs = None if in_place else [np.empty_like(x) for x in xs]
+            case = f"allreduce {op} {dtype} n={n} count={count} {algorithm} on {backend}"
+            originals = [reduction_input(op, dtype, n, r, count) for r in range(n)]
+            xs = [backend.put(x) for x in originals]
+            outs = None if in_place else [backend.empty(count, dtype) for _ in xs]
             results = comm.allreduce(xs, op=op, out=outs, algorithm=algorithm)
             want = reduction_expected(op, dtype, n, count)
             for r in range(n):
                 assert results[r] is (xs[r] if in_place else outs[r]), case
-                assert_bits_equal(results[r], want, f"{case} rank {r}")
+                assert_bits_equal(backend.get(results[r]), want, f"{case} rank {r}")
                 if not in_place:
-                    assert_bits_equal(xs[r], originals[r], f"{case}: input of rank {r} changed")
+                    assert_bits_equal(backend.get(xs[r]), originals[r], f"{case}: input of rank {r} changed")
 
 
 @matrix
 @algorithms
 @placement
-def test_reduce_scatter(communicators, n, count, algorithm, in_place):
+def test_reduce_scatter(backend, communicators, n, count, algorithm, in_place):
     comm = communicators(n)
     for dtype in DTYPES:
         for op in OPS:
-            case = f"reduce_scatter {op} {dtype} n={n} count={count} {algorithm}"
-            xs = [reduction_input(op, dtype, n, r, n * count) for r in range(n)]
-            originals = [x.copy() for x in xs]
-            outs = None if in_place else [np.empty(count, dtype) for _ in range(n)]
+            case = f"reduce_scatter {op} {dtype} n={n} count={count} {algorithm} on {backend}"
+            originals = [reduction_input(op, dtype, n, r, n * count) for r in range(n)]
+            xs = [backend.put(x) for x in originals]
+            outs = None if in_place else [backend.empty(count, dtype) for _ in range(n)]
             results = comm.reduce_scatter(xs, op=op, out=outs, algorithm=algorithm)
             want = reduction_expected(op, dtype, n, n * count)
             for r in range(n):
                 block = slice(r * count, (r + 1) * count)
-                assert_bits_equal(results[r], want[block], f"{case} rank {r}")
+                assert_bits_equal(backend.get(results[r]), want[block], f"{case} rank {r}")
+                x = backend.get(xs[r])
                 if in_place:
-                    assert np.shares_memory(results[r], xs[r]) or count == 0, case
+                    assert count == 0 or shares_memory(results[r], xs[r]), case
                     others = np.ones(n * count, bool)
                     others[block] = False
-                    assert_bits_equal(xs[r][others], originals[r][others], f"{case}: other blocks changed")
+                    assert_bits_equal(x[others], originals[r][others], f"{case}: other blocks changed")
                 else:
-                    assert_bits_equal(xs[r], originals[r], f"{case}: input of rank {r} changed")
+                    assert_bits_equal(x, originals[r], f"{case}: input of rank {r} changed")
 
 
 @matrix
 @algorithms
 @placement
-def test_allgather(communicators, n, count, algorithm, in_place):
+def test_allgather(backend, communicators, n, count, algorithm, in_place):
+    """In place here is MPI's: each rank's x is its own block of the output."""
     comm = communicators(n)
     for dtype in DTYPES:
-        case = f"allgather {dtype} n={n} count={count} {algorithm}"
-        xs = [gather_input(dtype, r, count) for r in range(n)]
-        outs = None if in_place else [np.empty(n * count, dtype) for _ in range(n)]
-        results = comm.allgather(xs, out=outs, algorithm=algorithm)
+        case = f"allgather {dtype} n={n} count={count} {algorithm} on {backend}"
         want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
+        if in_place:
+            outs = [backend.put(np.where(np.arange(n * count) // max(count, 1) == r, want, 0).astype(dtype))
+                    for r in range(n)]
+            xs = [out[r * count:(r + 1) * count] for r, out in enumerate(outs)]
+        else:
+            xs = [backend.put(gather_input(dtype, r, count)) for r in range(n)]
+            outs = [backend.empty(n * count, dtype) for _ in range(n)]
+        results = comm.allgather(xs, out=outs, algorithm=algorithm)
         for r in range(n):
-            assert_bits_equal(results[r], want, f"{case} rank {r}")
+            assert results[r] is outs[r], case
+            assert_bits_equal(backend.get(results[r]), want, f"{case} rank {r}")
 
 
 @matrix
 @algorithms
-def test_broadcast(communicators, n, count, algorithm):
+def test_broadcast(backend, communicators, n, count, algorithm):
     comm = communicators(n)
     for root in sorted({0, n // 2, n - 1}):
         for dtype in DTYPES:
-            case = f"broadcast {dtype} n={n} count={count} root={root} {algorithm}"
-            xs = [gather_input(dtype, r, count) for r in range(n)]
+            case = f"broadcast {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
+            xs = [backend.put(gather_input(dtype, r, count)) for r in range(n)]
             results = comm.broadcast(xs, root=root, algorithm=algorithm)
             for r in range(n):
                 assert results[r] is xs[r]
-                assert_bits_equal(results[r], gather_input(dtype, root, count), f"{case} rank {r}")
+                assert_bits_equal(backend.get(results[r]), gather_input(dtype, root, count), f"{case} rank {r}")
 
 
 @matrix
 @algorithms
-def test_reduce(communicators, n, count, algorithm):
+def test_reduce(backend, communicators, n, count, algorithm):
     comm = communicators(n)
     for root in sorted({0, n - 1}):
         for dtype in DTYPES:
             for op in OPS:
-                case = f"reduce {op} {dtype} n={n} count={count} root={root} {algorithm}"
-                xs = [reduction_input(op, dtype, n, r, count) for r in range(n)]
-                originals = [x.copy() for x in xs]
+                case = f"reduce {op} {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
+                originals = [reduction_input(op, dtype, n, r, count) for r in range(n)]
+                xs = [backend.put(x) for x in originals]
                 comm.reduce(xs, root=root, op=op, algorithm=algorithm)
                 for r in range(n):
                     want = reduction_expected(op, dtype, n, count) if r == root else originals[r]
-                    assert_bits_equal(xs[r], want, f"{case} rank {r}")
+                    assert_bits_equal(backend.get(xs[r]), want, f"{case} rank {r}")
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])

@@ -56,7 +56,9 @@ def modelled_seconds(schedule, nbytes):
     return schedule.nsteps * STEP_SECONDS + busiest * chunk_bytes / BYTES_PER_SECOND
 
 
+@functools.lru_cache(maxsize=1024)
 def choose(collective, nranks, nbytes, root=None):
-    """The registered algorithm the model predicts fastest (ties: first registered)."""
+    """The registered algorithm the model predicts fastest (ties: first
+    registered). Cached: a repeated call shape asks the model once."""
     candidates = [name for name, spec in REGISTRY.items() if collective in spec.collectives]
     return min(candidates, key=lambda name: modelled_seconds(schedule_for(name, collective, nranks, root), nbytes))

@@ -6,23 +6,45 @@ the same bits for the same table (integers) or the same fold order (floats).
 
 import numpy as np
 
-from ..ops import ReduceOp
+from ..ops import ReduceOp, is_floating
 from ..plan import COPY_OP, REDUCE_FINAL_OP, SRC0
 
-# The binary ufunc each op folds with; avg folds like sum and divides once.
+
+def _ieee(fold, join_tie_bits):
+    """`fold` (np.maximum or np.minimum) with the IEEE 754-2019 rule of ops.py:
+    where both operands are zeros of different signs, the result's bits are
+    `join_tie_bits` of theirs (AND: +0 wins, for max; OR: -0 wins, for min)."""
+
+    def ieee_fold(a, b, out):
+        if not is_floating(a.dtype):
+            return fold(a, b, out=out)
+        both_zero = (a == 0) & (b == 0)
+        tied = np.flatnonzero(both_zero) if both_zero.any() else None
+        if tied is not None:  # read before `out`, which may be `a` or `b`, is written
+            bits = np.dtype(f"u{a.itemsize}")
+            tie = join_tie_bits(a.view(bits)[tied], b.view(bits)[tied])
+        fold(a, b, out=out)
+        if tied is not None:
+            out.view(bits)[tied] = tie
+        return out
+
+    return ieee_fold
+
+
+# The binary fold each op uses; avg folds like sum and divides once.
 _FOLD = {
     ReduceOp.SUM: np.add,
     ReduceOp.AVG: np.add,
     ReduceOp.PROD: np.multiply,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: _ieee(np.maximum, np.bitwise_and),
+    ReduceOp.MIN: _ieee(np.minimum, np.bitwise_or),
 }
 
 
 def divide_by_ranks(values, nranks):
     """avg's last step, in place: floats divide (correctly rounded), integers
     truncate toward zero as C and CUDA do (NumPy's // floors)."""
-    if values.dtype.kind == "f":
+    if is_floating(values.dtype):
         np.true_divide(values, nranks, out=values)
     elif values.dtype.kind == "u":
         np.floor_divide(values, nranks, out=values)
@@ -34,6 +56,11 @@ def divide_by_ranks(values, nranks):
 
 def execute(rows, buffer, op, nranks):
     """Run op table `rows`; `buffer(rank, buffer_id)` gives a flat array."""
+    with np.errstate(all="ignore"):  # inf - inf is NaN by IEEE 754, not a user error
+        _execute(rows, buffer, op, nranks)
+
+
+def _execute(rows, buffer, op, nranks):
     fold = _FOLD[op]
     for rank, kind, count, dst_buf, dst_off, nsrc, *sources in rows.tolist():
         dst = buffer(rank, dst_buf)[dst_off:dst_off + count]

@@ -133,6 +133,10 @@ class Waiter:
 class ShmRank:
     """This process's rank of a communicator whose ranks share one machine."""
 
+    addressable = False  # peers see only each other's workspaces: plans copy in and out
+    host_only = True     # it indexes NumPy arrays
+    locations = None
+
     def __init__(self, rank, size, prefix):
         self.rank, self.size, self.prefix = rank, size, prefix
         control_bytes = 8 * (HEADER + ROW * size) + REASON_BYTES
@@ -229,8 +233,8 @@ class ShmRank:
 
     # -- collectives ----------------------------------------------------------
 
-    def run(self, plan, inputs, outputs, deadline):
-        """Execute this rank's part of `plan`; inputs/outputs hold one array."""
+    def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
+        """Execute this rank's part of `plan`; the lists hold this rank's arrays."""
         description = describe_call(plan)
         signature, base = self._enter(description)
         views = {}

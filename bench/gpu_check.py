@@ -1,0 +1,213 @@
+"""One command for a machine with a GPU: python -m bench.gpu_check
+
+1. runs the `gpu` tests (pytest -m gpu) on the chosen device;
+2. measures plan_step's achieved bandwidth (bytes read plus written per
+   second) for copy and reduce rows against a plain device-to-device copy of
+   the same size, in the same run, alternating the two, for each variant of
+   the kernel (unroll, launch bounds);
+3. runs the allreduce benchmark on --ranks ranks of one GPU;
+4. writes everything to one JSON under bench/results/ with the device,
+   driver, CUDA, CuPy and NCCL versions and the exact command.
+
+`--device emulated` runs the same steps on the CPU (our kernels compiled for
+it): CI does, so that on a GPU only the CuPy adapter is new.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import all_reduce_perf, harness
+from collectives import kernels
+from collectives.binding import INPUT, OUTPUT
+from collectives.executors.device import grid_for
+from collectives.plan import COPY_OP, REDUCE_OP
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "emulated"])
+    p.add_argument("--ranks", type=int, default=4, help="ranks on the one GPU for the allreduce benchmark")
+    p.add_argument("--bytes", default=None, help="message size of the kernel bandwidth test (default 256M on a "
+                                                  "GPU, 1M emulated)")
+    p.add_argument("--maxbytes", default=None, help="largest allreduce message (default 256M, 1M emulated)")
+    p.add_argument("--unroll", default="1,2,4", help="unroll variants of plan_step to measure (GPU only)")
+    p.add_argument("--min-blocks", default="4,8", help="launch-bound variants (blocks per multiprocessor) to measure")
+    p.add_argument("--repeats", type=int, default=20, help="timed launches per measurement")
+    p.add_argument("--skip-tests", action="store_true", help="do not run the gpu tests")
+    p.add_argument("-J", "--output_file", default=None, help="JSON path (default bench/results/gpu_check_<device>.json)")
+    args = p.parse_args(argv)
+    emulated = args.device == "emulated"
+    args.nbytes = harness.parse_size(args.bytes or ("1M" if emulated else "256M"))
+    args.maxbytes = args.maxbytes or ("1M" if emulated else "256M")
+    args.variants = [(None, None)] if emulated else [
+        (int(m), int(u)) for m in args.min_blocks.split(",") for u in args.unroll.split(",")]
+    args.output_file = args.output_file or str(ROOT / "bench" / "results" / f"gpu_check_{args.device}.json")
+    return args
+
+
+# -- 1. the gpu tests ------------------------------------------------------------
+
+def run_gpu_tests(device):
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"]
+    env = dict(os.environ, COLLECTIVES_TEST_DEVICE=device)
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
+    return {"command": " ".join(command), "env": f"COLLECTIVES_TEST_DEVICE={device}", "returncode": done.returncode,
+            "summary": summary, "seconds": round(time.perf_counter() - start, 1)}
+
+
+# -- 2. kernel bandwidth against a device copy -------------------------------------
+
+class Timer:
+    """Seconds per launch of `issue`, measured on the device's own clock."""
+
+    def __init__(self, device_kind, device):
+        self.kind, self.device = device_kind, device
+
+    def seconds(self, issue, repeats):
+        issue()  # warm up (and compile)
+        self.device.synchronize()
+        if self.kind == "cuda":
+            import cupy
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            for _ in range(repeats):
+                issue()
+            stop.record()
+            stop.synchronize()
+            return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
+        began = time.perf_counter()
+        for _ in range(repeats):
+            issue()
+        self.device.synchronize()
+        return (time.perf_counter() - began) / repeats
+
+
+def kernel_bandwidth(args, device, buffers, timer, variant):
+    """plan_step rows moving `args.nbytes` per source, against a device copy."""
+    dtype = np.dtype(np.float32)
+    count = args.nbytes // dtype.itemsize
+    results = []
+    for nsrc in (1, 2, 4):
+        kind = COPY_OP if nsrc == 1 else REDUCE_OP
+        row = [0, kind, count, OUTPUT, 0, nsrc]
+        for q in range(nsrc):
+            row += [q, INPUT, 0]  # source q is rank q's INPUT
+        table = np.array([row], np.int64)
+        memory = device.upload(table)
+        addresses = kernels.buffer_table([])
+        for q in range(nsrc):
+            addresses[q * kernels.BUFFERS + INPUT] = buffers[q].address
+        addresses[OUTPUT] = buffers[-1].address
+        instance = kernels.StepInstance("float32", 0)
+        grid = grid_for(table, device, dtype.itemsize)
+        stream = device.current_stream()
+
+        def step():
+            device.launch_step(stream, instance, grid, memory, table.shape[1], addresses, 0)
+
+        def copy():
+            device_copy(args.device, buffers[-1], buffers[0], args.nbytes)
+
+        # Alternate the two, so that the machine's noise hits both alike.
+        step_times, copy_times = [], []
+        for _ in range(3):
+            step_times.append(timer.seconds(step, args.repeats))
+            copy_times.append(timer.seconds(copy, args.repeats))
+        step_s, copy_s = min(step_times), min(copy_times)
+        moved = (nsrc + 1) * args.nbytes
+        results.append({
+            "min_blocks": variant[0], "unroll": variant[1], "sources": nsrc, "bytes_per_source": args.nbytes, "grid": list(grid),
+            "step_us": step_s * 1e6, "step_GBps": moved / step_s / 1e9,
+            "copy_us": copy_s * 1e6, "copy_GBps": 2 * args.nbytes / copy_s / 1e9,
+            "step_vs_copy": (moved / step_s) / (2 * args.nbytes / copy_s),
+        })
+        r = results[-1]
+        print(f"  min blocks {variant[0]} unroll {variant[1]}  {nsrc} source(s)  grid {grid}  plan_step {r['step_us']:9.1f} us "
+              f"{r['step_GBps']:8.1f} GB/s   device copy {r['copy_GBps']:8.1f} GB/s   ratio {r['step_vs_copy']:.3f}",
+              flush=True)
+    return results
+
+
+def device_copy(kind, dst, src, nbytes):
+    if kind == "cuda":
+        import cupy
+        cupy.cuda.runtime.memcpyAsync(dst.address, src.address, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                      cupy.cuda.get_current_stream().ptr)
+    else:
+        np.copyto(dst.array[:nbytes], src.array[:nbytes])
+
+
+def open_device(kind, variant):
+    if kind == "cuda":
+        from collectives.devices.cuda import CudaDevice
+        min_blocks, unroll = variant
+        return CudaDevice(0, defines={"COLLECTIVES_STEP_MIN_BLOCKS": min_blocks, "COLLECTIVES_STEP_UNROLL": unroll})
+    from collectives.devices import open_device as open_named
+    return open_named("emulated")
+
+
+# -- 3. and 4. ----------------------------------------------------------------------
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    report = {"command": " ".join([sys.executable, "-m", "bench.gpu_check", *argv]),
+              "environment": harness.device_environment(args.device)}
+    print(f"# gpu_check on {report['environment']['device']}", flush=True)
+
+    if not args.skip_tests:
+        print("# 1. gpu tests", flush=True)
+        report["gpu_tests"] = run_gpu_tests(args.device)
+
+    print(f"# 2. plan_step bandwidth against a device copy, {args.nbytes} bytes per source, float32", flush=True)
+    report["kernel_bandwidth"] = []
+    for variant in args.variants:
+        device = open_device(args.device, variant)
+        buffers = [device.allocate(args.nbytes) for _ in range(5)]
+        for b in buffers:
+            fill(args.device, b, args.nbytes)
+        report["kernel_bandwidth"] += kernel_bandwidth(args, device, buffers, Timer(args.device, device), variant)
+        del buffers
+
+    print(f"# 3. allreduce on {args.ranks} ranks of one device", flush=True)
+    table = Path(args.output_file).with_suffix(".allreduce.json")
+    bench_argv = ["--device", args.device, "--ranks", str(args.ranks), "-b", "8", "-e", args.maxbytes, "-f", "4",
+                  "-n", "20" if args.device == "cuda" else "3", "-w", "5" if args.device == "cuda" else "1",
+                  "-J", str(table)]
+    report["allreduce_command"] = " ".join([sys.executable, "-m", "bench.all_reduce_perf", *bench_argv])
+    code = harness.main(all_reduce_perf.ALLREDUCE, bench_argv)
+    report["allreduce"] = json.loads(table.read_text())["rows"]
+    table.unlink()
+
+    Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output_file).write_text(json.dumps(report, indent=1))
+    print(f"# wrote {args.output_file}")
+    failed = (report.get("gpu_tests", {}).get("returncode", 0) not in (0, 5)) or code != 0
+    print("# gpu_check " + ("FAILED" if failed else "passed"))
+    return 1 if failed else 0
+
+
+def fill(kind, memory, nbytes):
+    """Random float32 data (never zeros: they hide unwritten outputs)."""
+    values = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+    if kind == "cuda":
+        import cupy
+        cupy.cuda.runtime.memcpy(memory.address, values.ctypes.data, nbytes, cupy.cuda.runtime.memcpyHostToDevice)
+    else:
+        memory.array[:nbytes] = values.view(np.uint8)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

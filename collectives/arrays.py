@@ -1,0 +1,193 @@
+"""The caller's arrays, whatever library made them, as one description.
+
+A collective needs the same few facts of every array: where its memory is
+(address and device), how big it is, its element type, and whether it is
+contiguous and writable. `describe` reads them from NumPy arrays (host
+memory, also the arrays of emulated devices), CuPy arrays, PyTorch tensors,
+and any object exposing `__cuda_array_interface__` or DLPack, without
+copying anything. `empty_like` makes a new array of the same library for
+results the caller did not provide (allgather's output).
+"""
+
+import weakref
+from typing import NamedTuple, Tuple
+
+import numpy as np
+
+from .errors import InvalidUsageError
+from .ops import BFLOAT16, SUPPORTED_DTYPES
+
+HOST = "host"
+
+
+class ArrayInfo(NamedTuple):
+    """What a collective needs to know of an array (not the array itself:
+    descriptions are cached, and a cache must not keep arrays alive)."""
+    address: int
+    size: int             # elements
+    shape: Tuple[int, ...]
+    dtype: np.dtype       # a NumPy dtype (ml_dtypes.bfloat16 for bfloat16)
+    device: str           # "host" or "cuda:N"
+    contiguous: bool
+    writable: bool
+    library: str          # "numpy", "cupy", "torch", or how a foreign array came
+
+    @property
+    def nbytes(self):
+        return self.size * self.dtype.itemsize
+
+
+# id(array) -> (weak reference, ArrayInfo) of NumPy arrays already described
+# and found supported. Reading a NumPy array's address builds its
+# __array_interface__ dict (microseconds); most calls pass the same arrays
+# as the last one, so `describe` looks them up instead, after checking what
+# could have changed in place (shape, dtype, flags).
+_NUMPY_INFOS = {}
+_NUMPY_CACHE_LIMIT = 4096
+
+
+def _numpy(a):
+    return ArrayInfo(a.__array_interface__["data"][0], a.size, a.shape, a.dtype, HOST,
+                     a.flags.c_contiguous, a.flags.writeable, "numpy")
+
+
+def _remember(a, info):
+    key = id(a)
+    if len(_NUMPY_INFOS) >= _NUMPY_CACHE_LIMIT:
+        _NUMPY_INFOS.clear()
+    _NUMPY_INFOS[key] = (weakref.ref(a, lambda _, key=key: _NUMPY_INFOS.pop(key, None)), info)
+
+
+def _cupy(a):
+    return ArrayInfo(a.data.ptr, a.size, a.shape, a.dtype, f"cuda:{a.device.id}", a.flags.c_contiguous, True, "cupy")
+
+
+_TORCH_DTYPES = {f"torch.{name}": np.dtype(name) for name in SUPPORTED_DTYPES if name != "bfloat16"}
+_TORCH_DTYPES["torch.bfloat16"] = BFLOAT16
+
+
+def _torch(t):
+    dtype = _TORCH_DTYPES.get(str(t.dtype))
+    if dtype is None:
+        raise InvalidUsageError(f"a tensor of {t.dtype} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
+    device = f"cuda:{t.device.index}" if t.device.type == "cuda" else HOST if t.device.type == "cpu" else None
+    if device is None:
+        raise InvalidUsageError(f"a tensor on {t.device} is not supported (CUDA or CPU tensors only)")
+    return ArrayInfo(t.data_ptr(), t.numel(), tuple(t.shape), dtype, device, t.is_contiguous(), True, "torch")
+
+
+def _cuda_array_interface(obj):
+    interface = obj.__cuda_array_interface__
+    shape = tuple(interface["shape"])
+    dtype = np.dtype(interface["typestr"])
+    if dtype.kind == "V":
+        raise InvalidUsageError(
+            f"{type(obj).__name__} exports an untyped {dtype} through __cuda_array_interface__; "
+            "pass a CuPy array or a PyTorch tensor for bfloat16")
+    strides = interface.get("strides")
+    contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize)
+    address, readonly = interface["data"]
+    return ArrayInfo(address, int(np.prod(shape, dtype=np.int64)), shape, dtype,
+                     f"cuda:{_device_of_pointer(address)}", contiguous, not readonly, "cuda_array_interface")
+
+
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return tuple(reversed(strides))
+
+
+def _device_of_pointer(address):
+    try:
+        import cupy
+        return cupy.cuda.runtime.pointerGetAttributes(address).device
+    except Exception as error:  # no CuPy, no driver, or not device memory
+        raise InvalidUsageError(f"cannot tell which GPU holds address {address:#x}: {error}") from None
+
+
+def _dlpack(obj):
+    kind, _ = obj.__dlpack_device__()
+    if kind == 1:  # kDLCPU
+        return _numpy(np.from_dlpack(obj))._replace(library="dlpack")
+    if kind == 2:  # kDLCUDA
+        import cupy
+        return _cupy(cupy.from_dlpack(obj))._replace(library="dlpack")
+    raise InvalidUsageError(f"{type(obj).__name__} lives on DLPack device type {kind}; only CPU and CUDA are supported")
+
+
+def _describer(obj):
+    kind = type(obj)
+    module = kind.__module__.split(".")[0]
+    if isinstance(obj, np.ndarray):
+        return _numpy
+    if module == "cupy" and hasattr(obj, "data") and hasattr(obj, "device"):
+        return _cupy
+    if module == "torch" and hasattr(obj, "data_ptr"):
+        return _torch
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _cuda_array_interface
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        return _dlpack
+    return None
+
+
+_DESCRIBERS = {}  # type -> describer (or None): the per-call path asks a dict, not isinstance chains
+
+
+def _describer_of(obj):
+    kind = type(obj)
+    try:
+        return _DESCRIBERS[kind]
+    except KeyError:
+        describer = _DESCRIBERS[kind] = _describer(obj)
+        return describer
+
+
+def is_array(obj):
+    return _describer_of(obj) is not None
+
+
+# Dtype objects rather than names: dtype.name costs microseconds in NumPy 2.
+_SUPPORTED = frozenset(np.dtype(name) for name in SUPPORTED_DTYPES if name != "bfloat16") | {BFLOAT16}
+
+
+def describe(obj, name="the array"):
+    """The ArrayInfo of `obj`, or InvalidUsageError naming `name`."""
+    entry = _NUMPY_INFOS.get(id(obj))
+    if entry is not None and entry[0]() is obj:
+        info = entry[1]
+        flags = obj.flags
+        if obj.shape == info.shape and obj.dtype is info.dtype and flags.writeable == info.writable \
+                and flags.c_contiguous:
+            return info
+    describer = _describer_of(obj)
+    if describer is None:
+        raise InvalidUsageError(f"{name} must be an array (NumPy, CuPy, PyTorch, ...), got {type(obj).__name__}")
+    info = describer(obj)
+    if info.dtype not in _SUPPORTED:
+        hint = " (use uint8 for flags)" if info.dtype == np.bool_ else ""
+        raise InvalidUsageError(f"{name} has dtype {info.dtype}{hint}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    if not info.contiguous:
+        raise InvalidUsageError(f"{name} must be C-contiguous (np.ascontiguousarray makes a copy that is)")
+    if describer is _numpy:
+        _remember(obj, info)
+    return info
+
+
+def empty_like(obj, info, shape):
+    """A new array of `shape`, of the same library, dtype and device as `obj`."""
+    if info.library == "numpy":
+        return np.empty(shape, info.dtype)
+    if info.library == "torch":
+        import torch
+        return torch.empty(shape, dtype=obj.dtype, device=obj.device)
+    import cupy
+    with cupy.cuda.Device(int(info.device.split(":")[1])):
+        return cupy.empty(shape, info.dtype)
+
+
+def flat_block(obj, start, stop):
+    """Elements [start, stop) of a contiguous array, as a view of the same library."""
+    return obj.reshape(-1)[start:stop]

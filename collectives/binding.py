@@ -1,0 +1,184 @@
+"""Binding: which memory a plan's transfers read and write.
+
+A schedule works on two buffers per rank, WORK and SCRATCH (schedule.py). The
+plain way to run it (binding WORKSPACE) copies each rank's INPUT into its
+WORK first and its result into its OUTPUT last. That is what ranks in
+different processes must do, since a peer can only address a rank's
+workspace. Ranks in one process can address each other's arrays, and then
+those two copies are wasted traffic: the plan can read inputs and write
+outputs directly.
+
+`bind` rewrites the logical plan (chunk-level moves, one list per phase) for
+such ranks. A read of WORK that still holds the rank's input reads INPUT
+instead, so the copy in disappears; writes of the result buffer go straight
+to OUTPUT, so the copy out disappears where the result is already there. Two
+bindings, as the caller's arrays are related:
+
+    OUT_OF_PLACE   INPUT and OUTPUT are separate memory
+    IN_PLACE       they are the same memory, chunk for chunk (allreduce's x;
+                   reduce_scatter's output is the rank's own block of x;
+                   allgather's x is the rank's own block of the output)
+
+A rewrite is kept only if a symbolic run proves it: every phase still has
+no chunk written twice or written while another move of the phase reads it,
+and every chunk of every caller's array ends holding the same expression
+(the same values, folded in the same order, avg dividing at the same move)
+as the plain plan leaves there; and no fold writes over its third or later
+source before reading it. Otherwise the next, more cautious, rewrite is
+tried, and the plain plan is the last resort. So binding can cost speed,
+never bits.
+"""
+
+from typing import NamedTuple, Tuple
+
+from .algorithms.schedule import ALLGATHER, REDUCE, REDUCE_SCATTER, SCRATCH, WORK
+
+INPUT = 2
+OUTPUT = 3
+BUFFER_NAMES = {WORK: "WORK", SCRATCH: "SCRATCH", INPUT: "INPUT", OUTPUT: "OUTPUT"}
+
+COPY_OP = 0
+REDUCE_OP = 1
+REDUCE_FINAL_OP = 2
+
+WORKSPACE = "workspace"
+OUT_OF_PLACE = "out_of_place"
+IN_PLACE = "in_place"
+BINDINGS = (WORKSPACE, OUT_OF_PLACE, IN_PLACE)
+
+
+class Loc(NamedTuple):
+    """A chunk of one of a rank's buffers. INPUT and OUTPUT chunks use the
+    chunk numbers of WORK, also where the caller's array holds only one."""
+    rank: int
+    buffer: int
+    chunk: int
+
+    def __str__(self):
+        return f"rank{self.rank}.{BUFFER_NAMES[self.buffer]}[{self.chunk}]"
+
+
+class Move(NamedTuple):
+    """A transfer at chunk level, executed by the owner of `dst`."""
+    kind: int
+    dst: Loc
+    srcs: Tuple[Loc, ...]
+
+    @property
+    def rank(self):
+        return self.dst.rank
+
+
+def logical_phases(schedule):
+    """The plain plan: copy in, the schedule's steps, copy out."""
+    trace = schedule.trace()
+    copy_in = [Move(COPY_OP, Loc(r, WORK, c), (Loc(r, INPUT, c),))
+               for r in range(schedule.nranks) for c in schedule.input_chunks(r)]
+    steps = []
+    for s, step in enumerate(schedule.steps):
+        moves = []
+        for i, t in enumerate(step):
+            kind = COPY_OP if t.kind != REDUCE else (REDUCE_FINAL_OP if (s, i) in trace.completing else REDUCE_OP)
+            moves.append(Move(kind, Loc(*t.dst), tuple(Loc(*src) for src in t.srcs)))
+        steps.append(moves)
+    copy_out = [Move(COPY_OP, Loc(r, OUTPUT, c), (Loc(r, schedule.result_buffer, c),))
+                for r in range(schedule.nranks) for c in schedule.output_chunks(r)]
+    return [copy_in, *steps, copy_out]
+
+
+# Where a rewrite may put a write of the result buffer's chunk c of rank r,
+# when c is one of the rank's output chunks, tried in this order:
+RESULT_IN_OUTPUT = "every write of the result buffer goes to OUTPUT"
+LAST_WRITE_IN_OUTPUT = "only the last write of the result buffer goes to OUTPUT"
+RESULT_IN_WORKSPACE = "the result stays in the workspace and is copied out"
+POLICIES = (RESULT_IN_OUTPUT, LAST_WRITE_IN_OUTPUT, RESULT_IN_WORKSPACE)
+
+
+def bind(phases, schedule, binding):
+    """`phases` rewritten for `binding` (see the module doc)."""
+    if binding not in BINDINGS:
+        raise ValueError(f"unknown binding {binding!r}")
+    if binding == WORKSPACE:
+        return phases
+    layout = _Layout(schedule, in_place=(binding == IN_PLACE))
+    expected = layout.run(phases)
+    assert expected is not None, "a valid schedule's plain plan has no conflicts"
+    for policy in POLICIES:
+        candidate = _rewrite(phases, schedule, policy, layout)
+        if layout.run(candidate) == expected:
+            return candidate
+    return phases
+
+
+def storage(schedule, binding):
+    """A function naming the memory each Loc lives in: with IN_PLACE, an
+    OUTPUT chunk is the INPUT chunk it shares memory with. Hazards (waits,
+    conflicts) are between memory, not between names."""
+    if binding != IN_PLACE:
+        return lambda loc: loc
+    return _Layout(schedule, in_place=True).storage
+
+
+def _rewrite(phases, schedule, policy, layout):
+    copy_in, *steps, copy_out = phases
+    outputs = {Loc(r, schedule.result_buffer, c) for r in range(schedule.nranks) for c in schedule.output_chunks(r)}
+    last_write = {m.dst: p for p, step in enumerate(steps) for m in step}
+    home = {m.dst: m.srcs[0] for m in copy_in}  # logical chunk -> where its value is now
+
+    def destination(loc, p):
+        if loc in outputs and (policy == RESULT_IN_OUTPUT or (policy == LAST_WRITE_IN_OUTPUT and last_write[loc] == p)):
+            return Loc(loc.rank, OUTPUT, loc.chunk)
+        return loc
+
+    rewritten = [[]]
+    for p, step in enumerate(steps):
+        moves = [Move(m.kind, destination(m.dst, p), tuple(home.get(s, s) for s in m.srcs)) for m in step]
+        home.update((m.dst, bound.dst) for m, bound in zip(step, moves))
+        rewritten.append(moves)
+    final = []
+    for m in copy_out:
+        src = home.get(m.srcs[0], m.srcs[0])
+        if layout.storage(src) != layout.storage(m.dst):
+            final.append(Move(COPY_OP, m.dst, (src,)))
+    rewritten.append(final)
+    return rewritten
+
+
+class _Layout:
+    """The caller's arrays as chunks, for the symbolic run."""
+
+    def __init__(self, schedule, in_place):
+        n, chunks = schedule.nranks, range(schedule.nchunks)
+        self.inputs = {Loc(r, INPUT, c) for r in range(n)
+                       for c in ((r,) if schedule.collective == ALLGATHER else chunks)}
+        self.outputs = {Loc(r, OUTPUT, c) for r in range(n)
+                        for c in ((r,) if schedule.collective == REDUCE_SCATTER else chunks)}
+        self.in_place = in_place
+
+    def storage(self, loc):
+        """The memory a chunk lives in: in place, an OUTPUT chunk that the
+        input also has is that INPUT chunk."""
+        if self.in_place and loc.buffer == OUTPUT and Loc(loc.rank, INPUT, loc.chunk) in self.inputs:
+            return Loc(loc.rank, INPUT, loc.chunk)
+        return loc
+
+    def run(self, phases):
+        """What every caller's chunk holds after `phases`, or None if a phase
+        has a write-write or read-write conflict between its moves."""
+        state = {self.storage(loc): ("before the call", loc) for loc in self.inputs | self.outputs}
+        for phase in phases:
+            written, read_by_others = {}, set()
+            for m in phase:
+                dst = self.storage(m.dst)
+                srcs = [self.storage(s) for s in m.srcs]
+                values = [state.get(s, ("never written", s)) for s in srcs]
+                # Also the schedule's rule: a fold may overwrite only its first
+                # two sources (the host executor folds into dst from the left).
+                if dst in written or dst in srcs[2:]:
+                    return None
+                written[dst] = values[0] if m.kind == COPY_OP else (m.kind, tuple(values))
+                read_by_others.update(s for s in srcs if s != dst)
+            if read_by_others & written.keys():
+                return None
+            state.update(written)
+        return {loc: state[loc] for loc in map(self.storage, self.inputs | self.outputs)}

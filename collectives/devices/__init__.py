@@ -1,0 +1,66 @@
+"""Devices: what the GPU executor (executors/device.py) runs on.
+
+Two implementations of one small interface, so that everything above it is
+the same code on a real GPU and on a CPU:
+
+    cuda.CudaDevice          a CUDA GPU, through CuPy (the only code here that needs one)
+    emulated.EmulatedDevice  the same kernels compiled for the CPU, with streams and events
+
+The interface, duck-typed:
+
+    name                     "cuda:0", "emulated:1"
+    array_location           where its ranks' arrays live, as ArrayInfo.device says it ("cuda:0", "host")
+    resident_blocks          step-kernel blocks the device runs at once (sizes grids)
+    allocate(nbytes)         device memory; the returned object's .address is valid while it lives
+    upload(array)            a device copy of a host int64 array, complete before any later launch
+    current_stream()         the caller's current stream on this device
+    launch_step(stream, instance, grid, table, width, addresses, divisor)
+                             plan_step<instance> over grid = (blocks per row, rows)
+    new_event(), record(event, stream), wait(stream, event)
+                             cross-stream ordering with CUDA's semantics: a wait
+                             is for the most recent record before it
+    enable_peer_access(other), is_capturing(stream), synchronize()
+    call_returned()          a collective is about to return to its caller
+
+Device specs, as `Communicator.local(devices=...)` takes them: an int or
+"cuda:N" for a GPU, "emulated" or "emulated:N" for an emulated device.
+"""
+
+import re
+
+from ..errors import InvalidUsageError
+
+_SPEC = re.compile(r"^(cuda|emulated)(?::(\d+))?$")
+_OPEN = {}  # (kind, index) -> device: one object per device per process
+
+
+def parse_spec(spec):
+    """(kind, index) of a device spec."""
+    if isinstance(spec, bool):
+        raise InvalidUsageError(f"a device is an int or a name like 'cuda:0' or 'emulated:1', got {spec!r}")
+    if isinstance(spec, int):
+        kind, index = "cuda", spec
+    else:
+        match = _SPEC.match(str(spec).strip().lower()) if isinstance(spec, str) else None
+        if match is None:
+            raise InvalidUsageError(f"a device is an int or a name like 'cuda:0' or 'emulated:1', got {spec!r}")
+        kind, index = match[1], int(match[2] or 0)
+    if index < 0:
+        raise InvalidUsageError(f"device index must be >= 0, got {spec!r}")
+    return kind, index
+
+
+def open_device(spec):
+    """The process-wide device object for `spec`."""
+    key = parse_spec(spec)
+    device = _OPEN.get(key)
+    if device is None:
+        kind, index = key
+        if kind == "emulated":
+            from .emulated import EmulatedDevice
+            device = EmulatedDevice(index)
+        else:
+            from .cuda import CudaDevice
+            device = CudaDevice(index)
+        _OPEN[key] = device
+    return device

@@ -1,0 +1,145 @@
+"""A CUDA GPU through CuPy: the only code in the library that needs one.
+
+Kept to the calls of the device interface (__init__.py); everything it does
+for a collective, the emulated device does too, so it is the one part that
+CPU-only CI cannot run. Kernels come from kernels/plan_step.cu, one
+instance per module, compiled on first use by NVRTC with our options
+(kernels.nvrtc_cubin, cached on disk) and loaded with `cupy.RawModule`.
+Launches go through the driver's cuLaunchKernel with a prepared parameter
+block, because the buffer table is a 2 KiB struct passed by value.
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from .. import kernels
+from ..errors import CollectiveError
+
+# plan_step(const long long* table, int width, BufferTable buffers, int divisor),
+# laid out as the C++ compiler lays out the parameters, in 8-byte words: the
+# table pointer, width (its low 4 bytes), the buffer table, divisor (low 4).
+_WIDTH_WORD, _BUFFERS_WORD = 1, 2
+_DIVISOR_WORD = _BUFFERS_WORD + kernels.MAX_RANKS * kernels.BUFFERS
+_PARAMETER_OFFSETS = (0, 8 * _WIDTH_WORD, 8 * _BUFFERS_WORD, 8 * _DIVISOR_WORD)
+BLOCKS_PER_MULTIPROCESSOR = 2048 // kernels.STEP_THREADS
+
+
+class CudaMemory:
+    """Device memory and its address; the memory lives as long as this does."""
+
+    def __init__(self, owner, address, nbytes):
+        self.owner, self.address, self.nbytes = owner, address, nbytes
+
+
+class CudaDevice:
+    def __init__(self, index, defines=None):
+        """GPU `index`. `defines` adds preprocessor definitions to every
+        kernel it compiles (bench/gpu_check.py measures variants this way)."""
+        try:
+            import cupy
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as error:  # no driver, no GPU: CuPy raises its own runtime errors
+            raise CollectiveError(f"cuda:{index} is not usable: {error}") from error
+        if index >= count:
+            raise CollectiveError(f"cuda:{index} does not exist: this machine has {count} GPU(s)")
+        from cupy.cuda import driver
+        self._cupy, self._driver = cupy, driver
+        self.index = index
+        self.name = self.array_location = f"cuda:{index}"
+        self._device = cupy.cuda.Device(index)
+        self.resident_blocks = self._device.attributes["MultiProcessorCount"] * BLOCKS_PER_MULTIPROCESSOR
+        self._functions = {}   # StepInstance -> CUfunction
+        self._kernels = []
+        self._defines = tuple(f"-D{name}={value}" for name, value in sorted((defines or {}).items()))
+        # CUDA's headers for NVRTC: the toolkit CuPy uses, else the CUDA wheels.
+        toolkit = cupy.cuda.get_cuda_path()
+        headers = Path(toolkit) / "include" if toolkit else None
+        self._include_dirs = [headers] if headers and (headers / "cuda_fp16.h").is_file() else kernels.cuda_include_dirs()
+        # One parameter block per device: cuLaunchKernel copies it at launch.
+        self._parameters = np.zeros(_DIVISOR_WORD + 1, np.uint64)
+        self._parameter_addresses = np.array([self._parameters.ctypes.data + o for o in _PARAMETER_OFFSETS], np.uint64)
+        self._parameter_pointer = self._parameter_addresses.ctypes.data
+        self._addresses_in_block = None
+
+    def __repr__(self):
+        return f"<CudaDevice {self.name}>"
+
+    def allocate(self, nbytes):
+        with self._device:
+            memory = self._cupy.cuda.alloc(max(nbytes, 1))
+        return CudaMemory(memory, memory.ptr, nbytes)
+
+    def upload(self, array):
+        with self._device:
+            copy = self._cupy.asarray(np.ascontiguousarray(array))
+            self._cupy.cuda.get_current_stream().synchronize()
+        return CudaMemory(copy, copy.data.ptr, copy.nbytes)
+
+    def current_stream(self):
+        return self._cupy.cuda.get_current_stream(self.index)
+
+    def _function(self, instance):
+        function = self._functions.get(instance)
+        if function is None:
+            major, minor = self._device.compute_capability[:-1], self._device.compute_capability[-1]
+            cubin, lowered = kernels.nvrtc_cubin(instance, f"sm_{major}{minor}", self._include_dirs, self._defines)
+            with self._device:
+                module = self._cupy.RawModule(path=str(cubin))
+                kernel = module.get_function(lowered)
+                kernel.compile()
+            self._kernels.append(kernel)  # owns the module the function lives in
+            function = self._functions[instance] = kernel.kernel.ptr
+        return function
+
+    def launch_step(self, stream, instance, grid, table, width, addresses, divisor):
+        function = self._functions.get(instance) or self._function(instance)
+        parameters = self._parameters
+        parameters[0] = table.address
+        parameters[_WIDTH_WORD] = width
+        if addresses is not self._addresses_in_block:  # the executor passes one table per call
+            parameters[_BUFFERS_WORD:_DIVISOR_WORD] = addresses
+            self._addresses_in_block = addresses
+        parameters[_DIVISOR_WORD] = divisor
+        runtime = self._cupy.cuda.runtime
+        current = runtime.getDevice()
+        if current != self.index:  # launch in this device's context, then give the caller theirs back
+            runtime.setDevice(self.index)
+        try:
+            self._driver.launchKernel(function, grid[0], grid[1], 1, kernels.STEP_THREADS, 1, 1, 0, stream.ptr,
+                                      self._parameter_pointer, 0)
+        finally:
+            if current != self.index:
+                runtime.setDevice(current)
+
+    def new_event(self):
+        with self._device:
+            return self._cupy.cuda.Event(block=False, disable_timing=True)
+
+    def record(self, event, stream):
+        event.record(stream)
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
+
+    def enable_peer_access(self, other):
+        if not isinstance(other, CudaDevice) or other.index == self.index:
+            return
+        runtime = self._cupy.cuda.runtime
+        if not runtime.deviceCanAccessPeer(self.index, other.index):
+            raise CollectiveError(f"{self.name} cannot access {other.name}'s memory (no peer access between them)")
+        with self._device:
+            try:
+                runtime.deviceEnablePeerAccess(other.index)
+            except runtime.CUDARuntimeError as error:
+                if "PeerAccessAlreadyEnabled" not in str(error):
+                    raise
+
+    def is_capturing(self, stream):
+        return stream.is_capturing()
+
+    def synchronize(self):
+        self._device.synchronize()
+
+    def call_returned(self):
+        pass  # the work stays queued on the caller's stream

@@ -1,0 +1,245 @@
+"""The emulated device: our CUDA kernels run on the CPU, behind the same
+interface as a GPU (see __init__.py).
+
+Kernels: kernels/*.cu compiled by the host C++ compiler against
+kernels/emulation/cuda_host.h, whose launcher runs every (block, thread) of a
+grid one after another; exact, since the kernels are thread-independent. The
+library is built on first use and cached on disk, keyed by the sources, the
+compiler and the flags.
+
+Memory: NumPy buffers; NumPy arrays are the device arrays.
+
+Streams and events: work is queued, not run, when it is issued. When a
+collective returns (or on synchronize) the queues drain in a random order
+that respects only what CUDA promises: order within a stream, and a wait on
+an event holds its stream until the work before the matching record is done.
+So an executor that forgets a cross-device wait gets wrong answers here too,
+not just on a GPU. COLLECTIVES_EMULATED_SEED fixes the order's seed.
+"""
+
+import ctypes
+import hashlib
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from .. import kernels
+from ..errors import CollectiveError
+
+RESIDENT_BLOCKS = 2  # a small grid: every emulated thread strides over more elements
+
+
+class EmulatedMemory:
+    """Device memory of an emulated device: a 256-byte aligned NumPy buffer."""
+
+    def __init__(self, nbytes):
+        self._buffer = np.zeros(nbytes + 256, np.uint8)
+        start = (-self._buffer.ctypes.data) % 256
+        self.array = self._buffer[start:start + nbytes]
+        self.address = self.array.ctypes.data
+        self.nbytes = nbytes
+
+
+class EmulatedEvent:
+    def __init__(self):
+        self.records = 0     # records issued
+        self.completed = 0   # records whose preceding work has run
+
+
+class EmulatedStream:
+    def __init__(self, device):
+        self.device = device
+        self.queue = deque()
+
+    def __repr__(self):
+        return f"<EmulatedStream of {self.device.name}>"
+
+
+class _Engine:
+    """Every emulated stream of the process, drained together."""
+
+    def __init__(self):
+        self.streams = []
+        self.lock = threading.Lock()
+        seed = os.environ.get("COLLECTIVES_EMULATED_SEED")
+        self.random = random.Random(int(seed) if seed else None)
+
+    def drain(self):
+        with self.lock:
+            while True:
+                busy = [s for s in self.streams if s.queue]
+                if not busy:
+                    return
+                ready = [s for s in busy if _ready(s.queue[0])]
+                if not ready:
+                    for s in busy:
+                        s.queue.clear()
+                    raise CollectiveError(
+                        "emulated streams deadlocked: every queue waits on an event that is never recorded "
+                        f"({', '.join(map(repr, busy))})")
+                stream = self.random.choice(ready)
+                operation = stream.queue.popleft()
+                try:
+                    operation[1](*operation[2:])
+                except BaseException:
+                    for s in self.streams:  # what was queued behind a failure never runs
+                        s.queue.clear()
+                    raise
+
+
+def _ready(operation):
+    if operation[0] == "wait":
+        event, generation = operation[2], operation[3]
+        return event.completed >= generation
+    return True
+
+
+def _complete(event, generation):
+    event.completed = max(event.completed, generation)
+
+
+def _nothing(*_):
+    pass
+
+
+_ENGINE = _Engine()
+
+
+class EmulatedDevice:
+    def __init__(self, index):
+        self.index = index
+        self.name = f"emulated:{index}"
+        self.resident_blocks = RESIDENT_BLOCKS
+        self.array_location = "host"  # NumPy arrays are this device's arrays
+        self._library = library()
+        self._default_stream = self.new_stream()
+        self._current = self._default_stream
+
+    def __repr__(self):
+        return f"<EmulatedDevice {self.name}>"
+
+    # -- memory -----------------------------------------------------------
+
+    def allocate(self, nbytes):
+        return EmulatedMemory(nbytes)
+
+    def upload(self, array):
+        memory = EmulatedMemory(array.nbytes)
+        memory.array[:] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        return memory
+
+    # -- streams ------------------------------------------------------------
+
+    def new_stream(self):
+        stream = EmulatedStream(self)
+        with _ENGINE.lock:
+            _ENGINE.streams.append(stream)
+        return stream
+
+    def current_stream(self):
+        return self._current
+
+    def use_stream(self, stream):
+        """Make `stream` this device's current stream (None: the default one)."""
+        self._current = stream or self._default_stream
+
+    def launch_step(self, stream, instance, grid, table, width, addresses, divisor):
+        addresses = np.array(addresses, np.uint64)  # the caller may reuse its array before this runs
+        stream.queue.append(("launch", self._run_step, instance, grid, table, width, addresses, divisor))
+
+    def _run_step(self, instance, grid, table, width, addresses, divisor):
+        status = self._library.collectives_emulated_plan_step(
+            instance.element_index, instance.op_code, grid[0], grid[1], kernels.STEP_THREADS,
+            table.address, width, addresses.ctypes.data, divisor)
+        if status != 0:
+            raise CollectiveError(f"the emulated plan_step rejected {instance} (status {status})")
+
+    def new_event(self):
+        return EmulatedEvent()
+
+    def record(self, event, stream):
+        event.records += 1
+        stream.queue.append(("record", _complete, event, event.records))
+
+    def wait(self, stream, event):
+        if event.records:  # as in CUDA, waiting for an event never recorded is no wait
+            stream.queue.append(("wait", _nothing, event, event.records))
+
+    def enable_peer_access(self, other):
+        pass  # one address space
+
+    def is_capturing(self, stream):
+        return False
+
+    def synchronize(self):
+        _ENGINE.drain()
+
+    def call_returned(self):
+        # NumPy arrays are this device's arrays and the caller reads them
+        # right away, so a collective completes before it returns.
+        _ENGINE.drain()
+
+
+# -- the library ---------------------------------------------------------------
+
+_LOADED = {}
+
+
+def library():
+    """The emulation library (built on first use, then cached on disk)."""
+    if "lib" not in _LOADED:
+        _LOADED["lib"] = _load(_build())
+    return _LOADED["lib"]
+
+
+def compiler():
+    found = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if found is None:
+        raise CollectiveError("the emulated device needs a C++ compiler (g++ or $CXX) to build its kernels")
+    return found
+
+
+def build_command(output):
+    source = kernels.source_dir()
+    flags = ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
+             "-include", str(source / "emulation" / "cuda_host.h")]
+    flags += [f"-I{d}" for d in kernels.cuda_include_dirs()]
+    return [compiler(), *flags, str(source / "emulation" / "launch.cpp"), "-o", str(output)]
+
+
+def _build():
+    command = build_command("OUTPUT")
+    digest = hashlib.sha256(kernels.sources_digest().encode())
+    digest.update(" ".join(command).encode())
+    digest.update(subprocess.run([command[0], "--version"], capture_output=True).stdout)
+    target = kernels.cache_dir() / f"emulated-{digest.hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run(build_command(built), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise CollectiveError("building the emulated kernels failed:\n"
+                                  + kernels.describe_compile_error(result.stderr))
+        os.replace(built, target)  # atomic: concurrent builders all end with a whole file
+    return target
+
+
+def _load(path):
+    lib = ctypes.CDLL(str(path))
+    lib.collectives_emulated_plan_step.restype = ctypes.c_int
+    lib.collectives_emulated_plan_step.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+    ]
+    if (lib.collectives_emulated_max_ranks(), lib.collectives_emulated_buffers()) != (kernels.MAX_RANKS, kernels.BUFFERS):
+        raise CollectiveError(f"{path} was built from other kernel sources; delete it and try again")
+    return lib

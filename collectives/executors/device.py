@@ -1,0 +1,236 @@
+"""The GPU executor: plans run by the step kernel, on any device that
+implements the interface of devices/__init__.py (CUDA GPUs, emulated ones).
+
+Ranks in this process, each on a device; several ranks may share one. For
+each plan it prepares, once, a program:
+
+* per phase and device, the rows of that device's ranks as a table in device
+  memory, and one plan_step launch over them;
+* the cross-device ordering, as event records and waits derived from the
+  plan's accesses (plan.derive_waits): a device starts a phase once the
+  devices whose memory it reads (or whose earlier reads it overwrites) have
+  done the phases it depends on. Ranks on one device need nothing: their
+  rows share the device's stream, which keeps its order;
+* a join at the end: every device waits for the devices that read its
+  memory during the call, so when the call is done on a device's stream,
+  its arrays are the caller's again. That also orders consecutive calls.
+
+A call then resolves the buffer addresses (each rank's workspace and the
+caller's arrays) and issues the program on each device's current stream. It
+never waits for a device: the work can be captured in a CUDA graph when all
+ranks share one GPU.
+"""
+
+from typing import NamedTuple, Tuple
+
+import numpy as np
+
+from .. import kernels
+from ..algorithms.schedule import REDUCING_COLLECTIVES
+from ..binding import INPUT, OUTPUT
+from ..errors import InvalidUsageError
+from ..ops import ReduceOp
+from ..plan import RANK, SCRATCH, WORK, derive_waits
+
+LAUNCH, RECORD, WAIT = "launch", "record", "wait"
+
+
+class Launch(NamedTuple):
+    table: object          # device memory holding the rows
+    width: int
+    grid: Tuple[int, int]  # (blocks per row, rows)
+
+
+class Program(NamedTuple):
+    plan: object
+    instance: kernels.StepInstance
+    divisor: int
+    steps: tuple           # (LAUNCH, device, grid, table, width) | (RECORD | WAIT, device, event key, None, None)
+    events: dict           # event key -> event (created on the recording device)
+    launches: Tuple[int, ...]  # per device
+
+
+def grid_for(rows, device, itemsize):
+    """(blocks per row, rows): enough blocks to fill the device, no more than
+    the longest row has 16-byte packs for."""
+    longest = int(rows[:, 2].max())
+    packs = -(-longest * itemsize // 16)
+    per_row = max(1, min(-(-packs // kernels.STEP_THREADS), device.resident_blocks // len(rows)))
+    return (per_row, len(rows))
+
+
+class DeviceRanks:
+    """Ranks of one process, each on a device (the object `run` is called on)."""
+
+    addressable = True  # ranks read each other's arrays: plans skip the workspace copies
+    host_only = False
+
+    def __init__(self, devices):
+        if len(devices) > kernels.MAX_RANKS:
+            raise InvalidUsageError(f"at most {kernels.MAX_RANKS} ranks per process on devices, got {len(devices)}")
+        self.rank_devices = list(devices)
+        self.devices = list(dict.fromkeys(devices))     # distinct, in order of first use
+        self.device_of_rank = [self.devices.index(d) for d in devices]
+        self.ranks_of_device = [[r for r, k in enumerate(self.device_of_rank) if k == i]
+                                for i in range(len(self.devices))]
+        # Where each rank's arrays must live (an emulated device's are in host memory).
+        self.locations = [device.array_location for device in devices]
+        for a in self.devices:
+            for b in self.devices:
+                if a is not b:
+                    a.enable_peer_access(b)
+        self._workspaces = [None] * len(devices)
+        self._retired = []      # outgrown workspaces: in-flight work may still use them
+        self._programs = {}     # id(plan) -> Program
+        self._last_addresses = None
+
+    # -- the per-call path -----------------------------------------------------
+
+    def run(self, plan, inputs, outputs, input_infos, output_infos, deadline=None):
+        """Issue `plan` on each device's current stream for the ranks' arrays
+        (only their ArrayInfos matter here)."""
+        entry = self._programs.get(id(plan))
+        program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
+        devices = self.devices
+        streams = [device.current_stream() for device in devices]
+        if len(devices) > 1 and any(d.is_capturing(s) for d, s in zip(devices, streams)):
+            raise InvalidUsageError(
+                "capturing a collective in a CUDA graph works when all ranks share one GPU; "
+                f"these ranks use {len(devices)} devices")
+        addresses = self._addresses(plan, input_infos, output_infos)
+        instance, divisor, events = program.instance, program.divisor, program.events
+        for kind, k, a, b, c in program.steps:
+            if kind is LAUNCH:   # a, b, c: grid, table, width
+                devices[k].launch_step(streams[k], instance, a, b, c, addresses, divisor)
+            elif kind is RECORD:
+                devices[k].record(events[a], streams[k])
+            else:
+                devices[k].wait(streams[k], events[a])
+        for device in devices:
+            device.call_returned()
+
+    def _addresses(self, plan, inputs, outputs):
+        """The BufferTable of this call: per rank WORK, SCRATCH, INPUT, OUTPUT.
+        The same buffers as the last call give the same table object, which
+        the CUDA adapter then need not copy again."""
+        need = plan.workspace_bytes
+        key = (tuple(inputs), tuple(outputs), need, plan.scratch_offset)
+        if self._last_addresses is not None and self._last_addresses[0] == key:
+            return self._last_addresses[1]
+        addresses = []
+        for rank, (i, o) in enumerate(zip(inputs, outputs)):
+            work = self._workspace(rank, need).address if need else 0
+            addresses += (work, work + plan.scratch_offset if need else 0, i.address, o.address)
+        assert (WORK, SCRATCH, INPUT, OUTPUT) == (0, 1, 2, 3), "the order of a rank's addresses above"
+        table = np.zeros(kernels.MAX_RANKS * kernels.BUFFERS, np.uint64)
+        table[:len(addresses)] = addresses
+        table.setflags(write=False)  # adapters may keep it: a new call makes a new table
+        self._last_addresses = (key, table)
+        return table
+
+    def _workspace(self, rank, nbytes):
+        workspace = self._workspaces[rank]
+        if workspace is None or workspace.nbytes < nbytes:
+            if workspace is not None:
+                self._retired.append(workspace)
+            grown = max(nbytes, 2 * workspace.nbytes) if workspace is not None else nbytes
+            workspace = self._workspaces[rank] = self.rank_devices[rank].allocate(grown)
+        return workspace
+
+    # -- preparing a plan, once ----------------------------------------------------
+
+    def _prepare(self, plan):
+        instance = kernels.step_instance(plan.dtype, ReduceOp(plan.op), plan.collective in REDUCING_COLLECTIVES)
+        divisor = kernels.step_divisor(ReduceOp(plan.op), plan.nranks)
+        ndevices = len(self.devices)
+        launches = {}  # (phase, device) -> Launch
+        for p, phase in enumerate(plan.phases):
+            for k, ranks in enumerate(self.ranks_of_device):
+                rows = phase.table[np.isin(phase.table[:, RANK], ranks)]
+                if len(rows):
+                    grid = grid_for(rows, self.devices[k], plan.dtype.itemsize)
+                    launches[p, k] = Launch(self.devices[k].upload(rows), rows.shape[1], grid)
+        steps, recorded = self._order(plan, launches)
+        events = {key: self.devices[key[0]].new_event() for key in recorded}
+        program = Program(plan, instance, divisor, tuple(steps), events,
+                          tuple(sum(1 for (_, k) in launches if k == i) for i in range(ndevices)))
+        self._programs[id(plan)] = program
+        return program
+
+    def _order(self, plan, launches):
+        """The program's steps: launches with the records and waits between
+        devices that the plan's accesses call for; see the module doc."""
+        nphases, ndevices = len(plan.phases), len(self.devices)
+        device_of = self.device_of_rank
+        waits = derive_waits(plan.nranks, plan.access, after_previous_call=False)
+
+        def after(j, t):
+            """The event that says device j has done its first t phases."""
+            done = [p for p in range(t) if (p, j) in launches]
+            return (j, done[-1]) if done else (j, "start")
+
+        needed = {}       # (phase, device) -> events to wait for before its launch
+        pending = [dict() for _ in range(ndevices)]
+        for p in range(nphases):
+            for rank, rank_waits in enumerate(waits[p]):
+                k = device_of[rank]
+                for peer, t in rank_waits:
+                    j = device_of[peer]
+                    if j != k:
+                        pending[k][j] = max(pending[k].get(j, 0), t)
+            for k in range(ndevices):
+                if (p, k) in launches and pending[k]:
+                    needed[p, k] = [after(j, t) for j, t in sorted(pending[k].items())]
+                    pending[k] = {}
+        last = {k: max(p for (p, j) in launches if j == k) for k in range(ndevices)
+                if any(j == k for (_, j) in launches)}
+        readers = [set() for _ in range(ndevices)]
+        for _, reads in plan.access:
+            for reader, region in reads:
+                j, k = device_of[reader], device_of[region.rank]
+                if j != k:
+                    readers[k].add(j)
+        joins = {k: [(j, last[j]) for j in sorted(readers[k]) if j in last] for k in range(ndevices)}
+
+        recorded = {key for keys in needed.values() for key in keys} | {key for keys in joins.values() for key in keys}
+        steps = [(RECORD, j, (j, "start"), None, None) for j in range(ndevices) if (j, "start") in recorded]
+        satisfied = [dict() for _ in range(ndevices)]  # per device: peer -> latest phase already waited for
+        for p in range(nphases):
+            for k in range(ndevices):
+                if (p, k) not in launches:
+                    continue
+                for key in needed.get((p, k), ()):
+                    if key[1] == "start" or key[1] > satisfied[k].get(key[0], -1):
+                        steps.append((WAIT, k, key, None, None))
+                        if key[1] != "start":
+                            satisfied[k][key[0]] = key[1]
+                launch = launches[p, k]
+                steps.append((LAUNCH, k, launch.grid, launch.table, launch.width))
+                if (k, p) in recorded:
+                    steps.append((RECORD, k, (k, p), None, None))
+        for k in range(ndevices):
+            steps.extend((WAIT, k, key, None, None) for key in joins[k] if key[1] > satisfied[k].get(key[0], -1))
+        return steps, recorded
+
+    # -- reports ---------------------------------------------------------------
+
+    def launches(self, plan):
+        """Kernel launches per device for `plan`."""
+        entry = self._programs.get(id(plan))
+        program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
+        return program.launches
+
+    # -- life cycle ------------------------------------------------------------
+
+    def barrier(self, deadline):
+        pass  # ranks in one process: every call is already collective
+
+    def abort(self, reason):
+        pass
+
+    def close(self):
+        for device in self.devices:
+            device.synchronize()
+        self._workspaces = [None] * len(self.rank_devices)
+        self._retired.clear()
+        self._programs.clear()

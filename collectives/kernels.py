@@ -1,0 +1,214 @@
+"""The CUDA C kernels in kernels/: where they are, how their instances are
+named, and how they are compiled.
+
+Importing this module compiles nothing. The CUDA adapter compiles the
+instance a call needs with NVRTC (`nvrtc_cubin`, cached on disk) and loads
+it with `cupy.RawModule`; the emulated device compiles every instance once
+with the host C++ compiler (devices/emulated.py). The numbers below mirror
+kernels/*.cu, and tests/test_kernel_sources.py checks that they agree.
+
+Why not `RawModule(code=...)`: CuPy adds -ftz=true to every NVRTC compile,
+and flushing subnormal float32 values to zero changes bfloat16 and float32
+results (an H100 showed it against NumPy); and CuPy's cache key covers the
+source it is given, not the headers that source includes.
+"""
+
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from .errors import CollectiveError
+from .ops import ReduceOp
+
+STEP_THREADS = 256   # kStepThreads: threads per block of plan_step
+MAX_RANKS = 64       # kMaxRanks: ranks a buffer table addresses
+BUFFERS = 4          # kBuffers: WORK, SCRATCH, INPUT, OUTPUT per rank
+
+# COLLECTIVES_FOR_EACH_ELEMENT, in order: NumPy dtype name -> C++ element type.
+ELEMENTS = {
+    "int8": "Int8", "int16": "Int16", "int32": "Int32", "int64": "Int64",
+    "uint8": "Uint8", "uint16": "Uint16", "uint32": "Uint32", "uint64": "Uint64",
+    "float16": "Float16", "bfloat16": "BFloat16", "float32": "Float32", "float64": "Float64",
+}
+ELEMENT_INDEX = {name: i for i, name in enumerate(ELEMENTS)}
+
+# collectives::Op. avg folds as sum; its division happens in REDUCE_FINAL rows.
+OP_CODES = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 0}
+
+# Copies do not look at values, so collectives that only copy use the
+# unsigned type of the same width: fewer instances to compile.
+_COPY_ELEMENT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+
+
+class StepInstance(NamedTuple):
+    """One instance of plan_step: an element type and an op."""
+    element: str       # NumPy dtype name
+    op_code: int
+
+    @property
+    def name_expression(self):
+        return f"collectives::plan_step<collectives::{ELEMENTS[self.element]}, {self.op_code}>"
+
+    @property
+    def element_index(self):
+        return ELEMENT_INDEX[self.element]
+
+
+def step_instance(dtype, op, reduces):
+    """The plan_step instance for a call; `reduces` is False for collectives
+    whose plans only copy (allgather, broadcast)."""
+    if not reduces:
+        return StepInstance(_COPY_ELEMENT[dtype.itemsize], OP_CODES[ReduceOp.SUM])
+    return StepInstance(dtype.name, OP_CODES[op])
+
+
+def step_divisor(op, nranks):
+    """plan_step's `divisor` argument: avg divides in REDUCE_FINAL rows."""
+    return nranks if op is ReduceOp.AVG else 0
+
+
+def source_dir():
+    """kernels/: beside the package when installed, at the repository root
+    in a source checkout (and an editable install)."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "kernels", package.parent / "kernels"):
+        if (candidate / "plan_step.cu").is_file():
+            return candidate
+    raise CollectiveError(f"the kernel sources (kernels/plan_step.cu) are missing beside {package}")
+
+
+@functools.lru_cache(maxsize=None)
+def step_source():
+    return (source_dir() / "plan_step.cu").read_text()
+
+
+# Every float operation exactly as written and IEEE: no FMA contraction, no
+# flushing of subnormals, correctly rounded division.
+NVRTC_OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
+
+
+def cache_dir():
+    """Where compiled kernels are kept: $COLLECTIVES_CACHE_DIR, else
+    $XDG_CACHE_HOME/collectives, else ~/.cache/collectives."""
+    base = os.environ.get("COLLECTIVES_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "collectives")
+    return Path(base)
+
+
+def sources_digest():
+    """A hash of every kernel source file: a change to any header rebuilds."""
+    digest = hashlib.sha256()
+    source = source_dir()
+    for path in sorted([*source.glob("*.cu"), *source.glob("*.cuh"), *(source / "emulation").iterdir()]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def nvrtc_cubin(instance, arch, include_dirs, defines=()):
+    """(path of a cubin holding `instance` for `arch` like "sm_90", its
+    lowered name), compiled with NVRTC through CuPy's bindings and cached
+    on disk by sources, options, NVRTC version and instance."""
+    from cupy.cuda import nvrtc
+
+    options = [*NVRTC_OPTIONS, *defines, f"--gpu-architecture={arch}", f"-I{source_dir()}",
+               *(f"-I{d}" for d in include_dirs)]
+    key = hashlib.sha256(json.dumps([sources_digest(), options, nvrtc.getVersion(), instance.name_expression])
+                         .encode()).hexdigest()[:24]
+    cubin, name_file = cache_dir() / f"step-{key}.cubin", cache_dir() / f"step-{key}.name"
+    if cubin.exists() and name_file.exists():
+        return cubin, name_file.read_text()
+    program = nvrtc.createProgram(step_source(), "plan_step.cu", [], [])
+    try:
+        nvrtc.addNameExpression(program, instance.name_expression)
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError:
+            raise CollectiveError(f"compiling {instance.name_expression} for {arch} failed:\n"
+                                  + describe_compile_error(nvrtc.getProgramLog(program))) from None
+        lowered = nvrtc.getLoweredName(program, instance.name_expression)
+        binary = _cubin(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    cubin.parent.mkdir(parents=True, exist_ok=True)
+    for path, data in ((cubin, binary), (name_file, lowered.encode())):
+        with tempfile.NamedTemporaryFile(dir=cubin.parent, delete=False) as f:
+            f.write(data)
+        os.replace(f.name, path)  # atomic: concurrent compilers all leave a whole file
+    return cubin, lowered
+
+
+def cuda_include_dirs():
+    """Directories holding cuda_fp16.h and its <nv/target>: the CUDA 13
+    wheels (nvidia-cuda-runtime, nvidia-cuda-cccl) or an installed toolkit."""
+    found = []
+    try:
+        import nvidia
+        for root in map(Path, nvidia.__path__):
+            for flavour in sorted(root.glob("cu*")):
+                include = flavour / "include"
+                if (include / "cuda_fp16.h").is_file():
+                    found += [include, include / "cccl"]
+    except ImportError:
+        pass
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(variable):
+            found.append(Path(os.environ[variable]) / "include")
+    found.append(Path("/usr/local/cuda/include"))
+    headers = [d for d in found if (d / "cuda_fp16.h").is_file()]
+    if not headers:
+        raise CollectiveError(
+            "no CUDA headers (cuda_fp16.h) found: install the toolchain wheels with "
+            "pip install 'collectives[test]', or set CUDA_HOME to a CUDA toolkit")
+    return [d for d in found if d.is_dir() and (d in headers or d.name == "cccl")]
+
+
+def _cubin(program):
+    """The cubin of a compiled NVRTC program. CuPy 14.2's nvrtc.getCUBIN
+    returned a byte short of nvrtcGetCUBINSize (and cuobjdump rejected the
+    result), so this asks the library CuPy loaded, through ctypes."""
+    import ctypes
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libnvrtc.so" in line and "builtins" not in line}
+    if not paths:
+        raise CollectiveError("NVRTC is not loaded (CuPy loads it on its first compile)")
+    library = ctypes.CDLL(sorted(paths)[0])
+    size = ctypes.c_size_t()
+    if library.nvrtcGetCUBINSize(ctypes.c_void_p(program), ctypes.byref(size)) != 0:
+        raise CollectiveError("nvrtcGetCUBINSize failed")
+    buffer = ctypes.create_string_buffer(size.value)
+    if library.nvrtcGetCUBIN(ctypes.c_void_p(program), buffer) != 0:
+        raise CollectiveError("nvrtcGetCUBIN failed")
+    return buffer.raw
+
+
+_LOCATION = re.compile(r"(?P<file>[\w./-]+\.cuh?)\((?P<line>\d+)\)")
+
+
+def describe_compile_error(log):
+    """A compiler log with each file(line) it names followed by that source line."""
+    out = []
+    for line in str(log).splitlines():
+        out.append(line)
+        match = _LOCATION.search(line)
+        if match:
+            path = source_dir() / Path(match["file"]).name
+            number = int(match["line"])
+            if path.is_file():
+                lines = path.read_text().splitlines()
+                if 0 < number <= len(lines):
+                    out.append(f"    {path.name}:{number}: {lines[number - 1].strip()}")
+    return "\n".join(out)
+
+
+def buffer_table(addresses):
+    """The BufferTable argument: MAX_RANKS * BUFFERS byte addresses."""
+    table = np.zeros(MAX_RANKS * BUFFERS, np.uint64)
+    table[:len(addresses)] = addresses
+    return table

@@ -1,0 +1,187 @@
+// Element types and reduction ops, shared by every kernel in this folder.
+//
+// An element type is a small struct: `Storage`, the bits that move through
+// memory, and the ops on those bits. Kernels never do arithmetic on anything
+// else, so every kernel reduces the way NumPy does on the host:
+//
+//   * integers: sum and prod wrap around, computed in the unsigned twin type
+//     (signed overflow is undefined in C++); avg truncates toward zero.
+//   * float32 and float64: one correctly rounded operation per fold step
+//     (__fadd_rn and friends are never contracted into an FMA).
+//   * float16 and bfloat16: computed in float32, rounded to nearest even,
+//     subnormals kept (no flush to zero anywhere).
+//     float32 has more than 2p+2 significand bits for both, so this double
+//     rounding equals one correctly rounded 16-bit operation: NumPy's bits.
+//   * max and min of floats follow IEEE 754-2019 maximum/minimum: a NaN
+//     operand gives NaN, and -0 < +0. executors/host.py applies the same rule.
+//
+// Plain C++ with CUDA qualifiers and no device-only built-ins outside the
+// helpers below, so the same file compiles for the GPU (nvcc, NVRTC) and for
+// the CPU (emulation/cuda_host.h).
+
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace collectives {
+
+// Reduction ops, as plan tables and collectives/kernels.py number them.
+// avg is not an op here: it folds as kSum and divides in REDUCE_FINAL rows.
+enum Op { kSum = 0, kProd = 1, kMax = 2, kMin = 3 };
+
+// Bit patterns of floats, without unions or pointer casts (both would push
+// values into local memory on the GPU).
+__device__ __forceinline__ unsigned int float_bits(float x) { return __float_as_uint(x); }
+__device__ __forceinline__ float float_from_bits(unsigned int b) { return __uint_as_float(b); }
+__device__ __forceinline__ unsigned long long double_bits(double x) {
+    return static_cast<unsigned long long>(__double_as_longlong(x));
+}
+__device__ __forceinline__ double double_from_bits(unsigned long long b) {
+    return __longlong_as_double(static_cast<long long>(b));
+}
+
+// max/min on bit patterns whose numeric values are a and b (see the header).
+// Equal values have equal bits except +0/-0, where AND keeps -0 only if both
+// are -0 (max) and OR gives -0 if either is (min).
+template <typename Bits, typename Value>
+__device__ __forceinline__ Bits ieee_max(Bits a, Bits b, Value va, Value vb) {
+    if (va != va) return a;
+    if (vb != vb) return b;
+    if (va > vb) return a;
+    if (vb > va) return b;
+    return a & b;
+}
+
+template <typename Bits, typename Value>
+__device__ __forceinline__ Bits ieee_min(Bits a, Bits b, Value va, Value vb) {
+    if (va != va) return a;
+    if (vb != vb) return b;
+    if (va < vb) return a;
+    if (vb < va) return b;
+    return a | b;
+}
+
+// std::conditional without <type_traits>, which NVRTC does not provide.
+template <bool Condition, typename IfTrue, typename IfFalse>
+struct Select { using type = IfTrue; };
+template <typename IfTrue, typename IfFalse>
+struct Select<false, IfTrue, IfFalse> { using type = IfFalse; };
+
+// Integers. `Wide` is what the arithmetic runs in: the unsigned twin, or
+// unsigned int for 8- and 16-bit types, which C++ would otherwise promote to
+// (signed) int, where 65535 * 65535 overflows.
+template <typename S, typename Unsigned, typename Quotient>
+struct Integer {
+    using Storage = S;
+    using Wide = typename Select<(sizeof(S) < 4), unsigned int, Unsigned>::type;
+
+    template <int Op>
+    __device__ __forceinline__ static S combine(S a, S b) {
+        if (Op == kSum) return static_cast<S>(static_cast<Wide>(static_cast<Unsigned>(a)) +
+                                              static_cast<Wide>(static_cast<Unsigned>(b)));
+        if (Op == kProd) return static_cast<S>(static_cast<Wide>(static_cast<Unsigned>(a)) *
+                                               static_cast<Wide>(static_cast<Unsigned>(b)));
+        if (Op == kMax) return a > b ? a : b;
+        return a < b ? a : b;
+    }
+
+    // avg's division: C's integer division truncates toward zero.
+    __device__ __forceinline__ static S divide(S a, int divisor) {
+        return static_cast<S>(static_cast<Quotient>(a) / static_cast<Quotient>(divisor));
+    }
+};
+
+using Int8 = Integer<signed char, unsigned char, long long>;
+using Int16 = Integer<short, unsigned short, long long>;
+using Int32 = Integer<int, unsigned int, long long>;
+using Int64 = Integer<long long, unsigned long long, long long>;
+using Uint8 = Integer<unsigned char, unsigned char, unsigned long long>;
+using Uint16 = Integer<unsigned short, unsigned short, unsigned long long>;
+using Uint32 = Integer<unsigned int, unsigned int, unsigned long long>;
+using Uint64 = Integer<unsigned long long, unsigned long long, unsigned long long>;
+
+struct Float32 {
+    using Storage = float;
+
+    template <int Op>
+    __device__ __forceinline__ static float combine(float a, float b) {
+        if (Op == kSum) return __fadd_rn(a, b);
+        if (Op == kProd) return __fmul_rn(a, b);
+        if (Op == kMax) return float_from_bits(ieee_max(float_bits(a), float_bits(b), a, b));
+        return float_from_bits(ieee_min(float_bits(a), float_bits(b), a, b));
+    }
+
+    __device__ __forceinline__ static float divide(float a, int divisor) {
+        return __fdiv_rn(a, static_cast<float>(divisor));
+    }
+};
+
+struct Float64 {
+    using Storage = double;
+
+    template <int Op>
+    __device__ __forceinline__ static double combine(double a, double b) {
+        if (Op == kSum) return __dadd_rn(a, b);
+        if (Op == kProd) return __dmul_rn(a, b);
+        if (Op == kMax) return double_from_bits(ieee_max(double_bits(a), double_bits(b), a, b));
+        return double_from_bits(ieee_min(double_bits(a), double_bits(b), a, b));
+    }
+
+    __device__ __forceinline__ static double divide(double a, int divisor) {
+        return __ddiv_rn(a, static_cast<double>(divisor));
+    }
+};
+
+// A 16-bit float stored as its bits; Codec converts to and from float32.
+template <typename Codec>
+struct Float16Like {
+    using Storage = unsigned short;
+
+    template <int Op>
+    __device__ __forceinline__ static unsigned short combine(unsigned short a, unsigned short b) {
+        const float x = Codec::to_float(a), y = Codec::to_float(b);
+        if (Op == kSum) return Codec::from_float(__fadd_rn(x, y));
+        if (Op == kProd) return Codec::from_float(__fmul_rn(x, y));
+        if (Op == kMax) return ieee_max(a, b, x, y);
+        return ieee_min(a, b, x, y);
+    }
+
+    __device__ __forceinline__ static unsigned short divide(unsigned short a, int divisor) {
+        return Codec::from_float(__fdiv_rn(Codec::to_float(a), static_cast<float>(divisor)));
+    }
+};
+
+struct HalfCodec {
+    __device__ __forceinline__ static float to_float(unsigned short bits) { return __half2float(__ushort_as_half(bits)); }
+    __device__ __forceinline__ static unsigned short from_float(float x) { return __half_as_ushort(__float2half_rn(x)); }
+};
+
+// bfloat16 is the top half of a float32, so both conversions are integer
+// operations, written out here because the hardware's are not exact:
+// on sm_90, __bfloat162float (cvt.f32.bf16) flushes subnormals to zero,
+// which an H100 showed against NumPy (bench/results/gpu_check_cuda.json).
+struct BFloat16Codec {
+    __device__ __forceinline__ static float to_float(unsigned short bits) {
+        return float_from_bits(static_cast<unsigned int>(bits) << 16);
+    }
+    // Round to nearest, ties to even: add just under half a unit of the kept
+    // part, plus one if the kept part is odd; the carry does the rest (also
+    // into the exponent, and up to infinity). NaNs stay NaNs (quiet).
+    __device__ __forceinline__ static unsigned short from_float(float x) {
+        const unsigned int bits = float_bits(x);
+        if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((bits >> 16) | 0x40u);
+        return static_cast<unsigned short>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+};
+
+using Float16 = Float16Like<HalfCodec>;
+using BFloat16 = Float16Like<BFloat16Codec>;
+
+}  // namespace collectives
+
+// Every element type and op, for explicit instantiation (the nvcc build and
+// the CPU emulation). collectives/kernels.py holds the same list.
+#define COLLECTIVES_FOR_EACH_ELEMENT(X) \
+    X(Int8) X(Int16) X(Int32) X(Int64) X(Uint8) X(Uint16) X(Uint32) X(Uint64) \
+    X(Float16) X(BFloat16) X(Float32) X(Float64)

@@ -1,0 +1,17 @@
+// Every instance of the kernels, for builds that compile ahead of time (the
+// nvcc build of CMakeLists.txt and its static checks). At run time CuPy
+// compiles only the instances a call needs (collectives/kernels.py).
+
+#include "plan_step.cu"
+
+#define COLLECTIVES_STEP_INSTANCE(Element, Op)                                              \
+    template __global__ void collectives::plan_step<collectives::Element, collectives::Op>( \
+        const long long*, int, collectives::BufferTable, int);
+
+#define COLLECTIVES_STEP_INSTANCES(Element)         \
+    COLLECTIVES_STEP_INSTANCE(Element, kSum)        \
+    COLLECTIVES_STEP_INSTANCE(Element, kProd)       \
+    COLLECTIVES_STEP_INSTANCE(Element, kMax)        \
+    COLLECTIVES_STEP_INSTANCE(Element, kMin)
+
+COLLECTIVES_FOR_EACH_ELEMENT(COLLECTIVES_STEP_INSTANCES)

@@ -1,0 +1,181 @@
+// The plan-step kernel: one launch runs every op-table row of one phase that
+// belongs to the ranks living on one device.
+//
+// A row is the int64 record collectives/plan.py defines and
+// collectives/executors/host.py interprets with NumPy (the reference meaning):
+//
+//     RANK KIND COUNT DST_BUF DST_OFF NSRC (SRC_RANK SRC_BUF SRC_OFF) * max_sources
+//
+//     COPY          dst = src0
+//     REDUCE        dst = ((src0 op src1) op src2) ...      folded left to right
+//     REDUCE_FINAL  the same, then / divisor when the op is avg (divisor > 0)
+//
+// Offsets and counts are in elements. A (rank, buffer) pair is resolved
+// through `buffers`, passed by value: the byte address of each rank's WORK,
+// SCRATCH, INPUT and OUTPUT for this call. The table itself never changes
+// for a plan, so it is uploaded once; only the addresses travel per launch.
+//
+// Grid: blockIdx.y is the row, blockIdx.x and threadIdx.x stride over its
+// elements. Every thread's work depends only on its indices: no shared
+// memory, barriers, shuffles or atomics. That makes running each (block,
+// thread) one after another on the CPU exact (emulation/), and it is why the
+// plan, not the kernel, orders the rows that depend on each other.
+//
+// Memory access: when the row's destination and every source are 16-byte
+// aligned, elements move as 16-byte packs (128-bit loads and stores) and the
+// last count % lanes elements go one by one; otherwise the whole row goes one
+// element at a time. The fold order per element is the same on both paths.
+
+#include "elements.cuh"
+
+// Packs each thread keeps in flight per loop iteration; results do not
+// depend on it. bench/gpu_check.py measures 1, 2 and 4 against a device copy
+// (bench/results/gpu_check_cuda.json).
+#ifndef COLLECTIVES_STEP_UNROLL
+#define COLLECTIVES_STEP_UNROLL 4
+#endif
+
+// Blocks of kStepThreads that must fit on one multiprocessor at once, which
+// caps registers per thread (4: 64 registers). Left unsaid, nvcc 13.5 chose
+// 32 registers for some instances and spilled; 8 (32 registers) keeps every
+// instance unspilled but slowed unroll 4 down on an H100 (gpu_check measures
+// the variants).
+#ifndef COLLECTIVES_STEP_MIN_BLOCKS
+#define COLLECTIVES_STEP_MIN_BLOCKS 4
+#endif
+
+// Loads through a pointer taken from the buffer table compile to generic
+// LD.E instead of global LDG.E unless the compiler knows the space.
+#if defined(__CUDA_ARCH__)
+#define COLLECTIVES_ASSUME_GLOBAL(p) __builtin_assume(__isGlobal(p))
+#else
+#define COLLECTIVES_ASSUME_GLOBAL(p) ((void)0)
+#endif
+
+namespace collectives {
+
+constexpr int kStepThreads = 256;  // threads per block (collectives/kernels.py: STEP_THREADS)
+constexpr int kStepMinBlocks = COLLECTIVES_STEP_MIN_BLOCKS;
+constexpr int kMaxRanks = 64;      // ranks a BufferTable addresses (kernels.py: MAX_RANKS)
+constexpr int kBuffers = 4;        // WORK, SCRATCH, INPUT, OUTPUT (plan.py numbers them 0..3)
+constexpr int kUnroll = COLLECTIVES_STEP_UNROLL;
+
+// Op-table columns and row kinds, as in collectives/plan.py.
+enum Column { kRank = 0, kKind = 1, kCount = 2, kDstBuf = 3, kDstOff = 4, kNumSrc = 5, kSrc0 = 6 };
+enum RowKind { kCopy = 0, kReduce = 1, kReduceFinal = 2 };
+
+struct BufferTable {
+    unsigned long long address[kMaxRanks * kBuffers];  // [rank * kBuffers + buffer]
+};
+
+template <typename S>
+struct alignas(16) Pack {
+    S lane[16 / sizeof(S)];
+};
+
+template <typename S>
+__device__ __forceinline__ S* element_address(const BufferTable& buffers, long long rank, long long buffer,
+                                              long long offset) {
+    S* p = reinterpret_cast<S*>(buffers.address[rank * kBuffers + buffer]) + offset;
+    COLLECTIVES_ASSUME_GLOBAL(p);
+    return p;
+}
+
+template <typename S>
+__device__ __forceinline__ const S* source(const long long* row, const BufferTable& buffers, int i) {
+    const long long* src = row + kSrc0 + 3 * i;
+    return element_address<S>(buffers, src[0], src[1], src[2]);
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+template <typename E, int Op>
+__device__ __forceinline__ void combine_into(Pack<typename E::Storage>& acc, const Pack<typename E::Storage>& x) {
+#pragma unroll
+    for (int i = 0; i < int(sizeof(acc.lane) / sizeof(acc.lane[0])); ++i)
+        acc.lane[i] = E::template combine<Op>(acc.lane[i], x.lane[i]);
+}
+
+template <typename E>
+__device__ __forceinline__ void divide_all(Pack<typename E::Storage>& acc, int divisor) {
+#pragma unroll
+    for (int i = 0; i < int(sizeof(acc.lane) / sizeof(acc.lane[0])); ++i)
+        acc.lane[i] = E::divide(acc.lane[i], divisor);
+}
+
+template <typename E, int Op>
+__global__ void __launch_bounds__(kStepThreads, kStepMinBlocks)
+plan_step(const long long* __restrict__ table, int width, BufferTable buffers, int divisor) {
+    using S = typename E::Storage;
+    constexpr long long kLanes = 16 / sizeof(S);
+
+    const long long* row = table + static_cast<long long>(blockIdx.y) * width;
+    const long long count = row[kCount];
+    const int nsrc = static_cast<int>(row[kNumSrc]);
+    const bool divides = row[kKind] == kReduceFinal && divisor > 0;
+    S* dst = element_address<S>(buffers, row[kRank], row[kDstBuf], row[kDstOff]);
+    const S* first = source<S>(row, buffers, 0);
+    const S* second = nsrc > 1 ? source<S>(row, buffers, 1) : first;
+
+    bool vectorized = aligned16(dst) && aligned16(first) && aligned16(second);
+    for (int s = 2; s < nsrc; ++s) vectorized = vectorized && aligned16(source<S>(row, buffers, s));
+
+    const long long thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long threads = static_cast<long long>(gridDim.x) * blockDim.x;
+    long long scalar_start = 0;
+
+    if (vectorized) {
+        const long long packs = count / kLanes;
+        const Pack<S>* first_packs = reinterpret_cast<const Pack<S>*>(first);
+        const Pack<S>* second_packs = reinterpret_cast<const Pack<S>*>(second);
+        Pack<S>* dst_packs = reinterpret_cast<Pack<S>*>(dst);
+        for (long long base = thread; base < packs; base += threads * kUnroll) {
+            Pack<S> acc[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const long long p = base + u * threads;
+                if (p < packs) acc[u] = first_packs[p];
+            }
+            if (nsrc > 1) {
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const long long p = base + u * threads;
+                    if (p < packs) combine_into<E, Op>(acc[u], second_packs[p]);
+                }
+                for (int s = 2; s < nsrc; ++s) {
+                    const Pack<S>* more = reinterpret_cast<const Pack<S>*>(source<S>(row, buffers, s));
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const long long p = base + u * threads;
+                        if (p < packs) combine_into<E, Op>(acc[u], more[p]);
+                    }
+                }
+                if (divides) {
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u)
+                        if (base + u * threads < packs) divide_all<E>(acc[u], divisor);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const long long p = base + u * threads;
+                if (p < packs) dst_packs[p] = acc[u];
+            }
+        }
+        scalar_start = packs * kLanes;
+    }
+
+    for (long long i = scalar_start + thread; i < count; i += threads) {
+        S acc = first[i];
+        if (nsrc > 1) {
+            acc = E::template combine<Op>(acc, second[i]);
+            for (int s = 2; s < nsrc; ++s) acc = E::template combine<Op>(acc, source<S>(row, buffers, s)[i]);
+            if (divides) acc = E::divide(acc, divisor);
+        }
+        dst[i] = acc;
+    }
+}
+
+}  // namespace collectives
