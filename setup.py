@@ -1,15 +1,31 @@
 """collectives: GPU collective operations with our own kernels, NCCL as the yardstick.
 
 The base install needs no GPU package. Extras:
-    test    what the test suite needs (pytest, hypothesis, MPI for the multi-process tests)
+    test    what the test suite needs: pytest, hypothesis, MPI for the
+            multi-process tests, and NVIDIA's PyPI wheels of nvcc, ptxas,
+            cuobjdump and the CUDA headers, with which the tests build every
+            kernel for sm_80/sm_90, check it statically, and compile it for
+            the CPU (the emulated device). No GPU and no CUDA toolkit needed.
     mpi     mpi4py with MPICH's wheel, for one rank per process under mpiexec
-    cuda12  CuPy, NCCL and numba-cuda built for CUDA 12
+    cuda12  CuPy, NVRTC, the CUDA headers, NCCL and numba-cuda built for CUDA 12
     cuda13  the same for CUDA 13
 """
 
 from setuptools import find_packages, setup
 
 MPI = ["mpi4py>=4.0", "mpich>=4.2"]
+
+# The toolchain the kernel build checks run with. Pinned: register counts,
+# and so the spill checks, differ between nvcc releases.
+CUDA_TOOLCHAIN = [
+    "nvidia-cuda-nvcc==13.5.37",
+    "nvidia-cuda-crt==13.5.37",
+    "nvidia-nvvm==13.5.37",
+    "nvidia-cuda-runtime==13.5.37",       # cuda_fp16.h, cuda_bf16.h
+    "nvidia-cuda-cccl==13.3.5.0.6",       # <nv/target>, which cuda_fp16.h includes
+    "nvidia-cuda-cuobjdump==13.5.37",
+    "cmake>=3.25",
+]
 
 setup(
     name="collectives",
@@ -18,13 +34,19 @@ setup(
                 "on GPU and host arrays, with our own data plane",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["collectives", "collectives.*"]),
+    # The CUDA sources in kernels/ ship inside the package as
+    # collectives/kernel_sources (collectives/kernels.py finds either place).
+    packages=find_packages(include=["collectives", "collectives.*"]) + ["collectives.kernel_sources"],
+    package_dir={"collectives.kernel_sources": "kernels"},
+    package_data={"collectives.kernel_sources": ["*.cu", "*.cuh", "emulation/*.h", "emulation/*.cpp"]},
     python_requires=">=3.10",
-    install_requires=["numpy>=1.24"],
+    install_requires=["numpy>=1.24", "ml_dtypes>=0.4"],
     extras_require={
         "mpi": MPI,
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", *MPI],
-        "cuda12": ["cupy-cuda12x>=13.3", "nvidia-nccl-cu12>=2.21", "numba-cuda[cu12]>=0.20"],
-        "cuda13": ["cupy-cuda13x>=14.0", "nvidia-nccl-cu13>=2.28", "numba-cuda[cu13]>=0.20"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", *MPI, *CUDA_TOOLCHAIN],
+        "cuda12": ["cupy-cuda12x>=13.3", "nvidia-cuda-nvrtc-cu12>=12.4", "nvidia-cuda-runtime-cu12>=12.4",
+                   "nvidia-nccl-cu12>=2.21", "numba-cuda[cu12]>=0.20"],
+        "cuda13": ["cupy-cuda13x>=14.0", "nvidia-cuda-nvrtc>=13.0", "nvidia-cuda-runtime>=13.0",
+                   "nvidia-cuda-cccl>=13.0", "nvidia-nccl-cu13>=2.28", "numba-cuda[cu13]>=0.20"],
     },
 )

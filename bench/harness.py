@@ -26,11 +26,13 @@ import numpy as np
 
 import collectives
 from collectives.bootstrap import LAUNCHER_VARIABLES
+from collectives.ops import BFLOAT16
 
 DTYPE_NAMES = {  # nccl-tests' type names -> NumPy
     "int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32", "int64": "int64",
     "uint64": "uint64", "half": "float16", "float16": "float16", "float": "float32",
     "float32": "float32", "double": "float64", "float64": "float64", "int16": "int16", "uint16": "uint16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 RELAUNCHED = "COLLECTIVES_BENCH_RELAUNCHED"
 
@@ -76,7 +78,8 @@ def parse_args(spec, argv=None):
     p.add_argument("--timeout", type=float, default=None, help="communicator timeout in seconds")
     args = p.parse_args(argv)
     args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
-    args.dtype = np.dtype(DTYPE_NAMES[args.datatype])
+    name = DTYPE_NAMES[args.datatype]
+    args.dtype = BFLOAT16 if name == "bfloat16" else np.dtype(name)
     args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     unknown = set(args.backends) - {"host", "mpi"}
     if unknown or not args.backends:

@@ -75,10 +75,10 @@ def step_divisor(op, nranks):
 
 
 def source_dir():
-    """kernels/: beside the package when installed, at the repository root
-    in a source checkout (and an editable install)."""
+    """The kernel sources: collectives/kernel_sources when installed, the
+    repository's kernels/ in a source checkout (and an editable install)."""
     package = Path(__file__).resolve().parent
-    for candidate in (package / "kernels", package.parent / "kernels"):
+    for candidate in (package / "kernel_sources", package.parent / "kernels"):
         if (candidate / "plan_step.cu").is_file():
             return candidate
     raise CollectiveError(f"the kernel sources (kernels/plan_step.cu) are missing beside {package}")
@@ -102,11 +102,11 @@ def cache_dir():
     return Path(base)
 
 
-def sources_digest():
+def sources_digest(source=None):
     """A hash of every kernel source file: a change to any header rebuilds."""
     digest = hashlib.sha256()
-    source = source_dir()
-    for path in sorted([*source.glob("*.cu"), *source.glob("*.cuh"), *(source / "emulation").iterdir()]):
+    source = Path(source or source_dir())
+    for path in sorted([*source.glob("*.cu"), *source.glob("*.cuh"), *(source / "emulation").glob("*.[ch]*")]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 

@@ -41,6 +41,28 @@ __device__ __forceinline__ double double_from_bits(unsigned long long b) {
     return __longlong_as_double(static_cast<long long>(b));
 }
 
+// A storage value as the low bits of a 64-bit word, and back: how lanes go
+// in and out of the 32-bit words a 16-byte load brings in.
+template <typename S>
+struct Bits {  // integers
+    __device__ __forceinline__ static S from(unsigned long long bits) { return static_cast<S>(bits); }
+    __device__ __forceinline__ static unsigned long long to(S x) {
+        return static_cast<unsigned long long>(x) & (sizeof(S) == 8 ? ~0ull : (1ull << (8 * sizeof(S))) - 1);
+    }
+};
+template <>
+struct Bits<float> {
+    __device__ __forceinline__ static float from(unsigned long long bits) {
+        return float_from_bits(static_cast<unsigned int>(bits));
+    }
+    __device__ __forceinline__ static unsigned long long to(float x) { return float_bits(x); }
+};
+template <>
+struct Bits<double> {
+    __device__ __forceinline__ static double from(unsigned long long bits) { return double_from_bits(bits); }
+    __device__ __forceinline__ static unsigned long long to(double x) { return double_bits(x); }
+};
+
 // max/min on bit patterns whose numeric values are a and b (see the header).
 // Equal values have equal bits except +0/-0, where AND keeps -0 only if both
 // are -0 (max) and OR gives -0 if either is (min).
@@ -68,6 +90,18 @@ struct Select { using type = IfTrue; };
 template <typename IfTrue, typename IfFalse>
 struct Select<false, IfTrue, IfFalse> { using type = IfFalse; };
 
+// Element types combine one element at a time by default. Some also combine
+// a 32-bit word of packed elements at once (`kWordwise`): 8- and 16-bit
+// integers, whose sum, max and min have SIMD instructions; combined one by
+// one, a 16-byte pack of them needs more registers than a thread has.
+struct ElementByElement {
+    template <int Op>
+    static constexpr bool kWordwise = false;
+
+    template <int Op>
+    __device__ __forceinline__ static unsigned int combine_word(unsigned int a, unsigned int) { return a; }
+};
+
 // Integers. `Wide` is what the arithmetic runs in: the unsigned twin, or
 // unsigned int for 8- and 16-bit types, which C++ would otherwise promote to
 // (signed) int, where 65535 * 65535 overflows.
@@ -75,6 +109,23 @@ template <typename S, typename Unsigned, typename Quotient>
 struct Integer {
     using Storage = S;
     using Wide = typename Select<(sizeof(S) < 4), unsigned int, Unsigned>::type;
+    static constexpr bool kSigned = static_cast<S>(-1) < static_cast<S>(0);
+
+    template <int Op>
+    static constexpr bool kWordwise = sizeof(S) <= 2 && Op != kProd;
+
+    // Four bytes or two halves of a word at once; sums wrap like combine's.
+    template <int Op>
+    __device__ __forceinline__ static unsigned int combine_word(unsigned int a, unsigned int b) {
+        if (sizeof(S) == 1) {
+            if (Op == kSum) return __vadd4(a, b);
+            if (Op == kMax) return kSigned ? __vmaxs4(a, b) : __vmaxu4(a, b);
+            return kSigned ? __vmins4(a, b) : __vminu4(a, b);
+        }
+        if (Op == kSum) return __vadd2(a, b);
+        if (Op == kMax) return kSigned ? __vmaxs2(a, b) : __vmaxu2(a, b);
+        return kSigned ? __vmins2(a, b) : __vminu2(a, b);
+    }
 
     template <int Op>
     __device__ __forceinline__ static S combine(S a, S b) {
@@ -92,16 +143,18 @@ struct Integer {
     }
 };
 
-using Int8 = Integer<signed char, unsigned char, long long>;
-using Int16 = Integer<short, unsigned short, long long>;
-using Int32 = Integer<int, unsigned int, long long>;
+// The quotient type is the narrowest that holds every value and divisor:
+// 64-bit division is a subroutine call on the GPU, with a stack frame.
+using Int8 = Integer<signed char, unsigned char, int>;
+using Int16 = Integer<short, unsigned short, int>;
+using Int32 = Integer<int, unsigned int, int>;
 using Int64 = Integer<long long, unsigned long long, long long>;
-using Uint8 = Integer<unsigned char, unsigned char, unsigned long long>;
-using Uint16 = Integer<unsigned short, unsigned short, unsigned long long>;
-using Uint32 = Integer<unsigned int, unsigned int, unsigned long long>;
+using Uint8 = Integer<unsigned char, unsigned char, unsigned int>;
+using Uint16 = Integer<unsigned short, unsigned short, unsigned int>;
+using Uint32 = Integer<unsigned int, unsigned int, unsigned int>;
 using Uint64 = Integer<unsigned long long, unsigned long long, unsigned long long>;
 
-struct Float32 {
+struct Float32 : ElementByElement {
     using Storage = float;
 
     template <int Op>
@@ -117,7 +170,7 @@ struct Float32 {
     }
 };
 
-struct Float64 {
+struct Float64 : ElementByElement {
     using Storage = double;
 
     template <int Op>
@@ -135,7 +188,7 @@ struct Float64 {
 
 // A 16-bit float stored as its bits; Codec converts to and from float32.
 template <typename Codec>
-struct Float16Like {
+struct Float16Like : ElementByElement {
     using Storage = unsigned short;
 
     template <int Op>

@@ -32,7 +32,7 @@
 // depend on it. bench/gpu_check.py measures 1, 2 and 4 against a device copy
 // (bench/results/gpu_check_cuda.json).
 #ifndef COLLECTIVES_STEP_UNROLL
-#define COLLECTIVES_STEP_UNROLL 4
+#define COLLECTIVES_STEP_UNROLL 2
 #endif
 
 // Blocks of kStepThreads that must fit on one multiprocessor at once, which
@@ -68,10 +68,37 @@ struct BufferTable {
     unsigned long long address[kMaxRanks * kBuffers];  // [rank * kBuffers + buffer]
 };
 
-template <typename S>
+// 16 bytes as the four 32-bit words a 128-bit load brings in. Lanes (the
+// elements) are read and written with shifts at indices the unrolled loops
+// make constant, so a pack lives in registers.
 struct alignas(16) Pack {
-    S lane[16 / sizeof(S)];
+    unsigned int word[4];
 };
+
+template <typename S>
+__device__ __forceinline__ S lane(const Pack& p, int i) {
+    if (sizeof(S) == 8)
+        return Bits<S>::from(static_cast<unsigned long long>(p.word[2 * i + 1]) << 32 | p.word[2 * i]);
+    constexpr int kPerWord = 4 / (sizeof(S) < 4 ? sizeof(S) : 4);
+    constexpr int kBits = 8 * sizeof(S);
+    return Bits<S>::from((p.word[i / kPerWord] >> (kBits * (i % kPerWord) % 32)) & (kBits == 32 ? ~0u : (1u << (kBits % 32)) - 1));
+}
+
+template <typename S>
+__device__ __forceinline__ void set_lane(Pack& p, int i, S value) {
+    const unsigned long long bits = Bits<S>::to(value);
+    if (sizeof(S) == 8) {
+        p.word[2 * i] = static_cast<unsigned int>(bits);
+        p.word[2 * i + 1] = static_cast<unsigned int>(bits >> 32);
+        return;
+    }
+    constexpr int kPerWord = 4 / (sizeof(S) < 4 ? sizeof(S) : 4);
+    constexpr int kBits = 8 * sizeof(S);
+    constexpr unsigned int kMask = kBits == 32 ? ~0u : (1u << (kBits % 32)) - 1;
+    const int shift = kBits * (i % kPerWord) % 32;
+    unsigned int& word = p.word[i / kPerWord];
+    word = (word & ~(kMask << shift)) | (static_cast<unsigned int>(bits) << shift);
+}
 
 template <typename S>
 __device__ __forceinline__ S* element_address(const BufferTable& buffers, long long rank, long long buffer,
@@ -92,17 +119,23 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 }
 
 template <typename E, int Op>
-__device__ __forceinline__ void combine_into(Pack<typename E::Storage>& acc, const Pack<typename E::Storage>& x) {
+__device__ __forceinline__ void combine_into(Pack& acc, const Pack& x) {
+    using S = typename E::Storage;
+    if constexpr (E::template kWordwise<Op>) {
 #pragma unroll
-    for (int i = 0; i < int(sizeof(acc.lane) / sizeof(acc.lane[0])); ++i)
-        acc.lane[i] = E::template combine<Op>(acc.lane[i], x.lane[i]);
+        for (int w = 0; w < 4; ++w) acc.word[w] = E::template combine_word<Op>(acc.word[w], x.word[w]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < int(16 / sizeof(S)); ++i)
+            set_lane<S>(acc, i, E::template combine<Op>(lane<S>(acc, i), lane<S>(x, i)));
+    }
 }
 
 template <typename E>
-__device__ __forceinline__ void divide_all(Pack<typename E::Storage>& acc, int divisor) {
+__device__ __forceinline__ void divide_all(Pack& acc, int divisor) {
+    using S = typename E::Storage;
 #pragma unroll
-    for (int i = 0; i < int(sizeof(acc.lane) / sizeof(acc.lane[0])); ++i)
-        acc.lane[i] = E::divide(acc.lane[i], divisor);
+    for (int i = 0; i < int(16 / sizeof(S)); ++i) set_lane<S>(acc, i, E::divide(lane<S>(acc, i), divisor));
 }
 
 template <typename E, int Op>
@@ -114,7 +147,9 @@ plan_step(const long long* __restrict__ table, int width, BufferTable buffers, i
     const long long* row = table + static_cast<long long>(blockIdx.y) * width;
     const long long count = row[kCount];
     const int nsrc = static_cast<int>(row[kNumSrc]);
-    const bool divides = row[kKind] == kReduceFinal && divisor > 0;
+    // avg folds as a sum; no other op ever divides, so its instances carry
+    // no division code (which costs registers, and a call for 64-bit types).
+    const bool divides = Op == kSum && row[kKind] == kReduceFinal && divisor > 0;
     S* dst = element_address<S>(buffers, row[kRank], row[kDstBuf], row[kDstOff]);
     const S* first = source<S>(row, buffers, 0);
     const S* second = nsrc > 1 ? source<S>(row, buffers, 1) : first;
@@ -128,11 +163,11 @@ plan_step(const long long* __restrict__ table, int width, BufferTable buffers, i
 
     if (vectorized) {
         const long long packs = count / kLanes;
-        const Pack<S>* first_packs = reinterpret_cast<const Pack<S>*>(first);
-        const Pack<S>* second_packs = reinterpret_cast<const Pack<S>*>(second);
-        Pack<S>* dst_packs = reinterpret_cast<Pack<S>*>(dst);
+        const Pack* first_packs = reinterpret_cast<const Pack*>(first);
+        const Pack* second_packs = reinterpret_cast<const Pack*>(second);
+        Pack* dst_packs = reinterpret_cast<Pack*>(dst);
         for (long long base = thread; base < packs; base += threads * kUnroll) {
-            Pack<S> acc[kUnroll];
+            Pack acc[kUnroll];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const long long p = base + u * threads;
@@ -145,7 +180,7 @@ plan_step(const long long* __restrict__ table, int width, BufferTable buffers, i
                     if (p < packs) combine_into<E, Op>(acc[u], second_packs[p]);
                 }
                 for (int s = 2; s < nsrc; ++s) {
-                    const Pack<S>* more = reinterpret_cast<const Pack<S>*>(source<S>(row, buffers, s));
+                    const Pack* more = reinterpret_cast<const Pack*>(source<S>(row, buffers, s));
 #pragma unroll
                     for (int u = 0; u < kUnroll; ++u) {
                         const long long p = base + u * threads;

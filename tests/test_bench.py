@@ -89,3 +89,44 @@ def test_host_and_mpi_side_by_side_across_processes(tmp_path):
     assert [r["backend"] for r in report["rows"]] == ["host", "mpi"] * 3
     assert all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in report["rows"])
     assert all(r["vs_first"] > 0 for r in report["rows"])
+
+
+def test_the_gpu_path_on_emulated_devices(capsys):
+    """--device emulated: our kernels, compiled for the CPU, in the same table."""
+    code, out = run_bench(ALLREDUCE, ["--device", "emulated", "--ranks", "3", "-b", "8", "-e", "64K", "-f", "32",
+                                      "-n", "2", "-w", "1", "-d", "bfloat16", "-o", "avg"], capsys)
+    assert code == 0, out
+    assert "on emulated" in out and "all results correct" in out
+    rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
+    assert [r[2] for r in rows] == ["bfloat16"] * 3 and all(r[8] == r[12] == "0" for r in rows)
+
+
+def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
+    """python -m bench.gpu_check --device emulated: the gpu tests, the kernel
+    bandwidth against a copy, the allreduce table and the JSON, as on a GPU."""
+    path = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "emulated", "--bytes", "64K",
+                           "--maxbytes", "64K", "--repeats", "2", "-J", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(path.read_text())
+    assert report["gpu_tests"]["returncode"] == 0 and " passed" in report["gpu_tests"]["summary"]
+    assert [r["sources"] for r in report["kernel_bandwidth"]] == [1, 2, 4]
+    assert all(r["step_GBps"] > 0 and r["copy_GBps"] > 0 for r in report["kernel_bandwidth"])
+    assert report["allreduce"] and all(r["out_of_place"]["wrong"] == 0 for r in report["allreduce"])
+    assert report["environment"]["device"].startswith("emulated")
+
+
+def test_call_overhead_and_plan_report(tmp_path, capsys):
+    from bench import call_overhead, plan_report
+    call_overhead.main(["--calls", "50", "--in-place", "--collectives", "allreduce,broadcast",
+                        "-J", str(tmp_path / "overhead.json")])
+    results = json.loads((tmp_path / "overhead.json").read_text())["results"]
+    assert results["allreduce"]["launch_step_per_call"] == 6  # ring on 4 ranks, one device
+    assert results["allreduce"]["outside_adapter_us_per_call"] > 0
+    plan_report.main(["--ranks", "3", "--bytes", "3K", "-J", str(tmp_path / "plans.json")])
+    rows = json.loads((tmp_path / "plans.json").read_text())["rows"]
+    in_process = [r for r in rows if r["binding"] != "workspace"]
+    assert all(r["workspace_copy_bytes"] == 0 for r in in_process
+               if (r["collective"], r["algorithm"], r["binding"]) != ("allreduce", "direct", "in_place"))
+    assert all(r["workspace_copy_bytes"] > 0 for r in rows if r["binding"] == "workspace")

@@ -192,11 +192,13 @@ class EmulatedDevice:
 _LOADED = {}
 
 
-def library():
-    """The emulation library (built on first use, then cached on disk)."""
-    if "lib" not in _LOADED:
-        _LOADED["lib"] = _load(_build())
-    return _LOADED["lib"]
+def library(source=None):
+    """The emulation library built from the kernel sources in `source` (by
+    default the library's own): built on first use, then cached on disk."""
+    source = Path(source or kernels.source_dir())
+    if source not in _LOADED:
+        _LOADED[source] = _load(_build(source))
+    return _LOADED[source]
 
 
 def compiler():
@@ -206,17 +208,16 @@ def compiler():
     return found
 
 
-def build_command(output):
-    source = kernels.source_dir()
+def build_command(source, output):
     flags = ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
              "-include", str(source / "emulation" / "cuda_host.h")]
     flags += [f"-I{d}" for d in kernels.cuda_include_dirs()]
     return [compiler(), *flags, str(source / "emulation" / "launch.cpp"), "-o", str(output)]
 
 
-def _build():
-    command = build_command("OUTPUT")
-    digest = hashlib.sha256(kernels.sources_digest().encode())
+def _build(source):
+    command = build_command(source, "OUTPUT")
+    digest = hashlib.sha256(kernels.sources_digest(source).encode())
     digest.update(" ".join(command).encode())
     digest.update(subprocess.run([command[0], "--version"], capture_output=True).stdout)
     target = kernels.cache_dir() / f"emulated-{digest.hexdigest()[:20]}.so"
@@ -225,7 +226,7 @@ def _build():
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run(build_command(built), capture_output=True, text=True)
+        result = subprocess.run(build_command(source, built), capture_output=True, text=True)
         if result.returncode != 0:
             raise CollectiveError("building the emulated kernels failed:\n"
                                   + kernels.describe_compile_error(result.stderr))

@@ -18,6 +18,8 @@ def _ieee(fold, join_tie_bits):
     def ieee_fold(a, b, out):
         if not is_floating(a.dtype):
             return fold(a, b, out=out)
+        if out is None:
+            out = np.empty_like(a)
         both_zero = (a == 0) & (b == 0)
         tied = np.flatnonzero(both_zero) if both_zero.any() else None
         if tied is not None:  # read before `out`, which may be `a` or `b`, is written
@@ -71,9 +73,15 @@ def _execute(rows, buffer, op, nranks):
         if kind == COPY_OP:
             np.copyto(dst, srcs[0])
             continue
-        fold(srcs[0], srcs[1], out=dst)
+        # Every source is read before dst is written, as in the kernel; folding
+        # into dst is that, unless dst is also a later source (a rank's own
+        # array in an in-place direct reduction): then fold aside.
+        late_alias = any(np.may_share_memory(dst, src) for src in srcs[2:])
+        acc = fold(srcs[0], srcs[1], out=None if late_alias else dst)
         for src in srcs[2:]:
-            fold(dst, src, out=dst)
+            fold(acc, src, out=acc)
+        if late_alias:
+            np.copyto(dst, acc)
         if kind == REDUCE_FINAL_OP and op is ReduceOp.AVG:
             divide_by_ranks(dst, nranks)
 

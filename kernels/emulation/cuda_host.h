@@ -38,3 +38,32 @@ inline unsigned int __float_as_uint(float x) { unsigned int b; std::memcpy(&b, &
 inline float __uint_as_float(unsigned int b) { float x; std::memcpy(&x, &b, sizeof x); return x; }
 inline long long __double_as_longlong(double x) { long long b; std::memcpy(&b, &x, sizeof b); return b; }
 inline double __longlong_as_double(long long b) { double x; std::memcpy(&x, &b, sizeof x); return x; }
+
+// SIMD on the bytes (4) or halves (2) of a 32-bit word; sums wrap.
+template <int Lanes, typename Lane, typename Combine>
+inline unsigned int simd_word(unsigned int a, unsigned int b, Combine combine) {
+    constexpr int kBits = 32 / Lanes;
+    constexpr unsigned int kMask = (1u << kBits) - 1;
+    unsigned int out = 0;
+    for (int i = 0; i < Lanes; ++i) {
+        const Lane x = static_cast<Lane>((a >> (kBits * i)) & kMask);
+        const Lane y = static_cast<Lane>((b >> (kBits * i)) & kMask);
+        out |= (static_cast<unsigned int>(static_cast<Lane>(combine(x, y))) & kMask) << (kBits * i);
+    }
+    return out;
+}
+
+template <typename T> inline T simd_max(T x, T y) { return x > y ? x : y; }
+template <typename T> inline T simd_min(T x, T y) { return x < y ? x : y; }
+template <typename T> inline T simd_add(T x, T y) { return static_cast<T>(x + y); }
+
+inline unsigned int __vadd4(unsigned int a, unsigned int b) { return simd_word<4, unsigned char>(a, b, simd_add<unsigned char>); }
+inline unsigned int __vmaxs4(unsigned int a, unsigned int b) { return simd_word<4, signed char>(a, b, simd_max<signed char>); }
+inline unsigned int __vmaxu4(unsigned int a, unsigned int b) { return simd_word<4, unsigned char>(a, b, simd_max<unsigned char>); }
+inline unsigned int __vmins4(unsigned int a, unsigned int b) { return simd_word<4, signed char>(a, b, simd_min<signed char>); }
+inline unsigned int __vminu4(unsigned int a, unsigned int b) { return simd_word<4, unsigned char>(a, b, simd_min<unsigned char>); }
+inline unsigned int __vadd2(unsigned int a, unsigned int b) { return simd_word<2, unsigned short>(a, b, simd_add<unsigned short>); }
+inline unsigned int __vmaxs2(unsigned int a, unsigned int b) { return simd_word<2, short>(a, b, simd_max<short>); }
+inline unsigned int __vmaxu2(unsigned int a, unsigned int b) { return simd_word<2, unsigned short>(a, b, simd_max<unsigned short>); }
+inline unsigned int __vmins2(unsigned int a, unsigned int b) { return simd_word<2, short>(a, b, simd_min<short>); }
+inline unsigned int __vminu2(unsigned int a, unsigned int b) { return simd_word<2, unsigned short>(a, b, simd_min<unsigned short>); }

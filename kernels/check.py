@@ -1,0 +1,183 @@
+"""Build every kernel with nvcc (CMakeLists.txt) and check what ptxas and the SASS say.
+
+    python kernels/check.py [--build-dir build/kernels] [--json report.json]
+
+Works without a GPU: nvcc, ptxas and cuobjdump come from NVIDIA's PyPI wheels
+(the `test` extra) or a CUDA toolkit on the PATH. Prints registers per thread
+of every kernel on every architecture, and fails (exit 1) when
+
+* a kernel spills registers or has a stack frame (local memory), by ptxas's
+  resource usage, or its SASS touches local memory (LDL/STL);
+* the step kernel's vector path is not 128-bit global loads and stores on
+  sm_90 (LDG.E.128 and STG.E.128), or any access goes through a generic
+  LD/ST instead of a global one;
+* a float operation of the PTX flushes subnormals (.ftz), which would
+  change results against NumPy. (The SASS of correctly rounded division
+  uses .FTZ compares and adds internally; the PTX is what we wrote.)
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VECTOR_ARCH = "sm_90"
+
+_FUNCTION = re.compile(r"Function properties for (\S+)")
+_COMPILING = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SASS_ARCH = re.compile(r"code for (sm_\d+)")
+_SASS_FUNCTION = re.compile(r"Function : (\S+)")
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+_GENERIC_ACCESS = re.compile(r"^(LD|ST)\.")          # LD.E, ST.E.128: generic address space
+_PTX_ENTRY = re.compile(r"\.entry (\S+)\(")
+
+
+def find_tool(name):
+    """A CUDA tool from the NVIDIA wheels (site-packages/nvidia/cu*/bin), else the PATH."""
+    try:
+        import nvidia
+        for root in map(Path, nvidia.__path__):
+            for candidate in sorted(root.glob(f"cu*/bin/{name}")):
+                if os.access(candidate, os.X_OK):
+                    return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which(name)
+    if found is None:
+        raise SystemExit(f"{name} not found: pip install '.[test]' brings NVIDIA's wheels of it")
+    return found
+
+
+def build(build_dir):
+    """Configure and build CMakeLists.txt; returns the build directory."""
+    cmake = shutil.which("cmake") or str(Path(sys.executable).with_name("cmake"))
+    build_dir = Path(build_dir)
+    run([cmake, "-S", str(ROOT), "-B", str(build_dir), f"-DNVCC={find_tool('nvcc')}"])
+    run([cmake, "--build", str(build_dir)])
+    return build_dir
+
+
+def run(command):
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def resource_usage(text):
+    """{(kernel, arch): {registers, stack, spill_stores, spill_loads}} from ptxas -v."""
+    usage, arch, function = {}, None, None
+    for line in text.splitlines():
+        if m := _COMPILING.search(line):
+            arch = m[2]
+        elif m := _FUNCTION.search(line):
+            function = m[1]
+        elif (m := _FRAME.search(line)) and function:
+            usage[function, arch] = {"stack": int(m[1]), "spill_stores": int(m[2]), "spill_loads": int(m[3])}
+        elif (m := _REGISTERS.search(line)) and function and (function, arch) in usage:
+            usage[function, arch]["registers"] = int(m[1])
+            function = None
+    return usage
+
+
+def sass_instructions(text):
+    """{(kernel, arch): [opcode with modifiers, ...]} from cuobjdump -sass."""
+    code, arch, function = defaultdict(list), None, None
+    for line in text.splitlines():
+        if m := _SASS_ARCH.search(line):
+            arch = m[1]
+        elif m := _SASS_FUNCTION.search(line):
+            function = m[1]
+        elif (m := _INSTRUCTION.search(line)) and function:
+            code[function, arch].append(m[1])
+    return dict(code)
+
+
+def ptx_flushing(text):
+    """{kernel: [PTX lines with .ftz]} from cuobjdump -ptx."""
+    flushing, kernel = defaultdict(list), None
+    for line in text.splitlines():
+        if m := _PTX_ENTRY.search(line):
+            kernel = m[1]
+        elif kernel and ".ftz" in line:
+            flushing[kernel].append(line.strip())
+    return dict(flushing)
+
+
+def problems(usage, code, flushing):
+    found = [f"{short(kernel)} (PTX): flushes subnormals: {lines[:3]}" for kernel, lines in sorted(flushing.items())]
+    if not usage:
+        found.append("ptxas reported no kernels")
+    for (kernel, arch), u in sorted(usage.items()):
+        if u["stack"] or u["spill_stores"] or u["spill_loads"]:
+            found.append(f"{short(kernel)} on {arch}: {u['stack']} bytes stack, {u['spill_stores']} bytes spill "
+                         f"stores, {u['spill_loads']} bytes spill loads")
+    for (kernel, arch), opcodes in sorted(code.items()):
+        name = f"{short(kernel)} on {arch}"
+        local = sorted({o for o in opcodes if o.startswith(("LDL", "STL"))})
+        if local:
+            found.append(f"{name}: local memory accesses {local}")
+        generic = sorted({o for o in opcodes if _GENERIC_ACCESS.match(o)})
+        if generic:
+            found.append(f"{name}: generic (not global) accesses {generic}")
+        if arch == VECTOR_ARCH and "plan_step" in kernel:
+            for wanted in ("LDG.E.128", "STG.E.128"):
+                if not any(o.startswith(wanted) for o in opcodes):
+                    found.append(f"{name}: no {wanted} (the 16-byte vector path)")
+    if not any(arch == VECTOR_ARCH for _, arch in code):
+        found.append(f"no {VECTOR_ARCH} code in the build")
+    return found
+
+
+_INTEGERS = {"a": "Int8", "s": "Int16", "i": "Int32", "x": "Int64",
+             "h": "Uint8", "t": "Uint16", "j": "Uint32", "y": "Uint64"}
+
+
+def short(kernel):
+    """plan_step<Int8, 0> for the mangled name of plan_step<Integer<signed char, ...>, 0>."""
+    m = re.search(r"plan_stepINS_\d+(\w+?)(?:I(\w+?)E)?ELi(\d)E", kernel)
+    if not m:
+        return kernel
+    element, arguments = m[1], m[2] or ""
+    if element == "Integer":
+        element = _INTEGERS.get(arguments[:1], element)
+    elif element == "Float16Like":
+        element = "BFloat16" if "BFloat16" in arguments else "Float16"
+    return f"plan_step<{element}, {m[3]}>"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python kernels/check.py", description=__doc__.splitlines()[0])
+    p.add_argument("--build-dir", default=str(ROOT / "build" / "kernels"))
+    p.add_argument("--json", help="also write the report here")
+    args = p.parse_args(argv)
+    build_dir = build(args.build_dir)
+    usage = resource_usage((build_dir / "plan_step.resource-usage.txt").read_text())
+    fatbin = str(build_dir / "plan_step.fatbin")
+    code = sass_instructions(run([find_tool("cuobjdump"), "-sass", fatbin]))
+    flushing = ptx_flushing(run([find_tool("cuobjdump"), "-ptx", fatbin]))
+    archs = sorted({arch for _, arch in usage})
+    print(f"# registers per thread ({', '.join(archs)}), from ptxas; nvcc {find_tool('nvcc')}")
+    for kernel in sorted({k for k, _ in usage}, key=short):
+        print(f"{short(kernel):30s} " + "  ".join(f"{usage[kernel, a].get('registers', '?'):>4}" for a in archs))
+    found = problems(usage, code, flushing)
+    for problem in found:
+        print(f"FAIL {problem}")
+    print(f"# {len(usage)} kernel builds checked: " + ("all clean" if not found else f"{len(found)} problems"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "kernels": [{"kernel": short(k), "arch": a, **u} for (k, a), u in sorted(usage.items())],
+            "problems": found}, indent=1))
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

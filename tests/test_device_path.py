@@ -1,0 +1,180 @@
+"""The GPU path on emulated devices: plans bound to the caller's arrays, the
+executor's ordering between devices, the emulated streams, and the errors.
+
+The collective matrix itself runs on emulated devices in test_collectives.py.
+"""
+
+import numpy as np
+import pytest
+
+import collectives
+from collectives import CollectiveError, InvalidUsageError
+from collectives.algorithms import REGISTRY
+from collectives.algorithms.schedule import COLLECTIVES
+from collectives.binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
+from collectives.devices import emulated, open_device
+from collectives.executors import device as device_executor
+from collectives.plan import build_plan
+
+ROOTED = ("broadcast", "reduce")
+
+
+def bindings_of(collective):
+    """The bindings a collective can be called with in one process: the
+    rooted ones are always in place."""
+    return (IN_PLACE,) if collective in ROOTED else (IN_PLACE, OUT_OF_PLACE)
+
+
+# -- plans bound to the caller's arrays ---------------------------------------------------
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("algorithm", sorted(REGISTRY))
+@pytest.mark.parametrize("n", range(1, 9))
+def test_in_process_plans_copy_nothing_through_a_workspace(collective, algorithm, n):
+    """The workspace binding copies every input in and every result out;
+    bound plans do not, except in-place direct allreduce (every rank reads
+    every input while writing its own, so the result waits in a workspace)."""
+    count = 1024 * n
+    plain = build_plan(collective, algorithm, n, count, np.dtype("float32"), "sum", 0, WORKSPACE)
+    for binding in bindings_of(collective):
+        bound = build_plan(collective, algorithm, n, count, np.dtype("float32"), "sum", 0, binding)
+        expected_copies = count * 4 * 2 * n if (collective, algorithm, binding) == ("allreduce", "direct", IN_PLACE) \
+            and n > 1 else 0
+        assert bound.traffic.workspace_copies == expected_copies, binding
+        assert bound.traffic.total < plain.traffic.total or n == 1 and binding == IN_PLACE
+    assert plain.traffic.workspace_copies > 0
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("algorithm", sorted(REGISTRY))
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_bound_plans_give_the_plain_plans_bits(collective, algorithm, n):
+    """The symbolic proof in binding.py, checked on numbers: random floats
+    through the host interpreter with each binding, same bits."""
+    rng = np.random.default_rng(n)
+    with collectives.Communicator.local(n) as comm:
+        count = 7 * n + 3 if collective != "reduce_scatter" else 7 * n
+        xs = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
+        call = getattr(comm, collective)
+        kwargs = {"algorithm": algorithm} | ({"root": n - 1} if collective in ROOTED else {})
+        in_place = call([x.copy() for x in xs], **kwargs)
+        if collective not in ROOTED:
+            size = count // n if collective == "reduce_scatter" else count * n if collective == "allgather" else count
+            out_of_place = call([x.copy() for x in xs], out=[np.empty(size, np.float32) for _ in xs], **kwargs)
+        # The same call through plain workspace plans, as processes run them:
+        plain = build_plan(collective, algorithm, n, count * (n if collective == "allgather" else 1),
+                           np.dtype("float32"), "sum", n - 1 if collective in ROOTED else 0, WORKSPACE)
+        assert plain.traffic.workspace_copies > 0
+        from collectives.communicator import VirtualHostRanks
+        ys = [x.copy() for x in xs]
+        outs = [np.empty(np.asarray(r).size, np.float32) for r in in_place] if collective == "allgather" else ys
+        if collective == "reduce_scatter":
+            outs = [np.empty(count // n, np.float32) for _ in xs]
+        VirtualHostRanks(n).run(plain, ys, outs, None, None, None)
+        expected = outs if collective in ("allgather", "reduce_scatter") else ys
+        for r in range(n):
+            got = np.asarray(in_place[r]).reshape(-1)
+            assert np.array_equal(got.view(np.uint32), expected[r].reshape(-1).view(np.uint32)), r
+            if collective not in ROOTED:
+                assert np.array_equal(out_of_place[r].view(np.uint32), expected[r].reshape(-1).view(np.uint32)), r
+
+
+def test_overlapping_input_and_output_fall_back_to_the_workspace():
+    """An output that overlaps its input in any other way than chunk for
+    chunk gets the plain plan, which reads all inputs before writing."""
+    with collectives.Communicator.local(2, devices="emulated") as comm:
+        buffers = [np.arange(12, dtype=np.int32) + 100 * r for r in range(2)]
+        xs = [b[:8] for b in buffers]
+        outs = [b[4:12] for b in buffers]  # shifted by 4 elements
+        want = xs[0] + xs[1]
+        comm.allreduce(xs, out=outs)
+        assert all(np.array_equal(o, want) for o in outs)
+        assert comm._last_checked[1] == WORKSPACE
+
+
+# -- the executor's ordering between devices ---------------------------------------------
+
+def test_the_emulated_streams_catch_a_missing_wait(monkeypatch):
+    """Ranks on four emulated devices: correct with the executor's waits;
+    with every cross-device wait dropped, the random drain order runs a
+    device's phase before the one it reads from, and results go wrong."""
+    def run(seeds):
+        wrong = 0
+        for seed in seeds:
+            monkeypatch.setattr(emulated._ENGINE, "random", np.random.default_rng(seed))
+            with collectives.Communicator.local(4, devices=[f"emulated:{r}" for r in range(4)]) as comm:
+                xs = [np.full(4096, r + 1, np.int32) for r in range(4)]
+                comm.allreduce(xs, algorithm="ring")
+                wrong += sum(not (x == 10).all() for x in xs)
+        return wrong
+
+    assert run(range(8)) == 0
+    order = device_executor.DeviceRanks._order
+
+    def without_waits(self, plan, launches):
+        steps, recorded = order(self, plan, launches)
+        return [s for s in steps if s[0] is not device_executor.WAIT], recorded
+
+    monkeypatch.setattr(device_executor.DeviceRanks, "_order", without_waits)
+    assert run(range(8)) > 0
+
+
+def test_ranks_on_one_device_need_no_events():
+    with collectives.Communicator.local(4, devices="emulated") as comm:
+        comm.allreduce([np.ones(100, np.float32) for _ in range(4)], algorithm="ring")
+        (program,) = comm._ranks._programs.values()
+        assert {step[0] for step in program.steps} == {device_executor.LAUNCH}
+        assert program.launches == (6,)  # the 2(n-1) steps of ring, one launch each; no copies in or out
+
+
+def test_emulated_stream_semantics():
+    device = open_device("emulated:7")
+    a, b = device.new_stream(), device.new_stream()
+    event, log = device.new_event(), []
+    # A wait holds its stream until the work recorded before the event ran.
+    b.queue.append(("launch", log.append, "b waits for nothing"))
+    device.wait(a, event)  # never recorded: no wait, as in CUDA
+    a.queue.append(("launch", log.append, "a first"))
+    device.record(event, a)
+    device.wait(b, event)
+    b.queue.append(("launch", log.append, "b after a"))
+    device.synchronize()
+    assert log.index("a first") < log.index("b after a")
+    # A wait for a record that never comes is a deadlock, reported, not hung.
+    late = device.new_event()
+    device.record(late, b)
+    b.queue.appendleft(("wait", lambda *_: None, late, 1))
+    with pytest.raises(CollectiveError, match="deadlocked"):
+        device.synchronize()
+    assert not a.queue and not b.queue
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+def test_device_specs_are_checked():
+    for bad in ("gpu", "cuda:x", -1, True, "emulated:-2", 1.5):
+        with pytest.raises(InvalidUsageError, match="device"):
+            collectives.Communicator.local(1, devices=[bad])
+    with pytest.raises(InvalidUsageError, match="names 3 devices for 2 ranks"):
+        collectives.Communicator.local(2, devices=["emulated"] * 3)
+
+
+def test_a_gpu_communicator_without_a_gpu_says_so():
+    with pytest.raises(CollectiveError, match="cuda:0"):
+        collectives.Communicator.local(2, devices=[0, 0])
+
+
+def test_emulated_ranks_refuse_what_is_not_in_host_memory():
+    class OnTheGpu:  # what a GPU array looks like from here, without touching a GPU
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1 << 40, False), "version": 3}
+
+    with collectives.Communicator.local(2, devices="emulated") as comm:
+        x = np.ones(4, np.float32)
+        with pytest.raises(InvalidUsageError):
+            comm.allreduce([x, OnTheGpu()])
+        assert (x == 1).all()
+
+
+def test_too_many_ranks_for_the_buffer_table():
+    with pytest.raises(InvalidUsageError, match="at most 64"):
+        collectives.Communicator.local(65, devices="emulated")

@@ -1,0 +1,215 @@
+"""The CUDA C kernels, without a GPU.
+
+* The numbers Python and C++ must agree on (columns, sizes, element order,
+  compiler options) are read from both sides and compared.
+* The step kernel, compiled for the CPU (the emulated device), runs random
+  op-table rows, every element type and op, aligned and not, and must give
+  what the NumPy interpreter gives, bit for bit; a kernel with one lane
+  broken must fail the same comparison.
+* nvcc builds every instance for sm_80 and sm_90 and kernels/check.py finds
+  no spills, no local memory, 128-bit accesses and no flushed subnormals.
+"""
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collectives import kernels, plan
+from collectives.devices import emulated
+from collectives.executors import host
+from collectives.ops import BFLOAT16, ReduceOp
+from collectives.plan import COPY_OP, REDUCE_FINAL_OP, REDUCE_OP
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ROOT / "kernels"
+sys.path.insert(0, str(SOURCES))
+import check  # noqa: E402  (kernels/check.py)
+
+
+# -- one definition on both sides ----------------------------------------------------
+
+def cpp_constant(name, text):
+    return int(re.search(rf"constexpr int {name} = (\d+);", text)[1])
+
+
+def test_kernel_constants_match_python():
+    source = (SOURCES / "plan_step.cu").read_text()
+    assert cpp_constant("kStepThreads", source) == kernels.STEP_THREADS
+    assert cpp_constant("kMaxRanks", source) == kernels.MAX_RANKS
+    assert cpp_constant("kBuffers", source) == kernels.BUFFERS == plan.BUFFER_COUNT
+    columns = dict(re.findall(r"k(\w+) = (\d+)", re.search(r"enum Column \{([^}]*)\}", source)[1]))
+    assert [int(columns[c]) for c in ("Rank", "Kind", "Count", "DstBuf", "DstOff", "NumSrc", "Src0")] == \
+        [plan.RANK, plan.KIND, plan.COUNT, plan.DST_BUF, plan.DST_OFF, plan.NSRC, plan.SRC0]
+    kinds = dict(re.findall(r"k(\w+) = (\d+)", re.search(r"enum RowKind \{([^}]*)\}", source)[1]))
+    assert (int(kinds["Copy"]), int(kinds["Reduce"]), int(kinds["ReduceFinal"])) == (COPY_OP, REDUCE_OP,
+                                                                                      REDUCE_FINAL_OP)
+
+
+def test_element_order_and_ops_match_python():
+    header = (SOURCES / "elements.cuh").read_text()
+    listed = re.findall(r"X\((\w+)\)", header[header.index("#define COLLECTIVES_FOR_EACH_ELEMENT"):])
+    assert listed == list(kernels.ELEMENTS.values())
+    ops = dict(re.findall(r"k(\w+) = (\d+)", re.search(r"enum Op \{([^}]*)\}", header)[1]))
+    assert {ReduceOp[name.upper()]: int(code) for name, code in ops.items()} == \
+        {op: code for op, code in kernels.OP_CODES.items() if op is not ReduceOp.AVG}
+
+
+def test_nvcc_and_nvrtc_get_the_same_options():
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    flags = re.search(r"set\(COLLECTIVES_NVCC_FLAGS ([^)]*)\)", cmake)[1].split()
+    assert [f.lstrip("-") for f in flags] == [f.lstrip("-") for f in kernels.NVRTC_OPTIONS]
+
+
+# -- the step kernel on the CPU, against the NumPy interpreter --------------------------
+
+DTYPES = [np.dtype(name) if name != "bfloat16" else BFLOAT16 for name in kernels.ELEMENTS]
+OPS = list(ReduceOp)
+MAX_COUNT = 4099
+
+
+def random_values(rng, dtype, count):
+    """Any bits for integers; for floats, normal values of many magnitudes
+    with zeros of both signs, infinities, subnormals and NaNs mixed in."""
+    if dtype.kind in "iu":
+        return rng.integers(0, 256, count * dtype.itemsize, dtype=np.uint8).view(dtype)
+    values = rng.standard_normal(count) * 10.0 ** rng.integers(-8, 8, count)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-45, 6e-8, -6e-5])
+    pick = rng.random(count) < 0.1
+    values[pick] = rng.choice(specials, pick.sum())
+    with np.errstate(over="ignore"):  # large values become infinities in 16-bit types: wanted
+        return values.astype(dtype)
+
+
+class Memory:
+    """One flat buffer per (rank, buffer) on the CPU, addressed as the kernel
+    addresses them, and the same bytes as NumPy arrays for the interpreter."""
+
+    def __init__(self, rng, dtype, nranks):
+        self.dtype = dtype
+        size = (MAX_COUNT + 64) * dtype.itemsize
+        self.raw = {(r, b): emulated.EmulatedMemory(size) for r in range(nranks) for b in range(kernels.BUFFERS)}
+        for memory in self.raw.values():
+            memory.array[:] = random_values(rng, dtype, MAX_COUNT + 64).view(np.uint8)
+
+    def addresses(self):
+        table = kernels.buffer_table([])
+        for (r, b), memory in self.raw.items():
+            table[r * kernels.BUFFERS + b] = memory.address
+        return table
+
+    def arrays(self):
+        return {key: memory.array.copy().view(self.dtype) for key, memory in self.raw.items()}
+
+
+def random_rows(rng, nranks, dtype, count):
+    """A phase of independent rows: each row writes a distinct (rank, buffer)
+    and reads from (rank, buffer) pairs no row writes, except that a fold
+    may read its own destination first or second, as plans' folds do."""
+    rows = []
+    lanes = 16 // dtype.itemsize
+    targets = [(r, b) for r in range(nranks) for b in range(2)]
+    rng.shuffle(targets)
+    for dst_rank, dst_buf in targets[:3]:
+        nsrc = int(rng.integers(1, 6))
+        kind = COPY_OP if nsrc == 1 else int(rng.choice([REDUCE_OP, REDUCE_FINAL_OP]))
+        misaligned = rng.random() < 0.5  # half the rows take the scalar path
+        offset = lambda: int(rng.integers(0, 4)) * lanes + (int(rng.integers(1, lanes)) if misaligned and lanes > 1 else 0)
+        row = [dst_rank, kind, count, dst_buf, offset(), nsrc]
+        for _ in range(nsrc):
+            row += [int(rng.integers(0, nranks)), int(rng.integers(2, 4)), offset()]  # sources: INPUT, OUTPUT
+        if nsrc > 1 and rng.random() < 0.3:  # dst = dst op src, or src op dst
+            at = plan.SRC0 + 3 * int(rng.integers(0, 2))
+            row[at:at + 3] = [dst_rank, dst_buf, row[plan.DST_OFF]]
+        rows.append(row)
+    width = plan.SRC0 + 3 * max(r[plan.NSRC] for r in rows)
+    return np.array([r + [-1] * (width - len(r)) for r in rows], np.int64)
+
+
+def run_on_emulated_kernel(lib, memory, rows, dtype, op, nranks, grid_x):
+    instance = kernels.step_instance(dtype, op, reduces=True)
+    table = emulated.EmulatedMemory(rows.nbytes)
+    table.array[:] = rows.view(np.uint8).reshape(-1)
+    addresses = memory.addresses()  # alive until the call returns
+    status = lib.collectives_emulated_plan_step(
+        instance.element_index, instance.op_code, grid_x, len(rows), 64, table.address, rows.shape[1],
+        addresses.ctypes.data, kernels.step_divisor(op, nranks))
+    assert status == 0
+
+
+def same_bits_or_both_nan(got, want):
+    bits = np.dtype(f"u{got.dtype.itemsize}")
+    if got.dtype.kind in "iu":
+        return np.array_equal(got.view(bits), want.view(bits))
+    nan_got, nan_want = np.isnan(got.astype(np.float64)), np.isnan(want.astype(np.float64))
+    return np.array_equal(nan_got, nan_want) and np.array_equal(got.view(bits)[~nan_got], want.view(bits)[~nan_want])
+
+
+def fuzz(lib, seed, cases):
+    """Mismatches between the emulated kernel and the interpreter over
+    `cases` random phases of every element type and op."""
+    rng = np.random.default_rng(seed)
+    mismatches = []
+    for case in range(cases):
+        dtype, op = DTYPES[case % len(DTYPES)], OPS[case // len(DTYPES) % len(OPS)]
+        nranks = int(rng.integers(1, 5))
+        count = int(rng.choice([0, 1, 7, 15, 16, 17, 33, 100, 1000, MAX_COUNT]))
+        memory = Memory(rng, dtype, nranks)
+        rows = random_rows(rng, nranks, dtype, count)
+        want = memory.arrays()
+        host.execute(rows, lambda r, b: want[r, b], op, nranks)
+        run_on_emulated_kernel(lib, memory, rows, dtype, op, nranks, grid_x=int(rng.integers(1, 4)))
+        got = memory.arrays()
+        for key in want:
+            if not same_bits_or_both_nan(got[key], want[key]):
+                mismatches.append(f"{dtype} {op.value} count={count} buffer {key}")
+    return mismatches
+
+
+def test_emulated_step_kernel_matches_the_numpy_interpreter():
+    assert fuzz(emulated.library(), seed=1, cases=1200) == []
+
+
+def test_a_kernel_with_one_broken_lane_is_caught(tmp_path):
+    """The comparison above can fail: the same sources, but combine_into
+    skips the last lane of every 16-byte pack."""
+    broken = tmp_path / "kernels"
+    shutil.copytree(SOURCES, broken, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    source = (broken / "plan_step.cu").read_text()
+    loop = "for (int i = 0; i < int(16 / sizeof(S)); ++i)\n            set_lane"
+    assert loop in source
+    (broken / "plan_step.cu").write_text(source.replace(loop, loop.replace("i < int(16 / sizeof(S))",
+                                                                           "i < int(16 / sizeof(S)) - 1")))
+    mismatches = fuzz(emulated.library(broken), seed=1, cases=240)
+    assert mismatches, "a kernel that drops a lane passed the comparison"
+
+
+# -- nvcc, ptxas and the SASS ------------------------------------------------------------
+
+def test_nvcc_build_passes_the_static_checks(tmp_path, capsys):
+    """Every instance for sm_80 and sm_90 (and compute_90 PTX), with the
+    pinned nvcc of the test extra."""
+    assert check.main(["--build-dir", str(tmp_path / "build"), "--json", str(tmp_path / "report.json")]) == 0, \
+        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "plan_step<BFloat16, 0>" in out and "all clean" in out
+
+
+def test_static_checks_flag_what_they_promise_to():
+    usage = check.resource_usage(
+        "ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+        "ptxas info    : Function properties for k\n"
+        "    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 32 registers, used 0 barriers\n")
+    assert usage == {("k", "sm_90"): {"stack": 8, "spill_stores": 4, "spill_loads": 4, "registers": 32}}
+    sass = check.sass_instructions(
+        "\tcode for sm_90\n\t\tFunction : _ZN11collectives9plan_stepINS_7Float32ELi0EEEvv\n"
+        "        /*0010*/                   LDL R1, [R2] ;\n"
+        "        /*0020*/                   LD.E.128 R4, desc[UR4][R2.64] ;\n")
+    flushing = check.ptx_flushing(".visible .entry k(\n\tadd.rn.ftz.f32 %f1, %f2, %f3;\n")
+    found = "\n".join(check.problems(usage, sass, flushing))
+    for symptom in ("spill", "local memory", "generic", "no LDG.E.128", "no STG.E.128", "flushes subnormals"):
+        assert symptom in found, symptom
