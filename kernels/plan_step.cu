@@ -37,9 +37,8 @@
 
 // Blocks of kStepThreads that must fit on one multiprocessor at once, which
 // caps registers per thread (4: 64 registers). Left unsaid, nvcc 13.5 chose
-// 32 registers for some instances and spilled; 8 (32 registers) keeps every
-// instance unspilled but slowed unroll 4 down on an H100 (gpu_check measures
-// the variants).
+// 32 registers for some instances and spilled; 8 (32 registers) spills in
+// many more (kernels/check.py refuses both). gpu_check measures the variants.
 #ifndef COLLECTIVES_STEP_MIN_BLOCKS
 #define COLLECTIVES_STEP_MIN_BLOCKS 4
 #endif
