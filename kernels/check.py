@@ -149,6 +149,8 @@ def short(kernel):
     element, arguments = m[1], m[2] or ""
     if element == "Integer":
         element = _INTEGERS.get(arguments[:1], element)
+    elif element == "IeeeFloat":
+        element = {"f": "Float32", "d": "Float64"}.get(arguments, element)
     elif element == "Float16Like":
         element = "BFloat16" if "BFloat16" in arguments else "Float16"
     return f"plan_step<{element}, {m[3]}>"

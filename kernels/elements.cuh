@@ -154,37 +154,31 @@ using Uint16 = Integer<unsigned short, unsigned short, unsigned int>;
 using Uint32 = Integer<unsigned int, unsigned int, unsigned int>;
 using Uint64 = Integer<unsigned long long, unsigned long long, unsigned long long>;
 
-struct Float32 : ElementByElement {
-    using Storage = float;
+// float and double: one correctly rounded operation per fold step.
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+
+template <typename T>
+struct IeeeFloat : ElementByElement {
+    using Storage = T;
 
     template <int Op>
-    __device__ __forceinline__ static float combine(float a, float b) {
-        if (Op == kSum) return __fadd_rn(a, b);
-        if (Op == kProd) return __fmul_rn(a, b);
-        if (Op == kMax) return float_from_bits(ieee_max(float_bits(a), float_bits(b), a, b));
-        return float_from_bits(ieee_min(float_bits(a), float_bits(b), a, b));
+    __device__ __forceinline__ static T combine(T a, T b) {
+        if (Op == kSum) return add_rn(a, b);
+        if (Op == kProd) return mul_rn(a, b);
+        const unsigned long long x = Bits<T>::to(a), y = Bits<T>::to(b);
+        return Bits<T>::from(Op == kMax ? ieee_max(x, y, a, b) : ieee_min(x, y, a, b));
     }
 
-    __device__ __forceinline__ static float divide(float a, int divisor) {
-        return __fdiv_rn(a, static_cast<float>(divisor));
-    }
+    __device__ __forceinline__ static T divide(T a, int divisor) { return div_rn(a, static_cast<T>(divisor)); }
 };
 
-struct Float64 : ElementByElement {
-    using Storage = double;
-
-    template <int Op>
-    __device__ __forceinline__ static double combine(double a, double b) {
-        if (Op == kSum) return __dadd_rn(a, b);
-        if (Op == kProd) return __dmul_rn(a, b);
-        if (Op == kMax) return double_from_bits(ieee_max(double_bits(a), double_bits(b), a, b));
-        return double_from_bits(ieee_min(double_bits(a), double_bits(b), a, b));
-    }
-
-    __device__ __forceinline__ static double divide(double a, int divisor) {
-        return __ddiv_rn(a, static_cast<double>(divisor));
-    }
-};
+using Float32 = IeeeFloat<float>;
+using Float64 = IeeeFloat<double>;
 
 // A 16-bit float stored as its bits; Codec converts to and from float32.
 template <typename Codec>
