@@ -24,6 +24,7 @@ CUDA_TOOLCHAIN = [
     "nvidia-cuda-runtime==13.5.37",       # cuda_fp16.h, cuda_bf16.h
     "nvidia-cuda-cccl==13.3.5.0.6",       # <nv/target>, which cuda_fp16.h includes
     "nvidia-cuda-cuobjdump==13.5.37",
+    "nvidia-cuda-nvdisasm==13.5.37",      # cuobjdump -sass runs it
     "cmake>=3.25",
 ]
 

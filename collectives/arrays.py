@@ -177,8 +177,10 @@ def describe(obj, name="the array"):
 
 
 def empty_like(obj, info, shape):
-    """A new array of `shape`, of the same library, dtype and device as `obj`."""
-    if info.library == "numpy":
+    """A new array of `shape`, of the same library, dtype and device as `obj`
+    (a NumPy array for other libraries' host arrays, a CuPy array for their
+    device arrays)."""
+    if info.library == "numpy" or info.device == HOST and info.library != "torch":
         return np.empty(shape, info.dtype)
     if info.library == "torch":
         import torch

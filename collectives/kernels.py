@@ -153,20 +153,20 @@ def cuda_include_dirs():
         for root in map(Path, nvidia.__path__):
             for flavour in sorted(root.glob("cu*")):
                 include = flavour / "include"
-                if (include / "cuda_fp16.h").is_file():
-                    found += [include, include / "cccl"]
+                found.append(include)
     except ImportError:
         pass
     for variable in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(variable):
             found.append(Path(os.environ[variable]) / "include")
     found.append(Path("/usr/local/cuda/include"))
-    headers = [d for d in found if (d / "cuda_fp16.h").is_file()]
+    headers = list(dict.fromkeys(d for d in found if (d / "cuda_fp16.h").is_file()))
     if not headers:
         raise CollectiveError(
             "no CUDA headers (cuda_fp16.h) found: install the toolchain wheels with "
             "pip install 'collectives[test]', or set CUDA_HOME to a CUDA toolkit")
-    return [d for d in found if d.is_dir() and (d in headers or d.name == "cccl")]
+    # CUDA 13 keeps CCCL (<nv/target>, which cuda_fp16.h includes) in include/cccl.
+    return [d for include in headers for d in (include, include / "cccl") if d.is_dir()]
 
 
 def _cubin(program):
@@ -188,22 +188,26 @@ def _cubin(program):
     return buffer.raw
 
 
-_LOCATION = re.compile(r"(?P<file>[\w./-]+\.cuh?)\((?P<line>\d+)\)")
+# file(line) as NVRTC writes it, file:line: as g++ and nvcc do.
+_LOCATION = re.compile(r"(?P<file>[\w./-]+\.(?:cuh?|h|cpp))(?:\((?P<line>\d+)\)|:(?P<gline>\d+):)")
 
 
-def describe_compile_error(log):
-    """A compiler log with each file(line) it names followed by that source line."""
+def describe_compile_error(log, source=None):
+    """A compiler log with each file and line it names followed by that line
+    of the kernel sources in `source` (by default the library's own)."""
+    source = Path(source or source_dir())
     out = []
     for line in str(log).splitlines():
         out.append(line)
         match = _LOCATION.search(line)
         if match:
-            path = source_dir() / Path(match["file"]).name
-            number = int(match["line"])
-            if path.is_file():
+            name = Path(match["file"]).name
+            path = next((p for p in (source / name, source / "emulation" / name) if p.is_file()), None)
+            number = int(match["line"] or match["gline"])
+            if path is not None:
                 lines = path.read_text().splitlines()
                 if 0 < number <= len(lines):
-                    out.append(f"    {path.name}:{number}: {lines[number - 1].strip()}")
+                    out.append(f"    {name}:{number}: {lines[number - 1].strip()}")
     return "\n".join(out)
 
 

@@ -66,7 +66,9 @@ def build(build_dir):
 
 
 def run(command):
-    done = subprocess.run(command, capture_output=True, text=True)
+    # The wheels' tools find each other (cuobjdump runs nvdisasm) on the PATH.
+    path = os.pathsep.join([str(Path(command[0]).parent), os.environ.get("PATH", "")])
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PATH=path))
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
     return done.stdout

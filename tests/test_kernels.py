@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collectives import kernels, plan
+from collectives import CollectiveError, kernels, plan
 from collectives.devices import emulated
 from collectives.executors import host
 from collectives.ops import BFLOAT16, ReduceOp
@@ -185,6 +185,18 @@ def test_a_kernel_with_one_broken_lane_is_caught(tmp_path):
                                                                            "i < int(16 / sizeof(S)) - 1")))
     mismatches = fuzz(emulated.library(broken), seed=1, cases=240)
     assert mismatches, "a kernel that drops a lane passed the comparison"
+
+
+def test_a_compile_error_shows_the_failing_source_line(tmp_path):
+    broken = tmp_path / "kernels"
+    shutil.copytree(SOURCES, broken, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    header = (broken / "elements.cuh").read_text()
+    (broken / "elements.cuh").write_text(header.replace("enum Op {", "enum Op { not C++;", 1))
+    with pytest.raises(CollectiveError, match=r"(?s)building the emulated kernels failed.*elements.cuh:\d+: "
+                                              r"enum Op \{ not C\+\+;"):
+        emulated.library(broken)
+    log = "plan_step.cu(3): error: expected a declaration"  # NVRTC's form
+    assert (SOURCES / "plan_step.cu").read_text().splitlines()[2].strip() in kernels.describe_compile_error(log)
 
 
 # -- nvcc, ptxas and the SASS ------------------------------------------------------------

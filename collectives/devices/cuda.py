@@ -9,6 +9,7 @@ Launches go through the driver's cuLaunchKernel with a prepared parameter
 block, because the buffer table is a 2 KiB struct passed by value.
 """
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,9 @@ class CudaDevice:
         toolkit = cupy.cuda.get_cuda_path()
         headers = Path(toolkit) / "include" if toolkit else None
         self._include_dirs = [headers] if headers and (headers / "cuda_fp16.h").is_file() else kernels.cuda_include_dirs()
-        # One parameter block per device: cuLaunchKernel copies it at launch.
+        # One parameter block per device: cuLaunchKernel copies it at launch;
+        # the lock keeps threads from filling it at the same time.
+        self._launch_lock = threading.Lock()
         self._parameters = np.zeros(_DIVISOR_WORD + 1, np.uint64)
         self._parameter_addresses = np.array([self._parameters.ctypes.data + o for o in _PARAMETER_OFFSETS], np.uint64)
         self._parameter_pointer = self._parameter_addresses.ctypes.data
@@ -94,23 +97,24 @@ class CudaDevice:
 
     def launch_step(self, stream, instance, grid, table, width, addresses, divisor):
         function = self._functions.get(instance) or self._function(instance)
-        parameters = self._parameters
-        parameters[0] = table.address
-        parameters[_WIDTH_WORD] = width
-        if addresses is not self._addresses_in_block:  # the executor passes one table per call
-            parameters[_BUFFERS_WORD:_DIVISOR_WORD] = addresses
-            self._addresses_in_block = addresses
-        parameters[_DIVISOR_WORD] = divisor
         runtime = self._cupy.cuda.runtime
-        current = runtime.getDevice()
-        if current != self.index:  # launch in this device's context, then give the caller theirs back
-            runtime.setDevice(self.index)
-        try:
-            self._driver.launchKernel(function, grid[0], grid[1], 1, kernels.STEP_THREADS, 1, 1, 0, stream.ptr,
-                                      self._parameter_pointer, 0)
-        finally:
-            if current != self.index:
-                runtime.setDevice(current)
+        with self._launch_lock:
+            parameters = self._parameters
+            parameters[0] = table.address
+            parameters[_WIDTH_WORD] = width
+            if addresses is not self._addresses_in_block:  # the executor passes one table per call
+                parameters[_BUFFERS_WORD:_DIVISOR_WORD] = addresses
+                self._addresses_in_block = addresses
+            parameters[_DIVISOR_WORD] = divisor
+            current = runtime.getDevice()
+            if current != self.index:  # launch in this device's context, then give the caller theirs back
+                runtime.setDevice(self.index)
+            try:
+                self._driver.launchKernel(function, grid[0], grid[1], 1, kernels.STEP_THREADS, 1, 1, 0, stream.ptr,
+                                          self._parameter_pointer, 0)
+            finally:
+                if current != self.index:
+                    runtime.setDevice(current)
 
     def new_event(self):
         with self._device:

@@ -229,7 +229,7 @@ def _build(source):
         result = subprocess.run(build_command(source, built), capture_output=True, text=True)
         if result.returncode != 0:
             raise CollectiveError("building the emulated kernels failed:\n"
-                                  + kernels.describe_compile_error(result.stderr))
+                                  + kernels.describe_compile_error(result.stderr, source))
         os.replace(built, target)  # atomic: concurrent builders all end with a whole file
     return target
 

@@ -30,9 +30,12 @@ from ..algorithms.schedule import REDUCING_COLLECTIVES
 from ..binding import INPUT, OUTPUT
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
-from ..plan import RANK, SCRATCH, WORK, derive_waits
+from ..plan import COUNT, RANK, SCRATCH, WORK, derive_waits
 
 LAUNCH, RECORD, WAIT = "launch", "record", "wait"
+# Event keys are (device, phase): recorded after that device's launch of that
+# phase, or at the start of the call for phase START.
+START = -1
 
 
 class Launch(NamedTuple):
@@ -53,7 +56,7 @@ class Program(NamedTuple):
 def grid_for(rows, device, itemsize):
     """(blocks per row, rows): enough blocks to fill the device, no more than
     the longest row has 16-byte packs for."""
-    longest = int(rows[:, 2].max())
+    longest = int(rows[:, COUNT].max())
     packs = -(-longest * itemsize // 16)
     per_row = max(1, min(-(-packs // kernels.STEP_THREADS), device.resident_blocks // len(rows)))
     return (per_row, len(rows))
@@ -167,7 +170,7 @@ class DeviceRanks:
         def after(j, t):
             """The event that says device j has done its first t phases."""
             done = [p for p in range(t) if (p, j) in launches]
-            return (j, done[-1]) if done else (j, "start")
+            return (j, done[-1] if done else START)
 
         needed = {}       # (phase, device) -> events to wait for before its launch
         pending = [dict() for _ in range(ndevices)]
@@ -193,23 +196,30 @@ class DeviceRanks:
         joins = {k: [(j, last[j]) for j in sorted(readers[k]) if j in last] for k in range(ndevices)}
 
         recorded = {key for keys in needed.values() for key in keys} | {key for keys in joins.values() for key in keys}
-        steps = [(RECORD, j, (j, "start"), None, None) for j in range(ndevices) if (j, "start") in recorded]
-        satisfied = [dict() for _ in range(ndevices)]  # per device: peer -> latest phase already waited for
+        steps = [(RECORD, j, (j, START), None, None) for j in range(ndevices) if (j, START) in recorded]
+        waited = [dict() for _ in range(ndevices)]  # per device: peer -> latest phase already waited for
+
+        def wait(k, key):
+            """A wait, unless one for the same or a later phase of that peer came
+            before it on this stream (the peer's phases finish in order)."""
+            peer, phase = key
+            if phase > waited[k].get(peer, START - 1):
+                steps.append((WAIT, k, key, None, None))
+                waited[k][peer] = phase
+
         for p in range(nphases):
             for k in range(ndevices):
                 if (p, k) not in launches:
                     continue
                 for key in needed.get((p, k), ()):
-                    if key[1] == "start" or key[1] > satisfied[k].get(key[0], -1):
-                        steps.append((WAIT, k, key, None, None))
-                        if key[1] != "start":
-                            satisfied[k][key[0]] = key[1]
+                    wait(k, key)
                 launch = launches[p, k]
                 steps.append((LAUNCH, k, launch.grid, launch.table, launch.width))
                 if (k, p) in recorded:
                     steps.append((RECORD, k, (k, p), None, None))
         for k in range(ndevices):
-            steps.extend((WAIT, k, key, None, None) for key in joins[k] if key[1] > satisfied[k].get(key[0], -1))
+            for key in joins[k]:
+                wait(k, key)
         return steps, recorded
 
     # -- reports ---------------------------------------------------------------
