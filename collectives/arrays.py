@@ -188,8 +188,3 @@ def empty_like(obj, info, shape):
     import cupy
     with cupy.cuda.Device(int(info.device.split(":")[1])):
         return cupy.empty(shape, info.dtype)
-
-
-def flat_block(obj, start, stop):
-    """Elements [start, stop) of a contiguous array, as a view of the same library."""
-    return obj.reshape(-1)[start:stop]

@@ -1,6 +1,7 @@
 """The public API: a Communicator validates, plans, and hands the plan to its ranks."""
 
 import time
+
 import numpy as np
 
 from . import arrays, validation
@@ -181,8 +182,7 @@ class Communicator:
     # -- the one path every collective takes -------------------------------------
 
     def _collective(self, collective, x, *, op="sum", out=None, root=0, algorithm="auto"):
-        if self._closed:
-            raise InvalidUsageError("this communicator is closed")
+        self._check_open()
         ranks = self._ranks
         nlocal = len(self.local_ranks)
         inputs, input_infos, as_sequence = validation.rank_arrays(x, nlocal, ranks)

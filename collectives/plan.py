@@ -40,7 +40,7 @@ import numpy as np
 from . import binding as bindings
 from .algorithms import schedule_for
 from .algorithms.schedule import ALLGATHER, BROADCAST, REDUCE, REDUCE_SCATTER, REDUCE_TO_ROOT, SCRATCH, WORK
-from .binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, WORKSPACE, Loc, Move  # noqa: F401
+from .binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, WORKSPACE  # noqa: F401 (re-exported)
 
 BUFFER_COUNT = 4  # WORK, SCRATCH, INPUT, OUTPUT: the buffer ids a row may name
 

@@ -146,10 +146,6 @@ class EmulatedDevice:
     def current_stream(self):
         return self._current
 
-    def use_stream(self, stream):
-        """Make `stream` this device's current stream (None: the default one)."""
-        self._current = stream or self._default_stream
-
     def launch_step(self, stream, instance, grid, table, width, addresses, divisor):
         addresses = np.array(addresses, np.uint64)  # the caller may reuse its array before this runs
         stream.queue.append(("launch", self._run_step, instance, grid, table, width, addresses, divisor))

@@ -125,8 +125,7 @@ class DeviceRanks:
             work = self._workspace(rank, need).address if need else 0
             addresses += (work, work + plan.scratch_offset if need else 0, i.address, o.address)
         assert (WORK, SCRATCH, INPUT, OUTPUT) == (0, 1, 2, 3), "the order of a rank's addresses above"
-        table = np.zeros(kernels.MAX_RANKS * kernels.BUFFERS, np.uint64)
-        table[:len(addresses)] = addresses
+        table = kernels.buffer_table(addresses)
         table.setflags(write=False)  # adapters may keep it: a new call makes a new table
         self._last_addresses = (key, table)
         return table
