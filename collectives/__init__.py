@@ -5,7 +5,11 @@
         comm.allreduce([np.ones(8, np.float32) for _ in range(4)])
 
     comm = collectives.init()                             # one rank per process (mpiexec)
+    comm = collectives.init(device="cuda")                # the same, each rank on a GPU
 """
+
+import time
+
 
 from .communicator import Communicator
 from .config import resolve_timeout
@@ -19,19 +23,51 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def init(timeout=None, *, comm=None):
+def init(timeout=None, *, comm=None, device="host"):
     """A communicator with one rank per process (SPMD).
 
     Rank and size come from MPI when the program runs under `mpiexec -n N`
     (or from `comm`, an mpi4py communicator); without a launcher it is a
-    communicator of one rank. Every rank must call init together.
+    communicator of one rank. Every rank must call init together, and every
+    rank must be on one machine.
+
+    `device` says where this process's rank works:
+        "host"        NumPy arrays (the default)
+        "cuda"        GPU arrays, on GPU (local rank modulo the GPUs this
+                      process sees): several processes may share one GPU
+        "emulated"    our CUDA kernels run on the CPU, on NumPy arrays
+        "cuda:N", "emulated:N", or an int: that device
     """
     from . import bootstrap
     from .communicator import VirtualHostRanks
 
     timeout = resolve_timeout(timeout)
+    deadline = time.perf_counter() + timeout
+    on_host = isinstance(device, str) and device.strip().lower() == "host"
+    if not on_host:
+        from .devices import parse_spec
+        parse_spec(device)  # a bad spec is an InvalidUsageError on every rank, before any exchange
     world = bootstrap.mpi_world(comm)
-    if world is None or world.Get_size() == 1:
-        return Communicator(VirtualHostRanks(1), size=1, local_ranks=[0], timeout=timeout)
-    ranks = bootstrap.shared_memory_rank(world, timeout)
+    alone = world is None or world.Get_size() == 1
+    if on_host:
+        if alone:
+            return Communicator(VirtualHostRanks(1), size=1, local_ranks=[0], timeout=timeout)
+        from .transport.shm import ShmRank
+        ranks = bootstrap.process_rank(world, deadline, ShmRank)
+        return Communicator(ranks, size=world.Get_size(), local_ranks=[world.Get_rank()], timeout=timeout)
+
+    from .devices import device_for_rank
+    if alone:
+        from .executors.device import DeviceRanks
+        return Communicator(DeviceRanks([device_for_rank(device, 0)]), size=1, local_ranks=[0], timeout=timeout)
+    local_rank = bootstrap.local_rank(world, deadline)
+    opened = error = None
+    try:
+        opened = device_for_rank(device, local_rank)
+    except CollectiveError as failure:
+        error = failure
+    bootstrap.agree(world, deadline, error)   # every rank raises if one could not open its device
+    from .executors.device_process import DeviceProcessRank
+    ranks = bootstrap.process_rank(world, deadline, lambda rank, size, prefix:
+                                   DeviceProcessRank(rank, size, prefix, opened))
     return Communicator(ranks, size=world.Get_size(), local_ranks=[world.Get_rank()], timeout=timeout)

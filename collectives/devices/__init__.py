@@ -19,8 +19,18 @@ The interface, duck-typed:
     new_event(), record(event, stream), wait(stream, event)
                              cross-stream ordering with CUDA's semantics: a wait
                              is for the most recent record before it
+    query(event)             whether the work before the event's latest record is done
     enable_peer_access(other), is_capturing(stream), synchronize()
     call_returned()          a collective is about to return to its caller
+
+and, for ranks in other processes (executors/device_process.py), memory
+they can open, exchanged as a handle of at most 64 bytes:
+
+    allocate_shared(nbytes, name)   memory with .address and .handle; `name`
+                                    starts with the communicator's prefix
+                                    (the emulated device names its file so)
+    open_shared(handle)             a peer's memory, mapped here (.address)
+    release_shared(memory, own)     free one's own, or unmap a peer's
 
 Device specs, as `Communicator.local(devices=...)` takes them: an int or
 "cuda:N" for a GPU, "emulated" or "emulated:N" for an emulated device.
@@ -48,6 +58,19 @@ def parse_spec(spec):
     if index < 0:
         raise InvalidUsageError(f"device index must be >= 0, got {spec!r}")
     return kind, index
+
+
+def device_for_rank(spec, local_rank):
+    """The device of one rank per process: "cuda" is GPU local_rank modulo
+    the GPUs this process sees (so several processes may share one GPU),
+    "emulated" is emulated device local_rank; "cuda:N", "emulated:N" and an
+    int name one."""
+    if isinstance(spec, str) and spec.strip().lower() == "emulated":
+        return open_device(f"emulated:{local_rank}")
+    if isinstance(spec, str) and spec.strip().lower() == "cuda":
+        from .cuda import visible_gpus
+        return open_device(local_rank % visible_gpus())
+    return open_device(spec)
 
 
 def open_device(spec):

@@ -27,10 +27,23 @@ BLOCKS_PER_MULTIPROCESSOR = 2048 // kernels.STEP_THREADS
 
 
 class CudaMemory:
-    """Device memory and its address; the memory lives as long as this does."""
+    """Device memory and its address; the memory lives as long as this does.
+    `handle`: the CUDA IPC handle of memory made to be shared."""
 
-    def __init__(self, owner, address, nbytes):
-        self.owner, self.address, self.nbytes = owner, address, nbytes
+    def __init__(self, owner, address, nbytes, handle=None):
+        self.owner, self.address, self.nbytes, self.handle = owner, address, nbytes, handle
+
+
+def visible_gpus():
+    """How many GPUs this process sees (CUDA_VISIBLE_DEVICES applies)."""
+    try:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # no driver, no GPU: CuPy raises its own runtime errors
+        raise CollectiveError(f"device='cuda' needs a GPU, and none is usable: {error}") from error
+    if count == 0:
+        raise CollectiveError("device='cuda' needs a GPU, and this process sees none")
+    return count
 
 
 class CudaDevice:
@@ -72,6 +85,27 @@ class CudaDevice:
         with self._device:
             memory = self._cupy.cuda.alloc(max(nbytes, 1))
         return CudaMemory(memory, memory.ptr, nbytes)
+
+    def allocate_shared(self, nbytes, name):
+        # A cudaMalloc of its own, not a chunk of CuPy's pool: an IPC handle
+        # names a whole allocation, and a peer opening it gets its start.
+        with self._device:
+            memory = self._cupy.cuda.memory.Memory(max(nbytes, 1))
+            handle = self._cupy.cuda.runtime.ipcGetMemHandle(memory.ptr)
+        return CudaMemory(memory, memory.ptr, nbytes, bytes(handle))
+
+    def open_shared(self, handle):
+        runtime = self._cupy.cuda.runtime
+        with self._device:
+            address = runtime.ipcOpenMemHandle(bytes(handle), runtime.cudaIpcMemLazyEnablePeerAccess)
+        return CudaMemory(None, address, 0)
+
+    def release_shared(self, memory, own):
+        if own:
+            memory.owner = None  # cudaFree once nothing else holds it
+        else:
+            with self._device:
+                self._cupy.cuda.runtime.ipcCloseMemHandle(memory.address)
 
     def upload(self, array):
         with self._device:
@@ -125,6 +159,9 @@ class CudaDevice:
 
     def wait(self, stream, event):
         stream.wait_event(event)
+
+    def query(self, event):
+        return event.done
 
     def enable_peer_access(self, other):
         if not isinstance(other, CudaDevice) or other.index == self.index:

@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import kernels
 from ..errors import CollectiveError
+from ..transport.segments import Segment
 
 RESIDENT_BLOCKS = 2  # a small grid: every emulated thread strides over more elements
 
@@ -45,6 +46,22 @@ class EmulatedMemory:
         self.array = self._buffer[start:start + nbytes]
         self.address = self.array.ctypes.data
         self.nbytes = nbytes
+
+
+class EmulatedSharedMemory:
+    """Memory that emulated devices in other processes open: CUDA IPC done
+    with a named file in /dev/shm, whose name is the handle."""
+
+    def __init__(self, segment):
+        self.segment = segment
+        self.array = np.frombuffer(segment.buf, np.uint8)  # page-aligned, like cudaMalloc's
+        self.address = self.array.ctypes.data
+        self.nbytes = self.array.nbytes
+        self.handle = segment.handle
+
+    def release(self, own):
+        self.array = None  # the last view, so the mapping can close
+        self.segment.release(unlink=own)
 
 
 class EmulatedEvent:
@@ -130,6 +147,15 @@ class EmulatedDevice:
     def allocate(self, nbytes):
         return EmulatedMemory(nbytes)
 
+    def allocate_shared(self, nbytes, name):
+        return EmulatedSharedMemory(Segment(name, nbytes, create=True))
+
+    def open_shared(self, handle):
+        return EmulatedSharedMemory(Segment(handle.rstrip(b"\0").decode()))
+
+    def release_shared(self, memory, own):
+        memory.release(own)
+
     def upload(self, array):
         memory = EmulatedMemory(array.nbytes)
         memory.array[:] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
@@ -167,6 +193,11 @@ class EmulatedDevice:
     def wait(self, stream, event):
         if event.records:  # as in CUDA, waiting for an event never recorded is no wait
             stream.queue.append(("wait", _nothing, event, event.records))
+
+    def query(self, event):
+        # Like cudaEventQuery, but the work runs when asked about: drain, then look.
+        _ENGINE.drain()
+        return event.completed >= event.records
 
     def enable_peer_access(self, other):
         pass  # one address space

@@ -1,0 +1,168 @@
+"""GPU ranks in separate processes: one rank per process, each on a device
+(a GPU, which several processes may share, or an emulated device).
+
+The same step protocol as host ranks (transport/protocol.py), with two
+differences:
+
+* a rank's workspace is device memory its peers open through CUDA IPC (the
+  emulated device does the same with a file in /dev/shm), once per
+  generation: at the first call that needs it, and again when it grows;
+* a phase is one launch of the step kernel on the caller's current stream,
+  over this rank's rows of the plan's table. The host records an event after
+  it, polls the event against the deadline (a GPU that never finishes is a
+  timeout, not a hang), and only then publishes the phase's counter, so a
+  peer that sees the counter may read what the phase wrote.
+
+A user's array enters the workspace by one copy row and leaves it by one (the
+plan's WORKSPACE binding), as NCCL's eager path does: peers read only
+workspaces, never a caller's arrays. Because the host waits between phases, a
+call returns with its work complete, and cannot be captured in a CUDA graph.
+A device-side protocol that would remove those waits is designed in
+docs/device-protocol.md.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+from .. import kernels
+from ..algorithms.schedule import REDUCING_COLLECTIVES
+from ..errors import InvalidUsageError
+from ..ops import ReduceOp
+from ..plan import NSRC, SCRATCH, SRC0, SRC_BUF, SRC_RANK, WORK
+from ..transport.protocol import ProcessGroup, describe_call
+from .device import grid_for
+
+
+class PhaseLaunch(NamedTuple):
+    table: object                 # this rank's rows, in device memory
+    width: int
+    grid: Tuple[int, int]
+    workspaces: Tuple[int, ...]   # ranks whose workspace the rows name
+
+
+class Program(NamedTuple):
+    plan: object
+    instance: kernels.StepInstance
+    divisor: int
+    description: str
+    launches: Tuple[Optional[PhaseLaunch], ...]  # per phase; None where this rank has no rows
+
+
+class DeviceMemory:
+    """The memory kind (protocol.py) of GPU ranks: IPC-shareable device memory."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def create(self, name, nbytes):
+        return self.device.allocate_shared(nbytes, name)
+
+    def open(self, handle):
+        return self.device.open_shared(handle)
+
+    def release(self, memory, own):
+        self.device.release_shared(memory, own)
+
+
+class DeviceProcessRank:
+    """This process's rank, on `device`, of a communicator of processes."""
+
+    addressable = False  # peers open only each other's workspaces
+    host_only = False
+
+    def __init__(self, rank, size, prefix, device):
+        self.rank, self.size, self.prefix = rank, size, prefix
+        self.device = device
+        self.devices = self.rank_devices = [device]
+        self.locations = [device.array_location]
+        self.group = ProcessGroup(rank, size, prefix, DeviceMemory(device))
+        self._event = device.new_event()
+        self._programs = {}    # id(plan) -> Program
+        self._tables = {}      # (phase launch, workspace generations, input, output) -> buffer table
+
+    def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
+        entry = self._programs.get(id(plan))
+        program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
+        device, event, group = self.device, self._event, self.group
+        stream = device.current_stream()
+        if device.is_capturing(stream):
+            raise InvalidUsageError(
+                "a collective between processes waits on the host between its phases, so it cannot be "
+                "captured in a CUDA graph; capture works for ranks in one process on one GPU")
+        instance, divisor = program.instance, program.divisor
+        source, result = input_infos[0].address, output_infos[0].address
+
+        def execute_phase(p, waiter):
+            launch = program.launches[p]
+            if launch is None:
+                return
+            addresses = self._buffer_table(plan, launch, source, result)
+            device.launch_step(stream, instance, launch.grid, launch.table, launch.width, addresses, divisor)
+            device.record(event, stream)
+            waiter.until(lambda: device.query(event),
+                         lambda: f"{device.name} to finish phase {p} of {program.description}",
+                         group.check_health)
+
+        group.run(plan, program.description, execute_phase, deadline)
+
+    def _buffer_table(self, plan, launch, source, result):
+        """Per rank WORK, SCRATCH, INPUT, OUTPUT: workspaces for the ranks
+        this phase names (a peer's is its current generation, which the waits
+        before the phase made current), the caller's arrays for this rank."""
+        group = self.group
+        key = (launch, tuple(group.generation(r) for r in launch.workspaces), source, result)
+        table = self._tables.get(key)
+        if table is None:
+            addresses = [0] * (kernels.BUFFERS * self.size)
+            for rank in launch.workspaces:
+                work = group.workspace(rank).address
+                addresses[kernels.BUFFERS * rank:kernels.BUFFERS * rank + 2] = (work, work + plan.scratch_offset)
+            addresses[kernels.BUFFERS * self.rank + 2:kernels.BUFFERS * self.rank + 4] = (source, result)
+            table = kernels.buffer_table(addresses)
+            table.setflags(write=False)
+            if len(self._tables) >= 256:
+                self._tables.clear()
+            self._tables[key] = table
+        return table
+
+    def _prepare(self, plan):
+        """Upload this rank's rows of every phase, once per plan."""
+        launches = []
+        for phase in plan.phases:
+            rows = phase.rows_by_rank[self.rank]
+            if not len(rows):
+                launches.append(None)
+                continue
+            named = {self.rank} if plan.workspace_bytes else set()
+            for row in rows:
+                for i in range(int(row[NSRC])):
+                    if row[SRC0 + 3 * i + SRC_BUF] in (WORK, SCRATCH):
+                        named.add(int(row[SRC0 + 3 * i + SRC_RANK]))
+            launches.append(PhaseLaunch(self.device.upload(rows), rows.shape[1],
+                                        grid_for(rows, self.device, plan.dtype.itemsize), tuple(sorted(named))))
+        program = Program(
+            plan, kernels.step_instance(plan.dtype, ReduceOp(plan.op), plan.collective in REDUCING_COLLECTIVES),
+            kernels.step_divisor(ReduceOp(plan.op), plan.nranks), describe_call(plan), tuple(launches))
+        if len(self._programs) >= 1024:
+            self._programs.clear()
+        self._programs[id(plan)] = program
+        return program
+
+    def launches(self, plan):
+        """Kernel launches this rank makes for `plan`."""
+        entry = self._programs.get(id(plan))
+        program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
+        return sum(launch is not None for launch in program.launches)
+
+    def barrier(self, deadline):
+        self.group.barrier(deadline)
+
+    def abort(self, reason):
+        self.group.abort(reason)
+
+    def close(self):
+        try:
+            self.device.synchronize()
+        finally:
+            self._tables.clear()
+            self._programs.clear()
+            self.group.close()

@@ -1,0 +1,311 @@
+"""The step protocol between ranks in separate processes, written once.
+
+Host ranks (transport/shm.py) and GPU ranks (executors/device_process.py)
+both run a plan phase by phase through a `ProcessGroup`; they differ only in
+what runs a phase (NumPy, or a kernel launch whose event the host polls) and
+in the memory their workspaces live in (a `memory` kind, below).
+
+One control segment, made by rank 0 in /dev/shm, holds a row per rank:
+
+    COUNTER   phases this rank has completed, over the communicator's life
+    PID       so that a dead peer is reported instead of waited for
+    SEQ, SIG  which call the rank is in, to catch ranks calling different things
+    GEN, CAP  generation and size of the rank's workspace (it grows)
+
+then a HANDLE per rank (what a peer needs to open the workspace of the
+current generation: a file name, or a CUDA IPC handle), an abort flag and a
+reason: a rank that fails mid-collective sets it, and every other rank's wait
+raises instead of waiting out its timeout.
+
+A phase starts once the peers it depends on have completed enough phases
+(`plan.phases[p].waits`, derived from the op tables); this rank's COUNTER is
+published only when the phase's writes are complete (for a GPU: its event
+has completed). Every wait has the caller's deadline, checks the abort flag
+and the peer's pid, and any failure aborts the communicator for all.
+
+Ordering: a rank stores its data (and HANDLE, CAP before GEN), then its
+counter; a peer loads the counter, then the data. Aligned 8-byte stores are
+atomic and not reordered with earlier stores on x86-64 (total store order),
+which this module relies on; a weaker memory model (aarch64) would need a
+fence between the two, not provided yet.
+
+A memory kind has three calls: `create(name, nbytes)` a workspace peers can
+open (its `.handle` is at most HANDLE_BYTES bytes), `open(handle)` a peer's,
+and `release(memory, own)`. Names start with the communicator's prefix, so
+whatever files a kind makes are found and removed with the rest.
+"""
+
+import glob
+import hashlib
+import os
+import secrets
+import time
+import weakref
+
+import numpy as np
+
+from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from .segments import SHM_DIR, Segment, remove_file
+
+COUNTER, PID, SEQ, SIG, GEN, CAP = range(6)
+ROW = 8                      # int64 slots per rank row (two spare)
+HEADER = 2                   # ABORT flag, aborting rank + 1
+ABORT, ABORT_RANK = 0, 1
+HANDLE_BYTES = 64            # sizeof(cudaIpcMemHandle_t)
+REASON_BYTES = 1024
+WORKSPACE_ALIGN = 4096
+
+
+def new_prefix():
+    """A name no other communicator on this machine uses."""
+    return f"coll-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def control_bytes(size):
+    return 8 * (HEADER + ROW * size) + HANDLE_BYTES * size + REASON_BYTES
+
+
+def describe_call(plan):
+    return (f"{plan.collective} of {plan.count} {plan.dtype} (op {plan.op}, root {plan.root}, "
+            f"algorithm {plan.algorithm})")
+
+
+def call_signature(seq, description):
+    """64 bits that differ when two ranks make different calls."""
+    text = f"{seq}: {description}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+class Waiter:
+    """Polls with a deadline: spins briefly, then yields, then sleeps.
+
+    Spinning alone would starve peers when ranks outnumber cores (tests run 4
+    ranks on 2 cores); sleeping at once would add scheduler latency to every
+    step. The schedule below keeps a satisfied wait at a few microseconds.
+    """
+
+    SPIN = 200
+    YIELD_SECONDS = 2e-3
+    MAX_SLEEP = 1e-3
+    LIVENESS_EVERY = 0.05
+
+    def __init__(self, deadline):
+        self.deadline = deadline
+
+    def until(self, ready, describe, check):
+        """Return once ready(); call check() now and then (it raises to stop)."""
+        for _ in range(self.SPIN):
+            if ready():
+                return
+        start = time.perf_counter()
+        next_check = start
+        sleep = 1e-5
+        while not ready():
+            now = time.perf_counter()
+            if now >= next_check:
+                check()
+                next_check = now + self.LIVENESS_EVERY
+            if now >= self.deadline:
+                raise CollectiveTimeoutError(f"timed out waiting for {describe()}")
+            if now - start < self.YIELD_SECONDS:
+                os.sched_yield()
+            else:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, self.MAX_SLEEP)
+
+
+class ProcessGroup:
+    """This process's rank of a communicator whose ranks are processes on one
+    machine: the control segment, the waits, and the workspaces peers read."""
+
+    def __init__(self, rank, size, prefix, memory):
+        self.rank, self.size, self.prefix = rank, size, prefix
+        self._memory = memory
+        self._control_segment = Segment(f"{prefix}-control", control_bytes(size), create=(rank == 0))
+        buf = self._control_segment.buf
+        self._header = np.ndarray((HEADER,), np.int64, buf)
+        self._rows = np.ndarray((size, ROW), np.int64, buf, offset=8 * HEADER)
+        self._handles = np.ndarray((size, HANDLE_BYTES), np.uint8, buf, offset=8 * (HEADER + ROW * size))
+        self._reason = np.ndarray((REASON_BYTES,), np.uint8, buf,
+                                  offset=8 * (HEADER + ROW * size) + HANDLE_BYTES * size)
+        self._mine = self._rows[rank]
+        self._mine[PID] = os.getpid()
+        self._seq = 0
+        # Released by close(), or at exit/collection if the caller forgot:
+        # files left behind would outlive the job in /dev/shm.
+        self._state = {"control": self._control_segment, "prefix": prefix, "memory": memory,
+                       "own": None, "peers": {}}   # peers: rank -> (generation, memory)
+        self._finalizer = weakref.finalize(self, _release_all, self._state)
+
+    # -- waiting ------------------------------------------------------------
+
+    def check_health(self, peer=None):
+        """Raise if the communicator was aborted or `peer` died."""
+        if self._header[ABORT]:
+            who = int(self._header[ABORT_RANK]) - 1
+            reason = bytes(self._reason).rstrip(b"\0").decode(errors="replace")
+            raise CollectiveError(f"rank {who} aborted the communicator: {reason}")
+        if peer is not None:
+            pid = int(self._rows[peer, PID])
+            if pid and not _alive(pid):
+                raise RankFailedError(f"rank {peer} (pid {pid}) died before completing the collective")
+
+    def _wait_for(self, peer, phases_done, waiter, description):
+        """Wait until `peer` has completed `phases_done` phases in all."""
+        counters = self._rows[:, COUNTER]
+        waiter.until(
+            lambda: counters[peer] >= phases_done,
+            lambda: f"rank {peer} in call #{self._seq}, {description} (it has completed "
+                    f"{int(counters[peer])} phases, this rank needs {phases_done}; "
+                    "is every rank making the same calls?)",
+            lambda: self.check_health(peer),
+        )
+
+    def _check_same_call(self, peer, signature, description):
+        """Once `peer` is past phase 0 of this call, its SIG names this call."""
+        if self._rows[peer, SIG] != signature:
+            raise InvalidUsageError(
+                f"rank {peer} is in its call #{int(self._rows[peer, SEQ])}, a different call from "
+                f"rank {self.rank}'s call #{self._seq}, {description}; every rank must make the same "
+                "calls in the same order")
+
+    def _enter(self, description):
+        """Start a call: its sequence number, signature and counter base."""
+        self.check_health()
+        self._seq += 1
+        return call_signature(self._seq, description), int(self._mine[COUNTER])
+
+    def abort(self, reason):
+        """Tell every rank this communicator cannot go on."""
+        if self._header is not None and not self._header[ABORT]:
+            data = reason.encode()[:REASON_BYTES - 1]
+            self._reason[:] = 0
+            self._reason[:len(data)] = np.frombuffer(data, np.uint8)
+            self._header[ABORT_RANK] = self.rank + 1
+            self._header[ABORT] = 1
+
+    # -- the workspaces peers read ----------------------------------------------
+
+    def _ensure_capacity(self, nbytes):
+        """Grow this rank's workspace. Called in phase 0, when no peer can
+        still be reading the old one (phase 0 waits for all to leave the last call)."""
+        if nbytes == 0 or (self._state["own"] is not None and self._mine[CAP] >= nbytes):
+            return
+        generation = int(self._mine[GEN]) + 1
+        capacity = max(nbytes, 2 * int(self._mine[CAP]), WORKSPACE_ALIGN)
+        grown = self._memory.create(f"{self.prefix}-r{self.rank}-g{generation}", capacity)
+        if self._state["own"] is not None:
+            self._memory.release(self._state["own"], own=True)
+        self._state["own"] = grown
+        handle = np.frombuffer(grown.handle, np.uint8)
+        self._handles[self.rank] = 0
+        self._handles[self.rank, :len(handle)] = handle
+        self._mine[CAP] = capacity
+        self._mine[GEN] = generation   # last: a peer that sees it sees the handle
+
+    def generation(self, rank):
+        """Which workspace `rank` has: it changes when the workspace grows."""
+        return int(self._rows[rank, GEN])
+
+    def workspace(self, rank):
+        """The memory of `rank`'s workspace (opened once per generation)."""
+        if rank == self.rank:
+            return self._state["own"]
+        generation = int(self._rows[rank, GEN])
+        known = self._state["peers"].get(rank)
+        if known is None or known[0] != generation:
+            if known is not None:
+                self._memory.release(known[1], own=False)
+                del self._state["peers"][rank]
+            opened = self._memory.open(bytes(self._handles[rank]))
+            self._state["peers"][rank] = known = (generation, opened)
+        return known[1]
+
+    # -- running a plan -----------------------------------------------------------
+
+    def run(self, plan, description, execute_phase, deadline):
+        """Run this rank's phases of `plan`: execute_phase(p, waiter) returns
+        once phase p's writes are complete."""
+        signature, base = self._enter(description)
+        waiter = Waiter(deadline)
+        try:
+            for p, phase in enumerate(plan.phases):
+                for peer, done in phase.waits[self.rank]:
+                    self._wait_for(peer, base + done, waiter, description)
+                    if done >= 1:
+                        self._check_same_call(peer, signature, description)
+                if p == 0:
+                    self._ensure_capacity(plan.workspace_bytes)
+                    self._mine[SEQ] = self._seq
+                    self._mine[SIG] = signature
+                execute_phase(p, waiter)
+                self._mine[COUNTER] = base + p + 1
+        except BaseException as error:
+            self.abort(f"{type(error).__name__}: {error}")
+            raise
+
+    def barrier(self, deadline):
+        """Return once every rank has entered the barrier.
+
+        Two phases, like a plan: phase 0 waits for every peer to leave the
+        previous call before this rank's signature overwrites its last one;
+        phase 1 waits for every peer to enter.
+        """
+        signature, base = self._enter("barrier")
+        waiter = Waiter(deadline)
+        peers = [peer for peer in range(self.size) if peer != self.rank]
+        try:
+            for peer in peers:
+                self._wait_for(peer, base, waiter, "barrier")
+            self._mine[SEQ] = self._seq
+            self._mine[SIG] = signature
+            self._mine[COUNTER] = base + 1
+            for peer in peers:
+                self._wait_for(peer, base + 1, waiter, "barrier")
+                self._check_same_call(peer, signature, "barrier")
+            self._mine[COUNTER] = base + 2
+        except BaseException as error:
+            self.abort(f"{type(error).__name__}: {error}")
+            raise
+
+    def close(self):
+        """Release every workspace and the control segment. Call it after a
+        barrier: a peer may still be reading this rank's workspace until then."""
+        self._header = self._rows = self._handles = self._reason = self._mine = None
+        self._control_segment = None
+        self._finalizer()
+
+
+def _release_all(state):
+    """Release everything; remove every file of the communicator, a dead
+    peer's included (removing a name others still map is harmless)."""
+    memory = state["memory"]
+    for _, opened in state["peers"].values():
+        memory.release(opened, own=False)
+    state["peers"].clear()
+    if state["own"] is not None:
+        memory.release(state["own"], own=True)
+        state["own"] = None
+    state["control"].release(unlink=True)
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(state["prefix"]) + "-*")):
+        remove_file(path)
+
+
+def _alive(pid):
+    """Whether process `pid` still runs. A zombie (dead, not yet reaped by its
+    launcher) counts as dead: kill(pid, 0) alone would call it alive."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass  # no /proc: ask the kernel directly
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
