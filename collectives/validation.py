@@ -69,7 +69,8 @@ def _refuse_for_host(obj, name):
         kind = type(obj)
         raise InvalidUsageError(
             f"{name} is a {kind.__module__}.{kind.__name__}; this communicator works on NumPy (host) arrays. "
-            "For GPU arrays make one with Communicator.local(n, devices=[...])")
+            "For GPU arrays make a GPU communicator: collectives.init(device='cuda') with one rank per "
+            "process (mpiexec), or Communicator.local(n, devices=[...]) for ranks in this process")
     raise InvalidUsageError(f"{name} must be a NumPy array, got {type(obj).__name__}")
 
 

@@ -178,3 +178,38 @@ def test_emulated_ranks_refuse_what_is_not_in_host_memory():
 def test_too_many_ranks_for_the_buffer_table():
     with pytest.raises(InvalidUsageError, match="at most 64"):
         collectives.Communicator.local(65, devices="emulated")
+
+
+# -- one rank per process: init(device=...) ---------------------------------------------
+# Several processes are tested under mpiexec in test_mpi.py; without a
+# launcher, init makes a communicator of one rank on the device.
+
+def test_init_on_an_emulated_device_without_a_launcher():
+    with collectives.init(device="emulated") as comm:
+        assert comm.size == 1 and comm.rank == 0
+        x = np.arange(10, dtype=np.float32)
+        assert np.array_equal(comm.allreduce(x.copy(), op="avg"), x)
+        assert np.array_equal(comm.allgather(x), x)
+
+
+def test_init_checks_the_device_before_anything_else():
+    for bad in ("gpu", "cuda:x", -1, True, 1.5):
+        with pytest.raises(InvalidUsageError, match="device"):
+            collectives.init(device=bad)
+
+
+def test_init_on_cuda_without_a_gpu_says_so():
+    from backends import gpu_unavailable_reason
+    if not gpu_unavailable_reason():
+        pytest.skip("this machine has a GPU; the test is of a machine without one")
+    with pytest.raises(CollectiveError, match="needs a GPU"):
+        collectives.init(device="cuda")
+
+
+def test_a_host_communicator_tells_how_to_make_a_gpu_one():
+    class OnTheGpu:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1 << 40, False), "version": 3}
+
+    with collectives.init() as comm:
+        with pytest.raises(InvalidUsageError, match=r"init\(device='cuda'\)"):
+            comm.allreduce(OnTheGpu())

@@ -1,4 +1,6 @@
-"""Ranks in separate processes, started with mpiexec as users do.
+"""Ranks in separate processes, started with mpiexec as users do: host
+ranks, and GPU ranks on emulated devices (every test body runs on both), or
+on a real GPU when one is usable (marked `gpu`).
 
 Each test has a hard time limit: a hang fails the test instead of CI.
 """
@@ -12,10 +14,20 @@ from pathlib import Path
 
 import pytest
 
+from backends import gpu_unavailable_reason
+
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi
 
 WORKER = Path(__file__).with_name("mpi_worker.py")
+DEVICES = ["host", "emulated", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    if request.param == "cuda" and gpu_unavailable_reason():
+        pytest.skip(gpu_unavailable_reason())
+    return request.param
 
 
 def mpiexec():
@@ -26,11 +38,11 @@ def mpiexec():
     return found
 
 
-def run_ranks(n, scenario, *launcher_flags, limit=240):
+def run_ranks(n, scenario, *launcher_flags, device="host", limit=240):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     done = subprocess.run(
-        [mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(WORKER), scenario],
+        [mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(WORKER), scenario, device],
         capture_output=True, text=True, timeout=limit, env=env,
     )
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
@@ -41,23 +53,35 @@ def run_ranks(n, scenario, *launcher_flags, limit=240):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_every_collective_across_processes(n):
-    oks, report = run_ranks(n, "collectives")
+def test_every_collective_across_processes(n, device):
+    oks, report = run_ranks(n, "collectives", device=device)
     assert len(oks) == n, report
 
 
-@pytest.mark.parametrize("scenario", ["stalled", "stalled_barrier", "mismatch"])
-def test_a_rank_that_stops_calling_in_or_disagrees_raises_instead_of_hanging(scenario):
-    oks, report = run_ranks(3, scenario)
+def test_workspaces_grow_across_calls(device):
+    oks, report = run_ranks(3, "growth", device=device)
     assert len(oks) == 3, report
 
 
-def test_a_killed_rank_is_reported_quickly():
+@pytest.mark.parametrize("scenario", ["stalled", "stalled_barrier", "mismatch"])
+def test_a_rank_that_stops_calling_in_or_disagrees_raises_instead_of_hanging(scenario, device):
+    oks, report = run_ranks(3, scenario, device=device)
+    assert len(oks) == 3, report
+
+
+def test_a_killed_rank_is_reported_quickly(device):
     # Hydra would otherwise kill the survivors itself when one rank exits.
-    oks, report = run_ranks(3, "killed", "-disable-auto-cleanup")
+    oks, report = run_ranks(3, "killed", "-disable-auto-cleanup", device=device)
     assert len(oks) == 2, report
 
 
-def test_close_removes_shared_memory():
-    oks, report = run_ranks(2, "shared_segments_are_removed")
+def test_close_removes_shared_memory(device):
+    oks, report = run_ranks(2, "shared_segments_are_removed", device=device)
+    assert len(oks) == 2, report
+
+
+def test_gpu_ranks_without_a_gpu_fail_at_once_on_every_rank():
+    if not gpu_unavailable_reason():
+        pytest.skip("this machine has a GPU; the test is of a machine without one")
+    oks, report = run_ranks(2, "no_gpu")
     assert len(oks) == 2, report
