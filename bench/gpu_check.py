@@ -6,7 +6,10 @@
    the same size, in the same run, alternating the two, for each variant of
    the kernel (unroll, launch bounds);
 3. runs the allreduce benchmark on --ranks ranks of one GPU;
-4. writes everything to one JSON under bench/results/ with the device,
+4. runs it again with one rank per process (--processes of them under
+   mpiexec, sharing the GPU through CUDA IPC), and the per-call comparison
+   of those GPU ranks with host ranks (bench.spmd_overhead);
+5. writes everything to one JSON under bench/results/ with the device,
    driver, CUDA, CuPy and NCCL versions and the exact command.
 
 `--device emulated` runs the same steps on the CPU (our kernels compiled for
@@ -18,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +46,7 @@ def parse_args(argv):
     p.add_argument("--unroll", default="1,2,4", help="unroll variants of plan_step to measure (GPU only)")
     p.add_argument("--min-blocks", default="4,8", help="launch-bound variants (blocks per multiprocessor) to measure")
     p.add_argument("--repeats", type=int, default=20, help="timed launches per measurement")
+    p.add_argument("--processes", type=int, default=2, help="processes for the one-rank-per-process runs")
     p.add_argument("--skip-tests", action="store_true", help="do not run the gpu tests")
     p.add_argument("-J", "--output_file", default=None, help="JSON path (default bench/results/gpu_check_<device>.json)")
     args = p.parse_args(argv)
@@ -158,7 +163,34 @@ def open_device(kind, variant):
     return open_named("emulated")
 
 
-# -- 3. and 4. ----------------------------------------------------------------------
+# -- 4. one rank per process ---------------------------------------------------------
+
+def run_processes(args):
+    """The allreduce sweep and the per-call comparison, each under mpiexec."""
+    mpiexec = harness.find_mpiexec()
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        sweep, overhead = Path(scratch) / "sweep.json", Path(scratch) / "overhead.json"
+        emulated = args.device == "emulated"
+        commands = {
+            "allreduce": [mpiexec, "-bind-to", "core", "-n", str(args.processes), sys.executable, "-m",
+                          "bench.all_reduce_perf", "--device", args.device, "-b", "8", "-e", args.maxbytes, "-f", "4",
+                          "-n", "3" if emulated else "20", "-w", "1" if emulated else "5", "-J", str(sweep)],
+            "overhead": [mpiexec, "-bind-to", "core", "-n", str(args.processes), sys.executable, "-m",
+                         "bench.spmd_overhead", "--device", args.device, "--batches", "5" if emulated else "20",
+                         "-J", str(overhead)],
+        }
+        for name, command in commands.items():
+            print(" ".join(command), flush=True)
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+            print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
+            path = sweep if name == "allreduce" else overhead
+            results[name] = {"command": " ".join(command), "returncode": done.returncode,
+                             "result": json.loads(path.read_text()) if path.exists() else None}
+    return results
+
+
+# -- 3. and 5. ----------------------------------------------------------------------
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -191,10 +223,14 @@ def main(argv=None):
     report["allreduce"] = json.loads(table.read_text())["rows"]
     table.unlink()
 
+    print(f"# 4. one rank per process: {args.processes} processes sharing the device", flush=True)
+    report["processes"] = run_processes(args)
+
     Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_file).write_text(json.dumps(report, indent=1))
     print(f"# wrote {args.output_file}")
-    failed = (report.get("gpu_tests", {}).get("returncode", 0) not in (0, 5)) or code != 0
+    failed = (report.get("gpu_tests", {}).get("returncode", 0) not in (0, 5)) or code != 0 \
+        or any(run["returncode"] != 0 for run in report["processes"].values())
     print("# gpu_check " + ("FAILED" if failed else "passed"))
     return 1 if failed else 0
 

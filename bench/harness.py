@@ -72,7 +72,7 @@ def parse_args(spec, argv=None):
     p.add_argument("--ranks", type=int, default=4, help="virtual ranks when not under mpiexec")
     p.add_argument("--device", default="host", choices=["host", "emulated", "cuda"],
                    help="where our ranks run: host (NumPy), emulated (our CUDA kernels on the CPU), "
-                        "cuda (every rank on GPU 0)")
+                        "cuda (virtual ranks: every rank on GPU 0; under mpiexec: GPU local rank modulo the GPUs)")
     p.add_argument("--backend", default="host", help="comma-separated: host (ours, on --device), mpi (mpi4py Allreduce)")
     p.add_argument("--algorithm", default="auto", help="our algorithm: auto, ring, direct")
     p.add_argument("--timeout", type=float, default=None, help="communicator timeout in seconds")
@@ -114,14 +114,20 @@ def mpi_world():
     return MPI.COMM_WORLD
 
 
-def relaunch_under_mpiexec(args, argv):
-    """Run this same benchmark as `--ranks` processes; return its exit code."""
+def find_mpiexec():
+    """MPICH's mpiexec beside this Python (the mpich wheel), else the PATH's."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
         mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
-        sys.exit("--backend mpi needs mpiexec: pip install '.[mpi]'")
-    command = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", module_name(), *argv]
+        sys.exit("running ranks as processes needs mpiexec: pip install '.[mpi]'")
+    return mpiexec
+
+
+def relaunch_under_mpiexec(args, argv, launcher_flags=()):
+    """Run this same benchmark as `--ranks` processes; return its exit code."""
+    mpiexec = find_mpiexec()
+    command = [mpiexec, *launcher_flags, "-n", str(args.ranks), sys.executable, "-m", module_name(), *argv]
     print(f"# relaunching as {args.ranks} processes: {' '.join(command)}", flush=True)
     return subprocess.call(command, env=dict(os.environ, **{RELAUNCHED: "1"}))
 
@@ -136,10 +142,8 @@ class Backend:
             if world is None:
                 devices = None if args.device == "host" else ["cuda:0" if args.device == "cuda" else "emulated"] * args.ranks
                 self.comm = collectives.Communicator.local(args.ranks, devices=devices, timeout=args.timeout)
-            elif args.device != "host":
-                raise SystemExit("one rank per process runs on the host for now: drop --device or mpiexec")
-            else:
-                self.comm = collectives.init(timeout=args.timeout, comm=world)
+            else:  # one rank per process, on the host or on this process's device
+                self.comm = collectives.init(timeout=args.timeout, comm=world, device=args.device)
             self.local_ranks, self.nranks = list(self.comm.local_ranks), self.comm.size
         else:
             if world is None and args.ranks != 1:

@@ -115,6 +115,40 @@ def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
     assert all(r["step_GBps"] > 0 and r["copy_GBps"] > 0 for r in report["kernel_bandwidth"])
     assert report["allreduce"] and all(r["out_of_place"]["wrong"] == 0 for r in report["allreduce"])
     assert report["environment"]["device"].startswith("emulated")
+    processes = report["processes"]
+    assert all(run["returncode"] == 0 for run in processes.values()), processes
+    assert processes["allreduce"]["result"]["environment"]["processes"] == 2
+    assert processes["overhead"]["result"]["ratio_to_host"]["emulated"] > 0
+
+
+@pytest.mark.mpi
+def test_gpu_ranks_across_processes_in_the_benchmarks(tmp_path):
+    """all_reduce_perf and spmd_overhead under mpiexec with --device emulated:
+    one GPU rank per process, results checked, round trips counted."""
+    pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
+    from bench.harness import find_mpiexec
+    sweep = tmp_path / "sweep.json"
+    done = subprocess.run(
+        [find_mpiexec(), "-n", "2", sys.executable, "-m", "bench.all_reduce_perf", "--device", "emulated",
+         "-b", "8", "-e", "64K", "-f", "32", "-n", "2", "-w", "1", "-d", "bfloat16", "-J", str(sweep)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(sweep.read_text())
+    assert report["environment"]["processes"] == 2 and "2 processes on emulated" in done.stdout
+    assert all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in report["rows"])
+
+    overhead = tmp_path / "overhead.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.spmd_overhead", "--ranks", "2", "--batches", "2", "--calls", "20",
+         "-J", str(overhead)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(overhead.read_text())
+    assert result["environment"]["processes"] == 2 and "-bind-to core" in done.stdout
+    trips = result["round_trips_per_call"]
+    # One launch and one event poll (at least) per phase of this rank's plan; host ranks launch nothing.
+    assert trips["emulated"]["launches"] == result["phases"] <= trips["emulated"]["event polls"]
+    assert trips["host"]["launches"] == 0 and trips["host"]["peer waits"] == trips["emulated"]["peer waits"] > 0
+    assert set(result["median_us_per_call"]) == {"host", "emulated"}
 
 
 def test_call_overhead_and_plan_report(tmp_path, capsys):

@@ -1,0 +1,151 @@
+"""Per-call cost of a small collective with one rank per process: GPU ranks
+(emulated devices, or GPUs) against host ranks, side by side in one run.
+
+    python -m bench.spmd_overhead [--ranks 2] [--device emulated] [--bytes 1K]
+
+Each process makes two communicators, `init(device="host")` and
+`init(device=DEVICE)`, and times batches of allreduce calls on each in turn
+(alternating, so that the machine's noise hits both alike); it prints the
+median time per call of each, their ratio, and the host round trips a call
+makes: peer waits (a poll of a peer's counter), kernel launches, and event
+polls until each launch is done. Without a launcher it relaunches itself
+under mpiexec with --ranks processes, pinned one per core (-bind-to core).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import collectives
+from bench.harness import RELAUNCHED, environment, mpi_world, parse_size, relaunch_under_mpiexec
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.spmd_overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, help="processes, when not already under mpiexec")
+    p.add_argument("--device", default="emulated", choices=["emulated", "cuda"])
+    p.add_argument("--bytes", default="1K", help="message size (suffixes K, M)")
+    p.add_argument("--algorithm", default="auto")
+    p.add_argument("--in-place", action="store_true")
+    p.add_argument("--batches", type=int, default=30, help="batches per communicator, alternating")
+    p.add_argument("--calls", type=int, default=200, help="calls per batch")
+    p.add_argument("-J", "--output_file")
+    args = p.parse_args(argv)
+    args.nbytes = parse_size(args.bytes)
+    args.launcher_flags = ["-bind-to", "core"]
+    return args
+
+
+def round_trips(comm, x, out, algorithm):
+    """Host round trips of one call, counted on an instrumented copy of the
+    communicator's rank (outside the timed batches)."""
+    ranks = comm._ranks  # noqa: SLF001 - the benchmark looks inside on purpose
+    counts = {"peer waits": 0, "launches": 0, "event polls": 0}
+    group = ranks.group
+    device = getattr(ranks, "device", None)
+    originals = {"wait": group._wait_for}  # noqa: SLF001
+
+    def counted_wait(*a, **k):
+        counts["peer waits"] += 1
+        return originals["wait"](*a, **k)
+
+    group._wait_for = counted_wait  # noqa: SLF001
+    if device is not None:
+        originals["launch"], originals["query"] = device.launch_step, device.query
+
+        def counted_launch(*a):
+            counts["launches"] += 1
+            return originals["launch"](*a)
+
+        def counted_query(*a):
+            counts["event polls"] += 1
+            return originals["query"](*a)
+
+        device.launch_step, device.query = counted_launch, counted_query
+    try:
+        comm.allreduce(x, out=out, algorithm=algorithm)
+    finally:
+        del group._wait_for  # noqa: SLF001 - the instance attributes go, the methods stay
+        if device is not None:
+            del device.launch_step, device.query
+    return counts
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    world = mpi_world()
+    if world is None:
+        if os.environ.get(RELAUNCHED):
+            sys.exit("the relaunched benchmark found no MPI launcher")
+        return relaunch_under_mpiexec(args, argv, args.launcher_flags)
+    leader = world.rank == 0
+    host = collectives.init(comm=world)
+    gpu = collectives.init(comm=world, device=args.device)
+    count = max(1, args.nbytes // 4)
+    arrays = {}
+    for name, comm in (("host", host), (args.device, gpu)):
+        if name == "cuda":
+            import cupy
+            x = cupy.ones(count, cupy.float32)
+            out = None if args.in_place else cupy.empty_like(x)
+        else:
+            x = np.ones(count, np.float32)
+            out = None if args.in_place else np.empty_like(x)
+        arrays[name] = (comm, x, out)
+    samples = {name: [] for name in arrays}
+    for name, (comm, x, out) in arrays.items():   # warm up: plans, kernels, workspaces
+        for _ in range(args.calls):
+            comm.allreduce(x, out=out, algorithm=args.algorithm)
+    for _ in range(args.batches):
+        for name, (comm, x, out) in arrays.items():
+            comm.barrier()
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                comm.allreduce(x, out=out, algorithm=args.algorithm)
+            comm.synchronize()
+            samples[name].append((time.perf_counter() - start) / args.calls)
+    # Per batch the slowest rank's time (a collective is as slow as its last rank), then the median.
+    medians = {name: statistics.median([world.allreduce(t, op=_max()) for t in times])
+               for name, times in samples.items()}
+    trips = {name: round_trips(comm, x, out, args.algorithm) for name, (comm, x, out) in arrays.items()}
+    plan = next(iter(host._plans.values()))  # noqa: SLF001
+    if leader:
+        place = "in place" if args.in_place else "out of place"
+        print(f"# allreduce of {args.nbytes} B float32 ({place}), {world.size} processes, algorithm "
+              f"{plan.algorithm}, {args.batches} alternating batches of {args.calls} calls")
+        print(f"# {'ranks':>10s}  {'median us/call':>14s}  {'vs host':>7s}  host round trips per call (rank 0)")
+        for name in samples:
+            print(f"  {name:>10s}  {medians[name] * 1e6:14.1f}  {medians[name] / medians['host']:6.2f}x  "
+                  + ", ".join(f"{k} {v}" for k, v in trips[name].items()))
+    if args.output_file and leader:
+        with open(args.output_file, "w") as f:
+            json.dump({"benchmark": "spmd_overhead", "bytes": args.nbytes, "in_place": args.in_place,
+                       "algorithm": plan.algorithm, "phases": len(plan.phases),
+                       "environment": environment(_harness_args(args), world.size, ["host", args.device]),
+                       "median_us_per_call": {k: v * 1e6 for k, v in medians.items()},
+                       "ratio_to_host": {k: v / medians["host"] for k, v in medians.items()},
+                       "round_trips_per_call": trips,
+                       "samples_us": {k: [t * 1e6 for t in v] for k, v in samples.items()}}, f, indent=1)
+        print(f"# wrote {args.output_file}")
+    gpu.close()
+    host.close()
+    return 0
+
+
+def _max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def _harness_args(args):
+    return argparse.Namespace(device=args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
