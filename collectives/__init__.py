@@ -34,7 +34,8 @@ def init(timeout=None, *, comm=None, device="host"):
     `device` says where this process's rank works:
         "host"        NumPy arrays (the default)
         "cuda"        GPU arrays, on GPU (local rank modulo the GPUs this
-                      process sees): several processes may share one GPU
+                      process sees), which init makes the current device:
+                      several processes may share one GPU
         "emulated"    our CUDA kernels run on the CPU, on NumPy arrays
         "cuda:N", "emulated:N", or an int: that device
     """
@@ -59,7 +60,9 @@ def init(timeout=None, *, comm=None, device="host"):
     from .devices import device_for_rank
     if alone:
         from .executors.device import DeviceRanks
-        return Communicator(DeviceRanks([device_for_rank(device, 0)]), size=1, local_ranks=[0], timeout=timeout)
+        opened = device_for_rank(device, 0)
+        opened.use()
+        return Communicator(DeviceRanks([opened]), size=1, local_ranks=[0], timeout=timeout)
     local_rank = bootstrap.local_rank(world, deadline)
     opened = error = None
     try:
@@ -67,6 +70,7 @@ def init(timeout=None, *, comm=None, device="host"):
     except CollectiveError as failure:
         error = failure
     bootstrap.agree(world, deadline, error)   # every rank raises if one could not open its device
+    opened.use()
     from .executors.device_process import DeviceProcessRank
     ranks = bootstrap.process_rank(world, deadline, lambda rank, size, prefix:
                                    DeviceProcessRank(rank, size, prefix, opened))

@@ -20,6 +20,7 @@ The interface, duck-typed:
                              cross-stream ordering with CUDA's semantics: a wait
                              is for the most recent record before it
     query(event)             whether the work before the event's latest record is done
+    use()                    make it the calling thread's current device (init does, for its rank)
     enable_peer_access(other), is_capturing(stream), synchronize()
     call_returned()          a collective is about to return to its caller
 

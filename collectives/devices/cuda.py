@@ -116,6 +116,9 @@ class CudaDevice:
     def current_stream(self):
         return self._cupy.cuda.get_current_stream(self.index)
 
+    def use(self):
+        self._device.use()
+
     def _function(self, instance):
         function = self._functions.get(instance)
         if function is None:

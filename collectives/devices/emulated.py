@@ -101,14 +101,20 @@ class _Engine:
                     raise CollectiveError(
                         "emulated streams deadlocked: every queue waits on an event that is never recorded "
                         f"({', '.join(map(repr, busy))})")
-                stream = self.random.choice(ready)
-                operation = stream.queue.popleft()
-                try:
-                    operation[1](*operation[2:])
-                except BaseException:
-                    for s in self.streams:  # what was queued behind a failure never runs
-                        s.queue.clear()
-                    raise
+                if len(busy) == 1:  # one stream: its own order is the only order there is
+                    queue = busy[0].queue
+                    while queue and _ready(queue[0]):
+                        self._run(queue.popleft())
+                    continue
+                self._run(self.random.choice(ready).queue.popleft())
+
+    def _run(self, operation):
+        try:
+            operation[1](*operation[2:])
+        except BaseException:
+            for s in self.streams:  # what was queued behind a failure never runs
+                s.queue.clear()
+            raise
 
 
 def _ready(operation):
@@ -138,6 +144,7 @@ class EmulatedDevice:
         self._library = library()
         self._default_stream = self.new_stream()
         self._current = self._default_stream
+        self._last_addresses = (None, 0)  # (buffer table, its address), kept alive while queued
 
     def __repr__(self):
         return f"<EmulatedDevice {self.name}>"
@@ -172,14 +179,20 @@ class EmulatedDevice:
     def current_stream(self):
         return self._current
 
+    def use(self):
+        pass  # its arrays are NumPy arrays: there is nothing to make current
+
     def launch_step(self, stream, instance, grid, table, width, addresses, divisor):
-        addresses = np.array(addresses, np.uint64)  # the caller may reuse its array before this runs
-        stream.queue.append(("launch", self._run_step, instance, grid, table, width, addresses, divisor))
+        if addresses is not self._last_addresses[0]:
+            if addresses.flags.writeable:  # the caller may reuse it before this runs
+                addresses = np.array(addresses, np.uint64)
+            self._last_addresses = (addresses, addresses.ctypes.data)
+        stream.queue.append(("launch", self._run_step, instance, grid, table, width, self._last_addresses, divisor))
 
     def _run_step(self, instance, grid, table, width, addresses, divisor):
         status = self._library.collectives_emulated_plan_step(
             instance.element_index, instance.op_code, grid[0], grid[1], kernels.STEP_THREADS,
-            table.address, width, addresses.ctypes.data, divisor)
+            table.address, width, addresses[1], divisor)
         if status != 0:
             raise CollectiveError(f"the emulated plan_step rejected {instance} (status {status})")
 
