@@ -10,7 +10,6 @@
 
 import time
 
-
 from .communicator import Communicator
 from .config import resolve_timeout
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
