@@ -74,13 +74,20 @@ def parse_args(spec, argv=None):
                    help="where our ranks run: host (NumPy), emulated (our CUDA kernels on the CPU), "
                         "cuda (virtual ranks: every rank on GPU 0; under mpiexec: GPU local rank modulo the GPUs)")
     p.add_argument("--backend", default="host", help="comma-separated: host (ours, on --device), mpi (mpi4py Allreduce)")
-    p.add_argument("--algorithm", default="auto", help="our algorithm: auto, ring, direct")
+    p.add_argument("--algorithm", default="auto",
+                   help="our algorithm, or several comma-separated (each runs as a backend of its own, "
+                        "alternating per size): auto or a registered name (python -m bench.model lists them)")
     p.add_argument("--timeout", type=float, default=None, help="communicator timeout in seconds")
     args = p.parse_args(argv)
     args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
     name = DTYPE_NAMES[args.datatype]
     args.dtype = BFLOAT16 if name == "bfloat16" else np.dtype(name)
     args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    args.algorithms = [a.strip() for a in args.algorithm.split(",") if a.strip()]
+    from collectives.algorithms import REGISTRY
+    unknown = set(args.algorithms) - {"auto", *REGISTRY}
+    if unknown or not args.algorithms:
+        p.error(f"unknown algorithm(s) {sorted(unknown)}; choose from auto, {', '.join(REGISTRY)}")
     unknown = set(args.backends) - {"host", "mpi"}
     if unknown or not args.backends:
         p.error(f"unknown backend(s) {sorted(unknown)}; choose from host, mpi")
@@ -135,10 +142,16 @@ def relaunch_under_mpiexec(args, argv, launcher_flags=()):
 class Backend:
     """One way of running the collective on this process's ranks."""
 
-    def __init__(self, name, spec, args, world):
-        self.name, self.spec, self.args = name, spec, args
+    def __init__(self, name, spec, args, world, algorithm=None, comm=None):
+        self.name, self.spec = name, spec
+        self.algorithm = algorithm if name == "host" else None
+        self.args = argparse.Namespace(**{**vars(args), "algorithm": self.algorithm})
+        self.label = name if algorithm is None or len(args.algorithms) == 1 else f"{name}:{algorithm}"
         self.device = args.device if name == "host" else "host"
-        if name == "host":
+        if name == "host" and comm is not None:  # another algorithm on the same ranks
+            self.comm = comm
+            self.local_ranks, self.nranks = list(comm.local_ranks), comm.size
+        elif name == "host":
             if world is None:
                 devices = None if args.device == "host" else ["cuda:0" if args.device == "cuda" else "emulated"] * args.ranks
                 self.comm = collectives.Communicator.local(args.ranks, devices=devices, timeout=args.timeout)
@@ -332,7 +345,15 @@ def main(spec, argv=None):
     world = mpi_world()
     if world is None and "mpi" in args.backends and args.ranks > 1 and not os.environ.get(RELAUNCHED):
         return relaunch_under_mpiexec(args, argv)
-    backends = [Backend(name, spec, args, world) for name in args.backends]
+    backends = []
+    for name in args.backends:
+        if name == "host":
+            shared = None
+            for algorithm in args.algorithms:
+                backends.append(Backend(name, spec, args, world, algorithm, comm=shared))
+                shared = backends[-1].comm
+        else:
+            backends.append(Backend(name, spec, args, world))
     nranks = backends[0].nranks
     leader = world is None or world.rank == 0
     say = print if leader else (lambda *a, **k: None)
@@ -346,8 +367,13 @@ def main(spec, argv=None):
         in_count, out_count = spec.counts(nbytes, args.dtype.itemsize, nranks)
         first_time = None
         for backend in backends:
-            row = {"backend": backend.name, "size": nbytes, "count": max(in_count, out_count),
+            row = {"backend": backend.label, "size": nbytes, "count": max(in_count, out_count),
                    "type": args.dtype.name, "redop": args.op if spec.has_op else "none", "root": spec.root}
+            if backend.algorithm is not None:
+                row["algorithm"] = backend.algorithm
+                row["picked"] = backend.comm.chosen_algorithm(spec.name, in_count * args.dtype.itemsize,
+                                                              root=max(spec.root, 0)) \
+                    if backend.algorithm == "auto" else backend.algorithm
             t_out, w_out, t_in, w_in = measure(backend, spec, args, nbytes, world)
             factor = spec.busbw_factor(nranks)
             for place, seconds, wrong in (("out_of_place", t_out, w_out), ("in_place", t_in, w_in)):
@@ -359,10 +385,10 @@ def main(spec, argv=None):
             rows.append(row)
             say(format_row(row), flush=True)
     for backend in backends:
-        mine = [r for r in rows if r["backend"] == backend.name]
+        mine = [r for r in rows if r["backend"] == backend.label]
         average = sum(r["out_of_place"]["busbw"] for r in mine) / max(len(mine), 1)
         mine_wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in mine)
-        say(f"# {backend.name:>6s}: out of bounds values: {mine_wrong}  avg bus bandwidth: {average:.3f} GB/s")
+        say(f"# {backend.label:>6s}: out of bounds values: {mine_wrong}  avg bus bandwidth: {average:.3f} GB/s")
     wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in rows)
     if args.output_file and leader:
         with open(args.output_file, "w") as f:

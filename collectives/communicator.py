@@ -7,7 +7,8 @@ import numpy as np
 from . import arrays, validation
 from .algorithms import choose
 from .algorithms.schedule import (
-    ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT, REDUCING_COLLECTIVES,
+    ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES as COLLECTIVE_NAMES, REDUCE_SCATTER, REDUCE_TO_ROOT,
+    REDUCING_COLLECTIVES,
 )
 from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
 from .config import resolve_timeout
@@ -25,6 +26,7 @@ class VirtualHostRanks:
     addressable = True  # ranks read each other's arrays: plans skip the workspace copies
     host_only = True    # it indexes NumPy arrays
     locations = None
+    transport = "host-in-process"   # which cost model `auto` asks (algorithms/__init__.py)
 
     def __init__(self, nranks):
         self._workspaces = [np.empty(0, np.uint8) for _ in range(nranks)]
@@ -131,6 +133,16 @@ class Communicator:
         """The root's `x` becomes the reduction of all ranks' `x`; the others' is unchanged."""
         return self._collective(REDUCE_TO_ROOT, x, op=op, root=root, algorithm=algorithm)
 
+    def chosen_algorithm(self, collective, nbytes, root=0):
+        """The algorithm `algorithm="auto"` runs for `collective` on arrays of
+        `nbytes` bytes per rank (its cost model is this communicator's transport's)."""
+        if collective not in COLLECTIVE_NAMES:
+            raise InvalidUsageError(f"unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
+        work_bytes = nbytes * self.size if collective == ALLGATHER else nbytes
+        rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
+        return choose(collective, self.size, work_bytes, validation.root_rank(root, self.size) if rooted else 0,
+                      self._ranks.transport)
+
     def barrier(self):
         """Return once every rank has called barrier (or raise after the timeout)."""
         self._check_open()
@@ -233,7 +245,7 @@ class Communicator:
             raise InvalidUsageError(f"algorithm must be a name, got {type(algorithm).__name__}")
         count = elements * self.size if collective == ALLGATHER else elements  # each rank's WORK buffer
         if algorithm == "auto":
-            algorithm = choose(collective, self.size, count * dtype.itemsize, root)
+            algorithm = choose(collective, self.size, count * dtype.itemsize, root, self._ranks.transport)
         plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding)
         if key is not None:
             if len(self._plans) >= 1024:

@@ -17,6 +17,9 @@ from mpi4py import MPI
 import collectives
 from cases import DTYPES, OPS, counts_for, gather_input, reduction_expected, reduction_input
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from collectives.algorithms import REGISTRY
+
+ALGORITHMS = tuple(REGISTRY)
 
 TIMEOUT = 3.0
 
@@ -32,34 +35,45 @@ def scenario_collectives(comm):
     # every dtype; ranks on devices run every dtype through the step kernel.
     dtypes = DTYPES if DEVICE != "host" else \
         [d for d in DTYPES if d.name in ("int8", "uint16", "int64", "float16", "float32", "float64")]
-    for algorithm in ("ring", "direct"):
+    # Host ranks run every algorithm through the whole matrix; devices run ring
+    # and direct through it, and every algorithm in the random-float check below.
+    for algorithm in (ALGORITHMS if DEVICE == "host" else ("ring", "direct")):
+        implemented = REGISTRY[algorithm].collectives
         for count in counts_for(n):
             for dtype in dtypes:
                 for op in OPS:
                     case = f"{algorithm} {op} {dtype} count={count} rank {r}"
                     x = reduction_input(op, dtype, n, r, count)
-                    check(comm.allreduce(x.copy(), op=op, algorithm=algorithm),
-                          reduction_expected(op, dtype, n, count), f"allreduce {case}")
-                    out = np.empty(count, dtype)
-                    comm.reduce_scatter(reduction_input(op, dtype, n, r, n * count), op=op, out=out,
-                                        algorithm=algorithm)
-                    check(out, reduction_expected(op, dtype, n, n * count)[r * count:(r + 1) * count],
-                          f"reduce_scatter {case}")
-                    got = comm.reduce(x.copy(), root=n - 1, op=op, algorithm=algorithm)
-                    check(got, reduction_expected(op, dtype, n, count) if r == n - 1 else x, f"reduce {case}")
-                gathered = comm.allgather(gather_input(dtype, r, count), algorithm=algorithm)
-                want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
-                check(gathered, want, f"allgather {algorithm} {dtype} count={count}")
-                got = comm.broadcast(gather_input(dtype, r, count), root=n // 2, algorithm=algorithm)
-                check(got, gather_input(dtype, n // 2, count), f"broadcast {algorithm} {dtype} count={count}")
+                    if "allreduce" in implemented:
+                        check(comm.allreduce(x.copy(), op=op, algorithm=algorithm),
+                              reduction_expected(op, dtype, n, count), f"allreduce {case}")
+                    if "reduce_scatter" in implemented:
+                        out = np.empty(count, dtype)
+                        comm.reduce_scatter(reduction_input(op, dtype, n, r, n * count), op=op, out=out,
+                                            algorithm=algorithm)
+                        check(out, reduction_expected(op, dtype, n, n * count)[r * count:(r + 1) * count],
+                              f"reduce_scatter {case}")
+                    if "reduce" in implemented:
+                        got = comm.reduce(x.copy(), root=n - 1, op=op, algorithm=algorithm)
+                        check(got, reduction_expected(op, dtype, n, count) if r == n - 1 else x, f"reduce {case}")
+                if "allgather" in implemented:
+                    gathered = comm.allgather(gather_input(dtype, r, count), algorithm=algorithm)
+                    want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
+                    check(gathered, want, f"allgather {algorithm} {dtype} count={count}")
+                if "broadcast" in implemented:
+                    got = comm.broadcast(gather_input(dtype, r, count), root=n // 2, algorithm=algorithm)
+                    check(got, gather_input(dtype, n // 2, count), f"broadcast {algorithm} {dtype} count={count}")
     # Random floats: every rank holds the bits the NumPy interpreter gives for
     # the same inputs (each rank can make everyone's), so all ranks agree.
     with collectives.Communicator.local(n) as reference:
-        for algorithm in ("ring", "direct"):
+        for algorithm in ALGORITHMS:  # every one implements allreduce
+            implemented = REGISTRY[algorithm].collectives
             for size in (5, 70001, 1 << 20):  # 1 << 20 makes every rank grow its workspace
                 inputs = [random_floats(q, size) for q in range(n)]
                 mine = comm.allreduce(inputs[r].copy(), algorithm=algorithm)
                 check(mine, reference.allreduce(inputs, algorithm=algorithm)[r], f"random allreduce {algorithm}")
+                if "reduce_scatter" not in implemented:
+                    continue
                 out = np.empty(size, np.float32)
                 inputs = [random_floats(q, n * size) for q in range(n)]
                 comm.reduce_scatter(inputs[r].copy(), op="max", out=out, algorithm=algorithm)

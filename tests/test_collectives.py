@@ -13,8 +13,11 @@ import pytest
 import collectives
 from backends import GPU_DEVICE, Backend, backend_params, require_gpu, shares_memory
 from cases import DTYPES, OPS, RANK_COUNTS, counts_for, gather_input, reduction_expected, reduction_input
+from collectives.algorithms import REGISTRY
 
-ALGORITHMS = ("ring", "direct", "auto")
+# Every registered algorithm, on the collectives it implements (the rest are
+# deselected in conftest.py, as is the reduced matrix of device backends).
+ALGORITHMS = ("auto", *REGISTRY)
 matrix = pytest.mark.parametrize("n,count", [(n, c) for n in RANK_COUNTS for c in counts_for(n)])
 algorithms = pytest.mark.parametrize("algorithm", ALGORITHMS)
 placement = pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "out-of-place"])

@@ -9,21 +9,39 @@ import functools
 from typing import Callable, NamedTuple
 
 from ..errors import InvalidUsageError
-from .direct import direct
-from .ring import ring
-from .schedule import COLLECTIVES, Schedule  # noqa: F401  (re-exported)
+from .butterfly import BUTTERFLY_COLLECTIVES, butterfly, butterfly_costs
+from .direct import direct, direct_costs
+from .halving_doubling import HALVING_DOUBLING_COLLECTIVES, halving_doubling, halving_doubling_costs
+from .ring import ring, ring_costs
+from .round_robin import ROUND_ROBIN_COLLECTIVES, round_robin, round_robin_costs
+from .star import STAR_COLLECTIVES, star, star_costs
+from .tree import TREE_COLLECTIVES, tree, tree_costs
+from .two_shot import TWO_SHOT_COLLECTIVES, two_shot, two_shot_costs
+from .schedule import COLLECTIVES, Costs, Schedule  # noqa: F401  (re-exported)
 
 
 class Algorithm(NamedTuple):
     name: str
-    generate: Callable
+    generate: Callable      # (collective, nranks, root=None) -> Schedule
     collectives: tuple
     summary: str
+    costs: Callable         # (collective, nranks, nbytes) -> Costs, closed forms the tests check
 
 
 REGISTRY = {
-    "ring": Algorithm("ring", ring, COLLECTIVES, "bandwidth-optimal, 2(n-1) steps for allreduce"),
-    "direct": Algorithm("direct", direct, COLLECTIVES, "one step, every rank reads its peers"),
+    "ring": Algorithm("ring", ring, COLLECTIVES, "bandwidth-optimal, 2(n-1) steps for allreduce", ring_costs),
+    "direct": Algorithm("direct", direct, COLLECTIVES, "one step, every rank reads its peers", direct_costs),
+    "star": Algorithm("star", star, STAR_COLLECTIVES, "master-worker: the master reduces, all copy back", star_costs),
+    "tree": Algorithm("tree", tree, TREE_COLLECTIVES, "binomial tree, 2 ceil(log2 n) steps for allreduce", tree_costs),
+    "butterfly": Algorithm("butterfly", butterfly, BUTTERFLY_COLLECTIVES,
+                           "recursive doubling, log2 n steps for allreduce", butterfly_costs),
+    "halving_doubling": Algorithm("halving_doubling", halving_doubling, HALVING_DOUBLING_COLLECTIVES,
+                                  "recursive halving then doubling: 2 log2 n steps, ring's bytes",
+                                  halving_doubling_costs),
+    "round_robin": Algorithm("round_robin", round_robin, ROUND_ROBIN_COLLECTIVES,
+                             "pairwise exchange with a new peer each round: 2(n-1) steps", round_robin_costs),
+    "two_shot": Algorithm("two_shot", two_shot, TWO_SHOT_COLLECTIVES,
+                          "reduce your chunk from all, then gather: 2 steps", two_shot_costs),
 }
 
 
@@ -41,24 +59,67 @@ def schedule_for(algorithm, collective, nranks, root=None):
 
 
 # The latency-bandwidth model `auto` uses: a step costs a synchronisation
-# (STEP_SECONDS) plus the memory traffic of the busiest rank at
-# BYTES_PER_SECOND. Shared memory makes traffic, not hops, the price of bytes.
-# Calibrated with `mpiexec -n 2 python -m bench.all_reduce_perf --algorithm
-# ring|direct` on the 2-core development machine: direct wins up to 64 KiB,
-# ring from 256 KiB; this model puts the crossover at 2 ranks near 200 KB.
-STEP_SECONDS = 10e-6
-BYTES_PER_SECOND = 10e9
+# (step_seconds) plus the memory traffic (bytes_moved) at bytes_per_second. On shared memory, traffic, not hops, is the price of
+# bytes. One model per transport, since a step costs a Python loop between
+# virtual ranks, a counter handshake between processes and a kernel launch
+# on a GPU. `python -m bench.model --calibrate RESULTS.json` fits the two
+# constants to a benchmark run of every algorithm; `measured_by` names it.
 
 
-def modelled_seconds(schedule, nbytes):
-    chunk_bytes = nbytes / schedule.nchunks
-    busiest = max(schedule.chunks_moved(r) for r in range(schedule.nranks))
-    return schedule.nsteps * STEP_SECONDS + busiest * chunk_bytes / BYTES_PER_SECOND
+class CostModel(NamedTuple):
+    step_seconds: float
+    bytes_per_second: float
+    fused_reduce: bool     # kernels fold k sources in one pass; NumPy folds pairwise
+    one_engine: bool       # every rank's work runs on one engine (a thread, one GPU): all traffic adds up
+    contended: bool        # ranks outnumber cores: a step's traffic counts once per peer it waits for
+    measured_by: str
+
+
+NOT_CALIBRATED = "not calibrated: no GPU has run ranks across processes yet; the in-process GPU constants"
+_ALGORITHMS = "ring,direct,star,tree,butterfly,halving_doubling,round_robin,two_shot"
+_SWEEP = "python -m bench.all_reduce_perf -b 1K -e 16M -f 4 --algorithm "
+MODELS = {
+    # Fitted by python -m bench.model --calibrate on the runs named (bench/results/auto_calibration_*.json,
+    # the 2-core development machine; bench/results/cuda_allreduce_4ranks_1gpu_*.json, an H100).
+    "host-in-process": CostModel(4.65e-06, 4.31e10, False, True, False, _SWEEP + _ALGORITHMS + " -n 20 -w 3 --ranks 4"),
+    "host-processes": CostModel(5.57e-06, 1.92e10, False, False, False,
+                                "mpiexec -bind-to core -n 2 " + _SWEEP + "auto," + _ALGORITHMS + " -n 40 -w 5"),
+    "host-processes-oversubscribed": CostModel(
+        3.71e-05, 1.96e10, False, False, True, "mpiexec -bind-to core -n 4 " + _SWEEP + "auto," + _ALGORITHMS + " -n 40 -w 5"),
+    "gpu-in-process": CostModel(7.71e-06, 4.73e12, True, True, False,
+                                "python -m bench.all_reduce_perf --device cuda --ranks 4 --algorithm ring|direct "
+                                "-b 8 -e 256M -f 4 -n 20 -w 5 (ranks on one H100)"),
+    "gpu-processes": CostModel(7.71e-06, 4.73e12, True, False, False, NOT_CALIBRATED),
+}
+DEFAULT_TRANSPORT = "host-processes"
+
+
+def modelled_seconds(schedule, nbytes, model):
+    """The model's time for `schedule` on a buffer of `nbytes`."""
+    return schedule.nsteps * model.step_seconds + bytes_moved(schedule, nbytes, model) / model.bytes_per_second
+
+
+def bytes_moved(schedule, nbytes, model):
+    """The traffic that sets the time: the busiest rank's, or every rank's
+    together when one engine does all their work. When ranks share cores, a
+    step that waits for k peers counts k times: those peers must all be
+    scheduled, and ranks spinning in the wait take the cores they need (fitted
+    on one run of 4 processes on 2 cores, it picked within 6% of the fastest
+    algorithm on another; counted once, it missed by up to 41%)."""
+    def traffic(rank):
+        by_step = schedule.chunks_moved_by_step(rank, model.fused_reduce)
+        if not model.contended:
+            return sum(by_step)
+        return sum(max(1, len(schedule.peers_read(rank, s))) * chunks for s, chunks in enumerate(by_step))
+    per_rank = [traffic(r) for r in range(schedule.nranks)]
+    return (sum(per_rank) if model.one_engine else max(per_rank)) * nbytes / schedule.nchunks
 
 
 @functools.lru_cache(maxsize=1024)
-def choose(collective, nranks, nbytes, root=None):
-    """The registered algorithm the model predicts fastest (ties: first
-    registered). Cached: a repeated call shape asks the model once."""
+def choose(collective, nranks, nbytes, root=None, transport=DEFAULT_TRANSPORT):
+    """The registered algorithm the model of `transport` predicts fastest
+    (ties: first registered). Cached: a repeated call shape asks the model once."""
+    model = MODELS[transport]
     candidates = [name for name, spec in REGISTRY.items() if collective in spec.collectives]
-    return min(candidates, key=lambda name: modelled_seconds(schedule_for(name, collective, nranks, root), nbytes))
+    return min(candidates,
+               key=lambda name: modelled_seconds(schedule_for(name, collective, nranks, root), nbytes, model))

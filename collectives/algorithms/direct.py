@@ -12,11 +12,20 @@ One step, whatever the number of ranks:
 It sends (n-1)/n of the data per rank for allgather and broadcast, but every
 rank reads all n buffers for allreduce: fewest steps (lowest latency), most
 bytes. `auto` takes it for small messages.
+
+Costs for n ranks and N bytes (busiest rank):
+
+    collective       steps    sent           moved
+    allreduce        1        (n-1) N        (n+1) N
+    reduce_scatter   1        (n-1)/n N      (n+1)/n N
+    allgather        1        (n-1)/n N      2(n-1)/n N
+    broadcast        1        (n-1) N        2N          (the root sends to all)
+    reduce           1        N              (n+1) N     (the root reads all)
 """
 
 from .schedule import (
-    ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT, SCRATCH, WORK,
-    Region, Schedule, copy, reduce,
+    ALLGATHER, ALLREDUCE, BROADCAST, NO_COSTS, REDUCE_SCATTER, REDUCE_TO_ROOT, SCRATCH, WORK,
+    Costs, Region, Schedule, copy, reduce,
 )
 
 
@@ -41,3 +50,17 @@ def direct(collective, nranks, root=None):
         step = [copy(Region(root, WORK, 0), dst=Region(r, WORK, 0)) for r in every_rank if r != root]
         return Schedule(collective, n, 1, (tuple(step),), root=root)
     raise ValueError(f"direct has no schedule for {collective!r}")
+
+
+def direct_costs(collective, nranks, nbytes):
+    """The table in the module doc."""
+    n, N = nranks, nbytes
+    if n == 1:
+        return NO_COSTS
+    return {
+        ALLREDUCE: Costs(1, (n - 1) * N, (n + 1) * N),
+        REDUCE_SCATTER: Costs(1, (n - 1) / n * N, (n + 1) / n * N),
+        ALLGATHER: Costs(1, (n - 1) / n * N, 2 * (n - 1) / n * N),
+        BROADCAST: Costs(1, (n - 1) * N, 2 * N),
+        REDUCE_TO_ROOT: Costs(1, N, (n + 1) * N),
+    }[collective]

@@ -18,11 +18,20 @@ one path, so every rank ends with the same bits.
 Broadcast and reduce use the ring as a pipelined chain rooted at `root`: chunk
 c leaves (or reaches) the root at step c and moves one hop per step, so n
 chunks cross n-1 hops in 2n-2 steps.
+
+Costs for n ranks and N bytes (busiest rank; a reduce moves 3 chunks, a copy 2):
+
+    collective       steps    sent           moved
+    allreduce        2(n-1)   2(n-1)/n N     5(n-1)/n N
+    reduce_scatter   n-1      (n-1)/n N      3(n-1)/n N
+    allgather        n-1      (n-1)/n N      2(n-1)/n N
+    broadcast        2n-2     N              2N
+    reduce           2n-2     N              3N
 """
 
 from .schedule import (
-    ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT, WORK,
-    Region, Schedule, copy, reduce,
+    ALLGATHER, ALLREDUCE, BROADCAST, NO_COSTS, REDUCE_SCATTER, REDUCE_TO_ROOT, WORK,
+    Costs, Region, Schedule, copy, reduce,
 )
 
 
@@ -87,3 +96,18 @@ def ring(collective, nranks, root=None):
     else:
         raise ValueError(f"ring has no schedule for {collective!r}")
     return Schedule(collective, n, n, tuple(steps), root=root)
+
+
+def ring_costs(collective, nranks, nbytes):
+    """The table in the module doc."""
+    n, N = nranks, nbytes
+    if n == 1:
+        return NO_COSTS
+    share = (n - 1) / n * N
+    return {
+        ALLREDUCE: Costs(2 * (n - 1), 2 * share, 5 * share),
+        REDUCE_SCATTER: Costs(n - 1, share, 3 * share),
+        ALLGATHER: Costs(n - 1, share, 2 * share),
+        BROADCAST: Costs(2 * n - 2, N, 2 * N),
+        REDUCE_TO_ROOT: Costs(2 * n - 2, N, 3 * N),
+    }[collective]

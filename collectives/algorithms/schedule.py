@@ -69,6 +69,18 @@ def reduce(srcs, dst):
     return Transfer(REDUCE, dst, tuple(srcs))
 
 
+class Costs(NamedTuple):
+    """An algorithm's closed-form costs for one collective, n ranks and a
+    buffer of `nbytes` (each rank's WORK: the message, or n blocks for
+    reduce_scatter and allgather). Per rank means the busiest rank's."""
+    steps: int
+    sent: float      # bytes peers read from the busiest rank's buffers (Schedule.bytes_sent)
+    moved: float     # bytes the busiest rank reads plus writes (Schedule.chunks_moved)
+
+
+NO_COSTS = Costs(0, 0.0, 0.0)   # one rank: nothing to do
+
+
 class ScheduleError(ValueError):
     """A schedule breaks one of the rules in this module's docstring."""
 
@@ -103,13 +115,27 @@ class Schedule:
         """Bytes `rank` sends when the buffer holds `nbytes` (a multiple of nchunks)."""
         return self.chunks_sent(rank) * nbytes / self.nchunks
 
-    def chunks_moved(self, rank):
+    def chunks_moved(self, rank, fused=True):
         """Chunks `rank` reads plus writes while executing its transfers.
 
         On shared-memory machines a step's cost is set by this traffic, not by
-        what crosses a link, so it is what `auto` weighs.
+        what crosses a link, so it is what `auto` weighs. A fused reduce of k
+        sources (the step kernel) reads k chunks and writes one; NumPy folds
+        pairwise (`fused=False`), reading two and writing one k-1 times.
         """
-        return sum(len(t.srcs) + 1 for step in self.steps for t in step if t.rank == rank)
+        return sum(self.chunks_moved_by_step(rank, fused))
+
+    def chunks_moved_by_step(self, rank, fused=True):
+        """`chunks_moved`, step by step."""
+        def cost(t):
+            if t.kind == REDUCE and not fused:
+                return 3 * (len(t.srcs) - 1)
+            return len(t.srcs) + 1
+        return [sum(cost(t) for t in step if t.rank == rank) for step in self.steps]
+
+    def peers_read(self, rank, step):
+        """The peers whose buffers `rank` reads in step `step`."""
+        return {src.rank for t in self.steps[step] if t.rank == rank for src in t.srcs if src.rank != rank}
 
     def input_chunks(self, rank):
         """The WORK chunks that hold `rank`'s input before step 0."""

@@ -67,6 +67,7 @@ class DeviceRanks:
 
     addressable = True  # ranks read each other's arrays: plans skip the workspace copies
     host_only = False
+    transport = "gpu-in-process"   # which cost model `auto` asks
 
     def __init__(self, devices):
         if len(devices) > kernels.MAX_RANKS:

@@ -68,6 +68,7 @@ class DeviceProcessRank:
 
     addressable = False  # peers open only each other's workspaces
     host_only = False
+    transport = "gpu-processes"   # which cost model `auto` asks
 
     def __init__(self, rank, size, prefix, device):
         self.rank, self.size, self.prefix = rank, size, prefix

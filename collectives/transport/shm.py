@@ -7,6 +7,8 @@ transport/protocol.py, shared with GPU ranks; this module only says how a
 host rank runs a phase: with NumPy, over views of the mapped workspaces.
 """
 
+import os
+
 import numpy as np
 
 from ..executors import host
@@ -25,6 +27,9 @@ class ShmRank:
     def __init__(self, rank, size, prefix):
         self.group = ProcessGroup(rank, size, prefix, HostMemory)
         self.rank, self.size, self.prefix = rank, size, prefix
+        # Which cost model `auto` asks: ranks that outnumber the cores wait
+        # for the scheduler at every step, a cost of its own.
+        self.transport = "host-processes" if size <= (os.cpu_count() or 1) else "host-processes-oversubscribed"
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         """Execute this rank's part of `plan`; the lists hold this rank's arrays."""

@@ -1,0 +1,34 @@
+"""Every registered algorithm's closed-form costs (its module's docstring
+table, as its `costs` function) against what its schedules actually do, for
+1 to 16 ranks and every collective it implements."""
+
+import pytest
+
+from collectives.algorithms import REGISTRY, schedule_for
+from collectives.algorithms.schedule import BROADCAST, REDUCE_TO_ROOT
+
+RANKS = range(1, 17)
+
+
+def measured(schedule, nbytes):
+    """(steps, bytes sent, bytes moved) of the schedule's busiest rank."""
+    n, chunk = schedule.nranks, nbytes / schedule.nchunks
+    return (schedule.nsteps,
+            max(schedule.bytes_sent(r, nbytes) for r in range(n)),
+            max(schedule.chunks_moved(r) for r in range(n)) * chunk)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_closed_forms_match_the_schedules(name):
+    spec = REGISTRY[name]
+    for collective in spec.collectives:
+        for n in RANKS:
+            roots = range(n) if collective in (BROADCAST, REDUCE_TO_ROOT) else [None]
+            for root in roots:
+                schedule = schedule_for(name, collective, n, root)
+                nbytes = 720720 * schedule.nchunks  # divisible by every chunk count
+                want = spec.costs(collective, n, nbytes)
+                got = measured(schedule, nbytes)
+                assert want.steps == got[0], (name, collective, n, root, "steps")
+                assert want.sent == pytest.approx(got[1]), (name, collective, n, root, "sent")
+                assert want.moved == pytest.approx(got[2]), (name, collective, n, root, "moved")
