@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -65,6 +66,8 @@ def parse_args(spec, argv=None):
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations first")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timed batches of -n iterations per backend, taken in turn; the time is their median")
     p.add_argument("-o", "--op", default="sum", choices=[op.value for op in collectives.ReduceOp])
     p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES))
     p.add_argument("-c", "--check", type=int, default=1, help="check results (outside the timed loop)")
@@ -91,8 +94,9 @@ def parse_args(spec, argv=None):
     unknown = set(args.backends) - {"host", "mpi"}
     if unknown or not args.backends:
         p.error(f"unknown backend(s) {sorted(unknown)}; choose from host, mpi")
-    if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1 or args.warmup_iters < 0:
-        p.error("need -b <= -e, -f >= 2, -n >= 1 and -w >= 0")
+    if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1 or args.warmup_iters < 0 \
+            or args.rounds < 1:
+        p.error("need -b <= -e, -f >= 2, -n >= 1, -w >= 0 and --rounds >= 1")
     if args.ranks < 1:
         p.error("--ranks must be at least 1")
     if args.device != "host" and "mpi" in args.backends:
@@ -206,42 +210,63 @@ def count_wrong(got, want):
     return int(np.count_nonzero(differs.reshape(-1, got.itemsize).any(axis=1)))
 
 
-def measure(backend, spec, args, nbytes, world):
-    """[seconds, #wrong] out of place then in place, for one message size.
+def measure(backends, spec, args, nbytes, world):
+    """Per backend, [seconds, #wrong] out of place then in place, for one size.
 
-    Seconds: mean over the timed iterations, the slowest rank's (ranks in
+    Seconds: the median over --rounds rounds; in each round every backend
+    runs one timed batch of -n iterations in turn, so that the machine's
+    noise hits all alike; a batch's time is its slowest rank's mean (ranks in
     other processes report through MPI). #wrong: over every rank, from a run
-    on fresh inputs after the timed loop.
+    on fresh inputs after the timed rounds.
     """
-    dtype, op, n = args.dtype, args.op, backend.nranks
-    in_count, out_count = spec.counts(nbytes, dtype.itemsize, n)
-    ranks = backend.local_ranks
-    inputs = [backend.to_device(spec.fill(dtype, op, n, r, in_count)) for r in ranks]
-    outputs = [backend.to_device(np.empty(out_count, dtype)) for _ in ranks]
-    row = []
+    buffers = [allocate(backend, spec, args, nbytes) for backend in backends]
+    rows = [[] for _ in backends]
     for in_place in (False, True):
-        dst = None if in_place else outputs
-        for _ in range(args.warmup_iters):
-            backend.run(inputs, dst)
-        backend.barrier()
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            backend.run(inputs, dst)
-        backend.barrier()  # GPU work is asynchronous: the time is until it is done
-        seconds = (time.perf_counter() - start) / args.iters
-        wrong = 0
-        if args.check:
-            fresh = [backend.to_device(spec.fill(dtype, op, n, r, in_count)) for r in ranks]
-            checked = [backend.to_device(np.empty(out_count, dtype)) for _ in ranks]
-            backend.run(fresh, None if in_place else checked)
-            results = [spec.in_place_result(f, r, n) for f, r in zip(fresh, ranks)] if in_place else checked
-            wrong = sum(count_wrong(backend.to_host(got), spec.expected(dtype, op, n, r, out_count))
-                        for got, r in zip(results, ranks))
-        if world is not None:
-            seconds = world.allreduce(seconds, op=_mpi_max())
-            wrong = world.allreduce(wrong)
-        row += [seconds, wrong]
-    return row
+        for backend, (inputs, outputs) in zip(backends, buffers):
+            for _ in range(args.warmup_iters):
+                backend.run(inputs, None if in_place else outputs)
+        batches = [[] for _ in backends]
+        for _ in range(args.rounds):
+            for backend, (inputs, outputs), times in zip(backends, buffers, batches):
+                times.append(timed_batch(backend, inputs, None if in_place else outputs, args.iters, world))
+        for backend, row, times in zip(backends, rows, batches):
+            wrong = check(backend, spec, args, nbytes, in_place) if args.check else 0
+            if world is not None:
+                wrong = world.allreduce(wrong)
+            row += [statistics.median(times), wrong]
+    return rows
+
+
+def allocate(backend, spec, args, nbytes):
+    """A backend's inputs and outputs for one message size."""
+    in_count, out_count = spec.counts(nbytes, args.dtype.itemsize, backend.nranks)
+    ranks = backend.local_ranks
+    inputs = [backend.to_device(spec.fill(args.dtype, args.op, backend.nranks, r, in_count)) for r in ranks]
+    outputs = [backend.to_device(np.empty(out_count, args.dtype)) for _ in ranks]
+    return inputs, outputs
+
+
+def timed_batch(backend, inputs, outputs, iters, world):
+    """Seconds per call of `iters` calls, the slowest rank's."""
+    backend.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        backend.run(inputs, outputs)
+    backend.barrier()  # GPU work is asynchronous: the time is until it is done
+    seconds = (time.perf_counter() - start) / iters
+    return world.allreduce(seconds, op=_mpi_max()) if world is not None else seconds
+
+
+def check(backend, spec, args, nbytes, in_place):
+    """Wrong elements on this process's ranks, from one call on fresh inputs."""
+    dtype, op, n = args.dtype, args.op, backend.nranks
+    _, out_count = spec.counts(nbytes, dtype.itemsize, n)
+    fresh, checked = allocate(backend, spec, args, nbytes)
+    backend.run(fresh, None if in_place else checked)
+    ranks = backend.local_ranks
+    results = [spec.in_place_result(f, r, n) for f, r in zip(fresh, ranks)] if in_place else checked
+    return sum(count_wrong(backend.to_host(got), spec.expected(dtype, op, n, r, out_count))
+               for got, r in zip(results, ranks))
 
 
 def _mpi_max():
@@ -366,7 +391,8 @@ def main(spec, argv=None):
     for nbytes in sizes(args):
         in_count, out_count = spec.counts(nbytes, args.dtype.itemsize, nranks)
         first_time = None
-        for backend in backends:
+        measured = measure(backends, spec, args, nbytes, world)
+        for backend, (t_out, w_out, t_in, w_in) in zip(backends, measured):
             row = {"backend": backend.label, "size": nbytes, "count": max(in_count, out_count),
                    "type": args.dtype.name, "redop": args.op if spec.has_op else "none", "root": spec.root}
             if backend.algorithm is not None:
@@ -374,7 +400,6 @@ def main(spec, argv=None):
                 row["picked"] = backend.comm.chosen_algorithm(spec.name, in_count * args.dtype.itemsize,
                                                               root=max(spec.root, 0)) \
                     if backend.algorithm == "auto" else backend.algorithm
-            t_out, w_out, t_in, w_in = measure(backend, spec, args, nbytes, world)
             factor = spec.busbw_factor(nranks)
             for place, seconds, wrong in (("out_of_place", t_out, w_out), ("in_place", t_in, w_in)):
                 algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0

@@ -35,7 +35,7 @@ def report(nranks, nbytes, dtype=np.dtype("float32")):
         count = nbytes // dtype.itemsize  # each rank's WORK buffer: the message, or all blocks
         count -= count % nranks
         bindings = (IN_PLACE, WORKSPACE) if collective in ROOTED else (OUT_OF_PLACE, IN_PLACE, WORKSPACE)
-        for algorithm in sorted(REGISTRY):
+        for algorithm in sorted(name for name, spec in REGISTRY.items() if collective in spec.collectives):
             for binding in bindings:
                 plan = build_plan(collective, algorithm, nranks, count, dtype, "sum", 0, binding)
                 rows.append({
@@ -60,12 +60,12 @@ def main(argv=None):
     mib = 1 << 20
     print(f"# {args.ranks} ranks, {nbytes} bytes of float32 per rank's buffer; traffic = bytes read + written, "
           "all ranks")
-    print(f"# {'collective':15s} {'algorithm':9s} {'binding':13s} {'launches':>8s} {'launches':>9s} "
+    print(f"# {'collective':15s} {'algorithm':16s} {'binding':13s} {'launches':>8s} {'launches':>9s} "
           f"{'traffic':>9s} {'workspace':>10s} {'workspace':>10s}")
     print(f"# {'':15s} {'':9s} {'':13s} {'1 device':>8s} {'per dev.':>9s} {'(MiB)':>9s} {'copies MiB':>10s} "
           f"{'MiB/rank':>10s}")
     for r in rows:
-        print(f"  {r['collective']:15s} {r['algorithm']:9s} {r['binding']:13s} {r['launches_one_device']:8d} "
+        print(f"  {r['collective']:15s} {r['algorithm']:16s} {r['binding']:13s} {r['launches_one_device']:8d} "
               f"{r['launches_per_device']:9d} {r['traffic_bytes'] / mib:9.1f} {r['workspace_copy_bytes'] / mib:10.1f} "
               f"{r['workspace_bytes_per_rank'] / mib:10.1f}")
     if args.output_file:

@@ -52,3 +52,19 @@ def reduction_expected(op, dtype, n, count):
 
 def gather_input(dtype, r, count):
     return ((r * 7 + np.arange(count)) % 100).astype(dtype)
+
+
+def keeps_a_workspace_copy(collective, algorithm, binding, n):
+    """Whether a plan bound to the caller's arrays (ranks in one process)
+    still copies between a caller's array and a workspace: in place, where a
+    step has every rank read its peers' inputs while it writes its own result
+    (direct allreduce, butterfly allreduce for 2 and 3 ranks), so the result
+    waits in a workspace; and halving_doubling reduce_scatter for n not a
+    power of two, whose extra ranks fetch their block from their partner's
+    workspace. Listed, so that a change either way is seen."""
+    if n == 1 or binding == "workspace":
+        return binding == "workspace"
+    if (collective, algorithm) == ("reduce_scatter", "halving_doubling"):
+        return n & (n - 1) != 0
+    return binding == "in_place" and ((collective, algorithm) == ("allreduce", "direct")
+                                      or (collective, algorithm) == ("allreduce", "butterfly") and n in (2, 3))

@@ -11,6 +11,7 @@ import pytest
 
 from bench import harness
 from bench.all_reduce_perf import ALLREDUCE
+from cases import keeps_a_workspace_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,7 +161,52 @@ def test_call_overhead_and_plan_report(tmp_path, capsys):
     assert results["allreduce"]["outside_adapter_us_per_call"] > 0
     plan_report.main(["--ranks", "3", "--bytes", "3K", "-J", str(tmp_path / "plans.json")])
     rows = json.loads((tmp_path / "plans.json").read_text())["rows"]
-    in_process = [r for r in rows if r["binding"] != "workspace"]
-    assert all(r["workspace_copy_bytes"] == 0 for r in in_process
-               if (r["collective"], r["algorithm"], r["binding"]) != ("allreduce", "direct", "in_place"))
-    assert all(r["workspace_copy_bytes"] > 0 for r in rows if r["binding"] == "workspace")
+    for r in rows:
+        copies = keeps_a_workspace_copy(r["collective"], r["algorithm"], r["binding"], 3)
+        assert (r["workspace_copy_bytes"] > 0) == copies, r
+
+
+def test_several_algorithms_alternate_in_one_run(tmp_path, capsys):
+    """--algorithm a,b,c: each a backend of its own on the same ranks, size by
+    size, with what auto picked in its rows."""
+    path = tmp_path / "algorithms.json"
+    code, out = run_bench(ALLREDUCE, ["--ranks", "3", "--algorithm", "auto,ring,tree,two_shot", "-b", "1K",
+                                      "-e", "4K", "-f", "4", "-n", "1", "-w", "0", "-J", str(path)], capsys)
+    assert code == 0 and "all results correct" in out, out
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["host:auto", "host:ring", "host:tree", "host:two_shot"] * 2
+    from collectives.algorithms import REGISTRY
+    assert all(r["picked"] in REGISTRY for r in rows)
+    assert [r["picked"] for r in rows[1:4]] == ["ring", "tree", "two_shot"]
+
+
+def test_the_model_reproduces_the_course_table(capsys):
+    from bench import model
+    model.main(["--table", "--ranks", "8", "--bytes", "1M"])
+    table = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+             for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line}
+    # course: rounds formula, its value for K = 8; ours: steps, sent per node
+    assert table["star"][:3] == ["2K", "16", "2"]
+    assert table["tree"][:3] == ["2 log2 K", "6", "6"]
+    assert table["butterfly"][:3] == ["log2 K", "3", "3"]
+    assert table["ring"][:4] == ["2(K-1)", "14", "14", "1.75 N"]
+    assert table["halving_doubling"][2:4] == ["6", "1.75 N"] and table["two_shot"][2] == "2"
+
+
+def test_the_model_calibrates_and_judges_auto_from_committed_runs(capsys):
+    from bench import model
+    runs = sorted(str(p) for p in (ROOT / "bench" / "results").glob("auto_calibration_*proc.json"))
+    assert runs, "the calibration runs are committed"
+    fitted = model.calibrate(runs)
+    assert {"host-processes", "host-processes-oversubscribed"} <= set(fitted)
+    assert all(m.step_seconds > 0 and m.bytes_per_second > 0 for m in fitted.values())
+    checks = sorted(str(p) for p in (ROOT / "bench" / "results").glob("auto_check_*proc.json"))
+    assert checks, "the runs that judge auto are committed"
+    capsys.readouterr()
+    worst = model.auto_against_fastest(checks)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    sizes = {(json.loads(open(path).read())["environment"]["ranks"], row["size"])
+             for path in checks for row in json.loads(open(path).read())["rows"]}
+    assert len(lines) == 1 + len(sizes)  # the header, then a row per (processes, size)
+    ratios = [float(line.split("|")[-2]) for line in lines[1:]]
+    assert max(ratios) == pytest.approx(worst, abs=0.005) and min(ratios) > 0
