@@ -75,7 +75,7 @@ class CostModel(NamedTuple):
     measured_by: str
 
 
-NOT_CALIBRATED = "not calibrated: no GPU has run ranks across processes yet; the in-process GPU constants"
+NOT_CALIBRATED = "not calibrated: no GPU has run these ranks yet; the constants of ranks on one GPU"
 _ALGORITHMS = "ring,direct,star,tree,butterfly,halving_doubling,round_robin,two_shot"
 _SWEEP = "python -m bench.all_reduce_perf -b 1K -e 16M -f 4 --algorithm "
 MODELS = {
@@ -89,6 +89,7 @@ MODELS = {
     "gpu-in-process": CostModel(7.71e-06, 4.73e12, True, True, False,
                                 "python -m bench.all_reduce_perf --device cuda --ranks 4 --algorithm ring|direct "
                                 "-b 8 -e 256M -f 4 -n 20 -w 5 (ranks on one H100)"),
+    "gpu-peers": CostModel(7.71e-06, 4.73e12, True, False, False, NOT_CALIBRATED),     # one process, several GPUs
     "gpu-processes": CostModel(7.71e-06, 4.73e12, True, False, False, NOT_CALIBRATED),
 }
 DEFAULT_TRANSPORT = "host-processes"

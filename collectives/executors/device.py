@@ -67,7 +67,6 @@ class DeviceRanks:
 
     addressable = True  # ranks read each other's arrays: plans skip the workspace copies
     host_only = False
-    transport = "gpu-in-process"   # which cost model `auto` asks
 
     def __init__(self, devices):
         if len(devices) > kernels.MAX_RANKS:
@@ -75,6 +74,8 @@ class DeviceRanks:
         self.rank_devices = list(devices)
         self.devices = list(dict.fromkeys(devices))     # distinct, in order of first use
         self.device_of_rank = [self.devices.index(d) for d in devices]
+        # Which cost model `auto` asks: ranks on one GPU share its bandwidth.
+        self.transport = "gpu-in-process" if len(self.devices) == 1 else "gpu-peers"
         self.ranks_of_device = [[r for r, k in enumerate(self.device_of_rank) if k == i]
                                 for i in range(len(self.devices))]
         # Where each rank's arrays must live (an emulated device's are in host memory).
