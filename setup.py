@@ -1,7 +1,7 @@
 """collectives: GPU collective operations with our own kernels, NCCL as the yardstick.
 
 The base install needs no GPU package. Extras:
-    test    what the test suite needs: pytest, hypothesis, MPI for the
+    test    what the test suite needs: pytest, MPI for the
             multi-process tests, and NVIDIA's PyPI wheels of nvcc, ptxas,
             cuobjdump and the CUDA headers, with which the tests build every
             kernel for sm_80/sm_90, check it statically, and compile it for
@@ -44,7 +44,7 @@ setup(
     install_requires=["numpy>=1.24", "ml_dtypes>=0.4"],
     extras_require={
         "mpi": MPI,
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", *MPI, *CUDA_TOOLCHAIN],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", *MPI, *CUDA_TOOLCHAIN],
         "cuda12": ["cupy-cuda12x>=13.3", "nvidia-cuda-nvrtc-cu12>=12.4", "nvidia-cuda-runtime-cu12>=12.4",
                    "nvidia-nccl-cu12>=2.21", "numba-cuda[cu12]>=0.20"],
         "cuda13": ["cupy-cuda13x>=14.0", "nvidia-cuda-nvrtc>=13.0", "nvidia-cuda-runtime>=13.0",

@@ -219,7 +219,8 @@ def measure(backends, spec, args, nbytes, world):
     other processes report through MPI). #wrong: over every rank, from a run
     on fresh inputs after the timed rounds.
     """
-    buffers = [allocate(backend, spec, args, nbytes) for backend in backends]
+    shared = {}  # backends on the same ranks (algorithms of one communicator) share their buffers
+    buffers = [shared.setdefault(id(backend.comm), allocate(backend, spec, args, nbytes)) for backend in backends]
     rows = [[] for _ in backends]
     for in_place in (False, True):
         for backend, (inputs, outputs) in zip(backends, buffers):

@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.harness import parse_size
 from collectives.algorithms import (
-    DEFAULT_TRANSPORT, MODELS, REGISTRY, CostModel, bytes_moved, modelled_seconds, schedule_for,
+    DEFAULT_TRANSPORT, MODELS, REGISTRY, CostModel, bytes_moved, modelled_seconds, schedule_for, synchronisations,
 )
 from collectives.algorithms.schedule import ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_TO_ROOT
 
@@ -95,6 +95,8 @@ def load(paths):
     found = []
     for path in paths:
         report = json.loads(open(path).read())
+        if report.get("collective", ALLREDUCE) != ALLREDUCE:
+            continue  # the model is fitted and judged on allreduce runs
         words = report["environment"]["command"].split()
         named = words[words.index("--algorithm") + 1] if "--algorithm" in words else "auto"
         for row in report["rows"]:
@@ -134,7 +136,7 @@ def features(transport, nranks, algorithm, nbytes):
     moved = bytes_moved(schedule, nbytes, MODELS[transport])
     if transport in WORKSPACE_TRANSPORTS:
         moved += 2 * nbytes
-    return schedule.nsteps, moved
+    return synchronisations(schedule, MODELS[transport]), moved
 
 
 def calibrate(paths):
@@ -161,7 +163,7 @@ def calibrate(paths):
               f"{1 / per_byte / 1e9:.2f} GB/s, fixed {t0 * 1e6:.1f} us a call; median |error| {error:.1%}")
         model = MODELS[transport]
         print(f'    "{transport}": CostModel({step:.3g}, {1 / per_byte:.3g}, {model.fused_reduce}, '
-              f'{model.one_engine}, {model.contended}, "<the command that made the run>"),')
+              f'{model.one_engine}, {model.contended}, {model.per_transfer}, "<the command that made the run>"),')
     return fitted
 
 

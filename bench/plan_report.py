@@ -62,7 +62,7 @@ def main(argv=None):
           "all ranks")
     print(f"# {'collective':15s} {'algorithm':16s} {'binding':13s} {'launches':>8s} {'launches':>9s} "
           f"{'traffic':>9s} {'workspace':>10s} {'workspace':>10s}")
-    print(f"# {'':15s} {'':9s} {'':13s} {'1 device':>8s} {'per dev.':>9s} {'(MiB)':>9s} {'copies MiB':>10s} "
+    print(f"# {'':15s} {'':16s} {'':13s} {'1 device':>8s} {'per dev.':>9s} {'(MiB)':>9s} {'copies MiB':>10s} "
           f"{'MiB/rank':>10s}")
     for r in rows:
         print(f"  {r['collective']:15s} {r['algorithm']:16s} {r['binding']:13s} {r['launches_one_device']:8d} "

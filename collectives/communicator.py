@@ -138,10 +138,15 @@ class Communicator:
         `nbytes` bytes per rank (its cost model is this communicator's transport's)."""
         if collective not in COLLECTIVE_NAMES:
             raise InvalidUsageError(f"unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
-        work_bytes = nbytes * self.size if collective == ALLGATHER else nbytes
+        itemsize = 1  # nbytes is already bytes
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
-        return choose(collective, self.size, work_bytes, validation.root_rank(root, self.size) if rooted else 0,
-                      self._ranks.transport)
+        return self._auto(collective, nbytes, itemsize, validation.root_rank(root, self.size) if rooted else 0)
+
+    def _auto(self, collective, elements, itemsize, root):
+        """What `auto` runs for a call of `elements` per rank: the model asks
+        about each rank's WORK buffer (all blocks, for allgather)."""
+        count = elements * self.size if collective == ALLGATHER else elements
+        return choose(collective, self.size, count * itemsize, root, self._ranks.transport)
 
     def barrier(self):
         """Return once every rank has called barrier (or raise after the timeout)."""
@@ -245,7 +250,7 @@ class Communicator:
             raise InvalidUsageError(f"algorithm must be a name, got {type(algorithm).__name__}")
         count = elements * self.size if collective == ALLGATHER else elements  # each rank's WORK buffer
         if algorithm == "auto":
-            algorithm = choose(collective, self.size, count * dtype.itemsize, root, self._ranks.transport)
+            algorithm = self._auto(collective, elements, dtype.itemsize, root)
         plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding)
         if key is not None:
             if len(self._plans) >= 1024:

@@ -34,12 +34,15 @@ REGISTRY = {
     "star": Algorithm("star", star, STAR_COLLECTIVES, "master-worker: the master reduces, all copy back", star_costs),
     "tree": Algorithm("tree", tree, TREE_COLLECTIVES, "binomial tree, 2 ceil(log2 n) steps for allreduce", tree_costs),
     "butterfly": Algorithm("butterfly", butterfly, BUTTERFLY_COLLECTIVES,
-                           "recursive doubling, log2 n steps for allreduce", butterfly_costs),
+                           "recursive doubling: log2 n steps for allreduce (2 more if n is not a power of 2)",
+                           butterfly_costs),
     "halving_doubling": Algorithm("halving_doubling", halving_doubling, HALVING_DOUBLING_COLLECTIVES,
-                                  "recursive halving then doubling: 2 log2 n steps, ring's bytes",
+                                  "recursive halving then doubling: 2 log2 n steps and ring's bytes for "
+                                  "powers of 2",
                                   halving_doubling_costs),
     "round_robin": Algorithm("round_robin", round_robin, ROUND_ROBIN_COLLECTIVES,
-                             "pairwise exchange with a new peer each round: 2(n-1) steps", round_robin_costs),
+                             "pairwise exchange, round k with the rank k places away: 2(n-1) steps",
+                             round_robin_costs),
     "two_shot": Algorithm("two_shot", two_shot, TWO_SHOT_COLLECTIVES,
                           "reduce your chunk from all, then gather: 2 steps", two_shot_costs),
 }
@@ -72,6 +75,7 @@ class CostModel(NamedTuple):
     fused_reduce: bool     # kernels fold k sources in one pass; NumPy folds pairwise
     one_engine: bool       # every rank's work runs on one engine (a thread, one GPU): all traffic adds up
     contended: bool        # ranks outnumber cores: a step's traffic counts once per peer it waits for
+    per_transfer: bool     # the fixed cost is paid per transfer, not per step (virtual ranks run rows one by one)
     measured_by: str
 
 
@@ -81,46 +85,68 @@ _SWEEP = "python -m bench.all_reduce_perf -b 1K -e 16M -f 4 --algorithm "
 MODELS = {
     # Fitted by python -m bench.model --calibrate on the runs named (bench/results/auto_calibration_*.json,
     # the 2-core development machine; bench/results/cuda_allreduce_4ranks_1gpu_*.json, an H100).
-    "host-in-process": CostModel(4.65e-06, 4.31e10, False, True, False, _SWEEP + _ALGORITHMS + " -n 20 -w 3 --ranks 4"),
-    "host-processes": CostModel(5.57e-06, 1.92e10, False, False, False,
+    "host-in-process": CostModel(1.55e-06, 4.37e10, False, True, False, True,
+                                 _SWEEP + _ALGORITHMS + " -n 20 -w 3 --ranks 4"),
+    "host-processes": CostModel(4.71e-06, 2.09e10, False, False, False, False,
                                 "mpiexec -bind-to core -n 2 " + _SWEEP + "auto," + _ALGORITHMS + " -n 40 -w 5"),
     "host-processes-oversubscribed": CostModel(
-        3.71e-05, 1.96e10, False, False, True, "mpiexec -bind-to core -n 4 " + _SWEEP + "auto," + _ALGORITHMS + " -n 40 -w 5"),
-    "gpu-in-process": CostModel(7.71e-06, 4.73e12, True, True, False,
+        3.65e-05, 2.04e10, False, False, True, False, "mpiexec -bind-to core -n 4 " + _SWEEP + "auto," + _ALGORITHMS + " -n 40 -w 5"),
+    "gpu-in-process": CostModel(7.71e-06, 4.73e12, True, True, False, False,
                                 "python -m bench.all_reduce_perf --device cuda --ranks 4 --algorithm ring|direct "
                                 "-b 8 -e 256M -f 4 -n 20 -w 5 (ranks on one H100)"),
-    "gpu-peers": CostModel(7.71e-06, 4.73e12, True, False, False, NOT_CALIBRATED),     # one process, several GPUs
-    "gpu-processes": CostModel(7.71e-06, 4.73e12, True, False, False, NOT_CALIBRATED),
+    "gpu-peers": CostModel(7.71e-06, 4.73e12, True, False, False, False, NOT_CALIBRATED),     # one process, several GPUs
+    "gpu-processes": CostModel(7.71e-06, 4.73e12, True, False, False, False, NOT_CALIBRATED),
 }
 DEFAULT_TRANSPORT = "host-processes"
 
 
 def modelled_seconds(schedule, nbytes, model):
     """The model's time for `schedule` on a buffer of `nbytes`."""
-    return schedule.nsteps * model.step_seconds + bytes_moved(schedule, nbytes, model) / model.bytes_per_second
+    return synchronisations(schedule, model) * model.step_seconds + bytes_moved(schedule, nbytes, model) / model.bytes_per_second
+
+
+def synchronisations(schedule, model):
+    """How many times the fixed cost is paid: once a step, or once a transfer."""
+    return sum(map(len, schedule.steps)) if model.per_transfer else schedule.nsteps
 
 
 def bytes_moved(schedule, nbytes, model):
-    """The traffic that sets the time: the busiest rank's, or every rank's
-    together when one engine does all their work. When ranks share cores, a
-    step that waits for k peers counts k times: those peers must all be
-    scheduled, and ranks spinning in the wait take the cores they need (fitted
-    on one run of 4 processes on 2 cores, it picked within 6% of the fastest
-    algorithm on another; counted once, it missed by up to 41%)."""
-    def traffic(rank):
-        by_step = schedule.chunks_moved_by_step(rank, model.fused_reduce)
-        if not model.contended:
-            return sum(by_step)
-        return sum(max(1, len(schedule.peers_read(rank, s))) * chunks for s, chunks in enumerate(by_step))
-    per_rank = [traffic(r) for r in range(schedule.nranks)]
-    return (sum(per_rank) if model.one_engine else max(per_rank)) * nbytes / schedule.nchunks
+    """The traffic that sets the time, in bytes (weighted, see below).
+
+    Steps are synchronous, so each costs its busiest rank's traffic: the sum
+    over steps of the largest rank's. When one engine does every rank's work
+    (virtual ranks, ranks on one GPU), all ranks' traffic adds up instead.
+    When ranks outnumber the cores, a step's traffic counts once per peer it
+    waits for: those peers must all be scheduled, and ranks spinning in the
+    wait take the cores they need (see the README for what that bought).
+    """
+    per_rank_steps = [schedule.chunks_moved_by_step(r, model.fused_reduce) for r in range(schedule.nranks)]
+    if model.contended:
+        per_rank_steps = [[max(1, len(schedule.peers_read(r, s))) * chunks for s, chunks in enumerate(steps)]
+                          for r, steps in enumerate(per_rank_steps)]
+    if model.one_engine:
+        chunks = sum(map(sum, per_rank_steps))
+    else:
+        chunks = sum(max(step) for step in zip(*per_rank_steps)) if per_rank_steps and schedule.nsteps else 0
+    return chunks * nbytes / schedule.nchunks
+
+
+def busiest_rank_bytes(schedule, nbytes, model):
+    """The most traffic one rank has: what breaks a tie between equal models
+    (the algorithm that spreads the work wins)."""
+    return max(schedule.chunks_moved(r, model.fused_reduce) for r in range(schedule.nranks)) * nbytes / schedule.nchunks
 
 
 @functools.lru_cache(maxsize=1024)
 def choose(collective, nranks, nbytes, root=None, transport=DEFAULT_TRANSPORT):
     """The registered algorithm the model of `transport` predicts fastest
-    (ties: first registered). Cached: a repeated call shape asks the model once."""
+    (ties: the one whose busiest rank moves least, then the first
+    registered). Cached: a repeated call shape asks the model once."""
     model = MODELS[transport]
     candidates = [name for name, spec in REGISTRY.items() if collective in spec.collectives]
-    return min(candidates,
-               key=lambda name: modelled_seconds(schedule_for(name, collective, nranks, root), nbytes, model))
+
+    def cost(name):
+        schedule = schedule_for(name, collective, nranks, root)
+        return modelled_seconds(schedule, nbytes, model), busiest_rank_bytes(schedule, nbytes, model)
+
+    return min(candidates, key=cost)

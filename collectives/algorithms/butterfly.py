@@ -44,7 +44,7 @@ then n - 1 chunks to its extra.)
 
 from .schedule import (
     ALLGATHER, ALLREDUCE, NO_COSTS, SCRATCH, WORK,
-    Costs, Region, Schedule, copy, reduce,
+    Costs, Region, Schedule, copy, largest_power_of_two_at_most, reduce,
 )
 
 BUTTERFLY_COLLECTIVES = (ALLREDUCE, ALLGATHER)
@@ -52,12 +52,8 @@ BUTTERFLY_COLLECTIVES = (ALLREDUCE, ALLGATHER)
 OTHER_BUFFER = {WORK: SCRATCH, SCRATCH: WORK}
 
 
-def _largest_power_of_two_at_most(n):
-    return 1 << (n.bit_length() - 1)
-
-
 def _allreduce(n):
-    p = _largest_power_of_two_at_most(n)
+    p = largest_power_of_two_at_most(n)
     extras = range(p, n)
     steps = []
     if extras:
@@ -79,7 +75,7 @@ def _allreduce(n):
 
 
 def _allgather(n):
-    p = _largest_power_of_two_at_most(n)
+    p = largest_power_of_two_at_most(n)
     extras = range(p, n)
 
     def held(rank, k):
@@ -118,7 +114,7 @@ def butterfly_costs(collective, nranks, nbytes):
     n, N = nranks, nbytes
     if n == 1:
         return NO_COSTS
-    p = _largest_power_of_two_at_most(n)
+    p = largest_power_of_two_at_most(n)
     L = p.bit_length() - 1
     e = n - p
     j = e.bit_length()

@@ -47,14 +47,10 @@ which rank 0 keeps while halving and hands on while doubling:
 
 from .schedule import (
     ALLGATHER, ALLREDUCE, NO_COSTS, REDUCE_SCATTER, WORK,
-    Costs, Region, Schedule, copy, reduce,
+    Costs, Region, Schedule, copy, largest_power_of_two_at_most, reduce,
 )
 
 HALVING_DOUBLING_COLLECTIVES = (ALLREDUCE, REDUCE_SCATTER, ALLGATHER)
-
-
-def _largest_power_of_two_at_most(n):
-    return 1 << (n.bit_length() - 1)
 
 
 def _distances(p):
@@ -124,7 +120,7 @@ def halving_doubling(collective, nranks, root=None):
     n = nranks
     if n == 1:
         return Schedule(collective, 1, 1, ())
-    p = _largest_power_of_two_at_most(n)
+    p = largest_power_of_two_at_most(n)
     extras = range(p, n)
     if collective == ALLREDUCE:
         nchunks = p
@@ -160,7 +156,7 @@ def halving_doubling_costs(collective, nranks, nbytes):
     n, N = nranks, nbytes
     if n == 1:
         return NO_COSTS
-    p = _largest_power_of_two_at_most(n)
+    p = largest_power_of_two_at_most(n)
     k = p.bit_length() - 1
     e = n - p
     if e == 0:

@@ -81,6 +81,12 @@ class Costs(NamedTuple):
 NO_COSTS = Costs(0, 0.0, 0.0)   # one rank: nothing to do
 
 
+def largest_power_of_two_at_most(n):
+    """p of the usual fix for rank counts that are not powers of two: ranks
+    p..n-1 fold into a partner first and receive the result last."""
+    return 1 << (n.bit_length() - 1)
+
+
 class ScheduleError(ValueError):
     """A schedule breaks one of the rules in this module's docstring."""
 
