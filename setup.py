@@ -5,8 +5,13 @@ The base install needs no GPU package. Extras:
             multi-process tests, and NVIDIA's PyPI wheels of nvcc, ptxas,
             cuobjdump and the CUDA headers, with which the tests build every
             kernel for sm_80/sm_90, check it statically, and compile it for
-            the CPU (the emulated device). No GPU and no CUDA toolkit needed.
+            the CPU (the emulated device); matplotlib and PyTorch's CPU
+            build for the plot and Gloo tests. No GPU and no CUDA toolkit needed.
     mpi     mpi4py with MPICH's wheel, for one rank per process under mpiexec
+    bench   matplotlib, for python -m bench.plot
+    torch   PyTorch, for the Gloo backend of the benchmarks (torch.distributed);
+            the test extra pins the CPU build 2.13.0 (an unpinned torch pulls
+            a multi-GB CUDA build)
     cuda12  CuPy, NVRTC, the CUDA headers, NCCL and numba-cuda built for CUDA 12
     cuda13  the same for CUDA 13
 """
@@ -14,6 +19,7 @@ The base install needs no GPU package. Extras:
 from setuptools import find_packages, setup
 
 MPI = ["mpi4py>=4.0", "mpich>=4.2"]
+PLOTS = ["matplotlib>=3.7"]   # bench.plot puts the legend "outside", new in 3.7
 
 # The toolchain the kernel build checks run with. Pinned: register counts,
 # and so the spill checks, differ between nvcc releases.
@@ -44,7 +50,9 @@ setup(
     install_requires=["numpy>=1.24", "ml_dtypes>=0.4"],
     extras_require={
         "mpi": MPI,
-        "test": ["pytest>=8", "pytest-timeout>=2.3", *MPI, *CUDA_TOOLCHAIN],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", *MPI, *CUDA_TOOLCHAIN, *PLOTS, "torch==2.13.0"],
+        "bench": PLOTS,
+        "torch": ["torch>=2.1"],
         "cuda12": ["cupy-cuda12x>=13.3", "nvidia-cuda-nvrtc-cu12>=12.4", "nvidia-cuda-runtime-cu12>=12.4",
                    "nvidia-nccl-cu12>=2.21", "numba-cuda[cu12]>=0.20"],
         "cuda13": ["cupy-cuda13x>=14.0", "nvidia-cuda-nvrtc>=13.0", "nvidia-cuda-runtime>=13.0",

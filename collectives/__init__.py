@@ -6,11 +6,12 @@
 
     comm = collectives.init()                             # one rank per process (mpiexec)
     comm = collectives.init(device="cuda")                # the same, each rank on a GPU
+    comm = collectives.init(device="cuda", backend="nccl")  # the same, collectives run by NCCL
 """
 
 import time
 
-from .communicator import Communicator
+from .communicator import Communicator, resolve_backend
 from .config import resolve_timeout
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from .ops import SUPPORTED_DTYPES, ReduceOp
@@ -22,7 +23,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def init(timeout=None, *, comm=None, device="host"):
+def init(timeout=None, *, comm=None, device="host", backend="ours"):
     """A communicator with one rank per process (SPMD).
 
     Rank and size come from MPI when the program runs under `mpiexec -n N`
@@ -37,16 +38,27 @@ def init(timeout=None, *, comm=None, device="host"):
                       several processes may share one GPU
         "emulated"    our CUDA kernels run on the CPU, on NumPy arrays
         "cuda:N", "emulated:N", or an int: that device
+
+    `backend` says who runs the collectives:
+        "ours"        our plans and kernels (the default)
+        "nccl"        NCCL, through CuPy's binding (executors/nccl.py); a
+                      "cuda" device only, at most one rank per GPU
     """
     from . import bootstrap
     from .communicator import VirtualHostRanks
 
     timeout = resolve_timeout(timeout)
+    backend = resolve_backend(backend)
     deadline = time.perf_counter() + timeout
     on_host = isinstance(device, str) and device.strip().lower() == "host"
-    if not on_host:
+    # A bad spec, or a missing NCCL, is an error on every rank, before any exchange.
+    if backend == "nccl":
+        from .executors import nccl as nccl_backend
+        nccl_backend.cuda_spec(device)
+        binding = nccl_backend.load_binding()
+    elif not on_host:
         from .devices import parse_spec
-        parse_spec(device)  # a bad spec is an InvalidUsageError on every rank, before any exchange
+        parse_spec(device)
     world = bootstrap.mpi_world(comm)
     alone = world is None or world.Get_size() == 1
     if on_host:
@@ -58,18 +70,29 @@ def init(timeout=None, *, comm=None, device="host"):
 
     from .devices import device_for_rank
     if alone:
-        from .executors.device import DeviceRanks
         opened = device_for_rank(device, 0)
         opened.use()
-        return Communicator(DeviceRanks([opened]), size=1, local_ranks=[0], timeout=timeout)
+        if backend == "nccl":
+            ranks = nccl_backend.NcclRanks.in_process([opened.index], timeout)
+        else:
+            from .executors.device import DeviceRanks
+            ranks = DeviceRanks([opened])
+        return Communicator(ranks, size=1, local_ranks=[0], timeout=timeout)
     local_rank = bootstrap.local_rank(world, deadline)
-    opened = error = None
+    opened = error = unique_id = None
     try:
         opened = device_for_rank(device, local_rank)
+        if backend == "nccl" and world.Get_rank() == 0:
+            unique_id = nccl_backend.new_unique_id(binding)
     except CollectiveError as failure:
         error = failure
-    bootstrap.agree(world, deadline, error)   # every rank raises if one could not open its device
+    bootstrap.agree(world, deadline, error)   # every rank raises if one could not open its device (or make NCCL's id)
     opened.use()
+    if backend == "nccl":
+        unique_id = nccl_backend.share_unique_id(world, deadline, unique_id)
+        ranks = nccl_backend.NcclRanks.in_processes(binding, opened, world.Get_rank(), world.Get_size(), unique_id,
+                                                    timeout)
+        return Communicator(ranks, size=world.Get_size(), local_ranks=[world.Get_rank()], timeout=timeout)
     from .executors.device_process import DeviceProcessRank
     ranks = bootstrap.process_rank(world, deadline, lambda rank, size, prefix:
                                    DeviceProcessRank(rank, size, prefix, opened))

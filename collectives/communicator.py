@@ -77,29 +77,39 @@ class Communicator:
         self._plans = {}           # call shape -> plan
 
     @classmethod
-    def local(cls, nranks, *, devices=None, timeout=None):
+    def local(cls, nranks, *, devices=None, timeout=None, backend="ours"):
         """`nranks` ranks owned by this process ("virtual ranks").
 
         Without `devices` they work on NumPy arrays. `devices` puts rank r on
         devices[r]: a CUDA device number (or "cuda:N") for GPU arrays, or
         "emulated"/"emulated:N" for our kernels run on the CPU, whose arrays
         are NumPy arrays. Devices may repeat. A single spec puts every rank there.
+
+        `backend="nccl"` hands each collective to NCCL instead of our plans
+        (executors/nccl.py): every rank on a GPU of its own.
         """
         if isinstance(nranks, bool) or not isinstance(nranks, (int, np.integer)) or nranks < 1:
             raise InvalidUsageError(f"nranks must be a positive integer, got {nranks!r}")
         nranks = int(nranks)
         timeout = resolve_timeout(timeout)
+        backend = resolve_backend(backend)
         if devices is None:
+            if backend == "nccl":
+                raise InvalidUsageError("backend='nccl' runs on CUDA GPUs: pass devices=[...], one GPU per rank")
             return cls(VirtualHostRanks(nranks), size=nranks, local_ranks=range(nranks), timeout=timeout)
-        from .devices import open_device
-        from .executors.device import DeviceRanks
         if isinstance(devices, (str, int)):
             devices = [devices] * nranks
         devices = list(devices)
         if len(devices) != nranks:
             raise InvalidUsageError(f"devices names {len(devices)} devices for {nranks} ranks; give one per rank")
-        return cls(DeviceRanks([open_device(spec) for spec in devices]), size=nranks, local_ranks=range(nranks),
-                   timeout=timeout)
+        if backend == "nccl":
+            from .executors.nccl import NcclRanks
+            ranks = NcclRanks.in_process(devices, timeout)
+        else:
+            from .devices import open_device
+            from .executors.device import DeviceRanks
+            ranks = DeviceRanks([open_device(spec) for spec in devices])
+        return cls(ranks, size=nranks, local_ranks=range(nranks), timeout=timeout)
 
     def __repr__(self):
         state = "closed" if self._closed else "open"
@@ -158,6 +168,10 @@ class Communicator:
         on GPU ranks return once their work is queued on the caller's current
         streams; on host ranks they complete before returning."""
         self._check_open()
+        wait = getattr(self._ranks, "synchronize", None)
+        if wait is not None:  # ranks that bound the wait by the timeout themselves (NCCL)
+            wait(time.perf_counter() + self.timeout)
+            return
         for device in getattr(self._ranks, "devices", ()):
             device.synchronize()
 
@@ -297,6 +311,17 @@ class Communicator:
 
     def _gathered_shape(self, info):
         return (self.size * info.shape[0], *info.shape[1:]) if len(info.shape) >= 1 else (self.size,)
+
+
+# "ours": our plans on our executors; "nccl": whole collectives handed to NCCL.
+BACKENDS = ("ours", "nccl")
+
+
+def resolve_backend(backend):
+    """`backend`, checked against the backends there are."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise InvalidUsageError(f"unknown backend {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
+    return backend
 
 
 _OPS = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
