@@ -8,18 +8,19 @@ import sys
 
 import numpy as np
 
+from bench.backends import gloo_op, mpi_buffer, mpi_op
 from bench.harness import Spec, main
 from collectives.ops import is_floating
 
 
-def fill(dtype, op, nranks, rank, count):
+def fill(dtype, op, nranks, rank, count, root=0):
     i = np.arange(count)
     if op == "prod":
         return np.where((i + rank) % nranks == 0, 2, 1).astype(dtype)
     return ((i % 3) + rank + 1).astype(dtype)
 
 
-def expected(dtype, op, nranks, rank, count):
+def expected(dtype, op, nranks, rank, count, root=0):
     base = np.arange(count) % 3
     if op == "prod":
         return np.full(count, 2, dtype)
@@ -34,18 +35,18 @@ def expected(dtype, op, nranks, rank, count):
 
 
 def run_ours(comm, x, out, args):
-    comm.allreduce(x, op=args.op, out=out, algorithm=args.algorithm)
+    comm.allreduce(x, op=args.op, out=out, algorithm=args.algorithm)  # in place, out is x
 
 
 def run_mpi(comm, x, out, args):
     from mpi4py import MPI
-    op = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}.get(args.op)
-    if op is None:
-        raise SystemExit(f"MPI has no {args.op!r} reduction; the mpi backend cannot run -o {args.op}")
-    if out is None:
-        comm.Allreduce(MPI.IN_PLACE, x, op=op)
-    else:
-        comm.Allreduce(x, out, op=op)
+    comm.Allreduce(MPI.IN_PLACE if x is None else mpi_buffer(x), mpi_buffer(out), op=mpi_op(args.op))
+
+
+def run_gloo(dist, x, out, args):
+    if x is not None:  # torch reduces in place: out of place is a copy, then the in-place call
+        out.copy_(x)
+    dist.all_reduce(out, op=gloo_op(dist, args.op))
 
 
 ALLREDUCE = Spec(
@@ -54,6 +55,7 @@ ALLREDUCE = Spec(
     counts=lambda nbytes, itemsize, n: (nbytes // itemsize, nbytes // itemsize),
     run_ours=run_ours,
     run_mpi=run_mpi,
+    run_gloo=run_gloo,
     expected=expected,
     fill=fill,
 )

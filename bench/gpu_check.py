@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import all_reduce_perf, harness
+from bench.environment import device_environment
 from collectives import kernels
 from collectives.binding import INPUT, OUTPUT
 from collectives.executors.device import grid_for
@@ -196,7 +197,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     report = {"command": " ".join([sys.executable, "-m", "bench.gpu_check", *argv]),
-              "environment": harness.device_environment(args.device)}
+              "environment": device_environment(args.device)}
     print(f"# gpu_check on {report['environment']['device']}", flush=True)
 
     if not args.skip_tests:

@@ -6,26 +6,38 @@ the timing, the check outside the timed loop, the table and the JSON.
 
 Ranks: under `mpiexec -n N` one rank per process; otherwise `--ranks N`
 virtual ranks in this process. `--backend` may list several backends, run on
-identical inputs in one invocation; asking for `mpi` without a launcher
-relaunches the benchmark under MPICH's mpiexec with `--ranks` processes.
+identical inputs in one invocation, alternating size by size:
+
+    ours   this library, on --device (`host` is its older name, still accepted)
+    mpi    mpi4py over MPICH
+    gloo   torch.distributed with the Gloo backend
+
+mpi and gloo run one rank per process: asking for them without a launcher
+relaunches the benchmark under MPICH's mpiexec with `--ranks` processes, one
+per core. A backend that cannot run the chosen op or type (MPI has no average,
+Gloo no int16, ...) is skipped with a line that says why; the others run.
 """
 
 import argparse
+import importlib.util
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
 import collectives
+from bench.backends import (
+    BACKENDS, DEFAULT_BACKEND, GLOO, PROCESS_BACKENDS, TORCH_PIN, Buffers, make_backends, unsupported,
+)
+from bench.environment import LAUNCHER_COMMAND, environment, module_name
+from bench.progress import Progress
 from collectives.bootstrap import LAUNCHER_VARIABLES
 from collectives.ops import BFLOAT16
 
@@ -36,26 +48,67 @@ DTYPE_NAMES = {  # nccl-tests' type names -> NumPy
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 RELAUNCHED = "COLLECTIVES_BENCH_RELAUNCHED"
+# Set by the relaunching process when its stderr is a terminal: under mpiexec
+# the ranks' stderr is a pipe, but what they write still reaches that terminal.
+SHOW_PROGRESS = "COLLECTIVES_BENCH_PROGRESS"
+
+
+def whole(buffer, rank, nranks):
+    """In place, the call's input and output are the buffer itself (allreduce, broadcast, reduce)."""
+    return buffer
+
+
+def own_block(buffer, rank, nranks):
+    """Rank `rank`'s block of a buffer of `nranks` blocks (a view, on any array library)."""
+    block = len(buffer) // nranks
+    return buffer[rank * block:(rank + 1) * block]
+
+
+def first_block(buffer, rank, nranks):
+    return buffer[:len(buffer) // nranks]
+
+
+def rank_pattern(dtype, rank, count):
+    """Data that tells ranks and positions apart, for collectives that move
+    data without reducing it: (i + 17 r) mod 97 + 1. Under 128, so int8 and
+    bfloat16 hold every value exactly."""
+    return ((np.arange(count) + 17 * rank) % 97 + 1).astype(dtype)
 
 
 @dataclass
 class Spec:
-    name: str                      # e.g. "allreduce"
+    name: str                      # the collective as collectives names it, e.g. "allreduce"
     busbw_factor: Callable         # nranks -> factor, as nccl-tests
-    counts: Callable               # (bytes, itemsize, nranks) -> (input count, output count)
-    run_ours: Callable             # (comm, inputs, outputs, args) -> None
-    run_mpi: Callable              # (mpi_comm, input, output, args) -> None; output is input in place
-    expected: Callable             # (dtype, op, nranks, rank, count) -> expected output of `rank`
-    fill: Callable                 # (dtype, op, nranks, rank, count) -> input of `rank`
-    has_op: bool = True
-    root: int = -1
-    # Where rank `rank`'s result is after an in-place call on buffer x.
-    in_place_result: Callable = lambda x, rank, nranks: x
+    counts: Callable               # (bytes, itemsize, nranks) -> (input count, output count) per rank
+    # How each backend runs the collective once, on this process's ranks:
+    #   run_ours(comm, x, out, args): x and out are lists, one array per local rank;
+    #     in place, out aliases x as nccl-tests lays them out (in_place_input/result),
+    #     which our library recognises as in place.
+    #   run_mpi(mpi_comm, x, out, args) and run_gloo(torch.distributed, x, out, args):
+    #     x None means in place, as MPI_IN_PLACE: the data is in `out`, the rank's whole buffer.
+    run_ours: Callable
+    run_mpi: Callable
+    expected: Callable             # (dtype, op, nranks, rank, output count, root) -> output of `rank`; None: unchecked
+    fill: Callable                 # (dtype, op, nranks, rank, input count, root) -> input of `rank`
+    run_gloo: Optional[Callable] = None
+    has_op: bool = True            # whether -o applies (the redop column says none otherwise)
+    rooted: bool = False           # whether -r applies (the root column says -1 otherwise)
+    # In place every rank has one buffer of max(input, output) elements; these
+    # are the views of it that the call takes as input and leaves its result in.
+    in_place_input: Callable = whole
+    in_place_result: Callable = whole
+    # Where MPI_IN_PLACE leaves the result, where that is elsewhere (reduce_scatter: the start).
+    mpi_in_place_result: Optional[Callable] = None
 
+    def param_count(self, nbytes, itemsize, nranks):
+        """The count column, nccl-tests' count argument: elements per rank
+        (for allgather what each rank sends, for reduce_scatter what it receives)."""
+        return min(self.counts(nbytes, itemsize, nranks))
 
-def module_name():
-    """The benchmark's module as `python -m` takes it, e.g. bench.all_reduce_perf."""
-    return f"bench.{os.path.splitext(os.path.basename(sys.argv[0]))[0]}"
+    def bytes_moved(self, nbytes, itemsize, nranks):
+        """The size column: the larger of a rank's input and output in bytes
+        (allgather: the gathered bytes; reduce_scatter: the input bytes)."""
+        return max(self.counts(nbytes, itemsize, nranks)) * itemsize
 
 
 def parse_args(spec, argv=None):
@@ -68,18 +121,29 @@ def parse_args(spec, argv=None):
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations first")
     p.add_argument("--rounds", type=int, default=1,
                    help="timed batches of -n iterations per backend, taken in turn; the time is their median")
-    p.add_argument("-o", "--op", default="sum", choices=[op.value for op in collectives.ReduceOp])
+    p.add_argument("-o", "--op", default="sum", choices=[op.value for op in collectives.ReduceOp],
+                   help="reduction, where the collective reduces")
     p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES))
+    p.add_argument("-r", "--root", type=int, default=0, help="root rank of broadcast and reduce")
     p.add_argument("-c", "--check", type=int, default=1, help="check results (outside the timed loop)")
+    p.add_argument("-G", "--cudagraph", type=int, default=0,
+                   help="with --device cuda: capture the -n timed calls as a CUDA graph and launch it this "
+                        "many times (nccl-tests' -G); ignored elsewhere")
     p.add_argument("-J", "--output_file", help="write rows and environment as JSON here")
-    p.add_argument("--ranks", type=int, default=4, help="virtual ranks when not under mpiexec")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line on stderr")
+    p.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (virtual, or processes "
+                                                          "for the mpi and gloo backends)")
     p.add_argument("--device", default="host", choices=["host", "emulated", "cuda"],
                    help="where our ranks run: host (NumPy), emulated (our CUDA kernels on the CPU), "
                         "cuda (virtual ranks: every rank on GPU 0; under mpiexec: GPU local rank modulo the GPUs)")
-    p.add_argument("--backend", default="host", help="comma-separated: host (ours, on --device), mpi (mpi4py Allreduce)")
+    p.add_argument("--backend", default=DEFAULT_BACKEND,
+                   help="comma-separated: ours (this library, on --device; `host`, its older name, is the "
+                        "default, and rows keep the name given), mpi (mpi4py over MPICH), "
+                        f"gloo (torch.distributed with Gloo; needs {TORCH_PIN})")
     p.add_argument("--algorithm", default="auto",
                    help="our algorithm, or several comma-separated (each runs as a backend of its own, "
                         "alternating per size): auto or a registered name (python -m bench.model lists them)")
+    p.add_argument("--compression", default="none", help="compress messages on the wire: only none exists today")
     p.add_argument("--timeout", type=float, default=None, help="communicator timeout in seconds")
     args = p.parse_args(argv)
     args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
@@ -91,16 +155,21 @@ def parse_args(spec, argv=None):
     unknown = set(args.algorithms) - {"auto", *REGISTRY}
     if unknown or not args.algorithms:
         p.error(f"unknown algorithm(s) {sorted(unknown)}; choose from auto, {', '.join(REGISTRY)}")
-    unknown = set(args.backends) - {"host", "mpi"}
+    unknown = set(args.backends) - set(BACKENDS)
     if unknown or not args.backends:
-        p.error(f"unknown backend(s) {sorted(unknown)}; choose from host, mpi")
+        p.error(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
+    if args.compression != "none":
+        p.error(f"--compression {args.compression}: compression is not implemented yet; only none is supported")
     if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1 or args.warmup_iters < 0 \
-            or args.rounds < 1:
-        p.error("need -b <= -e, -f >= 2, -n >= 1, -w >= 0 and --rounds >= 1")
+            or args.rounds < 1 or args.cudagraph < 0:
+        p.error("need -b <= -e, -f >= 2, -n >= 1, -w >= 0, -G >= 0 and --rounds >= 1")
     if args.ranks < 1:
         p.error("--ranks must be at least 1")
-    if args.device != "host" and "mpi" in args.backends:
-        p.error("--backend mpi runs on the host; compare it with --device host")
+    on_host_only = [b for b in args.backends if b in PROCESS_BACKENDS]
+    if args.device != "host" and on_host_only:
+        p.error(f"--backend {','.join(on_host_only)} runs on the host; compare it with --device host")
+    if GLOO in args.backends and importlib.util.find_spec("torch") is None:
+        p.error(f"--backend gloo needs PyTorch (torch.distributed with Gloo): pip install {TORCH_PIN}")
     return args
 
 
@@ -140,77 +209,27 @@ def relaunch_under_mpiexec(args, argv, launcher_flags=()):
     mpiexec = find_mpiexec()
     command = [mpiexec, *launcher_flags, "-n", str(args.ranks), sys.executable, "-m", module_name(), *argv]
     print(f"# relaunching as {args.ranks} processes: {' '.join(command)}", flush=True)
-    return subprocess.call(command, env=dict(os.environ, **{RELAUNCHED: "1"}))
+    env = dict(os.environ, **{RELAUNCHED: "1", LAUNCHER_COMMAND: " ".join(["mpiexec", *launcher_flags,
+                                                                          "-n", str(args.ranks)])})
+    if not getattr(args, "quiet", True) and sys.stderr.isatty():
+        env[SHOW_PROGRESS] = "1"
+    return subprocess.call(command, env=env)
 
 
-class Backend:
-    """One way of running the collective on this process's ranks."""
+# -- what each backend can run ------------------------------------------------------
 
-    def __init__(self, name, spec, args, world, algorithm=None, comm=None):
-        self.name, self.spec = name, spec
-        self.algorithm = algorithm if name == "host" else None
-        self.args = argparse.Namespace(**{**vars(args), "algorithm": self.algorithm})
-        self.label = name if algorithm is None or len(args.algorithms) == 1 else f"{name}:{algorithm}"
-        self.device = args.device if name == "host" else "host"
-        if name == "host" and comm is not None:  # another algorithm on the same ranks
-            self.comm = comm
-            self.local_ranks, self.nranks = list(comm.local_ranks), comm.size
-        elif name == "host":
-            if world is None:
-                devices = None if args.device == "host" else ["cuda:0" if args.device == "cuda" else "emulated"] * args.ranks
-                self.comm = collectives.Communicator.local(args.ranks, devices=devices, timeout=args.timeout)
-            else:  # one rank per process, on the host or on this process's device
-                self.comm = collectives.init(timeout=args.timeout, comm=world, device=args.device)
-            self.local_ranks, self.nranks = list(self.comm.local_ranks), self.comm.size
-        else:
-            if world is None and args.ranks != 1:
-                raise SystemExit("the mpi backend runs one rank per process: run under mpiexec")
-            from mpi4py import MPI
-            self.comm = world if world is not None else MPI.COMM_WORLD
-            self.local_ranks, self.nranks = [self.comm.rank], self.comm.size
-
-    def run(self, inputs, outputs):
-        """One collective; `outputs` None means in place."""
-        if self.name == "mpi":
-            self.spec.run_mpi(self.comm, inputs[0], None if outputs is None else outputs[0], self.args)
-        elif len(self.local_ranks) > 1:
-            self.spec.run_ours(self.comm, inputs, outputs, self.args)
-        else:
-            self.spec.run_ours(self.comm, inputs[0], None if outputs is None else outputs[0], self.args)
-
-    def barrier(self):
-        """Every rank here, and every rank's issued work done."""
-        if self.name == "host":
-            self.comm.synchronize()
-            self.comm.barrier()
-        else:
-            self.comm.Barrier()
-
-    def to_device(self, array):
-        """A rank's array where this backend takes it (a GPU copy on cuda)."""
-        if self.device == "cuda":
-            import cupy
-            return cupy.asarray(array)
-        return array
-
-    def to_host(self, array):
-        if self.device == "cuda":
-            import cupy
-            return cupy.asnumpy(array)
-        return array
-
-    def close(self):
-        if self.name == "host":
-            self.comm.close()
-
+# -- measuring -------------------------------------------------------------------
 
 def count_wrong(got, want):
     """Elements whose bits differ from the expectation."""
-    differs = got.reshape(-1).view(np.uint8) != want.reshape(-1).view(np.uint8)
+    got, want = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
+    if got.size != want.size:
+        return max(got.size, want.size)
+    differs = got.view(np.uint8) != want.view(np.uint8)
     return int(np.count_nonzero(differs.reshape(-1, got.itemsize).any(axis=1)))
 
 
-def measure(backends, spec, args, nbytes, world):
+def measure(backends, spec, args, nbytes, world, progress=None):
     """Per backend, [seconds, #wrong] out of place then in place, for one size.
 
     Seconds: the median over --rounds rounds; in each round every backend
@@ -219,17 +238,24 @@ def measure(backends, spec, args, nbytes, world):
     other processes report through MPI). #wrong: over every rank, from a run
     on fresh inputs after the timed rounds.
     """
-    shared = {}  # backends on the same ranks (algorithms of one communicator) share their buffers
-    buffers = [shared.setdefault(id(backend.comm), allocate(backend, spec, args, nbytes)) for backend in backends]
     rows = [[] for _ in backends]
     for in_place in (False, True):
-        for backend, (inputs, outputs) in zip(backends, buffers):
+        shared = {}  # backends on the same ranks (algorithms of one communicator) share their buffers
+        buffers = []
+        for backend in backends:
+            key = id(getattr(backend, "comm", backend))
+            if key not in shared:
+                shared[key] = allocate(backend, spec, args, nbytes, in_place)
+            buffers.append(shared[key])
+        for backend, bufs in zip(backends, buffers):
             for _ in range(args.warmup_iters):
-                backend.run(inputs, None if in_place else outputs)
+                backend.run(bufs)
         batches = [[] for _ in backends]
         for _ in range(args.rounds):
-            for backend, (inputs, outputs), times in zip(backends, buffers, batches):
-                times.append(timed_batch(backend, inputs, None if in_place else outputs, args.iters, world))
+            for backend, bufs, times in zip(backends, buffers, batches):
+                if progress is not None:
+                    progress.at(backend.label)
+                times.append(timed_batch(backend, bufs, args, world))
         for backend, row, times in zip(backends, rows, batches):
             wrong = check(backend, spec, args, nbytes, in_place) if args.check else 0
             if world is not None:
@@ -238,116 +264,82 @@ def measure(backends, spec, args, nbytes, world):
     return rows
 
 
-def allocate(backend, spec, args, nbytes):
-    """A backend's inputs and outputs for one message size."""
-    in_count, out_count = spec.counts(nbytes, args.dtype.itemsize, backend.nranks)
-    ranks = backend.local_ranks
-    inputs = [backend.to_device(spec.fill(args.dtype, args.op, backend.nranks, r, in_count)) for r in ranks]
-    outputs = [backend.to_device(np.empty(out_count, args.dtype)) for _ in ranks]
-    return inputs, outputs
+def allocate(backend, spec, args, nbytes, in_place):
+    """A backend's Buffers for one message size, filled with fresh inputs.
+    Arrays are made on the host and moved, so every backend starts from the same bytes."""
+    dtype, n = args.dtype, backend.nranks
+    in_count, out_count = spec.counts(nbytes, dtype.itemsize, n)
+    inputs, outputs, whole_buffers = [], [], []
+    for r in backend.local_ranks:
+        x = spec.fill(dtype, args.op, n, r, in_count, args.root)
+        if in_place:
+            buffer = np.empty(max(in_count, out_count), dtype)
+            spec.in_place_input(buffer, r, n)[...] = x
+            buffer = backend.to_device(buffer)
+            whole_buffers.append(buffer)
+            inputs.append(spec.in_place_input(buffer, r, n))
+            outputs.append(spec.in_place_result(buffer, r, n))
+        else:
+            inputs.append(backend.to_device(x))
+            outputs.append(backend.to_device(np.empty(out_count, dtype)))
+    return Buffers(inputs, outputs, whole_buffers if in_place else None)
 
 
-def timed_batch(backend, inputs, outputs, iters, world):
-    """Seconds per call of `iters` calls, the slowest rank's."""
+def timed_batch(backend, buffers, args, world):
+    """Seconds per call of -n calls, the slowest rank's."""
+    if args.cudagraph and backend.device == "cuda":
+        seconds = graph_timed_batch(backend, buffers, args.iters, args.cudagraph)
+    else:
+        backend.barrier()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            backend.run(buffers)
+        backend.barrier()  # GPU work is asynchronous: the time is until it is done
+        seconds = (time.perf_counter() - start) / args.iters
+    return world.allreduce(seconds, op=_mpi_max()) if world is not None else seconds
+
+
+def graph_timed_batch(backend, buffers, iters, launches):
+    """-G: the `iters` calls captured once as a CUDA graph, which is then
+    launched `launches` times, as nccl-tests' -G; seconds per call. Our GPU
+    collectives queue their work on the caller's current stream, which is
+    the stream being captured here. (Untested without a GPU.)"""
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    backend.barrier()
+    with stream:
+        stream.begin_capture()
+        try:
+            for _ in range(iters):
+                backend.run(buffers)
+        finally:
+            graph = stream.end_capture()
     backend.barrier()
     start = time.perf_counter()
-    for _ in range(iters):
-        backend.run(inputs, outputs)
-    backend.barrier()  # GPU work is asynchronous: the time is until it is done
-    seconds = (time.perf_counter() - start) / iters
-    return world.allreduce(seconds, op=_mpi_max()) if world is not None else seconds
+    for _ in range(launches):
+        graph.launch(stream)
+    stream.synchronize()
+    backend.barrier()
+    return (time.perf_counter() - start) / (iters * launches)
 
 
 def check(backend, spec, args, nbytes, in_place):
     """Wrong elements on this process's ranks, from one call on fresh inputs."""
     dtype, op, n = args.dtype, args.op, backend.nranks
     _, out_count = spec.counts(nbytes, dtype.itemsize, n)
-    fresh, checked = allocate(backend, spec, args, nbytes)
-    backend.run(fresh, None if in_place else checked)
-    ranks = backend.local_ranks
-    results = [spec.in_place_result(f, r, n) for f, r in zip(fresh, ranks)] if in_place else checked
-    return sum(count_wrong(backend.to_host(got), spec.expected(dtype, op, n, r, out_count))
-               for got, r in zip(results, ranks))
+    fresh = allocate(backend, spec, args, nbytes, in_place)
+    backend.run(fresh)
+    wrong = 0
+    for got, r in zip(backend.results(fresh), backend.local_ranks):
+        want = spec.expected(dtype, op, n, r, out_count, args.root)
+        if want is not None:  # e.g. reduce: only the root's output is defined
+            wrong += count_wrong(backend.to_host(got), want)
+    return wrong
 
 
 def _mpi_max():
     from mpi4py import MPI
     return MPI.MAX
-
-
-def environment(args, nranks, backends):
-    """What the numbers were measured on and with."""
-    processes = int(os.environ.get("PMI_SIZE", "1"))
-    launcher = ["mpiexec", "-n", str(processes)] if processes > 1 else []
-    env = {
-        "command": " ".join([*launcher, sys.executable, "-m", module_name(), *sys.argv[1:]]),
-        "host": socket.gethostname(),
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "collectives": collectives.__version__,
-        "ranks": nranks,
-        "processes": processes,
-        "backends": backends,
-        **device_environment(args.device),
-    }
-    if "mpi" in backends or env["processes"] > 1:
-        from mpi4py import MPI
-        import mpi4py
-        env["mpi4py"] = mpi4py.__version__
-        env["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
-    return env
-
-
-def device_environment(device):
-    """The device, driver and library versions the numbers were measured with."""
-    if device == "host":
-        return {"device": "host (no GPU)"}
-    if device == "emulated":
-        return {"device": "emulated (our CUDA kernels compiled for the CPU)"}
-    import cupy
-    runtime = cupy.cuda.runtime
-    properties = runtime.getDeviceProperties(0)
-    env = {
-        "device": properties["name"].decode() if isinstance(properties["name"], bytes) else properties["name"],
-        "compute_capability": f"{properties['major']}.{properties['minor']}",
-        "driver": _cuda_version(runtime.driverGetVersion()),
-        "cuda_runtime": _cuda_version(runtime.runtimeGetVersion()),
-        "cupy": cupy.__version__,
-    }
-    try:
-        from cupy.cuda import nccl
-        env["nccl"] = _nccl_version(nccl.get_version())
-    except Exception as error:  # NCCL is optional for our own backend
-        env["nccl"] = f"unavailable ({type(error).__name__})"
-    try:
-        import subprocess
-        env["driver_release"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
-    except Exception:
-        pass
-    return env
-
-
-def _cuda_version(code):
-    return f"{code // 1000}.{code % 1000 // 10}"
-
-
-def _nccl_version(code):
-    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
-
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 HEADER = (
@@ -365,60 +357,85 @@ def format_row(row):
     return cells + f"  {row['backend']:>6s}" + (f"  {row['vs_first']:5.2f}x" if "vs_first" in row else "")
 
 
+def footer(label, rows):
+    """nccl-tests' two summary lines, for one backend."""
+    wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in rows)
+    average = sum(r["out_of_place"]["busbw"] for r in rows) / max(len(rows), 1)
+    return (f"# Backend {label}\n"
+            f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}\n"
+            f"# Avg bus bandwidth    : {average:.3f} GB/s")
+
+
 def main(spec, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(spec, argv)
     world = mpi_world()
-    if world is None and "mpi" in args.backends and args.ranks > 1 and not os.environ.get(RELAUNCHED):
-        return relaunch_under_mpiexec(args, argv)
-    backends = []
-    for name in args.backends:
-        if name == "host":
-            shared = None
-            for algorithm in args.algorithms:
-                backends.append(Backend(name, spec, args, world, algorithm, comm=shared))
-                shared = backends[-1].comm
-        else:
-            backends.append(Backend(name, spec, args, world))
-    nranks = backends[0].nranks
+    if world is None and args.ranks > 1 and any(b in PROCESS_BACKENDS for b in args.backends) \
+            and not os.environ.get(RELAUNCHED):
+        return relaunch_under_mpiexec(args, argv, ("-bind-to", "core"))
     leader = world is None or world.rank == 0
     say = print if leader else (lambda *a, **k: None)
+    nranks = world.size if world is not None else args.ranks
+    if spec.rooted and not 0 <= args.root < nranks:
+        say(f"# error: -r {args.root} is not a rank of {nranks}", file=sys.stderr)
+        return 2
+    if args.cudagraph and args.device != "cuda":
+        say("# -G ignored: CUDA graphs apply to --device cuda")
+    names = []
+    for name in args.backends:
+        reason = unsupported(name, spec, args)
+        if reason:
+            say(f"# {name} skipped: {reason}")
+        else:
+            names.append(name)
+    if not names:
+        say("# error: none of the backends asked for can run this", file=sys.stderr)
+        return 2
+    backends = make_backends(names, spec, args, world)
     mode = f"{nranks} processes" if world is not None else f"{nranks} virtual ranks in one process"
     mode += f" on {args.device}" if args.device != "host" else ""
-    say(f"# collectives {spec.name} benchmark: {mode}, backends {', '.join(args.backends)}, "
+    say(f"# collectives {spec.name} benchmark: {mode}, backends {', '.join(names)}, "
         f"algorithm {args.algorithm}, {args.iters} iterations after {args.warmup_iters} warm-up")
     say(HEADER + ("  backend" + ("  vs first" if len(backends) > 1 else "")))
+    itemsize = args.dtype.itemsize
+    sweep = [s for s in sizes(args) if spec.param_count(s, itemsize, nranks) > 0]
+    if len(sweep) < len(list(sizes(args))):
+        say(f"# sizes under {nranks * itemsize} B skipped: less than one {args.dtype.name} per rank")
+    showing = leader and not args.quiet and (sys.stderr.isatty() or os.environ.get(SHOW_PROGRESS) == "1")
+    progress = Progress(spec.name, sweep, showing)
     rows = []
-    for nbytes in sizes(args):
-        in_count, out_count = spec.counts(nbytes, args.dtype.itemsize, nranks)
+    for index, nbytes in enumerate(sweep):
+        progress.size(index)
+        in_count, out_count = spec.counts(nbytes, itemsize, nranks)
+        size = spec.bytes_moved(nbytes, itemsize, nranks)
         first_time = None
-        measured = measure(backends, spec, args, nbytes, world)
+        measured = measure(backends, spec, args, nbytes, world, progress)
+        progress.clear()
         for backend, (t_out, w_out, t_in, w_in) in zip(backends, measured):
-            row = {"backend": backend.label, "size": nbytes, "count": max(in_count, out_count),
-                   "type": args.dtype.name, "redop": args.op if spec.has_op else "none", "root": spec.root}
+            row = {"backend": backend.label, "size": size, "count": spec.param_count(nbytes, itemsize, nranks),
+                   "type": args.dtype.name, "redop": args.op if spec.has_op else "none",
+                   "root": args.root if spec.rooted else -1}
             if backend.algorithm is not None:
                 row["algorithm"] = backend.algorithm
-                row["picked"] = backend.comm.chosen_algorithm(spec.name, in_count * args.dtype.itemsize,
-                                                              root=max(spec.root, 0)) \
+                row["picked"] = backend.comm.chosen_algorithm(spec.name, in_count * itemsize,
+                                                              root=args.root if spec.rooted else 0) \
                     if backend.algorithm == "auto" else backend.algorithm
             factor = spec.busbw_factor(nranks)
             for place, seconds, wrong in (("out_of_place", t_out, w_out), ("in_place", t_in, w_in)):
-                algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+                algbw = size / seconds / 1e9 if seconds > 0 else 0.0
                 row[place] = {"time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * factor, "wrong": wrong}
             if len(backends) > 1:
                 first_time = first_time or t_out
                 row["vs_first"] = t_out / first_time
             rows.append(row)
             say(format_row(row), flush=True)
+    progress.finish()
     for backend in backends:
-        mine = [r for r in rows if r["backend"] == backend.label]
-        average = sum(r["out_of_place"]["busbw"] for r in mine) / max(len(mine), 1)
-        mine_wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in mine)
-        say(f"# {backend.label:>6s}: out of bounds values: {mine_wrong}  avg bus bandwidth: {average:.3f} GB/s")
+        say(footer(backend.label, [r for r in rows if r["backend"] == backend.label]))
     wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in rows)
     if args.output_file and leader:
         with open(args.output_file, "w") as f:
-            json.dump({"collective": spec.name, "environment": environment(args, nranks, args.backends),
+            json.dump({"collective": spec.name, "environment": environment(args, nranks, names),
                        "rows": rows}, f, indent=1)
         say(f"# wrote {args.output_file}")
     for backend in backends:

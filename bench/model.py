@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.harness import parse_size
 from collectives.algorithms import (
-    DEFAULT_TRANSPORT, MODELS, REGISTRY, CostModel, bytes_moved, modelled_seconds, schedule_for, synchronisations,
+    DEFAULT_TRANSPORT, MODELS, REGISTRY, bytes_moved, modelled_seconds, schedule_for, synchronisations,
 )
 from collectives.algorithms.schedule import ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_TO_ROOT
 

@@ -55,7 +55,7 @@ def test_table_and_json(tmp_path, capsys):
     assert report["collective"] == "allreduce"
     assert report["environment"]["ranks"] == 3 and report["environment"]["command"]
     row = report["rows"][-1]
-    assert row["size"] == 4096 and row["count"] == 2048 and row["backend"] == "host"
+    assert row["size"] == 4096 and row["count"] == 2048 and row["backend"] == "ours"
     for place in ("out_of_place", "in_place"):
         m = row[place]
         assert m["wrong"] == 0 and m["time_us"] > 0
@@ -174,7 +174,7 @@ def test_several_algorithms_alternate_in_one_run(tmp_path, capsys):
                                       "-e", "4K", "-f", "4", "-n", "1", "-w", "0", "-J", str(path)], capsys)
     assert code == 0 and "all results correct" in out, out
     rows = json.loads(path.read_text())["rows"]
-    assert [r["backend"] for r in rows] == ["host:auto", "host:ring", "host:tree", "host:two_shot"] * 2
+    assert [r["backend"] for r in rows] == ["ours:auto", "ours:ring", "ours:tree", "ours:two_shot"] * 2
     from collectives.algorithms import REGISTRY
     assert all(r["picked"] in REGISTRY for r in rows)
     assert [r["picked"] for r in rows[1:4]] == ["ring", "tree", "two_shot"]

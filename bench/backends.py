@@ -1,0 +1,251 @@
+"""The backends a benchmark runs side by side: this library (`ours`), MPI
+(mpi4py over MPICH) and Gloo (torch.distributed), each behind one small
+class that runs a spec's call on its ranks' buffers, and what each cannot do
+(so that the harness skips it with a reason instead of failing)."""
+
+import argparse
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+
+import collectives
+from collectives.ops import BFLOAT16, is_floating
+
+OURS, MPI_BACKEND, GLOO = "ours", "mpi", "gloo"
+# `host`, our backend's name before mpi and gloo joined it, is still accepted;
+# rows keep the name the command used (older results files say `host`).
+OLD_OURS = "host"
+DEFAULT_BACKEND = OURS
+BACKENDS = (OURS, OLD_OURS, MPI_BACKEND, GLOO)
+PROCESS_BACKENDS = (MPI_BACKEND, GLOO)   # one rank per process
+TORCH_PIN = "torch==2.13.0"
+
+MPI_OPS = ("sum", "prod", "max", "min")   # MPI has no average
+# What torch.distributed's Gloo backend takes (torch 2.13): no 16-bit or
+# unsigned types beyond uint8 ("Invalid scalar type"), and its average
+# divides in the tensor's type, which it refuses for integers.
+GLOO_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+
+
+def unsupported(backend, spec, args):
+    """Why `backend` cannot run this spec with these flags, or None."""
+    reduces = spec.has_op
+    if backend == MPI_BACKEND:
+        if reduces and args.op not in MPI_OPS:
+            return f"MPI has no {args.op!r} reduction (it has {', '.join(MPI_OPS)})"
+        if reduces and args.dtype == BFLOAT16 and _mpi_bfloat16() is None:
+            return "this MPI library has no bfloat16 type to reduce (mpi4py's BFLOAT16_T is null)"
+    if backend == GLOO:
+        if spec.run_gloo is None:
+            return f"no gloo call for {spec.name}"
+        if args.dtype.name not in GLOO_DTYPES:
+            return f"Gloo has no {args.dtype.name} (it takes {', '.join(GLOO_DTYPES)})"
+        if reduces and args.op == "avg" and not is_floating(args.dtype):
+            return "Gloo averages floating-point types only"
+    return None
+
+
+def _mpi_bfloat16():
+    from mpi4py import MPI
+    datatype = getattr(MPI, "BFLOAT16_T", MPI.DATATYPE_NULL)
+    return None if datatype == MPI.DATATYPE_NULL else datatype
+
+
+def mpi_op(op):
+    from mpi4py import MPI
+    return {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}[op]
+
+
+def mpi_buffer(array):
+    """`array` as mpi4py takes it: NumPy infers the MPI type, except for
+    bfloat16, which NumPy's buffer protocol does not describe."""
+    if array.dtype == BFLOAT16:
+        return [array.view(np.uint16), _mpi_bfloat16()]
+    return array
+
+
+def mpi_bytes(array):
+    """`array` as bytes, for collectives that move data without reducing it (any type)."""
+    from mpi4py import MPI
+    return [array.view(np.uint8), MPI.BYTE]
+
+
+def gloo_op(dist, op):
+    return {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}[op]
+
+
+# -- backends ------------------------------------------------------------------
+
+@dataclass
+class Buffers:
+    """One rank's arrays per local rank for one call shape."""
+    inputs: list
+    outputs: list
+    in_place: list = None   # in place: each rank's one buffer, which inputs and outputs view
+
+
+class Backend:
+    """One way of running the collective on this process's ranks."""
+
+    device = "host"
+    algorithm = None
+
+    def __init__(self, name, spec, args):
+        self.name, self.label, self.spec = name, name, spec
+        self.args = argparse.Namespace(**vars(args))
+
+    def run(self, buffers):
+        raise NotImplementedError
+
+    def results(self, buffers):
+        """Where each local rank's result is after run(buffers)."""
+        return buffers.outputs
+
+    def to_device(self, array):
+        """A rank's array where this backend takes it."""
+        return array
+
+    def to_host(self, array):
+        return array
+
+    def close(self):
+        pass
+
+
+class Ours(Backend):
+    """This library: virtual ranks in this process, or one rank per process under mpiexec."""
+
+    def __init__(self, name, spec, args, world, algorithm, comm=None):
+        super().__init__(name, spec, args)
+        self.algorithm = self.args.algorithm = algorithm
+        self.label = name if len(args.algorithms) == 1 else f"{name}:{algorithm}"
+        self.device = args.device
+        if comm is not None:  # another algorithm on the same ranks
+            self.comm = comm
+        elif world is None:
+            devices = None if args.device == "host" else \
+                ["cuda:0" if args.device == "cuda" else "emulated"] * args.ranks
+            self.comm = collectives.Communicator.local(args.ranks, devices=devices, timeout=args.timeout)
+        else:  # one rank per process, on the host or on this process's device
+            self.comm = collectives.init(timeout=args.timeout, comm=world, device=args.device)
+        self.local_ranks, self.nranks = list(self.comm.local_ranks), self.comm.size
+        self.owns_comm = comm is None
+
+    def run(self, buffers):
+        self.spec.run_ours(self.comm, buffers.inputs, buffers.outputs, self.args)
+
+    def barrier(self):
+        """Every rank here, and every rank's issued work done."""
+        self.comm.synchronize()
+        self.comm.barrier()
+
+    def to_device(self, array):
+        """A GPU copy on cuda; NumPy elsewhere (emulated devices work on NumPy arrays)."""
+        if self.device == "cuda":
+            import cupy
+            return cupy.asarray(array)
+        return array
+
+    def to_host(self, array):
+        if self.device == "cuda":
+            import cupy
+            return cupy.asnumpy(array)
+        return array
+
+    def close(self):
+        if self.owns_comm:
+            self.comm.close()
+
+
+class Mpi(Backend):
+    """mpi4py over MPICH, one rank per process."""
+
+    def __init__(self, name, spec, args, world):
+        super().__init__(name, spec, args)
+        if world is None and args.ranks != 1:
+            raise SystemExit("the mpi backend runs one rank per process: run under mpiexec")
+        from mpi4py import MPI
+        self.comm = world if world is not None else MPI.COMM_WORLD
+        self.local_ranks, self.nranks = [self.comm.rank], self.comm.size
+
+    def run(self, buffers):
+        in_place = buffers.in_place is not None
+        self.spec.run_mpi(self.comm, None if in_place else buffers.inputs[0],
+                          buffers.in_place[0] if in_place else buffers.outputs[0], self.args)
+
+    def results(self, buffers):
+        where = self.spec.mpi_in_place_result
+        if buffers.in_place is None or where is None:
+            return buffers.outputs
+        return [where(b, r, self.nranks) for b, r in zip(buffers.in_place, self.local_ranks)]
+
+    def barrier(self):
+        self.comm.Barrier()
+
+
+class Gloo(Backend):
+    """torch.distributed with Gloo, one rank per process, on tensors that share
+    memory with the NumPy inputs (so fill and check are the same code)."""
+
+    def __init__(self, name, spec, args, world):
+        super().__init__(name, spec, args)
+        if world is None and args.ranks != 1:
+            raise SystemExit("the gloo backend runs one rank per process: run under mpiexec")
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as error:
+            raise SystemExit(f"--backend gloo needs PyTorch: pip install {TORCH_PIN} ({error})") from None
+        self.torch, self.dist = torch, dist
+        rank, size = (world.rank, world.size) if world is not None else (0, 1)
+        # Gloo meets its peers through a TCP store: rank 0 picks a free port and MPI tells the others.
+        port = free_port() if rank == 0 else None
+        if world is not None:
+            port = world.bcast(port, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        self.local_ranks, self.nranks = [rank], size
+
+    def run(self, buffers):
+        in_place = buffers.in_place is not None
+        self.spec.run_gloo(self.dist, None if in_place else buffers.inputs[0],
+                           buffers.in_place[0] if in_place else buffers.outputs[0], self.args)
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def to_device(self, array):
+        if array.dtype == BFLOAT16:  # the same two bytes, seen as torch's bfloat16
+            return self.torch.from_numpy(array.view(np.int16)).view(self.torch.bfloat16)
+        return self.torch.from_numpy(array)
+
+    def to_host(self, tensor):
+        if tensor.dtype == self.torch.bfloat16:
+            return tensor.view(self.torch.int16).numpy().view(BFLOAT16)
+        return tensor.numpy()
+
+    def close(self):
+        self.dist.destroy_process_group()
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_backends(names, spec, args, world):
+    backends = []
+    for name in names:
+        if name in (OURS, OLD_OURS):
+            shared = None
+            for algorithm in args.algorithms:
+                backends.append(Ours(name, spec, args, world, algorithm, comm=shared))
+                shared = backends[-1].comm
+        elif name == MPI_BACKEND:
+            backends.append(Mpi(name, spec, args, world))
+        else:
+            backends.append(Gloo(name, spec, args, world))
+    return backends

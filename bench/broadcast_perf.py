@@ -1,0 +1,55 @@
+"""Broadcast bandwidth sweep, nccl-tests compatible: python -m bench.broadcast_perf -h
+
+Rank r's input is rank_pattern(r), so every rank must end with the root's
+(-r, default 0). Ours, MPI and Gloo broadcast in place: out of place, the
+root first copies its input to its output (as ncclBroadcast does inside).
+"""
+
+import sys
+
+from bench.backends import mpi_bytes
+from bench.harness import Spec, main, rank_pattern
+
+
+def fill(dtype, op, nranks, rank, count, root=0):
+    return rank_pattern(dtype, rank, count)
+
+
+def expected(dtype, op, nranks, rank, count, root=0):
+    return rank_pattern(dtype, root, count)
+
+
+def run_ours(comm, x, out, args):
+    for rank, x_rank, out_rank in zip(comm.local_ranks, x, out):
+        if rank == args.root and out_rank is not x_rank:
+            out_rank[...] = x_rank
+    comm.broadcast(out, root=args.root, algorithm=args.algorithm)
+
+
+def run_mpi(comm, x, out, args):
+    if x is not None and comm.rank == args.root:
+        out[...] = x
+    comm.Bcast(mpi_bytes(out), root=args.root)  # moves bytes: any type
+
+
+def run_gloo(dist, x, out, args):
+    if x is not None and dist.get_rank() == args.root:
+        out.copy_(x)
+    dist.broadcast(out, src=args.root)
+
+
+BROADCAST = Spec(
+    name="broadcast",
+    busbw_factor=lambda n: 1,
+    counts=lambda nbytes, itemsize, n: (nbytes // itemsize, nbytes // itemsize),
+    run_ours=run_ours,
+    run_mpi=run_mpi,
+    run_gloo=run_gloo,
+    expected=expected,
+    fill=fill,
+    has_op=False,
+    rooted=True,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(BROADCAST))
