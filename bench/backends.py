@@ -12,12 +12,12 @@ import numpy as np
 import collectives
 from collectives.ops import BFLOAT16, is_floating
 
-OURS, MPI_BACKEND, GLOO = "ours", "mpi", "gloo"
+OURS, MPI_BACKEND, GLOO, NCCL = "ours", "mpi", "gloo", "nccl"
 # `host`, our backend's name before mpi and gloo joined it, is still accepted;
 # rows keep the name the command used (older results files say `host`).
 OLD_OURS = "host"
 DEFAULT_BACKEND = OURS
-BACKENDS = (OURS, OLD_OURS, MPI_BACKEND, GLOO)
+BACKENDS = (OURS, OLD_OURS, MPI_BACKEND, GLOO, NCCL)
 PROCESS_BACKENDS = (MPI_BACKEND, GLOO)   # one rank per process
 TORCH_PIN = "torch==2.13.0"
 
@@ -115,21 +115,29 @@ class Backend:
 
 
 class Ours(Backend):
-    """This library: virtual ranks in this process, or one rank per process under mpiexec."""
+    """This library: virtual ranks in this process, or one rank per process
+    under mpiexec. As `nccl`, the same API with backend="nccl": NCCL runs
+    each collective (one rank per GPU: rank r on GPU r in one process)."""
 
     def __init__(self, name, spec, args, world, algorithm, comm=None):
         super().__init__(name, spec, args)
-        self.algorithm = self.args.algorithm = algorithm
-        self.label = name if len(args.algorithms) == 1 else f"{name}:{algorithm}"
+        self.algorithm = self.args.algorithm = algorithm if name != NCCL else None
+        self.label = name if len(args.algorithms) == 1 or name == NCCL else f"{name}:{algorithm}"
         self.device = args.device
+        library = "nccl" if name == NCCL else "ours"
         if comm is not None:  # another algorithm on the same ranks
             self.comm = comm
         elif world is None:
-            devices = None if args.device == "host" else \
-                ["cuda:0" if args.device == "cuda" else "emulated"] * args.ranks
-            self.comm = collectives.Communicator.local(args.ranks, devices=devices, timeout=args.timeout)
+            if args.device == "host":
+                devices = None
+            elif library == "nccl":
+                devices = [f"cuda:{r}" for r in range(args.ranks)]
+            else:
+                devices = ["cuda:0" if args.device == "cuda" else "emulated"] * args.ranks
+            self.comm = collectives.Communicator.local(args.ranks, devices=devices, timeout=args.timeout,
+                                                       backend=library)
         else:  # one rank per process, on the host or on this process's device
-            self.comm = collectives.init(timeout=args.timeout, comm=world, device=args.device)
+            self.comm = collectives.init(timeout=args.timeout, comm=world, device=args.device, backend=library)
         self.local_ranks, self.nranks = list(self.comm.local_ranks), self.comm.size
         self.owns_comm = comm is None
 
@@ -244,6 +252,8 @@ def make_backends(names, spec, args, world):
             for algorithm in args.algorithms:
                 backends.append(Ours(name, spec, args, world, algorithm, comm=shared))
                 shared = backends[-1].comm
+        elif name == NCCL:
+            backends.append(Ours(name, spec, args, world, "auto"))
         elif name == MPI_BACKEND:
             backends.append(Mpi(name, spec, args, world))
         else:

@@ -9,7 +9,9 @@
 4. runs it again with one rank per process (--processes of them under
    mpiexec, sharing the GPU through CUDA IPC), and the per-call comparison
    of those GPU ranks with host ranks (bench.spmd_overhead);
-5. writes everything to one JSON under bench/results/ with the device,
+5. ours against NCCL, side by side, one rank per visible GPU (NCCL takes
+   one rank per GPU); skipped, with the reason, on emulated devices;
+6. writes everything to one JSON under bench/results/ with the device,
    driver, CUDA, CuPy and NCCL versions and the exact command.
 
 `--device emulated` runs the same steps on the CPU (our kernels compiled for
@@ -191,7 +193,27 @@ def run_processes(args):
     return results
 
 
-# -- 3. and 5. ----------------------------------------------------------------------
+# -- 5. ours against NCCL ------------------------------------------------------------
+
+def ours_against_nccl(args):
+    """all_reduce_perf with --backend ours,nccl on every visible GPU, or why not."""
+    if args.device != "cuda":
+        return {"skipped": "NCCL needs a GPU"}
+    import cupy
+    ranks = cupy.cuda.runtime.getDeviceCount()
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "nccl.json"
+        command = [sys.executable, "-m", "bench.all_reduce_perf", "--device", "cuda", "--backend", "ours,nccl",
+                   "--ranks", str(ranks), "-b", "8", "-e", args.maxbytes, "-f", "4", "-n", "20", "-w", "5",
+                   "--rounds", "3", "-J", str(path)]
+        print(" ".join(command), flush=True)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
+        return {"command": " ".join(command), "returncode": done.returncode,
+                "result": json.loads(path.read_text()) if path.exists() else None}
+
+
+# -- 3. and 6. ----------------------------------------------------------------------
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -227,11 +249,15 @@ def main(argv=None):
     print(f"# 4. one rank per process: {args.processes} processes sharing the device", flush=True)
     report["processes"] = run_processes(args)
 
+    print("# 5. ours against NCCL", flush=True)
+    report["ours_vs_nccl"] = ours_against_nccl(args)
+
     Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_file).write_text(json.dumps(report, indent=1))
     print(f"# wrote {args.output_file}")
     failed = (report.get("gpu_tests", {}).get("returncode", 0) not in (0, 5)) or code != 0 \
-        or any(run["returncode"] != 0 for run in report["processes"].values())
+        or any(run["returncode"] != 0 for run in report["processes"].values()) \
+        or report["ours_vs_nccl"].get("returncode", 0) != 0
     print("# gpu_check " + ("FAILED" if failed else "passed"))
     return 1 if failed else 0
 

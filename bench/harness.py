@@ -9,8 +9,9 @@ virtual ranks in this process. `--backend` may list several backends, run on
 identical inputs in one invocation, alternating size by size:
 
     ours   this library, on --device (`host` is its older name, still accepted)
-    mpi    mpi4py over MPICH
-    gloo   torch.distributed with the Gloo backend
+    mpi    mpi4py over MPICH, on host arrays
+    gloo   torch.distributed with the Gloo backend, on host arrays
+    nccl   NCCL, through this library's backend="nccl" (--device cuda)
 
 mpi and gloo run one rank per process: asking for them without a launcher
 relaunches the benchmark under MPICH's mpiexec with `--ranks` processes, one
@@ -34,7 +35,7 @@ import numpy as np
 
 import collectives
 from bench.backends import (
-    BACKENDS, DEFAULT_BACKEND, GLOO, PROCESS_BACKENDS, TORCH_PIN, Buffers, make_backends, unsupported,
+    BACKENDS, DEFAULT_BACKEND, GLOO, NCCL, PROCESS_BACKENDS, TORCH_PIN, Buffers, make_backends, unsupported,
 )
 from bench.environment import LAUNCHER_COMMAND, environment, module_name
 from bench.progress import Progress
@@ -137,9 +138,10 @@ def parse_args(spec, argv=None):
                    help="where our ranks run: host (NumPy), emulated (our CUDA kernels on the CPU), "
                         "cuda (virtual ranks: every rank on GPU 0; under mpiexec: GPU local rank modulo the GPUs)")
     p.add_argument("--backend", default=DEFAULT_BACKEND,
-                   help="comma-separated: ours (this library, on --device; `host`, its older name, is the "
-                        "default, and rows keep the name given), mpi (mpi4py over MPICH), "
-                        f"gloo (torch.distributed with Gloo; needs {TORCH_PIN})")
+                   help="comma-separated: ours (this library, on --device; the default; `host` is its older "
+                        "name), mpi (mpi4py over MPICH), "
+                        f"gloo (torch.distributed with Gloo; needs {TORCH_PIN}), nccl (NCCL through this "
+                        "library's backend='nccl'; --device cuda, one rank per GPU)")
     p.add_argument("--algorithm", default="auto",
                    help="our algorithm, or several comma-separated (each runs as a backend of its own, "
                         "alternating per size): auto or a registered name (python -m bench.model lists them)")
@@ -165,9 +167,13 @@ def parse_args(spec, argv=None):
         p.error("need -b <= -e, -f >= 2, -n >= 1, -w >= 0, -G >= 0 and --rounds >= 1")
     if args.ranks < 1:
         p.error("--ranks must be at least 1")
-    on_host_only = [b for b in args.backends if b in PROCESS_BACKENDS]
-    if args.device != "host" and on_host_only:
-        p.error(f"--backend {','.join(on_host_only)} runs on the host; compare it with --device host")
+    # --device places our ranks only: mpi and gloo are host collectives, and
+    # run on host arrays beside ours wherever ours run (an emulated device's
+    # arrays are host arrays too).
+    if args.device == "cuda" and any(b in PROCESS_BACKENDS for b in args.backends):
+        p.error("--backend mpi and gloo run on host arrays; with --device cuda compare ours with nccl on a GPU")
+    if NCCL in args.backends and args.device != "cuda":
+        p.error("--backend nccl runs on GPUs: add --device cuda")
     if GLOO in args.backends and importlib.util.find_spec("torch") is None:
         p.error(f"--backend gloo needs PyTorch (torch.distributed with Gloo): pip install {TORCH_PIN}")
     return args

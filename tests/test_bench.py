@@ -120,6 +120,7 @@ def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
     assert all(run["returncode"] == 0 for run in processes.values()), processes
     assert processes["allreduce"]["result"]["environment"]["processes"] == 2
     assert processes["overhead"]["result"]["ratio_to_host"]["emulated"] > 0
+    assert report["ours_vs_nccl"] == {"skipped": "NCCL needs a GPU"}
 
 
 @pytest.mark.mpi

@@ -267,3 +267,14 @@ def test_a_backend_without_the_op_is_skipped(tmp_path):
     assert "# mpi skipped: MPI has no 'avg' reduction" in out
     assert [r["backend"] for r in report["rows"]] == ["ours", "gloo"]
     assert all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in report["rows"])
+
+
+def test_nccl_is_a_backend_for_gpus_only():
+    with pytest.raises(SystemExit):
+        harness.parse_args(ALLREDUCE, ["--backend", "ours,nccl"])          # host: NCCL needs --device cuda
+    with pytest.raises(SystemExit):
+        harness.parse_args(ALLREDUCE, ["--backend", "mpi", "--device", "cuda"])  # MPI runs on host arrays
+    args = harness.parse_args(ALLREDUCE, ["--backend", "ours,nccl", "--device", "cuda"])
+    assert args.backends == ["ours", "nccl"]
+    args = harness.parse_args(ALLREDUCE, ["--backend", "ours,mpi,gloo", "--device", "emulated"])
+    assert args.backends == ["ours", "mpi", "gloo"]  # ours on emulated devices beside host MPI and Gloo
