@@ -2,7 +2,9 @@
 
     python -m bench.model [--ranks 8] [--bytes 1M] [--collective allreduce] [--transport host-processes]
     python -m bench.model --table [--ranks 8]          the course's allreduce table, from the schedules
-    python -m bench.model --results RUN.json...        measured times beside the model; auto against the fastest
+    python -m bench.model --results RUN.json... [--ranks N --bytes S]
+                                   the model beside the times measured at N ranks and S bytes; auto
+                                   against the fastest algorithm at every size
     python -m bench.model --calibrate RUN.json...      fit a transport's two constants to such runs
 
 Every number of the first two comes from the registered schedules themselves:
@@ -60,14 +62,34 @@ def rows(collective, nranks, nbytes, transport):
             for name in algorithms_for(collective)]
 
 
-def print_model(collective, nranks, nbytes, transport):
+def print_model(collective, nranks, nbytes, transport, measured=None):
+    """Per algorithm: steps, bytes, the model's time, and `measured` times
+    (algorithm -> µs, out of place) where a results file has them."""
     model = MODELS[transport]
+    measured = measured or {}
     print(f"# {collective}, {nranks} ranks, {nbytes} B; model {transport}: {model.step_seconds * 1e6:.2f} us "
           f"a step, {model.bytes_per_second / 1e9:.2f} GB/s ({model.measured_by})")
     print(f"# {'algorithm':>16s}  {'steps':>5s}  {'sent/rank (B)':>14s}  {'moved/rank (B)':>14s}  "
-          f"{'predicted (us)':>14s}")
+          f"{'predicted (us)':>14s}" + (f"  {'measured (us)':>14s}" if measured else ""))
     for name, costs, seconds in sorted(rows(collective, nranks, nbytes, transport), key=lambda r: r[2]):
-        print(f"  {name:>16s}  {costs.steps:5d}  {costs.sent:14.0f}  {costs.moved:14.0f}  {seconds * 1e6:14.1f}")
+        line = f"  {name:>16s}  {costs.steps:5d}  {costs.sent:14.0f}  {costs.moved:14.0f}  {seconds * 1e6:14.1f}"
+        if measured:
+            line += f"  {measured[name]:14.1f}" if name in measured else f"  {'-':>14s}"
+        print(line)
+    if measured:
+        print("# predicted leaves out what every algorithm pays alike (a call's fixed cost, and for ranks in "
+              "processes the copies into and out of the workspace): compare differences, not totals")
+
+
+def measured_times(paths, nranks, nbytes):
+    """(transport, algorithm -> µs out of place) of the rows of `nranks` ranks
+    and `nbytes` in results files that name their algorithm."""
+    transport, times = None, {}
+    for environment, row in load(paths):
+        if environment["ranks"] == nranks and row["size"] == nbytes and row["algorithm"] != "auto":
+            transport = transport_of(environment)
+            times[row["algorithm"]] = row["out_of_place"]["time_us"]
+    return transport, times
 
 
 def print_table(nranks, nbytes):
@@ -207,6 +229,9 @@ def main(argv=None):
     if args.calibrate:
         calibrate(args.calibrate)
     elif args.results:
+        transport, times = measured_times(args.results, args.ranks, nbytes)
+        if times:  # the model next to what was measured at --ranks and --bytes
+            print_model(ALLREDUCE, args.ranks, nbytes, transport, times)
         worst = auto_against_fastest(args.results)
         print(f"# auto is within {worst - 1:.0%} of the fastest algorithm measured at every size"
               if worst >= 1 else "# auto was the fastest at every size")

@@ -220,3 +220,15 @@ def test_the_model_calibrates_and_judges_auto_from_committed_runs(capsys):
     assert len(lines) == 1 + len(sizes)  # the header, then a row per (processes, size)
     ratios = [float(line.split("|")[-2]) for line in lines[1:]]
     assert max(ratios) == pytest.approx(worst, abs=0.005) and worst <= 1.07
+
+
+def test_the_model_prints_its_prediction_next_to_measured_times(capsys):
+    from bench import model
+    model.main(["--results", str(ROOT / "bench" / "results" / "auto_check_2proc.json"), "--ranks", "2",
+                "--bytes", "1M"])
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    from collectives.algorithms import REGISTRY
+    assert sorted(row[0] for row in table) == sorted(REGISTRY)   # every algorithm, with a measured time
+    assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in table)
+    assert "measured (us)" in out and "| auto picks |" in out
