@@ -27,9 +27,10 @@ Costs for n ranks and N bytes (every rank alike; a reduce moves 3 chunks, a copy
     allgather        n-1      (n-1)/n N      2(n-1)/n N
 """
 
+from .ring import ring_costs
 from .schedule import (
-    ALLGATHER, ALLREDUCE, NO_COSTS, REDUCE_SCATTER, WORK,
-    Costs, Region, Schedule, copy, reduce,
+    ALLGATHER, ALLREDUCE, REDUCE_SCATTER, WORK,
+    Region, Schedule, copy, reduce,
 )
 
 ROUND_ROBIN_COLLECTIVES = (ALLREDUCE, REDUCE_SCATTER, ALLGATHER)
@@ -75,13 +76,8 @@ def round_robin(collective, nranks, root=None):
 
 
 def round_robin_costs(collective, nranks, nbytes):
-    """The table in the module doc."""
-    n, N = nranks, nbytes
-    if n == 1:
-        return NO_COSTS
-    share = (n - 1) / n * N
-    return {
-        ALLREDUCE: Costs(2 * (n - 1), 2 * share, 5 * share),
-        REDUCE_SCATTER: Costs(n - 1, share, 3 * share),
-        ALLGATHER: Costs(n - 1, share, 2 * share),
-    }[collective]
+    """The table in the module doc: a round moves one chunk per rank, as a ring
+    step does (only the peer changes), so the costs are the ring's."""
+    if collective not in ROUND_ROBIN_COLLECTIVES:
+        raise KeyError(collective)
+    return ring_costs(collective, nranks, nbytes)
