@@ -1,12 +1,16 @@
 """collectives: GPU collective operations with our own kernels, NCCL as the yardstick.
 
-The base install needs no GPU package. Extras:
+The base install needs no GPU package; it needs Numba, whose compiled
+loops are the host data path of the compression codecs. Extras:
     test    what the test suite needs: pytest, MPI for the
             multi-process tests, and NVIDIA's PyPI wheels of nvcc, ptxas,
             cuobjdump and the CUDA headers, with which the tests build every
             kernel for sm_80/sm_90, check it statically, and compile it for
-            the CPU (the emulated device); matplotlib and PyTorch's CPU
-            build for the plot and Gloo tests. No GPU and no CUDA toolkit needed.
+            the CPU (the emulated device); numba-cuda with its CUDA 13 wheels
+            (NVVM, NVRTC, nvJitLink), with which the tests compile the Numba
+            codec kernels for sm_80/sm_90 and run them under Numba's CUDA
+            simulator; matplotlib and PyTorch's CPU build for the plot and
+            Gloo tests. No GPU and no CUDA toolkit needed.
     mpi     mpi4py with MPICH's wheel, for one rank per process under mpiexec
     bench   matplotlib, for python -m bench.plot
     torch   PyTorch, for the Gloo backend of the benchmarks (torch.distributed);
@@ -34,6 +38,14 @@ CUDA_TOOLCHAIN = [
     "cmake>=3.25",
 ]
 
+# The Numba codec kernels (collectives/compression/kernels.py): compiled for
+# sm_80/sm_90 and run under the CUDA simulator by the tests. Plain numba-cuda
+# cannot import numba.cuda without a CUDA toolkit, even for the simulator;
+# the cu13 extra brings NVVM, NVRTC and nvJitLink as wheels, at the versions
+# pinned above. Pinned like the toolchain: its compile path is what the
+# register and spill checks measure.
+NUMBA_CUDA = ["numba-cuda[cu13]==0.30.4"]
+
 setup(
     name="collectives",
     version="0.1.0",
@@ -47,10 +59,10 @@ setup(
     package_dir={"collectives.kernel_sources": "kernels"},
     package_data={"collectives.kernel_sources": ["*.cu", "*.cuh", "emulation/*.h", "emulation/*.cpp"]},
     python_requires=">=3.10",
-    install_requires=["numpy>=1.24", "ml_dtypes>=0.4"],
+    install_requires=["numpy>=1.24", "ml_dtypes>=0.4", "numba>=0.60"],   # numba: the codecs' host loops
     extras_require={
         "mpi": MPI,
-        "test": ["pytest>=8", "pytest-timeout>=2.3", *MPI, *CUDA_TOOLCHAIN, *PLOTS, "torch==2.13.0"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", *MPI, *CUDA_TOOLCHAIN, *NUMBA_CUDA, *PLOTS, "torch==2.13.0"],
         "bench": PLOTS,
         "torch": ["torch>=2.1"],
         "cuda12": ["cupy-cuda12x>=13.3", "nvidia-cuda-nvrtc-cu12>=12.4", "nvidia-cuda-runtime-cu12>=12.4",

@@ -1,16 +1,19 @@
 """The public API: a Communicator validates, plans, and hands the plan to its ranks."""
 
+import concurrent.futures
+import threading
 import time
 
 import numpy as np
 
-from . import arrays, validation
+from . import arrays, fusion, validation
 from .algorithms import choose
 from .algorithms.schedule import (
     ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES as COLLECTIVE_NAMES, REDUCE_SCATTER, REDUCE_TO_ROOT,
     REDUCING_COLLECTIVES,
 )
 from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
+from .compression import wire
 from .config import resolve_timeout
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
@@ -26,6 +29,7 @@ class VirtualHostRanks:
     addressable = True  # ranks read each other's arrays: plans skip the workspace copies
     host_only = True    # it indexes NumPy arrays
     locations = None
+    compresses = True   # runs compressed plans
     transport = "host-in-process"   # which cost model `auto` asks (algorithms/__init__.py)
 
     def __init__(self, nranks):
@@ -33,19 +37,37 @@ class VirtualHostRanks:
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         """Run `plan` on the ranks' arrays (one per rank, with their ArrayInfos)."""
+        if plan.compression is not None:
+            return self._run_compressed(plan, inputs, outputs)
         views = {}
         for rank in range(len(self._workspaces)):
             views[rank, INPUT] = inputs[rank].reshape(-1)
             views[rank, OUTPUT] = outputs[rank].reshape(-1)
             if plan.workspace_bytes:
-                workspace = self._workspaces[rank]
-                if workspace.size < plan.workspace_bytes:
-                    workspace = np.empty(max(plan.workspace_bytes, 2 * workspace.size), np.uint8)
-                    self._workspaces[rank] = workspace
+                workspace = self._workspace(rank, plan.workspace_bytes)
                 views[rank, WORK] = workspace[:plan.count * plan.dtype.itemsize].view(plan.dtype)
                 views[rank, SCRATCH] = workspace[plan.scratch_offset:plan.workspace_bytes].view(plan.dtype)
         for phase in plan.phases:
             host.execute(phase.table, lambda rank, buffer_id: views[rank, buffer_id], plan.op, plan.nranks)
+
+    def _run_compressed(self, plan, inputs, outputs):
+        """The codec operations of each phase, rank after rank (compression/wire.py)."""
+        floats, wires = {}, []
+        for rank in range(len(self._workspaces)):
+            rank_floats, rank_wires = wire.workspace_views(plan, self._workspace(rank, plan.workspace_bytes))
+            floats.update({(rank, b): v for b, v in rank_floats.items()})
+            floats[rank, INPUT] = inputs[rank].reshape(-1)
+            floats[rank, OUTPUT] = outputs[rank].reshape(-1)
+            wires.append(rank_wires)
+        for phase in plan.phases:
+            for rank, ops in enumerate(phase.wire_ops_by_rank):
+                host.execute_wire(ops, plan.compression, lambda r, b: floats[r, b], lambda r, b: wires[r][b])
+
+    def _workspace(self, rank, nbytes):
+        workspace = self._workspaces[rank]
+        if workspace.size < nbytes:
+            workspace = self._workspaces[rank] = np.empty(max(nbytes, 2 * workspace.size), np.uint8)
+        return workspace
 
     def barrier(self, deadline):
         pass
@@ -75,6 +97,10 @@ class Communicator:
         self._closed = False
         self._last_checked = None  # ((collective, root, input infos, output infos), binding) that passed
         self._plans = {}           # call shape -> plan
+        self._fusion = None        # fusion.Fuser, made on first use
+        self._worker = None        # the background thread of fusion buffers on host ranks
+        self._worker_thread = None
+        self._busy = set()         # fusion buffers with allreduces started and not yet waited for
 
     @classmethod
     def local(cls, nranks, *, devices=None, timeout=None, backend="ours"):
@@ -117,9 +143,14 @@ class Communicator:
 
     # -- collectives ----------------------------------------------------------
 
-    def allreduce(self, x, op="sum", out=None, algorithm="auto"):
-        """Every rank gets the reduction of all ranks' `x` (in place unless `out`)."""
-        return self._collective(ALLREDUCE, x, op=op, out=out, algorithm=algorithm)
+    def allreduce(self, x, op="sum", out=None, algorithm="auto", compression=None):
+        """Every rank gets the reduction of all ranks' `x` (in place unless `out`).
+
+        `compression` ("bf16", "fp16" or "int8"; float32 arrays, op sum or
+        avg) sends encoded data between ranks and accumulates in float32;
+        the result is float32 and the same bits on every rank
+        (compression/wire.py; its error bounds are in the README)."""
+        return self._collective(ALLREDUCE, x, op=op, out=out, algorithm=algorithm, compression=compression)
 
     def reduce_scatter(self, x, op="sum", out=None, algorithm="auto"):
         """`x` has size*k elements; rank r gets block r (k elements) of the reduction.
@@ -143,6 +174,49 @@ class Communicator:
         """The root's `x` becomes the reduction of all ranks' `x`; the others' is unchanged."""
         return self._collective(REDUCE_TO_ROOT, x, op=op, root=root, algorithm=algorithm)
 
+    def allreduce_many(self, arrays, op="sum", fusion_threshold=fusion.DEFAULT_THRESHOLD, compression=None,
+                       algorithm="auto"):
+        """Allreduce every array of `arrays` in place, fused: arrays of one
+        dtype are packed into buffers of at most `fusion_threshold` bytes,
+        each allreduced once (see fusion.py). With several local ranks,
+        `arrays` holds one list per local rank. Returns `arrays`."""
+        self._check_open()
+        self._check_idle()
+        return fusion.allreduce_many(self, arrays, op, fusion_threshold, compression, algorithm)
+
+    def fusion_buffer(self, threshold=fusion.DEFAULT_THRESHOLD, op="sum", compression=None, error_feedback=False,
+                      algorithm="auto"):
+        """A fusion.FusionBuffer: `add` arrays as they become ready, each
+        fusion buffer's allreduce starts once it is full, `wait` for all."""
+        self._check_open()
+        return fusion.FusionBuffer(self, threshold, op, compression, error_feedback, algorithm)
+
+    def _fuser(self):
+        if self._fusion is None:
+            self._fusion = fusion.Fuser(self)
+        return self._fusion
+
+    def _fusion_submit(self, owner, job):
+        """Start `job(fuser)` for a fusion buffer; returns a future. Host ranks
+        run jobs in order in one background thread. GPU ranks issue the work
+        on the caller's streams right away, which already runs asynchronously."""
+        self._busy.add(owner)
+        if not self._ranks.host_only:
+            future = concurrent.futures.Future()
+            try:
+                job(self._fuser())
+                future.set_result(None)
+            except Exception as error:  # noqa: BLE001 - surfaces at wait()
+                future.set_exception(error)
+            return future
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="collectives-fusion")
+            self._worker_thread = self._worker.submit(threading.get_ident).result()
+        return self._worker.submit(job, self._fuser())
+
+    def _fusion_done(self, owner):
+        self._busy.discard(owner)
+
     def chosen_algorithm(self, collective, nbytes, root=0):
         """The algorithm `algorithm="auto"` runs for `collective` on arrays of
         `nbytes` bytes per rank (its cost model is this communicator's transport's)."""
@@ -161,6 +235,7 @@ class Communicator:
     def barrier(self):
         """Return once every rank has called barrier (or raise after the timeout)."""
         self._check_open()
+        self._check_idle()
         self._ranks.barrier(time.perf_counter() + self.timeout)
 
     def synchronize(self):
@@ -186,6 +261,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self._stop_worker()
         try:
             self._ranks.barrier(time.perf_counter() + self.timeout)
         except CollectiveError:
@@ -202,18 +278,34 @@ class Communicator:
             # them wait in close() for the full timeout.
             self._ranks.abort(f"{exc_type.__name__} on rank {self.rank}: {exc}")
             self._closed = True
+            self._stop_worker()
             self._ranks.close()
         else:
             self.close()
+
+    def _stop_worker(self):
+        """Let started fused allreduces finish (each is bounded by the timeout)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=False)
+            self._worker = None
 
     def _check_open(self):
         if self._closed:
             raise InvalidUsageError("this communicator is closed")
 
+    def _check_idle(self):
+        """Collectives of the caller's thread may not overtake those of a
+        fusion buffer's background thread."""
+        if self._busy and threading.get_ident() != self._worker_thread and self._ranks.host_only:
+            raise InvalidUsageError(
+                "a fusion buffer of this communicator has allreduces in flight; call its wait() first "
+                "(collectives run in one order on every rank)")
+
     # -- the one path every collective takes -------------------------------------
 
-    def _collective(self, collective, x, *, op="sum", out=None, root=0, algorithm="auto"):
+    def _collective(self, collective, x, *, op="sum", out=None, root=0, algorithm="auto", compression=None):
         self._check_open()
+        self._check_idle()
         ranks = self._ranks
         nlocal = len(self.local_ranks)
         inputs, input_infos, as_sequence = validation.rank_arrays(x, nlocal, ranks)
@@ -244,14 +336,14 @@ class Communicator:
             outputs, output_infos = inputs, input_infos
 
         binding = self._check_buffers(collective, root, out is not None, input_infos, output_infos)
-        plan = self._plan(collective, dtype, elements, op, root, algorithm, binding)
+        plan = self._plan(collective, dtype, elements, op, root, algorithm, binding, compression)
         ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
         return outputs if as_sequence else outputs[0]
 
-    def _plan(self, collective, dtype, elements, op, root, algorithm, binding):
-        """The plan for a call shape, checking its op, root and algorithm
-        (remembered: a repeated shape costs one dictionary lookup)."""
-        key = (collective, dtype, elements, op, root, algorithm, binding)
+    def _plan(self, collective, dtype, elements, op, root, algorithm, binding, compression=None):
+        """The plan for a call shape, checking its op, root, algorithm and
+        compression (remembered: a repeated shape costs one dictionary lookup)."""
+        key = (collective, dtype, elements, op, root, algorithm, binding, compression)
         try:
             return self._plans[key]
         except KeyError:
@@ -263,9 +355,15 @@ class Communicator:
         if not isinstance(algorithm, str):
             raise InvalidUsageError(f"algorithm must be a name, got {type(algorithm).__name__}")
         count = elements * self.size if collective == ALLGATHER else elements  # each rank's WORK buffer
+        itemsize = dtype.itemsize
+        if compression is not None:
+            wire.check_compression(compression, dtype, op, collective)
+            if not getattr(self._ranks, "compresses", False):
+                raise InvalidUsageError(f"compression is not available on {type(self._ranks).__name__} ranks")
+            itemsize = wire.encoded_nbytes(compression, max(elements, 1)) / max(elements, 1)  # what `auto` weighs
         if algorithm == "auto":
-            algorithm = self._auto(collective, elements, dtype.itemsize, root)
-        plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding)
+            algorithm = self._auto(collective, elements, itemsize, root)
+        plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding, compression)
         if key is not None:
             if len(self._plans) >= 1024:
                 self._plans.clear()

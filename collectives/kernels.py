@@ -5,7 +5,8 @@ Importing this module compiles nothing. The CUDA adapter compiles the
 instance a call needs with NVRTC (`nvrtc_cubin`, cached on disk) and loads
 it with `cupy.RawModule`; the emulated device compiles every instance once
 with the host C++ compiler (devices/emulated.py). The numbers below mirror
-kernels/*.cu, and tests/test_kernel_sources.py checks that they agree.
+kernels/*.cu, and tests/test_kernels.py and tests/test_batched_copy.py check
+that they agree.
 
 Why not `RawModule(code=...)`: CuPy adds -ftz=true to every NVRTC compile,
 and flushing subnormal float32 values to zero changes bfloat16 and float32
@@ -24,12 +25,24 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import CollectiveError
+from .errors import CollectiveError, InvalidUsageError
 from .ops import ReduceOp
 
 STEP_THREADS = 256   # kStepThreads: threads per block of plan_step
 MAX_RANKS = 64       # kMaxRanks: ranks a buffer table addresses
 BUFFERS = 4          # kBuffers: WORK, SCRATCH, INPUT, OUTPUT per rank
+
+# batched_copy (kernels/batched_copy.cu): a table of (src, dst, nbytes) rows.
+COPY_THREADS = 256   # kCopyThreads: threads per block of batched_copy
+COPY_COLUMNS = 3     # kCopyColumns: int64 per row
+COPY_SRC, COPY_DST, COPY_NBYTES = 0, 1, 2   # enum CopyColumn
+# copy_table splits longer copies into rows of this many bytes, so that rows
+# are comparable and the kernel's rows x blocks grid is balanced (see
+# batched_copy.cu). One block alone copies 64 KiB in about four of its loop
+# iterations (256 threads x 4 x 16 bytes each), microseconds, so a long row
+# among many short ones no longer holds the launch up.
+COPY_ROW_BYTES = 1 << 16
+MAX_GRID_Y = 65535   # CUDA's limit on gridDim.y; batched_copy's blocks walk rows beyond it
 
 # COLLECTIVES_FOR_EACH_ELEMENT, in order: NumPy dtype name -> C++ element type.
 ELEMENTS = {
@@ -60,6 +73,20 @@ class StepInstance(NamedTuple):
     def element_index(self):
         return ELEMENT_INDEX[self.element]
 
+    @property
+    def source(self):
+        return "plan_step.cu"
+
+
+class CopyInstance(NamedTuple):
+    """batched_copy, not a template, so its one instance: named the way
+    nvrtc_cubin and the CUDA adapter name plan_step's instances."""
+    name_expression: str = "collectives::batched_copy"
+    source: str = "batched_copy.cu"
+
+
+COPY_INSTANCE = CopyInstance()
+
 
 def step_instance(dtype, op, reduces):
     """The plan_step instance for a call; `reduces` is False for collectives
@@ -85,8 +112,78 @@ def source_dir():
 
 
 @functools.lru_cache(maxsize=None)
+def kernel_source(name):
+    """The text of kernels/<name>, as NVRTC compiles it."""
+    return (source_dir() / name).read_text()
+
+
 def step_source():
-    return (source_dir() / "plan_step.cu").read_text()
+    return kernel_source("plan_step.cu")
+
+
+def copy_table(sources, destinations, nbytes, max_row_bytes=COPY_ROW_BYTES):
+    """The table batched_copy reads, int64 of shape (rows, COPY_COLUMNS):
+    copy i moves nbytes[i] bytes from address sources[i] to destinations[i].
+    A copy longer than `max_row_bytes` becomes several rows of that many
+    bytes (the last one shorter); an empty copy becomes no row. Rows of one
+    copy start at multiples of max_row_bytes, a multiple of 16, so each row
+    keeps the copy's alignment and takes the same path through the kernel.
+    No destination may overlap a source or another destination; sources
+    may be shared (batched_copy.cu)."""
+    src = np.asarray(sources, np.int64).reshape(-1)
+    dst = np.asarray(destinations, np.int64).reshape(-1)
+    n = np.asarray(nbytes, np.int64).reshape(-1)
+    if not len(src) == len(dst) == len(n):
+        raise InvalidUsageError(f"copy_table needs as many destinations and byte counts as sources, got "
+                                f"{len(src)} sources, {len(dst)} destinations, {len(n)} byte counts")
+    if (n < 0).any():
+        raise InvalidUsageError(f"copy_table: byte counts must be >= 0, got {int(n.min())}")
+    if max_row_bytes < 16 or max_row_bytes % 16:
+        raise InvalidUsageError(f"copy_table: max_row_bytes must be a positive multiple of 16, got {max_row_bytes}")
+    pieces = -(-n // max_row_bytes)                  # rows per copy: 0 for an empty one
+    copy = np.repeat(np.arange(len(n)), pieces)      # the copy each row belongs to
+    first = np.cumsum(pieces) - pieces               # each copy's first row
+    offset = (np.arange(len(copy)) - first[copy]) * max_row_bytes
+    table = np.empty((len(copy), COPY_COLUMNS), np.int64)
+    table[:, COPY_SRC] = src[copy] + offset
+    table[:, COPY_DST] = dst[copy] + offset
+    table[:, COPY_NBYTES] = np.minimum(n[copy] - offset, max_row_bytes)
+    return table
+
+
+def copy_grid(nbytes_longest_row, rows, resident_blocks):
+    """(blocks per row, rows of blocks) for batched_copy over `rows` >= 1
+    rows: together about the blocks the device runs at once, and no more
+    blocks per row than the longest row has 16-byte words for one per thread
+    (None: not known, the device's share only). gridDim.y stops at
+    MAX_GRID_Y; the kernel's blocks then walk several rows each."""
+    if rows < 1:
+        raise InvalidUsageError(f"copy_grid needs at least one row, got {rows}")
+    per_row = max(1, resident_blocks // rows)
+    if nbytes_longest_row is not None:
+        words = -(-int(nbytes_longest_row) // 16)
+        per_row = min(per_row, max(1, -(-words // COPY_THREADS)))
+    return (per_row, min(rows, MAX_GRID_Y))
+
+
+def copy_launch_grid(table, rows, grid, resident_blocks):
+    """What a device's launch_copies checks before it queues anything: the
+    grid to launch (`grid`, or copy_grid's for an unknown longest row), or
+    None when there are no rows (CUDA refuses an empty grid; nothing to do)."""
+    if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or not 0 <= rows < 2 ** 31:
+        raise InvalidUsageError(f"launch_copies: rows must be an int in [0, 2**31), got {rows!r}")
+    needed = int(rows) * COPY_COLUMNS * 8
+    if table.nbytes < needed:
+        raise InvalidUsageError(f"launch_copies: {rows} rows need a table of {needed} bytes, "
+                                f"this one has {table.nbytes}")
+    if rows == 0:
+        return None
+    if grid is None:
+        return copy_grid(None, int(rows), resident_blocks)
+    grid = tuple(int(g) for g in grid)
+    if len(grid) != 2 or not 1 <= grid[0] < 2 ** 31 or not 1 <= grid[1] <= MAX_GRID_Y:
+        raise InvalidUsageError(f"launch_copies: grid must be (1 .. 2**31-1, 1 .. {MAX_GRID_Y}), got {grid}")
+    return grid
 
 
 # Every float operation exactly as written and IEEE: no FMA contraction, no
@@ -112,19 +209,21 @@ def sources_digest(source=None):
 
 
 def nvrtc_cubin(instance, arch, include_dirs, defines=()):
-    """(path of a cubin holding `instance` for `arch` like "sm_90", its
-    lowered name), compiled with NVRTC through CuPy's bindings and cached
-    on disk by sources, options, NVRTC version and instance."""
+    """(path of a cubin holding `instance` (a StepInstance or COPY_INSTANCE)
+    for `arch` like "sm_90", its lowered name), compiled with NVRTC through
+    CuPy's bindings and cached on disk by sources, options, NVRTC version
+    and instance."""
     from cupy.cuda import nvrtc
 
     options = [*NVRTC_OPTIONS, *defines, f"--gpu-architecture={arch}", f"-I{source_dir()}",
                *(f"-I{d}" for d in include_dirs)]
     key = hashlib.sha256(json.dumps([sources_digest(), options, nvrtc.getVersion(), instance.name_expression])
                          .encode()).hexdigest()[:24]
-    cubin, name_file = cache_dir() / f"step-{key}.cubin", cache_dir() / f"step-{key}.name"
+    stem = Path(instance.source).stem
+    cubin, name_file = cache_dir() / f"{stem}-{key}.cubin", cache_dir() / f"{stem}-{key}.name"
     if cubin.exists() and name_file.exists():
         return cubin, name_file.read_text()
-    program = nvrtc.createProgram(step_source(), "plan_step.cu", [], [])
+    program = nvrtc.createProgram(kernel_source(instance.source), instance.source, [], [])
     try:
         nvrtc.addNameExpression(program, instance.name_expression)
         try:

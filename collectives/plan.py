@@ -33,7 +33,7 @@ since the next collective reuses the same WORK buffers.
 """
 
 import functools
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from . import binding as bindings
 from .algorithms import schedule_for
 from .algorithms.schedule import ALLGATHER, BROADCAST, REDUCE, REDUCE_SCATTER, REDUCE_TO_ROOT, SCRATCH, WORK
 from .binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, WORKSPACE  # noqa: F401 (re-exported)
+from .compression import wire
 
 BUFFER_COUNT = 4  # WORK, SCRATCH, INPUT, OUTPUT: the buffer ids a row may name
 
@@ -58,6 +59,9 @@ class Phase(NamedTuple):
     table: np.ndarray                # all rows, shape (rows, SRC0 + 3*max_sources)
     rows_by_rank: Tuple[np.ndarray, ...]
     waits: Tuple[Tuple[Tuple[int, int], ...], ...]  # per rank: ((peer, phases done), ...)
+    # Compressed plans only: per rank, its rows lowered to codec operations
+    # (compression/wire.py), which executors run instead of the table.
+    wire_ops_by_rank: Optional[Tuple[tuple, ...]] = None
 
 
 class Traffic(NamedTuple):
@@ -84,32 +88,46 @@ class Plan(NamedTuple):
     # Per phase: (regions written, (reading rank, peer region) pairs), for
     # executors that derive their own ordering (executors/device.py).
     access: Tuple[Tuple[frozenset, frozenset], ...]
+    # The codec on the wire ("bf16", "fp16", "int8") or None; with one, each
+    # rank's workspace also holds the wire copies of WORK and SCRATCH, and a
+    # float32 accumulator (compression/wire.py, WireLayout).
+    compression: Optional[str] = None
+    wire: Optional[object] = None           # compression.wire.WireLayout
+    wire_bytes: int = 0     # bytes ranks read from peers' memory in one call, all ranks together
 
 
-def chunk_bounds(collective, nranks, nchunks, count, itemsize):
-    """[start, stop) of each chunk, in elements."""
+def chunk_bounds(collective, nranks, nchunks, count, itemsize, align_elements=1):
+    """[start, stop) of each chunk, in elements; chunks start on multiples
+    of 16 bytes and of `align_elements` (a codec's block)."""
     if collective in (REDUCE_SCATTER, ALLGATHER):
         block = count // nranks  # one chunk per rank's block, by definition
         return tuple((c * block, (c + 1) * block) for c in range(nchunks))
-    align = max(1, ALIGN_BYTES // itemsize)
+    align = max(1, ALIGN_BYTES // itemsize, align_elements)
     size = -(-count // nchunks)
     size = -(-size // align) * align
     return tuple((min(c * size, count), min((c + 1) * size, count)) for c in range(nchunks))
 
 
 @functools.lru_cache(maxsize=256)
-def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=WORKSPACE):
+def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=WORKSPACE, compression=None):
     """The plan for one call shape; cached, so a repeated call plans nothing.
 
     `count` is the number of elements in each rank's WORK buffer: the message
     for allreduce, broadcast and reduce; size * per-rank count for
     reduce_scatter and allgather. `binding` says how the caller's arrays may
-    be used (binding.py).
+    be used (binding.py). `compression` names a codec for what peers read
+    (compression/wire.py): then chunks start on codec blocks, and peers read
+    only workspaces, where the wire copies are.
     """
     dtype = np.dtype(dtype)
+    if compression is not None:
+        wire.check_compression(compression, dtype, op, collective)
+        binding = WORKSPACE
     schedule = schedule_for(algorithm, collective, nranks, root if collective in (BROADCAST, REDUCE_TO_ROOT) else None)
-    bounds = chunk_bounds(collective, nranks, schedule.nchunks, count, dtype.itemsize)
+    bounds = chunk_bounds(collective, nranks, schedule.nchunks, count, dtype.itemsize,
+                          wire.BLOCK if compression is not None else 1)
     moves = bindings.bind(bindings.logical_phases(schedule), schedule, binding)
+    encoded = wire.encoded_writes(moves) if compression is not None else None
 
     def element_offset(loc):
         start = bounds[loc.chunk][0]
@@ -125,10 +143,10 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
     phase_rows = [
         _merge_rows([
             (m.rank, m.kind, length(m.dst), m.dst.buffer, element_offset(m.dst),
-             [(s.rank, s.buffer, element_offset(s)) for s in m.srcs])
-            for m in phase if length(m.dst)
+             [(s.rank, s.buffer, element_offset(s)) for s in m.srcs], bool(encoded and (p, i) in encoded))
+            for i, m in enumerate(phase) if length(m.dst)
         ])
-        for phase in moves
+        for p, phase in enumerate(moves)
     ]
     memory = bindings.storage(schedule, binding)
     phase_access = [
@@ -138,18 +156,25 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
     max_sources = max([len(row[5]) for rows in phase_rows for row in rows] + [1])
     waits = derive_waits(nranks, phase_access)
     phases = tuple(_make_phase(rows, nranks, max_sources, w) for rows, w in zip(phase_rows, waits))
+    if compression is not None:
+        phases = tuple(phase._replace(wire_ops_by_rank=wire.lower_rows(rows, nranks, op))
+                       for phase, rows in zip(phases, phase_rows))
 
     used = {loc.buffer for phase in moves for m in phase for loc in (m.dst, *m.srcs)}
     work_bytes = count * dtype.itemsize if WORK in used else 0
     scratch_elements = count if SCRATCH in used else 0
     scratch_offset = -(-work_bytes // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
+    workspace_bytes = scratch_offset + scratch_elements * dtype.itemsize if used & {WORK, SCRATCH} else 0
+    layout = wire.WireLayout.after(workspace_bytes, count, scratch_elements, compression) if compression else None
     return Plan(
         collective=collective, algorithm=algorithm, nranks=nranks, count=count, dtype=dtype,
         op=op, root=root, binding=binding, chunk_bounds=bounds, scratch_elements=scratch_elements,
         scratch_offset=scratch_offset,
-        workspace_bytes=scratch_offset + scratch_elements * dtype.itemsize if used & {WORK, SCRATCH} else 0,
+        workspace_bytes=layout.workspace_bytes if layout else workspace_bytes,
         phases=phases, traffic=_traffic(phases, dtype.itemsize),
         access=tuple((frozenset(w), frozenset(r)) for w, r in phase_access),
+        compression=compression, wire=layout,
+        wire_bytes=_wire_bytes(phases, dtype.itemsize, compression),
     )
 
 
@@ -159,11 +184,11 @@ def _merge_rows(rows):
     merged = []
     for row in rows:
         if merged:
-            rank, kind, count, dst_buf, dst_off, srcs = merged[-1]
-            if (row[0], row[1], row[3], len(row[5])) == (rank, kind, dst_buf, len(srcs)) \
+            rank, kind, count, dst_buf, dst_off, srcs, encode = merged[-1]
+            if (row[0], row[1], row[3], len(row[5]), row[6]) == (rank, kind, dst_buf, len(srcs), encode) \
                     and row[4] == dst_off + count \
                     and all(s[:2] == t[:2] and s[2] == t[2] + count for s, t in zip(row[5], srcs)):
-                merged[-1] = (rank, kind, count + row[2], dst_buf, dst_off, srcs)
+                merged[-1] = (rank, kind, count + row[2], dst_buf, dst_off, srcs, encode)
                 continue
         merged.append(row)
     return merged
@@ -171,7 +196,7 @@ def _merge_rows(rows):
 
 def _make_phase(rows, nranks, max_sources, waits):
     table = np.full((len(rows), SRC0 + 3 * max_sources), -1, dtype=np.int64)
-    for i, (rank, kind, count, dst_buf, dst_off, srcs) in enumerate(rows):
+    for i, (rank, kind, count, dst_buf, dst_off, srcs, _) in enumerate(rows):
         table[i, :SRC0] = (rank, kind, count, dst_buf, dst_off, len(srcs))
         for j, src in enumerate(srcs):
             table[i, SRC0 + 3 * j: SRC0 + 3 * j + 3] = src
@@ -190,6 +215,20 @@ def _traffic(phases, itemsize):
             if row[KIND] == COPY_OP and (row[DST_BUF] in user) != (row[SRC0 + SRC_BUF] in user):
                 copies += 2 * nbytes
     return Traffic(total, copies)
+
+
+def _wire_bytes(phases, itemsize, compression):
+    """Bytes read from peers' memory (what crosses the wire) by all ranks in one call."""
+    if compression is not None:
+        size = functools.partial(wire.encoded_nbytes, compression)
+    else:
+        def size(count): return count * itemsize
+    total = 0
+    for phase in phases:
+        for row in phase.table:
+            total += sum(size(int(row[COUNT])) for i in range(int(row[NSRC]))
+                         if row[SRC0 + 3 * i + SRC_RANK] != row[RANK])
+    return total
 
 
 def derive_waits(nranks, phase_access, after_previous_call=True):

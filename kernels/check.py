@@ -8,9 +8,11 @@ of every kernel on every architecture, and fails (exit 1) when
 
 * a kernel spills registers or has a stack frame (local memory), by ptxas's
   resource usage, or its SASS touches local memory (LDL/STL);
-* the step kernel's vector path is not 128-bit global loads and stores on
-  sm_90 (LDG.E.128 and STG.E.128), or any access goes through a generic
-  LD/ST instead of a global one;
+* a kernel that must be in the build is not (VECTOR_KERNELS);
+* the vector path of a kernel in VECTOR_KERNELS (plan_step, batched_copy) is
+  not 128-bit global loads and stores on sm_80 and sm_90 (LDG.E.128 and
+  STG.E.128), or any access goes through a generic LD/ST instead of a
+  global one;
 * a float operation of the PTX flushes subnormals (.ftz), which would
   change results against NumPy. (The SASS of correctly rounded division
   uses .FTZ compares and adds internally; the PTX is what we wrote.)
@@ -27,7 +29,10 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VECTOR_ARCH = "sm_90"
+VECTOR_ARCHS = ("sm_80", "sm_90")  # where 16-byte paths must be 128-bit accesses
+# Kernels (names as they appear in mangled symbols) that instances.cu must
+# build and whose 16-byte paths must compile to LDG.E.128/STG.E.128.
+VECTOR_KERNELS = ("plan_step", "batched_copy")
 
 _FUNCTION = re.compile(r"Function properties for (\S+)")
 _COMPILING = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
@@ -130,12 +135,16 @@ def problems(usage, code, flushing):
         generic = sorted({o for o in opcodes if _GENERIC_ACCESS.match(o)})
         if generic:
             found.append(f"{name}: generic (not global) accesses {generic}")
-        if arch == VECTOR_ARCH and "plan_step" in kernel:
+        if arch in VECTOR_ARCHS and any(vector in kernel for vector in VECTOR_KERNELS):
             for wanted in ("LDG.E.128", "STG.E.128"):
                 if not any(o.startswith(wanted) for o in opcodes):
                     found.append(f"{name}: no {wanted} (the 16-byte vector path)")
-    if not any(arch == VECTOR_ARCH for _, arch in code):
-        found.append(f"no {VECTOR_ARCH} code in the build")
+    for wanted_arch in VECTOR_ARCHS:
+        if not any(arch == wanted_arch for _, arch in code):
+            found.append(f"no {wanted_arch} code in the build")
+    for vector in VECTOR_KERNELS:
+        if not any(vector in kernel for kernel, _ in usage):
+            found.append(f"no {vector} kernel in the build")
     return found
 
 
@@ -144,7 +153,10 @@ _INTEGERS = {"a": "Int8", "s": "Int16", "i": "Int32", "x": "Int64",
 
 
 def short(kernel):
-    """plan_step<Int8, 0> for the mangled name of plan_step<Integer<signed char, ...>, 0>."""
+    """plan_step<Int8, 0> for the mangled name of plan_step<Integer<signed char, ...>, 0>;
+    batched_copy for batched_copy's."""
+    if re.search(r"\d+batched_copyE", kernel):
+        return "batched_copy"
     m = re.search(r"plan_stepINS_\d+(\w+?)(?:I(\w+?)E)?ELi(\d)E", kernel)
     if not m:
         return kernel
@@ -164,8 +176,8 @@ def main(argv=None):
     p.add_argument("--json", help="also write the report here")
     args = p.parse_args(argv)
     build_dir = build(args.build_dir)
-    usage = resource_usage((build_dir / "plan_step.resource-usage.txt").read_text())
-    fatbin = str(build_dir / "plan_step.fatbin")
+    usage = resource_usage((build_dir / "kernels.resource-usage.txt").read_text())
+    fatbin = str(build_dir / "kernels.fatbin")
     code = sass_instructions(run([find_tool("cuobjdump"), "-sass", fatbin]))
     flushing = ptx_flushing(run([find_tool("cuobjdump"), "-ptx", fatbin]))
     archs = sorted({arch for _, arch in usage})

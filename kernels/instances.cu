@@ -2,6 +2,7 @@
 // nvcc build of CMakeLists.txt and its static checks). At run time CuPy
 // compiles only the instances a call needs (collectives/kernels.py).
 
+#include "batched_copy.cu"  // not a template: its one instance comes with the definition
 #include "plan_step.cu"
 
 #define COLLECTIVES_STEP_INSTANCE(Element, Op)                                              \

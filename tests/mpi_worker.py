@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
+import collectives.compression
 from cases import DTYPES, OPS, counts_for, gather_input, reduction_expected, reduction_input
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.algorithms import REGISTRY
@@ -185,6 +186,65 @@ def scenario_shared_segments_are_removed(comm):
     assert not leftovers, leftovers
 
 
+def scenario_fusion(comm):
+    """Compressed allreduce, allreduce_many and fusion_buffer across processes
+    give the bits the same calls give to ranks in one process."""
+    r, n = comm.rank, comm.size
+    collectives.compression.warm_up()   # compiling the codecs may take longer than TIMEOUT
+    comm.barrier()
+    rng = np.random.default_rng(0)
+    sizes = [int(s) for s in rng.integers(0, 3000, size=40)]
+    dtypes = [np.float32, np.float16, np.int32, np.float64]
+
+    def grads(q, codec=None):
+        g = np.random.default_rng([q, 1])
+        return [(g.standard_normal(size) * 10.0 ** g.uniform(-3, 3)).astype(np.float32 if codec else dtypes[i % 4])
+                for i, size in enumerate(sizes)]
+
+    with collectives.Communicator.local(n) as reference:
+        for codec in (None, "bf16", "fp16", "int8"):
+            for algorithm in ("ring", "direct", "butterfly"):
+                inputs = [grads(q, codec)[5] for q in range(n)]
+                mine = comm.allreduce(inputs[r].copy(), algorithm=algorithm, compression=codec)
+                check(mine, reference.allreduce(inputs, algorithm=algorithm, compression=codec)[r],
+                      f"allreduce compression={codec} {algorithm}")
+            everyone = [grads(q, codec) for q in range(n)]
+            # `auto` weighs each transport's costs, so name the algorithm that both must run.
+            want = reference.allreduce_many([[a.copy() for a in g] for g in everyone], fusion_threshold=8192,
+                                            compression=codec, algorithm="ring")
+            mine = comm.allreduce_many([a.copy() for a in everyone[r]], fusion_threshold=8192, compression=codec,
+                                       algorithm="ring")
+            for i, (got, expected) in enumerate(zip(mine, want[r])):
+                check(got, expected, f"allreduce_many compression={codec} array {i}")
+            buffer = comm.fusion_buffer(threshold=8192, compression=codec, algorithm="ring")
+            queued = [a.copy() for a in everyone[r]]
+            for a in queued:
+                buffer.add(a)
+            buffer.wait()
+            for i, (got, expected) in enumerate(zip(queued, want[r])):
+                check(got, expected, f"fusion_buffer compression={codec} array {i}")
+
+
+def scenario_fusion_killed(comm):
+    """A rank dies while fused allreduces are in flight: the others' wait()
+    raises, quickly, instead of hanging."""
+    comm.barrier()
+    buffer = comm.fusion_buffer(threshold=1 << 12)
+    if comm.rank == 1:
+        os._exit(0)
+    start = time.perf_counter()
+    for _ in range(8):
+        buffer.add(np.ones(1 << 10, np.float32))   # each fills a buffer: 8 allreduces start in the background
+    try:
+        buffer.wait()
+    except CollectiveError as error:
+        assert isinstance(error, RankFailedError) or "died" in str(error) or "aborted" in str(error), error
+        assert time.perf_counter() - start < TIMEOUT, "a dead rank should be reported before the timeout"
+    else:
+        raise AssertionError("fused allreduces completed without rank 1")
+    comm.close()
+
+
 def scenario_no_gpu():
     """init(device="cuda") on a machine without a GPU: every rank raises at
     once, naming the ranks that could not open one, instead of waiting."""
@@ -213,7 +273,7 @@ def main():
     assert comm.size == MPI.COMM_WORLD.size and comm.rank == MPI.COMM_WORLD.rank
     globals()[f"scenario_{scenario}"](comm)
     print(f"OK {scenario} {comm.rank}", flush=True)
-    if scenario == "killed":
+    if scenario in ("killed", "fusion_killed"):
         os._exit(0)  # MPI_Finalize would wait for the dead rank
 
 

@@ -6,8 +6,10 @@
   op-table rows, every element type and op, aligned and not, and must give
   what the NumPy interpreter gives, bit for bit; a kernel with one lane
   broken must fail the same comparison.
-* nvcc builds every instance for sm_80 and sm_90 and kernels/check.py finds
-  no spills, no local memory, 128-bit accesses and no flushed subnormals.
+* nvcc builds every instance (plan_step's, and batched_copy, whose emulated
+  runs are tests/test_batched_copy.py's) for sm_80 and sm_90 and
+  kernels/check.py finds no spills, no local memory, 128-bit accesses and no
+  flushed subnormals.
 """
 
 import re
@@ -208,6 +210,7 @@ def test_nvcc_build_passes_the_static_checks(tmp_path, capsys):
         capsys.readouterr().out
     out = capsys.readouterr().out
     assert "plan_step<BFloat16, 0>" in out and "all clean" in out
+    assert re.search(r"^batched_copy +\d+ +\d+$", out, re.M), out  # registers on sm_80 and sm_90
 
 
 def test_static_checks_flag_what_they_promise_to():
@@ -220,8 +223,12 @@ def test_static_checks_flag_what_they_promise_to():
     sass = check.sass_instructions(
         "\tcode for sm_90\n\t\tFunction : _ZN11collectives9plan_stepINS_7Float32ELi0EEEvv\n"
         "        /*0010*/                   LDL R1, [R2] ;\n"
-        "        /*0020*/                   LD.E.128 R4, desc[UR4][R2.64] ;\n")
+        "        /*0020*/                   LD.E.128 R4, desc[UR4][R2.64] ;\n"
+        "\tcode for sm_80\n\t\tFunction : _ZN11collectives12batched_copyEPKxi\n"
+        "        /*0010*/                   LDG.E.U8 R1, [R2] ;\n")
     flushing = check.ptx_flushing(".visible .entry k(\n\tadd.rn.ftz.f32 %f1, %f2, %f3;\n")
     found = "\n".join(check.problems(usage, sass, flushing))
-    for symptom in ("spill", "local memory", "generic", "no LDG.E.128", "no STG.E.128", "flushes subnormals"):
+    for symptom in ("spill", "local memory", "generic", "no LDG.E.128", "no STG.E.128", "flushes subnormals",
+                    "batched_copy on sm_80: no LDG.E.128", "no plan_step kernel in the build",
+                    "no batched_copy kernel in the build"):
         assert symptom in found, symptom

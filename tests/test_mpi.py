@@ -75,6 +75,16 @@ def test_a_killed_rank_is_reported_quickly(device):
     assert len(oks) == 2, report
 
 
+def test_fusion_and_compression_across_processes(device):
+    oks, report = run_ranks(3, "fusion", device=device)
+    assert len(oks) == 3, report
+
+
+def test_a_killed_rank_surfaces_at_a_fusion_buffers_wait(device):
+    oks, report = run_ranks(3, "fusion_killed", "-disable-auto-cleanup", device=device)
+    assert len(oks) == 2, report
+
+
 def test_close_removes_shared_memory(device):
     oks, report = run_ranks(2, "shared_segments_are_removed", device=device)
     assert len(oks) == 2, report

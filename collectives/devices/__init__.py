@@ -16,6 +16,13 @@ The interface, duck-typed:
     current_stream()         the caller's current stream on this device
     launch_step(stream, instance, grid, table, width, addresses, divisor)
                              plan_step<instance> over grid = (blocks per row, rows)
+    launch_copies(stream, table, rows, grid=None)
+                             batched_copy: copies every (src, dst, nbytes) row of
+                             `table` (memory from upload, kernels.copy_table's
+                             layout) in one launch; grid defaults to
+                             kernels.copy_grid(None, rows, resident_blocks).
+                             Checks rows and the table's size before queuing;
+                             0 rows launches nothing
     new_event(), record(event, stream), wait(stream, event)
                              cross-stream ordering with CUDA's semantics: a wait
                              is for the most recent record before it

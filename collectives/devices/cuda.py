@@ -2,11 +2,12 @@
 
 Kept to the calls of the device interface (__init__.py); everything it does
 for a collective, the emulated device does too, so it is the one part that
-CPU-only CI cannot run. Kernels come from kernels/plan_step.cu, one
-instance per module, compiled on first use by NVRTC with our options
-(kernels.nvrtc_cubin, cached on disk) and loaded with `cupy.RawModule`.
-Launches go through the driver's cuLaunchKernel with a prepared parameter
-block, because the buffer table is a 2 KiB struct passed by value.
+CPU-only CI cannot run. Kernels come from kernels/plan_step.cu and
+kernels/batched_copy.cu, one instance per module, compiled on first use by
+NVRTC with our options (kernels.nvrtc_cubin, cached on disk) and loaded with
+`cupy.RawModule`. Launches go through the driver's cuLaunchKernel with a
+prepared parameter block, because the buffer table is a 2 KiB struct passed
+by value (batched_copy's two arguments go the same way, for one code path).
 """
 
 import threading
@@ -23,6 +24,9 @@ from ..errors import CollectiveError
 _WIDTH_WORD, _BUFFERS_WORD = 1, 2
 _DIVISOR_WORD = _BUFFERS_WORD + kernels.MAX_RANKS * kernels.BUFFERS
 _PARAMETER_OFFSETS = (0, 8 * _WIDTH_WORD, 8 * _BUFFERS_WORD, 8 * _DIVISOR_WORD)
+# batched_copy(const long long* table, int rows): the table pointer, then
+# rows in the low 4 bytes of the next word.
+_COPY_PARAMETER_OFFSETS = (0, 8)
 BLOCKS_PER_MULTIPROCESSOR = 2048 // kernels.STEP_THREADS
 
 
@@ -63,7 +67,7 @@ class CudaDevice:
         self.name = self.array_location = f"cuda:{index}"
         self._device = cupy.cuda.Device(index)
         self.resident_blocks = self._device.attributes["MultiProcessorCount"] * BLOCKS_PER_MULTIPROCESSOR
-        self._functions = {}   # StepInstance -> CUfunction
+        self._functions = {}   # StepInstance or kernels.COPY_INSTANCE -> CUfunction
         self._kernels = []
         self._defines = tuple(f"-D{name}={value}" for name, value in sorted((defines or {}).items()))
         # CUDA's headers for NVRTC: the toolkit CuPy uses, else the CUDA wheels.
@@ -77,6 +81,10 @@ class CudaDevice:
         self._parameter_addresses = np.array([self._parameters.ctypes.data + o for o in _PARAMETER_OFFSETS], np.uint64)
         self._parameter_pointer = self._parameter_addresses.ctypes.data
         self._addresses_in_block = None
+        self._copy_parameters = np.zeros(len(_COPY_PARAMETER_OFFSETS), np.uint64)
+        self._copy_parameter_addresses = np.array([self._copy_parameters.ctypes.data + o
+                                                   for o in _COPY_PARAMETER_OFFSETS], np.uint64)
+        self._copy_parameter_pointer = self._copy_parameter_addresses.ctypes.data
 
     def __repr__(self):
         return f"<CudaDevice {self.name}>"
@@ -134,7 +142,6 @@ class CudaDevice:
 
     def launch_step(self, stream, instance, grid, table, width, addresses, divisor):
         function = self._functions.get(instance) or self._function(instance)
-        runtime = self._cupy.cuda.runtime
         with self._launch_lock:
             parameters = self._parameters
             parameters[0] = table.address
@@ -143,15 +150,48 @@ class CudaDevice:
                 parameters[_BUFFERS_WORD:_DIVISOR_WORD] = addresses
                 self._addresses_in_block = addresses
             parameters[_DIVISOR_WORD] = divisor
-            current = runtime.getDevice()
-            if current != self.index:  # launch in this device's context, then give the caller theirs back
-                runtime.setDevice(self.index)
-            try:
-                self._driver.launchKernel(function, grid[0], grid[1], 1, kernels.STEP_THREADS, 1, 1, 0, stream.ptr,
-                                          self._parameter_pointer, 0)
-            finally:
-                if current != self.index:
-                    runtime.setDevice(current)
+            self._launch(function, grid, kernels.STEP_THREADS, stream, self._parameter_pointer)
+
+    def launch_copies(self, stream, table, rows, grid=None):
+        grid = kernels.copy_launch_grid(table, rows, grid, self.resident_blocks)
+        if grid is None:
+            return  # no rows: CUDA refuses an empty grid, and there is nothing to copy
+        instance = kernels.COPY_INSTANCE
+        function = self._functions.get(instance) or self._function(instance)
+        with self._launch_lock:
+            self._copy_parameters[0] = table.address
+            self._copy_parameters[1] = rows
+            self._launch(function, grid, kernels.COPY_THREADS, stream, self._copy_parameter_pointer)
+
+    def launch_codec(self, stream, kernel, codec, args, divisor):
+        """A codec kernel of compression/kernels.py (Numba) on `stream`; `args`
+        are compression.wire.Regions in the order of its CPU loop."""
+        from ..compression import kernels as codecs
+        cupy = self._cupy
+        with cupy.cuda.Device(self.index):
+            arrays = [None if r is None else _device_array(cupy, r, self) for r in args]
+            if kernel == "copy":
+                dst, src = args
+                nbytes = dst.count * np.dtype(dst.dtype).itemsize
+                if nbytes:
+                    cupy.cuda.runtime.memcpyAsync(dst.address, src.address, nbytes,
+                                                  cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+                return
+            codecs.launch_on_stream(kernel, codec, arrays, divisor, stream.ptr)
+
+    def _launch(self, function, grid, threads, stream, parameter_pointer):
+        """cuLaunchKernel; the caller holds the launch lock (the driver has
+        copied the parameters once this returns)."""
+        runtime = self._cupy.cuda.runtime
+        current = runtime.getDevice()
+        if current != self.index:  # launch in this device's context, then give the caller theirs back
+            runtime.setDevice(self.index)
+        try:
+            self._driver.launchKernel(function, grid[0], grid[1], 1, threads, 1, 1, 0, stream.ptr,
+                                      parameter_pointer, 0)
+        finally:
+            if current != self.index:
+                runtime.setDevice(current)
 
     def new_event(self):
         with self._device:
@@ -187,3 +227,10 @@ class CudaDevice:
 
     def call_returned(self):
         pass  # the work stays queued on the caller's stream
+
+
+def _device_array(cupy, region, owner):
+    """A CuPy array over device memory we do not own (compression.wire.Region)."""
+    dtype = np.dtype(region.dtype)
+    memory = cupy.cuda.UnownedMemory(region.address, max(region.count * dtype.itemsize, 1), owner, owner.index)
+    return cupy.ndarray((region.count,), dtype, cupy.cuda.MemoryPointer(memory, 0))

@@ -132,6 +132,22 @@ def _nothing(*_):
     pass
 
 
+def _run_codec(kernel, codec, regions, divisor):
+    from ..executors.host import run_codec_launch
+    run_codec_launch(kernel, codec, tuple(_host_view(r) for r in regions), divisor)
+
+
+def _host_view(region):
+    """A NumPy array over an emulated device's memory (compression.wire.Region)."""
+    if region is None:
+        return None
+    dtype = np.dtype(region.dtype)
+    if region.count == 0:
+        return np.empty(0, dtype)
+    raw = (ctypes.c_uint8 * (region.count * dtype.itemsize)).from_address(region.address)
+    return np.frombuffer(raw, dtype)
+
+
 _ENGINE = _Engine()
 
 
@@ -195,6 +211,23 @@ class EmulatedDevice:
             table.address, width, addresses[1], divisor)
         if status != 0:
             raise CollectiveError(f"the emulated plan_step rejected {instance} (status {status})")
+
+    def launch_copies(self, stream, table, rows, grid=None):
+        # Checked now, run when the stream drains: a bad call queues nothing.
+        grid = kernels.copy_launch_grid(table, rows, grid, self.resident_blocks)
+        if grid is not None:  # the queued tuple keeps `table` alive until it has run
+            stream.queue.append(("launch", self._run_copies, grid, table, int(rows)))
+
+    def _run_copies(self, grid, table, rows):
+        status = self._library.collectives_emulated_batched_copy(grid[0], grid[1], kernels.COPY_THREADS,
+                                                                 table.address, rows)
+        if status != 0:
+            raise CollectiveError(f"the emulated batched_copy rejected grid {grid} (status {status})")
+
+    def launch_codec(self, stream, kernel, codec, args, divisor):
+        # The codec kernels' CPU loops (compression/kernels.py) on views of
+        # the regions, when the stream drains.
+        stream.queue.append(("launch", _run_codec, kernel, codec, args, divisor))
 
     def new_event(self):
         return EmulatedEvent()
@@ -281,6 +314,11 @@ def _load(path):
         ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
     ]
-    if (lib.collectives_emulated_max_ranks(), lib.collectives_emulated_buffers()) != (kernels.MAX_RANKS, kernels.BUFFERS):
+    lib.collectives_emulated_batched_copy.restype = ctypes.c_int
+    lib.collectives_emulated_batched_copy.argtypes = [
+        ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_int,
+    ]
+    if (lib.collectives_emulated_max_ranks(), lib.collectives_emulated_buffers(),
+            lib.collectives_emulated_copy_columns()) != (kernels.MAX_RANKS, kernels.BUFFERS, kernels.COPY_COLUMNS):
         raise CollectiveError(f"{path} was built from other kernel sources; delete it and try again")
     return lib

@@ -28,6 +28,7 @@ import numpy as np
 from .. import kernels
 from ..algorithms.schedule import REDUCING_COLLECTIVES
 from ..binding import INPUT, OUTPUT
+from ..compression import wire
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
 from ..plan import COUNT, RANK, SCRATCH, WORK, derive_waits
@@ -67,6 +68,7 @@ class DeviceRanks:
 
     addressable = True  # ranks read each other's arrays: plans skip the workspace copies
     host_only = False
+    compresses = True   # runs compressed plans, with the codec kernels
 
     def __init__(self, devices):
         if len(devices) > kernels.MAX_RANKS:
@@ -102,11 +104,40 @@ class DeviceRanks:
             raise InvalidUsageError(
                 "capturing a collective in a CUDA graph works when all ranks share one GPU; "
                 f"these ranks use {len(devices)} devices")
+        if plan.compression is not None:
+            self._run_codec_program(program, streams, input_infos, output_infos)
+            return
         addresses = self._addresses(plan, input_infos, output_infos)
         instance, divisor, events = program.instance, program.divisor, program.events
         for kind, k, a, b, c in program.steps:
             if kind is LAUNCH:   # a, b, c: grid, table, width
                 devices[k].launch_step(streams[k], instance, a, b, c, addresses, divisor)
+            elif kind is RECORD:
+                devices[k].record(events[a], streams[k])
+            else:
+                devices[k].wait(streams[k], events[a])
+        for device in devices:
+            device.call_returned()
+
+    def _run_codec_program(self, program, streams, inputs, outputs):
+        """A compressed plan: each rank's codec operations (compression/wire.py)
+        as codec kernel launches, ordered between devices like step launches."""
+        plan, devices, events = program.plan, self.devices, program.events
+        workspaces = [self._workspace(rank, plan.workspace_bytes).address for rank in range(len(self.rank_devices))]
+        buffers = {INPUT: [i.address for i in inputs], OUTPUT: [o.address for o in outputs]}
+
+        def address_of(rank, buffer):
+            if buffer is None or buffer == WORK:
+                return workspaces[rank]
+            if buffer == SCRATCH:
+                return workspaces[rank] + plan.scratch_offset
+            return buffers[buffer][rank]
+
+        f, w = wire.device_regions(plan, address_of)
+        for kind, k, a, _, _ in program.steps:
+            if kind is LAUNCH:   # a: this device's ranks' operations in the phase
+                for kernel, args, divisor in wire.codec_launches(a, f, w):
+                    devices[k].launch_codec(streams[k], kernel, plan.compression, args, divisor)
             elif kind is RECORD:
                 devices[k].record(events[a], streams[k])
             else:
@@ -147,9 +178,14 @@ class DeviceRanks:
         instance = kernels.step_instance(plan.dtype, ReduceOp(plan.op), plan.collective in REDUCING_COLLECTIVES)
         divisor = kernels.step_divisor(ReduceOp(plan.op), plan.nranks)
         ndevices = len(self.devices)
-        launches = {}  # (phase, device) -> Launch
+        launches = {}  # (phase, device) -> Launch, or a compressed plan's codec operations
         for p, phase in enumerate(plan.phases):
             for k, ranks in enumerate(self.ranks_of_device):
+                if plan.compression is not None:
+                    ops = tuple(op for rank in ranks for op in phase.wire_ops_by_rank[rank])
+                    if ops:
+                        launches[p, k] = ops
+                    continue
                 rows = phase.table[np.isin(phase.table[:, RANK], ranks)]
                 if len(rows):
                     grid = grid_for(rows, self.devices[k], plan.dtype.itemsize)
@@ -215,7 +251,10 @@ class DeviceRanks:
                 for key in needed.get((p, k), ()):
                     wait(k, key)
                 launch = launches[p, k]
-                steps.append((LAUNCH, k, launch.grid, launch.table, launch.width))
+                if isinstance(launch, Launch):
+                    steps.append((LAUNCH, k, launch.grid, launch.table, launch.width))
+                else:
+                    steps.append((LAUNCH, k, launch, None, None))
                 if (k, p) in recorded:
                     steps.append((RECORD, k, (k, p), None, None))
         for k in range(ndevices):

@@ -27,6 +27,8 @@ from .. import kernels
 from ..algorithms.schedule import REDUCING_COLLECTIVES
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
+from ..binding import INPUT, OUTPUT
+from ..compression import wire
 from ..plan import NSRC, SCRATCH, SRC0, SRC_BUF, SRC_RANK, WORK
 from ..transport.protocol import ProcessGroup, describe_call
 from .device import grid_for
@@ -68,6 +70,7 @@ class DeviceProcessRank:
 
     addressable = False  # peers open only each other's workspaces
     host_only = False
+    compresses = True    # runs compressed plans, with the codec kernels
     transport = "gpu-processes"   # which cost model `auto` asks
 
     def __init__(self, rank, size, prefix, device):
@@ -103,7 +106,38 @@ class DeviceProcessRank:
                          lambda: f"{device.name} to finish phase {p} of {program.description}",
                          group.check_health)
 
+        if plan.compression is not None:
+            execute_phase = self._codec_phases(plan, program, stream, source, result)
+
         group.run(plan, program.description, execute_phase, deadline)
+
+    def _codec_phases(self, plan, program, stream, source, result):
+        """execute_phase for a compressed plan: this rank's codec operations
+        (compression/wire.py) as codec kernel launches on peers' mapped
+        workspaces, then the same event poll as a step launch."""
+        device, event, group = self.device, self._event, self.group
+        users = {INPUT: source, OUTPUT: result}
+
+        def address_of(rank, buffer):
+            if buffer in users:
+                return users[buffer]
+            base = group.workspace(rank).address
+            return base + plan.scratch_offset if buffer == SCRATCH else base
+
+        f, w = wire.device_regions(plan, address_of)
+
+        def execute_phase(p, waiter):
+            ops = plan.phases[p].wire_ops_by_rank[self.rank]
+            if not ops:
+                return
+            for kernel, args, divisor in wire.codec_launches(ops, f, w):
+                device.launch_codec(stream, kernel, plan.compression, args, divisor)
+            device.record(event, stream)
+            waiter.until(lambda: device.query(event),
+                         lambda: f"{device.name} to finish phase {p} of {program.description}",
+                         group.check_health)
+
+        return execute_phase
 
     def _buffer_table(self, plan, launch, source, result):
         """Per rank WORK, SCRATCH, INPUT, OUTPUT: workspaces for the ranks

@@ -87,3 +87,40 @@ def _execute(rows, buffer, op, nranks):
 
 
 assert SRC0 == 6, "execute() unpacks the six leading columns by position"
+
+
+def execute_wire(ops, codec, floats, wires):
+    """Run codec operations (compression/wire.py, lower_rows) on NumPy views:
+    `floats(rank, buffer)` is a float32 array, `wires(rank, buffer)` the
+    (payload, scales) of a buffer's wire copy."""
+    from ..compression.wire import block_range, codec_launches
+
+    def f(ref):
+        rank, buffer, offset, count = ref
+        return floats(rank, buffer)[offset:offset + count]
+
+    def w(ref):
+        rank, buffer, offset, count = ref
+        payload, scales = wires(rank, buffer)
+        first, stop = block_range(offset, count)
+        return payload[offset:offset + count], scales[first:stop] if len(scales) else scales
+
+    for kernel, args, divisor in codec_launches(ops, f, w):
+        run_codec_launch(kernel, codec, args, divisor)
+
+
+def run_codec_launch(kernel, codec, args, divisor):
+    """One codec kernel (compression/kernels.py, its CPU loop) on NumPy arrays;
+    `args` as wire.codec_launches gives them."""
+    from ..compression import kernels as codecs
+
+    if kernel == "copy":
+        np.copyto(*args)
+    elif kernel == "encode":
+        codecs.cpu_encode(codec, *args, round_x=True)
+    elif kernel == "decode":
+        codecs.cpu_decode(codec, *args)
+    elif kernel == "decode_add":
+        codecs.cpu_decode_add(codec, *args[:4], divisor, *args[4:])
+    else:
+        codecs.cpu_add(codec, *args[:3], divisor, *args[3:])

@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 
+from ..compression import wire
 from ..executors import host
 from ..plan import INPUT, OUTPUT, WORK
 from .protocol import ProcessGroup, describe_call
@@ -23,6 +24,7 @@ class ShmRank:
     addressable = False  # peers see only each other's workspaces: plans copy in and out
     host_only = True     # it indexes NumPy arrays
     locations = None
+    compresses = True    # runs compressed plans
 
     def __init__(self, rank, size, prefix):
         self.group = ProcessGroup(rank, size, prefix, HostMemory)
@@ -51,10 +53,36 @@ class ShmRank:
         def execute_phase(p, waiter):
             host.execute(plan.phases[p].rows_by_rank[self.rank], buffer, plan.op, plan.nranks)
 
+        if plan.compression is not None:
+            execute_phase = self._compressed_phases(plan, inputs, outputs, views)
+
         try:
             group.run(plan, describe_call(plan), execute_phase, deadline)
         finally:
             views.clear()  # drop views before any workspace may be released
+
+    def _compressed_phases(self, plan, inputs, outputs, views):
+        """execute_phase for a compressed plan: its codec operations on views of
+        this rank's and its peers' workspaces (compression/wire.py)."""
+        group = self.group
+
+        def rank_views(rank):
+            if rank not in views:
+                views[rank] = wire.workspace_views(plan, group.workspace(rank).buf)
+            return views[rank]
+
+        def floats(rank, buffer_id):
+            if buffer_id == INPUT:
+                return inputs[0].reshape(-1)
+            if buffer_id == OUTPUT:
+                return outputs[0].reshape(-1)
+            return rank_views(rank)[0][buffer_id]
+
+        def execute_phase(p, waiter):
+            host.execute_wire(plan.phases[p].wire_ops_by_rank[self.rank], plan.compression,
+                              floats, lambda rank, buffer_id: rank_views(rank)[1][buffer_id])
+
+        return execute_phase
 
     def barrier(self, deadline):
         self.group.barrier(deadline)

@@ -5,12 +5,13 @@
 //     g++ -std=c++17 -O2 -ffp-contract=off -fPIC -shared
 //         -include kernels/emulation/cuda_host.h -I<CUDA include> launch.cpp
 //
-// Element and op numbers follow COLLECTIVES_FOR_EACH_ELEMENT and
+// Element and op numbers (plan_step) follow COLLECTIVES_FOR_EACH_ELEMENT and
 // collectives::Op; collectives/kernels.py uses the same numbering.
 
 #include <cstring>
 
 #include "../plan_step.cu"
+#include "../batched_copy.cu"
 
 thread_local uint3 threadIdx;
 thread_local uint3 blockIdx;
@@ -48,6 +49,21 @@ int run_for_op(int op, dim3 grid, dim3 block, const long long* table, int width,
     }
 }
 
+// The same walk over the grid for batched_copy.
+void run_copy_grid(dim3 grid, dim3 block, const long long* table, int rows) {
+    gridDim = grid;
+    blockDim = block;
+    for (unsigned y = 0; y < grid.y; ++y) {
+        for (unsigned x = 0; x < grid.x; ++x) {
+            blockIdx = uint3{x, y, 0};
+            for (unsigned t = 0; t < block.x; ++t) {
+                threadIdx = uint3{t, 0, 0};
+                collectives::batched_copy(table, rows);
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -56,6 +72,7 @@ extern "C" {
 // mismatched build fails loudly instead of reading the wrong memory.
 int collectives_emulated_max_ranks() { return collectives::kMaxRanks; }
 int collectives_emulated_buffers() { return collectives::kBuffers; }
+int collectives_emulated_copy_columns() { return collectives::kCopyColumns; }
 
 // Runs plan_step<element, op> over a grid_x * grid_y grid of block_x threads.
 // `addresses` holds max_ranks * buffers byte addresses (a BufferTable).
@@ -73,6 +90,16 @@ int collectives_emulated_plan_step(int element, int op, unsigned grid_x, unsigne
     COLLECTIVES_FOR_EACH_ELEMENT(COLLECTIVES_DISPATCH)
 #undef COLLECTIVES_DISPATCH
     return -1;
+}
+
+// Runs batched_copy over a grid_x * grid_y grid of block_x threads: every
+// row (src, dst, nbytes) of the `rows`-row table is copied. Returns 0, or
+// -1 for an empty grid (which CUDA refuses to launch too).
+int collectives_emulated_batched_copy(unsigned grid_x, unsigned grid_y, unsigned block_x, const long long* table,
+                                      int rows) {
+    if (grid_x == 0 || grid_y == 0 || block_x == 0) return -1;
+    run_copy_grid(dim3(grid_x, grid_y, 1), dim3(block_x, 1, 1), table, rows);
+    return 0;
 }
 
 }  // extern "C"

@@ -1,0 +1,244 @@
+"""Tensor fusion on a training step's gradients: fused against one call per array.
+
+    python -m bench.fusion_perf [--models resnet50,transformer] [--ranks 4]
+                                [--device host|emulated|cuda] [--steps 5]
+                                [--threshold 64M] [--compression fp16] [--scale 1.0]
+
+Each step allreduces (avg) a model's gradients, whose shapes are
+bench/model_shapes.py's, either fused (`allreduce_many`) or one `allreduce`
+per array; the two modes alternate step by step so the machine's noise hits
+both alike. Per step it reports the median time, the collective calls, the
+kernel launches (GPU path: step, batched copy and codec kernels) and the host
+time outside kernels: on emulated devices, the step's time minus the time
+spent running kernels; on a GPU, the time until the step's calls have
+returned, before waiting for the device. Host ranks run no kernels.
+
+Ranks: `--ranks` virtual ranks in this process, or under `mpiexec -n N` one
+rank per process (`--processes` relaunches so, pinned one per core).
+`--scale` shrinks every array (keeping their number) for quick runs.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import collectives
+from bench.environment import environment
+from bench.harness import RELAUNCHED, mpi_world, parse_size, relaunch_under_mpiexec
+from bench.model_shapes import MODELS
+from collectives.devices import emulated
+
+MODES = ("fused", "per-array")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.fusion_perf", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="resnet50,transformer")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--device", default="host", choices=["host", "emulated", "cuda"])
+    p.add_argument("--processes", action="store_true", help="one rank per process, under mpiexec")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode (after one warm-up step)")
+    p.add_argument("--threshold", default="64M", help="fusion threshold in bytes (suffixes K, M)")
+    p.add_argument("--compression", default=None, choices=[None, "bf16", "fp16", "int8"])
+    p.add_argument("--scale", type=float, default=1.0, help="fraction of each array's elements to keep")
+    p.add_argument("-J", "--output_file")
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    for model in args.models:
+        if model not in MODELS:
+            p.error(f"unknown model {model!r}; expected some of {', '.join(MODELS)}")
+    args.threshold_bytes = parse_size(args.threshold)
+    return args
+
+
+def gradient_sizes(model, scale):
+    return [max(1, int(np.prod(shape) * scale)) for _, shape in MODELS[model]()]
+
+
+def make_communicator(args, world):
+    if world is not None:
+        return collectives.init(comm=world, device=args.device)
+    if args.device == "host":
+        return collectives.Communicator.local(args.ranks)
+    if args.device == "emulated":
+        return collectives.Communicator.local(args.ranks, devices="emulated")
+    return collectives.Communicator.local(args.ranks, devices=list(range(args.ranks)))
+
+
+def allocate(comm, args, sizes):
+    """Per local rank, float32 gradients of `sizes` elements."""
+    per_rank = []
+    for local, rank in enumerate(comm.local_ranks):
+        arrays = [np.random.default_rng([rank, i]).standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)]
+        if args.device == "cuda":
+            import cupy
+            devices = comm._ranks.rank_devices  # noqa: SLF001
+            with cupy.cuda.Device(devices[local].index):
+                arrays = [cupy.asarray(a) for a in arrays]
+        per_rank.append(arrays)
+    return per_rank
+
+
+class Counters:
+    """Counts collective calls and kernel launches, and times kernels run on
+    emulated devices, by wrapping the methods that do them (instance
+    attributes, removed afterwards)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.calls = self.launches = 0
+        self.kernel_seconds = 0.0
+
+    @contextlib.contextmanager
+    def active(self):
+        ranks = self.comm._ranks  # noqa: SLF001 - the benchmark looks inside on purpose
+        patched = [(ranks, "run", self._count("calls", ranks.run))]
+        for device in dict.fromkeys(getattr(ranks, "rank_devices", ())):
+            for name in ("launch_step", "launch_copies", "launch_codec"):
+                if hasattr(device, name):
+                    patched.append((device, name, self._count("launches", getattr(device, name))))
+            for name in ("_run_step", "_run_copies"):
+                if hasattr(device, name):
+                    patched.append((device, name, self._timed(getattr(device, name))))
+        real_codec = emulated._run_codec
+        emulated._run_codec = self._timed(real_codec)
+        for target, name, wrapper in patched:
+            setattr(target, name, wrapper)
+        try:
+            yield self
+        finally:
+            emulated._run_codec = real_codec
+            for target, name, _ in patched:
+                delattr(target, name)
+
+    def _count(self, field, real):
+        def counted(*args, **kwargs):
+            setattr(self, field, getattr(self, field) + 1)
+            return real(*args, **kwargs)
+        return counted
+
+    def _timed(self, real):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.kernel_seconds += time.perf_counter() - start
+        return timed
+
+
+def step(comm, mode, per_rank, args):
+    """One step's allreduces; returns (seconds, seconds until the calls returned)."""
+    one_rank = len(per_rank) == 1
+    start = time.perf_counter()
+    if mode == "fused":
+        comm.allreduce_many(per_rank[0] if one_rank else per_rank, op="avg",
+                            fusion_threshold=args.threshold_bytes, compression=args.compression)
+    else:
+        for i in range(len(per_rank[0])):
+            arrays = per_rank[0][i] if one_rank else [rank[i] for rank in per_rank]
+            comm.allreduce(arrays, op="avg", compression=args.compression)
+    issued = time.perf_counter()
+    comm.synchronize()
+    comm.barrier()
+    return time.perf_counter() - start, issued - start
+
+
+def measure(comm, args, model, world):
+    sizes = gradient_sizes(model, args.scale)
+    per_rank = allocate(comm, args, sizes)
+    rows = {mode: {"seconds": [], "host_seconds": [], "calls": [], "launches": []} for mode in MODES}
+    for mode in MODES:   # warm-up: plans, kernels, workspaces, fusion buffers
+        step(comm, mode, per_rank, args)
+    for _ in range(args.steps):
+        for mode in MODES:
+            counters = Counters(comm)
+            with counters.active():
+                seconds, issued = step(comm, mode, per_rank, args)
+            if args.device == "emulated":
+                host = seconds - counters.kernel_seconds
+            elif args.device == "cuda":
+                host = issued
+            else:
+                host = seconds
+            if world is not None:   # a collective is as slow as its slowest rank
+                seconds, host = world.allreduce(seconds, op=_mpi_max()), world.allreduce(host, op=_mpi_max())
+            row = rows[mode]
+            row["seconds"].append(seconds)
+            row["host_seconds"].append(host)
+            row["calls"].append(counters.calls)
+            row["launches"].append(counters.launches)
+    summary = {}
+    for mode, row in rows.items():
+        summary[mode] = {
+            "median_step_ms": 1e3 * statistics.median(row["seconds"]),
+            "median_host_ms": 1e3 * statistics.median(row["host_seconds"]),
+            "collective_calls_per_step": row["calls"][-1],
+            "kernel_launches_per_step": row["launches"][-1],
+            "samples_ms": [1e3 * s for s in row["seconds"]],
+        }
+    fused, single = summary["fused"], summary["per-array"]
+    summary["speedup"] = single["median_step_ms"] / fused["median_step_ms"]
+    summary["host_time_ratio"] = single["median_host_ms"] / max(fused["median_host_ms"], 1e-9)
+    summary["launch_ratio"] = (single["kernel_launches_per_step"] / fused["kernel_launches_per_step"]
+                               if fused["kernel_launches_per_step"] else None)
+    summary["tensors"] = len(sizes)
+    summary["parameters"] = int(sum(sizes))
+    return summary
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    world = mpi_world()
+    if world is None and args.processes:
+        if os.environ.get(RELAUNCHED):
+            sys.exit("the relaunched benchmark found no MPI launcher")
+        return relaunch_under_mpiexec(args, argv, ["-bind-to", "core"])
+    comm = make_communicator(args, world)
+    leader = world is None or world.rank == 0
+    results = {}
+    if leader:
+        where = f"{comm.size} {'processes' if world is not None else 'ranks in one process'}, device {args.device}"
+        print(f"# fusion_perf: {where}, threshold {args.threshold_bytes} B, compression {args.compression}, "
+              f"op avg, {args.steps} alternating steps per mode, scale {args.scale:g}")
+        print(f"# {'model':>12s} {'tensors':>7s} {'mode':>10s} {'step ms':>9s} {'host ms':>9s} {'calls':>6s} "
+              f"{'launches':>8s}")
+    for model in args.models:
+        summary = measure(comm, args, model, world)
+        results[model] = summary
+        if leader:
+            for mode in MODES:
+                s = summary[mode]
+                print(f"  {model:>12s} {summary['tensors']:7d} {mode:>10s} {s['median_step_ms']:9.2f} "
+                      f"{s['median_host_ms']:9.2f} {s['collective_calls_per_step']:6d} "
+                      f"{s['kernel_launches_per_step']:8d}")
+            ratio = summary["launch_ratio"]
+            print(f"  {model:>12s} fused: {summary['speedup']:.1f}x faster per step, "
+                  f"{summary['host_time_ratio']:.1f}x less host time"
+                  + (f", {ratio:.1f}x fewer launches" if ratio else ""))
+    if args.output_file and leader:
+        args_for_env = argparse.Namespace(device=args.device)
+        with open(args.output_file, "w") as f:
+            json.dump({"benchmark": "fusion_perf", "threshold_bytes": args.threshold_bytes,
+                       "compression": args.compression, "scale": args.scale, "op": "avg",
+                       "environment": environment(args_for_env, comm.size, ["ours"]),
+                       "models": results}, f, indent=1)
+        print(f"# wrote {args.output_file}")
+    comm.close()
+    return 0
+
+
+def _mpi_max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+if __name__ == "__main__":
+    sys.exit(main())

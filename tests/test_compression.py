@@ -1,0 +1,174 @@
+"""Compressed allreduce (compression/wire.py) on host ranks and emulated devices.
+
+What is checked, for every allreduce algorithm:
+* every rank ends with the same bits;
+* the error against a float64 reference stays within the documented bound
+  (README, "Compression"): q quantizations of partial sums of magnitude at
+  most P = sum over ranks of |x|, plus float32 additions;
+* emulated devices (the GPU path) give the host's bits;
+* bytes on the wire: at most 52% (fp16, bf16) and 28% (int8) of float32's;
+* a rejected call modifies nothing.
+"""
+
+import numpy as np
+import pytest
+
+import collectives
+from collectives import InvalidUsageError
+from collectives.algorithms import REGISTRY
+from collectives.compression import wire
+from collectives.compression.kernels import BLOCK, CODECS
+from collectives.plan import build_plan
+
+ALLREDUCE_ALGORITHMS = tuple(name for name, entry in REGISTRY.items() if "allreduce" in entry.collectives)
+MAGNITUDES = ("1e-8", "1", "1e5", "mixed")
+
+# Per quantization of a partial sum: relative to the element (bf16, fp16) or
+# to the largest magnitude in its block (int8), see the README's derivation.
+UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "int8": 2.0 ** -6}
+
+
+def gradients(nranks, count, magnitude, seed):
+    """Each rank's float32 input: normal values of one magnitude, or mixed
+    magnitudes from 1e-8 to 1e5 within one array."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((nranks, count))
+    if magnitude == "mixed":
+        values *= 10.0 ** rng.uniform(-8, 5, size=(1, count))
+    else:
+        values *= float(magnitude)
+    return [v.astype(np.float32) for v in values]
+
+
+def error_bound(inputs, codec, quantizations, op):
+    """Elementwise bound on |result - exact| (see the module doc)."""
+    n = len(inputs)
+    magnitude = np.sum(np.abs(np.stack(inputs).astype(np.float64)), axis=0)   # P_i
+    # Any partial sum's largest magnitude in a block is at most the sum over
+    # ranks of each rank's largest magnitude there.
+    count = len(magnitude)
+    padded = np.pad(np.abs(np.stack(inputs).astype(np.float64)), ((0, 0), (0, -count % BLOCK)))
+    block_max = np.repeat(padded.reshape(n, -1, BLOCK).max(axis=2).sum(axis=0), BLOCK)[:count]
+    growth = (1 + UNIT[codec]) ** quantizations
+    relative_to = block_max if codec == "int8" else magnitude
+    bound = quantizations * UNIT[codec] * relative_to * growth + (n + 1) * 2.0 ** -24 * magnitude * growth
+    if codec == "fp16":   # float16 subnormals: half their spacing, 2^-25 of a scale of at most 2^-14 block max
+        bound += quantizations * 2.0 ** -39 * block_max * growth
+    if op == "avg":
+        bound = bound / n + 2.0 ** -24 * magnitude / n
+    return bound
+
+
+def run_host(nranks, inputs, codec, algorithm, op="sum"):
+    comm = collectives.Communicator.local(nranks)
+    results = comm.allreduce([x.copy() for x in inputs], op=op, algorithm=algorithm, compression=codec)
+    return results
+
+
+def assert_same_bits(results):
+    for r in results[1:]:
+        assert np.array_equal(r.view(np.uint32), results[0].view(np.uint32))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("algorithm", ALLREDUCE_ALGORITHMS)
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 5, 8])
+def test_every_algorithm_is_identical_on_all_ranks_and_within_the_bound(codec, algorithm, nranks):
+    for count in (0, 1, 31, 33, 1000, 4099):
+        for magnitude in MAGNITUDES:
+            inputs = gradients(nranks, count, magnitude, seed=count + nranks)
+            results = run_host(nranks, inputs, codec, algorithm)
+            assert_same_bits(results)
+            exact = np.sum(np.stack(inputs).astype(np.float64), axis=0)
+            plan = build_plan("allreduce", algorithm, nranks, count, np.dtype(np.float32), "sum", compression=codec)
+            q = wire.quantizations(plan)
+            bound = error_bound(inputs, codec, q, "sum")
+            error = np.abs(results[0].astype(np.float64) - exact)
+            worst = np.argmax(error - bound) if count else 0
+            assert np.all(error <= bound), (
+                f"{codec} {algorithm} n={nranks} count={count} {magnitude}: element {worst} is off by "
+                f"{error[worst]:.3g}, bound {bound[worst]:.3g} (q={q})")
+            if count:  # normwise, the figure the README reports
+                assert np.linalg.norm(error) <= np.linalg.norm(bound)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_avg_divides_once_in_float32(codec):
+    inputs = gradients(4, 1000, "mixed", seed=7)
+    results = run_host(4, inputs, codec, "ring", op="avg")
+    assert_same_bits(results)
+    plan = build_plan("allreduce", "ring", 4, 1000, np.dtype(np.float32), "avg", compression=codec)
+    exact = np.mean(np.stack(inputs).astype(np.float64), axis=0)
+    assert np.all(np.abs(results[0] - exact) <= error_bound(inputs, codec, wire.quantizations(plan), "avg"))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_small_and_large_gradients_survive(codec):
+    """1e-8 does not flush to zero and 1e5 does not overflow (fp16 thanks to its block scale)."""
+    for value in (1e-8, 1e5, -3e-7):
+        inputs = [np.full(100, value, np.float32) for _ in range(4)]
+        result = run_host(4, inputs, codec, "ring")[0]
+        assert np.all(np.isfinite(result))
+        np.testing.assert_allclose(result, 4 * value, rtol=2 * UNIT[codec] * 4)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_a_non_finite_value_poisons_its_block_only(codec):
+    inputs = [np.ones(96, np.float32) for _ in range(3)]
+    inputs[1][40] = np.inf
+    result = run_host(3, inputs, codec, "ring")[0]
+    assert np.all(np.isnan(result[32:64]))
+    assert np.all(result[:32] == 3) and np.all(result[64:] == 3)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("algorithm", ALLREDUCE_ALGORITHMS)
+def test_bytes_on_the_wire(codec, algorithm):
+    limit = {"bf16": 0.52, "fp16": 0.52, "int8": 0.28}[codec]
+    for nranks in (2, 4, 8):
+        count = 1 << 16
+        plain = build_plan("allreduce", algorithm, nranks, count, np.dtype(np.float32), "sum")
+        packed = build_plan("allreduce", algorithm, nranks, count, np.dtype(np.float32), "sum", compression=codec)
+        assert 0 < packed.wire_bytes <= limit * plain.wire_bytes
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "tree", "halving_doubling"])
+def test_emulated_devices_give_the_host_bits(codec, algorithm):
+    """The GPU path (codec kernels on emulated devices) equals the host's."""
+    for nranks in (2, 3, 4):
+        inputs = gradients(nranks, 777, "mixed", seed=nranks)
+        want = run_host(nranks, inputs, codec, algorithm)
+        comm = collectives.Communicator.local(nranks, devices="emulated")
+        got = comm.allreduce([x.copy() for x in inputs], algorithm=algorithm, compression=codec)
+        for g, w in zip(got, want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"{codec} {algorithm} n={nranks}"
+
+
+def test_rejected_calls_modify_nothing():
+    comm = collectives.Communicator.local(2)
+    x32 = [np.arange(64, dtype=np.float32) for _ in range(2)]
+    cases = [
+        dict(x=[a.astype(np.float64) for a in x32], compression="fp16"),   # not float32
+        dict(x=[a.astype(np.float16) for a in x32], compression="bf16"),
+        dict(x=x32, compression="fp8"),                                     # unknown codec
+        dict(x=x32, compression="int8", op="max"),                          # not sum or avg
+        dict(x=x32, compression=16),
+    ]
+    for case in cases:
+        before = [a.copy() for a in case["x"]]
+        with pytest.raises(InvalidUsageError):
+            comm.allreduce(case["x"], op=case.get("op", "sum"), compression=case["compression"])
+        for a, b in zip(case["x"], before):
+            assert np.array_equal(a, b)
+
+
+def test_quantizations_per_algorithm():
+    """q of the bound: the ring re-encodes a partial sum at each of its n - 1
+    hops and the result once; direct encodes each input once (every rank
+    then sums all of them); two_shot each input once and the result once."""
+    f32 = np.dtype(np.float32)
+    for n in (2, 3, 5, 8):
+        assert wire.quantizations(build_plan("allreduce", "ring", n, 4096, f32, "sum", compression="fp16")) == n
+        assert wire.quantizations(build_plan("allreduce", "direct", n, 4096, f32, "sum", compression="fp16")) == 1
+        assert wire.quantizations(build_plan("allreduce", "two_shot", n, 4096, f32, "sum", compression="fp16")) == 2
