@@ -355,7 +355,14 @@ class FusionBuffer:
     With `error_feedback`, each rank keeps, per fusion buffer, what the
     codec lost when it encoded the rank's own contribution, and adds it to
     that buffer's next contribution (error-feedback SGD): the loss is not
-    dropped, only delayed by a step.
+    dropped, only delayed by a step. What is kept is exactly what was lost
+    when the codec touches each contribution once and nothing else: the
+    `direct` algorithm (every rank reads every peer's encoded contribution
+    and sums in float32, an allgather of compressed gradients), which `auto`
+    then means. Then the sum of the results over any number of steps
+    differs from the sum of the gradients by at most the ranks' residuals:
+    the error stays bounded. Algorithms that re-encode partial sums (ring,
+    trees) lose more than the residual accounts for.
     """
 
     def __init__(self, comm, threshold, op, compression, error_feedback, algorithm="auto"):
@@ -369,7 +376,7 @@ class FusionBuffer:
         self.comm, self.threshold, self.op = comm, int(threshold), op
         self.compression, self.error_feedback = compression, bool(error_feedback)
         check_algorithm(algorithm)
-        self.algorithm = algorithm
+        self.algorithm = "direct" if error_feedback and algorithm == "auto" else algorithm
         self._residuals = {}   # (group number in the step, count) -> per local rank float32 residual
         self._reset()
 

@@ -157,8 +157,8 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
     waits = derive_waits(nranks, phase_access)
     phases = tuple(_make_phase(rows, nranks, max_sources, w) for rows, w in zip(phase_rows, waits))
     if compression is not None:
-        phases = tuple(phase._replace(wire_ops_by_rank=wire.lower_rows(rows, nranks, op))
-                       for phase, rows in zip(phases, phase_rows))
+        phases = tuple(phase._replace(wire_ops_by_rank=ops)
+                       for phase, ops in zip(phases, wire.lower_plan(phase_rows, nranks, op)))
 
     used = {loc.buffer for phase in moves for m in phase for loc in (m.dst, *m.srcs)}
     work_bytes = count * dtype.itemsize if WORK in used else 0

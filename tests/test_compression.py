@@ -172,3 +172,38 @@ def test_quantizations_per_algorithm():
         assert wire.quantizations(build_plan("allreduce", "ring", n, 4096, f32, "sum", compression="fp16")) == n
         assert wire.quantizations(build_plan("allreduce", "direct", n, 4096, f32, "sum", compression="fp16")) == 1
         assert wire.quantizations(build_plan("allreduce", "two_shot", n, 4096, f32, "sum", compression="fp16")) == 2
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("in_place", [True, False])
+def test_streamlined_operations_give_the_plain_lowerings_bits(codec, in_place, monkeypatch):
+    """streamline.py only removes float32 passes nothing needs: the results
+    are the bits of the plain lowering, in place (INPUT is OUTPUT) and not."""
+    def run(nranks, inputs, algorithm):
+        build_plan.cache_clear()
+        comm = collectives.Communicator.local(nranks)
+        xs = [x.copy() for x in inputs]
+        out = None if in_place else [np.full_like(x, np.nan) for x in inputs]
+        return comm.allreduce(xs, algorithm=algorithm, compression=codec, out=out)
+
+    for algorithm in ALLREDUCE_ALGORITHMS:
+        for nranks in (2, 3, 4, 5):
+            inputs = gradients(nranks, 1000, "mixed", seed=nranks)
+            streamlined = run(nranks, inputs, algorithm)
+            with monkeypatch.context() as m:
+                m.setattr(wire, "streamline", lambda ops_by_phase: [tuple(ops) for ops in ops_by_phase])
+                plain = run(nranks, inputs, algorithm)
+            for s, p in zip(streamlined, plain):
+                assert np.array_equal(s.view(np.uint32), p.view(np.uint32)), f"{algorithm} n={nranks}"
+    build_plan.cache_clear()
+
+
+def test_streamlining_removes_the_copies_of_a_ring():
+    """Ring on 2 ranks: the rank's own chunk is encoded straight from its
+    input, the reduced chunk and the peer's decoded chunk land in the output,
+    and no float32 copy is left."""
+    plan = build_plan("allreduce", "ring", 2, 4096, np.dtype(np.float32), "sum", compression="fp16")
+    ops = [op for phase in plan.phases for op in phase.wire_ops_by_rank[0]]
+    kinds = [op[0] for op in ops]
+    assert "copy" not in kinds, ops
+    assert kinds.count("encode") == 1 and kinds.count("decode_add") == 1 and kinds.count("decode") == 1, ops

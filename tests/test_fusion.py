@@ -202,3 +202,47 @@ def test_compressed_fusion_matches_the_compressed_allreduce_of_the_buffer(codec)
     for rank, packed in zip(per_rank, flat):
         for a, start in zip(rank, offsets):
             assert np.array_equal(a.view(np.uint32), packed[start:start + a.size].view(np.uint32))
+
+
+# One encoding's error, per rank: relative to the element (bf16, fp16), or
+# to the largest magnitude in its block (int8), as in test_compression.py.
+FEEDBACK_UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "int8": 2.0 ** -6}
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16", "bf16"])
+def test_error_feedback_keeps_the_accumulated_error_bounded(codec):
+    """1,000 steps of biased gradients: in every block one large value sets
+    the scale and small ones, which the codec rounds the same way each step,
+    carry the signal. With feedback the sum of the results differs from the
+    sum of the gradients by no more than the ranks' residuals, each within
+    one encoding's error, at every step; without, the error keeps growing
+    (fp16, int8: past that bound)."""
+    n, count, steps = 4, 256, 1000
+    errors = {}
+    for feedback in (False, True):
+        rng = np.random.default_rng(11)
+        base = rng.uniform(0.001, 0.003, size=(n, count)).astype(np.float32)
+        base[:, ::32] = 1.0
+        comm = collectives.Communicator.local(n)
+        # direct: what error feedback runs by default; the same for both, to compare like with like
+        buffer = comm.fusion_buffer(compression=codec, error_feedback=feedback, algorithm="direct")
+        applied, exact, worst = np.zeros(count), np.zeros(count), []
+        for _ in range(steps):
+            grads = [(base[r] + rng.normal(0, 1e-4, count)).astype(np.float32) for r in range(n)]
+            exact += np.sum(np.array(grads, np.float64), axis=0)
+            buffer.add(grads)
+            buffer.wait()
+            applied += grads[0]
+            worst.append(np.max(np.abs(applied - exact)))
+        errors[feedback] = np.array(worst)
+    # Residuals of values up to 1.0005 (block maxima too), plus float32 sums over the steps.
+    bound = n * FEEDBACK_UNIT[codec] * 1.0005 * 1.01 + steps * n * 2.0 ** -24 * 4
+    assert np.all(errors[True] <= bound), (errors[True].max(), bound)
+    if codec != "bf16":   # bf16 has no block scale: its small values round well even without feedback
+        assert errors[False][-1] > 2 * bound and errors[False][-1] > 5 * errors[False][99]
+
+
+def test_error_feedback_needs_a_codec():
+    comm = collectives.Communicator.local(2)
+    with pytest.raises(InvalidUsageError, match="compression"):
+        comm.fusion_buffer(error_feedback=True)

@@ -32,14 +32,15 @@ the host executor (NumPy views) and the device executors (kernels) run:
     ("copy",       out F, a F)                     out = a
     ("decode",     out F, a W)                     out = decode(a)
     ("copy_wire",  out W, a W)                     encoded bytes, as they are
-    ("encode",     out F, out W)                   out W = encode(out F); out F = decode(out W)
+    ("encode",     out F, a F, out W)              out W = encode(a); out F = decode(out W)
     ("add",        out F, a F, b F, divisor, out W or None)
     ("decode_add", out F, a F, b W, divisor, out W or None)
                    out = a + decode(b), then / divisor, then encoded as above
 
 Refs are (rank, buffer, element offset, count); F means float32 form, W the
 wire form; buffer TEMP is the rank's float32 accumulator for rows with more
-than two sources.
+than two sources. An output F of None is not written (streamline.py drops
+what no one reads).
 """
 
 from typing import NamedTuple
@@ -51,6 +52,7 @@ from ..binding import COPY_OP, REDUCE_FINAL_OP
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
 from .kernels import BLOCK, CODECS, wire_nbytes
+from .streamline import streamline
 
 TEMP = 4          # a rank's float32 accumulator (after WORK, SCRATCH, INPUT, OUTPUT)
 PAGE = 4096
@@ -151,12 +153,22 @@ def lower_rows(rows, nranks, op):
     return tuple(tuple(ops) for ops in by_rank)
 
 
+def lower_plan(phase_rows, nranks, op, streamlined=True):
+    """Per phase, per rank, the codec operations of a compressed plan;
+    `streamlined` (streamline.py) skips the float32 passes nothing needs."""
+    lowered = [lower_rows(rows, nranks, op) for rows in phase_rows]   # [phase][rank]
+    if not streamlined:
+        return lowered
+    per_rank = [streamline([phase[rank] for phase in lowered]) for rank in range(nranks)]
+    return [tuple(per_rank[rank][p] for rank in range(nranks)) for p in range(len(lowered))]
+
+
 def _lower(rank, kind, count, dst, srcs, encode, divisor):
     out_wire = dst if encode else None
     if kind == COPY_OP:
         (src,) = srcs
         if src[0] == rank:
-            return [("copy", dst, src)] + ([("encode", dst, dst)] if encode else [])
+            return [("copy", dst, src)] + ([("encode", dst, dst, dst)] if encode else [])
         return [("decode", dst, src)] + ([("copy_wire", dst, src)] if encode else [])
 
     def fold(out, a, b, a_is_wire=False, last=False):
@@ -204,15 +216,22 @@ def codec_launches(ops, f, w):
             for dst, src in zip(w(out), w(a)):
                 if _length(dst):
                     yield "copy", (dst, src), 0
-        elif kind == "encode":
-            yield "encode", (f(out), *w(a)), 0
+        elif kind == "encode":   # ("encode", out F or None, a F, out W)
+            source, encoded = f(a), w(rest[0])
+            if out == a:
+                yield "encode_round", (source, *encoded), 0
+            else:
+                yield "encode", (source, *encoded), 0
+                if out is not None:
+                    yield "decode", (*encoded, f(out)), 0
         else:
             b, divisor, out_wire = rest
             encoded = w(out_wire) if out_wire is not None else (None, None)
+            result = f(out) if out is not None else None    # None: only the encoded result is wanted
             if kind == "add":
-                yield "add", (f(a), f(b), f(out), *encoded), divisor
+                yield "add", (f(a), f(b), result, *encoded), divisor
             else:
-                yield "decode_add", (f(a), *w(b), f(out), *encoded), divisor
+                yield "decode_add", (f(a), *w(b), result, *encoded), divisor
 
 
 def _length(region):
@@ -321,15 +340,19 @@ def quantizations(plan):
                 elif kind == "copy_wire":
                     view(wire_copy, out)[:] = view(wire_copy, a)
                 elif kind == "encode":
-                    view(floats, out)[:] += 1
-                    view(wire_copy, out)[:] = view(floats, out)
+                    (out_wire,) = rest
+                    view(wire_copy, out_wire)[:] = view(floats, a) + 1
+                    if out is not None:
+                        view(floats, out)[:] = view(wire_copy, out_wire)
                 else:
                     b, _, out_wire = rest
                     b_counts = view(floats, b) if kind == "add" else view(wire_copy, b)
-                    view(floats, out)[:] = np.maximum(view(floats, a), b_counts)
+                    result = np.maximum(view(floats, a), b_counts)
                     if out_wire is not None:
-                        view(floats, out)[:] += 1
-                        view(wire_copy, out)[:] = view(floats, out)
+                        result += 1
+                        view(wire_copy, out_wire)[:] = result
+                    if out is not None:
+                        view(floats, out)[:] = result
     return max((int(floats(rank, OUTPUT).max()) for rank in range(plan.nranks)), default=0) if plan.count else 0
 
 
