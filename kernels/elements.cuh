@@ -1,19 +1,27 @@
 // Element types and reduction ops, shared by every kernel in this folder.
 //
 // An element type is a small struct: `Storage`, the bits that move through
-// memory, and the ops on those bits. Kernels never do arithmetic on anything
-// else, so every kernel reduces the way NumPy does on the host:
+// memory; `Accumulator`, what a reduction folds in; `load` and `store`
+// between the two; and the ops on accumulators (`combine`, `divide`).
+// Kernels never do arithmetic on anything else, so every kernel reduces the
+// way executors/host.py does with NumPy (the reference meaning):
 //
 //   * integers: sum and prod wrap around, computed in the unsigned twin type
 //     (signed overflow is undefined in C++); avg truncates toward zero.
 //   * float32 and float64: one correctly rounded operation per fold step
 //     (__fadd_rn and friends are never contracted into an FMA).
-//   * float16 and bfloat16: computed in float32, rounded to nearest even,
-//     subnormals kept (no flush to zero anywhere).
-//     float32 has more than 2p+2 significand bits for both, so this double
-//     rounding equals one correctly rounded 16-bit operation: NumPy's bits.
+//   * float16 and bfloat16 accumulate in float32: a fold (one REDUCE row of
+//     a plan, however many sources it has) converts each source to float32
+//     exactly, folds with correctly rounded float32 operations (and avg's
+//     division), and rounds to the 16-bit type once, to nearest even, at the
+//     end. Subnormals are kept (no flush to zero anywhere). NCCL rounds to
+//     16 bits at every hop of its ring; a row of n sources here rounds once.
 //   * max and min of floats follow IEEE 754-2019 maximum/minimum: a NaN
 //     operand gives NaN, and -0 < +0. executors/host.py applies the same rule.
+//
+// For every type but the 16-bit floats the accumulator is the storage type
+// and load/store are the identity: their arithmetic is what it was before
+// the distinction.
 //
 // Plain C++ with CUDA qualifiers and no device-only built-ins outside the
 // helpers below, so the same file compiles for the GPU (nvcc, NVRTC) and for
@@ -102,11 +110,19 @@ struct ElementByElement {
     __device__ __forceinline__ static unsigned int combine_word(unsigned int a, unsigned int) { return a; }
 };
 
+// Types that fold in their own storage type.
+template <typename S>
+struct FoldsInStorage {
+    using Accumulator = S;
+    __device__ __forceinline__ static S load(S x) { return x; }
+    __device__ __forceinline__ static S store(S x) { return x; }
+};
+
 // Integers. `Wide` is what the arithmetic runs in: the unsigned twin, or
 // unsigned int for 8- and 16-bit types, which C++ would otherwise promote to
 // (signed) int, where 65535 * 65535 overflows.
 template <typename S, typename Unsigned, typename Quotient>
-struct Integer {
+struct Integer : FoldsInStorage<S> {
     using Storage = S;
     using Wide = typename Select<(sizeof(S) < 4), unsigned int, Unsigned>::type;
     static constexpr bool kSigned = static_cast<S>(-1) < static_cast<S>(0);
@@ -163,7 +179,7 @@ __device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, 
 __device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 
 template <typename T>
-struct IeeeFloat : ElementByElement {
+struct IeeeFloat : ElementByElement, FoldsInStorage<T> {
     using Storage = T;
 
     template <int Op>
@@ -180,23 +196,22 @@ struct IeeeFloat : ElementByElement {
 using Float32 = IeeeFloat<float>;
 using Float64 = IeeeFloat<double>;
 
-// A 16-bit float stored as its bits; Codec converts to and from float32.
+// A 16-bit float stored as its bits, folded in float32 (see the top of this
+// file): Codec converts to float32 (exact) and back (to nearest even), once
+// per source and once per result. Folding in float32 also keeps max and min
+// exact, and the IEEE rule of Float32's applies.
 template <typename Codec>
 struct Float16Like : ElementByElement {
     using Storage = unsigned short;
+    using Accumulator = float;
+
+    __device__ __forceinline__ static float load(unsigned short bits) { return Codec::to_float(bits); }
+    __device__ __forceinline__ static unsigned short store(float x) { return Codec::from_float(x); }
 
     template <int Op>
-    __device__ __forceinline__ static unsigned short combine(unsigned short a, unsigned short b) {
-        const float x = Codec::to_float(a), y = Codec::to_float(b);
-        if (Op == kSum) return Codec::from_float(__fadd_rn(x, y));
-        if (Op == kProd) return Codec::from_float(__fmul_rn(x, y));
-        if (Op == kMax) return ieee_max(a, b, x, y);
-        return ieee_min(a, b, x, y);
-    }
+    __device__ __forceinline__ static float combine(float a, float b) { return Float32::combine<Op>(a, b); }
 
-    __device__ __forceinline__ static unsigned short divide(unsigned short a, int divisor) {
-        return Codec::from_float(__fdiv_rn(Codec::to_float(a), static_cast<float>(divisor)));
-    }
+    __device__ __forceinline__ static float divide(float a, int divisor) { return Float32::divide(a, divisor); }
 };
 
 struct HalfCodec {

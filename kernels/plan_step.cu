@@ -6,9 +6,12 @@
 //
 //     RANK KIND COUNT DST_BUF DST_OFF NSRC (SRC_RANK SRC_BUF SRC_OFF) * max_sources
 //
-//     COPY          dst = src0
+//     COPY          dst = src0                                  the bits, as they are
 //     REDUCE        dst = ((src0 op src1) op src2) ...      folded left to right
 //     REDUCE_FINAL  the same, then / divisor when the op is avg (divisor > 0)
+//
+// A fold runs in the element type's accumulator (elements.cuh): for float16
+// and bfloat16, float32, rounded to 16 bits once per row, when dst is written.
 //
 // Offsets and counts are in elements. A (rank, buffer) pair is resolved
 // through `buffers`, passed by value: the byte address of each rank's WORK,
@@ -137,10 +140,53 @@ __device__ __forceinline__ void divide_all(Pack& acc, int divisor) {
     for (int i = 0; i < int(16 / sizeof(S)); ++i) set_lane<S>(acc, i, E::divide(lane<S>(acc, i), divisor));
 }
 
+// How a 16-byte pack `acc` folds. Where the accumulator is the storage type,
+// in place: load and store do nothing, and the code is the pack's own.
+template <typename E, bool kWide = (sizeof(typename E::Accumulator) > sizeof(typename E::Storage))>
+struct PackFold {
+    __device__ __forceinline__ void load(const Pack&) {}
+    template <int Op>
+    __device__ __forceinline__ void combine(Pack& acc, const Pack& x) { combine_into<E, Op>(acc, x); }
+    __device__ __forceinline__ void divide(Pack& acc, int divisor) { divide_all<E>(acc, divisor); }
+    __device__ __forceinline__ void store(Pack&) {}
+};
+
+// Where it is wider (float for the 16-bit floats), in one accumulator per
+// lane beside the pack, which store overwrites with the rounded results:
+// 8 float registers for a pack of 8 halves, on top of the pack's 4.
+template <typename E>
+struct PackFold<E, true> {
+    using S = typename E::Storage;
+    static constexpr int kLanes = 16 / sizeof(S);
+    typename E::Accumulator lanes[kLanes];
+
+    __device__ __forceinline__ void load(const Pack& acc) {
+#pragma unroll
+        for (int i = 0; i < kLanes; ++i) lanes[i] = E::load(lane<S>(acc, i));
+    }
+    template <int Op>
+    __device__ __forceinline__ void combine(Pack&, const Pack& x) {
+#pragma unroll
+        for (int i = 0; i < kLanes; ++i) lanes[i] = E::template combine<Op>(lanes[i], E::load(lane<S>(x, i)));
+    }
+    __device__ __forceinline__ void divide(Pack&, int divisor) {
+#pragma unroll
+        for (int i = 0; i < kLanes; ++i) lanes[i] = E::divide(lanes[i], divisor);
+    }
+    // The loop is spelled as combine_into's, which tests/test_kernels.py
+    // breaks on purpose (one lane dropped) to see the comparison fail.
+    __device__ __forceinline__ void store(Pack& acc) {
+#pragma unroll
+        for (int i = 0; i < int(16 / sizeof(S)); ++i)
+            set_lane<S>(acc, i, E::store(lanes[i]));
+    }
+};
+
 template <typename E, int Op>
 __global__ void __launch_bounds__(kStepThreads, kStepMinBlocks)
 plan_step(const long long* __restrict__ table, int width, BufferTable buffers, int divisor) {
     using S = typename E::Storage;
+    using A = typename E::Accumulator;
     constexpr long long kLanes = 16 / sizeof(S);
 
     const long long* row = table + static_cast<long long>(blockIdx.y) * width;
@@ -167,6 +213,7 @@ plan_step(const long long* __restrict__ table, int width, BufferTable buffers, i
         Pack* dst_packs = reinterpret_cast<Pack*>(dst);
         for (long long base = thread; base < packs; base += threads * kUnroll) {
             Pack acc[kUnroll];
+            PackFold<E> fold[kUnroll];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const long long p = base + u * threads;
@@ -176,37 +223,45 @@ plan_step(const long long* __restrict__ table, int width, BufferTable buffers, i
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
                     const long long p = base + u * threads;
-                    if (p < packs) combine_into<E, Op>(acc[u], second_packs[p]);
+                    if (p < packs) {
+                        fold[u].load(acc[u]);
+                        fold[u].template combine<Op>(acc[u], second_packs[p]);
+                    }
                 }
                 for (int s = 2; s < nsrc; ++s) {
                     const Pack* more = reinterpret_cast<const Pack*>(source<S>(row, buffers, s));
 #pragma unroll
                     for (int u = 0; u < kUnroll; ++u) {
                         const long long p = base + u * threads;
-                        if (p < packs) combine_into<E, Op>(acc[u], more[p]);
+                        if (p < packs) fold[u].template combine<Op>(acc[u], more[p]);
                     }
                 }
                 if (divides) {
 #pragma unroll
                     for (int u = 0; u < kUnroll; ++u)
-                        if (base + u * threads < packs) divide_all<E>(acc[u], divisor);
+                        if (base + u * threads < packs) fold[u].divide(acc[u], divisor);
                 }
             }
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const long long p = base + u * threads;
-                if (p < packs) dst_packs[p] = acc[u];
+                if (p < packs) {
+                    if (nsrc > 1) fold[u].store(acc[u]);  // the fold's one rounding; a copy keeps its bits
+                    dst_packs[p] = acc[u];
+                }
             }
         }
         scalar_start = packs * kLanes;
     }
 
     for (long long i = scalar_start + thread; i < count; i += threads) {
-        S acc = first[i];
+        S acc = first[i];  // a copy moves the bits as they are, NaN payloads too
         if (nsrc > 1) {
-            acc = E::template combine<Op>(acc, second[i]);
-            for (int s = 2; s < nsrc; ++s) acc = E::template combine<Op>(acc, source<S>(row, buffers, s)[i]);
-            if (divides) acc = E::divide(acc, divisor);
+            A folded = E::template combine<Op>(E::load(acc), E::load(second[i]));
+            for (int s = 2; s < nsrc; ++s)
+                folded = E::template combine<Op>(folded, E::load(source<S>(row, buffers, s)[i]));
+            if (divides) folded = E::divide(folded, divisor);
+            acc = E::store(folded);
         }
         dst[i] = acc;
     }

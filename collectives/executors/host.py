@@ -6,7 +6,7 @@ the same bits for the same table (integers) or the same fold order (floats).
 
 import numpy as np
 
-from ..ops import ReduceOp, is_floating
+from ..ops import BFLOAT16, ReduceOp, is_floating
 from ..plan import COPY_OP, REDUCE_FINAL_OP, SRC0
 
 
@@ -73,6 +73,10 @@ def _execute(rows, buffer, op, nranks):
         if kind == COPY_OP:
             np.copyto(dst, srcs[0])
             continue
+        divides = kind == REDUCE_FINAL_OP and op is ReduceOp.AVG
+        if dst.dtype in _ACCUMULATE_IN_FLOAT32:
+            _reduce_in_float32(dst, srcs, fold, nranks if divides else None)
+            continue
         # Every source is read before dst is written, as in the kernel; folding
         # into dst is that, unless dst is also a later source (a rank's own
         # array in an in-place direct reduction): then fold aside.
@@ -82,8 +86,30 @@ def _execute(rows, buffer, op, nranks):
             fold(acc, src, out=acc)
         if late_alias:
             np.copyto(dst, acc)
-        if kind == REDUCE_FINAL_OP and op is ReduceOp.AVG:
+        if divides:
             divide_by_ranks(dst, nranks)
+
+
+# A float16 or bfloat16 transfer (one REDUCE or REDUCE_FINAL row, whatever its
+# number of sources) accumulates in float32 and rounds to 16 bits once, as
+# the issue asks: a row that folds n sources (direct, star, two_shot) rounds
+# once, not n-1 times. NCCL's ring rounds at every hop (__hadd2); our ring,
+# whose rows have two sources, does the same. bench/half_precision_error.py
+# measures what this buys.
+_ACCUMULATE_IN_FLOAT32 = (np.dtype(np.float16), BFLOAT16)
+
+
+def _reduce_in_float32(dst, srcs, fold, divisor):
+    """dst = round16(((f32(src0) op f32(src1)) op ...) [/ divisor]): every
+    operation a correctly rounded float32 one (NumPy does not contract into
+    FMA), the max/min rule of ops.py applied in float32, and one rounding to
+    nearest even at the end. Every source is read before dst is written."""
+    acc = srcs[0].astype(np.float32)
+    for src in srcs[1:]:
+        fold(acc, src.astype(np.float32), out=acc)
+    if divisor is not None:
+        divide_by_ranks(acc, divisor)
+    dst[...] = acc.astype(dst.dtype)
 
 
 assert SRC0 == 6, "execute() unpacks the six leading columns by position"
