@@ -2,6 +2,13 @@
 
 Rank r's element i is (i mod 3) + r + 1 (for prod: 2 on one rank, 1 on the
 others), so every correct result is exact and has a closed form.
+
+With --compression (float32, sum or avg; e.g. --compression none,fp16,bf16,int8)
+each codec runs as a backend of its own. Compressed results are approximate, so
+every row then also gets `maxrel`, the largest |result - reference| over the
+largest |reference|, on seeded standard-normal inputs (the reference is the
+float64 sum or mean of every rank's input, which each process regenerates),
+and `wire B`, the bytes one call makes a rank read from its peers.
 """
 
 import sys
@@ -34,8 +41,23 @@ def expected(dtype, op, nranks, rank, count, root=0):
     return total.astype(dtype)
 
 
+def reference(op, nranks, inputs):
+    """The float64 result of allreduce (sum or avg) over every rank's input."""
+    total = None
+    for x in inputs:
+        if total is None:
+            total = x.astype(np.float64)
+        else:
+            total += x
+    return total / nranks if op == "avg" else total
+
+
 def run_ours(comm, x, out, args):
-    comm.allreduce(x, op=args.op, out=out, algorithm=args.algorithm)  # in place, out is x
+    codec = getattr(args, "codec", None)  # the backend's --compression entry, None for none
+    if codec is None:
+        comm.allreduce(x, op=args.op, out=out, algorithm=args.algorithm)  # in place, out is x
+    else:
+        comm.allreduce(x, op=args.op, out=out, algorithm=args.algorithm, compression=codec)
 
 
 def run_mpi(comm, x, out, args):
@@ -58,6 +80,7 @@ ALLREDUCE = Spec(
     run_gloo=run_gloo,
     expected=expected,
     fill=fill,
+    reference=reference,
 )
 
 if __name__ == "__main__":

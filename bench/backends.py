@@ -13,11 +13,13 @@ import collectives
 from collectives.ops import BFLOAT16, is_floating
 
 OURS, MPI_BACKEND, GLOO, NCCL = "ours", "mpi", "gloo", "nccl"
+NO_COMPRESSION = "none"
 # `host`, our backend's name before mpi and gloo joined it, is still accepted;
 # rows keep the name the command used (older results files say `host`).
 OLD_OURS = "host"
 DEFAULT_BACKEND = OURS
 BACKENDS = (OURS, OLD_OURS, MPI_BACKEND, GLOO, NCCL)
+COMPRESSING_BACKENDS = (OURS, OLD_OURS)  # --compression applies to these; the others run uncompressed
 PROCESS_BACKENDS = (MPI_BACKEND, GLOO)   # one rank per process
 TORCH_PIN = "torch==2.13.0"
 
@@ -91,10 +93,12 @@ class Backend:
 
     device = "host"
     algorithm = None
+    compression = None   # the codec this backend's calls use (our backend only), None: uncompressed
 
     def __init__(self, name, spec, args):
         self.name, self.label, self.spec = name, name, spec
         self.args = argparse.Namespace(**vars(args))
+        self.args.codec = None   # what run_ours passes as compression=
 
     def run(self, buffers):
         raise NotImplementedError
@@ -119,10 +123,18 @@ class Ours(Backend):
     under mpiexec. As `nccl`, the same API with backend="nccl": NCCL runs
     each collective (one rank per GPU: rank r on GPU r in one process)."""
 
-    def __init__(self, name, spec, args, world, algorithm, comm=None):
+    def __init__(self, name, spec, args, world, algorithm, comm=None, compression=NO_COMPRESSION):
         super().__init__(name, spec, args)
         self.algorithm = self.args.algorithm = algorithm if name != NCCL else None
-        self.label = name if len(args.algorithms) == 1 or name == NCCL else f"{name}:{algorithm}"
+        if name != NCCL and compression != NO_COMPRESSION:
+            self.compression = self.args.codec = compression
+        # The label names the algorithm when several run, and the codec when
+        # any compression was asked for (ours:fp16, ours:ring:none, ...).
+        self.label = name
+        if name != NCCL and len(args.algorithms) > 1:
+            self.label += f":{algorithm}"
+        if name != NCCL and getattr(args, "compressed", False):
+            self.label += f":{compression}"
         self.device = args.device
         library = "nccl" if name == NCCL else "ours"
         if comm is not None:  # another algorithm on the same ranks
@@ -248,10 +260,11 @@ def make_backends(names, spec, args, world):
     backends = []
     for name in names:
         if name in (OURS, OLD_OURS):
-            shared = None
+            shared = None  # every algorithm and codec runs on the same communicator
             for algorithm in args.algorithms:
-                backends.append(Ours(name, spec, args, world, algorithm, comm=shared))
-                shared = backends[-1].comm
+                for compression in getattr(args, "compressions", [NO_COMPRESSION]):
+                    backends.append(Ours(name, spec, args, world, algorithm, comm=shared, compression=compression))
+                    shared = backends[-1].comm
         elif name == NCCL:
             backends.append(Ours(name, spec, args, world, "auto"))
         elif name == MPI_BACKEND:

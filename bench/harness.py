@@ -17,6 +17,13 @@ mpi and gloo run one rank per process: asking for them without a launcher
 relaunches the benchmark under MPICH's mpiexec with `--ranks` processes, one
 per core. A backend that cannot run the chosen op or type (MPI has no average,
 Gloo no int16, ...) is skipped with a line that says why; the others run.
+
+`--compression` (allreduce on float32, sum or avg) may list codecs too
+(none,fp16,bf16,int8): each runs as a backend of ours of its own. Then the
+timed inputs are seeded standard-normal floats, and every row gets two more
+columns: maxrel, the error against a float64 reference computed from every
+rank's regenerated input, and wire B, what a call makes a rank read from its
+peers. Compressed rows have no bitwise #wrong; uncompressed rows keep it.
 """
 
 import argparse
@@ -35,11 +42,13 @@ import numpy as np
 
 import collectives
 from bench.backends import (
-    BACKENDS, DEFAULT_BACKEND, GLOO, NCCL, PROCESS_BACKENDS, TORCH_PIN, Buffers, make_backends, unsupported,
+    BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, NCCL, NO_COMPRESSION, PROCESS_BACKENDS, TORCH_PIN,
+    Buffers, make_backends, unsupported,
 )
 from bench.environment import LAUNCHER_COMMAND, environment, module_name
 from bench.progress import Progress
 from collectives.bootstrap import LAUNCHER_VARIABLES
+from collectives.compression.kernels import CODECS
 from collectives.ops import BFLOAT16
 
 DTYPE_NAMES = {  # nccl-tests' type names -> NumPy
@@ -52,6 +61,9 @@ RELAUNCHED = "COLLECTIVES_BENCH_RELAUNCHED"
 # Set by the relaunching process when its stderr is a terminal: under mpiexec
 # the ranks' stderr is a pipe, but what they write still reaches that terminal.
 SHOW_PROGRESS = "COLLECTIVES_BENCH_PROGRESS"
+COMPRESSIONS = (NO_COMPRESSION, *CODECS)
+COMPRESSION_OPS = ("sum", "avg")
+SEED = 20250610   # of the seeded inputs that --compression measures errors on
 
 
 def whole(buffer, rank, nranks):
@@ -100,6 +112,9 @@ class Spec:
     in_place_result: Callable = whole
     # Where MPI_IN_PLACE leaves the result, where that is elsewhere (reduce_scatter: the start).
     mpi_in_place_result: Optional[Callable] = None
+    # (op, nranks, every rank's float32 input) -> the float64 result every rank
+    # should approximate; set where --compression applies (allreduce).
+    reference: Optional[Callable] = None
 
     def param_count(self, nbytes, itemsize, nranks):
         """The count column, nccl-tests' count argument: elements per rank
@@ -145,7 +160,13 @@ def parse_args(spec, argv=None):
     p.add_argument("--algorithm", default="auto",
                    help="our algorithm, or several comma-separated (each runs as a backend of its own, "
                         "alternating per size): auto or a registered name (python -m bench.model lists them)")
-    p.add_argument("--compression", default="none", help="compress messages on the wire: only none exists today")
+    p.add_argument("--compression", default=NO_COMPRESSION,
+                   help="allreduce of float32 with op sum or avg: what our ranks read from peers, encoded. "
+                        f"Comma-separated, each runs as a backend of its own, alternating per size: "
+                        f"{', '.join(COMPRESSIONS)}. Beyond none, inputs are seeded random floats and every "
+                        "row gets maxrel (max |result - float64 reference| / max |reference|) and wire B "
+                        "(bytes a rank reads from its peers per call); compressed rows have no bitwise #wrong. "
+                        "mpi, gloo and nccl rows run uncompressed")
     p.add_argument("--timeout", type=float, default=None, help="communicator timeout in seconds")
     args = p.parse_args(argv)
     args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
@@ -160,8 +181,22 @@ def parse_args(spec, argv=None):
     unknown = set(args.backends) - set(BACKENDS)
     if unknown or not args.backends:
         p.error(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
-    if args.compression != "none":
-        p.error(f"--compression {args.compression}: compression is not implemented yet; only none is supported")
+    args.compressions = list(dict.fromkeys(c.strip() for c in args.compression.split(",") if c.strip()))
+    unknown = set(args.compressions) - set(COMPRESSIONS)
+    if unknown or not args.compressions:
+        p.error(f"unknown compression(s) {sorted(unknown)}; choose from {', '.join(COMPRESSIONS)}")
+    args.compressed = args.compressions != [NO_COMPRESSION]  # the error columns, and labels that name the codec
+    if args.compressed:
+        asked = f"--compression {args.compression}"
+        if spec.reference is None:
+            p.error(f"{asked}: compression applies to allreduce, not {spec.name} (python -m bench.all_reduce_perf)")
+        if args.dtype != np.float32:
+            p.error(f"{asked}: compression takes float32 (-d float), not {args.dtype.name}")
+        if args.op not in COMPRESSION_OPS:
+            p.error(f"{asked}: compression reduces with -o sum or avg, not {args.op}")
+        if not set(args.backends) & set(COMPRESSING_BACKENDS):
+            p.error(f"{asked}: compression applies to our backend: add --backend ours "
+                    "(mpi, gloo and nccl run uncompressed beside it)")
     if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1 or args.warmup_iters < 0 \
             or args.rounds < 1 or args.cudagraph < 0:
         p.error("need -b <= -e, -f >= 2, -n >= 1, -w >= 0, -G >= 0 and --rounds >= 1")
@@ -235,23 +270,74 @@ def count_wrong(got, want):
     return int(np.count_nonzero(differs.reshape(-1, got.itemsize).any(axis=1)))
 
 
-def measure(backends, spec, args, nbytes, world, progress=None):
-    """Per backend, [seconds, #wrong] out of place then in place, for one size.
+class SeededInputs:
+    """--compression's inputs: rank r's is seeded standard-normal float32, which
+    any process can regenerate, so each computes the float64 reference of all
+    ranks' inputs without communicating. Kept for one count at a time (its
+    local ranks' inputs and the reference)."""
+
+    def __init__(self, spec, op, nranks, seed=SEED):
+        self.spec, self.op, self.nranks, self.seed = spec, op, nranks, seed
+        self.count, self.inputs, self.ref = None, {}, None
+
+    def generate(self, rank, count):
+        return np.random.default_rng([self.seed, rank, count]).standard_normal(count, dtype=np.float32)
+
+    def _at(self, count):
+        if count != self.count:
+            self.count, self.inputs, self.ref = count, {}, None
+
+    def input(self, rank, count):
+        """Rank `rank`'s input of `count` elements (do not modify it: copy)."""
+        self._at(count)
+        if rank not in self.inputs:
+            self.inputs[rank] = self.generate(rank, count)
+        return self.inputs[rank]
+
+    def reference(self, count):
+        """The float64 result every rank should approximate."""
+        self._at(count)
+        if self.ref is None:
+            every = (self.inputs[r] if r in self.inputs else self.generate(r, count) for r in range(self.nranks))
+            self.ref = self.spec.reference(self.op, self.nranks, every)
+        return self.ref
+
+
+def max_relative_error(got, ref, chunk=1 << 22):
+    """max_i |got_i - ref_i| / max_i |ref_i| (NaN if any result is NaN), in chunks."""
+    got = np.asarray(got).reshape(-1)
+    worst, scale = np.float64(0.0), np.float64(0.0)
+    for start in range(0, ref.size, chunk):
+        r = ref[start:start + chunk]
+        worst = np.maximum(worst, np.max(np.abs(got[start:start + chunk] - r), initial=0.0))
+        scale = np.maximum(scale, np.max(np.abs(r), initial=0.0))
+    if scale == 0:
+        return float(worst) if worst != 0 else 0.0
+    return float(worst / scale)
+
+
+def measure(backends, spec, args, nbytes, world, progress=None, seeded=None):
+    """Per backend, for one size, out of place then in place: a dict of
+    seconds, wrong and maxrel.
 
     Seconds: the median over --rounds rounds; in each round every backend
     runs one timed batch of -n iterations in turn, so that the machine's
     noise hits all alike; a batch's time is its slowest rank's mean (ranks in
-    other processes report through MPI). #wrong: over every rank, from a run
-    on fresh inputs after the timed rounds.
+    other processes report through MPI). wrong: over every rank, from a run
+    on fresh inputs after the timed rounds (None for compressed backends,
+    whose results are approximate). maxrel: with `seeded` (--compression),
+    over every rank, from a run on fresh seeded inputs; else None. With
+    `seeded` the timed runs take the seeded inputs too, put back in place
+    before each batch.
     """
     rows = [[] for _ in backends]
     for in_place in (False, True):
-        shared = {}  # backends on the same ranks (algorithms of one communicator) share their buffers
+        shared = {}  # backends on the same ranks (algorithms, codecs of one communicator) share their buffers
         buffers = []
         for backend in backends:
             key = id(getattr(backend, "comm", backend))
             if key not in shared:
-                shared[key] = allocate(backend, spec, args, nbytes, in_place)
+                shared[key] = allocate(backend, spec, args, nbytes, in_place, seeded)
             buffers.append(shared[key])
         for backend, bufs in zip(backends, buffers):
             for _ in range(args.warmup_iters):
@@ -261,23 +347,37 @@ def measure(backends, spec, args, nbytes, world, progress=None):
             for backend, bufs, times in zip(backends, buffers, batches):
                 if progress is not None:
                     progress.at(backend.label)
+                if seeded is not None and in_place:
+                    refill(backend, spec, args, nbytes, bufs, seeded)
                 times.append(timed_batch(backend, bufs, args, world))
         for backend, row, times in zip(backends, rows, batches):
-            wrong = check(backend, spec, args, nbytes, in_place) if args.check else 0
-            if world is not None:
-                wrong = world.allreduce(wrong)
-            row += [statistics.median(times), wrong]
+            if backend.compression is not None:
+                wrong = None   # approximate: judged by maxrel
+            else:
+                wrong = check(backend, spec, args, nbytes, in_place) if args.check else 0
+                if world is not None:
+                    wrong = world.allreduce(wrong)
+            maxrel = None
+            if seeded is not None and args.check:
+                maxrel = error_check(backend, spec, args, nbytes, in_place, seeded)
+                if world is not None:  # not MPI's MAX: NaN must win
+                    maxrel = float(np.max(world.allgather(maxrel)))
+            row.append({"seconds": statistics.median(times), "wrong": wrong, "maxrel": maxrel})
     return rows
 
 
-def allocate(backend, spec, args, nbytes, in_place):
-    """A backend's Buffers for one message size, filled with fresh inputs.
-    Arrays are made on the host and moved, so every backend starts from the same bytes."""
+def allocate(backend, spec, args, nbytes, in_place, seeded=None):
+    """A backend's Buffers for one message size, filled with fresh inputs
+    (`seeded`'s if given). Arrays are made on the host and moved, so every
+    backend starts from the same bytes."""
     dtype, n = args.dtype, backend.nranks
     in_count, out_count = spec.counts(nbytes, dtype.itemsize, n)
     inputs, outputs, whole_buffers = [], [], []
     for r in backend.local_ranks:
-        x = spec.fill(dtype, args.op, n, r, in_count, args.root)
+        if seeded is not None:
+            x = seeded.input(r, in_count).copy()
+        else:
+            x = spec.fill(dtype, args.op, n, r, in_count, args.root)
         if in_place:
             buffer = np.empty(max(in_count, out_count), dtype)
             spec.in_place_input(buffer, r, n)[...] = x
@@ -289,6 +389,17 @@ def allocate(backend, spec, args, nbytes, in_place):
             inputs.append(backend.to_device(x))
             outputs.append(backend.to_device(np.empty(out_count, dtype)))
     return Buffers(inputs, outputs, whole_buffers if in_place else None)
+
+
+def refill(backend, spec, args, nbytes, buffers, seeded):
+    """Put the seeded inputs back into in-place buffers, untimed. In place,
+    each sum multiplies the data by about the number of ranks, which would
+    reach inf after a hundred-odd calls on two ranks; a codec meets inf and
+    NaN blocks on another path (wire.py), and its time would change with it.
+    Inside a batch of -n calls the data grows by nranks^n at most."""
+    in_count, _ = spec.counts(nbytes, args.dtype.itemsize, backend.nranks)
+    for view, r in zip(buffers.inputs, backend.local_ranks):
+        view[...] = backend.to_device(seeded.input(r, in_count))
 
 
 def timed_batch(backend, buffers, args, world):
@@ -343,6 +454,40 @@ def check(backend, spec, args, nbytes, in_place):
     return wrong
 
 
+def error_check(backend, spec, args, nbytes, in_place, seeded):
+    """maxrel on this process's ranks, from one call on fresh seeded inputs."""
+    _, out_count = spec.counts(nbytes, args.dtype.itemsize, backend.nranks)
+    fresh = allocate(backend, spec, args, nbytes, in_place, seeded)
+    backend.run(fresh)
+    ref = seeded.reference(out_count)
+    errors = [max_relative_error(backend.to_host(got), ref) for got in backend.results(fresh)]
+    return float(np.max(errors)) if errors else 0.0
+
+
+def picked_algorithm(backend, spec, args, in_count):
+    """The algorithm our backend's calls ran: its own, or what auto picks for
+    what it weighs (for a compressed call, the encoded size)."""
+    if backend.algorithm != "auto":
+        return backend.algorithm
+    nbytes = in_count * args.dtype.itemsize
+    if backend.compression is not None:
+        from collectives.compression.wire import encoded_nbytes
+        nbytes = encoded_nbytes(backend.compression, in_count)
+    return backend.comm.chosen_algorithm(spec.name, nbytes, root=args.root if spec.rooted else 0)
+
+
+def wire_bytes_per_rank(backend, spec, args, in_count):
+    """Bytes one call makes a rank read from its peers (its plan's wire_bytes
+    over the ranks); None for backends other than ours (no plan to ask)."""
+    if backend.algorithm is None:
+        return None
+    from collectives.plan import build_plan
+    plan = build_plan(spec.name, picked_algorithm(backend, spec, args, in_count), backend.nranks, in_count,
+                      args.dtype, collectives.ReduceOp(args.op), compression=backend.compression)
+    per_rank = plan.wire_bytes / backend.nranks
+    return int(per_rank) if per_rank == int(per_rank) else per_rank
+
+
 def _mpi_max():
     from mpi4py import MPI
     return MPI.MAX
@@ -355,20 +500,51 @@ HEADER = (
 )
 
 
+# With --compression, after the in-place columns (before the backend's):
+# maxrel, the worse of both placements, and wire B, bytes read from peers per rank and call.
+COMPRESSION_HEADER = ("", "    maxrel      wire B", "                (B/rank)")
+
+
+def header(compressed=False):
+    if not compressed:
+        return HEADER
+    return "\n".join(line + extra for line, extra in zip(HEADER.split("\n"), COMPRESSION_HEADER))
+
+
 def format_row(row):
     cells = f"{row['size']:12d}  {row['count']:12d}  {row['type']:>8s}  {row['redop']:>6s}  {row['root']:6d}"
     for place in ("out_of_place", "in_place"):
         m = row[place]
-        cells += f"  {m['time_us']:7.1f}  {m['algbw']:6.2f}  {m['busbw']:6.2f}  {m['wrong']:5d}"
+        wrong = f"{m['wrong']:5d}" if m["wrong"] is not None else "    -"  # compressed: see maxrel
+        cells += f"  {m['time_us']:7.1f}  {m['algbw']:6.2f}  {m['busbw']:6.2f}  {wrong}"
+    if "wire_bytes" in row:
+        cells += f"  {row['maxrel']:8.1e}" if row["maxrel"] is not None else f"  {'-':>8s}"
+        cells += f"  {row['wire_bytes']:10.0f}" if row["wire_bytes"] is not None else f"  {'-':>10s}"
     return cells + f"  {row['backend']:>6s}" + (f"  {row['vs_first']:5.2f}x" if "vs_first" in row else "")
 
 
+def wrong_count(rows):
+    """Wrong elements in rows checked bitwise (compressed rows are not)."""
+    return sum(r[place]["wrong"] or 0 for r in rows for place in ("out_of_place", "in_place"))
+
+
+def worst_error(values):
+    """The largest maxrel, NaN if any is NaN, None if none was measured."""
+    values = [v for v in values if v is not None]
+    return float(np.max(values)) if values else None
+
+
 def footer(label, rows):
-    """nccl-tests' two summary lines, for one backend."""
-    wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in rows)
+    """nccl-tests' two summary lines, for one backend (compressed: the largest maxrel instead)."""
     average = sum(r["out_of_place"]["busbw"] for r in rows) / max(len(rows), 1)
-    return (f"# Backend {label}\n"
-            f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}\n"
+    if rows and all(r["out_of_place"]["wrong"] is None for r in rows):
+        worst = worst_error(r.get("maxrel") for r in rows)
+        checked = f"{worst:.2e} (approximate: not checked bitwise)" if worst is not None else "not checked"
+        checked = f"# Max relative error  : {checked}"
+    else:
+        wrong = wrong_count(rows)
+        checked = f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
+    return (f"# Backend {label}\n{checked}\n"
             f"# Avg bus bandwidth    : {average:.3f} GB/s")
 
 
@@ -401,8 +577,18 @@ def main(spec, argv=None):
     mode = f"{nranks} processes" if world is not None else f"{nranks} virtual ranks in one process"
     mode += f" on {args.device}" if args.device != "host" else ""
     say(f"# collectives {spec.name} benchmark: {mode}, backends {', '.join(names)}, "
-        f"algorithm {args.algorithm}, {args.iters} iterations after {args.warmup_iters} warm-up")
-    say(HEADER + ("  backend" + ("  vs first" if len(backends) > 1 else "")))
+        f"algorithm {args.algorithm}, {args.iters} iterations after {args.warmup_iters} warm-up"
+        + (f", compression {','.join(args.compressions)}" if args.compressed else ""))
+    seeded = None
+    if args.compressed:
+        plain = [n for n in names if n not in COMPRESSING_BACKENDS]
+        if plain:
+            say(f"# {', '.join(plain)} run uncompressed: --compression applies to ours")
+        say(f"# inputs: seeded standard-normal float32 per rank; maxrel = max |result - float64 {args.op}| "
+            f"/ max |float64 {args.op}|; wire B = bytes read from peers per rank and call; "
+            f"compressed rows: no bitwise #wrong")
+        seeded = SeededInputs(spec, args.op, nranks)
+    say(header(args.compressed) + ("  backend" + ("  vs first" if len(backends) > 1 else "")))
     itemsize = args.dtype.itemsize
     sweep = [s for s in sizes(args) if spec.param_count(s, itemsize, nranks) > 0]
     if len(sweep) < len(list(sizes(args))):
@@ -415,21 +601,27 @@ def main(spec, argv=None):
         in_count, out_count = spec.counts(nbytes, itemsize, nranks)
         size = spec.bytes_moved(nbytes, itemsize, nranks)
         first_time = None
-        measured = measure(backends, spec, args, nbytes, world, progress)
+        measured = measure(backends, spec, args, nbytes, world, progress, seeded)
         progress.clear()
-        for backend, (t_out, w_out, t_in, w_in) in zip(backends, measured):
+        for backend, placements in zip(backends, measured):
+            t_out = placements[0]["seconds"]
             row = {"backend": backend.label, "size": size, "count": spec.param_count(nbytes, itemsize, nranks),
                    "type": args.dtype.name, "redop": args.op if spec.has_op else "none",
                    "root": args.root if spec.rooted else -1}
             if backend.algorithm is not None:
                 row["algorithm"] = backend.algorithm
-                row["picked"] = backend.comm.chosen_algorithm(spec.name, in_count * itemsize,
-                                                              root=args.root if spec.rooted else 0) \
-                    if backend.algorithm == "auto" else backend.algorithm
+                row["picked"] = picked_algorithm(backend, spec, args, in_count)
             factor = spec.busbw_factor(nranks)
-            for place, seconds, wrong in (("out_of_place", t_out, w_out), ("in_place", t_in, w_in)):
+            for place, m in zip(("out_of_place", "in_place"), placements):
+                seconds = m["seconds"]
                 algbw = size / seconds / 1e9 if seconds > 0 else 0.0
-                row[place] = {"time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * factor, "wrong": wrong}
+                row[place] = {"time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * factor, "wrong": m["wrong"]}
+                if args.compressed:
+                    row[place]["maxrel"] = m["maxrel"]
+            if args.compressed:
+                row["compression"] = backend.compression or NO_COMPRESSION
+                row["maxrel"] = worst_error(m["maxrel"] for m in placements)
+                row["wire_bytes"] = wire_bytes_per_rank(backend, spec, args, in_count)
             if len(backends) > 1:
                 first_time = first_time or t_out
                 row["vs_first"] = t_out / first_time
@@ -438,7 +630,8 @@ def main(spec, argv=None):
     progress.finish()
     for backend in backends:
         say(footer(backend.label, [r for r in rows if r["backend"] == backend.label]))
-    wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in rows)
+    wrong = wrong_count(rows)
+    worst = worst_error(r.get("maxrel") for r in rows)
     if args.output_file and leader:
         with open(args.output_file, "w") as f:
             json.dump({"collective": spec.name, "environment": environment(args, nranks, names),
@@ -446,5 +639,9 @@ def main(spec, argv=None):
         say(f"# wrote {args.output_file}")
     for backend in backends:
         backend.close()
-    say("# " + ("all results correct" if wrong == 0 else f"{wrong} WRONG elements"))
+    say("# " + ("all results correct" if wrong == 0 else f"{wrong} WRONG elements")
+        + (" (compressed rows: approximate, see maxrel)" if args.compressed and wrong == 0 else ""))
+    if worst is not None and not np.isfinite(worst):
+        say("# a result was not finite (maxrel nan or inf)")
+        return 1
     return 1 if wrong else 0

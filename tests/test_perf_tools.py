@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench import backends, harness, progress
@@ -154,12 +155,139 @@ def test_cuda_graphs_are_ignored_off_the_gpu_path(capsys, tmp_path):
     assert code == 0 and out.count("# -G ignored: CUDA graphs apply to --device cuda") == 1
 
 
-def test_compression_other_than_none_is_an_error(capsys):
-    assert harness.parse_args(ALLREDUCE, ["--compression", "none"]).compression == "none"
+# -- --compression -------------------------------------------------------------------
+
+CODEC_SWEEP = ["--ranks", "2", "-b", "4K", "-e", "256K", "-f", "8", "-n", "1", "-w", "0"]
+# The most of none's wire bytes each codec may read (fp16: 2 B and a scale byte per 32 elements)
+# and the largest maxrel each may show on 2 ranks' standard-normal inputs.
+WIRE_RATIO = {"fp16": 0.52, "bf16": 0.52, "int8": 0.28}
+MAXREL = {"none": 2 ** -20, "fp16": 2 ** -9, "bf16": 2 ** -6, "int8": 2 ** -5}
+
+
+def test_compression_parses_a_list():
+    args = harness.parse_args(ALLREDUCE, ["--compression", "none, fp16,bf16,int8"])
+    assert args.compressions == ["none", "fp16", "bf16", "int8"] and args.compressed
+    args = harness.parse_args(ALLREDUCE, [])
+    assert args.compressions == ["none"] and not args.compressed
+    assert harness.parse_args(ALLREDUCE, ["--compression", "int8", "-o", "avg"]).compressions == ["int8"]
+    # mpi beside ours runs uncompressed
+    assert harness.parse_args(ALLREDUCE, ["--compression", "none,bf16", "--backend", "ours,mpi"]).compressed
+
+
+@pytest.mark.parametrize("tool, argv, message", [
+    ("all_reduce_perf", ["--compression", "zstd"], "unknown compression(s) ['zstd']"),
+    ("all_reduce_perf", ["--compression", ","], "unknown compression(s) []"),
+    ("reduce_scatter_perf", ["--compression", "fp16"], "compression applies to allreduce, not reduce_scatter"),
+    ("all_gather_perf", ["--compression", "none,bf16"], "compression applies to allreduce"),
+    ("broadcast_perf", ["--compression", "int8"], "compression applies to allreduce"),
+    ("reduce_perf", ["--compression", "int8"], "compression applies to allreduce"),
+    ("all_reduce_perf", ["--compression", "fp16", "-d", "half"], "compression takes float32 (-d float)"),
+    ("all_reduce_perf", ["--compression", "bf16", "-d", "double"], "compression takes float32"),
+    ("all_reduce_perf", ["--compression", "int8", "-o", "max"], "-o sum or avg, not max"),
+    ("all_reduce_perf", ["--compression", "none,fp16", "--backend", "mpi"], "add --backend ours"),
+])
+def test_compression_refuses_what_it_cannot_run(tool, argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
-        harness.parse_args(ALLREDUCE, ["--compression", "zstd"])
+        harness.parse_args(TOOLS[tool], argv)
     assert stopped.value.code == 2
-    assert "compression is not implemented yet" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_other_tools_take_no_compression_but_none(capsys):
+    assert harness.parse_args(REDUCE, ["--compression", "none"]).compressions == ["none"]
+    with pytest.raises(SystemExit):
+        harness.main(REDUCE, ["--ranks", "2", "--compression", "fp16"])
+    assert "compression applies to allreduce" in capsys.readouterr().err
+
+
+def by_codec(rows):
+    return {codec: [r for r in rows if r["compression"] == codec] for codec in ("none", "fp16", "bf16", "int8")}
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_every_codec_side_by_side(op, capsys, tmp_path):
+    """--compression none,fp16,bf16,int8: a backend per codec, size by size;
+    maxrel against the float64 reference and the wire bytes in the table and
+    the JSON; #wrong only for uncompressed rows."""
+    code, out, report = run_tool(ALLREDUCE, [*CODEC_SWEEP, "-o", op, "--compression", "none,fp16,bf16,int8"],
+                                 capsys, tmp_path)
+    assert code == 0 and "all results correct" in out, out
+    rows = report["rows"]
+    assert [r["backend"] for r in rows] == ["ours:none", "ours:fp16", "ours:bf16", "ours:int8"] * 3
+    assert [r["size"] for r in rows] == [4096] * 4 + [32768] * 4 + [262144] * 4
+    for r in rows:
+        for key in ("compression", "maxrel", "wire_bytes"):
+            assert key in r, key
+        assert r["maxrel"] == max(r["out_of_place"]["maxrel"], r["in_place"]["maxrel"])
+        assert 0 <= r["maxrel"] < MAXREL[r["compression"]], r
+        assert r["picked"] in ("ring", "direct", "star", "tree", "butterfly", "halving_doubling",
+                               "round_robin", "two_shot")
+    codecs = by_codec(rows)
+    for plain in codecs["none"]:
+        assert plain["out_of_place"]["wrong"] == plain["in_place"]["wrong"] == 0   # still checked bitwise
+        assert plain["wire_bytes"] == plain["size"]        # 2 ranks: each reads the other's half, twice
+        assert plain["maxrel"] > 0                        # random inputs: float32 rounds the sum
+    for codec, ratio in WIRE_RATIO.items():
+        for plain, compressed in zip(codecs["none"], codecs[codec]):
+            assert compressed["out_of_place"]["wrong"] is None and compressed["in_place"]["wrong"] is None
+            assert 0 < compressed["wire_bytes"] <= ratio * plain["wire_bytes"], (codec, compressed)
+            assert compressed["maxrel"] > plain["maxrel"]
+    # The table: the two columns after the in-place ones, and "-" for no bitwise check.
+    lines = out.splitlines()
+    assert any("maxrel" in line and "wire B" in line for line in lines if line.startswith("#"))
+    for cells, r in zip(table(out), rows):
+        assert cells[13] == f"{r['maxrel']:.1e}" and int(cells[14]) == r["wire_bytes"] and cells[15] == r["backend"]
+        assert (cells[8], cells[12]) == (("0", "0") if r["compression"] == "none" else ("-", "-"))
+    assert "# Out of bounds values : 0 OK" in out and out.count("# Max relative error  : ") == 3
+
+
+def test_one_codec_and_several_algorithms_name_both(capsys, tmp_path):
+    code, out, report = run_tool(ALLREDUCE, ["--ranks", "3", "-b", "12K", "-e", "12K", "-n", "1", "-w", "0",
+                                             "--algorithm", "ring,direct", "--compression", "none,int8"],
+                                 capsys, tmp_path)
+    assert code == 0, out
+    rows = report["rows"]
+    assert [r["backend"] for r in rows] == ["ours:ring:none", "ours:ring:int8", "ours:direct:none",
+                                            "ours:direct:int8"]
+    assert [r["picked"] for r in rows] == ["ring", "ring", "direct", "direct"]
+    # 3 ranks: direct reads every peer's whole buffer, the ring 2 (n-1)/n of one.
+    assert rows[2]["wire_bytes"] == 2 * 12288 and rows[0]["wire_bytes"] == 2 * 12288 * 2 // 3
+    assert rows[1]["wire_bytes"] <= 0.28 * rows[0]["wire_bytes"]
+    code, out, report = run_tool(ALLREDUCE, ["--ranks", "2", "-b", "4K", "-e", "4K", "-n", "1", "-w", "0",
+                                             "--compression", "bf16"], capsys, tmp_path)
+    assert code == 0 and [r["backend"] for r in report["rows"]] == ["ours:bf16"], out
+
+
+def test_a_compressed_result_that_is_off_shows_in_maxrel(capsys, tmp_path):
+    def off(comm, x, out, args):
+        results = comm.allreduce(x, op=args.op, out=out, compression=args.codec)
+        results[-1][0] += 1000.0  # far off on one element of the last rank
+
+    code, out, report = run_tool(dataclasses.replace(ALLREDUCE, run_ours=off),
+                                 ["--ranks", "2", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0",
+                                  "--compression", "fp16"], capsys, tmp_path)
+    assert code == 0 and report["rows"][0]["maxrel"] > 10, out
+
+    def not_a_number(comm, x, out, args):
+        results = comm.allreduce(x, op=args.op, out=out, compression=args.codec)
+        results[0][-1] = float("nan")
+
+    code, out, report = run_tool(dataclasses.replace(ALLREDUCE, run_ours=not_a_number),
+                                 ["--ranks", "2", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0",
+                                  "--compression", "none,int8"], capsys, tmp_path)
+    assert code == 1 and "not finite" in out
+
+
+def test_the_seeded_reference_is_every_rank_regenerated():
+    seeded = harness.SeededInputs(ALLREDUCE, "avg", 3)
+    again = harness.SeededInputs(ALLREDUCE, "avg", 3)
+    assert np.array_equal(seeded.input(1, 100), again.generate(1, 100))  # any process, same bytes
+    assert not np.array_equal(seeded.input(0, 100), seeded.input(1, 100))
+    every = np.stack([again.generate(r, 100).astype(np.float64) for r in range(3)])
+    assert np.allclose(seeded.reference(100), every.mean(0), rtol=0, atol=1e-15)
+    assert harness.max_relative_error(np.float32([1, -2]), np.array([1.0, -4.0])) == 0.5
+    assert np.isnan(harness.max_relative_error(np.float32([np.nan, 1]), np.array([1.0, 1.0])))
+    assert harness.max_relative_error(np.zeros(3, np.float32), np.zeros(3)) == 0.0
 
 
 def test_gloo_without_torch_names_the_install(monkeypatch, capsys):
@@ -269,6 +397,24 @@ def test_a_backend_without_the_op_is_skipped(tmp_path):
     assert all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in report["rows"])
 
 
+@pytest.mark.mpi
+def test_codecs_across_processes_beside_uncompressed_mpi(tmp_path):
+    """Under mpiexec: ours per codec through shared memory, and MPI's float32
+    rows (run uncompressed, said so) with a maxrel and no wire bytes."""
+    pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
+    out, report = run_processes("all_reduce_perf", ["--backend", "ours,mpi", "--compression", "none,fp16,int8",
+                                                    "-b", "4K", "-e", "64K", "-f", "16", "-n", "2", "-w", "1"],
+                                tmp_path)
+    assert "# mpi run uncompressed: --compression applies to ours" in out
+    rows = report["rows"]
+    assert [r["backend"] for r in rows] == ["ours:none", "ours:fp16", "ours:int8", "mpi"] * 2
+    for plain, fp16, int8, mpi in zip(*[rows[i::4] for i in range(4)]):
+        assert plain["in_place"]["wrong"] == mpi["out_of_place"]["wrong"] == 0 and fp16["in_place"]["wrong"] is None
+        assert mpi["compression"] == "none" and mpi["wire_bytes"] is None and mpi["maxrel"] < MAXREL["none"]
+        assert fp16["wire_bytes"] <= 0.52 * plain["wire_bytes"] and int8["wire_bytes"] <= 0.28 * plain["wire_bytes"]
+        assert fp16["maxrel"] < MAXREL["fp16"] and int8["maxrel"] < MAXREL["int8"]
+
+
 def test_nccl_is_a_backend_for_gpus_only():
     with pytest.raises(SystemExit):
         harness.parse_args(ALLREDUCE, ["--backend", "ours,nccl"])          # host: NCCL needs --device cuda
@@ -278,3 +424,21 @@ def test_nccl_is_a_backend_for_gpus_only():
     assert args.backends == ["ours", "nccl"]
     args = harness.parse_args(ALLREDUCE, ["--backend", "ours,mpi,gloo", "--device", "emulated"])
     assert args.backends == ["ours", "mpi", "gloo"]  # ours on emulated devices beside host MPI and Gloo
+
+
+def test_in_place_batches_start_from_the_seeded_inputs(monkeypatch, capsys, tmp_path):
+    """In place a sum doubles the data on 2 ranks: with --compression each
+    timed batch starts again from the seeded inputs, so no batch meets inf."""
+    largest = []
+    real = harness.timed_batch
+
+    def watching(backend, buffers, args, world):
+        largest.append(max(float(np.max(np.abs(x))) for x in buffers.inputs))
+        return real(backend, buffers, args, world)
+
+    monkeypatch.setattr(harness, "timed_batch", watching)
+    code, out, _ = run_tool(ALLREDUCE, ["--ranks", "2", "-b", "1K", "-e", "1K", "-n", "40", "-w", "40",
+                                        "--rounds", "2", "--compression", "none,int8"], capsys, tmp_path)
+    assert code == 0, out
+    in_place = largest[len(largest) // 2:]   # out of place first, then in place
+    assert len(in_place) == 4 and max(in_place) < 10  # standard normal inputs, not 2^80 times them
