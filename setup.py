@@ -12,6 +12,7 @@ loops are the host data path of the compression codecs. Extras:
             simulator; matplotlib and PyTorch's CPU build for the plot and
             Gloo tests. No GPU and no CUDA toolkit needed.
     mpi     mpi4py with MPICH's wheel, for one rank per process under mpiexec
+    examples  MPI and scikit-learn (the digits data set), for examples/
     bench   matplotlib, for python -m bench.plot
     torch   PyTorch, for the Gloo backend of the benchmarks (torch.distributed);
             the test extra pins the CPU build 2.13.0 (an unpinned torch pulls
@@ -46,6 +47,9 @@ CUDA_TOOLCHAIN = [
 # register and spill checks measure.
 NUMBA_CUDA = ["numba-cuda[cu13]==0.30.4"]
 
+# The training examples' data set (scikit-learn's digits), and the tests that run them.
+EXAMPLES = ["scikit-learn>=1.3"]
+
 setup(
     name="collectives",
     version="0.1.0",
@@ -62,8 +66,10 @@ setup(
     install_requires=["numpy>=1.24", "ml_dtypes>=0.4", "numba>=0.60"],   # numba: the codecs' host loops
     extras_require={
         "mpi": MPI,
-        "test": ["pytest>=8", "pytest-timeout>=2.3", *MPI, *CUDA_TOOLCHAIN, *NUMBA_CUDA, *PLOTS, "torch==2.13.0"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", *MPI, *CUDA_TOOLCHAIN, *NUMBA_CUDA, *PLOTS, "torch==2.13.0",
+                 *EXAMPLES],
         "bench": PLOTS,
+        "examples": [*MPI, *EXAMPLES],
         "torch": ["torch>=2.1"],
         "cuda12": ["cupy-cuda12x>=13.3", "nvidia-cuda-nvrtc-cu12>=12.4", "nvidia-cuda-runtime-cu12>=12.4",
                    "nvidia-nccl-cu12>=2.21", "numba-cuda[cu12]>=0.20"],

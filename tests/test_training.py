@@ -1,0 +1,256 @@
+"""Data-parallel training with collectives.torch (issue 14).
+
+In this process, on a one-rank communicator: the optimizer wrapper's
+plumbing (every gradient goes through the fusion buffer and comes back, in
+any layout), its rules and errors, and broadcast_parameters' packing.
+
+Under mpiexec (marked `mpi`; tests/training_worker.py is one rank): 4
+processes train an MLP for 50 steps and (a) hold bitwise-identical
+parameters, (b) equal one process training on the same global batches
+within float32 rounding; (c) with each codec, with and without error
+feedback, a longer run on scikit-learn's digits ends within 1 point of the
+uncompressed run's test accuracy; (d) a rank that dies mid-training makes
+the others raise within the timeout. And both examples run.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the training tests need PyTorch: pip install '.[test]' (or '.[torch]')")
+
+import collectives  # noqa: E402
+from collectives import InvalidUsageError  # noqa: E402
+from collectives.torch import DistributedOptimizer, broadcast_parameters, host_array  # noqa: E402
+
+WORKER = Path(__file__).with_name("training_worker.py")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+NEEDS_SKLEARN = "the digits data set comes with scikit-learn: pip install scikit-learn"
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def batches(n=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(10, 8, generator=g), torch.randint(0, 4, (10,), generator=g)) for _ in range(n)]
+
+
+def train(model, optimizer, data, passes=1):
+    for x, y in data:
+        optimizer.zero_grad()
+        for _ in range(passes):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# -- in this process, one rank ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threshold", [64, 1 << 20])
+def test_one_rank_trains_exactly_as_the_plain_optimizer(threshold):
+    """avg over one rank is the identity: every gradient must go through the
+    fusion buffer (one array per buffer, or all in one) and come back intact."""
+    with collectives.Communicator.local(1) as comm:
+        model = mlp()
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
+                                         fusion_threshold=threshold)
+        got = train(model, optimizer, batches())
+    reference = mlp()
+    want = train(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), batches())
+    assert torch.equal(got, want)
+
+
+def test_gradients_in_any_layout_and_accumulated_passes():
+    """A transposed (non-contiguous) parameter's gradient is reduced in a
+    copy and copied back; backward_passes_per_step accumulates locally."""
+    def make():
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 8).t())   # strides (1, 8): its gradient has them too
+        b = torch.nn.Parameter(torch.zeros(4))
+        assert not w.is_contiguous()
+        return w, b
+
+    data = batches()
+
+    def run(optimizer_for):
+        w, b = make()
+        optimizer = optimizer_for([w, b])
+        for x, y in data:
+            optimizer.zero_grad()
+            for _ in range(2):
+                torch.nn.functional.cross_entropy(x @ w + b, y).backward()
+            optimizer.step()
+        return w.detach().clone(), b.detach().clone()
+
+    with collectives.Communicator.local(1) as comm:
+        got = run(lambda ps: DistributedOptimizer(torch.optim.SGD(ps, lr=0.1), comm, fusion_threshold=64,
+                                                  backward_passes_per_step=2))
+    want = run(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_it_is_an_optimizer_sharing_the_wrapped_ones_state():
+    with collectives.Communicator.local(1) as comm:
+        model = mlp()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = DistributedOptimizer(sgd, comm)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)   # refuses non-Optimizers
+        train(model, optimizer, batches(2))
+        scheduler.step()
+        assert sgd.param_groups[0]["lr"] == 0.05 and optimizer.param_groups is sgd.param_groups
+        assert optimizer.state is sgd.state and len(optimizer.state) == 4
+        saved = optimizer.state_dict()
+        optimizer.load_state_dict(saved)
+        assert optimizer.state_dict()["param_groups"] == saved["param_groups"]
+        sgd.custom = 7
+        assert optimizer.custom == 7                # other attributes are the wrapped optimizer's
+        assert "SGD" in repr(optimizer) and "size=1" in repr(optimizer)
+
+
+def test_rules_are_enforced_with_a_message():
+    with collectives.Communicator.local(1) as comm:
+        model = mlp()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(InvalidUsageError, match="torch.optim.Optimizer"):
+            DistributedOptimizer(object(), comm)
+        with pytest.raises(InvalidUsageError, match="needs a compression"):
+            DistributedOptimizer(sgd, comm, error_feedback=True)
+        with pytest.raises(InvalidUsageError, match="backward_passes_per_step"):
+            DistributedOptimizer(sgd, comm, backward_passes_per_step=0)
+        with pytest.raises(InvalidUsageError, match="float32"):
+            DistributedOptimizer(torch.optim.SGD(mlp().double().parameters(), lr=0.1), comm, compression="bf16")
+        optimizer = DistributedOptimizer(sgd, comm)
+        with pytest.raises(InvalidUsageError, match="already"):
+            DistributedOptimizer(optimizer, comm)
+        (x, y), = batches(1)
+        loss = lambda: torch.nn.functional.cross_entropy(model(x), y)  # noqa: E731
+        loss().backward()
+        with pytest.raises(InvalidUsageError, match="computed 2 times"):
+            loss().backward()
+        optimizer.zero_grad()                       # waits for what was in flight, starts afresh
+        loss().backward()
+        optimizer.synchronize()
+        with pytest.raises(InvalidUsageError, match="after synchronize"):
+            loss().backward()
+        optimizer.zero_grad()
+        optimizer.remove_hooks()                    # now another wrapper may take the parameters
+        again = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
+        loss().backward()
+        again.step()
+    with collectives.Communicator.local(2) as two:
+        with pytest.raises(InvalidUsageError, match="one rank in this process"):
+            DistributedOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), two)
+
+
+def test_broadcast_parameters_packs_every_dtype_and_size_and_unpacks_them_intact():
+    """One rank: the broadcast is the identity, so what comes back checks the
+    byte packing (odd sizes, 16-byte boundaries, bf16, bool, int64, 0-d)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))   # int64 num_batches_tracked
+    tensors = [torch.randn(7, dtype=torch.bfloat16), torch.tensor([True, False, True]), torch.tensor(3.5),
+               torch.arange(5, dtype=torch.int16)[::2], torch.randn(2, 3, dtype=torch.float64)]
+    before = [t.clone() for t in [*model.state_dict().values(), *tensors]]
+    with collectives.Communicator.local(1) as comm:
+        broadcast_parameters(model, comm)
+        broadcast_parameters(tensors, comm)
+        broadcast_parameters({"a": tensors[0]}, comm, root=0)
+        with pytest.raises(InvalidUsageError, match="tensors"):
+            broadcast_parameters([np.ones(3)], comm)
+    after = [*model.state_dict().values(), *tensors]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, after))
+
+
+def test_host_array_shares_the_tensors_memory():
+    t = torch.zeros(4, dtype=torch.bfloat16)
+    a = host_array(t)
+    a[1] = 2.5
+    assert str(a.dtype) == "bfloat16" and t[1].item() == 2.5
+
+
+# -- across processes ---------------------------------------------------------------------
+
+
+def mpiexec():
+    pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+    beside_python = Path(sys.executable).with_name("mpiexec")
+    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec found (pip install '.[test]' brings MPICH's)")
+    return found
+
+
+def run(n, command, *launcher_flags, limit=120):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    done = subprocess.run([mpiexec(), *launcher_flags, "-n", str(n), sys.executable, *command],
+                          capture_output=True, text=True, timeout=limit, env=env)
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert done.returncode == 0, report
+    return done.stdout, report
+
+
+def run_worker(n, scenario, output=None, *launcher_flags):
+    stdout, report = run(n, [str(WORKER), scenario, *([str(output)] if output else [])], *launcher_flags)
+    return re.findall(rf"OK {scenario} \d+", stdout), report   # ranks' lines can arrive glued together
+
+
+@pytest.mark.mpi
+def test_four_ranks_stay_bitwise_identical_and_match_one_process(tmp_path):
+    oks, report = run_worker(4, "sync", tmp_path / "sync.json")
+    assert len(oks) == 4, report
+    measured = json.loads((tmp_path / "sync.json").read_text())
+    assert measured["difference"] <= measured["tolerance"], measured
+
+
+@pytest.mark.mpi
+def test_compressed_training_ends_within_one_point_of_uncompressed(tmp_path):
+    pytest.importorskip("sklearn", reason=NEEDS_SKLEARN)
+    oks, report = run_worker(4, "compression", tmp_path / "accuracy.json")
+    assert len(oks) == 4, report
+    results = json.loads((tmp_path / "accuracy.json").read_text())
+    baseline = results[0]
+    assert baseline["compression"] is None and baseline["accuracy"] > 0.9, baseline
+    print("\n| compression | error feedback | steps | test accuracy | against none (points) | test loss "
+          "| parameters' distance from none's (relative L2) |\n|---|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        points = 100 * (r["accuracy"] - baseline["accuracy"])
+        print(f"| {r['compression'] or 'none'} | {'yes' if r['error_feedback'] else 'no'} | {r['steps']} | "
+              f"{100 * r['accuracy']:.2f}% | {points:+.2f} | {r['test_loss']:.4f} | "
+              f"{r['parameter_difference']:.2g} |")
+    for r in results[1:]:
+        assert abs(r["accuracy"] - baseline["accuracy"]) <= 0.01, (r, baseline)
+        assert r["parameter_difference"] > 0, f"{r['compression']} changed nothing: was it applied?"
+
+
+@pytest.mark.mpi
+def test_a_rank_that_dies_mid_training_makes_the_others_raise():
+    # Hydra would otherwise kill the survivors itself when one rank exits.
+    oks, report = run_worker(4, "killed", None, "-disable-auto-cleanup")
+    assert len(oks) == 3, report
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("example, n, flags", [
+    ("numpy_mlp.py", 4, ["--epochs", "2"]),
+    ("torch_mlp.py", 4, ["--epochs", "2"]),
+    ("torch_mlp.py", 2, ["--measure", "--hidden", "64", "--layers", "2", "--rounds", "1", "--steps", "2"]),
+])
+def test_the_examples_run(example, n, flags):
+    pytest.importorskip("sklearn", reason=NEEDS_SKLEARN)
+    stdout, report = run(n, [str(EXAMPLES / example), *flags])
+    if "--measure" in flags:
+        assert stdout.count("| overlap") == 1 and stdout.count("| after backward") == 2, report
+        assert stdout.count("| no communication") == 1, report
+    else:
+        assert re.search(r"epoch +2 +test accuracy 0\.\d+", stdout), report
+        assert f"parameters bitwise identical on all {n} ranks: True" in stdout, report
