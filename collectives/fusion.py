@@ -10,10 +10,13 @@ unpacks it:
 * Grouping (`Packer`): arrays are taken in the caller's order; each dtype
   has one open buffer, which takes the next array of its dtype while the
   buffer stays within the threshold, and is closed (its allreduce can
-  start) when the next one does not fit. An array larger than the threshold
-  is allreduced on its own, where it lies. `allreduce_many` and
-  `FusionBuffer` group with the same Packer, so the same arrays give the
-  same buffers and so the same bits.
+  start) when the next one does not fit. An array larger than the pack
+  limit is allreduced on its own, where it lies: on GPU ranks the limit is
+  the threshold; on host ranks it is HOST_PACK_LIMIT, since there a call
+  costs tens of microseconds and copying an array in and out costs more
+  than that from a few tens of KiB on (bench/fusion_perf.py measures it).
+  `allreduce_many` and `FusionBuffer` group with the same Packer, so the
+  same arrays give the same buffers and so the same bits.
 * Layout: every array starts on a 16-byte boundary of its buffer; with
   compression, on a codec block (32 elements), so no block's scale is
   shared by two arrays, and the gaps are zeroed (a gap is part of a block).
@@ -39,6 +42,12 @@ from .ops import as_reduce_op
 
 ALIGN_BYTES = 16
 DEFAULT_THRESHOLD = 64 << 20
+HOST_PACK_LIMIT = 64 << 10
+
+
+def pack_limit(comm):
+    """The largest array a fusion buffer takes on `comm` (see the module doc)."""
+    return HOST_PACK_LIMIT if comm._ranks.host_only else None
 
 
 class Slot(NamedTuple):
@@ -62,8 +71,9 @@ class Group(NamedTuple):
 class Packer:
     """Groups arrays into fusion buffers, one array at a time (see module doc)."""
 
-    def __init__(self, threshold, compression=None):
+    def __init__(self, threshold, compression=None, pack_limit=None):
         self.threshold = threshold
+        self.pack_limit = threshold if pack_limit is None else min(pack_limit, threshold)
         self.align = max(ALIGN_BYTES, 4 * wire.BLOCK) if compression is not None else ALIGN_BYTES
         self._open = {}   # dtype -> [slots, next free byte]
 
@@ -73,7 +83,7 @@ class Packer:
             return []     # nothing to reduce
         nbytes = size * dtype.itemsize
         closed = []
-        if nbytes > self.threshold:
+        if nbytes > self.pack_limit:
             return [Group(dtype, (Slot(index, 0, size),), size)]
         entry = self._open.get(dtype)
         if entry is not None:
@@ -293,7 +303,7 @@ def allreduce_many(comm, arrays_, op, fusion_threshold, compression, algorithm="
     if call is None:
         per_rank, infos = check_arrays(comm, arrays_, op, compression, fusion_threshold)
         check_algorithm(algorithm)
-        packer = Packer(fusion_threshold, compression)
+        packer = Packer(fusion_threshold, compression, pack_limit(comm))
         groups = []
         for index, info in enumerate(infos[0] if infos else ()):
             groups += packer.add(index, info.dtype, info.size)
@@ -381,7 +391,7 @@ class FusionBuffer:
         self._reset()
 
     def _reset(self):
-        self._packer = Packer(self.threshold, self.compression)
+        self._packer = Packer(self.threshold, self.compression, pack_limit(self.comm))
         self._arrays, self._infos = [], []   # per added array: per local rank
         self._started = []                   # futures, or None for work already issued on streams
         self._groups = 0
