@@ -205,6 +205,7 @@ class Communicator:
             future = concurrent.futures.Future()
             try:
                 job(self._fuser())
+                self._fuser().finished()
                 future.set_result(None)
             except Exception as error:  # noqa: BLE001 - surfaces at wait()
                 future.set_exception(error)
@@ -214,8 +215,21 @@ class Communicator:
             self._worker_thread = self._worker.submit(threading.get_ident).result()
         return self._worker.submit(job, self._fuser())
 
-    def _fusion_done(self, owner):
-        self._busy.discard(owner)
+    def _fusion_done(self, owner, futures):
+        """`owner` has no work in flight once all `futures` are done."""
+        pending = [f for f in futures if not f.done()]
+        if not pending:
+            self._busy.discard(owner)
+            return
+        remaining = [len(pending)]
+
+        def one_done(_):
+            remaining[0] -= 1
+            if not remaining[0]:
+                self._busy.discard(owner)
+
+        for future in pending:
+            future.add_done_callback(one_done)
 
     def chosen_algorithm(self, collective, nbytes, root=0):
         """The algorithm `algorithm="auto"` runs for `collective` on arrays of
@@ -260,8 +274,8 @@ class Communicator:
         """
         if self._closed:
             return
+        self._stop_worker()   # queued fused allreduces run first: peers wait for them
         self._closed = True
-        self._stop_worker()
         try:
             self._ranks.barrier(time.perf_counter() + self.timeout)
         except CollectiveError:
@@ -336,6 +350,9 @@ class Communicator:
             outputs, output_infos = inputs, input_infos
 
         binding = self._check_buffers(collective, root, out is not None, input_infos, output_infos)
+        if compression is not None:  # streamline.py's rewrites hold for an output that is the input or apart from it
+            streamlined = validation.relation(input_infos, output_infos, _same_array) != validation.OVERLAPPING
+            binding = (WORKSPACE, streamlined)
         plan = self._plan(collective, dtype, elements, op, root, algorithm, binding, compression)
         ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
         return outputs if as_sequence else outputs[0]
@@ -363,7 +380,11 @@ class Communicator:
             itemsize = wire.encoded_nbytes(compression, max(elements, 1)) / max(elements, 1)  # what `auto` weighs
         if algorithm == "auto":
             algorithm = self._auto(collective, elements, itemsize, root)
-        plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding, compression)
+        if compression is not None:
+            binding, streamlined = binding
+            plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding, compression, streamlined)
+        else:
+            plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding)
         if key is not None:
             if len(self._plans) >= 1024:
                 self._plans.clear()
@@ -430,6 +451,10 @@ def _reduce_op(op):
         return _OPS[op]
     except (KeyError, TypeError):
         return as_reduce_op(op)  # other spellings, or the error that names the valid ones
+
+
+def _same_array(rank, a, b):
+    return a.address == b.address and a.device == b.device
 
 
 def _receives(collective, rank, root):

@@ -27,6 +27,7 @@ unpacks it:
   REDUCE_FINAL), so fusion adds no pass of its own.
 """
 
+import bisect
 import concurrent.futures
 import operator
 from typing import NamedTuple, Tuple
@@ -36,6 +37,7 @@ import numpy as np
 from . import arrays, kernels, validation
 from .algorithms import schedule_for
 from .algorithms.schedule import ALLREDUCE
+from .binding import WORKSPACE
 from .compression import wire
 from .errors import CollectiveTimeoutError, InvalidUsageError
 from .ops import as_reduce_op
@@ -205,6 +207,12 @@ class Fuser:
         comm._collective(ALLREDUCE, buffers, op=op, compression=compression, algorithm=algorithm)
         self._copy(group, per_rank, infos, buffers, False, False, table_key and (*table_key, False))
 
+    def finished(self):
+        """A fused call is done issuing: devices whose arrays the caller reads
+        at once (emulated ones) complete it now, as any collective does."""
+        for device in dict.fromkeys(getattr(self.comm._ranks, "devices", ())):
+            device.call_returned()
+
     def _buffer(self, rank, group, like, info):
         """Local rank `rank`'s fusion buffer for `group`, on the device of `like`."""
         key = (rank, group.dtype)
@@ -212,6 +220,7 @@ class Fuser:
         if buffer is None or buffer.size < group.count:
             # Grows to the largest group seen; all groups share it, one at a time.
             buffer = arrays.empty_like(like, info, (max(group.count, 2 * (buffer.size if buffer is not None else 0)),))
+            buffer[...] = 0   # alignment gaps are reduced too: zeros, not whatever was there
             self._buffers[key] = buffer
         # The same view as last time when it fits: its description is cached (arrays.describe).
         view_key = (rank, group.dtype, group.count)
@@ -311,10 +320,14 @@ def allreduce_many(comm, arrays_, op, fusion_threshold, compression, algorithm="
         flat = [a for rank in per_rank for a in rank]
         call = FusedCall((op, fusion_threshold, compression, algorithm), flat,
                          [i for rank in infos for i in rank], per_rank, infos, groups, _numpy_state(flat))
+        for group in groups:   # every group's checks before the first writes anything
+            comm._plan(ALLREDUCE, group.dtype, group.count, op, 0, algorithm,
+                       WORKSPACE if compression is None else (WORKSPACE, True), compression)
         fuser.last_call = call
         fuser._tables.clear()
     for number, group in enumerate(call.groups):
         fuser.run(group, call.per_rank, call.infos, op, compression, algorithm=algorithm, table_key=(number,))
+    fuser.finished()
     return arrays_
 
 
@@ -384,10 +397,11 @@ class FusionBuffer:
         if error_feedback and compression is None:
             raise InvalidUsageError("error_feedback=True needs a compression codec: without one nothing is lost")
         self.comm, self.threshold, self.op = comm, int(threshold), op
-        self.compression, self.error_feedback = compression, bool(error_feedback)
+        # On one rank nothing is encoded, so nothing is lost and nothing is kept.
+        self.compression, self.error_feedback = compression, bool(error_feedback) and comm.size > 1
         check_algorithm(algorithm)
         self.algorithm = "direct" if error_feedback and algorithm == "auto" else algorithm
-        self._residuals = {}   # (group number in the step, count) -> per local rank float32 residual
+        self._residuals = {}   # (group number in the step, dtype, slot sizes) -> per local rank float32 residual
         self._reset()
 
     def _reset(self):
@@ -395,6 +409,7 @@ class FusionBuffer:
         self._arrays, self._infos = [], []   # per added array: per local rank
         self._started = []                   # futures, or None for work already issued on streams
         self._groups = 0
+        self._spans = []                     # (start, stop, device) of the queued arrays, sorted
 
     def add(self, array):
         """Queue `array` (one per local rank, as a list, when there are several)."""
@@ -404,11 +419,27 @@ class FusionBuffer:
         validation.same_dtype_and_shape(infos, "array")
         validation.writable(infos, "array")
         wire.check_compression(self.compression, infos[0].dtype, self.op)
+        self._claim(infos)
         index = len(self._arrays)
         self._arrays.append(objects)
         self._infos.append(infos)
         for group in self._packer.add(index, infos[0].dtype, infos[0].size):
             self._start(group)
+
+    def _claim(self, infos):
+        """Refuse an array that shares memory with one queued since the last
+        wait (or with another rank's): it would be reduced twice."""
+        spans = self._spans
+        new = sorted((i.address, i.address + i.nbytes, i.device) for i in infos if i.nbytes)
+        for start, stop, device in new:
+            at = bisect.bisect_left(spans, (start,))
+            neighbours = spans[max(at - 1, 0):at + 1]
+            if any(s < stop and start < e and d == device for s, e, d in neighbours) or \
+                    sum(1 for s, e, d in new if s < stop and start < e and d == device) > 1:
+                raise InvalidUsageError("array shares memory with an array already queued in this fusion "
+                                        "buffer (or with another rank's); each array is reduced in place")
+        for span in new:
+            bisect.insort(spans, span)
 
     def flush(self):
         """Start the allreduce of every array queued so far."""
@@ -434,7 +465,7 @@ class FusionBuffer:
             if first_error is not None:
                 raise first_error
         finally:
-            self.comm._fusion_done(self)
+            self.comm._fusion_done(self, self._started)
             self._reset()
 
     def _start(self, group):
@@ -453,7 +484,11 @@ class FusionBuffer:
     def _feed_back(self, number, group, buffers):
         """Add last step's residual to each rank's contribution; keep what
         encoding this one loses (what the codec's round trip changes)."""
-        key = (number, group.count)
+        key = (number, group.dtype, tuple(slot.size for slot in group.slots))
+        if not self.comm._ranks.host_only:
+            # The pack is queued on the device streams: let it land before the host
+            # arithmetic below (CuPy's would be stream-ordered; an emulated device's NumPy is not).
+            self.comm.synchronize()
         residuals = self._residuals.get(key)
         if residuals is None:
             residuals = self._residuals[key] = [np.zeros_like(buffer.reshape(-1)) for buffer in buffers]

@@ -109,7 +109,8 @@ def chunk_bounds(collective, nranks, nchunks, count, itemsize, align_elements=1)
 
 
 @functools.lru_cache(maxsize=256)
-def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=WORKSPACE, compression=None):
+def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=WORKSPACE, compression=None,
+               streamlined=True):
     """The plan for one call shape; cached, so a repeated call plans nothing.
 
     `count` is the number of elements in each rank's WORK buffer: the message
@@ -117,12 +118,16 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
     reduce_scatter and allgather. `binding` says how the caller's arrays may
     be used (binding.py). `compression` names a codec for what peers read
     (compression/wire.py): then chunks start on codec blocks, and peers read
-    only workspaces, where the wire copies are.
+    only workspaces, where the wire copies are; `streamlined` lets each
+    rank skip float32 passes (compression/streamline.py), which is valid
+    when its input and output are one array or disjoint ones.
     """
     dtype = np.dtype(dtype)
     if compression is not None:
         wire.check_compression(compression, dtype, op, collective)
         binding = WORKSPACE
+    else:
+        streamlined = False
     schedule = schedule_for(algorithm, collective, nranks, root if collective in (BROADCAST, REDUCE_TO_ROOT) else None)
     bounds = chunk_bounds(collective, nranks, schedule.nchunks, count, dtype.itemsize,
                           wire.BLOCK if compression is not None else 1)
@@ -158,7 +163,7 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
     phases = tuple(_make_phase(rows, nranks, max_sources, w) for rows, w in zip(phase_rows, waits))
     if compression is not None:
         phases = tuple(phase._replace(wire_ops_by_rank=ops)
-                       for phase, ops in zip(phases, wire.lower_plan(phase_rows, nranks, op)))
+                       for phase, ops in zip(phases, wire.lower_plan(phase_rows, nranks, op, streamlined)))
 
     used = {loc.buffer for phase in moves for m in phase for loc in (m.dst, *m.srcs)}
     work_bytes = count * dtype.itemsize if WORK in used else 0

@@ -246,3 +246,56 @@ def test_error_feedback_needs_a_codec():
     comm = collectives.Communicator.local(2)
     with pytest.raises(InvalidUsageError, match="compression"):
         comm.fusion_buffer(error_feedback=True)
+
+
+def test_error_feedback_on_one_rank_keeps_nothing():
+    """One rank encodes nothing, so there is nothing to feed back: the result is the input."""
+    comm = collectives.Communicator.local(1)
+    buffer = comm.fusion_buffer(compression="int8", error_feedback=True)
+    for step in range(20):
+        g = np.random.default_rng(step).standard_normal(100).astype(np.float32)
+        want = g.copy()
+        buffer.add([g])
+        buffer.wait()
+        assert np.array_equal(g, want)
+
+
+def test_emulated_results_are_there_when_the_call_returns():
+    comm = collectives.Communicator.local(3, devices="emulated")
+    per_rank = [[np.ones(3, np.float32), np.ones(5, np.float32)] for _ in range(3)]
+    comm.allreduce_many(per_rank)    # no synchronize: emulated arrays are read at once, as after any call
+    assert all(np.all(a == 3) for rank in per_rank for a in rank)
+
+
+def test_close_lets_started_fused_allreduces_finish():
+    comm = collectives.Communicator.local(2)
+    buffer = comm.fusion_buffer(threshold=64)
+    grads = [[np.ones(16, np.float32) for _ in range(2)] for _ in range(50)]
+    for pair in grads:
+        buffer.add(pair)     # each fills a buffer: 50 allreduces queued in the background
+    comm.close()
+    assert all(np.all(a == 2) for pair in grads for a in pair)
+
+
+def test_a_fusion_buffer_refuses_an_array_queued_twice():
+    comm = collectives.Communicator.local(1)
+    buffer = comm.fusion_buffer(threshold=1 << 20)
+    a, b = np.ones(4, np.float32), np.ones(8, np.float32)
+    buffer.add([a])
+    buffer.add([b[:4]])
+    with pytest.raises(InvalidUsageError, match="shares memory"):
+        buffer.add([a])
+    with pytest.raises(InvalidUsageError, match="shares memory"):
+        buffer.add([b[2:6]])
+    buffer.add([b[4:]])
+    buffer.wait()
+    buffer.add([a])          # a new step: the same arrays again
+    buffer.wait()
+
+
+def test_ops_are_spelled_as_everywhere_with_compression():
+    comm = collectives.Communicator.local(2)
+    per_rank = [[np.ones(40, np.float32)] for _ in range(2)]
+    comm.allreduce_many(per_rank, op="SUM", compression="fp16")
+    assert all(np.all(rank[0] == 2) for rank in per_rank)
+    comm.fusion_buffer(op="AVG", compression="bf16")

@@ -50,7 +50,7 @@ import numpy as np
 from ..algorithms.schedule import ALLREDUCE, SCRATCH, WORK
 from ..binding import COPY_OP, REDUCE_FINAL_OP
 from ..errors import InvalidUsageError
-from ..ops import ReduceOp
+from ..ops import ReduceOp, as_reduce_op
 from .kernels import BLOCK, CODECS, wire_nbytes
 from .streamline import streamline
 
@@ -73,8 +73,8 @@ def check_compression(compression, dtype, op, collective=ALLREDUCE):
     if str(dtype) != FLOAT32:
         raise InvalidUsageError(f"compression={compression!r} takes float32 arrays (it accumulates in float32), "
                                 f"got {dtype}")
-    if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVG):
-        raise InvalidUsageError(f"compression={compression!r} works with op 'sum' or 'avg', got {ReduceOp(op).value!r}")
+    if as_reduce_op(op) not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise InvalidUsageError(f"compression={compression!r} works with op 'sum' or 'avg', got {as_reduce_op(op).value!r}")
 
 
 
@@ -367,6 +367,8 @@ def round_trip(codec, values):
         kernels.cpu_encode(codec, values, payload, scales, round_x=True)
         return
     import cupy
+    from numba import cuda
     payload = cupy.empty(payload_bytes // cupy.dtype(kernels.payload_dtype(codec)).itemsize, kernels.payload_dtype(codec))
     scales = cupy.empty(scale_bytes, cupy.uint8)
-    kernels.cuda_encode(codec, values, payload, scales, round_x=True)
+    stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)   # ordered with the caller's work
+    kernels.cuda_encode(codec, values, payload, scales, round_x=True, stream=stream)
