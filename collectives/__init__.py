@@ -28,8 +28,15 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
 
     Rank and size come from MPI when the program runs under `mpiexec -n N`
     (or from `comm`, an mpi4py communicator); without a launcher it is a
-    communicator of one rank. Every rank must call init together, and every
-    rank must be on one machine.
+    communicator of one rank. Every rank must call init together.
+
+    init learns which ranks share a node (host name and boot id; tests split
+    a machine into pretend nodes with $COLLECTIVES_PRETEND_NODES, see
+    bootstrap.py). When all ranks share one node, host ranks reach each
+    other through shared memory alone. When they span several nodes, host
+    ranks get a hierarchical communicator (hierarchy.py): our shared memory
+    inside each node, MPI between nodes. GPU ranks across nodes need
+    backend="nccl", which runs whole collectives in NCCL.
 
     `device` says where this process's rank works:
         "host"        NumPy arrays (the default)
@@ -64,6 +71,10 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
     if on_host:
         if alone:
             return Communicator(VirtualHostRanks(1), size=1, local_ranks=[0], timeout=timeout)
+        found = bootstrap.topology(world, deadline)
+        if len(found.nodes) > 1:
+            from .hierarchy import HierarchicalCommunicator
+            return HierarchicalCommunicator.start(world, found, deadline, timeout)
         from .transport.shm import ShmRank
         ranks = bootstrap.process_rank(world, deadline, ShmRank)
         return Communicator(ranks, size=world.Get_size(), local_ranks=[world.Get_rank()], timeout=timeout)
@@ -78,7 +89,12 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
             from .executors.device import DeviceRanks
             ranks = DeviceRanks([opened])
         return Communicator(ranks, size=1, local_ranks=[0], timeout=timeout)
-    local_rank = bootstrap.local_rank(world, deadline)
+    local_rank, found = bootstrap.local_rank(world, deadline)
+    if len(found.nodes) > 1 and backend != "nccl":
+        raise CollectiveError(
+            f"GPU ranks with backend='ours' must share one node, but these span {len(found.nodes)} nodes "
+            f"(ranks {' | '.join(' '.join(map(str, node)) for node in found.nodes)}); across nodes use "
+            "backend='nccl', or host arrays (device='host'), whose collectives cross nodes through MPI")
     opened = error = unique_id = None
     try:
         opened = device_for_rank(device, local_rank)

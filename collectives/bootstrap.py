@@ -1,21 +1,32 @@
 """How processes find each other: MPI (mpiexec -n N, through mpi4py).
 
-MPI is used only to agree on names at start-up; the collectives themselves go
-through our own transports. Every MPI call here is nonblocking and polled
-against the deadline, so a rank that never arrives is a timeout, not a hang.
+MPI is used at start-up to agree on names and on which ranks share a node;
+inside a node the collectives go through our own transports, and between
+nodes through MPI (collectives/hierarchy.py). Every MPI call here is
+nonblocking and polled against the deadline, so a rank that never arrives is
+a timeout, not a hang. (That is why nodes are found from host names rather
+than with MPI_Comm_split_type, a blocking collective with no nonblocking form.)
 """
 
+import functools
 import os
 import socket
 import time
+from typing import NamedTuple, Tuple
 
-from .errors import CollectiveError, CollectiveTimeoutError
+from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from .transport.protocol import new_prefix
 
 # Set by common launchers in every process they start.
 LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+# Splits each machine into pretend nodes, for tests: one label per rank of the
+# world, comma-separated ("0,0,1,1": ranks 0 and 1 on one node, 2 and 3 on
+# another). Ranks with the same label on the same machine share a node; a
+# label never joins ranks of different machines.
+PRETEND_NODES_ENV = "COLLECTIVES_PRETEND_NODES"
 _NAME_BYTES = 128
 _ERROR_BYTES = 384
+_NODE_BYTES = 256
 
 
 def mpi_world(comm=None):
@@ -53,15 +64,90 @@ def _allgather_text(comm, text, nbytes, deadline, what):
             for i in range(0, len(everyone), nbytes)]
 
 
+class Topology(NamedTuple):
+    """Which ranks share a node. Nodes are numbered by their lowest rank
+    (node 0 holds rank 0), and each node lists its ranks in rank order."""
+    nodes: Tuple[Tuple[int, ...], ...]
+    machines: Tuple[str, ...]      # per rank: its machine (host name and boot id)
+
+    @property
+    def size(self):
+        return len(self.machines)
+
+    def node_of(self, rank):
+        return _placement(self)[rank][0]
+
+    def local_of(self, rank):
+        """`rank`'s index among the ranks of its node."""
+        return _placement(self)[rank][1]
+
+    def machine_rank(self, rank):
+        """`rank`'s index among the ranks on its machine (pretend nodes ignored):
+        which GPU of the machine a rank takes."""
+        return [r for r, m in enumerate(self.machines) if m == self.machines[rank]].index(rank)
+
+
+@functools.lru_cache(maxsize=16)
+def _placement(found):
+    """Per rank: (its node, its index in the node)."""
+    where = [None] * found.size
+    for k, ranks in enumerate(found.nodes):
+        for local, rank in enumerate(ranks):
+            where[rank] = (k, local)
+    return where
+
+
+def machine_name():
+    """This machine: its host name and boot id, as NCCL tells hosts apart
+    (two machines given one host name still differ; containers on one
+    machine have their own names, and their own /dev/shm)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def pretend_label(rank, size, environ=os.environ):
+    """This rank's label from $COLLECTIVES_PRETEND_NODES ("" when unset)."""
+    spec = environ.get(PRETEND_NODES_ENV, "").strip()
+    if not spec:
+        return ""
+    labels = [label.strip() for label in spec.split(",")]
+    if len(labels) != size or not all(labels):
+        raise InvalidUsageError(
+            f"${PRETEND_NODES_ENV}={spec!r} must give one node label per rank, comma-separated, for "
+            f"{size} ranks (for example {','.join(str(r * 2 // size) for r in range(size))})")
+    return labels[rank]
+
+
+def topology(comm, deadline, environ=os.environ):
+    """Which ranks of `comm` share a node: ranks on one machine, split
+    further by $COLLECTIVES_PRETEND_NODES. Every rank of `comm` must call
+    this together; a bad setting on any rank raises on every rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    try:
+        mine = f"ok\n{machine_name()}\n{pretend_label(rank, size, environ)}"
+    except InvalidUsageError as error:
+        mine = f"error\n{error}"
+    answers = [text.split("\n") for text in
+               _allgather_text(comm, mine, _NODE_BYTES, deadline, "every rank's machine and node")]
+    failed = [(r, a[1]) for r, a in enumerate(answers) if a[0] != "ok"]
+    if failed:
+        raise InvalidUsageError("; ".join(f"rank {r}: {message}" for r, message in failed))
+    nodes = {}
+    for r, (_, machine, label) in enumerate(answers):
+        nodes.setdefault((machine, label), []).append(r)
+    return Topology(tuple(tuple(ranks) for ranks in sorted(nodes.values())),
+                    tuple(machine for _, machine, _ in answers))
+
+
 def local_rank(comm, deadline):
-    """This rank's index among the ranks on its machine. Every rank must be on
-    one machine: peers map each other's memory."""
-    hosts = _allgather_text(comm, socket.gethostname(), _NAME_BYTES, deadline, "every rank's host name")
-    if len(set(hosts)) > 1:
-        raise CollectiveError(
-            f"the ranks run on {len(set(hosts))} machines ({', '.join(sorted(set(hosts)))}); ranks in "
-            "separate processes map each other's memory, so they must share one machine")
-    return comm.Get_rank()
+    """This rank's index among the ranks on its machine (which GPU it takes),
+    and the Topology."""
+    found = topology(comm, deadline)
+    return found.machine_rank(comm.Get_rank()), found
 
 
 def agree(comm, deadline, error):
@@ -92,3 +178,31 @@ def process_rank(comm, deadline, make_rank):
     # Nobody returns (and could close) before every rank has mapped the control segment.
     _wait(comm.Ibarrier(), deadline, "every rank to attach")
     return made
+
+
+def node_process_rank(comm, deadline, make_rank, found):
+    """process_rank for every node at once: this process's rank object among
+    the ranks of its node, `make_rank(local rank, node size, prefix)`, or
+    None when it is alone on its node. Each node's first rank makes the
+    control segment; the others attach to their own node's, and never to
+    another node's (they could not map it). Every rank of `comm` calls this."""
+    rank = comm.Get_rank()
+    node = found.nodes[found.node_of(rank)]
+    local, leader = node.index(rank), node[0]
+    made, prefix = None, ""
+    if len(node) > 1 and rank == leader:
+        prefix = new_prefix()
+        made = make_rank(0, len(node), prefix)
+    names = _allgather_text(comm, prefix, _NAME_BYTES, deadline, "each node's first rank to share its name")
+    if len(node) > 1 and rank != leader:
+        made = make_rank(local, len(node), names[leader])
+    _wait(comm.Ibarrier(), deadline, "every rank to attach")
+    return made
+
+
+def duplicate(comm, deadline):
+    """A private copy of `comm` (MPI_Comm_idup, polled): our messages never
+    match the program's own."""
+    copy, request = comm.Idup()
+    _wait(request, deadline, "every rank to duplicate the MPI communicator")
+    return copy

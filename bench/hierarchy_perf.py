@@ -1,0 +1,231 @@
+"""The hierarchical allreduce across pretend nodes, side by side with MPICH's.
+
+    python -m bench.hierarchy_perf [--nodes 0,0,1,1] [-b 1M -e 64M -f 64] [-n 20] [-w 2] [--rounds 7]
+                                   [-J bench/results/hierarchy_2x2_vs_mpich.json]
+
+Without a launcher it relaunches itself as `mpiexec -bind-to core -n <ranks>`
+with $COLLECTIVES_PRETEND_NODES set to --nodes (one node label per rank).
+Three backends run on the same processes, on identical float32 inputs,
+alternating batch by batch so that the machine's noise hits all alike:
+
+    hierarchical   collectives.init() across the pretend nodes (hierarchy.py)
+    mpich          MPI_Allreduce through mpi4py, on the same processes
+    one-node       collectives.init() with every rank on one node: today's path
+
+A batch is -n calls (fewer for large sizes: at most --batch-bytes per batch,
+at least 2); its time is the slowest rank's mean; a row is the median over
+--rounds batches, out of place and in place. Every backend's result is then
+checked exactly on fresh inputs.
+
+Last, an untimed pass of the hierarchical allreduce at each size splits its
+time into what the model (bench/hierarchy_model.py) weighs: inside nodes,
+the MPI exchanges between nodes, and the folds across nodes; written to the
+JSON as "components" for `python -m bench.hierarchy_model --calibrate`.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import collectives
+from bench.environment import LAUNCHER_COMMAND, environment
+from bench.harness import find_mpiexec, parse_size
+from collectives.bootstrap import LAUNCHER_VARIABLES, PRETEND_NODES_ENV
+from collectives.plan import KIND, REDUCE_FINAL_OP
+
+BACKENDS = ("hierarchical", "mpich", "one-node")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.hierarchy_perf", description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", default="0,0,1,1", help="pretend node of each rank, comma-separated")
+    p.add_argument("-b", "--minbytes", default="1M")
+    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-f", "--stepfactor", type=int, default=64)
+    p.add_argument("-n", "--iters", type=int, default=20, help="calls per timed batch (at most)")
+    p.add_argument("--batch-bytes", default="256M", help="fewer calls per batch for large sizes: at most this")
+    p.add_argument("-w", "--warmup_iters", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7, help="alternating batches per backend; the median is kept")
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("-J", "--output_file")
+    return p.parse_args(argv)
+
+
+def relaunch(args, argv):
+    ranks = len(args.nodes.split(","))
+    command = [find_mpiexec(), "-bind-to", "core", "-n", str(ranks), sys.executable, "-m", "bench.hierarchy_perf",
+               *argv]
+    print(f"# relaunching: {PRETEND_NODES_ENV}={args.nodes} {' '.join(command)}", flush=True)
+    env = dict(os.environ, **{PRETEND_NODES_ENV: args.nodes,
+                              LAUNCHER_COMMAND: f"{PRETEND_NODES_ENV}={args.nodes} mpiexec -bind-to core -n {ranks}"})
+    return subprocess.call(command, env=env)
+
+
+def one_node_communicator(world, timeout):
+    """Today's communicator on the same processes: init without pretend nodes."""
+    saved = os.environ.pop(PRETEND_NODES_ENV, None)
+    try:
+        return collectives.init(timeout=timeout, comm=world)
+    finally:
+        if saved is not None:
+            os.environ[PRETEND_NODES_ENV] = saved
+
+
+def make_calls(world, hierarchical, one_node):
+    from mpi4py import MPI
+
+    def mpich(x, y):
+        world.Allreduce(MPI.IN_PLACE if y is x else x, y)
+
+    return {
+        "hierarchical": lambda x, y: hierarchical.allreduce(x, out=None if y is x else y),
+        "mpich": mpich,
+        "one-node": lambda x, y: one_node.allreduce(x, out=None if y is x else y),
+    }
+
+
+def timed_batch(world, call, x, y, iters):
+    from mpi4py import MPI
+    world.Barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call(x, y)
+    seconds = (time.perf_counter() - start) / iters
+    return world.allreduce(seconds, op=MPI.MAX)
+
+
+def measure(world, calls, nbytes, args):
+    """{backend: {"out_of_place": µs, "in_place": µs, "wrong": elements}} for one size."""
+    count = nbytes // 4
+    n, r = world.Get_size(), world.Get_rank()
+    iters = max(2, min(args.iters, parse_size(args.batch_bytes) // max(nbytes, 1)))
+    row = {name: {} for name in calls}
+    for place in ("out_of_place", "in_place"):
+        buffers = {name: (np.full(count, r + 1, np.float32), np.empty(count, np.float32)) for name in calls}
+        if place == "in_place":
+            buffers = {name: (x, x) for name, (x, _) in buffers.items()}
+        for name, call in calls.items():
+            for _ in range(args.warmup_iters):
+                call(*buffers[name])
+        times = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                x, y = buffers[name]
+                x[...] = r + 1      # in place, every call multiplies by n: start each batch afresh (untimed)
+                times[name].append(timed_batch(world, call, x, y, iters))
+        for name, call in calls.items():
+            x = np.full(count, r + 1, np.float32)
+            y = x if place == "in_place" else np.empty(count, np.float32)
+            call(x, y)
+            wrong = int(np.count_nonzero(y != n * (n + 1) / 2))
+            row[name][place] = statistics.median(times[name]) * 1e6
+            row[name]["wrong"] = row[name].get("wrong", 0) + world.allreduce(wrong)
+    return row, iters
+
+
+def components(world, comm, nbytes, calls=5):
+    """Median over `calls` of the split of one hierarchical allreduce on its
+    slowest rank: total, MPI exchanges (waits for the other node included),
+    folds across nodes (REDUCE_FINAL rows), and the rest, inside the node (µs)."""
+    ranks = comm._ranks   # noqa: SLF001 - the bench looks inside on purpose
+    spent = {}
+
+    def timed(name, method):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    exchange, fold = ranks.exchange, ranks.fold
+    ranks.exchange = timed("exchanges", exchange)
+    ranks.fold = lambda table, *a: (timed("folds_across", fold) if len(table) and table[0, KIND] == REDUCE_FINAL_OP
+                                    else fold)(table, *a)
+    x, y = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+    samples = []
+    try:
+        for _ in range(calls):
+            spent.clear()
+            world.Barrier()
+            start = time.perf_counter()
+            comm.allreduce(x, out=y)
+            total = time.perf_counter() - start
+            mine = {"total": total, "exchanges": spent.get("exchanges", 0.0),
+                    "folds_across": spent.get("folds_across", 0.0)}
+            mine["inside_nodes"] = total - mine["exchanges"] - mine["folds_across"]
+            slowest = max(world.allgather(mine), key=lambda split: split["total"])
+            samples.append({k: v * 1e6 for k, v in slowest.items()})
+    finally:
+        ranks.exchange, ranks.fold = exchange, fold
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if not any(v in os.environ for v in LAUNCHER_VARIABLES):
+        return relaunch(args, argv)
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if len(args.nodes.split(",")) != world.Get_size():
+        raise SystemExit(f"--nodes names {len(args.nodes.split(','))} ranks, but {world.Get_size()} processes run")
+    os.environ[PRETEND_NODES_ENV] = args.nodes
+    hierarchical = collectives.init(timeout=args.timeout)
+    one_node = one_node_communicator(world, args.timeout)
+    assert type(hierarchical).__name__ == "HierarchicalCommunicator", "the pretend nodes gave one node"
+    calls = make_calls(world, hierarchical, one_node)
+    nodes = hierarchical.topology.nodes
+    sizes, size = [], parse_size(args.minbytes)
+    while size <= parse_size(args.maxbytes):
+        sizes.append(size)
+        size *= args.stepfactor
+    rank0 = world.Get_rank() == 0
+    if rank0:
+        print(f"# allreduce, float32 sum, {world.Get_size()} processes on pretend nodes "
+              f"{' | '.join(' '.join(map(str, node)) for node in nodes)}; median of {args.rounds} alternating "
+              "batches, slowest rank; times in µs")
+        print(f"# {'size':>10s} {'calls':>5s}  " + "  ".join(f"{name + ' ' + place:>24s}" for name in BACKENDS
+                                                          for place in ("oop", "ip")) + "  mpich/hier oop  ip")
+    rows = []
+    for nbytes in sizes:
+        row, iters = measure(world, calls, nbytes, args)
+        split = components(world, hierarchical, nbytes)
+        rows.append({"size": nbytes, "calls_per_batch": iters, "backends": row, "components": split})
+        if rank0:
+            mpich, hier = row["mpich"], row["hierarchical"]
+            print(f"  {nbytes:10d} {iters:5d}  " + "  ".join(f"{row[name][place]:24.1f}" for name in BACKENDS
+                                                           for place in ("out_of_place", "in_place"))
+                  + f"  {mpich['out_of_place'] / hier['out_of_place']:14.2f}"
+                  + f" {mpich['in_place'] / hier['in_place']:4.2f}",
+                  flush=True)
+    wrong = sum(r["backends"][name]["wrong"] for r in rows for name in BACKENDS)
+    if rank0:
+        print(f"# wrong results: {wrong}")
+        for r in rows:
+            c = r["components"]
+            print(f"# hierarchical at {r['size']} B, one call split: inside nodes {c['inside_nodes']:.0f} µs, "
+                  f"MPI exchanges {c['exchanges']:.0f} µs, folds across nodes {c['folds_across']:.0f} µs "
+                  f"(total {c['total']:.0f} µs)")
+    if rank0 and args.output_file:
+        report = {"collective": "allreduce", "dtype": "float32", "op": "sum", "nodes": [list(n) for n in nodes],
+                  "environment": environment(argparse.Namespace(device="host"), world.Get_size(),
+                                             ["hierarchical", "mpi", "ours"]),
+                  "rows": rows}
+        with open(args.output_file, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"# wrote {args.output_file}")
+    hierarchical.close()
+    one_node.close()
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,631 @@
+"""Collectives across nodes: our shared memory inside a node, MPI between nodes.
+
+init() returns a HierarchicalCommunicator when the ranks span several nodes
+(bootstrap.topology; $COLLECTIVES_PRETEND_NODES splits one machine into
+several). N ranks on K nodes, node k with G_k ranks (not necessarily as
+many on every node). Inside a node, ranks read each other's workspaces
+through the step protocol of transport/protocol.py; between nodes they
+exchange messages through MPI (transport/mpi.py), never a network layer of
+our own.
+
+allreduce, as Horovod and NCCL do it across nodes:
+
+    1. reduce-scatter inside each node: local rank l folds the node's inputs on
+       its range [l*b, (l+1)*b), b = ceil(count / G_k): P_k, the node's partial.
+    2. across nodes, over MPI: the ranges are cut into segments, each held by
+       one rank on every node; for large ranges on 3 nodes or more, two_shot:
+         a. every holder sends its P_k of a piece (1/K of a segment) to the
+            piece's owner, its holder on node j for piece j;
+         b. the owner folds the K partials in node order (below);
+         c. the owner sends the result to the holders on the other nodes.
+       Each rank sends 2 (K-1)/K of its range, as a ring would, in 2 rounds.
+       Otherwise direct (uses_two_shot): every holder sends its segment to the
+       holders on the other nodes, and each folds the K partials itself, in
+       the same order; one round, and with 2 nodes no more bytes than two_shot.
+    3. all-gather inside each node: every rank copies every range.
+
+The fold order, the same for every reducing collective and on every rank:
+each output element is
+
+    F = ((P_0 op P_1) op P_2) ... op P_{K-1},   P_k = ((x_0 op x_1) op ...) op x_{G_k - 1}
+
+nodes numbered by their lowest rank, a node's ranks in rank order (x_l:
+its local rank l's input). Each is one op-table row run by the NumPy
+interpreter (executors/host.py), so 16-bit floats accumulate in float32 and
+round once per row, and avg divides by N once, in the row across nodes.
+Every element is folded by one rank and copied to the others: all ranks
+hold the same bits. (MPI's allreduce promises no order, nor the same bits
+on every rank, so it is not used.)
+
+The other collectives, in the same shape:
+
+    reduce          allreduce's steps, where only the root's node receives the
+                    results across nodes, and only the root gathers them.
+    reduce_scatter  the block of rank r is handled, on a node other than r's, by
+                    the local rank with r's local index modulo the node's size:
+                    1. each handler folds its node's inputs on the blocks it handles;
+                    2. sends each partial to the block's owner over MPI;
+                    3. the owner folds the K partials in node order into its output.
+    allgather       each rank sends its block to its handler on every other node,
+                    then every rank copies each block from the node-mate holding it.
+    broadcast       the root scatters K pieces to one leader per node (the root on
+                    its own node, the first rank elsewhere), the leaders exchange
+                    them (scatter + all-gather, as MPI does for large messages);
+                    then the node's ranks copy from their leader.
+    barrier         every rank of a node arrives; the node leaders hear from
+                    each other (dissemination over MPI); the node's ranks leave.
+
+Steps inside a node are phases of one run of the step protocol: phase p
+starts once every other rank of the node has completed p phases of the call
+(so phase 0 waits for them to have left the last call, whose last phase may
+have read this rank's workspace). Nodes of one rank skip them.
+
+Every wait has the call's deadline. A rank that fails tells every other
+rank, inside its node through the control segment and across nodes through
+MPI, so no one waits out the timeout for a rank that is gone; a whole node
+that stops is noticed at the timeout. `algorithm=` is checked but not used:
+inside a node every collective runs the phases above, folding as the direct
+algorithm does. Compression is refused (InvalidUsageError); allreduce_many
+and fusion_buffer work, through allreduce.
+"""
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from . import bootstrap
+from .algorithms import schedule_for
+from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT, REDUCING_COLLECTIVES
+from .communicator import Communicator, _reduce_op
+from .errors import CollectiveError, InvalidUsageError
+from .executors import host
+from .ops import ReduceOp
+from .plan import INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, SRC0, WORK
+from .transport.mpi import MpiLink
+from .transport.protocol import call_signature
+from .validation import root_rank
+
+# Buffers an op-table row or a message names, besides INPUT, OUTPUT and a rank's WORK:
+PART = 4        # this rank's partial or result (process memory, or a range of its WORK)
+RECEIVED = 5    # partials received from other nodes, before they are folded
+
+
+class Call(NamedTuple):
+    """A checked call: what HierarchicalCommunicator._plan returns in place of a plan."""
+    collective: str
+    dtype: np.dtype
+    count: int          # elements of each rank's input
+    op: ReduceOp
+    root: int
+    description: str
+
+
+class HierarchicalCommunicator(Communicator):
+    """A Communicator whose ranks, one per process, span several nodes.
+
+    The same API and errors as Communicator. `topology` says which ranks
+    share a node (bootstrap.Topology), `node` is this rank's node, an index
+    into topology.nodes."""
+
+    @classmethod
+    def start(cls, world, found, deadline, timeout):
+        """Every rank of the mpi4py communicator `world` calls this together (init does)."""
+        from .transport.shm import ShmRank
+
+        shm = bootstrap.node_process_rank(world, deadline, ShmRank, found)
+        link = MpiLink(bootstrap.duplicate(world, deadline))
+        ranks = HierarchyRanks(found, world.Get_rank(), shm, link)
+        return cls(ranks, size=world.Get_size(), local_ranks=[world.Get_rank()], timeout=timeout)
+
+    def __init__(self, ranks, *, size, local_ranks, timeout):
+        super().__init__(ranks, size=size, local_ranks=local_ranks, timeout=timeout)
+        self.topology = ranks.topology
+        self.node = ranks.node_index
+
+    def __repr__(self):
+        nodes = len(self.topology.nodes)
+        return super().__repr__().replace("<Communicator", f"<HierarchicalCommunicator nodes={nodes}")
+
+    def allreduce_many(self, arrays, op="sum", fusion_threshold=64 << 20, compression=None, algorithm="auto"):
+        _no_compression(compression)
+        return super().allreduce_many(arrays, op, fusion_threshold, None, algorithm)
+
+    def fusion_buffer(self, threshold=64 << 20, op="sum", compression=None, error_feedback=False, algorithm="auto"):
+        _no_compression(compression)
+        return super().fusion_buffer(threshold, op, None, error_feedback, algorithm)
+
+    def _auto(self, collective, elements, itemsize, root):
+        return "hierarchical"
+
+    def _plan(self, collective, dtype, elements, op, root, algorithm, binding, compression=None):
+        """The checked Call: everything Communicator checks before it plans."""
+        _no_compression(compression)
+        op = _reduce_op(op) if collective in REDUCING_COLLECTIVES else ReduceOp.SUM
+        root = root_rank(root, self.size) if collective in (BROADCAST, REDUCE_TO_ROOT) else 0
+        if not isinstance(algorithm, str):
+            raise InvalidUsageError(f"algorithm must be a name, got {type(algorithm).__name__}")
+        if algorithm != "auto":
+            schedule_for(algorithm, collective, 1)   # an unknown name, or one without this collective, raises
+        description = f"{collective} of {elements} {dtype} (op {op.value}, root {root})"
+        return Call(collective, dtype, elements, op, root, description)
+
+
+def _no_compression(compression):
+    if compression is not None:
+        raise InvalidUsageError(
+            f"compression={compression!r} is not available when ranks span several nodes (the hierarchical "
+            "communicator); call without compression")
+
+
+class HierarchyRanks:
+    """This process's rank of a HierarchicalCommunicator: its rank of the
+    node's step protocol (a ShmRank; None when alone on its node), its MPI
+    link to the other nodes, and scratch buffers."""
+
+    addressable = False   # no plan binds the caller's arrays
+    host_only = True      # NumPy arrays
+    locations = None
+    compresses = False
+    transport = "host-hierarchical"
+
+    def __init__(self, topology, rank, shm, link):
+        self.topology, self.rank, self.shm, self.link = topology, rank, shm, link
+        self.node_index = topology.node_of(rank)
+        self.node_ranks = topology.nodes[self.node_index]
+        self.local = topology.local_of(rank)
+        self._scratch = {}
+        self._calls = 0
+
+    def run(self, call, inputs, outputs, input_infos, output_infos, deadline):
+        """Communicator._collective's last step: `call` is what _plan returned."""
+        x = inputs[0].reshape(-1)
+        out = x if outputs[0] is inputs[0] else outputs[0].reshape(-1)
+        self._guarded(RUN[call.collective], call, x, out, deadline)
+
+    def barrier(self, deadline):
+        self._guarded(barrier, Call("barrier", np.dtype(np.uint8), 0, ReduceOp.SUM, 0, "barrier"), None, None,
+                      deadline)
+
+    def _guarded(self, algorithm, call, x, out, deadline):
+        self._calls += 1
+        self.link.begin(call_signature(self._calls, call.description))
+        try:
+            algorithm(self, call, x, out, deadline)
+        except BaseException as error:
+            self.abort(error)
+            raise
+
+    def abort(self, error):
+        """Stop every rank: the node's through the control segment, the other
+        nodes' through MPI (unless the abort came from there)."""
+        error = error if isinstance(error, BaseException) else CollectiveError(str(error))
+        if self.shm is not None:
+            self.shm.abort(f"{type(error).__name__} on rank {self.rank}: {error}")
+        self.link.abort(error)
+
+    def close(self):
+        """After Communicator.close's barrier: no peer reads this rank's memory any more."""
+        if self.shm is not None:
+            self.shm.close()
+        self.link.close()
+        self._scratch.clear()
+
+    # -- what the algorithms use --------------------------------------------------------
+
+    def in_node(self, call, nphases, workspace_elements, phase, deadline):
+        """Run `phase(p, work)` for p in range(nphases) as one call of the
+        node's step protocol; work(local rank) is that rank's WORK buffer
+        (workspace_elements of the call's dtype)."""
+        group, views = self.shm.group, {}
+
+        def work(rank):
+            if rank not in views:
+                try:
+                    memory = group.workspace(rank).buf if workspace_elements else None
+                except OSError as error:    # a peer that aborted has released its files
+                    group.check_health()
+                    raise CollectiveError(f"local rank {rank}'s workspace is gone: {error}") from error
+                views[rank] = np.ndarray((workspace_elements,), call.dtype, memory)
+            return views[rank]
+
+        try:
+            group.run(_node_phases(len(self.node_ranks), nphases, workspace_elements * call.dtype.itemsize),
+                      call.description, lambda p, waiter: phase(p, work), deadline)
+        finally:
+            views.clear()   # before a workspace may be released
+
+    def exchange(self, messages, buffers, deadline, what):
+        """Send and receive an Exchange's messages, (peer, buffer, offset, count) each."""
+        def view(buffer, offset, count):
+            return buffers[buffer][offset:offset + count]
+
+        self.link.exchange([(peer, view(*where)) for peer, *where in messages.sends],
+                           [(peer, view(*where)) for peer, *where in messages.receives], deadline, what)
+
+    def fold(self, table, buffers, op):
+        """Run op-table rows; `buffers` maps a buffer id (or (rank, id)) to an array."""
+        if len(table):
+            host.execute(table, lambda rank, buffer: buffers.get((rank, buffer)) if buffer == WORK else buffers[buffer],
+                         op, self.topology.size)
+
+    def scratch(self, name, dtype, count):
+        """A reusable buffer of this process (grows, never shrinks)."""
+        nbytes = count * dtype.itemsize
+        buffer = self._scratch.get(name)
+        if buffer is None or buffer.size < nbytes:
+            buffer = self._scratch[name] = np.empty(max(nbytes, 2 * (0 if buffer is None else buffer.size)), np.uint8)
+        return buffer[:nbytes].view(dtype)
+
+
+# -- the algorithms: one function per collective ------------------------------------------------
+
+def allreduce(h, call, x, out, deadline, root_node=None):
+    """Reduce-scatter in the node, direct or two_shot across nodes, all-gather
+    in the node. reduce() is this with `root_node`: only that node gathers,
+    into the root's x."""
+    if call.count == 0:
+        return
+    plan = range_plan(h.topology, call.count, call.dtype.itemsize, h.rank, root_node)
+    result = out if call.collective == ALLREDUCE else x if h.rank == call.root else None
+    if h.shm is None:        # alone on its node: its range is everything, its input the partial
+        part = result if result is not None else h.scratch("part", call.dtype, call.count)
+        if part is not x:
+            np.copyto(part, x)
+        across_nodes(h, call, plan, part, deadline)
+        return
+    start, stop = plan.ranges[h.local]
+
+    def phase(p, work):
+        mine = work(h.local)
+        if p == 0:       # x where the node's ranks read it (this rank's own range it reads from x)
+            mine[:start], mine[stop:] = x[:start], x[stop:]
+        elif p == 1:     # 1. the node's partial on this rank's range; 2. across nodes
+            h.fold(plan.node_fold, {INPUT: x, **{(r, WORK): work(r) for r in range(len(h.node_ranks))}},
+                   _in_node_op(call.op))
+            across_nodes(h, call, plan, mine[start:stop], deadline)
+        elif result is not None:   # 3. every range into the result
+            for rank, (a, z) in enumerate(plan.ranges):
+                result[a:z] = work(rank)[a:z]
+
+    gathers = root_node is None or root_node == h.node_index
+    h.in_node(call, 3 if gathers else 2, call.count, phase, deadline)
+
+
+def across_nodes(h, call, plan, part, deadline):
+    """allreduce's step 2 on this rank's range `part`: partials to their owners,
+    which fold them in node order, results back (two_shot only)."""
+    buffers = {PART: part, RECEIVED: h.scratch("received", call.dtype, plan.received)}
+    h.exchange(plan.reduce, buffers, deadline, f"{call.description}: partials to their owners")
+    h.fold(plan.folds, buffers, call.op)
+    if plan.gather.sends or plan.gather.receives:
+        h.exchange(plan.gather, buffers, deadline, f"{call.description}: results from their owners")
+
+
+def reduce(h, call, x, out, deadline):
+    allreduce(h, call, x, out, deadline, root_node=h.topology.node_of(call.root))
+
+
+def reduce_scatter(h, call, x, out, deadline):
+    """Each handler folds its node's inputs on the blocks it handles and sends
+    them to their owners, which fold the K partials in node order."""
+    k = call.count // h.topology.size
+    plan = block_plan(h.topology, k, h.rank)
+    buffers = {INPUT: x, OUTPUT: out, RECEIVED: h.scratch("received", call.dtype, plan.received)}
+    if h.shm is None:        # alone on its node: its input is the node's partial of every block
+        buffers[PART] = x
+        h.exchange(plan.to_owners, buffers, deadline, f"{call.description}: partials to their owners")
+        h.fold(plan.owner_fold, buffers, call.op)
+        return
+    buffers[PART] = h.scratch("part", call.dtype, len(plan.handled) * k)
+
+    def phase(p, work):
+        if p == 0:       # x where the node's ranks read it (the blocks this rank handles, it reads from x)
+            mine = work(h.local)
+            for a, z in plan.not_handled:
+                mine[a:z] = x[a:z]
+        else:
+            h.fold(plan.node_folds, {**buffers, **{(r, WORK): work(r) for r in range(len(h.node_ranks))}},
+                   _in_node_op(call.op))
+            h.exchange(plan.to_owners, buffers, deadline, f"{call.description}: partials to their owners")
+            h.fold(plan.owner_fold, buffers, call.op)
+
+    h.in_node(call, 2, call.count, phase, deadline)
+
+
+def allgather(h, call, x, out, deadline):
+    """Each block to its handler on every other node, then each block from
+    the node-mate holding it."""
+    k = call.count
+    plan = block_plan(h.topology, k, h.rank)
+    if h.shm is None:        # alone on its node: it handles every block, and receives them in place
+        own = out[h.rank * k:(h.rank + 1) * k]
+        if not _same_memory(own, x):
+            own[...] = x
+        h.exchange(plan.spread, {INPUT: x, PART: out}, deadline, f"{call.description}: blocks to their handlers")
+        return
+
+    def phase(p, work):
+        if p == 0:       # own block, and the blocks this rank handles, into its WORK
+            work(h.local)[h.rank * k:(h.rank + 1) * k] = x
+            h.exchange(plan.spread, {INPUT: x, PART: work(h.local)}, deadline,
+                       f"{call.description}: blocks to their handlers")
+        else:            # every block from the node-mate that holds it
+            for rank, holder in enumerate(plan.holders):
+                if rank != h.rank or not _same_memory(out[rank * k:(rank + 1) * k], x):
+                    out[rank * k:(rank + 1) * k] = work(holder)[rank * k:(rank + 1) * k]
+
+    h.in_node(call, 2, h.topology.size * k, phase, deadline)
+
+
+def broadcast(h, call, x, out, deadline):
+    """Scatter + all-gather among one leader per node, then the node's ranks
+    copy from their leader."""
+    if call.count == 0:
+        return
+    plan = broadcast_plan(h.topology, call.count, call.root, h.rank)
+    leader = h.rank == plan.leader
+
+    def between_leaders():
+        for step in (plan.scatter, plan.allgather):
+            h.exchange(step, {PART: x}, deadline, f"{call.description}: pieces between nodes")
+
+    if h.shm is None:
+        between_leaders()
+        return
+
+    def phase(p, work):
+        if p == 0 and leader:
+            between_leaders()
+            work(h.local)[...] = x
+        elif p == 1 and not leader:
+            x[...] = work(h.node_ranks.index(plan.leader))
+
+    h.in_node(call, 2, call.count, phase, deadline)
+
+
+def barrier(h, call, x, out, deadline):
+    """Every rank of the node has arrived (phase 1 starts); the leaders hear
+    from each other; the node's ranks leave once their leader has (phase 2)."""
+    def between_leaders():
+        if h.rank == h.node_ranks[0]:
+            for messages in barrier_plan(h.topology, h.node_index):
+                h.exchange(messages, {PART: np.empty(0, np.uint8)}, deadline, "barrier")
+
+    if h.shm is None:
+        between_leaders()
+        return
+    h.in_node(call, 3, 0, lambda p, work: between_leaders() if p == 1 else None, deadline)
+
+
+RUN = {ALLREDUCE: allreduce, REDUCE_TO_ROOT: reduce, REDUCE_SCATTER: reduce_scatter, ALLGATHER: allgather,
+       BROADCAST: broadcast}
+
+
+def _in_node_op(op):
+    """Inside a node avg sums; it divides where the fold across nodes completes."""
+    return ReduceOp.SUM if op is ReduceOp.AVG else op
+
+
+def _same_memory(a, b):
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
+
+
+# -- the plans: who folds what and sends it to whom, as data (cached per call shape) ------------
+
+class Exchange(NamedTuple):
+    """One round of one rank's messages: (peer, buffer, offset, count) each.
+    Between two ranks, the sender's and the receiver's lists are in one order."""
+    sends: tuple = ()
+    receives: tuple = ()
+
+
+class NodePhase(NamedTuple):
+    waits: tuple        # per local rank: ((peer, phases it has completed), ...), as plan.Phase.waits
+
+
+class NodePhases(NamedTuple):
+    """Phases inside a node, in the form ProcessGroup.run takes."""
+    phases: tuple
+    workspace_bytes: int
+
+
+@functools.lru_cache(maxsize=64)
+def _node_phases(size, nphases, workspace_bytes):
+    """Phase p waits until every other rank of the node has completed p phases of the call."""
+    return NodePhases(tuple(NodePhase(tuple(tuple((peer, p) for peer in range(size) if peer != rank)
+                                            for rank in range(size)))
+                            for p in range(nphases)), workspace_bytes)
+
+
+def _table(rows, sources):
+    """Rows as an op table (plan.py's columns) with `sources` source slots."""
+    table = np.full((len(rows), SRC0 + 3 * sources), -1, np.int64)
+    for i, row in enumerate(rows):
+        table[i, :len(row)] = row
+    return table
+
+
+def _fold_row(dst_rank, kind, count, dst, offset, sources):
+    """One op-table row: dst (buffer, offset) = the fold of sources ((rank, buffer, offset), ...) in order."""
+    return (dst_rank, kind, count, dst, offset, len(sources), *(v for source in sources for v in source))
+
+
+def _cut(start, stop, parts):
+    """[start, stop) cut into `parts` pieces, as even as can be."""
+    size, extra = divmod(stop - start, parts)
+    edges = [start]
+    for j in range(parts):
+        edges.append(edges[-1] + size + (j < extra))
+    return list(zip(edges, edges[1:]))
+
+
+class RangePlan(NamedTuple):
+    ranges: tuple         # per local rank of this node: its range [start, stop)
+    node_fold: np.ndarray  # step 1: this rank's range, its node's inputs folded in local rank order
+    received: int         # elements of RECEIVED
+    reduce: Exchange      # step 2a: partials to their owners
+    folds: np.ndarray     # step 2b: the pieces this rank owns, K sources in node order
+    gather: Exchange      # step 2c: results from their owners
+
+
+# Across nodes, two_shot's second round pays off once a rank's range is large:
+# it sends 2 (K-1)/K of the range where direct sends K-1 ranges, so two_shot
+# saves (K-1)(K-2)/K ranges for one more round, worth this many bytes.
+ROUND_BYTES = 256 << 10
+
+
+def uses_two_shot(nodes, range_bytes):
+    """Whether step 2 is two_shot (else direct: every holder sends its whole
+    range to every other node's holder, and each folds the K partials itself,
+    in the same order, so the bits are the same). With 2 nodes both send one
+    range; direct does it in one round."""
+    return range_bytes * (nodes - 1) * (nodes - 2) > nodes * ROUND_BYTES
+
+
+@functools.lru_cache(maxsize=256)
+def range_plan(topology, count, itemsize, me, root_node=None):
+    """allreduce (and reduce, which gathers on `root_node` only).
+
+    Every node's ranges together cut [0, count) into segments, each held by
+    one rank on every node. two_shot cuts a segment into K pieces, piece j
+    owned (folded) by its holder on node j; direct leaves it whole, owned by
+    its holder on every node that gathers."""
+    nodes = topology.nodes
+    k_me, local = topology.node_of(me), topology.local_of(me)
+    blocks = [-(-count // len(node)) for node in nodes]
+    ranges = tuple((min(l * blocks[k_me], count), min((l + 1) * blocks[k_me], count)) for l in range(len(nodes[k_me])))
+    start, stop = ranges[local]
+    inputs = [(r, INPUT if r == local else WORK, start) for r in range(len(ranges))]
+    node_fold = [_fold_row(local, REDUCE_OP, stop - start, WORK, start, inputs)] if stop > start else []
+    edges = sorted({0, count, *(min(l * b, count) for b, node in zip(blocks, nodes) for l in range(len(node)))})
+    gatherers = tuple(range(len(nodes))) if root_node is None else (root_node,)
+    two_shot = uses_two_shot(len(nodes), max(blocks) * itemsize)
+    reduce_sends, reduce_receives, gather_sends, gather_receives, folds = [], [], [], [], []
+    received = 0
+    for a, z in zip(edges, edges[1:]):
+        holders = [node[a // b] for b, node in zip(blocks, nodes)]
+        if holders[k_me] != me:
+            continue
+        pieces = [(cut, (j,)) for j, cut in enumerate(_cut(a, z, len(nodes)))] if two_shot else [((a, z), gatherers)]
+        for (p, q), owners in pieces:
+            if q == p:
+                continue
+            piece = (p - start, q - p)        # where it is in this rank's range
+            reduce_sends += [(holders[j], PART, *piece) for j in owners if j != k_me]
+            if k_me not in owners:
+                if k_me in gatherers:          # two_shot: the owner's result
+                    gather_receives.append((holders[owners[0]], PART, *piece))
+                continue
+            sources = []
+            for k, holder in enumerate(holders):
+                if k == k_me:
+                    sources.append((k, PART, p - start))
+                else:
+                    reduce_receives.append((holder, RECEIVED, received, q - p))
+                    sources.append((k, RECEIVED, received))
+                    received += q - p
+            folds.append(_fold_row(k_me, REDUCE_FINAL_OP, q - p, PART, p - start, sources))
+            gather_sends += [(holders[k], PART, *piece) for k in gatherers if k not in owners]
+    return RangePlan(ranges, _table(node_fold, len(ranges)), received,
+                     Exchange(tuple(reduce_sends), tuple(reduce_receives)), _table(folds, len(nodes)),
+                     Exchange(tuple(gather_sends), tuple(gather_receives)))
+
+
+def handler(topology, k, rank):
+    """The rank of node k that handles `rank`'s block: `rank` itself on its own
+    node, elsewhere the rank whose local index is its local index modulo the node's size."""
+    node = topology.nodes[k]
+    return rank if topology.node_of(rank) == k else node[topology.local_of(rank) % len(node)]
+
+
+class BlockPlan(NamedTuple):
+    handled: tuple        # the ranks whose blocks this rank handles, in rank order
+    not_handled: tuple    # [start, stop) of the other blocks, merged
+    holders: tuple        # per rank: the local rank of this node whose WORK holds its block (allgather)
+    node_folds: np.ndarray  # reduce_scatter 1: the handled blocks, the node's inputs folded in local rank order
+    received: int
+    to_owners: Exchange   # reduce_scatter 2: partials to their owners
+    owner_fold: np.ndarray  # reduce_scatter 3: this rank's block, K partials in node order, into OUTPUT
+    spread: Exchange      # allgather: own block to its handlers, handled blocks from their owners
+
+
+@functools.lru_cache(maxsize=256)
+def block_plan(topology, k, me):
+    """reduce_scatter and allgather, blocks of k elements."""
+    nodes, n = topology.nodes, topology.size
+    k_me, local = topology.node_of(me), topology.local_of(me)
+    node = nodes[k_me]
+    handled = tuple(r for r in range(n) if handler(topology, k_me, r) == me)
+    not_handled = tuple((r * k, (r + 1) * k) for r in range(n) if r not in handled)
+    holders = tuple(node.index(handler(topology, k_me, r)) for r in range(n))
+    node_folds = [_fold_row(local, REDUCE_OP, k, PART, j * k,
+                            [(l, INPUT if l == local else WORK, r * k) for l in range(len(node))])
+                  for j, r in enumerate(handled)] if k else []
+    to_owners = [(r, PART, j * k, k) for j, r in enumerate(handled) if r not in node]
+    spread_receives = [(r, PART, r * k, k) for r in handled if r not in node]
+    receives, spread_sends, sources = [], [], []
+    for other in range(len(nodes)):
+        if other == k_me:
+            sources.append((other, PART, handled.index(me) * k))
+            continue
+        there = handler(topology, other, me)
+        sources.append((other, RECEIVED, len(receives) * k))
+        receives.append((there, RECEIVED, len(receives) * k, k))
+        spread_sends.append((there, INPUT, 0, k))
+    owner_fold = [_fold_row(k_me, REDUCE_FINAL_OP, k, OUTPUT, 0, sources)] if k else []
+    return BlockPlan(handled, _merged(not_handled), holders, _table(node_folds, len(node)), len(receives) * k,
+                     Exchange(tuple(to_owners), tuple(receives)), _table(owner_fold, len(nodes)),
+                     Exchange(tuple(spread_sends), tuple(spread_receives)))
+
+
+def _merged(spans):
+    merged = []
+    for a, z in spans:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], z)
+        elif z > a:
+            merged.append((a, z))
+    return tuple(merged)
+
+
+class BroadcastPlan(NamedTuple):
+    leader: int           # the rank of this rank's node that takes part between nodes
+    scatter: Exchange     # the root's pieces to the leaders
+    allgather: Exchange   # the leaders' pieces to each other
+
+
+@functools.lru_cache(maxsize=256)
+def broadcast_plan(topology, count, root, me):
+    nodes = topology.nodes
+    k_root = topology.node_of(root)
+    leaders = [root if k == k_root else node[0] for k, node in enumerate(nodes)]
+    pieces = [(a, z - a) for a, z in _cut(0, count, len(nodes))]
+    scatter_sends, scatter_receives, sends, receives = [], [], [], []
+    for j, (a, size) in enumerate(pieces):    # piece j to node j's leader
+        if size and j != k_root:
+            if me == root:
+                scatter_sends.append((leaders[j], PART, a, size))
+            if me == leaders[j]:
+                scatter_receives.append((root, PART, a, size))
+    for j, (a, size) in enumerate(pieces):    # then from there to every other leader but the root
+        for k, leader in enumerate(leaders):
+            if size and k not in (j, k_root):
+                if me == leaders[j]:
+                    sends.append((leader, PART, a, size))
+                if me == leader:
+                    receives.append((leaders[j], PART, a, size))
+    return BroadcastPlan(leaders[topology.node_of(me)], Exchange(tuple(scatter_sends), tuple(scatter_receives)),
+                         Exchange(tuple(sends), tuple(receives)))
+
+
+@functools.lru_cache(maxsize=64)
+def barrier_plan(topology, k_me):
+    """Dissemination among node leaders: in round d, hear from the leader d
+    nodes back and tell the one d nodes ahead (d = 1, 2, 4, ...)."""
+    leaders, rounds, d = [node[0] for node in topology.nodes], [], 1
+    while d < len(leaders):
+        rounds.append(Exchange(((leaders[(k_me + d) % len(leaders)], PART, 0, 0),),
+                               ((leaders[(k_me - d) % len(leaders)], PART, 0, 0),)))
+        d *= 2
+    return tuple(rounds)

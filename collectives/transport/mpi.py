@@ -1,0 +1,176 @@
+"""Messages between nodes: MPI point-to-point, polled against the deadline.
+
+Ranks on different nodes cannot map each other's memory, so the
+hierarchical communicator (hierarchy.py) moves bytes between nodes with
+MPI, a proven engine, and never with a network layer of its own. Only
+nonblocking calls (Isend, Irecv) are used, on a private duplicate of the
+program's communicator, and every wait polls them against the call's
+deadline: a node that stops answering is a CollectiveTimeoutError, not a
+hang.
+
+One `exchange` is a set of sends and receives that may all be in flight at
+once. Before its data, a rank sends every peer of the exchange its call
+signature (protocol.call_signature: the call's number and what it is), and
+checks the one each peer sent: ranks making different calls are told so
+instead of exchanging the wrong bytes. MPI keeps the messages between two
+ranks in order, so the signature is always the first message of the pair.
+
+A rank that fails in a collective sends every other rank an abort message
+(tag ABORT_TAG; each rank keeps one receive posted for it from anyone).
+Every wait checks it, so the others raise within moments instead of waiting
+out their timeout; a whole node that dies is noticed at the timeout.
+"""
+
+import os
+import time
+
+import numpy as np
+
+from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+
+ABORT_TAG, DATA_TAG = 1, 2
+REASON_BYTES = 1024
+HEALTH_EVERY = 0.02     # seconds between looks at the abort channel while waiting
+SEND_ABORT_SECONDS = 0.05
+# An abort message starts with the kind of failure, so the receivers raise the same kind.
+_KINDS = {"F": RankFailedError, "T": CollectiveTimeoutError, "E": CollectiveError}
+
+
+def _kind(error):
+    if isinstance(error, RankFailedError):
+        return "F"
+    return "T" if isinstance(error, CollectiveTimeoutError) else "E"
+
+
+class MpiLink:
+    """This rank's end of the messages between nodes: `comm` is a private
+    duplicate (bootstrap.duplicate) of the communicator the ranks started from."""
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._signature = np.zeros(1, np.int64)
+        self._aborted = None              # (error class, message, whether a peer sent it): raised from now on
+        self._abort_buffer = bytearray(REASON_BYTES)
+        self._abort_status = MPI.Status()
+        self._abort_request = comm.Irecv([self._abort_buffer, MPI.BYTE], MPI.ANY_SOURCE, ABORT_TAG)
+        self._orphans = []                # requests (and their buffers) of failed exchanges: kept alive
+
+    # -- health ------------------------------------------------------------------
+
+    def begin(self, signature):
+        """Start a call whose signature is `signature`; raise if the communicator was aborted."""
+        self.check_health()
+        self._signature[0] = signature
+
+    def check_health(self):
+        """Raise if this communicator was aborted, here or by another rank."""
+        if self._aborted is None and self._abort_request.Test(self._abort_status):
+            who = self._abort_status.Get_source()
+            text = bytes(self._abort_buffer).rstrip(b"\0").decode(errors="replace")
+            kind, reason = (text[0], text[1:]) if text[:1] in _KINDS else ("E", text)
+            self._aborted = (_KINDS[kind], f"rank {who} aborted the communicator: {reason}", True)
+        if self._aborted is not None:
+            kind, message, _ = self._aborted
+            raise kind(message)
+
+    def abort(self, error):
+        """Tell every other rank that this communicator cannot go on, unless
+        the abort came from another rank (which told everyone). Sent once, and
+        pushed out for at most SEND_ABORT_SECONDS, never waited for: a dead
+        peer never receives it."""
+        if self._aborted is not None:
+            return
+        self._aborted = (CollectiveError, f"this communicator was aborted: {type(error).__name__}: {error}", False)
+        message = np.frombuffer(f"{_kind(error)}{type(error).__name__} on rank {self.rank}: {error}"
+                                .encode()[:REASON_BYTES], np.uint8).copy()
+        sends = [self.comm.Isend([message, self._mpi.BYTE], peer, ABORT_TAG)
+                 for peer in range(self.size) if peer != self.rank]
+        self._orphans.append((sends, message))
+        until = time.perf_counter() + SEND_ABORT_SECONDS
+        try:
+            while not self._mpi.Request.Testall(sends) and time.perf_counter() < until:
+                os.sched_yield()
+        except self._mpi.Exception:
+            pass   # a peer that is gone: the others got theirs
+
+    # -- moving bytes ----------------------------------------------------------------
+
+    def exchange(self, sends, receives, deadline, what):
+        """Send each (peer, array) of `sends` and fill each (peer, array) of
+        `receives`, all at once; return when all are done. Arrays are
+        contiguous; between two ranks, the sender's list and the receiver's
+        list name their messages in the same order."""
+        MPI = self._mpi
+        comm = self.comm
+        sources = list(dict.fromkeys(peer for peer, _ in receives))
+        targets = list(dict.fromkeys(peer for peer, _ in sends))
+        heard = np.zeros(len(sources), np.int64)
+        requests = [comm.Irecv([heard[i:i + 1], MPI.INT64_T], peer, DATA_TAG) for i, peer in enumerate(sources)]
+        requests += [comm.Irecv([a.view(np.uint8), MPI.BYTE], peer, DATA_TAG) for peer, a in receives if a.size]
+        requests += [comm.Isend([self._signature, MPI.INT64_T], peer, DATA_TAG) for peer in targets]
+        requests += [comm.Isend([a.view(np.uint8), MPI.BYTE], peer, DATA_TAG) for peer, a in sends if a.size]
+        try:
+            self._wait(requests, deadline, what, sources)
+        except BaseException:
+            self._orphan(requests, (heard, sends, receives))
+            raise
+        wrong = [peer for peer, signature in zip(sources, heard) if signature != self._signature[0]]
+        if wrong:
+            raise InvalidUsageError(
+                f"rank {wrong[0]} is in a different call from rank {self.rank}'s {what}; every rank must make "
+                "the same calls in the same order")
+
+    def _wait(self, requests, deadline, what, sources):
+        """Poll `requests` until all are done: the deadline and the abort
+        channel are checked between polls, and the core is yielded (ranks may
+        outnumber cores), but never slept away: MPI moves a large message
+        only while both ends call into it."""
+        testall = self._mpi.Request.Testall
+        next_health = 0.0
+        try:
+            while not testall(requests):
+                now = time.perf_counter()
+                if now >= next_health:
+                    self.check_health()
+                    next_health = now + HEALTH_EVERY
+                if now >= deadline:
+                    raise CollectiveTimeoutError(
+                        f"timed out waiting for rank(s) {', '.join(map(str, sources)) or '-'} on other nodes in "
+                        f"{what} (is every rank making the same calls?)")
+                os.sched_yield()
+        except self._mpi.Exception as error:
+            if error.Get_error_class() in (self._mpi.ERR_PROC_FAILED, self._mpi.ERR_PROC_FAILED_PENDING):
+                raise RankFailedError(f"MPI reports a failed rank during {what}: {error}") from error
+            if error.Get_error_class() == self._mpi.ERR_TRUNCATE:
+                raise InvalidUsageError(
+                    f"a rank on another node sent more bytes than {what} expects; every rank must make the "
+                    "same calls in the same order") from error
+            raise CollectiveError(f"MPI failed during {what}: {error}") from error
+
+    def _orphan(self, requests, buffers):
+        """Requests of an exchange that failed: cancel what has not completed,
+        and keep the buffers alive, since MPI may still hold them."""
+        for request in requests:
+            try:
+                if not request.Test():
+                    request.Cancel()
+            except self._mpi.Exception:
+                pass
+        self._orphans.append((requests, buffers))
+
+    def close(self):
+        """Release the duplicate communicator (when no exchange failed)."""
+        if self.comm is None:
+            return
+        try:
+            self._abort_request.Cancel()
+            if self._aborted is None and not self._orphans:
+                self._abort_request.Wait()
+                self.comm.Free()
+        except self._mpi.Exception:
+            pass
+        self.comm = None

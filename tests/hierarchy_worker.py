@@ -1,0 +1,285 @@
+"""One rank of a multi-node test on one machine; tests/test_hierarchy.py
+starts 4 of these under mpiexec, split into pretend nodes.
+
+    mpiexec -n 4 python tests/hierarchy_worker.py SCENARIO LAYOUT
+
+LAYOUT is $COLLECTIVES_PRETEND_NODES: one node label per rank ("0,0,1,1").
+Each rank prints "OK <scenario> <rank>" when everything it checked held,
+and fails with a traceback (non-zero exit) otherwise.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+from cases import DTYPES, OPS, counts_for, gather_input, reduction_expected, reduction_input
+from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from collectives.bootstrap import PRETEND_NODES_ENV
+from collectives.executors import host
+from collectives.hierarchy import HierarchicalCommunicator
+from collectives.ops import BFLOAT16, ReduceOp
+from collectives.plan import REDUCE_FINAL_OP, REDUCE_OP, SRC0
+from collectives.transport import segments
+
+TIMEOUT = 3.0
+WORLD = MPI.COMM_WORLD
+OPENED = []   # (segment name, created here?) of every shared-memory segment this process opened
+
+
+def record_segments():
+    """Log every Segment this process makes or maps (the assertion that none
+    crosses a node boundary reads the log of every rank)."""
+    original = segments.Segment.__init__
+
+    def logged(self, name, size=0, create=False):
+        OPENED.append((name, create))
+        original(self, name, size, create)
+
+    segments.Segment.__init__ = logged
+
+
+def check(got, want, case):
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{case}: {got.dtype}{got.shape} != {want.dtype}{want.shape}"
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{case}: {got[:6]} != {want[:6]}"
+
+
+# -- the documented fold order, written out with the NumPy interpreter -----------------------
+
+def fold(arrays, op, final, nranks):
+    """One op-table row folding `arrays` in order, as executors/host.py runs it."""
+    if len(arrays) == 1:
+        return arrays[0].copy()
+    out = np.empty_like(arrays[0])
+    buffers = [*arrays, out]
+    row = np.array([[0, REDUCE_FINAL_OP if final else REDUCE_OP, out.size, len(arrays), 0, len(arrays),
+                     *[v for i in range(len(arrays)) for v in (0, i, 0)]]], np.int64)
+    assert row.shape[1] == SRC0 + 3 * len(arrays)
+    host.execute(row, lambda rank, buffer: buffers[buffer], ReduceOp(op), nranks)
+    return out
+
+
+def reference(inputs, nodes, op):
+    """Each element: ((P_0 op P_1) ...) op P_{K-1}, P_k = ((x_0 op x_1) ...) op x_{G_k-1}
+    over node k's ranks in rank order; avg sums inside nodes and divides once, across."""
+    inside = "sum" if op == "avg" else op
+    partials = [fold([inputs[r] for r in node], inside, False, len(inputs)) for node in nodes]
+    return fold(partials, op, True, len(inputs))
+
+
+def random_values(dtype, rank, count):
+    """Floats of every magnitude, with NaN, infinities and signed zeros."""
+    g = np.random.default_rng([rank, count, dtype.itemsize])
+    values = g.standard_normal(count) * 10.0 ** g.integers(-3, 4, count)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0])
+    where = g.random(count) < 0.02
+    values[where] = specials[g.integers(0, len(specials), where.sum())]
+    return values.astype(dtype)
+
+
+# -- scenarios ------------------------------------------------------------------------------
+
+def scenario_matrix(comm):
+    """Every collective, dtype and op, against closed forms and the documented order."""
+    r, n = comm.rank, comm.size
+    assert isinstance(comm, HierarchicalCommunicator), comm
+    nodes = comm.topology.nodes
+    for count in counts_for(n):
+        for dtype in DTYPES:
+            for i, op in enumerate(OPS):
+                case = f"{op} {dtype} count={count} rank {r} nodes {nodes}"
+                x = reduction_input(op, dtype, n, r, count)
+                want = reduction_expected(op, dtype, n, count)
+                if i % 2:
+                    got = comm.allreduce(x.copy(), op=op)
+                else:
+                    got = comm.allreduce(x, op=op, out=np.empty_like(x))
+                check(got, want, f"allreduce {case}")
+                whole = reduction_input(op, dtype, n, r, n * count)
+                if i % 2:
+                    out = np.empty(count, dtype)
+                    comm.reduce_scatter(whole, op=op, out=out)
+                else:
+                    kept = whole.copy()
+                    out = comm.reduce_scatter(kept, op=op)   # in place: rank r's block of kept
+                    others = np.ones(n * count, bool)
+                    others[r * count:(r + 1) * count] = False
+                    check(kept[others], whole[others], f"reduce_scatter in place leaves the other blocks {case}")
+                check(out, reduction_expected(op, dtype, n, n * count)[r * count:(r + 1) * count],
+                      f"reduce_scatter {case}")
+                root = i % n
+                got = comm.reduce(x.copy(), root=root, op=op)
+                check(got, want if r == root else x, f"reduce to {root} {case}")
+            gathered = comm.allgather(gather_input(dtype, r, count))
+            want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
+            check(gathered, want, f"allgather {dtype} count={count}")
+            out = np.empty(n * count, dtype)
+            out[r * count:(r + 1) * count] = gather_input(dtype, r, count)
+            comm.allgather(out[r * count:(r + 1) * count], out=out)   # in place, as MPI_IN_PLACE
+            check(out, want, f"allgather in place {dtype} count={count}")
+            for root in (0, n - 1):
+                got = comm.broadcast(gather_input(dtype, r, count), root=root)
+                check(got, gather_input(dtype, root, count), f"broadcast from {root} {dtype} count={count}")
+    comm.barrier()
+
+
+def scenario_order(comm):
+    """Random floats (NaN, infinities, signed zeros included): every rank
+    holds exactly the bits of the documented fold order, so all agree; the
+    reducing collectives agree with each other element for element."""
+    r, n = comm.rank, comm.size
+    nodes = comm.topology.nodes
+    for dtype in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16, np.dtype(np.float64)):
+        for op in OPS:
+            # 40000 per rank: ranges large enough for two_shot across 3 or more nodes (hierarchy.uses_two_shot).
+            for count in (7, 4099, 40000) if dtype.itemsize >= 4 else (7, 4099):
+                inputs = [random_values(dtype, q, n * count) for q in range(n)]
+                want = reference(inputs, nodes, op)
+                case = f"{op} {dtype} count={n * count}"
+                got = comm.allreduce(inputs[r].copy(), op=op)
+                check(got, want, f"allreduce {case}")
+                everyone = WORLD.allgather(got.tobytes())
+                assert all(b == everyone[0] for b in everyone), f"ranks disagree: {case}"
+                block = comm.reduce_scatter(inputs[r].copy(), op=op, out=np.empty(count, dtype))
+                check(block, want[r * count:(r + 1) * count], f"reduce_scatter {case}")
+                got = comm.reduce(inputs[r].copy(), root=n - 1, op=op)
+                if r == n - 1:
+                    check(got, want, f"reduce {case}")
+    # Fused allreduces go through allreduce: the same bits, array by array.
+    arrays = [random_values(np.dtype(np.float32), q * 100 + i, 1000 + 37 * i) for i in range(6) for q in range(n)]
+    mine = [arrays[i * n + r].copy() for i in range(6)]
+    comm.allreduce_many(mine, fusion_threshold=8192)
+    for i, got in enumerate(mine):
+        check(got, reference(arrays[i * n:(i + 1) * n], nodes, "sum"), f"allreduce_many array {i}")
+    buffer = comm.fusion_buffer(threshold=8192)
+    queued = [arrays[i * n + r].copy() for i in range(6)]
+    for a in queued:
+        buffer.add(a)
+    buffer.wait()
+    for got, want in zip(queued, mine):
+        check(got, want, "fusion_buffer")
+
+
+def scenario_refusals(comm):
+    """Rejected calls raise InvalidUsageError and modify nothing."""
+    x = np.arange(8, dtype=np.float32)
+    for call in (lambda: comm.allreduce(x, compression="bf16"),
+                 lambda: comm.allreduce_many([x], compression="fp16"),
+                 lambda: comm.fusion_buffer(compression="int8"),
+                 lambda: comm.allreduce(x, algorithm="no_such_algorithm"),
+                 lambda: comm.reduce_scatter(x, algorithm="star"),
+                 lambda: comm.allreduce(x, op="xor"),
+                 lambda: comm.broadcast(x, root=comm.size),
+                 lambda: comm.reduce_scatter(np.ones(comm.size + 1, np.float32))):
+        try:
+            call()
+        except InvalidUsageError as error:
+            assert "compression" in str(error) or "algorithm" in str(error) or "op" in str(error) \
+                or "root" in str(error) or "divides" in str(error), error
+        else:
+            raise AssertionError("a bad call was accepted")
+        assert np.array_equal(x, np.arange(8, dtype=np.float32)), "a rejected call modified its input"
+    check(comm.allreduce(np.ones(3, np.int32)), np.full(3, comm.size, np.int32), "still usable")
+
+
+def scenario_stalled(comm):
+    """The last rank stops calling in: everyone else raises within the timeout."""
+    last = comm.size - 1
+    x = np.ones(1000, np.float32)
+    if comm.rank == last:
+        time.sleep(TIMEOUT + 2)
+        try:
+            # Its peers' messages of this call may all have arrived before they
+            # gave up: then it completes, with the right result ...
+            check(comm.allreduce(x), np.full(1000, comm.size, np.float32), "the late rank's allreduce")
+        except CollectiveError as error:
+            assert "aborted" in str(error), error
+            return
+        try:   # ... and its next call learns that the others have aborted.
+            comm.barrier()
+        except CollectiveError as error:
+            assert "aborted" in str(error) or isinstance(error, CollectiveTimeoutError), error
+            return
+        raise AssertionError("a call into an aborted communicator succeeded")
+    start = time.perf_counter()
+    try:
+        comm.allreduce(x)
+    except CollectiveError as error:
+        elapsed = time.perf_counter() - start
+        assert isinstance(error, CollectiveTimeoutError) or "aborted" in str(error), error
+        assert not isinstance(error, RankFailedError), error
+        assert elapsed < TIMEOUT + 1.5, f"took {elapsed:.1f}s with a {TIMEOUT}s timeout"
+        return
+    raise AssertionError("allreduce completed without the last rank")
+
+
+def scenario_killed(comm):
+    """The last rank dies: everyone else raises within the timeout (within a
+    second when a node-mate sees it die and tells the other nodes)."""
+    last = comm.size - 1
+    comm.barrier()
+    if comm.rank == last:
+        os._exit(0)
+    has_mate = len(comm.topology.nodes[comm.topology.node_of(last)]) > 1
+    start = time.perf_counter()
+    try:
+        comm.allreduce(np.ones(1000, np.float64))
+    except CollectiveError as error:
+        elapsed = time.perf_counter() - start
+        if has_mate:
+            assert isinstance(error, RankFailedError) or "died" in str(error), error
+            assert elapsed < 1.5, f"a dead rank with a node-mate took {elapsed:.1f}s to report"
+        else:
+            assert isinstance(error, CollectiveTimeoutError) or "aborted" in str(error), error
+            assert elapsed < TIMEOUT + 1.5, f"took {elapsed:.1f}s with a {TIMEOUT}s timeout"
+    else:
+        raise AssertionError("allreduce completed without the last rank")
+    start = time.perf_counter()
+    comm.close()
+    assert time.perf_counter() - start < TIMEOUT + 1.5, "close() waited out more than its timeout"
+
+
+def scenario_one_node(comm):
+    """Every rank on one pretend node: today's communicator, unchanged."""
+    assert type(comm) is collectives.Communicator, type(comm)
+    check(comm.allreduce(np.ones(5, np.float32)), np.full(5, comm.size, np.float32), "one node")
+
+
+def no_segment_crosses_a_node(comm):
+    """Every segment a rank mapped was made by a rank of its own node."""
+    logs = WORLD.allgather(OPENED)
+    nodes = comm.topology.nodes if isinstance(comm, HierarchicalCommunicator) else (tuple(range(comm.size)),)
+    node_of = {rank: k for k, node in enumerate(nodes) for rank in node}
+    creator = {name: rank for rank, log in enumerate(logs) for name, created in log if created}
+    opened = [(rank, name) for rank, log in enumerate(logs) for name, created in log if not created]
+    assert opened or all(len(node) == 1 for node in nodes), "no rank mapped a node-mate's segment"
+    for rank, name in opened:
+        assert node_of[creator[name]] == node_of[rank], \
+            f"rank {rank} (node {node_of[rank]}) mapped {name}, made by rank {creator[name]} " \
+            f"(node {node_of[creator[name]]})"
+    for rank, log in enumerate(logs):
+        if len(nodes[node_of[rank]]) == 1:
+            assert not log, f"rank {rank} is alone on its node but opened {log}"
+
+
+def main():
+    scenario, layout = sys.argv[1], sys.argv[2]
+    os.environ[PRETEND_NODES_ENV] = layout
+    record_segments()
+    comm = collectives.init(timeout=TIMEOUT if scenario in ("stalled", "killed") else 30.0)
+    assert comm.size == WORLD.size and comm.rank == WORLD.rank
+    globals()[f"scenario_{scenario}"](comm)
+    if scenario in ("matrix", "order", "one_node"):
+        no_segment_crosses_a_node(comm)
+    comm.close()
+    print(f"OK {scenario} {comm.rank}", flush=True)
+    if scenario == "killed":
+        os._exit(0)   # MPI_Finalize would wait for the dead rank
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Ranks on several nodes, pretended on one machine: 4 processes under
+mpiexec, split into nodes by $COLLECTIVES_PRETEND_NODES (bootstrap.py), so
+that every node boundary of the hierarchical communicator (hierarchy.py)
+is crossed here as it would be between machines.
+
+Each test starts one mpiexec job whose worker loops over the whole matrix
+itself (tests/hierarchy_worker.py), and has a hard time limit.
+"""
+
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collectives import InvalidUsageError, hierarchy
+from collectives.bootstrap import PRETEND_NODES_ENV, Topology, pretend_label
+from test_mpi import mpiexec
+
+pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+
+WORKER = Path(__file__).with_name("hierarchy_worker.py")
+# Ranks per pretend node (node labels, one per rank of 4).
+TWO_AND_TWO = "0,0,1,1"
+THREE_AND_ONE = "0,0,0,1"
+ONE_PER_NODE = "0,1,2,3"
+INTERLEAVED = "0,1,0,1"     # nodes need not hold consecutive ranks
+THREE_NODES = "0,1,1,2"     # uneven, and enough nodes for two_shot between them
+
+
+def run_ranks(scenario, layout, *launcher_flags, limit=240):
+    """Start 4 ranks of hierarchy_worker.py; their "OK" lines and a report."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    env.pop(PRETEND_NODES_ENV, None)   # the worker sets it from `layout`
+    done = subprocess.run([mpiexec(), *launcher_flags, "-n", "4", sys.executable, str(WORKER), scenario, layout],
+                          capture_output=True, text=True, timeout=limit, env=env)
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert done.returncode == 0, report
+    return re.findall(rf"OK {scenario} \d+", done.stdout), report
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE, ONE_PER_NODE])
+def test_every_collective_dtype_and_op_across_nodes(layout):
+    oks, report = run_ranks("matrix", layout)
+    assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE, ONE_PER_NODE, THREE_NODES, INTERLEAVED])
+def test_every_rank_holds_the_bits_of_the_documented_fold_order(layout):
+    oks, report = run_ranks("order", layout)
+    assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
+def test_rejected_calls_across_nodes_modify_nothing():
+    oks, report = run_ranks("refusals", THREE_AND_ONE)
+    assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
+def test_all_ranks_on_one_node_keep_todays_communicator():
+    oks, report = run_ranks("one_node", "0,0,0,0")
+    assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE])
+def test_a_rank_that_stalls_on_the_other_node_makes_the_others_raise_in_time(layout):
+    oks, report = run_ranks("stalled", layout)
+    assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE])
+def test_a_rank_that_dies_on_the_other_node_makes_the_others_raise_in_time(layout):
+    # Hydra would otherwise kill the survivors itself when one rank exits.
+    oks, report = run_ranks("killed", layout, "-disable-auto-cleanup")
+    assert len(oks) == 3, report
+
+
+# -- without processes: the plans every rank makes agree with each other ------------------
+
+def layouts(max_ranks=8):
+    """Node labels for 2..max_ranks ranks: contiguous, uneven, interleaved, one per node, random."""
+    rng = random.Random(15)
+    found = []
+    for n in range(2, max_ranks + 1):
+        found += [[0] * (n - 1) + [1], [r % 2 for r in range(n)], list(range(n)), [r * 3 // n for r in range(n)]]
+        found += [[rng.randrange(min(n, 4)) for _ in range(n)] for _ in range(3)]
+    return [list(labels) for labels in dict.fromkeys(map(tuple, found)) if len(set(labels)) > 1]
+
+
+def topology_of(labels):
+    nodes = {}
+    for rank, label in enumerate(labels):
+        nodes.setdefault(label, []).append(rank)
+    return Topology(tuple(tuple(ranks) for ranks in sorted(nodes.values())), ("machine",) * len(labels))
+
+
+def messages(plans, exchange):
+    """{(sender, receiver): [counts in order]} as the senders and as the receivers see it."""
+    sent, received = {}, {}
+    for rank, plan in plans.items():
+        for peer, _, _, count in getattr(plan, exchange).sends:
+            sent.setdefault((rank, peer), []).append(count)
+        for peer, _, _, count in getattr(plan, exchange).receives:
+            received.setdefault((peer, rank), []).append(count)
+    return sent, received
+
+
+@pytest.mark.parametrize("labels", layouts(), ids=lambda labels: ",".join(map(str, labels)))
+def test_every_message_a_rank_sends_is_one_its_peer_receives(labels):
+    found = topology_of(labels)
+    n, nodes = found.size, len(found.nodes)
+    for count in (0, 1, n - 1, n + 1, 1000, 1 << 20):
+        for root_node in (None, *range(nodes)):
+            plans = {r: hierarchy.range_plan(found, count, 4, r, root_node) for r in range(n)}
+            for exchange in ("reduce", "gather"):
+                sent, received = messages(plans, exchange)
+                assert sent == received, (labels, count, root_node, exchange)
+            # Every element of a node's range is folded across nodes by exactly the ranks that gather it.
+            folded = sum(int(plan.folds[:, 2].sum()) for plan in plans.values())
+            two_shot = hierarchy.uses_two_shot(nodes, max(-(-count // len(node)) for node in found.nodes) * 4)
+            assert folded == count * (1 if two_shot or root_node is not None else nodes), (labels, count, root_node)
+        for block in (0, 1, 3):
+            plans = {r: hierarchy.block_plan(found, block, r) for r in range(n)}
+            for exchange in ("to_owners", "spread"):
+                sent, received = messages(plans, exchange)
+                assert sent == received, (labels, block, exchange)
+            assert sorted(r for plan in plans.values() for r in plan.handled) == sorted(list(range(n)) * nodes)
+        for root in range(n):
+            plans = {r: hierarchy.broadcast_plan(found, 1000, root, r) for r in range(n)}
+            for exchange in ("scatter", "allgather"):
+                sent, received = messages(plans, exchange)
+                assert sent == received, (labels, root, exchange)
+
+
+def test_pretend_nodes_take_one_label_per_rank():
+    assert pretend_label(2, 4, {PRETEND_NODES_ENV: "a, a, b ,b"}) == "b"
+    assert pretend_label(0, 4, {}) == ""
+    for bad in ("0,0,1", "0,,1,1", "0,0,1,1,1"):
+        with pytest.raises(InvalidUsageError, match=PRETEND_NODES_ENV):
+            pretend_label(0, 4, {PRETEND_NODES_ENV: bad})
