@@ -9,8 +9,10 @@ whole buffers: blocks are the rows of an (nblocks, 32) view.
     bf16   payload = bfloat16 bits (uint16); no scales
     fp16   payload = float16 bits of x * 2^-e; scale byte e + 127
     int8   payload = clamp(rint(x * 2^-e), -127, 127); scale byte e + 127
-    with   k = exponent of the block's largest |x| (-126 if zero or subnormal),
-           e = max(k - 14, -127) for fp16, max(k - 6, -127) for int8;
+    with   k = exponent of the block's largest |x| = M (-126 if zero or subnormal),
+           e = max(k - 14, -127) for fp16, max(k - 6, -127) for int8, plus
+           one for int8 if rint(M * 2^-e) > 127 (so the clamp never acts),
+           but not to 122 (64 * 2^122 overflows float32);
            a block with inf or NaN: scale byte 255, payload 0, decodes to NaN
 """
 
@@ -49,7 +51,14 @@ def block_exponents(codec, x):
     largest = np.abs(np.where(special[:, None], 0, blocks)).max(axis=1, initial=0).astype(np.float32)
     _, exponent = np.frexp(largest)          # largest = f * 2^exponent, 0.5 <= f < 1
     k = np.where(largest == 0, -126, np.maximum(exponent.astype(np.int64) - 1, -126))
-    return np.maximum(k - HEADROOM[codec], -127), special
+    e = np.maximum(k - HEADROOM[codec], -127)
+    if codec == "int8":
+        # The largest would scale into [64, 128); where it rounds to 128, one
+        # more power of two halves it into [63.75, 64), which rounds to 64 --
+        # unless 64 2^(e+1) overflows float32 (e + 1 = 122): then it stays,
+        # and is clamped to 127.
+        e = e + ((np.rint(largest * power_of_two(-e)) > 127) & (e < 121))
+    return e, special
 
 
 def _per_element(values, n):

@@ -3,9 +3,13 @@
 * The CPU loops (numba.njit) equal the NumPy reference (codec_reference.py)
   bit for bit, every codec and operation, on data chosen to hit every path:
   tiny, huge and mixed magnitudes, signed zeros, rounding ties of each
-  codec, float32 subnormals, the largest float32, inf and NaN, partial
-  blocks; decoding arbitrary bytes too.
-* One encode/decode stays within the error bound derived from the format.
+  codec, int8's scale stepping up, float32 subnormals, the largest float32,
+  inf and NaN, partial blocks, in place and not, with and without the float
+  result written; decoding arbitrary bytes too.
+* The float16 and bfloat16 conversions equal NumPy's on every float16 and a
+  sweep of float32 values.
+* One encode/decode stays within the error bound derived from the format;
+  int8 never needs its clamp.
 * The wire is as small as promised.
 * The CUDA kernels, the same bodies, run under Numba's CUDA simulator (in a
   subprocess, so the simulator does not leak into this one) and equal the
@@ -21,6 +25,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -48,11 +53,32 @@ def _ties(seed=0):
     fp16 = [1.5 * 2 ** 14] + [(-1) ** j * (1 + (2 * j + 1) * 2 ** -11) for j in range(15)] \
         + [(-1) ** j * (2 * j + 1) * 2 ** -25 for j in range(16)]
     fp16 = np.array(fp16, np.float32) * np.float32(2 ** -30)
-    # int8: a block with maximum 127.5 (e = 0; rint gives 128, clamped to 127) and
-    # j + 1/2 for both parities, scaled by 2^10 (so e = 10).
-    int8 = [127.5, -127.5] + [(j + 0.5) * (-1) ** j for j in range(-60, 60, 4)]
+    # int8, one block: maximum 127.25 (scales to itself, e = 0, rounds to 127)
+    # and ties j + 1/2 of both parities; another: maximum 127.5, which would
+    # round to 128 at e = 0, so e = 1 and the odd integers beside it become
+    # ties. Both scaled by 2^10 (so e = 10 and 11).
+    int8 = [127.25, -127.25] + [(j + 0.5) * (-1) ** j for j in range(-60, 60, 4)] \
+        + [127.5, -127.5] + [(2 * j + 1) * (-1) ** j for j in range(-60, 60, 4)]
     int8 = np.array(int8, np.float32) * np.float32(2 ** 10)
     return np.concatenate([bf16, fp16, int8])
+
+
+def _int8_scale_edges():
+    """Blocks whose largest |x| is just below, at and above the point where
+    int8's scale steps up (the mantissa 1 + 127/128, where the maximum would
+    round to 128), from the largest float32 down to the floor of the scale
+    (e = -127) and float32 subnormals; plus random values beside it."""
+    rng = np.random.default_rng(5)
+    blocks = []
+    for exponent in (127, 64, 6, 0, -1, -100, -120, -121, -122, -126):
+        for mantissa in (0x7EFFFF, 0x7F0000, 0x7F0001, 0x7F8000, 0x7FFFFF, 0):
+            top = np.uint32(((exponent + 127) << 23) | mantissa).view(np.float32)
+            block = (rng.uniform(-1, 1, BLOCK) * top).astype(np.float32)
+            block[rng.integers(BLOCK)] = top * rng.choice([-1, 1])
+            blocks.append(block)
+    subnormal = np.array([0x7F0000, 0x7EFFFF, 0x7FFFFF, 0x400000], np.uint32).view(np.float32)
+    blocks.append(np.resize(np.concatenate([subnormal, -subnormal]), BLOCK))
+    return np.concatenate(blocks).astype(np.float32)
 
 
 def _datasets():
@@ -77,6 +103,7 @@ def _datasets():
         "negative-zeros": np.full(70, -0.0, np.float32),
         "signed-zeros-and-ones": np.tile(np.array([0.0, -0.0, 1.0, -1.0], np.float32), 20),
         "ties": _ties(),
+        "int8-scale-edges": _int8_scale_edges(),
         "subnormal": subnormal.astype(np.float32),
         "largest": big.astype(np.float32),
         "inf-nan": special,
@@ -149,14 +176,20 @@ def test_cpu_equals_reference(codec, name):
     kernels.cpu_encode(codec, rounded, *empty_wire(codec, n), round_x=True)
     assert_same_floats(rounded, ref.decode(codec, *want, n), "encode round_x")
 
-    # decode what the reference encoded, and arbitrary bytes
+    # decode what the reference encoded, and arbitrary bytes (every float16:
+    # subnormals, inf and NaN take the long way, _plain)
+    acc = (x[::-1] * np.float32(0.75)).astype(np.float32)
     for wire, what in ((want, "decode"), (random_wire(codec, n, rng), "decode of random bytes")):
         out = np.full(n, 7, np.float32)
         kernels.cpu_decode(codec, *wire, out)
         assert_same_floats(out, ref.decode(codec, *wire, n), what)
+        want_out, *want_wire = ref.decode_add(codec, acc, *wire, 0, True)
+        out, out_wire = np.full(n, 7, np.float32), empty_wire(codec, n)
+        kernels.cpu_decode_add(codec, acc, *wire, out, 0, *out_wire)
+        assert_same_floats(out, want_out, f"decode_add, encoded, of {what}")
+        assert_same_wire(codec, out_wire, want_wire, f"decode_add, encoded, of {what}: wire")
 
     # decode_add and add: plain, divided, encoded, divided and encoded, in place
-    acc = (x[::-1] * np.float32(0.75)).astype(np.float32)
     for divisor in (0, 3):
         for encode_out in (False, True):
             case = f"divisor={divisor} encode_out={encode_out}"
@@ -170,12 +203,28 @@ def test_cpu_equals_reference(codec, name):
             kernels.cpu_decode_add(codec, in_place, *want, in_place, divisor, *(empty_wire(codec, n) if encode_out else ()))
             assert_same_floats(in_place, want_out, f"decode_add in place {case}")
 
+            if encode_out:      # the float result not written: only the wire
+                out, out_wire = np.full(n, 7, np.float32), empty_wire(codec, n)
+                kernels.cpu_decode_add(codec, acc, *want, out, divisor, *out_wire, write_out=False)
+                assert_same_wire(codec, out_wire, want_wire, f"decode_add {case} write_out=False: wire")
+                assert np.all(out == 7), f"decode_add {case}: write_out=False wrote out"
+
             want_out, *want_wire = ref.add(codec, acc, x, divisor, encode_out)
             out, out_wire = np.full(n, 7, np.float32), empty_wire(codec, n)
             kernels.cpu_add(codec, acc, x, out, divisor, *(out_wire if encode_out else ()))
             assert_same_floats(out, want_out, f"add {case}")
             if encode_out:
                 assert_same_wire(codec, out_wire, want_wire, f"add {case}: wire")
+            for in_place in ("acc", "b"):       # out may be either operand
+                a, b = acc.copy(), x.copy()
+                kernels.cpu_add(codec, a, b, a if in_place == "acc" else b, divisor,
+                                *(empty_wire(codec, n) if encode_out else ()))
+                assert_same_floats(a if in_place == "acc" else b, want_out, f"add in place on {in_place} {case}")
+            if encode_out:
+                out, out_wire = np.full(n, 7, np.float32), empty_wire(codec, n)
+                kernels.cpu_add(codec, acc, x, out, divisor, *out_wire, write_out=False)
+                assert_same_wire(codec, out_wire, want_wire, f"add {case} write_out=False: wire")
+                assert np.all(out == 7), f"add {case}: write_out=False wrote out"
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -190,6 +239,73 @@ def test_block_aligned_views_equal_the_whole(codec):
         scales = pieces[1][start // BLOCK:-(-stop // BLOCK)] if codec != "bf16" else pieces[1]
         kernels.cpu_encode(codec, x[start:stop], pieces[0][start:stop], scales)
     assert_same_wire(codec, pieces, whole, "pieces")
+
+
+# -- the conversions on their own, against NumPy's --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def conversions():
+    """The per-element float16/bfloat16 conversions compiled for the CPU, in
+    loops over arrays: (encode, decode)."""
+    numba = pytest.importorskip("numba")
+    compiled = kernels._bind(kernels._BODIES, numba.njit(error_model="numpy", _nrt=False))
+    to_f16, to_bf16 = compiled["_to_f16"], compiled["_to_bf16"]
+    from_f16, from_plain_f16 = compiled["_from_f16"], compiled["_from_plain_f16"]
+
+    @numba.njit
+    def encode(x, f16, f16_value, bf16):
+        for i in range(x.size):
+            f16[i], f16_value[i] = to_f16(x[i])
+            bf16[i] = to_bf16(x[i])
+
+    @numba.njit
+    def decode(payload, general, plain):
+        for i in range(payload.size):
+            general[i] = from_f16(payload[i])
+            plain[i] = from_plain_f16(payload[i])
+
+    return encode, decode
+
+
+def _float32_sweep():
+    """Random float32 bit patterns, and for every exponent the mantissas
+    around float16's and bfloat16's rounding points (ties, both parities,
+    carries into the exponent)."""
+    rng = np.random.default_rng(17)
+    patterns = [rng.integers(0, 1 << 32, 1 << 21, dtype=np.uint64)]
+    exponent = np.arange(256, dtype=np.uint64) << 23
+    upper = rng.integers(0, 1 << 10, (256, 8), dtype=np.uint64) << 13
+    upper[:, :2] = [0, 0x3FF << 13]                       # the smallest and largest float16 mantissa
+    for low in (0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x7FFF, 0x8000, 0x8001, 0xFFFF):
+        mantissa = (upper | low) & 0x7FFFFF
+        patterns.append((exponent[:, None] | mantissa).ravel())
+    bits = np.concatenate(patterns).astype(np.uint32)
+    return np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32)
+
+
+def test_float16_and_bfloat16_conversions_equal_numpy(conversions):
+    encode, decode = conversions
+    payload = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    general, plain = np.empty(payload.size, np.float32), np.empty(payload.size, np.float32)
+    decode(payload, general, plain)
+    want = payload.view(np.float16).astype(np.float32)
+    assert_same_floats(general, want, "float16 -> float32")
+    u = payload & 0x7FFF
+    is_plain = (u == 0) | ((u >= 0x400) & (u < 0x7C00))    # what _plain lets through
+    assert_same_floats(plain[is_plain], want[is_plain], "plain float16 -> float32")
+
+    x = _float32_sweep()
+    f16, f16_value, bf16 = np.empty(x.size, np.uint16), np.empty(x.size, np.float32), np.empty(x.size, np.uint16)
+    encode(x, f16, f16_value, bf16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_bf16 = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+        want_f16 = x.astype(np.float16)
+    assert_same_wire("bf16", (bf16, None), (want_bf16, None), "float32 -> bfloat16")
+    domain = np.abs(x) < 65520                                  # _to_f16's: finite, no overflow
+    bad = np.flatnonzero(f16[domain] != want_f16.view(np.uint16)[domain])
+    assert bad.size == 0, f"float32 -> float16: {x[domain][bad[:4]]} gave {f16[domain][bad[:4]]}"
+    assert_same_floats(f16_value[domain], want_f16[domain].astype(np.float32), "float32 -> float16 value")
 
 
 # -- error bounds of one encode/decode --------------------------------------------------
@@ -228,13 +344,56 @@ def test_error_bound(codec, scale):
         #   |err| <= max(2^-11 |x|, 2^(e-25)) + 2^-150,  2^(e-25) <= 2^-39 blockmax.
         bound = np.maximum(2.0 ** -11 * ax, 2.0 ** (e - 25)) + 2.0 ** -150
     else:
-        # y = x 2^-e with the block maximum in [64, 128): rint is off by at most
-        # half a step 2^e, and q 2^e is exact. Only 127.5 <= |y| < 128 is
-        # clamped to 127, off by less than a whole step.
-        clamped = ax * 2.0 ** -e > 127.5
-        bound = np.where(clamped, 2.0 ** e, 2.0 ** (e - 1))
+        # y = x 2^-e is exact (a power of two; |y| < 127.5), rint is off by at
+        # most half a step and q 2^e is exact: |err| <= 2^(e - 1), never more
+        # (the scale is chosen so that nothing is clamped). Relative to the
+        # block's largest |x| = M, e is one of
+        #   M 2^-e in [64, 127.5):   2^(e-1) = 2^e / 2 <= M / 128
+        #   M 2^-e in [63.75, 64):   2^(e-1) <= M / 127.5   (M would have rounded to 128 one step lower)
+        # and e = -127 (M < 2^-121): 2^(e-1) = 2^-128. So
+        #   |err| <= min(|x|, max(M / 127.5, 2^-128)),  M / 127.5 = 2^-6.994 M.
+        bound = np.minimum(ax, 2.0 ** (e - 1))
+        block_max = np.repeat(np.abs(np.pad(x, (0, -x.size % BLOCK))).reshape(-1, BLOCK).max(axis=1), BLOCK)[:x.size]
+        assert np.all(bound <= np.maximum(block_max.astype(np.float64) / 127.5, 2.0 ** -128))
     over = np.flatnonzero(err > bound)
     assert over.size == 0, f"{over.size} elements over the bound, e.g. x={x[over[0]]!r} -> {y[over[0]]!r}"
+
+
+@pytest.mark.parametrize("name", ["int8-scale-edges", "ties", "mixed-1e-8..1e5", "subnormal", "largest"])
+def test_int8_scale_never_needs_the_clamp(name):
+    """Each block's scale 2^e puts its largest |x| where it rounds to at most
+    127: every |x 2^-e| < 127.5, and the block maximum rounds to 64..127,
+    off by at most half a step (no bias toward zero at the top). Except in
+    float32's top sliver, |x| >= (2 - 2^-7) 2^127, where 64 2^122 would be
+    inf: e stays 121 and the clamp acts, as it always did."""
+    x = DATA[name]
+    finite_blocks = np.isfinite(np.pad(x, (0, -x.size % BLOCK))).reshape(-1, BLOCK).all(axis=1)
+    y, e = _round_trip("int8", x)
+    payload, scales = empty_wire("int8", x.size)
+    kernels.cpu_encode("int8", x, payload, scales)
+    scaled = np.abs(x.astype(np.float64)) * 2.0 ** -e
+    finite = np.repeat(finite_blocks, BLOCK)[:x.size]
+    # except in float32's top sliver, where 64 2^122 would decode to inf
+    sliver = np.abs(x.astype(np.float64)) >= (2 - 2.0 ** -7) * 2.0 ** 127
+    assert np.all(e[sliver] == 121) and np.all(np.isfinite(y[sliver]))
+    assert np.all(scaled[finite & ~sliver] < 127.5)
+    assert np.all(np.abs(payload[finite].astype(np.int64)) <= 127)
+    for blk in np.flatnonzero(finite_blocks):
+        block = slice(blk * BLOCK, (blk + 1) * BLOCK)
+        top = np.argmax(np.abs(x[block]))
+        if e[block][0] > -127:          # above the floor of the scale the maximum uses the top half
+            assert 64 <= abs(int(payload[block][top])) <= 127, (blk, x[block][top], payload[block][top])
+        step = 2.0 ** e[block][0]
+        assert abs(float(y[block][top]) - float(x[block][top])) <= (step if sliver[block].any() else step / 2)
+
+
+def test_write_out_false_needs_an_encoded_output():
+    x = np.zeros(64, np.float32)
+    payload, scales = empty_wire("fp16", 64)
+    with pytest.raises(InvalidUsageError, match="write_out"):
+        kernels.cpu_decode_add("fp16", x, payload, scales, x, 0, write_out=False)
+    with pytest.raises(InvalidUsageError, match="write_out"):
+        kernels.cpu_add("fp16", x, x, x, 0, write_out=False)
 
 
 def test_fp16_scaling_keeps_tiny_and_huge_gradients():
@@ -321,16 +480,17 @@ SIMULATOR_SCRIPT = textwrap.dedent("""
         c = kernels.codec_id(codec)
         dev = {name[len(key) + 1:]: cuda.to_device(v, stream=stream)
                for name, v in inputs.items() if name.startswith(key + "/") and v.ndim == 1}
-        divisor = np.float32(get("divisor")); encode_out = bool(get("encode_out"))
+        divisor = np.float32(get("divisor")); encode_out = bool(get("encode_out")); write_out = bool(get("write_out"))
         if op == "encode":
             args = (c, dev["x"], dev["payload"], dev["scales"], bool(get("round_x")))
         elif op == "decode":
             args = (c, dev["payload"], dev["scales"], dev["out"])
         elif op == "decode_add":
             args = (c, dev["acc"], dev["payload"], dev["scales"], dev["out"], divisor,
-                    dev["out_payload"], dev["out_scales"], encode_out)
+                    dev["out_payload"], dev["out_scales"], encode_out, write_out)
         else:
-            args = (dev["acc"], dev["b"], dev["out"], divisor, c, dev["out_payload"], dev["out_scales"], encode_out)
+            args = (dev["acc"], dev["b"], dev["out"], divisor, c, dev["out_payload"], dev["out_scales"], encode_out,
+                    write_out)
         if int(get("small_grid")):
             # fewer threads than blocks: the grid-stride loop does the rest
             getattr(kernels.cuda_kernels(), op)[1, 3, stream](*args)
@@ -355,7 +515,7 @@ def _simulator_cases():
         payload, scales = ref.encode(codec, x)
         payload_dtype = kernels.payload_dtype(codec)
         blank = dict(out_payload=np.zeros(n, payload_dtype), out_scales=np.zeros(scales.size, np.uint8))
-        common = dict(codec=codec, n=n, divisor=0, encode_out=False, round_x=False, small_grid=0)
+        common = dict(codec=codec, n=n, divisor=0, encode_out=False, write_out=True, round_x=False, small_grid=0)
         cases[f"{codec}-encode"] = dict(common, op="encode", x=x, payload=np.zeros(n, payload_dtype),
                                         scales=np.zeros(scales.size, np.uint8))
         cases[f"{codec}-encode-round"] = dict(cases[f"{codec}-encode"], round_x=True, small_grid=1)
@@ -365,8 +525,12 @@ def _simulator_cases():
         cases[f"{codec}-decode_add"] = dict(common, op="decode_add", acc=acc, payload=payload, scales=scales,
                                             out=np.zeros(n, np.float32), **blank)
         cases[f"{codec}-decode_add-encode"] = dict(cases[f"{codec}-decode_add"], divisor=3, encode_out=True)
+        cases[f"{codec}-decode_add-encode-nowrite"] = dict(cases[f"{codec}-decode_add"], encode_out=True,
+                                                           write_out=False, out=np.full(n, 7, np.float32))
         cases[f"{codec}-add-encode"] = dict(common, op="add", acc=acc, b=x, out=np.zeros(n, np.float32),
                                             divisor=2, encode_out=True, small_grid=1, **blank)
+        cases[f"{codec}-add-encode-nowrite"] = dict(cases[f"{codec}-add-encode"], write_out=False,
+                                                    out=np.full(n, 7, np.float32))
     return cases
 
 
@@ -385,6 +549,8 @@ def _expected(case):
                                               case["divisor"], case["encode_out"])
     else:
         out, payload, scales = ref.add(codec, case["acc"], case["b"], case["divisor"], case["encode_out"])
+    if not case["write_out"]:
+        out = case["out"]                                           # left as it was
     return dict(out=out, **(dict(out_payload=payload, out_scales=scales) if case["encode_out"] else {}))
 
 

@@ -25,7 +25,7 @@ MAGNITUDES = ("1e-8", "1", "1e5", "mixed")
 
 # Per quantization of a partial sum: relative to the element (bf16, fp16) or
 # to the largest magnitude in its block (int8), see the README's derivation.
-UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "int8": 2.0 ** -6}
+UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "int8": 2 / 255}   # int8: half a step <= max / 127.5
 
 
 def gradients(nranks, count, magnitude, seed):

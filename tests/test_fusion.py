@@ -206,7 +206,7 @@ def test_compressed_fusion_matches_the_compressed_allreduce_of_the_buffer(codec)
 
 # One encoding's error, per rank: relative to the element (bf16, fp16), or
 # to the largest magnitude in its block (int8), as in test_compression.py.
-FEEDBACK_UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "int8": 2.0 ** -6}
+FEEDBACK_UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "int8": 2 / 255}
 
 
 @pytest.mark.parametrize("codec", ["int8", "fp16", "bf16"])

@@ -146,14 +146,10 @@ def run_codec_launch(kernel, codec, args, divisor):
         codecs.cpu_encode(codec, *args, round_x=kernel == "encode_round")
     elif kernel == "decode":
         codecs.cpu_decode(codec, *args)
-    elif kernel == "decode_add":
+    elif kernel == "decode_add":   # out None: only the encoded result is wanted (acc gives the size)
         acc, payload, scales, out, *encoded = args
-        codecs.cpu_decode_add(codec, acc, payload, scales, _result(out, acc), divisor, *encoded)
+        codecs.cpu_decode_add(codec, acc, payload, scales, acc if out is None else out, divisor, *encoded,
+                              write_out=out is not None)
     else:
         acc, b, out, *encoded = args
-        codecs.cpu_add(codec, acc, b, _result(out, acc), divisor, *encoded)
-
-
-def _result(out, like):
-    """Where a codec kernel puts a float32 result nobody reads (out None)."""
-    return out if out is not None else np.empty_like(like)   # until the kernels can skip the write
+        codecs.cpu_add(codec, acc, b, acc if out is None else out, divisor, *encoded, write_out=out is not None)
