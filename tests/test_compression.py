@@ -23,9 +23,8 @@ from collectives.plan import build_plan
 ALLREDUCE_ALGORITHMS = tuple(name for name, entry in REGISTRY.items() if "allreduce" in entry.collectives)
 MAGNITUDES = ("1e-8", "1", "1e5", "mixed")
 
-# Per quantization of a partial sum: relative to the element (bf16, fp16) or
-# to the largest magnitude in its block (int8), see the README's derivation.
-UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "int8": 2 / 255}   # int8: half a step <= max / 127.5
+UNIT = wire.UNIT
+error_bound = wire.error_bound   # the documented bound (README, "Error bounds")
 
 
 def gradients(nranks, count, magnitude, seed):
@@ -38,25 +37,6 @@ def gradients(nranks, count, magnitude, seed):
     else:
         values *= float(magnitude)
     return [v.astype(np.float32) for v in values]
-
-
-def error_bound(inputs, codec, quantizations, op):
-    """Elementwise bound on |result - exact| (see the module doc)."""
-    n = len(inputs)
-    magnitude = np.sum(np.abs(np.stack(inputs).astype(np.float64)), axis=0)   # P_i
-    # Any partial sum's largest magnitude in a block is at most the sum over
-    # ranks of each rank's largest magnitude there.
-    count = len(magnitude)
-    padded = np.pad(np.abs(np.stack(inputs).astype(np.float64)), ((0, 0), (0, -count % BLOCK)))
-    block_max = np.repeat(padded.reshape(n, -1, BLOCK).max(axis=2).sum(axis=0), BLOCK)[:count]
-    growth = (1 + UNIT[codec]) ** quantizations
-    relative_to = block_max if codec == "int8" else magnitude
-    bound = quantizations * UNIT[codec] * relative_to * growth + (n + 1) * 2.0 ** -24 * magnitude * growth
-    if codec == "fp16":   # float16 subnormals: half their spacing, 2^-25 of a scale of at most 2^-14 block max
-        bound += quantizations * 2.0 ** -39 * block_max * growth
-    if op == "avg":
-        bound = bound / n + 2.0 ** -24 * magnitude / n
-    return bound
 
 
 def run_host(nranks, inputs, codec, algorithm, op="sum"):

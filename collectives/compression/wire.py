@@ -372,3 +372,31 @@ def round_trip(codec, values):
     scales = cupy.empty(scale_bytes, cupy.uint8)
     stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)   # ordered with the caller's work
     kernels.cuda_encode(codec, values, payload, scales, round_x=True, stream=stream)
+
+
+# One encoding's error, as a fraction of the element (bf16, fp16) or of the
+# largest magnitude in its block (int8: half a step, at most max / 127.5).
+UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "int8": 2 / 255}
+
+
+def error_bound(inputs, codec, quantizations, op="sum"):
+    """Elementwise bound on |result - exact| of a compressed allreduce of
+    `inputs` (one float32 array per rank) whose elements went through at
+    most `quantizations` encodings (README, "Error bounds"): each encoding of
+    a partial sum errs by UNIT of its magnitude, at most P_i = sum over ranks
+    of |x_i| (int8, and fp16's float16 subnormals: of the block's largest,
+    at most the sum over ranks of each rank's block maximum), and the float32
+    additions by 2^-24 of P_i each."""
+    stacked = np.abs(np.stack([np.asarray(x, np.float64).reshape(-1) for x in inputs]))
+    n, count = stacked.shape
+    magnitude = stacked.sum(axis=0)
+    padded = np.pad(stacked, ((0, 0), (0, -count % BLOCK)))
+    block_max = np.repeat(padded.reshape(n, -1, BLOCK).max(axis=2).sum(axis=0), BLOCK)[:count]
+    unit, growth = UNIT[codec], (1 + UNIT[codec]) ** quantizations
+    bound = quantizations * unit * (block_max if codec == "int8" else magnitude) * growth
+    bound += (n + 1) * 2.0 ** -24 * magnitude * growth
+    if codec == "fp16":   # half a float16 subnormal's spacing: 2^-25 of a scale of at most 2^-14 block max
+        bound += quantizations * 2.0 ** -39 * block_max * growth
+    if as_reduce_op(op) is ReduceOp.AVG:
+        bound = bound / n + 2.0 ** -24 * magnitude / n
+    return bound
