@@ -108,10 +108,20 @@ class DeviceRanks:
             self._run_codec_program(program, streams, input_infos, output_infos)
             return
         addresses = self._addresses(plan, input_infos, output_infos)
-        instance, divisor, events = program.instance, program.divisor, program.events
+        instance, divisor = program.instance, program.divisor
+
+        def launch(k, grid, table, width):
+            devices[k].launch_step(streams[k], instance, grid, table, width, addresses, divisor)
+
+        self._issue(program, streams, launch)
+
+    def _issue(self, program, streams, launch):
+        """The program's steps on the devices' streams, `launch(device index,
+        *step)` for each launch; then each device's call is complete."""
+        devices, events = self.devices, program.events
         for kind, k, a, b, c in program.steps:
-            if kind is LAUNCH:   # a, b, c: grid, table, width
-                devices[k].launch_step(streams[k], instance, a, b, c, addresses, divisor)
+            if kind is LAUNCH:
+                launch(k, a, b, c)
             elif kind is RECORD:
                 devices[k].record(events[a], streams[k])
             else:
@@ -122,7 +132,7 @@ class DeviceRanks:
     def _run_codec_program(self, program, streams, inputs, outputs):
         """A compressed plan: each rank's codec operations (compression/wire.py)
         as codec kernel launches, ordered between devices like step launches."""
-        plan, devices, events = program.plan, self.devices, program.events
+        plan, devices = program.plan, self.devices
         workspaces = [self._workspace(rank, plan.workspace_bytes).address for rank in range(len(self.rank_devices))]
         buffers = {INPUT: [i.address for i in inputs], OUTPUT: [o.address for o in outputs]}
 
@@ -134,16 +144,12 @@ class DeviceRanks:
             return buffers[buffer][rank]
 
         f, w = wire.device_regions(plan, address_of)
-        for kind, k, a, _, _ in program.steps:
-            if kind is LAUNCH:   # a: this device's ranks' operations in the phase
-                for kernel, args, divisor in wire.codec_launches(a, f, w):
-                    devices[k].launch_codec(streams[k], kernel, plan.compression, args, divisor)
-            elif kind is RECORD:
-                devices[k].record(events[a], streams[k])
-            else:
-                devices[k].wait(streams[k], events[a])
-        for device in devices:
-            device.call_returned()
+
+        def launch(k, ops, _table, _width):   # ops: this device's ranks' operations in the phase
+            for kernel, args, divisor in wire.codec_launches(ops, f, w):
+                devices[k].launch_codec(streams[k], kernel, plan.compression, args, divisor)
+
+        self._issue(program, streams, launch)
 
     def _addresses(self, plan, inputs, outputs):
         """The BufferTable of this call: per rank WORK, SCRATCH, INPUT, OUTPUT.

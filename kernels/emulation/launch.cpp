@@ -22,8 +22,10 @@ namespace {
 
 using collectives::BufferTable;
 
-template <typename E, int Op>
-void run_grid(dim3 grid, dim3 block, const long long* table, int width, const BufferTable& buffers, int divisor) {
+// Every (block, thread) of a grid, one after another: exact, since the
+// kernels are thread-independent.
+template <typename Body>
+void walk_grid(dim3 grid, dim3 block, Body body) {
     gridDim = grid;
     blockDim = block;
     for (unsigned y = 0; y < grid.y; ++y) {
@@ -31,10 +33,15 @@ void run_grid(dim3 grid, dim3 block, const long long* table, int width, const Bu
             blockIdx = uint3{x, y, 0};
             for (unsigned t = 0; t < block.x; ++t) {
                 threadIdx = uint3{t, 0, 0};
-                collectives::plan_step<E, Op>(table, width, buffers, divisor);
+                body();
             }
         }
     }
+}
+
+template <typename E, int Op>
+void run_grid(dim3 grid, dim3 block, const long long* table, int width, const BufferTable& buffers, int divisor) {
+    walk_grid(grid, block, [&] { collectives::plan_step<E, Op>(table, width, buffers, divisor); });
 }
 
 template <typename E>
@@ -49,19 +56,8 @@ int run_for_op(int op, dim3 grid, dim3 block, const long long* table, int width,
     }
 }
 
-// The same walk over the grid for batched_copy.
 void run_copy_grid(dim3 grid, dim3 block, const long long* table, int rows) {
-    gridDim = grid;
-    blockDim = block;
-    for (unsigned y = 0; y < grid.y; ++y) {
-        for (unsigned x = 0; x < grid.x; ++x) {
-            blockIdx = uint3{x, y, 0};
-            for (unsigned t = 0; t < block.x; ++t) {
-                threadIdx = uint3{t, 0, 0};
-                collectives::batched_copy(table, rows);
-            }
-        }
-    }
+    walk_grid(grid, block, [&] { collectives::batched_copy(table, rows); });
 }
 
 }  // namespace
