@@ -162,7 +162,10 @@ def agree(comm, deadline, error):
 def process_rank(comm, deadline, make_rank):
     """This process's rank object, `make_rank(rank, size, prefix)`; every rank
     of `comm` must call this together. Rank 0 makes its rank (and with it the
-    control segment) before the others look for it."""
+    control segment) before the others look for it. The prefix is all that
+    travels: it names rank 0's process, which holds the control segment, and
+    the others map it from there (transport/segments.py), so new_prefix() is
+    called in the process that becomes rank 0, here and in node_process_rank."""
     from mpi4py import MPI
 
     rank, size = comm.Get_rank(), comm.Get_size()

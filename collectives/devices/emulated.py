@@ -50,7 +50,9 @@ class EmulatedMemory:
 
 class EmulatedSharedMemory:
     """Memory that emulated devices in other processes open: CUDA IPC done
-    with a named file in /dev/shm, whose name is the handle."""
+    with a host rank's kind of segment (transport/segments.py: anonymous
+    shared memory, no file in /dev/shm, gone with the last process that
+    maps it), whose name is the handle."""
 
     def __init__(self, segment):
         self.segment = segment
@@ -61,7 +63,7 @@ class EmulatedSharedMemory:
 
     def release(self, own):
         self.array = None  # the last view, so the mapping can close
-        self.segment.release(unlink=own)
+        self.segment.release()  # own or not: the memory goes with its last mapping
 
 
 class EmulatedEvent:

@@ -5,7 +5,8 @@ both run a plan phase by phase through a `ProcessGroup`; they differ only in
 what runs a phase (NumPy, or a kernel launch whose event the host polls) and
 in the memory their workspaces live in (a `memory` kind, below).
 
-One control segment, made by rank 0 in /dev/shm, holds a row per rank:
+One control segment, made by rank 0 (shared memory, segments.py), holds a
+row per rank:
 
     COUNTER   phases this rank has completed, over the communicator's life
     PID       so that a dead peer is reported instead of waited for
@@ -13,7 +14,7 @@ One control segment, made by rank 0 in /dev/shm, holds a row per rank:
     GEN, CAP  generation and size of the rank's workspace (it grows)
 
 then a HANDLE per rank (what a peer needs to open the workspace of the
-current generation: a file name, or a CUDA IPC handle), an abort flag and a
+current generation: a segment's name, or a CUDA IPC handle), an abort flag and a
 reason: a rank that fails mid-collective sets it, and every other rank's wait
 raises instead of waiting out its timeout.
 
@@ -31,11 +32,17 @@ fence between the two, not provided yet.
 
 A memory kind has three calls: `create(name, nbytes)` a workspace peers can
 open (its `.handle` is at most HANDLE_BYTES bytes), `open(handle)` a peer's,
-and `release(memory, own)`. Names start with the communicator's prefix, so
-whatever files a kind makes are found and removed with the rest.
+and `release(memory, own)`. Names start with the communicator's prefix.
+
+No file in /dev/shm: host workspaces, the control segment and the emulated
+device's memory are anonymous shared memory (memfd) that the kernel frees
+with the last process holding or mapping it, so even a job whose every rank
+is killed with SIGKILL leaves nothing behind (segments.py). Peers find a
+segment by a name that says which process holds it: the control segment's,
+`<prefix>-control@<pid>`, by the pid in the prefix (new_prefix, called by
+rank 0's process), so the prefix alone is still all that ranks exchange.
 """
 
-import glob
 import hashlib
 import os
 import secrets
@@ -45,7 +52,7 @@ import weakref
 import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
-from .segments import SHM_DIR, Segment, remove_file
+from .segments import Segment
 
 COUNTER, PID, SEQ, SIG, GEN, CAP = range(6)
 ROW = 8                      # int64 slots per rank row (two spare)
@@ -57,8 +64,19 @@ WORKSPACE_ALIGN = 4096
 
 
 def new_prefix():
-    """A name no other communicator on this machine uses."""
+    """A name no other communicator on this machine uses. Call it in the
+    process that will be the communicator's rank 0: the name says that this
+    process holds the control segment, which is how peers find it."""
     return f"coll-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def control_name(prefix):
+    """The control segment's name: held by the process that made `prefix`."""
+    head, pid, token = (prefix.split("-", 2) + ["", ""])[:3]
+    if head != "coll" or not pid.isdigit() or not token:
+        raise InvalidUsageError(
+            f"a communicator's prefix comes from new_prefix() (coll-<pid>-<token>), got {prefix!r}")
+    return f"{prefix}-control@{pid}"
 
 
 def control_bytes(size):
@@ -121,7 +139,7 @@ class ProcessGroup:
     def __init__(self, rank, size, prefix, memory):
         self.rank, self.size, self.prefix = rank, size, prefix
         self._memory = memory
-        self._control_segment = Segment(f"{prefix}-control", control_bytes(size), create=(rank == 0))
+        self._control_segment = Segment(control_name(prefix), control_bytes(size), create=(rank == 0))
         buf = self._control_segment.buf
         self._header = np.ndarray((HEADER,), np.int64, buf)
         self._rows = np.ndarray((size, ROW), np.int64, buf, offset=8 * HEADER)
@@ -131,8 +149,8 @@ class ProcessGroup:
         self._mine = self._rows[rank]
         self._mine[PID] = os.getpid()
         self._seq = 0
-        # Released by close(), or at exit/collection if the caller forgot:
-        # files left behind would outlive the job in /dev/shm.
+        # Released by close(), or at exit/collection if the caller forgot
+        # (a process that dies releases everything with it).
         self._state = {"control": self._control_segment, "prefix": prefix, "memory": memory,
                        "own": None, "peers": {}}   # peers: rank -> (generation, memory)
         self._finalizer = weakref.finalize(self, _release_all, self._state)
@@ -277,8 +295,9 @@ class ProcessGroup:
 
 
 def _release_all(state):
-    """Release everything; remove every file of the communicator, a dead
-    peer's included (removing a name others still map is harmless)."""
+    """Release everything. There is nothing to remove: segments have no
+    names in /dev/shm (segments.py), and a dead peer's go with their last
+    mapping."""
     memory = state["memory"]
     for _, opened in state["peers"].values():
         memory.release(opened, own=False)
@@ -286,9 +305,7 @@ def _release_all(state):
     if state["own"] is not None:
         memory.release(state["own"], own=True)
         state["own"] = None
-    state["control"].release(unlink=True)
-    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(state["prefix"]) + "-*")):
-        remove_file(path)
+    state["control"].release()
 
 
 def _alive(pid):
