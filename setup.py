@@ -21,7 +21,18 @@ loops are the host data path of the compression codecs. Extras:
     cuda13  the same for CUDA 13
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+# The compiled inner loop of host ranks in separate processes (copy, reduce,
+# wait; release/acquire counters). Optional: without a C compiler the build
+# warns and the package falls back to the NumPy interpreter for every call.
+# -ffp-contract=off: float folds exactly as written (no FMA), the bits NumPy gives.
+SHMLOOP = Extension(
+    "collectives.transport._shmloop",
+    sources=["collectives/transport/_shmloop.c"],
+    extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
+    optional=True,
+)
 
 MPI = ["mpi4py>=4.0", "mpich>=4.2"]
 PLOTS = ["matplotlib>=3.7"]   # bench.plot puts the legend "outside", new in 3.7
@@ -62,6 +73,7 @@ setup(
     packages=find_packages(include=["collectives", "collectives.*"]) + ["collectives.kernel_sources"],
     package_dir={"collectives.kernel_sources": "kernels"},
     package_data={"collectives.kernel_sources": ["*.cu", "*.cuh", "emulation/*.h", "emulation/*.cpp"]},
+    ext_modules=[SHMLOOP],
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "ml_dtypes>=0.4", "numba>=0.60"],   # numba: the codecs' host loops
     extras_require={

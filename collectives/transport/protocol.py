@@ -24,11 +24,17 @@ published only when the phase's writes are complete (for a GPU: its event
 has completed). Every wait has the caller's deadline, checks the abort flag
 and the peer's pid, and any failure aborts the communicator for all.
 
-Ordering: a rank stores its data (and HANDLE, CAP before GEN), then its
-counter; a peer loads the counter, then the data. Aligned 8-byte stores are
-atomic and not reordered with earlier stores on x86-64 (total store order),
-which this module relies on; a weaker memory model (aarch64) would need a
-fence between the two, not provided yet.
+Ordering: a rank stores its data (and HANDLE, CAP before GEN), then
+publishes its counter (or GEN) with a release store; a peer loads the
+counter with an acquire load, then reads the data (`Counters`, through the
+compiled loop _shmloop.c: C11 atomics, correct on any architecture). Only
+when the package was installed without a C compiler do the counters fall
+back to plain stores, which x86-64's total store order keeps in order;
+other architectures then refuse to start.
+
+Host ranks' allreduce mostly bypasses the phases: fastpath.py runs it in
+the compiled loop over a channel at the end of the control segment, and
+counts its calls in the same COUNTER and SEQ, so both kinds of call mix.
 
 A memory kind has three calls: `create(name, nbytes)` a workspace peers can
 open (its `.handle` is at most HANDLE_BYTES bytes), `open(handle)` a peer's,
@@ -45,6 +51,7 @@ rank 0's process), so the prefix alone is still all that ranks exchange.
 
 import hashlib
 import os
+import platform
 import secrets
 import time
 import weakref
@@ -54,9 +61,15 @@ import numpy as np
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from .segments import Segment
 
+try:
+    from . import _shmloop   # the compiled loop (setup.py builds it when a C compiler is there)
+except ImportError:
+    _shmloop = None
+
 COUNTER, PID, SEQ, SIG, GEN, CAP = range(6)
-ROW = 8                      # int64 slots per rank row (two spare)
-HEADER = 2                   # ABORT flag, aborting rank + 1
+ROW = 16                     # int64 slots per rank row: 128 bytes, so no two ranks' counters share
+                             # a cache line (slots 8 and 9: the fast path's chunk counters)
+HEADER = 16                  # ABORT flag, aborting rank + 1; padded to 128 bytes
 ABORT, ABORT_RANK = 0, 1
 HANDLE_BYTES = 64            # sizeof(cudaIpcMemHandle_t)
 REASON_BYTES = 1024
@@ -80,7 +93,15 @@ def control_name(prefix):
 
 
 def control_bytes(size):
-    return 8 * (HEADER + ROW * size) + HANDLE_BYTES * size + REASON_BYTES
+    """The control segment: header, rows, handles, reason, then the fast
+    path's channel (fastpath.py), page-aligned. Pages nobody touches cost nothing."""
+    from . import fastpath
+    return channel_offset(size) + fastpath.channel_bytes(size)
+
+
+def channel_offset(size):
+    used = 8 * (HEADER + ROW * size) + HANDLE_BYTES * size + REASON_BYTES
+    return -(-used // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
 def describe_call(plan):
@@ -132,6 +153,45 @@ class Waiter:
                 sleep = min(2 * sleep, self.MAX_SLEEP)
 
 
+class Counters:
+    """The rows' slots, stored with release and loaded with acquire order
+    through the compiled loop (_shmloop.c), so a peer that sees a counter
+    sees the data written before it on any architecture. Without the loop
+    (no compiler at install) plain NumPy accesses, ordered only by x86-64's
+    total store order: other machines refuse to run without it."""
+
+    def __init__(self, rows):
+        self._rows = rows
+        self._base = rows.ctypes.data
+        self._stride = rows.strides[0]
+        if _shmloop is None and platform.machine() not in ("x86_64", "AMD64", "i386", "i686"):
+            raise CollectiveError(
+                f"ranks in separate processes on {platform.machine()} need the compiled loop "
+                "collectives.transport._shmloop for release/acquire ordering; reinstall with a C compiler")
+
+    def address(self, rank, slot):
+        return self._base + rank * self._stride + 8 * slot
+
+    def publish(self, rank, slot, value):
+        if _shmloop is not None:
+            _shmloop.store_release(self.address(rank, slot), value)
+        else:
+            self._rows[rank, slot] = value
+
+    def load(self, rank, slot):
+        if _shmloop is not None:
+            return _shmloop.load_acquire(self.address(rank, slot))
+        return int(self._rows[rank, slot])
+
+    def loader(self, rank, slot):
+        """A function of no argument that loads the slot (for polling)."""
+        if _shmloop is not None:
+            load, address = _shmloop.load_acquire, self.address(rank, slot)
+            return lambda: load(address)
+        rows = self._rows
+        return lambda: int(rows[rank, slot])
+
+
 class ProcessGroup:
     """This process's rank of a communicator whose ranks are processes on one
     machine: the control segment, the waits, and the workspaces peers read."""
@@ -148,6 +208,7 @@ class ProcessGroup:
                                   offset=8 * (HEADER + ROW * size) + HANDLE_BYTES * size)
         self._mine = self._rows[rank]
         self._mine[PID] = os.getpid()
+        self._counters = Counters(self._rows)
         self._seq = 0
         # Released by close(), or at exit/collection if the caller forgot
         # (a process that dies releases everything with it).
@@ -170,11 +231,11 @@ class ProcessGroup:
 
     def _wait_for(self, peer, phases_done, waiter, description):
         """Wait until `peer` has completed `phases_done` phases in all."""
-        counters = self._rows[:, COUNTER]
+        completed = self._counters.loader(peer, COUNTER)
         waiter.until(
-            lambda: counters[peer] >= phases_done,
+            lambda: completed() >= phases_done,
             lambda: f"rank {peer} in call #{self._seq}, {description} (it has completed "
-                    f"{int(counters[peer])} phases, this rank needs {phases_done}; "
+                    f"{completed()} phases, this rank needs {phases_done}; "
                     "is every rank making the same calls?)",
             lambda: self.check_health(peer),
         )
@@ -190,7 +251,7 @@ class ProcessGroup:
     def _enter(self, description):
         """Start a call: its sequence number, signature and counter base."""
         self.check_health()
-        self._seq += 1
+        self._seq = int(self._mine[SEQ]) + 1   # the row's: the fast path (fastpath.py) counts calls there too
         return call_signature(self._seq, description), int(self._mine[COUNTER])
 
     def abort(self, reason):
@@ -201,6 +262,15 @@ class ProcessGroup:
             self._reason[:len(data)] = np.frombuffer(data, np.uint8)
             self._header[ABORT_RANK] = self.rank + 1
             self._header[ABORT] = 1
+
+    def peer_seq(self, peer):
+        """The number of the call `peer` is in (for error messages)."""
+        return int(self._rows[peer, SEQ])
+
+    def channel_addresses(self):
+        """Where the header, the rows and the fast path's channel are mapped."""
+        header = self._header.ctypes.data
+        return header, self._rows.ctypes.data, header + channel_offset(self.size)
 
     # -- the workspaces peers read ----------------------------------------------
 
@@ -219,17 +289,17 @@ class ProcessGroup:
         self._handles[self.rank] = 0
         self._handles[self.rank, :len(handle)] = handle
         self._mine[CAP] = capacity
-        self._mine[GEN] = generation   # last: a peer that sees it sees the handle
+        self._counters.publish(self.rank, GEN, generation)   # last: a peer that sees it sees the handle
 
     def generation(self, rank):
         """Which workspace `rank` has: it changes when the workspace grows."""
-        return int(self._rows[rank, GEN])
+        return self._counters.load(rank, GEN)
 
     def workspace(self, rank):
         """The memory of `rank`'s workspace (opened once per generation)."""
         if rank == self.rank:
             return self._state["own"]
-        generation = int(self._rows[rank, GEN])
+        generation = self._counters.load(rank, GEN)
         known = self._state["peers"].get(rank)
         if known is None or known[0] != generation:
             if known is not None:
@@ -257,7 +327,7 @@ class ProcessGroup:
                     self._mine[SEQ] = self._seq
                     self._mine[SIG] = signature
                 execute_phase(p, waiter)
-                self._mine[COUNTER] = base + p + 1
+                self._counters.publish(self.rank, COUNTER, base + p + 1)
         except BaseException as error:
             self.abort(f"{type(error).__name__}: {error}")
             raise
@@ -277,11 +347,11 @@ class ProcessGroup:
                 self._wait_for(peer, base, waiter, "barrier")
             self._mine[SEQ] = self._seq
             self._mine[SIG] = signature
-            self._mine[COUNTER] = base + 1
+            self._counters.publish(self.rank, COUNTER, base + 1)
             for peer in peers:
                 self._wait_for(peer, base + 1, waiter, "barrier")
                 self._check_same_call(peer, signature, "barrier")
-            self._mine[COUNTER] = base + 2
+            self._counters.publish(self.rank, COUNTER, base + 2)
         except BaseException as error:
             self.abort(f"{type(error).__name__}: {error}")
             raise

@@ -14,6 +14,7 @@ import numpy as np
 from ..compression import wire
 from ..executors import host
 from ..plan import INPUT, OUTPUT, WORK
+from . import fastpath
 from .protocol import ProcessGroup, describe_call
 from .segments import HostMemory
 
@@ -31,7 +32,10 @@ class ShmRank:
         self.rank, self.size, self.prefix = rank, size, prefix
         # Which cost model `auto` asks: ranks that outnumber the cores wait
         # for the scheduler at every step, a cost of its own.
-        self.transport = "host-processes" if size <= (os.cpu_count() or 1) else "host-processes-oversubscribed"
+        oversubscribed = size > (os.cpu_count() or 1)
+        self.transport = "host-processes-oversubscribed" if oversubscribed else "host-processes"
+        # Allreduce with `auto` in the compiled loop (fastpath.py); None without it.
+        self.fast_allreduce = fastpath.make(self.group, oversubscribed)
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         """Execute this rank's part of `plan`; the lists hold this rank's arrays."""
@@ -91,4 +95,6 @@ class ShmRank:
         self.group.abort(reason)
 
     def close(self):
+        if self.fast_allreduce is not None:
+            self.fast_allreduce.close()
         self.group.close()

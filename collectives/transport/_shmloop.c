@@ -1,0 +1,633 @@
+/* The compiled inner loop of host ranks in separate processes.
+ *
+ * Python decides what to run and with which memory; this file runs the
+ * parts Python cannot run fast enough: copies, reductions and the waits
+ * between ranks of an allreduce on the shared "channel" (fastpath.py
+ * describes its layout), and the release/acquire accesses every counter of
+ * the step protocol (protocol.py) goes through.
+ *
+ * Memory ordering: a rank writes its data, then publishes a counter with a
+ * release store; a peer reads the counter with an acquire load, then the
+ * data. C11 atomics give that order on every architecture (on x86-64 they
+ * compile to plain moves; on aarch64 to stlr/ldar).
+ *
+ * Reductions fold the ranks' contributions in rank order, one element at a
+ * time, exactly as the plan interpreter (executors/host.py) folds the rows
+ * of the `direct` algorithm: the same bits on every rank and as NumPy's.
+ * Floats: -ffp-contract=off (setup.py), so no FMA contraction; max/min
+ * follow ops.py's IEEE 754-2019 rule (NaN wins, the first NaN's bits; +0
+ * beats -0 for max, -0 for min). Integers wrap as NumPy's do (computed in
+ * unsigned arithmetic), and avg truncates toward zero.
+ *
+ * Waits keep every guarantee of the Python waits: a deadline, the abort
+ * flag, a dead peer (its pid), and the GIL released once a wait stops
+ * spinning, so another thread of the process can run.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <math.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* The layout shared with protocol.py and fastpath.py (fastpath.LAYOUT      */
+/* checks these against the Python constants at import).                   */
+
+enum { HEADER_SLOTS = 16, ROW_SLOTS = 16 };        /* int64 slots: 128 bytes each */
+enum { ABORT = 0 };                                 /* header slot */
+enum { COUNTER = 0, PID = 1, SEQ = 2, SIG = 3,      /* row slots (protocol.py) */
+       STAGED = 8, REDUCED = 9 };                   /* the pipelined path's chunk counters */
+enum { SLOT_HEADER = 128 };                         /* a small slot: its signature, then data */
+
+/* Statuses returned to Python (fastpath.py turns them into exceptions). */
+enum { OK = 0, TIMED_OUT = 1, ABORTED = 2, PEER_DEAD = 3, MISMATCH = 4 };
+
+static inline int64_t load_acquire(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void store_release(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+static double now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);   /* time.perf_counter's clock on Linux */
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Whether process `pid` still runs; a zombie (dead, not yet reaped) is dead. */
+static int process_alive(int64_t pid)
+{
+    if (pid <= 0)
+        return 1;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    FILE *f = fopen(path, "r");
+    if (f != NULL) {
+        size_t n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        char *close_paren = strrchr(buf, ')');
+        if (close_paren != NULL && close_paren[1] == ' ')
+            return close_paren[2] != 'Z' && close_paren[2] != 'X';
+        return 1;
+    }
+    if (errno == ENOENT)
+        return 0;
+    return !(kill((pid_t)pid, 0) == -1 && errno == ESRCH);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Waiting                                                                  */
+
+typedef struct {
+    int64_t *header;     /* the control segment's header (ABORT) */
+    int64_t *rows;       /* ROW_SLOTS int64 per rank */
+    int rank, nranks;
+    long spin;           /* polls before the wait starts yielding */
+    double deadline;     /* time.perf_counter() value */
+    /* filled when a wait fails */
+    int failed_peer;
+    int64_t failed_have, failed_need;
+} Waits;
+
+/* Wait until every peer's row slot `slot` is at least `need`. */
+static int wait_peers(Waits *w, int slot, int64_t need)
+{
+    PyThreadState *released = NULL;
+    int status = OK;
+    for (int peer = 0; peer < w->nranks && status == OK; peer++) {
+        if (peer == w->rank)
+            continue;
+        const int64_t *counter = &w->rows[peer * ROW_SLOTS + slot];
+        if (load_acquire(counter) >= need)
+            continue;
+        long polls = 0;
+        for (; polls < w->spin; polls++) {
+            if (load_acquire(counter) >= need || __atomic_load_n(&w->header[ABORT], __ATOMIC_RELAXED))
+                break;
+            CPU_RELAX();
+        }
+        if (load_acquire(counter) >= need)
+            continue;
+        /* Slow: yield the core, then sleep; look at the deadline, the abort
+         * flag and the peer's process now and then. Without the GIL. */
+        if (released == NULL)
+            released = PyEval_SaveThread();
+        double start = now_seconds(), next_check = start;
+        long sleep_ns = 10000;
+        while (load_acquire(counter) < need) {
+            double now = now_seconds();
+            if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
+                status = ABORTED;
+                break;
+            }
+            if (now >= next_check) {
+                if (!process_alive(load_acquire(&w->rows[peer * ROW_SLOTS + PID]))) {
+                    status = PEER_DEAD;
+                    break;
+                }
+                next_check = now + 0.05;
+            }
+            if (now >= w->deadline) {
+                status = TIMED_OUT;
+                break;
+            }
+            if (now - start < 2e-3) {
+                sched_yield();
+            } else {
+                struct timespec ts = {0, sleep_ns};
+                nanosleep(&ts, NULL);
+                sleep_ns = sleep_ns * 2 > 1000000 ? 1000000 : sleep_ns * 2;
+            }
+        }
+        if (status != OK) {
+            w->failed_peer = peer;
+            w->failed_have = load_acquire(counter);
+            w->failed_need = need;
+        }
+    }
+    if (released != NULL)
+        PyEval_RestoreThread(released);
+    return status;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Element types and reductions                                             */
+
+enum { OP_SUM = 0, OP_PROD = 1, OP_MAX = 2, OP_MIN = 3, OP_AVG = 4 };
+enum { T_F32, T_F64, T_I8, T_U8, T_I16, T_U16, T_I32, T_U32, T_I64, T_U64, NTYPES };
+
+/* acc = acc op src over n elements (acc never aliases src). */
+typedef void (*fold_fn)(void *acc, const void *src, size_t n);
+/* values /= nranks (avg's last step). */
+typedef void (*divide_fn)(void *values, size_t n, int nranks);
+
+#define DEFINE_FLOAT_FOLDS(T, NAME, BITS)                                                   \
+    static void NAME##_sum(void *a, const void *s, size_t n)                                \
+    { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = x[i] + y[i]; }       \
+    static void NAME##_prod(void *a, const void *s, size_t n)                               \
+    { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = x[i] * y[i]; }       \
+    static inline T NAME##_ieee(T a, T b, int is_max)                                       \
+    {                                                                                       \
+        if (isnan(a)) return a;                                                             \
+        if (isnan(b)) return b;                                                             \
+        if (a == 0 && b == 0) {                                                             \
+            BITS ba, bb; T r; memcpy(&ba, &a, sizeof a); memcpy(&bb, &b, sizeof b);         \
+            ba = is_max ? (ba & bb) : (ba | bb); memcpy(&r, &ba, sizeof r); return r;       \
+        }                                                                                   \
+        return is_max ? (a >= b ? a : b) : (a <= b ? a : b);                                \
+    }                                                                                       \
+    static void NAME##_max(void *a, const void *s, size_t n)                                \
+    { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = NAME##_ieee(x[i], y[i], 1); } \
+    static void NAME##_min(void *a, const void *s, size_t n)                                \
+    { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = NAME##_ieee(x[i], y[i], 0); } \
+    static void NAME##_divide(void *v, size_t n, int nranks)                                \
+    { T *x = v; T d = (T)nranks; for (size_t i = 0; i < n; i++) x[i] = x[i] / d; }
+
+/* Integers: sum and product wrap (unsigned arithmetic, as NumPy wraps). */
+#define DEFINE_INT_FOLDS(T, U, NAME)                                                        \
+    static void NAME##_sum(void *a, const void *s, size_t n)                                \
+    { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = (T)((U)x[i] + (U)y[i]); } \
+    static void NAME##_prod(void *a, const void *s, size_t n)                               \
+    { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = (T)((U)x[i] * (U)y[i]); } \
+    static void NAME##_max(void *a, const void *s, size_t n)                                \
+    { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = x[i] >= y[i] ? x[i] : y[i]; } \
+    static void NAME##_min(void *a, const void *s, size_t n)                                \
+    { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = x[i] <= y[i] ? x[i] : y[i]; } \
+    static void NAME##_divide(void *v, size_t n, int nranks)                                \
+    { T *x = v; T d = (T)nranks; for (size_t i = 0; i < n; i++) x[i] = (T)(x[i] / d); }
+
+DEFINE_FLOAT_FOLDS(float, f32, uint32_t)
+DEFINE_FLOAT_FOLDS(double, f64, uint64_t)
+DEFINE_INT_FOLDS(int8_t, uint8_t, i8)
+DEFINE_INT_FOLDS(uint8_t, uint8_t, u8)
+DEFINE_INT_FOLDS(int16_t, uint16_t, i16)
+DEFINE_INT_FOLDS(uint16_t, uint16_t, u16)
+DEFINE_INT_FOLDS(int32_t, uint32_t, i32)
+DEFINE_INT_FOLDS(uint32_t, uint32_t, u32)
+DEFINE_INT_FOLDS(int64_t, uint64_t, i64)
+DEFINE_INT_FOLDS(uint64_t, uint64_t, u64)
+
+#define FOLDS(NAME) {NAME##_sum, NAME##_prod, NAME##_max, NAME##_min, NAME##_sum}
+static const fold_fn FOLD[NTYPES][5] = {
+    FOLDS(f32), FOLDS(f64), FOLDS(i8), FOLDS(u8), FOLDS(i16),
+    FOLDS(u16), FOLDS(i32), FOLDS(u32), FOLDS(i64), FOLDS(u64),
+};
+static const divide_fn DIVIDE[NTYPES] = {
+    f32_divide, f64_divide, i8_divide, u8_divide, i16_divide,
+    u16_divide, i32_divide, u32_divide, i64_divide, u64_divide,
+};
+
+/* The element type of a buffer, from its struct format and item size; -1
+ * for the types this loop leaves to the interpreter (float16, bfloat16,
+ * bool, complex...). */
+static int element_type(const Py_buffer *view)
+{
+    const char *f = view->format ? view->format : "B";
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (*f == '<')
+        f++;
+#endif
+    if (*f == '=' || *f == '@')
+        f++;
+    if (f[0] == '\0' || f[1] != '\0')
+        return -1;
+    switch (f[0]) {
+    case 'f': return view->itemsize == 4 ? T_F32 : -1;
+    case 'd': return view->itemsize == 8 ? T_F64 : -1;
+    case 'b': return T_I8;
+    case 'B': return T_U8;
+    case 'h': return view->itemsize == 2 ? T_I16 : -1;
+    case 'H': return view->itemsize == 2 ? T_U16 : -1;
+    case 'i': case 'l': case 'q':
+        return view->itemsize == 4 ? T_I32 : view->itemsize == 8 ? T_I64 : -1;
+    case 'I': case 'L': case 'Q':
+        return view->itemsize == 4 ? T_U32 : view->itemsize == 8 ? T_U64 : -1;
+    default: return -1;
+    }
+}
+
+enum { REDUCE_TILE = 4096 };   /* bytes folded at a time, in a stack buffer */
+
+/* dst (and, when not NULL, dst2) = the fold of srcs[0..n) in rank order,
+ * avg divided at the end. A tile is folded aside first, so dst may alias
+ * any source at the same offsets (in place). */
+static void reduce_sources(int type, int op, const char *const *srcs, int n, char *dst, char *dst2,
+                           size_t nbytes, size_t itemsize)
+{
+    _Alignas(64) char acc[REDUCE_TILE];
+    fold_fn fold = FOLD[type][op];
+    for (size_t at = 0; at < nbytes; at += REDUCE_TILE) {
+        size_t len = nbytes - at < REDUCE_TILE ? nbytes - at : REDUCE_TILE;
+        size_t count = len / itemsize;
+        memcpy(acc, srcs[0] + at, len);
+        for (int s = 1; s < n; s++)
+            fold(acc, srcs[s] + at, count);
+        if (op == OP_AVG)
+            DIVIDE[type](acc, count, n);
+        memcpy(dst + at, acc, len);
+        if (dst2 != NULL)
+            memcpy(dst2 + at, acc, len);
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* The channel                                                              */
+
+typedef struct {
+    PyObject_HEAD
+    Waits waits;
+    char *small;            /* rank r's small slots: small + r * small_stride */
+    size_t small_stride;    /* 2 slots of SLOT_HEADER + small_max */
+    size_t small_max;
+    char *staging;          /* rank r's staging: staging + r * staging_stride */
+    size_t staging_stride;  /* 2 parities of nranks chunks */
+    size_t chunk;           /* bytes per chunk */
+    int64_t small_calls;    /* small calls made, for the slot parity */
+    int64_t chunks_done;    /* pipelined iterations made over the channel's life */
+} Channel;
+
+static uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* 64 bits that differ when two ranks make different calls (protocol.py's
+ * SIG): the call's number, element type, op, size and path. */
+static int64_t call_signature(int64_t seq, int type, int op, size_t nbytes, int path)
+{
+    uint64_t h = mix64((uint64_t)seq * 0x9e3779b97f4a7c15ULL ^ mix64(nbytes) ^ ((uint64_t)type << 8 | (uint64_t)op << 4 | (uint64_t)path));
+    return (int64_t)h;
+}
+
+static PyObject *failure(Waits *w, int status, int64_t seq)
+{
+    return Py_BuildValue("(iiLLL)", status, w->failed_peer, (long long)w->failed_have,
+                         (long long)w->failed_need, (long long)seq);
+}
+
+/* Small messages, one merged step: copy into this rank's slot of this
+ * call's parity, publish, wait once, fold every rank's slot in rank order.
+ * A slot is rewritten two small calls later, by when every peer has
+ * entered the next small call and so finished reading it. */
+static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes, size_t itemsize,
+                           int type, int op, int64_t base, int64_t seq)
+{
+    Waits *w = &c->waits;
+    int r = w->rank, n = w->nranks;
+    size_t parity = (size_t)(c->small_calls & 1) * (SLOT_HEADER + c->small_max);
+    int64_t signature = call_signature(seq, type, op, nbytes, 1);
+    int64_t *mine = &w->rows[r * ROW_SLOTS];
+    char *slot = c->small + r * c->small_stride + parity;
+
+    /* The row's SIG is left alone: a peer still checking the previous call
+     * may read it (protocol.py writes SIG only once every peer has left the
+     * previous call, a wait this step does without). The slot's header names
+     * this call instead; a peer on another path sees the stale SIG, which
+     * names no call of this number, and reports the mismatch. */
+    memcpy(slot + SLOT_HEADER, in, nbytes);
+    *(int64_t *)slot = signature;
+    mine[SEQ] = seq;
+    store_release(&mine[COUNTER], base + 1);
+    c->small_calls++;
+
+    int status = wait_peers(w, COUNTER, base + 1);
+    if (status != OK)
+        return failure(w, status, seq);
+    const char *srcs[256];
+    for (int p = 0; p < n; p++) {
+        const char *peer_slot = c->small + p * c->small_stride + parity;
+        if (p != r && *(const int64_t *)peer_slot != signature) {
+            w->failed_peer = p;
+            w->failed_have = *(const int64_t *)peer_slot;
+            w->failed_need = signature;
+            return failure(w, MISMATCH, seq);
+        }
+        srcs[p] = p == r ? in : peer_slot + SLOT_HEADER;
+    }
+    reduce_sources(type, op, srcs, n, out, NULL, nbytes, itemsize);
+    store_release(&mine[COUNTER], base + 2);
+    return PyLong_FromLong(OK);
+}
+
+/* Large messages, pipelined: the buffer is cut into nranks blocks (rank b
+ * reduces block b) and every block into chunks; iteration t moves chunk t
+ * of every block through two staging parities:
+ *   stage    copy chunk t of every other block into my staging, publish STAGED;
+ *   reduce   wait for every peer's STAGED, fold chunk t of my block in rank
+ *            order into my output and my staging's own-block chunk, publish REDUCED;
+ *   gather   wait for every peer's REDUCED, copy their reduced chunks out.
+ * The input is read once and the output written once, through buffers that
+ * stay in cache. A parity is rewritten two iterations later: by then every
+ * peer has published the next iteration's counters, so it read this one. */
+static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nbytes, size_t itemsize,
+                               int type, int op, int64_t base, int64_t seq)
+{
+    Waits *w = &c->waits;
+    int r = w->rank, n = w->nranks;
+    int64_t *mine = &w->rows[r * ROW_SLOTS];
+    int64_t signature = call_signature(seq, type, op, nbytes, 2);
+    size_t count = nbytes / itemsize;
+    size_t chunk_items = c->chunk / itemsize;
+    size_t block_start[257];
+    size_t longest = 0;
+    for (int b = 0; b <= n; b++)
+        block_start[b] = count * (size_t)b / (size_t)n;
+    for (int b = 0; b < n; b++)
+        if (block_start[b + 1] - block_start[b] > longest)
+            longest = block_start[b + 1] - block_start[b];
+    int64_t iterations = (int64_t)((longest + chunk_items - 1) / chunk_items);
+
+    /* Enter as protocol.py's phase 0 does: once every peer has left the
+     * previous call (which may still read this row's SIG), name this call;
+     * then every peer is in it, and named the same, before any chunk moves.
+     * The chunk counters run on from the last call's. */
+    mine[SEQ] = seq;
+    int status = wait_peers(w, COUNTER, base);
+    if (status != OK)
+        return failure(w, status, seq);
+    mine[SIG] = signature;
+    store_release(&mine[COUNTER], base + 1);
+    status = wait_peers(w, COUNTER, base + 1);
+    if (status != OK)
+        return failure(w, status, seq);
+    for (int p = 0; p < n; p++) {
+        if (p != r && load_acquire(&w->rows[p * ROW_SLOTS + SIG]) != signature) {
+            w->failed_peer = p;
+            w->failed_have = w->rows[p * ROW_SLOTS + SIG];
+            w->failed_need = signature;
+            return failure(w, MISMATCH, seq);
+        }
+    }
+
+    const char *srcs[256];
+    for (int64_t t = 0; t < iterations; t++) {
+        int64_t g = c->chunks_done + t;      /* this iteration's number over the channel's life */
+        size_t parity = (size_t)(g & 1) * (size_t)n * c->chunk;
+        char *my_staging = c->staging + r * c->staging_stride + parity;
+        size_t first = (size_t)t * chunk_items;
+
+        for (int b = 0; b < n; b++) {        /* stage */
+            size_t len = block_start[b + 1] - block_start[b];
+            if (b == r || first >= len)
+                continue;
+            size_t items = len - first < chunk_items ? len - first : chunk_items;
+            memcpy(my_staging + b * c->chunk, in + (block_start[b] + first) * itemsize, items * itemsize);
+        }
+        store_release(&mine[STAGED], g + 1);
+
+        status = wait_peers(w, STAGED, g + 1);   /* reduce */
+        if (status != OK)
+            return failure(w, status, seq);
+        size_t my_len = block_start[r + 1] - block_start[r];
+        if (first < my_len) {
+            size_t items = my_len - first < chunk_items ? my_len - first : chunk_items;
+            size_t offset = (block_start[r] + first) * itemsize;
+            for (int p = 0; p < n; p++)
+                srcs[p] = p == r ? in + offset : c->staging + p * c->staging_stride + parity + r * c->chunk;
+            reduce_sources(type, op, srcs, n, out + offset, my_staging + r * c->chunk, items * itemsize, itemsize);
+        }
+        store_release(&mine[REDUCED], g + 1);
+
+        status = wait_peers(w, REDUCED, g + 1);  /* gather */
+        if (status != OK)
+            return failure(w, status, seq);
+        for (int p = 0; p < n; p++) {
+            size_t len = block_start[p + 1] - block_start[p];
+            if (p == r || first >= len)
+                continue;
+            size_t items = len - first < chunk_items ? len - first : chunk_items;
+            memcpy(out + (block_start[p] + first) * itemsize,
+                   c->staging + p * c->staging_stride + parity + p * c->chunk, items * itemsize);
+        }
+    }
+    c->chunks_done += iterations;
+    store_release(&mine[COUNTER], base + 2);
+    return PyLong_FromLong(OK);
+}
+
+static int overlap(const char *a, const char *b, size_t nbytes)
+{
+    return a < b + nbytes && b < a + nbytes;
+}
+
+/* channel.allreduce(x, out, op, deadline, pipelined_from) -> 0, or None when
+ * this loop does not take the call (the interpreter's path then checks it
+ * and runs or refuses it), or (status, peer, have, need, seq) when it failed.
+ * `out` is x for in place. */
+static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "allreduce(x, out, op, deadline, pipelined_from)");
+        return NULL;
+    }
+    int op = (int)PyLong_AsLong(args[2]);
+    double deadline = PyFloat_AsDouble(args[3]);
+    Py_ssize_t pipelined_from = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    int in_place = args[0] == args[1];
+    Py_buffer x, y;
+    if (PyObject_GetBuffer(args[0], &x, (in_place ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (!in_place && PyObject_GetBuffer(args[1], &y, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&x);
+        Py_RETURN_NONE;
+    }
+    Py_buffer *o = in_place ? &x : &y;
+    int type = element_type(&x);
+    PyObject *result = Py_None;
+    size_t nbytes = (size_t)x.len;
+    int takes = type >= 0 && op >= 0 && op <= OP_AVG && x.len > 0 && c->waits.nranks <= 256
+                && o->len == x.len && element_type(o) == type && o->itemsize == x.itemsize
+                && (in_place || x.buf == o->buf || !overlap(x.buf, o->buf, nbytes))
+                && (nbytes <= c->small_max || (Py_ssize_t)nbytes >= pipelined_from);
+    if (takes) {
+        int64_t *mine = &c->waits.rows[c->waits.rank * ROW_SLOTS];
+        int64_t base = mine[COUNTER], seq = mine[SEQ] + 1;
+        c->waits.deadline = deadline;
+        if (__atomic_load_n(&c->waits.header[ABORT], __ATOMIC_ACQUIRE)) {
+            c->waits.failed_peer = -1;
+            result = failure(&c->waits, ABORTED, seq);
+        } else if (nbytes <= c->small_max) {
+            result = run_small(c, x.buf, o->buf, nbytes, (size_t)x.itemsize, type, op, base, seq);
+        } else {
+            result = run_pipelined(c, x.buf, o->buf, nbytes, (size_t)x.itemsize, type, op, base, seq);
+        }
+    } else {
+        Py_INCREF(result);
+    }
+    if (!in_place)
+        PyBuffer_Release(&y);
+    PyBuffer_Release(&x);
+    return result;
+}
+
+static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"header", "rows", "rank", "nranks", "spin", "small", "small_max", "staging",
+                            "chunk", NULL};
+    unsigned long long header, rows, small, staging;
+    unsigned long long small_max, chunk;
+    int rank, nranks;
+    long spin;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiilKKKK", names, &header, &rows, &rank, &nranks, &spin,
+                                     &small, &small_max, &staging, &chunk))
+        return -1;
+    if (nranks < 1 || nranks > 256 || rank < 0 || rank >= nranks || chunk == 0 || chunk % 64) {
+        PyErr_SetString(PyExc_ValueError, "a channel has 1 to 256 ranks and chunks of a multiple of 64 bytes");
+        return -1;
+    }
+    memset(&c->waits, 0, sizeof c->waits);
+    c->waits.header = (int64_t *)(uintptr_t)header;
+    c->waits.rows = (int64_t *)(uintptr_t)rows;
+    c->waits.rank = rank;
+    c->waits.nranks = nranks;
+    c->waits.spin = spin;
+    c->small = (char *)(uintptr_t)small;
+    c->small_max = (size_t)small_max;
+    c->small_stride = 2 * (SLOT_HEADER + (size_t)small_max);
+    c->staging = (char *)(uintptr_t)staging;
+    c->chunk = (size_t)chunk;
+    c->staging_stride = 2 * (size_t)nranks * (size_t)chunk;
+    c->small_calls = 0;
+    c->chunks_done = 0;
+    return 0;
+}
+
+static PyMethodDef Channel_methods[] = {
+    {"allreduce", (PyCFunction)(void (*)(void))Channel_allreduce, METH_FASTCALL,
+     "allreduce(x, out, op, deadline, pipelined_from): see _shmloop.c"},
+    {NULL},
+};
+
+static PyTypeObject ChannelType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "collectives.transport._shmloop.Channel",
+    .tp_basicsize = sizeof(Channel),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Channel_init,
+    .tp_methods = Channel_methods,
+    .tp_doc = "This rank's view of the fast path's shared channel (addresses into mapped memory).",
+};
+
+/* ------------------------------------------------------------------------ */
+/* Counters for the Python side of the protocol                             */
+
+static PyObject *py_store_release(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "store_release(address, value)");
+        return NULL;
+    }
+    int64_t *p = (int64_t *)PyLong_AsVoidPtr(args[0]);
+    long long v = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    store_release(p, (int64_t)v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_load_acquire(PyObject *Py_UNUSED(self), PyObject *arg)
+{
+    const int64_t *p = (const int64_t *)PyLong_AsVoidPtr(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLongLong(load_acquire(p));
+}
+
+static PyMethodDef module_methods[] = {
+    {"store_release", (PyCFunction)(void (*)(void))py_store_release, METH_FASTCALL,
+     "store_release(address, value): an int64 store with release order"},
+    {"load_acquire", py_load_acquire, METH_O, "load_acquire(address): an int64 load with acquire order"},
+    {NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_shmloop", "The compiled inner loop of host ranks in separate processes.", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__shmloop(void)
+{
+    if (PyType_Ready(&ChannelType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&ChannelType);
+    if (PyModule_AddObject(m, "Channel", (PyObject *)&ChannelType) < 0) {
+        Py_DECREF(&ChannelType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "HEADER_SLOTS", HEADER_SLOTS);
+    PyModule_AddIntConstant(m, "ROW_SLOTS", ROW_SLOTS);
+    PyModule_AddIntConstant(m, "STAGED", STAGED);
+    PyModule_AddIntConstant(m, "REDUCED", REDUCED);
+    PyModule_AddIntConstant(m, "SLOT_HEADER", SLOT_HEADER);
+    return m;
+}

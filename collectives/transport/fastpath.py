@@ -1,0 +1,149 @@
+"""Allreduce of host ranks in separate processes, in the compiled loop.
+
+The op-table interpreter (executors/host.py) runs any plan, but per call it
+pays Python for every row and copies whole buffers into and out of the
+shared workspaces between lock-step phases. For allreduce with `auto`, host
+ranks take this path instead: the compiled loop (_shmloop.c) over a channel
+of shared memory at the end of the control segment, laid out per rank as
+
+    small slots   2 x (128-byte header + SMALL_MAX bytes): a message of up to
+                  SMALL_MAX bytes is one merged step: copy in, publish, wait
+                  once, fold every rank's slot in rank order (the header
+                  names the call, so mismatched calls are caught);
+    staging       2 x nranks chunks of CHUNK bytes: a larger message is a
+                  pipelined reduce-scatter and all-gather, chunk by chunk,
+                  with per-chunk counters (rows' STAGED and REDUCED slots).
+
+Both fold in rank order, as the `direct` plan does, so the bits equal the
+interpreter's for that plan on every rank, in place and out of place.
+Calls advance COUNTER by 2 and SEQ by 1 like any other call
+(protocol.py), so fast and interpreted calls mix freely. The loop takes
+float32/float64 and 8- to 64-bit integers, C-contiguous NumPy arrays, any
+op; everything else (float16, bfloat16, overlapping outputs, lists,
+an explicit algorithm) declines to the interpreter, which checks the call
+and runs or refuses it. Without the compiled loop there is no fast path.
+"""
+
+import os
+import time
+
+import numpy as np
+
+from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
+from ..ops import ReduceOp
+
+try:
+    from . import _shmloop
+except ImportError:   # installed without a C compiler: the interpreter runs every call
+    _shmloop = None
+
+# bytes: the merged step up to SMALL_MAX, the pipeline above, CHUNK bytes of
+# every block per iteration. Every rank must use the same values (mpiexec
+# passes the environment to all); the defaults were measured (README).
+SMALL_MAX = int(os.environ.get("COLLECTIVES_FAST_SMALL_MAX", 64 << 10))
+CHUNK = int(os.environ.get("COLLECTIVES_FAST_CHUNK", 128 << 10))
+SLOT_HEADER = 128
+PAGE = 4096
+
+# Polls before a wait yields its core. Ranks that have a core each spin
+# longer (a peer is running and about to publish); ranks that outnumber
+# the cores yield almost at once (the peer may need this core).
+SPIN_DEDICATED = 20000
+SPIN_OVERSUBSCRIBED = 64
+
+_OP_CODES = {**{o: i for i, o in enumerate(ReduceOp)}, **{o.value: i for i, o in enumerate(ReduceOp)}}
+assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the loop's OP_ codes"
+
+PATHS = ("merged", "pipelined")   # what `chosen_algorithm` reports for the two
+
+
+def _pages(nbytes):
+    return -(-nbytes // PAGE) * PAGE
+
+
+def small_area(size):
+    return _pages(size * 2 * (SLOT_HEADER + SMALL_MAX))
+
+
+def channel_bytes(size):
+    """The channel's bytes for `size` ranks (added to the control segment)."""
+    return small_area(size) + _pages(size * 2 * size * CHUNK)
+
+
+def available():
+    return _shmloop is not None
+
+
+def path_for(nbytes):
+    """Which of the two steps a message of `nbytes` per rank takes."""
+    return PATHS[0] if nbytes <= SMALL_MAX else PATHS[1]
+
+
+class FastAllreduce:
+    """`ShmRank.fast_allreduce`: the compiled allreduce, or None to decline."""
+
+    def __init__(self, group, header_address, rows_address, channel_address, oversubscribed):
+        from .protocol import ROW, HEADER
+        assert (ROW, HEADER) == (_shmloop.ROW_SLOTS, _shmloop.HEADER_SLOTS), "protocol.py and _shmloop.c disagree"
+        self._group = group
+        self._channel = _shmloop.Channel(
+            header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
+            spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED,
+            small=channel_address, small_max=SMALL_MAX, staging=channel_address + small_area(group.size),
+            chunk=CHUNK)
+        self._run = self._channel.allreduce
+        self._clock = time.perf_counter
+
+    def __call__(self, x, op, out, timeout):
+        if type(x) is not np.ndarray or self._run is None:
+            return None
+        if out is None:
+            out = x
+        elif type(out) is not np.ndarray:
+            return None
+        try:
+            code = _OP_CODES[op]
+        except (KeyError, TypeError):
+            return None   # the interpreter names the valid ops
+        status = self._run(x, out, code, self._clock() + timeout, SMALL_MAX + 1)
+        if status == 0:
+            return out
+        if status is None:
+            return None
+        self._fail(status, x, op)
+
+    def _fail(self, status, x, op):
+        """Raise what the interpreter's waits raise for the same failure, after
+        aborting the communicator for every rank."""
+        kind, peer, have, need, seq = status
+        group = self._group
+        group._seq = seq   # noqa: SLF001 - the row's SEQ, which this call advanced
+        description = (f"allreduce of {x.size} {x.dtype} (op {list(ReduceOp)[_OP_CODES[op]].value}, root 0, "
+                       f"algorithm {path_for(x.nbytes)})")
+        try:
+            if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health says which
+                group.check_health(peer if kind == 3 else None)
+                raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")
+            if kind == 1:
+                raise CollectiveTimeoutError(
+                    f"timed out waiting for rank {peer} in call #{seq}, {description} (its counter is at {have}, "
+                    f"this rank needs {need}; is every rank making the same calls?)")
+            raise InvalidUsageError(
+                f"rank {peer} is in its call #{group.peer_seq(peer)}, a different call from rank {group.rank}'s "
+                f"call #{seq}, {description}; every rank must make the same calls in the same order")
+        except BaseException as error:
+            group.abort(f"{type(error).__name__}: {error}")
+            raise
+
+    def close(self):
+        """The channel's memory is about to be unmapped: never touch it again."""
+        self._run = None
+        self._channel = None
+
+
+def make(group, oversubscribed):
+    """The fast allreduce of `group`'s rank, or None without the compiled loop
+    (or when COLLECTIVES_FAST_PATH=0 asks for the interpreter)."""
+    if _shmloop is None or os.environ.get("COLLECTIVES_FAST_PATH", "1") == "0":
+        return None
+    return FastAllreduce(group, *group.channel_addresses(), oversubscribed)

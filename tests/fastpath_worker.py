@@ -1,0 +1,170 @@
+"""One rank of tests/test_fastpath.py, under mpiexec: host ranks' allreduce
+in the compiled loop (collectives/transport/fastpath.py).
+
+    python fastpath_worker.py <scenario> [no-loop]
+
+`no-loop` hides the compiled loop before collectives is imported, so the
+same scenario runs on the NumPy interpreter alone. Each rank prints
+"OK <scenario> <rank> <digest>"; the digest covers every result, so two runs
+can be compared bit for bit.
+"""
+
+import hashlib
+import os
+import sys
+import time
+
+if len(sys.argv) > 2 and sys.argv[2] == "no-loop":
+    sys.modules["collectives.transport._shmloop"] = None   # import now raises ImportError
+
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+from collectives.errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from collectives.transport import fastpath
+
+TIMEOUT = 5.0
+DTYPES = [np.float32, np.float64, np.int8, np.uint8, np.int16, np.int32, np.uint32, np.int64, np.uint64,
+          np.float16, ml_dtypes.bfloat16]
+OPS = ["sum", "prod", "max", "min", "avg"]
+
+
+def sizes_to_cover(itemsize):
+    """Element counts on both sides of the loop's boundaries: the merged
+    step's limit, one pipeline chunk per block, ragged blocks."""
+    small = fastpath.SMALL_MAX // itemsize
+    chunk = fastpath.CHUNK // itemsize
+    return sorted({1, 3, 1000, small - 1, small, small + 1, 2 * chunk - 1, 2 * chunk + 7, 5 * chunk + 3})
+
+
+def inputs(rank, count, dtype, rng):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f" or dtype == ml_dtypes.bfloat16:
+        x = rng.standard_normal(count).astype(np.float32) * 3
+        if count > 10:   # the IEEE corner cases of max/min and sums: NaN, -0 and +0, inf
+            x[:6] = [np.nan if rank == 1 else 1.0, -0.0 if rank % 2 else 0.0, np.inf, -np.inf if rank else 2.0,
+                     0.0, -0.0]
+        return x.astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -100), min(info.max, 100), count, endpoint=True).astype(dtype)
+
+
+def scenario_bits(comm, digest):
+    """Out of place and in place, every dtype and op, equal to the `direct`
+    plan's bits and the same on every rank; other collectives in between."""
+    rng = np.random.default_rng(1234 + comm.rank)
+    world = MPI.COMM_WORLD
+    for dtype in DTYPES:
+        for count in sizes_to_cover(np.dtype(dtype).itemsize):
+            for op in OPS:
+                x = inputs(comm.rank, count, dtype, rng).reshape(-1, 1) if count % 2 else inputs(
+                    comm.rank, count, dtype, rng)
+                reference = comm.allreduce(x.copy(), op=op, algorithm="direct")
+                out = np.empty_like(x)
+                got = comm.allreduce(x, op=op, out=out)
+                assert got is out
+                in_place = x.copy()
+                assert comm.allreduce(in_place, op=op) is in_place
+                for result, how in ((out, "out of place"), (in_place, "in place")):
+                    assert result.tobytes() == reference.tobytes(), (np.dtype(dtype).name, count, op, how)
+                everyone = world.allgather(hashlib.blake2b(out.tobytes()).hexdigest())
+                assert len(set(everyone)) == 1, (np.dtype(dtype).name, count, op, "ranks differ")
+                digest.update(out.tobytes())
+            # An interpreted collective between fast ones keeps the counters in step.
+            block = comm.broadcast(np.arange(8, dtype=np.float64) + comm.rank, root=comm.size - 1)
+            assert block[0] == comm.size - 1
+
+
+def scenario_stalled_large(comm):
+    """Rank 1 stops calling in during a pipelined allreduce: a timeout, not a hang."""
+    x = np.ones(1 << 20, np.float32)
+    if comm.rank == 1:
+        time.sleep(TIMEOUT + 2)
+        return
+    start = time.perf_counter()
+    try:
+        comm.allreduce(x)
+    except CollectiveTimeoutError as error:
+        assert "timed out waiting for rank 1" in str(error) and "pipelined" in str(error), error
+    except CollectiveError as error:   # another rank timed out first and aborted
+        assert "aborted" in str(error) and "timed out" in str(error), error
+    else:
+        raise AssertionError("allreduce completed without rank 1")
+    assert time.perf_counter() - start < TIMEOUT + 1.5
+
+
+def scenario_killed_large(comm):
+    """Rank 1 dies between calls: the others learn it from its pid within a second."""
+    comm.allreduce(np.ones(1 << 20, np.float32))
+    comm.barrier()
+    if comm.rank == 1:
+        os._exit(0)
+    start = time.perf_counter()
+    try:
+        comm.allreduce(np.ones(1 << 20, np.float32))
+    except (RankFailedError, CollectiveError) as error:
+        assert isinstance(error, RankFailedError) or "died" in str(error), error
+        assert time.perf_counter() - start < 1.0, "a dead rank should be reported within a second"
+    else:
+        raise AssertionError("allreduce completed without rank 1")
+
+
+def scenario_mismatch(comm):
+    """Ranks disagree: different sizes on the two paths, a different op, and a
+    fast call against an interpreted one. Each is named, none hangs."""
+    cases = [
+        lambda: comm.allreduce(np.ones(10 if comm.rank == 0 else 1 << 20, np.float32)),
+        lambda: comm.allreduce(np.ones(1 << 20, np.float32), op="sum" if comm.rank == 0 else "max"),
+        lambda: comm.allreduce(np.ones(100, np.float32), algorithm="auto" if comm.rank == 0 else "ring"),
+    ]
+    case = int(os.environ["FASTPATH_CASE"])
+    try:
+        cases[case]()
+    except InvalidUsageError as error:
+        assert "different call" in str(error), error
+        return
+    except CollectiveError as error:
+        assert "aborted" in str(error) and "different call" in str(error), error
+        return
+    raise AssertionError(f"mismatched allreduce {case} completed")
+
+
+def scenario_abort(comm):
+    """Rank 0 leaves a `with` block by an exception: the others, in a fast
+    allreduce, see the abort at once instead of waiting out the timeout."""
+    if comm.rank == 0:
+        try:
+            with comm:
+                raise RuntimeError("rank 0 gave up")
+        except RuntimeError:
+            return
+    start = time.perf_counter()
+    try:
+        comm.allreduce(np.ones(1 << 20, np.float32))
+    except CollectiveError as error:
+        assert "aborted" in str(error) and "gave up" in str(error), error
+        assert time.perf_counter() - start < TIMEOUT / 2
+    else:
+        raise AssertionError("allreduce completed after rank 0 aborted")
+
+
+def main():
+    scenario = sys.argv[1]
+    comm = collectives.init(timeout=TIMEOUT)
+    loop = comm._ranks.fast_allreduce is not None   # noqa: SLF001 - which path ran is the point
+    assert loop == (sys.argv[2:] != ["no-loop"]), "the compiled loop is expected exactly when not hidden"
+    digest = hashlib.blake2b()
+    if scenario == "bits":
+        scenario_bits(comm, digest)
+    else:
+        globals()[f"scenario_{scenario}"](comm)
+    print(f"OK {scenario} {comm.rank} {digest.hexdigest()[:16]}", flush=True)
+    if scenario in ("killed_large", "abort", "stalled_large", "mismatch"):
+        os._exit(0)   # MPI_Finalize would wait for ranks that left
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Host ranks' allreduce in the compiled loop (collectives/transport/fastpath.py,
+_shmloop.c), across processes under mpiexec: the same bits as the plan
+interpreter, with and without the loop, and every fault case of the host
+SPMD tests on both of its paths (the merged small step, the pipeline)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_mpi import mpiexec
+
+pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+pytestmark = pytest.mark.mpi
+
+WORKER = Path(__file__).with_name("fastpath_worker.py")
+
+
+def run_worker(n, scenario, *extra, env=None, limit=300):
+    env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join([str(WORKER.parent),
+                                                                       os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    done = subprocess.run([mpiexec(), "-n", str(n), sys.executable, str(WORKER), scenario, *extra],
+                          capture_output=True, text=True, timeout=limit, env=env)
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert done.returncode == 0, report
+    return re.findall(rf"OK {scenario} (\d+) (\w+)", done.stdout), report
+
+
+def test_the_compiled_loop_was_built():
+    """setup.py builds it where a C compiler is (CI has one): the fast path
+    must not silently fall back to the interpreter there."""
+    from collectives.transport import fastpath
+    assert fastpath.available(), "collectives.transport._shmloop is missing: was `pip install -e .` run?"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bits_equal_the_interpreter_with_and_without_the_loop(n):
+    with_loop, report = run_worker(n, "bits")
+    assert len(with_loop) == n, report
+    without_loop, report = run_worker(n, "bits", "no-loop")
+    assert len(without_loop) == n, report
+    assert {digest for _, digest in with_loop} == {digest for _, digest in without_loop}, (with_loop, without_loop)
+
+
+@pytest.mark.parametrize("scenario", ["stalled_large", "killed_large", "abort"])
+def test_faults_on_the_pipelined_path(scenario):
+    oks, report = run_worker(3, scenario)
+    # The ranks that wait on a failed peer must each have seen the failure
+    # (the stalled or killed rank 1, or the aborting rank 0, may not report).
+    must_report = {"stalled_large": {"0", "2"}, "killed_large": {"0", "2"}, "abort": {"1", "2"}}[scenario]
+    assert must_report <= {rank for rank, _ in oks}, report
+
+
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["merged-vs-pipelined", "different-op", "fast-vs-interpreted"])
+def test_mismatched_calls_are_named(case):
+    oks, report = run_worker(2, "mismatch", env={"FASTPATH_CASE": str(case)})
+    assert len(oks) == 2, report
