@@ -14,9 +14,12 @@ identical inputs in one invocation, alternating size by size:
     nccl   NCCL, through this library's backend="nccl" (--device cuda)
 
 mpi and gloo run one rank per process: asking for them without a launcher
-relaunches the benchmark under MPICH's mpiexec with `--ranks` processes, one
-per core. A backend that cannot run the chosen op or type (MPI has no average,
-Gloo no int16, ...) is skipped with a line that says why; the others run.
+relaunches the benchmark under MPICH's mpiexec with `--ranks` processes,
+pinned one per core (`--bind-to core`, rank r on core r mod cores; `--bind-to
+none` leaves placement to the kernel: see bench/host_vs_mpich.py for what each
+does with more processes than cores). A backend that cannot run the chosen op
+or type (MPI has no average, Gloo no int16, ...) is skipped with a line that
+says why; the others run.
 
 `--compression` (allreduce on float32, sum or avg) may list codecs too
 (none,fp16,bf16,int8): each runs as a backend of ours of its own. Then the
@@ -168,6 +171,9 @@ def parse_args(spec, argv=None):
                         "(bytes a rank reads from its peers per call); compressed rows have no bitwise #wrong. "
                         "mpi, gloo and nccl rows run uncompressed")
     p.add_argument("--timeout", type=float, default=None, help="communicator timeout in seconds")
+    p.add_argument("--bind-to", default="core",
+                   help="when the mpi or gloo backend relaunches the benchmark as processes: mpiexec's -bind-to "
+                        "(core: rank r on core r mod cores; none; hwthread; hydra's user:C0,C1,...)")
     args = p.parse_args(argv)
     args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
     name = DTYPE_NAMES[args.datatype]
@@ -554,7 +560,7 @@ def main(spec, argv=None):
     world = mpi_world()
     if world is None and args.ranks > 1 and any(b in PROCESS_BACKENDS for b in args.backends) \
             and not os.environ.get(RELAUNCHED):
-        return relaunch_under_mpiexec(args, argv, ("-bind-to", "core"))
+        return relaunch_under_mpiexec(args, argv, ("-bind-to", args.bind_to))
     leader = world is None or world.rank == 0
     say = print if leader else (lambda *a, **k: None)
     nranks = world.size if world is not None else args.ranks

@@ -92,6 +92,43 @@ def test_host_and_mpi_side_by_side_across_processes(tmp_path):
     assert all(r["vs_first"] > 0 for r in report["rows"])
 
 
+@pytest.mark.mpi
+def test_host_vs_mpich_alternates_checks_and_keeps_every_batch(tmp_path):
+    """python -m bench.host_vs_mpich: one mpiexec launch per process count,
+    both libraries in the same processes, each size checked, every batch in
+    the JSON beside the machine and the exact command."""
+    pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
+    import statistics
+    path = tmp_path / "host_vs_mpich.json"
+    command = [sys.executable, "-m", "bench.host_vs_mpich", "--quick", "--ranks", "2", "--sizes", "4,1K",
+               "--batches", "3", "-J", str(path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = [line for line in done.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    assert [line.split()[:2] for line in table] == [["4", "B"], ["1", "KiB"]]
+    assert all(len(line.split()) == 8 for line in table)   # size (2), then 3 columns per placement
+    assert "every element of every result equals the expected sum" in done.stdout
+    report = json.loads(path.read_text())
+    assert report["command"] == "python -m bench.host_vs_mpich " + " ".join(command[3:])
+    machine = report["machine"]
+    assert machine["cores"] >= 1 and machine["cpu"] and machine["memory_bytes"] > 0
+    assert "MPICH" in machine["mpi_library"] and machine["mpi4py"] and machine["collectives"]
+    assert report["method"]["sizes"] == [4, 1024] and report["method"]["batches"] == 3
+    [run] = report["runs"]
+    assert run["processes"] == 2 and run["bind_to"] == "core" and len(run["affinity"]) == 2
+    assert run["launch"].startswith("mpiexec -bind-to core -n 2 ") and "--worker-output" not in run["launch"]
+    assert len(run["load_average"]["before"]) == 3
+    assert [row["size"] for row in run["rows"]] == [4, 1024] and [row["count"] for row in run["rows"]] == [1, 256]
+    for row in run["rows"]:
+        for placement in ("out_of_place", "in_place"):
+            for backend in ("ours", "mpich"):
+                m = row[placement][backend]
+                assert m["wrong"] == 0 and m["iters"] >= 2
+                assert len(m["batches"]) == 3 and all(b["iters"] == m["iters"] for b in m["batches"])
+                assert all(b["median_us"] > 0 and len(b["rank_median_us"]) == 2 for b in m["batches"])
+                assert m["time_us"] == pytest.approx(statistics.median(b["median_us"] for b in m["batches"]))
+
+
 def test_the_gpu_path_on_emulated_devices(capsys):
     """--device emulated: our kernels, compiled for the CPU, in the same table."""
     code, out = run_bench(ALLREDUCE, ["--device", "emulated", "--ranks", "3", "-b", "8", "-e", "64K", "-f", "32",
