@@ -15,11 +15,11 @@ identical inputs in one invocation, alternating size by size:
 
 mpi and gloo run one rank per process: asking for them without a launcher
 relaunches the benchmark under MPICH's mpiexec with `--ranks` processes,
-pinned one per core (`--bind-to core`, rank r on core r mod cores; `--bind-to
-none` leaves placement to the kernel: see bench/host_vs_mpich.py for what each
-does with more processes than cores). A backend that cannot run the chosen op
-or type (MPI has no average, Gloo no int16, ...) is skipped with a line that
-says why; the others run.
+pinned one per core (`--bind-to core`: rank r on core r mod cores; `none`
+leaves placement to the kernel; `auto` is core up to one process per core and
+none beyond, which bench/host_vs_mpich.py found best for both libraries). A
+backend that cannot run the chosen op or type (MPI has no average, Gloo no
+int16, ...) is skipped with a line that says why; the others run.
 
 `--compression` (allreduce on float32, sum or avg) may list codecs too
 (none,fp16,bf16,int8): each runs as a backend of ours of its own. Then the
@@ -173,7 +173,8 @@ def parse_args(spec, argv=None):
     p.add_argument("--timeout", type=float, default=None, help="communicator timeout in seconds")
     p.add_argument("--bind-to", default="core",
                    help="when the mpi or gloo backend relaunches the benchmark as processes: mpiexec's -bind-to "
-                        "(core: rank r on core r mod cores; none; hwthread; hydra's user:C0,C1,...)")
+                        "(core, the default: rank r on core r mod cores; none; hwthread; hydra's user:C0,C1,...; "
+                        "or auto: core while the processes have a core each, none beyond)")
     args = p.parse_args(argv)
     args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
     name = DTYPE_NAMES[args.datatype]
@@ -249,6 +250,17 @@ def find_mpiexec():
     if mpiexec is None:
         sys.exit("running ranks as processes needs mpiexec: pip install '.[mpi]'")
     return mpiexec
+
+
+def bind_to(value, nranks):
+    """mpiexec's -bind-to for `nranks` processes on this machine: `value`,
+    except `auto`, which is `core` while every process has a core of its own
+    (os.cpu_count(), the count the library judges oversubscription by) and
+    `none` beyond: pinned ranks that share a core wait for each other's time
+    slices (bench/host_vs_mpich.py has the measurements)."""
+    if value != "auto":
+        return value
+    return "core" if nranks <= (os.cpu_count() or 1) else "none"
 
 
 def relaunch_under_mpiexec(args, argv, launcher_flags=()):
@@ -560,7 +572,7 @@ def main(spec, argv=None):
     world = mpi_world()
     if world is None and args.ranks > 1 and any(b in PROCESS_BACKENDS for b in args.backends) \
             and not os.environ.get(RELAUNCHED):
-        return relaunch_under_mpiexec(args, argv, ("-bind-to", args.bind_to))
+        return relaunch_under_mpiexec(args, argv, ("-bind-to", bind_to(args.bind_to, args.ranks)))
     leader = world is None or world.rank == 0
     say = print if leader else (lambda *a, **k: None)
     nranks = world.size if world is not None else args.ranks

@@ -32,11 +32,25 @@ The table: size, then per placement ours µs, MPICH µs and MPICH/ours (above
 --quick none unless -J) has the machine, the exact command, each launch's
 mpiexec line and every rank's CPU affinity, and every batch of every size.
 
-Pinning (--bind-to, passed to mpiexec as -bind-to): `core` puts rank r on
-core r mod cores, so 4 processes on 2 cores stack ranks 0,2 on core 0 and
-1,3 on core 1; `none` leaves the kernel to place them; `user:0,0,1,1`
-(hydra's syntax) stacks ranks 0,1 and 2,3. See the README for what each does
-to each library on the 2-core machine.
+Pinning (--bind-to, passed to mpiexec as -bind-to). `core` puts rank r on
+core r mod cores: 4 processes on 2 cores stack ranks 0,2 on core 0 and 1,3 on
+core 1; `none` leaves placement to the kernel; `user:0,0,1,1` (hydra's
+syntax) stacks ranks 0,1 and 2,3. The default, `auto`, is `core` while every
+process has a core (processes <= os.cpu_count(), the library's own test for
+oversubscription) and `none` beyond, because on the 2-core machine (medians,
+µs, ours / MPICH, out of place):
+
+    4 processes     4 B           16 KiB        1 MiB          64 MiB
+    -bind-to none   209 / 14      864 / 101     3342 / 1885    106382 / 151256
+    -bind-to core   3333 / 2343   2302 / 2179   6780 / 7509    136759 / 194477
+
+Pinned, two ranks that share a core wait for each other's time slice (both
+libraries poll, then yield): every small call costs milliseconds, for MPICH
+as for ours. Unpinned, the kernel runs whichever rank is ready on whichever
+core is free; no size got slower for either library, and small messages got
+10x (ours) to 100x (MPICH) faster. user:0,0,1,1 behaved like core. With 2
+processes core and none measure the same (within the noise), and core keeps
+a rank from migrating. The JSON records each rank's CPU affinity.
 
 Under mpiexec already (`mpiexec -n 4 python -m bench.host_vs_mpich`) it runs
 once on those processes and rank 0 prints and writes the same report.
@@ -59,7 +73,7 @@ import numpy as np
 import collectives
 from bench.all_reduce_perf import expected, fill
 from bench.environment import LAUNCHER_COMMAND, environment
-from bench.harness import count_wrong, find_mpiexec, mpi_world, parse_size
+from bench.harness import bind_to, count_wrong, find_mpiexec, mpi_world, parse_size
 
 OURS, MPICH = "ours", "mpich"
 BACKENDS = (OURS, MPICH)
@@ -81,9 +95,10 @@ def parse_args(argv=None):
     p.add_argument("--sizes", default=None,
                    help=f"message sizes in bytes per rank, comma-separated, suffixes K M G (default {SIZES}; "
                         f"--quick: {QUICK_SIZES})")
-    p.add_argument("--bind-to", default="core",
-                   help="mpiexec's -bind-to: core (the default: rank r on core r mod cores), none, hwthread, "
-                        "or hydra's user:C0,C1,... (ignored under mpiexec)")
+    p.add_argument("--bind-to", default="auto",
+                   help="mpiexec's -bind-to: auto (the default: core while the processes have a core each, "
+                        "none beyond), core (rank r on core r mod cores), none, hwthread, or hydra's "
+                        "user:C0,C1,... (ignored under mpiexec)")
     p.add_argument("--batches", type=int, default=None,
                    help="timed batches per library, per size and placement, alternating (default 10; --quick 2)")
     p.add_argument("--budget", type=float, default=None,
@@ -274,7 +289,7 @@ def run_launch(args, world):
     leader = libs.rank == 0
     affinity = world.gather(sorted(os.sched_getaffinity(0)), root=0)
     if leader:
-        print(f"# allreduce float32 sum, {libs.nranks} processes, -bind-to {os.environ.get('COLLECTIVES_BIND_TO', '?')}"
+        print(f"# allreduce float32 sum, {libs.nranks} processes, -bind-to {os.environ.get('COLLECTIVES_BIND_TO', 'as launched')}"
               f": ours (collectives.init) and MPICH (mpi4py), {args.batches} batches each, alternating, "
               f"~{args.budget * 1e3:g} ms a batch; median of batch medians", flush=True)
         print(f"# CPU affinity per rank: {affinity}", flush=True)
@@ -291,7 +306,8 @@ def run_launch(args, world):
         return None
     env = environment(argparse.Namespace(device="host"), libs.nranks, list(BACKENDS))
     launch = env.pop("command").split(" --worker-output ")[0]  # the report's own temporary file
-    return {"processes": libs.nranks, "bind_to": os.environ.get("COLLECTIVES_BIND_TO"), "affinity": affinity,
+    return {"processes": libs.nranks, "bind_to": os.environ.get("COLLECTIVES_BIND_TO", "as launched"),
+            "affinity": affinity,
             "launch": launch, "environment": env,
             "load_average": {"before": list(load_before), "after": list(os.getloadavg())}, "rows": rows}
 
@@ -349,11 +365,12 @@ def write_report(args, runs, command):
 def launch(args, nranks, argv_run):
     """Run one mpiexec launch of `nranks` processes; its run, or None if it failed."""
     mpiexec = find_mpiexec()
-    flags = ["-bind-to", args.bind_to]
+    binding = bind_to(args.bind_to, nranks)
+    flags = ["-bind-to", binding]
     fd, out = tempfile.mkstemp(prefix="host_vs_mpich_", suffix=".json")
     os.close(fd)
     command = [mpiexec, *flags, "-n", str(nranks), sys.executable, "-m", MODULE, *argv_run, "--worker-output", out]
-    env = dict(os.environ, COLLECTIVES_BIND_TO=args.bind_to,
+    env = dict(os.environ, COLLECTIVES_BIND_TO=binding,
                **{LAUNCHER_COMMAND: " ".join(["mpiexec", *flags, "-n", str(nranks)])})
     try:
         code = subprocess.call(command, env=env)
