@@ -15,8 +15,9 @@ Method, per size and placement (out of place, then in place):
     exact sum, else the size is reported WRONG and the run exits 1;
   * iterations: each library is warmed up by batches of 1, 2, 4, ... calls
     until a batch takes a quarter of --budget; its batches then make
-    budget / (time per call) calls, within [--min-iters, --max-iters], the
-    same count on every rank (small sizes get thousands of calls, 64 MiB a few);
+    budget / (least time per call of those) calls, within [--min-iters,
+    --max-iters], the same count on every rank (small sizes get thousands
+    of calls, 64 MiB a few);
   * batches: --batches rounds of (ours, MPICH), alternating in the same
     processes, so the machine's noise hits both alike. A batch starts with
     the library's barrier and ends with it; the barrier is outside the
@@ -154,7 +155,7 @@ class Libraries:
     def __init__(self, world, timeout):
         from mpi4py import MPI
         self.MPI, self.world = MPI, world
-        self.ours = collectives.init(timeout=timeout, comm=world)
+        self.ours = collectives.init(timeout=timeout)   # MPI.COMM_WORLD's processes, as a user writes it
         self.rank, self.nranks = world.rank, world.size
 
     def buffers(self, count, placement, data):
@@ -196,9 +197,12 @@ def check(libs, backend, placement, count):
 
 def iterations(libs, call, barrier, args):
     """Warm-up, and the calls a batch makes: batches of 1, 2, 4, ... calls
-    until one takes budget / 4 (the slowest rank's), then budget / per call.
-    Every rank reaches the same number (the times are agreed through MPI)."""
-    k = 1
+    until one takes budget / 4 (the slowest rank's), then budget over the
+    time per call, the least any of these batches took: one stalled batch
+    (another process had the core) would otherwise leave every batch of
+    this size a few calls. Every rank reaches the same number (the times are
+    agreed through MPI)."""
+    k, per_call = 1, math.inf
     while True:
         barrier()
         start = time.perf_counter()
@@ -206,11 +210,11 @@ def iterations(libs, call, barrier, args):
             call()
         barrier()
         took = libs.max_over_ranks(time.perf_counter() - start)
+        per_call = min(per_call, took / k)
         if took >= args.budget / 4 or k >= args.max_iters:
             break
         k *= 2
-    per_call = took / k
-    return max(args.min_iters, min(args.max_iters, math.ceil(args.budget / per_call)))
+    return max(args.min_iters, min(args.max_iters, math.ceil(args.budget / max(per_call, 1e-9))))
 
 
 def timed_batch(libs, call, barrier, iters):
