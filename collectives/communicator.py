@@ -101,6 +101,10 @@ class Communicator:
         self._worker = None        # the background thread of fusion buffers on host ranks
         self._worker_thread = None
         self._busy = set()         # fusion buffers with allreduces started and not yet waited for
+        # A compiled allreduce of the ranks' own (ShmRank's, when it has one):
+        # fast(x, op, out, timeout) returns the result, or None to decline,
+        # and then the general path below runs (and raises what is wrong).
+        self._fast_allreduce = getattr(ranks, "fast_allreduce", None)
 
     @classmethod
     def local(cls, nranks, *, devices=None, timeout=None, backend="ours"):
@@ -150,6 +154,12 @@ class Communicator:
         avg) sends encoded data between ranks and accumulates in float32;
         the result is float32 and the same bits on every rank
         (compression/wire.py; its error bounds are in the README)."""
+        fast = self._fast_allreduce
+        if fast is not None and compression is None and isinstance(algorithm, str) and algorithm == "auto" \
+                and not self._closed and not self._busy:
+            result = fast(x, op, out, self.timeout)
+            if result is not None:
+                return result
         return self._collective(ALLREDUCE, x, op=op, out=out, algorithm=algorithm, compression=compression)
 
     def reduce_scatter(self, x, op="sum", out=None, algorithm="auto"):

@@ -148,12 +148,12 @@ static int wait_peers(Waits *w, int slot, int64_t need)
                 status = TIMED_OUT;
                 break;
             }
-            if (now - start < 2e-3) {
+            if (now - start < 5e-2) {   /* yielding lets a descheduled peer run; sleeping adds its whole period */
                 sched_yield();
             } else {
                 struct timespec ts = {0, sleep_ns};
                 nanosleep(&ts, NULL);
-                sleep_ns = sleep_ns * 2 > 1000000 ? 1000000 : sleep_ns * 2;
+                sleep_ns = sleep_ns * 2 > 200000 ? 200000 : sleep_ns * 2;
             }
         }
         if (status != OK) {
