@@ -79,6 +79,9 @@ def round_trips(comm, x, out, algorithm):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    # The same plan on both kinds of ranks: host ranks' compiled allreduce
+    # (transport/fastpath.py) would run no plan at all.
+    os.environ["COLLECTIVES_FAST_PATH"] = "0"
     world = mpi_world()
     if world is None:
         if os.environ.get(RELAUNCHED):
