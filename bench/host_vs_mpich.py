@@ -318,6 +318,17 @@ def run_launch(args, world):
 
 # -- the report --------------------------------------------------------------------------
 
+def busy_note(run):
+    """A warning when, before or after the run, the machine was running more
+    than its benchmark's processes on its cores, or None."""
+    cores = run["environment"].get("cores") or 1
+    load = max(run["load_average"]["before"][0], run["load_average"]["after"][0])
+    if load <= max(cores, run["processes"]) + 0.5:
+        return None
+    return (f"the 1-minute load average reached {load:.1f} on {cores} cores: other processes competed with "
+            "the ranks, and the times are noisier than on an idle machine (see load_average in the JSON)")
+
+
 def verdict(run):
     """Sizes where MPICH was at least as fast as ours, per placement."""
     slower = {p: [size_label(r["size"]) for r in run["rows"] if ratio(r, p) <= 1] for p in PLACEMENTS}
@@ -330,6 +341,9 @@ def summary_lines(run):
     slower, wrong = verdict(run)
     n = run["processes"]
     lines = []
+    busy = busy_note(run)
+    if busy:
+        lines.append(f"# {n} processes: {busy}")
     if not any(slower.values()):
         lines.append(f"# {n} processes: ours faster than MPICH at every size, out of place and in place")
     else:
