@@ -1,10 +1,12 @@
-"""Host-side cost of one in-process collective call on the GPU path.
+"""Host-side cost of one in-process collective call.
 
     python -m bench.call_overhead [--ranks 4] [--devices 1] [--calls 20000]
+    python -m bench.call_overhead --device host --algorithm auto --count 256
 
 Runs allreduce (and the other collectives) on small arrays with ranks on
-emulated devices (or GPUs: --device cuda), after a warm-up (plans cached),
-and reports per call:
+emulated devices (or GPUs: --device cuda; or virtual host ranks, NumPy
+arrays in this process: --device host), after a warm-up (plans cached),
+and reports per call (the median over batches of --batch calls too):
 
 * the Python time spent outside the device adapter (its launch, record,
   wait and call_returned calls are timed and subtracted), the number the
@@ -22,6 +24,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,10 +73,14 @@ def arguments(collective, xs, outs, in_place):
 
 
 def measure(args):
-    devices = [f"{args.device}:{r % args.devices}" for r in range(args.ranks)]
-    comm = collectives.Communicator.local(args.ranks, devices=devices)
-    spent = instrument(comm._ranks.devices, args.adapter == "noop")
-    count = args.ranks * 4
+    if args.device == "host":   # virtual ranks: no device, no adapter to time
+        comm = collectives.Communicator.local(args.ranks)
+        spent = instrument((), False)
+    else:
+        devices = [f"{args.device}:{r % args.devices}" for r in range(args.ranks)]
+        comm = collectives.Communicator.local(args.ranks, devices=devices)
+        spent = instrument(comm._ranks.devices, args.adapter == "noop")
+    count = args.count or args.ranks * 4
     if args.device == "cuda":
         import cupy as xp
     else:
@@ -92,16 +99,24 @@ def measure(args):
         # collection's cost then does not land on whichever call triggers it.
         gc.collect()
         gc.freeze()
+        batches, batch = [], min(args.batch, args.calls)
         began = time.perf_counter()
-        for _ in range(args.calls):
-            call(*positional, algorithm=args.algorithm, **keywords)
+        for _ in range(args.calls // batch):
+            started = time.perf_counter()
+            for _ in range(batch):
+                call(*positional, algorithm=args.algorithm, **keywords)
+            batches.append((time.perf_counter() - started) / batch)
         total = time.perf_counter() - began
         comm.synchronize()
+        calls = len(batches) * batch
         results[collective] = {
-            "calls": args.calls,
-            "total_us_per_call": total / args.calls * 1e6,
-            "outside_adapter_us_per_call": (total - spent["seconds"]) / args.calls * 1e6,
-            **{f"{name}_per_call": spent[name] / args.calls for name in ADAPTER_CALLS},
+            "calls": calls,
+            "total_us_per_call": total / calls * 1e6,
+            "median_us_per_call": statistics.median(batches) * 1e6,
+            "algorithm_run": (comm.chosen_algorithm(collective, positional[0][0].nbytes)
+                              if args.algorithm == "auto" else args.algorithm),
+            "outside_adapter_us_per_call": (total - spent["seconds"]) / calls * 1e6,
+            **{f"{name}_per_call": spent[name] / calls for name in ADAPTER_CALLS},
         }
     comm.close()
     return results
@@ -117,10 +132,13 @@ def callgrind(args):
             out = os.path.join(scratch, "callgrind.out")
             command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m",
                        "bench.call_overhead", "--adapter", "noop", "--ranks", str(args.ranks), "--devices",
-                       str(args.devices), "--calls", str(calls), "--algorithm", args.algorithm,
+                       str(args.devices), "--calls", str(calls), "--batch", str(args.batch), "--algorithm",
+                       args.algorithm, "--device", args.device, "--count", str(args.count),
                        "--collectives", ",".join(args.collectives), *(["--in-place"] if args.in_place else [])]
             # A fixed hash seed: dict and set layouts, hence instruction counts, repeat.
-            subprocess.run(command, check=True, capture_output=True, env=dict(os.environ, PYTHONHASHSEED="0"))
+            # One OpenBLAS thread: its idle threads' spinning would count too.
+            subprocess.run(command, check=True, capture_output=True,
+                           env=dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1"))
             with open(out) as f:
                 totals = [line for line in f if line.startswith("totals:") or line.startswith("summary:")]
             counts[calls] = int(totals[-1].split()[1])
@@ -131,9 +149,12 @@ def callgrind(args):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.call_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--device", default="emulated", choices=["emulated", "cuda"])
+    p.add_argument("--device", default="emulated", choices=["emulated", "cuda", "host"],
+                   help="host: virtual ranks on NumPy arrays")
     p.add_argument("--devices", type=int, default=1, help="devices the ranks are spread over")
     p.add_argument("--calls", type=int, default=20000)
+    p.add_argument("--batch", type=int, default=200, help="calls per timed batch (the median is over batches)")
+    p.add_argument("--count", type=int, default=0, help="elements per rank (default 4 per rank)")
     p.add_argument("--algorithm", default="ring")
     p.add_argument("--collectives", default="allreduce", help=f"comma-separated, of {', '.join(COLLECTIVES)}")
     p.add_argument("--adapter", default="timed", choices=["timed", "noop"])

@@ -1,8 +1,10 @@
 """The public API: a Communicator validates, plans, and hands the plan to its ranks."""
 
 import concurrent.futures
+import operator
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -49,6 +51,26 @@ class VirtualHostRanks:
                 views[rank, SCRATCH] = workspace[plan.scratch_offset:plan.workspace_bytes].view(plan.dtype)
         for phase in plan.phases:
             host.execute(phase.table, lambda rank, buffer_id: views[rank, buffer_id], plan.op, plan.nranks)
+
+    def bind(self, plan, inputs, outputs):
+        """`plan` bound to these arrays (host.BoundTables): a callable that
+        runs it, as `run` does, on arrays of a later call with the same
+        shapes and memory relation, `bound([*inputs, *outputs])`. None for
+        compressed plans, which `run` runs."""
+        if plan.compression is not None:
+            return None
+        nranks = len(self._workspaces)
+        slots = {(rank, INPUT): rank for rank in range(nranks)}
+        slots.update({(rank, OUTPUT): nranks + rank for rank in range(nranks)})
+
+        def fixed(rank, buffer_id):
+            workspace = self._workspace(rank, plan.workspace_bytes)
+            if buffer_id == WORK:
+                return workspace[:plan.count * plan.dtype.itemsize].view(plan.dtype)
+            return workspace[plan.scratch_offset:plan.workspace_bytes].view(plan.dtype)
+
+        return host.BoundTables([phase.table for phase in plan.phases], plan.op, plan.nranks, [*inputs, *outputs],
+                                lambda rank, buffer_id: slots.get((rank, buffer_id)), fixed)
 
     def _run_compressed(self, plan, inputs, outputs):
         """The codec operations of each phase, rank after rank (compression/wire.py)."""
@@ -97,6 +119,7 @@ class Communicator:
         self._closed = False
         self._last_checked = None  # ((collective, root, input infos, output infos), binding) that passed
         self._plans = {}           # call shape -> plan
+        self._calls = {}           # arguments and arrays' ids -> _Call that passed (see _collective)
         self._fusion = None        # fusion.Fuser, made on first use
         self._worker = None        # the background thread of fusion buffers on host ranks
         self._worker_thread = None
@@ -328,8 +351,32 @@ class Communicator:
     # -- the one path every collective takes -------------------------------------
 
     def _collective(self, collective, x, *, op="sum", out=None, root=0, algorithm="auto", compression=None):
-        self._check_open()
-        self._check_idle()
+        if self._closed:
+            self._check_open()
+        if self._busy:
+            self._check_idle()
+        # A call with the arguments and the very arrays of an earlier call
+        # that passed every check, none of them changed since, would pass
+        # again: it takes that call's verdict, plan and bound form (_Call).
+        # The arrays are recognised by their weak references (see _remember).
+        as_sequence = isinstance(x, (list, tuple))
+        xs = tuple(x) if as_sequence else (x,)
+        key = None
+        # (1.0 and True equal 1 as keys, but only 1 is a rank.)
+        if root.__class__ is int and xs and isinstance(xs[0], np.ndarray):
+            try:
+                outs = () if out is None else tuple(out) if isinstance(out, (list, tuple)) else (out,)
+                objects = xs + outs
+                refs = tuple(map(weakref.ref, objects))
+                key = (collective, op, root, algorithm, compression, as_sequence, out is None, len(xs),
+                       *map(id, refs))
+                call = self._calls.get(key)
+            except (TypeError, ValueError):  # not arrays, or unhashable arguments: the checks below say what is wrong
+                key = call = None
+            else:
+                if call is not None and tuple(map(_STATE, objects)) == call.states:
+                    return self._repeat(call, xs, objects, as_sequence)
+
         ranks = self._ranks
         nlocal = len(self.local_ranks)
         inputs, input_infos, as_sequence = validation.rank_arrays(x, nlocal, ranks)
@@ -350,14 +397,17 @@ class Communicator:
 
         if out is not None:
             outputs, output_infos = validation.output_arrays(out, nlocal, result_elements, dtype, ranks)
+            made = _GIVEN
         elif collective == REDUCE_SCATTER:
             outputs = [self._own_block(a, rank) for a, rank in zip(inputs, self.local_ranks)]
             output_infos = [arrays.describe(o) for o in outputs]
+            made = _OWN_BLOCKS
         elif collective == ALLGATHER:
             outputs = [arrays.empty_like(a, info, self._gathered_shape(info)) for a, info in zip(inputs, input_infos)]
             output_infos = [arrays.describe(o) for o in outputs]
+            made = _FRESH
         else:
-            outputs, output_infos = inputs, input_infos
+            outputs, output_infos, made = inputs, input_infos, _IN_PLACE
 
         binding = self._check_buffers(collective, root, out is not None, input_infos, output_infos)
         if compression is not None:  # streamline.py's rewrites hold for an output that is the input or apart from it
@@ -365,12 +415,59 @@ class Communicator:
             binding = (WORKSPACE, streamlined)
         plan = self._plan(collective, dtype, elements, op, root, algorithm, binding, compression)
         ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
+        if key is not None:
+            self._remember(key, refs, objects, plan, input_infos, output_infos, made)
         return outputs if as_sequence else outputs[0]
+
+    def _remember(self, key, refs, objects, plan, input_infos, output_infos, made):
+        """Keep a call that passed for `_collective` to recognise its repeats,
+        when its arrays are NumPy arrays, whose state (_STATE) is cheap to
+        read back.
+
+        `key` holds the ids of the arrays' weak references `refs`, which the
+        _Call keeps: so no array is kept alive, and no other object can take
+        a reference's id. weakref.ref(a) returns a's existing reference, so
+        a later call's key equals this one only with these very arrays, still
+        alive. A weak reference also pins an array's memory: NumPy refuses to
+        resize (move) an array that has one (short of resize(refcheck=False),
+        which it documents as unsafe). So an array of the same shape, dtype
+        and flags is still the memory that passed the checks."""
+        if not all(isinstance(a, np.ndarray) for a in objects):
+            return
+        if len(self._calls) >= _CALLS_KEPT:  # forget calls whose arrays are gone, or else all
+            live = {k: c for k, c in self._calls.items() if all(r() is not None for r in c.refs)}
+            self._calls = live if len(live) < _CALLS_KEPT // 2 else {}
+        self._calls[key] = _Call(refs, tuple(map(_STATE, objects)), plan, input_infos, output_infos, made)
+
+    def _repeat(self, call, xs, objects, as_sequence):
+        """Run a recognised call (see _collective): `xs` its inputs, `objects`
+        its inputs and the outputs it was given."""
+        made = call.made
+        if made is _GIVEN:
+            outputs = objects[len(xs):]
+        elif made is _IN_PLACE:
+            outputs = xs
+        elif made is _OWN_BLOCKS:
+            outputs = tuple(self._own_block(a, rank) for a, rank in zip(xs, self.local_ranks))
+        else:
+            outputs = tuple(np.empty(self._gathered_shape(info), info.dtype) for info in call.input_infos)
+        bound = call.bound
+        if bound is None:  # bound at the first repeat: a call made once is not worth binding
+            bind = getattr(self._ranks, "bind", None)
+            bound = call.bound = (bind and bind(call.plan, xs, outputs)) or False
+        if bound:
+            bound.run(xs + outputs)
+        else:
+            output_infos = [arrays.describe(o) for o in outputs] if made is _FRESH else call.output_infos
+            self._ranks.run(call.plan, list(xs), list(outputs), call.input_infos, output_infos,
+                            time.perf_counter() + self.timeout)
+        return list(outputs) if as_sequence else outputs[0]
 
     def _plan(self, collective, dtype, elements, op, root, algorithm, binding, compression=None):
         """The plan for a call shape, checking its op, root, algorithm and
         compression (remembered: a repeated shape costs one dictionary lookup)."""
-        key = (collective, dtype, elements, op, root, algorithm, binding, compression)
+        # root's type too: 1.0 and True equal 1 as keys, but are no rank numbers.
+        key = (collective, dtype, elements, op, root, root.__class__, algorithm, binding, compression)
         try:
             return self._plans[key]
         except KeyError:
@@ -440,6 +537,33 @@ class Communicator:
 
     def _gathered_shape(self, info):
         return (self.size * info.shape[0], *info.shape[1:]) if len(info.shape) >= 1 else (self.size,)
+
+
+# How a call's outputs come about: the caller's `out`, its inputs (in place),
+# views of each input's own block (reduce_scatter in place), or new arrays
+# (allgather without `out`).
+_GIVEN, _IN_PLACE, _OWN_BLOCKS, _FRESH = "given", "in place", "own blocks", "fresh"
+
+
+# What the checks of an array depend on besides its identity and memory.
+_STATE = operator.attrgetter("shape", "dtype", "flags.num")
+# Calls a communicator recognises: enough for one allreduce per gradient of a model.
+_CALLS_KEPT = 1024
+
+
+class _Call:
+    """A call that passed every check (Communicator._remember): its arrays'
+    weak references and _STATE as they were; the plan; the arrays'
+    descriptions; how outputs are made; and the plan bound to the arrays by
+    ranks that can (VirtualHostRanks.bind): None until the first repeat,
+    False where there is no bound form."""
+
+    __slots__ = ("refs", "states", "plan", "input_infos", "output_infos", "made", "bound")
+
+    def __init__(self, refs, states, plan, input_infos, output_infos, made):
+        self.refs, self.states, self.plan, self.made = refs, states, plan, made
+        self.input_infos, self.output_infos = input_infos, output_infos
+        self.bound = None
 
 
 # "ours": our plans on our executors; "nccl": whole collectives handed to NCCL.

@@ -2,7 +2,12 @@
 
 This is the reference meaning of a plan. Every other executor must produce
 the same bits for the same table (integers) or the same fold order (floats).
+`BoundTables` is the interpreter with its per-row work done once for a
+call's arrays: the NumPy calls `execute` makes, nothing else, for a call
+that repeats (virtual ranks, Communicator._collective).
 """
+
+import math
 
 import numpy as np
 
@@ -153,3 +158,182 @@ def run_codec_launch(kernel, codec, args, divisor):
     else:
         acc, b, out, *encoded = args
         codecs.cpu_add(codec, acc, b, acc if out is None else out, divisor, *encoded, write_out=out is not None)
+
+
+class BoundTables:
+    """Op tables bound once to one call's buffers: what `execute` does for
+    each row, with the row's decoding, its slicing of fixed buffers and its
+    choice of NumPy calls done here, once. Calling the result with the
+    caller's arrays of a later call makes exactly the NumPy calls `execute`
+    would make for the same rows (so the same bits; tests/test_call_path.py
+    compares them), rows in table order.
+
+    `arrays` are the call's arrays (one "slot" each); `slot_of(rank,
+    buffer_id)` names the slot of a caller's buffer, or None for a buffer
+    the executor owns, which `fixed(rank, buffer_id)` gives as a flat array
+    (a workspace view; kept, the arrays of slots are not). A later call must
+    pass arrays of the same shapes whose memory is related as these arrays'
+    is: whether a row's destination shares memory with a later source is
+    decided here, from these arrays (Communicator._collective reuses a bound
+    form only for the very same arrays, and outputs it makes from them or
+    anew).
+    """
+
+    def __init__(self, tables, op, nranks, arrays, slot_of, fixed):
+        fold = _FOLD[op]
+        # Whole arrays of any shape serve as operands where the row's NumPy
+        # calls are elementwise; max and min of floats index ties by flat
+        # position (_ieee), so they get flat views.
+        elementwise = fold in (np.add, np.multiply)
+        shapes = [a.shape for a in arrays]
+        self._nslots = len(arrays)
+        self._fixed = []        # views of fixed buffers, at indices nslots..
+        self._flat = []         # slots whose flat view is made per call (not 1-D)
+        self._slices = []       # (index of a flat array, start, stop), sliced per call
+        regions = {}            # region -> index in the per-call list of operands
+        flat_index = {}
+
+        def flat(slot):
+            if len(shapes[slot]) == 1:
+                return slot
+            if slot not in flat_index:
+                self._flat.append(slot)
+                flat_index[slot] = ("flat", slot)
+            return flat_index[slot]
+
+        def operand(rank, buffer_id, offset, count, whole):
+            slot = slot_of(rank, buffer_id)
+            if slot is None:
+                key = ("fixed", rank, buffer_id, offset, count)
+                if key not in regions:
+                    self._fixed.append(fixed(rank, buffer_id)[offset:offset + count])
+                    regions[key] = ("fixed", len(self._fixed) - 1)
+                return regions[key]
+            if whole:
+                return slot
+            if offset == 0 and count == math.prod(shapes[slot]):
+                return flat(slot)
+            key = ("slice", slot, offset, count)
+            if key not in regions:
+                self._slices.append((flat(slot), offset, offset + count))
+                regions[key] = ("slice", len(self._slices) - 1)
+            return regions[key]
+
+        decoded = []
+        for table in tables:
+            for rank, kind, count, dst_buf, dst_off, nsrc, *sources in table.tolist():
+                refs = [(rank, dst_buf, dst_off)] + [tuple(sources[3 * i:3 * i + 3]) for i in range(nsrc)]
+                slots = [slot_of(r, b) for r, b, _ in refs]
+                # Whole arrays when every operand is a caller's array, entire
+                # and of one shape; else flat views (slices) of each.
+                whole = (kind == COPY_OP or elementwise) and None not in slots \
+                    and all(off == 0 and math.prod(shapes[s]) == count for (_, _, off), s in zip(refs, slots)) \
+                    and len({shapes[s] for s in slots}) == 1
+                decoded.append((kind, [operand(r, b, off, count, whole) for r, b, off in refs]))
+
+        # Per-call operand list: slots, fixed views, flat views, slices.
+        order = {}
+        for i in range(len(self._fixed)):
+            order["fixed", i] = self._nslots + i
+        for i, slot in enumerate(self._flat):
+            order["flat", slot] = self._nslots + len(self._fixed) + i
+        for i in range(len(self._slices)):
+            order["slice", i] = self._nslots + len(self._fixed) + len(self._flat) + i
+
+        def index(ref):
+            return ref if isinstance(ref, int) else order[ref]
+
+        self._slices = [(index(base), start, stop) for base, start, stop in self._slices]
+        views = self._operands(arrays)   # this call's operands: which rows alias is decided on them
+        steps, copies = [], []
+        reduces = False
+        for kind, refs in decoded:
+            dst, *srcs = map(index, refs)
+            if kind == COPY_OP:
+                copies.append((dst, srcs[0]))
+                continue
+            if copies:
+                steps.append(_copy_step(copies))
+                copies = []
+            reduces = True
+            divisor = nranks if kind == REDUCE_FINAL_OP and op is ReduceOp.AVG else None
+            if views[dst].dtype in _ACCUMULATE_IN_FLOAT32:
+                steps.append(_float32_step(fold, dst, srcs, divisor))
+            else:
+                late_alias = any(np.may_share_memory(views[dst], views[s]) for s in srcs[2:])
+                steps.append(_reduce_step(fold, dst, srcs, late_alias, divisor))
+        if copies:
+            steps.append(_copy_step(copies))
+        steps = tuple(steps)
+        operands = self._operands if self._fixed or self._flat or self._slices else None
+
+        def run(arrays):
+            views = arrays if operands is None else operands(arrays)
+            for step in steps:
+                step(views)
+
+        # Only float folds can raise floating-point errors, which execute
+        # ignores; errstate as a decorator is its cheapest form per call.
+        self.run = np.errstate(all="ignore")(run) if reduces and any(is_floating(a.dtype) for a in arrays) else run
+
+    def _operands(self, arrays):
+        views = [*arrays, *self._fixed]
+        for slot in self._flat:
+            views.append(views[slot].reshape(-1))
+        for base, start, stop in self._slices:
+            views.append(views[base][start:stop])
+        return views
+
+    def __call__(self, arrays):
+        """Run the tables on `arrays` (one per slot, as at binding); also `run(arrays)`."""
+        self.run(arrays)
+
+
+def _copy_step(pairs):
+    """Consecutive COPY rows: np.copyto(dst, src) each, in order."""
+    pairs = tuple(pairs)
+    copyto = np.copyto
+
+    def copy(views):
+        for dst, src in pairs:
+            copyto(views[dst], views[src])
+
+    return copy
+
+
+def _reduce_step(fold, dst, srcs, late_alias, divisor):
+    """A REDUCE(_FINAL) row as _execute runs it, its aliasing decided."""
+    first, second, *rest = srcs
+    rest = tuple(rest)
+    if late_alias:
+        def reduce(views):
+            acc = fold(views[first], views[second], out=None)
+            for src in rest:
+                fold(acc, views[src], out=acc)
+            np.copyto(views[dst], acc)
+            if divisor is not None:
+                divide_by_ranks(views[dst], divisor)
+    elif divisor is None:
+        def reduce(views):
+            out = views[dst]
+            fold(views[first], views[second], out=out)
+            for src in rest:
+                fold(out, views[src], out=out)
+    else:
+        def reduce(views):
+            out = views[dst]
+            fold(views[first], views[second], out=out)
+            for src in rest:
+                fold(out, views[src], out=out)
+            divide_by_ranks(out, divisor)
+    return reduce
+
+
+def _float32_step(fold, dst, srcs, divisor):
+    """A float16/bfloat16 REDUCE(_FINAL) row: _reduce_in_float32."""
+    srcs = tuple(srcs)
+
+    def reduce(views):
+        _reduce_in_float32(views[dst], [views[s] for s in srcs], fold, divisor)
+
+    return reduce
