@@ -153,13 +153,31 @@ def _open_held(name, pid):
     raise CollectiveError(f"process {pid} holds no shared memory named {name}: it released it, or never made it")
 
 
+PF_EXITING = 0x4   # linux/sched.h: the task has begun do_exit()
+
+
 def _exited(pid):
-    """A zombie (dead, not reaped yet) has exited too, and holds nothing."""
+    """Whether process `pid` is gone or going, and so holds nothing.
+
+    A zombie (dead, not reaped yet) has exited too. So has a process that
+    is still in the kernel's exit path: it closes its descriptors there
+    before it turns into a zombie, and a peer that looks in that window
+    finds no segment yet no zombie. It set PF_EXITING before it closed the
+    first one, so the flag, read after the descriptors were found missing,
+    tells a dying holder from one that released the segment.
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+            return _gone_or_going(stat.read())
     except OSError:
         return True
+
+
+def _gone_or_going(stat):
+    """From the text of /proc/<pid>/stat: state is field 3, flags field 9,
+    counted from the first; the name in field 2 may hold anything, ")" too."""
+    fields = stat.rsplit(b")", 1)[1].split()
+    return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
 
 
 class HostMemory:
