@@ -22,18 +22,33 @@
  * Waits keep every guarantee of the Python waits: a deadline, the abort
  * flag, a dead peer (its pid), and the GIL released once a wait stops
  * spinning, so another thread of the process can run.
+ *
+ * A wait spins, then sleeps on a futex over the counter it waits for, so
+ * a rank that waits gives its core to the rank it waits for: what ranks
+ * that outnumber the cores need (yielding instead leaves the scheduler to
+ * pick, and it often picks another waiter). A sleeper counts itself in the
+ * SLEEPERS slot of the row it waits on; a rank that publishes a counter
+ * with a sequentially consistent store, then finds sleepers in its row,
+ * wakes them. Either the sleeper's recheck sees the new value or the
+ * publisher sees the sleeper (both orders are sequentially consistent),
+ * and the kernel compares the futex word again before sleeping, so no
+ * wake is lost. Sleeps last at most 10 ms: the abort flag, the deadline
+ * and a peer's death wake no one, and are checked between sleeps.
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <math.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -54,14 +69,35 @@
 enum { HEADER_SLOTS = 16, ROW_SLOTS = 16 };        /* int64 slots: 128 bytes each */
 enum { ABORT = 0 };                                 /* header slot */
 enum { COUNTER = 0, PID = 1, SEQ = 2, SIG = 3,      /* row slots (protocol.py) */
-       STAGED = 8, REDUCED = 9 };                   /* the pipelined path's chunk counters */
+       STAGED = 8, REDUCED = 9,                     /* the pipelined path's chunk counters */
+       SLEEPERS = 10 };                             /* waits asleep on this row's counters */
 enum { SLOT_HEADER = 128 };                         /* a small slot: its signature, then data */
 
 /* Statuses returned to Python (fastpath.py turns them into exceptions). */
 enum { OK = 0, TIMED_OUT = 1, ABORTED = 2, PEER_DEAD = 3, MISMATCH = 4 };
 
 static inline int64_t load_acquire(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-static inline void store_release(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+/* The futex word of a counter: its low 32 bits, which change whenever the
+ * counter does (counters only grow, by less than 2^32 at a time). */
+static inline uint32_t *futex_word(const int64_t *counter)
+{
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return (uint32_t *)counter + 1;
+#else
+    return (uint32_t *)counter;
+#endif
+}
+
+/* Store `v` in slot `slot` of `row` (a release store and more), and wake
+ * any wait asleep on the row. Shared, not process-private, futexes: the
+ * rows are mapped by every rank's process. */
+static inline void publish(int64_t *row, int slot, int64_t v)
+{
+    __atomic_store_n(&row[slot], v, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&row[SLEEPERS], __ATOMIC_SEQ_CST) != 0)
+        syscall(SYS_futex, futex_word(&row[slot]), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
 
 static double now_seconds(void)
 {
@@ -99,7 +135,7 @@ typedef struct {
     int64_t *header;     /* the control segment's header (ABORT) */
     int64_t *rows;       /* ROW_SLOTS int64 per rank */
     int rank, nranks;
-    long spin;           /* polls before the wait starts yielding */
+    long spin;           /* polls before the wait sleeps */
     double deadline;     /* time.perf_counter() value */
     /* filled when a wait fails */
     int failed_peer;
@@ -125,13 +161,17 @@ static int wait_peers(Waits *w, int slot, int64_t need)
         }
         if (load_acquire(counter) >= need)
             continue;
-        /* Slow: yield the core, then sleep; look at the deadline, the abort
-         * flag and the peer's process now and then. Without the GIL. */
+        /* Slow: sleep until the peer publishes, looking at the abort flag,
+         * the deadline and the peer's process between sleeps. Without the GIL. */
         if (released == NULL)
             released = PyEval_SaveThread();
-        double start = now_seconds(), next_check = start;
-        long sleep_ns = 10000;
-        while (load_acquire(counter) < need) {
+        int64_t *sleepers = &w->rows[peer * ROW_SLOTS + SLEEPERS];
+        __atomic_fetch_add(sleepers, 1, __ATOMIC_SEQ_CST);
+        double next_check = now_seconds();
+        for (;;) {
+            int64_t have = __atomic_load_n(counter, __ATOMIC_SEQ_CST);
+            if (have >= need)
+                break;
             double now = now_seconds();
             if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
                 status = ABORTED;
@@ -148,14 +188,11 @@ static int wait_peers(Waits *w, int slot, int64_t need)
                 status = TIMED_OUT;
                 break;
             }
-            if (now - start < 5e-2) {   /* yielding lets a descheduled peer run; sleeping adds its whole period */
-                sched_yield();
-            } else {
-                struct timespec ts = {0, sleep_ns};
-                nanosleep(&ts, NULL);
-                sleep_ns = sleep_ns * 2 > 200000 ? 200000 : sleep_ns * 2;
-            }
+            double nap = w->deadline - now < 0.01 ? w->deadline - now : 0.01;
+            struct timespec ts = {0, (long)(nap * 1e9) + 1};
+            syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, (uint32_t)have, &ts, NULL, 0);
         }
+        __atomic_fetch_sub(sleepers, 1, __ATOMIC_SEQ_CST);
         if (status != OK) {
             w->failed_peer = peer;
             w->failed_have = load_acquire(counter);
@@ -175,8 +212,19 @@ enum { T_F32, T_F64, T_I8, T_U8, T_I16, T_U16, T_I32, T_U32, T_I64, T_U64, NTYPE
 
 /* acc = acc op src over n elements (acc never aliases src). */
 typedef void (*fold_fn)(void *acc, const void *src, size_t n);
+/* dst = a op b over n elements; dst may be a or b (the same elements, so
+ * no element is written before it is read: `ivdep` lets the compiler
+ * vectorize without a runtime overlap check that would fail then). */
+typedef void (*fold3_fn)(void *dst, const void *a, const void *b, size_t n);
 /* values /= nranks (avg's last step). */
 typedef void (*divide_fn)(void *values, size_t n, int nranks);
+
+#define FOLD3(T, NAME, OP, EXPR)                                                            \
+    static void NAME##_##OP##3(void *d, const void *a, const void *b, size_t n)             \
+    {                                                                                       \
+        T *z = d; const T *x = a; const T *y = b;                                           \
+        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++) z[i] = EXPR;                    \
+    }
 
 #define DEFINE_FLOAT_FOLDS(T, NAME, BITS)                                                   \
     static void NAME##_sum(void *a, const void *s, size_t n)                                \
@@ -198,7 +246,11 @@ typedef void (*divide_fn)(void *values, size_t n, int nranks);
     static void NAME##_min(void *a, const void *s, size_t n)                                \
     { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = NAME##_ieee(x[i], y[i], 0); } \
     static void NAME##_divide(void *v, size_t n, int nranks)                                \
-    { T *x = v; T d = (T)nranks; for (size_t i = 0; i < n; i++) x[i] = x[i] / d; }
+    { T *x = v; T d = (T)nranks; for (size_t i = 0; i < n; i++) x[i] = x[i] / d; }          \
+    FOLD3(T, NAME, sum, x[i] + y[i])                                                        \
+    FOLD3(T, NAME, prod, x[i] * y[i])                                                       \
+    FOLD3(T, NAME, max, NAME##_ieee(x[i], y[i], 1))                                         \
+    FOLD3(T, NAME, min, NAME##_ieee(x[i], y[i], 0))
 
 /* Integers: sum and product wrap (unsigned arithmetic, as NumPy wraps). */
 #define DEFINE_INT_FOLDS(T, U, NAME)                                                        \
@@ -211,7 +263,11 @@ typedef void (*divide_fn)(void *values, size_t n, int nranks);
     static void NAME##_min(void *a, const void *s, size_t n)                                \
     { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = x[i] <= y[i] ? x[i] : y[i]; } \
     static void NAME##_divide(void *v, size_t n, int nranks)                                \
-    { T *x = v; T d = (T)nranks; for (size_t i = 0; i < n; i++) x[i] = (T)(x[i] / d); }
+    { T *x = v; T d = (T)nranks; for (size_t i = 0; i < n; i++) x[i] = (T)(x[i] / d); }     \
+    FOLD3(T, NAME, sum, (T)((U)x[i] + (U)y[i]))                                             \
+    FOLD3(T, NAME, prod, (T)((U)x[i] * (U)y[i]))                                            \
+    FOLD3(T, NAME, max, x[i] >= y[i] ? x[i] : y[i])                                         \
+    FOLD3(T, NAME, min, x[i] <= y[i] ? x[i] : y[i])
 
 DEFINE_FLOAT_FOLDS(float, f32, uint32_t)
 DEFINE_FLOAT_FOLDS(double, f64, uint64_t)
@@ -228,6 +284,11 @@ DEFINE_INT_FOLDS(uint64_t, uint64_t, u64)
 static const fold_fn FOLD[NTYPES][5] = {
     FOLDS(f32), FOLDS(f64), FOLDS(i8), FOLDS(u8), FOLDS(i16),
     FOLDS(u16), FOLDS(i32), FOLDS(u32), FOLDS(i64), FOLDS(u64),
+};
+#define FOLDS3(NAME) {NAME##_sum3, NAME##_prod3, NAME##_max3, NAME##_min3, NAME##_sum3}
+static const fold3_fn FOLD3[NTYPES][5] = {
+    FOLDS3(f32), FOLDS3(f64), FOLDS3(i8), FOLDS3(u8), FOLDS3(i16),
+    FOLDS3(u16), FOLDS3(i32), FOLDS3(u32), FOLDS3(i64), FOLDS3(u64),
 };
 static const divide_fn DIVIDE[NTYPES] = {
     f32_divide, f64_divide, i8_divide, u8_divide, i16_divide,
@@ -266,18 +327,40 @@ static int element_type(const Py_buffer *view)
 enum { REDUCE_TILE = 4096 };   /* bytes folded at a time, in a stack buffer */
 
 /* dst (and, when not NULL, dst2) = the fold of srcs[0..n) in rank order,
- * avg divided at the end. A tile is folded aside first, so dst may alias
- * any source at the same offsets (in place). */
+ * avg divided at the end. dst may be any source at the same offsets (in
+ * place): with two sources each element is read before it is written;
+ * with more, a tile is folded aside first (writing dst early would lose
+ * a later source). */
 static void reduce_sources(int type, int op, const char *const *srcs, int n, char *dst, char *dst2,
                            size_t nbytes, size_t itemsize)
 {
-    _Alignas(64) char acc[REDUCE_TILE];
     fold_fn fold = FOLD[type][op];
+    fold3_fn fold3 = FOLD3[type][op];
+    if (n == 1) {
+        memmove(dst, srcs[0], nbytes);
+        if (op == OP_AVG)
+            DIVIDE[type](dst, nbytes / itemsize, n);
+        if (dst2 != NULL)
+            memcpy(dst2, dst, nbytes);
+        return;
+    }
+    if (n == 2) {
+        for (size_t at = 0; at < nbytes; at += REDUCE_TILE) {
+            size_t len = nbytes - at < REDUCE_TILE ? nbytes - at : REDUCE_TILE;
+            fold3(dst + at, srcs[0] + at, srcs[1] + at, len / itemsize);
+            if (op == OP_AVG)
+                DIVIDE[type](dst + at, len / itemsize, n);
+            if (dst2 != NULL)
+                memcpy(dst2 + at, dst + at, len);
+        }
+        return;
+    }
+    _Alignas(64) char acc[REDUCE_TILE];
     for (size_t at = 0; at < nbytes; at += REDUCE_TILE) {
         size_t len = nbytes - at < REDUCE_TILE ? nbytes - at : REDUCE_TILE;
         size_t count = len / itemsize;
-        memcpy(acc, srcs[0] + at, len);
-        for (int s = 1; s < n; s++)
+        fold3(acc, srcs[0] + at, srcs[1] + at, count);
+        for (int s = 2; s < n; s++)
             fold(acc, srcs[s] + at, count);
         if (op == OP_AVG)
             DIVIDE[type](acc, count, n);
@@ -347,7 +430,7 @@ static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes,
     memcpy(slot + SLOT_HEADER, in, nbytes);
     *(int64_t *)slot = signature;
     mine[SEQ] = seq;
-    store_release(&mine[COUNTER], base + 1);
+    publish(mine, COUNTER, base + 1);
     c->small_calls++;
 
     int status = wait_peers(w, COUNTER, base + 1);
@@ -365,7 +448,7 @@ static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes,
         srcs[p] = p == r ? in : peer_slot + SLOT_HEADER;
     }
     reduce_sources(type, op, srcs, n, out, NULL, nbytes, itemsize);
-    store_release(&mine[COUNTER], base + 2);
+    publish(mine, COUNTER, base + 2);
     return PyLong_FromLong(OK);
 }
 
@@ -406,7 +489,7 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     if (status != OK)
         return failure(w, status, seq);
     mine[SIG] = signature;
-    store_release(&mine[COUNTER], base + 1);
+    publish(mine, COUNTER, base + 1);
     status = wait_peers(w, COUNTER, base + 1);
     if (status != OK)
         return failure(w, status, seq);
@@ -433,7 +516,7 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
             size_t items = len - first < chunk_items ? len - first : chunk_items;
             memcpy(my_staging + b * c->chunk, in + (block_start[b] + first) * itemsize, items * itemsize);
         }
-        store_release(&mine[STAGED], g + 1);
+        publish(mine, STAGED, g + 1);
 
         status = wait_peers(w, STAGED, g + 1);   /* reduce */
         if (status != OK)
@@ -446,7 +529,7 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
                 srcs[p] = p == r ? in + offset : c->staging + p * c->staging_stride + parity + r * c->chunk;
             reduce_sources(type, op, srcs, n, out + offset, my_staging + r * c->chunk, items * itemsize, itemsize);
         }
-        store_release(&mine[REDUCED], g + 1);
+        publish(mine, REDUCED, g + 1);
 
         status = wait_peers(w, REDUCED, g + 1);  /* gather */
         if (status != OK)
@@ -461,7 +544,7 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
         }
     }
     c->chunks_done += iterations;
-    store_release(&mine[COUNTER], base + 2);
+    publish(mine, COUNTER, base + 2);
     return PyLong_FromLong(OK);
 }
 
@@ -577,17 +660,22 @@ static PyTypeObject ChannelType = {
 /* ------------------------------------------------------------------------ */
 /* Counters for the Python side of the protocol                             */
 
-static PyObject *py_store_release(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+static PyObject *py_publish(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "store_release(address, value)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "publish(row_address, slot, value)");
         return NULL;
     }
-    int64_t *p = (int64_t *)PyLong_AsVoidPtr(args[0]);
-    long long v = PyLong_AsLongLong(args[1]);
+    int64_t *row = (int64_t *)PyLong_AsVoidPtr(args[0]);
+    long slot = PyLong_AsLong(args[1]);
+    long long v = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred())
         return NULL;
-    store_release(p, (int64_t)v);
+    if (slot < 0 || slot >= ROW_SLOTS) {
+        PyErr_SetString(PyExc_ValueError, "a row has ROW_SLOTS slots");
+        return NULL;
+    }
+    publish(row, (int)slot, (int64_t)v);
     Py_RETURN_NONE;
 }
 
@@ -600,8 +688,9 @@ static PyObject *py_load_acquire(PyObject *Py_UNUSED(self), PyObject *arg)
 }
 
 static PyMethodDef module_methods[] = {
-    {"store_release", (PyCFunction)(void (*)(void))py_store_release, METH_FASTCALL,
-     "store_release(address, value): an int64 store with release order"},
+    {"publish", (PyCFunction)(void (*)(void))py_publish, METH_FASTCALL,
+     "publish(row_address, slot, value): store a row's int64 slot with release order (and more), "
+     "waking waits asleep on the row"},
     {"load_acquire", py_load_acquire, METH_O, "load_acquire(address): an int64 load with acquire order"},
     {NULL},
 };
@@ -628,6 +717,7 @@ PyMODINIT_FUNC PyInit__shmloop(void)
     PyModule_AddIntConstant(m, "ROW_SLOTS", ROW_SLOTS);
     PyModule_AddIntConstant(m, "STAGED", STAGED);
     PyModule_AddIntConstant(m, "REDUCED", REDUCED);
+    PyModule_AddIntConstant(m, "SLEEPERS", SLEEPERS);
     PyModule_AddIntConstant(m, "SLOT_HEADER", SLOT_HEADER);
     return m;
 }

@@ -68,7 +68,8 @@ except ImportError:
 
 COUNTER, PID, SEQ, SIG, GEN, CAP = range(6)
 ROW = 16                     # int64 slots per rank row: 128 bytes, so no two ranks' counters share
-                             # a cache line (slots 8 and 9: the fast path's chunk counters)
+                             # a cache line (slots 8 and 9: the fast path's chunk counters;
+                             # 10: its waits asleep on the row, which publish() wakes)
 HEADER = 16                  # ABORT flag, aborting rank + 1; padded to 128 bytes
 ABORT, ABORT_RANK = 0, 1
 HANDLE_BYTES = 64            # sizeof(cudaIpcMemHandle_t)
@@ -173,8 +174,8 @@ class Counters:
         return self._base + rank * self._stride + 8 * slot
 
     def publish(self, rank, slot, value):
-        if _shmloop is not None:
-            _shmloop.store_release(self.address(rank, slot), value)
+        if _shmloop is not None:   # also wakes the compiled loop's waits asleep on the row
+            _shmloop.publish(self._base + rank * self._stride, slot, value)
         else:
             self._rows[rank, slot] = value
 
