@@ -190,6 +190,28 @@ def scenario_abort(comm):
         raise AssertionError("allreduce completed after rank 0 aborted")
 
 
+def scenario_late(comm):
+    """Each rank in turn arrives late, on both paths and around interpreted
+    calls: the others' waits fall asleep on the futex and are woken with
+    the right result, and every sleeper is counted out again."""
+    from collectives.transport import _shmloop
+    counters = comm._ranks.group._counters   # noqa: SLF001
+    world = MPI.COMM_WORLD
+    for late in range(comm.size):
+        for count in (100, (fastpath.SMALL_MAX >> 2) * 3):    # merged, pipelined
+            if comm.rank == late:
+                time.sleep(0.05)
+            x = np.arange(count, dtype=np.float64) + comm.rank
+            assert np.array_equal(comm.allreduce(x), np.arange(count) * comm.size + sum(range(comm.size)))
+            if comm.rank == late:
+                time.sleep(0.05)
+            y = comm.broadcast(np.full(10, comm.rank, np.int32), root=late)   # interpreted: publishes from Python
+            assert (y == late).all()
+    world.Barrier()   # every rank is out of every wait
+    asleep = [counters.load(r, _shmloop.SLEEPERS) for r in range(comm.size)]
+    assert asleep == [0] * comm.size, asleep
+
+
 def main():
     scenario = sys.argv[1]
     comm = collectives.init(timeout=TIMEOUT)

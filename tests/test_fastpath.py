@@ -60,3 +60,10 @@ def test_faults_on_the_pipelined_path(scenario):
 def test_mismatched_calls_are_named(case):
     oks, report = run_worker(2, "mismatch", env={"FASTPATH_CASE": str(case)}, launcher_flags=["-disable-auto-cleanup"])
     assert len(oks) == 2, report
+
+
+def test_waits_that_fall_asleep_wake_with_the_right_result():
+    # 4 ranks on this 2-core machine (and any with fewer than 4): the
+    # oversubscribed waits spin briefly, then sleep on the futex.
+    oks, report = run_worker(4, "late")
+    assert len(oks) == 4, report
