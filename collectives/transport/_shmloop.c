@@ -23,10 +23,15 @@
  * flag, a dead peer (its pid), and the GIL released once a wait stops
  * spinning, so another thread of the process can run.
  *
- * A wait spins, then sleeps on a futex over the counter it waits for, so
- * a rank that waits gives its core to the rank it waits for: what ranks
- * that outnumber the cores need (yielding instead leaves the scheduler to
- * pick, and it often picks another waiter). A sleeper counts itself in the
+ * A wait spins, then yields its core for a while, then sleeps on a futex
+ * over the counter it waits for. Yielding is what ranks that outnumber the
+ * cores need first: the rank waited for is often queued on the same core,
+ * and a yield hands it the core in about a microsecond, where waking a
+ * sleeper costs tens (an interrupt to another core, in a VM). But the
+ * scheduler may also pick another waiter, again and again: a yield phase
+ * without end made 4 MiB over 4 ranks on 2 cores take 25 ms instead of
+ * 1.5 (bench/host_vs_mpich.py), so after a short while the wait sleeps,
+ * which leaves the core to whoever can run. A sleeper counts itself in the
  * SLEEPERS slot of the row it waits on; a rank that publishes a counter
  * with a sequentially consistent store, then finds sleepers in its row,
  * wakes them. Either the sleeper's recheck sees the new value or the
@@ -135,7 +140,8 @@ typedef struct {
     int64_t *header;     /* the control segment's header (ABORT) */
     int64_t *rows;       /* ROW_SLOTS int64 per rank */
     int rank, nranks;
-    long spin;           /* polls before the wait sleeps */
+    long spin;           /* polls before the wait yields */
+    double yield_seconds; /* then yields for as long, before it sleeps */
     double deadline;     /* time.perf_counter() value */
     /* filled when a wait fails */
     int failed_peer;
@@ -165,6 +171,10 @@ static int wait_peers(Waits *w, int slot, int64_t need)
          * the deadline and the peer's process between sleeps. Without the GIL. */
         if (released == NULL)
             released = PyEval_SaveThread();
+        double yield_until = now_seconds() + w->yield_seconds;
+        while (load_acquire(counter) < need && !__atomic_load_n(&w->header[ABORT], __ATOMIC_RELAXED)
+               && now_seconds() < yield_until)
+            sched_yield();
         int64_t *sleepers = &w->rows[peer * ROW_SLOTS + SLEEPERS];
         __atomic_fetch_add(sleepers, 1, __ATOMIC_SEQ_CST);
         double next_check = now_seconds();
@@ -610,14 +620,15 @@ static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t
 
 static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"header", "rows", "rank", "nranks", "spin", "small", "small_max", "staging",
-                            "chunk", NULL};
+    static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", "small", "small_max",
+                            "staging", "chunk", NULL};
     unsigned long long header, rows, small, staging;
     unsigned long long small_max, chunk;
     int rank, nranks;
     long spin;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiilKKKK", names, &header, &rows, &rank, &nranks, &spin,
-                                     &small, &small_max, &staging, &chunk))
+    double yield_seconds;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK", names, &header, &rows, &rank, &nranks, &spin,
+                                     &yield_seconds, &small, &small_max, &staging, &chunk))
         return -1;
     if (nranks < 1 || nranks > 256 || rank < 0 || rank >= nranks || chunk == 0 || chunk % 64) {
         PyErr_SetString(PyExc_ValueError, "a channel has 1 to 256 ranks and chunks of a multiple of 64 bytes");
@@ -629,6 +640,7 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     c->waits.rank = rank;
     c->waits.nranks = nranks;
     c->waits.spin = spin;
+    c->waits.yield_seconds = yield_seconds;
     c->small = (char *)(uintptr_t)small;
     c->small_max = (size_t)small_max;
     c->small_stride = 2 * (SLOT_HEADER + (size_t)small_max);
