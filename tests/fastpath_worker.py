@@ -223,6 +223,8 @@ def main():
     else:
         globals()[f"scenario_{scenario}"](comm)
     print(f"OK {scenario} {comm.rank} {digest.hexdigest()[:16]}", flush=True)
+    if LOOP:
+        print(f"LARGE PATH {comm.rank} {comm._ranks.fast_allreduce.large_path}", flush=True)   # noqa: SLF001
     if scenario in ("killed_large", "abort", "stalled_large", "mismatch"):
         os._exit(0)   # MPI_Finalize would wait for ranks that left
     comm.close()

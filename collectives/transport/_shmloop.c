@@ -55,6 +55,7 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -75,11 +76,13 @@ enum { HEADER_SLOTS = 16, ROW_SLOTS = 16 };        /* int64 slots: 128 bytes eac
 enum { ABORT = 0 };                                 /* header slot */
 enum { COUNTER = 0, PID = 1, SEQ = 2, SIG = 3,      /* row slots (protocol.py) */
        STAGED = 8, REDUCED = 9,                     /* the pipelined path's chunk counters */
-       SLEEPERS = 10 };                             /* waits asleep on this row's counters */
+       SLEEPERS = 10,                               /* waits asleep on this row's counters */
+       IN_ADDR = 11, OUT_ADDR = 12,                 /* the single-copy path's buffers, this call */
+       CAN_READ = 13 };                             /* 1: cannot read every peer's memory, 2: can */
 enum { SLOT_HEADER = 128 };                         /* a small slot: its signature, then data */
 
 /* Statuses returned to Python (fastpath.py turns them into exceptions). */
-enum { OK = 0, TIMED_OUT = 1, ABORTED = 2, PEER_DEAD = 3, MISMATCH = 4 };
+enum { OK = 0, TIMED_OUT = 1, ABORTED = 2, PEER_DEAD = 3, MISMATCH = 4, READ_FAILED = 5 };
 
 static inline int64_t load_acquire(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
@@ -148,67 +151,89 @@ typedef struct {
     int64_t failed_have, failed_need;
 } Waits;
 
+/* The slow part of a wait for `peer`'s slot: yield, then sleep until the
+ * peer publishes, looking at the abort flag, the deadline and the peer's
+ * process between sleeps. Called without the GIL. */
+static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need)
+{
+    int status = OK;
+    double yield_until = now_seconds() + w->yield_seconds;
+    while (load_acquire(counter) < need && !__atomic_load_n(&w->header[ABORT], __ATOMIC_RELAXED)
+           && now_seconds() < yield_until)
+        sched_yield();
+    int64_t *sleepers = &w->rows[peer * ROW_SLOTS + SLEEPERS];
+    __atomic_fetch_add(sleepers, 1, __ATOMIC_SEQ_CST);
+    double next_check = now_seconds();
+    for (;;) {
+        int64_t have = __atomic_load_n(counter, __ATOMIC_SEQ_CST);
+        if (have >= need)
+            break;
+        double now = now_seconds();
+        if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
+            status = ABORTED;
+            break;
+        }
+        if (now >= next_check) {
+            if (!process_alive(load_acquire(&w->rows[peer * ROW_SLOTS + PID]))) {
+                status = PEER_DEAD;
+                break;
+            }
+            next_check = now + 0.05;
+        }
+        if (now >= w->deadline) {
+            status = TIMED_OUT;
+            break;
+        }
+        double nap = w->deadline - now < 0.01 ? w->deadline - now : 0.01;
+        struct timespec ts = {0, (long)(nap * 1e9) + 1};
+        syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, (uint32_t)have, &ts, NULL, 0);
+    }
+    __atomic_fetch_sub(sleepers, 1, __ATOMIC_SEQ_CST);
+    if (status != OK) {
+        w->failed_peer = peer;
+        w->failed_have = load_acquire(counter);
+        w->failed_need = need;
+    }
+    return status;
+}
+
+/* Wait until `peer`'s row slot `slot` is at least `need`: spin, then the
+ * slow wait, without the GIL (*released keeps it released across waits). */
+static int wait_for(Waits *w, int peer, int slot, int64_t need, PyThreadState **released)
+{
+    const int64_t *counter = &w->rows[peer * ROW_SLOTS + slot];
+    if (load_acquire(counter) >= need)
+        return OK;
+    for (long polls = 0; polls < w->spin; polls++) {
+        if (load_acquire(counter) >= need || __atomic_load_n(&w->header[ABORT], __ATOMIC_RELAXED))
+            break;
+        CPU_RELAX();
+    }
+    if (load_acquire(counter) >= need)
+        return OK;
+    if (*released == NULL)
+        *released = PyEval_SaveThread();
+    return wait_slowly(w, peer, counter, need);
+}
+
+/* Wait until one peer's row slot `slot` is at least `need`. */
+static int wait_peer(Waits *w, int peer, int slot, int64_t need)
+{
+    PyThreadState *released = NULL;
+    int status = wait_for(w, peer, slot, need, &released);
+    if (released != NULL)
+        PyEval_RestoreThread(released);
+    return status;
+}
+
 /* Wait until every peer's row slot `slot` is at least `need`. */
 static int wait_peers(Waits *w, int slot, int64_t need)
 {
     PyThreadState *released = NULL;
     int status = OK;
-    for (int peer = 0; peer < w->nranks && status == OK; peer++) {
-        if (peer == w->rank)
-            continue;
-        const int64_t *counter = &w->rows[peer * ROW_SLOTS + slot];
-        if (load_acquire(counter) >= need)
-            continue;
-        long polls = 0;
-        for (; polls < w->spin; polls++) {
-            if (load_acquire(counter) >= need || __atomic_load_n(&w->header[ABORT], __ATOMIC_RELAXED))
-                break;
-            CPU_RELAX();
-        }
-        if (load_acquire(counter) >= need)
-            continue;
-        /* Slow: sleep until the peer publishes, looking at the abort flag,
-         * the deadline and the peer's process between sleeps. Without the GIL. */
-        if (released == NULL)
-            released = PyEval_SaveThread();
-        double yield_until = now_seconds() + w->yield_seconds;
-        while (load_acquire(counter) < need && !__atomic_load_n(&w->header[ABORT], __ATOMIC_RELAXED)
-               && now_seconds() < yield_until)
-            sched_yield();
-        int64_t *sleepers = &w->rows[peer * ROW_SLOTS + SLEEPERS];
-        __atomic_fetch_add(sleepers, 1, __ATOMIC_SEQ_CST);
-        double next_check = now_seconds();
-        for (;;) {
-            int64_t have = __atomic_load_n(counter, __ATOMIC_SEQ_CST);
-            if (have >= need)
-                break;
-            double now = now_seconds();
-            if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
-                status = ABORTED;
-                break;
-            }
-            if (now >= next_check) {
-                if (!process_alive(load_acquire(&w->rows[peer * ROW_SLOTS + PID]))) {
-                    status = PEER_DEAD;
-                    break;
-                }
-                next_check = now + 0.05;
-            }
-            if (now >= w->deadline) {
-                status = TIMED_OUT;
-                break;
-            }
-            double nap = w->deadline - now < 0.01 ? w->deadline - now : 0.01;
-            struct timespec ts = {0, (long)(nap * 1e9) + 1};
-            syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, (uint32_t)have, &ts, NULL, 0);
-        }
-        __atomic_fetch_sub(sleepers, 1, __ATOMIC_SEQ_CST);
-        if (status != OK) {
-            w->failed_peer = peer;
-            w->failed_have = load_acquire(counter);
-            w->failed_need = need;
-        }
-    }
+    for (int peer = 0; peer < w->nranks && status == OK; peer++)
+        if (peer != w->rank)
+            status = wait_for(w, peer, slot, need, &released);
     if (released != NULL)
         PyEval_RestoreThread(released);
     return status;
@@ -394,6 +419,9 @@ typedef struct {
     size_t chunk;           /* bytes per chunk */
     int64_t small_calls;    /* small calls made, for the slot parity */
     int64_t chunks_done;    /* pipelined iterations made over the channel's life */
+    int single_copy;        /* 0: not asked yet; 1: staged pipeline; 2: read peers' buffers */
+    size_t single_copy_from, single_copy_to;   /* the sizes (bytes) that read peers' buffers */
+    char *scratch;          /* the single-copy path's landing space: nranks tiles */
 } Channel;
 
 static uint64_t mix64(uint64_t x)
@@ -462,6 +490,144 @@ static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes,
     return PyLong_FromLong(OK);
 }
 
+/* ---- Large messages, single copy ------------------------------------------
+ *
+ * Where every rank may read every peer's memory (process_vm_readv: the
+ * same user, and no ptrace restriction in the way), the pipeline skips the
+ * staging copies: each rank reads its block of every peer's input straight
+ * from the peer's process into a small landing tile, folds the tiles in
+ * rank order into its own output, and publishes REDUCED chunk by chunk;
+ * then it reads every peer's reduced block straight from the peer's output
+ * into its own. Per rank that moves about 5 block-sized streams instead of
+ * the staged pipeline's 8.
+ *
+ * Whose memory changes when: a rank writes block b of its output (= its
+ * input, in place) only in two cases: b is its own block (no peer reads
+ * that block of its input), or b is peer b's block and peer b's REDUCED
+ * says it has read that chunk of it. A rank leaves the call only once
+ * every peer has published the end of its gather (COUNTER base + 2), so
+ * no buffer is read after its owner returned it to the caller. */
+
+enum { TILE = 64 << 10 };   /* bytes read from one peer at a time */
+
+/* Read `nbytes` at `remote` in process `pid` into `local`. */
+static int read_peer(Waits *w, int peer, char *local, int64_t remote, size_t nbytes)
+{
+    pid_t pid = (pid_t)load_acquire(&w->rows[peer * ROW_SLOTS + PID]);
+    while (nbytes > 0) {
+        struct iovec to = {local, nbytes}, from = {(void *)(uintptr_t)remote, nbytes};
+        ssize_t got = process_vm_readv(pid, &to, 1, &from, 1, 0);
+        if (got <= 0) {
+            if (got < 0 && errno == EINTR)
+                continue;
+            w->failed_peer = peer;
+            w->failed_have = got < 0 ? errno : 0;
+            w->failed_need = (int64_t)nbytes;
+            return process_alive(pid) ? READ_FAILED : PEER_DEAD;
+        }
+        local += got;
+        remote += got;
+        nbytes -= (size_t)got;
+    }
+    return OK;
+}
+
+/* Whether this rank can read every peer's input (asked once per channel,
+ * with the peers' IN_ADDR of the first large call). */
+static int can_read_peers(Waits *w)
+{
+    for (int p = 0; p < w->nranks; p++) {
+        if (p == w->rank)
+            continue;
+        int64_t probe;
+        struct iovec to = {&probe, sizeof probe};
+        struct iovec from = {(void *)(uintptr_t)load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]), sizeof probe};
+        pid_t pid = (pid_t)load_acquire(&w->rows[p * ROW_SLOTS + PID]);
+        if (process_vm_readv(pid, &to, 1, &from, 1, 0) != (ssize_t)sizeof probe)
+            return 0;
+    }
+    return 1;
+}
+
+/* Every rank's verdict, the same on all: the single copy if all can read. */
+static int agree_on_single_copy(Channel *c)
+{
+    Waits *w = &c->waits;
+    int64_t *mine = &w->rows[w->rank * ROW_SLOTS];
+    publish(mine, CAN_READ, can_read_peers(w) ? 2 : 1);
+    int status = wait_peers(w, CAN_READ, 1);
+    if (status != OK)
+        return status;
+    c->single_copy = 2;
+    for (int p = 0; p < w->nranks; p++)
+        if (load_acquire(&w->rows[p * ROW_SLOTS + CAN_READ]) != 2)
+            c->single_copy = 1;
+    return OK;
+}
+
+static int run_single_copy(Channel *c, const char *in, char *out, size_t itemsize, int type, int op,
+                           const size_t *block_start, int64_t iterations)
+{
+    Waits *w = &c->waits;
+    int r = w->rank, n = w->nranks;
+    int64_t *mine = &w->rows[r * ROW_SLOTS];
+    size_t chunk_items = c->chunk / itemsize, tile_items = TILE / itemsize;
+    const char *srcs[256];
+    size_t my_len = block_start[r + 1] - block_start[r];
+    /* The tiles sit half a page away from the output's page offset: a
+     * store to out[i] and a load of tile[i] at the same offset in their
+     * pages stall each other (4K aliasing), which made in-place folds of
+     * user buffers (malloc puts them all at one offset) 1.4x slower. */
+    uintptr_t page_base = ((uintptr_t)c->scratch + 4095) & ~(uintptr_t)4095;
+    char *tiles = (char *)page_base - 4096 + ((((uintptr_t)out & 4095) + 2048) & 4095 & ~(uintptr_t)63);
+    if (tiles < c->scratch)
+        tiles += 4096;
+
+    /* reduce-scatter: my block of every rank, tile by tile, chunk by chunk */
+    for (int64_t t = 0; t < iterations; t++) {
+        size_t first = (size_t)t * chunk_items;
+        size_t last = first + chunk_items < my_len ? first + chunk_items : my_len;
+        for (size_t at = first; at < last; at += tile_items) {
+            size_t items = last - at < tile_items ? last - at : tile_items;
+            size_t offset = (block_start[r] + at) * itemsize;
+            for (int p = 0; p < n; p++) {
+                if (p == r) {
+                    srcs[p] = in + offset;
+                    continue;
+                }
+                char *tile = tiles + (size_t)p * TILE;
+                int status = read_peer(w, p, tile, load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]) + (int64_t)offset,
+                                       items * itemsize);
+                if (status != OK)
+                    return status;
+                srcs[p] = tile;
+            }
+            reduce_sources(type, op, srcs, n, out + offset, NULL, items * itemsize, itemsize);
+        }
+        publish(mine, REDUCED, c->chunks_done + t + 1);
+    }
+
+    /* all-gather: every peer's reduced block, chunk by chunk as it is ready */
+    for (int64_t t = 0; t < iterations; t++) {
+        size_t first = (size_t)t * chunk_items;
+        for (int p = 0; p < n; p++) {
+            size_t len = block_start[p + 1] - block_start[p];
+            if (p == r || first >= len)
+                continue;
+            int status = wait_peer(w, p, REDUCED, c->chunks_done + t + 1);
+            if (status != OK)
+                return status;
+            size_t items = len - first < chunk_items ? len - first : chunk_items;
+            size_t offset = (block_start[p] + first) * itemsize;
+            status = read_peer(w, p, out + offset, load_acquire(&w->rows[p * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
+                               items * itemsize);
+            if (status != OK)
+                return status;
+        }
+    }
+    return OK;
+}
+
 /* Large messages, pipelined: the buffer is cut into nranks blocks (rank b
  * reduces block b) and every block into chunks; iteration t moves chunk t
  * of every block through two staging parities:
@@ -499,6 +665,8 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     if (status != OK)
         return failure(w, status, seq);
     mine[SIG] = signature;
+    mine[IN_ADDR] = (int64_t)(uintptr_t)in;
+    mine[OUT_ADDR] = (int64_t)(uintptr_t)out;
     publish(mine, COUNTER, base + 1);
     status = wait_peers(w, COUNTER, base + 1);
     if (status != OK)
@@ -510,6 +678,19 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
             w->failed_need = signature;
             return failure(w, MISMATCH, seq);
         }
+    }
+    int single_size = nbytes >= c->single_copy_from && nbytes < c->single_copy_to;
+    if (single_size && c->single_copy == 0 && (status = agree_on_single_copy(c)) != OK)
+        return failure(w, status, seq);
+    if (single_size && c->single_copy == 2) {
+        status = run_single_copy(c, in, out, itemsize, type, op, block_start, iterations);
+        if (status != OK)
+            return failure(w, status, seq);
+        c->chunks_done += iterations;
+        publish(mine, COUNTER, base + 2);
+        /* the peers' reads of this rank's buffers are over once they all end */
+        status = wait_peers(w, COUNTER, base + 2);
+        return status == OK ? PyLong_FromLong(OK) : failure(w, status, seq);
     }
 
     const char *srcs[256];
@@ -621,14 +802,16 @@ static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t
 static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", "small", "small_max",
-                            "staging", "chunk", NULL};
+                            "staging", "chunk", "single_copy_from", "single_copy_to", NULL};
     unsigned long long header, rows, small, staging;
     unsigned long long small_max, chunk;
     int rank, nranks;
     long spin;
     double yield_seconds;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK", names, &header, &rows, &rank, &nranks, &spin,
-                                     &yield_seconds, &small, &small_max, &staging, &chunk))
+    unsigned long long single_copy_from = 0, single_copy_to = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|KK", names, &header, &rows, &rank, &nranks, &spin,
+                                     &yield_seconds, &small, &small_max, &staging, &chunk, &single_copy_from,
+                                     &single_copy_to))
         return -1;
     if (nranks < 1 || nranks > 256 || rank < 0 || rank >= nranks || chunk == 0 || chunk % 64) {
         PyErr_SetString(PyExc_ValueError, "a channel has 1 to 256 ranks and chunks of a multiple of 64 bytes");
@@ -649,8 +832,36 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     c->staging_stride = 2 * (size_t)nranks * (size_t)chunk;
     c->small_calls = 0;
     c->chunks_done = 0;
+    /* with sizes in range, the ranks agree at the first call of one */
+    c->single_copy = single_copy_from < single_copy_to ? 0 : 1;
+    c->single_copy_from = (size_t)single_copy_from;
+    c->single_copy_to = (size_t)single_copy_to;
+    PyMem_Free(c->scratch);
+    c->scratch = PyMem_Malloc((size_t)nranks * TILE + 8192);
+    if (c->scratch == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     return 0;
 }
+
+static void Channel_dealloc(Channel *c)
+{
+    PyMem_Free(c->scratch);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static PyObject *Channel_large_path(Channel *c, void *Py_UNUSED(closure))
+{
+    return PyUnicode_FromString(c->single_copy == 2 ? "single-copy" : c->single_copy == 1 ? "staged" : "undecided");
+}
+
+static PyGetSetDef Channel_getset[] = {
+    {"large_path", (getter)Channel_large_path, NULL,
+     "how messages in the single-copy range move: single-copy, staged (the ranks cannot read each other's "
+     "memory), or undecided before the first", NULL},
+    {NULL},
+};
 
 static PyMethodDef Channel_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))Channel_allreduce, METH_FASTCALL,
@@ -665,7 +876,9 @@ static PyTypeObject ChannelType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Channel_init,
+    .tp_dealloc = (destructor)Channel_dealloc,
     .tp_methods = Channel_methods,
+    .tp_getset = Channel_getset,
     .tp_doc = "This rank's view of the fast path's shared channel (addresses into mapped memory).",
 };
 
