@@ -421,7 +421,7 @@ typedef struct {
     int64_t chunks_done;    /* pipelined iterations made over the channel's life */
     int single_copy;        /* 0: not asked yet; 1: staged pipeline; 2: read peers' buffers */
     size_t single_copy_from, single_copy_to;   /* the sizes (bytes) that read peers' buffers */
-    char *scratch;          /* the single-copy path's landing space: nranks tiles */
+    char *scratch;          /* the single-copy path's landing space: a chunk per rank */
 } Channel;
 
 static uint64_t mix64(uint64_t x)
@@ -494,9 +494,10 @@ static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes,
  *
  * Where every rank may read every peer's memory (process_vm_readv: the
  * same user, and no ptrace restriction in the way), the pipeline skips the
- * staging copies: each rank reads its block of every peer's input straight
- * from the peer's process into a small landing tile, folds the tiles in
- * rank order into its own output, and publishes REDUCED chunk by chunk;
+ * staging copies: chunk by chunk, each rank reads its block of every
+ * peer's input straight from the peer's process into a landing chunk (one
+ * per peer, in cache), folds them in rank order into its own output, and
+ * publishes REDUCED;
  * then it reads every peer's reduced block straight from the peer's output
  * into its own. Per rank that moves about 5 block-sized streams instead of
  * the staged pipeline's 8.
@@ -508,7 +509,6 @@ static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes,
  * every peer has published the end of its gather (COUNTER base + 2), so
  * no buffer is read after its owner returned it to the caller. */
 
-enum { TILE = 64 << 10 };   /* bytes read from one peer at a time */
 
 /* Read `nbytes` at `remote` in process `pid` into `local`. */
 static int read_peer(Waits *w, int peer, char *local, int64_t remote, size_t nbytes)
@@ -571,36 +571,36 @@ static int run_single_copy(Channel *c, const char *in, char *out, size_t itemsiz
     Waits *w = &c->waits;
     int r = w->rank, n = w->nranks;
     int64_t *mine = &w->rows[r * ROW_SLOTS];
-    size_t chunk_items = c->chunk / itemsize, tile_items = TILE / itemsize;
+    size_t chunk_items = c->chunk / itemsize;
     const char *srcs[256];
     size_t my_len = block_start[r + 1] - block_start[r];
-    /* The tiles sit half a page away from the output's page offset: a
-     * store to out[i] and a load of tile[i] at the same offset in their
-     * pages stall each other (4K aliasing), which made in-place folds of
-     * user buffers (malloc puts them all at one offset) 1.4x slower. */
+    /* The landing chunks sit half a page away from the output's page
+     * offset: a store to out[i] and a load of landing[i] at the same
+     * offset in their pages stall each other (4K aliasing), and malloc
+     * puts user buffers at one offset. */
     uintptr_t page_base = ((uintptr_t)c->scratch + 4095) & ~(uintptr_t)4095;
-    char *tiles = (char *)page_base - 4096 + ((((uintptr_t)out & 4095) + 2048) & 4095 & ~(uintptr_t)63);
-    if (tiles < c->scratch)
-        tiles += 4096;
+    char *landing = (char *)page_base - 4096 + ((((uintptr_t)out & 4095) + 2048) & 4095 & ~(uintptr_t)63);
+    if (landing < c->scratch)
+        landing += 4096;
 
-    /* reduce-scatter: my block of every rank, tile by tile, chunk by chunk */
+    /* reduce-scatter: chunk by chunk, my block of every peer's input lands
+     * here (one read per peer and chunk), then folds into my output */
     for (int64_t t = 0; t < iterations; t++) {
         size_t first = (size_t)t * chunk_items;
-        size_t last = first + chunk_items < my_len ? first + chunk_items : my_len;
-        for (size_t at = first; at < last; at += tile_items) {
-            size_t items = last - at < tile_items ? last - at : tile_items;
-            size_t offset = (block_start[r] + at) * itemsize;
+        if (first < my_len) {
+            size_t items = my_len - first < chunk_items ? my_len - first : chunk_items;
+            size_t offset = (block_start[r] + first) * itemsize;
             for (int p = 0; p < n; p++) {
                 if (p == r) {
                     srcs[p] = in + offset;
                     continue;
                 }
-                char *tile = tiles + (size_t)p * TILE;
-                int status = read_peer(w, p, tile, load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]) + (int64_t)offset,
+                char *chunk = landing + (size_t)p * c->chunk;
+                int status = read_peer(w, p, chunk, load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]) + (int64_t)offset,
                                        items * itemsize);
                 if (status != OK)
                     return status;
-                srcs[p] = tile;
+                srcs[p] = chunk;
             }
             reduce_sources(type, op, srcs, n, out + offset, NULL, items * itemsize, itemsize);
         }
@@ -837,7 +837,7 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     c->single_copy_from = (size_t)single_copy_from;
     c->single_copy_to = (size_t)single_copy_to;
     PyMem_Free(c->scratch);
-    c->scratch = PyMem_Malloc((size_t)nranks * TILE + 8192);
+    c->scratch = PyMem_Malloc((size_t)nranks * (size_t)chunk + 8192);
     if (c->scratch == NULL) {
         PyErr_NoMemory();
         return -1;

@@ -14,6 +14,16 @@ of shared memory at the end of the control segment, laid out per rank as
                   pipelined reduce-scatter and all-gather, chunk by chunk,
                   with per-chunk counters (rows' STAGED and REDUCED slots).
 
+From SINGLE_COPY_FROM to SINGLE_COPY_TO bytes the pipeline skips staging:
+each rank reads its block of every peer's input, and then the peers'
+reduced blocks, straight from the peers' processes (process_vm_readv), one
+copy where staging makes two. That needs every rank to be allowed to read
+every other's memory (the same user; Yama's ptrace_scope 0, or 1 with
+ranks that are each other's ancestors; no seccomp rule against it): the
+ranks find out at their first such call and all agree, and where any may
+not, every message keeps the staged pipeline (`FastAllreduce.large_path`
+says which).
+
 Both fold in rank order, as the `direct` plan does, so the bits equal the
 interpreter's for that plan on every rank, in place and out of place.
 Calls advance COUNTER by 2 and SEQ by 1 like any other call
@@ -41,7 +51,7 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 # every block per iteration. Every rank must use the same values (mpiexec
 # passes the environment to all); the defaults were measured (README).
 SMALL_MAX = int(os.environ.get("COLLECTIVES_FAST_SMALL_MAX", 64 << 10))
-CHUNK = int(os.environ.get("COLLECTIVES_FAST_CHUNK", 128 << 10))
+CHUNK = int(os.environ.get("COLLECTIVES_FAST_CHUNK", 256 << 10))
 # bytes: messages from SINGLE_COPY_FROM up to (not including) SINGLE_COPY_TO
 # read peers' buffers directly (process_vm_readv) where every rank may.
 # Measured with 2 processes (README): 1.1x-1.3x faster than the staged
