@@ -69,8 +69,9 @@
 #endif
 
 /* ------------------------------------------------------------------------ */
-/* The layout shared with protocol.py and fastpath.py (fastpath.LAYOUT      */
-/* checks these against the Python constants at import).                   */
+/* The layout shared with protocol.py and fastpath.py (FastAllreduce        */
+/* asserts ROW and HEADER against the Python constants; the slots are the  */
+/* ones protocol.py lists).                                                */
 
 enum { HEADER_SLOTS = 16, ROW_SLOTS = 16 };        /* int64 slots: 128 bytes each */
 enum { ABORT = 0 };                                 /* header slot */
@@ -163,7 +164,7 @@ static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need)
         sched_yield();
     int64_t *sleepers = &w->rows[peer * ROW_SLOTS + SLEEPERS];
     __atomic_fetch_add(sleepers, 1, __ATOMIC_SEQ_CST);
-    double next_check = now_seconds();
+    double next_check = now_seconds() + 0.05;   /* a peer that died shows within 50 ms */
     for (;;) {
         int64_t have = __atomic_load_n(counter, __ATOMIC_SEQ_CST);
         if (have >= need)
@@ -287,7 +288,10 @@ typedef void (*divide_fn)(void *values, size_t n, int nranks);
     FOLD3(T, NAME, max, NAME##_ieee(x[i], y[i], 1))                                         \
     FOLD3(T, NAME, min, NAME##_ieee(x[i], y[i], 0))
 
-/* Integers: sum and product wrap (unsigned arithmetic, as NumPy wraps). */
+/* Integers: sum and product wrap (unsigned arithmetic, as NumPy wraps);
+ * avg divides in 64 bits of the same signedness, truncating toward zero. */
+#define WIDE(T) __typeof__(_Generic((T)0, int8_t: (int64_t)0, int16_t: (int64_t)0, int32_t: (int64_t)0,      \
+                                    int64_t: (int64_t)0, default: (uint64_t)0))
 #define DEFINE_INT_FOLDS(T, U, NAME)                                                        \
     static void NAME##_sum(void *a, const void *s, size_t n)                                \
     { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = (T)((U)x[i] + (U)y[i]); } \
@@ -297,8 +301,8 @@ typedef void (*divide_fn)(void *values, size_t n, int nranks);
     { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = x[i] >= y[i] ? x[i] : y[i]; } \
     static void NAME##_min(void *a, const void *s, size_t n)                                \
     { T *x = a; const T *y = s; for (size_t i = 0; i < n; i++) x[i] = x[i] <= y[i] ? x[i] : y[i]; } \
-    static void NAME##_divide(void *v, size_t n, int nranks)                                \
-    { T *x = v; T d = (T)nranks; for (size_t i = 0; i < n; i++) x[i] = (T)(x[i] / d); }     \
+    static void NAME##_divide(void *v, size_t n, int nranks)  /* in 64 bits: nranks may not fit T */ \
+    { T *x = v; for (size_t i = 0; i < n; i++) x[i] = (T)(WIDE(T))((WIDE(T))x[i] / (WIDE(T))nranks); } \
     FOLD3(T, NAME, sum, (T)((U)x[i] + (U)y[i]))                                             \
     FOLD3(T, NAME, prod, (T)((U)x[i] * (U)y[i]))                                            \
     FOLD3(T, NAME, max, x[i] >= y[i] ? x[i] : y[i])                                         \
@@ -579,7 +583,8 @@ static int run_single_copy(Channel *c, const char *in, char *out, size_t itemsiz
      * offset in their pages stall each other (4K aliasing), and malloc
      * puts user buffers at one offset. */
     uintptr_t page_base = ((uintptr_t)c->scratch + 4095) & ~(uintptr_t)4095;
-    char *landing = (char *)page_base - 4096 + ((((uintptr_t)out & 4095) + 2048) & 4095 & ~(uintptr_t)63);
+    uintptr_t my_output = (uintptr_t)out + block_start[r] * itemsize;
+    char *landing = (char *)page_base - 4096 + (((my_output & 4095) + 2048) & 4095 & ~(uintptr_t)63);
     if (landing < c->scratch)
         landing += 4096;
 
@@ -644,7 +649,9 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     Waits *w = &c->waits;
     int r = w->rank, n = w->nranks;
     int64_t *mine = &w->rows[r * ROW_SLOTS];
-    int64_t signature = call_signature(seq, type, op, nbytes, 2);
+    /* ranks whose single-copy ranges differ make different calls (path 3) */
+    int single_size = nbytes >= c->single_copy_from && nbytes < c->single_copy_to;
+    int64_t signature = call_signature(seq, type, op, nbytes, single_size ? 3 : 2);
     size_t count = nbytes / itemsize;
     size_t chunk_items = c->chunk / itemsize;
     size_t block_start[257];
@@ -679,7 +686,6 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
             return failure(w, MISMATCH, seq);
         }
     }
-    int single_size = nbytes >= c->single_copy_from && nbytes < c->single_copy_to;
     if (single_size && c->single_copy == 0 && (status = agree_on_single_copy(c)) != OK)
         return failure(w, status, seq);
     if (single_size && c->single_copy == 2) {
@@ -690,6 +696,13 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
         publish(mine, COUNTER, base + 2);
         /* the peers' reads of this rank's buffers are over once they all end */
         status = wait_peers(w, COUNTER, base + 2);
+        /* A peer that gave up waiting for this rank aborted before its
+         * caller could touch the buffers this rank read: what was read
+         * may be wrong, so the call fails. */
+        if (status == OK && __atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
+            w->failed_peer = -1;
+            status = ABORTED;
+        }
         return status == OK ? PyLong_FromLong(OK) : failure(w, status, seq);
     }
 
