@@ -11,7 +11,9 @@ can be compared bit for bit.
 
 import hashlib
 import os
+import signal
 import sys
+import threading
 import time
 
 if len(sys.argv) > 2 and sys.argv[2] == "no-loop":
@@ -190,6 +192,27 @@ def scenario_abort(comm):
         raise AssertionError("allreduce completed after rank 0 aborted")
 
 
+def scenario_interrupted(comm):
+    """Rank 0 gets Ctrl-C (SIGINT) while a fast allreduce waits for rank 1,
+    which never comes: KeyboardInterrupt at once, not at the timeout, and
+    rank 2 learns from the abort."""
+    if comm.rank == 1:
+        time.sleep(TIMEOUT + 2)
+        return
+    if comm.rank == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.perf_counter()
+    try:
+        comm.allreduce(np.ones(100, np.float32))
+    except KeyboardInterrupt:
+        assert comm.rank == 0
+    except CollectiveError as error:
+        assert comm.rank == 2 and "aborted" in str(error) and "interrupted" in str(error), error
+    else:
+        raise AssertionError("allreduce completed without rank 1")
+    assert time.perf_counter() - start < TIMEOUT / 2, "the interrupt waited for the timeout"
+
+
 def scenario_late(comm):
     """Each rank in turn arrives late, on both paths and around interpreted
     calls: the others' waits fall asleep on the futex and are woken with
@@ -225,7 +248,7 @@ def main():
     print(f"OK {scenario} {comm.rank} {digest.hexdigest()[:16]}", flush=True)
     if LOOP:
         print(f"LARGE PATH {comm.rank} {comm._ranks.fast_allreduce.large_path}", flush=True)   # noqa: SLF001
-    if scenario in ("killed_large", "abort", "stalled_large", "mismatch"):
+    if scenario in ("killed_large", "abort", "stalled_large", "mismatch", "interrupted"):
         os._exit(0)   # MPI_Finalize would wait for ranks that left
     comm.close()
 

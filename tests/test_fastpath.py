@@ -95,3 +95,8 @@ def test_waits_that_fall_asleep_wake_with_the_right_result():
     # oversubscribed waits spin briefly, then sleep on the futex.
     oks, report = run_worker(4, "late")
     assert len(oks) == 4, report
+
+
+def test_ctrl_c_in_a_waiting_call_raises_at_once_and_aborts_the_others():
+    oks, report = run_worker(3, "interrupted", launcher_flags=["-disable-auto-cleanup"])
+    assert {"0", "2"} <= {rank for rank, _ in oks}, report

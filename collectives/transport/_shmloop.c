@@ -83,7 +83,8 @@ enum { COUNTER = 0, PID = 1, SEQ = 2, SIG = 3,      /* row slots (protocol.py) *
 enum { SLOT_HEADER = 128 };                         /* a small slot: its signature, then data */
 
 /* Statuses returned to Python (fastpath.py turns them into exceptions). */
-enum { OK = 0, TIMED_OUT = 1, ABORTED = 2, PEER_DEAD = 3, MISMATCH = 4, READ_FAILED = 5 };
+enum { OK = 0, TIMED_OUT = 1, ABORTED = 2, PEER_DEAD = 3, MISMATCH = 4, READ_FAILED = 5,
+       INTERRUPTED = 6 };   /* a signal handler raised (Ctrl-C): the exception is set */
 
 static inline int64_t load_acquire(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
@@ -155,7 +156,7 @@ typedef struct {
 /* The slow part of a wait for `peer`'s slot: yield, then sleep until the
  * peer publishes, looking at the abort flag, the deadline and the peer's
  * process between sleeps. Called without the GIL. */
-static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need)
+static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need, PyThreadState **released)
 {
     int status = OK;
     double yield_until = now_seconds() + w->yield_seconds;
@@ -177,6 +178,14 @@ static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need)
         if (now >= next_check) {
             if (!process_alive(load_acquire(&w->rows[peer * ROW_SLOTS + PID]))) {
                 status = PEER_DEAD;
+                break;
+            }
+            /* Python's signal handlers run here, as in the interpreter's waits */
+            PyEval_RestoreThread(*released);
+            int raised = PyErr_CheckSignals() < 0;
+            *released = PyEval_SaveThread();
+            if (raised) {
+                status = INTERRUPTED;
                 break;
             }
             next_check = now + 0.05;
@@ -214,7 +223,7 @@ static int wait_for(Waits *w, int peer, int slot, int64_t need, PyThreadState **
         return OK;
     if (*released == NULL)
         *released = PyEval_SaveThread();
-    return wait_slowly(w, peer, counter, need);
+    return wait_slowly(w, peer, counter, need, released);
 }
 
 /* Wait until one peer's row slot `slot` is at least `need`. */
@@ -446,6 +455,8 @@ static int64_t call_signature(int64_t seq, int type, int op, size_t nbytes, int 
 
 static PyObject *failure(Waits *w, int status, int64_t seq)
 {
+    if (status == INTERRUPTED)
+        return NULL;   /* the handler's exception (fastpath.py aborts the group) */
     return Py_BuildValue("(iiLLL)", status, w->failed_peer, (long long)w->failed_have,
                          (long long)w->failed_need, (long long)seq);
 }

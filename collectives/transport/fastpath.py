@@ -130,7 +130,11 @@ class FastAllreduce:
             code = _OP_CODES[op]
         except (KeyError, TypeError):
             return None   # the interpreter names the valid ops
-        status = self._run(x, out, code, self._clock() + timeout, SMALL_MAX + 1)
+        try:
+            status = self._run(x, out, code, self._clock() + timeout, SMALL_MAX + 1)
+        except BaseException as error:   # a signal handler's (Ctrl-C) while the call waited
+            self._group.abort(f"rank {self._group.rank} was interrupted during an allreduce: {type(error).__name__}")
+            raise
         if status == 0:
             return out
         if status is None:
