@@ -1,4 +1,5 @@
-"""Inputs and closed-form expectations shared by the host, MPI and GPU suites.
+"""Inputs and closed-form expectations shared by the host, MPI and GPU suites
+(and one check the multi-process workers share).
 
 Rank r's element i is chosen so that every result is exact in every dtype
 (float16 and int8 included, for up to 8 ranks), whatever the reduction order:
@@ -7,7 +8,7 @@ so one expectation serves every algorithm and backend, with no tolerance.
 
 import numpy as np
 
-from collectives import SUPPORTED_DTYPES
+from collectives import SUPPORTED_DTYPES, CollectiveError, InvalidUsageError
 from collectives.ops import is_floating
 
 DTYPES = tuple(np.dtype(name) for name in SUPPORTED_DTYPES)
@@ -68,3 +69,17 @@ def keeps_a_workspace_copy(collective, algorithm, binding, n):
         return n & (n - 1) != 0
     return binding == "in_place" and ((collective, algorithm) == ("allreduce", "direct")
                                       or (collective, algorithm) == ("allreduce", "butterfly") and n in (2, 3))
+
+
+def expect_a_different_call(call, what):
+    """Run `call`, which ranks make differently: it must raise naming the
+    mismatch, on this rank or through the abort of a rank that named it."""
+    try:
+        call()
+    except InvalidUsageError as error:
+        assert "different call" in str(error), error
+        return
+    except CollectiveError as error:
+        assert "aborted" in str(error) and "different call" in str(error), error
+        return
+    raise AssertionError(f"{what} completed")
