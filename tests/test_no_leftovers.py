@@ -256,6 +256,25 @@ def test_a_peer_whose_workspace_holder_died_before_it_was_opened_raises_rank_fai
     assert not library_names([rank0.process.pid])
 
 
+def test_a_workspace_released_by_a_rank_leaving_an_aborted_communicator_reports_the_abort():
+    # The race of test_hierarchy's killed[0,0,1,1]: rank 0 gave up and closed
+    # while rank 1 was about to map rank 0's workspace.
+    from collectives.errors import CollectiveError
+    from collectives.transport.protocol import new_prefix
+    from collectives.transport.shm import ShmRank
+
+    rank0 = ShmRank(0, 2, new_prefix())
+    rank1 = ShmRank(1, 2, rank0.prefix)
+    try:
+        rank0.group._ensure_capacity(1 << 20)
+        rank0.group.abort("RankFailedError: rank 3 died before completing the collective")
+        rank0.close()
+        with pytest.raises(CollectiveError, match="rank 0 aborted the communicator: .*died"):
+            rank1.group.workspace(0)
+    finally:
+        rank1.close()
+
+
 def test_a_prefix_must_come_from_new_prefix():
     from collectives.errors import InvalidUsageError
     from collectives.transport.shm import ShmRank

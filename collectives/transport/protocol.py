@@ -307,7 +307,15 @@ class ProcessGroup:
             if known is not None:
                 self._memory.release(known[1], own=False)
                 del self._state["peers"][rank]
-            opened = self._memory.open(bytes(self._handles[rank]))
+            try:
+                opened = self._memory.open(bytes(self._handles[rank]))
+            except RankFailedError:
+                raise
+            except CollectiveError:
+                # A live rank releases the workspace peers may open only on
+                # its way out of an aborted communicator: say that instead.
+                self.check_health(rank)
+                raise
             self._state["peers"][rank] = known = (generation, opened)
         return known[1]
 
