@@ -190,6 +190,22 @@ def test_single_rank_communicator_takes_and_returns_a_bare_array():
         assert comm.allreduce([x])[0] is x  # a sequence of one comes back as a list
 
 
+@pytest.mark.parametrize("dtype, n", [(np.int8, 128), (np.int8, 200), (np.uint8, 256)])
+def test_integer_avg_over_more_ranks_than_the_dtype_holds(dtype, n):
+    """The rank count is no value of the dtype there: the quotient is taken
+    in 64 bits and truncates toward zero, as in C and in the compiled loop."""
+    info = np.iinfo(dtype)
+    with collectives.Communicator.local(n) as comm:
+        # rank 0 holds the extremes, the others +-1 and 0: sums stay in range
+        xs = [np.array([info.min, info.max, info.min // 2 - 1 if info.min else 7, 0, 1], dtype) if r == 0
+              else np.array([0, 0, 0, 1, -1 if info.min else 0], dtype) for r in range(n)]
+        totals = np.sum([x.astype(np.int64) for x in xs], axis=0)
+        expected = np.array([abs(int(t)) // n * (1 if t >= 0 else -1) for t in totals], dtype)
+        comm.allreduce(xs, op="avg", algorithm="direct")
+        for x in xs:
+            assert np.array_equal(x, expected), (x, expected)
+
+
 def test_results_keep_shapes():
     with collectives.Communicator.local(2) as comm:
         xs = [np.ones((4, 3), np.float32) * (r + 1) for r in range(2)]

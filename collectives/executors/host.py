@@ -53,6 +53,12 @@ def divide_by_ranks(values, nranks):
     truncate toward zero as C and CUDA do (NumPy's // floors)."""
     if is_floating(values.dtype):
         np.true_divide(values, nranks, out=values)
+    elif nranks > np.iinfo(values.dtype).max:
+        # nranks is not a value of the dtype (int8 over 128 ranks or more):
+        # divide in 64 bits, as the compiled loop does; every quotient fits back.
+        wide = values.astype(np.int64)
+        divide_by_ranks(wide, nranks)
+        values[...] = wide
     elif values.dtype.kind == "u":
         np.floor_divide(values, nranks, out=values)
     else:
