@@ -21,6 +21,7 @@ from .errors import CollectiveError, InvalidUsageError
 from .executors import host
 from .ops import ReduceOp, as_reduce_op
 from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
+from .transport import fastpath
 
 
 class VirtualHostRanks:
@@ -264,11 +265,18 @@ class Communicator:
         for future in pending:
             future.add_done_callback(one_done)
 
-    def chosen_algorithm(self, collective, nbytes, root=0):
+    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None):
         """The algorithm `algorithm="auto"` runs for `collective` on arrays of
-        `nbytes` bytes per rank (its cost model is this communicator's transport's)."""
+        `nbytes` bytes per rank (its cost model is this communicator's transport's).
+
+        `dtype`: the call's `x` is one NumPy array of this dtype. Host ranks
+        in processes run such an allreduce in the compiled loop when it takes
+        the dtype, and the answer is its step, `merged` or `pipelined`.
+        Without `dtype` (a list of arrays, which the loop declines), the plan."""
         if collective not in COLLECTIVE_NAMES:
             raise InvalidUsageError(f"unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
+        if collective == ALLREDUCE and dtype is not None and self._fast_allreduce is not None and fastpath.takes(dtype):
+            return fastpath.path_for(nbytes)
         itemsize = 1  # nbytes is already bytes
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
         return self._auto(collective, nbytes, itemsize, validation.root_rank(root, self.size) if rooted else 0)

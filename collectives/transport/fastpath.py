@@ -104,6 +104,17 @@ def path_for(nbytes):
     return PATHS[0] if nbytes <= SMALL_MAX else PATHS[1]
 
 
+# what the loop folds (_shmloop.c's element_type); other dtypes decline
+LOOP_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.uint8, np.int16, np.uint16,
+                                              np.int32, np.uint32, np.int64, np.uint64))
+
+
+def takes(dtype):
+    """Whether the loop runs allreduces of `dtype` (native byte order only)."""
+    return np.dtype(dtype) in LOOP_DTYPES
+
+
+
 class FastAllreduce:
     """`ShmRank.fast_allreduce`: the compiled allreduce, or None to decline."""
 
