@@ -115,12 +115,13 @@ def scenario_declined(comm, digest):
             assert fast(array, "sum", out, TIMEOUT) is None, (array, out)
     assert fast is None or fast(x, "no such op", None, TIMEOUT) is None
     # chosen_algorithm names the loop's step exactly for the dtypes it takes
-    for dtype in DTYPES + [np.uint16] + DECLINED + [np.dtype(">f4"), np.complex64]:
+    loop_dtypes = DTYPES + [np.uint16]
+    for dtype in loop_dtypes + DECLINED + [np.dtype(">f4"), np.complex64]:
         taken = fast is not None and fast(np.ones(10, dtype), "sum", None, TIMEOUT) is not None
         for nbytes, step in ((40, "merged"), (fastpath.SMALL_MAX + 8, "pipelined")):
             named = comm.chosen_algorithm("allreduce", nbytes, dtype=dtype)
             assert named == step if taken else named not in fastpath.PATHS, (dtype, nbytes, named, taken)
-        assert taken == (LOOP and np.dtype(dtype) in DTYPES + [np.uint16]), dtype
+        assert taken == (LOOP and np.dtype(dtype) in loop_dtypes), dtype
     assert comm.chosen_algorithm("allreduce", 40) not in fastpath.PATHS   # a list of arrays: the loop declines
     for dtype in DECLINED:
         y = comm.allreduce(np.full(100, comm.rank + 0.5, dtype), algorithm="direct")

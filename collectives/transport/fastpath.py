@@ -114,7 +114,6 @@ def takes(dtype):
     return np.dtype(dtype) in LOOP_DTYPES
 
 
-
 class FastAllreduce:
     """`ShmRank.fast_allreduce`: the compiled allreduce, or None to decline."""
 
