@@ -10,6 +10,7 @@ checked held, and fails with a traceback (non-zero exit) otherwise.
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 from mpi4py import MPI
@@ -265,9 +266,17 @@ def main():
         MPI.COMM_WORLD.Barrier()
     comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
     assert comm.size == MPI.COMM_WORLD.size and comm.rank == MPI.COMM_WORLD.rank
-    globals()[f"scenario_{scenario}"](comm)
+    rank_died = scenario in ("killed", "fusion_killed")
+    try:
+        globals()[f"scenario_{scenario}"](comm)
+    except BaseException:
+        if not rank_died:
+            raise
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)   # a failure, not a hang: MPI_Finalize would wait for the dead rank
     print(f"OK {scenario} {comm.rank}", flush=True)
-    if scenario in ("killed", "fusion_killed"):
+    if rank_died:
         os._exit(0)  # MPI_Finalize would wait for the dead rank
 
 

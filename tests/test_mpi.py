@@ -41,10 +41,14 @@ def mpiexec():
 def run_ranks(n, scenario, *launcher_flags, device="host", limit=240):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
-    done = subprocess.run(
-        [mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(WORKER), scenario, device],
-        capture_output=True, text=True, timeout=limit, env=env,
-    )
+    try:
+        done = subprocess.run(
+            [mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(WORKER), scenario, device],
+            capture_output=True, text=True, timeout=limit, env=env,
+        )
+    except subprocess.TimeoutExpired as hung:   # say what the ranks had printed, whole
+        printed = [o.decode(errors="replace") if isinstance(o, bytes) else o for o in (hung.stdout, hung.stderr)]
+        pytest.fail(f"mpiexec ran past {limit} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report
     # Ranks' lines can reach mpiexec's stdout glued together.
