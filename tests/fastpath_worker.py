@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 if len(sys.argv) > 2 and sys.argv[2] == "no-loop":
     sys.modules["collectives.transport._shmloop"] = None   # import now raises ImportError
@@ -194,6 +195,42 @@ def scenario_abort(comm):
         raise AssertionError("allreduce completed after rank 0 aborted")
 
 
+# The fenced scenario: rank 1 holds each chunk's writes into rank 0 this
+# long (fastpath.TEST_WRITE_STALL), rank 0 gives up after FENCED_TIMEOUT.
+FENCED_STALL = 1.0
+FENCED_TIMEOUT = 0.3
+
+
+def scenario_fenced(comm):
+    """Rank 0 gives up while rank 1 is inside its writes into rank 0's output
+    (the single copy): the failed call raises only once that write is done,
+    so the buffer does not change after the call raised (case 0); a writer
+    held longer than the fence waits is named in the error (case 1)."""
+    case = int(os.environ["FASTPATH_CASE"])
+    x = np.ones((4 << 20) // 4, np.float32)
+    if comm.rank == 0:
+        comm.timeout = FENCED_TIMEOUT
+        fastpath.FENCE_SECONDS = 5.0 if case == 0 else 0.2
+    try:
+        comm.allreduce(x)
+    except CollectiveError as error:
+        if comm.rank == 1:
+            assert "aborted" in str(error) and "timed out" in str(error), error
+        elif case == 0:
+            assert "timed out waiting for rank 1" in str(error) and "still writing" not in str(error), error
+        else:
+            assert "rank 1 was still writing into this rank's output" in str(error), error
+    else:
+        # only where the ranks cannot reach each other's memory (no writes to hold): the test skips
+        assert comm._ranks.fast_allreduce.large_path == "staged"   # noqa: SLF001
+        return
+    if comm.rank == 0 and case == 0:
+        after_the_call = x.copy()
+        time.sleep(FENCED_STALL + 0.5)
+        changed = np.flatnonzero(x != after_the_call)
+        assert changed.size == 0, f"{changed.size} elements changed after the call raised, from {changed[0]}"
+
+
 def scenario_interrupted(comm):
     """Rank 0 gets Ctrl-C (SIGINT) while a fast allreduce waits for rank 1,
     which never comes: KeyboardInterrupt at once, not at the timeout, and
@@ -239,19 +276,30 @@ def scenario_late(comm):
 
 def main():
     scenario = sys.argv[1]
+    if scenario == "fenced" and MPI.COMM_WORLD.rank == 1:
+        fastpath.TEST_WRITE_STALL = FENCED_STALL   # read when the communicator is made
     comm = collectives.init(timeout=TIMEOUT)
     assert LOOP == (comm._ranks.fast_allreduce is not None), "the loop runs exactly when not hidden"   # noqa: SLF001
     digest = hashlib.blake2b()
-    if scenario == "bits":
-        scenario_bits(comm, digest)
-        scenario_declined(comm, digest)
-    else:
-        globals()[f"scenario_{scenario}"](comm)
+    # where a rank leaves early, MPI_Finalize would wait for it: exit at once
+    ranks_leave = scenario in ("killed_large", "abort", "stalled_large", "mismatch", "interrupted", "fenced")
+    try:
+        if scenario == "bits":
+            scenario_bits(comm, digest)
+            scenario_declined(comm, digest)
+        else:
+            globals()[f"scenario_{scenario}"](comm)
+    except BaseException:
+        if not ranks_leave:
+            raise
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)   # a failure with its traceback, not a hang
     print(f"OK {scenario} {comm.rank} {digest.hexdigest()[:16]}", flush=True)
     if LOOP:
         print(f"LARGE PATH {comm.rank} {comm._ranks.fast_allreduce.large_path}", flush=True)   # noqa: SLF001
-    if scenario in ("killed_large", "abort", "stalled_large", "mismatch", "interrupted"):
-        os._exit(0)   # MPI_Finalize would wait for ranks that left
+    if ranks_leave:
+        os._exit(0)
     comm.close()
 
 

@@ -38,11 +38,11 @@ def test_the_compiled_loop_was_built():
     assert fastpath.available(), "collectives.transport._shmloop is missing: was `pip install -e .` run?"
 
 
-# The pipeline's two ways to move a message (fastpath.py): through staging
-# slots, or reading peers' buffers (process_vm_readv). Each test below runs
-# every pipelined size through one of them.
+# The two ways to move a large message (fastpath.py): through staging
+# slots, or straight out of and into peers' buffers (process_vm_readv and
+# writev). Each test below runs every pipelined size through one of them.
 LARGE_PATHS = {
-    "single-copy": {"COLLECTIVES_FAST_SINGLE_COPY_FROM": "0", "COLLECTIVES_FAST_SINGLE_COPY_TO": str(1 << 40)},
+    "single-copy": {"COLLECTIVES_FAST_SINGLE_COPY": "1"},
     "staged": {"COLLECTIVES_FAST_SINGLE_COPY": "0"},
 }
 
@@ -53,8 +53,8 @@ def check_large_path(report, large_path):
     # mpiexec may splice one rank's line into another's: match the names themselves
     taken = set(re.findall(r"LARGE PATH \d+ (single-copy|staged|undecided)", report))
     if large_path == "single-copy" and taken == {"staged"}:
-        pytest.skip("this machine lets no rank read another's memory (process_vm_readv: Yama ptrace_scope, "
-                    "seccomp): the single-copy path cannot run here; the staged path took the calls")
+        pytest.skip("this machine lets no rank read and write another's memory (process_vm_readv/writev: Yama "
+                    "ptrace_scope, seccomp): the single-copy path cannot run here; the staged path took the calls")
     assert taken == {large_path}, report
 
 
@@ -88,6 +88,14 @@ def test_faults_on_the_pipelined_path(scenario, large_path):
 @pytest.mark.parametrize("case", [0, 1, 2], ids=["merged-vs-pipelined", "different-op", "fast-vs-interpreted"])
 def test_mismatched_calls_are_named(case):
     oks, report = run_worker(2, "mismatch", env={"FASTPATH_CASE": str(case)}, launcher_flags=["-disable-auto-cleanup"])
+    assert len(oks) == 2, report
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["waits-for-the-write", "names-a-writer-held-longer"])
+def test_a_failed_call_raises_only_once_no_peer_writes_into_its_output(case):
+    oks, report = run_worker(2, "fenced", env={**LARGE_PATHS["single-copy"], "FASTPATH_CASE": str(case)},
+                             launcher_flags=["-disable-auto-cleanup"])
+    check_large_path(report, "single-copy")
     assert len(oks) == 2, report
 
 

@@ -14,15 +14,17 @@ of shared memory at the end of the control segment, laid out per rank as
                   pipelined reduce-scatter and all-gather, chunk by chunk,
                   with per-chunk counters (rows' STAGED and REDUCED slots).
 
-From SINGLE_COPY_FROM to SINGLE_COPY_TO bytes the pipeline skips staging:
-each rank reads its block of every peer's input, and then the peers'
-reduced blocks, straight from the peers' processes (process_vm_readv), one
-copy where staging makes two. That needs every rank to be allowed to read
-every other's memory (the same user; Yama's ptrace_scope 0, or 1 with
-ranks that are each other's ancestors; no seccomp rule against it): the
-ranks find out at their first such call and all agree, and where any may
-not, every message keeps the staged pipeline (`FastAllreduce.large_path`
-says which).
+Where it can, a large message skips staging (the single copy): each rank
+reads its block of every peer's input straight from the peer's process
+(process_vm_readv), folds it, and writes the reduced block straight into
+every peer's output (process_vm_writev), one copy where staging makes two.
+That needs every rank to be allowed to read and write every other's memory
+(the same user; Yama's ptrace_scope 0, or 1 with ranks that are each
+other's ancestors; no seccomp rule against it): the ranks find out at their
+first large call and all agree, and where any may not, every message keeps
+the staged pipeline (`FastAllreduce.large_path` says which). Since peers
+write into a rank's output, a call that fails aborts the communicator and
+then waits until no peer is writing (`_shmloop.c`'s fence) before it raises.
 
 Both fold in rank order, as the `direct` plan does, so the bits equal the
 interpreter's for that plan on every rank, in place and out of place.
@@ -52,16 +54,18 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 # passes the environment to all); the defaults were measured (README).
 SMALL_MAX = int(os.environ.get("COLLECTIVES_FAST_SMALL_MAX", 64 << 10))
 CHUNK = int(os.environ.get("COLLECTIVES_FAST_CHUNK", 256 << 10))
-# bytes: messages from SINGLE_COPY_FROM up to (not including) SINGLE_COPY_TO
-# read peers' buffers directly (process_vm_readv) where every rank may.
-# Measured with 2 processes (README): 1.1x-1.3x faster than the staged
-# pipeline from 4 to 16 MiB; slower in place below (1 MiB: 1.45x slower)
-# and above (32 and 64 MiB: 1.05x-1.15x slower).
+# Large messages take the single copy where every rank can reach every
+# other's memory. Measured with 2 processes (README): 1.3x-1.8x faster than
+# the staged pipeline from 128 KiB to 64 MiB; with 4 processes on 2 cores,
+# as fast at 256 KiB and 1.05x-1.25x faster above.
 # COLLECTIVES_FAST_SINGLE_COPY=0 keeps every message on the staged pipeline.
-SINGLE_COPY_FROM = int(os.environ.get("COLLECTIVES_FAST_SINGLE_COPY_FROM", 4 << 20))
-SINGLE_COPY_TO = int(os.environ.get("COLLECTIVES_FAST_SINGLE_COPY_TO", 32 << 20))
-if os.environ.get("COLLECTIVES_FAST_SINGLE_COPY", "1") == "0":
-    SINGLE_COPY_FROM = SINGLE_COPY_TO = 0
+SINGLE_COPY = os.environ.get("COLLECTIVES_FAST_SINGLE_COPY", "1") != "0"
+# seconds: how long a failed call waits for a peer still writing into its
+# output (a chunk's writes take microseconds; only a stopped process takes
+# longer). Tests hold a writer inside its writes for
+# COLLECTIVES_FAST_TEST_WRITE_STALL seconds per chunk.
+FENCE_SECONDS = 1.0
+TEST_WRITE_STALL = float(os.environ.get("COLLECTIVES_FAST_TEST_WRITE_STALL", 0))
 SLOT_HEADER = 128
 PAGE = 4096
 
@@ -125,7 +129,7 @@ class FastAllreduce:
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
             small=channel_address, small_max=SMALL_MAX, staging=channel_address + small_area(group.size),
-            chunk=CHUNK, single_copy_from=SINGLE_COPY_FROM, single_copy_to=SINGLE_COPY_TO)
+            chunk=CHUNK, single_copy=SINGLE_COPY, test_write_stall=TEST_WRITE_STALL)
         self._run = self._channel.allreduce
         self._clock = time.perf_counter
 
@@ -144,7 +148,7 @@ class FastAllreduce:
             status = self._run(x, out, code, self._clock() + timeout, SMALL_MAX + 1)
         except BaseException as error:   # a signal handler's (Ctrl-C) while the call waited
             self._group.abort(f"rank {self._group.rank} was interrupted during an allreduce: {type(error).__name__}")
-            raise
+            raise self._fenced(error)
         if status == 0:
             return out
         if status is None:
@@ -167,22 +171,34 @@ class FastAllreduce:
                 raise CollectiveTimeoutError(
                     f"timed out waiting for rank {peer} in call #{seq}, {description} (its counter is at {have}, "
                     f"this rank needs {need}; is every rank making the same calls?)")
-            if kind == 5:   # READ_FAILED: `have` is the errno
-                raise CollectiveError(f"reading rank {peer}'s buffer failed in call #{seq}, {description}: "
-                                      f"{os.strerror(have) if have else 'nothing read'}")
+            if kind in (5, 7):   # READ_FAILED, WRITE_FAILED: `have` is the errno
+                raise CollectiveError(f"{'reading' if kind == 5 else 'writing into'} rank {peer}'s buffer failed in "
+                                      f"call #{seq}, {description}: {os.strerror(have) if have else 'nothing copied'}")
             raise InvalidUsageError(
                 f"rank {peer} is in its call #{group.peer_seq(peer)}, a different call from rank {group.rank}'s "
                 f"call #{seq}, {description}; every rank must make the same calls in the same order")
         except BaseException as error:
             group.abort(f"{type(error).__name__}: {error}")
-            raise
+            raise self._fenced(error)
+
+    def _fenced(self, error):
+        """The error to raise once no peer writes into this rank's buffers
+        any more (the communicator is aborted already): `error`, or one that
+        says which peer was still writing when the fence gave up."""
+        writer = self._channel.fence_writes(FENCE_SECONDS) if self._channel is not None else -1
+        if writer < 0:
+            return error
+        kind = type(error) if isinstance(error, CollectiveError) else CollectiveError
+        return kind(f"{error}; rank {writer} was still writing into this rank's output {FENCE_SECONDS:g} s after "
+                    "the call failed (a stopped process?): the buffer may change until that process runs on or ends")
 
     @property
     def large_path(self):
-        """How messages of the single-copy range move: "single-copy" or
-        "staged" once the ranks agreed (at their first such message; staged
-        where some rank may not read another's memory), "undecided" before;
-        None once closed."""
+        """How messages above the merged step's limit move: "single-copy"
+        or "staged" once the ranks agreed (at their first such message;
+        staged where some rank may not read and write another's memory, or
+        with COLLECTIVES_FAST_SINGLE_COPY=0), "undecided" before; None once
+        closed."""
         return None if self._channel is None else self._channel.large_path
 
     def close(self):

@@ -70,7 +70,8 @@ COUNTER, PID, SEQ, SIG, GEN, CAP = range(6)
 ROW = 16                     # int64 slots per rank row: 128 bytes, so no two ranks' counters share
                              # a cache line (slots 8 and 9: the fast path's chunk counters;
                              # 10: its waits asleep on the row, which publish() wakes; 11 and
-                             # 12: the single-copy path's buffers; 13: whether it may read peers)
+                             # 12: the single-copy path's buffers; 13: whether it may reach peers;
+                             # 14: raised while it writes into peers)
 HEADER = 16                  # ABORT flag, aborting rank + 1; padded to 128 bytes
 ABORT, ABORT_RANK = 0, 1
 HANDLE_BYTES = 64            # sizeof(cudaIpcMemHandle_t)
