@@ -196,38 +196,47 @@ def scenario_abort(comm):
 
 
 # The fenced scenario: rank 1 holds each chunk's writes into rank 0 this
-# long (fastpath.TEST_WRITE_STALL), rank 0 gives up after FENCED_TIMEOUT.
-FENCED_STALL = 1.0
-FENCED_TIMEOUT = 0.3
+# long (fastpath.TEST_WRITE_STALL); rank 0 gives up after FENCED_TIMEOUT,
+# by when rank 1 is inside its first chunk's writes.
+FENCED_STALL = 3.0
+FENCED_TIMEOUT = 1.0
 
 
 def scenario_fenced(comm):
     """Rank 0 gives up while rank 1 is inside its writes into rank 0's output
     (the single copy): the failed call raises only once that write is done,
-    so the buffer does not change after the call raised (case 0); a writer
-    held longer than the fence waits is named in the error (case 1)."""
+    in place (case 0) and out of place (case 2), so the output does not
+    change after the call raised; a writer held longer than the fence waits
+    is named in the error (case 1)."""
     case = int(os.environ["FASTPATH_CASE"])
-    x = np.ones((4 << 20) // 4, np.float32)
+    count = (4 << 20) // 4
+    x = np.ones(count, np.float32)
+    out = x if case != 2 else np.zeros_like(x)
     if comm.rank == 0:
         comm.timeout = FENCED_TIMEOUT
-        fastpath.FENCE_SECONDS = 5.0 if case == 0 else 0.2
+        if case == 1:
+            fastpath.FENCE_SECONDS = 0.2
+    MPI.COMM_WORLD.Barrier()
     try:
-        comm.allreduce(x)
+        comm.allreduce(x, out=out)
     except CollectiveError as error:
         if comm.rank == 1:
             assert "aborted" in str(error) and "timed out" in str(error), error
-        elif case == 0:
-            assert "timed out waiting for rank 1" in str(error) and "still writing" not in str(error), error
+        elif case == 1:
+            assert "rank 1 was still writing into peers' outputs" in str(error), error
         else:
-            assert "rank 1 was still writing into this rank's output" in str(error), error
+            assert "timed out waiting for rank 1" in str(error) and "still writing" not in str(error), error
     else:
         # only where the ranks cannot reach each other's memory (no writes to hold): the test skips
         assert comm._ranks.fast_allreduce.large_path == "staged"   # noqa: SLF001
         return
-    if comm.rank == 0 and case == 0:
-        after_the_call = x.copy()
+    if comm.rank == 0 and case != 1:
+        # rank 1's held chunk (the first of block 1) landed before the call raised ...
+        assert out[count // 2] == 2, out[count // 2]
+        after_the_call = out.copy()
         time.sleep(FENCED_STALL + 0.5)
-        changed = np.flatnonzero(x != after_the_call)
+        # ... and nothing after it
+        changed = np.flatnonzero(out != after_the_call)
         assert changed.size == 0, f"{changed.size} elements changed after the call raised, from {changed[0]}"
 
 

@@ -91,7 +91,7 @@ def test_mismatched_calls_are_named(case):
     assert len(oks) == 2, report
 
 
-@pytest.mark.parametrize("case", [0, 1], ids=["waits-for-the-write", "names-a-writer-held-longer"])
+@pytest.mark.parametrize("case", [0, 2, 1], ids=["waits-for-the-write", "out-of-place", "names-a-writer-held-longer"])
 def test_a_failed_call_raises_only_once_no_peer_writes_into_its_output(case):
     oks, report = run_worker(2, "fenced", env={**LARGE_PATHS["single-copy"], "FASTPATH_CASE": str(case)},
                              launcher_flags=["-disable-auto-cleanup"])

@@ -525,11 +525,12 @@ static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes,
  * Writing into peers adds one rule: nothing is written into a rank's
  * output once the rank has handed it back to its caller. A rank returns
  * normally only after every peer has published the end of its writes. A
- * rank that fails aborts the communicator, then fences (fence_writes):
- * a writer raises its row's WRITING slot, then looks at the abort flag,
- * before each chunk's writes, and gives up if it is set; the fence, after
- * the abort, waits until no live peer's WRITING is raised. Both sides
- * store, then load, sequentially consistent: either the writer sees the
+ * rank that fails aborts the communicator, then fences (fence_writes).
+ * Before each chunk's writes, a writer raises its row's WRITING slot, then
+ * looks at the abort flag, and gives up if it is set; the fence, once the
+ * abort flag is stored, issues a full barrier and waits until no live
+ * peer's WRITING is raised. Each side stores, then loads, with a
+ * sequentially consistent barrier between: either the writer sees the
  * abort or the fence sees the writer, and waits for the one chunk it is
  * writing. */
 
@@ -543,12 +544,20 @@ static int copy_with_peer(Waits *w, int peer, char *local, int64_t remote, size_
         ssize_t got = into_peer ? process_vm_writev(pid, &here, 1, &there, 1, 0)
                                 : process_vm_readv(pid, &here, 1, &there, 1, 0);
         if (got <= 0) {
-            if (got < 0 && errno == EINTR)
+            int error = got < 0 ? errno : 0;
+            if (error == EINTR)
                 continue;
+            /* a peer that aborted may have handed its buffers back: its reason is the one to report */
+            if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
+                w->failed_peer = -1;
+                return ABORTED;
+            }
             w->failed_peer = peer;
-            w->failed_have = got < 0 ? errno : 0;
+            w->failed_have = error;
             w->failed_need = (int64_t)nbytes;
-            return !process_alive(pid) ? PEER_DEAD : into_peer ? WRITE_FAILED : READ_FAILED;
+            if (error == ESRCH || !process_alive(pid))
+                return PEER_DEAD;
+            return into_peer ? WRITE_FAILED : READ_FAILED;
         }
         local += got;
         remote += got;
@@ -582,15 +591,16 @@ static void end_writes(Waits *w)
     __atomic_store_n(&w->rows[w->rank * ROW_SLOTS + WRITING], 0, __ATOMIC_RELEASE);
 }
 
-/* Whether this rank may read every peer's input and write its output,
- * asked once per channel with the peers' buffers of the first large call.
- * No rank has moved a byte of that call yet (all wait for each other's
- * verdict first), so writing back the bytes just read changes nothing. */
+/* Whether this rank may read every peer's input and write its output (1
+ * or 0; -1 if the communicator was aborted), asked once per channel with
+ * the peers' buffers of the first large call. No rank has moved a byte of
+ * that call yet (all wait for each other's verdict first), so writing back
+ * the bytes just read changes nothing. */
 static int can_reach_peers(Waits *w, size_t nbytes)
 {
     size_t probe_bytes = nbytes < 8 ? nbytes : 8;
     if (!begin_writes(w))
-        return 0;
+        return -1;
     int reached = 1;
     for (int p = 0; p < w->nranks && reached; p++) {
         if (p == w->rank)
@@ -613,7 +623,12 @@ static int agree_on_single_copy(Channel *c, size_t nbytes)
 {
     Waits *w = &c->waits;
     int64_t *mine = &w->rows[w->rank * ROW_SLOTS];
-    publish(mine, CAN_REACH, can_reach_peers(w, nbytes) ? 2 : 1);
+    int reached = can_reach_peers(w, nbytes);
+    if (reached < 0) {
+        w->failed_peer = -1;
+        return ABORTED;
+    }
+    publish(mine, CAN_REACH, reached ? 2 : 1);
     int status = wait_peers(w, CAN_REACH, 1);
     if (status != OK)
         return status;
@@ -912,7 +927,8 @@ static void Channel_dealloc(Channel *c)
 /* channel.fence_writes(seconds) -> -1 once no live peer writes into this
  * rank's memory, or the first peer still writing after `seconds`. Called
  * by a failed call after it aborted the communicator, before the caller
- * gets its buffers back (see "Large messages, single copy"). */
+ * gets its buffers back (see "Large messages, single copy"). Sets the
+ * abort flag itself where the abort did not (a second Ctrl-C in it). */
 static PyObject *Channel_fence_writes(Channel *c, PyObject *arg)
 {
     double seconds = PyFloat_AsDouble(arg);
@@ -921,6 +937,8 @@ static PyObject *Channel_fence_writes(Channel *c, PyObject *arg)
     Waits *w = &c->waits;
     int still_writing = -1;
     Py_BEGIN_ALLOW_THREADS
+    if (!__atomic_load_n(&w->header[ABORT], __ATOMIC_SEQ_CST))
+        __atomic_store_n(&w->header[ABORT], 1, __ATOMIC_SEQ_CST);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* the abort flag's store before the loads below */
     double give_up = now_seconds() + seconds;
     for (int p = 0; p < w->nranks && still_writing < 0; p++) {

@@ -38,6 +38,7 @@ and runs or refuses it. Without the compiled loop there is no fast path.
 
 import os
 import time
+import warnings
 
 import numpy as np
 
@@ -61,10 +62,10 @@ CHUNK = int(os.environ.get("COLLECTIVES_FAST_CHUNK", 256 << 10))
 # COLLECTIVES_FAST_SINGLE_COPY=0 keeps every message on the staged pipeline.
 SINGLE_COPY = os.environ.get("COLLECTIVES_FAST_SINGLE_COPY", "1") != "0"
 # seconds: how long a failed call waits for a peer still writing into its
-# output (a chunk's writes take microseconds; only a stopped process takes
-# longer). Tests hold a writer inside its writes for
+# output (a chunk's writes take microseconds; only a stopped or long
+# starved process takes longer). Tests hold a writer inside its writes for
 # COLLECTIVES_FAST_TEST_WRITE_STALL seconds per chunk.
-FENCE_SECONDS = 1.0
+FENCE_SECONDS = 5.0
 TEST_WRITE_STALL = float(os.environ.get("COLLECTIVES_FAST_TEST_WRITE_STALL", 0))
 SLOT_HEADER = 128
 PAGE = 4096
@@ -147,50 +148,57 @@ class FastAllreduce:
         try:
             status = self._run(x, out, code, self._clock() + timeout, SMALL_MAX + 1)
         except BaseException as error:   # a signal handler's (Ctrl-C) while the call waited
-            self._group.abort(f"rank {self._group.rank} was interrupted during an allreduce: {type(error).__name__}")
-            raise self._fenced(error)
+            self._abort_and_raise(f"rank {self._group.rank} was interrupted during an allreduce: "
+                                  f"{type(error).__name__}", error)
         if status == 0:
             return out
         if status is None:
             return None
-        self._fail(status, x, op)
+        try:
+            self._raise_for(status, x, op)
+        except BaseException as error:
+            self._abort_and_raise(f"{type(error).__name__}: {error}", error)
 
-    def _fail(self, status, x, op):
-        """Raise what the interpreter's waits raise for the same failure, after
-        aborting the communicator for every rank."""
+    def _raise_for(self, status, x, op):
+        """Raise what the interpreter's waits raise for the same failure."""
         kind, peer, have, need, seq = status
         group = self._group
         group._seq = seq   # noqa: SLF001 - the row's SEQ, which this call advanced
         description = (f"allreduce of {x.size} {x.dtype} (op {list(ReduceOp)[_OP_CODES[op]].value}, root 0, "
                        f"algorithm {path_for(x.nbytes)})")
-        try:
-            if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health says which
-                group.check_health(peer if kind == 3 else None)
-                raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")
-            if kind == 1:
-                raise CollectiveTimeoutError(
-                    f"timed out waiting for rank {peer} in call #{seq}, {description} (its counter is at {have}, "
-                    f"this rank needs {need}; is every rank making the same calls?)")
-            if kind in (5, 7):   # READ_FAILED, WRITE_FAILED: `have` is the errno
-                raise CollectiveError(f"{'reading' if kind == 5 else 'writing into'} rank {peer}'s buffer failed in "
-                                      f"call #{seq}, {description}: {os.strerror(have) if have else 'nothing copied'}")
-            raise InvalidUsageError(
-                f"rank {peer} is in its call #{group.peer_seq(peer)}, a different call from rank {group.rank}'s "
-                f"call #{seq}, {description}; every rank must make the same calls in the same order")
-        except BaseException as error:
-            group.abort(f"{type(error).__name__}: {error}")
-            raise self._fenced(error)
+        if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health says which
+            group.check_health(peer if kind == 3 else None)
+            raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")
+        if kind == 1:
+            raise CollectiveTimeoutError(
+                f"timed out waiting for rank {peer} in call #{seq}, {description} (its counter is at {have}, "
+                f"this rank needs {need}; is every rank making the same calls?)")
+        if kind in (5, 7):   # READ_FAILED, WRITE_FAILED: `have` is the errno
+            raise CollectiveError(f"{'reading' if kind == 5 else 'writing into'} rank {peer}'s buffer failed in "
+                                  f"call #{seq}, {description}: {os.strerror(have) if have else 'nothing copied'}")
+        raise InvalidUsageError(
+            f"rank {peer} is in its call #{group.peer_seq(peer)}, a different call from rank {group.rank}'s "
+            f"call #{seq}, {description}; every rank must make the same calls in the same order")
 
-    def _fenced(self, error):
-        """The error to raise once no peer writes into this rank's buffers
-        any more (the communicator is aborted already): `error`, or one that
-        says which peer was still writing when the fence gave up."""
-        writer = self._channel.fence_writes(FENCE_SECONDS) if self._channel is not None else -1
+    def _abort_and_raise(self, reason, error):
+        """Abort the communicator for every rank, wait until no peer writes
+        into this rank's buffers any more (the fence; it runs even if a
+        second Ctrl-C cuts the abort short), then raise `error`, or one that
+        names the peer the fence gave up on."""
+        writer = -1
+        try:
+            self._group.abort(reason)
+        finally:
+            if self._channel is not None:
+                writer = self._channel.fence_writes(FENCE_SECONDS)
         if writer < 0:
-            return error
-        kind = type(error) if isinstance(error, CollectiveError) else CollectiveError
-        return kind(f"{error}; rank {writer} was still writing into this rank's output {FENCE_SECONDS:g} s after "
-                    "the call failed (a stopped process?): the buffer may change until that process runs on or ends")
+            raise error
+        note = (f"rank {writer} was still writing into peers' outputs {FENCE_SECONDS:g} s after this call failed "
+                "(a stopped process?): this rank's output may still change until that process runs on or ends")
+        if not isinstance(error, CollectiveError):   # Ctrl-C stays a KeyboardInterrupt
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
+            raise error
+        raise type(error)(f"{error}; {note}") from error
 
     @property
     def large_path(self):
