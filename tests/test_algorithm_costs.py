@@ -32,3 +32,16 @@ def test_closed_forms_match_the_schedules(name):
                 assert want.steps == got[0], (name, collective, n, root, "steps")
                 assert want.sent == pytest.approx(got[1]), (name, collective, n, root, "sent")
                 assert want.moved == pytest.approx(got[2]), (name, collective, n, root, "moved")
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_rank_at_once_equals_rank_by_rank(name):
+    # auto weighs the one-pass tables; the costs above check the per-rank ones
+    for collective in REGISTRY[name].collectives:
+        for n in (1, 2, 3, 5, 8, 13):
+            schedule = schedule_for(name, collective, n, 0 if collective in (BROADCAST, REDUCE_TO_ROOT) else None)
+            for fused in (True, False):
+                assert schedule.chunks_moved_by_rank_and_step(fused) == [
+                    schedule.chunks_moved_by_step(r, fused) for r in range(n)], (name, collective, n, fused)
+            assert schedule.peers_read_by_rank_and_step() == [
+                [schedule.peers_read(r, s) for s in range(schedule.nsteps)] for r in range(n)], (name, collective, n)

@@ -89,6 +89,17 @@ def test_every_output_holds_each_rank_once_in_one_order(case):
 
 
 @every_schedule
+def test_the_traces_masks_agree_with_the_expressions(case):
+    # validate() checks outputs through `held`, without walking expressions
+    s = make(*case)
+    trace = s.trace()
+    assert trace.held.keys() == trace.final.keys()
+    for region, expression in trace.final.items():
+        ranks = contributions(expression)
+        assert trace.held[region] == (sum(1 << r for r in set(ranks)), len(ranks)), region
+
+
+@every_schedule
 def test_avg_divides_only_where_a_reduction_completes(case):
     algorithm, collective, n, root = case
     s = make(algorithm, collective, n, root)

@@ -120,9 +120,10 @@ def bytes_moved(schedule, nbytes, model):
     waits for: those peers must all be scheduled, and ranks spinning in the
     wait take the cores they need (see the README for what that bought).
     """
-    per_rank_steps = [schedule.chunks_moved_by_step(r, model.fused_reduce) for r in range(schedule.nranks)]
+    per_rank_steps = schedule.chunks_moved_by_rank_and_step(model.fused_reduce)
     if model.contended:
-        per_rank_steps = [[max(1, len(schedule.peers_read(r, s))) * chunks for s, chunks in enumerate(steps)]
+        peers = schedule.peers_read_by_rank_and_step()
+        per_rank_steps = [[max(1, len(peers[r][s])) * chunks for s, chunks in enumerate(steps)]
                           for r, steps in enumerate(per_rank_steps)]
     if model.one_engine:
         chunks = sum(map(sum, per_rank_steps))
@@ -134,7 +135,7 @@ def bytes_moved(schedule, nbytes, model):
 def busiest_rank_bytes(schedule, nbytes, model):
     """The most traffic one rank has: what breaks a tie between equal models
     (the algorithm that spreads the work wins)."""
-    return max(schedule.chunks_moved(r, model.fused_reduce) for r in range(schedule.nranks)) * nbytes / schedule.nchunks
+    return max(map(sum, schedule.chunks_moved_by_rank_and_step(model.fused_reduce))) * nbytes / schedule.nchunks
 
 
 @functools.lru_cache(maxsize=1024)

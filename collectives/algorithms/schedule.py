@@ -133,15 +133,28 @@ class Schedule:
 
     def chunks_moved_by_step(self, rank, fused=True):
         """`chunks_moved`, step by step."""
-        def cost(t):
-            if t.kind == REDUCE and not fused:
-                return 3 * (len(t.srcs) - 1)
-            return len(t.srcs) + 1
-        return [sum(cost(t) for t in step if t.rank == rank) for step in self.steps]
+        return [sum(_chunks_moved(t, fused) for t in step if t.rank == rank) for step in self.steps]
+
+    def chunks_moved_by_rank_and_step(self, fused=True):
+        """`chunks_moved_by_step` of every rank, in one pass over the transfers
+        (`auto` weighs schedules of hundreds of ranks)."""
+        table = [[0] * self.nsteps for _ in range(self.nranks)]
+        for s, step in enumerate(self.steps):
+            for t in step:
+                table[t.rank][s] += _chunks_moved(t, fused)
+        return table
 
     def peers_read(self, rank, step):
         """The peers whose buffers `rank` reads in step `step`."""
         return {src.rank for t in self.steps[step] if t.rank == rank for src in t.srcs if src.rank != rank}
+
+    def peers_read_by_rank_and_step(self):
+        """`peers_read` of every rank and step, in one pass over the transfers."""
+        table = [[set() for _ in range(self.nsteps)] for _ in range(self.nranks)]
+        for s, step in enumerate(self.steps):
+            for t in step:
+                table[t.rank][s].update(src.rank for src in t.srcs if src.rank != t.rank)
+        return table
 
     def input_chunks(self, rank):
         """The WORK chunks that hold `rank`'s input before step 0."""
@@ -166,6 +179,13 @@ class Schedule:
         return _trace(self)
 
 
+def _chunks_moved(transfer, fused):
+    """Chunks a transfer reads plus writes (see Schedule.chunks_moved)."""
+    if transfer.kind == REDUCE and not fused:
+        return 3 * (len(transfer.srcs) - 1)
+    return len(transfer.srcs) + 1
+
+
 class Trace(NamedTuple):
     # Region -> expression: an int is that rank's original contribution to the
     # chunk, a tuple is the left fold of its members' values.
@@ -173,6 +193,10 @@ class Trace(NamedTuple):
     # (step index, transfer index) of every REDUCE whose result holds all
     # ranks' contributions: where avg divides.
     completing: frozenset
+    # Region -> (bit mask of the ranks its expression contains, how many
+    # contributions it holds): `contributions` without walking the
+    # expression, whose depth grows with the number of ranks.
+    held: dict
 
 
 def contributions(expr):
@@ -185,29 +209,39 @@ def contributions(expr):
 def _trace(schedule):
     n = schedule.nranks
     values = {}
+    held = {}
     for rank in range(n):
         for chunk in schedule.input_chunks(rank):
             values[Region(rank, WORK, chunk)] = rank
+            held[Region(rank, WORK, chunk)] = (1 << rank, 1)
     completing = set()
     for s, step in enumerate(schedule.steps):
         # All reads of a step see the state before it (validate() guarantees
-        # no region is read and written by different transfers of one step).
-        before = dict(values)
+        # no region is read and written by different transfers of one step):
+        # the step's writes land once all its transfers have read.
+        writes = []
         for i, t in enumerate(step):
             try:
-                inputs = [before[src] for src in t.srcs]
+                inputs = [values[src] for src in t.srcs]
             except KeyError as missing:
                 raise ScheduleError(f"step {s}: {t.kind} reads {missing.args[0]} before it holds data") from None
             if t.kind == COPY:
-                values[t.dst] = inputs[0]
-            else:
-                values[t.dst] = tuple(inputs)
-                ranks = contributions(values[t.dst])
-                if len(ranks) != len(set(ranks)):
-                    raise ScheduleError(f"step {s}: {t.dst} would hold a contribution twice: {sorted(ranks)}")
-                if len(ranks) == n:
-                    completing.add((s, i))
-    return Trace(values, frozenset(completing))
+                writes.append((t.dst, inputs[0], held[t.srcs[0]]))
+                continue
+            mask, count = 0, 0
+            for src in t.srcs:
+                src_mask, src_count = held[src]
+                mask, count = mask | src_mask, count + src_count
+            if count != mask.bit_count():
+                raise ScheduleError(f"step {s}: {t.dst} would hold a contribution twice: "
+                                    f"{sorted(contributions(tuple(inputs)))}")
+            writes.append((t.dst, tuple(inputs), (mask, count)))
+            if count == n:
+                completing.add((s, i))
+        for dst, value, ranks_held in writes:
+            values[dst] = value
+            held[dst] = ranks_held
+    return Trace(values, frozenset(completing), held)
 
 
 def validate(schedule):
@@ -257,17 +291,18 @@ def _check_outputs(schedule, trace):
     """Every output chunk holds what the collective promises."""
     n = schedule.nranks
     reducing = schedule.collective in REDUCING_COLLECTIVES
+    everyone = list(range(n)), (1 << n) - 1
     for rank in range(n):
         for chunk in schedule.output_chunks(rank):
             region = Region(rank, schedule.result_buffer, chunk)
             if region not in trace.final:
                 raise ScheduleError(f"output {region} never receives data")
-            got = sorted(contributions(trace.final[region]))
             if reducing:
-                want = list(range(n))
-            elif schedule.collective == ALLGATHER:
-                want = [chunk]
+                want, want_mask = everyone
             else:
-                want = [schedule.root]
-            if got != want:
+                source = chunk if schedule.collective == ALLGATHER else schedule.root
+                want, want_mask = [source], 1 << source
+            # no rank twice (the trace refused repeats), so the mask and count say it all
+            if trace.held[region] != (want_mask, len(want)):
+                got = sorted(contributions(trace.final[region]))
                 raise ScheduleError(f"output {region} holds contributions {got}, expected {want}")
