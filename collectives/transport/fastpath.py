@@ -56,9 +56,10 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 SMALL_MAX = int(os.environ.get("COLLECTIVES_FAST_SMALL_MAX", 64 << 10))
 CHUNK = int(os.environ.get("COLLECTIVES_FAST_CHUNK", 256 << 10))
 # Large messages take the single copy where every rank can reach every
-# other's memory. Measured with 2 processes (README): 1.3x-1.8x faster than
-# the staged pipeline from 128 KiB to 64 MiB; with 4 processes on 2 cores,
-# as fast at 256 KiB and 1.05x-1.25x faster above.
+# other's memory. Measured with 2 processes (README): faster than the staged
+# pipeline from 128 KiB to 64 MiB, 1.5x-1.9x in place and 1.1x (64 MiB out
+# of place) to 1.8x; with 4 processes on 2 cores, as fast at 256 KiB and
+# 1.05x-1.25x faster above.
 # COLLECTIVES_FAST_SINGLE_COPY=0 keeps every message on the staged pipeline.
 SINGLE_COPY = os.environ.get("COLLECTIVES_FAST_SINGLE_COPY", "1") != "0"
 # seconds: how long a failed call waits for a peer still writing into its
