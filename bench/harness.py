@@ -491,16 +491,22 @@ def picked_algorithm(backend, spec, args, in_count):
     if backend.compression is not None:
         from collectives.compression.wire import encoded_nbytes
         nbytes = encoded_nbytes(backend.compression, in_count)
-    return backend.comm.chosen_algorithm(spec.name, nbytes, root=args.root if spec.rooted else 0)
+    # a single rank's uncompressed allreduce passes one array (all_reduce_perf.run_ours): say so
+    one_array = len(backend.local_ranks) == 1 and backend.compression is None
+    return backend.comm.chosen_algorithm(spec.name, nbytes, root=args.root if spec.rooted else 0,
+                                         dtype=args.dtype if one_array else None)
 
 
 def wire_bytes_per_rank(backend, spec, args, in_count):
     """Bytes one call makes a rank read from its peers (its plan's wire_bytes
-    over the ranks); None for backends other than ours (no plan to ask)."""
+    over the ranks; for the compiled loop's steps, the plan's that moves as
+    much); None for backends other than ours (no plan to ask)."""
     if backend.algorithm is None:
         return None
     from collectives.plan import build_plan
-    plan = build_plan(spec.name, picked_algorithm(backend, spec, args, in_count), backend.nranks, in_count,
+    from collectives.transport.fastpath import SAME_TRAFFIC
+    algorithm = picked_algorithm(backend, spec, args, in_count)
+    plan = build_plan(spec.name, SAME_TRAFFIC.get(algorithm, algorithm), backend.nranks, in_count,
                       args.dtype, collectives.ReduceOp(args.op), compression=backend.compression)
     per_rank = plan.wire_bytes / backend.nranks
     return int(per_rank) if per_rank == int(per_rank) else per_rank

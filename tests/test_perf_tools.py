@@ -19,6 +19,7 @@ from bench.all_reduce_perf import ALLREDUCE
 from bench.broadcast_perf import BROADCAST
 from bench.reduce_perf import REDUCE
 from bench.reduce_scatter_perf import REDUCE_SCATTER
+from collectives.transport import fastpath
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = {"all_reduce_perf": ALLREDUCE, "reduce_scatter_perf": REDUCE_SCATTER, "all_gather_perf": ALLGATHER,
@@ -413,6 +414,9 @@ def test_codecs_across_processes_beside_uncompressed_mpi(tmp_path):
         assert mpi["compression"] == "none" and mpi["wire_bytes"] is None and mpi["maxrel"] < MAXREL["none"]
         assert fp16["wire_bytes"] <= 0.52 * plain["wire_bytes"] and int8["wire_bytes"] <= 0.28 * plain["wire_bytes"]
         assert fp16["maxrel"] < MAXREL["fp16"] and int8["maxrel"] < MAXREL["int8"]
+        # one array per process, as users call it: the compiled loop's merged step where it is built
+        assert plain["picked"] == ("merged" if fastpath.available() else "direct"), plain
+        assert plain["wire_bytes"] == plain["size"], plain   # 2 ranks: each reads its peer's message once
 
 
 def test_nccl_is_a_backend_for_gpus_only():

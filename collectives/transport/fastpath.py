@@ -86,6 +86,10 @@ _OP_CODES = {**{o: i for i, o in enumerate(ReduceOp)}, **{o.value: i for i, o in
 assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the loop's OP_ codes"
 
 PATHS = ("merged", "pipelined")   # what `chosen_algorithm` reports for the two
+# The plan whose traffic between ranks each step has, per rank: the merged
+# step reads every peer's slot, as `direct` reads every peer's buffer; the
+# pipeline moves 2(n-1)/n of the message across, as `two_shot` does.
+SAME_TRAFFIC = {"merged": "direct", "pipelined": "two_shot"}
 
 
 def _pages(nbytes):
