@@ -1,10 +1,14 @@
 """Inputs and closed-form expectations shared by the host, MPI and GPU suites
-(and one check the multi-process workers share).
+(and what the multi-process workers share).
 
 Rank r's element i is chosen so that every result is exact in every dtype
 (float16 and int8 included, for up to 8 ranks), whatever the reduction order:
 so one expectation serves every algorithm and backend, with no tolerance.
 """
+
+import os
+import sys
+import traceback
 
 import numpy as np
 
@@ -83,3 +87,17 @@ def expect_a_different_call(call, what):
         assert "aborted" in str(error) and "different call" in str(error), error
         return
     raise AssertionError(f"{what} completed")
+
+
+def run_scenario(run, ranks_leave):
+    """A multi-process worker's scenario: `run()`. Where ranks leave early
+    (`ranks_leave`), MPI_Finalize would wait for them, so a failure prints
+    its traceback and exits 1 at once: a failure, not a hang."""
+    try:
+        run()
+    except BaseException:
+        if not ranks_leave:
+            raise
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

@@ -15,7 +15,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 
 if len(sys.argv) > 2 and sys.argv[2] == "no-loop":
     sys.modules["collectives.transport._shmloop"] = None   # import now raises ImportError
@@ -25,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import expect_a_different_call
+from cases import expect_a_different_call, run_scenario
 from collectives.errors import CollectiveError, CollectiveTimeoutError, RankFailedError
 from collectives.transport import fastpath
 
@@ -290,20 +289,15 @@ def main():
     comm = collectives.init(timeout=TIMEOUT)
     assert LOOP == (comm._ranks.fast_allreduce is not None), "the loop runs exactly when not hidden"   # noqa: SLF001
     digest = hashlib.blake2b()
-    # where a rank leaves early, MPI_Finalize would wait for it: exit at once
     ranks_leave = scenario in ("killed_large", "abort", "stalled_large", "mismatch", "interrupted", "fenced")
-    try:
+
+    def run():
         if scenario == "bits":
             scenario_bits(comm, digest)
             scenario_declined(comm, digest)
         else:
             globals()[f"scenario_{scenario}"](comm)
-    except BaseException:
-        if not ranks_leave:
-            raise
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)   # a failure with its traceback, not a hang
+    run_scenario(run, ranks_leave)
     print(f"OK {scenario} {comm.rank} {digest.hexdigest()[:16]}", flush=True)
     if LOOP:
         print(f"LARGE PATH {comm.rank} {comm._ranks.fast_allreduce.large_path}", flush=True)   # noqa: SLF001

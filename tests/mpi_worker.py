@@ -10,14 +10,14 @@ checked held, and fails with a traceback (non-zero exit) otherwise.
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 from mpi4py import MPI
 
 import collectives
 import collectives.compression
-from cases import DTYPES, OPS, counts_for, expect_a_different_call, gather_input, reduction_expected, reduction_input
+from cases import (DTYPES, OPS, counts_for, expect_a_different_call, gather_input, reduction_expected, reduction_input,
+                   run_scenario)
 from collectives import CollectiveError, CollectiveTimeoutError, RankFailedError
 from collectives.algorithms import REGISTRY
 
@@ -267,14 +267,7 @@ def main():
     comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
     assert comm.size == MPI.COMM_WORLD.size and comm.rank == MPI.COMM_WORLD.rank
     rank_died = scenario in ("killed", "fusion_killed")
-    try:
-        globals()[f"scenario_{scenario}"](comm)
-    except BaseException:
-        if not rank_died:
-            raise
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)   # a failure, not a hang: MPI_Finalize would wait for the dead rank
+    run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=rank_died)
     print(f"OK {scenario} {comm.rank}", flush=True)
     if rank_died:
         os._exit(0)  # MPI_Finalize would wait for the dead rank
