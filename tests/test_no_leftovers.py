@@ -285,3 +285,18 @@ def test_a_prefix_must_come_from_new_prefix():
 
 if __name__ == "__main__":
     worker(*sys.argv[1:3])
+
+
+def test_a_wait_whose_peer_published_then_died_returns():
+    # The peer publishes and exits between the wait's ready() and its health
+    # check: the wait got what it waited for, and must not report the death.
+    from collectives.errors import RankFailedError
+    from collectives.transport.protocol import Waiter
+    published = []
+
+    def peer_published_then_died():
+        published.append(True)
+        raise RankFailedError("rank 1 (pid 1) died before completing the collective")
+
+    Waiter(time.perf_counter() + 5).until(lambda: bool(published), lambda: "rank 1", peer_published_then_died)
+    assert published

@@ -174,12 +174,13 @@ static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need,
             break;
         double now = now_seconds();
         if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
-            status = ABORTED;
+            status = load_acquire(counter) >= need ? OK : ABORTED;   /* published, then aborted */
             break;
         }
         if (now >= next_check) {
             if (!process_alive(load_acquire(&w->rows[peer * ROW_SLOTS + PID]))) {
-                status = PEER_DEAD;
+                /* a peer may publish, then exit, between the load above and this check */
+                status = load_acquire(counter) >= need ? OK : PEER_DEAD;
                 break;
             }
             /* Python's signal handlers run here, as in the interpreter's waits */

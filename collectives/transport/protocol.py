@@ -145,7 +145,14 @@ class Waiter:
         while not ready():
             now = time.perf_counter()
             if now >= next_check:
-                check()
+                try:
+                    check()
+                except CollectiveError:
+                    # The peer may have published, then left or died, since
+                    # ready() was asked: what this waits for happened.
+                    if ready():
+                        return
+                    raise
                 next_check = now + self.LIVENESS_EVERY
             if now >= self.deadline:
                 raise CollectiveTimeoutError(f"timed out waiting for {describe()}")
