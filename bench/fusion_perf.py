@@ -68,7 +68,11 @@ def make_communicator(args, world):
         return collectives.Communicator.local(args.ranks)
     if args.device == "emulated":
         return collectives.Communicator.local(args.ranks, devices="emulated")
-    return collectives.Communicator.local(args.ranks, devices=list(range(args.ranks)))
+    # As `init(device="cuda")` places processes: rank r on GPU r modulo the
+    # GPUs this process sees, so --ranks 4 runs on a one-GPU machine too.
+    from collectives.devices.cuda import visible_gpus
+    gpus = visible_gpus()
+    return collectives.Communicator.local(args.ranks, devices=[r % gpus for r in range(args.ranks)])
 
 
 def allocate(comm, args, sizes):

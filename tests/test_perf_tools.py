@@ -446,3 +446,18 @@ def test_in_place_batches_start_from_the_seeded_inputs(monkeypatch, capsys, tmp_
     assert code == 0, out
     in_place = largest[len(largest) // 2:]   # out of place first, then in place
     assert len(in_place) == 4 and max(in_place) < 10  # standard normal inputs, not 2^80 times them
+
+
+@pytest.mark.parametrize("gpus, expected", [(1, [0, 0, 0, 0]), (2, [0, 1, 0, 1]), (8, [0, 1, 2, 3])])
+def test_fusion_perf_places_cuda_ranks_on_the_gpus_there_are(monkeypatch, gpus, expected):
+    """--device cuda --ranks 4 on a one-GPU machine puts every rank on GPU 0
+    (it asked for GPUs 0-3 and failed), as init(device="cuda") does."""
+    import collectives
+    from bench import fusion_perf
+    from collectives.devices import cuda
+
+    asked = []
+    monkeypatch.setattr(cuda, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(collectives.Communicator, "local", staticmethod(lambda n, devices=None: asked.append(devices)))
+    fusion_perf.make_communicator(fusion_perf.parse_args(["--device", "cuda", "--ranks", "4"]), world=None)
+    assert asked == [expected]
