@@ -1,13 +1,23 @@
 """What each plan costs on the GPU path, without running it.
 
-    python -m bench.plan_report [--ranks 4] [--bytes 64M] [-J out.json]
+    python -m bench.plan_report [--ranks 4] [--bytes 64M] [--compression fp16,...] [-J out.json]
 
 For every collective, algorithm and binding: the kernel launches per device
 (all ranks on one device, and one rank per device), the bytes of device
-memory the plan reads plus writes over all ranks, and how many of those are
-copies between a caller's array and a workspace. Ranks in one process use
-the in-place or out-of-place binding (no workspace copies, binding.py);
-`workspace` is what ranks in separate processes must do, shown for scale.
+memory the plan reads plus writes over all ranks, that traffic against the
+floor, and how many of those bytes are copies between a caller's array and
+a workspace. Ranks in one process use the in-place or out-of-place binding
+(no workspace copies, binding.py); `workspace` is what ranks in separate
+processes must do, shown for scale.
+
+The floor is what ranks sharing one device must move at least: every input
+read once and every output written once (allreduce: 2 n S for n ranks of S
+bytes; broadcast: S read, (n-1) S written). Between devices a plan must also
+move bytes across links, so the floor is lower than any plan there.
+
+`--compression` adds the allreduce plans with each codec: their launches
+are codec kernels (compression/wire.py, `codec_launches`), and their traffic
+is what those kernels read and write, wire form and float32 alike.
 """
 
 import argparse
@@ -16,10 +26,13 @@ import sys
 
 import numpy as np
 
+from bench.compression_model import codec_phase_bytes
 from bench.harness import parse_size
 from collectives.algorithms import REGISTRY
-from collectives.algorithms.schedule import COLLECTIVES
+from collectives.algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_SCATTER, REDUCE_TO_ROOT
 from collectives.binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
+from collectives.compression import wire
+from collectives.compression.kernels import CODECS, has_scales
 from collectives.devices import open_device
 from collectives.executors.device import DeviceRanks
 from collectives.plan import build_plan
@@ -27,7 +40,47 @@ from collectives.plan import build_plan
 ROOTED = ("broadcast", "reduce")
 
 
-def report(nranks, nbytes, dtype=np.dtype("float32")):
+def floor_bytes(collective, nranks, count, itemsize):
+    """The least traffic of a collective whose ranks share one device: each
+    input read once, each output written once (`count`: a rank's WORK)."""
+    message = count * itemsize
+    if collective == ALLREDUCE:
+        return 2 * nranks * message
+    if collective in (REDUCE_SCATTER, REDUCE_TO_ROOT):
+        return nranks * message + (message // nranks if collective == REDUCE_SCATTER else message)
+    if collective == ALLGATHER:
+        return message + nranks * message
+    assert collective == BROADCAST
+    return nranks * message
+
+
+class _Extent:
+    """A region as codec_launches measures it: only its length matters here."""
+
+    def __init__(self, count):
+        self.count = count
+
+
+def codec_kernel_launches(plan, ranks_of_device):
+    """Per device, the codec kernels a compressed plan launches in one call."""
+    launches = [0] * len(ranks_of_device)
+    scales = has_scales(plan.compression)
+    for phase in plan.phases:
+        for k, ranks in enumerate(ranks_of_device):
+            ops = [op for rank in ranks for op in phase.wire_ops_by_rank[rank]]
+            f = lambda ref: _Extent(ref[3])                                        # noqa: E731
+            w = lambda ref: (_Extent(ref[3]), _Extent(ref[3] if scales else 0))   # noqa: E731
+            launches[k] += sum(1 for _ in wire.codec_launches(ops, f, w))
+    return launches
+
+
+def codec_traffic_bytes(plan):
+    """Bytes a compressed plan's codec kernels read plus write, all ranks."""
+    return sum(r.link + r.memory + r.codec for phase in plan.phases
+               for r in codec_phase_bytes(phase.wire_ops_by_rank, plan.compression))
+
+
+def report(nranks, nbytes, dtype=np.dtype("float32"), codecs=()):
     one_device = DeviceRanks([open_device("emulated:0")] * nranks)
     own_devices = DeviceRanks([open_device(f"emulated:{r}") for r in range(nranks)])
     rows = []
@@ -35,17 +88,33 @@ def report(nranks, nbytes, dtype=np.dtype("float32")):
         count = nbytes // dtype.itemsize  # each rank's WORK buffer: the message, or all blocks
         count -= count % nranks
         bindings = (IN_PLACE, WORKSPACE) if collective in ROOTED else (OUT_OF_PLACE, IN_PLACE, WORKSPACE)
+        floor = floor_bytes(collective, nranks, count, dtype.itemsize)
         for algorithm in sorted(name for name, spec in REGISTRY.items() if collective in spec.collectives):
-            for binding in bindings:
-                plan = build_plan(collective, algorithm, nranks, count, dtype, "sum", 0, binding)
-                rows.append({
-                    "collective": collective, "algorithm": algorithm, "binding": binding,
-                    "launches_one_device": max(one_device.launches(plan)),
-                    "launches_per_device": max(own_devices.launches(plan)),
-                    "traffic_bytes": plan.traffic.total,
-                    "workspace_copy_bytes": plan.traffic.workspace_copies,
-                    "workspace_bytes_per_rank": plan.workspace_bytes,
-                })
+            for codec in (None, *codecs) if collective == ALLREDUCE else (None,):
+                # A compressed plan always runs through the workspace, which
+                # holds the wire copies and the float32 accumulator.
+                for binding in bindings if codec is None else (WORKSPACE,):
+                    plan = build_plan(collective, algorithm, nranks, count, dtype, "sum", 0, binding,
+                                      compression=codec)
+                    if codec is None:
+                        launches = (max(one_device.launches(plan)), max(own_devices.launches(plan)))
+                        traffic = plan.traffic.total
+                    else:
+                        launches = (max(codec_kernel_launches(plan, one_device.ranks_of_device)),
+                                    max(codec_kernel_launches(plan, own_devices.ranks_of_device)))
+                        traffic = codec_traffic_bytes(plan)
+                    rows.append({
+                        "collective": collective, "algorithm": algorithm, "binding": binding,
+                        "compression": codec,
+                        "launches_one_device": launches[0],
+                        "launches_per_device": launches[1],
+                        "traffic_bytes": traffic,
+                        "floor_bytes": floor,
+                        "traffic_over_floor": traffic / floor if floor else None,
+                        # a compressed plan's first pass encodes the input: no plain copy
+                        "workspace_copy_bytes": plan.traffic.workspace_copies if codec is None else None,
+                        "workspace_bytes_per_rank": plan.workspace_bytes,
+                    })
     return rows
 
 
@@ -53,24 +122,32 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.plan_report", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--bytes", default="64M", help="the message: each rank's buffer (allgather: the output)")
+    p.add_argument("--compression", default="",
+                   help=f"also the compressed allreduce plans with these codecs, comma-separated ({', '.join(CODECS)})")
     p.add_argument("-J", "--output_file")
     args = p.parse_args(argv)
     nbytes = parse_size(args.bytes)
-    rows = report(args.ranks, nbytes)
+    codecs = [c for c in args.compression.split(",") if c]
+    for codec in codecs:
+        if codec not in CODECS:
+            p.error(f"--compression: unknown codec {codec!r}; expected some of {', '.join(CODECS)}")
+    rows = report(args.ranks, nbytes, codecs=codecs)
     mib = 1 << 20
     print(f"# {args.ranks} ranks, {nbytes} bytes of float32 per rank's buffer; traffic = bytes read + written, "
           "all ranks")
-    print(f"# {'collective':15s} {'algorithm':16s} {'binding':13s} {'launches':>8s} {'launches':>9s} "
-          f"{'traffic':>9s} {'workspace':>10s} {'workspace':>10s}")
-    print(f"# {'':15s} {'':16s} {'':13s} {'1 device':>8s} {'per dev.':>9s} {'(MiB)':>9s} {'copies MiB':>10s} "
-          f"{'MiB/rank':>10s}")
+    print(f"# {'collective':15s} {'algorithm':21s} {'binding':13s} {'launches':>8s} {'launches':>9s} "
+          f"{'traffic':>9s} {'traffic /':>9s} {'workspace':>10s} {'workspace':>10s}")
+    print(f"# {'':15s} {'':21s} {'':13s} {'1 device':>8s} {'per dev.':>9s} {'(MiB)':>9s} {'floor':>9s} "
+          f"{'copies MiB':>10s} {'MiB/rank':>10s}")
     for r in rows:
-        print(f"  {r['collective']:15s} {r['algorithm']:16s} {r['binding']:13s} {r['launches_one_device']:8d} "
-              f"{r['launches_per_device']:9d} {r['traffic_bytes'] / mib:9.1f} {r['workspace_copy_bytes'] / mib:10.1f} "
+        name = r["algorithm"] + (f" {r['compression']}" if r["compression"] else "")
+        print(f"  {r['collective']:15s} {name:21s} {r['binding']:13s} {r['launches_one_device']:8d} "
+              f"{r['launches_per_device']:9d} {r['traffic_bytes'] / mib:9.1f} {r['traffic_over_floor']:9.2f} "
+              f"{'-' if r['workspace_copy_bytes'] is None else format(r['workspace_copy_bytes'] / mib, '.1f'):>10s} "
               f"{r['workspace_bytes_per_rank'] / mib:10.1f}")
     if args.output_file:
         with open(args.output_file, "w") as f:
-            json.dump({"command": " ".join([sys.executable, "-m", "bench.plan_report", *(argv or sys.argv[1:])]),
+            json.dump({"command": " ".join(["python", "-m", "bench.plan_report", *(argv or sys.argv[1:])]),
                        "ranks": args.ranks, "bytes": nbytes, "rows": rows}, f, indent=1)
 
 

@@ -1,0 +1,52 @@
+"""bench.plan_report: every plan against the floor, and the compressed plans'
+codec launches and bytes beside the plain ones."""
+
+import json
+
+import numpy as np
+import pytest
+
+from bench import plan_report
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plans") / "plans.json"
+    plan_report.main(["--ranks", "4", "--bytes", "64K", "--compression", "bf16,int8", "-J", str(path)])
+    return json.loads(path.read_text())["rows"]
+
+
+def test_no_plan_moves_less_than_the_floor(rows):
+    for r in rows:
+        assert r["traffic_bytes"] >= r["floor_bytes"] > 0, r
+        assert r["traffic_over_floor"] == pytest.approx(r["traffic_bytes"] / r["floor_bytes"])
+
+
+def test_the_floor_is_one_read_of_each_input_and_one_write_of_each_output():
+    n, count, itemsize = 4, 1024, 4
+    s = count * itemsize
+    assert plan_report.floor_bytes("allreduce", n, count, itemsize) == 2 * n * s
+    assert plan_report.floor_bytes("reduce_scatter", n, count, itemsize) == n * s + s // n
+    assert plan_report.floor_bytes("allgather", n, count, itemsize) == s + n * s
+    assert plan_report.floor_bytes("broadcast", n, count, itemsize) == n * s
+    assert plan_report.floor_bytes("reduce", n, count, itemsize) == n * s + s
+
+
+def test_compressed_allreduce_rows_count_codec_kernels(rows):
+    plain = {(r["algorithm"], r["binding"]): r for r in rows if r["collective"] == "allreduce" and not r["compression"]}
+    compressed = [r for r in rows if r["compression"]]
+    assert {r["compression"] for r in compressed} == {"bf16", "int8"}
+    assert all(r["collective"] == "allreduce" and r["binding"] == "workspace" for r in compressed)
+    for r in compressed:
+        # every rank encodes its input and decodes its result at least: more
+        # launches than ranks on one device, and more than the plain plan's
+        assert r["launches_one_device"] > max(4, plain[r["algorithm"], "workspace"]["launches_one_device"])
+    # int8 puts a quarter of the bytes on the wire: a ring moves less than bf16's
+    ring = {r["compression"]: r["traffic_bytes"] for r in compressed if r["algorithm"] == "ring"}
+    assert ring["int8"] < ring["bf16"]
+
+
+def test_an_unknown_codec_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        plan_report.main(["--compression", "fp8"])
+    assert "--compression" in capsys.readouterr().err
