@@ -4,9 +4,10 @@
 
 For every collective, algorithm and binding: the kernel launches per device
 (all ranks on one device, and one rank per device), the bytes of device
-memory the plan reads plus writes over all ranks, that traffic against the
-floor, and how many of those bytes are copies between a caller's array and
-a workspace. Ranks in one process use the in-place or out-of-place binding
+memory the plan reads plus writes over all ranks (one rank per device), the
+same with all ranks on one device (where fan-out groups read shared
+sources once, executors/device.py) against the floor, and how many bytes
+are copies between a caller's array and a workspace. Ranks in one process use the in-place or out-of-place binding
 (no workspace copies, binding.py); `workspace` is what ranks in separate
 processes must do, shown for scale.
 
@@ -40,16 +41,17 @@ from collectives.plan import build_plan
 ROOTED = ("broadcast", "reduce")
 
 
-def floor_bytes(collective, nranks, count, itemsize):
+def floor_bytes(collective, nranks, count, itemsize, in_place=False):
     """The least traffic of a collective whose ranks share one device: each
-    input read once, each output written once (`count`: a rank's WORK)."""
+    input read once, each output written once (`count`: a rank's WORK). In
+    place, allgather's own block is already where it belongs."""
     message = count * itemsize
     if collective == ALLREDUCE:
         return 2 * nranks * message
     if collective in (REDUCE_SCATTER, REDUCE_TO_ROOT):
         return nranks * message + (message // nranks if collective == REDUCE_SCATTER else message)
     if collective == ALLGATHER:
-        return message + nranks * message
+        return message + (nranks - 1 if in_place else nranks) * message
     assert collective == BROADCAST
     return nranks * message
 
@@ -88,7 +90,6 @@ def report(nranks, nbytes, dtype=np.dtype("float32"), codecs=()):
         count = nbytes // dtype.itemsize  # each rank's WORK buffer: the message, or all blocks
         count -= count % nranks
         bindings = (IN_PLACE, WORKSPACE) if collective in ROOTED else (OUT_OF_PLACE, IN_PLACE, WORKSPACE)
-        floor = floor_bytes(collective, nranks, count, dtype.itemsize)
         for algorithm in sorted(name for name, spec in REGISTRY.items() if collective in spec.collectives):
             for codec in (None, *codecs) if collective == ALLREDUCE else (None,):
                 # A compressed plan always runs through the workspace, which
@@ -96,21 +97,23 @@ def report(nranks, nbytes, dtype=np.dtype("float32"), codecs=()):
                 for binding in bindings if codec is None else (WORKSPACE,):
                     plan = build_plan(collective, algorithm, nranks, count, dtype, "sum", 0, binding,
                                       compression=codec)
+                    floor = floor_bytes(collective, nranks, count, dtype.itemsize, binding == IN_PLACE)
                     if codec is None:
                         launches = (max(one_device.launches(plan)), max(own_devices.launches(plan)))
-                        traffic = plan.traffic.total
+                        traffic, on_one_device = plan.traffic.total, one_device.traffic(plan)
                     else:
                         launches = (max(codec_kernel_launches(plan, one_device.ranks_of_device)),
                                     max(codec_kernel_launches(plan, own_devices.ranks_of_device)))
-                        traffic = codec_traffic_bytes(plan)
+                        traffic = on_one_device = codec_traffic_bytes(plan)
                     rows.append({
                         "collective": collective, "algorithm": algorithm, "binding": binding,
                         "compression": codec,
                         "launches_one_device": launches[0],
                         "launches_per_device": launches[1],
                         "traffic_bytes": traffic,
+                        "traffic_one_device_bytes": on_one_device,
                         "floor_bytes": floor,
-                        "traffic_over_floor": traffic / floor if floor else None,
+                        "one_device_over_floor": on_one_device / floor,
                         # a compressed plan's first pass encodes the input: no plain copy
                         "workspace_copy_bytes": plan.traffic.workspace_copies if codec is None else None,
                         "workspace_bytes_per_rank": plan.workspace_bytes,
@@ -136,13 +139,13 @@ def main(argv=None):
     print(f"# {args.ranks} ranks, {nbytes} bytes of float32 per rank's buffer; traffic = bytes read + written, "
           "all ranks")
     print(f"# {'collective':15s} {'algorithm':21s} {'binding':13s} {'launches':>8s} {'launches':>9s} "
-          f"{'traffic':>9s} {'traffic /':>9s} {'workspace':>10s} {'workspace':>10s}")
-    print(f"# {'':15s} {'':21s} {'':13s} {'1 device':>8s} {'per dev.':>9s} {'(MiB)':>9s} {'floor':>9s} "
+          f"{'traffic':>9s} {'1 device':>9s} {'workspace':>10s} {'workspace':>10s}")
+    print(f"# {'':15s} {'':21s} {'':13s} {'1 device':>8s} {'per dev.':>9s} {'(MiB)':>9s} {'/ floor':>9s} "
           f"{'copies MiB':>10s} {'MiB/rank':>10s}")
     for r in rows:
         name = r["algorithm"] + (f" {r['compression']}" if r["compression"] else "")
         print(f"  {r['collective']:15s} {name:21s} {r['binding']:13s} {r['launches_one_device']:8d} "
-              f"{r['launches_per_device']:9d} {r['traffic_bytes'] / mib:9.1f} {r['traffic_over_floor']:9.2f} "
+              f"{r['launches_per_device']:9d} {r['traffic_bytes'] / mib:9.1f} {r['one_device_over_floor']:9.2f} "
               f"{'-' if r['workspace_copy_bytes'] is None else format(r['workspace_copy_bytes'] / mib, '.1f'):>10s} "
               f"{r['workspace_bytes_per_rank'] / mib:10.1f}")
     if args.output_file:

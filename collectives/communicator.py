@@ -281,11 +281,14 @@ class Communicator:
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
         return self._auto(collective, nbytes, itemsize, validation.root_rank(root, self.size) if rooted else 0)
 
-    def _auto(self, collective, elements, itemsize, root):
+    def _auto(self, collective, elements, itemsize, root, binding=None):
         """What `auto` runs for a call of `elements` per rank: the model asks
-        about each rank's WORK buffer (all blocks, for allgather)."""
+        about each rank's WORK buffer (all blocks, for allgather). Ranks that
+        price bound plans themselves (all on one GPU) answer for a binding."""
         count = elements * self.size if collective == ALLGATHER else elements
-        return choose(collective, self.size, count * itemsize, root, self._ranks.transport)
+        by_binding = getattr(self._ranks, "choose", None)
+        picked = by_binding(collective, count * itemsize, root, binding) if by_binding and binding else None
+        return picked or choose(collective, self.size, count * itemsize, root, self._ranks.transport)
 
     def barrier(self):
         """Return once every rank has called barrier (or raise after the timeout)."""
@@ -494,7 +497,7 @@ class Communicator:
                 raise InvalidUsageError(f"compression is not available on {type(self._ranks).__name__} ranks")
             itemsize = wire.encoded_nbytes(compression, max(elements, 1)) / max(elements, 1)  # what `auto` weighs
         if algorithm == "auto":
-            algorithm = self._auto(collective, elements, itemsize, root)
+            algorithm = self._auto(collective, elements, itemsize, root, binding if compression is None else None)
         if compression is not None:
             binding, streamlined = binding
             plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding, compression, streamlined)

@@ -7,7 +7,7 @@
 
 #define COLLECTIVES_STEP_INSTANCE(Element, Op)                                              \
     template __global__ void collectives::plan_step<collectives::Element, collectives::Op>( \
-        const long long*, int, collectives::BufferTable, int);
+        const long long*, int, collectives::BufferTable, int, int);
 
 #define COLLECTIVES_STEP_INSTANCES(Element)         \
     COLLECTIVES_STEP_INSTANCE(Element, kSum)        \

@@ -18,7 +18,17 @@
 // SCRATCH, INPUT and OUTPUT for this call. The table itself never changes
 // for a plan, so it is uploaded once; only the addresses travel per launch.
 //
-// Grid: blockIdx.y is the row, blockIdx.x and threadIdx.x stride over its
+// Fan-out: rows that fold the same sources the same way (same KIND, COUNT
+// and sources; only the destination differs) may come as a group of
+// `fanout` consecutive rows, as the executor sorts them for ranks that share
+// a device (direct allreduce: every rank's output is the fold of every
+// input). The group's first row gives the sources; its value is folded once
+// and stored to each row's destination. Rows of one phase never read what
+// another writes, so this is the table's meaning exactly, and it reads the
+// sources once instead of `fanout` times: for ranks on one GPU, one pass at
+// the memory floor (each input read once, each output written once).
+//
+// Grid: blockIdx.y is the row (the group), blockIdx.x and threadIdx.x stride over its
 // elements. Every thread's work depends only on its indices: no shared
 // memory, barriers, shuffles or atomics. That makes running each (block,
 // thread) one after another on the CPU exact (emulation/), and it is why the
@@ -116,6 +126,13 @@ __device__ __forceinline__ const S* source(const long long* row, const BufferTab
     return element_address<S>(buffers, src[0], src[1], src[2]);
 }
 
+// The destination of the d-th row of a fan-out group that starts at `row`.
+template <typename S>
+__device__ __forceinline__ S* destination(const long long* row, int width, const BufferTable& buffers, int d) {
+    const long long* other = row + static_cast<long long>(d) * width;
+    return element_address<S>(buffers, other[kRank], other[kDstBuf], other[kDstOff]);
+}
+
 __device__ __forceinline__ bool aligned16(const void* p) {
     return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
@@ -184,23 +201,25 @@ struct PackFold<E, true> {
 
 template <typename E, int Op>
 __global__ void __launch_bounds__(kStepThreads, kStepMinBlocks)
-plan_step(const long long* __restrict__ table, int width, BufferTable buffers, int divisor) {
+plan_step(const long long* __restrict__ table, int width, BufferTable buffers, int divisor, int fanout) {
     using S = typename E::Storage;
     using A = typename E::Accumulator;
     constexpr long long kLanes = 16 / sizeof(S);
 
-    const long long* row = table + static_cast<long long>(blockIdx.y) * width;
+    const long long* row = table + static_cast<long long>(blockIdx.y) * fanout * width;
     const long long count = row[kCount];
     const int nsrc = static_cast<int>(row[kNumSrc]);
     // avg folds as a sum; no other op ever divides, so its instances carry
     // no division code (which costs registers, and a call for 64-bit types).
     const bool divides = Op == kSum && row[kKind] == kReduceFinal && divisor > 0;
-    S* dst = element_address<S>(buffers, row[kRank], row[kDstBuf], row[kDstOff]);
     const S* first = source<S>(row, buffers, 0);
     const S* second = nsrc > 1 ? source<S>(row, buffers, 1) : first;
 
-    bool vectorized = aligned16(dst) && aligned16(first) && aligned16(second);
+    // Destinations are read from the table where they are stored to, not
+    // kept in registers through the fold (the 16-bit sums would spill).
+    bool vectorized = aligned16(first) && aligned16(second);
     for (int s = 2; s < nsrc; ++s) vectorized = vectorized && aligned16(source<S>(row, buffers, s));
+    for (int d = 0; d < fanout; ++d) vectorized = vectorized && aligned16(destination<S>(row, width, buffers, d));
 
     const long long thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long threads = static_cast<long long>(gridDim.x) * blockDim.x;
@@ -210,7 +229,6 @@ plan_step(const long long* __restrict__ table, int width, BufferTable buffers, i
         const long long packs = count / kLanes;
         const Pack* first_packs = reinterpret_cast<const Pack*>(first);
         const Pack* second_packs = reinterpret_cast<const Pack*>(second);
-        Pack* dst_packs = reinterpret_cast<Pack*>(dst);
         for (long long base = thread; base < packs; base += threads * kUnroll) {
             Pack acc[kUnroll];
             PackFold<E> fold[kUnroll];
@@ -242,12 +260,18 @@ plan_step(const long long* __restrict__ table, int width, BufferTable buffers, i
                         if (base + u * threads < packs) fold[u].divide(acc[u], divisor);
                 }
             }
+            if (nsrc > 1) {
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const long long p = base + u * threads;
-                if (p < packs) {
-                    if (nsrc > 1) fold[u].store(acc[u]);  // the fold's one rounding; a copy keeps its bits
-                    dst_packs[p] = acc[u];
+                for (int u = 0; u < kUnroll; ++u)
+                    if (base + u * threads < packs) fold[u].store(acc[u]);  // the fold's one rounding
+            }
+            // Every destination of the group (one without fan-out) gets the same packs.
+            for (int d = 0; d < fanout; ++d) {
+                Pack* out = reinterpret_cast<Pack*>(destination<S>(row, width, buffers, d));
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const long long p = base + u * threads;
+                    if (p < packs) out[p] = acc[u];
                 }
             }
         }
@@ -263,7 +287,7 @@ plan_step(const long long* __restrict__ table, int width, BufferTable buffers, i
             if (divides) folded = E::divide(folded, divisor);
             acc = E::store(folded);
         }
-        dst[i] = acc;
+        for (int d = 0; d < fanout; ++d) destination<S>(row, width, buffers, d)[i] = acc;
     }
 }
 

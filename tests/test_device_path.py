@@ -215,3 +215,31 @@ def test_a_host_communicator_tells_how_to_make_a_gpu_one():
     with collectives.init() as comm:
         with pytest.raises(InvalidUsageError, match=r"init\(device='cuda'\)"):
             comm.allreduce(OnTheGpu())
+
+
+def test_auto_on_one_device_prices_bound_plans_with_fan_out():
+    """Out of place, direct is one launch reading every input once; in place
+    it needs a copy phase, so auto picks a plan that moves less."""
+    costs = device_executor.bound_plan_costs("allreduce", 4, 0, IN_PLACE)
+    out_of_place = device_executor.bound_plan_costs("allreduce", 4, 0, OUT_OF_PLACE)
+    assert out_of_place["direct"] == (1, 2 * 4)   # one launch, n reads and n writes of the message
+    for nbytes in (4, 1 << 20, 256 << 20):
+        assert device_executor.one_device_choice("allreduce", 4, nbytes, 0, OUT_OF_PLACE, "gpu-in-process") == "direct"
+        picked = device_executor.one_device_choice("allreduce", 4, nbytes, 0, IN_PLACE, "gpu-in-process")
+        assert costs[picked][1] < costs["direct"][1], (nbytes, picked, costs)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_auto_allreduce_on_one_device_runs_the_priced_plan(monkeypatch, in_place):
+    device = open_device("emulated:0")
+    launches = []
+    original = device.launch_step
+    monkeypatch.setattr(device, "launch_step", lambda *a, **k: (launches.append(a[7] if len(a) > 7 else 1),
+                                                                  original(*a, **k)))
+    with collectives.Communicator.local(4, devices=["emulated:0"] * 4) as comm:
+        xs = [np.full(1000, r + 1, np.float32) for r in range(4)]
+        outs = None if in_place else [np.empty_like(x) for x in xs]
+        results = comm.allreduce(xs, out=outs)
+        comm.synchronize()
+    assert all(np.array_equal(r, np.full(1000, 10, np.float32)) for r in results)
+    assert launches == ([1, 4 - 1] if in_place else [4])   # star in place: reduce, then one fan-out of copies

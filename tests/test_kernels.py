@@ -22,7 +22,7 @@ import pytest
 
 from collectives import CollectiveError, kernels, plan
 from collectives.devices import emulated
-from collectives.executors import host
+from collectives.executors import device as device_executor, host
 from collectives.ops import BFLOAT16, ReduceOp
 from collectives.plan import COPY_OP, REDUCE_FINAL_OP, REDUCE_OP
 
@@ -131,14 +131,38 @@ def random_rows(rng, nranks, dtype, count):
     return np.array([r + [-1] * (width - len(r)) for r in rows], np.int64)
 
 
-def run_on_emulated_kernel(lib, memory, rows, dtype, op, nranks, grid_x):
+def fan_out_rows(rng, nranks, dtype, count):
+    """A phase of fan-out groups: rows that compute the same fold of the same
+    sources (INPUT, OUTPUT) into distinct destinations (WORK, SCRATCH), in
+    groups of one size, some destinations misaligned, shuffled."""
+    lanes = 16 // dtype.itemsize
+    targets = [(r, b) for r in range(nranks) for b in range(2)]
+    rng.shuffle(targets)
+    fanout = int(rng.integers(2, len(targets) + 1))
+    groups = int(rng.integers(1, len(targets) // fanout + 1))
+    rows = []
+    for g in range(groups):
+        nsrc = int(rng.integers(1, 6))
+        kind = COPY_OP if nsrc == 1 else int(rng.choice([REDUCE_OP, REDUCE_FINAL_OP]))
+        sources = []
+        for _ in range(nsrc):
+            sources += [int(rng.integers(0, nranks)), int(rng.integers(2, 4)), int(rng.integers(0, 4)) * lanes]
+        for dst_rank, dst_buf in targets[g * fanout:(g + 1) * fanout]:
+            offset = int(rng.integers(0, 4)) * lanes + (int(rng.integers(1, lanes)) if rng.random() < 0.2 and lanes > 1 else 0)
+            rows.append([dst_rank, kind, count, dst_buf, offset, nsrc] + sources)
+    width = plan.SRC0 + 3 * max(r[plan.NSRC] for r in rows)
+    rows = np.array([r + [-1] * (width - len(r)) for r in rows], np.int64)
+    return rows[rng.permutation(len(rows))], fanout
+
+
+def run_on_emulated_kernel(lib, memory, rows, dtype, op, nranks, grid_x, fanout=1):
     instance = kernels.step_instance(dtype, op, reduces=True)
     table = emulated.EmulatedMemory(rows.nbytes)
     table.array[:] = rows.view(np.uint8).reshape(-1)
     addresses = memory.addresses()  # alive until the call returns
     status = lib.collectives_emulated_plan_step(
-        instance.element_index, instance.op_code, grid_x, len(rows), 64, table.address, rows.shape[1],
-        addresses.ctypes.data, kernels.step_divisor(op, nranks))
+        instance.element_index, instance.op_code, grid_x, len(rows) // fanout, 64, table.address, rows.shape[1],
+        addresses.ctypes.data, kernels.step_divisor(op, nranks), fanout)
     assert status == 0
 
 
@@ -150,9 +174,11 @@ def same_bits_or_both_nan(got, want):
     return np.array_equal(nan_got, nan_want) and np.array_equal(got.view(bits)[~nan_got], want.view(bits)[~nan_want])
 
 
-def fuzz(lib, seed, cases):
+def fuzz(lib, seed, cases, fanning_out=False):
     """Mismatches between the emulated kernel and the interpreter over
-    `cases` random phases of every element type and op."""
+    `cases` random phases of every element type and op; with `fanning_out`,
+    phases of fan-out groups, which the kernel runs as the executor sorts
+    them (executors/device.py, fan_out)."""
     rng = np.random.default_rng(seed)
     mismatches = []
     for case in range(cases):
@@ -160,10 +186,17 @@ def fuzz(lib, seed, cases):
         nranks = int(rng.integers(1, 5))
         count = int(rng.choice([0, 1, 7, 15, 16, 17, 33, 100, 1000, MAX_COUNT]))
         memory = Memory(rng, dtype, nranks)
-        rows = random_rows(rng, nranks, dtype, count)
+        if fanning_out:
+            rows, fanout = fan_out_rows(rng, nranks, dtype, count)
+            sorted_rows, found = device_executor.fan_out(rows)
+            assert found == fanout, (found, fanout)
+        else:
+            rows = sorted_rows = random_rows(rng, nranks, dtype, count)
+            fanout = 1
         want = memory.arrays()
         host.execute(rows, lambda r, b: want[r, b], op, nranks)
-        run_on_emulated_kernel(lib, memory, rows, dtype, op, nranks, grid_x=int(rng.integers(1, 4)))
+        run_on_emulated_kernel(lib, memory, sorted_rows, dtype, op, nranks, grid_x=int(rng.integers(1, 4)),
+                               fanout=fanout)
         got = memory.arrays()
         for key in want:
             if not same_bits_or_both_nan(got[key], want[key]):
@@ -173,6 +206,23 @@ def fuzz(lib, seed, cases):
 
 def test_emulated_step_kernel_matches_the_numpy_interpreter():
     assert fuzz(emulated.library(), seed=1, cases=1200) == []
+
+
+def test_fan_out_groups_write_every_destination_as_the_interpreter_does():
+    assert fuzz(emulated.library(), seed=2, cases=600, fanning_out=True) == []
+
+
+def test_a_kernel_that_writes_only_the_first_row_of_a_group_is_caught(tmp_path):
+    """The fan-out comparison can fail: the same sources, but only the
+    group's first destination is written."""
+    broken = tmp_path / "kernels"
+    shutil.copytree(SOURCES, broken, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    source = (broken / "plan_step.cu").read_text()
+    loop = "for (int d = 0; d < fanout; ++d) {"
+    assert source.count(loop) == 1
+    (broken / "plan_step.cu").write_text(source.replace(loop, "for (int d = 0; d < 1; ++d) {"))
+    assert fuzz(emulated.library(broken), seed=2, cases=120, fanning_out=True), \
+        "a kernel that skips fan-out destinations passed the comparison"
 
 
 def test_a_kernel_with_one_broken_lane_is_caught(tmp_path):

@@ -18,8 +18,19 @@ def rows(tmp_path_factory):
 
 def test_no_plan_moves_less_than_the_floor(rows):
     for r in rows:
-        assert r["traffic_bytes"] >= r["floor_bytes"] > 0, r
-        assert r["traffic_over_floor"] == pytest.approx(r["traffic_bytes"] / r["floor_bytes"])
+        assert r["traffic_bytes"] >= r["traffic_one_device_bytes"] >= r["floor_bytes"] > 0, r
+        assert r["one_device_over_floor"] == pytest.approx(r["traffic_one_device_bytes"] / r["floor_bytes"])
+
+
+def test_direct_allreduce_of_ranks_on_one_device_is_one_launch_at_the_floor(rows):
+    """Every rank's output is the fold of every input: one fan-out group,
+    which reads each input once and writes each output once."""
+    direct = [r for r in rows if (r["collective"], r["algorithm"], r["binding"], r["compression"])
+              == ("allreduce", "direct", "out_of_place", None)]
+    assert len(direct) == 1
+    assert direct[0]["launches_one_device"] == 1
+    assert direct[0]["traffic_one_device_bytes"] == direct[0]["floor_bytes"]
+    assert direct[0]["traffic_bytes"] > direct[0]["floor_bytes"]   # one rank per device: no shared reads
 
 
 def test_the_floor_is_one_read_of_each_input_and_one_write_of_each_output():
@@ -28,6 +39,7 @@ def test_the_floor_is_one_read_of_each_input_and_one_write_of_each_output():
     assert plan_report.floor_bytes("allreduce", n, count, itemsize) == 2 * n * s
     assert plan_report.floor_bytes("reduce_scatter", n, count, itemsize) == n * s + s // n
     assert plan_report.floor_bytes("allgather", n, count, itemsize) == s + n * s
+    assert plan_report.floor_bytes("allgather", n, count, itemsize, in_place=True) == s + (n - 1) * s
     assert plan_report.floor_bytes("broadcast", n, count, itemsize) == n * s
     assert plan_report.floor_bytes("reduce", n, count, itemsize) == n * s + s
 

@@ -77,6 +77,9 @@ class CostModel(NamedTuple):
     contended: bool        # ranks outnumber cores: a step's traffic counts once per peer it waits for
     per_transfer: bool     # the fixed cost is paid per transfer, not per step (virtual ranks run rows one by one)
     measured_by: str
+    # One engine folds the transfers of a step that read the same sources
+    # once, writing each destination (the GPU executor's fan-out groups).
+    shared_reads: bool = False
 
 
 NOT_CALIBRATED = "not calibrated: no GPU has run these ranks yet; the constants of ranks on one GPU"
@@ -93,7 +96,7 @@ MODELS = {
         3.65e-05, 2.04e10, False, False, True, False, "mpiexec -bind-to core -n 4 " + _SWEEP + "auto," + _ALGORITHMS + " -n 40 -w 5"),
     "gpu-in-process": CostModel(7.71e-06, 4.73e12, True, True, False, False,
                                 "python -m bench.all_reduce_perf --device cuda --ranks 4 --algorithm ring|direct "
-                                "-b 8 -e 256M -f 4 -n 20 -w 5 (ranks on one H100)"),
+                                "-b 8 -e 256M -f 4 -n 20 -w 5 (ranks on one H100)", shared_reads=True),
     "gpu-peers": CostModel(7.71e-06, 4.73e12, True, False, False, False, NOT_CALIBRATED),     # one process, several GPUs
     "gpu-processes": CostModel(7.71e-06, 4.73e12, True, False, False, False, NOT_CALIBRATED),
 }
@@ -125,7 +128,9 @@ def bytes_moved(schedule, nbytes, model):
         peers = schedule.peers_read_by_rank_and_step()
         per_rank_steps = [[max(1, len(peers[r][s])) * chunks for s, chunks in enumerate(steps)]
                           for r, steps in enumerate(per_rank_steps)]
-    if model.one_engine:
+    if model.one_engine and model.shared_reads:
+        chunks = schedule.chunks_moved_sharing_reads()
+    elif model.one_engine:
         chunks = sum(map(sum, per_rank_steps))
     else:
         chunks = sum(max(step) for step in zip(*per_rank_steps)) if per_rank_steps and schedule.nsteps else 0

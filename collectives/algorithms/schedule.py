@@ -144,6 +144,18 @@ class Schedule:
                 table[t.rank][s] += _chunks_moved(t, fused)
         return table
 
+    def chunks_moved_sharing_reads(self):
+        """Chunks read plus written over all ranks when one engine runs a
+        step's transfers that read the same sources as one fused fold (read
+        once, each destination written): the GPU executor's fan-out."""
+        total = 0
+        for step in self.steps:
+            groups = {}
+            for t in step:
+                groups[t.kind, t.srcs] = groups.get((t.kind, t.srcs), 0) + 1
+            total += sum(len(srcs) + writes for (_, srcs), writes in groups.items())
+        return total
+
     def peers_read(self, rank, step):
         """The peers whose buffers `rank` reads in step `step`."""
         return {src.rank for t in self.steps[step] if t.rank == rank for src in t.srcs if src.rank != rank}

@@ -14,8 +14,9 @@ The interface, duck-typed:
     allocate(nbytes)         device memory; the returned object's .address is valid while it lives
     upload(array)            a device copy of a host int64 array, complete before any later launch
     current_stream()         the caller's current stream on this device
-    launch_step(stream, instance, grid, table, width, addresses, divisor)
-                             plan_step<instance> over grid = (blocks per row, rows)
+    launch_step(stream, instance, grid, table, width, addresses, divisor, fanout=1)
+                             plan_step<instance> over grid = (blocks per row, rows / fanout):
+                             groups of `fanout` rows that share their sources (plan_step.cu)
     launch_copies(stream, table, rows, grid=None)
                              batched_copy: copies every (src, dst, nbytes) row of
                              `table` (memory from upload, kernels.copy_table's

@@ -18,12 +18,14 @@ import numpy as np
 from .. import kernels
 from ..errors import CollectiveError
 
-# plan_step(const long long* table, int width, BufferTable buffers, int divisor),
-# laid out as the C++ compiler lays out the parameters, in 8-byte words: the
-# table pointer, width (its low 4 bytes), the buffer table, divisor (low 4).
+# plan_step(const long long* table, int width, BufferTable buffers, int divisor,
+# int fanout), one parameter per pointer of cuLaunchKernel's array, each in
+# its own 8-byte words: the table pointer, width (its low 4 bytes), the
+# buffer table, divisor (low 4), fanout (low 4).
 _WIDTH_WORD, _BUFFERS_WORD = 1, 2
 _DIVISOR_WORD = _BUFFERS_WORD + kernels.MAX_RANKS * kernels.BUFFERS
-_PARAMETER_OFFSETS = (0, 8 * _WIDTH_WORD, 8 * _BUFFERS_WORD, 8 * _DIVISOR_WORD)
+_FANOUT_WORD = _DIVISOR_WORD + 1
+_PARAMETER_OFFSETS = (0, 8 * _WIDTH_WORD, 8 * _BUFFERS_WORD, 8 * _DIVISOR_WORD, 8 * _FANOUT_WORD)
 # batched_copy(const long long* table, int rows): the table pointer, then
 # rows in the low 4 bytes of the next word.
 _COPY_PARAMETER_OFFSETS = (0, 8)
@@ -77,7 +79,7 @@ class CudaDevice:
         # One parameter block per device: cuLaunchKernel copies it at launch;
         # the lock keeps threads from filling it at the same time.
         self._launch_lock = threading.Lock()
-        self._parameters = np.zeros(_DIVISOR_WORD + 1, np.uint64)
+        self._parameters = np.zeros(_FANOUT_WORD + 1, np.uint64)
         self._parameter_addresses = np.array([self._parameters.ctypes.data + o for o in _PARAMETER_OFFSETS], np.uint64)
         self._parameter_pointer = self._parameter_addresses.ctypes.data
         self._addresses_in_block = None
@@ -140,7 +142,7 @@ class CudaDevice:
             function = self._functions[instance] = kernel.kernel.ptr
         return function
 
-    def launch_step(self, stream, instance, grid, table, width, addresses, divisor):
+    def launch_step(self, stream, instance, grid, table, width, addresses, divisor, fanout=1):
         function = self._functions.get(instance) or self._function(instance)
         with self._launch_lock:
             parameters = self._parameters
@@ -150,6 +152,7 @@ class CudaDevice:
                 parameters[_BUFFERS_WORD:_DIVISOR_WORD] = addresses
                 self._addresses_in_block = addresses
             parameters[_DIVISOR_WORD] = divisor
+            parameters[_FANOUT_WORD] = fanout
             self._launch(function, grid, kernels.STEP_THREADS, stream, self._parameter_pointer)
 
     def launch_copies(self, stream, table, rows, grid=None):

@@ -200,17 +200,18 @@ class EmulatedDevice:
     def use(self):
         pass  # its arrays are NumPy arrays: there is nothing to make current
 
-    def launch_step(self, stream, instance, grid, table, width, addresses, divisor):
+    def launch_step(self, stream, instance, grid, table, width, addresses, divisor, fanout=1):
         if addresses is not self._last_addresses[0]:
             if addresses.flags.writeable:  # the caller may reuse it before this runs
                 addresses = np.array(addresses, np.uint64)
             self._last_addresses = (addresses, addresses.ctypes.data)
-        stream.queue.append(("launch", self._run_step, instance, grid, table, width, self._last_addresses, divisor))
+        stream.queue.append(("launch", self._run_step, instance, grid, table, width, self._last_addresses, divisor,
+                             fanout))
 
-    def _run_step(self, instance, grid, table, width, addresses, divisor):
+    def _run_step(self, instance, grid, table, width, addresses, divisor, fanout):
         status = self._library.collectives_emulated_plan_step(
             instance.element_index, instance.op_code, grid[0], grid[1], kernels.STEP_THREADS,
-            table.address, width, addresses[1], divisor)
+            table.address, width, addresses[1], divisor, fanout)
         if status != 0:
             raise CollectiveError(f"the emulated plan_step rejected {instance} (status {status})")
 
@@ -314,7 +315,7 @@ def _load(path):
     lib.collectives_emulated_plan_step.restype = ctypes.c_int
     lib.collectives_emulated_plan_step.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
     ]
     lib.collectives_emulated_batched_copy.restype = ctypes.c_int
     lib.collectives_emulated_batched_copy.argtypes = [

@@ -5,7 +5,10 @@ Ranks in this process, each on a device; several ranks may share one. For
 each plan it prepares, once, a program:
 
 * per phase and device, the rows of that device's ranks as a table in device
-  memory, and one plan_step launch over them;
+  memory, and one plan_step launch over them. Rows that fold the same
+  sources the same way go as fan-out groups (`fan_out`): the kernel reads
+  their sources once and writes every row's destination, so ranks sharing a
+  GPU run direct allreduce in one pass at the memory floor;
 * the cross-device ordering, as event records and waits derived from the
   plan's accesses (plan.derive_waits): a device starts a phase once the
   devices whose memory it reads (or whose earlier reads it overwrites) have
@@ -21,17 +24,19 @@ never waits for a device: the work can be captured in a CUDA graph when all
 ranks share one GPU.
 """
 
+import functools
 from typing import NamedTuple, Tuple
 
 import numpy as np
 
 from .. import kernels
-from ..algorithms.schedule import REDUCING_COLLECTIVES
-from ..binding import INPUT, OUTPUT
+from ..algorithms import MODELS, REGISTRY
+from ..algorithms.schedule import ALLGATHER, REDUCING_COLLECTIVES
+from ..binding import IN_PLACE, INPUT, OUT_OF_PLACE, OUTPUT
 from ..compression import wire
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
-from ..plan import COUNT, RANK, SCRATCH, WORK, derive_waits
+from ..plan import COUNT, DST_BUF, DST_OFF, NSRC, RANK, SCRATCH, WORK, build_plan, derive_waits
 
 LAUNCH, RECORD, WAIT = "launch", "record", "wait"
 # Event keys are (device, phase): recorded after that device's launch of that
@@ -42,25 +47,94 @@ START = -1
 class Launch(NamedTuple):
     table: object          # device memory holding the rows
     width: int
-    grid: Tuple[int, int]  # (blocks per row, rows)
+    grid: Tuple[int, int]  # (blocks per group, groups of `fanout` rows)
+    fanout: int            # rows per group: they share sources, each has its destination
+    rows: np.ndarray       # the rows on the host, for reports
 
 
 class Program(NamedTuple):
     plan: object
     instance: kernels.StepInstance
     divisor: int
-    steps: tuple           # (LAUNCH, device, grid, table, width) | (RECORD | WAIT, device, event key, None, None)
+    steps: tuple           # (LAUNCH, device, Launch or codec ops) | (RECORD | WAIT, device, event key)
     events: dict           # event key -> event (created on the recording device)
     launches: Tuple[int, ...]  # per device
 
 
-def grid_for(rows, device, itemsize):
-    """(blocks per row, rows): enough blocks to fill the device, no more than
-    the longest row has 16-byte packs for."""
+def grid_for(rows, device, itemsize, fanout=1):
+    """(blocks per group, groups): enough blocks to fill the device, no more
+    than the longest row has 16-byte packs for."""
+    groups = len(rows) // fanout
     longest = int(rows[:, COUNT].max())
     packs = -(-longest * itemsize // 16)
-    per_row = max(1, min(-(-packs // kernels.STEP_THREADS), device.resident_blocks // len(rows)))
-    return (per_row, len(rows))
+    per_group = max(1, min(-(-packs // kernels.STEP_THREADS), device.resident_blocks // groups))
+    return (per_group, groups)
+
+
+# The columns that say where a row writes; the rest say what it computes.
+_DESTINATION_COLUMNS = (RANK, DST_BUF, DST_OFF)
+
+
+def fan_out(rows):
+    """(rows, fanout): the rows reordered so that those computing the same
+    value (every column equal but the destination's) are consecutive groups
+    of `fanout`, when all groups are that size; else the rows as they are
+    and 1. Rows of one phase never read what another writes, so a group's
+    rows may share one read of their sources (plan_step.cu)."""
+    if len(rows) < 2:
+        return rows, 1
+    computes = np.delete(rows, _DESTINATION_COLUMNS, axis=1)
+    _, group, sizes = np.unique(computes, axis=0, return_inverse=True, return_counts=True)
+    if sizes.min() != sizes.max() or sizes[0] == 1:
+        return rows, 1
+    return rows[np.argsort(group.reshape(-1), kind="stable")], int(sizes[0])
+
+
+def groups_traffic(rows, fanout, itemsize):
+    """Bytes a launch over `rows` in groups of `fanout` reads plus writes:
+    each group's sources once, each row's destination once."""
+    counts, sources = rows[::fanout, COUNT], rows[::fanout, NSRC]
+    return int((counts * (sources + fanout)).sum()) * itemsize
+
+
+@functools.lru_cache(maxsize=256)
+def bound_plan_costs(collective, nranks, root, binding):
+    """Per registered algorithm, with every rank on one device: (launches,
+    bytes of traffic per byte of a rank's WORK buffer) of its bound plan,
+    fan-out groups reading their sources once. Traffic scales with the
+    message, so one plan of whole chunks prices every size."""
+    itemsize, count = 4, nranks * nranks * 64
+    costs = {}
+    for name, spec in REGISTRY.items():
+        if collective not in spec.collectives:
+            continue
+        plan = build_plan(collective, name, nranks, count, np.dtype(np.float32), "sum", root, binding)
+        launches = traffic = 0
+        for phase in plan.phases:
+            if len(phase.table):
+                rows, fanout = fan_out(phase.table)
+                launches += 1
+                traffic += groups_traffic(rows, fanout, itemsize)
+        costs[name] = (launches, traffic / (count * itemsize))
+    return costs
+
+
+def one_device_choice(collective, nranks, nbytes, root, binding, transport):
+    """The algorithm `auto` runs for ranks that all share one device: the one
+    whose bound plan the model of `transport` prices lowest, its launches at
+    the model's step cost plus its traffic at the model's bandwidth; ties go
+    to fewer launches, then to the first registered. The schedule-level
+    model (algorithms.choose) cannot see what binding and fan-out change
+    there: out of place, direct is one launch at the floor; in place it
+    needs a copy phase, and star or two_shot move less."""
+    model = MODELS[transport]
+    costs = bound_plan_costs(collective, nranks, root, binding)
+
+    def price(name):
+        launches, traffic_per_byte = costs[name]
+        return launches * model.step_seconds + traffic_per_byte * nbytes / model.bytes_per_second, launches
+
+    return min(costs, key=price)
 
 
 class DeviceRanks:
@@ -110,22 +184,24 @@ class DeviceRanks:
         addresses = self._addresses(plan, input_infos, output_infos)
         instance, divisor = program.instance, program.divisor
 
-        def launch(k, grid, table, width):
-            devices[k].launch_step(streams[k], instance, grid, table, width, addresses, divisor)
+        def launch(k, step):
+            devices[k].launch_step(streams[k], instance, step.grid, step.table, step.width, addresses, divisor,
+                                   step.fanout)
 
         self._issue(program, streams, launch)
 
     def _issue(self, program, streams, launch):
         """The program's steps on the devices' streams, `launch(device index,
-        *step)` for each launch; then each device's call is complete."""
+        Launch or codec ops)` for each launch; then each device's call is
+        complete."""
         devices, events = self.devices, program.events
-        for kind, k, a, b, c in program.steps:
+        for kind, k, what in program.steps:
             if kind is LAUNCH:
-                launch(k, a, b, c)
+                launch(k, what)
             elif kind is RECORD:
-                devices[k].record(events[a], streams[k])
+                devices[k].record(events[what], streams[k])
             else:
-                devices[k].wait(streams[k], events[a])
+                devices[k].wait(streams[k], events[what])
         for device in devices:
             device.call_returned()
 
@@ -145,7 +221,7 @@ class DeviceRanks:
 
         f, w = wire.device_regions(plan, address_of)
 
-        def launch(k, ops, _table, _width):   # ops: this device's ranks' operations in the phase
+        def launch(k, ops):   # ops: this device's ranks' operations in the phase
             for kernel, args, divisor in wire.codec_launches(ops, f, w):
                 devices[k].launch_codec(streams[k], kernel, plan.compression, args, divisor)
 
@@ -192,10 +268,10 @@ class DeviceRanks:
                     if ops:
                         launches[p, k] = ops
                     continue
-                rows = phase.table[np.isin(phase.table[:, RANK], ranks)]
+                rows, fanout = fan_out(phase.table[np.isin(phase.table[:, RANK], ranks)])
                 if len(rows):
-                    grid = grid_for(rows, self.devices[k], plan.dtype.itemsize)
-                    launches[p, k] = Launch(self.devices[k].upload(rows), rows.shape[1], grid)
+                    grid = grid_for(rows, self.devices[k], plan.dtype.itemsize, fanout)
+                    launches[p, k] = Launch(self.devices[k].upload(rows), rows.shape[1], grid, fanout, rows)
         steps, recorded = self._order(plan, launches)
         events = {key: self.devices[key[0]].new_event() for key in recorded}
         program = Program(plan, instance, divisor, tuple(steps), events,
@@ -239,7 +315,7 @@ class DeviceRanks:
         joins = {k: [(j, last[j]) for j in sorted(readers[k]) if j in last] for k in range(ndevices)}
 
         recorded = {key for keys in needed.values() for key in keys} | {key for keys in joins.values() for key in keys}
-        steps = [(RECORD, j, (j, START), None, None) for j in range(ndevices) if (j, START) in recorded]
+        steps = [(RECORD, j, (j, START)) for j in range(ndevices) if (j, START) in recorded]
         waited = [dict() for _ in range(ndevices)]  # per device: peer -> latest phase already waited for
 
         def wait(k, key):
@@ -247,7 +323,7 @@ class DeviceRanks:
             before it on this stream (the peer's phases finish in order)."""
             peer, phase = key
             if phase > waited[k].get(peer, START - 1):
-                steps.append((WAIT, k, key, None, None))
+                steps.append((WAIT, k, key))
                 waited[k][peer] = phase
 
         for p in range(nphases):
@@ -256,25 +332,37 @@ class DeviceRanks:
                     continue
                 for key in needed.get((p, k), ()):
                     wait(k, key)
-                launch = launches[p, k]
-                if isinstance(launch, Launch):
-                    steps.append((LAUNCH, k, launch.grid, launch.table, launch.width))
-                else:
-                    steps.append((LAUNCH, k, launch, None, None))
+                steps.append((LAUNCH, k, launches[p, k]))
                 if (k, p) in recorded:
-                    steps.append((RECORD, k, (k, p), None, None))
+                    steps.append((RECORD, k, (k, p)))
         for k in range(ndevices):
             for key in joins[k]:
                 wait(k, key)
         return steps, recorded
 
+    def choose(self, collective, nbytes, root, binding):
+        """What `auto` runs for a call of `nbytes` per rank's WORK buffer
+        bound as `binding`: priced on bound plans when every rank shares one
+        device (one_device_choice), else None (the schedule-level model)."""
+        if len(self.devices) != 1 or binding not in (IN_PLACE, OUT_OF_PLACE):
+            return None
+        return one_device_choice(collective, len(self.rank_devices), nbytes, root, binding, self.transport)
+
     # -- reports ---------------------------------------------------------------
 
     def launches(self, plan):
         """Kernel launches per device for `plan`."""
+        return self._program(plan).launches
+
+    def traffic(self, plan):
+        """Bytes of device memory an uncompressed `plan`'s launches read plus
+        write, all devices: plan.traffic, less what fan-out groups share."""
+        return sum(groups_traffic(step[2].rows, step[2].fanout, plan.dtype.itemsize)
+                   for step in self._program(plan).steps if step[0] is LAUNCH)
+
+    def _program(self, plan):
         entry = self._programs.get(id(plan))
-        program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
-        return program.launches
+        return entry if entry is not None and entry.plan is plan else self._prepare(plan)
 
     # -- life cycle ------------------------------------------------------------
 

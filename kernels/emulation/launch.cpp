@@ -40,18 +40,19 @@ void walk_grid(dim3 grid, dim3 block, Body body) {
 }
 
 template <typename E, int Op>
-void run_grid(dim3 grid, dim3 block, const long long* table, int width, const BufferTable& buffers, int divisor) {
-    walk_grid(grid, block, [&] { collectives::plan_step<E, Op>(table, width, buffers, divisor); });
+void run_grid(dim3 grid, dim3 block, const long long* table, int width, const BufferTable& buffers, int divisor,
+              int fanout) {
+    walk_grid(grid, block, [&] { collectives::plan_step<E, Op>(table, width, buffers, divisor, fanout); });
 }
 
 template <typename E>
 int run_for_op(int op, dim3 grid, dim3 block, const long long* table, int width, const BufferTable& buffers,
-               int divisor) {
+               int divisor, int fanout) {
     switch (op) {
-        case collectives::kSum: run_grid<E, collectives::kSum>(grid, block, table, width, buffers, divisor); return 0;
-        case collectives::kProd: run_grid<E, collectives::kProd>(grid, block, table, width, buffers, divisor); return 0;
-        case collectives::kMax: run_grid<E, collectives::kMax>(grid, block, table, width, buffers, divisor); return 0;
-        case collectives::kMin: run_grid<E, collectives::kMin>(grid, block, table, width, buffers, divisor); return 0;
+        case collectives::kSum: run_grid<E, collectives::kSum>(grid, block, table, width, buffers, divisor, fanout); return 0;
+        case collectives::kProd: run_grid<E, collectives::kProd>(grid, block, table, width, buffers, divisor, fanout); return 0;
+        case collectives::kMax: run_grid<E, collectives::kMax>(grid, block, table, width, buffers, divisor, fanout); return 0;
+        case collectives::kMin: run_grid<E, collectives::kMin>(grid, block, table, width, buffers, divisor, fanout); return 0;
         default: return -2;
     }
 }
@@ -70,19 +71,21 @@ int collectives_emulated_max_ranks() { return collectives::kMaxRanks; }
 int collectives_emulated_buffers() { return collectives::kBuffers; }
 int collectives_emulated_copy_columns() { return collectives::kCopyColumns; }
 
-// Runs plan_step<element, op> over a grid_x * grid_y grid of block_x threads.
-// `addresses` holds max_ranks * buffers byte addresses (a BufferTable).
-// Returns 0, or -1 for an unknown element, -2 for an unknown op.
+// Runs plan_step<element, op> over a grid_x * grid_y grid of block_x threads,
+// grid_y groups of `fanout` rows. `addresses` holds max_ranks * buffers byte
+// addresses (a BufferTable). Returns 0, or -1 for an unknown element, -2 for
+// an unknown op, -3 for a fan-out below 1.
 int collectives_emulated_plan_step(int element, int op, unsigned grid_x, unsigned grid_y, unsigned block_x,
                                    const long long* table, int width, const unsigned long long* addresses,
-                                   int divisor) {
+                                   int divisor, int fanout) {
+    if (fanout < 1) return -3;
     BufferTable buffers;
     std::memcpy(buffers.address, addresses, sizeof buffers.address);
     const dim3 grid(grid_x, grid_y, 1), block(block_x, 1, 1);
     int index = 0;
 #define COLLECTIVES_DISPATCH(Element)                                                                \
     if (element == index++)                                                                          \
-        return run_for_op<collectives::Element>(op, grid, block, table, width, buffers, divisor);
+        return run_for_op<collectives::Element>(op, grid, block, table, width, buffers, divisor, fanout);
     COLLECTIVES_FOR_EACH_ELEMENT(COLLECTIVES_DISPATCH)
 #undef COLLECTIVES_DISPATCH
     return -1;
