@@ -12,14 +12,12 @@ from . import arrays, fusion, validation
 from .algorithms import choose
 from .algorithms.schedule import (
     ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES as COLLECTIVE_NAMES, REDUCE_SCATTER, REDUCE_TO_ROOT,
-    REDUCING_COLLECTIVES,
 )
 from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
 from .compression import wire
 from .config import resolve_timeout
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
-from .ops import ReduceOp, as_reduce_op
 from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
 from .transport import fastpath
 
@@ -120,6 +118,7 @@ class Communicator:
         self._closed = False
         self._last_checked = None  # ((collective, root, input infos, output infos), binding) that passed
         self._plans = {}           # call shape -> plan
+        self._checked_arguments = set()  # (collective, op, root, its type, algorithm, compression) that passed
         self._calls = {}           # arguments and arrays' ids -> _Call that passed (see _collective)
         self._fusion = None        # fusion.Fuser, made on first use
         self._worker = None        # the background thread of fusion buffers on host ranks
@@ -143,19 +142,19 @@ class Communicator:
         (executors/nccl.py): every rank on a GPU of its own.
         """
         if isinstance(nranks, bool) or not isinstance(nranks, (int, np.integer)) or nranks < 1:
-            raise InvalidUsageError(f"nranks must be a positive integer, got {nranks!r}")
+            raise InvalidUsageError(f"nranks: expected a positive integer, got {nranks!r}")
         nranks = int(nranks)
         timeout = resolve_timeout(timeout)
         backend = resolve_backend(backend)
         if devices is None:
             if backend == "nccl":
-                raise InvalidUsageError("backend='nccl' runs on CUDA GPUs: pass devices=[...], one GPU per rank")
+                raise InvalidUsageError("devices: backend='nccl' runs on CUDA GPUs: pass devices=[...], one GPU per rank")
             return cls(VirtualHostRanks(nranks), size=nranks, local_ranks=range(nranks), timeout=timeout)
         if isinstance(devices, (str, int)):
             devices = [devices] * nranks
         devices = list(devices)
         if len(devices) != nranks:
-            raise InvalidUsageError(f"devices names {len(devices)} devices for {nranks} ranks; give one per rank")
+            raise InvalidUsageError(f"devices: names {len(devices)} devices for {nranks} ranks; give one per rank")
         if backend == "nccl":
             from .executors.nccl import NcclRanks
             ranks = NcclRanks.in_process(devices, timeout)
@@ -274,7 +273,8 @@ class Communicator:
         the dtype, and the answer is its step, `merged` or `pipelined`.
         Without `dtype` (a list of arrays, which the loop declines), the plan."""
         if collective not in COLLECTIVE_NAMES:
-            raise InvalidUsageError(f"unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
+            raise InvalidUsageError(
+                f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
         if collective == ALLREDUCE and dtype is not None and self._fast_allreduce is not None and fastpath.takes(dtype):
             return fastpath.path_for(nbytes)
         itemsize = 1  # nbytes is already bytes
@@ -385,18 +385,22 @@ class Communicator:
                 if call is not None and tuple(map(_STATE, objects)) == call.states:
                     return self._repeat(call, xs, objects, as_sequence)
 
+        # The checks, in the order a caller's mistakes arise (validation.py):
+        # the call's own arguments, each array, then arrays against each other.
+        self._check_arguments(collective, op, root, algorithm, compression)
         ranks = self._ranks
         nlocal = len(self.local_ranks)
         inputs, input_infos, as_sequence = validation.rank_arrays(x, nlocal, ranks)
-        validation.same_dtype_and_shape(input_infos)
         first = input_infos[0]
         dtype, elements = first.dtype, first.size
+        validation.compressed_dtype(compression, dtype)
+        validation.same_dtype_and_shape(input_infos)
 
         if collective == REDUCE_SCATTER:
             if elements % self.size:
                 raise InvalidUsageError(
-                    f"reduce_scatter needs an input whose size divides by the communicator size "
-                    f"{self.size}; it has {elements} elements")
+                    f"x: has {elements} elements, which do not split into {self.size} equal blocks; "
+                    f"reduce_scatter needs a multiple of the communicator size {self.size}")
             result_elements = elements // self.size
         elif collective == ALLGATHER:
             result_elements = elements * self.size
@@ -417,7 +421,7 @@ class Communicator:
         else:
             outputs, output_infos, made = inputs, input_infos, _IN_PLACE
 
-        binding = self._check_buffers(collective, root, out is not None, input_infos, output_infos)
+        binding = self._check_buffers(collective, root, made, inputs, outputs, input_infos, output_infos)
         if compression is not None:  # streamline.py's rewrites hold for an output that is the input or apart from it
             streamlined = validation.relation(input_infos, output_infos, _same_array) != validation.OVERLAPPING
             binding = (WORKSPACE, streamlined)
@@ -482,16 +486,11 @@ class Communicator:
             pass
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
             key = None
-        op = _reduce_op(op) if collective in REDUCING_COLLECTIVES else ReduceOp.SUM
-        root = validation.root_rank(root, self.size) if collective in (BROADCAST, REDUCE_TO_ROOT) else 0
-        if not isinstance(algorithm, str):
-            raise InvalidUsageError(f"algorithm must be a name, got {type(algorithm).__name__}")
+        op, root = validation.call_arguments(collective, op, root, algorithm, compression, self.size)
+        validation.compressed_dtype(compression, dtype)
         count = elements * self.size if collective == ALLGATHER else elements  # each rank's WORK buffer
         itemsize = dtype.itemsize
         if compression is not None:
-            wire.check_compression(compression, dtype, op, collective)
-            if not getattr(self._ranks, "compresses", False):
-                raise InvalidUsageError(f"compression is not available on {type(self._ranks).__name__} ranks")
             itemsize = wire.encoded_nbytes(compression, max(elements, 1)) / max(elements, 1)  # what `auto` weighs
         if algorithm == "auto":
             algorithm = self._auto(collective, elements, itemsize, root)
@@ -506,7 +505,25 @@ class Communicator:
             self._plans[key] = plan
         return plan
 
-    def _check_buffers(self, collective, root, out_given, input_infos, output_infos):
+    def _check_arguments(self, collective, op, root, algorithm, compression):
+        """The call's own arguments (validation.call_arguments), before any
+        array is looked at. Arguments that passed are remembered: a call
+        that repeats them costs one dictionary lookup."""
+        key = (collective, op, root, root.__class__, algorithm, compression)
+        try:
+            if key in self._checked_arguments:
+                return
+        except TypeError:   # an unhashable argument: the check below says what is wrong with it
+            key = None
+        validation.call_arguments(collective, op, root, algorithm, compression, self.size)
+        if compression is not None and not getattr(self._ranks, "compresses", False):
+            raise InvalidUsageError(f"compression: not available on {type(self._ranks).__name__} ranks")
+        if key is not None:
+            if len(self._checked_arguments) >= 1024:
+                self._checked_arguments.clear()
+            self._checked_arguments.add(key)
+
+    def _check_buffers(self, collective, root, made, inputs, outputs, input_infos, output_infos):
         """Outputs writable, no memory shared between ranks; returns the
         plan binding. The same descriptions as the last call (describing
         caches them) passed these checks already."""
@@ -514,9 +531,12 @@ class Communicator:
         last = self._last_checked
         if last is not None and last[0] == key:  # equal descriptions pass equally (identical ones compare fast)
             return last[1]
+        out_given = made is _GIVEN
         written = [o for o, rank in zip(output_infos, self.local_ranks) if _receives(collective, rank, root)]
         validation.writable(written, "out" if out_given else "x")
-        validation.no_overlap_between_ranks(input_infos, output_infos)
+        validation.ranks_own_their_memory(input_infos, output_infos, out_given,
+                                          inputs_written=made in (_IN_PLACE, _OWN_BLOCKS),
+                                          objects={"x": inputs, "out": outputs})
         binding = self._binding(collective, input_infos, output_infos) if self._ranks.addressable else WORKSPACE
         self._last_checked = (key, binding)
         return binding
@@ -581,18 +601,8 @@ BACKENDS = ("ours", "nccl")
 def resolve_backend(backend):
     """`backend`, checked against the backends there are."""
     if not isinstance(backend, str) or backend not in BACKENDS:
-        raise InvalidUsageError(f"unknown backend {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
+        raise InvalidUsageError(f"backend: unknown backend {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
     return backend
-
-
-_OPS = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
-
-
-def _reduce_op(op):
-    try:
-        return _OPS[op]
-    except (KeyError, TypeError):
-        return as_reduce_op(op)  # other spellings, or the error that names the valid ones
 
 
 def _same_array(rank, a, b):
