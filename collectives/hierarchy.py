@@ -195,7 +195,7 @@ class HierarchyRanks:
         nodes' through MPI (unless the abort came from there)."""
         error = error if isinstance(error, BaseException) else CollectiveError(str(error))
         if self.shm is not None:
-            self.shm.abort(f"{type(error).__name__} on rank {self.rank}: {error}")
+            self.shm.abort(f"{type(error).__name__} on rank {self.rank}: {error}", error)
         self.link.abort(error)
 
     def close(self):
