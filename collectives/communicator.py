@@ -148,7 +148,8 @@ class Communicator:
         backend = resolve_backend(backend)
         if devices is None:
             if backend == "nccl":
-                raise InvalidUsageError("devices: backend='nccl' runs on CUDA GPUs: pass devices=[...], one GPU per rank")
+                raise InvalidUsageError(
+                    "devices: backend='nccl' runs on CUDA GPUs: pass devices=[...], one GPU per rank")
             return cls(VirtualHostRanks(nranks), size=nranks, local_ranks=range(nranks), timeout=timeout)
         if isinstance(devices, (str, int)):
             devices = [devices] * nranks
@@ -601,7 +602,8 @@ BACKENDS = ("ours", "nccl")
 def resolve_backend(backend):
     """`backend`, checked against the backends there are."""
     if not isinstance(backend, str) or backend not in BACKENDS:
-        raise InvalidUsageError(f"backend: unknown backend {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
+        raise InvalidUsageError(
+            f"backend: unknown backend {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
     return backend
 
 

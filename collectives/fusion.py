@@ -135,7 +135,8 @@ def check_arrays(comm, arrays_, op, compression, threshold, algorithm="auto"):
     nlocal = len(comm.local_ranks)
     if not isinstance(arrays_, (list, tuple)):
         raise InvalidUsageError(f"arrays: expected a list of arrays, got {type(arrays_).__name__}")
-    if nlocal == 1 and not (arrays_ and isinstance(arrays_[0], (list, tuple))):
+    flat = nlocal == 1 and not (arrays_ and isinstance(arrays_[0], (list, tuple)))   # not one list per rank
+    if flat:
         per_rank = [list(arrays_)]
     else:
         if len(arrays_) != nlocal or not all(isinstance(a, (list, tuple)) for a in arrays_):
@@ -145,17 +146,19 @@ def check_arrays(comm, arrays_, op, compression, threshold, algorithm="auto"):
     if len({len(a) for a in per_rank}) > 1:
         raise InvalidUsageError(f"arrays: every local rank must pass the same number of arrays, got "
                                 f"{', '.join(str(len(a)) for a in per_rank)}")
-    infos = []
+    infos, names = [], []
     for position in range(len(per_rank[0])):
-        objects, position_infos, _ = validation.rank_arrays(
-            [rank_arrays[position] for rank_arrays in per_rank], nlocal, comm._ranks, name=f"arrays[{position}]")
+        # Named as the caller indexes it: arrays[position], or arrays[rank][position].
+        name = f"arrays[{position}]" if flat else f"arrays[{{rank}}][{position}]"
+        given = per_rank[0][position] if flat else [rank_arrays[position] for rank_arrays in per_rank]
+        objects, position_infos, _ = validation.rank_arrays(given, nlocal, comm._ranks, name=name)
         validation.compressed_dtype(compression, position_infos[0].dtype)
         infos.append(position_infos)
-    for position, position_infos in enumerate(infos):
-        validation.same_dtype_and_shape(position_infos, f"arrays[{position}]")
+        names.append(name)
+    for name, position_infos in zip(names, infos):
+        validation.same_dtype_and_shape(position_infos, name)
+        validation.writable(position_infos, name)
     infos = [list(rank_infos) for rank_infos in zip(*infos)] if infos else [[] for _ in range(nlocal)]
-    for rank_infos in infos:
-        validation.writable(rank_infos, "arrays")
     _no_overlap([info for rank_infos in infos for info in rank_infos], len(infos[0]))
     return per_rank, infos
 

@@ -41,7 +41,8 @@ def reduce_op(op, name="op"):
         pass
     if isinstance(op, str) and op.lower() in _OPS:
         return _OPS[op.lower()]
-    raise InvalidUsageError(f"{name}: unknown reduction {op!r}; expected one of {_OP_NAMES} (or a collectives.ReduceOp)")
+    raise InvalidUsageError(
+        f"{name}: unknown reduction {op!r}; expected one of {_OP_NAMES} (or a collectives.ReduceOp)")
 
 
 def algorithm_name(algorithm, collective):
@@ -137,6 +138,11 @@ def rank_arrays(x, nlocal, ranks, name="x"):
 
 
 def _name(name, rank, as_sequence):
+    """How messages name local rank `rank`'s array: `name`[rank], or where
+    the rank's index is not last, `name` with "{rank}" in it (allreduce_many's
+    arrays[{rank}][3])."""
+    if "{rank}" in name:
+        return name.format(rank=rank)
     return f"{name}[{rank}]" if as_sequence else name
 
 
@@ -159,17 +165,18 @@ def same_dtype_and_shape(infos, name="x"):
             break
     else:
         return
+    first = _name(name, 0, True)
     for i, a in enumerate(infos[1:], start=1):
         if a.dtype != dtype:
-            raise InvalidUsageError(f"{name}[{i}] has dtype {a.dtype} but {name}[0] has {dtype}")
+            raise InvalidUsageError(f"{_name(name, i, True)} has dtype {a.dtype} but {first} has {dtype}")
         if a.shape != shape:
-            raise InvalidUsageError(f"{name}[{i}] has shape {a.shape} but {name}[0] has {shape}")
+            raise InvalidUsageError(f"{_name(name, i, True)} has shape {a.shape} but {first} has {shape}")
 
 
 def writable(infos, name):
     for i, a in enumerate(infos):
         if not a.writable:
-            raise InvalidUsageError(f"{name}[{i}] is read-only, but the collective writes it")
+            raise InvalidUsageError(f"{_name(name, i, True)} is read-only, but the collective writes it")
 
 
 def output_arrays(out, nlocal, count, dtype, ranks):

@@ -34,7 +34,8 @@ def test_wrong_number_of_arrays(comm):
 
 def test_bare_array_when_several_local_ranks(comm):
     x = np.ones(4)
-    rejected(lambda: comm.allreduce(x), "^x: one array given, but this communicator owns 3 local ranks; pass a list of 3 arrays", x)
+    rejected(lambda: comm.allreduce(x),
+             "^x: one array given, but this communicator owns 3 local ranks; pass a list of 3 arrays", x)
 
 
 def test_mixed_dtypes(comm):
@@ -79,7 +80,8 @@ def test_unknown_op(comm):
 
 def test_unknown_algorithm(comm):
     xs = arrays()
-    rejected(lambda: comm.allreduce(xs, algorithm="hypercube"), "^algorithm: unknown algorithm 'hypercube'; expected one of 'auto', 'ring'", *xs)
+    rejected(lambda: comm.allreduce(xs, algorithm="hypercube"),
+             "^algorithm: unknown algorithm 'hypercube'; expected one of 'auto', 'ring'", *xs)
     rejected(lambda: comm.allreduce(xs, algorithm=None), "^algorithm: expected a name", *xs)
 
 
@@ -120,7 +122,8 @@ def test_ranks_sharing_memory(comm):
              "^x: the same array is given for local ranks 0 and 1", shared)
     xs = arrays()
     outs = [np.zeros(6, np.float32)] * 3
-    rejected(lambda: comm.allreduce(xs, out=outs), "^out: the same array is given for local ranks 0 and 1", *xs, outs[0])
+    rejected(lambda: comm.allreduce(xs, out=outs),
+             "^out: the same array is given for local ranks 0 and 1", *xs, outs[0])
 
 
 def test_in_place_collectives_take_no_out(comm):
