@@ -137,6 +137,10 @@ class HierarchicalCommunicator(Communicator):
     def _auto(self, collective, elements, itemsize, root):
         return "hierarchical"
 
+    def _check_arguments(self, collective, op, root, algorithm, compression):
+        _no_compression(compression)   # the reason, rather than "not available on these ranks"
+        super()._check_arguments(collective, op, root, algorithm, compression)
+
     def _plan(self, collective, dtype, elements, op, root, algorithm, binding, compression=None):
         """The checked Call: everything Communicator checks before it plans."""
         _no_compression(compression)
