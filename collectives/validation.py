@@ -1,8 +1,8 @@
 """Argument checks, all done before a collective touches a byte.
 
 Each check raises InvalidUsageError with a sentence whose first words name
-the argument (`op: ...`, `x[1]: ...`), then what was wrong and what was
-expected, so a rejected call modifies nothing and says why. The checks run
+the argument (`op: unknown ...`, `x[1] has dtype ...`), then what was wrong
+and what was expected, so a rejected call modifies nothing and says why. The checks run
 in the order a caller makes mistakes, so that the first one reported is the
 real one: the call's own arguments (op, algorithm, compression, root), then
 each array on its own (count per local rank, type, dtype, layout, device),
