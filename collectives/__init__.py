@@ -63,6 +63,7 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
     """
     from . import bootstrap
     from .communicator import VirtualHostRanks
+    from .validation import naming
 
     timeout = resolve_timeout(timeout)
     backend = resolve_backend(backend)
@@ -71,11 +72,13 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
     # A bad spec, or a missing NCCL, is an error on every rank, before any exchange.
     if backend == "nccl":
         from .executors import nccl as nccl_backend
-        nccl_backend.cuda_spec(device)
+        with naming("device"):
+            nccl_backend.cuda_spec(device)
         binding = nccl_backend.load_binding()
     elif not on_host:
         from .devices import parse_spec
-        parse_spec(device)
+        with naming("device"):
+            parse_spec(device)
     world = bootstrap.mpi_world(comm)
     alone = world is None or world.Get_size() == 1
     if on_host:

@@ -192,11 +192,17 @@ class Communicator:
         if len(devices) != nranks:
             raise InvalidUsageError(f"devices: names {len(devices)} devices for {nranks} ranks; give one per rank")
         if backend == "nccl":
-            from .executors.nccl import NcclRanks
+            from .executors.nccl import NcclRanks, cuda_spec
+            for rank, spec in enumerate(devices):
+                with validation.naming(f"devices[{rank}]"):
+                    cuda_spec(spec)
             ranks = NcclRanks.in_process(devices, timeout)
         else:
-            from .devices import open_device
+            from .devices import open_device, parse_spec
             from .executors.device import DeviceRanks
+            for rank, spec in enumerate(devices):
+                with validation.naming(f"devices[{rank}]"):
+                    parse_spec(spec)
             ranks = DeviceRanks([open_device(spec) for spec in devices])
         return cls(ranks, size=nranks, local_ranks=range(nranks), timeout=timeout)
 

@@ -13,6 +13,7 @@ library made them; which arrays a rank takes is its executor's say
 (`host_only`, `locations`).
 """
 
+import contextlib
 import operator
 
 import numpy as np
@@ -92,6 +93,18 @@ def call_arguments(collective, op, root, algorithm, compression, size):
     compression_codec(compression, op, collective)
     root = root_rank(root, size) if collective in (BROADCAST, REDUCE_TO_ROOT) else 0
     return op, root
+
+
+@contextlib.contextmanager
+def naming(argument):
+    """Checks made elsewhere (a device spec's, say) whose InvalidUsageError
+    should name `argument` first, as every message of the API does."""
+    try:
+        yield
+    except InvalidUsageError as error:
+        if str(error).startswith(argument):
+            raise
+        raise InvalidUsageError(f"{argument}: {error}") from None
 
 
 def rank_arrays(x, nlocal, ranks, name="x"):

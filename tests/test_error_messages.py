@@ -53,6 +53,11 @@ class Row(NamedTuple):
     emulated: bool = False
 
 
+class FakeDeviceArray:
+    """Looks like a GPU array (to a host communicator, which refuses it unread)."""
+    __cuda_array_interface__ = {"shape": (COUNT,), "typestr": "<f4", "data": (0, False), "version": 3}
+
+
 def not_implementing(collective):
     """A registered algorithm that does not implement `collective`."""
     return next(name for name, spec in REGISTRY.items() if collective not in spec.collectives)
@@ -112,6 +117,8 @@ ROWS = [
         r"x: one array given, but this communicator owns 3 local ranks; pass a list of 3 arrays"),
     Row("allreduce not an array", lambda c, a: c.allreduce("abc"),
         r"x: expected an array or a list of arrays \(one per local rank\), got str"),
+    Row("allreduce GPU arrays on host ranks", lambda c, a: c.allreduce([FakeDeviceArray()] * N),
+        r"x\[0\] is a \S+FakeDeviceArray; this communicator works on NumPy \(host\) arrays"),
     Row("allreduce lists for arrays", lambda c, a: c.allreduce([[1.0, 2.0]] * N), r"x\[0\] must be a NumPy array"),
     Row("allreduce non-contiguous", lambda c, a: c.allreduce([x[::2] for x in a.ranks(2 * COUNT)]),
         r"x\[0\] must be C-contiguous"),
@@ -247,9 +254,18 @@ ROWS = [
         r"timeout: expected a number of seconds, got 'soon'"),
     Row("local devices for other ranks", lambda c, a: collectives.Communicator.local(2, devices=["emulated"] * 3),
         r"devices: names 3 devices for 2 ranks"),
+    Row("local unknown device", lambda c, a: collectives.Communicator.local(2, devices=["emulated", "gpu"]),
+        r"devices\[1\]: a device is an int or a name like 'cuda:0' or 'emulated:1', got 'gpu'"),
+    Row("local negative device", lambda c, a: collectives.Communicator.local(2, devices=[-1, 0]),
+        r"devices\[0\]: device index must be >= 0"),
+    Row("local nccl on an emulated device",
+        lambda c, a: collectives.Communicator.local(2, devices=["emulated", 0], backend="nccl"),
+        r"devices\[0\]: backend='nccl' runs on CUDA GPUs, and device 'emulated' is not one"),
     Row("local unknown backend", lambda c, a: collectives.Communicator.local(2, backend="gloo"),
         r"backend: unknown backend 'gloo'; expected one of 'ours', 'nccl'"),
     Row("init timeout zero", lambda c, a: collectives.init(timeout=0), r"timeout: expected a positive"),
+    Row("init unknown device", lambda c, a: collectives.init(device="gpu"),
+        r"device: a device is an int or a name like 'cuda:0'"),
     Row("init unknown backend", lambda c, a: collectives.init(backend="gloo"), r"backend: unknown backend 'gloo'"),
 ]
 
