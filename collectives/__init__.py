@@ -24,11 +24,15 @@ __version__ = "0.1.0"
 
 
 def init(timeout=None, *, comm=None, device="host", backend="ours"):
-    """A communicator with one rank per process (SPMD).
+    """A communicator with one rank per process (SPMD): its collectives take
+    and return one bare array per call.
 
     Rank and size come from MPI when the program runs under `mpiexec -n N`
     (or from `comm`, an mpi4py communicator); without a launcher it is a
     communicator of one rank. Every rank must call init together.
+
+    `timeout`: seconds any call (init's own exchanges included) may wait for
+    its peers; None takes $COLLECTIVES_TIMEOUT, else 300.
 
     init learns which ranks share a node (host name and boot id; tests split
     a machine into pretend nodes with $COLLECTIVES_PRETEND_NODES, see
@@ -50,9 +54,16 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
         "ours"        our plans and kernels (the default)
         "nccl"        NCCL, through CuPy's binding (executors/nccl.py); a
                       "cuda" device only, at most one rank per GPU
+
+    Returns a Communicator (a HierarchicalCommunicator across nodes). Raises
+    InvalidUsageError for a bad argument (before any exchange, on every
+    rank); CollectiveError on every rank when a rank cannot open its device
+    or NCCL is missing; CollectiveTimeoutError when a rank does not join
+    within the timeout.
     """
     from . import bootstrap
     from .communicator import VirtualHostRanks
+    from .validation import naming
 
     timeout = resolve_timeout(timeout)
     backend = resolve_backend(backend)
@@ -61,11 +72,13 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
     # A bad spec, or a missing NCCL, is an error on every rank, before any exchange.
     if backend == "nccl":
         from .executors import nccl as nccl_backend
-        nccl_backend.cuda_spec(device)
+        with naming("device"):
+            nccl_backend.cuda_spec(device)
         binding = nccl_backend.load_binding()
     elif not on_host:
         from .devices import parse_spec
-        parse_spec(device)
+        with naming("device"):
+            parse_spec(device)
     world = bootstrap.mpi_world(comm)
     alone = world is None or world.Get_size() == 1
     if on_host:

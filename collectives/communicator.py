@@ -12,14 +12,12 @@ from . import arrays, fusion, validation
 from .algorithms import choose
 from .algorithms.schedule import (
     ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES as COLLECTIVE_NAMES, REDUCE_SCATTER, REDUCE_TO_ROOT,
-    REDUCING_COLLECTIVES,
 )
 from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
 from .compression import wire
 from .config import resolve_timeout
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
-from .ops import ReduceOp, as_reduce_op
 from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
 from .transport import fastpath
 
@@ -106,9 +104,35 @@ class Communicator:
     """A group of ranks that run collectives together.
 
     Make one with `Communicator.local(nranks)` (all ranks in this process) or
-    `collectives.init()` (one rank per process under mpiexec). Every method
-    takes one array when this process owns one rank, or a sequence with one
-    array per local rank, and returns the result in the same form.
+    `collectives.init()` (one rank per process under mpiexec). `size` is the
+    number of ranks, `local_ranks` those this process owns, `rank` the first
+    of them, `timeout` the seconds any call may wait for its peers.
+
+    Arrays. Where this process owns one rank, a collective takes a bare
+    array; where it owns several, a list (or tuple) with one array per local
+    rank, in the order of `local_ranks`, each its own memory. The result
+    comes back in the same form (a list for a list). Host communicators
+    and emulated devices take NumPy arrays; GPU ranks take CuPy arrays,
+    PyTorch tensors, or anything exposing __cuda_array_interface__ or
+    DLPack. Arrays are C-contiguous, of the same dtype and shape on every
+    rank, of a dtype in collectives.SUPPORTED_DTYPES: int8 to int64, uint8
+    to uint64, float16, bfloat16, float32, float64 (not bool: pass uint8).
+
+    Ops (op=): "sum", "prod", "max", "min", "avg", or a ReduceOp. avg is the
+    sum divided once by `size` (integers truncate toward zero); float16 and
+    bfloat16 compute in float32 and round to nearest even; integer sum and
+    prod wrap around; max and min return NaN if any input is NaN, and take
+    -0 < +0. Every rank gets the same bits.
+
+    Errors (collectives.errors), the same class on every rank for one event:
+    InvalidUsageError (a ValueError) for a bad argument, raised before
+    anything is written, or for ranks making different calls;
+    CollectiveTimeoutError (a TimeoutError) when a peer did not come within
+    `timeout`; RankFailedError (a CollectiveTimeoutError) when a peer died;
+    CollectiveError for other failures. Between processes a failed call
+    aborts the communicator: every later call raises; make a new one.
+    On GPU ranks a collective returns once its work is queued on the
+    current stream (see `synchronize`); on host ranks, once it is done.
     """
 
     def __init__(self, ranks, *, size, local_ranks, timeout):
@@ -120,6 +144,7 @@ class Communicator:
         self._closed = False
         self._last_checked = None  # ((collective, root, input infos, output infos), binding) that passed
         self._plans = {}           # call shape -> plan
+        self._checked_arguments = set()  # (collective, op, root, its type, algorithm, compression) that passed
         self._calls = {}           # arguments and arrays' ids -> _Call that passed (see _collective)
         self._fusion = None        # fusion.Fuser, made on first use
         self._worker = None        # the background thread of fusion buffers on host ranks
@@ -132,36 +157,52 @@ class Communicator:
 
     @classmethod
     def local(cls, nranks, *, devices=None, timeout=None, backend="ours"):
-        """`nranks` ranks owned by this process ("virtual ranks").
+        """A communicator of `nranks` ranks, all owned by this process
+        ("virtual ranks"): its collectives take a list of `nranks` arrays,
+        one per rank.
 
-        Without `devices` they work on NumPy arrays. `devices` puts rank r on
-        devices[r]: a CUDA device number (or "cuda:N") for GPU arrays, or
-        "emulated"/"emulated:N" for our kernels run on the CPU, whose arrays
-        are NumPy arrays. Devices may repeat. A single spec puts every rank there.
+        nranks   a positive int.
+        devices  None (default): host ranks, on NumPy arrays. Else where rank
+                 r works, devices[r]: a CUDA device number or "cuda:N" (GPU
+                 arrays), or "emulated" / "emulated:N" (our CUDA kernels run
+                 on the CPU, on NumPy arrays). Devices may repeat; a single
+                 spec puts every rank there.
+        timeout  seconds a call may wait for its peers: None takes
+                 $COLLECTIVES_TIMEOUT, else 300.
+        backend  "ours" (default): our plans and kernels; "nccl": each
+                 collective handed to NCCL (executors/nccl.py), every rank on
+                 a GPU of its own.
 
-        `backend="nccl"` hands each collective to NCCL instead of our plans
-        (executors/nccl.py): every rank on a GPU of its own.
+        Raises InvalidUsageError for a bad argument, CollectiveError when a
+        device cannot be opened. Use it as a context manager, or call close().
         """
         if isinstance(nranks, bool) or not isinstance(nranks, (int, np.integer)) or nranks < 1:
-            raise InvalidUsageError(f"nranks must be a positive integer, got {nranks!r}")
+            raise InvalidUsageError(f"nranks: expected a positive integer, got {nranks!r}")
         nranks = int(nranks)
         timeout = resolve_timeout(timeout)
         backend = resolve_backend(backend)
         if devices is None:
             if backend == "nccl":
-                raise InvalidUsageError("backend='nccl' runs on CUDA GPUs: pass devices=[...], one GPU per rank")
+                raise InvalidUsageError(
+                    "devices: backend='nccl' runs on CUDA GPUs: pass devices=[...], one GPU per rank")
             return cls(VirtualHostRanks(nranks), size=nranks, local_ranks=range(nranks), timeout=timeout)
         if isinstance(devices, (str, int)):
             devices = [devices] * nranks
         devices = list(devices)
         if len(devices) != nranks:
-            raise InvalidUsageError(f"devices names {len(devices)} devices for {nranks} ranks; give one per rank")
+            raise InvalidUsageError(f"devices: names {len(devices)} devices for {nranks} ranks; give one per rank")
         if backend == "nccl":
-            from .executors.nccl import NcclRanks
+            from .executors.nccl import NcclRanks, cuda_spec
+            for rank, spec in enumerate(devices):
+                with validation.naming(f"devices[{rank}]"):
+                    cuda_spec(spec)
             ranks = NcclRanks.in_process(devices, timeout)
         else:
-            from .devices import open_device
+            from .devices import open_device, parse_spec
             from .executors.device import DeviceRanks
+            for rank, spec in enumerate(devices):
+                with validation.naming(f"devices[{rank}]"):
+                    parse_spec(spec)
             ranks = DeviceRanks([open_device(spec) for spec in devices])
         return cls(ranks, size=nranks, local_ranks=range(nranks), timeout=timeout)
 
@@ -172,12 +213,29 @@ class Communicator:
     # -- collectives ----------------------------------------------------------
 
     def allreduce(self, x, op="sum", out=None, algorithm="auto", compression=None):
-        """Every rank gets the reduction of all ranks' `x` (in place unless `out`).
+        """Every rank gets the reduction (`op`) of all ranks' `x`.
 
-        `compression` ("bf16", "fp16" or "int8"; float32 arrays, op sum or
-        avg) sends encoded data between ranks and accumulates in float32;
-        the result is float32 and the same bits on every rank
-        (compression/wire.py; its error bounds are in the README)."""
+        x            the rank's array, or a list of one per local rank (see
+                     Communicator): any supported dtype and shape.
+        op           "sum" (default), "prod", "max", "min", "avg", or a ReduceOp.
+        out          None: the result overwrites `x` (in place). Else arrays
+                     of x's size and dtype, in the form of `x`, that receive
+                     it; `out` may be `x` itself, and may overlap its own
+                     rank's `x`, but not another local rank's arrays.
+        algorithm    "auto" (default: chosen by a cost model, see
+                     `chosen_algorithm`) or a name from
+                     collectives.algorithms.REGISTRY ("ring", "direct", ...).
+        compression  None (default), or "bf16", "fp16", "int8": float32 arrays
+                     and op "sum" or "avg" only; data between ranks is
+                     encoded, the accumulation is float32, and the result is
+                     float32 and the same bits on every rank (error bounds:
+                     README, compression/wire.py).
+
+        Returns the result: `out`, or `x` when computed in place (a list for
+        a list). Raises InvalidUsageError for a bad argument (nothing is
+        written), CollectiveTimeoutError or RankFailedError when a peer
+        stalls or dies, CollectiveError otherwise (see Communicator).
+        """
         fast = self._fast_allreduce
         if fast is not None and compression is None and isinstance(algorithm, str) and algorithm == "auto" \
                 and not self._closed and not self._busy:
@@ -187,41 +245,125 @@ class Communicator:
         return self._collective(ALLREDUCE, x, op=op, out=out, algorithm=algorithm, compression=compression)
 
     def reduce_scatter(self, x, op="sum", out=None, algorithm="auto"):
-        """`x` has size*k elements; rank r gets block r (k elements) of the reduction.
+        """Reduce all ranks' `x` and give rank r block r of the result.
 
-        In place, the result lands in `x`'s own block, which is returned as a
-        view (along the first axis when it divides evenly, else flat); the
-        other blocks of `x` are left as they were.
+        x            the rank's array (or a list, one per local rank) of
+                     size*k elements; block r is elements r*k to (r+1)*k.
+        op           "sum" (default), "prod", "max", "min", "avg", or a ReduceOp.
+        out          None: the result lands in `x`'s own block, returned as a
+                     view (along the first axis when it divides by `size`,
+                     else flat); the other blocks of `x` are left as they
+                     were. Else arrays of k elements and x's dtype.
+        algorithm    "auto" (default) or a name that implements reduce_scatter.
+
+        Returns rank r's k reduced elements: `out`, or the view of `x` (a
+        list for a list). Raises InvalidUsageError for a bad argument (size
+        not a multiple of `size`, too: nothing is written),
+        CollectiveTimeoutError or RankFailedError when a peer stalls or dies
+        (see Communicator).
         """
         return self._collective(REDUCE_SCATTER, x, op=op, out=out, algorithm=algorithm)
 
     def allgather(self, x, out=None, algorithm="auto"):
-        """Every rank gets all ranks' `x` (k elements each) concatenated in rank
-        order: size*k elements, in `out` or a new array stacked along axis 0."""
+        """Every rank gets all ranks' `x` concatenated in rank order.
+
+        x            the rank's array of k elements (or a list, one per local
+                     rank); it is only read, so local ranks may share one.
+        out          None: a new array of the library of `x`, stacked along
+                     axis 0 (shape (size*x.shape[0], *x.shape[1:])). Else
+                     arrays of size*k elements and x's dtype; `x` may be its
+                     own rank's block of `out`.
+        algorithm    "auto" (default) or a name that implements allgather.
+
+        Returns the size*k elements (a list for a list). Raises
+        InvalidUsageError for a bad argument (nothing is written),
+        CollectiveTimeoutError or RankFailedError when a peer stalls or
+        dies (see Communicator).
+        """
         return self._collective(ALLGATHER, x, out=out, algorithm=algorithm)
 
     def broadcast(self, x, root=0, algorithm="auto"):
-        """Every rank's `x` becomes a copy of the root's `x`."""
+        """Every rank's `x` becomes a copy of the root's `x`, in place.
+
+        x            the rank's array (or a list, one per local rank), of the
+                     same dtype and shape on every rank.
+        root         the rank whose `x` is sent: an int, 0 <= root < size.
+        algorithm    "auto" (default) or a name that implements broadcast.
+
+        Returns `x` (a list for a list). Raises InvalidUsageError for a bad
+        argument (nothing is written), CollectiveTimeoutError or
+        RankFailedError when a peer stalls or dies (see Communicator).
+        """
         return self._collective(BROADCAST, x, root=root, algorithm=algorithm)
 
     def reduce(self, x, root=0, op="sum", algorithm="auto"):
-        """The root's `x` becomes the reduction of all ranks' `x`; the others' is unchanged."""
+        """The root's `x` becomes the reduction of all ranks' `x`, in place;
+        the other ranks' `x` are left as they were.
+
+        x            the rank's array (or a list, one per local rank).
+        root         the rank that receives the result: an int, 0 <= root < size.
+        op           "sum" (default), "prod", "max", "min", "avg", or a ReduceOp.
+        algorithm    "auto" (default) or a name that implements reduce.
+
+        Returns `x` (a list for a list). Raises InvalidUsageError for a bad
+        argument (nothing is written), CollectiveTimeoutError or
+        RankFailedError when a peer stalls or dies (see Communicator).
+        """
         return self._collective(REDUCE_TO_ROOT, x, op=op, root=root, algorithm=algorithm)
 
     def allreduce_many(self, arrays, op="sum", fusion_threshold=fusion.DEFAULT_THRESHOLD, compression=None,
                        algorithm="auto"):
-        """Allreduce every array of `arrays` in place, fused: arrays of one
-        dtype are packed into buffers of at most `fusion_threshold` bytes,
-        each allreduced once (see fusion.py). With several local ranks,
-        `arrays` holds one list per local rank. Returns `arrays`."""
+        """Allreduce every array of `arrays` in place, fused into few calls.
+
+        Arrays of one dtype are packed, in order, into fusion buffers of at
+        most `fusion_threshold` bytes, each allreduced once, then unpacked
+        (fusion.py); the arrays may differ in dtype and shape.
+
+        arrays            a list of arrays; with several local ranks, one
+                          such list per local rank, alike in length, dtypes
+                          and shapes. No two arrays may share memory.
+        op                "sum" (default), "prod", "max", "min", "avg", or a ReduceOp.
+        fusion_threshold  bytes per fusion buffer (a positive int).
+        compression       None, or "bf16", "fp16", "int8" (float32 arrays,
+                          op "sum" or "avg"), as in `allreduce`.
+        algorithm         "auto" (default) or a name, as in `allreduce`.
+
+        Returns `arrays`. Raises InvalidUsageError for a bad argument
+        (checked for every array before any is written), or while a fusion
+        buffer of this communicator has allreduces in flight;
+        CollectiveTimeoutError or RankFailedError when a peer stalls or
+        dies (see Communicator).
+        """
         self._check_open()
         self._check_idle()
         return fusion.allreduce_many(self, arrays, op, fusion_threshold, compression, algorithm)
 
     def fusion_buffer(self, threshold=fusion.DEFAULT_THRESHOLD, op="sum", compression=None, error_feedback=False,
                       algorithm="auto"):
-        """A fusion.FusionBuffer: `add` arrays as they become ready, each
-        fusion buffer's allreduce starts once it is full, `wait` for all."""
+        """A FusionBuffer (fusion.py) that allreduces arrays in place as they
+        become ready, as gradients do during a backward pass.
+
+        buffer.add(a) queues an array (a list, one per local rank, with
+        several local ranks); once the arrays queued of its dtype fill
+        `threshold` bytes, their allreduce starts while the caller goes on.
+        buffer.flush() starts what is left; buffer.wait() returns once every
+        result is in place and raises the first error of any started
+        allreduce. Until wait() returns the arrays are the library's, and
+        on host ranks no other collective of this communicator may start.
+
+        threshold       bytes per fusion buffer (a positive int).
+        op              "sum" (default), "prod", "max", "min", "avg", or a ReduceOp.
+        compression     None, or "bf16", "fp16", "int8" (float32 arrays, op
+                        "sum" or "avg"), as in `allreduce`.
+        error_feedback  with a compression, each rank keeps what the codec
+                        lost of its contribution and adds it to the next
+                        (error-feedback SGD); `auto` then runs `direct`.
+        algorithm       "auto" (default) or a name, as in `allreduce`.
+
+        Raises InvalidUsageError for a bad argument, here or at add();
+        wait() raises CollectiveTimeoutError or RankFailedError when a peer
+        stalls or dies (see Communicator).
+        """
         self._check_open()
         return fusion.FusionBuffer(self, threshold, op, compression, error_feedback, algorithm)
 
@@ -266,15 +408,24 @@ class Communicator:
             future.add_done_callback(one_done)
 
     def chosen_algorithm(self, collective, nbytes, root=0, dtype=None):
-        """The algorithm `algorithm="auto"` runs for `collective` on arrays of
-        `nbytes` bytes per rank (its cost model is this communicator's transport's).
+        """The algorithm that `algorithm="auto"` runs for a call: a name of
+        collectives.algorithms.REGISTRY, chosen by the cost model of this
+        communicator's transport.
 
-        `dtype`: the call's `x` is one NumPy array of this dtype. Host ranks
-        in processes run such an allreduce in the compiled loop when it takes
-        the dtype, and the answer is its step, `merged` or `pipelined`.
-        Without `dtype` (a list of arrays, which the loop declines), the plan."""
+        collective  "allreduce", "reduce_scatter", "allgather", "broadcast" or "reduce".
+        nbytes      bytes of each rank's `x`.
+        root        the call's root (broadcast and reduce; else ignored).
+        dtype       the dtype of `x` when it is one NumPy array: host ranks
+                    in processes run such an allreduce in their compiled
+                    loop when it takes the dtype, and the answer is then its
+                    step, "merged" or "pipelined". Without it (a list of
+                    arrays, which the loop declines), the plan's algorithm.
+
+        Raises InvalidUsageError for an unknown collective or a bad root.
+        """
         if collective not in COLLECTIVE_NAMES:
-            raise InvalidUsageError(f"unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
+            raise InvalidUsageError(
+                f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
         if collective == ALLREDUCE and dtype is not None and self._fast_allreduce is not None and fastpath.takes(dtype):
             return fastpath.path_for(nbytes)
         itemsize = 1  # nbytes is already bytes
@@ -291,15 +442,26 @@ class Communicator:
         return picked or choose(collective, self.size, count * itemsize, root, self._ranks.transport)
 
     def barrier(self):
-        """Return once every rank has called barrier (or raise after the timeout)."""
+        """Return once every rank has called barrier.
+
+        Raises CollectiveTimeoutError when a rank does not come within the
+        timeout, RankFailedError when one died, InvalidUsageError where the
+        communicator is closed or a fusion buffer has allreduces in flight.
+        """
         self._check_open()
         self._check_idle()
         self._ranks.barrier(time.perf_counter() + self.timeout)
 
     def synchronize(self):
-        """Wait until every collective issued so far has completed. Collectives
-        on GPU ranks return once their work is queued on the caller's current
-        streams; on host ranks they complete before returning."""
+        """Wait until every collective this process issued so far has
+        completed. Collectives on GPU ranks return once their work is queued
+        on the caller's current streams; on host ranks they complete before
+        returning, and this returns at once.
+
+        Raises InvalidUsageError where the communicator is closed;
+        CollectiveTimeoutError where NCCL's work does not complete within
+        the timeout (backend="nccl").
+        """
         self._check_open()
         wait = getattr(self._ranks, "synchronize", None)
         if wait is not None:  # ranks that bound the wait by the timeout themselves (NCCL)
@@ -311,10 +473,16 @@ class Communicator:
     # -- life cycle -------------------------------------------------------------
 
     def close(self):
-        """Release the communicator's resources. Collective: every rank calls it.
+        """Release the communicator's resources. Collective: every rank calls
+        it (leaving a `with` block does). Calling it again does nothing;
+        any later collective raises InvalidUsageError.
 
-        A peer that died or never calls in does not make close() raise; its
-        shared buffers are released all the same.
+        It waits (up to the timeout) for the other ranks to close, so that
+        none still reads this rank's memory; a peer that died or never
+        calls in does not make close() raise, and shared buffers are
+        released all the same. A rank that leaves a `with` block through an
+        exception aborts the communicator instead, so that its peers raise
+        at once rather than wait out their timeout.
         """
         if self._closed:
             return
@@ -388,18 +556,22 @@ class Communicator:
                 if call is not None and tuple(map(_STATE, objects)) == call.states:
                     return self._repeat(call, xs, objects, as_sequence)
 
+        # The checks, in the order a caller's mistakes arise (validation.py):
+        # the call's own arguments, each array, then arrays against each other.
+        self._check_arguments(collective, op, root, algorithm, compression)
         ranks = self._ranks
         nlocal = len(self.local_ranks)
         inputs, input_infos, as_sequence = validation.rank_arrays(x, nlocal, ranks)
-        validation.same_dtype_and_shape(input_infos)
         first = input_infos[0]
         dtype, elements = first.dtype, first.size
+        validation.compressed_dtype(compression, dtype)
+        validation.same_dtype_and_shape(input_infos)
 
         if collective == REDUCE_SCATTER:
             if elements % self.size:
                 raise InvalidUsageError(
-                    f"reduce_scatter needs an input whose size divides by the communicator size "
-                    f"{self.size}; it has {elements} elements")
+                    f"x: has {elements} elements, which do not split into {self.size} equal blocks; "
+                    f"reduce_scatter needs a multiple of the communicator size {self.size}")
             result_elements = elements // self.size
         elif collective == ALLGATHER:
             result_elements = elements * self.size
@@ -420,7 +592,7 @@ class Communicator:
         else:
             outputs, output_infos, made = inputs, input_infos, _IN_PLACE
 
-        binding = self._check_buffers(collective, root, out is not None, input_infos, output_infos)
+        binding = self._check_buffers(collective, root, made, inputs, outputs, input_infos, output_infos)
         if compression is not None:  # streamline.py's rewrites hold for an output that is the input or apart from it
             streamlined = validation.relation(input_infos, output_infos, _same_array) != validation.OVERLAPPING
             binding = (WORKSPACE, streamlined)
@@ -485,16 +657,11 @@ class Communicator:
             pass
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
             key = None
-        op = _reduce_op(op) if collective in REDUCING_COLLECTIVES else ReduceOp.SUM
-        root = validation.root_rank(root, self.size) if collective in (BROADCAST, REDUCE_TO_ROOT) else 0
-        if not isinstance(algorithm, str):
-            raise InvalidUsageError(f"algorithm must be a name, got {type(algorithm).__name__}")
+        op, root = validation.call_arguments(collective, op, root, algorithm, compression, self.size)
+        validation.compressed_dtype(compression, dtype)
         count = elements * self.size if collective == ALLGATHER else elements  # each rank's WORK buffer
         itemsize = dtype.itemsize
         if compression is not None:
-            wire.check_compression(compression, dtype, op, collective)
-            if not getattr(self._ranks, "compresses", False):
-                raise InvalidUsageError(f"compression is not available on {type(self._ranks).__name__} ranks")
             itemsize = wire.encoded_nbytes(compression, max(elements, 1)) / max(elements, 1)  # what `auto` weighs
         if algorithm == "auto":
             algorithm = self._auto(collective, elements, itemsize, root, binding if compression is None else None)
@@ -509,7 +676,25 @@ class Communicator:
             self._plans[key] = plan
         return plan
 
-    def _check_buffers(self, collective, root, out_given, input_infos, output_infos):
+    def _check_arguments(self, collective, op, root, algorithm, compression):
+        """The call's own arguments (validation.call_arguments), before any
+        array is looked at. Arguments that passed are remembered: a call
+        that repeats them costs one dictionary lookup."""
+        key = (collective, op, root, root.__class__, algorithm, compression)
+        try:
+            if key in self._checked_arguments:
+                return
+        except TypeError:   # an unhashable argument: the check below says what is wrong with it
+            key = None
+        validation.call_arguments(collective, op, root, algorithm, compression, self.size)
+        if compression is not None and not getattr(self._ranks, "compresses", False):
+            raise InvalidUsageError(f"compression: not available on {type(self._ranks).__name__} ranks")
+        if key is not None:
+            if len(self._checked_arguments) >= 1024:
+                self._checked_arguments.clear()
+            self._checked_arguments.add(key)
+
+    def _check_buffers(self, collective, root, made, inputs, outputs, input_infos, output_infos):
         """Outputs writable, no memory shared between ranks; returns the
         plan binding. The same descriptions as the last call (describing
         caches them) passed these checks already."""
@@ -517,9 +702,12 @@ class Communicator:
         last = self._last_checked
         if last is not None and last[0] == key:  # equal descriptions pass equally (identical ones compare fast)
             return last[1]
+        out_given = made is _GIVEN
         written = [o for o, rank in zip(output_infos, self.local_ranks) if _receives(collective, rank, root)]
         validation.writable(written, "out" if out_given else "x")
-        validation.no_overlap_between_ranks(input_infos, output_infos)
+        validation.ranks_own_their_memory(input_infos, output_infos, out_given,
+                                          inputs_written=made in (_IN_PLACE, _OWN_BLOCKS),
+                                          objects={"x": inputs, "out": outputs})
         binding = self._binding(collective, input_infos, output_infos) if self._ranks.addressable else WORKSPACE
         self._last_checked = (key, binding)
         return binding
@@ -584,18 +772,9 @@ BACKENDS = ("ours", "nccl")
 def resolve_backend(backend):
     """`backend`, checked against the backends there are."""
     if not isinstance(backend, str) or backend not in BACKENDS:
-        raise InvalidUsageError(f"unknown backend {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
+        raise InvalidUsageError(
+            f"backend: unknown backend {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
     return backend
-
-
-_OPS = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
-
-
-def _reduce_op(op):
-    try:
-        return _OPS[op]
-    except (KeyError, TypeError):
-        return as_reduce_op(op)  # other spellings, or the error that names the valid ones
 
 
 def _same_array(rank, a, b):

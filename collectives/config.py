@@ -24,7 +24,7 @@ def resolve_timeout(timeout=None):
     try:
         value = float(timeout)
     except (TypeError, ValueError):
-        raise InvalidUsageError(f"{source} must be a number of seconds, got {timeout!r}") from None
+        raise InvalidUsageError(f"{source}: expected a number of seconds, got {timeout!r}") from None
     if not (value > 0 and math.isfinite(value)):
-        raise InvalidUsageError(f"{source} must be a positive, finite number of seconds, got {timeout!r}")
+        raise InvalidUsageError(f"{source}: expected a positive, finite number of seconds, got {timeout!r}")
     return value

@@ -24,3 +24,27 @@ class RankFailedError(CollectiveTimeoutError):
     A subclass of `CollectiveTimeoutError` because, to the caller, it is the
     same event reported early: waiting longer would not help.
     """
+
+
+# How an abort carries the class of its cause to the other ranks, so that
+# every rank raises the same class for the same event (a program that
+# catches TimeoutError handles a stalled peer on every rank): a small code,
+# stored in the control segment's header (transport/protocol.py) or sent as
+# the first byte of an MPI abort message (transport/mpi.py). After 0, a
+# plain CollectiveError, the most specific class comes first (RankFailedError
+# is a CollectiveTimeoutError).
+_CARRIED = (CollectiveError, RankFailedError, CollectiveTimeoutError, InvalidUsageError)
+
+
+def kind_of(error):
+    """The code of `error`'s class (an exception or a class) among those an abort carries."""
+    cls = error if isinstance(error, type) else type(error)
+    for code in range(1, len(_CARRIED)):
+        if issubclass(cls, _CARRIED[code]):
+            return code
+    return 0
+
+
+def class_of_kind(code):
+    """The error class of an abort's code (CollectiveError for an unknown one)."""
+    return _CARRIED[code] if 0 <= code < len(_CARRIED) else CollectiveError

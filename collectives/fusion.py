@@ -35,12 +35,10 @@ from typing import NamedTuple, Tuple
 import numpy as np
 
 from . import arrays, kernels, validation
-from .algorithms import schedule_for
 from .algorithms.schedule import ALLREDUCE
 from .binding import WORKSPACE
 from .compression import wire
 from .errors import CollectiveTimeoutError, InvalidUsageError
-from .ops import as_reduce_op
 
 ALIGN_BYTES = 16
 DEFAULT_THRESHOLD = 64 << 20
@@ -123,41 +121,45 @@ def gaps(group):
 # -- checking a list of arrays --------------------------------------------------
 
 
-def check_algorithm(algorithm):
-    if algorithm != "auto":
-        schedule_for(algorithm, ALLREDUCE, 1)   # raises InvalidUsageError for an unknown name
-
-
-def check_arrays(comm, arrays_, op, compression, threshold):
-    """Per local rank the arrays and their ArrayInfos, after every check
-    (so a rejected call modifies nothing)."""
+def check_threshold(threshold, name):
     if isinstance(threshold, bool) or not isinstance(threshold, (int, np.integer)) or threshold < 1:
-        raise InvalidUsageError(f"fusion_threshold must be a positive number of bytes, got {threshold!r}")
+        raise InvalidUsageError(f"{name}: expected a positive number of bytes, got {threshold!r}")
+
+
+def check_arrays(comm, arrays_, op, compression, threshold, algorithm="auto"):
+    """Per local rank the arrays and their ArrayInfos, after every check
+    (so a rejected call modifies nothing), in validation.py's order: the
+    call's own arguments, each array, then arrays against each other."""
+    check_threshold(threshold, "fusion_threshold")
+    comm._check_arguments(ALLREDUCE, op, 0, algorithm, compression)
     nlocal = len(comm.local_ranks)
     if not isinstance(arrays_, (list, tuple)):
-        raise InvalidUsageError(f"arrays must be a list of arrays, got {type(arrays_).__name__}")
-    if nlocal == 1 and not (arrays_ and isinstance(arrays_[0], (list, tuple))):
+        raise InvalidUsageError(f"arrays: expected a list of arrays, got {type(arrays_).__name__}")
+    flat = nlocal == 1 and not (arrays_ and isinstance(arrays_[0], (list, tuple)))   # not one list per rank
+    if flat:
         per_rank = [list(arrays_)]
     else:
         if len(arrays_) != nlocal or not all(isinstance(a, (list, tuple)) for a in arrays_):
             raise InvalidUsageError(
-                f"this communicator owns {nlocal} ranks: pass one list of arrays per local rank")
+                f"arrays: this communicator owns {nlocal} local ranks; pass one list of arrays per local rank")
         per_rank = [list(a) for a in arrays_]
     if len({len(a) for a in per_rank}) > 1:
-        raise InvalidUsageError("every local rank must pass the same number of arrays")
-    infos = []
+        raise InvalidUsageError(f"arrays: every local rank must pass the same number of arrays, got "
+                                f"{', '.join(str(len(a)) for a in per_rank)}")
+    infos, names = [], []
     for position in range(len(per_rank[0])):
-        objects, position_infos, _ = validation.rank_arrays(
-            [rank_arrays[position] for rank_arrays in per_rank], nlocal, comm._ranks, name=f"arrays[{position}]")
-        validation.same_dtype_and_shape(position_infos)
+        # Named as the caller indexes it: arrays[position], or arrays[rank][position].
+        name = f"arrays[{position}]" if flat else f"arrays[{{rank}}][{position}]"
+        given = per_rank[0][position] if flat else [rank_arrays[position] for rank_arrays in per_rank]
+        objects, position_infos, _ = validation.rank_arrays(given, nlocal, comm._ranks, name=name)
+        validation.compressed_dtype(compression, position_infos[0].dtype)
         infos.append(position_infos)
+        names.append(name)
+    for name, position_infos in zip(names, infos):
+        validation.same_dtype_and_shape(position_infos, name)
+        validation.writable(position_infos, name)
     infos = [list(rank_infos) for rank_infos in zip(*infos)] if infos else [[] for _ in range(nlocal)]
-    for rank_infos in infos:
-        validation.writable(rank_infos, "arrays")
     _no_overlap([info for rank_infos in infos for info in rank_infos], len(infos[0]))
-    for info in infos[0]:
-        wire.check_compression(compression, info.dtype, op)
-    as_reduce_op(op)  # its own error names the valid ops
     return per_rank, infos
 
 
@@ -170,7 +172,7 @@ def _no_overlap(infos, per_rank):
     spans = sorted((i.address, i.address + i.nbytes, i.device, n) for n, i in enumerate(infos) if i.nbytes)
     for (_, end, device, a), (start, _, other, b) in zip(spans, spans[1:]):
         if start < end and device == other:
-            raise InvalidUsageError(f"{name(a)} and {name(b)} share memory; each array is reduced in place")
+            raise InvalidUsageError(f"arrays: {name(a)} and {name(b)} share memory; each array is reduced in place")
 
 
 # -- running a group --------------------------------------------------------------
@@ -310,8 +312,7 @@ def allreduce_many(comm, arrays_, op, fusion_threshold, compression, algorithm="
     fuser = comm._fuser()
     call = _recall(fuser.last_call, comm, arrays_, (op, fusion_threshold, compression, algorithm))
     if call is None:
-        per_rank, infos = check_arrays(comm, arrays_, op, compression, fusion_threshold)
-        check_algorithm(algorithm)
+        per_rank, infos = check_arrays(comm, arrays_, op, compression, fusion_threshold, algorithm)
         packer = Packer(fusion_threshold, compression, pack_limit(comm))
         groups = []
         for index, info in enumerate(infos[0] if infos else ()):
@@ -389,17 +390,16 @@ class FusionBuffer:
     """
 
     def __init__(self, comm, threshold, op, compression, error_feedback, algorithm="auto"):
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, np.integer)) or threshold < 1:
-            raise InvalidUsageError(f"threshold must be a positive number of bytes, got {threshold!r}")
-        as_reduce_op(op)
-        if compression is not None:
-            wire.check_compression(compression, np.dtype(np.float32), op)
+        check_threshold(threshold, "threshold")
+        validation.algorithm_name(algorithm, ALLREDUCE)
+        validation.compression_codec(compression, validation.reduce_op(op))
         if error_feedback and compression is None:
-            raise InvalidUsageError("error_feedback=True needs a compression codec: without one nothing is lost")
+            raise InvalidUsageError("error_feedback: True needs a compression codec; without one nothing is lost")
+        if compression is not None and not getattr(comm._ranks, "compresses", False):
+            raise InvalidUsageError(f"compression: not available on {type(comm._ranks).__name__} ranks")
         self.comm, self.threshold, self.op = comm, int(threshold), op
         # On one rank nothing is encoded, so nothing is lost and nothing is kept.
         self.compression, self.error_feedback = compression, bool(error_feedback) and comm.size > 1
-        check_algorithm(algorithm)
         self.algorithm = "direct" if error_feedback and algorithm == "auto" else algorithm
         self._residuals = {}   # (group number in the step, dtype, slot sizes) -> per local rank float32 residual
         self._reset()
@@ -416,9 +416,9 @@ class FusionBuffer:
         comm = self.comm
         comm._check_open()
         objects, infos, _ = validation.rank_arrays(array, len(comm.local_ranks), comm._ranks, name="array")
+        validation.compressed_dtype(self.compression, infos[0].dtype)
         validation.same_dtype_and_shape(infos, "array")
         validation.writable(infos, "array")
-        wire.check_compression(self.compression, infos[0].dtype, self.op)
         self._claim(infos)
         index = len(self._arrays)
         self._arrays.append(objects)
@@ -436,8 +436,8 @@ class FusionBuffer:
             neighbours = spans[max(at - 1, 0):at + 1]
             if any(s < stop and start < e and d == device for s, e, d in neighbours) or \
                     sum(1 for s, e, d in new if s < stop and start < e and d == device) > 1:
-                raise InvalidUsageError("array shares memory with an array already queued in this fusion "
-                                        "buffer (or with another rank's); each array is reduced in place")
+                raise InvalidUsageError("array: shares memory with an array already queued in this fusion "
+                                        "buffer (or with another local rank's); each array is reduced in place")
         for span in new:
             bisect.insort(spans, span)
 

@@ -75,16 +75,15 @@ from typing import NamedTuple
 import numpy as np
 
 from . import bootstrap
-from .algorithms import schedule_for
-from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT, REDUCING_COLLECTIVES
-from .communicator import Communicator, _reduce_op
+from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT
+from .communicator import Communicator
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
 from .ops import ReduceOp
 from .plan import INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, SRC0, WORK
 from .transport.mpi import MpiLink
 from .transport.protocol import call_signature
-from .validation import root_rank
+from .validation import call_arguments
 
 # Buffers an op-table row or a message names, besides INPUT, OUTPUT and a rank's WORK:
 PART = 4        # this rank's partial or result (process memory, or a range of its WORK)
@@ -138,15 +137,14 @@ class HierarchicalCommunicator(Communicator):
     def _auto(self, collective, elements, itemsize, root):
         return "hierarchical"
 
+    def _check_arguments(self, collective, op, root, algorithm, compression):
+        _no_compression(compression)   # the reason, rather than "not available on these ranks"
+        super()._check_arguments(collective, op, root, algorithm, compression)
+
     def _plan(self, collective, dtype, elements, op, root, algorithm, binding, compression=None):
         """The checked Call: everything Communicator checks before it plans."""
         _no_compression(compression)
-        op = _reduce_op(op) if collective in REDUCING_COLLECTIVES else ReduceOp.SUM
-        root = root_rank(root, self.size) if collective in (BROADCAST, REDUCE_TO_ROOT) else 0
-        if not isinstance(algorithm, str):
-            raise InvalidUsageError(f"algorithm must be a name, got {type(algorithm).__name__}")
-        if algorithm != "auto":
-            schedule_for(algorithm, collective, 1)   # an unknown name, or one without this collective, raises
+        op, root = call_arguments(collective, op, root, algorithm, None, self.size)
         description = f"{collective} of {elements} {dtype} (op {op.value}, root {root})"
         return Call(collective, dtype, elements, op, root, description)
 
@@ -154,7 +152,7 @@ class HierarchicalCommunicator(Communicator):
 def _no_compression(compression):
     if compression is not None:
         raise InvalidUsageError(
-            f"compression={compression!r} is not available when ranks span several nodes (the hierarchical "
+            f"compression: {compression!r} is not available when ranks span several nodes (the hierarchical "
             "communicator); call without compression")
 
 
@@ -201,7 +199,7 @@ class HierarchyRanks:
         nodes' through MPI (unless the abort came from there)."""
         error = error if isinstance(error, BaseException) else CollectiveError(str(error))
         if self.shm is not None:
-            self.shm.abort(f"{type(error).__name__} on rank {self.rank}: {error}")
+            self.shm.abort(f"{type(error).__name__} on rank {self.rank}: {error}", error)
         self.link.abort(error)
 
     def close(self):

@@ -1,20 +1,110 @@
 """Argument checks, all done before a collective touches a byte.
 
-Each check raises InvalidUsageError with a sentence that names the argument,
-the rank and what was expected, so a rejected call modifies nothing and says
-why. Arrays are checked as `arrays.ArrayInfo`s, whatever library made them;
-which arrays a rank takes is its executor's say (`host_only`, `locations`).
+Each check raises InvalidUsageError with a sentence whose first words name
+the argument (`op: unknown ...`, `x[1] has dtype ...`), then what was wrong
+and what was expected, so a rejected call modifies nothing and says why. The checks run
+in the order a caller makes mistakes, so that the first one reported is the
+real one: the call's own arguments (op, algorithm, compression, root), then
+each array on its own (count per local rank, type, dtype, layout, device),
+then what relates arguments and arrays (compression and dtype), then arrays
+to each other (dtypes and shapes across ranks, `out` against `x`), and last
+the memory they share. Arrays are checked as `arrays.ArrayInfo`s, whatever
+library made them; which arrays a rank takes is its executor's say
+(`host_only`, `locations`).
 """
 
+import contextlib
 import operator
 
 import numpy as np
 
 from . import arrays
+from .algorithms import REGISTRY
+from .algorithms.schedule import ALLREDUCE, BROADCAST, REDUCE_TO_ROOT, REDUCING_COLLECTIVES
+from .compression import wire
 from .errors import InvalidUsageError
+from .ops import ReduceOp
 
 # How a rank's output relates to its input, for binding.py.
 DISJOINT, SAME, OVERLAPPING = "disjoint", "same", "overlapping"
+
+_OPS = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
+_OP_NAMES = ", ".join(repr(o.value) for o in ReduceOp)
+# Compressed allreduce sums in float32 (compression/wire.py).
+_COMPRESSED_OPS = (ReduceOp.SUM, ReduceOp.AVG)
+
+
+def reduce_op(op, name="op"):
+    """`op` as a ReduceOp: a ReduceOp, or its name in any case."""
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):
+        pass
+    if isinstance(op, str) and op.lower() in _OPS:
+        return _OPS[op.lower()]
+    raise InvalidUsageError(
+        f"{name}: unknown reduction {op!r}; expected one of {_OP_NAMES} (or a collectives.ReduceOp)")
+
+
+def algorithm_name(algorithm, collective):
+    """`algorithm` checked: "auto", or a registered algorithm that implements `collective`."""
+    if not isinstance(algorithm, str):
+        raise InvalidUsageError(f"algorithm: expected a name such as 'auto' or 'ring', got {type(algorithm).__name__}")
+    if algorithm == "auto":
+        return algorithm
+    spec = REGISTRY.get(algorithm)
+    if spec is None:
+        valid = ", ".join(repr(name) for name in ["auto", *REGISTRY])
+        raise InvalidUsageError(f"algorithm: unknown algorithm {algorithm!r}; expected one of {valid}")
+    if collective not in spec.collectives:
+        able = ", ".join(repr(name) for name, s in REGISTRY.items() if collective in s.collectives)
+        raise InvalidUsageError(f"algorithm: {algorithm!r} does not implement {collective}; these do: 'auto', {able}")
+    return algorithm
+
+
+def compression_codec(compression, op, collective=ALLREDUCE):
+    """`compression` checked on its own and against `op`: None, or a codec
+    name for an allreduce whose op is sum or avg. (Its dtype is checked by
+    `compressed_dtype`, once the arrays are known.)"""
+    if compression is None:
+        return None
+    if not isinstance(compression, str) or compression not in wire.CODECS:
+        raise InvalidUsageError(f"compression: unknown codec {compression!r}; expected None or one of "
+                                f"{', '.join(map(repr, wire.CODECS))}")
+    if collective != ALLREDUCE:
+        raise InvalidUsageError(f"compression: applies to allreduce, not {collective}")
+    if op not in _COMPRESSED_OPS:
+        raise InvalidUsageError(f"compression: {compression!r} works with op 'sum' or 'avg', got op {op.value!r}")
+    return compression
+
+
+def compressed_dtype(compression, dtype):
+    if compression is not None and dtype != np.float32:
+        raise InvalidUsageError(f"compression: {compression!r} takes float32 arrays (it accumulates in float32), "
+                                f"got {dtype}; pass compression=None for other dtypes")
+
+
+def call_arguments(collective, op, root, algorithm, compression, size):
+    """A call's own arguments, checked before its arrays: (op as a ReduceOp,
+    root as an int). `op` counts for reducing collectives only, `root` for
+    broadcast and reduce only (others get SUM and 0)."""
+    op = reduce_op(op) if collective in REDUCING_COLLECTIVES else ReduceOp.SUM
+    algorithm_name(algorithm, collective)
+    compression_codec(compression, op, collective)
+    root = root_rank(root, size) if collective in (BROADCAST, REDUCE_TO_ROOT) else 0
+    return op, root
+
+
+@contextlib.contextmanager
+def naming(argument):
+    """Checks made elsewhere (a device spec's, say) whose InvalidUsageError
+    should name `argument` first, as every message of the API does."""
+    try:
+        yield
+    except InvalidUsageError as error:
+        if str(error).startswith(argument):
+            raise
+        raise InvalidUsageError(f"{argument}: {error}") from None
 
 
 def rank_arrays(x, nlocal, ranks, name="x"):
@@ -27,16 +117,18 @@ def rank_arrays(x, nlocal, ranks, name="x"):
     """
     if isinstance(x, (list, tuple)):
         if len(x) != nlocal:
-            raise InvalidUsageError(f"{name} holds {len(x)} arrays but this communicator owns {nlocal} ranks")
+            raise InvalidUsageError(f"{name}: {len(x)} arrays given for {nlocal} local ranks; "
+                                    f"pass one array per local rank")
         objects, as_sequence = list(x), True
     elif arrays.is_array(x):
         if nlocal != 1:
             raise InvalidUsageError(
-                f"this communicator owns {nlocal} ranks, so {name} must be a sequence of {nlocal} arrays, "
-                "one per local rank")
+                f"{name}: one array given, but this communicator owns {nlocal} local ranks; pass a list of "
+                f"{nlocal} arrays, one per local rank")
         objects, as_sequence = [x], False
     else:
-        raise InvalidUsageError(f"{name} must be an array or a sequence of them, got {type(x).__name__}")
+        raise InvalidUsageError(f"{name}: expected an array or a list of arrays (one per local rank), "
+                                f"got {type(x).__name__}")
     infos = []
     describe = arrays.describe
     for rank, obj in enumerate(objects):
@@ -59,6 +151,11 @@ def rank_arrays(x, nlocal, ranks, name="x"):
 
 
 def _name(name, rank, as_sequence):
+    """How messages name local rank `rank`'s array: `name`[rank], or where
+    the rank's index is not last, `name` with "{rank}" in it (allreduce_many's
+    arrays[{rank}][3])."""
+    if "{rank}" in name:
+        return name.format(rank=rank)
     return f"{name}[{rank}]" if as_sequence else name
 
 
@@ -81,17 +178,18 @@ def same_dtype_and_shape(infos, name="x"):
             break
     else:
         return
+    first = _name(name, 0, True)
     for i, a in enumerate(infos[1:], start=1):
         if a.dtype != dtype:
-            raise InvalidUsageError(f"{name}[{i}] has dtype {a.dtype} but {name}[0] has {dtype}")
+            raise InvalidUsageError(f"{_name(name, i, True)} has dtype {a.dtype} but {first} has {dtype}")
         if a.shape != shape:
-            raise InvalidUsageError(f"{name}[{i}] has shape {a.shape} but {name}[0] has {shape}")
+            raise InvalidUsageError(f"{_name(name, i, True)} has shape {a.shape} but {first} has {shape}")
 
 
 def writable(infos, name):
     for i, a in enumerate(infos):
         if not a.writable:
-            raise InvalidUsageError(f"{name}[{i}] is read-only, but the collective writes it")
+            raise InvalidUsageError(f"{_name(name, i, True)} is read-only, but the collective writes it")
 
 
 def output_arrays(out, nlocal, count, dtype, ranks):
@@ -110,24 +208,54 @@ def _overlap(a, b):
         and a.size and b.size
 
 
-def no_overlap_between_ranks(inputs, outputs):
-    """No output may share memory with another local rank's input or output:
-    two ranks writing one buffer (or one reading what another writes) race.
-    A rank's own input and output may overlap (see `relation`).
+def ranks_own_their_memory(inputs, outputs, out_given, inputs_written, objects=None):
+    """No local rank may write memory that another local rank reads or
+    writes: they would race. A rank's own input and output may overlap (see
+    `relation`); ranks may share an input that nobody writes.
+
+    `out_given`: the caller passed `out` (named so in messages); else the
+    outputs are the inputs or views of them (`inputs_written`, the inputs
+    then count as written) or new arrays (not checked). `objects`, the
+    arrays by name ({"x": inputs, "out": outputs}), tell the same array
+    from two views of one memory.
 
     One sweep over the buffers sorted by address, keeping those still open:
     linear for buffers that do not overlap, the usual case."""
-    spans = [(a.device, a.address, a.address + a.size * a.dtype.itemsize, rank, kind)
-             for kind, infos in (("input", inputs), ("out", outputs)) for rank, a in enumerate(infos) if a.size]
+    spans = [(a.device, a.address, a.address + a.nbytes, rank, "x", inputs_written)
+             for rank, a in enumerate(inputs) if a.size]
+    if out_given:
+        spans += [(a.device, a.address, a.address + a.nbytes, rank, "out", True)
+                  for rank, a in enumerate(outputs) if a.size]
     spans.sort()
     open_spans = []
-    for device, start, end, rank, kind in spans:
+    for span in spans:
+        device, start = span[0], span[1]
         open_spans = [s for s in open_spans if s[0] == device and s[2] > start]
-        for _, _, _, other_rank, other_kind in open_spans:
-            if other_rank != rank and "out" in (kind, other_kind):
-                raise InvalidUsageError(
-                    f"{other_kind} of local rank {other_rank} and {kind} of local rank {rank} share memory")
-        open_spans.append((device, start, end, rank, kind))
+        for other in open_spans:
+            if other[3] != span[3] and (other[5] or span[5]):
+                _shared_memory(other, span, objects)
+        open_spans.append(span)
+
+
+def _shared_memory(a, b, objects):
+    """Raise for spans `a` and `b` (device, start, end, rank, name, written)
+    of two local ranks that share memory."""
+    if a[4] != b[4]:   # an output over another rank's input: name the output first
+        a, b = (a, b) if a[4] == "out" else (b, a)
+        raise InvalidUsageError(
+            f"out[{a[3]}] shares memory with x[{b[3]}], the input of local rank {b[3]}; local rank {a[3]}'s "
+            "output may overlap its own input only")
+    name = a[4]
+    first, second = sorted((a[3], b[3]))
+    if a[1:3] == b[1:3]:
+        same = objects is not None and objects[name][first] is objects[name][second]
+        what = "the same array is given" if same else "the same memory is given (two views of it)"
+        raise InvalidUsageError(
+            f"{name}: {what} for local ranks {first} and {second}; each local rank needs an array of its own, "
+            "since the collective writes it")
+    raise InvalidUsageError(
+        f"{name}: {name}[{first}] and {name}[{second}] overlap in memory; each local rank needs memory of its "
+        "own, since the collective writes it")
 
 
 def relation(inputs, outputs, same_chunks):
@@ -147,11 +275,11 @@ def relation(inputs, outputs, same_chunks):
 
 def root_rank(root, size):
     if isinstance(root, bool):
-        raise InvalidUsageError(f"root must be a rank number, got {root!r}")
+        raise InvalidUsageError(f"root: expected a rank number (an int), got {root!r}")
     try:
         value = operator.index(root)
     except TypeError:
-        raise InvalidUsageError(f"root must be an integer rank, got {type(root).__name__}") from None
+        raise InvalidUsageError(f"root: expected a rank number (an int), got {type(root).__name__}") from None
     if not 0 <= value < size:
-        raise InvalidUsageError(f"root {value} is out of range for a communicator of size {size}")
+        raise InvalidUsageError(f"root: {value} is out of range; this communicator's ranks are 0 to {size - 1}")
     return value

@@ -250,25 +250,27 @@ def test_every_error_is_still_raised_after_a_success():
                 f()
             assert all(np.array_equal(a, b) for a, b in zip((*xs, *outs), before))
 
-        rejected(lambda: comm.allreduce(xs[:2]), "holds 2 arrays but this communicator owns 3")
-        rejected(lambda: comm.allreduce(xs[0]), "sequence of 3 arrays")
+        rejected(lambda: comm.allreduce(xs[:2]), "x: 2 arrays given for 3 local ranks")
+        rejected(lambda: comm.allreduce(xs[0]), "x: one array given, but this communicator owns 3 local ranks")
         rejected(lambda: comm.allreduce([xs[0], xs[1].view(np.int32), xs[2]]), r"x\[1\] has dtype int32")
         rejected(lambda: comm.allreduce([xs[0], xs[1][:5], xs[2]]), r"x\[1\] has shape \(5,\)")
-        rejected(lambda: comm.allreduce(xs, op="xor"), "unknown reduction op 'xor'")
-        rejected(lambda: comm.allreduce(xs, op=["sum"]), "unknown reduction op")
-        rejected(lambda: comm.allreduce(xs, algorithm="hypercube"), "unknown algorithm 'hypercube'")
-        rejected(lambda: comm.allreduce(xs, algorithm=None), "algorithm must be a name")
-        rejected(lambda: comm.broadcast(xs, root=3), "root 3 is out of range")
-        rejected(lambda: comm.broadcast(xs, root=1.0), "root must be an integer")
-        rejected(lambda: comm.broadcast(xs, root=True), "root must be a rank number")
-        rejected(lambda: comm.reduce(xs, root=np.float64(1)), "root must be an integer")
-        rejected(lambda: comm.allreduce(xs, out=outs[:2]), "out holds 2 arrays")
+        rejected(lambda: comm.allreduce(xs, op="xor"), "op: unknown reduction 'xor'")
+        rejected(lambda: comm.allreduce(xs, op=["sum"]), "op: unknown reduction")
+        rejected(lambda: comm.allreduce(xs, algorithm="hypercube"), "algorithm: unknown algorithm 'hypercube'")
+        rejected(lambda: comm.allreduce(xs, algorithm=None), "algorithm: expected a name")
+        rejected(lambda: comm.broadcast(xs, root=3), "root: 3 is out of range")
+        rejected(lambda: comm.broadcast(xs, root=1.0), "root: expected a rank number")
+        rejected(lambda: comm.broadcast(xs, root=True), "root: expected a rank number")
+        rejected(lambda: comm.reduce(xs, root=np.float64(1)), "root: expected a rank number")
+        rejected(lambda: comm.allreduce(xs, out=outs[:2]), "out: 2 arrays given for 3 local ranks")
         rejected(lambda: comm.allreduce(xs, out=[o[:5] for o in outs]), r"out\[0\] has 5 elements, expected 6")
-        rejected(lambda: comm.allreduce(xs, out=[outs[0], outs[0], outs[2]]), "share memory")
-        rejected(lambda: comm.allreduce([xs[0], xs[0], xs[2]]), "share memory")
-        rejected(lambda: comm.allreduce(xs, out=[xs[1], outs[1], outs[2]]), "share memory")
+        rejected(lambda: comm.allreduce(xs, out=[outs[0], outs[0], outs[2]]),
+                 "out: the same array is given for local ranks 0 and 1")
+        rejected(lambda: comm.allreduce([xs[0], xs[0], xs[2]]), "x: the same array is given for local ranks 0 and 1")
+        rejected(lambda: comm.allreduce(xs, out=[xs[1], outs[1], outs[2]]), r"out\[0\] shares memory with x\[1\]")
         rejected(lambda: comm.allreduce(xs, compression="zip"), "zip")
-        rejected(lambda: comm.reduce_scatter([np.ones(7, np.float32) for _ in range(3)]), "divides by")
+        rejected(lambda: comm.reduce_scatter([np.ones(7, np.float32) for _ in range(3)]),
+                 "x: has 7 elements, which do not split into 3 equal blocks")
         rejected(lambda: comm.allreduce([x[::2] for x in (np.ones(12, np.float32),) * 3]), "C-contiguous")
         rejected(lambda: comm.allreduce([[1.0], [2.0], [3.0]]), "must be a NumPy array")
         rejected(lambda: comm.allreduce("abc"), "got str")
@@ -383,7 +385,7 @@ def test_fast_allreduce_is_asked_first_and_may_decline():
     ranks.answer = None
     result = comm.allreduce(xs)
     assert result[0] is xs[0] and len(ranks.calls) == 2
-    with pytest.raises(InvalidUsageError, match="unknown reduction op"):
+    with pytest.raises(InvalidUsageError, match="op: unknown reduction"):
         comm.allreduce(xs, op="xor")
     comm.close()
     with pytest.raises(InvalidUsageError, match="closed"):

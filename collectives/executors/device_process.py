@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional, Tuple
 
 from .. import kernels
 from ..algorithms.schedule import REDUCING_COLLECTIVES
-from ..errors import InvalidUsageError
+from ..errors import CollectiveError, InvalidUsageError
 from ..ops import ReduceOp
 from ..binding import INPUT, OUTPUT
 from ..compression import wire
@@ -191,8 +191,9 @@ class DeviceProcessRank:
     def barrier(self, deadline):
         self.group.barrier(deadline)
 
-    def abort(self, reason):
-        self.group.abort(reason)
+    def abort(self, reason, cause=CollectiveError):
+        """Abort the communicator for every rank: theirs raise `cause`'s class (protocol.py)."""
+        self.group.abort(reason, cause)
 
     def close(self):
         try:

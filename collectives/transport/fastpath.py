@@ -171,13 +171,13 @@ class FastAllreduce:
         group._seq = seq   # noqa: SLF001 - the row's SEQ, which this call advanced
         description = (f"allreduce of {x.size} {x.dtype} (op {list(ReduceOp)[_OP_CODES[op]].value}, root 0, "
                        f"algorithm {path_for(x.nbytes)})")
-        if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health says which
-            group.check_health(peer if kind == 3 else None)
+        if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health raises the aborting rank's class, or RankFailedError
+            group.check_health(peer if kind == 3 else None, f"call #{seq}, {description}")
             raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")
         if kind == 1:
             raise CollectiveTimeoutError(
                 f"timed out waiting for rank {peer} in call #{seq}, {description} (its counter is at {have}, "
-                f"this rank needs {need}; is every rank making the same calls?)")
+                f"this rank needs {need}){group.absent_note(seq)}")
         if kind in (5, 7):   # READ_FAILED, WRITE_FAILED: `have` is the errno
             raise CollectiveError(f"{'reading' if kind == 5 else 'writing into'} rank {peer}'s buffer failed in "
                                   f"call #{seq}, {description}: {os.strerror(have) if have else 'nothing copied'}")
@@ -192,7 +192,7 @@ class FastAllreduce:
         names the peer the fence gave up on."""
         writer = -1
         try:
-            self._group.abort(reason)
+            self._group.abort(reason, error)   # peers raise error's class too
         finally:
             if self._channel is not None:
                 writer = self._channel.fence_writes(FENCE_SECONDS)

@@ -26,20 +26,15 @@ import time
 
 import numpy as np
 
-from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, class_of_kind, kind_of
 
 ABORT_TAG, DATA_TAG = 1, 2
 REASON_BYTES = 1024
 HEALTH_EVERY = 0.02     # seconds between looks at the abort channel while waiting
 SEND_ABORT_SECONDS = 0.05
-# An abort message starts with the kind of failure, so the receivers raise the same kind.
-_KINDS = {"F": RankFailedError, "T": CollectiveTimeoutError, "E": CollectiveError}
-
-
-def _kind(error):
-    if isinstance(error, RankFailedError):
-        return "F"
-    return "T" if isinstance(error, CollectiveTimeoutError) else "E"
+# An abort message starts with the class of its failure, one digit
+# (errors.kind_of), so the receivers raise the same class.
+_KIND_DIGITS = "0123456789"
 
 
 class MpiLink:
@@ -71,8 +66,8 @@ class MpiLink:
         if self._aborted is None and self._abort_request.Test(self._abort_status):
             who = self._abort_status.Get_source()
             text = bytes(self._abort_buffer).rstrip(b"\0").decode(errors="replace")
-            kind, reason = (text[0], text[1:]) if text[:1] in _KINDS else ("E", text)
-            self._aborted = (_KINDS[kind], f"rank {who} aborted the communicator: {reason}", True)
+            kind, reason = (int(text[0]), text[1:]) if text[:1] and text[0] in _KIND_DIGITS else (0, text)
+            self._aborted = (class_of_kind(kind), f"rank {who} aborted the communicator: {reason}", True)
         if self._aborted is not None:
             kind, message, _ = self._aborted
             raise kind(message)
@@ -84,8 +79,9 @@ class MpiLink:
         peer never receives it."""
         if self._aborted is not None:
             return
-        self._aborted = (CollectiveError, f"this communicator was aborted: {type(error).__name__}: {error}", False)
-        message = np.frombuffer(f"{_kind(error)}{type(error).__name__} on rank {self.rank}: {error}"
+        self._aborted = (class_of_kind(kind_of(error)),
+                         f"this communicator was aborted: {type(error).__name__}: {error}", False)
+        message = np.frombuffer(f"{kind_of(error)}{type(error).__name__} on rank {self.rank}: {error}"
                                 .encode()[:REASON_BYTES], np.uint8).copy()
         sends = [self.comm.Isend([message, self._mpi.BYTE], peer, ABORT_TAG)
                  for peer in range(self.size) if peer != self.rank]

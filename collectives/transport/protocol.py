@@ -14,9 +14,11 @@ row per rank:
     GEN, CAP  generation and size of the rank's workspace (it grows)
 
 then a HANDLE per rank (what a peer needs to open the workspace of the
-current generation: a segment's name, or a CUDA IPC handle), an abort flag and a
-reason: a rank that fails mid-collective sets it, and every other rank's wait
-raises instead of waiting out its timeout.
+current generation: a segment's name, or a CUDA IPC handle), an abort flag, the
+aborting rank, the class of its failure (errors.kind_of) and a reason: a rank
+that fails mid-collective sets them, and every other rank's wait raises the
+same class (a timeout stays a CollectiveTimeoutError on every rank, a dead
+peer a RankFailedError) instead of waiting out its timeout.
 
 A phase starts once the peers it depends on have completed enough phases
 (`plan.phases[p].waits`, derived from the op tables); this rank's COUNTER is
@@ -58,7 +60,7 @@ import weakref
 
 import numpy as np
 
-from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, class_of_kind, kind_of
 from .segments import Segment
 
 try:
@@ -72,8 +74,8 @@ ROW = 16                     # int64 slots per rank row: 128 bytes, so no two ra
                              # 10: its waits asleep on the row, which publish() wakes; 11 and
                              # 12: the single-copy path's buffers; 13: whether it may reach peers;
                              # 14: raised while it writes into peers)
-HEADER = 16                  # ABORT flag, aborting rank + 1; padded to 128 bytes
-ABORT, ABORT_RANK = 0, 1
+HEADER = 16                  # ABORT flag, aborting rank + 1, the class of the abort's cause; padded to 128 bytes
+ABORT, ABORT_RANK, ABORT_KIND = 0, 1, 2
 HANDLE_BYTES = 64            # sizeof(cudaIpcMemHandle_t)
 REASON_BYTES = 1024
 WORKSPACE_ALIGN = 4096
@@ -228,16 +230,19 @@ class ProcessGroup:
 
     # -- waiting ------------------------------------------------------------
 
-    def check_health(self, peer=None):
-        """Raise if the communicator was aborted or `peer` died."""
+    def check_health(self, peer=None, during="the collective"):
+        """Raise if the communicator was aborted (the class of the aborting
+        rank's failure, see abort) or `peer` died (RankFailedError, naming
+        the call it did not complete: `during`)."""
         if self._header[ABORT]:
             who = int(self._header[ABORT_RANK]) - 1
             reason = bytes(self._reason).rstrip(b"\0").decode(errors="replace")
-            raise CollectiveError(f"rank {who} aborted the communicator: {reason}")
+            by = f"rank {who}" if who >= 0 else "a rank"   # the compiled loop's fence may set the flag alone
+            raise class_of_kind(int(self._header[ABORT_KIND]))(f"{by} aborted the communicator: {reason}")
         if peer is not None:
             pid = int(self._rows[peer, PID])
             if pid and not _alive(pid):
-                raise RankFailedError(f"rank {peer} (pid {pid}) died before completing the collective")
+                raise RankFailedError(f"rank {peer} (pid {pid}) died before completing {during}")
 
     def _wait_for(self, peer, phases_done, waiter, description):
         """Wait until `peer` has completed `phases_done` phases in all."""
@@ -245,10 +250,19 @@ class ProcessGroup:
         waiter.until(
             lambda: completed() >= phases_done,
             lambda: f"rank {peer} in call #{self._seq}, {description} (it has completed "
-                    f"{completed()} phases, this rank needs {phases_done}; "
-                    "is every rank making the same calls?)",
-            lambda: self.check_health(peer),
+                    f"{completed()} phases, this rank needs {phases_done}){self.absent_note(self._seq)}",
+            lambda: self.check_health(peer, f"call #{self._seq}, {description}"),
         )
+
+    def absent_note(self, seq):
+        """What a timeout adds: the peers that never entered call #`seq`, which
+        every wait of the call ends up waiting for (a peer's row names its
+        call once the peer is past the call's first waits)."""
+        absent = [peer for peer in range(self.size) if peer != self.rank and int(self._rows[peer, SEQ]) < seq]
+        if not absent:
+            return "; is every rank making the same calls?"
+        who = f"rank {absent[0]} has" if len(absent) == 1 else f"ranks {', '.join(map(str, absent))} have"
+        return f"; {who} not entered call #{seq} (stopped calling, or making other calls?)"
 
     def _check_same_call(self, peer, signature, description):
         """Once `peer` is past phase 0 of this call, its SIG names this call."""
@@ -264,14 +278,17 @@ class ProcessGroup:
         self._seq = int(self._mine[SEQ]) + 1   # the row's: the fast path (fastpath.py) counts calls there too
         return call_signature(self._seq, description), int(self._mine[COUNTER])
 
-    def abort(self, reason):
-        """Tell every rank this communicator cannot go on."""
+    def abort(self, reason, cause=CollectiveError):
+        """Tell every rank this communicator cannot go on: their waits raise
+        the class of `cause` (an exception or a class, see errors.kind_of),
+        with `reason`. The first abort wins."""
         if self._header is not None and not self._header[ABORT]:
             data = reason.encode()[:REASON_BYTES - 1]
             self._reason[:] = 0
             self._reason[:len(data)] = np.frombuffer(data, np.uint8)
             self._header[ABORT_RANK] = self.rank + 1
-            self._header[ABORT] = 1
+            self._header[ABORT_KIND] = kind_of(cause)
+            self._header[ABORT] = 1   # last, as before: a rank that sees the flag reads the rest
 
     def peer_seq(self, peer):
         """The number of the call `peer` is in (for error messages)."""
@@ -347,7 +364,7 @@ class ProcessGroup:
                 execute_phase(p, waiter)
                 self._counters.publish(self.rank, COUNTER, base + p + 1)
         except BaseException as error:
-            self.abort(f"{type(error).__name__}: {error}")
+            self.abort(f"{type(error).__name__}: {error}", error)
             raise
 
     def barrier(self, deadline):
@@ -371,7 +388,7 @@ class ProcessGroup:
                 self._check_same_call(peer, signature, "barrier")
             self._counters.publish(self.rank, COUNTER, base + 2)
         except BaseException as error:
-            self.abort(f"{type(error).__name__}: {error}")
+            self.abort(f"{type(error).__name__}: {error}", error)
             raise
 
     def close(self):

@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from ..compression import wire
+from ..errors import CollectiveError
 from ..executors import host
 from ..plan import INPUT, OUTPUT, WORK
 from . import fastpath
@@ -91,8 +92,9 @@ class ShmRank:
     def barrier(self, deadline):
         self.group.barrier(deadline)
 
-    def abort(self, reason):
-        self.group.abort(reason)
+    def abort(self, reason, cause=CollectiveError):
+        """Abort the communicator for every rank: theirs raise `cause`'s class (protocol.py)."""
+        self.group.abort(reason, cause)
 
     def close(self):
         if self.fast_allreduce is not None:

@@ -1,0 +1,72 @@
+"""A peer that stalls or dies: every other rank raises the same class.
+
+Ranks in separate processes (mpiexec, as tests/test_mpi.py starts them), 3
+and 4 of them, on the host and on emulated devices. One rank stops calling
+(longer than a 2 s timeout) or is killed in the middle of a run of calls;
+every other rank must raise CollectiveTimeoutError (for the stall) or
+RankFailedError (for the death) naming that rank, whether it waited for the
+failing rank itself or learnt of it through a peer's abort: a program that
+catches TimeoutError handles the same event on every rank. The checks of
+each rank are in tests/peer_failure_worker.py.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collectives.transport import fastpath
+from test_mpi import mpiexec
+
+pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+pytestmark = pytest.mark.mpi
+
+WORKER = Path(__file__).with_name("peer_failure_worker.py")
+
+needs_the_loop = pytest.mark.skipif(not fastpath.available(), reason="the compiled loop (_shmloop) is not built: "
+                                    "python setup.py build_ext --inplace")
+# Which call the surviving ranks wait in (see the worker): host ranks run an
+# allreduce of `auto` in the compiled loop and a ring allreduce in the step
+# protocol; ranks on emulated devices run every plan through the step protocol.
+PATHS = [
+    pytest.param("host", "fast", marks=needs_the_loop, id="host-compiled-loop"),
+    pytest.param("host", "ring", id="host-step-protocol"),
+    pytest.param("emulated", "ring", id="emulated-step-protocol"),
+]
+
+
+def run_failure(n, event, device, path, limit=60):
+    """Run the worker's `event` on `n` ranks; every rank but a killed one must report OK."""
+    # Hydra would otherwise kill the survivors itself when one rank exits.
+    flags = ["-disable-auto-cleanup"] if event == "killed" else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    try:
+        done = subprocess.run([mpiexec(), *flags, "-n", str(n), sys.executable, str(WORKER), event, path, device],
+                              capture_output=True, text=True, timeout=limit, env=env)
+    except subprocess.TimeoutExpired as hung:
+        printed = [o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (hung.stdout, hung.stderr)]
+        pytest.fail(f"mpiexec ran past {limit} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert done.returncode == 0, report
+    survivors = n - 1 if event == "killed" else n
+    assert len(re.findall(rf"OK {event} \d+", done.stdout)) == survivors, report
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("device, path", PATHS)
+def test_every_rank_waiting_on_a_stalled_peer_raises_a_timeout_naming_it(n, device, path):
+    run_failure(n, "stalled", device, path)
+
+
+def test_a_stalled_peer_in_a_barrier_is_a_timeout_on_every_rank():
+    run_failure(3, "stalled", "host", "barrier")
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("device, path", PATHS)
+def test_every_rank_waiting_on_a_killed_peer_raises_rank_failed_naming_it(n, device, path):
+    run_failure(n, "killed", device, path)
