@@ -18,13 +18,13 @@ predicts (algorithms/__init__.py). RUN.json is what the benchmarks write with
 (under mpiexec, or with --backend mpi,host to relaunch as processes).
 """
 
-import argparse
 import json
 import math
 import sys
 
 import numpy as np
 
+from bench import cli
 from bench.harness import parse_size
 from collectives.algorithms import (
     DEFAULT_TRANSPORT, MODELS, REGISTRY, bytes_moved, modelled_seconds, schedule_for, synchronisations,
@@ -214,12 +214,12 @@ def auto_against_fastest(paths):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.model", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--bytes", default="1M")
-    p.add_argument("--collective", default=ALLREDUCE, choices=COLLECTIVES)
-    p.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=sorted(MODELS))
-    p.add_argument("--table", action="store_true", help="the course's allreduce table, from the schedules")
+    p = cli.Parser(prog="python -m bench.model", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=8, help="ranks to model")
+    p.add_argument("--bytes", default="1M", help="message size (suffixes K, M, G)")
+    p.add_argument("--collective", default=ALLREDUCE, choices=COLLECTIVES, help="collective to model")
+    p.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=sorted(MODELS), help="whose fitted constants predict the time")
+    p.add_argument("--table", action="store_true", help="each algorithm's rounds, bytes sent and bytes moved per rank, from the schedules")
     p.add_argument("--results", nargs="+", help="benchmark JSONs of several algorithms: auto against the fastest")
     p.add_argument("--calibrate", nargs="+", help="benchmark JSONs to fit each transport's constants to")
     args = p.parse_args(argv)

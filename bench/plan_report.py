@@ -10,12 +10,12 @@ the in-place or out-of-place binding (no workspace copies, binding.py);
 `workspace` is what ranks in separate processes must do, shown for scale.
 """
 
-import argparse
 import json
 import sys
 
 import numpy as np
 
+from bench import cli
 from bench.harness import parse_size
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import COLLECTIVES
@@ -50,10 +50,10 @@ def report(nranks, nbytes, dtype=np.dtype("float32")):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.plan_report", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=4)
+    p = cli.Parser(prog="python -m bench.plan_report", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4, help="ranks, all on one device")
     p.add_argument("--bytes", default="64M", help="the message: each rank's buffer (allgather: the output)")
-    p.add_argument("-J", "--output_file")
+    p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     nbytes = parse_size(args.bytes)
     rows = report(args.ranks, nbytes)
