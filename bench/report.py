@@ -325,7 +325,7 @@ def cell(value):
     if value is None:
         return "-"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return " ".join(str(value).split())
+        return readable_command(" ".join(str(value).split()))
     if isinstance(value, int):
         return str(value)
     if value == 0:
