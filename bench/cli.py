@@ -4,6 +4,7 @@ traceback, since a newcomer's first run should end in a sentence, not a stack.""
 
 import argparse
 import sys
+import textwrap
 
 from collectives.errors import CollectiveError
 
@@ -27,6 +28,8 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, prog, description, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        if description and "\n" not in description:  # the raw formatter would not wrap it
+            description = textwrap.fill(description, 79)
         super().__init__(prog=prog, description=description, **kwargs)
 
     def error(self, message):
