@@ -36,6 +36,27 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
+def size(text):
+    """An argparse type for a byte or element count with an optional suffix
+    K, M or G (parse_size's syntax): checks it and returns the text as given,
+    so the tool parses it where it always did, and a bad one is a one-line
+    usage error instead of a ValueError traceback."""
+    from bench.harness import parse_size  # bench.harness imports this module
+    try:
+        parse_size(text)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: a number with an optional suffix K, M or G")
+    return text
+
+
+def sizes(text):
+    """Comma-separated sizes, each as `size` takes it; returns the text."""
+    for item in str(text).split(","):
+        if item.strip():
+            size(item)
+    return text
+
+
 def fail(prog, message, code=1):
     """Ends the program with `prog: error: message` on one line of stderr."""
     sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")

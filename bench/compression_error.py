@@ -39,7 +39,7 @@ def gradients(nranks, count, magnitude, seed):
 def main(argv=None):
     p = cli.Parser(prog="python -m bench.compression_error", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=8, help="virtual ranks in this process")
-    p.add_argument("--count", default="1M", help="float32 elements per rank (suffixes K, M)")
+    p.add_argument("--count", default="1M", type=cli.size, help="float32 elements per rank (suffixes K, M)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random gradients")
     p.add_argument("--algorithms", default=",".join(n for n, a in REGISTRY.items() if "allreduce" in a.collectives),
                    help="allreduce algorithms, comma-separated")

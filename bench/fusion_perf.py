@@ -46,7 +46,7 @@ def parse_args(argv=None):
                    help="where the ranks run: host (NumPy), emulated (our CUDA kernels on the CPU), cuda")
     p.add_argument("--processes", action="store_true", help="one rank per process, under mpiexec")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode (after one warm-up step)")
-    p.add_argument("--threshold", default="64M", help="fusion threshold in bytes (suffixes K, M)")
+    p.add_argument("--threshold", default="64M", type=cli.size, help="fusion threshold in bytes (suffixes K, M)")
     p.add_argument("--compression", default=None, choices=[None, "bf16", "fp16", "int8"],
                    help="codec on the wire (default: none)")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each array's elements to keep")

@@ -136,8 +136,8 @@ def parse_args(spec, argv=None):
                    description=f"Times {spec.name} over a sweep of message sizes, nccl-tests style: our "
                                f"library and, side by side, MPICH, Gloo or NCCL; prints time, algorithm "
                                f"and bus bandwidth per size, and checks every result.")
-    p.add_argument("-b", "--minbytes", default="8", help="smallest message (suffixes K, M, G)")
-    p.add_argument("-e", "--maxbytes", default="32M", help="largest message")
+    p.add_argument("-b", "--minbytes", default="8", type=cli.size, help="smallest message (suffixes K, M, G)")
+    p.add_argument("-e", "--maxbytes", default="32M", type=cli.size, help="largest message")
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations first")
@@ -181,10 +181,7 @@ def parse_args(spec, argv=None):
                         "(core: rank r on core r mod cores; none; hwthread; hydra's user:C0,C1,...; "
                         "or auto: core while the processes have a core each, none beyond)")
     args = p.parse_args(argv)
-    try:
-        args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
-    except ValueError:
-        p.error(f"-b {args.minbytes} -e {args.maxbytes}: sizes are bytes, with an optional suffix K, M or G")
+    args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
     name = DTYPE_NAMES[args.datatype]
     args.dtype = BFLOAT16 if name == "bfloat16" else np.dtype(name)
     args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]

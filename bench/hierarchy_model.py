@@ -137,7 +137,7 @@ def main(argv=None):
     p = cli.Parser(prog="python -m bench.hierarchy_model", description=__doc__.splitlines()[0])
     p.add_argument("--ranks-per-node", type=int, default=8, help="ranks (GPUs) per node")
     p.add_argument("--nodes", default="2,4,8,16,32,64", help="node counts to predict, comma-separated")
-    p.add_argument("--bytes", default="1M,64M,1G", help="bytes per rank, comma-separated (suffixes K, M, G)")
+    p.add_argument("--bytes", default="1M,64M,1G", type=cli.sizes, help="bytes per rank, comma-separated (suffixes K, M, G)")
     p.add_argument("--intra-latency", type=float, default=NVLINK_400G.intra_latency, help="seconds per step inside a node")
     p.add_argument("--intra-bandwidth", type=float, default=NVLINK_400G.intra_bandwidth, help="bytes per second per rank inside a node")
     p.add_argument("--inter-latency", type=float, default=NVLINK_400G.inter_latency, help="seconds per round between nodes")

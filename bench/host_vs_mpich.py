@@ -106,7 +106,7 @@ def parse_args(argv=None):
                    epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--ranks", default="2,4",
                    help="process counts, comma-separated: one mpiexec launch each (ignored under mpiexec)")
-    p.add_argument("--sizes", default=None,
+    p.add_argument("--sizes", default=None, type=cli.sizes,
                    help=f"message sizes in bytes per rank, comma-separated, suffixes K M G (default {SIZES}; "
                         f"--quick: {QUICK_SIZES})")
     p.add_argument("--bind-to", default="auto",

@@ -216,7 +216,7 @@ def auto_against_fastest(paths):
 def main(argv=None):
     p = cli.Parser(prog="python -m bench.model", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=8, help="ranks to model")
-    p.add_argument("--bytes", default="1M", help="message size (suffixes K, M, G)")
+    p.add_argument("--bytes", default="1M", type=cli.size, help="message size (suffixes K, M, G)")
     p.add_argument("--collective", default=ALLREDUCE, choices=COLLECTIVES, help="collective to model")
     p.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=sorted(MODELS), help="whose fitted constants predict the time")
     p.add_argument("--table", action="store_true", help="each algorithm's rounds, bytes sent and bytes moved per rank, from the schedules")

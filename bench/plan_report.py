@@ -52,7 +52,7 @@ def report(nranks, nbytes, dtype=np.dtype("float32")):
 def main(argv=None):
     p = cli.Parser(prog="python -m bench.plan_report", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4, help="ranks, all on one device")
-    p.add_argument("--bytes", default="64M", help="the message: each rank's buffer (allgather: the output)")
+    p.add_argument("--bytes", default="64M", type=cli.size, help="the message: each rank's buffer (allgather: the output)")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     nbytes = parse_size(args.bytes)

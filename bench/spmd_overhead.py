@@ -30,7 +30,7 @@ def parse_args(argv=None):
     p = cli.Parser(prog="python -m bench.spmd_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2, help="processes, when not already under mpiexec")
     p.add_argument("--device", default="emulated", choices=["emulated", "cuda"], help="the GPU ranks' device, timed against host ranks")
-    p.add_argument("--bytes", default="1K", help="message size (suffixes K, M)")
+    p.add_argument("--bytes", default="1K", type=cli.size, help="message size (suffixes K, M)")
     p.add_argument("--algorithm", default="auto", help="auto or a registered algorithm")
     p.add_argument("--in-place", action="store_true", help="in place (else out of place)")
     p.add_argument("--batches", type=int, default=30, help="batches per communicator, alternating")

@@ -77,10 +77,13 @@ def test_a_bad_flag_gives_one_line(tool, monkeypatch, capsys):
     assert "--no-such-flag" in err
 
 
-def test_a_bad_size_gives_one_line(monkeypatch, capsys):
-    assert run_tool(monkeypatch, "all_reduce_perf", ["-b", "lots"]) == 2
+@pytest.mark.parametrize("tool, argv", [("all_reduce_perf", ["-b", "lots"]), ("plan_report", ["--bytes", "lots"]),
+                                        ("hierarchy_model", ["--bytes", "1M,lots"]),
+                                        ("host_vs_mpich", ["--sizes", "4,lots"])])
+def test_a_bad_size_gives_one_line(tool, argv, monkeypatch, capsys):
+    assert run_tool(monkeypatch, tool, argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "sizes are bytes" in err, err
+    assert err.count("\n") == 1 and "'lots' is not a size" in err, err
 
 
 # Runs a tool in a fresh interpreter in which the CUDA headers cannot be
