@@ -19,7 +19,6 @@ two call counts, and prints the instructions per call of the difference,
 a number that does not move with the machine's load.
 """
 
-import argparse
 import gc
 import json
 import os
@@ -33,6 +32,7 @@ import time
 import numpy as np
 
 import collectives
+from bench import cli
 
 ADAPTER_CALLS = ("launch_step", "record", "wait", "call_returned")
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -147,20 +147,22 @@ def callgrind(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.call_overhead", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=4)
+    p = cli.Parser(prog="python -m bench.call_overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4, help="ranks, all in this process")
     p.add_argument("--device", default="emulated", choices=["emulated", "cuda", "host"],
                    help="host: virtual ranks on NumPy arrays")
     p.add_argument("--devices", type=int, default=1, help="devices the ranks are spread over")
-    p.add_argument("--calls", type=int, default=20000)
+    p.add_argument("--calls", type=int, default=20000, help="calls timed in all")
     p.add_argument("--batch", type=int, default=200, help="calls per timed batch (the median is over batches)")
-    p.add_argument("--count", type=int, default=0, help="elements per rank (default 4 per rank)")
-    p.add_argument("--algorithm", default="ring")
+    p.add_argument("--count", type=int, default=0, help="elements per rank (default: 0, meaning 4 per rank)")
+    p.add_argument("--algorithm", default="ring", help="auto or a registered algorithm (python -m bench.model lists them)")
     p.add_argument("--collectives", default="allreduce", help=f"comma-separated, of {', '.join(COLLECTIVES)}")
-    p.add_argument("--adapter", default="timed", choices=["timed", "noop"])
+    p.add_argument("--adapter", default="timed", choices=["timed", "noop"],
+                   help="timed: the device adapter's calls run and are timed; noop: they are replaced by no-ops, "
+                        "so what is timed is the library's own Python")
     p.add_argument("--in-place", action="store_true", help="in place (else out= for the collectives that take it)")
     p.add_argument("--callgrind", action="store_true", help="instructions per call, under valgrind")
-    p.add_argument("-J", "--output_file")
+    p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     args.collectives = [c.strip() for c in args.collectives.split(",")]
     if args.callgrind:

@@ -23,12 +23,12 @@ yardstick: about 12 GB/s here).
     add+encode                  out = acc + b, then encoded as above
 """
 
-import argparse
 import inspect
 import time
 
 import numpy as np
 
+from bench import cli
 from collectives.compression import kernels
 
 OPS = ("encode", "encode+round", "decode", "decode_add", "decode_add+encode", "decode_add+encode-nowrite",
@@ -88,11 +88,11 @@ def _time(call):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(prog="python -m bench.codec_speed", description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64, help="MiB of float32 per operand (default 64)")
     parser.add_argument("--repeat", type=int, default=7, help="runs per measurement, the best counts (default 7)")
-    parser.add_argument("--codecs", default=",".join(kernels.CODECS))
-    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--codecs", default=",".join(kernels.CODECS), help="codecs to time, comma-separated")
+    parser.add_argument("--ops", default=",".join(OPS), help="codec operations to time, comma-separated")
     args = parser.parse_args(argv)
     codecs, ops = args.codecs.split(","), args.ops.split(",")
     results = measure(codecs, ops, args.mib, args.repeat)

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 import collectives
+from bench import cli
 from bench.environment import environment
 from bench.harness import parse_size
 from collectives.algorithms import REGISTRY
@@ -36,12 +37,13 @@ def gradients(nranks, count, magnitude, seed):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.compression_error", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--count", default="1M")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--algorithms", default=",".join(n for n, a in REGISTRY.items() if "allreduce" in a.collectives))
-    p.add_argument("-J", "--output_file")
+    p = cli.Parser(prog="python -m bench.compression_error", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=8, help="virtual ranks in this process")
+    p.add_argument("--count", default="1M", type=cli.size, help="float32 elements per rank (suffixes K, M)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random gradients")
+    p.add_argument("--algorithms", default=",".join(n for n, a in REGISTRY.items() if "allreduce" in a.collectives),
+                   help="allreduce algorithms, comma-separated")
+    p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     count = parse_size(args.count)
     algorithms = args.algorithms.split(",")

@@ -35,13 +35,13 @@ slower link compression wins. It is independent of the link's latency,
 which both pay alike.
 """
 
-import argparse
 import json
 import math
 import sys
 
 import numpy as np
 
+from bench import cli
 from bench.harness import parse_size
 from collectives.algorithms import MODELS, REGISTRY
 from collectives.algorithms.schedule import ALLREDUCE
@@ -192,10 +192,9 @@ def print_table(rows, codecs, links):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.compression_model", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.Parser(prog="python -m bench.compression_model", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=8, help="ranks, one GPU each")
-    p.add_argument("--sizes", default="1M,16M,64M,256M", help="message sizes per rank, comma-separated")
+    p.add_argument("--sizes", default="1M,16M,64M,256M", type=cli.sizes, help="message sizes per rank, comma-separated")
     p.add_argument("--algorithms", default="ring,two_shot", help="allreduce algorithms, comma-separated")
     p.add_argument("--codecs", default=",".join(CODECS), help="codecs, comma-separated")
     p.add_argument("--links", default=",".join(LINKS), help=f"links to price, of {', '.join(LINKS)}")
@@ -205,7 +204,7 @@ def parse_args(argv=None):
                    help="codec operations' bytes read plus written per second, GB/s (default: 0.8 x memory)")
     p.add_argument("--step-us", type=float, default=MODELS["gpu-processes"].step_seconds * 1e6,
                    help="fixed cost of a phase, us")
-    p.add_argument("-J", "--output_file", help="write the rows as JSON here")
+    p.add_argument("-J", "--output_file", help="write the rows as JSON here (default: no file)")
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     args.algorithms = args.algorithms.split(",")

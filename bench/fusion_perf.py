@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 import collectives
+from bench import cli
 from bench.environment import environment
 from bench.harness import RELAUNCHED, mpi_world, parse_size, relaunch_under_mpiexec
 from bench.model_shapes import MODELS
@@ -38,17 +39,20 @@ MODES = ("fused", "per-array")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.fusion_perf", description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="resnet50,transformer")
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--device", default="host", choices=["host", "emulated", "cuda"])
+    p = cli.Parser(prog="python -m bench.fusion_perf", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="resnet50,transformer", help="models whose gradient shapes are allreduced, comma-separated")
+    p.add_argument("--ranks", type=int, default=4, help="ranks (virtual, or processes with --processes)")
+    p.add_argument("--device", default="host", choices=["host", "emulated", "cuda"],
+                   help="where the ranks run: host (NumPy), emulated (our CUDA kernels on the CPU), cuda")
     p.add_argument("--processes", action="store_true", help="one rank per process, under mpiexec")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode (after one warm-up step)")
-    p.add_argument("--threshold", default="64M", help="fusion threshold in bytes (suffixes K, M)")
-    p.add_argument("--compression", default=None, choices=[None, "bf16", "fp16", "int8"])
+    p.add_argument("--threshold", default="64M", type=cli.size, help="fusion threshold in bytes (suffixes K, M)")
+    p.add_argument("--compression", default=None, choices=[None, "bf16", "fp16", "int8"],
+                   help="codec on the wire (default: none)")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each array's elements to keep")
-    p.add_argument("-J", "--output_file")
+    p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
+    cli.require_device_toolchain(p.prog, args.device)
     args.models = [m for m in args.models.split(",") if m]
     for model in args.models:
         if model not in MODELS:

@@ -18,7 +18,6 @@
 it): CI does, so that on a GPU only the CuPy adapter is new.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import cli
 from bench import all_reduce_perf, harness
 from bench.environment import device_environment
 from collectives import kernels
@@ -40,8 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "emulated"])
+    p = cli.Parser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "emulated"],
+                   help="cuda: a GPU; emulated: our CUDA kernels on the CPU (a rehearsal of the GPU run)")
     p.add_argument("--ranks", type=int, default=4, help="ranks on the one GPU for the allreduce benchmark")
     p.add_argument("--bytes", default=None, help="message size of the kernel bandwidth test (default 256M on a "
                                                   "GPU, 1M emulated)")

@@ -72,6 +72,7 @@ import collectives
 from collectives.algorithms import REGISTRY, schedule_for
 from collectives.algorithms.schedule import ALLREDUCE, Region
 from collectives.plan import chunk_bounds
+from bench import cli
 
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -434,11 +435,11 @@ def _count(text):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.half_precision_error", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=8)
+    p = cli.Parser(prog="python -m bench.half_precision_error", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=8, help="virtual ranks in this process")
     p.add_argument("--count", type=_count, default=1 << 20, help="elements per rank (K, M suffixes)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--trials", type=int, default=3, help="random inputs per distribution; the worst error is kept")
     p.add_argument("--algorithms", type=_algorithm_list, default=ALLREDUCE_ALGORITHMS,
                    help="our algorithms on host ranks: all, or a comma-separated list")
     p.add_argument("--emulated", type=_algorithm_list, default=ALLREDUCE_ALGORITHMS,

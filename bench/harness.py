@@ -44,6 +44,7 @@ from typing import Callable, Optional
 import numpy as np
 
 import collectives
+from bench import cli
 from bench.backends import (
     BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, NCCL, NO_COMPRESSION, PROCESS_BACKENDS, TORCH_PIN,
     Buffers, make_backends, unsupported,
@@ -131,10 +132,12 @@ class Spec:
 
 
 def parse_args(spec, argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {module_name()}",
-                                description=f"{spec.name} bandwidth sweep, nccl-tests style")
-    p.add_argument("-b", "--minbytes", default="8", help="smallest message (suffixes K, M, G)")
-    p.add_argument("-e", "--maxbytes", default="32M", help="largest message")
+    p = cli.Parser(prog=f"python -m {module_name()}",
+                   description=f"Times {spec.name} over a sweep of message sizes, nccl-tests style: our "
+                               f"library and, side by side, MPICH, Gloo or NCCL; prints time, algorithm "
+                               f"and bus bandwidth per size, and checks every result.")
+    p.add_argument("-b", "--minbytes", default="8", type=cli.size, help="smallest message (suffixes K, M, G)")
+    p.add_argument("-e", "--maxbytes", default="32M", type=cli.size, help="largest message")
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations first")
@@ -142,13 +145,14 @@ def parse_args(spec, argv=None):
                    help="timed batches of -n iterations per backend, taken in turn; the time is their median")
     p.add_argument("-o", "--op", default="sum", choices=[op.value for op in collectives.ReduceOp],
                    help="reduction, where the collective reduces")
-    p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES))
+    p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES), metavar="TYPE",
+                   help=f"element type, nccl-tests' names or NumPy's: {', '.join(sorted(DTYPE_NAMES))}")
     p.add_argument("-r", "--root", type=int, default=0, help="root rank of broadcast and reduce")
-    p.add_argument("-c", "--check", type=int, default=1, help="check results (outside the timed loop)")
+    p.add_argument("-c", "--check", type=int, default=1, help="1: check every result against the closed form, bit for bit (outside the timed loop); 0: do not")
     p.add_argument("-G", "--cudagraph", type=int, default=0,
                    help="with --device cuda: capture the -n timed calls as a CUDA graph and launch it this "
                         "many times (nccl-tests' -G); ignored elsewhere")
-    p.add_argument("-J", "--output_file", help="write rows and environment as JSON here")
+    p.add_argument("-J", "--output_file", help="write rows and environment as JSON here (default: no file)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line on stderr")
     p.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (virtual, or processes "
                                                           "for the mpi and gloo backends)")
@@ -170,10 +174,11 @@ def parse_args(spec, argv=None):
                         "row gets maxrel (max |result - float64 reference| / max |reference|) and wire B "
                         "(bytes a rank reads from its peers per call); compressed rows have no bitwise #wrong. "
                         "mpi, gloo and nccl rows run uncompressed")
-    p.add_argument("--timeout", type=float, default=None, help="communicator timeout in seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="communicator timeout in seconds (default: the library's, 300 or $COLLECTIVES_TIMEOUT)")
     p.add_argument("--bind-to", default="core",
                    help="when the mpi or gloo backend relaunches the benchmark as processes: mpiexec's -bind-to "
-                        "(core, the default: rank r on core r mod cores; none; hwthread; hydra's user:C0,C1,...; "
+                        "(core: rank r on core r mod cores; none; hwthread; hydra's user:C0,C1,...; "
                         "or auto: core while the processes have a core each, none beyond)")
     args = p.parse_args(argv)
     args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
@@ -575,6 +580,7 @@ def footer(label, rows):
 def main(spec, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(spec, argv)
+    cli.require_device_toolchain(f"python -m {module_name()}", args.device)
     world = mpi_world()
     if world is None and args.ranks > 1 and any(b in PROCESS_BACKENDS for b in args.backends) \
             and not os.environ.get(RELAUNCHED):

@@ -30,13 +30,13 @@ instead, from a bench.hierarchy_perf run (its "components"), and prints
 the model beside the times that run measured.
 """
 
-import argparse
 import json
 import sys
 from typing import NamedTuple
 
 import numpy as np
 
+from bench import cli
 from bench.harness import parse_size
 from collectives.hierarchy import uses_two_shot
 
@@ -134,16 +134,16 @@ def _size(nbytes):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.hierarchy_model", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks-per-node", type=int, default=8)
-    p.add_argument("--nodes", default="2,4,8,16,32,64")
-    p.add_argument("--bytes", default="1M,64M,1G")
-    p.add_argument("--intra-latency", type=float, default=NVLINK_400G.intra_latency)
-    p.add_argument("--intra-bandwidth", type=float, default=NVLINK_400G.intra_bandwidth)
-    p.add_argument("--inter-latency", type=float, default=NVLINK_400G.inter_latency)
-    p.add_argument("--inter-bandwidth", type=float, default=NVLINK_400G.inter_bandwidth)
-    p.add_argument("--per-message", type=float, default=NVLINK_400G.per_message)
-    p.add_argument("--fold-bandwidth", type=float, default=NVLINK_400G.fold_bandwidth)
+    p = cli.Parser(prog="python -m bench.hierarchy_model", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks-per-node", type=int, default=8, help="ranks (GPUs) per node")
+    p.add_argument("--nodes", default="2,4,8,16,32,64", help="node counts to predict, comma-separated")
+    p.add_argument("--bytes", default="1M,64M,1G", type=cli.sizes, help="bytes per rank, comma-separated (suffixes K, M, G)")
+    p.add_argument("--intra-latency", type=float, default=NVLINK_400G.intra_latency, help="seconds per step inside a node")
+    p.add_argument("--intra-bandwidth", type=float, default=NVLINK_400G.intra_bandwidth, help="bytes per second per rank inside a node")
+    p.add_argument("--inter-latency", type=float, default=NVLINK_400G.inter_latency, help="seconds per round between nodes")
+    p.add_argument("--inter-bandwidth", type=float, default=NVLINK_400G.inter_bandwidth, help="bytes per second per rank between nodes")
+    p.add_argument("--per-message", type=float, default=NVLINK_400G.per_message, help="seconds per message between nodes")
+    p.add_argument("--fold-bandwidth", type=float, default=NVLINK_400G.fold_bandwidth, help="bytes per second a fold reads and writes")
     p.add_argument("--calibrate", help="a bench.hierarchy_perf JSON: fit the constants to it, then predict with them")
     args = p.parse_args(argv)
     links = Links(args.intra_latency, args.intra_bandwidth, args.inter_latency, args.inter_bandwidth,

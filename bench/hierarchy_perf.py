@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 import collectives
+from bench import cli
 from bench.environment import LAUNCHER_COMMAND, environment
 from bench.harness import find_mpiexec, parse_size
 from collectives.bootstrap import LAUNCHER_VARIABLES, PRETEND_NODES_ENV
@@ -43,17 +44,17 @@ BACKENDS = ("hierarchical", "mpich", "one-node")
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m bench.hierarchy_perf", description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="python -m bench.hierarchy_perf", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="0,0,1,1", help="pretend node of each rank, comma-separated")
-    p.add_argument("-b", "--minbytes", default="1M")
-    p.add_argument("-e", "--maxbytes", default="64M")
-    p.add_argument("-f", "--stepfactor", type=int, default=64)
+    p.add_argument("-b", "--minbytes", default="1M", type=cli.size, help="smallest message (suffixes K, M, G)")
+    p.add_argument("-e", "--maxbytes", default="64M", type=cli.size, help="largest message")
+    p.add_argument("-f", "--stepfactor", type=int, default=64, help="multiply the size by this each step")
     p.add_argument("-n", "--iters", type=int, default=20, help="calls per timed batch (at most)")
-    p.add_argument("--batch-bytes", default="256M", help="fewer calls per batch for large sizes: at most this")
-    p.add_argument("-w", "--warmup_iters", type=int, default=2)
+    p.add_argument("--batch-bytes", default="256M", type=cli.size, help="fewer calls per batch for large sizes: at most this")
+    p.add_argument("-w", "--warmup_iters", type=int, default=2, help="untimed calls first")
     p.add_argument("--rounds", type=int, default=7, help="alternating batches per backend; the median is kept")
-    p.add_argument("--timeout", type=float, default=120.0)
-    p.add_argument("-J", "--output_file")
+    p.add_argument("--timeout", type=float, default=120.0, help="communicator timeout in seconds")
+    p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     return p.parse_args(argv)
 
 

@@ -85,6 +85,7 @@ from pathlib import Path
 import numpy as np
 
 import collectives
+from bench import cli
 from bench.all_reduce_perf import expected, fill
 from bench.environment import LAUNCHER_COMMAND, environment
 from bench.harness import bind_to, count_wrong, find_mpiexec, mpi_world, parse_size
@@ -101,12 +102,11 @@ OP = "sum"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p = cli.Parser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0],
+                   epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--ranks", default="2,4",
                    help="process counts, comma-separated: one mpiexec launch each (ignored under mpiexec)")
-    p.add_argument("--sizes", default=None,
+    p.add_argument("--sizes", default=None, type=cli.sizes,
                    help=f"message sizes in bytes per rank, comma-separated, suffixes K M G (default {SIZES}; "
                         f"--quick: {QUICK_SIZES})")
     p.add_argument("--bind-to", default="auto",

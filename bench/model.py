@@ -1,7 +1,7 @@
 """The cost model you can read, next to what was measured.
 
     python -m bench.model [--ranks 8] [--bytes 1M] [--collective allreduce] [--transport host-processes]
-    python -m bench.model --table [--ranks 8]          the course's allreduce table, from the schedules
+    python -m bench.model --table [--ranks 8]          the textbook allreduce table, from the schedules
     python -m bench.model --results RUN.json... [--ranks N --bytes S]
                                    the model beside the times measured at N ranks and S bytes; auto
                                    against the fastest algorithm at every size
@@ -18,29 +18,29 @@ predicts (algorithms/__init__.py). RUN.json is what the benchmarks write with
 (under mpiexec, or with --backend mpi,host to relaunch as processes).
 """
 
-import argparse
 import json
 import math
 import sys
 
 import numpy as np
 
+from bench import cli
 from bench.harness import parse_size
 from collectives.algorithms import (
     DEFAULT_TRANSPORT, MODELS, REGISTRY, bytes_moved, modelled_seconds, schedule_for, synchronisations,
 )
 from collectives.algorithms.schedule import ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_TO_ROOT
 
-# The course's table: communication rounds for K nodes, as the course gives them.
+# The textbook table: communication rounds for K nodes, as textbooks and lecture notes give them.
 TEXTBOOK_ROUNDS = {
     "star": ("2K", lambda k: 2 * k),
     "tree": ("2 log2 K", lambda k: 2 * math.log2(k)),
     "butterfly": ("log2 K", lambda k: math.log2(k)),
     "ring": ("2(K-1)", lambda k: 2 * (k - 1)),
 }
-# Where our step count differs from the course's rounds, why (one line).
+# Where our step count differs from the textbook rounds, why (one line).
 WHY_DIFFERENT = {
-    "star": "the course counts the master's 2K messages one at a time; our master reads all peers in one "
+    "star": "the textbook counts the master's 2K messages one at a time; our master reads all peers in one "
             "step, and all copy from it in one",
     "tree": "for K not a power of two the tree has ceil(log2 K) levels",
     "butterfly": "for K not a power of two the extra ranks fold in first and copy the result last: 2 more steps",
@@ -93,11 +93,11 @@ def measured_times(paths, nranks, nbytes):
 
 
 def print_table(nranks, nbytes):
-    """The course's allreduce table, reproduced from the schedules."""
+    """The textbook allreduce table (rounds per algorithm), reproduced from the schedules."""
     k, n_bytes = nranks, nbytes
     print(f"# allreduce on K = {k} nodes, N = {n_bytes} B; ours = counted on the registered schedules "
           "(busiest rank)")
-    print(f"| algorithm | course: rounds | = for K={k} | ours: steps | ours: sent per node | ours: moved per node |")
+    print(f"| algorithm | textbook: rounds | = for K={k} | ours: steps | ours: sent per node | ours: moved per node |")
     print("|---|---|---:|---:|---:|---:|")
     for name in algorithms_for(ALLREDUCE):
         costs = REGISTRY[name].costs(ALLREDUCE, k, n_bytes)
@@ -214,12 +214,12 @@ def auto_against_fastest(paths):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.model", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--bytes", default="1M")
-    p.add_argument("--collective", default=ALLREDUCE, choices=COLLECTIVES)
-    p.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=sorted(MODELS))
-    p.add_argument("--table", action="store_true", help="the course's allreduce table, from the schedules")
+    p = cli.Parser(prog="python -m bench.model", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=8, help="ranks to model")
+    p.add_argument("--bytes", default="1M", type=cli.size, help="message size (suffixes K, M, G)")
+    p.add_argument("--collective", default=ALLREDUCE, choices=COLLECTIVES, help="collective to model")
+    p.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=sorted(MODELS), help="whose fitted constants predict the time")
+    p.add_argument("--table", action="store_true", help="each algorithm's rounds, bytes sent and bytes moved per rank, from the schedules")
     p.add_argument("--results", nargs="+", help="benchmark JSONs of several algorithms: auto against the fastest")
     p.add_argument("--calibrate", nargs="+", help="benchmark JSONs to fit each transport's constants to")
     args = p.parse_args(argv)

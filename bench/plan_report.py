@@ -7,9 +7,9 @@ For every collective, algorithm and binding: the kernel launches per device
 memory the plan reads plus writes over all ranks (one rank per device), the
 same with all ranks on one device (where fan-out groups read shared
 sources once, executors/device.py) against the floor, and how many bytes
-are copies between a caller's array and a workspace. Ranks in one process use the in-place or out-of-place binding
-(no workspace copies, binding.py); `workspace` is what ranks in separate
-processes must do, shown for scale.
+are copies between a caller's array and a workspace. Ranks in one process
+use the in-place or out-of-place binding (no workspace copies, binding.py);
+`workspace` is what ranks in separate processes must do, shown for scale.
 
 The floor is what ranks sharing one device must move at least: every input
 read once and every output written once (allreduce: 2 n S for n ranks of S
@@ -21,13 +21,14 @@ are codec kernels (compression/wire.py, `codec_launches`), and their traffic
 is what those kernels read and write, wire form and float32 alike.
 """
 
-import argparse
 import json
 import sys
 
 import numpy as np
 
+from bench import cli
 from bench.compression_model import codec_phase_bytes
+from bench.environment import _git_commit
 from bench.harness import parse_size
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_SCATTER, REDUCE_TO_ROOT
@@ -122,12 +123,12 @@ def report(nranks, nbytes, dtype=np.dtype("float32"), codecs=()):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.plan_report", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--bytes", default="64M", help="the message: each rank's buffer (allgather: the output)")
+    p = cli.Parser(prog="python -m bench.plan_report", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4, help="ranks, all on one device")
+    p.add_argument("--bytes", default="64M", type=cli.size, help="the message: each rank's buffer (allgather: the output)")
     p.add_argument("--compression", default="",
                    help=f"also the compressed allreduce plans with these codecs, comma-separated ({', '.join(CODECS)})")
-    p.add_argument("-J", "--output_file")
+    p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     nbytes = parse_size(args.bytes)
     codecs = [c for c in args.compression.split(",") if c]
@@ -151,6 +152,8 @@ def main(argv=None):
     if args.output_file:
         with open(args.output_file, "w") as f:
             json.dump({"command": " ".join(["python", "-m", "bench.plan_report", *(argv or sys.argv[1:])]),
+                       # counted from the plans: the code, not the machine, sets them
+                       "environment": {"git_commit": _git_commit()},
                        "ranks": args.ranks, "bytes": nbytes, "rows": rows}, f, indent=1)
 
 

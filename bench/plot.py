@@ -8,11 +8,11 @@ that file apart (processes, device, CPU, ...), or else the file's name.
 Needs matplotlib: pip install '.[bench]'.
 """
 
-import argparse
 import json
 import math
 from pathlib import Path
 from typing import NamedTuple
+from bench import cli
 
 PLACEMENTS = ("out_of_place", "in_place")
 
@@ -136,11 +136,11 @@ def draw(lines, path, title, subtitle=""):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="python -m bench.plot", description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", metavar="RESULTS.json", help="written by a benchmark's -J")
     p.add_argument("-o", "--output", required=True, help="the picture to write (.png, .svg, .pdf)")
     p.add_argument("--placement", default="out_of_place", help=f"one of {', '.join(PLACEMENTS)}")
-    p.add_argument("--title", help="put before the title's collective and placement")
+    p.add_argument("--title", help="put before the title's collective and placement (default: none)")
     args = p.parse_args(argv)
     try:
         names = [Path(f).stem for f in args.files]

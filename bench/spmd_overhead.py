@@ -22,20 +22,22 @@ import time
 import numpy as np
 
 import collectives
+from bench import cli
 from bench.harness import RELAUNCHED, environment, mpi_world, parse_size, relaunch_under_mpiexec
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.spmd_overhead", description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="python -m bench.spmd_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2, help="processes, when not already under mpiexec")
-    p.add_argument("--device", default="emulated", choices=["emulated", "cuda"])
-    p.add_argument("--bytes", default="1K", help="message size (suffixes K, M)")
-    p.add_argument("--algorithm", default="auto")
-    p.add_argument("--in-place", action="store_true")
+    p.add_argument("--device", default="emulated", choices=["emulated", "cuda"], help="the GPU ranks' device, timed against host ranks")
+    p.add_argument("--bytes", default="1K", type=cli.size, help="message size (suffixes K, M)")
+    p.add_argument("--algorithm", default="auto", help="auto or a registered algorithm")
+    p.add_argument("--in-place", action="store_true", help="in place (else out of place)")
     p.add_argument("--batches", type=int, default=30, help="batches per communicator, alternating")
     p.add_argument("--calls", type=int, default=200, help="calls per batch")
-    p.add_argument("-J", "--output_file")
+    p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
+    cli.require_device_toolchain(p.prog, args.device)
     args.nbytes = parse_size(args.bytes)
     args.launcher_flags = ["-bind-to", "core"]
     return args

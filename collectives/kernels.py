@@ -263,7 +263,8 @@ def cuda_include_dirs():
     if not headers:
         raise CollectiveError(
             "no CUDA headers (cuda_fp16.h) found: install the toolchain wheels with "
-            "pip install 'collectives[test]', or set CUDA_HOME to a CUDA toolkit")
+            "pip install -e '.[test]' in a checkout or pip install 'collectives[test]', "
+            "or set CUDA_HOME to a CUDA toolkit")
     # CUDA 13 keeps CCCL (<nv/target>, which cuda_fp16.h includes) in include/cccl.
     return [d for include in headers for d in (include, include / "cccl") if d.is_dir()]
 

@@ -46,3 +46,33 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+    config.stash[MATRIX_DESELECTED] = len(dropped)
+
+
+# How many collective-matrix cases pytest_collection_modifyitems dropped, for the report.
+MATRIX_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_report_collectionfinish(config, items):
+    """Says once why thousands of cases are deselected, right under pytest's count."""
+    dropped = config.stash.get(MATRIX_DESELECTED, 0)
+    if dropped:
+        return [f"collectives: {dropped} collective-matrix cases deselected on purpose: an algorithm on a "
+                f"collective it does not implement, and on emulated devices the algorithms other than "
+                f"{', '.join(FULL_MATRIX_ON_DEVICES)} beyond a reduced (ranks, count) set "
+                f"(tests/conftest.py)"]
+    return []
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skips grouped by reason with their counts, most frequent first: one
+    line per reason instead of one per test (pytest -rs still lists them all)."""
+    reasons = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.section("skips by reason", sep="-")
+        for reason, count in sorted(reasons.items(), key=lambda item: (-item[1], item[0])):
+            terminalreporter.write_line(f"{count:6d}  {reason}")

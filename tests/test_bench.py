@@ -220,12 +220,12 @@ def test_several_algorithms_alternate_in_one_run(tmp_path, capsys):
     assert [r["picked"] for r in rows[1:4]] == ["ring", "tree", "two_shot"]
 
 
-def test_the_model_reproduces_the_course_table(capsys):
+def test_the_model_reproduces_the_textbook_table(capsys):
     from bench import model
     model.main(["--table", "--ranks", "8", "--bytes", "1M"])
     table = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
              for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line}
-    # course: rounds formula, its value for K = 8; ours: steps, sent per node
+    # textbook: rounds formula, its value for K = 8; ours: steps, sent per node
     assert table["star"][:3] == ["2K", "16", "2"]
     assert table["tree"][:3] == ["2 log2 K", "6", "6"]
     assert table["butterfly"][:3] == ["log2 K", "3", "3"]

@@ -145,5 +145,5 @@ def test_auto_takes_fewest_steps_for_tiny_and_fewest_bytes_for_huge_messages(tra
     assert choose(ALLREDUCE, 1, 1 << 20, 0, transport) in REGISTRY
 
 
-def test_every_algorithm_of_the_course_is_registered():
+def test_every_textbook_algorithm_is_registered():
     assert {"ring", "direct", "star", "tree", "butterfly", "halving_doubling", "round_robin", "two_shot"} <= set(REGISTRY)

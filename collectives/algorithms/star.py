@@ -11,7 +11,7 @@ broadcast the second alone (every rank copies the root's WORK). The master's
 links carry everything: it receives (n-1) N and sends (n-1) N, while the
 workers move N each way.
 
-The course counts 2K rounds for K nodes, one message at the master at a
+The textbook count is 2K rounds for K nodes, one message at the master at a
 time; here the master reads all its peers in one step, so there are 2 steps.
 
 Costs for n ranks and N bytes (busiest rank: the master):

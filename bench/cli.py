@@ -1,0 +1,86 @@
+"""What every bench command line shares: --help that shows the defaults, and
+errors (a bad flag, a missing toolchain) that fit on one line, with no
+traceback, since a newcomer's first run should end in a sentence, not a stack."""
+
+import argparse
+import sys
+import textwrap
+
+from collectives.errors import CollectiveError
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends "(default: X)" to a flag's help, unless the help already says
+    its default or there is none worth showing (None, or a switch's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is False or default is argparse.SUPPRESS \
+                or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the formatter above and a one-line error: argparse's own
+    prints the whole usage first, which for the benchmarks is a screenful."""
+
+    def __init__(self, prog, description, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        if description and "\n" not in description:  # the raw formatter would not wrap it
+            description = textwrap.fill(description, 79)
+        super().__init__(prog=prog, description=description, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def size(text):
+    """An argparse type for a byte or element count with an optional suffix
+    K, M or G (parse_size's syntax): checks it and returns the text as given,
+    so the tool parses it where it always did, and a bad one is a one-line
+    usage error instead of a ValueError traceback."""
+    from bench.harness import parse_size  # bench.harness imports this module
+    try:
+        parse_size(text)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: a number with an optional suffix K, M or G")
+    return text
+
+
+def sizes(text):
+    """Comma-separated sizes, each as `size` takes it; returns the text."""
+    for item in str(text).split(","):
+        if item.strip():
+            size(item)
+    return text
+
+
+def fail(prog, message, code=1):
+    """Ends the program with `prog: error: message` on one line of stderr."""
+    sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")
+    sys.exit(code)
+
+
+def require_device_toolchain(prog, device):
+    """Stops with one line when `device` needs what is not installed: the
+    emulated device compiles our CUDA sources with g++ against the CUDA
+    headers; a GPU needs CuPy (which may bring its own toolkit's headers, so
+    those are left to the device). Checked before any rank starts, so the
+    error comes once, not once per rank under mpiexec after a traceback."""
+    kind = str(device).split(":")[0]
+    if kind == "cuda":
+        try:
+            import cupy  # noqa: F401
+        except ImportError as error:
+            fail(prog, f"--device cuda needs CuPy ({error}): pip install -e '.[cuda13]' in a checkout, "
+                       f"or pip install 'collectives[cuda13]'")
+    elif kind == "emulated":
+        from collectives import kernels
+        from collectives.devices import emulated
+        try:
+            emulated.compiler()
+            kernels.cuda_include_dirs()
+        except CollectiveError as error:
+            fail(prog, f"--device {device}: {error}")

@@ -1,0 +1,123 @@
+"""The bench command lines answer questions: --help describes every flag and
+shows its default, and a bad flag or a missing toolchain ends in one line
+of stderr, never a traceback."""
+
+import os
+import runpy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from bench import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Every module under bench/ that is a command line (python -m bench.NAME).
+TOOLS = ["all_reduce_perf", "reduce_scatter_perf", "all_gather_perf", "broadcast_perf", "reduce_perf",
+         "call_overhead", "codec_speed", "compression_error", "compression_model", "fusion_perf", "gpu_check",
+         "half_precision_error", "hierarchy_model", "hierarchy_perf", "host_vs_mpich", "model",
+         "plan_report", "plot", "report", "spmd_overhead"]
+
+
+def test_every_command_line_is_listed():
+    """A new tool under bench/ that builds a cli.Parser is tested here too."""
+    bench = os.path.join(ROOT, "bench")
+    with_parser = {name[:-3] for name in os.listdir(bench)
+                   if name.endswith(".py") and "cli.Parser(" in open(os.path.join(bench, name)).read()}
+    harness_tools = {name[:-3] for name in os.listdir(bench)  # bench/harness.py's parser, through its main
+                     if name.endswith("_perf.py") and "Spec(" in open(os.path.join(bench, name)).read()}
+    assert (with_parser - {"harness"}) | harness_tools == set(TOOLS)
+
+
+def run_tool(monkeypatch, tool, argv):
+    """Runs `python -m bench.TOOL ARGV` in this process; returns its exit code."""
+    monkeypatch.setattr(sys, "argv", [f"bench/{tool}.py", *argv])
+    monkeypatch.delitem(sys.modules, f"bench.{tool}", raising=False)  # run as __main__, as python -m does
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_module(f"bench.{tool}", run_name="__main__")
+    return stopped.value.code
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_help_describes_every_flag_and_shows_defaults(tool, monkeypatch, capsys):
+    shown = []
+    print_help = cli.Parser.print_help
+    monkeypatch.setattr(cli.Parser, "print_help", lambda self, file=None: (shown.append(self), print_help(self, file)))
+    assert run_tool(monkeypatch, tool, ["--help"]) in (0, None)
+    text = capsys.readouterr().out
+    parser, = shown
+    assert parser.prog == f"python -m bench.{tool}"
+    assert parser.description and " ".join(parser.description.split())[:40] in " ".join(text.split())
+    undescribed = [a.option_strings or a.dest for a in parser._actions if not a.help]
+    assert not undescribed, f"flags with no description: {undescribed}"
+    # Every flag with a value to default to says what it is.
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False, "==SUPPRESS=="):
+            assert "default" in parser._get_formatter()._get_help_string(action), action.option_strings
+
+
+def test_help_shows_the_defaults_in_its_text(monkeypatch, capsys):
+    run_tool(monkeypatch, "all_reduce_perf", ["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "largest message (default: 32M)" in text
+    assert "(default: host)" in text and "(default: auto)" in text
+
+
+# What a tool requires, so that the bad flag is what it complains of.
+REQUIRED = {"plot": ["results.json", "-o", "plot.png"]}
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_bad_flag_gives_one_line(tool, monkeypatch, capsys):
+    assert run_tool(monkeypatch, tool, [*REQUIRED.get(tool, []), "--no-such-flag"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"python -m bench.{tool}: error: "), err
+    assert "--no-such-flag" in err
+
+
+@pytest.mark.parametrize("tool, argv", [("all_reduce_perf", ["-b", "lots"]), ("plan_report", ["--bytes", "lots"]),
+                                        ("hierarchy_model", ["--bytes", "1M,lots"]),
+                                        ("host_vs_mpich", ["--sizes", "4,lots"])])
+def test_a_bad_size_gives_one_line(tool, argv, monkeypatch, capsys):
+    assert run_tool(monkeypatch, tool, argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'lots' is not a size" in err, err
+
+
+# Runs a tool in a fresh interpreter in which the CUDA headers cannot be
+# found: the library's own lookup (collectives.kernels.cuda_include_dirs)
+# runs, over every place it looks, and finds no cuda_fp16.h.
+WITHOUT_CUDA_HEADERS = textwrap.dedent("""
+    import pathlib, runpy, sys
+    is_file = pathlib.Path.is_file
+    pathlib.Path.is_file = lambda path: path.name != "cuda_fp16.h" and is_file(path)
+    module = sys.argv[1]
+    sys.argv = [module.replace(".", "/") + ".py", *sys.argv[2:]]
+    runpy.run_module(module, run_name="__main__")
+""")
+
+
+@pytest.mark.parametrize("argv", [["bench.all_reduce_perf", "--device", "emulated", "-e", "1K"],
+                                  ["bench.fusion_perf", "--device", "emulated", "--steps", "1"]])
+def test_missing_cuda_headers_give_one_line_with_both_install_hints(argv):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_CUDA_HEADERS, *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"python -m {argv[0]}: error: --device emulated: no CUDA headers")
+    assert "pip install -e '.[test]'" in done.stderr and "pip install 'collectives[test]'" in done.stderr
+
+
+def test_the_library_names_both_installs_when_headers_are_missing(monkeypatch):
+    """The message comes from the library, so every caller (not only the
+    benchmarks) tells a checkout and an installed package what to install."""
+    import pathlib
+    from collectives import kernels
+    from collectives.errors import CollectiveError
+    is_file = pathlib.Path.is_file
+    monkeypatch.setattr(pathlib.Path, "is_file", lambda path: path.name != "cuda_fp16.h" and is_file(path))
+    with pytest.raises(CollectiveError, match=r"pip install -e '\.\[test\]'.*pip install 'collectives\[test\]'"):
+        kernels.cuda_include_dirs()
