@@ -151,7 +151,7 @@ def machine(environment):
                        ("numpy", "NumPy ")):
         if environment.get(key):
             parts.append(label + " ".join(str(environment[key]).split()))
-    return "; ".join(parts)
+    return "; ".join(parts) or "not recorded"
 
 
 def commit(environment, note):
