@@ -4,7 +4,7 @@ The op-table interpreter (executors/host.py) runs any plan, but per call it
 pays Python for every row and copies whole buffers into and out of the
 shared workspaces between lock-step phases. For allreduce with `auto`, host
 ranks take this path instead: the compiled loop (_shmloop.c) over a channel
-of shared memory at the end of the control segment, laid out per rank as
+of shared memory at the end of the control segment (layout.py), per rank
 
     small slots   2 x (128-byte header + SMALL_MAX bytes): a message of up to
                   SMALL_MAX bytes is one merged step: copy in, publish, wait
@@ -44,17 +44,13 @@ import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from ..ops import ReduceOp
+from .layout import CHUNK, HEADER, ROW, SMALL_MAX, small_area
 
 try:
     from . import _shmloop
 except ImportError:   # installed without a C compiler: the interpreter runs every call
     _shmloop = None
 
-# bytes: the merged step up to SMALL_MAX, the pipeline above, CHUNK bytes of
-# every block per iteration. Every rank must use the same values (mpiexec
-# passes the environment to all); the defaults were measured (README).
-SMALL_MAX = int(os.environ.get("COLLECTIVES_FAST_SMALL_MAX", 64 << 10))
-CHUNK = int(os.environ.get("COLLECTIVES_FAST_CHUNK", 256 << 10))
 # Large messages take the single copy where every rank can reach every
 # other's memory. Measured with 2 processes (README): faster than the staged
 # pipeline from 128 KiB to 64 MiB, 1.5x-1.9x in place and 1.1x (64 MiB out
@@ -68,8 +64,6 @@ SINGLE_COPY = os.environ.get("COLLECTIVES_FAST_SINGLE_COPY", "1") != "0"
 # COLLECTIVES_FAST_TEST_WRITE_STALL seconds per chunk.
 FENCE_SECONDS = 5.0
 TEST_WRITE_STALL = float(os.environ.get("COLLECTIVES_FAST_TEST_WRITE_STALL", 0))
-SLOT_HEADER = 128
-PAGE = 4096
 
 # Polls before a wait yields its core. Ranks that have a core each spin
 # longer (a peer is running and about to publish); ranks that outnumber
@@ -90,19 +84,6 @@ PATHS = ("merged", "pipelined")   # what `chosen_algorithm` reports for the two
 # step reads every peer's slot, as `direct` reads every peer's buffer; the
 # pipeline moves 2(n-1)/n of the message across, as `two_shot` does.
 SAME_TRAFFIC = {"merged": "direct", "pipelined": "two_shot"}
-
-
-def _pages(nbytes):
-    return -(-nbytes // PAGE) * PAGE
-
-
-def small_area(size):
-    return _pages(size * 2 * (SLOT_HEADER + SMALL_MAX))
-
-
-def channel_bytes(size):
-    """The channel's bytes for `size` ranks (added to the control segment)."""
-    return small_area(size) + _pages(size * 2 * size * CHUNK)
 
 
 def available():
@@ -128,7 +109,6 @@ class FastAllreduce:
     """`ShmRank.fast_allreduce`: the compiled allreduce, or None to decline."""
 
     def __init__(self, group, header_address, rows_address, channel_address, oversubscribed):
-        from .protocol import ROW, HEADER
         assert (ROW, HEADER) == (_shmloop.ROW_SLOTS, _shmloop.HEADER_SLOTS), "protocol.py and _shmloop.c disagree"
         self._group = group
         self._channel = _shmloop.Channel(

@@ -61,24 +61,16 @@ import weakref
 import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, class_of_kind, kind_of
+from .layout import (  # noqa: F401 (ROW and HEADER: other modules read the layout here too)
+    ABORT, ABORT_KIND, ABORT_RANK, CAP, COUNTER, GEN, HANDLE_BYTES, HEADER, PID, REASON_BYTES, ROW, SEQ, SIG,
+    WORKSPACE_ALIGN, channel_offset, control_bytes,
+)
 from .segments import Segment
 
 try:
     from . import _shmloop   # the compiled loop (setup.py builds it when a C compiler is there)
 except ImportError:
     _shmloop = None
-
-COUNTER, PID, SEQ, SIG, GEN, CAP = range(6)
-ROW = 16                     # int64 slots per rank row: 128 bytes, so no two ranks' counters share
-                             # a cache line (slots 8 and 9: the fast path's chunk counters;
-                             # 10: its waits asleep on the row, which publish() wakes; 11 and
-                             # 12: the single-copy path's buffers; 13: whether it may reach peers;
-                             # 14: raised while it writes into peers)
-HEADER = 16                  # ABORT flag, aborting rank + 1, the class of the abort's cause; padded to 128 bytes
-ABORT, ABORT_RANK, ABORT_KIND = 0, 1, 2
-HANDLE_BYTES = 64            # sizeof(cudaIpcMemHandle_t)
-REASON_BYTES = 1024
-WORKSPACE_ALIGN = 4096
 
 
 def new_prefix():
@@ -95,18 +87,6 @@ def control_name(prefix):
         raise InvalidUsageError(
             f"a communicator's prefix comes from new_prefix() (coll-<pid>-<token>), got {prefix!r}")
     return f"{prefix}-control@{pid}"
-
-
-def control_bytes(size):
-    """The control segment: header, rows, handles, reason, then the fast
-    path's channel (fastpath.py), page-aligned. Pages nobody touches cost nothing."""
-    from . import fastpath
-    return channel_offset(size) + fastpath.channel_bytes(size)
-
-
-def channel_offset(size):
-    used = 8 * (HEADER + ROW * size) + HANDLE_BYTES * size + REASON_BYTES
-    return -(-used // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
 def describe_call(plan):

@@ -1,0 +1,66 @@
+"""The control segment of ranks in separate processes, byte by byte.
+
+One segment per communicator, made by rank 0 and mapped by every rank
+(segments.py). The step protocol (protocol.py) and the compiled loop's
+channel (fastpath.py, _shmloop.c) both live in it; this module is the one
+place that says where, so both import it and neither imports the other.
+
+    header      HEADER int64 slots: the ABORT flag, the aborting rank + 1,
+                the class of the abort's cause; padded to 128 bytes
+    rows        per rank, ROW int64 slots (128 bytes, so no two ranks'
+                counters share a cache line): COUNTER, PID, SEQ, SIG, GEN,
+                CAP; slots 8 and 9 the fast path's chunk counters, 10 its
+                waits asleep on the row (which publish() wakes), 11 and 12
+                the single-copy path's buffers, 13 whether it may reach
+                peers, 14 raised while it writes into peers
+    handles     per rank, HANDLE_BYTES: its workspace's IPC handle
+    reason      REASON_BYTES: why the communicator was aborted, as text
+    channel     from the next page: the fast path's channel, per rank
+                  small slots   2 x (SLOT_HEADER + SMALL_MAX) bytes: the
+                                merged step of messages up to SMALL_MAX
+                  staging       2 x nranks chunks of CHUNK bytes: the
+                                pipelined step of larger messages
+"""
+
+import os
+
+COUNTER, PID, SEQ, SIG, GEN, CAP = range(6)
+ROW = 16
+HEADER = 16
+ABORT, ABORT_RANK, ABORT_KIND = 0, 1, 2
+HANDLE_BYTES = 64            # sizeof(cudaIpcMemHandle_t)
+REASON_BYTES = 1024
+WORKSPACE_ALIGN = 4096
+PAGE = 4096
+
+# bytes: the merged step up to SMALL_MAX, the pipeline above, CHUNK bytes of
+# every block per iteration. Every rank must use the same values (mpiexec
+# passes the environment to all); the defaults were measured (docs/host-ranks.md).
+SMALL_MAX = int(os.environ.get("COLLECTIVES_FAST_SMALL_MAX", 64 << 10))
+CHUNK = int(os.environ.get("COLLECTIVES_FAST_CHUNK", 256 << 10))
+SLOT_HEADER = 128
+
+
+def _pages(nbytes):
+    return -(-nbytes // PAGE) * PAGE
+
+
+def channel_offset(size):
+    """Where the channel starts: the first page after the reason."""
+    used = 8 * (HEADER + ROW * size) + HANDLE_BYTES * size + REASON_BYTES
+    return -(-used // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+
+def small_area(size):
+    """The channel's small slots, every rank's."""
+    return _pages(size * 2 * (SLOT_HEADER + SMALL_MAX))
+
+
+def channel_bytes(size):
+    """The channel's bytes for `size` ranks."""
+    return small_area(size) + _pages(size * 2 * size * CHUNK)
+
+
+def control_bytes(size):
+    """The whole control segment, page-aligned. Pages nobody touches cost nothing."""
+    return channel_offset(size) + channel_bytes(size)

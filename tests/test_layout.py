@@ -1,0 +1,41 @@
+"""The control segment's layout has one home (transport/layout.py): the step
+protocol and the compiled loop's channel import it, and not each other."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from collectives.transport import layout
+
+TRANSPORT = Path(__file__).resolve().parents[1] / "collectives" / "transport"
+
+
+def imported_modules(name):
+    tree = ast.parse((TRANSPORT / f"{name}.py").read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found.add(node.module or "")
+            found.update(alias.name for alias in node.names if not node.module)
+    return found
+
+
+@pytest.mark.parametrize("module, other", [("protocol", "fastpath"), ("fastpath", "protocol")])
+def test_the_protocol_and_the_fast_path_do_not_import_each_other(module, other):
+    assert "layout" in imported_modules(module)
+    assert other not in imported_modules(module)
+
+
+def test_the_channel_starts_on_a_page_after_the_reason_and_fits_every_rank():
+    for size in (1, 2, 3, 8, 64):
+        offset = layout.channel_offset(size)
+        assert offset % layout.PAGE == 0
+        assert offset >= 8 * (layout.HEADER + layout.ROW * size) + layout.HANDLE_BYTES * size + layout.REASON_BYTES
+        assert layout.control_bytes(size) - offset == layout.channel_bytes(size)
+        assert layout.channel_bytes(size) >= size * 2 * (layout.SMALL_MAX + size * layout.CHUNK)
+
+
+def test_the_compiled_loop_agrees_on_the_row_and_header_sizes():
+    _shmloop = pytest.importorskip("collectives.transport._shmloop", reason="built without a C compiler")
+    assert (layout.ROW, layout.HEADER) == (_shmloop.ROW_SLOTS, _shmloop.HEADER_SLOTS)
