@@ -9,6 +9,7 @@ import weakref
 import numpy as np
 
 from . import arrays, fusion, validation
+from . import graph as graph_capture
 from .algorithms import choose
 from .algorithms.schedule import (
     ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES as COLLECTIVE_NAMES, REDUCE_SCATTER, REDUCE_TO_ROOT,
@@ -469,6 +470,43 @@ class Communicator:
             return
         for device in getattr(self._ranks, "devices", ()):
             device.synchronize()
+
+    def graph(self):
+        """Capture the calls made in a `with` block as a graph to replay:
+
+            with comm.graph() as graph:
+                comm.allreduce(xs)
+            graph.replay()          # one graph launch, a few microseconds of host time
+
+        Nothing runs while capturing; `graph.replay()` runs the captured
+        calls on the current stream, on the same arrays (write new values
+        into them; do not rebind). Make each call once before capturing it
+        (kernels compile and workspaces are allocated on first use, which
+        CUDA refuses during capture). See collectives/graph.py.
+
+        Returns a context manager whose `with` value is the Graph.
+
+        Raises InvalidUsageError unless every local rank is on one device
+        (our kernels; backend="nccl" and ranks in several processes cannot
+        be captured), where the communicator is closed or a fusion buffer has
+        allreduces in flight; CollectiveError when the capture itself fails.
+        """
+        from .executors.device import DeviceRanks
+        self._check_open()
+        self._check_idle()
+        devices = getattr(self._ranks, "devices", ())
+        if not isinstance(self._ranks, DeviceRanks) or len(devices) != 1:
+            where = (f"these ranks are on {len(devices)} devices" if isinstance(self._ranks, DeviceRanks)
+                     else f"these are {type(self._ranks).__name__} ranks")
+            raise InvalidUsageError(
+                "graph: capturing needs every local rank on one device, with our kernels "
+                f"(Communicator.local(n, devices=[0] * n)); {where}")
+        return graph_capture.Capture(self, devices[0])
+
+    @property
+    def closed(self):
+        """Whether close() was called."""
+        return self._closed
 
     # -- life cycle -------------------------------------------------------------
 

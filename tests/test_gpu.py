@@ -144,6 +144,26 @@ def test_cuda_graph_capture_and_replay(gpu):
                 assert float(out[0]) == round_ * 10 and float(out[-1]) == round_ * 10
 
 
+def test_comm_graph_captures_and_replays_on_the_gpu(gpu):
+    needs_cuda()
+    import cupy
+    n, count = 4, 100_003
+    with gpu.communicator(n) as comm:
+        xs = [cupy.full(count, r + 1, cupy.float32) for r in range(n)]
+        outs = [cupy.zeros(count, cupy.float32) for _ in range(n)]
+        comm.allreduce(xs, out=outs)  # warm-up: plan, kernels and workspaces outside the capture
+        comm.allreduce(xs)
+        with comm.graph() as graph:
+            comm.allreduce(xs, out=outs)
+        for round_ in range(1, 4):
+            for r, x in enumerate(xs):
+                x.fill(round_ * (r + 1))
+            graph.replay()
+            cupy.cuda.get_current_stream().synchronize()
+            for out in outs:
+                assert float(out[0]) == round_ * 10 and float(out[-1]) == round_ * 10
+
+
 def test_pytorch_cuda_tensors_bfloat16_included(gpu):
     needs_cuda()
     torch = pytest.importorskip("torch", reason="needs PyTorch with CUDA")

@@ -27,6 +27,10 @@ The interface, duck-typed:
     new_event(), record(event, stream), wait(stream, event)
                              cross-stream ordering with CUDA's semantics: a wait
                              is for the most recent record before it
+    begin_capture(), end_capture(capture), replay(graph)
+                             CUDA graphs: make a new stream current and record
+                             what is issued on it (nothing runs), then the graph,
+                             issued on the current stream by replay
     query(event)             whether the work before the event's latest record is done
     use()                    make it the calling thread's current device (init does, for its rank)
     enable_peer_access(other), is_capturing(stream), synchronize()

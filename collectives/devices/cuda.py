@@ -225,6 +225,31 @@ class CudaDevice:
     def is_capturing(self, stream):
         return stream.is_capturing()
 
+    # -- graphs ------------------------------------------------------------------
+
+    def begin_capture(self):
+        """Make a new stream current on this device and capture what is
+        issued on it (CUDA cannot capture the legacy default stream)."""
+        with self._device:
+            stream = self._cupy.cuda.Stream(non_blocking=True)
+        stream.__enter__()
+        try:
+            stream.begin_capture()
+        except BaseException:
+            stream.__exit__(None, None, None)
+            raise
+        return stream
+
+    def end_capture(self, stream):
+        """Stop capturing and give the caller's stream back: a CuPy Graph."""
+        try:
+            return stream.end_capture()
+        finally:
+            stream.__exit__(None, None, None)
+
+    def replay(self, graph):
+        graph.launch(self.current_stream())
+
     def synchronize(self):
         self._device.synchronize()
 

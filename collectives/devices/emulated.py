@@ -76,6 +76,7 @@ class EmulatedStream:
     def __init__(self, device):
         self.device = device
         self.queue = deque()
+        self.capturing = False   # while True, the queue is a graph being recorded: nothing runs
 
     def __repr__(self):
         return f"<EmulatedStream of {self.device.name}>"
@@ -93,7 +94,7 @@ class _Engine:
     def drain(self):
         with self.lock:
             while True:
-                busy = [s for s in self.streams if s.queue]
+                busy = [s for s in self.streams if s.queue and not s.capturing]
                 if not busy:
                     return
                 ready = [s for s in busy if _ready(s.queue[0])]
@@ -252,7 +253,30 @@ class EmulatedDevice:
         pass  # one address space
 
     def is_capturing(self, stream):
-        return False
+        return stream.capturing
+
+    # -- graphs: what is queued while capturing is recorded, not run --------------
+
+    def begin_capture(self):
+        """Make a new stream current and record what is issued on it."""
+        stream = self.new_stream()
+        stream.capturing = True
+        previous, self._current = self._current, stream
+        return stream, previous
+
+    def end_capture(self, capture):
+        """Stop recording; the recorded operations, replayable in order."""
+        stream, previous = capture
+        self._current = previous
+        recorded, stream.queue = tuple(stream.queue), deque()
+        stream.capturing = False
+        return recorded
+
+    def replay(self, graph):
+        """Issue a recorded graph on the current stream; it completes before
+        this returns, as every call on this device does."""
+        self._current.queue.extend(graph)
+        _ENGINE.drain()
 
     def synchronize(self):
         _ENGINE.drain()
