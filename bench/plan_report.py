@@ -50,7 +50,7 @@ def floor_bytes(collective, nranks, count, itemsize, in_place=False):
     if collective == ALLREDUCE:
         return 2 * nranks * message
     if collective in (REDUCE_SCATTER, REDUCE_TO_ROOT):
-        return nranks * message + (message // nranks if collective == REDUCE_SCATTER else message)
+        return nranks * message + message   # every input, and one block per rank (or the root's result)
     if collective == ALLGATHER:
         return message + (nranks - 1 if in_place else nranks) * message
     assert collective == BROADCAST

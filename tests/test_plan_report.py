@@ -37,7 +37,7 @@ def test_the_floor_is_one_read_of_each_input_and_one_write_of_each_output():
     n, count, itemsize = 4, 1024, 4
     s = count * itemsize
     assert plan_report.floor_bytes("allreduce", n, count, itemsize) == 2 * n * s
-    assert plan_report.floor_bytes("reduce_scatter", n, count, itemsize) == n * s + s // n
+    assert plan_report.floor_bytes("reduce_scatter", n, count, itemsize) == n * s + s
     assert plan_report.floor_bytes("allgather", n, count, itemsize) == s + n * s
     assert plan_report.floor_bytes("allgather", n, count, itemsize, in_place=True) == s + (n - 1) * s
     assert plan_report.floor_bytes("broadcast", n, count, itemsize) == n * s
