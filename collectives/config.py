@@ -28,3 +28,24 @@ def resolve_timeout(timeout=None):
     if not (value > 0 and math.isfinite(value)):
         raise InvalidUsageError(f"{source}: expected a positive, finite number of seconds, got {timeout!r}")
     return value
+
+
+ONE_KERNEL_ALLREDUCE_ENV = "COLLECTIVES_ONE_KERNEL_ALLREDUCE"
+
+
+def resolve_one_kernel_allreduce(enabled=None):
+    """Whether GPU ranks in separate processes run small allreduces as one
+    kernel (executors/ll_allreduce.py): the argument, else
+    $COLLECTIVES_ONE_KERNEL_ALLREDUCE ("1" or "0"), else off. Every rank must
+    agree (mpiexec gives all ranks the same environment)."""
+    source = "one_kernel_allreduce"
+    if enabled is None:
+        enabled = os.environ.get(ONE_KERNEL_ALLREDUCE_ENV)
+        source = f"${ONE_KERNEL_ALLREDUCE_ENV}"
+        if enabled is None:
+            return False
+    if isinstance(enabled, bool):
+        return enabled
+    if str(enabled) in ("0", "1"):
+        return str(enabled) == "1"
+    raise InvalidUsageError(f"{source}: expected 0 or 1, got {enabled!r}")

@@ -14,6 +14,7 @@ results (an H100 showed it against NumPy); and CuPy's cache key covers the
 source it is given, not the headers that source includes.
 """
 
+import ctypes
 import functools
 import hashlib
 import json
@@ -316,3 +317,58 @@ def buffer_table(addresses):
     table = np.zeros(MAX_RANKS * BUFFERS, np.uint64)
     table[:len(addresses)] = addresses
     return table
+
+
+# -- ll_allreduce (kernels/ll_allreduce.cu): the one-kernel small allreduce --------
+
+LL_THREADS = 256           # kLLThreads: threads per block on a GPU
+LL_MAX_RANKS = 64          # kLLMaxRanks: ranks whose LL areas the arguments name
+LL_MAX_BYTES = 64 << 10    # kLLMaxBytes: payload of one call
+LL_LINE_BYTES = 16         # 8 payload bytes and two 32-bit flags
+LL_SLOT_SETS = 2
+LL_AREA_BYTES = LL_SLOT_SETS * (LL_MAX_BYTES // 8) * LL_LINE_BYTES   # one rank's area
+LL_FAULT_TIMED_OUT, LL_FAULT_STOPPED = 1, 2   # enum LLFault
+
+
+class LLInstance(NamedTuple):
+    """One instance of ll_allreduce: an element type and an op."""
+    element: str       # NumPy dtype name
+    op_code: int
+
+    @property
+    def name_expression(self):
+        return f"collectives::ll_allreduce<collectives::{ELEMENTS[self.element]}, {self.op_code}>"
+
+    @property
+    def element_index(self):
+        return ELEMENT_INDEX[self.element]
+
+    @property
+    def source(self):
+        return "ll_allreduce.cu"
+
+
+def ll_instance(dtype, op):
+    return LLInstance(dtype.name, OP_CODES[op])
+
+
+def ll_lines(nbytes):
+    """LL lines of a message: 8 payload bytes each."""
+    return -(-nbytes // 8)
+
+
+class LLAllreduceArgs(ctypes.Structure):
+    """The kernel's one argument, struct LLAllreduceArgs, field for field."""
+    _fields_ = [
+        ("input", ctypes.c_uint64), ("output", ctypes.c_uint64), ("count", ctypes.c_int64),
+        ("prev_lines", ctypes.c_int64), ("generation", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
+        ("abort_word", ctypes.c_uint64), ("faults", ctypes.c_uint64),
+        ("rank", ctypes.c_int32), ("nranks", ctypes.c_int32), ("divisor", ctypes.c_int32), ("pad", ctypes.c_int32),
+        ("areas", ctypes.c_uint64 * LL_MAX_RANKS),
+    ]
+
+
+def ll_fault(word):
+    """(reason, rank named or -1, generation mod 2**32) of a nonzero fault word."""
+    word &= (1 << 64) - 1
+    return word & 0xff, ((word >> 8) & 0xffff) - 1, word >> 32

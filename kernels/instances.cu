@@ -16,3 +16,17 @@
     COLLECTIVES_STEP_INSTANCE(Element, kMin)
 
 COLLECTIVES_FOR_EACH_ELEMENT(COLLECTIVES_STEP_INSTANCES)
+
+#include "ll_allreduce.cu"
+
+#define COLLECTIVES_LL_INSTANCE(Element, Op)                                                   \
+    template __global__ void collectives::ll_allreduce<collectives::Element, collectives::Op>( \
+        const collectives::LLAllreduceArgs);
+
+#define COLLECTIVES_LL_INSTANCES(Element)       \
+    COLLECTIVES_LL_INSTANCE(Element, kSum)      \
+    COLLECTIVES_LL_INSTANCE(Element, kProd)     \
+    COLLECTIVES_LL_INSTANCE(Element, kMax)      \
+    COLLECTIVES_LL_INSTANCE(Element, kMin)
+
+COLLECTIVES_FOR_EACH_ELEMENT(COLLECTIVES_LL_INSTANCES)

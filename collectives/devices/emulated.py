@@ -32,9 +32,13 @@ import numpy as np
 
 from .. import kernels
 from ..errors import CollectiveError
+from ..transport.layout import LL_REGION_WORDS
 from ..transport.segments import Segment
 
 RESIDENT_BLOCKS = 2  # a small grid: every emulated thread strides over more elements
+# ll_allreduce's grid: each thread's waits for its peers are a handshake
+# between processes, so few threads, each striding over many lines.
+LL_BLOCKS, LL_THREADS = 2, 4
 
 
 class EmulatedMemory:
@@ -255,6 +259,31 @@ class EmulatedDevice:
     def is_capturing(self, stream):
         return stream.capturing
 
+    # -- the one-kernel allreduce between processes (kernels/ll_allreduce.cu) -----
+
+    def clear_shared(self, memory):
+        """Zero shared memory before peers see it (a new segment already is)."""
+        memory.array[:] = 0
+
+    def map_host(self, address, nbytes):
+        """The address at which kernels reach host memory: the same, here."""
+        return address
+
+    def unmap_host(self, address):
+        pass
+
+    def launch_ll_allreduce(self, stream, instance, args, lines):
+        """ll_allreduce<instance> over `lines` LL lines; `args` is copied now
+        (kernels.LLAllreduceArgs), so the caller may change it at once."""
+        grid = (min(LL_BLOCKS, -(-lines // LL_THREADS)), min(LL_THREADS, lines))
+        stream.queue.append(("launch", self._run_ll, instance, grid, type(args).from_buffer_copy(args)))
+
+    def _run_ll(self, instance, grid, args):
+        status = self._library.collectives_emulated_ll_allreduce(instance.element_index, instance.op_code,
+                                                                 grid[0], grid[1], ctypes.byref(args))
+        if status != 0:
+            raise CollectiveError(f"the emulated ll_allreduce rejected {instance} (status {status})")
+
     # -- graphs: what is queued while capturing is recorded, not run --------------
 
     def begin_capture(self):
@@ -312,7 +341,8 @@ def build_command(source, output):
     flags = ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
              "-include", str(source / "emulation" / "cuda_host.h")]
     flags += [f"-I{d}" for d in kernels.cuda_include_dirs()]
-    return [compiler(), *flags, str(source / "emulation" / "launch.cpp"), "-o", str(output)]
+    units = [str(source / "emulation" / name) for name in ("launch.cpp", "ll_launch.cpp")]
+    return [compiler(), *flags, *units, "-o", str(output)]
 
 
 def _build(source):
@@ -348,4 +378,12 @@ def _load(path):
     if (lib.collectives_emulated_max_ranks(), lib.collectives_emulated_buffers(),
             lib.collectives_emulated_copy_columns()) != (kernels.MAX_RANKS, kernels.BUFFERS, kernels.COPY_COLUMNS):
         raise CollectiveError(f"{path} was built from other kernel sources; delete it and try again")
+    lib.collectives_emulated_ll_layout.restype = ctypes.c_longlong
+    lib.collectives_emulated_ll_layout.argtypes = [ctypes.c_int]
+    lib.collectives_emulated_ll_allreduce.restype = ctypes.c_int
+    lib.collectives_emulated_ll_allreduce.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
+                                                      ctypes.POINTER(kernels.LLAllreduceArgs)]
+    if tuple(lib.collectives_emulated_ll_layout(i) for i in range(4)) != (
+            kernels.LL_MAX_BYTES, kernels.LL_MAX_RANKS, LL_REGION_WORDS, ctypes.sizeof(kernels.LLAllreduceArgs)):
+        raise CollectiveError(f"{path} was built from other kernel sources (ll_allreduce); delete it and try again")
     return lib

@@ -18,12 +18,15 @@ plan's WORKSPACE binding), as NCCL's eager path does: peers read only
 workspaces, never a caller's arrays. Because the host waits between phases, a
 call returns with its work complete, and cannot be captured in a CUDA graph.
 A device-side protocol that would remove those waits is designed in
-docs/device-protocol.md.
+docs/device-protocol.md; its first step, small allreduces as one kernel with
+no host in the loop (executors/ll_allreduce.py), runs here when
+$COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 (config.py): a call it takes returns as
+soon as its kernel is queued.
 """
 
 from typing import NamedTuple, Optional, Tuple
 
-from .. import kernels
+from .. import config, kernels
 from ..algorithms.schedule import REDUCING_COLLECTIVES
 from ..errors import CollectiveError, InvalidUsageError
 from ..ops import ReduceOp
@@ -32,6 +35,7 @@ from ..compression import wire
 from ..plan import NSRC, SCRATCH, SRC0, SRC_BUF, SRC_RANK, WORK
 from ..transport.protocol import ProcessGroup, describe_call
 from .device import grid_for
+from .ll_allreduce import LLAllreduce
 
 
 class PhaseLaunch(NamedTuple):
@@ -82,8 +86,17 @@ class DeviceProcessRank:
         self._event = device.new_event()
         self._programs = {}    # id(plan) -> Program
         self._tables = {}      # (phase launch, workspace generations, input, output) -> buffer table
+        self._ll = LLAllreduce(rank, size, prefix, device, self.group) \
+            if config.resolve_one_kernel_allreduce() else None
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
+        ll = self._ll
+        if ll is not None:
+            if ll.accepts(plan):
+                ll.run(plan, input_infos[0].address, output_infos[0].address, deadline)
+                return
+            if ll.used:
+                ll.check()   # a kernel of an earlier call gave up: this call must not wait for it
         entry = self._programs.get(id(plan))
         program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
         device, event, group = self.device, self._event, self.group
@@ -189,7 +202,19 @@ class DeviceProcessRank:
         return sum(launch is not None for launch in program.launches)
 
     def barrier(self, deadline):
+        if self._ll is not None and self._ll.used:
+            # Done reading the peers' LL areas (close() follows a barrier),
+            # and a kernel that gave up is reported here, not waited for.
+            self.device.synchronize()
+            self._ll.check()
         self.group.barrier(deadline)
+
+    def synchronize(self, deadline):
+        """Communicator.synchronize: this rank's work done, and a kernel that
+        gave up reported. Every kernel's wait is bounded by the timeout."""
+        self.device.synchronize()
+        if self._ll is not None and self._ll.used:
+            self._ll.check()
 
     def abort(self, reason, cause=CollectiveError):
         """Abort the communicator for every rank: theirs raise `cause`'s class (protocol.py)."""
@@ -199,6 +224,8 @@ class DeviceProcessRank:
         try:
             self.device.synchronize()
         finally:
+            if self._ll is not None:
+                self._ll.close()
             self._tables.clear()
             self._programs.clear()
             self.group.close()

@@ -63,7 +63,7 @@ import numpy as np
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, class_of_kind, kind_of
 from .layout import (  # noqa: F401 (ROW and HEADER: other modules read the layout here too)
     ABORT, ABORT_KIND, ABORT_RANK, CAP, COUNTER, GEN, HANDLE_BYTES, HEADER, PID, REASON_BYTES, ROW, SEQ, SIG,
-    WORKSPACE_ALIGN, channel_offset, control_bytes,
+    LL_REGION_BYTES, WORKSPACE_ALIGN, channel_offset, control_bytes, ll_region_offset,
 )
 from .segments import Segment
 
@@ -278,6 +278,12 @@ class ProcessGroup:
         """Where the header, the rows and the fast path's channel are mapped."""
         header = self._header.ctypes.data
         return header, self._rows.ctypes.data, header + channel_offset(self.size)
+
+    def ll_region(self):
+        """The control segment's LL region (layout.py): LL_REGION_BYTES per
+        rank, for the one-kernel allreduce (executors/ll_allreduce.py)."""
+        return np.ndarray((self.size, LL_REGION_BYTES), np.uint8, self._control_segment.buf,
+                          offset=ll_region_offset(self.size))
 
     # -- the workspaces peers read ----------------------------------------------
 

@@ -67,3 +67,32 @@ inline unsigned int __vmaxs2(unsigned int a, unsigned int b) { return simd_word<
 inline unsigned int __vmaxu2(unsigned int a, unsigned int b) { return simd_word<2, unsigned short>(a, b, simd_max<unsigned short>); }
 inline unsigned int __vmins2(unsigned int a, unsigned int b) { return simd_word<2, short>(a, b, simd_min<short>); }
 inline unsigned int __vminu2(unsigned int a, unsigned int b) { return simd_word<2, unsigned short>(a, b, simd_min<unsigned short>); }
+
+// ---- System-scope memory and the clock, for kernels that wait on peers ----
+// (kernels/ll_allreduce.cu defines the GPU versions of these functions in
+// PTX.) The emulated ranks are processes sharing the mapping, so each access
+// is a GCC __atomic builtin: a line's two 64-bit words each single-copy
+// atomic as on the GPU, release stores and acquire loads (plain moves on
+// x86-64, and the order the protocol's argument needs on any CPU). A wait
+// yields the core: the emulated ranks may outnumber the cores.
+
+#include <sched.h>
+
+#include <chrono>
+
+inline void sys_store_line(unsigned long long* line, unsigned long long w0, unsigned long long w1) {
+    __atomic_store_n(line, w0, __ATOMIC_RELEASE);
+    __atomic_store_n(line + 1, w1, __ATOMIC_RELEASE);
+}
+inline void sys_load_line(const unsigned long long* line, unsigned long long& w0, unsigned long long& w1) {
+    w0 = __atomic_load_n(line, __ATOMIC_ACQUIRE);
+    w1 = __atomic_load_n(line + 1, __ATOMIC_ACQUIRE);
+}
+inline unsigned long long sys_load_acquire(const unsigned long long* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline unsigned long long sys_load_relaxed(const unsigned long long* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void sys_store_relaxed(unsigned long long* p, unsigned long long v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+inline unsigned long long clock_ns() {
+    return static_cast<unsigned long long>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+inline void __nanosleep(unsigned) { sched_yield(); }

@@ -1,0 +1,226 @@
+"""The one-kernel allreduce of small messages between GPU ranks in separate
+processes: kernels/ll_allreduce.cu, with no host in the loop.
+
+A call that fits (an allreduce the `direct` plan would run, whose message
+is at most LL_MAX_BYTES, uncompressed) is one launch on the caller's current
+stream and returns at once: no event, no counter, no wait on a peer. The
+kernel reads the caller's input and writes its output directly; peers see
+only each rank's LL area. What the host does per call:
+
+* counts the call (its generation, the same on every rank because every
+  rank makes the same calls) and remembers how many lines it had (the
+  kernel's slot-reuse check looks at a line of the previous call);
+* orders the call after the previous one when the caller changed streams
+  (an event), since the kernel's argument rests on stream order;
+* reads every rank's fault word and the communicator's abort flag (host
+  memory, the control segment's LL region) before and after the launch,
+  and raises if a kernel gave up: CollectiveTimeoutError naming the peer a
+  kernel waited for, RankFailedError if that peer is dead; the
+  communicator is then aborted for every rank, as the step protocol does.
+
+At the first call each rank allocates its LL area (zeroed device memory,
+LL_AREA_BYTES), publishes its handle in the LL region, waits for every
+peer's (the only host wait, once) and opens them; the GPU maps the front of
+the control segment so that kernels read the abort flag and fault words. A
+watchdog thread then checks the peers' pids every 50 ms and aborts the
+communicator when one dies: kernels waiting for it see the abort flag and
+stop, and every rank raises RankFailedError, long before the timeout.
+
+The areas live until close(), which the communicator calls after a barrier;
+barrier() first waits for this rank's kernels (DeviceProcessRank.barrier),
+so no peer's kernel still reads an area when it is released.
+"""
+
+import threading
+import time
+
+import numpy as np
+
+from .. import kernels
+from ..algorithms.schedule import ALLREDUCE
+from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from ..ops import ReduceOp
+from ..transport.layout import (
+    ABORT, HANDLE_BYTES, LL_FAULT, LL_HANDLE_OFFSET, LL_READY, LL_REGION_WORDS, ll_mapped_bytes, ll_region_offset,
+)
+from ..transport.protocol import Counters, Waiter
+
+WATCHDOG_PERIOD_S = 0.05
+
+
+class LLAllreduce:
+    """This rank's side of the one-kernel allreduce of a DeviceProcessRank."""
+
+    def __init__(self, rank, size, prefix, device, group):
+        self.rank, self.size, self.prefix = rank, size, prefix
+        self.device, self.group = device, group
+        region = group.ll_region()
+        self._region = region
+        self._words = region.view(np.int64)               # (size, LL_REGION_WORDS)
+        self._faults = self._words[:, LL_FAULT]
+        self._flags = Counters(self._words)
+        self._own_area = None
+        self._peer_areas = {}                               # rank -> opened memory
+        self._mapped = None                                 # the control segment's front, as kernels see it
+        self._args = kernels.LLAllreduceArgs()
+        self._instances = {}                                # id(plan) -> (plan, instance, divisor)
+        self._generation = 0
+        self._prev_lines = 0
+        self._stream = None
+        self._event = device.new_event()
+        self._timeout_s = 0.0
+        self._watchdog = None
+        self._stop = threading.Event()
+
+    @staticmethod
+    def accepts(plan):
+        """Whether `plan`'s call runs here: the `direct` allreduce (whose fold,
+        rank order in one accumulator, the kernel's is), uncompressed, small."""
+        return (plan.collective == ALLREDUCE and plan.algorithm == "direct" and plan.compression is None
+                and plan.count * plan.dtype.itemsize <= kernels.LL_MAX_BYTES
+                and plan.nranks <= kernels.LL_MAX_RANKS)
+
+    @property
+    def used(self):
+        return self._generation > 0
+
+    # -- a call -------------------------------------------------------------------
+
+    def run(self, plan, source, result, deadline):
+        self.check()
+        lines = kernels.ll_lines(plan.count * plan.dtype.itemsize)
+        if lines == 0:
+            return   # nothing to exchange: not a generation (the kernel's prev_lines is never 0)
+        device = self.device
+        stream = device.current_stream()
+        if device.is_capturing(stream):
+            raise InvalidUsageError(
+                "an allreduce between processes counts its calls on the host (each launch carries its call "
+                "number), so it cannot be captured in a CUDA graph; capture works for ranks in one process")
+        if self._own_area is None:
+            self._setup(deadline)
+        entry = self._instances.get(id(plan))
+        if entry is None or entry[0] is not plan:
+            op = ReduceOp(plan.op)
+            entry = (plan, kernels.ll_instance(plan.dtype, op), kernels.step_divisor(op, plan.nranks))
+            if len(self._instances) >= 256:
+                self._instances.clear()
+            self._instances[id(plan)] = entry
+        if self._stream is not None and stream is not self._stream and \
+                getattr(stream, "ptr", stream) != getattr(self._stream, "ptr", self._stream):
+            device.record(self._event, self._stream)   # the previous call first (the kernel's stream order)
+            device.wait(stream, self._event)
+        self._stream = stream
+        self._timeout_s = max(deadline - time.perf_counter(), 0.0)
+        args = self._args
+        args.input, args.output, args.count = source, result, plan.count
+        args.prev_lines, args.generation = self._prev_lines, self._generation + 1
+        args.timeout_ns = int(self._timeout_s * 1e9)
+        args.divisor = entry[2]
+        device.launch_ll_allreduce(stream, entry[1], args, lines)
+        self._generation += 1
+        self._prev_lines = lines
+        device.call_returned()   # the emulated device runs it now; a GPU keeps it queued
+        self.check()
+
+    def check(self):
+        """Raise if the communicator was aborted or any rank's kernel gave up."""
+        self.group.check_health()
+        if self._faults.any():
+            self._raise_fault()
+
+    def _raise_fault(self):
+        """The error of a kernel that gave up, on every rank: a timeout names
+        the peer it waited for (RankFailedError if that peer is dead)."""
+        faults = [(rank, kernels.ll_fault(int(word))) for rank, word in enumerate(self._faults) if word]
+        timed_out = [(rank, peer, g) for rank, (reason, peer, g) in faults if reason == kernels.LL_FAULT_TIMED_OUT]
+        if timed_out:
+            waiter, peer, g = timed_out[0]
+            during = f"its part of allreduce #{g} on the device (one-kernel protocol)"
+            try:
+                self.group.check_health(peer, during)   # dead: RankFailedError; aborted meanwhile: that class
+            except CollectiveError as error:
+                self.group.abort(f"{type(error).__name__}: {error}", error)
+                raise
+            error = CollectiveTimeoutError(
+                f"rank {waiter} timed out after {self._timeout_s:.1f} s waiting for rank {peer} to write {during}: "
+                f"rank {peer} has not entered call #{g} of the device protocol (stopped calling, or making "
+                "other calls?)")
+        else:
+            self.group.check_health()   # a kernel stopped for the abort flag: its class
+            error = CollectiveError(f"the one-kernel allreduce stopped on ranks {[rank for rank, _ in faults]}")
+        self.group.abort(f"{type(error).__name__}: {error}", error)
+        raise error
+
+    # -- set-up, the watchdog, close -------------------------------------------------
+
+    def _setup(self, deadline):
+        device, group = self.device, self.group
+        if self._mapped is None:
+            header = group.channel_addresses()[0]   # the segment's start: header, rows, ..., LL region
+            self._mapped = (header, device.map_host(header, ll_mapped_bytes(self.size)))
+        own = device.allocate_shared(kernels.LL_AREA_BYTES, f"{self.prefix}-r{self.rank}-ll")
+        device.clear_shared(own)
+        self._own_area = own
+        handle = np.frombuffer(own.handle, np.uint8)
+        mine = self._region[self.rank, LL_HANDLE_OFFSET:LL_HANDLE_OFFSET + HANDLE_BYTES]
+        mine[:] = 0
+        mine[:len(handle)] = handle
+        self._flags.publish(self.rank, LL_READY, 1)   # last: a peer that sees it sees the handle
+        waiter = Waiter(deadline)
+        areas = [0] * kernels.LL_MAX_RANKS
+        areas[self.rank] = own.address
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            ready = self._flags.loader(peer, LL_READY)
+            waiter.until(lambda: ready() == 1,
+                         lambda: f"rank {peer} to set up the one-kernel allreduce{group.absent_note(group._seq)}",
+                         lambda: group.check_health(peer, "setting up the one-kernel allreduce"))
+            handle = bytes(self._region[peer, LL_HANDLE_OFFSET:LL_HANDLE_OFFSET + HANDLE_BYTES])
+            self._peer_areas[peer] = opened = device.open_shared(handle)
+            areas[peer] = opened.address
+        mapped = self._mapped[1]
+        args = self._args
+        args.areas[:] = areas
+        args.abort_word = mapped + 8 * ABORT
+        args.faults = mapped + ll_region_offset(self.size) + 8 * LL_FAULT
+        args.rank, args.nranks = self.rank, self.size
+        assert LL_REGION_WORDS == 16   # kLLRegionWords; the emulated library checks it too
+        self._watchdog = threading.Thread(target=self._watch, name=f"collectives-ll-watchdog-r{self.rank}",
+                                          daemon=True)
+        self._watchdog.start()
+
+    def _watch(self):
+        """Abort the communicator when a peer dies: a kernel waiting for it
+        sees the abort flag and stops (it cannot look at pids itself)."""
+        peers = [peer for peer in range(self.size) if peer != self.rank]
+        while not self._stop.wait(WATCHDOG_PERIOD_S):
+            for peer in peers:
+                try:
+                    self.group.check_health(peer, "its calls of the one-kernel allreduce")
+                except RankFailedError as error:
+                    self.group.abort(f"{type(error).__name__}: {error}", error)
+                    return
+                except CollectiveError:
+                    return   # aborted already: the kernels stop for it
+                except Exception:   # noqa: BLE001 - the group is closing under this thread
+                    return
+
+    def close(self):
+        """Release the areas: after every rank's kernels are done (see the top)."""
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=1.0)
+            self._watchdog = None
+        device = self.device
+        for opened in self._peer_areas.values():
+            device.release_shared(opened, own=False)
+        self._peer_areas.clear()
+        if self._own_area is not None:
+            device.release_shared(self._own_area, own=True)
+            self._own_area = None
+        if self._mapped is not None:
+            device.unmap_host(self._mapped[0])
+            self._mapped = None
+        self._region = self._words = self._faults = self._flags = None

@@ -1,0 +1,65 @@
+// The emulated device's entry point for kernels/ll_allreduce.cu, built into
+// the same library as launch.cpp (collectives/devices/emulated.py). Every
+// (block, thread) of the grid runs in turn, which is exact: a thread waits
+// only for the same thread of its peers, which run in their own processes.
+
+#include "../ll_allreduce.cu"
+
+namespace {
+
+using collectives::LLAllreduceArgs;
+
+template <typename E, int Op>
+void run_ll_grid(unsigned blocks, unsigned threads, const LLAllreduceArgs& args) {
+    gridDim = dim3(blocks, 1, 1);
+    blockDim = dim3(threads, 1, 1);
+    for (unsigned b = 0; b < blocks; ++b) {
+        blockIdx = uint3{b, 0, 0};
+        for (unsigned t = 0; t < threads; ++t) {
+            threadIdx = uint3{t, 0, 0};
+            collectives::ll_allreduce<E, Op>(args);
+        }
+    }
+}
+
+template <typename E>
+int run_ll_for_op(int op, unsigned blocks, unsigned threads, const LLAllreduceArgs& args) {
+    switch (op) {
+        case collectives::kSum: run_ll_grid<E, collectives::kSum>(blocks, threads, args); return 0;
+        case collectives::kProd: run_ll_grid<E, collectives::kProd>(blocks, threads, args); return 0;
+        case collectives::kMax: run_ll_grid<E, collectives::kMax>(blocks, threads, args); return 0;
+        case collectives::kMin: run_ll_grid<E, collectives::kMin>(blocks, threads, args); return 0;
+        default: return -2;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Sizes the Python side checks (collectives/kernels.py), so that a stale
+// build fails loudly instead of addressing the wrong lines.
+long long collectives_emulated_ll_layout(int what) {
+    switch (what) {
+        case 0: return collectives::kLLMaxBytes;
+        case 1: return collectives::kLLMaxRanks;
+        case 2: return collectives::kLLRegionWords;
+        case 3: return sizeof(LLAllreduceArgs);
+        default: return -1;
+    }
+}
+
+// Runs ll_allreduce<element, op> over `blocks` x `threads`. Returns 0, or
+// -1 for an unknown element, -2 for an unknown op, -3 for an empty grid.
+int collectives_emulated_ll_allreduce(int element, int op, unsigned blocks, unsigned threads,
+                                      const LLAllreduceArgs* args) {
+    if (blocks == 0 || threads == 0) return -3;
+    int index = 0;
+#define COLLECTIVES_DISPATCH(Element) \
+    if (element == index++) return run_ll_for_op<collectives::Element>(op, blocks, threads, *args);
+    COLLECTIVES_FOR_EACH_ELEMENT(COLLECTIVES_DISPATCH)
+#undef COLLECTIVES_DISPATCH
+    return -1;
+}
+
+}  // extern "C"
