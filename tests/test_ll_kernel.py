@@ -1,0 +1,190 @@
+"""kernels/ll_allreduce.cu on the emulated device, driven directly: real
+processes (fork), each running the kernel for a sequence of calls on LL
+areas in shared memory, against the NumPy interpreter's bits.
+
+No communicator is involved: the test plays the host's part itself (counts
+generations, passes the previous call's lines, reads the fault words), so a
+broken copy of the kernel source can run in its place. Every call has random
+dtype, op, size (0 to the capacity, odd ones included), in place or not, and
+random delays between calls on every rank, so ranks drift in and out of
+step and both slot sets are reused many times.
+
+The multi-process tests through the communicator (mpiexec, timeouts, a
+killed rank) are in tests/test_ll_mpi.py.
+"""
+
+import ctypes
+import mmap
+import multiprocessing
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import collectives
+from collectives import kernels
+from collectives.devices import emulated
+from collectives.ops import ReduceOp
+from collectives.transport.layout import LL_FAULT, LL_REGION_WORDS
+
+SOURCES = Path(kernels.source_dir())
+DTYPES = tuple(np.dtype(name) for name in collectives.SUPPORTED_DTYPES)
+OPS = ("sum", "prod", "max", "min", "avg")
+
+
+def call_sequence(seed, calls):
+    """The calls every rank makes: (dtype, op, count, in place)."""
+    rng = np.random.default_rng(seed)
+    sequence = []
+    for _ in range(calls):
+        dtype = DTYPES[rng.integers(len(DTYPES))]
+        capacity = kernels.LL_MAX_BYTES // dtype.itemsize
+        count = int(rng.choice([0, 1, 2, 3, 7, int(rng.integers(1, 300)), int(rng.integers(1, capacity + 1)),
+                                capacity]))
+        sequence.append((dtype, OPS[rng.integers(len(OPS))], count, bool(rng.integers(2))))
+    return sequence
+
+
+def rank_input(seed, call, rank, dtype, count):
+    """Rank `rank`'s input of a call: random bits for integers, random
+    values for floats (no NaN, so the bits compare)."""
+    rng = np.random.default_rng([seed, call, rank])
+    if dtype.kind in "iu":
+        return rng.integers(0, 256, count * dtype.itemsize, dtype=np.uint8).view(dtype)
+    return (rng.standard_normal(count) * 4).astype(dtype)
+
+
+def run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays):
+    """One rank's calls, as the executor makes them; returns the calls whose
+    result differs from the NumPy interpreter's, and a fault if a kernel gave up."""
+    base = ctypes.addressof(ctypes.c_char.from_buffer(areas))
+    control_base = ctypes.addressof(ctypes.c_char.from_buffer(control))
+    faults = np.frombuffer(control, np.int64, offset=8).reshape(n, LL_REGION_WORDS)[:, LL_FAULT]
+    args = kernels.LLAllreduceArgs()
+    args.areas[:n] = [base + q * kernels.LL_AREA_BYTES for q in range(n)]
+    args.abort_word, args.faults = control_base, control_base + 8
+    args.rank, args.nranks = rank, n
+    args.timeout_ns = int(timeout_s * 1e9)
+    rng = np.random.default_rng([seed, rank, 1])
+    generation = prev_lines = 0
+    wrong = []
+    with collectives.Communicator.local(n) as reference:
+        for call, (dtype, op, count, in_place) in enumerate(call_sequence(seed, calls)):
+            inputs = [rank_input(seed, call, q, dtype, count) for q in range(n)]
+            x = inputs[rank].copy()
+            out = x if in_place else np.empty(count, dtype)
+            lines = kernels.ll_lines(count * dtype.itemsize)
+            if delays and rng.random() < 0.3:
+                time.sleep(rng.random() * 2e-4)
+            if lines:
+                generation += 1
+                args.input, args.output, args.count = x.ctypes.data, out.ctypes.data, count
+                args.generation, args.prev_lines = generation, prev_lines
+                args.divisor = kernels.step_divisor(ReduceOp(op), n)
+                instance = kernels.ll_instance(dtype, ReduceOp(op))
+                blocks, threads = min(emulated.LL_BLOCKS, -(-lines // emulated.LL_THREADS)), \
+                    min(emulated.LL_THREADS, lines)
+                status = library.collectives_emulated_ll_allreduce(instance.element_index, instance.op_code,
+                                                                   blocks, threads, ctypes.byref(args))
+                assert status == 0, status
+                prev_lines = lines
+                if faults.any():
+                    return wrong, [kernels.ll_fault(int(w)) for w in faults]
+            want = reference.allreduce(inputs, op=op, algorithm="direct")[rank]
+            if out.tobytes() != want.tobytes():
+                wrong.append((call, dtype.name, op, count, in_place))
+    return wrong, None
+
+
+def run_ranks(library, n, seed, calls, timeout_s=5.0, delays=True):
+    """Every rank in a process of its own; what each found, by rank."""
+    areas = mmap.mmap(-1, n * kernels.LL_AREA_BYTES)        # shared, zeroed
+    control = mmap.mmap(-1, 8 + n * LL_REGION_WORDS * 8)    # the abort word, then the fault words
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+
+    def rank_main(rank):
+        try:
+            results.put((rank, run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays)))
+        except BaseException as error:  # noqa: BLE001 - reported to the parent
+            results.put((rank, ([repr(error)], None)))
+        finally:
+            results.close()
+            results.join_thread()   # the queue's feeder thread has sent it
+            os._exit(0)
+
+    processes = [context.Process(target=rank_main, args=(rank,)) for rank in range(n)]
+    for p in processes:
+        p.start()
+    found = dict(results.get(timeout=60) for _ in processes)
+    for p in processes:
+        p.join(timeout=10)
+    return found
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_kernel_gives_the_interpreters_bits_across_processes(n):
+    found = run_ranks(emulated.library(), n, seed=n, calls=60)
+    assert found == {rank: ([], None) for rank in range(n)}
+
+
+def test_a_stalled_rank_makes_the_others_give_up_and_name_it():
+    # Rank n - 1 makes one call fewer: the others' kernels time out waiting
+    # for it (a fault word naming it), they do not hang.
+    library = emulated.library()
+    n, timeout_s = 3, 0.5
+    assert call_sequence(11, 4)[3][2] > 0   # the call the stalled rank misses has lines
+    areas = mmap.mmap(-1, n * kernels.LL_AREA_BYTES)
+    control = mmap.mmap(-1, 8 + n * LL_REGION_WORDS * 8)
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+
+    def rank_main(rank):
+        calls = 3 if rank == n - 1 else 4
+        start = time.perf_counter()
+        outcome = run_rank(library, rank, n, 11, calls, areas, control, timeout_s, delays=False)
+        results.put((rank, outcome, time.perf_counter() - start))
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+    processes = [context.Process(target=rank_main, args=(rank,)) for rank in range(n)]
+    for p in processes:
+        p.start()
+    found = {rank: (outcome, elapsed) for rank, outcome, elapsed in (results.get(timeout=60) for _ in processes)}
+    for p in processes:
+        p.join(timeout=10)
+    for rank in range(n - 1):
+        (wrong, faults), elapsed = found[rank]
+        assert wrong == [] and faults is not None, found
+        assert elapsed < timeout_s + 1.0, found
+        timed_out = [f for f in faults if f[0] == kernels.LL_FAULT_TIMED_OUT]
+        assert timed_out and all(peer == n - 1 for _, peer, _ in timed_out), faults
+
+
+def broken_copy(tmp_path, old, new):
+    """The kernel sources with `old` replaced by `new` in ll_allreduce.cu."""
+    broken = tmp_path / "kernels"
+    shutil.copytree(SOURCES, broken, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    source = (broken / "ll_allreduce.cu").read_text()
+    assert source.count(old) == 1, old
+    (broken / "ll_allreduce.cu").write_text(source.replace(old, new))
+    return broken
+
+
+PUBLISH = "sys_store_line(ll_line(args.areas[args.rank], set, i), tag | (word & 0xffffffffull), tag | (word >> 32));"
+
+
+def test_a_flag_stored_before_its_data_is_caught(tmp_path):
+    # The LL rule broken: the flag goes out in a store of its own, before the
+    # data (a yield between the two stands for the delay a GPU may put
+    # there). A reader that sees the flag takes zeros for the data.
+    flag_first = ("{ unsigned long long* line = ll_line(args.areas[args.rank], set, i);"
+                  " sys_store_line(line, tag, tag); sched_yield();"
+                  " sys_store_line(line, tag | (word & 0xffffffffull), tag | (word >> 32)); }")
+    library = emulated.library(broken_copy(tmp_path, PUBLISH, flag_first))
+    found = run_ranks(library, 3, seed=5, calls=40, delays=False)
+    assert any(wrong for wrong, _ in found.values()), found
