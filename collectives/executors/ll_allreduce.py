@@ -144,8 +144,7 @@ class LLAllreduce:
                 raise
             error = CollectiveTimeoutError(
                 f"rank {waiter} timed out after {self._timeout_s:.1f} s waiting for rank {peer} to write {during}: "
-                f"rank {peer} has not entered call #{g} of the device protocol (stopped calling, or making "
-                "other calls?)")
+                f"it has not (has rank {peer} stopped calling, or is it making other calls?)")
         else:
             self.group.check_health()   # a kernel stopped for the abort flag: its class
             error = CollectiveError(f"the one-kernel allreduce stopped on ranks {[rank for rank, _ in faults]}")

@@ -1,0 +1,61 @@
+"""The one-kernel allreduce (kernels/ll_allreduce.cu, executors/ll_allreduce.py)
+through the communicator, ranks in separate processes under mpiexec on
+emulated devices: the NumPy interpreter's bits for every dtype and op, and
+a stalled or killed rank reported on every other rank. The checks of each
+rank are in tests/ll_worker.py; the kernel alone is tested in
+tests/test_ll_kernel.py.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_mpi import mpiexec
+
+pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+pytestmark = pytest.mark.mpi
+
+WORKER = Path(__file__).with_name("ll_worker.py")
+
+
+def run_ranks(n, scenario, limit=120):
+    """Every rank must print OK (but a killed one)."""
+    flags = ["-disable-auto-cleanup"] if scenario == "killed" else []   # Hydra would kill the survivors
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
+               COLLECTIVES_ONE_KERNEL_ALLREDUCE="1")
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    try:
+        done = subprocess.run([mpiexec(), *flags, "-n", str(n), sys.executable, str(WORKER), scenario],
+                              capture_output=True, text=True, timeout=limit, env=env)
+    except subprocess.TimeoutExpired as hung:
+        printed = [o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (hung.stdout, hung.stderr)]
+        pytest.fail(f"mpiexec ran past {limit} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert done.returncode == 0, report
+    survivors = n - 1 if scenario == "killed" else n
+    assert len(re.findall(rf"OK {scenario} \d+", done.stdout)) == survivors, report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulation_library_built():
+    """Built once here, not by every rank within its start-up timeout."""
+    from collectives.devices import emulated
+    emulated.library()
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_dtype_op_and_size_gives_the_interpreters_bits(n):
+    run_ranks(n, "bits")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_stalled_rank_is_a_timeout_naming_it_on_every_other_rank(n):
+    run_ranks(n, "stalled")
+
+
+def test_a_killed_rank_is_reported_on_every_other_rank():
+    run_ranks(3, "killed")
