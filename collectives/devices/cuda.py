@@ -10,6 +10,7 @@ prepared parameter block, because the buffer table is a 2 KiB struct passed
 by value (batched_copy's two arguments go the same way, for one code path).
 """
 
+import ctypes
 import threading
 from pathlib import Path
 
@@ -30,6 +31,12 @@ _PARAMETER_OFFSETS = (0, 8 * _WIDTH_WORD, 8 * _BUFFERS_WORD, 8 * _DIVISOR_WORD, 
 # rows in the low 4 bytes of the next word.
 _COPY_PARAMETER_OFFSETS = (0, 8)
 BLOCKS_PER_MULTIPROCESSOR = 2048 // kernels.STEP_THREADS
+# ll_allreduce: one line per thread up to LL_MAX_BLOCKS x LL_THREADS lines
+# (the capacity), a grid small enough for every rank's to be resident at once.
+LL_MAX_BLOCKS = 32
+# cudaHostRegister's flags and cudaDevAttrCanUseHostPointerForRegisteredMem.
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 1, 2
+_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 
 
 class CudaMemory:
@@ -87,6 +94,7 @@ class CudaDevice:
         self._copy_parameter_addresses = np.array([self._copy_parameters.ctypes.data + o
                                                    for o in _COPY_PARAMETER_OFFSETS], np.uint64)
         self._copy_parameter_pointer = self._copy_parameter_addresses.ctypes.data
+        self._ll_parameters = self._ll_parameter_addresses = None   # launch_ll_allreduce's, made on first use
 
     def __repr__(self):
         return f"<CudaDevice {self.name}>"
@@ -224,6 +232,43 @@ class CudaDevice:
 
     def is_capturing(self, stream):
         return stream.is_capturing()
+
+    # -- the one-kernel allreduce between processes (kernels/ll_allreduce.cu) -----
+    # (not run by CI: the emulated device's twins of these methods are)
+
+    def clear_shared(self, memory):
+        """Zero shared memory before peers see it: cudaMalloc does not."""
+        with self._device:
+            self._cupy.cuda.runtime.memset(memory.address, 0, max(memory.nbytes, 1))
+            self._device.synchronize()
+
+    def map_host(self, address, nbytes):
+        """Page-lock host memory (the control segment's front) and map it
+        for this GPU's kernels; with unified addressing they use the host's
+        address, which is returned."""
+        runtime = self._cupy.cuda.runtime
+        with self._device:
+            if not runtime.deviceGetAttribute(_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, self.index):
+                raise CollectiveError(f"{self.name} cannot address registered host memory at its host address")
+            runtime.hostRegister(address, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
+        return address
+
+    def unmap_host(self, address):
+        with self._device:
+            self._cupy.cuda.runtime.hostUnregister(address)
+
+    def launch_ll_allreduce(self, stream, instance, args, lines):
+        """ll_allreduce<instance> over `lines` LL lines; `args`
+        (kernels.LLAllreduceArgs) is copied into the launch's parameters."""
+        function = self._functions.get(instance) or self._function(instance)
+        threads = min(kernels.LL_THREADS, -(-lines // 32) * 32)
+        blocks = min(-(-lines // threads), LL_MAX_BLOCKS)
+        with self._launch_lock:
+            if self._ll_parameters is None:
+                self._ll_parameters = kernels.LLAllreduceArgs()
+                self._ll_parameter_addresses = np.array([ctypes.addressof(self._ll_parameters)], np.uint64)
+            ctypes.memmove(ctypes.addressof(self._ll_parameters), ctypes.addressof(args), ctypes.sizeof(args))
+            self._launch(function, (blocks, 1), threads, stream, self._ll_parameter_addresses.ctypes.data)
 
     # -- graphs ------------------------------------------------------------------
 
