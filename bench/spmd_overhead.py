@@ -3,12 +3,17 @@
 
     python -m bench.spmd_overhead [--ranks 2] [--device emulated] [--bytes 1K]
 
-Each process makes two communicators, `init(device="host")` and
-`init(device=DEVICE)`, and times batches of allreduce calls on each in turn
-(alternating, so that the machine's noise hits both alike); it prints the
-median time per call of each, their ratio, and the host round trips a call
-makes: peer waits (a poll of a peer's counter), kernel launches, and event
-polls until each launch is done. Without a launcher it relaunches itself
+Each process makes three communicators, `init(device="host")`,
+`init(device=DEVICE)` (the step protocol) and the same with
+COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 ("DEVICE+ll": small allreduces as one
+kernel, executors/ll_allreduce.py), and times batches of allreduce calls on
+each in turn (alternating, so that the machine's noise hits all alike); it
+prints the median time per call of each, their ratio, and the host round
+trips a call makes: peer waits (a poll of a peer's counter), kernel
+launches, and event polls until each launch is done. For the one-kernel
+path it also prints the host's time to issue a call ("issue us/call"): on
+a GPU that is what the caller waits for, the kernel runs behind it; on the
+emulated device the kernels run at synchronize() there. Without a launcher it relaunches itself
 under mpiexec with --ranks processes, pinned one per core (-bind-to core).
 """
 
@@ -23,6 +28,7 @@ import numpy as np
 
 import collectives
 from bench import cli
+from collectives.config import ONE_KERNEL_ALLREDUCE_ENV
 from bench.harness import RELAUNCHED, environment, mpi_world, parse_size, relaunch_under_mpiexec
 
 
@@ -59,23 +65,48 @@ def round_trips(comm, x, out, algorithm):
     group._wait_for = counted_wait  # noqa: SLF001
     if device is not None:
         originals["launch"], originals["query"] = device.launch_step, device.query
+        originals["ll"] = device.launch_ll_allreduce
 
         def counted_launch(*a):
             counts["launches"] += 1
             return originals["launch"](*a)
+
+        def counted_ll_launch(*a):
+            counts["launches"] += 1
+            return originals["ll"](*a)
 
         def counted_query(*a):
             counts["event polls"] += 1
             return originals["query"](*a)
 
         device.launch_step, device.query = counted_launch, counted_query
+        device.launch_ll_allreduce = counted_ll_launch
     try:
         comm.allreduce(x, out=out, algorithm=algorithm)
     finally:
         del group._wait_for  # noqa: SLF001 - the instance attributes go, the methods stay
         if device is not None:
-            del device.launch_step, device.query
+            del device.launch_step, device.query, device.launch_ll_allreduce
     return counts
+
+
+def issue_time(comm, x, out, algorithm, calls):
+    """Host seconds per call to issue `calls` one-kernel allreduces, the
+    kernels left queued (the emulated device runs them at synchronize, as a
+    GPU runs them behind the host)."""
+    device = comm._ranks.device  # noqa: SLF001
+    deferred = getattr(device, "call_returned", None)
+    device.call_returned = lambda: None
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            comm.allreduce(x, out=out, algorithm=algorithm)
+        elapsed = time.perf_counter() - start
+    finally:
+        del device.call_returned
+    comm.synchronize()
+    assert deferred is not None
+    return elapsed / calls
 
 
 def main(argv=None):
@@ -92,10 +123,13 @@ def main(argv=None):
     leader = world.rank == 0
     host = collectives.init(comm=world)
     gpu = collectives.init(comm=world, device=args.device)
+    os.environ[ONE_KERNEL_ALLREDUCE_ENV] = "1"   # read when the communicator is made
+    one_kernel = collectives.init(comm=world, device=args.device)
+    del os.environ[ONE_KERNEL_ALLREDUCE_ENV]
     count = max(1, args.nbytes // 4)
     arrays = {}
-    for name, comm in (("host", host), (args.device, gpu)):
-        if name == "cuda":
+    for name, comm in (("host", host), (args.device, gpu), (f"{args.device}+ll", one_kernel)):
+        if name.startswith("cuda"):
             import cupy
             x = cupy.ones(count, cupy.float32)
             out = None if args.in_place else cupy.empty_like(x)
@@ -119,6 +153,11 @@ def main(argv=None):
     medians = {name: statistics.median([world.allreduce(t, op=_max()) for t in times])
                for name, times in samples.items()}
     trips = {name: round_trips(comm, x, out, args.algorithm) for name, (comm, x, out) in arrays.items()}
+    ll_name = f"{args.device}+ll"
+    ll_comm, ll_x, ll_out = arrays[ll_name]
+    issue = [world.allreduce(issue_time(ll_comm, ll_x, ll_out, args.algorithm, args.calls), op=_max())
+             for _ in range(args.batches)]
+    issue_us = statistics.median(issue) * 1e6
     plan = next(iter(host._plans.values()))  # noqa: SLF001
     if leader:
         place = "in place" if args.in_place else "out of place"
@@ -128,6 +167,7 @@ def main(argv=None):
         for name in samples:
             print(f"  {name:>10s}  {medians[name] * 1e6:14.1f}  {medians[name] / medians['host']:6.2f}x  "
                   + ", ".join(f"{k} {v}" for k, v in trips[name].items()))
+        print(f"# {ll_name}: issue us/call (host time, kernels left queued) {issue_us:.1f}")
     if args.output_file and leader:
         with open(args.output_file, "w") as f:
             json.dump({"benchmark": "spmd_overhead", "bytes": args.nbytes, "in_place": args.in_place,
@@ -136,8 +176,10 @@ def main(argv=None):
                        "median_us_per_call": {k: v * 1e6 for k, v in medians.items()},
                        "ratio_to_host": {k: v / medians["host"] for k, v in medians.items()},
                        "round_trips_per_call": trips,
+                       "one_kernel_issue_us_per_call": issue_us,
                        "samples_us": {k: [t * 1e6 for t in v] for k, v in samples.items()}}, f, indent=1)
         print(f"# wrote {args.output_file}")
+    one_kernel.close()
     gpu.close()
     host.close()
     return 0
