@@ -189,7 +189,10 @@ def test_gpu_ranks_across_processes_in_the_benchmarks(tmp_path):
     # One launch and one event poll (at least) per phase of this rank's plan; host ranks launch nothing.
     assert trips["emulated"]["launches"] == result["phases"] <= trips["emulated"]["event polls"]
     assert trips["host"]["launches"] == 0 and trips["host"]["peer waits"] == trips["emulated"]["peer waits"] > 0
-    assert set(result["median_us_per_call"]) == {"host", "emulated"}
+    assert set(result["median_us_per_call"]) == {"host", "emulated", "emulated+ll"}
+    # The one-kernel allreduce: one launch, and the host waits on nothing.
+    assert trips["emulated+ll"] == {"peer waits": 0, "launches": 1, "event polls": 0}
+    assert result["one_kernel_issue_us_per_call"] > 0
 
 
 def test_call_overhead_and_plan_report(tmp_path, capsys):
