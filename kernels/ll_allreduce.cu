@@ -9,9 +9,11 @@
 //     word 0 = flag << 32 | payload bytes 0..3
 //     word 1 = flag << 32 | payload bytes 4..7
 //
-// written with one 16-byte store (st.volatile.global.v2.u64). The PTX memory
-// model makes each aligned 64-bit element of a vector access single-copy
-// atomic (the vector as a whole is not), so a reader that sees this call's
+// written with one 16-byte store (st.volatile.global.v2.u64). PTX's memory
+// model treats a vector access as scalar accesses to its elements (in no
+// particular order), and a scalar access of up to 64 aligned bits as one
+// (volatile: relaxed, system scope), so each 64-bit word, not the whole
+// line, is seen whole or not at all: a reader that sees this call's
 // flag in a word sees the data of that same word: no fence between data and
 // flag, and no separate flag location a reader could see before the data.
 // The reader checks the flag of both words. (NCCL's LL pairs 32-bit data and
