@@ -39,3 +39,15 @@ def test_the_channel_starts_on_a_page_after_the_reason_and_fits_every_rank():
 def test_the_compiled_loop_agrees_on_the_row_and_header_sizes():
     _shmloop = pytest.importorskip("collectives.transport._shmloop", reason="built without a C compiler")
     assert (layout.ROW, layout.HEADER) == (_shmloop.ROW_SLOTS, _shmloop.HEADER_SLOTS)
+
+
+def test_the_ll_region_lies_between_the_reason_and_the_channel_and_gpus_map_all_of_it():
+    for size in (1, 2, 3, 8, 64):
+        start = layout.ll_region_offset(size)
+        assert start % layout.LL_REGION_BYTES == 0
+        assert start >= 8 * (layout.HEADER + layout.ROW * size) + layout.HANDLE_BYTES * size + layout.REASON_BYTES
+        end = start + layout.LL_REGION_BYTES * size
+        assert end <= layout.channel_offset(size) and end <= layout.ll_mapped_bytes(size)
+        assert layout.ll_mapped_bytes(size) % layout.PAGE == 0
+        assert layout.LL_HANDLE_OFFSET + layout.HANDLE_BYTES <= layout.LL_REGION_BYTES
+        assert max(layout.LL_FAULT, layout.LL_READY) < layout.LL_HANDLE_OFFSET // 8
