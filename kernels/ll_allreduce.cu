@@ -281,14 +281,15 @@ __global__ void __launch_bounds__(kLLThreads) ll_allreduce(const LLAllreduceArgs
     const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (first >= lines) return;
     const unsigned flag = static_cast<unsigned>(args.generation);
-    const int set = static_cast<int>(args.generation & 1);
+    const int set = static_cast<int>(args.generation % kLLSlotSets);
     LLWatch watch(args);
 
     // 1. The peers are done with this set (see the header: at once, in order).
     if (args.generation >= 2) {
         const long long probe = first % args.prev_lines;
+        const int previous = static_cast<int>((args.generation - 1) % kLLSlotSets);
         for (int p = 0; p < args.nranks; ++p)
-            if (p != args.rank && !watch.acquire(p, set ^ 1, probe, flag - 1)) return;
+            if (p != args.rank && !watch.acquire(p, previous, probe, flag - 1)) return;
     }
 
     // 2. Publish this thread's lines.

@@ -188,3 +188,43 @@ def test_a_flag_stored_before_its_data_is_caught(tmp_path):
     library = emulated.library(broken_copy(tmp_path, PUBLISH, flag_first))
     found = run_ranks(library, 3, seed=5, calls=40, delays=False)
     assert any(wrong for wrong, _ in found.values()), found
+
+
+def nvrtc_library():
+    """NVRTC from NVIDIA's wheels (the `test` extra brings it), by ctypes:
+    CuPy's bindings need a GPU-capable install this test does not."""
+    try:
+        import nvidia
+    except ImportError:
+        pytest.skip("no NVIDIA wheels: pip install '.[test]'")
+    for root in map(Path, nvidia.__path__):
+        for candidate in sorted(root.glob("cu*/lib/libnvrtc.so*")):
+            return ctypes.CDLL(str(candidate))
+    pytest.skip("no libnvrtc in the NVIDIA wheels")
+
+
+@pytest.mark.parametrize("dtype, op", [("float16", "sum"), ("bfloat16", "max"), ("int8", "prod"), ("float64", "min")])
+def test_nvrtc_compiles_the_instances_the_cuda_device_asks_for(dtype, op):
+    # What CudaDevice._function does first (kernels.nvrtc_cubin), minus CuPy:
+    # the source, its name expression, the options; no warning either.
+    nvrtc = nvrtc_library()
+    instance = kernels.ll_instance(np.dtype(dtype), ReduceOp(op))
+    program = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), kernels.kernel_source(instance.source).encode(),
+                                    instance.source.encode(), 0, None, None) == 0
+    try:
+        assert nvrtc.nvrtcAddNameExpression(program, instance.name_expression.encode()) == 0
+        options = [*kernels.NVRTC_OPTIONS, "--gpu-architecture=sm_90", f"-I{kernels.source_dir()}",
+                   *(f"-I{d}" for d in kernels.cuda_include_dirs())]
+        status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(
+            *[o.encode() for o in options]))
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(program, log)
+        assert status == 0 and "warning" not in log.value.decode(), log.value.decode()
+        lowered = ctypes.c_char_p()
+        assert nvrtc.nvrtcGetLoweredName(program, instance.name_expression.encode(), ctypes.byref(lowered)) == 0
+        assert b"ll_allreduce" in lowered.value
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
