@@ -197,6 +197,8 @@ class DeviceProcessRank:
 
     def launches(self, plan):
         """Kernel launches this rank makes for `plan`."""
+        if self._ll is not None and self._ll.accepts(plan):
+            return 1 if plan.count else 0
         entry = self._programs.get(id(plan))
         program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
         return sum(launch is not None for launch in program.launches)
