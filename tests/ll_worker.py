@@ -1,7 +1,10 @@
 """One rank of tests/test_ll_mpi.py, started N times under mpiexec with
-$COLLECTIVES_ONE_KERNEL_ALLREDUCE=1, on emulated devices:
+$COLLECTIVES_ONE_KERNEL_ALLREDUCE=1:
 
-    mpiexec -n N python tests/ll_worker.py SCENARIO
+    mpiexec -n N python tests/ll_worker.py SCENARIO [DEVICE]
+
+DEVICE is "emulated" (the default, CI) or "cuda" (CuPy arrays on a GPU;
+several processes may share one under MPS).
 
 "bits": every dtype and op, counts 0, 1, odd, and up to the LL capacity, in
 place and out of place, then a long run of calls of random sizes (both slot
@@ -39,6 +42,23 @@ def rank_input(seed, rank, dtype, count):
     return (rng.standard_normal(count) * 4).astype(dtype)
 
 
+DEVICE = "emulated"
+
+
+def on_device(array):
+    if DEVICE == "cuda":
+        import cupy
+        return cupy.asarray(array)
+    return array
+
+
+def on_host(array):
+    if DEVICE == "cuda":
+        import cupy
+        return cupy.asnumpy(array)   # on the current stream: after the call's kernel
+    return array
+
+
 class Checker:
     """Runs an allreduce on `comm` and on in-process host ranks, compares."""
 
@@ -52,13 +72,14 @@ class Checker:
         comm, n, r = self.comm, self.comm.size, self.comm.rank
         self.seed += 1
         inputs = [rank_input(self.seed, q, dtype, count) for q in range(n)]
-        x = inputs[r].copy()
-        got = comm.allreduce(x, op=op, algorithm=algorithm) if in_place else \
-            comm.allreduce(x, op=op, out=np.empty(count, dtype), algorithm=algorithm)
+        x = on_device(inputs[r].copy())
+        result = comm.allreduce(x, op=op, algorithm=algorithm) if in_place else \
+            comm.allreduce(x, op=op, out=on_device(np.empty(count, dtype)), algorithm=algorithm)
+        got = on_host(result)
         want = self.reference.allreduce(inputs, op=op, algorithm="direct" if algorithm == "auto" else algorithm)[r]
         case = f"allreduce {dtype} {op} count={count} in_place={in_place} algorithm={algorithm}"
         assert got.tobytes() == want.tobytes(), f"{case}: {got[:6]} != {want[:6]}"
-        assert not in_place or got is x, case
+        assert not in_place or result is x, case
         if algorithm == "auto" and count:
             self.calls += 1
         assert self.ll._generation == self.calls, (case, self.ll._generation, self.calls)   # noqa: SLF001
@@ -93,8 +114,14 @@ def scenario_bits(comm):
 
 
 def one_call(comm):
-    x = np.ones(1000, np.float32)
-    return lambda: comm.allreduce(x)
+    """An allreduce and synchronize(): on a GPU the call returns once queued,
+    and a kernel that gave up is reported at synchronize() (or the next call)."""
+    x = on_device(np.ones(1000, np.float32))
+
+    def run():
+        comm.allreduce(x)
+        comm.synchronize()
+    return run
 
 
 def scenario_stalled(comm):
@@ -116,8 +143,10 @@ def scenario_killed(comm):
 
 
 def main():
+    global DEVICE
     scenario = sys.argv[1]
-    comm = collectives.init(timeout=TIMEOUT, device="emulated")
+    DEVICE = sys.argv[2] if len(sys.argv) > 2 else "emulated"
+    comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
     assert comm._ranks._ll is not None, "run with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1"   # noqa: SLF001
     killed = scenario == "killed"
     run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=killed)

@@ -1,7 +1,8 @@
 """The one-kernel allreduce (kernels/ll_allreduce.cu, executors/ll_allreduce.py)
 through the communicator, ranks in separate processes under mpiexec on
-emulated devices: the NumPy interpreter's bits for every dtype and op, and
-a stalled or killed rank reported on every other rank. The checks of each
+emulated devices (and on a GPU, marked `gpu`: all ranks share GPU 0, which
+needs MPS to run their kernels at once): the NumPy interpreter's bits for
+every dtype and op, and a stalled or killed rank reported on every other rank. The checks of each
 rank are in tests/ll_worker.py; the kernel alone is tested in
 tests/test_ll_kernel.py.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from backends import gpu_unavailable_reason
 from test_mpi import mpiexec
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
@@ -22,14 +24,14 @@ pytestmark = pytest.mark.mpi
 WORKER = Path(__file__).with_name("ll_worker.py")
 
 
-def run_ranks(n, scenario, limit=120):
+def run_ranks(n, scenario, device="emulated", limit=120):
     """Every rank must print OK (but a killed one)."""
     flags = ["-disable-auto-cleanup"] if scenario == "killed" else []   # Hydra would kill the survivors
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
                COLLECTIVES_ONE_KERNEL_ALLREDUCE="1")
     env.pop("COLLECTIVES_TIMEOUT", None)
     try:
-        done = subprocess.run([mpiexec(), *flags, "-n", str(n), sys.executable, str(WORKER), scenario],
+        done = subprocess.run([mpiexec(), *flags, "-n", str(n), sys.executable, str(WORKER), scenario, device],
                               capture_output=True, text=True, timeout=limit, env=env)
     except subprocess.TimeoutExpired as hung:
         printed = [o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (hung.stdout, hung.stderr)]
@@ -50,6 +52,14 @@ def emulation_library_built():
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_every_dtype_op_and_size_gives_the_interpreters_bits(n):
     run_ranks(n, "bits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", ["bits", "stalled", "killed"])
+def test_on_a_gpu(scenario):
+    if gpu_unavailable_reason():
+        pytest.skip(gpu_unavailable_reason())
+    run_ranks(2 if scenario == "bits" else 3, scenario, device="cuda", limit=300)
 
 
 @pytest.mark.parametrize("n", [2, 3])
