@@ -102,7 +102,11 @@ class LLAllreduce:
                 "an allreduce between processes counts its calls on the host (each launch carries its call "
                 "number), so it cannot be captured in a CUDA graph; capture works for ranks in one process")
         if self._own_area is None:
-            self._setup(deadline)
+            try:
+                self._setup(deadline)
+            except BaseException as error:   # the peers waiting for this rank's area learn of it at once
+                self.group.abort(f"{type(error).__name__}: {error}", error)
+                raise
         entry = self._instances.get(id(plan))
         if entry is None or entry[0] is not plan:
             op = ReduceOp(plan.op)
