@@ -9,10 +9,10 @@ of every kernel on every architecture, and fails (exit 1) when
 * a kernel spills registers or has a stack frame (local memory), by ptxas's
   resource usage, or its SASS touches local memory (LDL/STL);
 * a kernel that must be in the build is not (VECTOR_KERNELS);
-* the vector path of a kernel in VECTOR_KERNELS (plan_step, batched_copy) is
-  not 128-bit global loads and stores on sm_80 and sm_90 (LDG.E.128 and
-  STG.E.128), or any access goes through a generic LD/ST instead of a
-  global one;
+* the vector path of a kernel in VECTOR_KERNELS (plan_step, batched_copy,
+  ll_allreduce's LL lines) is not 128-bit global loads and stores on sm_80
+  and sm_90 (LDG.E.128 and STG.E.128), or any access goes through a generic
+  LD/ST instead of a global one;
 * a float operation of the PTX flushes subnormals (.ftz), which would
   change results against NumPy. (The SASS of correctly rounded division
   uses .FTZ compares and adds internally; the PTX is what we wrote.)
@@ -31,8 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VECTOR_ARCHS = ("sm_80", "sm_90")  # where 16-byte paths must be 128-bit accesses
 # Kernels (names as they appear in mangled symbols) that instances.cu must
-# build and whose 16-byte paths must compile to LDG.E.128/STG.E.128.
-VECTOR_KERNELS = ("plan_step", "batched_copy")
+# build and whose 16-byte paths must compile to LDG.E.128/STG.E.128
+# (ll_allreduce: an LL line is one 16-byte store and one 16-byte load).
+VECTOR_KERNELS = ("plan_step", "batched_copy", "ll_allreduce")
 
 _FUNCTION = re.compile(r"Function properties for (\S+)")
 _COMPILING = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")

@@ -160,7 +160,7 @@ def test_a_stalled_rank_makes_the_others_give_up_and_name_it():
     for rank in range(n - 1):
         (wrong, faults), elapsed = found[rank]
         assert wrong == [] and faults is not None, found
-        assert elapsed < timeout_s + 1.0, found
+        assert elapsed < timeout_s + 1.5, found   # the whole run: three calls before the one that waits
         timed_out = [f for f in faults if f[0] == kernels.LL_FAULT_TIMED_OUT]
         assert timed_out and all(peer == n - 1 for _, peer, _ in timed_out), faults
 
