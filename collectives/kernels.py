@@ -327,7 +327,7 @@ LL_MAX_BYTES = 64 << 10    # kLLMaxBytes: payload of one call
 LL_LINE_BYTES = 16         # 8 payload bytes and two 32-bit flags
 LL_SLOT_SETS = 2
 LL_AREA_BYTES = LL_SLOT_SETS * (LL_MAX_BYTES // 8) * LL_LINE_BYTES   # one rank's area
-LL_FAULT_TIMED_OUT, LL_FAULT_STOPPED = 1, 2   # enum LLFault
+LL_FAULT_TIMED_OUT, LL_FAULT_STOPPED, LL_FAULT_MISMATCH = 1, 2, 3   # enum LLFault
 
 
 class LLInstance(NamedTuple):
@@ -363,9 +363,22 @@ class LLAllreduceArgs(ctypes.Structure):
         ("input", ctypes.c_uint64), ("output", ctypes.c_uint64), ("count", ctypes.c_int64),
         ("prev_lines", ctypes.c_int64), ("generation", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
         ("abort_word", ctypes.c_uint64), ("faults", ctypes.c_uint64),
-        ("rank", ctypes.c_int32), ("nranks", ctypes.c_int32), ("divisor", ctypes.c_int32), ("pad", ctypes.c_int32),
+        ("rank", ctypes.c_int32), ("nranks", ctypes.c_int32), ("divisor", ctypes.c_int32),
+        ("flag", ctypes.c_uint32), ("prev_flag", ctypes.c_uint32), ("pad", ctypes.c_int32),
         ("areas", ctypes.c_uint64 * LL_MAX_RANKS),
     ]
+
+
+def ll_signature(count, dtype, op):
+    """16 bits that differ (but for one in 65536) between calls of another
+    count, dtype or op: the low half of each LL flag."""
+    text = f"{count} {np.dtype(dtype).name} {int(OP_CODES[op])} {op}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=2).digest(), "little")
+
+
+def ll_flag(generation, signature):
+    """The flag of call `generation`'s lines: its low 16 bits, then the signature."""
+    return (generation & 0xffff) << 16 | signature
 
 
 def ll_fault(word):

@@ -22,17 +22,26 @@
 //
 // Call number g = 1, 2, ... (the generation: the host counts LL calls, the
 // same on every rank, and passes g; nothing is read back) uses slot set
-// g % 2 and flag (uint32) g. Thread t of every rank handles the same lines
-// i = t, t + T, ... (T threads in the grid, equal on all ranks), so a thread
-// only ever waits for the same thread of its peers:
+// g % 2 and flag F(g) = (g mod 2^16) << 16 | the call's signature (16 bits
+// of a hash of count, dtype and op, also from the host). Thread t of every
+// rank handles the same lines i = t, t + T, ... (T threads in the grid,
+// equal on all ranks), so a thread only ever waits for the same thread of
+// its peers:
 //
 //   1. (g >= 2) wait until every peer's line (t mod prev_lines) of set
-//      (g - 1) % 2 carries flag g - 1                     (ld.acquire.sys)
+//      (g - 1) % 2 carries flag F(g - 1)                  (ld.acquire.sys)
 //   2. for each of its lines i: store line i of its own set g % 2 with
-//      (input word i, g)                                   (16-byte store)
+//      (input word i, F(g))                                (16-byte store)
 //   3. for each of its lines i: for q = 0 .. n - 1 in rank order, spin on
-//      line i of q's set g % 2 until both flags equal g, fold the word in;
-//      write output word i                                 (plain stores)
+//      line i of q's set g % 2 until both flags equal F(g), fold the word
+//      in; write output word i                             (plain stores)
+//
+// A line whose flag has g's generation half but another signature is a
+// peer making a different call as its call g: the thread records a
+// mismatch naming it and stops at once (the host raises InvalidUsageError),
+// instead of reading a call of another size or type, or waiting out the
+// timeout. (A different call with the same 16-bit signature goes unseen:
+// one in 65536.)
 //
 // Every rank folds the same words in the same order (0, 1, .., n - 1), one
 // accumulator per element, rounded once: the fold of the `direct` plan's one
@@ -47,8 +56,9 @@
 // calls g - 2, g, g + 2, ...; flags are compared for equality with g, and a
 // rank writes call g + 2 only after step 1 of g + 2 saw this reader's line
 // of call g + 1 in the other set, i.e. after this reader finished call g
-// (stream order, below). 32-bit flags wrap after 2^32 calls; only equality
-// is ever tested, and a set's old lines carry g - 2 != g (mod 2^32).
+// (stream order, below). The generation half wraps after 2^16 calls; only
+// equality is ever tested, and a set's old lines carry g - 2, never equal
+// to g modulo 2^16.
 //
 // Why overwriting set g % 2 in step 2 is safe (the slot-reuse argument):
 // the set's previous contents (call g - 2) are read only by the peers'
@@ -113,7 +123,7 @@ constexpr unsigned kLLMaxSleepNs = 1024;
 // The fault words, in the control segment (transport/layout.py: the LL
 // region, LL_REGION_WORDS int64 per rank, the fault word first).
 constexpr int kLLRegionWords = 16;
-enum LLFault { kLLTimedOut = 1, kLLStopped = 2 };
+enum LLFault { kLLTimedOut = 1, kLLStopped = 2, kLLMismatch = 3 };
 
 struct LLAllreduceArgs {
     const void* input;                      // this rank's count elements
@@ -127,6 +137,8 @@ struct LLAllreduceArgs {
     int rank;
     int nranks;
     int divisor;                            // avg: nranks; else 0
+    unsigned flag;                          // F(g): (g mod 2^16) << 16 | this call's signature
+    unsigned prev_flag;                     // F(g - 1), of the previous call
     int pad;
     unsigned long long areas[kLLMaxRanks];  // every rank's LL area, mapped in this process
 };
@@ -169,6 +181,14 @@ __device__ __forceinline__ unsigned long long* ll_line(unsigned long long area, 
 
 __device__ __forceinline__ bool has_flag(unsigned long long w0, unsigned long long w1, unsigned flag) {
     return static_cast<unsigned>(w0 >> 32) == flag && static_cast<unsigned>(w1 >> 32) == flag;
+}
+
+// A word of this call's generation but another call's signature: the
+// owner makes a different call as its call g. (A word with this call's
+// whole flag is no such thing: the line's other word may just lag.)
+__device__ __forceinline__ bool other_call(unsigned long long word, unsigned flag) {
+    const unsigned seen = static_cast<unsigned>(word >> 32);
+    return seen != flag && seen >> 16 == flag >> 16;
 }
 
 // One thread's waits: tight polls first, then sleeps that grow, with the
@@ -224,6 +244,10 @@ struct LLWatch {
         for (;;) {
             sys_load_line(p, w0, w1);
             if (has_flag(w0, w1, flag)) return true;
+            if (other_call(w0, flag) || other_call(w1, flag)) {
+                record(kLLMismatch, rank);
+                return false;
+            }
             if (!keep_waiting(rank)) return false;
         }
     }
@@ -280,7 +304,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_allreduce(const LLAllreduceArgs
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (first >= lines) return;
-    const unsigned flag = static_cast<unsigned>(args.generation);
+    const unsigned flag = args.flag;
     const int set = static_cast<int>(args.generation % kLLSlotSets);
     LLWatch watch(args);
 
@@ -289,7 +313,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_allreduce(const LLAllreduceArgs
         const long long probe = first % args.prev_lines;
         const int previous = static_cast<int>((args.generation - 1) % kLLSlotSets);
         for (int p = 0; p < args.nranks; ++p)
-            if (p != args.rank && !watch.acquire(p, previous, probe, flag - 1)) return;
+            if (p != args.rank && !watch.acquire(p, previous, probe, args.prev_flag)) return;
     }
 
     // 2. Publish this thread's lines.

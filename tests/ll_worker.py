@@ -16,6 +16,8 @@ does not move), and all ranks hold the same bytes.
 "stalled", "killed": rank FAILING stops calling, or dies, after one call;
 every other rank must raise CollectiveTimeoutError (within the timeout and
 a second) or RankFailedError (within 1.5 s), naming it.
+"mismatch": rank FAILING's second call has another count: every rank is
+told of a different call (InvalidUsageError) well before the timeout.
 
 Each rank prints "OK <scenario> <rank>" when every check held.
 """
@@ -28,7 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import DTYPES, OPS, run_scenario
+from cases import DTYPES, OPS, expect_a_different_call, run_scenario
 from collectives import CollectiveTimeoutError, RankFailedError, kernels
 from collectives.transport.layout import COUNTER
 from peer_failure_worker import FAILING, TIMEOUT, expect
@@ -132,6 +134,15 @@ def scenario_stalled(comm):
         expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
         return
     expect(CollectiveTimeoutError, run, names=[f"waiting for rank {FAILING}", "allreduce"], within=TIMEOUT + 1.0)
+
+
+def scenario_mismatch(comm):
+    one_call(comm)()
+    count = 1001 if comm.rank == FAILING else 1000
+    x = on_device(np.ones(count, np.float32))
+    start = time.perf_counter()
+    expect_a_different_call(lambda: (comm.allreduce(x), comm.synchronize()), "an allreduce of another count")
+    assert time.perf_counter() - start < TIMEOUT / 2, "the mismatch was found by the timeout"
 
 
 def scenario_killed(comm):

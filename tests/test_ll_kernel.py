@@ -69,7 +69,7 @@ def run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays):
     args.rank, args.nranks = rank, n
     args.timeout_ns = int(timeout_s * 1e9)
     rng = np.random.default_rng([seed, rank, 1])
-    generation = prev_lines = 0
+    generation = prev_lines = prev_flag = 0
     wrong = []
     with collectives.Communicator.local(n) as reference:
         for call, (dtype, op, count, in_place) in enumerate(call_sequence(seed, calls)):
@@ -82,7 +82,8 @@ def run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays):
             if lines:
                 generation += 1
                 args.input, args.output, args.count = x.ctypes.data, out.ctypes.data, count
-                args.generation, args.prev_lines = generation, prev_lines
+                flag = kernels.ll_flag(generation, kernels.ll_signature(count, dtype, ReduceOp(op)))
+                args.generation, args.prev_lines, args.flag, args.prev_flag = generation, prev_lines, flag, prev_flag
                 args.divisor = kernels.step_divisor(ReduceOp(op), n)
                 instance = kernels.ll_instance(dtype, ReduceOp(op))
                 blocks, threads = min(emulated.LL_BLOCKS, -(-lines // emulated.LL_THREADS)), \
@@ -90,7 +91,7 @@ def run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays):
                 status = library.collectives_emulated_ll_allreduce(instance.element_index, instance.op_code,
                                                                    blocks, threads, ctypes.byref(args))
                 assert status == 0, status
-                prev_lines = lines
+                prev_lines, prev_flag = lines, flag
                 if faults.any():
                     return wrong, [kernels.ll_fault(int(w)) for w in faults]
             want = reference.allreduce(inputs, op=op, algorithm="direct")[rank]

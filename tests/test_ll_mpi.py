@@ -2,7 +2,8 @@
 through the communicator, ranks in separate processes under mpiexec on
 emulated devices (and on a GPU, marked `gpu`: all ranks share GPU 0, which
 needs MPS to run their kernels at once): the NumPy interpreter's bits for
-every dtype and op, and a stalled or killed rank reported on every other rank. The checks of each
+every dtype and op, a stalled or killed rank reported on every other rank,
+and a rank making a different call told so. The checks of each
 rank are in tests/ll_worker.py; the kernel alone is tested in
 tests/test_ll_kernel.py.
 """
@@ -55,7 +56,7 @@ def test_every_dtype_op_and_size_gives_the_interpreters_bits(n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scenario", ["bits", "stalled", "killed"])
+@pytest.mark.parametrize("scenario", ["bits", "stalled", "killed", "mismatch"])
 def test_on_a_gpu(scenario):
     if gpu_unavailable_reason():
         pytest.skip(gpu_unavailable_reason())
@@ -69,3 +70,8 @@ def test_a_stalled_rank_is_a_timeout_naming_it_on_every_other_rank(n):
 
 def test_a_killed_rank_is_reported_on_every_other_rank():
     run_ranks(3, "killed")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_making_a_different_call_is_told_so_on_every_rank(n):
+    run_ranks(n, "mismatch")

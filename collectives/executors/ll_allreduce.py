@@ -44,7 +44,7 @@ from ..ops import ReduceOp
 from ..transport.layout import (
     ABORT, HANDLE_BYTES, LL_FAULT, LL_HANDLE_OFFSET, LL_READY, LL_REGION_WORDS, ll_mapped_bytes, ll_region_offset,
 )
-from ..transport.protocol import Counters, Waiter
+from ..transport.protocol import Counters, Waiter, describe_call
 
 WATCHDOG_PERIOD_S = 0.05
 
@@ -67,9 +67,11 @@ class LLAllreduce:
         self._peer_areas = {}                               # rank -> opened memory
         self._mapped = None                                 # the control segment's front, as kernels see it
         self._args = kernels.LLAllreduceArgs()
-        self._instances = {}                                # id(plan) -> (plan, instance, divisor)
+        self._instances = {}                                # id(plan) -> (plan, instance, divisor, signature, text)
         self._generation = 0
         self._prev_lines = 0
+        self._prev_flag = 0
+        self._call = ""                                     # the last call's description, for errors
         self._stream = None
         self._event = device.new_event()
         self._timeout_s = 0.0
@@ -110,7 +112,8 @@ class LLAllreduce:
         entry = self._instances.get(id(plan))
         if entry is None or entry[0] is not plan:
             op = ReduceOp(plan.op)
-            entry = (plan, kernels.ll_instance(plan.dtype, op), kernels.step_divisor(op, plan.nranks))
+            entry = (plan, kernels.ll_instance(plan.dtype, op), kernels.step_divisor(op, plan.nranks),
+                     kernels.ll_signature(plan.count, plan.dtype, op), describe_call(plan))
             if len(self._instances) >= 256:
                 self._instances.clear()
             self._instances[id(plan)] = entry
@@ -122,12 +125,14 @@ class LLAllreduce:
         self._timeout_s = max(deadline - time.perf_counter(), 0.0)
         args = self._args
         args.input, args.output, args.count = source, result, plan.count
-        args.prev_lines, args.generation = self._prev_lines, self._generation + 1
+        generation = self._generation + 1
+        flag = kernels.ll_flag(generation, entry[3])
+        args.prev_lines, args.generation, args.flag, args.prev_flag = self._prev_lines, generation, flag, self._prev_flag
         args.timeout_ns = int(self._timeout_s * 1e9)
         args.divisor = entry[2]
+        self._call = entry[4]
         device.launch_ll_allreduce(stream, entry[1], args, lines)
-        self._generation += 1
-        self._prev_lines = lines
+        self._generation, self._prev_lines, self._prev_flag = generation, lines, flag
         device.call_returned()   # the emulated device runs it now; a GPU keeps it queued
         self.check()
 
@@ -142,6 +147,15 @@ class LLAllreduce:
         """The error of a kernel that gave up, on every rank: a timeout names
         the peer it waited for (RankFailedError if that peer is dead)."""
         faults = [(rank, kernels.ll_fault(int(word))) for rank, word in enumerate(self._faults) if word]
+        mismatched = [(rank, peer, g) for rank, (reason, peer, g) in faults if reason == kernels.LL_FAULT_MISMATCH]
+        if mismatched:
+            rank, peer, g = mismatched[0]
+            mine = f": {self._call}" if rank == self.rank else ""
+            error = InvalidUsageError(
+                f"rank {peer} made a different call from rank {rank}'s one-kernel allreduce #{g}{mine} "
+                "(another count, dtype or op); every rank must make the same calls in the same order")
+            self.group.abort(f"{type(error).__name__}: {error}", error)
+            raise error
         timed_out = [(rank, peer, g) for rank, (reason, peer, g) in faults if reason == kernels.LL_FAULT_TIMED_OUT]
         if timed_out:
             waiter, peer, g = timed_out[0]
