@@ -98,13 +98,14 @@
 // returns. Fault words and the abort flag live in the control segment
 // (host shared memory, mapped into the GPU's address space), so hosts read
 // them without a CUDA call: at the next call or synchronize() they raise
-// CollectiveTimeoutError or RankFailedError naming the peer
-// (collectives/executors/device_process.py). The output of a failed call
+// CollectiveTimeoutError, RankFailedError or InvalidUsageError naming the
+// peer (collectives/executors/ll_allreduce.py). The output of a failed call
 // is undefined, and the communicator is aborted.
 //
-// Preconditions: every rank makes the same LL calls (count, dtype, op) in
-// the same order; all ranks' grids are resident at once (a thread spins
-// for a thread of another process; several processes on one GPU need MPS).
+// Preconditions: every rank makes the same LL calls in the same order (a
+// different one is caught by its signature, above); a rank's calls run in
+// stream order; all ranks' grids are resident at once (a thread spins for
+// a thread of another process; several processes on one GPU need MPS).
 
 #include "elements.cuh"
 
