@@ -186,7 +186,7 @@ def print_table(rows, codecs, links):
             line += " " + f"{' / '.join(f'{t:.0f}' for t in cells):>28s}"
         for codec in codecs:
             even = row[codec]["break_even_gbps"]
-            text = "never" if even is None else "always" if math.isinf(even) else f"{even:.0f}"
+            text = "never" if even is None else even if isinstance(even, str) else f"{even:.0f}"
             line += f" {text:>10s}"
         print(line)
 

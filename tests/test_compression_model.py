@@ -59,6 +59,11 @@ def test_the_command_prints_every_cell_and_writes_json(tmp_path, capsys):
             assert row[codec]["us"]["pcie"] < row["plain_us"]["pcie"]   # 25 GB/s: every codec pays there
 
 
+def test_a_codec_that_wins_on_every_link_prints_so(capsys):
+    cm.main(["--ranks", "8", "--sizes", "64M", "--algorithms", "ring", "--codecs", "int8"])
+    assert "always" in capsys.readouterr().out
+
+
 def test_bad_flags_name_themselves(capsys):
     for argv, words in [(["--codecs", "fp8"], "--codecs"), (["--links", "wifi"], "--links"),
                         (["--algorithms", "rign"], "--algorithms")]:
