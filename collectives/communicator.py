@@ -408,7 +408,7 @@ class Communicator:
         for future in pending:
             future.add_done_callback(one_done)
 
-    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None):
+    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=False):
         """The algorithm that `algorithm="auto"` runs for a call: a name of
         collectives.algorithms.REGISTRY, chosen by the cost model of this
         communicator's transport.
@@ -421,6 +421,9 @@ class Communicator:
                     loop when it takes the dtype, and the answer is then its
                     step, "merged" or "pipelined". Without it (a list of
                     arrays, which the loop declines), the plan's algorithm.
+        in_place    whether the call writes its result into `x`: ranks that
+                    share one GPU choose differently in place (see
+                    docs/gpu.md); elsewhere it changes nothing.
 
         Raises InvalidUsageError for an unknown collective or a bad root.
         """
@@ -431,7 +434,9 @@ class Communicator:
             return fastpath.path_for(nbytes)
         itemsize = 1  # nbytes is already bytes
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
-        return self._auto(collective, nbytes, itemsize, validation.root_rank(root, self.size) if rooted else 0)
+        binding = IN_PLACE if in_place or rooted else OUT_OF_PLACE   # broadcast and reduce run in place
+        return self._auto(collective, nbytes, itemsize, validation.root_rank(root, self.size) if rooted else 0,
+                          binding if getattr(self._ranks, "addressable", False) else None)
 
     def _auto(self, collective, elements, itemsize, root, binding=None):
         """What `auto` runs for a call of `elements` per rank: the model asks

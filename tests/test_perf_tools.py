@@ -456,7 +456,9 @@ def test_fusion_perf_places_cuda_ranks_on_the_gpus_there_are(monkeypatch, gpus, 
     from bench import fusion_perf
     from collectives.devices import cuda
 
+    from bench import cli
     asked = []
+    monkeypatch.setattr(cli, "require_device_toolchain", lambda prog, device: None)   # no CuPy here
     monkeypatch.setattr(cuda, "visible_gpus", lambda: gpus)
     monkeypatch.setattr(collectives.Communicator, "local", staticmethod(lambda n, devices=None: asked.append(devices)))
     fusion_perf.make_communicator(fusion_perf.parse_args(["--device", "cuda", "--ranks", "4"]), world=None)
