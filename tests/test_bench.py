@@ -271,3 +271,36 @@ def test_the_model_prints_its_prediction_next_to_measured_times(capsys):
     assert sorted(row[0] for row in table) == sorted(REGISTRY)   # every algorithm, with a measured time
     assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in table)
     assert "measured (us)" in out and "| auto picks |" in out
+
+
+def test_ours_beside_nccl_runs_the_nccl_rows_through_the_api(monkeypatch, capsys):
+    """`--backend ours,nccl` (what gpu_check's section 5 runs on a GPU), here
+    with an emulated communicator standing in for NCCL's: the NCCL rows go
+    through the same harness path and the same Communicator API, and must
+    name no algorithm of ours while calling the API with one it takes."""
+    from bench import backends as bench_backends
+    made = []
+    real_local = bench_backends.collectives.Communicator.local
+
+    def local(nranks, *, devices=None, timeout=None, backend="ours"):
+        made.append(backend)
+        if backend == "nccl":  # NCCL's stand-in: our kernels on emulated devices
+            return real_local(nranks, devices=["emulated"] * nranks, timeout=timeout)
+        return real_local(nranks, devices=devices, timeout=timeout, backend=backend)
+
+    real_parse = harness.parse_args
+
+    def parse_args(spec, argv=None):  # --backend nccl wants --device cuda: add it after the check
+        args = real_parse(spec, argv)
+        args.backends = [*args.backends, "nccl"]
+        return args
+
+    monkeypatch.setattr(bench_backends.collectives.Communicator, "local", staticmethod(local))
+    monkeypatch.setattr(harness, "parse_args", parse_args)
+    code, out = run_bench(ALLREDUCE, ["--device", "emulated", "--backend", "ours", "--ranks", "2", "-b", "64",
+                                      "-e", "256", "-f", "4", "-n", "1", "-w", "1"], capsys)
+    assert code == 0, out
+    assert made == ["ours", "nccl"]
+    rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
+    assert [r[-2] for r in rows] == ["ours", "nccl"] * 2, out
+    assert "all results correct" in out
