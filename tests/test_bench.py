@@ -159,6 +159,7 @@ def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
     assert all(run["returncode"] == 0 for run in processes.values()), processes
     assert processes["allreduce"]["result"]["environment"]["processes"] == 2
     assert processes["overhead"]["result"]["ratio_to_host"]["emulated"] > 0
+    assert report["processes_sharing"] == {"mode": "time-sliced", "why_not_mps": "not a GPU"}
     assert report["ours_vs_nccl"] == {"skipped": "NCCL needs a GPU"}
 
 
@@ -304,3 +305,27 @@ def test_ours_beside_nccl_runs_the_nccl_rows_through_the_api(monkeypatch, capsys
     rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
     assert [r[-2] for r in rows] == ["ours", "nccl"] * 2, out
     assert "all results correct" in out
+
+
+def test_gpu_check_starts_and_stops_a_private_mps_daemon(tmp_path, monkeypatch):
+    """gpu_check's process section under MPS: the control daemon is started
+    with private pipe and log folders, the processes get them, and it is told
+    to quit even when the section fails. A script stands in for
+    nvidia-cuda-mps-control and logs how it was called."""
+    from bench import gpu_check
+    log = tmp_path / "calls.log"
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text(f"#!/bin/sh\necho \"$* stdin=$(cat) pipe=$CUDA_MPS_PIPE_DIRECTORY\" >> {log}\n")
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(RuntimeError, match="the benchmark failed"):
+        with gpu_check.mps_daemon("cuda") as (mode, env, why_not):
+            assert (mode, why_not) == (gpu_check.MPS, None)
+            pipe = Path(env["CUDA_MPS_PIPE_DIRECTORY"])
+            assert pipe.is_dir() and Path(env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
+            raise RuntimeError("the benchmark failed")
+    calls = log.read_text().splitlines()
+    assert calls == [f"-d stdin= pipe={pipe}", f" stdin=quit pipe={pipe}"], calls
+    assert not pipe.exists(), "the private folder outlives the daemon"
+    with gpu_check.mps_daemon("emulated") as (mode, env, why_not):
+        assert (mode, why_not) == (gpu_check.TIME_SLICED, "not a GPU")
