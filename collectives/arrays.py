@@ -58,8 +58,12 @@ def _remember(a, info):
     _NUMPY_INFOS[key] = (weakref.ref(a, lambda _, key=key: _NUMPY_INFOS.pop(key, None)), info)
 
 
-def _cupy(a):
+def describe_cupy(a):
+    """The ArrayInfo of a CuPy array (or of a stand-in with its attributes)."""
     return ArrayInfo(a.data.ptr, a.size, a.shape, a.dtype, f"cuda:{a.device.id}", a.flags.c_contiguous, True, "cupy")
+
+
+_cupy = describe_cupy
 
 
 _TORCH_DTYPES = {f"torch.{name}": np.dtype(name) for name in SUPPORTED_DTYPES if name != "bfloat16"}
@@ -143,6 +147,12 @@ def _describer_of(obj):
     except KeyError:
         describer = _DESCRIBERS[kind] = _describer(obj)
         return describer
+
+
+def register(kind, describer):
+    """Describe arrays of type `kind` with `describer` (devices/dry_cuda.py's
+    stand-in for CuPy arrays takes describe_cupy)."""
+    _DESCRIBERS[kind] = describer
 
 
 def is_array(obj):

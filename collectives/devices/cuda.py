@@ -51,18 +51,21 @@ def visible_gpus():
 
 
 class CudaDevice:
-    def __init__(self, index, defines=None):
+    def __init__(self, index, defines=None, *, cupy=None):
         """GPU `index`. `defines` adds preprocessor definitions to every
-        kernel it compiles (bench/gpu_check.py measures variants this way)."""
+        kernel it compiles (bench/gpu_check.py measures variants this way).
+        `cupy`: the module it calls, CuPy unless a stand-in is given
+        (devices/dry_cuda.py, which runs this adapter without a GPU)."""
         try:
-            import cupy
+            if cupy is None:
+                import cupy
+                import cupy.cuda.driver  # noqa: F401 - a submodule CuPy does not import itself
             count = cupy.cuda.runtime.getDeviceCount()
         except Exception as error:  # no driver, no GPU: CuPy raises its own runtime errors
             raise CollectiveError(f"cuda:{index} is not usable: {error}") from error
         if index >= count:
             raise CollectiveError(f"cuda:{index} does not exist: this machine has {count} GPU(s)")
-        from cupy.cuda import driver
-        self._cupy, self._driver = cupy, driver
+        self._cupy, self._driver = cupy, cupy.cuda.driver
         self.index = index
         self.name = self.array_location = f"cuda:{index}"
         self._device = cupy.cuda.Device(index)
@@ -70,10 +73,6 @@ class CudaDevice:
         self._functions = {}   # StepInstance or kernels.COPY_INSTANCE -> CUfunction
         self._kernels = []
         self._defines = tuple(f"-D{name}={value}" for name, value in sorted((defines or {}).items()))
-        # CUDA's headers for NVRTC: the toolkit CuPy uses, else the CUDA wheels.
-        toolkit = cupy.cuda.get_cuda_path()
-        headers = Path(toolkit) / "include" if toolkit else None
-        self._include_dirs = [headers] if headers and (headers / "cuda_fp16.h").is_file() else kernels.cuda_include_dirs()
         # One parameter block per device: cuLaunchKernel copies it at launch;
         # the lock keeps threads from filling it at the same time.
         self._launch_lock = threading.Lock()
@@ -130,15 +129,24 @@ class CudaDevice:
     def _function(self, instance):
         function = self._functions.get(instance)
         if function is None:
-            major, minor = self._device.compute_capability[:-1], self._device.compute_capability[-1]
-            cubin, lowered = kernels.nvrtc_cubin(instance, f"sm_{major}{minor}", self._include_dirs, self._defines)
-            with self._device:
-                module = self._cupy.RawModule(path=str(cubin))
-                kernel = module.get_function(lowered)
-                kernel.compile()
-            self._kernels.append(kernel)  # owns the module the function lives in
-            function = self._functions[instance] = kernel.kernel.ptr
+            function = self._functions[instance] = self._load(instance)
         return function
+
+    def _load(self, instance):
+        """The CUfunction of a kernel instance, compiled (or read from the
+        disk cache) and loaded: once per instance and device."""
+        # CUDA's headers for NVRTC: the toolkit CuPy uses, else the CUDA wheels.
+        toolkit = self._cupy.cuda.get_cuda_path()
+        headers = Path(toolkit) / "include" if toolkit else None
+        include_dirs = [headers] if headers and (headers / "cuda_fp16.h").is_file() else kernels.cuda_include_dirs()
+        major, minor = self._device.compute_capability[:-1], self._device.compute_capability[-1]
+        cubin, lowered = kernels.nvrtc_cubin(instance, f"sm_{major}{minor}", include_dirs, self._defines)
+        with self._device:
+            module = self._cupy.RawModule(path=str(cubin))
+            kernel = module.get_function(lowered)
+            kernel.compile()
+        self._kernels.append(kernel)  # owns the module the function lives in
+        return kernel.kernel.ptr
 
     def launch_step(self, stream, instance, grid, table, width, addresses, divisor):
         function = self._functions.get(instance) or self._function(instance)
