@@ -62,6 +62,24 @@ def instrument(devices, noop):
                     spent["seconds"] += clock() - began
 
             setattr(device, name, timed)
+        if hasattr(device, "step_launcher"):  # the CUDA adapter's prepared launches (executors/device.py's record)
+            prepare = device.step_launcher
+
+            def step_launcher(*args, _prepare=prepare):
+                issue = _prepare(*args)
+
+                def timed_issue(stream):
+                    spent["launch_step"] += 1
+                    if noop:
+                        return None
+                    began = clock()
+                    try:
+                        return issue(stream)
+                    finally:
+                        spent["seconds"] += clock() - began
+                return timed_issue
+
+            device.step_launcher = step_launcher
     return spent
 
 

@@ -160,6 +160,42 @@ class CudaDevice:
             parameters[_DIVISOR_WORD] = divisor
             self._launch(function, grid, kernels.STEP_THREADS, stream, self._parameter_pointer)
 
+    def buffer_block(self):
+        """A BufferTable parameter for launches made by step_launcher: they
+        read it at launch (the driver copies it then), so `update` between
+        calls reaches every launch made with it."""
+        return BufferBlock()
+
+    def step_launcher(self, instance, grid, table, width, divisor, block):
+        """issue(stream): launch plan_step<instance> over `grid` for the rows
+        `table` holds, with the addresses in `block` (buffer_block's) at the
+        time; the executor's launch record (executors/device.py). The kernel
+        handle, grid and parameter pointers are prepared here, once: a launch
+        is one driver call, and a device switch only when the caller's
+        current device is another."""
+        function = self._function(instance)
+        # This launch's own parameter values (table pointer, width, divisor,
+        # each in an 8-byte word as the compiler lays them out); the buffer
+        # table is the block's, shared by every launch made with it.
+        values = np.array([table.address, width, divisor], np.uint64)
+        pointers = np.array([values.ctypes.data, values.ctypes.data + 8, block.pointer, values.ctypes.data + 16],
+                            np.uint64)
+        parameters = pointers.ctypes.data
+        gx, gy, threads, index = grid[0], grid[1], kernels.STEP_THREADS, self.index
+        launch_kernel, runtime = self._driver.launchKernel, self._cupy.cuda.runtime
+
+        def issue(stream, _alive=(values, pointers, block, table)):  # the memory `parameters` points into
+            current = runtime.getDevice()
+            if current == index:
+                launch_kernel(function, gx, gy, 1, threads, 1, 1, 0, stream.ptr, parameters, 0)
+                return
+            runtime.setDevice(index)  # launch in this device's context, then give the caller theirs back
+            try:
+                launch_kernel(function, gx, gy, 1, threads, 1, 1, 0, stream.ptr, parameters, 0)
+            finally:
+                runtime.setDevice(current)
+        return issue
+
     def launch_copies(self, stream, table, rows, grid=None):
         grid = kernels.copy_launch_grid(table, rows, grid, self.resident_blocks)
         if grid is None:
@@ -235,6 +271,21 @@ class CudaDevice:
 
     def call_returned(self):
         pass  # the work stays queued on the caller's stream
+
+
+class BufferBlock:
+    """The BufferTable a CudaDevice's prepared launches pass by value: host
+    memory whose address is in their parameter pointers. `addresses` is the
+    table last copied in (the executor's, which it never changes once made)."""
+
+    def __init__(self):
+        self._table = kernels.buffer_table([])
+        self.pointer = self._table.ctypes.data
+        self.addresses = None
+
+    def update(self, addresses):
+        self._table[:] = addresses
+        self.addresses = addresses
 
 
 def _device_array(cupy, region, owner):

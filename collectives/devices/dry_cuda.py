@@ -84,7 +84,7 @@ class DryCuda:
     def asarray(self, array):
         """A DryArray with `array`'s shape and dtype (its values are not kept)."""
         array = np.asarray(array)
-        return DryArray(array.shape, array.dtype, self.allocate(array.nbytes))
+        return DryArray(array.shape, array.dtype, self.allocate(array.nbytes), self)
 
     def full(self, shape, value, dtype):
         return self.empty(shape, dtype)  # values are not kept
@@ -92,7 +92,7 @@ class DryCuda:
     def empty(self, shape, dtype):
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         dtype = np.dtype(dtype)
-        return DryArray(shape, dtype, self.allocate(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize))
+        return DryArray(shape, dtype, self.allocate(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize), self)
 
 
 class DryDevice:
@@ -185,8 +185,9 @@ class DryArray:
     """A contiguous CuPy array as far as this library can tell, without the
     memory: described through arrays.describe's CuPy path."""
 
-    def __init__(self, shape, dtype, memory):
+    def __init__(self, shape, dtype, memory, owner=None):
         self._shape, self._dtype, self._memory = tuple(shape), np.dtype(dtype), memory
+        self._owner = owner   # the DryCuda that made it (arrays.empty_like asks it for new ones)
         self._size = int(np.prod(self._shape, dtype=np.int64))
 
     @property
@@ -249,17 +250,18 @@ class DryArray:
         stop = max(start, stop)
         view = DryMemory(self._memory.ptr + start * self._dtype.itemsize, (stop - start) * self._dtype.itemsize,
                          self._memory.device_id)
-        return DryArray((stop - start,), self._dtype, view)
+        return DryArray((stop - start,), self._dtype, view, self._owner)
 
     def reshape(self, *shape):
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
         if -1 in shape:
             known = int(np.prod([s for s in shape if s != -1], dtype=np.int64))
             shape = tuple(self.size // max(known, 1) if s == -1 else s for s in shape)
-        return DryArray(shape, self._dtype, self._memory)
+        return DryArray(shape, self._dtype, self._memory, self._owner)
 
 
-arrays.register(DryArray, arrays.describe_cupy)
+arrays.register(DryArray, arrays.describe_cupy,
+                empty_like=lambda obj, info, shape: DryCuda.empty(obj._owner, shape, info.dtype))
 
 
 def dry_devices(ndevices, multiprocessors=132):

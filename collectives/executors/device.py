@@ -19,6 +19,14 @@ A call then resolves the buffer addresses (each rank's workspace and the
 caller's arrays) and issues the program on each device's current stream. It
 never waits for a device: the work can be captured in a CUDA graph when all
 ranks share one GPU.
+
+The program is issued from its launch record, made once with it: per step a
+callable that takes the stream and does only that step's driver call (a
+launch's kernel, grid and packed parameters are the adapter's, prepared by
+its `step_launcher`), and per device one block of buffer addresses that its
+launches read. A call whose buffers are those of the program's last call
+rewrites nothing; one with other buffers (the same shapes, other arrays)
+rewrites each device's block once, not each launch.
 """
 
 from typing import NamedTuple, Tuple
@@ -52,6 +60,35 @@ class Program(NamedTuple):
     steps: tuple           # (LAUNCH, device, grid, table, width) | (RECORD | WAIT, device, event key, None, None)
     events: dict           # event key -> event (created on the recording device)
     launches: Tuple[int, ...]  # per device
+    record: tuple          # the launch record: (device, issue(stream)) per step, in order (no compression)
+    blocks: tuple          # per device, the buffer-address block its launches read (see the module doc)
+    patched: list          # [the address table the blocks hold now]
+
+
+class AddressBlock:
+    """The buffer addresses launches read, for devices without a block of
+    their own (the emulated device): the table itself, which the executor
+    never changes once made (a new call's buffers make a new table)."""
+
+    def __init__(self):
+        self.addresses = None
+
+    def update(self, addresses):
+        self.addresses = addresses
+
+
+def step_launcher(device, instance, launch, divisor, block):
+    """issue(stream): one plan_step launch of `launch` on `device`, with the
+    addresses `block` holds at the time: the device's own prepared launch
+    where it has one (CudaDevice.step_launcher), else its launch_step."""
+    prepared = getattr(device, "step_launcher", None)
+    if prepared is not None:
+        return prepared(instance, launch.grid, launch.table, launch.width, divisor, block)
+    grid, table, width = launch.grid, launch.table, launch.width
+
+    def issue(stream):
+        device.launch_step(stream, instance, grid, table, width, block.addresses, divisor)
+    return issue
 
 
 def grid_for(rows, device, itemsize):
@@ -108,12 +145,14 @@ class DeviceRanks:
             self._run_codec_program(program, streams, input_infos, output_infos)
             return
         addresses = self._addresses(plan, input_infos, output_infos)
-        instance, divisor = program.instance, program.divisor
-
-        def launch(k, grid, table, width):
-            devices[k].launch_step(streams[k], instance, grid, table, width, addresses, divisor)
-
-        self._issue(program, streams, launch)
+        if program.patched[0] is not addresses:
+            for block in program.blocks:
+                block.update(addresses)
+            program.patched[0] = addresses
+        for k, issue in program.record:
+            issue(streams[k])
+        for device in devices:
+            device.call_returned()
 
     def _issue(self, program, streams, launch):
         """The program's steps on the devices' streams, `launch(device index,
@@ -198,10 +237,25 @@ class DeviceRanks:
                     launches[p, k] = Launch(self.devices[k].upload(rows), rows.shape[1], grid)
         steps, recorded = self._order(plan, launches)
         events = {key: self.devices[key[0]].new_event() for key in recorded}
+        blocks = tuple(getattr(d, "buffer_block", AddressBlock)() for d in self.devices)
+        record = () if plan.compression is not None else \
+            tuple(self._issuer(step, instance, divisor, events, blocks) for step in steps)
         program = Program(plan, instance, divisor, tuple(steps), events,
-                          tuple(sum(1 for (_, k) in launches if k == i) for i in range(ndevices)))
+                          tuple(sum(1 for (_, k) in launches if k == i) for i in range(ndevices)),
+                          record, blocks, [None])
         self._programs[id(plan)] = program
         return program
+
+    def _issuer(self, step, instance, divisor, events, blocks):
+        """(device index, issue(stream)) of one step of a program."""
+        kind, k, a, b, c = step
+        device = self.devices[k]
+        if kind is LAUNCH:
+            return k, step_launcher(device, instance, Launch(b, c, a), divisor, blocks[k])
+        event = events[a]
+        if kind is RECORD:
+            return k, lambda stream: device.record(event, stream)
+        return k, lambda stream: device.wait(stream, event)
 
     def _order(self, plan, launches):
         """The program's steps: launches with the records and waits between
