@@ -8,6 +8,10 @@ NVRTC with our options (kernels.nvrtc_cubin, cached on disk) and loaded with
 `cupy.RawModule`. Launches go through the driver's cuLaunchKernel with a
 prepared parameter block, because the buffer table is a 2 KiB struct passed
 by value (batched_copy's two arguments go the same way, for one code path).
+CuPy's `driver.launchKernel` is the thinnest launch CuPy has (a Cython call
+of cuLaunchKernel, no argument packing of its own), so a launch costs one
+driver call and what the driver itself takes; the executor's launches are
+prepared once (step_launcher), and a call issues them as they are.
 """
 
 import threading
