@@ -189,6 +189,18 @@ def callgrind(args):
     return {"instructions_per_call": per_call, "runs": counts, "adapter": adapter}
 
 
+def measured_on(args):
+    """bench.environment's block, saying which adapter ran (a dry run's
+    device is stand-ins, whatever --device says)."""
+    from bench.environment import environment
+    env = environment(args, args.ranks, ["ours"])
+    if args.adapter == "dry":
+        env["device"] = "dry CUDA adapter (devices/dry_cuda.py: stand-ins for CuPy, no GPU)"
+    if args.callgrind:
+        env["valgrind"] = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
+    return env
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.call_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
@@ -215,7 +227,8 @@ def main(argv=None):
         report = measure(args)
     report = {"command": " ".join([sys.executable, "-m", "bench.call_overhead", *(argv or sys.argv[1:])]),
               "device": args.device, "ranks": args.ranks, "devices": args.devices, "algorithm": args.algorithm, "in_place": args.in_place,
-              "results": report}
+              "adapter": args.adapter, "count": args.count or args.ranks * 4,
+              "environment": measured_on(args), "results": report}
     print(json.dumps(report, indent=1))
     if args.output_file:
         with open(args.output_file, "w") as f:
