@@ -438,8 +438,9 @@ class Communicator:
         a later call's key equals this one only with these very arrays, still
         alive. A weak reference also pins an array's memory: NumPy refuses to
         resize (move) an array that has one (short of resize(refcheck=False),
-        which it documents as unsafe). So an array of the same shape, dtype
-        and flags is still the memory that passed the checks."""
+        which it documents as unsafe). A CuPy array's state includes its
+        address (arrays.repeat_state). So an array of the same state is
+        still the memory that passed the checks."""
         kind = type(objects[0])
         if not all(type(a) is kind for a in objects):
             return
