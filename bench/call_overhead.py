@@ -205,7 +205,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.call_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--device", default="emulated", choices=["emulated", "cuda", "host"],
-                   help="host: virtual ranks on NumPy arrays")
+                   help="host: virtual ranks on NumPy arrays (--adapter dry runs the CUDA adapter, whatever this says)")
     p.add_argument("--devices", type=int, default=1, help="devices the ranks are spread over")
     p.add_argument("--calls", type=int, default=20000)
     p.add_argument("--batch", type=int, default=200, help="calls per timed batch (the median is over batches)")
