@@ -564,9 +564,10 @@ _CALLS_KEPT = 1024
 class _Call:
     """A call that passed every check (Communicator._remember): its arrays'
     weak references, the function reading their state (arrays.repeat_state)
-    and their states as they were; the plan; the arrays' descriptions; how outputs are made; and the plan bound to the arrays by
-    ranks that can (VirtualHostRanks.bind): None until the first repeat,
-    False where there is no bound form."""
+    and their states as they were; the plan; the arrays' descriptions; how
+    outputs are made; and the plan bound to the arrays by ranks that can
+    (VirtualHostRanks.bind): None until the first repeat, False where there
+    is no bound form."""
 
     __slots__ = ("refs", "state_of", "states", "plan", "input_infos", "output_infos", "made", "bound")
 
