@@ -8,6 +8,10 @@ NVRTC with our options (kernels.nvrtc_cubin, cached on disk) and loaded with
 `cupy.RawModule`. Launches go through the driver's cuLaunchKernel with a
 prepared parameter block, because the buffer table is a 2 KiB struct passed
 by value (batched_copy's two arguments go the same way, for one code path).
+CuPy's `driver.launchKernel` is the thinnest launch CuPy has (a Cython call
+of cuLaunchKernel, no argument packing of its own), so a launch costs one
+driver call and what the driver itself takes; the executor's launches are
+prepared once (step_launcher), and a call issues them as they are.
 """
 
 import threading
@@ -53,18 +57,21 @@ def visible_gpus():
 
 
 class CudaDevice:
-    def __init__(self, index, defines=None):
+    def __init__(self, index, defines=None, *, cupy=None):
         """GPU `index`. `defines` adds preprocessor definitions to every
-        kernel it compiles (bench/gpu_check.py measures variants this way)."""
+        kernel it compiles (bench/gpu_check.py measures variants this way).
+        `cupy`: the module it calls, CuPy unless a stand-in is given
+        (devices/dry_cuda.py, which runs this adapter without a GPU)."""
         try:
-            import cupy
+            if cupy is None:
+                import cupy
+                import cupy.cuda.driver  # noqa: F401 - a submodule CuPy does not import itself
             count = cupy.cuda.runtime.getDeviceCount()
         except Exception as error:  # no driver, no GPU: CuPy raises its own runtime errors
             raise CollectiveError(f"cuda:{index} is not usable: {error}") from error
         if index >= count:
             raise CollectiveError(f"cuda:{index} does not exist: this machine has {count} GPU(s)")
-        from cupy.cuda import driver
-        self._cupy, self._driver = cupy, driver
+        self._cupy, self._driver = cupy, cupy.cuda.driver
         self.index = index
         self.name = self.array_location = f"cuda:{index}"
         self._device = cupy.cuda.Device(index)
@@ -72,10 +79,6 @@ class CudaDevice:
         self._functions = {}   # StepInstance or kernels.COPY_INSTANCE -> CUfunction
         self._kernels = []
         self._defines = tuple(f"-D{name}={value}" for name, value in sorted((defines or {}).items()))
-        # CUDA's headers for NVRTC: the toolkit CuPy uses, else the CUDA wheels.
-        toolkit = cupy.cuda.get_cuda_path()
-        headers = Path(toolkit) / "include" if toolkit else None
-        self._include_dirs = [headers] if headers and (headers / "cuda_fp16.h").is_file() else kernels.cuda_include_dirs()
         # One parameter block per device: cuLaunchKernel copies it at launch;
         # the lock keeps threads from filling it at the same time.
         self._launch_lock = threading.Lock()
@@ -132,15 +135,24 @@ class CudaDevice:
     def _function(self, instance):
         function = self._functions.get(instance)
         if function is None:
-            major, minor = self._device.compute_capability[:-1], self._device.compute_capability[-1]
-            cubin, lowered = kernels.nvrtc_cubin(instance, f"sm_{major}{minor}", self._include_dirs, self._defines)
-            with self._device:
-                module = self._cupy.RawModule(path=str(cubin))
-                kernel = module.get_function(lowered)
-                kernel.compile()
-            self._kernels.append(kernel)  # owns the module the function lives in
-            function = self._functions[instance] = kernel.kernel.ptr
+            function = self._functions[instance] = self._load(instance)
         return function
+
+    def _load(self, instance):
+        """The CUfunction of a kernel instance, compiled (or read from the
+        disk cache) and loaded: once per instance and device."""
+        # CUDA's headers for NVRTC: the toolkit CuPy uses, else the CUDA wheels.
+        toolkit = self._cupy.cuda.get_cuda_path()
+        headers = Path(toolkit) / "include" if toolkit else None
+        include_dirs = [headers] if headers and (headers / "cuda_fp16.h").is_file() else kernels.cuda_include_dirs()
+        major, minor = self._device.compute_capability[:-1], self._device.compute_capability[-1]
+        cubin, lowered = kernels.nvrtc_cubin(instance, f"sm_{major}{minor}", include_dirs, self._defines)
+        with self._device:
+            module = self._cupy.RawModule(path=str(cubin))
+            kernel = module.get_function(lowered)
+            kernel.compile()
+        self._kernels.append(kernel)  # owns the module the function lives in
+        return kernel.kernel.ptr
 
     def launch_step(self, stream, instance, grid, table, width, addresses, divisor, fanout=1):
         function = self._functions.get(instance) or self._function(instance)
@@ -154,6 +166,42 @@ class CudaDevice:
             parameters[_DIVISOR_WORD] = divisor
             parameters[_FANOUT_WORD] = fanout
             self._launch(function, grid, kernels.STEP_THREADS, stream, self._parameter_pointer)
+
+    def buffer_block(self):
+        """A BufferTable parameter for launches made by step_launcher: they
+        read it at launch (the driver copies it then), so `update` between
+        calls reaches every launch made with it."""
+        return BufferBlock()
+
+    def step_launcher(self, instance, grid, table, width, divisor, block, fanout=1):
+        """issue(stream): launch plan_step<instance> over `grid` for the rows
+        `table` holds, with the addresses in `block` (buffer_block's) at the
+        time; the executor's launch record (executors/device.py). The kernel
+        handle, grid and parameter pointers are prepared here, once: a launch
+        is one driver call, and a device switch only when the caller's
+        current device is another."""
+        function = self._function(instance)
+        # This launch's own parameter values (table pointer, width, divisor,
+        # fanout, each in an 8-byte word as the compiler lays them out); the
+        # buffer table is the block's, shared by every launch made with it.
+        values = np.array([table.address, width, divisor, fanout], np.uint64)
+        pointers = np.array([values.ctypes.data, values.ctypes.data + 8, block.pointer, values.ctypes.data + 16,
+                             values.ctypes.data + 24], np.uint64)
+        parameters = pointers.ctypes.data
+        gx, gy, threads, index = grid[0], grid[1], kernels.STEP_THREADS, self.index
+        launch_kernel, runtime = self._driver.launchKernel, self._cupy.cuda.runtime
+
+        def issue(stream, _alive=(values, pointers, block, table)):  # the memory `parameters` points into
+            current = runtime.getDevice()
+            if current == index:
+                launch_kernel(function, gx, gy, 1, threads, 1, 1, 0, stream.ptr, parameters, 0)
+                return
+            runtime.setDevice(index)  # launch in this device's context, then give the caller theirs back
+            try:
+                launch_kernel(function, gx, gy, 1, threads, 1, 1, 0, stream.ptr, parameters, 0)
+            finally:
+                runtime.setDevice(current)
+        return issue
 
     def launch_copies(self, stream, table, rows, grid=None):
         grid = kernels.copy_launch_grid(table, rows, grid, self.resident_blocks)
@@ -255,6 +303,21 @@ class CudaDevice:
 
     def call_returned(self):
         pass  # the work stays queued on the caller's stream
+
+
+class BufferBlock:
+    """The BufferTable a CudaDevice's prepared launches pass by value: host
+    memory whose address is in their parameter pointers. `addresses` is the
+    table last copied in (the executor's, which it never changes once made)."""
+
+    def __init__(self):
+        self._table = kernels.buffer_table([])
+        self.pointer = self._table.ctypes.data
+        self.addresses = None
+
+    def update(self, addresses):
+        self._table[:] = addresses
+        self.addresses = addresses
 
 
 def _device_array(cupy, region, owner):

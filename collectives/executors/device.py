@@ -22,6 +22,14 @@ A call then resolves the buffer addresses (each rank's workspace and the
 caller's arrays) and issues the program on each device's current stream. It
 never waits for a device: the work can be captured in a CUDA graph when all
 ranks share one GPU.
+
+The program is issued from its launch record, made once with it: per step a
+callable that takes the stream and does only that step's driver call (a
+launch's kernel, grid and packed parameters are the adapter's, prepared by
+its `step_launcher`), and per device one block of buffer addresses that its
+launches read. A call whose buffers are those of the program's last call
+rewrites nothing; one with other buffers (the same shapes, other arrays)
+rewrites each device's block once, not each launch.
 """
 
 import functools
@@ -59,6 +67,35 @@ class Program(NamedTuple):
     steps: tuple           # (LAUNCH, device, Launch or codec ops) | (RECORD | WAIT, device, event key)
     events: dict           # event key -> event (created on the recording device)
     launches: Tuple[int, ...]  # per device
+    record: tuple          # the launch record: (device, issue(stream)) per step, in order (no compression)
+    blocks: tuple          # per device, the buffer-address block its launches read (see the module doc)
+    patched: list          # [the address table the blocks hold now]
+
+
+class AddressBlock:
+    """The buffer addresses launches read, for devices without a block of
+    their own (the emulated device): the table itself, which the executor
+    never changes once made (a new call's buffers make a new table)."""
+
+    def __init__(self):
+        self.addresses = None
+
+    def update(self, addresses):
+        self.addresses = addresses
+
+
+def step_launcher(device, instance, launch, divisor, block):
+    """issue(stream): one plan_step launch of `launch` on `device`, with the
+    addresses `block` holds at the time: the device's own prepared launch
+    where it has one (CudaDevice.step_launcher), else its launch_step."""
+    prepared = getattr(device, "step_launcher", None)
+    if prepared is not None:
+        return prepared(instance, launch.grid, launch.table, launch.width, divisor, block, launch.fanout)
+    grid, table, width, fanout = launch.grid, launch.table, launch.width, launch.fanout
+
+    def issue(stream):
+        device.launch_step(stream, instance, grid, table, width, block.addresses, divisor, fanout)
+    return issue
 
 
 def grid_for(rows, device, itemsize, fanout=1):
@@ -182,13 +219,14 @@ class DeviceRanks:
             self._run_codec_program(program, streams, input_infos, output_infos)
             return
         addresses = self._addresses(plan, input_infos, output_infos)
-        instance, divisor = program.instance, program.divisor
-
-        def launch(k, step):
-            devices[k].launch_step(streams[k], instance, step.grid, step.table, step.width, addresses, divisor,
-                                   step.fanout)
-
-        self._issue(program, streams, launch)
+        if program.patched[0] is not addresses:
+            for block in program.blocks:
+                block.update(addresses)
+            program.patched[0] = addresses
+        for k, issue in program.record:
+            issue(streams[k])
+        for device in devices:
+            device.call_returned()
 
     def _issue(self, program, streams, launch):
         """The program's steps on the devices' streams, `launch(device index,
@@ -232,9 +270,15 @@ class DeviceRanks:
         The same buffers as the last call give the same table object, which
         the CUDA adapter then need not copy again."""
         need = plan.workspace_bytes
+        last = self._last_addresses
+        # A repeated call passes the very lists of descriptions it passed
+        # before (Communicator._repeat), which nobody changes: no key to build.
+        if last is not None and last[2] is inputs and last[3] is outputs and last[4] == (need, plan.scratch_offset):
+            return last[1]
         key = (tuple(inputs), tuple(outputs), need, plan.scratch_offset)
-        if self._last_addresses is not None and self._last_addresses[0] == key:
-            return self._last_addresses[1]
+        if last is not None and last[0] == key:
+            self._last_addresses = (key, last[1], inputs, outputs, (need, plan.scratch_offset))
+            return last[1]
         addresses = []
         for rank, (i, o) in enumerate(zip(inputs, outputs)):
             work = self._workspace(rank, need).address if need else 0
@@ -242,7 +286,7 @@ class DeviceRanks:
         assert (WORK, SCRATCH, INPUT, OUTPUT) == (0, 1, 2, 3), "the order of a rank's addresses above"
         table = kernels.buffer_table(addresses)
         table.setflags(write=False)  # adapters may keep it: a new call makes a new table
-        self._last_addresses = (key, table)
+        self._last_addresses = (key, table, inputs, outputs, (need, plan.scratch_offset))
         return table
 
     def _workspace(self, rank, nbytes):
@@ -274,10 +318,25 @@ class DeviceRanks:
                     launches[p, k] = Launch(self.devices[k].upload(rows), rows.shape[1], grid, fanout, rows)
         steps, recorded = self._order(plan, launches)
         events = {key: self.devices[key[0]].new_event() for key in recorded}
+        blocks = tuple(getattr(d, "buffer_block", AddressBlock)() for d in self.devices)
+        record = () if plan.compression is not None else \
+            tuple(self._issuer(step, instance, divisor, events, blocks) for step in steps)
         program = Program(plan, instance, divisor, tuple(steps), events,
-                          tuple(sum(1 for (_, k) in launches if k == i) for i in range(ndevices)))
+                          tuple(sum(1 for (_, k) in launches if k == i) for i in range(ndevices)),
+                          record, blocks, [None])
         self._programs[id(plan)] = program
         return program
+
+    def _issuer(self, step, instance, divisor, events, blocks):
+        """(device index, issue(stream)) of one step of a program."""
+        kind, k, what = step
+        device = self.devices[k]
+        if kind is LAUNCH:
+            return k, step_launcher(device, instance, what, divisor, blocks[k])
+        event = events[what]
+        if kind is RECORD:
+            return k, lambda stream: device.record(event, stream)
+        return k, lambda stream: device.wait(stream, event)
 
     def _order(self, plan, launches):
         """The program's steps: launches with the records and waits between
