@@ -169,7 +169,12 @@ def _lower(rank, kind, count, dst, srcs, encode, divisor):
         (src,) = srcs
         if src[0] == rank:
             return [("copy", dst, src)] + ([("encode", dst, dst, dst)] if encode else [])
-        return [("decode", dst, src)] + ([("copy_wire", dst, src)] if encode else [])
+        if not encode:
+            return [("decode", dst, src)]
+        # The peer's encoded chunk is read once, across the link: copied as it
+        # is into this rank's wire copy (which a later peer reads), then
+        # decoded from there, in this rank's own memory.
+        return [("copy_wire", dst, src), ("decode", dst, dst)]
 
     def fold(out, a, b, a_is_wire=False, last=False):
         """out = a + b as one operation (a is float unless a_is_wire, then b is)."""
