@@ -34,6 +34,23 @@ SHMLOOP = Extension(
     optional=True,
 )
 
+# The compression codecs' CPU loops (host ranks), kernels/codec.cuh's
+# arithmetic compiled for the CPU; no CUDA header needed. Optional like
+# _shmloop: without a C++ compiler the package installs and a compressed call
+# on host arrays says how to get one (collectives/compression/kernels.py).
+# -ffp-contract=off: no FMA, so every float32 step rounds as on the GPU;
+# -fno-trapping-math lets the per-element selects (and avg's division) be
+# vectorized; it changes no result, only assumes no one traps on FP flags.
+CODEC = Extension(
+    "collectives.compression._codec",
+    sources=["collectives/compression/_codec.cpp"],
+    include_dirs=["kernels"],
+    depends=["kernels/codec.cuh", "kernels/emulation/host_math.h"],
+    language="c++",
+    extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math"],
+    optional=True,
+)
+
 MPI = ["mpi4py>=4.0", "mpich>=4.2"]
 PLOTS = ["matplotlib>=3.7"]   # bench.plot puts the legend "outside", new in 3.7
 
@@ -73,7 +90,7 @@ setup(
     packages=find_packages(include=["collectives", "collectives.*"]) + ["collectives.kernel_sources"],
     package_dir={"collectives.kernel_sources": "kernels"},
     package_data={"collectives.kernel_sources": ["*.cu", "*.cuh", "emulation/*.h", "emulation/*.cpp"]},
-    ext_modules=[SHMLOOP],
+    ext_modules=[SHMLOOP, CODEC],
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "ml_dtypes>=0.4", "numba>=0.60"],   # numba: the codecs' host loops
     extras_require={

@@ -246,24 +246,15 @@ def test_block_aligned_views_equal_the_whole(codec):
 
 @pytest.fixture(scope="module")
 def conversions():
-    """The per-element float16/bfloat16 conversions compiled for the CPU, in
-    loops over arrays: (encode, decode)."""
-    numba = pytest.importorskip("numba")
-    compiled = kernels._bind(kernels._BODIES, numba.njit(error_model="numpy", _nrt=False))
-    to_f16, to_bf16 = compiled["_to_f16"], compiled["_to_bf16"]
-    from_f16, from_plain_f16 = compiled["_from_f16"], compiled["_from_plain_f16"]
+    """The per-element float16/bfloat16 conversions of kernels/codec.cuh, as
+    the host extension compiles them, in loops over arrays: (encode, decode)."""
+    from collectives.compression import _codec
 
-    @numba.njit
     def encode(x, f16, f16_value, bf16):
-        for i in range(x.size):
-            f16[i], f16_value[i] = to_f16(x[i])
-            bf16[i] = to_bf16(x[i])
+        _codec.convert(x.ctypes.data, f16.ctypes.data, f16_value.ctypes.data, bf16.ctypes.data, x.size, 0, 0, 0, 0)
 
-    @numba.njit
     def decode(payload, general, plain):
-        for i in range(payload.size):
-            general[i] = from_f16(payload[i])
-            plain[i] = from_plain_f16(payload[i])
+        _codec.convert(0, 0, 0, 0, 0, payload.ctypes.data, general.ctypes.data, plain.ctypes.data, payload.size)
 
     return encode, decode
 

@@ -641,35 +641,28 @@ def _bind(functions, jit, tag="", **names):
     return compiled
 
 
-# -- CPU: numba.njit loops -------------------------------------------------------
+# -- CPU: the host extension (_codec.cpp, kernels/codec.cuh's arithmetic) ------
 
 
 @functools.cache
-def _cpu_loops(codec):
-    """{operation: njit loop} for codec id `codec`, compiled for it alone."""
+def _host_loops():
+    """The compiled CPU loops (collectives/compression/_codec.cpp), built by
+    setup.py with the package."""
     try:
-        import numba
-    except ImportError:
-        raise CollectiveError("the compression codecs need Numba on the host: pip install 'numba>=0.60'") from None
-    # cache=True: the compiled loops land next to this file (or in Numba's
-    # user cache), so a new rank process loads them instead of compiling
-    # for seconds. Numba's cache key is this file's stamp, which covers
-    # every body, and the qualified name, which the tag makes per codec.
-    # No parallel=: the host ranks are the parallelism. LLVM inlines every
-    # body into the loops (forceinline), after compiling each on its own:
-    # see "Each pass over a block's elements" above. error_model="numpy",
-    # _nrt=False: no exception paths, no reference counting (nothing
-    # allocates).
-    options = dict(error_model="numpy", _nrt=False)
-    loops = tuple(_LOOPS.values())
+        from . import _codec
+    except ImportError as error:
+        raise CollectiveError(
+            "the compression codecs' CPU loops (collectives/compression/_codec.cpp) were not built, so compressed "
+            "collectives on host arrays cannot run: install a C++ compiler (g++ or clang++, e.g. apt-get install "
+            f"g++) and reinstall the package (pip install .), or run python setup.py build_ext --inplace ({error})"
+        ) from None
+    if _codec.BLOCK != BLOCK:
+        raise CollectiveError(f"{_codec.__file__} was built for blocks of {_codec.BLOCK}, not {BLOCK}: rebuild it")
+    return _codec
 
-    def jit(f):
-        if f.__code__ in {loop.__code__ for loop in loops}:
-            return numba.njit(cache=True, **options)(f)
-        return numba.njit(forceinline=True, **options)(f)
 
-    compiled = _bind(_BODIES + _DRIVERS + loops, jit, tag=f"[{CODECS[codec]}]", CODEC=codec)
-    return {name: compiled[loop.__name__] for name, loop in _LOOPS.items()}
+def _address(array):
+    return array.ctypes.data
 
 
 def _check(name, what, array, dtype, size=None):
@@ -719,14 +712,14 @@ def cpu_encode(name, x, payload, scales, round_x=False):
     are views at the same element (and element // BLOCK)."""
     _check(name, "x", x, np.float32)
     codec, payload, scales = _check_wire(name, x.size, payload, scales)
-    _cpu_loops(codec)["encode"](x, payload, scales, bool(round_x))
+    _host_loops().encode(codec, _address(x), _address(payload), _address(scales), x.size, bool(round_x))
 
 
 def cpu_decode(name, payload, scales, out):
     """out = decode(payload, scales) for out.size elements."""
     _check(name, "out", out, np.float32)
     codec, payload, scales = _check_wire(name, out.size, payload, scales)
-    _cpu_loops(codec)["decode"](payload, scales, out)
+    _host_loops().decode(codec, _address(payload), _address(scales), _address(out), out.size)
 
 
 def cpu_decode_add(name, acc, payload, scales, out, divisor=0, out_payload=None, out_scales=None, write_out=True):
@@ -739,8 +732,9 @@ def cpu_decode_add(name, acc, payload, scales, out, divisor=0, out_payload=None,
     _check(name, "acc", acc, np.float32, out.size)
     codec, payload, scales = _check_wire(name, out.size, payload, scales)
     _, out_payload, out_scales, encode_out = _out_wire(name, out.size, out_payload, out_scales)
-    _cpu_loops(codec)["decode_add"](acc, payload, scales, out, _divisor(divisor), out_payload, out_scales,
-                                    encode_out, _write_out(write_out, encode_out))
+    _host_loops().decode_add(codec, _address(acc), _address(payload), _address(scales), _address(out), out.size,
+                             _divisor(divisor), _address(out_payload), _address(out_scales), encode_out,
+                             _write_out(write_out, encode_out))
 
 
 def cpu_add(name, acc, b, out, divisor=0, out_payload=None, out_scales=None, write_out=True):
@@ -750,8 +744,8 @@ def cpu_add(name, acc, b, out, divisor=0, out_payload=None, out_scales=None, wri
     _check(name, "acc", acc, np.float32, out.size)
     _check(name, "b", b, np.float32, out.size)
     codec, out_payload, out_scales, encode_out = _out_wire(name, out.size, out_payload, out_scales)
-    _cpu_loops(codec)["add"](acc, b, out, _divisor(divisor), out_payload, out_scales, encode_out,
-                             _write_out(write_out, encode_out))
+    _host_loops().add(codec, _address(acc), _address(b), _address(out), out.size, _divisor(divisor),
+                      _address(out_payload), _address(out_scales), encode_out, _write_out(write_out, encode_out))
 
 
 # -- CUDA: numba.cuda kernels ------------------------------------------------------

@@ -9,13 +9,7 @@
 
 #pragma once
 
-#include <cstring>
-
-#define __global__
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
+#include "host_math.h"  // the qualifiers and float intrinsics
 
 #include <vector_types.h>
 
@@ -24,20 +18,6 @@ extern thread_local uint3 threadIdx;
 extern thread_local uint3 blockIdx;
 extern thread_local dim3 blockDim;
 extern thread_local dim3 gridDim;
-
-// Correctly rounded float and double operations, as the GPU's __fadd_rn and
-// friends. Compile with -ffp-contract=off so that nothing fuses them.
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline double __dadd_rn(double a, double b) { return a + b; }
-inline double __dmul_rn(double a, double b) { return a * b; }
-inline double __ddiv_rn(double a, double b) { return a / b; }
-
-inline unsigned int __float_as_uint(float x) { unsigned int b; std::memcpy(&b, &x, sizeof b); return b; }
-inline float __uint_as_float(unsigned int b) { float x; std::memcpy(&x, &b, sizeof x); return x; }
-inline long long __double_as_longlong(double x) { long long b; std::memcpy(&b, &x, sizeof b); return b; }
-inline double __longlong_as_double(long long b) { double x; std::memcpy(&x, &b, sizeof x); return x; }
 
 // SIMD on the bytes (4) or halves (2) of a 32-bit word; sums wrap.
 template <int Lanes, typename Lane, typename Combine>
