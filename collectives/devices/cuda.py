@@ -10,12 +10,14 @@ prepared parameter block, because the buffer table is a 2 KiB struct passed
 by value (batched_copy's two arguments go the same way, for one code path).
 """
 
+import ctypes
 import threading
 from pathlib import Path
 
 import numpy as np
 
 from .. import kernels
+from ..compression import kernels as codecs
 from ..errors import CollectiveError
 
 # plan_step(const long long* table, int width, BufferTable buffers, int divisor),
@@ -85,6 +87,9 @@ class CudaDevice:
         self._copy_parameter_addresses = np.array([self._copy_parameters.ctypes.data + o
                                                    for o in _COPY_PARAMETER_OFFSETS], np.uint64)
         self._copy_parameter_pointer = self._copy_parameter_addresses.ctypes.data
+        self._codec_parameters = codecs.CodecArgs()   # codec_kernel's one argument, a struct
+        self._codec_parameter_addresses = (ctypes.c_void_p * 1)(ctypes.addressof(self._codec_parameters))
+        self._codec_parameter_pointer = ctypes.addressof(self._codec_parameter_addresses)
 
     def __repr__(self):
         return f"<CudaDevice {self.name}>"
@@ -164,20 +169,27 @@ class CudaDevice:
             self._launch(function, grid, kernels.COPY_THREADS, stream, self._copy_parameter_pointer)
 
     def launch_codec(self, stream, kernel, codec, args, divisor):
-        """A codec kernel of compression/kernels.py (Numba) on `stream`; `args`
-        are compression.wire.Regions in the order of its CPU loop."""
-        from ..compression import kernels as codecs
-        cupy = self._cupy
-        with cupy.cuda.Device(self.index):
-            arrays = [None if r is None else _device_array(cupy, r, self) for r in args]
-            if kernel == "copy":
-                dst, src = args
-                nbytes = dst.count * np.dtype(dst.dtype).itemsize
-                if nbytes:
-                    cupy.cuda.runtime.memcpyAsync(dst.address, src.address, nbytes,
-                                                  cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
-                return
-            codecs.launch_on_stream(kernel, codec, arrays, divisor, stream.ptr)
+        """A codec kernel of kernels/codec.cu on `stream`; `args` are
+        compression.wire.Regions in the order of its CPU loop ("copy": dst, src)."""
+        if kernel == "copy":
+            dst, src = args
+            nbytes = dst.count * np.dtype(dst.dtype).itemsize
+            if nbytes:
+                runtime = self._cupy.cuda.runtime
+                with self._device:
+                    runtime.memcpyAsync(dst.address, src.address, nbytes, runtime.memcpyDeviceToDevice, stream.ptr)
+            return
+        launch = codecs.device_launch(kernel, codec, args, divisor)
+        if launch is None:
+            return  # no elements: CUDA refuses an empty grid, and there is nothing to do
+        instance, parameters, n = launch
+        function = self._functions.get(instance) or self._function(instance)
+        grid = (kernels.codec_grid(n, self.resident_blocks), 1)
+        with self._launch_lock:
+            # CodecArgs goes by value: the driver copies it from _codec_parameters at launch.
+            ctypes.memmove(ctypes.addressof(self._codec_parameters), ctypes.addressof(parameters),
+                           ctypes.sizeof(parameters))
+            self._launch(function, grid, kernels.CODEC_THREADS, stream, self._codec_parameter_pointer)
 
     def _launch(self, function, grid, threads, stream, parameter_pointer):
         """cuLaunchKernel; the caller holds the launch lock (the driver has

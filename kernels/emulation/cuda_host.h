@@ -4,8 +4,10 @@
 // CUDA headers take their host paths (cuda_fp16.h converts in software with
 // round to nearest even, as the GPU does).
 //
-// A launch runs every (block, thread) of the grid one after another; that is
-// exact because kernels here are thread-independent (see plan_step.cu).
+// A launch of a thread-independent kernel (plan_step, batched_copy) runs
+// every (block, thread) of the grid one after another; a kernel whose
+// threads exchange values (the codecs' __shfl_xor_sync) runs the threads of
+// each CUDA block as fibers that meet at every shuffle (launch.cpp).
 
 #pragma once
 
@@ -18,6 +20,25 @@ extern thread_local uint3 threadIdx;
 extern thread_local uint3 blockIdx;
 extern thread_local dim3 blockDim;
 extern thread_local dim3 gridDim;
+
+// Warp shuffles, for kernels launched with launch.cpp's cooperative walk:
+// every thread of the warp deposits its value, all meet, each reads its
+// partner's (launch.cpp: shuffle_exchange).
+unsigned long long shuffle_exchange(unsigned long long value, int source_lane);
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned int /*mask: the walk runs whole warps*/, T var, int lane_mask, int width = 32) {
+    static_assert(sizeof(T) <= sizeof(unsigned long long), "shuffle of a value wider than 64 bits");
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &var, sizeof var);
+    const int lane = static_cast<int>(threadIdx.x & 31u);
+    const int partner = (lane ^ lane_mask) & 31;   // outside the lane's segment of `width` lanes: its own value
+    const int source = (partner & -width) == (lane & -width) ? partner : lane;
+    bits = shuffle_exchange(bits, source);
+    T out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+}
 
 // SIMD on the bytes (4) or halves (2) of a 32-bit word; sums wrap.
 template <int Lanes, typename Lane, typename Combine>
