@@ -515,10 +515,9 @@ def test_a_broken_emulated_shuffle_is_caught(tmp_path):
     broken = tmp_path / "kernels"
     shutil.copytree(sources.source_dir(), broken, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
     launch = (broken / "emulation" / "launch.cpp").read_text()
-    exchange = "const unsigned long long got = partner.deposit;"
+    exchange = "return partner.deposit[slot];"
     assert exchange in launch
-    (broken / "emulation" / "launch.cpp").write_text(launch.replace(exchange,
-                                                                    "const unsigned long long got = self.deposit;"))
+    (broken / "emulation" / "launch.cpp").write_text(launch.replace(exchange, "return self.deposit[slot];"))
     with pytest.raises(AssertionError, match="differ"):
         check_against_reference(EmulatedKernels(emulated.library(broken)), "fp16", DATA["mixed-1e-8..1e5"])
 
@@ -544,6 +543,30 @@ def test_unknown_codec_and_bad_arrays():
         kernels.cpu_encode("bf16", x.astype(np.float64), np.zeros(64, np.uint16), None)
     with pytest.raises(InvalidUsageError, match="divisor"):
         kernels.cpu_add("bf16", x, x, x, -1)
+
+
+def test_without_the_host_extension_a_compressed_call_says_how_to_build_it():
+    """setup.py builds _codec.cpp optionally (no compiler: the package still
+    installs); a compressed call on host ranks then raises a CollectiveError
+    that says what to do, and nothing else breaks."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        sys.modules["collectives.compression._codec"] = None     # as if it had not been built
+        import collectives
+        comm = collectives.Communicator.local(2)
+        x = [np.ones(64, np.float32), np.ones(64, np.float32)]
+        assert np.array_equal(comm.allreduce(x)[0], np.full(64, 2, np.float32))
+        try:
+            comm.allreduce(x, compression="fp16")
+        except collectives.CollectiveError as error:
+            print(error)
+        else:
+            raise SystemExit("no error")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "C++ compiler" in done.stdout and "build_ext" in done.stdout, done.stdout
 
 
 NO_NUMBA_NO_ROW_STACK = textwrap.dedent("""

@@ -32,7 +32,6 @@ BLOCK = 32
 
 BF16, FP16, INT8 = range(3)            # codec ids, the kernels' first argument
 _PAYLOAD_DTYPES = (np.uint16, np.uint16, np.int8)
-SPECIAL_SCALE = 255                    # the block holds inf or NaN: decodes to NaN
 
 
 # -- the codecs by name ---------------------------------------------------------
@@ -87,6 +86,10 @@ def _host_loops():
 
 def _address(array):
     return array.ctypes.data
+
+
+def _nblocks(n):
+    return (n + BLOCK - 1) // BLOCK
 
 
 def _check(name, what, array, dtype, size=None):
@@ -170,12 +173,6 @@ def cpu_add(name, acc, b, out, divisor=0, out_payload=None, out_scales=None, wri
     codec, out_payload, out_scales, encode_out = _out_wire(name, out.size, out_payload, out_scales)
     _host_loops().add(codec, _address(acc), _address(b), _address(out), out.size, _divisor(divisor),
                       _address(out_payload), _address(out_scales), encode_out, _write_out(write_out, encode_out))
-
-
-
-
-def _nblocks(n):
-    return (n + BLOCK - 1) // BLOCK
 
 
 # -- devices: one kernel of kernels/codec.cu per operation ------------------------

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "../plan_step.cu"
@@ -52,19 +53,19 @@ void walk_grid(dim3 grid, dim3 block, Body body) {
 // -- fibers: the threads of one CUDA block, meeting at each shuffle ------------
 //
 // Each thread of the block runs on a fiber (ucontext) of its own; the
-// scheduler resumes them in rounds, each fiber until its next meeting point
-// or its end. A shuffle is two meetings: every thread deposits its value and
-// yields; in the next round, when all have deposited, each reads its
-// partner's and yields again, so that no deposit of the following shuffle
-// overwrites a value before every partner has read it. A partner that has
-// left the kernel or is at another shuffle (a kernel whose warps diverge at a
-// shuffle, undefined on a GPU) stops the run with a message.
+// scheduler resumes them in rounds, each fiber until its next shuffle or its
+// end, so a round is a barrier for the whole block. At its k-th shuffle a
+// thread deposits its value in slot k % 2 and yields; when it resumes (the
+// next round), every thread of the block has deposited its k-th value, and
+// none has yet deposited its (k+2)-th, which is the next write to that slot;
+// so it reads its partner's slot k % 2 and goes on. A partner that has left
+// the kernel or is at another shuffle (a warp that diverges at a shuffle,
+// undefined on a GPU) stops the run with a message.
 
 struct Fiber {
     ucontext_t context;
-    std::vector<char> stack;
-    unsigned long long deposit = 0;   // the value offered at the current shuffle
-    unsigned long long meetings = 0;  // shuffles entered so far
+    unsigned long long deposit[2] = {0, 0};   // values offered at even and odd shuffles
+    unsigned long long meetings = 0;          // shuffles entered so far
     bool done = false;
 };
 
@@ -78,9 +79,12 @@ struct BlockRun {
 thread_local BlockRun* running = nullptr;
 constexpr std::size_t kFiberStack = 64 << 10;
 
-void yield_to_scheduler() {
-    Fiber& me = running->fibers[running->current];
-    swapcontext(&me.context, &running->scheduler);
+// Fiber stacks, kept for the next launch on this OS thread (not zeroed:
+// allocating and clearing them per launch cost more than the kernels).
+char* fiber_stack(unsigned thread) {
+    thread_local std::vector<std::unique_ptr<char[]>> stacks;
+    while (stacks.size() <= thread) stacks.emplace_back(new char[kFiberStack]);
+    return stacks[thread].get();
 }
 
 void fiber_entry() {
@@ -95,7 +99,6 @@ void walk_grid_cooperatively(dim3 grid, dim3 block, Body body) {
     BlockRun run;
     run.body = &call;
     run.fibers.resize(block.x);
-    for (Fiber& fiber : run.fibers) fiber.stack.resize(kFiberStack);
     BlockRun* outer = running;
     running = &run;
     gridDim = grid;
@@ -103,16 +106,17 @@ void walk_grid_cooperatively(dim3 grid, dim3 block, Body body) {
     for (unsigned y = 0; y < grid.y; ++y) {
         for (unsigned x = 0; x < grid.x; ++x) {
             blockIdx = uint3{x, y, 0};
-            for (Fiber& fiber : run.fibers) {
+            for (unsigned t = 0; t < block.x; ++t) {
+                Fiber& fiber = run.fibers[t];
                 fiber.done = false;
                 fiber.meetings = 0;
                 getcontext(&fiber.context);
-                fiber.context.uc_stack.ss_sp = fiber.stack.data();
-                fiber.context.uc_stack.ss_size = fiber.stack.size();
+                fiber.context.uc_stack.ss_sp = fiber_stack(t);
+                fiber.context.uc_stack.ss_size = kFiberStack;
                 fiber.context.uc_link = &run.scheduler;
                 makecontext(&fiber.context, fiber_entry, 0);
             }
-            for (bool live = true; live;) {   // one round: every fiber to its next meeting or its end
+            for (bool live = true; live;) {   // one round: every fiber to its next shuffle or its end
                 live = false;
                 for (unsigned t = 0; t < block.x; ++t) {
                     if (run.fibers[t].done) continue;
@@ -136,18 +140,18 @@ unsigned long long shuffle_exchange(unsigned long long value, int source_lane) {
     }
     const unsigned me = running->current;
     Fiber& self = running->fibers[me];
-    self.deposit = value;
+    const unsigned slot = self.meetings % 2;
+    self.deposit[slot] = value;
     self.meetings += 1;
-    yield_to_scheduler();   // every thread of the block deposits
+    swapcontext(&self.context, &running->scheduler);   // every thread of the block deposits
     const Fiber& partner = running->fibers[(me & ~31u) + static_cast<unsigned>(source_lane)];
-    if (partner.done || partner.meetings != self.meetings) {
+    // The partner has entered this shuffle (and, if it has run this round, the next one at most).
+    if (partner.meetings != self.meetings && !(partner.meetings == self.meetings + 1 && !partner.done)) {
         std::fprintf(stderr, "emulated device: thread %u shuffles with lane %d, which is not at the same shuffle "
                      "(a warp that diverges at a shuffle)\n", me, source_lane);
         std::abort();
     }
-    const unsigned long long got = partner.deposit;
-    yield_to_scheduler();   // every thread has read before the next deposit
-    return got;
+    return partner.deposit[slot];
 }
 
 namespace {
