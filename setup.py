@@ -45,7 +45,7 @@ CODEC = Extension(
     "collectives.compression._codec",
     sources=["collectives/compression/_codec.cpp"],
     include_dirs=["kernels"],
-    depends=["kernels/codec.cuh", "kernels/emulation/host_math.h"],
+    depends=["collectives/compression/_codec_loops.h", "kernels/codec.cuh", "kernels/emulation/host_math.h"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math"],
     optional=True,
