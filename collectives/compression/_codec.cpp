@@ -30,6 +30,14 @@
 #include "emulation/host_math.h"
 #include "codec.cuh"
 
+// Every pass inlined into its loop over blocks, where a whole block's
+// bound is the constant 32: the vector loops then need no remainder code.
+#if defined(__GNUC__)
+#define COLLECTIVES_INLINE inline __attribute__((always_inline))
+#else
+#define COLLECTIVES_INLINE inline
+#endif
+
 namespace {
 
 using namespace collectives::codec;

@@ -7,7 +7,7 @@ template <int C> struct Payload { using type = std::uint16_t; };
 template <> struct Payload<kInt8> { using type = std::uint8_t; };
 
 template <int C>
-inline unsigned int payload_bits(typename Payload<C>::type p) { return p; }
+COLLECTIVES_INLINE unsigned int payload_bits(typename Payload<C>::type p) { return p; }
 
 // Operands of one call. `acc` is out's address when in place: the instances
 // for that case read `out` instead, one pointer, so the compiler needs no
@@ -31,7 +31,7 @@ enum Source { kX, kSum, kAdd };
 
 // v at element i of the block starting at lo.
 template <int C, Source S, bool InPlace, bool Divide>
-inline float value(const Call<C>& c, std::size_t i, float scale, bool plain) {
+COLLECTIVES_INLINE float value(const Call<C>& c, std::size_t i, float scale, bool plain) {
     if (S == kX) return c.out[i];   // encode: out is x
     const float a = InPlace ? c.out[i] : c.acc[i];
     const float other = S == kSum ? decode_value<C>(payload_bits<C>(c.payload[i]), scale, plain) : c.b[i];
@@ -39,11 +39,27 @@ inline float value(const Call<C>& c, std::size_t i, float scale, bool plain) {
     return Divide ? __fdiv_rn(v, c.divisor) : v;   // Divide: divisor > 0 (finish)
 }
 
+// The encoding pass over [lo, lo + count): payloads into `payload` (the
+// block's first), a __restrict__ parameter: payload stores then alias none
+// of the float reads, which a byte store (int8) would otherwise be assumed to
+// (a char may alias anything), checked at run time in every block.
+template <int C, Source S, bool InPlace, bool Divide, bool Write, bool Plain>
+COLLECTIVES_INLINE void encode_pass(const Call<C>& c, typename Payload<C>::type* __restrict__ payload, std::size_t lo,
+                        std::size_t count, float scale, unsigned int byte) {
+    const float inverse = inverse_scale_of(byte), out_scale = pow2(static_cast<int>(byte) - 127);
+    for (std::size_t j = 0; j < count; ++j) {
+        float decoded;
+        const float v = value<C, S, InPlace, Divide>(c, lo + j, scale, Plain);
+        payload[j] = static_cast<typename Payload<C>::type>(encode_value<C>(v, inverse, &decoded));
+        if (Write) c.out[lo + j] = rescale<C>(decoded, out_scale);
+    }
+}
+
 // The passes over one block's elements [lo, lo + count), for a block whose
 // payloads are `Plain` (see decode_value). Count is kBlock, a constant, for
 // every whole block, so each loop is 32 known steps.
 template <int C, Source S, bool InPlace, bool Divide, bool Encode, bool Write, bool Plain>
-inline void block_body(const Call<C>& c, std::size_t blk, std::size_t lo, std::size_t count, float scale) {
+COLLECTIVES_INLINE void block_body(const Call<C>& c, std::size_t blk, std::size_t lo, std::size_t count, float scale) {
     if (!Encode) {   // sums only
         for (std::size_t j = 0; j < count; ++j) c.out[lo + j] = value<C, S, InPlace, Divide>(c, lo + j, scale, Plain);
         return;
@@ -65,19 +81,13 @@ inline void block_body(const Call<C>& c, std::size_t blk, std::size_t lo, std::s
             return;
         }
     }
-    const float inverse = inverse_scale_of(byte), out_scale = pow2(static_cast<int>(byte) - 127);
-    for (std::size_t j = 0; j < count; ++j) {
-        float decoded;
-        const float v = value<C, S, InPlace, Divide>(c, lo + j, scale, Plain);
-        c.out_payload[lo + j] = static_cast<typename Payload<C>::type>(encode_value<C>(v, inverse, &decoded));
-        if (Write) c.out[lo + j] = rescale<C>(decoded, out_scale);
-    }
+    encode_pass<C, S, InPlace, Divide, Write, Plain>(c, c.out_payload + lo, lo, count, scale, byte);
 }
 
 // Whether the fp16 payloads [lo, lo + count) are all plain (no subnormal,
 // inf or NaN float16): one decision per block, not per element.
 template <int C>
-inline bool plain_payloads(const Call<C>& c, std::size_t lo, std::size_t count) {
+COLLECTIVES_INLINE bool plain_payloads(const Call<C>& c, std::size_t lo, std::size_t count) {
     if (C != kFp16) return true;
     unsigned int unusual = 0;   // an integer OR reduction vectorizes; a bool one did not (GCC 13)
     for (std::size_t j = 0; j < count; ++j) unusual |= static_cast<unsigned int>(unusual_f16(c.payload[lo + j]));
@@ -85,7 +95,7 @@ inline bool plain_payloads(const Call<C>& c, std::size_t lo, std::size_t count) 
 }
 
 template <int C, Source S, bool InPlace, bool Divide, bool Encode, bool Write>
-inline void block_pass(const Call<C>& c, std::size_t blk, std::size_t lo, std::size_t count) {
+COLLECTIVES_INLINE void block_pass(const Call<C>& c, std::size_t blk, std::size_t lo, std::size_t count) {
     if (S != kSum) return block_body<C, S, InPlace, Divide, Encode, Write, true>(c, blk, lo, count, 0.0f);
     const float scale = C == kBf16 ? 0.0f : scale_of(c.scales[blk]);
     if (plain_payloads(c, lo, count))
@@ -111,12 +121,12 @@ void blocks(const Call<C> c, std::size_t n) {
 
 // decode: out = decode(payload), a pass of its own (no sum).
 template <int C, bool Plain>
-inline void decode_body(const Call<C>& c, std::size_t lo, std::size_t count, float scale) {
+COLLECTIVES_INLINE void decode_body(const Call<C>& c, std::size_t lo, std::size_t count, float scale) {
     for (std::size_t j = 0; j < count; ++j) c.out[lo + j] = decode_value<C>(c.payload[lo + j], scale, Plain);
 }
 
 template <int C>
-inline void decode_block(const Call<C>& c, std::size_t blk, std::size_t lo, std::size_t count) {
+COLLECTIVES_INLINE void decode_block(const Call<C>& c, std::size_t blk, std::size_t lo, std::size_t count) {
     const float scale = C == kBf16 ? 0.0f : scale_of(c.scales[blk]);
     if (plain_payloads(c, lo, count))
         decode_body<C, true>(c, lo, count, scale);
