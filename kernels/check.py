@@ -15,8 +15,9 @@ of every kernel on every architecture, and fails (exit 1) when
   codecs' float32 side, 64-bit (LDG.E.64, STG.E.64) of the codecs' 16-bit
   payloads; or any access goes through a generic LD/ST instead of a global
   one;
-* a float operation of the PTX flushes subnormals (.ftz), which would
-  change results against NumPy. (The SASS of correctly rounded division
+* a float operation of the PTX flushes subnormals (.ftz), or fuses a
+  multiply and an add (fma/mad on floats: one rounding instead of two), either
+  of which would change results against NumPy. (The SASS of correctly rounded division
   uses .FTZ compares and adds internally; the PTX is what we wrote.)
 """
 
@@ -124,8 +125,24 @@ def ptx_flushing(text):
     return dict(flushing)
 
 
-def problems(usage, code, flushing):
+_PTX_FUSED = re.compile(r"^\s*(?:@!?%p\w+\s+)?(?:fma|mad)\.[\w.]*f(?:16|32|64)\b")
+
+
+def ptx_fused(text):
+    """{kernel: [PTX lines with a fused float multiply-add]} from cuobjdump -ptx."""
+    fused, kernel = defaultdict(list), None
+    for line in text.splitlines():
+        if m := _PTX_ENTRY.search(line):
+            kernel = m[1]
+        elif kernel and _PTX_FUSED.match(line):
+            fused[kernel].append(line.strip())
+    return dict(fused)
+
+
+def problems(usage, code, flushing, fused=None):
     found = [f"{short(kernel)} (PTX): flushes subnormals: {lines[:3]}" for kernel, lines in sorted(flushing.items())]
+    found += [f"{short(kernel)} (PTX): fused multiply-adds: {lines[:3]}"
+              for kernel, lines in sorted((fused or {}).items())]
     if not usage:
         found.append("ptxas reported no kernels")
     for (kernel, arch), u in sorted(usage.items()):
@@ -205,12 +222,13 @@ def main(argv=None):
     usage = resource_usage((build_dir / "kernels.resource-usage.txt").read_text())
     fatbin = str(build_dir / "kernels.fatbin")
     code = sass_instructions(run([find_tool("cuobjdump"), "-sass", fatbin]))
-    flushing = ptx_flushing(run([find_tool("cuobjdump"), "-ptx", fatbin]))
+    ptx = run([find_tool("cuobjdump"), "-ptx", fatbin])
+    flushing, fused = ptx_flushing(ptx), ptx_fused(ptx)
     archs = sorted({arch for _, arch in usage})
     print(f"# registers per thread ({', '.join(archs)}), from ptxas; nvcc {find_tool('nvcc')}")
     for kernel in sorted({k for k, _ in usage}, key=short):
         print(f"{short(kernel):30s} " + "  ".join(f"{usage[kernel, a].get('registers', '?'):>4}" for a in archs))
-    found = problems(usage, code, flushing)
+    found = problems(usage, code, flushing, fused)
     for problem in found:
         print(f"FAIL {problem}")
     print(f"# {len(usage)} kernel builds checked: " + ("all clean" if not found else f"{len(found)} problems"))

@@ -282,9 +282,11 @@ def test_static_checks_flag_what_they_promise_to():
         "        /*0030*/                   STG.E.128 desc[UR4][R2.64], R4 ;\n"
         "        /*0040*/                   STG.E desc[UR4][R6.64], R8 ;\n")
     flushing = check.ptx_flushing(".visible .entry k(\n\tadd.rn.ftz.f32 %f1, %f2, %f3;\n")
-    found = "\n".join(check.problems(usage, sass, flushing))
+    fused = check.ptx_fused(".visible .entry k(\n\tfma.rn.f32 %f1, %f2, %f3, %f4;\n\tmul.rn.f32 %f1, %f2, %f3;\n")
+    assert fused == {"k": ["fma.rn.f32 %f1, %f2, %f3, %f4;"]}
+    found = "\n".join(check.problems(usage, sass, flushing, fused))
     for symptom in ("spill", "local memory", "generic", "no LDG.E.128", "no STG.E.128", "flushes subnormals",
                     "batched_copy on sm_80: no LDG.E.128", "no plan_step kernel in the build",
                     "no batched_copy kernel in the build", "no codec_kernel kernel in the build",
-                    "codec_kernel<fp16, decode_add> on sm_90: no STG.E.64"):
+                    "codec_kernel<fp16, decode_add> on sm_90: no STG.E.64", "fused multiply-adds"):
         assert symptom in found, symptom

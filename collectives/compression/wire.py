@@ -373,8 +373,8 @@ def round_trip(codec, values):
     region = lambda array: Region(array.data.ptr, array.size, array.dtype.name)   # noqa: E731
     payload = cupy.empty(payload_bytes // cupy.dtype(kernels.payload_dtype(codec)).itemsize, kernels.payload_dtype(codec))
     scales = cupy.empty(scale_bytes, cupy.uint8)
-    # On the caller's current stream: ordered with its work, as CuPy's own calls are.
-    device.launch_codec(cupy.cuda.get_current_stream(), "encode_round", codec,
+    # On the array's device's current stream: ordered with the caller's work, as CuPy's own calls are.
+    device.launch_codec(device.current_stream(), "encode_round", codec,
                         (region(values), region(payload), region(scales)), 0)
 
 
