@@ -220,6 +220,49 @@ class EmulatedKernels:
         self._run("add", codec, (acc, b, out if write_out else None, out_payload, out_scales), divisor)
 
 
+class DeviceKernels(EmulatedKernels):
+    """kernels/codec.cu through a device's launch_codec (the CUDA adapter on
+    a GPU, or the emulated device's queue), called like the CPU loops: each
+    array is copied to the device (an array passed twice stays one), the
+    kernel runs on the device's stream, and every array comes back."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def _run(self, kernel, codec, arrays, divisor=0):
+        if self.device.array_location == "host":
+            on_device = {id(a): a for a in arrays if a is not None}
+        else:
+            import cupy
+            on_device = {id(a): cupy.asarray(a) for a in arrays if a is not None}
+        regions = [None if a is None else Region(_address_of(on_device[id(a)]), a.size, a.dtype.name) for a in arrays]
+        self.device.launch_codec(self.device.current_stream(), kernel, codec, regions, divisor)
+        self.device.synchronize()
+        for a in arrays:
+            if a is not None and on_device[id(a)] is not a:
+                a[:] = on_device[id(a)].get()
+
+
+def _address_of(array):
+    return array.ctypes.data if isinstance(array, np.ndarray) else array.data.ptr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", CODECS)
+def test_device_kernels_equal_the_reference(codec):
+    """On a GPU (or the emulated device under COLLECTIVES_TEST_DEVICE=emulated):
+    every operation, through the device interface, on the data sets above
+    (and a large one, for a grid of many blocks), bit for bit."""
+    from backends import GPU_DEVICE, require_gpu
+    from collectives.devices import open_device
+    require_gpu()
+    device = DeviceKernels(open_device("emulated:0" if GPU_DEVICE == "emulated" else 0))
+    rng = np.random.default_rng(8)
+    large = (rng.standard_normal(3 * 2 ** 20 + 5) * 10.0 ** rng.uniform(-5, 5, 3 * 2 ** 20 + 5)).astype(np.float32)
+    for name, x in [*DATA.items(), ("large", large if GPU_DEVICE == "cuda" else large[:20000])]:
+        check_against_reference(device, codec, x)
+
+
 @pytest.fixture(scope="module", params=["cpu", "emulated-cuda"])
 def form(request):
     """The codecs' CPU loops, or the GPU kernels on the emulated device."""

@@ -178,7 +178,7 @@ PyMethodDef methods[] = {
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_codec",
                       "The compression codecs' CPU loops (kernels/codec.cuh); addresses in, see kernels.py.", -1,
-                      methods};
+                      methods, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
