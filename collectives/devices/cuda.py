@@ -240,9 +240,3 @@ class CudaDevice:
     def call_returned(self):
         pass  # the work stays queued on the caller's stream
 
-
-def _device_array(cupy, region, owner):
-    """A CuPy array over device memory we do not own (compression.wire.Region)."""
-    dtype = np.dtype(region.dtype)
-    memory = cupy.cuda.UnownedMemory(region.address, max(region.count * dtype.itemsize, 1), owner, owner.index)
-    return cupy.ndarray((region.count,), dtype, cupy.cuda.MemoryPointer(memory, 0))
