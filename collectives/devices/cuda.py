@@ -2,12 +2,13 @@
 
 Kept to the calls of the device interface (__init__.py); everything it does
 for a collective, the emulated device does too, so it is the one part that
-CPU-only CI cannot run. Kernels come from kernels/plan_step.cu and
-kernels/batched_copy.cu, one instance per module, compiled on first use by
+CPU-only CI cannot run. Kernels come from kernels/plan_step.cu,
+kernels/batched_copy.cu and kernels/codec.cu, one instance per module, compiled on first use by
 NVRTC with our options (kernels.nvrtc_cubin, cached on disk) and loaded with
 `cupy.RawModule`. Launches go through the driver's cuLaunchKernel with a
 prepared parameter block, because the buffer table is a 2 KiB struct passed
-by value (batched_copy's two arguments go the same way, for one code path).
+by value (batched_copy's two arguments and the codecs' CodecArgs struct go
+the same way, for one code path).
 """
 
 import ctypes
