@@ -195,10 +195,17 @@ __host__ __device__ __forceinline__ float inverse_scale_of(unsigned int byte) {
     return pow2(127 - static_cast<int>(byte));
 }
 
+// int8: whether a block of scale byte `byte` may need the clamp to 127: only
+// at e = 121, float32's top sliver (see the wire format); at every other
+// scale |x 2^-e| < 127.5, so rint gives at most 127 and the clamp is a no-op.
+__host__ __device__ __forceinline__ bool int8_may_clamp(unsigned int byte) { return byte == 127u + 121u; }
+
 // The payload of float32 v (as the low bits of a uint32; int8's as its two's
 // complement byte) and, in *value, its decoding times 2^-e, exact (inverse =
-// 2^-e; unused for bf16, whose decoding is returned).
-template <int Codec>
+// 2^-e; unused for bf16, whose decoding is returned). Clamp false leaves out
+// int8's clamp, for blocks where int8_may_clamp is false (the same result;
+// the CPU loops vectorize better without it).
+template <int Codec, bool Clamp = true>
 __host__ __device__ __forceinline__ unsigned int encode_value(float v, float inverse, float* value) {
     if (Codec == kBf16) {
         const unsigned int p = to_bf16(v);
@@ -209,8 +216,10 @@ __host__ __device__ __forceinline__ unsigned int encode_value(float v, float inv
     if (Codec == kFp16) return to_f16(y, value);
     const float magic = 12582912.0f;   // 1.5 2^23: (y + M) - M rounds y to an integer, half to even, for |y| < 2^22
     float q = sub(add(y, magic), magic);
-    q = q < -127.0f ? -127.0f : q;     // a guard: the scale keeps |q| <= 127
-    q = q > 127.0f ? 127.0f : q;
+    if (Clamp) {
+        q = q < -127.0f ? -127.0f : q;
+        q = q > 127.0f ? 127.0f : q;
+    }
     *value = q;
     return static_cast<unsigned int>(static_cast<int>(q)) & 0xFFu;
 }

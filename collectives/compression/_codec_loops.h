@@ -43,14 +43,14 @@ COLLECTIVES_INLINE float value(const Call<C>& c, std::size_t i, float scale, boo
 // block's first), a __restrict__ parameter: payload stores then alias none
 // of the float reads, which a byte store (int8) would otherwise be assumed to
 // (a char may alias anything), checked at run time in every block.
-template <int C, Source S, bool InPlace, bool Divide, bool Write, bool Plain>
+template <int C, Source S, bool InPlace, bool Divide, bool Write, bool Plain, bool Clamp>
 COLLECTIVES_INLINE void encode_pass(const Call<C>& c, typename Payload<C>::type* __restrict__ payload, std::size_t lo,
                         std::size_t count, float scale, unsigned int byte) {
     const float inverse = inverse_scale_of(byte), out_scale = pow2(static_cast<int>(byte) - 127);
     for (std::size_t j = 0; j < count; ++j) {
         float decoded;
         const float v = value<C, S, InPlace, Divide>(c, lo + j, scale, Plain);
-        payload[j] = static_cast<typename Payload<C>::type>(encode_value<C>(v, inverse, &decoded));
+        payload[j] = static_cast<typename Payload<C>::type>(encode_value<C, Clamp>(v, inverse, &decoded));
         if (Write) c.out[lo + j] = rescale<C>(decoded, out_scale);
     }
 }
@@ -81,7 +81,10 @@ COLLECTIVES_INLINE void block_body(const Call<C>& c, std::size_t blk, std::size_
             return;
         }
     }
-    encode_pass<C, S, InPlace, Divide, Write, Plain>(c, c.out_payload + lo, lo, count, scale, byte);
+    if (C == kInt8 && int8_may_clamp(byte))   // float32's top sliver only
+        encode_pass<C, S, InPlace, Divide, Write, Plain, true>(c, c.out_payload + lo, lo, count, scale, byte);
+    else
+        encode_pass<C, S, InPlace, Divide, Write, Plain, false>(c, c.out_payload + lo, lo, count, scale, byte);
 }
 
 // Whether the fp16 payloads [lo, lo + count) are all plain (no subnormal,
