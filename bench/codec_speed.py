@@ -1,4 +1,4 @@
-"""Speed of the codecs' CPU loops (compression/kernels.py), one core.
+"""Speed of the codecs' CPU loops (collectives/compression/_codec.cpp), one core.
 
     python -m bench.codec_speed [--mib 64] [--repeat 7] [--codecs fp16,int8] [--ops encode,decode]
 

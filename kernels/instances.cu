@@ -16,3 +16,10 @@
     COLLECTIVES_STEP_INSTANCE(Element, kMin)
 
 COLLECTIVES_FOR_EACH_ELEMENT(COLLECTIVES_STEP_INSTANCES)
+
+#include "codec.cu"
+
+#define COLLECTIVES_CODEC_INSTANCE(Codec, Op) \
+    template __global__ void collectives::codec_kernel<Codec, Op>(collectives::CodecArgs);
+
+COLLECTIVES_FOR_EACH_CODEC_KERNEL(COLLECTIVES_CODEC_INSTANCE)

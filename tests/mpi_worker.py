@@ -294,7 +294,7 @@ def main():
         print(f"OK {scenario} {scenario_no_gpu()}", flush=True)
         return
     if scenario.startswith("fusion"):
-        # Compiling the codecs (on a cold Numba cache) may take longer than TIMEOUT.
+        # Load the codecs' CPU loops before the clock of TIMEOUT starts.
         collectives.compression.warm_up()
         MPI.COMM_WORLD.Barrier()
     comm = collectives.init(timeout=STARTUP_TIMEOUT, device=DEVICE)

@@ -2,24 +2,27 @@
 
 Kept to the calls of the device interface (__init__.py); everything it does
 for a collective, the emulated device does too, so it is the one part that
-CPU-only CI cannot run. Kernels come from kernels/plan_step.cu and
-kernels/batched_copy.cu, one instance per module, compiled on first use by
+CPU-only CI cannot run. Kernels come from kernels/plan_step.cu,
+kernels/batched_copy.cu and kernels/codec.cu, one instance per module, compiled on first use by
 NVRTC with our options (kernels.nvrtc_cubin, cached on disk) and loaded with
 `cupy.RawModule`. Launches go through the driver's cuLaunchKernel with a
 prepared parameter block, because the buffer table is a 2 KiB struct passed
-by value (batched_copy's two arguments go the same way, for one code path).
-CuPy's `driver.launchKernel` is the thinnest launch CuPy has (a Cython call
-of cuLaunchKernel, no argument packing of its own), so a launch costs one
-driver call and what the driver itself takes; the executor's launches are
-prepared once (step_launcher), and a call issues them as they are.
+by value (batched_copy's two arguments and the codecs' CodecArgs struct go
+the same way, for one code path). CuPy's `driver.launchKernel` is the
+thinnest launch CuPy has (a Cython call of cuLaunchKernel, no argument
+packing of its own), so a launch costs one driver call and what the driver
+itself takes; the executor's launches are prepared once (step_launcher),
+and a call issues them as they are.
 """
 
+import ctypes
 import threading
 from pathlib import Path
 
 import numpy as np
 
 from .. import kernels
+from ..compression import kernels as codecs
 from ..errors import CollectiveError
 
 # plan_step(const long long* table, int width, BufferTable buffers, int divisor,
@@ -90,6 +93,9 @@ class CudaDevice:
         self._copy_parameter_addresses = np.array([self._copy_parameters.ctypes.data + o
                                                    for o in _COPY_PARAMETER_OFFSETS], np.uint64)
         self._copy_parameter_pointer = self._copy_parameter_addresses.ctypes.data
+        self._codec_parameters = codecs.CodecArgs()   # codec_kernel's one argument, a struct
+        self._codec_parameter_addresses = (ctypes.c_void_p * 1)(ctypes.addressof(self._codec_parameters))
+        self._codec_parameter_pointer = ctypes.addressof(self._codec_parameter_addresses)
 
     def __repr__(self):
         return f"<CudaDevice {self.name}>"
@@ -215,20 +221,27 @@ class CudaDevice:
             self._launch(function, grid, kernels.COPY_THREADS, stream, self._copy_parameter_pointer)
 
     def launch_codec(self, stream, kernel, codec, args, divisor):
-        """A codec kernel of compression/kernels.py (Numba) on `stream`; `args`
-        are compression.wire.Regions in the order of its CPU loop."""
-        from ..compression import kernels as codecs
-        cupy = self._cupy
-        with cupy.cuda.Device(self.index):
-            arrays = [None if r is None else _device_array(cupy, r, self) for r in args]
-            if kernel == "copy":
-                dst, src = args
-                nbytes = dst.count * np.dtype(dst.dtype).itemsize
-                if nbytes:
-                    cupy.cuda.runtime.memcpyAsync(dst.address, src.address, nbytes,
-                                                  cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
-                return
-            codecs.launch_on_stream(kernel, codec, arrays, divisor, stream.ptr)
+        """A codec kernel of kernels/codec.cu on `stream`; `args` are
+        compression.wire.Regions in the order of its CPU loop ("copy": dst, src)."""
+        if kernel == "copy":
+            dst, src = args
+            nbytes = dst.count * np.dtype(dst.dtype).itemsize
+            if nbytes:
+                runtime = self._cupy.cuda.runtime
+                with self._device:
+                    runtime.memcpyAsync(dst.address, src.address, nbytes, runtime.memcpyDeviceToDevice, stream.ptr)
+            return
+        launch = codecs.device_launch(kernel, codec, args, divisor)
+        if launch is None:
+            return  # no elements: CUDA refuses an empty grid, and there is nothing to do
+        instance, parameters, n = launch
+        function = self._functions.get(instance) or self._function(instance)
+        grid = (kernels.codec_grid(n, self.resident_blocks), 1)
+        with self._launch_lock:
+            # CodecArgs goes by value: the driver copies it from _codec_parameters at launch.
+            ctypes.memmove(ctypes.addressof(self._codec_parameters), ctypes.addressof(parameters),
+                           ctypes.sizeof(parameters))
+            self._launch(function, grid, kernels.CODEC_THREADS, stream, self._codec_parameter_pointer)
 
     def _launch(self, function, grid, threads, stream, parameter_pointer):
         """cuLaunchKernel; the caller holds the launch lock (the driver has
@@ -319,9 +332,3 @@ class BufferBlock:
         self._table[:] = addresses
         self.addresses = addresses
 
-
-def _device_array(cupy, region, owner):
-    """A CuPy array over device memory we do not own (compression.wire.Region)."""
-    dtype = np.dtype(region.dtype)
-    memory = cupy.cuda.UnownedMemory(region.address, max(region.count * dtype.itemsize, 1), owner, owner.index)
-    return cupy.ndarray((region.count,), dtype, cupy.cuda.MemoryPointer(memory, 0))
