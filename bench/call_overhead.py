@@ -39,7 +39,7 @@ import numpy as np
 import collectives
 from bench import cli
 
-ADAPTER_CALLS = ("launch_step", "record", "wait", "call_returned")
+ADAPTER_CALLS = ("launch_step", "launch_codec", "record", "wait", "call_returned")
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 
@@ -83,7 +83,9 @@ def instrument(devices, noop):
     return spent
 
 
-def arguments(collective, xs, outs, in_place):
+def arguments(collective, xs, outs, in_place, compression=None):
+    if collective == "allreduce" and compression:
+        return (xs,), ({"compression": compression} if in_place else {"out": outs, "compression": compression})
     if in_place:
         return (xs,), {}
     if collective == "allreduce":
@@ -129,7 +131,7 @@ def measure(args):
     results = {}
     for collective in args.collectives:
         call = getattr(comm, collective)
-        positional, keywords = arguments(collective, xs, outs, args.in_place)
+        positional, keywords = arguments(collective, xs, outs, args.in_place, args.compression)
         for _ in range(200):
             call(*positional, algorithm=args.algorithm, **keywords)
         for key in spent:
@@ -177,7 +179,8 @@ def callgrind(args):
                        "bench.call_overhead", "--adapter", adapter, "--ranks", str(args.ranks), "--devices",
                        str(args.devices), "--calls", str(calls), "--batch", str(args.batch), "--algorithm",
                        args.algorithm, "--device", args.device, "--count", str(args.count),
-                       "--collectives", ",".join(args.collectives), *(["--in-place"] if args.in_place else [])]
+                       "--collectives", ",".join(args.collectives), *(["--in-place"] if args.in_place else []),
+                       *(["--compression", args.compression] if args.compression else [])]
             # A fixed hash seed: dict and set layouts, hence instruction counts, repeat.
             # One OpenBLAS thread: its idle threads' spinning would count too.
             subprocess.run(command, check=True, capture_output=True,
@@ -216,6 +219,8 @@ def main(argv=None):
                    help="timed: the device's own adapter, its calls timed and subtracted; noop: its calls do "
                         "nothing; dry: the CUDA adapter on stand-ins for CuPy and its arrays (no GPU needed)")
     p.add_argument("--in-place", action="store_true", help="in place (else out= for the collectives that take it)")
+    p.add_argument("--compression", choices=["bf16", "fp16", "int8"],
+                   help="allreduce with this codec (its launches are codec kernels; default: none)")
     p.add_argument("--callgrind", action="store_true", help="instructions per call, under valgrind")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
@@ -227,7 +232,7 @@ def main(argv=None):
         report = measure(args)
     report = {"command": " ".join([sys.executable, "-m", "bench.call_overhead", *(argv or sys.argv[1:])]),
               "device": args.device, "ranks": args.ranks, "devices": args.devices, "algorithm": args.algorithm, "in_place": args.in_place,
-              "adapter": args.adapter, "count": args.count or args.ranks * 4,
+              "adapter": args.adapter, "count": args.count or args.ranks * 4, "compression": args.compression,
               "environment": measured_on(args), "results": report}
     print(json.dumps(report, indent=1))
     if args.output_file:

@@ -130,3 +130,25 @@ def test_repeated_calls_on_device_arrays_skip_the_checks_until_an_array_changes(
         comm.allreduce(xs, algorithm="ring")
     assert len(checked) == 2
     comm.close()
+
+
+@pytest.mark.parametrize("ndevices", [1, 2])
+def test_a_repeated_compressed_call_issues_prepared_codec_launches(monkeypatch, ndevices):
+    """The codec launches of a compressed program are prepared once per set
+    of buffers (executors/device.py, the codec launch record): a repeat
+    issues them without preparing anything, new arrays prepare them again,
+    and each time the driver gets the same launches."""
+    from collectives.compression import kernels as codecs
+    dry, comm = dry_communicator(ndevices)
+    prepared = []
+    original = codecs.device_launch
+    monkeypatch.setattr(codecs, "device_launch", lambda *a: (prepared.append(a[0]), original(*a))[1])
+    xs = on_rank_device(dry, 1024)
+    launched = []
+    for xs_now in (xs, xs, on_rank_device(dry, 1024)):
+        before, prepared_before = dry.launches, len(prepared)
+        comm.allreduce(xs_now, compression="fp16", algorithm="ring")
+        launched.append((dry.launches - before, len(prepared) - prepared_before))
+    (first, made_first), (repeat, made_repeat), (fresh, made_fresh) = launched
+    assert first == repeat == fresh > 0
+    assert made_first == made_fresh == first and made_repeat == 0

@@ -243,6 +243,34 @@ class CudaDevice:
                            ctypes.sizeof(parameters))
             self._launch(function, grid, kernels.CODEC_THREADS, stream, self._codec_parameter_pointer)
 
+    def codec_launcher(self, kernel, codec, args, divisor):
+        """issue(stream): launch_codec's launch, prepared once: the instance,
+        its grid and its CodecArgs (a struct of its own, which the driver
+        copies at each launch). For the executor's codec launch records."""
+        if kernel == "copy":
+            dst, src = args
+            nbytes = dst.count * np.dtype(dst.dtype).itemsize
+            copy, device_to_device = self._cupy.cuda.runtime.memcpyAsync, self._cupy.cuda.runtime.memcpyDeviceToDevice
+            dst_address, src_address, device = dst.address, src.address, self._device
+
+            def issue_copy(stream):
+                if nbytes:
+                    with device:
+                        copy(dst_address, src_address, nbytes, device_to_device, stream.ptr)
+            return issue_copy
+        launch = codecs.device_launch(kernel, codec, args, divisor)
+        if launch is None:
+            return lambda stream: None   # no elements: CUDA refuses an empty grid
+        instance, parameters, n = launch
+        function = self._function(instance)
+        grid = (kernels.codec_grid(n, self.resident_blocks), 1)
+        pointers = (ctypes.c_void_p * 1)(ctypes.addressof(parameters))
+        pointer = ctypes.addressof(pointers)
+
+        def issue(stream, _alive=(parameters, pointers)):
+            self._launch(function, grid, kernels.CODEC_THREADS, stream, pointer)
+        return issue
+
     def _launch(self, function, grid, threads, stream, parameter_pointer):
         """cuLaunchKernel; the caller holds the launch lock (the driver has
         copied the parameters once this returns)."""

@@ -98,6 +98,15 @@ def step_launcher(device, instance, launch, divisor, block):
     return issue
 
 
+def codec_launcher(device, kernel, codec, args, divisor):
+    """issue(stream): one codec launch on `device`, prepared by the device
+    where it can (CudaDevice.codec_launcher), else through its launch_codec."""
+    prepared = getattr(device, "codec_launcher", None)
+    if prepared is not None:
+        return prepared(kernel, codec, args, divisor)
+    return lambda stream: device.launch_codec(stream, kernel, codec, args, divisor)
+
+
 def grid_for(rows, device, itemsize, fanout=1):
     """(blocks per group, groups): enough blocks to fill the device, no more
     than the longest row has 16-byte packs for."""
@@ -200,6 +209,7 @@ class DeviceRanks:
         self._workspaces = [None] * len(devices)
         self._retired = []      # outgrown workspaces: in-flight work may still use them
         self._programs = {}     # id(plan) -> Program
+        self._codec_records = {}   # id(program) -> (program, buffer addresses, codec launch record)
         self._last_addresses = None
 
     # -- the per-call path -----------------------------------------------------
@@ -228,26 +238,27 @@ class DeviceRanks:
         for device in devices:
             device.call_returned()
 
-    def _issue(self, program, streams, launch):
-        """The program's steps on the devices' streams, `launch(device index,
-        Launch or codec ops)` for each launch; then each device's call is
-        complete."""
-        devices, events = self.devices, program.events
-        for kind, k, what in program.steps:
-            if kind is LAUNCH:
-                launch(k, what)
-            elif kind is RECORD:
-                devices[k].record(events[what], streams[k])
-            else:
-                devices[k].wait(streams[k], events[what])
-        for device in devices:
-            device.call_returned()
-
     def _run_codec_program(self, program, streams, inputs, outputs):
         """A compressed plan: each rank's codec operations (compression/wire.py)
-        as codec kernel launches, ordered between devices like step launches."""
-        plan, devices = program.plan, self.devices
+        as codec kernel launches, ordered between devices like step launches.
+        The launches are prepared once per program and set of buffers (the
+        codec launch record); a repeated call only issues them."""
+        plan = program.plan
         workspaces = [self._workspace(rank, plan.workspace_bytes).address for rank in range(len(self.rank_devices))]
+        key = (tuple(i.address for i in inputs), tuple(o.address for o in outputs), tuple(workspaces))
+        cached = self._codec_records.get(id(program))
+        if cached is None or cached[0] is not program or cached[1] != key:
+            cached = (program, key, self._codec_record(program, workspaces, inputs, outputs))
+            self._codec_records[id(program)] = cached
+        for k, issue in cached[2]:
+            issue(streams[k])
+        for device in self.devices:
+            device.call_returned()
+
+    def _codec_record(self, program, workspaces, inputs, outputs):
+        """(device index, issue(stream)) for every codec launch, record and
+        wait of a compressed program on these buffers."""
+        plan, devices = program.plan, self.devices
         buffers = {INPUT: [i.address for i in inputs], OUTPUT: [o.address for o in outputs]}
 
         def address_of(rank, buffer):
@@ -258,12 +269,17 @@ class DeviceRanks:
             return buffers[buffer][rank]
 
         f, w = wire.device_regions(plan, address_of)
-
-        def launch(k, ops):   # ops: this device's ranks' operations in the phase
-            for kernel, args, divisor in wire.codec_launches(ops, f, w):
-                devices[k].launch_codec(streams[k], kernel, plan.compression, args, divisor)
-
-        self._issue(program, streams, launch)
+        record = []
+        for kind, k, what in program.steps:
+            device = devices[k]
+            if kind is LAUNCH:   # what: this device's ranks' operations in the phase
+                for kernel, args, divisor in wire.codec_launches(what, f, w):
+                    record.append((k, codec_launcher(device, kernel, plan.compression, args, divisor)))
+            else:
+                event = program.events[what]
+                record.append((k, (lambda stream, d=device, e=event: d.record(e, stream)) if kind is RECORD else
+                               (lambda stream, d=device, e=event: d.wait(stream, e))))
+        return tuple(record)
 
     def _addresses(self, plan, inputs, outputs):
         """The BufferTable of this call: per rank WORK, SCRATCH, INPUT, OUTPUT.
@@ -437,3 +453,4 @@ class DeviceRanks:
         self._workspaces = [None] * len(self.rank_devices)
         self._retired.clear()
         self._programs.clear()
+        self._codec_records.clear()
