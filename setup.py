@@ -1,23 +1,23 @@
 """collectives: GPU collective operations with our own kernels, NCCL as the yardstick.
 
-The base install needs no GPU package; it needs Numba, whose compiled
-loops are the host data path of the compression codecs. Extras:
+The base install needs no GPU package and no CUDA toolkit: NumPy and
+ml_dtypes, and a C/C++ compiler for the two extensions below (optional: the
+package installs without them and says what is missing when it is used).
+Extras:
     test    what the test suite needs: pytest, MPI for the
             multi-process tests, and NVIDIA's PyPI wheels of nvcc, ptxas,
             cuobjdump and the CUDA headers, with which the tests build every
-            kernel for sm_80/sm_90, check it statically, and compile it for
-            the CPU (the emulated device); numba-cuda with its CUDA 13 wheels
-            (NVVM, NVRTC, nvJitLink), with which the tests compile the Numba
-            codec kernels for sm_80/sm_90 and run them under Numba's CUDA
-            simulator; matplotlib and PyTorch's CPU build for the plot and
-            Gloo tests. No GPU and no CUDA toolkit needed.
+            kernel (the codecs' too) for sm_80/sm_90, check it statically,
+            and compile it for the CPU (the emulated device); matplotlib and
+            PyTorch's CPU build for the plot and Gloo tests. No GPU and no
+            CUDA toolkit needed.
     mpi     mpi4py with MPICH's wheel, for one rank per process under mpiexec
     examples  MPI and scikit-learn (the digits data set), for examples/
     bench   matplotlib, for python -m bench.plot
     torch   PyTorch, for the Gloo backend of the benchmarks (torch.distributed);
             the test extra pins the CPU build 2.13.0 (an unpinned torch pulls
             a multi-GB CUDA build)
-    cuda12  CuPy, NVRTC, the CUDA headers, NCCL and numba-cuda built for CUDA 12
+    cuda12  CuPy, NVRTC, the CUDA headers and NCCL built for CUDA 12
     cuda13  the same for CUDA 13
 """
 
@@ -31,6 +31,23 @@ SHMLOOP = Extension(
     "collectives.transport._shmloop",
     sources=["collectives/transport/_shmloop.c"],
     extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
+    optional=True,
+)
+
+# The compression codecs' CPU loops (host ranks), kernels/codec.cuh's
+# arithmetic compiled for the CPU; no CUDA header needed. Optional like
+# _shmloop: without a C++ compiler the package installs and a compressed call
+# on host arrays says how to get one (collectives/compression/kernels.py).
+# -ffp-contract=off: no FMA, so every float32 step rounds as on the GPU;
+# -fno-trapping-math lets the per-element selects (and avg's division) be
+# vectorized; it changes no result, only assumes no one traps on FP flags.
+CODEC = Extension(
+    "collectives.compression._codec",
+    sources=["collectives/compression/_codec.cpp"],
+    include_dirs=["kernels"],
+    depends=["collectives/compression/_codec_loops.h", "kernels/codec.cuh", "kernels/emulation/host_math.h"],
+    language="c++",
+    extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math"],
     optional=True,
 )
 
@@ -50,14 +67,6 @@ CUDA_TOOLCHAIN = [
     "cmake>=3.25",
 ]
 
-# The Numba codec kernels (collectives/compression/kernels.py): compiled for
-# sm_80/sm_90 and run under the CUDA simulator by the tests. Plain numba-cuda
-# cannot import numba.cuda without a CUDA toolkit, even for the simulator;
-# the cu13 extra brings NVVM, NVRTC and nvJitLink as wheels, at the versions
-# pinned above. Pinned like the toolchain: its compile path is what the
-# register and spill checks measure.
-NUMBA_CUDA = ["numba-cuda[cu13]==0.30.4"]
-
 # The training examples' data set (scikit-learn's digits), and the tests that run them.
 EXAMPLES = ["scikit-learn>=1.3"]
 
@@ -73,19 +82,19 @@ setup(
     packages=find_packages(include=["collectives", "collectives.*"]) + ["collectives.kernel_sources"],
     package_dir={"collectives.kernel_sources": "kernels"},
     package_data={"collectives.kernel_sources": ["*.cu", "*.cuh", "emulation/*.h", "emulation/*.cpp"]},
-    ext_modules=[SHMLOOP],
+    ext_modules=[SHMLOOP, CODEC],
     python_requires=">=3.10",
-    install_requires=["numpy>=1.24", "ml_dtypes>=0.4", "numba>=0.60"],   # numba: the codecs' host loops
+    install_requires=["numpy>=1.24", "ml_dtypes>=0.4"],
     extras_require={
         "mpi": MPI,
-        "test": ["pytest>=8", "pytest-timeout>=2.3", *MPI, *CUDA_TOOLCHAIN, *NUMBA_CUDA, *PLOTS, "torch==2.13.0",
+        "test": ["pytest>=8", "pytest-timeout>=2.3", *MPI, *CUDA_TOOLCHAIN, *PLOTS, "torch==2.13.0",
                  *EXAMPLES],
         "bench": PLOTS,
         "examples": [*MPI, *EXAMPLES],
         "torch": ["torch>=2.1"],
         "cuda12": ["cupy-cuda12x>=13.3", "nvidia-cuda-nvrtc-cu12>=12.4", "nvidia-cuda-runtime-cu12>=12.4",
-                   "nvidia-nccl-cu12>=2.21", "numba-cuda[cu12]>=0.20"],
+                   "nvidia-nccl-cu12>=2.21"],
         "cuda13": ["cupy-cuda13x>=14.0", "nvidia-cuda-nvrtc>=13.0", "nvidia-cuda-runtime>=13.0",
-                   "nvidia-cuda-cccl>=13.0", "nvidia-nccl-cu13>=2.28", "numba-cuda[cu13]>=0.20"],
+                   "nvidia-cuda-cccl>=13.0", "nvidia-nccl-cu13>=2.28"],
     },
 )

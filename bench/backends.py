@@ -125,7 +125,11 @@ class Ours(Backend):
 
     def __init__(self, name, spec, args, world, algorithm, comm=None, compression=NO_COMPRESSION):
         super().__init__(name, spec, args)
-        self.algorithm = self.args.algorithm = algorithm if name != NCCL else None
+        # NCCL picks its own algorithm: the row names none (algorithm None),
+        # and its calls pass the API's default, "auto", which the NCCL
+        # executor takes (None is no algorithm name, and the API refuses it).
+        self.algorithm = algorithm if name != NCCL else None
+        self.args.algorithm = algorithm if name != NCCL else "auto"
         if name != NCCL and compression != NO_COMPRESSION:
             self.compression = self.args.codec = compression
         # The label names the algorithm when several run, and the codec when

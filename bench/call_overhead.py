@@ -13,10 +13,15 @@ and reports per call (the median over batches of --batch calls too):
   issue's 10 µs goal is about;
 * the adapter calls the executor made (launches, records, waits).
 
-`--adapter noop` replaces the adapter's calls by no-ops (nothing runs), which
-is what `--callgrind` uses: it runs this script under valgrind twice, with
-two call counts, and prints the instructions per call of the difference,
-a number that does not move with the machine's load.
+`--adapter noop` replaces the adapter's calls by no-ops (nothing runs).
+`--adapter dry` runs the CUDA adapter itself (devices/cuda.py) on stand-ins
+for CuPy and its arrays (devices/dry_cuda.py): every line of ours that a
+call on a GPU runs, CuPy arrays' attribute reads included, without a GPU;
+only the driver's own cost is missing. Its time is all outside the driver,
+and the launches are counted by the stand-in driver. `--callgrind` runs
+this script under valgrind twice (with --adapter noop, or dry when asked),
+with two call counts, and prints the instructions per call of the
+difference, a number that does not move with the machine's load.
 """
 
 import gc
@@ -34,7 +39,7 @@ import numpy as np
 import collectives
 from bench import cli
 
-ADAPTER_CALLS = ("launch_step", "record", "wait", "call_returned")
+ADAPTER_CALLS = ("launch_step", "launch_codec", "record", "wait", "call_returned")
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 
@@ -57,10 +62,30 @@ def instrument(devices, noop):
                     spent["seconds"] += clock() - began
 
             setattr(device, name, timed)
+        if hasattr(device, "step_launcher"):  # the CUDA adapter's prepared launches (executors/device.py's record)
+            prepare = device.step_launcher
+
+            def step_launcher(*args, _prepare=prepare):
+                issue = _prepare(*args)
+
+                def timed_issue(stream):
+                    spent["launch_step"] += 1
+                    if noop:
+                        return None
+                    began = clock()
+                    try:
+                        return issue(stream)
+                    finally:
+                        spent["seconds"] += clock() - began
+                return timed_issue
+
+            device.step_launcher = step_launcher
     return spent
 
 
-def arguments(collective, xs, outs, in_place):
+def arguments(collective, xs, outs, in_place, compression=None):
+    if collective == "allreduce" and compression:
+        return (xs,), ({"compression": compression} if in_place else {"out": outs, "compression": compression})
     if in_place:
         return (xs,), {}
     if collective == "allreduce":
@@ -73,7 +98,15 @@ def arguments(collective, xs, outs, in_place):
 
 
 def measure(args):
-    if args.device == "host":   # virtual ranks: no device, no adapter to time
+    dry = None
+    if args.adapter == "dry":   # the CUDA adapter on stand-ins: nothing to subtract
+        from collectives.devices.dry_cuda import dry_devices
+        from collectives.executors.device import DeviceRanks
+        dry, devices = dry_devices(args.devices)
+        ranks = DeviceRanks([devices[r % args.devices] for r in range(args.ranks)])
+        comm = collectives.Communicator(ranks, size=args.ranks, local_ranks=range(args.ranks), timeout=60.0)
+        spent = instrument((), False)
+    elif args.device == "host":   # virtual ranks: no device, no adapter to time
         comm = collectives.Communicator.local(args.ranks)
         spent = instrument((), False)
     else:
@@ -81,20 +114,29 @@ def measure(args):
         comm = collectives.Communicator.local(args.ranks, devices=devices)
         spent = instrument(comm._ranks.devices, args.adapter == "noop")
     count = args.count or args.ranks * 4
-    if args.device == "cuda":
+    if dry is not None:
+        xp = dry
+    elif args.device == "cuda":
         import cupy as xp
     else:
         xp = np
-    xs = [xp.full(count, r + 1, np.float32) for r in range(args.ranks)]
-    outs = [xp.empty(count, np.float32) for _ in range(args.ranks)]
+    def on_rank_device(r, make):  # rank r's array on its device (GPU r mod --devices)
+        if xp is np:
+            return make()
+        with xp.cuda.Device(r % args.devices):
+            return make()
+
+    xs = [on_rank_device(r, lambda: xp.full(count, r + 1, np.float32)) for r in range(args.ranks)]
+    outs = [on_rank_device(r, lambda: xp.empty(count, np.float32)) for r in range(args.ranks)]
     results = {}
     for collective in args.collectives:
         call = getattr(comm, collective)
-        positional, keywords = arguments(collective, xs, outs, args.in_place)
+        positional, keywords = arguments(collective, xs, outs, args.in_place, args.compression)
         for _ in range(200):
             call(*positional, algorithm=args.algorithm, **keywords)
         for key in spent:
             spent[key] = 0
+        launched_before = dry.launches if dry is not None else 0
         # Objects from start-up move to the permanent generation: a full
         # collection's cost then does not land on whichever call triggers it.
         gc.collect()
@@ -109,6 +151,8 @@ def measure(args):
         total = time.perf_counter() - began
         comm.synchronize()
         calls = len(batches) * batch
+        if dry is not None:  # the stand-in driver counted them; nothing of ours ran inside it
+            spent["launch_step"] = dry.launches - launched_before
         results[collective] = {
             "calls": calls,
             "total_us_per_call": total / calls * 1e6,
@@ -127,14 +171,16 @@ def callgrind(args):
     if shutil.which("valgrind") is None:
         sys.exit("--callgrind needs valgrind")
     counts = {}
+    adapter = "dry" if args.adapter == "dry" else "noop"
     for calls in (args.calls, 2 * args.calls):
         with tempfile.TemporaryDirectory() as scratch:
             out = os.path.join(scratch, "callgrind.out")
             command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m",
-                       "bench.call_overhead", "--adapter", "noop", "--ranks", str(args.ranks), "--devices",
+                       "bench.call_overhead", "--adapter", adapter, "--ranks", str(args.ranks), "--devices",
                        str(args.devices), "--calls", str(calls), "--batch", str(args.batch), "--algorithm",
                        args.algorithm, "--device", args.device, "--count", str(args.count),
-                       "--collectives", ",".join(args.collectives), *(["--in-place"] if args.in_place else [])]
+                       "--collectives", ",".join(args.collectives), *(["--in-place"] if args.in_place else []),
+                       *(["--compression", args.compression] if args.compression else [])]
             # A fixed hash seed: dict and set layouts, hence instruction counts, repeat.
             # One OpenBLAS thread: its idle threads' spinning would count too.
             subprocess.run(command, check=True, capture_output=True,
@@ -143,24 +189,38 @@ def callgrind(args):
                 totals = [line for line in f if line.startswith("totals:") or line.startswith("summary:")]
             counts[calls] = int(totals[-1].split()[1])
     per_call = (counts[2 * args.calls] - counts[args.calls]) / args.calls / len(args.collectives)
-    return {"instructions_per_call": per_call, "runs": counts, "adapter": "noop"}
+    return {"instructions_per_call": per_call, "runs": counts, "adapter": adapter}
+
+
+def measured_on(args):
+    """bench.environment's block, saying which adapter ran (a dry run's
+    device is stand-ins, whatever --device says)."""
+    from bench.environment import environment
+    env = environment(args, args.ranks, ["ours"])
+    if args.adapter == "dry":
+        env["device"] = "dry CUDA adapter (devices/dry_cuda.py: stand-ins for CuPy, no GPU)"
+    if args.callgrind:
+        env["valgrind"] = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
+    return env
 
 
 def main(argv=None):
     p = cli.Parser(prog="python -m bench.call_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4, help="ranks, all in this process")
     p.add_argument("--device", default="emulated", choices=["emulated", "cuda", "host"],
-                   help="host: virtual ranks on NumPy arrays")
+                   help="host: virtual ranks on NumPy arrays (--adapter dry runs the CUDA adapter, whatever this says)")
     p.add_argument("--devices", type=int, default=1, help="devices the ranks are spread over")
     p.add_argument("--calls", type=int, default=20000, help="calls timed in all")
     p.add_argument("--batch", type=int, default=200, help="calls per timed batch (the median is over batches)")
     p.add_argument("--count", type=int, default=0, help="elements per rank (default: 0, meaning 4 per rank)")
     p.add_argument("--algorithm", default="ring", help="auto or a registered algorithm (python -m bench.model lists them)")
     p.add_argument("--collectives", default="allreduce", help=f"comma-separated, of {', '.join(COLLECTIVES)}")
-    p.add_argument("--adapter", default="timed", choices=["timed", "noop"],
-                   help="timed: the device adapter's calls run and are timed; noop: they are replaced by no-ops, "
-                        "so what is timed is the library's own Python")
+    p.add_argument("--adapter", default="timed", choices=["timed", "noop", "dry"],
+                   help="timed: the device's own adapter, its calls timed and subtracted; noop: its calls do "
+                        "nothing; dry: the CUDA adapter on stand-ins for CuPy and its arrays (no GPU needed)")
     p.add_argument("--in-place", action="store_true", help="in place (else out= for the collectives that take it)")
+    p.add_argument("--compression", choices=["bf16", "fp16", "int8"],
+                   help="allreduce with this codec (its launches are codec kernels; default: none)")
     p.add_argument("--callgrind", action="store_true", help="instructions per call, under valgrind")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
@@ -172,7 +232,8 @@ def main(argv=None):
         report = measure(args)
     report = {"command": " ".join([sys.executable, "-m", "bench.call_overhead", *(argv or sys.argv[1:])]),
               "device": args.device, "ranks": args.ranks, "devices": args.devices, "algorithm": args.algorithm, "in_place": args.in_place,
-              "results": report}
+              "adapter": args.adapter, "count": args.count or args.ranks * 4, "compression": args.compression,
+              "environment": measured_on(args), "results": report}
     print(json.dumps(report, indent=1))
     if args.output_file:
         with open(args.output_file, "w") as f:

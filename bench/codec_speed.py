@@ -1,6 +1,7 @@
-"""Speed of the codecs' CPU loops (compression/kernels.py), one core.
+"""Speed of the codecs: their CPU loops on one core, or their kernels on a device against a device copy.
 
     python -m bench.codec_speed [--mib 64] [--repeat 7] [--codecs fp16,int8] [--ops encode,decode]
+    python -m bench.codec_speed --device cuda [--mib 256] [-J out.json]
 
 For each codec and operation: float32 GB/s processed (4 bytes per element
 of the float32 side, divided by the best of --repeat runs), on --mib MiB of
@@ -21,15 +22,26 @@ yardstick: about 12 GB/s here).
     decode_add+encode-nowrite   the same with write_out=False: only the
                                 encoded output is written
     add+encode                  out = acc + b, then encoded as above
+
+With --device cuda (or emulated), each operation is the codec kernel of
+kernels/codec.cu through the device's launch_codec, and what is reported is
+bytes read plus written per second, beside a device-to-device copy moving
+as many bytes (half read, half written), the two alternating in one run:
+the floor a kernel that reads and writes each byte once can reach. The
+codec kernels are built to reach 0.8 of it. On emulated devices the
+numbers say nothing of a GPU; the mode runs there so CI checks it.
 """
 
 import inspect
+import json
+import sys
 import time
 
 import numpy as np
 
 from bench import cli
 from collectives.compression import kernels
+from collectives.compression.wire import Region
 
 OPS = ("encode", "encode+round", "decode", "decode_add", "decode_add+encode", "decode_add+encode-nowrite",
        "add+encode")
@@ -87,14 +99,105 @@ def _time(call):
     return time.perf_counter() - start
 
 
+# -- the kernels on a device ---------------------------------------------------------
+
+# per operation: (kernel, which regions it takes, divisor); names as in _calls
+DEVICE_OPS = {
+    "encode": ("encode", ("x", "out_payload", "out_scales")),
+    "encode+round": ("encode_round", ("rounded", "out_payload", "out_scales")),
+    "decode": ("decode", ("payload", "scales", "out")),
+    "decode_add": ("decode_add", ("acc", "payload", "scales", "out", None, None)),
+    "decode_add+encode": ("decode_add", ("acc", "payload", "scales", "out", "out_payload", "out_scales")),
+    "decode_add+encode-nowrite": ("decode_add", ("acc", "payload", "scales", None, "out_payload", "out_scales")),
+    "add+encode": ("add", ("acc", "x", "out", "out_payload", "out_scales")),
+}
+
+
+def device_buffers(device, kind, codec, n, rng):
+    """{name: (device memory, Region)} for every operand, filled as _calls fills its arrays."""
+    x = rng.standard_normal(n).astype(np.float32)
+    payload, scales = np.empty(n, kernels.payload_dtype(codec)), np.empty(kernels.wire_nbytes(codec, n)[1], np.uint8)
+    kernels.cpu_encode(codec, x, payload, scales)
+    host = {"x": x, "rounded": x.copy(), "acc": rng.standard_normal(n).astype(np.float32),
+            "out": np.zeros(n, np.float32), "payload": payload, "scales": scales,
+            "out_payload": np.zeros_like(payload), "out_scales": np.zeros_like(scales)}
+    buffers = {}
+    for name, values in host.items():
+        memory = device.allocate(max(values.nbytes, 16))
+        if kind == "cuda":
+            import cupy
+            cupy.cuda.runtime.memcpy(memory.address, values.ctypes.data, values.nbytes,
+                                     cupy.cuda.runtime.memcpyHostToDevice)
+        else:
+            memory.array[:values.nbytes] = values.view(np.uint8)
+        buffers[name] = (memory, Region(memory.address, values.size, values.dtype.name))
+    return buffers
+
+
+def bytes_moved(regions, kernel):
+    """Bytes an operation reads plus writes: each region once (encode_round
+    reads and writes x)."""
+    total = sum(r.count * np.dtype(r.dtype).itemsize for r in regions if r is not None)
+    return total + (regions[0].count * 4 if kernel == "encode_round" else 0)
+
+
+def measure_device(kind, codecs, ops, mib, repeat, rounds=3):
+    """Per codec and operation: the kernel's and a same-bytes device copy's
+    GB/s (read plus written), best of `rounds` alternating batches."""
+    from bench.gpu_check import Timer
+    from collectives.devices import open_device
+    device = open_device("cuda:0" if kind == "cuda" else "emulated:0")
+    timer = Timer(kind, device)
+    n = (mib << 20) // 4 // kernels.BLOCK * kernels.BLOCK
+    rng = np.random.default_rng(0)
+    rows = []
+    for codec in codecs:
+        buffers = device_buffers(device, kind, codec, n, rng)
+        copy_from, copy_to = device.allocate(8 * n), device.allocate(8 * n)   # room for the largest operation's bytes
+        stream = device.current_stream()
+        for op in ops:
+            kernel, names = DEVICE_OPS[op]
+            regions = tuple(None if name is None else buffers[name][1] for name in names)
+            moved = bytes_moved(regions, kernel)
+            half = moved // 2
+            src = Region(copy_from.address, half, "uint8")
+            dst = Region(copy_to.address, half, "uint8")
+
+            def run_codec(kernel=kernel, regions=regions):
+                device.launch_codec(stream, kernel, codec, regions, 0)
+
+            def run_copy(src=src, dst=dst):
+                device.launch_codec(stream, "copy", codec, (dst, src), 0)
+
+            codec_s, copy_s = [], []
+            for _ in range(rounds):   # alternating, so the machine's noise hits both alike
+                codec_s.append(timer.seconds(run_codec, repeat))
+                copy_s.append(timer.seconds(run_copy, repeat))
+            codec_gbps, copy_gbps = moved / min(codec_s) / 1e9, 2 * half / min(copy_s) / 1e9
+            rows.append({"codec": codec, "op": op, "elements": n, "bytes_moved": moved,
+                         "codec_us": min(codec_s) * 1e6, "codec_GBps": codec_gbps,
+                         "copy_us": min(copy_s) * 1e6, "copy_GBps": copy_gbps, "codec_vs_copy": codec_gbps / copy_gbps})
+    return rows
+
+
 def main(argv=None):
     parser = cli.Parser(prog="python -m bench.codec_speed", description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64, help="MiB of float32 per operand (default 64)")
     parser.add_argument("--repeat", type=int, default=7, help="runs per measurement, the best counts (default 7)")
     parser.add_argument("--codecs", default=",".join(kernels.CODECS), help="codecs to time, comma-separated")
     parser.add_argument("--ops", default=",".join(OPS), help="codec operations to time, comma-separated")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "emulated"],
+                        help="cpu: the C++ loops on one core; cuda or emulated: the codec kernels against a device copy")
+    parser.add_argument("-J", "--output_file", help="write the results as JSON here (device modes; default: no file)")
     args = parser.parse_args(argv)
     codecs, ops = args.codecs.split(","), args.ops.split(",")
+    for name, given, known in (("--codecs", codecs, kernels.CODECS), ("--ops", ops, OPS)):
+        unknown = [g for g in given if g not in known]
+        if unknown:
+            parser.error(f"{name}: unknown {unknown[0]!r}; expected some of {', '.join(known)}")
+    if args.device != "cpu":
+        cli.require_device_toolchain(parser.prog, args.device)
+        return report_device(args, codecs, ops, argv)
     results = measure(codecs, ops, args.mib, args.repeat)
     width = max(map(len, ops + ["operation"])) + 2
     print(f"float32 GB/s, one core, {args.mib} MiB, best of {args.repeat}")
@@ -102,6 +205,25 @@ def main(argv=None):
     for op in ops:
         cells = [f"{results[codec, op]:8.2f}" if (codec, op) in results else f"{'-':>8}" for codec in codecs]
         print(f"{op:<{width}}" + "".join(cells))
+
+
+
+def report_device(args, codecs, ops, argv=None):
+    rows = measure_device(args.device, codecs, ops, args.mib, args.repeat)
+    print(f"# codec kernels on {args.device}, {args.mib} MiB of float32 per operand; GB/s = bytes read + written "
+          "per second; the copy moves as many bytes")
+    print(f"# {'codec':6s} {'operation':28s} {'kernel us':>10s} {'GB/s':>8s} {'copy GB/s':>10s} {'ratio':>6s}")
+    for r in rows:
+        print(f"  {r['codec']:6s} {r['op']:28s} {r['codec_us']:10.1f} {r['codec_GBps']:8.1f} {r['copy_GBps']:10.1f} "
+              f"{r['codec_vs_copy']:6.2f}")
+    if args.output_file:
+        from bench.environment import _git_commit, device_environment
+        environment = device_environment(args.device)
+        environment["git_commit"] = _git_commit()
+        environment["command"] = " ".join(["python", "-m", "bench.codec_speed", *(sys.argv[1:] if argv is None else argv)])
+        with open(args.output_file, "w") as f:
+            json.dump({"environment": environment, "rows": rows}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

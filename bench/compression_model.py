@@ -42,6 +42,7 @@ import sys
 import numpy as np
 
 from bench import cli
+from bench.environment import _git_commit
 from bench.harness import parse_size
 from collectives.algorithms import MODELS, REGISTRY
 from collectives.algorithms.schedule import ALLREDUCE
@@ -186,7 +187,7 @@ def print_table(rows, codecs, links):
             line += " " + f"{' / '.join(f'{t:.0f}' for t in cells):>28s}"
         for codec in codecs:
             even = row[codec]["break_even_gbps"]
-            text = "never" if even is None else "always" if math.isinf(even) else f"{even:.0f}"
+            text = "never" if even is None else even if isinstance(even, str) else f"{even:.0f}"
             line += f" {text:>10s}"
         print(line)
 
@@ -235,6 +236,7 @@ def main(argv=None):
     if args.output_file:
         with open(args.output_file, "w") as f:
             json.dump({"command": "python -m bench.compression_model " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "environment": {"git_commit": _git_commit()},   # a model: the code, not the machine
                        "ranks": args.ranks, "memory_gbps": args.memory_gbps, "codec_gbps": args.codec_gbps,
                        "step_us": args.step_us, "links_gbps": {k: v / GB for k, v in args.links.items()},
                        "rows": rows}, f, indent=1)

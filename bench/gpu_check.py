@@ -8,7 +8,10 @@
 3. runs the allreduce benchmark on --ranks ranks of one GPU;
 4. runs it again with one rank per process (--processes of them under
    mpiexec, sharing the GPU through CUDA IPC), and the per-call comparison
-   of those GPU ranks with host ranks (bench.spmd_overhead);
+   of those GPU ranks with host ranks (bench.spmd_overhead). On a GPU it
+   starts an MPS daemon of its own first when it can (processes on one GPU
+   then run at once instead of taking turns), stops it after, and the JSON
+   says which mode was measured ("mps" or "time-sliced");
 5. ours against NCCL, side by side, one rank per visible GPU (NCCL takes
    one rank per GPU); skipped, with the reason, on emulated devices;
 6. writes everything to one JSON under bench/results/ with the device,
@@ -18,8 +21,10 @@
 it): CI does, so that on a GPU only the CuPy adapter is new.
 """
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -169,8 +174,47 @@ def open_device(kind, variant):
 
 # -- 4. one rank per process ---------------------------------------------------------
 
+MPS, TIME_SLICED = "mps", "time-sliced"
+
+
+@contextlib.contextmanager
+def mps_daemon(device):
+    """An MPS control daemon of our own for the block, when the device is a
+    GPU and nvidia-cuda-mps-control is there; yields (mode, environment for
+    the processes, why not MPS or None). Its pipe and log folders are a
+    private temporary folder, so it neither meets nor stops another daemon;
+    it is told to quit however the block ends."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if device != "cuda" or control is None:
+        yield TIME_SLICED, dict(os.environ), ("not a GPU" if device != "cuda" else "no nvidia-cuda-mps-control")
+        return
+    with tempfile.TemporaryDirectory(prefix="collectives-mps-") as folder:
+        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.path.join(folder, "pipe"),
+                   CUDA_MPS_LOG_DIRECTORY=os.path.join(folder, "log"))
+        os.makedirs(env["CUDA_MPS_PIPE_DIRECTORY"])
+        os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
+        started = subprocess.run([control, "-d"], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                                 text=True, timeout=60)
+        if started.returncode != 0:
+            yield TIME_SLICED, dict(os.environ), f"nvidia-cuda-mps-control -d failed: {started.stderr.strip()[-500:]}"
+            return
+        try:
+            yield MPS, env, None
+        finally:
+            subprocess.run([control], input="quit\n", env=env, capture_output=True, text=True, timeout=60)
+
+
 def run_processes(args):
-    """The allreduce sweep and the per-call comparison, each under mpiexec."""
+    """The allreduce sweep and the per-call comparison, each under mpiexec
+    (under MPS when mps_daemon can start one); and how the processes shared
+    the device."""
+    with mps_daemon(args.device) as (mode, env, why_not):
+        print(f"# processes share the device: {mode}" + (f" ({why_not})" if why_not else ""), flush=True)
+        results = run_process_benchmarks(args, env)
+    return results, {"mode": mode, "why_not_mps": why_not}
+
+
+def run_process_benchmarks(args, env):
     mpiexec = harness.find_mpiexec()
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -186,7 +230,7 @@ def run_processes(args):
         }
         for name, command in commands.items():
             print(" ".join(command), flush=True)
-            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
             print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
             path = sweep if name == "allreduce" else overhead
             results[name] = {"command": " ".join(command), "returncode": done.returncode,
@@ -248,7 +292,7 @@ def main(argv=None):
     table.unlink()
 
     print(f"# 4. one rank per process: {args.processes} processes sharing the device", flush=True)
-    report["processes"] = run_processes(args)
+    report["processes"], report["processes_sharing"] = run_processes(args)
 
     print("# 5. ours against NCCL", flush=True)
     report["ours_vs_nccl"] = ours_against_nccl(args)

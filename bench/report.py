@@ -93,7 +93,7 @@ def anchor(relative):
 def section(relative, data, note):
     environment = run_environment(data)
     lines = [f"## bench/results/{relative}", ""]
-    lines.append(f"- Command: `{readable_command(run_command(data, environment))}`")
+    lines.append(f"- Command: `{written_here(readable_command(run_command(data, environment)), relative)}`")
     lines.append(f"- Machine: {machine(environment)}")
     lines.append(f"- Commit: {commit(environment, note)}")
     if note.get("stale"):
@@ -119,6 +119,13 @@ def run_environment(data):
 
 def run_command(data, environment):
     return environment.get("command") or data.get("command") or "not recorded"
+
+
+def written_here(command, relative):
+    """The command with its JSON output (-J, --output_file) named where the
+    file is kept now, bench/results/<relative>: runs made elsewhere wrote it
+    to a scratch path first, which means nothing to a reader of this repository."""
+    return re.sub(r"(-J|--output_file)(\s+|=)\S+", lambda m: f"{m[1]}{m[2]}bench/results/{relative}", command)
 
 
 def readable_command(command):

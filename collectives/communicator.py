@@ -1,7 +1,6 @@
 """The public API: a Communicator validates, plans, and hands the plan to its ranks."""
 
 import concurrent.futures
-import operator
 import threading
 import time
 import weakref
@@ -408,7 +407,7 @@ class Communicator:
         for future in pending:
             future.add_done_callback(one_done)
 
-    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None):
+    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=False):
         """The algorithm that `algorithm="auto"` runs for a call: a name of
         collectives.algorithms.REGISTRY, chosen by the cost model of this
         communicator's transport.
@@ -421,6 +420,9 @@ class Communicator:
                     loop when it takes the dtype, and the answer is then its
                     step, "merged" or "pipelined". Without it (a list of
                     arrays, which the loop declines), the plan's algorithm.
+        in_place    whether the call writes its result into `x`: ranks that
+                    share one GPU choose differently in place (see
+                    docs/gpu.md); elsewhere it changes nothing.
 
         Raises InvalidUsageError for an unknown collective or a bad root.
         """
@@ -431,7 +433,9 @@ class Communicator:
             return fastpath.path_for(nbytes)
         itemsize = 1  # nbytes is already bytes
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
-        return self._auto(collective, nbytes, itemsize, validation.root_rank(root, self.size) if rooted else 0)
+        binding = IN_PLACE if in_place or rooted else OUT_OF_PLACE   # broadcast and reduce run in place
+        return self._auto(collective, nbytes, itemsize, validation.root_rank(root, self.size) if rooted else 0,
+                          binding if getattr(self._ranks, "addressable", False) else None)
 
     def _auto(self, collective, elements, itemsize, root, binding=None):
         """What `auto` runs for a call of `elements` per rank: the model asks
@@ -580,7 +584,8 @@ class Communicator:
         xs = tuple(x) if as_sequence else (x,)
         key = None
         # (1.0 and True equal 1 as keys, but only 1 is a rank.)
-        if root.__class__ is int and xs and isinstance(xs[0], np.ndarray):
+        state_of = arrays.repeat_state(xs[0]) if root.__class__ is int and xs else None
+        if state_of is not None:
             try:
                 outs = () if out is None else tuple(out) if isinstance(out, (list, tuple)) else (out,)
                 objects = xs + outs
@@ -591,7 +596,7 @@ class Communicator:
             except (TypeError, ValueError):  # not arrays, or unhashable arguments: the checks below say what is wrong
                 key = call = None
             else:
-                if call is not None and tuple(map(_STATE, objects)) == call.states:
+                if call is not None and tuple(map(call.state_of, objects)) == call.states:
                     return self._repeat(call, xs, objects, as_sequence)
 
         # The checks, in the order a caller's mistakes arise (validation.py):
@@ -637,13 +642,13 @@ class Communicator:
         plan = self._plan(collective, dtype, elements, op, root, algorithm, binding, compression)
         ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
         if key is not None:
-            self._remember(key, refs, objects, plan, input_infos, output_infos, made)
+            self._remember(key, refs, objects, state_of, plan, input_infos, output_infos, made)
         return outputs if as_sequence else outputs[0]
 
-    def _remember(self, key, refs, objects, plan, input_infos, output_infos, made):
+    def _remember(self, key, refs, objects, state_of, plan, input_infos, output_infos, made):
         """Keep a call that passed for `_collective` to recognise its repeats,
-        when its arrays are NumPy arrays, whose state (_STATE) is cheap to
-        read back.
+        when its arrays are all of one type whose state is cheap to read back
+        (`state_of`, arrays.repeat_state: NumPy and CuPy arrays).
 
         `key` holds the ids of the arrays' weak references `refs`, which the
         _Call keeps: so no array is kept alive, and no other object can take
@@ -651,14 +656,17 @@ class Communicator:
         a later call's key equals this one only with these very arrays, still
         alive. A weak reference also pins an array's memory: NumPy refuses to
         resize (move) an array that has one (short of resize(refcheck=False),
-        which it documents as unsafe). So an array of the same shape, dtype
-        and flags is still the memory that passed the checks."""
-        if not all(isinstance(a, np.ndarray) for a in objects):
+        which it documents as unsafe). A CuPy array's state includes its
+        address (arrays.repeat_state). So an array of the same state is
+        still the memory that passed the checks."""
+        kind = type(objects[0])
+        if not all(type(a) is kind for a in objects):
             return
         if len(self._calls) >= _CALLS_KEPT:  # forget calls whose arrays are gone, or else all
             live = {k: c for k, c in self._calls.items() if all(r() is not None for r in c.refs)}
             self._calls = live if len(live) < _CALLS_KEPT // 2 else {}
-        self._calls[key] = _Call(refs, tuple(map(_STATE, objects)), plan, input_infos, output_infos, made)
+        self._calls[key] = _Call(refs, state_of, tuple(map(state_of, objects)), plan, input_infos, output_infos,
+                                 made)
 
     def _repeat(self, call, xs, objects, as_sequence):
         """Run a recognised call (see _collective): `xs` its inputs, `objects`
@@ -671,7 +679,8 @@ class Communicator:
         elif made is _OWN_BLOCKS:
             outputs = tuple(self._own_block(a, rank) for a, rank in zip(xs, self.local_ranks))
         else:
-            outputs = tuple(np.empty(self._gathered_shape(info), info.dtype) for info in call.input_infos)
+            outputs = tuple(arrays.empty_like(x, info, self._gathered_shape(info))
+                            for x, info in zip(xs, call.input_infos))
         bound = call.bound
         if bound is None:  # bound at the first repeat: a call made once is not worth binding
             bind = getattr(self._ranks, "bind", None)
@@ -782,23 +791,22 @@ class Communicator:
 _GIVEN, _IN_PLACE, _OWN_BLOCKS, _FRESH = "given", "in place", "own blocks", "fresh"
 
 
-# What the checks of an array depend on besides its identity and memory.
-_STATE = operator.attrgetter("shape", "dtype", "flags.num")
 # Calls a communicator recognises: enough for one allreduce per gradient of a model.
 _CALLS_KEPT = 1024
 
 
 class _Call:
     """A call that passed every check (Communicator._remember): its arrays'
-    weak references and _STATE as they were; the plan; the arrays'
-    descriptions; how outputs are made; and the plan bound to the arrays by
-    ranks that can (VirtualHostRanks.bind): None until the first repeat,
-    False where there is no bound form."""
+    weak references, the function reading their state (arrays.repeat_state)
+    and their states as they were; the plan; the arrays' descriptions; how
+    outputs are made; and the plan bound to the arrays by ranks that can
+    (VirtualHostRanks.bind): None until the first repeat, False where there
+    is no bound form."""
 
-    __slots__ = ("refs", "states", "plan", "input_infos", "output_infos", "made", "bound")
+    __slots__ = ("refs", "state_of", "states", "plan", "input_infos", "output_infos", "made", "bound")
 
-    def __init__(self, refs, states, plan, input_infos, output_infos, made):
-        self.refs, self.states, self.plan, self.made = refs, states, plan, made
+    def __init__(self, refs, state_of, states, plan, input_infos, output_infos, made):
+        self.refs, self.state_of, self.states, self.plan, self.made = refs, state_of, states, plan, made
         self.input_infos, self.output_infos = input_infos, output_infos
         self.bound = None
 

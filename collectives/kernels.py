@@ -88,6 +88,35 @@ class CopyInstance(NamedTuple):
 
 COPY_INSTANCE = CopyInstance()
 
+# The compression codecs (kernels/codec.cu): codec_kernel<codec, op>, one
+# group of CODEC_LANES threads per block of 32 elements.
+CODEC_THREADS = 256  # kCodecThreads: threads per block of codec_kernel
+CODEC_LANES = 8      # kCodecLanes: threads per block of 32 elements
+
+
+class CodecInstance(NamedTuple):
+    """One instance of codec_kernel: a codec id (compression/kernels.py:
+    codec_id) and an op (enum CodecOp; compression/kernels.py: KERNELS)."""
+    codec: int
+    op: int
+
+    @property
+    def name_expression(self):
+        return f"collectives::codec_kernel<{self.codec}, {self.op}>"
+
+    @property
+    def source(self):
+        return "codec.cu"
+
+
+def codec_grid(n, resident_blocks):
+    """Blocks of CODEC_THREADS for codec_kernel over n >= 1 elements: the
+    blocks the device runs at once, fewer when the work has fewer groups of
+    32 elements than that many blocks have lanes for (the grid-stride loop
+    does the rest). Never 0: CUDA refuses an empty grid."""
+    needed = -(-(-(-int(n) // 32) * CODEC_LANES) // CODEC_THREADS)
+    return max(1, min(int(resident_blocks), needed))
+
 
 def step_instance(dtype, op, reduces):
     """The plan_step instance for a call; `reduces` is False for collectives
@@ -210,7 +239,7 @@ def sources_digest(source=None):
 
 
 def nvrtc_cubin(instance, arch, include_dirs, defines=()):
-    """(path of a cubin holding `instance` (a StepInstance or COPY_INSTANCE)
+    """(path of a cubin holding `instance` (a StepInstance, COPY_INSTANCE or CodecInstance)
     for `arch` like "sm_90", its lowered name), compiled with NVRTC through
     CuPy's bindings and cached on disk by sources, options, NVRTC version
     and instance."""

@@ -122,8 +122,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for p in group["params"]:
                     if p.requires_grad:
                         wire.check_compression(compression, host_array(torch.empty(0, dtype=p.dtype)).dtype, op)
-            # Compile the codecs now (or load them from Numba's disk cache):
-            # done in the first step, it could outlast a short timeout.
+            # Load the codecs' CPU loops now: a package built without them
+            # fails here, before training starts, not in its first step.
             warm_up()
         self.backward_passes_per_step = int(passes)
         self._lock = threading.Lock()   # CUDA gradients' hooks run in autograd's device threads

@@ -9,12 +9,15 @@ of every kernel on every architecture, and fails (exit 1) when
 * a kernel spills registers or has a stack frame (local memory), by ptxas's
   resource usage, or its SASS touches local memory (LDL/STL);
 * a kernel that must be in the build is not (VECTOR_KERNELS);
-* the vector path of a kernel in VECTOR_KERNELS (plan_step, batched_copy,
-  ll_allreduce's LL lines) is not 128-bit global loads and stores on sm_80
-  and sm_90 (LDG.E.128 and STG.E.128), or any access goes through a generic
-  LD/ST instead of a global one;
-* a float operation of the PTX flushes subnormals (.ftz), which would
-  change results against NumPy. (The SASS of correctly rounded division
+* the vector path of a kernel in VECTOR_KERNELS is not the wide global
+  accesses it is written for on sm_80 and sm_90 (wanted_accesses): 128-bit
+  loads and stores (LDG.E.128, STG.E.128) of plan_step, batched_copy, the
+  LL lines of ll_allreduce and the codecs' float32 side, 64-bit (LDG.E.64,
+  STG.E.64) of the codecs' 16-bit payloads; or any access goes through a
+  generic LD/ST instead of a global one;
+* a float operation of the PTX flushes subnormals (.ftz), or fuses a
+  multiply and an add (fma/mad on floats: one rounding instead of two), either
+  of which would change results against NumPy. (The SASS of correctly rounded division
   uses .FTZ compares and adds internally; the PTX is what we wrote.)
 """
 
@@ -31,9 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VECTOR_ARCHS = ("sm_80", "sm_90")  # where 16-byte paths must be 128-bit accesses
 # Kernels (names as they appear in mangled symbols) that instances.cu must
-# build and whose 16-byte paths must compile to LDG.E.128/STG.E.128
+# build and whose vector paths must compile to wide global accesses
 # (ll_allreduce: an LL line is one 16-byte store and one 16-byte load).
-VECTOR_KERNELS = ("plan_step", "batched_copy", "ll_allreduce")
+VECTOR_KERNELS = ("plan_step", "batched_copy", "codec_kernel", "ll_allreduce")
+CODEC_NAMES = ("bf16", "fp16", "int8")                 # kernels/codec.cuh: enum Codec
+CODEC_OPS = ("encode", "decode", "decode_add", "add")  # kernels/codec.cu: enum CodecOp
+_CODEC_KERNEL = re.compile(r"12codec_kernelILi(\d)ELi(\d)E")
 
 _FUNCTION = re.compile(r"Function properties for (\S+)")
 _COMPILING = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
@@ -120,8 +126,24 @@ def ptx_flushing(text):
     return dict(flushing)
 
 
-def problems(usage, code, flushing):
+_PTX_FUSED = re.compile(r"^\s*(?:@!?%p\w+\s+)?(?:fma|mad)\.[\w.]*f(?:16|32|64)\b")
+
+
+def ptx_fused(text):
+    """{kernel: [PTX lines with a fused float multiply-add]} from cuobjdump -ptx."""
+    fused, kernel = defaultdict(list), None
+    for line in text.splitlines():
+        if m := _PTX_ENTRY.search(line):
+            kernel = m[1]
+        elif kernel and _PTX_FUSED.match(line):
+            fused[kernel].append(line.strip())
+    return dict(fused)
+
+
+def problems(usage, code, flushing, fused=None):
     found = [f"{short(kernel)} (PTX): flushes subnormals: {lines[:3]}" for kernel, lines in sorted(flushing.items())]
+    found += [f"{short(kernel)} (PTX): fused multiply-adds: {lines[:3]}"
+              for kernel, lines in sorted((fused or {}).items())]
     if not usage:
         found.append("ptxas reported no kernels")
     for (kernel, arch), u in sorted(usage.items()):
@@ -137,9 +159,9 @@ def problems(usage, code, flushing):
         if generic:
             found.append(f"{name}: generic (not global) accesses {generic}")
         if arch in VECTOR_ARCHS and any(vector in kernel for vector in VECTOR_KERNELS):
-            for wanted in ("LDG.E.128", "STG.E.128"):
-                if not any(o.startswith(wanted) for o in opcodes):
-                    found.append(f"{name}: no {wanted} (the 16-byte vector path)")
+            for wanted in wanted_accesses(kernel):
+                if not any(o == wanted or o.startswith(wanted + ".") for o in opcodes):
+                    found.append(f"{name}: no {wanted} (its vector path)")
     for wanted_arch in VECTOR_ARCHS:
         if not any(arch == wanted_arch for _, arch in code):
             found.append(f"no {wanted_arch} code in the build")
@@ -147,6 +169,25 @@ def problems(usage, code, flushing):
         if not any(vector in kernel for kernel, _ in usage):
             found.append(f"no {vector} kernel in the build")
     return found
+
+
+def wanted_accesses(kernel):
+    """The wide global accesses the vector path of `kernel` (a mangled name)
+    must compile to. The codecs: 8 lanes of a block of 32 elements move one
+    float4 each (LDG.E.128 where float32 is read: all but decode; STG.E.128
+    where it is written: all, encode when it rounds x), and 8 bytes of a
+    16-bit payload (LDG.E.64 where decode and decode_add read it, STG.E.64
+    where encode, decode_add and add write it); int8's 4 bytes per lane are
+    plain 32-bit LDG.E/STG.E, which every kernel has anyway."""
+    m = _CODEC_KERNEL.search(kernel)
+    if not m:
+        return ("LDG.E.128", "STG.E.128")
+    codec, op = CODEC_NAMES[int(m[1])], CODEC_OPS[int(m[2])]
+    wanted = ["STG.E.128"] + (["LDG.E.128"] if op != "decode" else [])
+    if codec != "int8":
+        wanted += ["LDG.E.64"] if op in ("decode", "decode_add") else []
+        wanted += ["STG.E.64"] if op != "decode" else []
+    return tuple(wanted)
 
 
 _INTEGERS = {"a": "Int8", "s": "Int16", "i": "Int32", "x": "Int64",
@@ -158,6 +199,8 @@ def short(kernel):
     batched_copy for batched_copy's."""
     if re.search(r"\d+batched_copyE", kernel):
         return "batched_copy"
+    if m := _CODEC_KERNEL.search(kernel):
+        return f"codec_kernel<{CODEC_NAMES[int(m[1])]}, {CODEC_OPS[int(m[2])]}>"
     m = re.search(r"plan_stepINS_\d+(\w+?)(?:I(\w+?)E)?ELi(\d)E", kernel)
     if not m:
         return kernel
@@ -180,12 +223,13 @@ def main(argv=None):
     usage = resource_usage((build_dir / "kernels.resource-usage.txt").read_text())
     fatbin = str(build_dir / "kernels.fatbin")
     code = sass_instructions(run([find_tool("cuobjdump"), "-sass", fatbin]))
-    flushing = ptx_flushing(run([find_tool("cuobjdump"), "-ptx", fatbin]))
+    ptx = run([find_tool("cuobjdump"), "-ptx", fatbin])
+    flushing, fused = ptx_flushing(ptx), ptx_fused(ptx)
     archs = sorted({arch for _, arch in usage})
     print(f"# registers per thread ({', '.join(archs)}), from ptxas; nvcc {find_tool('nvcc')}")
     for kernel in sorted({k for k, _ in usage}, key=short):
         print(f"{short(kernel):30s} " + "  ".join(f"{usage[kernel, a].get('registers', '?'):>4}" for a in archs))
-    found = problems(usage, code, flushing)
+    found = problems(usage, code, flushing, fused)
     for problem in found:
         print(f"FAIL {problem}")
     print(f"# {len(usage)} kernel builds checked: " + ("all clean" if not found else f"{len(found)} problems"))

@@ -17,6 +17,13 @@
 
 COLLECTIVES_FOR_EACH_ELEMENT(COLLECTIVES_STEP_INSTANCES)
 
+#include "codec.cu"
+
+#define COLLECTIVES_CODEC_INSTANCE(Codec, Op) \
+    template __global__ void collectives::codec_kernel<Codec, Op>(collectives::CodecArgs);
+
+COLLECTIVES_FOR_EACH_CODEC_KERNEL(COLLECTIVES_CODEC_INSTANCE)
+
 #include "ll_allreduce.cu"
 
 #define COLLECTIVES_LL_INSTANCE(Element, Op)                                                   \

@@ -1,5 +1,5 @@
 """The compression wire format in plain NumPy: the reference the codec
-kernels (collectives/compression/kernels.py) must equal bit for bit.
+kernels (kernels/codec.cuh: the CPU loops and the GPU kernels) must equal bit for bit.
 
 Written from the format's definition with NumPy's own conversions
 (astype(float16), astype(bfloat16), rint, frexp, ldexp), not with the

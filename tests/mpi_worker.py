@@ -5,6 +5,12 @@
 DEVICE is what collectives.init(device=...) takes: host (the default),
 emulated or cuda. Each rank prints "OK <scenario> <rank>" when everything it
 checked held, and fails with a traceback (non-zero exit) otherwise.
+
+The scenarios are one body for every device: they make their inputs and
+expected values as NumPy arrays and hand the communicator `on_rank(a)`, a
+copy where the rank's arrays live (CuPy on the rank's GPU for cuda, NumPy
+for host and emulated ranks), and compare `to_host(result)`. So the cuda
+runs differ from the emulated ones, which CI runs, in those two functions only.
 """
 
 import os
@@ -24,9 +30,36 @@ from collectives.algorithms import REGISTRY
 ALGORITHMS = tuple(REGISTRY)
 
 TIMEOUT = 3.0
+# init waits for every rank to open its device: a CUDA context takes seconds
+# when many processes make theirs at once (pytest -n on one GPU), which the
+# collectives' own TIMEOUT does not allow for. The scenarios that time how
+# ranks stall, die or disagree keep TIMEOUT for their calls; the others do
+# not time anything, and a GPU rank's first call of a dtype and op may
+# compile its kernel (NVRTC, seconds on a cold cache, under load longer)
+# while its peers wait: they get UNTIMED_TIMEOUT, which still ends a hang.
+STARTUP_TIMEOUT = 120.0
+UNTIMED_TIMEOUT = 60.0
+TIMED_SCENARIOS = ("stalled", "stalled_barrier", "killed", "mismatch", "fusion_killed")
+
+
+def on_rank(a):
+    """A copy of host array `a` where this rank's arrays live."""
+    if DEVICE.startswith("cuda"):
+        import cupy
+        return cupy.asarray(a)  # on the current device, which init made this rank's GPU
+    return np.array(a)
+
+
+def to_host(a):
+    """A rank's array (or result) as a NumPy array."""
+    if DEVICE.startswith("cuda"):
+        import cupy
+        return cupy.asnumpy(a)
+    return np.asarray(a)
 
 
 def check(got, want, case):
+    got = to_host(got)
     assert got.dtype == want.dtype and got.shape == want.shape, case
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{case}: {got[:6]} != {want[:6]}"
 
@@ -47,23 +80,23 @@ def scenario_collectives(comm):
                     case = f"{algorithm} {op} {dtype} count={count} rank {r}"
                     x = reduction_input(op, dtype, n, r, count)
                     if "allreduce" in implemented:
-                        check(comm.allreduce(x.copy(), op=op, algorithm=algorithm),
+                        check(comm.allreduce(on_rank(x), op=op, algorithm=algorithm),
                               reduction_expected(op, dtype, n, count), f"allreduce {case}")
                     if "reduce_scatter" in implemented:
-                        out = np.empty(count, dtype)
-                        comm.reduce_scatter(reduction_input(op, dtype, n, r, n * count), op=op, out=out,
+                        out = on_rank(np.empty(count, dtype))
+                        comm.reduce_scatter(on_rank(reduction_input(op, dtype, n, r, n * count)), op=op, out=out,
                                             algorithm=algorithm)
                         check(out, reduction_expected(op, dtype, n, n * count)[r * count:(r + 1) * count],
                               f"reduce_scatter {case}")
                     if "reduce" in implemented:
-                        got = comm.reduce(x.copy(), root=n - 1, op=op, algorithm=algorithm)
+                        got = comm.reduce(on_rank(x), root=n - 1, op=op, algorithm=algorithm)
                         check(got, reduction_expected(op, dtype, n, count) if r == n - 1 else x, f"reduce {case}")
                 if "allgather" in implemented:
-                    gathered = comm.allgather(gather_input(dtype, r, count), algorithm=algorithm)
+                    gathered = comm.allgather(on_rank(gather_input(dtype, r, count)), algorithm=algorithm)
                     want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
                     check(gathered, want, f"allgather {algorithm} {dtype} count={count}")
                 if "broadcast" in implemented:
-                    got = comm.broadcast(gather_input(dtype, r, count), root=n // 2, algorithm=algorithm)
+                    got = comm.broadcast(on_rank(gather_input(dtype, r, count)), root=n // 2, algorithm=algorithm)
                     check(got, gather_input(dtype, n // 2, count), f"broadcast {algorithm} {dtype} count={count}")
     # Random floats: every rank holds the bits the NumPy interpreter gives for
     # the same inputs (each rank can make everyone's), so all ranks agree.
@@ -72,13 +105,13 @@ def scenario_collectives(comm):
             implemented = REGISTRY[algorithm].collectives
             for size in (5, 70001, 1 << 20):  # 1 << 20 makes every rank grow its workspace
                 inputs = [random_floats(q, size) for q in range(n)]
-                mine = comm.allreduce(inputs[r].copy(), algorithm=algorithm)
+                mine = to_host(comm.allreduce(on_rank(inputs[r]), algorithm=algorithm))
                 check(mine, reference.allreduce(inputs, algorithm=algorithm)[r], f"random allreduce {algorithm}")
                 if "reduce_scatter" not in implemented:
                     continue
-                out = np.empty(size, np.float32)
+                out = on_rank(np.empty(size, np.float32))
                 inputs = [random_floats(q, n * size) for q in range(n)]
-                comm.reduce_scatter(inputs[r].copy(), op="max", out=out, algorithm=algorithm)
+                comm.reduce_scatter(on_rank(inputs[r]), op="max", out=out, algorithm=algorithm)
                 check(out, reference.reduce_scatter(inputs, op="max", algorithm=algorithm)[r],
                       f"random reduce_scatter {algorithm}")
             everyone = MPI.COMM_WORLD.allgather(mine.tobytes())
@@ -96,7 +129,7 @@ def scenario_growth(comm):
     group = comm._ranks.group  # noqa: SLF001 - the test looks at the transport on purpose
     n, generations = comm.size, []
     for count in (16, 1 << 12, 1 << 18, 1 << 12, 1 << 20):
-        x = np.full(count, comm.rank + 1, np.float64)
+        x = on_rank(np.full(count, comm.rank + 1, np.float64))
         check(comm.allreduce(x, algorithm="ring"), np.full(count, n * (n + 1) / 2), f"count {count}")
         generations.append([group.generation(q) for q in range(n)])
     assert generations[0][comm.rank] >= 1 and generations[-1][comm.rank] > generations[1][comm.rank], generations
@@ -105,7 +138,7 @@ def scenario_growth(comm):
 
 def scenario_stalled(comm):
     """Rank 1 stops calling in: the others time out, then the group is unusable."""
-    x = np.ones(100, np.float32)
+    x = on_rank(np.ones(100, np.float32))
     if comm.rank == 1:
         time.sleep(TIMEOUT + 2)
         try:
@@ -149,7 +182,7 @@ def scenario_killed(comm):
         os._exit(0)
     start = time.perf_counter()
     try:
-        comm.allreduce(np.ones(1000, np.float64))
+        comm.allreduce(on_rank(np.ones(1000, np.float64)))
     except (RankFailedError, CollectiveError) as error:
         assert isinstance(error, RankFailedError) or "died" in str(error), error
         assert time.perf_counter() - start < 1.0, "a dead rank should be reported within a second"
@@ -167,12 +200,12 @@ def scenario_killed(comm):
 def scenario_mismatch(comm):
     """Ranks disagree on the count: one raises InvalidUsageError, none hangs."""
     count = 10 if comm.rank == 0 else 11
-    expect_a_different_call(lambda: comm.allreduce(np.ones(count, np.float32)), "mismatched allreduce")
+    expect_a_different_call(lambda: comm.allreduce(on_rank(np.ones(count, np.float32))), "mismatched allreduce")
 
 
 def scenario_shared_segments_are_removed(comm):
     prefix = comm._ranks.prefix  # noqa: SLF001 - the test looks at the transport on purpose
-    comm.allreduce(np.ones(1 << 16, np.float32))
+    comm.allreduce(on_rank(np.ones(1 << 16, np.float32)))
     comm.close()
     MPI.COMM_WORLD.Barrier()
     leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
@@ -196,19 +229,19 @@ def scenario_fusion(comm):
         for codec in (None, "bf16", "fp16", "int8"):
             for algorithm in ("ring", "direct", "butterfly"):
                 inputs = [grads(q, codec)[5] for q in range(n)]
-                mine = comm.allreduce(inputs[r].copy(), algorithm=algorithm, compression=codec)
+                mine = comm.allreduce(on_rank(inputs[r]), algorithm=algorithm, compression=codec)
                 check(mine, reference.allreduce(inputs, algorithm=algorithm, compression=codec)[r],
                       f"allreduce compression={codec} {algorithm}")
             everyone = [grads(q, codec) for q in range(n)]
             # `auto` weighs each transport's costs, so name the algorithm that both must run.
             want = reference.allreduce_many([[a.copy() for a in g] for g in everyone], fusion_threshold=8192,
                                             compression=codec, algorithm="ring")
-            mine = comm.allreduce_many([a.copy() for a in everyone[r]], fusion_threshold=8192, compression=codec,
+            mine = comm.allreduce_many([on_rank(a) for a in everyone[r]], fusion_threshold=8192, compression=codec,
                                        algorithm="ring")
             for i, (got, expected) in enumerate(zip(mine, want[r])):
                 check(got, expected, f"allreduce_many compression={codec} array {i}")
             buffer = comm.fusion_buffer(threshold=8192, compression=codec, algorithm="ring")
-            queued = [a.copy() for a in everyone[r]]
+            queued = [on_rank(a) for a in everyone[r]]
             for a in queued:
                 buffer.add(a)
             buffer.wait()
@@ -225,7 +258,7 @@ def scenario_fusion_killed(comm):
         os._exit(0)
     start = time.perf_counter()
     for _ in range(8):
-        buffer.add(np.ones(1 << 10, np.float32))   # each fills a buffer: 8 allreduces start in the background
+        buffer.add(on_rank(np.ones(1 << 10, np.float32)))   # each fills a buffer: 8 allreduces start in the background
     try:
         buffer.wait()
     except CollectiveError as error:
@@ -261,10 +294,11 @@ def main():
         print(f"OK {scenario} {scenario_no_gpu()}", flush=True)
         return
     if scenario.startswith("fusion"):
-        # Compiling the codecs (on a cold Numba cache) may take longer than TIMEOUT.
+        # Load the codecs' CPU loops before the clock of TIMEOUT starts.
         collectives.compression.warm_up()
         MPI.COMM_WORLD.Barrier()
-    comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
+    comm = collectives.init(timeout=STARTUP_TIMEOUT, device=DEVICE)
+    comm.timeout = TIMEOUT if scenario in TIMED_SCENARIOS else UNTIMED_TIMEOUT  # what each collective waits at most
     assert comm.size == MPI.COMM_WORLD.size and comm.rank == MPI.COMM_WORLD.rank
     rank_died = scenario in ("killed", "fusion_killed")
     run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=rank_died)

@@ -159,6 +159,7 @@ def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
     assert all(run["returncode"] == 0 for run in processes.values()), processes
     assert processes["allreduce"]["result"]["environment"]["processes"] == 2
     assert processes["overhead"]["result"]["ratio_to_host"]["emulated"] > 0
+    assert report["processes_sharing"] == {"mode": "time-sliced", "why_not_mps": "not a GPU"}
     assert report["ours_vs_nccl"] == {"skipped": "NCCL needs a GPU"}
 
 
@@ -274,3 +275,60 @@ def test_the_model_prints_its_prediction_next_to_measured_times(capsys):
     assert sorted(row[0] for row in table) == sorted(REGISTRY)   # every algorithm, with a measured time
     assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in table)
     assert "measured (us)" in out and "| auto picks |" in out
+
+
+def test_ours_beside_nccl_runs_the_nccl_rows_through_the_api(monkeypatch, capsys):
+    """`--backend ours,nccl` (what gpu_check's section 5 runs on a GPU), here
+    with an emulated communicator standing in for NCCL's: the NCCL rows go
+    through the same harness path and the same Communicator API, and must
+    name no algorithm of ours while calling the API with one it takes."""
+    from bench import backends as bench_backends
+    made = []
+    real_local = bench_backends.collectives.Communicator.local
+
+    def local(nranks, *, devices=None, timeout=None, backend="ours"):
+        made.append(backend)
+        if backend == "nccl":  # NCCL's stand-in: our kernels on emulated devices
+            return real_local(nranks, devices=["emulated"] * nranks, timeout=timeout)
+        return real_local(nranks, devices=devices, timeout=timeout, backend=backend)
+
+    real_parse = harness.parse_args
+
+    def parse_args(spec, argv=None):  # --backend nccl wants --device cuda: add it after the check
+        args = real_parse(spec, argv)
+        args.backends = [*args.backends, "nccl"]
+        return args
+
+    monkeypatch.setattr(bench_backends.collectives.Communicator, "local", staticmethod(local))
+    monkeypatch.setattr(harness, "parse_args", parse_args)
+    code, out = run_bench(ALLREDUCE, ["--device", "emulated", "--backend", "ours", "--ranks", "2", "-b", "64",
+                                      "-e", "256", "-f", "4", "-n", "1", "-w", "1"], capsys)
+    assert code == 0, out
+    assert made == ["ours", "nccl"]
+    rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
+    assert [r[-2] for r in rows] == ["ours", "nccl"] * 2, out
+    assert "all results correct" in out
+
+
+def test_gpu_check_starts_and_stops_a_private_mps_daemon(tmp_path, monkeypatch):
+    """gpu_check's process section under MPS: the control daemon is started
+    with private pipe and log folders, the processes get them, and it is told
+    to quit even when the section fails. A script stands in for
+    nvidia-cuda-mps-control and logs how it was called."""
+    from bench import gpu_check
+    log = tmp_path / "calls.log"
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text(f"#!/bin/sh\necho \"$* stdin=$(cat) pipe=$CUDA_MPS_PIPE_DIRECTORY\" >> {log}\n")
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(RuntimeError, match="the benchmark failed"):
+        with gpu_check.mps_daemon("cuda") as (mode, env, why_not):
+            assert (mode, why_not) == (gpu_check.MPS, None)
+            pipe = Path(env["CUDA_MPS_PIPE_DIRECTORY"])
+            assert pipe.is_dir() and Path(env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
+            raise RuntimeError("the benchmark failed")
+    calls = log.read_text().splitlines()
+    assert calls == [f"-d stdin= pipe={pipe}", f" stdin=quit pipe={pipe}"], calls
+    assert not pipe.exists(), "the private folder outlives the daemon"
+    with gpu_check.mps_daemon("emulated") as (mode, env, why_not):
+        assert (mode, why_not) == (gpu_check.TIME_SLICED, "not a GPU")

@@ -23,6 +23,17 @@ def test_a_plain_ring_reads_2_n_minus_1_over_n_of_the_message_from_peers():
     assert busiest(phases, "link") == 2 * (N - 1) * SIZE // N
 
 
+@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8"])
+def test_a_compressed_ring_reads_the_encoded_chunks_instead(codec):
+    """Each of the 2(n-1) steps reads one encoded chunk from a peer, once:
+    the all-gather half copies it into the rank's own wire copy and decodes
+    it from there, not from the peer a second time."""
+    phases = cm.phases_bytes("ring", N, SIZE, codec)
+    chunk = SIZE // 4 // N
+    assert busiest(phases, "link") == 2 * (N - 1) * encoded_nbytes(codec, chunk)
+    assert busiest(phases, "codec") > 0
+
+
 @pytest.mark.parametrize("algorithm", ["ring", "two_shot", "direct"])
 @pytest.mark.parametrize("codec", ["bf16", "int8"])
 def test_at_the_break_even_link_both_take_the_same_time(algorithm, codec):
@@ -57,6 +68,11 @@ def test_the_command_prints_every_cell_and_writes_json(tmp_path, capsys):
         assert set(row["plain_us"]) == set(cm.LINKS)
         for codec in ("bf16", "fp16", "int8"):
             assert row[codec]["us"]["pcie"] < row["plain_us"]["pcie"]   # 25 GB/s: every codec pays there
+
+
+def test_a_codec_that_wins_on_every_link_prints_so(capsys):
+    cm.main(["--ranks", "8", "--sizes", "64M", "--algorithms", "ring", "--codecs", "int8"])
+    assert "always" in capsys.readouterr().out
 
 
 def test_bad_flags_name_themselves(capsys):

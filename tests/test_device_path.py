@@ -243,3 +243,11 @@ def test_an_auto_allreduce_on_one_device_runs_the_priced_plan(monkeypatch, in_pl
         comm.synchronize()
     assert all(np.array_equal(r, np.full(1000, 10, np.float32)) for r in results)
     assert launches == ([1, 4 - 1] if in_place else [4])   # star in place: reduce, then one fan-out of copies
+
+
+def test_chosen_algorithm_names_what_an_in_place_or_out_of_place_call_runs():
+    with collectives.Communicator.local(4, devices=["emulated:0"] * 4) as comm:
+        assert comm.chosen_algorithm("allreduce", 64 << 20) == "direct"
+        assert comm.chosen_algorithm("allreduce", 64 << 20, in_place=True) == "star"
+    with collectives.Communicator.local(4) as host:   # virtual host ranks: binding changes nothing
+        assert host.chosen_algorithm("allreduce", 1 << 20) == host.chosen_algorithm("allreduce", 1 << 20, in_place=True)

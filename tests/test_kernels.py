@@ -51,6 +51,27 @@ def test_kernel_constants_match_python():
                                                                                       REDUCE_FINAL_OP)
 
 
+def test_codec_constants_match_python():
+    from collectives.compression import kernels as codecs
+    source = (SOURCES / "codec.cu").read_text()
+    header = (SOURCES / "codec.cuh").read_text()
+    assert cpp_constant("kCodecThreads", source) == kernels.CODEC_THREADS
+    assert cpp_constant("kCodecLanes", source) == kernels.CODEC_LANES
+    assert cpp_constant("kBlock", header) == codecs.BLOCK
+    names = re.findall(r"k(\w+) = (\d+)", re.search(r"enum Codec \{([^}]*)\}", header)[1])
+    assert [(name.lower(), int(value)) for name, value in names] == [(c, codecs.codec_id(c)) for c in codecs.CODECS]
+    assert tuple(check.CODEC_NAMES) == codecs.CODECS
+    ops = re.findall(r"k(\w+) = (\d+)", re.search(r"enum CodecOp \{([^}]*)\}", source)[1])
+    assert [int(v) for _, v in ops] == list(range(len(codecs.KERNELS)))
+    assert [re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower() for name, _ in ops] == list(codecs.KERNELS) \
+        == list(check.CODEC_OPS)
+    flags = dict(re.findall(r"k(\w+) = (\d+)", re.search(r"enum CodecFlag \{([^}]*)\}", source)[1]))
+    assert (int(flags["EncodeOut"]), int(flags["WriteOut"])) == (codecs.ENCODE_OUT, codecs.WRITE_OUT)
+    fields = re.search(r"struct CodecArgs \{(.*?)\};", source, re.S)[1]
+    declared = re.findall(r"(\w+)[,;]", re.sub(r"//[^\n]*", "", fields))
+    assert declared == [name for name, _ in codecs.CodecArgs._fields_]
+
+
 def test_element_order_and_ops_match_python():
     header = (SOURCES / "elements.cuh").read_text()
     listed = re.findall(r"X\((\w+)\)", header[header.index("#define COLLECTIVES_FOR_EACH_ELEMENT"):])
@@ -261,6 +282,35 @@ def test_nvcc_build_passes_the_static_checks(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "plan_step<BFloat16, 0>" in out and "all clean" in out
     assert re.search(r"^batched_copy +\d+ +\d+$", out, re.M), out  # registers on sm_80 and sm_90
+    for codec in check.CODEC_NAMES:          # the codecs: every instance, checked like the others
+        for op in check.CODEC_OPS:
+            assert re.search(rf"^codec_kernel<{codec}, {op}> +\d+ +\d+$", out, re.M), out
+    print(out)
+
+
+def test_nvrtc_builds_the_codec_kernels_with_their_wide_accesses(tmp_path, monkeypatch):
+    """kernels.nvrtc_cubin, the CUDA adapter's compiler, builds every codec
+    instance for sm_90 (NVRTC needs no GPU), with the wide accesses
+    check.py wants of the nvcc build, and no local memory or generic access."""
+    pytest.importorskip("cupy", reason="needs CuPy's NVRTC bindings (pip install '.[cuda13]')")
+    from cupy.cuda import nvrtc
+    try:
+        nvrtc.getVersion()
+    except Exception as error:  # CuPy without its NVRTC library
+        pytest.skip(f"needs NVRTC: {error}")
+    monkeypatch.setenv("COLLECTIVES_CACHE_DIR", str(tmp_path))
+    from collectives.compression import kernels as codecs
+    for codec in range(len(codecs.CODECS)):
+        for op in range(len(codecs.KERNELS)):
+            instance = kernels.CodecInstance(codec, op)
+            cubin, lowered = kernels.nvrtc_cubin(instance, "sm_90", kernels.cuda_include_dirs())
+            sass = check.run([check.find_tool("cuobjdump"), "-sass", str(cubin)])
+            (kernel, opcodes), = [(k, o) for (k, _), o in check.sass_instructions(sass).items()]
+            assert kernel == lowered and check.short(kernel) == f"codec_kernel<{codecs.CODECS[codec]}, " \
+                                                                   f"{codecs.KERNELS[op]}>"
+            for wanted in check.wanted_accesses(kernel):
+                assert wanted in opcodes, (instance, wanted)
+            assert not [o for o in opcodes if o.startswith(("LDL", "STL")) or re.match(r"^(LD|ST)\.", o)], instance
 
 
 def test_static_checks_flag_what_they_promise_to():
@@ -275,10 +325,18 @@ def test_static_checks_flag_what_they_promise_to():
         "        /*0010*/                   LDL R1, [R2] ;\n"
         "        /*0020*/                   LD.E.128 R4, desc[UR4][R2.64] ;\n"
         "\tcode for sm_80\n\t\tFunction : _ZN11collectives12batched_copyEPKxi\n"
-        "        /*0010*/                   LDG.E.U8 R1, [R2] ;\n")
+        "        /*0010*/                   LDG.E.U8 R1, [R2] ;\n"
+        "\tcode for sm_90\n\t\tFunction : _ZN11collectives12codec_kernelILi1ELi2EEEvNS_9CodecArgsE\n"
+        "        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;\n"
+        "        /*0020*/                   LDG.E.64 R8, desc[UR4][R6.64] ;\n"
+        "        /*0030*/                   STG.E.128 desc[UR4][R2.64], R4 ;\n"
+        "        /*0040*/                   STG.E desc[UR4][R6.64], R8 ;\n")
     flushing = check.ptx_flushing(".visible .entry k(\n\tadd.rn.ftz.f32 %f1, %f2, %f3;\n")
-    found = "\n".join(check.problems(usage, sass, flushing))
+    fused = check.ptx_fused(".visible .entry k(\n\tfma.rn.f32 %f1, %f2, %f3, %f4;\n\tmul.rn.f32 %f1, %f2, %f3;\n")
+    assert fused == {"k": ["fma.rn.f32 %f1, %f2, %f3, %f4;"]}
+    found = "\n".join(check.problems(usage, sass, flushing, fused))
     for symptom in ("spill", "local memory", "generic", "no LDG.E.128", "no STG.E.128", "flushes subnormals",
                     "batched_copy on sm_80: no LDG.E.128", "no plan_step kernel in the build",
-                    "no batched_copy kernel in the build"):
+                    "no batched_copy kernel in the build", "no codec_kernel kernel in the build",
+                    "codec_kernel<fp16, decode_add> on sm_90: no STG.E.64", "fused multiply-adds"):
         assert symptom in found, symptom

@@ -229,3 +229,28 @@ def test_nvrtc_compiles_the_instances_the_cuda_device_asks_for(dtype, op):
         assert b"ll_allreduce" in lowered.value
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def test_the_cuda_adapter_launches_the_kernel_with_its_arguments_and_grid():
+    # devices/cuda.py's launch_ll_allreduce on the dry stand-in for CuPy
+    # (devices/dry_cuda.py): the struct reaches cuLaunchKernel whole, as
+    # its one parameter, over one line per thread up to the capacity.
+    from collectives.devices.dry_cuda import dry_devices
+    dry, (device,) = dry_devices(1)
+    launched = []
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, parameters, extra):
+        pointer = ctypes.c_uint64.from_address(parameters).value   # kernelParams[0]: the struct
+        launched.append(((gx, gy, gz), (bx, by, bz), kernels.LLAllreduceArgs.from_buffer_copy(
+            (ctypes.c_char * ctypes.sizeof(kernels.LLAllreduceArgs)).from_address(pointer))))
+
+    dry.cuda.driver.launchKernel = launch_kernel
+    args = kernels.LLAllreduceArgs(input=0x1000, output=0x2000, count=5, generation=7, flag=0x7abcd, rank=1,
+                                   nranks=2)
+    args.areas[:2] = [0x10000, 0x20000]
+    instance = kernels.ll_instance(np.dtype(np.float32), ReduceOp.SUM)
+    for lines in (3, 300, kernels.LL_MAX_BYTES // 8):
+        device.launch_ll_allreduce(device.current_stream(), instance, args, lines)
+    grids = [(grid, block) for grid, block, _ in launched]
+    assert grids == [((1, 1, 1), (32, 1, 1)), ((2, 1, 1), (256, 1, 1)), ((32, 1, 1), (256, 1, 1))]
+    assert all(bytes(sent) == bytes(args) for _, _, sent in launched)

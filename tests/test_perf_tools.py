@@ -456,8 +456,30 @@ def test_fusion_perf_places_cuda_ranks_on_the_gpus_there_are(monkeypatch, gpus, 
     from bench import fusion_perf
     from collectives.devices import cuda
 
+    from bench import cli
     asked = []
+    monkeypatch.setattr(cli, "require_device_toolchain", lambda prog, device: None)   # no CuPy here
     monkeypatch.setattr(cuda, "visible_gpus", lambda: gpus)
     monkeypatch.setattr(collectives.Communicator, "local", staticmethod(lambda n, devices=None: asked.append(devices)))
     fusion_perf.make_communicator(fusion_perf.parse_args(["--device", "cuda", "--ranks", "4"]), world=None)
     assert asked == [expected]
+
+
+def test_codec_speed_on_a_device_times_each_kernel_against_a_copy_of_as_many_bytes(tmp_path, capsys):
+    """The --device mode, on the emulated device (what CI can run): every row
+    has the kernel's and the copy's rates, and the bytes the operation moves."""
+    from bench import codec_speed
+    out = tmp_path / "codecs.json"
+    assert codec_speed.main(["--device", "emulated", "--mib", "1", "--repeat", "1", "--codecs", "fp16",
+                             "--ops", "decode,decode_add+encode", "-J", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["environment"]["git_commit"] and "--device emulated" in report["environment"]["command"]
+    rows = {r["op"]: r for r in report["rows"]}
+    n = rows["decode"]["elements"]
+    wire = n * 2 + n // 32   # fp16 payload and one scale byte per block
+    assert rows["decode"]["bytes_moved"] == wire + 4 * n
+    assert rows["decode_add+encode"]["bytes_moved"] == 4 * n + wire + 4 * n + wire
+    for r in rows.values():
+        assert r["codec_GBps"] > 0 and r["copy_GBps"] > 0
+        assert r["codec_vs_copy"] == pytest.approx(r["codec_GBps"] / r["copy_GBps"])
+    assert "decode_add+encode" in capsys.readouterr().out

@@ -169,7 +169,12 @@ def _lower(rank, kind, count, dst, srcs, encode, divisor):
         (src,) = srcs
         if src[0] == rank:
             return [("copy", dst, src)] + ([("encode", dst, dst, dst)] if encode else [])
-        return [("decode", dst, src)] + ([("copy_wire", dst, src)] if encode else [])
+        if not encode:
+            return [("decode", dst, src)]
+        # The peer's encoded chunk is read once, across the link: copied as it
+        # is into this rank's wire copy (which a later peer reads), then
+        # decoded from there, in this rank's own memory.
+        return [("copy_wire", dst, src), ("decode", dst, dst)]
 
     def fold(out, a, b, a_is_wire=False, last=False):
         """out = a + b as one operation (a is float unless a_is_wire, then b is)."""
@@ -367,11 +372,15 @@ def round_trip(codec, values):
         kernels.cpu_encode(codec, values, payload, scales, round_x=True)
         return
     import cupy
-    from numba import cuda
+
+    from ..devices import open_device
+    device = open_device(values.device.id)
+    region = lambda array: Region(array.data.ptr, array.size, array.dtype.name)   # noqa: E731
     payload = cupy.empty(payload_bytes // cupy.dtype(kernels.payload_dtype(codec)).itemsize, kernels.payload_dtype(codec))
     scales = cupy.empty(scale_bytes, cupy.uint8)
-    stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)   # ordered with the caller's work
-    kernels.cuda_encode(codec, values, payload, scales, round_x=True, stream=stream)
+    # On the array's device's current stream: ordered with the caller's work, as CuPy's own calls are.
+    device.launch_codec(device.current_stream(), "encode_round", codec,
+                        (region(values), region(payload), region(scales)), 0)
 
 
 # One encoding's error, as a fraction of the element (bf16, fp16) or of the

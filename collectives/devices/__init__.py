@@ -3,7 +3,8 @@
 Two implementations of one small interface, so that everything above it is
 the same code on a real GPU and on a CPU:
 
-    cuda.CudaDevice          a CUDA GPU, through CuPy (the only code here that needs one)
+    cuda.CudaDevice          a CUDA GPU, through CuPy (the only code here that needs one;
+                             dry_cuda.py runs it on stand-ins for CuPy, without a GPU)
     emulated.EmulatedDevice  the same kernels compiled for the CPU, with streams and events
 
 The interface, duck-typed:
@@ -24,6 +25,11 @@ The interface, duck-typed:
                              kernels.copy_grid(None, rows, resident_blocks).
                              Checks rows and the table's size before queuing;
                              0 rows launches nothing
+    buffer_block(), step_launcher(instance, grid, table, width, divisor, block, fanout=1)
+                             optional, a prepared launch_step (executors/device.py's
+                             launch record): issue(stream) launches with the
+                             addresses block.update(addresses) last put in `block`.
+                             Without them the executor calls launch_step
     new_event(), record(event, stream), wait(stream, event)
                              cross-stream ordering with CUDA's semantics: a wait
                              is for the most recent record before it

@@ -2,12 +2,17 @@
 
 Kept to the calls of the device interface (__init__.py); everything it does
 for a collective, the emulated device does too, so it is the one part that
-CPU-only CI cannot run. Kernels come from kernels/plan_step.cu and
-kernels/batched_copy.cu, one instance per module, compiled on first use by
+CPU-only CI cannot run. Kernels come from kernels/plan_step.cu,
+kernels/batched_copy.cu and kernels/codec.cu, one instance per module, compiled on first use by
 NVRTC with our options (kernels.nvrtc_cubin, cached on disk) and loaded with
 `cupy.RawModule`. Launches go through the driver's cuLaunchKernel with a
 prepared parameter block, because the buffer table is a 2 KiB struct passed
-by value (batched_copy's two arguments go the same way, for one code path).
+by value (batched_copy's two arguments and the codecs' CodecArgs struct go
+the same way, for one code path). CuPy's `driver.launchKernel` is the
+thinnest launch CuPy has (a Cython call of cuLaunchKernel, no argument
+packing of its own), so a launch costs one driver call and what the driver
+itself takes; the executor's launches are prepared once (step_launcher),
+and a call issues them as they are.
 """
 
 import ctypes
@@ -17,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import kernels
+from ..compression import kernels as codecs
 from ..errors import CollectiveError
 
 # plan_step(const long long* table, int width, BufferTable buffers, int divisor,
@@ -60,18 +66,21 @@ def visible_gpus():
 
 
 class CudaDevice:
-    def __init__(self, index, defines=None):
+    def __init__(self, index, defines=None, *, cupy=None):
         """GPU `index`. `defines` adds preprocessor definitions to every
-        kernel it compiles (bench/gpu_check.py measures variants this way)."""
+        kernel it compiles (bench/gpu_check.py measures variants this way).
+        `cupy`: the module it calls, CuPy unless a stand-in is given
+        (devices/dry_cuda.py, which runs this adapter without a GPU)."""
         try:
-            import cupy
+            if cupy is None:
+                import cupy
+                import cupy.cuda.driver  # noqa: F401 - a submodule CuPy does not import itself
             count = cupy.cuda.runtime.getDeviceCount()
         except Exception as error:  # no driver, no GPU: CuPy raises its own runtime errors
             raise CollectiveError(f"cuda:{index} is not usable: {error}") from error
         if index >= count:
             raise CollectiveError(f"cuda:{index} does not exist: this machine has {count} GPU(s)")
-        from cupy.cuda import driver
-        self._cupy, self._driver = cupy, driver
+        self._cupy, self._driver = cupy, cupy.cuda.driver
         self.index = index
         self.name = self.array_location = f"cuda:{index}"
         self._device = cupy.cuda.Device(index)
@@ -79,10 +88,6 @@ class CudaDevice:
         self._functions = {}   # StepInstance or kernels.COPY_INSTANCE -> CUfunction
         self._kernels = []
         self._defines = tuple(f"-D{name}={value}" for name, value in sorted((defines or {}).items()))
-        # CUDA's headers for NVRTC: the toolkit CuPy uses, else the CUDA wheels.
-        toolkit = cupy.cuda.get_cuda_path()
-        headers = Path(toolkit) / "include" if toolkit else None
-        self._include_dirs = [headers] if headers and (headers / "cuda_fp16.h").is_file() else kernels.cuda_include_dirs()
         # One parameter block per device: cuLaunchKernel copies it at launch;
         # the lock keeps threads from filling it at the same time.
         self._launch_lock = threading.Lock()
@@ -94,6 +99,9 @@ class CudaDevice:
         self._copy_parameter_addresses = np.array([self._copy_parameters.ctypes.data + o
                                                    for o in _COPY_PARAMETER_OFFSETS], np.uint64)
         self._copy_parameter_pointer = self._copy_parameter_addresses.ctypes.data
+        self._codec_parameters = codecs.CodecArgs()   # codec_kernel's one argument, a struct
+        self._codec_parameter_addresses = (ctypes.c_void_p * 1)(ctypes.addressof(self._codec_parameters))
+        self._codec_parameter_pointer = ctypes.addressof(self._codec_parameter_addresses)
         self._ll_parameters = self._ll_parameter_addresses = None   # launch_ll_allreduce's, made on first use
 
     def __repr__(self):
@@ -140,15 +148,24 @@ class CudaDevice:
     def _function(self, instance):
         function = self._functions.get(instance)
         if function is None:
-            major, minor = self._device.compute_capability[:-1], self._device.compute_capability[-1]
-            cubin, lowered = kernels.nvrtc_cubin(instance, f"sm_{major}{minor}", self._include_dirs, self._defines)
-            with self._device:
-                module = self._cupy.RawModule(path=str(cubin))
-                kernel = module.get_function(lowered)
-                kernel.compile()
-            self._kernels.append(kernel)  # owns the module the function lives in
-            function = self._functions[instance] = kernel.kernel.ptr
+            function = self._functions[instance] = self._load(instance)
         return function
+
+    def _load(self, instance):
+        """The CUfunction of a kernel instance, compiled (or read from the
+        disk cache) and loaded: once per instance and device."""
+        # CUDA's headers for NVRTC: the toolkit CuPy uses, else the CUDA wheels.
+        toolkit = self._cupy.cuda.get_cuda_path()
+        headers = Path(toolkit) / "include" if toolkit else None
+        include_dirs = [headers] if headers and (headers / "cuda_fp16.h").is_file() else kernels.cuda_include_dirs()
+        major, minor = self._device.compute_capability[:-1], self._device.compute_capability[-1]
+        cubin, lowered = kernels.nvrtc_cubin(instance, f"sm_{major}{minor}", include_dirs, self._defines)
+        with self._device:
+            module = self._cupy.RawModule(path=str(cubin))
+            kernel = module.get_function(lowered)
+            kernel.compile()
+        self._kernels.append(kernel)  # owns the module the function lives in
+        return kernel.kernel.ptr
 
     def launch_step(self, stream, instance, grid, table, width, addresses, divisor, fanout=1):
         function = self._functions.get(instance) or self._function(instance)
@@ -163,6 +180,42 @@ class CudaDevice:
             parameters[_FANOUT_WORD] = fanout
             self._launch(function, grid, kernels.STEP_THREADS, stream, self._parameter_pointer)
 
+    def buffer_block(self):
+        """A BufferTable parameter for launches made by step_launcher: they
+        read it at launch (the driver copies it then), so `update` between
+        calls reaches every launch made with it."""
+        return BufferBlock()
+
+    def step_launcher(self, instance, grid, table, width, divisor, block, fanout=1):
+        """issue(stream): launch plan_step<instance> over `grid` for the rows
+        `table` holds, with the addresses in `block` (buffer_block's) at the
+        time; the executor's launch record (executors/device.py). The kernel
+        handle, grid and parameter pointers are prepared here, once: a launch
+        is one driver call, and a device switch only when the caller's
+        current device is another."""
+        function = self._function(instance)
+        # This launch's own parameter values (table pointer, width, divisor,
+        # fanout, each in an 8-byte word as the compiler lays them out); the
+        # buffer table is the block's, shared by every launch made with it.
+        values = np.array([table.address, width, divisor, fanout], np.uint64)
+        pointers = np.array([values.ctypes.data, values.ctypes.data + 8, block.pointer, values.ctypes.data + 16,
+                             values.ctypes.data + 24], np.uint64)
+        parameters = pointers.ctypes.data
+        gx, gy, threads, index = grid[0], grid[1], kernels.STEP_THREADS, self.index
+        launch_kernel, runtime = self._driver.launchKernel, self._cupy.cuda.runtime
+
+        def issue(stream, _alive=(values, pointers, block, table)):  # the memory `parameters` points into
+            current = runtime.getDevice()
+            if current == index:
+                launch_kernel(function, gx, gy, 1, threads, 1, 1, 0, stream.ptr, parameters, 0)
+                return
+            runtime.setDevice(index)  # launch in this device's context, then give the caller theirs back
+            try:
+                launch_kernel(function, gx, gy, 1, threads, 1, 1, 0, stream.ptr, parameters, 0)
+            finally:
+                runtime.setDevice(current)
+        return issue
+
     def launch_copies(self, stream, table, rows, grid=None):
         grid = kernels.copy_launch_grid(table, rows, grid, self.resident_blocks)
         if grid is None:
@@ -175,20 +228,55 @@ class CudaDevice:
             self._launch(function, grid, kernels.COPY_THREADS, stream, self._copy_parameter_pointer)
 
     def launch_codec(self, stream, kernel, codec, args, divisor):
-        """A codec kernel of compression/kernels.py (Numba) on `stream`; `args`
-        are compression.wire.Regions in the order of its CPU loop."""
-        from ..compression import kernels as codecs
-        cupy = self._cupy
-        with cupy.cuda.Device(self.index):
-            arrays = [None if r is None else _device_array(cupy, r, self) for r in args]
-            if kernel == "copy":
-                dst, src = args
-                nbytes = dst.count * np.dtype(dst.dtype).itemsize
+        """A codec kernel of kernels/codec.cu on `stream`; `args` are
+        compression.wire.Regions in the order of its CPU loop ("copy": dst, src)."""
+        if kernel == "copy":
+            dst, src = args
+            nbytes = dst.count * np.dtype(dst.dtype).itemsize
+            if nbytes:
+                runtime = self._cupy.cuda.runtime
+                with self._device:
+                    runtime.memcpyAsync(dst.address, src.address, nbytes, runtime.memcpyDeviceToDevice, stream.ptr)
+            return
+        launch = codecs.device_launch(kernel, codec, args, divisor)
+        if launch is None:
+            return  # no elements: CUDA refuses an empty grid, and there is nothing to do
+        instance, parameters, n = launch
+        function = self._functions.get(instance) or self._function(instance)
+        grid = (kernels.codec_grid(n, self.resident_blocks), 1)
+        with self._launch_lock:
+            # CodecArgs goes by value: the driver copies it from _codec_parameters at launch.
+            ctypes.memmove(ctypes.addressof(self._codec_parameters), ctypes.addressof(parameters),
+                           ctypes.sizeof(parameters))
+            self._launch(function, grid, kernels.CODEC_THREADS, stream, self._codec_parameter_pointer)
+
+    def codec_launcher(self, kernel, codec, args, divisor):
+        """issue(stream): launch_codec's launch, prepared once: the instance,
+        its grid and its CodecArgs (a struct of its own, which the driver
+        copies at each launch). For the executor's codec launch records."""
+        if kernel == "copy":
+            dst, src = args
+            nbytes = dst.count * np.dtype(dst.dtype).itemsize
+            copy, device_to_device = self._cupy.cuda.runtime.memcpyAsync, self._cupy.cuda.runtime.memcpyDeviceToDevice
+            dst_address, src_address, device = dst.address, src.address, self._device
+
+            def issue_copy(stream):
                 if nbytes:
-                    cupy.cuda.runtime.memcpyAsync(dst.address, src.address, nbytes,
-                                                  cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
-                return
-            codecs.launch_on_stream(kernel, codec, arrays, divisor, stream.ptr)
+                    with device:
+                        copy(dst_address, src_address, nbytes, device_to_device, stream.ptr)
+            return issue_copy
+        launch = codecs.device_launch(kernel, codec, args, divisor)
+        if launch is None:
+            return lambda stream: None   # no elements: CUDA refuses an empty grid
+        instance, parameters, n = launch
+        function = self._function(instance)
+        grid = (kernels.codec_grid(n, self.resident_blocks), 1)
+        pointers = (ctypes.c_void_p * 1)(ctypes.addressof(parameters))
+        pointer = ctypes.addressof(pointers)
+
+        def issue(stream, _alive=(parameters, pointers)):
+            self._launch(function, grid, kernels.CODEC_THREADS, stream, pointer)
+        return issue
 
     def _launch(self, function, grid, threads, stream, parameter_pointer):
         """cuLaunchKernel; the caller holds the launch lock (the driver has
@@ -302,8 +390,17 @@ class CudaDevice:
         pass  # the work stays queued on the caller's stream
 
 
-def _device_array(cupy, region, owner):
-    """A CuPy array over device memory we do not own (compression.wire.Region)."""
-    dtype = np.dtype(region.dtype)
-    memory = cupy.cuda.UnownedMemory(region.address, max(region.count * dtype.itemsize, 1), owner, owner.index)
-    return cupy.ndarray((region.count,), dtype, cupy.cuda.MemoryPointer(memory, 0))
+class BufferBlock:
+    """The BufferTable a CudaDevice's prepared launches pass by value: host
+    memory whose address is in their parameter pointers. `addresses` is the
+    table last copied in (the executor's, which it never changes once made)."""
+
+    def __init__(self):
+        self._table = kernels.buffer_table([])
+        self.pointer = self._table.ctypes.data
+        self.addresses = None
+
+    def update(self, addresses):
+        self._table[:] = addresses
+        self.addresses = addresses
+

@@ -2,10 +2,12 @@
 interface as a GPU (see __init__.py).
 
 Kernels: kernels/*.cu compiled by the host C++ compiler against
-kernels/emulation/cuda_host.h, whose launcher runs every (block, thread) of a
-grid one after another; exact, since the kernels are thread-independent. The
-library is built on first use and cached on disk, keyed by the sources, the
-compiler and the flags.
+kernels/emulation/cuda_host.h. Its launcher (emulation/launch.cpp) runs every
+(block, thread) of a thread-independent kernel (plan_step, batched_copy)
+one after another, and the threads of each CUDA block of a kernel that
+shuffles values between threads (the codecs, kernels/codec.cu) as fibers
+that meet at every shuffle. The library is built on first use and cached on
+disk, keyed by the sources, the compiler and the flags.
 
 Memory: NumPy buffers; NumPy arrays are the device arrays.
 
@@ -31,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import kernels
+from ..compression import kernels as codecs
 from ..errors import CollectiveError
 from ..transport.layout import LL_REGION_WORDS
 from ..transport.segments import Segment
@@ -139,9 +142,8 @@ def _nothing(*_):
     pass
 
 
-def _run_codec(kernel, codec, regions, divisor):
-    from ..executors.host import run_codec_launch
-    run_codec_launch(kernel, codec, tuple(_host_view(r) for r in regions), divisor)
+def _run_copy(dst, src):
+    np.copyto(_host_view(dst), _host_view(src))
 
 
 def _host_view(region):
@@ -233,9 +235,23 @@ class EmulatedDevice:
             raise CollectiveError(f"the emulated batched_copy rejected grid {grid} (status {status})")
 
     def launch_codec(self, stream, kernel, codec, args, divisor):
-        # The codec kernels' CPU loops (compression/kernels.py) on views of
-        # the regions, when the stream drains.
-        stream.queue.append(("launch", _run_codec, kernel, codec, args, divisor))
+        # kernels/codec.cu compiled for the CPU, its warp shuffles run by
+        # fibers (emulation/launch.cpp), when the stream drains; "copy" moves
+        # the bytes of one region into another.
+        if kernel == "copy":
+            stream.queue.append(("launch", _run_copy, *args))
+            return
+        launch = codecs.device_launch(kernel, codec, args, divisor)   # checked now: a bad call queues nothing
+        if launch is not None:
+            instance, parameters, n = launch
+            grid = kernels.codec_grid(n, self.resident_blocks)
+            stream.queue.append(("launch", self._run_codec, instance, grid, parameters))
+
+    def _run_codec(self, instance, grid, parameters):
+        status = self._library.collectives_emulated_codec(instance.codec, instance.op, grid, kernels.CODEC_THREADS,
+                                                          ctypes.byref(parameters))
+        if status != 0:
+            raise CollectiveError(f"the emulated codec_kernel rejected {instance} (status {status})")
 
     def new_event(self):
         return EmulatedEvent()
@@ -371,12 +387,16 @@ def _load(path):
         ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
     ]
+    lib.collectives_emulated_codec.restype = ctypes.c_int
+    lib.collectives_emulated_codec.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
+                                               ctypes.c_void_p]
     lib.collectives_emulated_batched_copy.restype = ctypes.c_int
     lib.collectives_emulated_batched_copy.argtypes = [
         ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_int,
     ]
     if (lib.collectives_emulated_max_ranks(), lib.collectives_emulated_buffers(),
-            lib.collectives_emulated_copy_columns()) != (kernels.MAX_RANKS, kernels.BUFFERS, kernels.COPY_COLUMNS):
+            lib.collectives_emulated_copy_columns(), lib.collectives_emulated_codec_args_size()) != \
+            (kernels.MAX_RANKS, kernels.BUFFERS, kernels.COPY_COLUMNS, ctypes.sizeof(codecs.CodecArgs)):
         raise CollectiveError(f"{path} was built from other kernel sources; delete it and try again")
     lib.collectives_emulated_ll_layout.restype = ctypes.c_longlong
     lib.collectives_emulated_ll_layout.argtypes = [ctypes.c_int]

@@ -22,6 +22,14 @@ A call then resolves the buffer addresses (each rank's workspace and the
 caller's arrays) and issues the program on each device's current stream. It
 never waits for a device: the work can be captured in a CUDA graph when all
 ranks share one GPU.
+
+The program is issued from its launch record, made once with it: per step a
+callable that takes the stream and does only that step's driver call (a
+launch's kernel, grid and packed parameters are the adapter's, prepared by
+its `step_launcher`), and per device one block of buffer addresses that its
+launches read. A call whose buffers are those of the program's last call
+rewrites nothing; one with other buffers (the same shapes, other arrays)
+rewrites each device's block once, not each launch.
 """
 
 import functools
@@ -59,6 +67,44 @@ class Program(NamedTuple):
     steps: tuple           # (LAUNCH, device, Launch or codec ops) | (RECORD | WAIT, device, event key)
     events: dict           # event key -> event (created on the recording device)
     launches: Tuple[int, ...]  # per device
+    record: tuple          # the launch record: (device, issue(stream)) per step, in order (no compression)
+    blocks: tuple          # per device, the buffer-address block its launches read (see the module doc)
+    patched: list          # [the address table the blocks hold now]
+
+
+class AddressBlock:
+    """The buffer addresses launches read, for devices without a block of
+    their own (the emulated device): the table itself, which the executor
+    never changes once made (a new call's buffers make a new table)."""
+
+    def __init__(self):
+        self.addresses = None
+
+    def update(self, addresses):
+        self.addresses = addresses
+
+
+def step_launcher(device, instance, launch, divisor, block):
+    """issue(stream): one plan_step launch of `launch` on `device`, with the
+    addresses `block` holds at the time: the device's own prepared launch
+    where it has one (CudaDevice.step_launcher), else its launch_step."""
+    prepared = getattr(device, "step_launcher", None)
+    if prepared is not None:
+        return prepared(instance, launch.grid, launch.table, launch.width, divisor, block, launch.fanout)
+    grid, table, width, fanout = launch.grid, launch.table, launch.width, launch.fanout
+
+    def issue(stream):
+        device.launch_step(stream, instance, grid, table, width, block.addresses, divisor, fanout)
+    return issue
+
+
+def codec_launcher(device, kernel, codec, args, divisor):
+    """issue(stream): one codec launch on `device`, prepared by the device
+    where it can (CudaDevice.codec_launcher), else through its launch_codec."""
+    prepared = getattr(device, "codec_launcher", None)
+    if prepared is not None:
+        return prepared(kernel, codec, args, divisor)
+    return lambda stream: device.launch_codec(stream, kernel, codec, args, divisor)
 
 
 def grid_for(rows, device, itemsize, fanout=1):
@@ -163,6 +209,7 @@ class DeviceRanks:
         self._workspaces = [None] * len(devices)
         self._retired = []      # outgrown workspaces: in-flight work may still use them
         self._programs = {}     # id(plan) -> Program
+        self._codec_records = {}   # id(program) -> (program, buffer addresses, codec launch record)
         self._last_addresses = None
 
     # -- the per-call path -----------------------------------------------------
@@ -182,34 +229,36 @@ class DeviceRanks:
             self._run_codec_program(program, streams, input_infos, output_infos)
             return
         addresses = self._addresses(plan, input_infos, output_infos)
-        instance, divisor = program.instance, program.divisor
-
-        def launch(k, step):
-            devices[k].launch_step(streams[k], instance, step.grid, step.table, step.width, addresses, divisor,
-                                   step.fanout)
-
-        self._issue(program, streams, launch)
-
-    def _issue(self, program, streams, launch):
-        """The program's steps on the devices' streams, `launch(device index,
-        Launch or codec ops)` for each launch; then each device's call is
-        complete."""
-        devices, events = self.devices, program.events
-        for kind, k, what in program.steps:
-            if kind is LAUNCH:
-                launch(k, what)
-            elif kind is RECORD:
-                devices[k].record(events[what], streams[k])
-            else:
-                devices[k].wait(streams[k], events[what])
+        if program.patched[0] is not addresses:
+            for block in program.blocks:
+                block.update(addresses)
+            program.patched[0] = addresses
+        for k, issue in program.record:
+            issue(streams[k])
         for device in devices:
             device.call_returned()
 
     def _run_codec_program(self, program, streams, inputs, outputs):
         """A compressed plan: each rank's codec operations (compression/wire.py)
-        as codec kernel launches, ordered between devices like step launches."""
-        plan, devices = program.plan, self.devices
+        as codec kernel launches, ordered between devices like step launches.
+        The launches are prepared once per program and set of buffers (the
+        codec launch record); a repeated call only issues them."""
+        plan = program.plan
         workspaces = [self._workspace(rank, plan.workspace_bytes).address for rank in range(len(self.rank_devices))]
+        key = (tuple(i.address for i in inputs), tuple(o.address for o in outputs), tuple(workspaces))
+        cached = self._codec_records.get(id(program))
+        if cached is None or cached[0] is not program or cached[1] != key:
+            cached = (program, key, self._codec_record(program, workspaces, inputs, outputs))
+            self._codec_records[id(program)] = cached
+        for k, issue in cached[2]:
+            issue(streams[k])
+        for device in self.devices:
+            device.call_returned()
+
+    def _codec_record(self, program, workspaces, inputs, outputs):
+        """(device index, issue(stream)) for every codec launch, record and
+        wait of a compressed program on these buffers."""
+        plan, devices = program.plan, self.devices
         buffers = {INPUT: [i.address for i in inputs], OUTPUT: [o.address for o in outputs]}
 
         def address_of(rank, buffer):
@@ -220,21 +269,32 @@ class DeviceRanks:
             return buffers[buffer][rank]
 
         f, w = wire.device_regions(plan, address_of)
-
-        def launch(k, ops):   # ops: this device's ranks' operations in the phase
-            for kernel, args, divisor in wire.codec_launches(ops, f, w):
-                devices[k].launch_codec(streams[k], kernel, plan.compression, args, divisor)
-
-        self._issue(program, streams, launch)
+        record = []
+        for kind, k, what in program.steps:
+            device = devices[k]
+            if kind is LAUNCH:   # what: this device's ranks' operations in the phase
+                for kernel, args, divisor in wire.codec_launches(what, f, w):
+                    record.append((k, codec_launcher(device, kernel, plan.compression, args, divisor)))
+            else:
+                event = program.events[what]
+                record.append((k, (lambda stream, d=device, e=event: d.record(e, stream)) if kind is RECORD else
+                               (lambda stream, d=device, e=event: d.wait(stream, e))))
+        return tuple(record)
 
     def _addresses(self, plan, inputs, outputs):
         """The BufferTable of this call: per rank WORK, SCRATCH, INPUT, OUTPUT.
         The same buffers as the last call give the same table object, which
         the CUDA adapter then need not copy again."""
         need = plan.workspace_bytes
+        last = self._last_addresses
+        # A repeated call passes the very lists of descriptions it passed
+        # before (Communicator._repeat), which nobody changes: no key to build.
+        if last is not None and last[2] is inputs and last[3] is outputs and last[4] == (need, plan.scratch_offset):
+            return last[1]
         key = (tuple(inputs), tuple(outputs), need, plan.scratch_offset)
-        if self._last_addresses is not None and self._last_addresses[0] == key:
-            return self._last_addresses[1]
+        if last is not None and last[0] == key:
+            self._last_addresses = (key, last[1], inputs, outputs, (need, plan.scratch_offset))
+            return last[1]
         addresses = []
         for rank, (i, o) in enumerate(zip(inputs, outputs)):
             work = self._workspace(rank, need).address if need else 0
@@ -242,7 +302,7 @@ class DeviceRanks:
         assert (WORK, SCRATCH, INPUT, OUTPUT) == (0, 1, 2, 3), "the order of a rank's addresses above"
         table = kernels.buffer_table(addresses)
         table.setflags(write=False)  # adapters may keep it: a new call makes a new table
-        self._last_addresses = (key, table)
+        self._last_addresses = (key, table, inputs, outputs, (need, plan.scratch_offset))
         return table
 
     def _workspace(self, rank, nbytes):
@@ -274,10 +334,25 @@ class DeviceRanks:
                     launches[p, k] = Launch(self.devices[k].upload(rows), rows.shape[1], grid, fanout, rows)
         steps, recorded = self._order(plan, launches)
         events = {key: self.devices[key[0]].new_event() for key in recorded}
+        blocks = tuple(getattr(d, "buffer_block", AddressBlock)() for d in self.devices)
+        record = () if plan.compression is not None else \
+            tuple(self._issuer(step, instance, divisor, events, blocks) for step in steps)
         program = Program(plan, instance, divisor, tuple(steps), events,
-                          tuple(sum(1 for (_, k) in launches if k == i) for i in range(ndevices)))
+                          tuple(sum(1 for (_, k) in launches if k == i) for i in range(ndevices)),
+                          record, blocks, [None])
         self._programs[id(plan)] = program
         return program
+
+    def _issuer(self, step, instance, divisor, events, blocks):
+        """(device index, issue(stream)) of one step of a program."""
+        kind, k, what = step
+        device = self.devices[k]
+        if kind is LAUNCH:
+            return k, step_launcher(device, instance, what, divisor, blocks[k])
+        event = events[what]
+        if kind is RECORD:
+            return k, lambda stream: device.record(event, stream)
+        return k, lambda stream: device.wait(stream, event)
 
     def _order(self, plan, launches):
         """The program's steps: launches with the records and waits between
@@ -378,3 +453,4 @@ class DeviceRanks:
         self._workspaces = [None] * len(self.rank_devices)
         self._retired.clear()
         self._programs.clear()
+        self._codec_records.clear()

@@ -4,18 +4,14 @@
 // CUDA headers take their host paths (cuda_fp16.h converts in software with
 // round to nearest even, as the GPU does).
 //
-// A launch runs every (block, thread) of the grid one after another; that is
-// exact because kernels here are thread-independent (see plan_step.cu).
+// A launch of a thread-independent kernel (plan_step, batched_copy) runs
+// every (block, thread) of the grid one after another; a kernel whose
+// threads exchange values (the codecs' __shfl_xor_sync) runs the threads of
+// each CUDA block as fibers that meet at every shuffle (launch.cpp).
 
 #pragma once
 
-#include <cstring>
-
-#define __global__
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
+#include "host_math.h"  // the qualifiers and float intrinsics
 
 #include <vector_types.h>
 
@@ -25,19 +21,24 @@ extern thread_local uint3 blockIdx;
 extern thread_local dim3 blockDim;
 extern thread_local dim3 gridDim;
 
-// Correctly rounded float and double operations, as the GPU's __fadd_rn and
-// friends. Compile with -ffp-contract=off so that nothing fuses them.
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline double __dadd_rn(double a, double b) { return a + b; }
-inline double __dmul_rn(double a, double b) { return a * b; }
-inline double __ddiv_rn(double a, double b) { return a / b; }
+// Warp shuffles, for kernels launched with launch.cpp's cooperative walk:
+// every thread of the warp deposits its value, all meet, each reads its
+// partner's (launch.cpp: shuffle_exchange).
+unsigned long long shuffle_exchange(unsigned long long value, int source_lane);
 
-inline unsigned int __float_as_uint(float x) { unsigned int b; std::memcpy(&b, &x, sizeof b); return b; }
-inline float __uint_as_float(unsigned int b) { float x; std::memcpy(&x, &b, sizeof x); return x; }
-inline long long __double_as_longlong(double x) { long long b; std::memcpy(&b, &x, sizeof b); return b; }
-inline double __longlong_as_double(long long b) { double x; std::memcpy(&x, &b, sizeof x); return x; }
+template <typename T>
+inline T __shfl_xor_sync(unsigned int /*mask: the walk runs whole warps*/, T var, int lane_mask, int width = 32) {
+    static_assert(sizeof(T) <= sizeof(unsigned long long), "shuffle of a value wider than 64 bits");
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &var, sizeof var);
+    const int lane = static_cast<int>(threadIdx.x & 31u);
+    const int partner = (lane ^ lane_mask) & 31;   // outside the lane's segment of `width` lanes: its own value
+    const int source = (partner & -width) == (lane & -width) ? partner : lane;
+    bits = shuffle_exchange(bits, source);
+    T out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+}
 
 // SIMD on the bytes (4) or halves (2) of a 32-bit word; sums wrap.
 template <int Lanes, typename Lane, typename Combine>

@@ -1,0 +1,154 @@
+"""The dry CUDA adapter (devices/dry_cuda.py): the real devices/cuda.py on
+stand-ins for CuPy, so that CI runs, and bench.call_overhead times, every
+line of ours that a call on a GPU runs. These tests check that it really
+goes through the adapter: the stand-in driver is asked for exactly the
+launches the plan has, for every collective, in place and out of place, on
+one device and on two (where the adapter records and waits for events)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import collectives
+from collectives import InvalidUsageError, arrays
+from collectives.devices.cuda import CudaDevice
+from collectives.devices.dry_cuda import DryArray, DryMemory, dry_devices
+from collectives.executors.device import DeviceRanks
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 4
+
+
+def dry_communicator(ndevices):
+    dry, devices = dry_devices(ndevices)
+    ranks = DeviceRanks([devices[r % ndevices] for r in range(N)])
+    return dry, collectives.Communicator(ranks, size=N, local_ranks=range(N), timeout=10.0)
+
+
+def on_rank_device(dry, count):
+    """One DryArray per rank, each on its rank's device."""
+    made = []
+    for r in range(N):
+        with dry.cuda.Device(r % dry.ndevices):
+            made.append(dry.empty(count, np.float32))
+    return made
+
+
+def calls(dry, count):
+    """Every collective, in place and out of place, on DryArrays."""
+    xs, outs = on_rank_device(dry, count), on_rank_device(dry, count)
+    blocks = [o[:count // N] for o in outs]
+    return {
+        "allreduce in place": lambda comm, a: comm.allreduce(xs, algorithm=a),
+        "allreduce": lambda comm, a: comm.allreduce(xs, out=outs, algorithm=a),
+        "reduce_scatter": lambda comm, a: comm.reduce_scatter(xs, out=blocks, algorithm=a),
+        "reduce_scatter in place": lambda comm, a: comm.reduce_scatter(xs, algorithm=a),
+        "allgather": lambda comm, a: comm.allgather([x[:count // N] for x in xs], out=outs, algorithm=a),
+        "broadcast": lambda comm, a: comm.broadcast(xs, root=1, algorithm=a),
+        "reduce": lambda comm, a: comm.reduce(xs, root=2, algorithm=a),
+    }
+
+
+@pytest.mark.parametrize("ndevices", [1, 2])
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "auto"])
+def test_the_stand_in_driver_launches_what_the_plan_has(ndevices, algorithm):
+    dry, comm = dry_communicator(ndevices)
+    assert all(type(d).launch_step is CudaDevice.launch_step for d in comm._ranks.devices)
+    for name, call in calls(dry, 4 * N).items():
+        call(comm, algorithm)   # the first call plans; repeats take the repeated-call path
+        before = dry.launches
+        for _ in range(3):
+            call(comm, algorithm)
+        planned = {id(p): p for p in comm._plans.values()}
+        launches = [sum(comm._ranks.launches(p)) for p in planned.values()]
+        assert (dry.launches - before) % 3 == 0 and (dry.launches - before) // 3 in launches, name
+        assert dry.launches > before, name
+        comm._plans.clear()
+    comm.close()
+
+
+def test_dry_arrays_are_described_as_cupy_arrays_and_checked_as_such():
+    dry, comm = dry_communicator(1)
+    x = dry.empty((2, 8), np.float16)
+    info = arrays.describe(x)
+    assert (info.library, info.device, info.shape, info.size, info.address) == \
+        ("cupy", "cuda:0", (2, 8), 16, x.data.ptr)
+    elsewhere = DryArray((8,), np.float32, DryMemory(x.data.ptr + 4096, 32, device=1))
+    with pytest.raises(InvalidUsageError, match=r"x\[3\] is in cuda:1, but local rank 3 lives on cuda:0"):
+        comm.allreduce([dry.empty(8, np.float32) for _ in range(3)] + [elsewhere])
+    with pytest.raises(InvalidUsageError, match="host memory"):
+        comm.allreduce([np.ones(8, np.float32)] * N)
+    comm.close()
+
+
+def test_call_overhead_runs_the_cuda_adapter_dry():
+    done = subprocess.run([sys.executable, "-m", "bench.call_overhead", "--adapter", "dry", "--calls", "200",
+                           "--batch", "50", "--count", "256", "--algorithm", "ring",
+                           "--collectives", "allreduce,allgather"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)["results"]
+    # A ring over 4 ranks out of place: 3 reduce-scatter and 3 allgather steps.
+    assert results["allreduce"]["launch_step_per_call"] == 6
+    assert results["allgather"]["launch_step_per_call"] == 3
+    assert all(r["median_us_per_call"] > 0 for r in results.values())
+
+
+def test_each_call_launches_with_its_own_arrays_addresses():
+    """The launch record's buffer-address block is patched when a call's
+    arrays differ from the last call's (same shapes, other memory), and
+    holds every rank's input and output address as the call passed them."""
+    from collectives import kernels
+    from collectives.binding import INPUT, OUTPUT
+    dry, comm = dry_communicator(1)
+    first, second, outs = on_rank_device(dry, 64), on_rank_device(dry, 64), on_rank_device(dry, 64)
+    for xs in (first, second, first, first):
+        comm.allreduce(xs, out=outs, algorithm="ring")
+        (program,) = comm._ranks._programs.values()
+        table = program.blocks[0]._table.reshape(kernels.MAX_RANKS, kernels.BUFFERS)
+        assert list(table[:N, INPUT]) == [x.data.ptr for x in xs]
+        assert list(table[:N, OUTPUT]) == [o.data.ptr for o in outs]
+    comm.close()
+
+
+def test_repeated_calls_on_device_arrays_skip_the_checks_until_an_array_changes(monkeypatch):
+    from collectives import validation
+    checked = []
+    real = validation.rank_arrays
+    monkeypatch.setattr(validation, "rank_arrays", lambda *a, **k: checked.append(1) or real(*a, **k))
+    dry, comm = dry_communicator(1)
+    xs = on_rank_device(dry, 64)
+    for _ in range(5):
+        comm.allreduce(xs, algorithm="ring")
+    assert len(checked) == 1
+    xs[2]._shape = (8, 8)   # what `a.shape = (8, 8)` does to a CuPy array: the same memory, reshaped
+    with pytest.raises(InvalidUsageError, match=r"x\[2\] has shape \(8, 8\) but x\[0\] has \(64,\)"):
+        comm.allreduce(xs, algorithm="ring")
+    assert len(checked) == 2
+    comm.close()
+
+
+@pytest.mark.parametrize("ndevices", [1, 2])
+def test_a_repeated_compressed_call_issues_prepared_codec_launches(monkeypatch, ndevices):
+    """The codec launches of a compressed program are prepared once per set
+    of buffers (executors/device.py, the codec launch record): a repeat
+    issues them without preparing anything, new arrays prepare them again,
+    and each time the driver gets the same launches."""
+    from collectives.compression import kernels as codecs
+    dry, comm = dry_communicator(ndevices)
+    prepared = []
+    original = codecs.device_launch
+    monkeypatch.setattr(codecs, "device_launch", lambda *a: (prepared.append(a[0]), original(*a))[1])
+    xs = on_rank_device(dry, 1024)
+    launched = []
+    for xs_now in (xs, xs, on_rank_device(dry, 1024)):
+        before, prepared_before = dry.launches, len(prepared)
+        comm.allreduce(xs_now, compression="fp16", algorithm="ring")
+        launched.append((dry.launches - before, len(prepared) - prepared_before))
+    (first, made_first), (repeat, made_repeat), (fresh, made_fresh) = launched
+    assert first == repeat == fresh > 0
+    assert made_first == made_fresh == first and made_repeat == 0
