@@ -8,16 +8,12 @@ rank are in tests/ll_worker.py; the kernel alone is tested in
 tests/test_ll_kernel.py.
 """
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from backends import gpu_unavailable_reason
-from test_mpi import mpiexec
+from test_mpi import run_worker
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi
@@ -28,19 +24,9 @@ WORKER = Path(__file__).with_name("ll_worker.py")
 def run_ranks(n, scenario, device="emulated", limit=120):
     """Every rank must print OK (but a killed one)."""
     flags = ["-disable-auto-cleanup"] if scenario == "killed" else []   # Hydra would kill the survivors
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
-               COLLECTIVES_ONE_KERNEL_ALLREDUCE="1")
-    env.pop("COLLECTIVES_TIMEOUT", None)
-    try:
-        done = subprocess.run([mpiexec(), *flags, "-n", str(n), sys.executable, str(WORKER), scenario, device],
-                              capture_output=True, text=True, timeout=limit, env=env)
-    except subprocess.TimeoutExpired as hung:
-        printed = [o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (hung.stdout, hung.stderr)]
-        pytest.fail(f"mpiexec ran past {limit} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
-    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
-    assert done.returncode == 0, report
-    survivors = n - 1 if scenario == "killed" else n
-    assert len(re.findall(rf"OK {scenario} \d+", done.stdout)) == survivors, report
+    oks, report = run_worker(WORKER, n, scenario, device, launcher_flags=flags, limit=limit,
+                             environment={"COLLECTIVES_ONE_KERNEL_ALLREDUCE": "1"})
+    assert len(oks) == (n - 1 if scenario == "killed" else n), report
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -38,22 +38,30 @@ def mpiexec():
     return found
 
 
-def run_ranks(n, scenario, *launcher_flags, device="host", limit=240):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+def run_worker(worker, n, scenario, *arguments, launcher_flags=(), limit=240, environment=None):
+    """Run `worker scenario *arguments` on n ranks under mpiexec (the tests'
+    folder importable, no inherited COLLECTIVES_TIMEOUT); it must exit 0.
+    Returns the ranks' "OK <scenario> <rank>" lines and a report to show."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")]),
+               **(environment or {}))
     env.pop("COLLECTIVES_TIMEOUT", None)
     try:
         done = subprocess.run(
-            [mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(WORKER), scenario, device],
+            [mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(worker), scenario, *arguments],
             capture_output=True, text=True, timeout=limit, env=env,
         )
     except subprocess.TimeoutExpired as hung:   # say what the ranks had printed, whole
-        printed = [o.decode(errors="replace") if isinstance(o, bytes) else o for o in (hung.stdout, hung.stderr)]
+        printed = [o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (hung.stdout, hung.stderr)]
         pytest.fail(f"mpiexec ran past {limit} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report
     # Ranks' lines can reach mpiexec's stdout glued together.
     oks = re.findall(rf"OK {scenario} \d+", done.stdout)
     return oks, report
+
+
+def run_ranks(n, scenario, *launcher_flags, device="host", limit=240):
+    return run_worker(WORKER, n, scenario, device, launcher_flags=launcher_flags, limit=limit)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

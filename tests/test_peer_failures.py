@@ -10,16 +10,12 @@ catches TimeoutError handles the same event on every rank. The checks of
 each rank are in tests/peer_failure_worker.py.
 """
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from collectives.transport import fastpath
-from test_mpi import mpiexec
+from test_mpi import run_worker
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi
@@ -42,18 +38,8 @@ def run_failure(n, event, device, path, limit=60):
     """Run the worker's `event` on `n` ranks; every rank but a killed one must report OK."""
     # Hydra would otherwise kill the survivors itself when one rank exits.
     flags = ["-disable-auto-cleanup"] if event == "killed" else []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
-    env.pop("COLLECTIVES_TIMEOUT", None)
-    try:
-        done = subprocess.run([mpiexec(), *flags, "-n", str(n), sys.executable, str(WORKER), event, path, device],
-                              capture_output=True, text=True, timeout=limit, env=env)
-    except subprocess.TimeoutExpired as hung:
-        printed = [o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (hung.stdout, hung.stderr)]
-        pytest.fail(f"mpiexec ran past {limit} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
-    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
-    assert done.returncode == 0, report
-    survivors = n - 1 if event == "killed" else n
-    assert len(re.findall(rf"OK {event} \d+", done.stdout)) == survivors, report
+    oks, report = run_worker(WORKER, n, event, path, device, launcher_flags=flags, limit=limit)
+    assert len(oks) == (n - 1 if event == "killed" else n), report
 
 
 @pytest.mark.parametrize("n", [3, 4])
