@@ -42,7 +42,7 @@ import sys
 import numpy as np
 
 from bench import cli
-from bench.environment import _git_commit
+from bench.environment import git_commit
 from bench.harness import parse_size
 from collectives.algorithms import MODELS, REGISTRY
 from collectives.algorithms.schedule import ALLREDUCE
@@ -236,7 +236,7 @@ def main(argv=None):
     if args.output_file:
         with open(args.output_file, "w") as f:
             json.dump({"command": "python -m bench.compression_model " + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "environment": {"git_commit": _git_commit()},   # a model: the code, not the machine
+                       "environment": {"git_commit": git_commit()},   # a model: the code, not the machine
                        "ranks": args.ranks, "memory_gbps": args.memory_gbps, "codec_gbps": args.codec_gbps,
                        "step_us": args.step_us, "links_gbps": {k: v / GB for k, v in args.links.items()},
                        "rows": rows}, f, indent=1)

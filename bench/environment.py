@@ -34,7 +34,7 @@ def environment(args, nranks, backends):
         "python": platform.python_version(),
         "numpy": np.__version__,
         "collectives": collectives.__version__,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "ranks": nranks,
         "processes": processes,
         "backends": backends,
@@ -63,7 +63,7 @@ def _memory_bytes():
     return None
 
 
-def _git_commit():
+def git_commit():
     """The commit of the checkout the library was imported from, or "unknown"."""
     here = os.path.dirname(os.path.abspath(collectives.__file__))
     try:

@@ -28,7 +28,7 @@ import numpy as np
 
 from bench import cli
 from bench.compression_model import codec_phase_bytes
-from bench.environment import _git_commit
+from bench.environment import git_commit
 from bench.harness import parse_size
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_SCATTER, REDUCE_TO_ROOT
@@ -153,7 +153,7 @@ def main(argv=None):
         with open(args.output_file, "w") as f:
             json.dump({"command": " ".join(["python", "-m", "bench.plan_report", *(argv or sys.argv[1:])]),
                        # counted from the plans: the code, not the machine, sets them
-                       "environment": {"git_commit": _git_commit()},
+                       "environment": {"git_commit": git_commit()},
                        "ranks": args.ranks, "bytes": nbytes, "rows": rows}, f, indent=1)
 
 
