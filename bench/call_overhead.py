@@ -39,7 +39,7 @@ import numpy as np
 import collectives
 from bench import cli
 
-ADAPTER_CALLS = ("launch_step", "launch_codec", "record", "wait", "call_returned")
+ADAPTER_CALLS = ("launch_step", "launch_codec_batch", "record", "wait", "call_returned")
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 

@@ -33,7 +33,6 @@ from bench import cli
 from bench.environment import environment
 from bench.harness import RELAUNCHED, mpi_world, parse_size, relaunch_under_mpiexec
 from bench.model_shapes import MODELS
-from collectives.devices import emulated
 
 MODES = ("fused", "per-array")
 
@@ -108,20 +107,17 @@ class Counters:
         ranks = self.comm._ranks  # noqa: SLF001 - the benchmark looks inside on purpose
         patched = [(ranks, "run", self._count("calls", ranks.run))]
         for device in dict.fromkeys(getattr(ranks, "rank_devices", ())):
-            for name in ("launch_step", "launch_copies", "launch_codec"):
+            for name in ("launch_step", "launch_copies", "launch_codec", "launch_codec_batch"):
                 if hasattr(device, name):
                     patched.append((device, name, self._count("launches", getattr(device, name))))
-            for name in ("_run_step", "_run_copies"):
+            for name in ("_run_step", "_run_copies", "_run_codec", "_run_codec_batch"):
                 if hasattr(device, name):
                     patched.append((device, name, self._timed(getattr(device, name))))
-        real_codec = emulated._run_codec
-        emulated._run_codec = self._timed(real_codec)
         for target, name, wrapper in patched:
             setattr(target, name, wrapper)
         try:
             yield self
         finally:
-            emulated._run_codec = real_codec
             for target, name, _ in patched:
                 delattr(target, name)
 

@@ -17,8 +17,10 @@ bytes; broadcast: S read, (n-1) S written). Between devices a plan must also
 move bytes across links, so the floor is lower than any plan there.
 
 `--compression` adds the allreduce plans with each codec: their launches
-are codec kernels (compression/wire.py, `codec_launches`), and their traffic
-is what those kernels read and write, wire form and float32 alike.
+are codec_batch kernels, each running the codec operations
+(compression/wire.py) that touch no common memory side by side
+(compression/kernels.py: batch_rows), and their traffic is what those
+kernels read and write, wire form and float32 alike.
 """
 
 import json
@@ -33,8 +35,7 @@ from bench.harness import parse_size
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_SCATTER, REDUCE_TO_ROOT
 from collectives.binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
-from collectives.compression import wire
-from collectives.compression.kernels import CODECS, has_scales
+from collectives.compression.kernels import CODECS
 from collectives.devices import open_device
 from collectives.executors.device import DeviceRanks
 from collectives.plan import build_plan
@@ -55,26 +56,6 @@ def floor_bytes(collective, nranks, count, itemsize, in_place=False):
         return message + (nranks - 1 if in_place else nranks) * message
     assert collective == BROADCAST
     return nranks * message
-
-
-class _Extent:
-    """A region as codec_launches measures it: only its length matters here."""
-
-    def __init__(self, count):
-        self.count = count
-
-
-def codec_kernel_launches(plan, ranks_of_device):
-    """Per device, the codec kernels a compressed plan launches in one call."""
-    launches = [0] * len(ranks_of_device)
-    scales = has_scales(plan.compression)
-    for phase in plan.phases:
-        for k, ranks in enumerate(ranks_of_device):
-            ops = [op for rank in ranks for op in phase.wire_ops_by_rank[rank]]
-            f = lambda ref: _Extent(ref[3])                                        # noqa: E731
-            w = lambda ref: (_Extent(ref[3]), _Extent(ref[3] if scales else 0))   # noqa: E731
-            launches[k] += sum(1 for _ in wire.codec_launches(ops, f, w))
-    return launches
 
 
 def codec_traffic_bytes(plan):
@@ -99,12 +80,10 @@ def report(nranks, nbytes, dtype=np.dtype("float32"), codecs=()):
                     plan = build_plan(collective, algorithm, nranks, count, dtype, "sum", 0, binding,
                                       compression=codec)
                     floor = floor_bytes(collective, nranks, count, dtype.itemsize, binding == IN_PLACE)
+                    launches = (max(one_device.launches(plan)), max(own_devices.launches(plan)))
                     if codec is None:
-                        launches = (max(one_device.launches(plan)), max(own_devices.launches(plan)))
                         traffic, on_one_device = plan.traffic.total, one_device.traffic(plan)
                     else:
-                        launches = (max(codec_kernel_launches(plan, one_device.ranks_of_device)),
-                                    max(codec_kernel_launches(plan, own_devices.ranks_of_device)))
                         traffic = on_one_device = codec_traffic_bytes(plan)
                     rows.append({
                         "collective": collective, "algorithm": algorithm, "binding": binding,

@@ -109,6 +109,22 @@ class CodecInstance(NamedTuple):
         return "codec.cu"
 
 
+CODEC_BATCH_ROWS = 40  # kCodecBatchRows: the rows one codec_batch launch holds
+
+
+class CodecBatchInstance(NamedTuple):
+    """One instance of codec_batch: a codec id. Its rows say what each does."""
+    codec: int
+
+    @property
+    def name_expression(self):
+        return f"collectives::codec_batch<{self.codec}>"
+
+    @property
+    def source(self):
+        return "codec.cu"
+
+
 def codec_grid(n, resident_blocks):
     """Blocks of CODEC_THREADS for codec_kernel over n >= 1 elements: the
     blocks the device runs at once, fewer when the work has fewer groups of

@@ -43,8 +43,9 @@ constexpr int kCodecThreads = 256;       // threads per CUDA block (kernels.py: 
 constexpr int kCodecLanes = 8;           // lanes per block of 32 elements
 constexpr int kCodecPerLane = 4;         // elements per lane: one float4
 
-// What a codec kernel does, its second template argument (kernels.py: CODEC_OPS).
-enum CodecOp { kEncode = 0, kDecode = 1, kDecodeAdd = 2, kAdd = 3 };
+// What a codec kernel does, its second template argument (compression/kernels.py:
+// KERNELS); kCodecCopy only as a row of codec_batch (compression/kernels.py: COPY).
+enum CodecOp { kEncode = 0, kDecode = 1, kDecodeAdd = 2, kAdd = 3, kCodecCopy = 4 };
 
 // CodecArgs.flags.
 enum CodecFlag { kEncodeOut = 1, kWriteOut = 2 };
@@ -163,8 +164,10 @@ __device__ __forceinline__ unsigned int group_max(unsigned int m) {
 
 }  // namespace codec
 
+// One codec operation over args.n elements, by the warps `warp`, `warp +
+// warps`, ... of the threads running it (whole warps: see the loop below).
 template <int Codec, int Op>
-__global__ void __launch_bounds__(kCodecThreads) codec_kernel(CodecArgs args) {
+__device__ __forceinline__ void codec_op(const CodecArgs& args, long long warp, long long warps) {
     using namespace codec;
     using P = typename Payload<Codec>::type;
     const float* acc = reinterpret_cast<const float*>(args.acc);
@@ -195,8 +198,6 @@ __global__ void __launch_bounds__(kCodecThreads) codec_kernel(CodecArgs args) {
     const long long nblocks = (n + kBlock - 1) / kBlock;
     const int lane_in_warp = threadIdx.x & 31;
     const int lane = lane_in_warp & (kCodecLanes - 1);
-    const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-    const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
     constexpr int kBlocksPerWarp = 32 / kCodecLanes;
 
     for (long long w = warp; w * kBlocksPerWarp < nblocks; w += warps) {
@@ -265,8 +266,86 @@ __global__ void __launch_bounds__(kCodecThreads) codec_kernel(CodecArgs args) {
     }
 }
 
+// This thread's warp among the warps of the grid's x dimension.
+__device__ __forceinline__ long long grid_warp() {
+    return (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+}
+
+__device__ __forceinline__ long long grid_warps() {
+    return (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
+}
+
+template <int Codec, int Op>
+__global__ void __launch_bounds__(kCodecThreads) codec_kernel(CodecArgs args) {
+    codec_op<Codec, Op>(args, grid_warp(), grid_warps());
+}
+
+// -- a batch of operations in one launch ----------------------------------------
+//
+// A compressed allreduce is a few dozen small operations per call (the
+// lowering of compression/wire.py); launched one by one, the host spends
+// several microseconds on each. The executor groups those that touch no
+// common memory (compression/kernels.py: batch_rows) and launches each group
+// as one codec_batch: row y of the batch is run by the blocks of grid row y,
+// so the rows run side by side. A row is one of the four operations above
+// or a copy of bytes (the encoded chunk a ring hop forwards as it is, a
+// float32 region into or out of the workspace).
+//
+// The batch goes by value (the driver copies it into constant memory at the
+// launch); __grid_constant__ lets a block read its row there, at an index
+// known only at run time, without a copy into local memory.
+
+constexpr int kCodecBatchRows = 40;      // kernels.py: CODEC_BATCH_ROWS (40 x 80 bytes: inside the 4 KiB of parameters)
+
+struct CodecRow {
+    CodecArgs args;
+    int op;                // CodecOp; kCodecCopy: args.n bytes from args.acc to args.out
+    int unused;            // keeps the row a multiple of 8 bytes
+};
+
+struct CodecBatch {
+    CodecRow rows[kCodecBatchRows];
+};
+
+// args.n bytes from args.acc to args.out by every thread of the grid's x
+// dimension: 16 bytes a thread where both ends allow it, the rest (and all
+// of a copy that is not 16-byte aligned: the scale bytes of a chunk) a byte
+// at a time.
+__device__ __forceinline__ void copy_bytes(const CodecArgs& args) {
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(args.acc);
+    unsigned char* dst = reinterpret_cast<unsigned char*>(args.out);
+    COLLECTIVES_CODEC_GLOBAL(src);
+    COLLECTIVES_CODEC_GLOBAL(dst);
+    const long long n = args.n;
+    const long long thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long threads = static_cast<long long>(gridDim.x) * blockDim.x;
+    long long vectors = 0;
+    if (((args.acc | args.out) & 15u) == 0) {
+        vectors = n / 16;
+        for (long long i = thread; i < vectors; i += threads) {
+            const float4 v = reinterpret_cast<const float4*>(src)[i];
+            codec::store_16_bytes(reinterpret_cast<float*>(dst) + 4 * i, v.x, v.y, v.z, v.w);
+        }
+    }
+    for (long long i = 16 * vectors + thread; i < n; i += threads) dst[i] = src[i];
+}
+
+template <int Codec>
+__global__ void __launch_bounds__(kCodecThreads) codec_batch(const __grid_constant__ CodecBatch batch) {
+    const CodecRow& row = batch.rows[blockIdx.y];
+    switch (row.op) {   // the same for every thread of a block: whole warps stay together
+        case kEncode: codec_op<Codec, kEncode>(row.args, grid_warp(), grid_warps()); break;
+        case kDecode: codec_op<Codec, kDecode>(row.args, grid_warp(), grid_warps()); break;
+        case kDecodeAdd: codec_op<Codec, kDecodeAdd>(row.args, grid_warp(), grid_warps()); break;
+        case kAdd: codec_op<Codec, kAdd>(row.args, grid_warp(), grid_warps()); break;
+        case kCodecCopy: copy_bytes(row.args); break;
+        default: break;
+    }
+}
+
 }  // namespace collectives
 
 // Every instance, for the nvcc build (instances.cu) and the emulated device.
 #define COLLECTIVES_FOR_EACH_CODEC_KERNEL(X)                                            \
     X(0, 0) X(0, 1) X(0, 2) X(0, 3) X(1, 0) X(1, 1) X(1, 2) X(1, 3) X(2, 0) X(2, 1) X(2, 2) X(2, 3)
+#define COLLECTIVES_FOR_EACH_CODEC(X) X(0) X(1) X(2)

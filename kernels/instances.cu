@@ -24,6 +24,11 @@ COLLECTIVES_FOR_EACH_ELEMENT(COLLECTIVES_STEP_INSTANCES)
 
 COLLECTIVES_FOR_EACH_CODEC_KERNEL(COLLECTIVES_CODEC_INSTANCE)
 
+#define COLLECTIVES_CODEC_BATCH_INSTANCE(Codec) \
+    template __global__ void collectives::codec_batch<Codec>(const __grid_constant__ collectives::CodecBatch);
+
+COLLECTIVES_FOR_EACH_CODEC(COLLECTIVES_CODEC_BATCH_INSTANCE)
+
 #include "ll_allreduce.cu"
 
 #define COLLECTIVES_LL_INSTANCE(Element, Op)                                                   \

@@ -125,6 +125,80 @@ def test_emulated_devices_give_the_host_bits(codec, algorithm):
             assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"{codec} {algorithm} n={nranks}"
 
 
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("algorithm", ["ring", "two_shot", "butterfly", "star"])
+def test_ranks_sharing_an_emulated_device_give_the_host_bits(codec, algorithm):
+    """Ranks on one device: every rank's operations of the whole call go as
+    batches (compression/kernels.py: batch_rows) on one stream, across
+    ranks and phases; in place and out of place."""
+    for nranks in (3, 4):
+        inputs = gradients(nranks, 777, "mixed", seed=nranks)
+        want = run_host(nranks, inputs, codec, algorithm)
+        comm = collectives.Communicator.local(nranks, devices=["emulated:0"] * nranks)
+        out_of_place = comm.allreduce(inputs, algorithm=algorithm, compression=codec,
+                                      out=[np.empty_like(x) for x in inputs])
+        in_place = comm.allreduce([x.copy() for x in inputs], algorithm=algorithm, compression=codec)
+        for got in (out_of_place, in_place):
+            for g, w in zip(got, want):
+                assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"{codec} {algorithm} n={nranks}"
+
+
+def test_a_batch_that_ignores_the_order_of_operations_gives_wrong_bits(monkeypatch):
+    """The check above can fail: with batches cut in program order, ignoring
+    which operations depend on which, the emulated device (which runs a
+    batch's rows last first, as a GPU may) no longer gives the host's bits."""
+    from collectives.compression import kernels as codecs
+    monkeypatch.setattr(codecs, "batch_rows", lambda rows, name: [rows[i:i + 40] for i in range(0, len(rows), 40)])
+    inputs = gradients(4, 777, "mixed", seed=4)
+    want = run_host(4, inputs, "fp16", "ring")
+    got = collectives.Communicator.local(4, devices=["emulated:0"] * 4).allreduce(
+        [x.copy() for x in inputs], algorithm="ring", compression="fp16")
+    assert not all(np.array_equal(g.view(np.uint32), w.view(np.uint32)) for g, w in zip(got, want))
+
+
+def _row(op, reads=(), writes=(), n=64):
+    """A CodecRow whose accesses are the given (address, bytes) ranges: a
+    copy reads acc and writes out; a decode reads payload and scales."""
+    from collectives.compression import kernels as codecs
+    if op == codecs.COPY:
+        (src, nbytes), (dst, _) = reads[0], writes[0]
+        return codecs.CodecRow(codecs.CodecArgs(acc=src, out=dst, n=nbytes), codecs.COPY)
+    return codecs.CodecRow(codecs.CodecArgs(payload=reads[0], scales=reads[1], out=writes[0], n=n),
+                           codecs.KERNELS.index("decode"))
+
+
+def test_batches_keep_each_row_after_the_rows_it_must_follow():
+    from collectives.compression import kernels as codecs
+    copy = codecs.COPY
+    a, b, c, d = 0x10000, 0x20000, 0x30000, 0x40000
+    write_then_read = [_row(copy, [(a, 256)], [(b, 256)]), _row(copy, [(b + 128, 64)], [(c, 64)])]
+    read_then_write = [_row(copy, [(a, 256)], [(b, 256)]), _row(copy, [(c, 64)], [(a + 192, 64)])]
+    write_twice = [_row(copy, [(a, 256)], [(b, 256)]), _row(copy, [(c, 64)], [(b, 64)])]
+    side_by_side = [_row(copy, [(a, 256)], [(b, 256)]), _row(copy, [(a, 256)], [(b + 256, 256)]),
+                    _row(copy, [(c, 64)], [(d, 64)])]      # reads shared, writes only adjacent
+    for rows, batches in ((write_then_read, [[0], [1]]), (read_then_write, [[0], [1]]),
+                          (write_twice, [[0], [1]]), (side_by_side, [[0, 1, 2]])):
+        got = codecs.batch_rows(rows, "fp16")
+        assert [[rows.index(r) for r in batch] for batch in got] == batches
+    # A decode reads its payload (2 bytes an element for fp16) and scales (a byte a block).
+    decode = _row(None, reads=(c, d), writes=(a,), n=64)
+    assert len(codecs.batch_rows([_row(copy, [(b, 8)], [(c + 126, 2)]), decode], "fp16")) == 2
+    assert len(codecs.batch_rows([_row(copy, [(b, 8)], [(c + 128, 2)]), decode], "fp16")) == 1
+    assert len(codecs.batch_rows([_row(copy, [(b, 8)], [(d + 1, 1)]), decode], "fp16")) == 2
+    assert len(codecs.batch_rows([_row(copy, [(b, 8)], [(d + 2, 1)]), decode], "fp16")) == 1
+    # A row goes after the latest batch it must follow, not merely after the first.
+    chain = [_row(copy, [(a, 64)], [(b, 64)]), _row(copy, [(b, 64)], [(c, 64)]), _row(copy, [(d, 64)], [(a, 64)])]
+    assert [[chain.index(r) for r in batch] for batch in codecs.batch_rows(chain, "int8")] == [[0], [1, 2]]
+
+
+def test_batches_hold_at_most_a_launchs_rows():
+    from collectives import kernels
+    from collectives.compression import kernels as codecs
+    rows = [_row(codecs.COPY, [(0x10000 + 64 * i, 64)], [(0x90000 + 64 * i, 64)]) for i in range(100)]
+    sizes = [len(batch) for batch in codecs.batch_rows(rows, "bf16")]
+    assert sizes == [kernels.CODEC_BATCH_ROWS, kernels.CODEC_BATCH_ROWS, 100 - 2 * kernels.CODEC_BATCH_ROWS]
+
+
 def test_rejected_calls_modify_nothing():
     comm = collectives.Communicator.local(2)
     x32 = [np.arange(64, dtype=np.float32) for _ in range(2)]

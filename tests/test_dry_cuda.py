@@ -137,12 +137,13 @@ def test_a_repeated_compressed_call_issues_prepared_codec_launches(monkeypatch, 
     """The codec launches of a compressed program are prepared once per set
     of buffers (executors/device.py, the codec launch record): a repeat
     issues them without preparing anything, new arrays prepare them again,
-    and each time the driver gets the same launches."""
+    and each time the driver gets the same launches, fewer than the
+    operations (compression/kernels.py: batch_rows puts several in one)."""
     from collectives.compression import kernels as codecs
     dry, comm = dry_communicator(ndevices)
     prepared = []
-    original = codecs.device_launch
-    monkeypatch.setattr(codecs, "device_launch", lambda *a: (prepared.append(a[0]), original(*a))[1])
+    original = codecs.device_row
+    monkeypatch.setattr(codecs, "device_row", lambda *a: (prepared.append(a[0]), original(*a))[1])
     xs = on_rank_device(dry, 1024)
     launched = []
     for xs_now in (xs, xs, on_rank_device(dry, 1024)):
@@ -151,4 +152,4 @@ def test_a_repeated_compressed_call_issues_prepared_codec_launches(monkeypatch, 
         launched.append((dry.launches - before, len(prepared) - prepared_before))
     (first, made_first), (repeat, made_repeat), (fresh, made_fresh) = launched
     assert first == repeat == fresh > 0
-    assert made_first == made_fresh == first and made_repeat == 0
+    assert made_first == made_fresh > first and made_repeat == 0

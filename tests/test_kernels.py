@@ -62,9 +62,14 @@ def test_codec_constants_match_python():
     assert [(name.lower(), int(value)) for name, value in names] == [(c, codecs.codec_id(c)) for c in codecs.CODECS]
     assert tuple(check.CODEC_NAMES) == codecs.CODECS
     ops = re.findall(r"k(\w+) = (\d+)", re.search(r"enum CodecOp \{([^}]*)\}", source)[1])
-    assert [int(v) for _, v in ops] == list(range(len(codecs.KERNELS)))
-    assert [re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower() for name, _ in ops] == list(codecs.KERNELS) \
+    *kernel_ops, copy = ops    # the last is codec_batch's copy row
+    assert [int(v) for _, v in kernel_ops] == list(range(len(codecs.KERNELS)))
+    assert [re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower() for name, _ in kernel_ops] == list(codecs.KERNELS) \
         == list(check.CODEC_OPS)
+    assert copy == ("CodecCopy", str(codecs.COPY))
+    assert cpp_constant("kCodecBatchRows", source) == kernels.CODEC_BATCH_ROWS
+    row = re.search(r"struct CodecRow \{(.*?)\};", source, re.S)[1]
+    assert re.findall(r"(\w+);", re.sub(r"//[^\n]*", "", row)) == [name for name, _ in codecs.CodecRow._fields_]
     flags = dict(re.findall(r"k(\w+) = (\d+)", re.search(r"enum CodecFlag \{([^}]*)\}", source)[1]))
     assert (int(flags["EncodeOut"]), int(flags["WriteOut"])) == (codecs.ENCODE_OUT, codecs.WRITE_OUT)
     fields = re.search(r"struct CodecArgs \{(.*?)\};", source, re.S)[1]

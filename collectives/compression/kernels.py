@@ -234,3 +234,113 @@ def device_launch(kernel, name, regions, divisor):
         return None
     args.n = n
     return sources.CodecInstance(codec, KERNELS.index(op)), args, n
+
+
+# -- devices: operations in batches, one codec_batch launch each ------------------
+
+# codec.cu's CodecRow and CodecBatch: a row is CodecArgs and what to do with
+# them (an index of KERNELS, or COPY: args.n bytes from args.acc to args.out).
+COPY = 4
+
+
+class CodecRow(ctypes.Structure):
+    _fields_ = [("args", CodecArgs), ("op", ctypes.c_int32), ("unused", ctypes.c_int32)]
+
+
+def _batch_type():
+    from .. import kernels as sources
+
+    class CodecBatch(ctypes.Structure):
+        """codec.cu's CodecBatch: the by-value argument of codec_batch."""
+        _fields_ = [("rows", CodecRow * sources.CODEC_BATCH_ROWS)]
+    return CodecBatch
+
+
+CodecBatch = _batch_type()
+
+
+def device_row(kernel, name, regions, divisor):
+    """One of wire.codec_launches' operations (a "copy" too) as a CodecRow
+    of codec_batch, or None when there is nothing to do."""
+    if kernel == "copy":
+        dst, src = regions
+        nbytes = dst.count * np.dtype(dst.dtype).itemsize
+        if nbytes == 0:
+            return None
+        return CodecRow(CodecArgs(acc=_at(src), out=_at(dst), n=nbytes), COPY)
+    launch = device_launch(kernel, name, regions, divisor)
+    if launch is None:
+        return None
+    instance, args, _ = launch
+    return CodecRow(args, instance.op)
+
+
+def _row_accesses(row, name):
+    """(reads, writes) of a row: byte ranges [start, stop) of device memory."""
+    args, op = row.args, row.op
+    if op == COPY:
+        return [(args.acc, args.acc + args.n)], [(args.out, args.out + args.n)]
+    n = args.n
+    payload = n * np.dtype(payload_dtype(name)).itemsize
+    scales = _nblocks(n) if has_scales(name) else 0
+    reads, writes = [], []
+    for address, nbytes, into in ((args.acc, 4 * n, reads), (args.b, 4 * n, reads),
+                                  (args.payload, payload, reads), (args.scales, scales, reads),
+                                  (args.out, 4 * n, writes), (args.out_payload, payload, writes),
+                                  (args.out_scales, scales, writes)):
+        if address and nbytes:
+            into.append((address, address + nbytes))
+    return reads, writes
+
+
+def _overlap(ranges, others):
+    return any(a < d and c < b for a, b in ranges for c, d in others)
+
+
+def batch_rows(rows, name):
+    """`rows` (CodecRows in the order they must appear to run) as batches,
+    lists of at most CODEC_BATCH_ROWS rows that touch no common memory
+    where one writes: each batch a codec_batch launch, the batches launched
+    in order on one stream. A row goes into the batch after the last one
+    holding a row it must follow (it reads what that row writes, or writes
+    what that row reads or writes), so every such pair stays in order and
+    the rest run side by side."""
+    from .. import kernels as sources
+
+    levels = []          # per level: [(row, reads, writes)]
+    for row in rows:
+        reads, writes = _row_accesses(row, name)
+        level = 0
+        for depth in range(len(levels) - 1, -1, -1):
+            if any(_overlap(writes, r + w) or _overlap(w, reads) for _, r, w in levels[depth]):
+                level = depth + 1
+                break
+        if level == len(levels):
+            levels.append([])
+        levels[level].append((row, reads, writes))
+    size = sources.CODEC_BATCH_ROWS
+    return [[row for row, _, _ in level[i:i + size]] for level in levels for i in range(0, len(level), size)]
+
+
+def batch_grid(rows, resident_blocks):
+    """(blocks per row, rows) of a codec_batch launch: the blocks the longest
+    row has work for (codec_grid's rule; a copy's 16-byte pieces), no more
+    than the device's resident blocks shared among the rows."""
+    from .. import kernels as sources
+
+    def blocks(row):
+        if row.op == COPY:
+            pieces = -(-row.args.n // 16)
+            return -(-pieces // sources.CODEC_THREADS)
+        return sources.codec_grid(row.args.n, resident_blocks)
+
+    longest = max(blocks(row) for row in rows)
+    return max(1, min(longest, int(resident_blocks) // len(rows))), len(rows)
+
+
+def batch_arguments(rows):
+    """A CodecBatch holding `rows` (the rest zero: rows no block runs)."""
+    batch = CodecBatch()
+    for i, row in enumerate(rows):
+        batch.rows[i] = row
+    return batch

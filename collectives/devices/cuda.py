@@ -250,27 +250,19 @@ class CudaDevice:
                            ctypes.sizeof(parameters))
             self._launch(function, grid, kernels.CODEC_THREADS, stream, self._codec_parameter_pointer)
 
-    def codec_launcher(self, kernel, codec, args, divisor):
-        """issue(stream): launch_codec's launch, prepared once: the instance,
-        its grid and its CodecArgs (a struct of its own, which the driver
-        copies at each launch). For the executor's codec launch records."""
-        if kernel == "copy":
-            dst, src = args
-            nbytes = dst.count * np.dtype(dst.dtype).itemsize
-            copy, device_to_device = self._cupy.cuda.runtime.memcpyAsync, self._cupy.cuda.runtime.memcpyDeviceToDevice
-            dst_address, src_address, device = dst.address, src.address, self._device
+    def launch_codec_batch(self, stream, codec, rows):
+        """One codec_batch of kernels/codec.cu on `stream`: `rows`
+        (compression.kernels.CodecRow, at most CODEC_BATCH_ROWS, none
+        writing what another touches) run side by side."""
+        self.codec_batch_launcher(codec, rows)(stream)
 
-            def issue_copy(stream):
-                if nbytes:
-                    with device:
-                        copy(dst_address, src_address, nbytes, device_to_device, stream.ptr)
-            return issue_copy
-        launch = codecs.device_launch(kernel, codec, args, divisor)
-        if launch is None:
-            return lambda stream: None   # no elements: CUDA refuses an empty grid
-        instance, parameters, n = launch
-        function = self._function(instance)
-        grid = (kernels.codec_grid(n, self.resident_blocks), 1)
+    def codec_batch_launcher(self, codec, rows):
+        """issue(stream): the codec_batch launch of `rows`, prepared once: its
+        instance, grid and CodecBatch (a struct of its own, which the driver
+        copies at each launch). For the executor's codec launch records."""
+        function = self._function(kernels.CodecBatchInstance(codecs.codec_id(codec)))
+        grid = codecs.batch_grid(rows, self.resident_blocks)
+        parameters = codecs.batch_arguments(rows)
         pointers = (ctypes.c_void_p * 1)(ctypes.addressof(parameters))
         pointer = ctypes.addressof(pointers)
 

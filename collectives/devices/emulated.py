@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import kernels
 from ..compression import kernels as codecs
-from ..errors import CollectiveError
+from ..errors import CollectiveError, InvalidUsageError
 from ..transport.layout import LL_REGION_WORDS
 from ..transport.segments import Segment
 
@@ -253,6 +253,24 @@ class EmulatedDevice:
         if status != 0:
             raise CollectiveError(f"the emulated codec_kernel rejected {instance} (status {status})")
 
+    def launch_codec_batch(self, stream, codec, rows):
+        # kernels/codec.cu's codec_batch compiled for the CPU, as launch_codec's kernels.
+        if not rows or len(rows) > kernels.CODEC_BATCH_ROWS:
+            raise InvalidUsageError(f"a codec batch holds 1 to {kernels.CODEC_BATCH_ROWS} rows, got {len(rows)}")
+        grid = codecs.batch_grid(rows, self.resident_blocks)
+        # A GPU runs a launch's blocks in no set order. Here the rows run last
+        # first: a batch holding two rows that must keep their order (one
+        # reads or overwrites what the other writes) then gives wrong bits
+        # instead of passing because the emulator happened to run them in order.
+        stream.queue.append(("launch", self._run_codec_batch, codecs.codec_id(codec), grid,
+                             codecs.batch_arguments(rows[::-1])))
+
+    def _run_codec_batch(self, codec, grid, batch):
+        status = self._library.collectives_emulated_codec_batch(codec, grid[0], grid[1], kernels.CODEC_THREADS,
+                                                                ctypes.byref(batch))
+        if status != 0:
+            raise CollectiveError(f"the emulated codec_batch rejected codec {codec}, grid {grid} (status {status})")
+
     def new_event(self):
         return EmulatedEvent()
 
@@ -390,13 +408,18 @@ def _load(path):
     lib.collectives_emulated_codec.restype = ctypes.c_int
     lib.collectives_emulated_codec.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
                                                ctypes.c_void_p]
+    lib.collectives_emulated_codec_batch.restype = ctypes.c_int
+    lib.collectives_emulated_codec_batch.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                                     ctypes.c_void_p]
     lib.collectives_emulated_batched_copy.restype = ctypes.c_int
     lib.collectives_emulated_batched_copy.argtypes = [
         ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_int,
     ]
     if (lib.collectives_emulated_max_ranks(), lib.collectives_emulated_buffers(),
-            lib.collectives_emulated_copy_columns(), lib.collectives_emulated_codec_args_size()) != \
-            (kernels.MAX_RANKS, kernels.BUFFERS, kernels.COPY_COLUMNS, ctypes.sizeof(codecs.CodecArgs)):
+            lib.collectives_emulated_copy_columns(), lib.collectives_emulated_codec_args_size(),
+            lib.collectives_emulated_codec_batch_size()) != \
+            (kernels.MAX_RANKS, kernels.BUFFERS, kernels.COPY_COLUMNS, ctypes.sizeof(codecs.CodecArgs),
+             ctypes.sizeof(codecs.CodecBatch)):
         raise CollectiveError(f"{path} was built from other kernel sources; delete it and try again")
     lib.collectives_emulated_ll_layout.restype = ctypes.c_longlong
     lib.collectives_emulated_ll_layout.argtypes = [ctypes.c_int]

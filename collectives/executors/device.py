@@ -41,6 +41,7 @@ from .. import kernels
 from ..algorithms import MODELS, REGISTRY
 from ..algorithms.schedule import ALLGATHER, REDUCING_COLLECTIVES
 from ..binding import IN_PLACE, INPUT, OUT_OF_PLACE, OUTPUT
+from ..compression import kernels as codecs
 from ..compression import wire
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
@@ -66,10 +67,20 @@ class Program(NamedTuple):
     divisor: int
     steps: tuple           # (LAUNCH, device, Launch or codec ops) | (RECORD | WAIT, device, event key)
     events: dict           # event key -> event (created on the recording device)
-    launches: Tuple[int, ...]  # per device
+    launches: Tuple[int, ...]  # per device (uncompressed; launches() counts a compressed plan's batches)
     record: tuple          # the launch record: (device, issue(stream)) per step, in order (no compression)
     blocks: tuple          # per device, the buffer-address block its launches read (see the module doc)
     patched: list          # [the address table the blocks hold now]
+
+
+class CodecRecord(NamedTuple):
+    """A compressed program's launch record on one set of buffers."""
+    program: Program
+    key: tuple             # the buffers' addresses: inputs, outputs, workspaces
+    record: tuple          # (device index, issue(stream)) per launch, record and wait
+    inputs: list           # the descriptions of the call that last used it (for a repeat's identity check)
+    outputs: list
+    workspace_generation: int
 
 
 class AddressBlock:
@@ -98,13 +109,14 @@ def step_launcher(device, instance, launch, divisor, block):
     return issue
 
 
-def codec_launcher(device, kernel, codec, args, divisor):
-    """issue(stream): one codec launch on `device`, prepared by the device
-    where it can (CudaDevice.codec_launcher), else through its launch_codec."""
-    prepared = getattr(device, "codec_launcher", None)
+def codec_batch_launcher(device, codec, rows):
+    """issue(stream): one codec_batch launch of `rows` on `device`, prepared
+    by the device where it can (CudaDevice.codec_batch_launcher), else
+    through its launch_codec_batch."""
+    prepared = getattr(device, "codec_batch_launcher", None)
     if prepared is not None:
-        return prepared(kernel, codec, args, divisor)
-    return lambda stream: device.launch_codec(stream, kernel, codec, args, divisor)
+        return prepared(codec, rows)
+    return lambda stream: device.launch_codec_batch(stream, codec, rows)
 
 
 def grid_for(rows, device, itemsize, fanout=1):
@@ -209,7 +221,8 @@ class DeviceRanks:
         self._workspaces = [None] * len(devices)
         self._retired = []      # outgrown workspaces: in-flight work may still use them
         self._programs = {}     # id(plan) -> Program
-        self._codec_records = {}   # id(program) -> (program, buffer addresses, codec launch record)
+        self._codec_records = {}   # id(program) -> CodecRecord
+        self._workspace_generation = 0   # counts workspaces replaced by larger ones
         self._last_addresses = None
 
     # -- the per-call path -----------------------------------------------------
@@ -243,14 +256,24 @@ class DeviceRanks:
         as codec kernel launches, ordered between devices like step launches.
         The launches are prepared once per program and set of buffers (the
         codec launch record); a repeated call only issues them."""
-        plan = program.plan
-        workspaces = [self._workspace(rank, plan.workspace_bytes).address for rank in range(len(self.rank_devices))]
-        key = (tuple(i.address for i in inputs), tuple(o.address for o in outputs), tuple(workspaces))
         cached = self._codec_records.get(id(program))
-        if cached is None or cached[0] is not program or cached[1] != key:
-            cached = (program, key, self._codec_record(program, workspaces, inputs, outputs))
+        # A repeated call passes the very lists of descriptions it passed
+        # before (Communicator._repeat), which nobody changes; and while no
+        # workspace was replaced, the ones the record was made for are there
+        # and large enough: nothing to check further.
+        if cached is None or cached.program is not program or cached.inputs is not inputs \
+                or cached.outputs is not outputs or cached.workspace_generation != self._workspace_generation:
+            plan = program.plan
+            workspaces = [self._workspace(rank, plan.workspace_bytes).address
+                          for rank in range(len(self.rank_devices))]
+            key = (tuple(i.address for i in inputs), tuple(o.address for o in outputs), tuple(workspaces))
+            if cached is None or cached.program is not program or cached.key != key:
+                record = self._codec_record(program, workspaces, inputs, outputs)
+            else:
+                record = cached.record
+            cached = CodecRecord(program, key, record, inputs, outputs, self._workspace_generation)
             self._codec_records[id(program)] = cached
-        for k, issue in cached[2]:
+        for k, issue in cached.record:
             issue(streams[k])
         for device in self.devices:
             device.call_returned()
@@ -268,18 +291,49 @@ class DeviceRanks:
                 return workspaces[rank] + plan.scratch_offset
             return buffers[buffer][rank]
 
-        f, w = wire.device_regions(plan, address_of)
         record = []
-        for kind, k, what in program.steps:
+        for kind, k, what in self._codec_steps(program, address_of):
             device = devices[k]
-            if kind is LAUNCH:   # what: this device's ranks' operations in the phase
-                for kernel, args, divisor in wire.codec_launches(what, f, w):
-                    record.append((k, codec_launcher(device, kernel, plan.compression, args, divisor)))
+            if kind is LAUNCH:
+                record.append((k, codec_batch_launcher(device, plan.compression, what)))
             else:
                 event = program.events[what]
                 record.append((k, (lambda stream, d=device, e=event: d.record(e, stream)) if kind is RECORD else
                                (lambda stream, d=device, e=event: d.wait(stream, e))))
         return tuple(record)
+
+    def _codec_steps(self, program, address_of):
+        """The steps of a compressed program on the buffers `address_of`
+        gives (rank, buffer -> address; buffer None: the workspace), with
+        the operations as batches: (LAUNCH, device, CodecRows of one
+        codec_batch) and the records and waits as they are.
+
+        A device's operations between two of its records or waits go as
+        batches (compression/kernels.py: batch_rows): operations that touch
+        no common memory run side by side, whatever phase or rank they
+        belong to, and the rest keep their order. Only the device's own
+        stream orders them there, so batches may span phases; the events,
+        which order it with other devices, stay where the program put them."""
+        plan = program.plan
+        f, w = wire.device_regions(plan, address_of)
+        steps, pending = [], [[] for _ in self.devices]    # per device: rows not yet in a batch
+
+        def flush(k):
+            steps.extend((LAUNCH, k, rows) for rows in codecs.batch_rows(pending[k], plan.compression))
+            pending[k] = []
+
+        for kind, k, what in program.steps:
+            if kind is LAUNCH:   # what: this device's ranks' operations in the phase
+                for kernel, args, divisor in wire.codec_launches(what, f, w):
+                    row = codecs.device_row(kernel, plan.compression, args, divisor)
+                    if row is not None:
+                        pending[k].append(row)
+            else:
+                flush(k)
+                steps.append((kind, k, what))
+        for k in range(len(self.devices)):
+            flush(k)
+        return steps
 
     def _addresses(self, plan, inputs, outputs):
         """The BufferTable of this call: per rank WORK, SCRATCH, INPUT, OUTPUT.
@@ -312,6 +366,7 @@ class DeviceRanks:
                 self._retired.append(workspace)
             grown = max(nbytes, 2 * workspace.nbytes) if workspace is not None else nbytes
             workspace = self._workspaces[rank] = self.rank_devices[rank].allocate(grown)
+            self._workspace_generation += 1
         return workspace
 
     # -- preparing a plan, once ----------------------------------------------------
@@ -426,8 +481,20 @@ class DeviceRanks:
     # -- reports ---------------------------------------------------------------
 
     def launches(self, plan):
-        """Kernel launches per device for `plan`."""
-        return self._program(plan).launches
+        """Kernel launches per device for `plan`. A compressed plan's depend
+        on which operations share memory, so they are counted on made-up
+        buffers: every rank's workspace, input and output apart, as a
+        call's are."""
+        program = self._program(plan)
+        if plan.compression is None:
+            return program.launches
+
+        def address_of(rank, buffer):
+            return (1 + 4 * rank + (buffer if buffer in (INPUT, OUTPUT) else 0)) << 40 \
+                + (plan.scratch_offset if buffer == SCRATCH else 0)
+
+        steps = self._codec_steps(program, address_of)
+        return tuple(sum(1 for kind, j, _ in steps if kind is LAUNCH and j == k) for k in range(len(self.devices)))
 
     def traffic(self, plan):
         """Bytes of device memory an uncompressed `plan`'s launches read plus

@@ -31,6 +31,7 @@ from ..algorithms.schedule import REDUCING_COLLECTIVES
 from ..errors import CollectiveError, InvalidUsageError
 from ..ops import ReduceOp
 from ..binding import INPUT, OUTPUT
+from ..compression import kernels as codecs
 from ..compression import wire
 from ..plan import NSRC, SCRATCH, SRC0, SRC_BUF, SRC_RANK, WORK
 from ..transport.protocol import ProcessGroup, describe_call
@@ -126,8 +127,9 @@ class DeviceProcessRank:
 
     def _codec_phases(self, plan, program, stream, source, result):
         """execute_phase for a compressed plan: this rank's codec operations
-        (compression/wire.py) as codec kernel launches on peers' mapped
-        workspaces, then the same event poll as a step launch."""
+        (compression/wire.py) as codec_batch launches on peers' mapped
+        workspaces (compression/kernels.py: batch_rows), then the same event
+        poll as a step launch."""
         device, event, group = self.device, self._event, self.group
         users = {INPUT: source, OUTPUT: result}
 
@@ -143,8 +145,10 @@ class DeviceProcessRank:
             ops = plan.phases[p].wire_ops_by_rank[self.rank]
             if not ops:
                 return
-            for kernel, args, divisor in wire.codec_launches(ops, f, w):
-                device.launch_codec(stream, kernel, plan.compression, args, divisor)
+            rows = (codecs.device_row(kernel, plan.compression, args, divisor)
+                    for kernel, args, divisor in wire.codec_launches(ops, f, w))
+            for batch in codecs.batch_rows([row for row in rows if row is not None], plan.compression):
+                device.launch_codec_batch(stream, plan.compression, batch)
             device.record(event, stream)
             waiter.until(lambda: device.query(event),
                          lambda: f"{device.name} to finish phase {p} of {program.description}",

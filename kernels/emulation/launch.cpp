@@ -184,6 +184,12 @@ void run_codec_grid(unsigned grid_x, unsigned block_x, const collectives::CodecA
                             [&] { collectives::codec_kernel<Codec, Op>(args); });
 }
 
+template <int Codec>
+void run_codec_batch_grid(unsigned grid_x, unsigned grid_y, unsigned block_x, const collectives::CodecBatch& batch) {
+    walk_grid_cooperatively(dim3(grid_x, grid_y, 1), dim3(block_x, 1, 1),
+                            [&] { collectives::codec_batch<Codec>(batch); });
+}
+
 }  // namespace
 
 extern "C" {
@@ -194,6 +200,7 @@ int collectives_emulated_max_ranks() { return collectives::kMaxRanks; }
 int collectives_emulated_buffers() { return collectives::kBuffers; }
 int collectives_emulated_copy_columns() { return collectives::kCopyColumns; }
 int collectives_emulated_codec_args_size() { return static_cast<int>(sizeof(collectives::CodecArgs)); }
+int collectives_emulated_codec_batch_size() { return static_cast<int>(sizeof(collectives::CodecBatch)); }
 
 // Runs plan_step<element, op> over a grid_x * grid_y grid of block_x threads,
 // grid_y groups of `fanout` rows. `addresses` holds max_ranks * buffers byte
@@ -238,6 +245,24 @@ int collectives_emulated_codec(int codec, int op, unsigned grid_x, unsigned bloc
     }
     COLLECTIVES_FOR_EACH_CODEC_KERNEL(COLLECTIVES_CODEC_DISPATCH)
 #undef COLLECTIVES_CODEC_DISPATCH
+    return -1;
+}
+
+// Runs codec_batch<codec> over a grid_x * grid_y grid of block_x threads:
+// grid row y runs the batch's row y. Returns 0, or -1 for an unknown codec,
+// -2 for a grid CUDA would refuse or one with more rows than a batch holds.
+int collectives_emulated_codec_batch(int codec, unsigned grid_x, unsigned grid_y, unsigned block_x,
+                                     const collectives::CodecBatch* batch) {
+    if (grid_x == 0 || grid_y == 0 || grid_y > collectives::kCodecBatchRows || block_x == 0 || block_x % 32 ||
+        block_x > 1024)
+        return -2;
+#define COLLECTIVES_CODEC_BATCH_DISPATCH(Codec)                        \
+    if (codec == Codec) {                                              \
+        run_codec_batch_grid<Codec>(grid_x, grid_y, block_x, *batch);  \
+        return 0;                                                      \
+    }
+    COLLECTIVES_FOR_EACH_CODEC(COLLECTIVES_CODEC_BATCH_DISPATCH)
+#undef COLLECTIVES_CODEC_BATCH_DISPATCH
     return -1;
 }
 
