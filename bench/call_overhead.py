@@ -38,6 +38,7 @@ import numpy as np
 
 import collectives
 from bench import cli
+from bench.environment import command_line
 
 ADAPTER_CALLS = ("launch_step", "launch_codec_batch", "record", "wait", "call_returned")
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -230,7 +231,7 @@ def main(argv=None):
         report = callgrind(args)
     else:
         report = measure(args)
-    report = {"command": " ".join([sys.executable, "-m", "bench.call_overhead", *(argv or sys.argv[1:])]),
+    report = {"command": command_line("bench.call_overhead", argv or sys.argv[1:]),
               "device": args.device, "ranks": args.ranks, "devices": args.devices, "algorithm": args.algorithm, "in_place": args.in_place,
               "adapter": args.adapter, "count": args.count or args.ranks * 4, "compression": args.compression,
               "environment": measured_on(args), "results": report}

@@ -21,12 +21,19 @@ def module_name():
     return f"bench.{os.path.splitext(os.path.basename(sys.argv[0]))[0]}"
 
 
+def command_line(module, arguments, launcher=()):
+    """The command that ran a benchmark, as a reader would type it in the
+    repository: `python -m module ...`, with no interpreter path (a record
+    names nothing outside the repository)."""
+    return " ".join([*launcher, "python", "-m", module, *arguments])
+
+
 def environment(args, nranks, backends):
     """What the numbers were measured on and with."""
     processes = int(os.environ.get("PMI_SIZE", "1"))
     launcher = [os.environ.get(LAUNCHER_COMMAND, f"mpiexec -n {processes}")] if processes > 1 else []
     env = {
-        "command": " ".join([*launcher, sys.executable, "-m", module_name(), *sys.argv[1:]]),
+        "command": command_line(module_name(), sys.argv[1:], launcher),
         "host": socket.gethostname(),
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),

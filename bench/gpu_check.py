@@ -35,7 +35,7 @@ import numpy as np
 
 from bench import cli
 from bench import all_reduce_perf, harness
-from bench.environment import device_environment
+from bench.environment import command_line, device_environment
 from collectives import kernels
 from collectives.binding import INPUT, OUTPUT
 from collectives.executors.device import grid_for
@@ -263,7 +263,7 @@ def ours_against_nccl(args):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    report = {"command": " ".join([sys.executable, "-m", "bench.gpu_check", *argv]),
+    report = {"command": command_line("bench.gpu_check", argv),
               "environment": device_environment(args.device)}
     print(f"# gpu_check on {report['environment']['device']}", flush=True)
 
@@ -286,7 +286,7 @@ def main(argv=None):
     bench_argv = ["--device", args.device, "--ranks", str(args.ranks), "-b", "8", "-e", args.maxbytes, "-f", "4",
                   "-n", "20" if args.device == "cuda" else "3", "-w", "5" if args.device == "cuda" else "1",
                   "-J", str(table)]
-    report["allreduce_command"] = " ".join([sys.executable, "-m", "bench.all_reduce_perf", *bench_argv])
+    report["allreduce_command"] = command_line("bench.all_reduce_perf", bench_argv)
     code = harness.main(all_reduce_perf.ALLREDUCE, bench_argv)
     report["allreduce"] = json.loads(table.read_text())["rows"]
     table.unlink()

@@ -73,6 +73,7 @@ from collectives.algorithms import REGISTRY, schedule_for
 from collectives.algorithms.schedule import ALLREDUCE, Region
 from collectives.plan import chunk_bounds
 from bench import cli
+from bench.environment import command_line
 
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -470,7 +471,7 @@ def main(argv=None):
     if args.json:
         from bench.environment import environment
         env = environment(types.SimpleNamespace(device="host"), args.ranks, ["ours"])
-        env["command"] = " ".join([sys.executable, "-m", "bench.half_precision_error", *argv])
+        env["command"] = command_line("bench.half_precision_error", argv)
         env["devices"] = ["host", "emulated"] if emulated else ["host"]
         env["emulated_device"] = "emulated (our CUDA kernels compiled for the CPU)" if emulated else None
         env["ml_dtypes"] = ml_dtypes.__version__

@@ -412,7 +412,7 @@ def write_report(args, runs, command):
         "benchmark": "allreduce float32 sum, ours (collectives.init host ranks) vs MPICH (mpi4py), "
                      "one rank per process",
         "command": command,
-        "python_executable": sys.executable,
+        "python_executable": os.path.basename(sys.executable),
         "machine": machine,
         "method": {"sizes": args.size_list, "batches": args.batches, "budget_seconds": args.budget,
                    "min_iters": args.min_iters, "max_iters": args.max_iters, "bind_to": args.bind_to,

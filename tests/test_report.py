@@ -35,6 +35,17 @@ def test_every_run_names_the_commit_it_measured():
     assert not unmarked, f"add their commit to bench/results/notes.json: {unmarked}"
 
 
+def test_no_run_names_a_path_outside_the_repository():
+    """Recorded commands say `python -m ...` and name output files as the
+    repository keeps them: no interpreter or folder of the machine that
+    ran them (bench.environment.command_line)."""
+    import re
+    outside = re.compile(r"(?<![\w.])/(?:work|tmp|root|home|opt|usr|mnt|scratch)/")
+    named = [path.relative_to(RESULTS).as_posix() for path in sorted(RESULTS.rglob("*.json"))
+             if outside.search(path.read_text())]
+    assert not named, f"these runs name a path outside the repository: {named}"
+
+
 def harness_run(command, commit=None, backends=("ours", "mpi")):
     environment = {"command": command, "cpu": "Test CPU", "cores": 2, "device": "host (no GPU)"}
     if commit:
