@@ -80,9 +80,12 @@ def report(nranks, nbytes, dtype=np.dtype("float32"), codecs=()):
                     plan = build_plan(collective, algorithm, nranks, count, dtype, "sum", 0, binding,
                                       compression=codec)
                     floor = floor_bytes(collective, nranks, count, dtype.itemsize, binding == IN_PLACE)
-                    launches = (max(one_device.launches(plan)), max(own_devices.launches(plan)))
+                    # In place, ranks on one device run the lockstep form (binding.py).
+                    shared = plan if binding != IN_PLACE else build_plan(
+                        collective, algorithm, nranks, count, dtype, "sum", 0, one_device.in_place_binding)
+                    launches = (max(one_device.launches(shared)), max(own_devices.launches(plan)))
                     if codec is None:
-                        traffic, on_one_device = plan.traffic.total, one_device.traffic(plan)
+                        traffic, on_one_device = plan.traffic.total, one_device.traffic(shared)
                     else:
                         traffic = on_one_device = codec_traffic_bytes(plan)
                     rows.append({

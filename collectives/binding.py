@@ -18,9 +18,20 @@ bindings, as the caller's arrays are related:
     IN_PLACE       they are the same memory, chunk for chunk (allreduce's x;
                    reduce_scatter's output is the rank's own block of x;
                    allgather's x is the rank's own block of the output)
+    IN_PLACE_LOCKSTEP
+                   IN_PLACE, for an executor that runs a phase's moves with
+                   the same sources as one group in lockstep: at each
+                   element it reads every source before it writes any of
+                   the group's destinations (the device executor's fan-out
+                   groups, for ranks that share one device; plan_step.cu).
+                   A group may then overwrite what its own moves read, so
+                   direct allreduce in place is one pass: each element of
+                   every rank's x read once, the sum written back once.
 
 A rewrite is kept only if a symbolic run proves it: every phase still has
-no chunk written twice or written while another move of the phase reads it,
+no chunk written twice or written while another move of the phase reads it
+(IN_PLACE_LOCKSTEP: another group; and then the phase's moves are groups of
+one size, which is when the executor runs them as groups),
 and every chunk of every caller's array ends holding the same expression
 (the same values, folded in the same order, avg dividing at the same move)
 as the plain plan leaves there. (A move reads all its sources before it
@@ -45,7 +56,8 @@ REDUCE_FINAL_OP = 2
 WORKSPACE = "workspace"
 OUT_OF_PLACE = "out_of_place"
 IN_PLACE = "in_place"
-BINDINGS = (WORKSPACE, OUT_OF_PLACE, IN_PLACE)
+IN_PLACE_LOCKSTEP = "in_place_lockstep"
+BINDINGS = (WORKSPACE, OUT_OF_PLACE, IN_PLACE, IN_PLACE_LOCKSTEP)
 
 
 class Loc(NamedTuple):
@@ -101,7 +113,8 @@ def bind(phases, schedule, binding):
         raise ValueError(f"unknown binding {binding!r}")
     if binding == WORKSPACE:
         return phases
-    layout = _Layout(schedule, in_place=(binding == IN_PLACE))
+    layout = _Layout(schedule, in_place=binding in (IN_PLACE, IN_PLACE_LOCKSTEP),
+                     lockstep=binding == IN_PLACE_LOCKSTEP)
     expected = layout.run(phases)
     assert expected is not None, "a valid schedule's plain plan has no conflicts"
     for policy in POLICIES:
@@ -121,9 +134,16 @@ def storage(schedule, binding):
     """A function naming the memory each Loc lives in: with IN_PLACE, an
     OUTPUT chunk is the INPUT chunk it shares memory with. Hazards (waits,
     conflicts) are between memory, not between names."""
-    if binding != IN_PLACE:
+    if binding not in (IN_PLACE, IN_PLACE_LOCKSTEP):
         return lambda loc: loc
     return _Layout(schedule, in_place=True).storage
+
+
+def lockstep_phases(phases, schedule):
+    """The indices of the phases of an IN_PLACE_LOCKSTEP plan that need
+    lockstep groups: those the plain in-place rule refuses."""
+    plain = _Layout(schedule, in_place=True)
+    return frozenset(p for p, phase in enumerate(phases) if plain.run([phase]) is None)
 
 
 def _rewrite(phases, schedule, policy, layout):
@@ -154,13 +174,13 @@ def _rewrite(phases, schedule, policy, layout):
 class _Layout:
     """The caller's arrays as chunks, for the symbolic run."""
 
-    def __init__(self, schedule, in_place):
+    def __init__(self, schedule, in_place, lockstep=False):
         n, chunks = schedule.nranks, range(schedule.nchunks)
         self.inputs = {Loc(r, INPUT, c) for r in range(n)
                        for c in ((r,) if schedule.collective == ALLGATHER else chunks)}
         self.outputs = {Loc(r, OUTPUT, c) for r in range(n)
                         for c in ((r,) if schedule.collective == REDUCE_SCATTER else chunks)}
-        self.in_place = in_place
+        self.in_place, self.lockstep = in_place, lockstep
 
     def storage(self, loc):
         """The memory a chunk lives in: in place, an OUTPUT chunk that the
@@ -171,10 +191,13 @@ class _Layout:
 
     def run(self, phases):
         """What every caller's chunk holds after `phases`, or None if a phase
-        has a write-write or read-write conflict between its moves."""
+        has a write-write or read-write conflict between its moves (with
+        lockstep, a read-write conflict between groups, or one inside groups
+        of unequal sizes). Every read of a phase sees the values from before
+        it: also what a lockstep group reads where it writes."""
         state = {self.storage(loc): ("before the call", loc) for loc in self.inputs | self.outputs}
         for phase in phases:
-            written, read_by_others = {}, set()
+            written, writer_group, reads, group_sizes = {}, {}, [], {}
             for m in phase:
                 dst = self.storage(m.dst)
                 srcs = [self.storage(s) for s in m.srcs]
@@ -182,8 +205,13 @@ class _Layout:
                 if dst in written:
                     return None
                 written[dst] = values[0] if m.kind == COPY_OP else (m.kind, tuple(values))
-                read_by_others.update(s for s in srcs if s != dst)
-            if read_by_others & written.keys():
+                group = (m.kind, tuple(srcs))   # what the executor's fan-out groups by
+                writer_group[dst] = group
+                group_sizes[group] = group_sizes.get(group, 0) + 1
+                reads.extend((s, group) for s in srcs if s != dst)
+            overwritten = [(s, group) for s, group in reads if s in written]
+            if overwritten and not (self.lockstep and all(writer_group[s] == group for s, group in overwritten)
+                                    and len(set(group_sizes.values())) == 1):
                 return None
             state.update(written)
         return {loc: state[loc] for loc in map(self.storage, self.inputs | self.outputs)}

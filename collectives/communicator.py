@@ -433,7 +433,7 @@ class Communicator:
             return fastpath.path_for(nbytes)
         itemsize = 1  # nbytes is already bytes
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
-        binding = IN_PLACE if in_place or rooted else OUT_OF_PLACE   # broadcast and reduce run in place
+        binding = self._in_place_binding() if in_place or rooted else OUT_OF_PLACE   # broadcast and reduce run in place
         return self._auto(collective, nbytes, itemsize, validation.root_rank(root, self.size) if rooted else 0,
                           binding if getattr(self._ranks, "addressable", False) else None)
 
@@ -771,7 +771,12 @@ class Communicator:
         else:
             def same(i, a, b): return a.address == b.address and a.device == b.device
         relation = validation.relation(inputs, outputs, same)
-        return {validation.SAME: IN_PLACE, validation.DISJOINT: OUT_OF_PLACE}.get(relation, WORKSPACE)
+        return {validation.SAME: self._in_place_binding(), validation.DISJOINT: OUT_OF_PLACE}.get(relation, WORKSPACE)
+
+    def _in_place_binding(self):
+        """IN_PLACE, or the ranks' own form of it (DeviceRanks on one device:
+        IN_PLACE_LOCKSTEP, binding.py)."""
+        return getattr(self._ranks, "in_place_binding", IN_PLACE)
 
     def _own_block(self, a, rank):
         """Rank `rank`'s block of a reduce_scatter input, as a view."""

@@ -94,6 +94,10 @@ class Plan(NamedTuple):
     compression: Optional[str] = None
     wire: Optional[object] = None           # compression.wire.WireLayout
     wire_bytes: int = 0     # bytes ranks read from peers' memory in one call, all ranks together
+    # IN_PLACE_LOCKSTEP only: the phases whose moves overwrite what other
+    # moves of their group read, which an executor must run as fan-out
+    # groups in lockstep (binding.py).
+    lockstep_phases: frozenset = frozenset()
 
 
 def chunk_bounds(collective, nranks, nchunks, count, itemsize, align_elements=1):
@@ -180,6 +184,8 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
         access=tuple((frozenset(w), frozenset(r)) for w, r in phase_access),
         compression=compression, wire=layout,
         wire_bytes=_wire_bytes(phases, dtype.itemsize, compression),
+        lockstep_phases=bindings.lockstep_phases(moves, schedule) if binding == bindings.IN_PLACE_LOCKSTEP
+        else frozenset(),
     )
 
 

@@ -11,7 +11,7 @@ import collectives
 from collectives import CollectiveError, InvalidUsageError
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import COLLECTIVES
-from collectives.binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
+from collectives.binding import IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE, WORKSPACE
 from collectives.devices import emulated, open_device
 from collectives.executors import device as device_executor
 from collectives.plan import build_plan
@@ -218,15 +218,59 @@ def test_a_host_communicator_tells_how_to_make_a_gpu_one():
 
 
 def test_auto_on_one_device_prices_bound_plans_with_fan_out():
-    """Out of place, direct is one launch reading every input once; in place
-    it needs a copy phase, so auto picks a plan that moves less."""
+    """Out of place, direct is one launch reading every input once. In place
+    it needs a copy phase (IN_PLACE), so auto would pick a plan that moves
+    less; but ranks on one device run in place in lockstep
+    (IN_PLACE_LOCKSTEP), and there direct is one launch at the floor again."""
     costs = device_executor.bound_plan_costs("allreduce", 4, 0, IN_PLACE)
     out_of_place = device_executor.bound_plan_costs("allreduce", 4, 0, OUT_OF_PLACE)
-    assert out_of_place["direct"] == (1, 2 * 4)   # one launch, n reads and n writes of the message
+    lockstep = device_executor.bound_plan_costs("allreduce", 4, 0, IN_PLACE_LOCKSTEP)
+    assert out_of_place["direct"] == lockstep["direct"] == (1, 2 * 4)   # one launch, n reads and n writes
     for nbytes in (4, 1 << 20, 256 << 20):
-        assert device_executor.one_device_choice("allreduce", 4, nbytes, 0, OUT_OF_PLACE, "gpu-in-process") == "direct"
+        for binding in (OUT_OF_PLACE, IN_PLACE_LOCKSTEP):
+            assert device_executor.one_device_choice("allreduce", 4, nbytes, 0, binding, "gpu-in-process") == "direct"
         picked = device_executor.one_device_choice("allreduce", 4, nbytes, 0, IN_PLACE, "gpu-in-process")
         assert costs[picked][1] < costs["direct"][1], (nbytes, picked, costs)
+
+
+def test_direct_allreduce_in_place_on_one_device_is_one_lockstep_launch(monkeypatch):
+    """In place, every rank's x is read by all and overwritten by its owner
+    in the same phase: safe only because the group of rows runs in lockstep
+    (plan_step.cu reads every source at an element before writing there).
+    The results are the host's bits; and the same plan run row by row, as
+    an executor without groups would, is not."""
+    rng = np.random.default_rng(5)
+    inputs = [(rng.standard_normal(1003) * 100).astype(np.float32) for _ in range(4)]
+    want = collectives.Communicator.local(4).allreduce([x.copy() for x in inputs], algorithm="direct")
+
+    def run():
+        launches = []
+        device = open_device("emulated:0")
+        original = device.launch_step
+        monkeypatch.setattr(device, "launch_step", lambda *a, **k: (launches.append(1), original(*a, **k)))
+        with collectives.Communicator.local(4, devices=["emulated:0"] * 4) as comm:
+            for _ in range(3):   # bound at the first repeat
+                launches.clear()
+                got = comm.allreduce([x.copy() for x in inputs], algorithm="direct")
+            comm.synchronize()
+            assert comm.chosen_algorithm("allreduce", 1003 * 4, in_place=True) == "direct"
+        return got, launches
+
+    got, launches = run()
+    assert launches == [1]
+    assert all(np.array_equal(g.view(np.uint32), w.view(np.uint32)) for g, w in zip(got, want))
+    # Row by row, the plan is wrong: the executor refuses to run it so ...
+    monkeypatch.setattr(device_executor, "fan_out", lambda rows: (rows, 1))
+    with pytest.raises(AssertionError, match="fan-out groups"):
+        run()
+    # ... and where it did not know to refuse, the bits would be wrong.
+    from collectives import binding
+    build_plan.cache_clear()
+    monkeypatch.setattr(binding, "lockstep_phases", lambda phases, schedule: frozenset())
+    got, launches = run()
+    build_plan.cache_clear()
+    assert launches == [1]   # one launch of 4 rows, each its own group
+    assert not all(np.array_equal(g.view(np.uint32), w.view(np.uint32)) for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -242,12 +286,12 @@ def test_an_auto_allreduce_on_one_device_runs_the_priced_plan(monkeypatch, in_pl
         results = comm.allreduce(xs, out=outs)
         comm.synchronize()
     assert all(np.array_equal(r, np.full(1000, 10, np.float32)) for r in results)
-    assert launches == ([1, 4 - 1] if in_place else [4])   # star in place: reduce, then one fan-out of copies
+    assert launches == [4]   # direct: one fan-out group of every rank's row (in place: in lockstep)
 
 
 def test_chosen_algorithm_names_what_an_in_place_or_out_of_place_call_runs():
     with collectives.Communicator.local(4, devices=["emulated:0"] * 4) as comm:
         assert comm.chosen_algorithm("allreduce", 64 << 20) == "direct"
-        assert comm.chosen_algorithm("allreduce", 64 << 20, in_place=True) == "star"
+        assert comm.chosen_algorithm("allreduce", 64 << 20, in_place=True) == "direct"
     with collectives.Communicator.local(4) as host:   # virtual host ranks: binding changes nothing
         assert host.chosen_algorithm("allreduce", 1 << 20) == host.chosen_algorithm("allreduce", 1 << 20, in_place=True)

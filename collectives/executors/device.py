@@ -40,7 +40,7 @@ import numpy as np
 from .. import kernels
 from ..algorithms import MODELS, REGISTRY
 from ..algorithms.schedule import ALLGATHER, REDUCING_COLLECTIVES
-from ..binding import IN_PLACE, INPUT, OUT_OF_PLACE, OUTPUT
+from ..binding import IN_PLACE, IN_PLACE_LOCKSTEP, INPUT, OUT_OF_PLACE, OUTPUT
 from ..compression import kernels as codecs
 from ..compression import wire
 from ..errors import InvalidUsageError
@@ -210,6 +210,11 @@ class DeviceRanks:
         self.device_of_rank = [self.devices.index(d) for d in devices]
         # Which cost model `auto` asks: ranks on one GPU share its bandwidth.
         self.transport = "gpu-in-process" if len(self.devices) == 1 else "gpu-peers"
+        # In place on one device, a phase's fan-out groups run in lockstep
+        # (plan_step.cu reads a group's sources at each element before it
+        # writes any destination there), so a group may overwrite what it
+        # reads: direct allreduce in place is then one launch (binding.py).
+        self.in_place_binding = IN_PLACE_LOCKSTEP if len(self.devices) == 1 else IN_PLACE
         self.ranks_of_device = [[r for r, k in enumerate(self.device_of_rank) if k == i]
                                 for i in range(len(self.devices))]
         # Where each rank's arrays must live (an emulated device's are in host memory).
@@ -384,6 +389,9 @@ class DeviceRanks:
                         launches[p, k] = ops
                     continue
                 rows, fanout = fan_out(phase.table[np.isin(phase.table[:, RANK], ranks)])
+                if p in plan.lockstep_phases and fanout == 1 and len(rows) > 1:
+                    raise AssertionError(f"phase {p} of {plan.algorithm} in place overwrites what other rows "
+                                         "read, and its rows are not fan-out groups of one size (binding.py)")
                 if len(rows):
                     grid = grid_for(rows, self.devices[k], plan.dtype.itemsize, fanout)
                     launches[p, k] = Launch(self.devices[k].upload(rows), rows.shape[1], grid, fanout, rows)
@@ -474,7 +482,7 @@ class DeviceRanks:
         """What `auto` runs for a call of `nbytes` per rank's WORK buffer
         bound as `binding`: priced on bound plans when every rank shares one
         device (one_device_choice), else None (the schedule-level model)."""
-        if len(self.devices) != 1 or binding not in (IN_PLACE, OUT_OF_PLACE):
+        if len(self.devices) != 1 or binding not in (IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE):
             return None
         return one_device_choice(collective, len(self.rank_devices), nbytes, root, binding, self.transport)
 
