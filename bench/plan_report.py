@@ -20,7 +20,9 @@ move bytes across links, so the floor is lower than any plan there.
 are codec_batch kernels, each running the codec operations
 (compression/wire.py) that touch no common memory side by side
 (compression/kernels.py: batch_rows), and their traffic is what those
-kernels read and write, wire form and float32 alike.
+kernels read and write, wire form and float32 alike. Direct with every
+rank on one device is one codec_round_sum instead, at the floor (the
+rounding done in registers: no wire form is written).
 """
 
 import json
@@ -88,6 +90,8 @@ def report(nranks, nbytes, dtype=np.dtype("float32"), codecs=()):
                         traffic, on_one_device = plan.traffic.total, one_device.traffic(shared)
                     else:
                         traffic = on_one_device = codec_traffic_bytes(plan)
+                        if one_device.rounds_in_one_pass(plan):   # codec_round_sum: each input once, each output once
+                            on_one_device = floor_bytes(collective, nranks, count, dtype.itemsize)
                     rows.append({
                         "collective": collective, "algorithm": algorithm, "binding": binding,
                         "compression": codec,

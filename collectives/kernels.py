@@ -125,6 +125,19 @@ class CodecBatchInstance(NamedTuple):
         return "codec.cu"
 
 
+class CodecSumInstance(NamedTuple):
+    """One instance of codec_round_sum: a codec id."""
+    codec: int
+
+    @property
+    def name_expression(self):
+        return f"collectives::codec_round_sum<{self.codec}>"
+
+    @property
+    def source(self):
+        return "codec.cu"
+
+
 def codec_grid(n, resident_blocks):
     """Blocks of CODEC_THREADS for codec_kernel over n >= 1 elements: the
     blocks the device runs at once, fewer when the work has fewer groups of

@@ -12,8 +12,8 @@ of every kernel on every architecture, and fails (exit 1) when
 * the vector path of a kernel in VECTOR_KERNELS is not the wide global
   accesses it is written for on sm_80 and sm_90 (wanted_accesses): 128-bit
   loads and stores (LDG.E.128, STG.E.128) of plan_step, batched_copy, the
-  LL lines of ll_allreduce and the codecs' float32 side (codec_kernel and
-  codec_batch, which runs all of them), 64-bit (LDG.E.64, STG.E.64) of the
+  LL lines of ll_allreduce and the codecs' float32 side (codec_kernel,
+  codec_batch, which runs all of them, and codec_round_sum), 64-bit (LDG.E.64, STG.E.64) of the
   codecs' 16-bit payloads; or any access goes through a
   generic LD/ST instead of a global one;
 * a float operation of the PTX flushes subnormals (.ftz), or fuses a
@@ -37,11 +37,12 @@ VECTOR_ARCHS = ("sm_80", "sm_90")  # where 16-byte paths must be 128-bit accesse
 # Kernels (names as they appear in mangled symbols) that instances.cu must
 # build and whose vector paths must compile to wide global accesses
 # (ll_allreduce: an LL line is one 16-byte store and one 16-byte load).
-VECTOR_KERNELS = ("plan_step", "batched_copy", "codec_kernel", "codec_batch", "ll_allreduce")
+VECTOR_KERNELS = ("plan_step", "batched_copy", "codec_kernel", "codec_batch", "codec_round_sum", "ll_allreduce")
 CODEC_NAMES = ("bf16", "fp16", "int8")                 # kernels/codec.cuh: enum Codec
 CODEC_OPS = ("encode", "decode", "decode_add", "add")  # kernels/codec.cu: enum CodecOp
 _CODEC_KERNEL = re.compile(r"12codec_kernelILi(\d)ELi(\d)E")
 _CODEC_BATCH = re.compile(r"11codec_batchILi(\d)EE")
+_CODEC_ROUND_SUM = re.compile(r"15codec_round_sumILi(\d)EE")
 
 _FUNCTION = re.compile(r"Function properties for (\S+)")
 _COMPILING = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
@@ -208,6 +209,8 @@ def short(kernel):
         return f"codec_kernel<{CODEC_NAMES[int(m[1])]}, {CODEC_OPS[int(m[2])]}>"
     if m := _CODEC_BATCH.search(kernel):
         return f"codec_batch<{CODEC_NAMES[int(m[1])]}>"
+    if m := _CODEC_ROUND_SUM.search(kernel):
+        return f"codec_round_sum<{CODEC_NAMES[int(m[1])]}>"
     m = re.search(r"plan_stepINS_\d+(\w+?)(?:I(\w+?)E)?ELi(\d)E", kernel)
     if not m:
         return kernel

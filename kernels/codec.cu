@@ -162,6 +162,36 @@ __device__ __forceinline__ unsigned int group_max(unsigned int m) {
     return m;
 }
 
+// A lane's 4 values v through the codec: the block's scale byte from all 8
+// lanes of its group (returned; 127, e = 0, for bf16, which has none), then
+// each value's payload q and the value that payload decodes to. Every lane
+// of the warp calls it (the shuffles); lanes with count 0 give nothing.
+template <int C>
+__device__ __forceinline__ unsigned int encode_lanes(const float (&v)[kCodecPerLane], int count,
+                                                     unsigned int (&q)[kCodecPerLane],
+                                                     float (&decoded)[kCodecPerLane]) {
+    unsigned int byte = 127;
+    if (C != kBf16) {
+        unsigned int largest = 0;
+        for (int j = 0; j < kCodecPerLane; ++j) {
+            const unsigned int m = j < count ? magnitude_bits(v[j]) : 0u;
+            largest = m > largest ? m : largest;
+        }
+        byte = scale_byte(C, group_max(largest));
+    }
+    if (byte == kSpecialScale) {   // inf or NaN in the block: payload zeros, values NaN
+        for (int j = 0; j < kCodecPerLane; ++j) q[j] = 0u, decoded[j] = nan32();
+    } else {
+        const float inverse = inverse_scale_of(byte), scale = pow2(static_cast<int>(byte) - 127);
+        for (int j = 0; j < kCodecPerLane; ++j) {
+            float value;
+            q[j] = encode_value<C>(v[j], inverse, &value);
+            decoded[j] = rescale<C>(value, scale);
+        }
+    }
+    return byte;
+}
+
 }  // namespace codec
 
 // One codec operation over args.n elements, by the warps `warp`, `warp +
@@ -237,28 +267,10 @@ __device__ __forceinline__ void codec_op(const CodecArgs& args, long long warp, 
         }
 
         // Encode: the block's scale (from all 8 lanes), then each value.
-        unsigned int byte = 127;   // e = 0 (bf16 has no scale)
-        if (Codec != kBf16) {
-            unsigned int largest = 0;
-            for (int j = 0; j < kCodecPerLane; ++j) {
-                const unsigned int m = j < count ? magnitude_bits(v[j]) : 0u;
-                largest = m > largest ? m : largest;
-            }
-            byte = scale_byte(Codec, group_max(largest));
-            if (lane == 0 && count) out_scales[blk] = static_cast<unsigned char>(byte);
-        }
         unsigned int q[kCodecPerLane];
         float decoded[kCodecPerLane];
-        if (byte == kSpecialScale) {   // inf or NaN in the block: payload zeros, values NaN
-            for (int j = 0; j < kCodecPerLane; ++j) q[j] = 0u, decoded[j] = nan32();
-        } else {
-            const float inverse = inverse_scale_of(byte), scale = pow2(static_cast<int>(byte) - 127);
-            for (int j = 0; j < kCodecPerLane; ++j) {
-                float value;
-                q[j] = encode_value<Codec>(v[j], inverse, &value);
-                decoded[j] = rescale<Codec>(value, scale);
-            }
-        }
+        const unsigned int byte = encode_lanes<Codec>(v, count, q, decoded);
+        if (Codec != kBf16 && lane == 0 && count) out_scales[blk] = static_cast<unsigned char>(byte);
         if (count) {
             store_payload<Codec>(out_payload + first, vector, count, q);
             if (write_out) store_floats(out + first, vector, count, decoded);
@@ -340,6 +352,77 @@ __global__ void __launch_bounds__(kCodecThreads) codec_batch(const __grid_consta
         case kAdd: codec_op<Codec, kAdd>(row.args, grid_warp(), grid_warps()); break;
         case kCodecCopy: copy_bytes(row.args); break;
         default: break;
+    }
+}
+
+// -- ranks that share one GPU: the codec's rounding, fused with the sum ------------
+//
+// A compressed direct allreduce gives every rank
+//
+//     out = ((round(x_0) + round(x_1)) + round(x_2)) + ... [/ divisor]
+//
+// where round(x) = decode(encode(x)), block by block from each input's
+// start, and the sum goes in rank order (compression/wire.py lowers it so;
+// every rank folds the same values in the same order). Ranks on one GPU
+// read each other's memory directly, so the wire form need not exist: one
+// pass reads each input once, rounds it in registers (encode_lanes, the
+// same arithmetic the encode kernel stores), adds, and writes every output
+// once: the memory floor of an uncompressed allreduce, with the bits of the
+// compressed one. A lane group reads its block of every input before it
+// writes that block of any output, so outputs may be the inputs (in place).
+
+constexpr int kCodecSumRanks = 64;       // kernels.py: MAX_RANKS
+
+struct CodecSumArgs {
+    unsigned long long inputs[kCodecSumRanks];    // float32, in the order of the sum
+    unsigned long long outputs[kCodecSumRanks];   // float32, each gets the result
+    long long n;           // elements of every input and output
+    int ninputs, noutputs;
+    float divisor;         // > 0: divide the sum by it (avg)
+    int unused;
+};
+
+template <int Codec>
+__global__ void __launch_bounds__(kCodecThreads) codec_round_sum(const __grid_constant__ CodecSumArgs args) {
+    using namespace codec;
+    unsigned long long bases = 0;
+    for (int s = 0; s < args.ninputs; ++s) bases |= args.inputs[s];
+    for (int o = 0; o < args.noutputs; ++o) bases |= args.outputs[o];
+    const bool aligned = (bases & 15u) == 0;
+    const bool divide = args.divisor > 0.0f;
+
+    const long long n = args.n;
+    const long long nblocks = (n + kBlock - 1) / kBlock;
+    const int lane_in_warp = threadIdx.x & 31;
+    const int lane = lane_in_warp & (kCodecLanes - 1);
+    constexpr int kBlocksPerWarp = 32 / kCodecLanes;
+    for (long long w = grid_warp(); w * kBlocksPerWarp < nblocks; w += grid_warps()) {
+        const long long blk = w * kBlocksPerWarp + (lane_in_warp / kCodecLanes);
+        const long long first = blk * kBlock + lane * kCodecPerLane;
+        const long long left = n - first;
+        const int count = left <= 0 ? 0 : left >= kCodecPerLane ? kCodecPerLane : static_cast<int>(left);
+        const bool vector = aligned && count == kCodecPerLane;
+
+        float sum[kCodecPerLane] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int s = 0; s < args.ninputs; ++s) {
+            const float* x = reinterpret_cast<const float*>(args.inputs[s]);
+            COLLECTIVES_CODEC_GLOBAL(x);
+            float v[kCodecPerLane] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (count) load_floats(x + first, vector, count, v);
+            unsigned int q[kCodecPerLane];
+            float rounded[kCodecPerLane];
+            encode_lanes<Codec>(v, count, q, rounded);
+            for (int j = 0; j < kCodecPerLane; ++j) sum[j] = s == 0 ? rounded[j] : add(sum[j], rounded[j]);
+        }
+        if (divide)
+            for (int j = 0; j < kCodecPerLane; ++j) sum[j] = __fdiv_rn(sum[j], args.divisor);
+        if (count) {
+            for (int o = 0; o < args.noutputs; ++o) {
+                float* out = reinterpret_cast<float*>(args.outputs[o]);
+                COLLECTIVES_CODEC_GLOBAL(out);
+                store_floats(out + first, vector, count, sum);
+            }
+        }
     }
 }
 

@@ -29,6 +29,11 @@ COLLECTIVES_FOR_EACH_CODEC_KERNEL(COLLECTIVES_CODEC_INSTANCE)
 
 COLLECTIVES_FOR_EACH_CODEC(COLLECTIVES_CODEC_BATCH_INSTANCE)
 
+#define COLLECTIVES_CODEC_SUM_INSTANCE(Codec) \
+    template __global__ void collectives::codec_round_sum<Codec>(const __grid_constant__ collectives::CodecSumArgs);
+
+COLLECTIVES_FOR_EACH_CODEC(COLLECTIVES_CODEC_SUM_INSTANCE)
+
 #include "ll_allreduce.cu"
 
 #define COLLECTIVES_LL_INSTANCE(Element, Op)                                                   \

@@ -17,7 +17,8 @@ import collectives
 from collectives import InvalidUsageError
 from collectives.algorithms import REGISTRY
 from collectives.compression import wire
-from collectives.compression.kernels import BLOCK, CODECS
+from collectives.compression.kernels import CODECS
+from collectives.devices import open_device
 from collectives.plan import build_plan
 
 ALLREDUCE_ALGORITHMS = tuple(name for name, entry in REGISTRY.items() if "allreduce" in entry.collectives)
@@ -141,6 +142,63 @@ def test_ranks_sharing_an_emulated_device_give_the_host_bits(codec, algorithm):
         for got in (out_of_place, in_place):
             for g, w in zip(got, want):
                 assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"{codec} {algorithm} n={nranks}"
+
+
+def special_gradients(nranks, count, seed):
+    """Inputs whose magnitudes differ between ranks at each element (so the
+    float32 sums depend on their order), with an inf, a NaN, float32
+    subnormals and zeros in some blocks of some ranks: the rounding's
+    special cases."""
+    rng = np.random.default_rng(seed)
+    inputs = [(rng.standard_normal(count) * 10.0 ** rng.uniform(-3, 6, count)).astype(np.float32)
+              for _ in range(nranks)]
+    for r, x in enumerate(inputs):
+        x[r % count] = np.inf if r % 2 else np.nan
+        x[min(count - 1, 40 + r)] = np.float32(1e-40)       # subnormal
+        x[64:96] = 0 if r == 0 else x[64:96]
+    return inputs
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_direct_on_one_device_is_one_rounding_pass_with_the_host_bits(monkeypatch, codec):
+    """Ranks sharing a device run compressed direct as one codec_round_sum:
+    every input rounded in registers and summed in rank order, every output
+    written once (executors/device.py: rounds_in_one_pass). Its bits are
+    the host's codec operations', in place and out of place, sum and avg."""
+    device = open_device("emulated:0")
+    launched = []
+    original = device.launch_codec_round_sum
+    monkeypatch.setattr(device, "launch_codec_round_sum", lambda *a: (launched.append(a[2]), original(*a)))
+    for nranks in (2, 3, 5):
+        for count in (1, 37, 777):
+            for op in ("sum", "avg"):
+                inputs = special_gradients(nranks, count, seed=nranks * count)
+                want = run_host(nranks, inputs, codec, "direct", op)
+                comm = collectives.Communicator.local(nranks, devices=["emulated:0"] * nranks)
+                launched.clear()
+                out_of_place = comm.allreduce(inputs, algorithm="direct", compression=codec, op=op,
+                                              out=[np.empty_like(x) for x in inputs])
+                in_place = comm.allreduce([x.copy() for x in inputs], algorithm="direct", compression=codec, op=op)
+                assert len(launched) == 2, launched
+                for got in (out_of_place, in_place):
+                    for g, w in zip(got, want):
+                        assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (codec, nranks, count, op)
+
+
+def test_a_rounding_pass_that_sums_in_another_order_gives_wrong_bits(monkeypatch):
+    """The check above can fail: summing the same rounded inputs last rank
+    first changes the float32 rounding of the sums (where the ranks'
+    magnitudes differ: rounded values of like magnitude add exactly)."""
+    device = open_device("emulated:0")
+    original = device.launch_codec_round_sum
+    monkeypatch.setattr(device, "launch_codec_round_sum",
+                        lambda stream, codec, inputs, *rest: original(stream, codec, inputs[::-1], *rest))
+    rng = np.random.default_rng(4)
+    inputs = [(rng.standard_normal(777) * 10.0 ** rng.uniform(-3, 6, 777)).astype(np.float32) for _ in range(4)]
+    want = run_host(4, inputs, "fp16", "direct")
+    got = collectives.Communicator.local(4, devices=["emulated:0"] * 4).allreduce(
+        [x.copy() for x in inputs], algorithm="direct", compression="fp16")
+    assert not all(np.array_equal(g.view(np.uint32), w.view(np.uint32)) for g, w in zip(got, want))
 
 
 def test_a_batch_that_ignores_the_order_of_operations_gives_wrong_bits(monkeypatch):

@@ -69,6 +69,8 @@ def test_compressed_allreduce_rows_count_codec_batches(rows):
     assert all(r["collective"] == "allreduce" and r["binding"] == "workspace" for r in compressed)
     for r in compressed:
         operations = codec_operations(r["algorithm"], r["compression"])
+        if r["algorithm"] == "direct":   # one codec_round_sum at the floor (the next test)
+            continue
         assert 2 <= r["launches_one_device"] < sum(operations), (r, operations)
         assert 2 <= r["launches_per_device"] <= max(operations), (r, operations)
         if r["algorithm"] == "ring":
@@ -82,3 +84,14 @@ def test_an_unknown_codec_is_refused(capsys):
     with pytest.raises(SystemExit):
         plan_report.main(["--compression", "fp8"])
     assert "--compression" in capsys.readouterr().err
+
+
+def test_compressed_direct_on_one_device_is_one_pass_at_the_floor(rows):
+    """Ranks sharing a device need no wire form: direct rounds each input in
+    registers and sums (codec_round_sum), one launch that reads each input
+    once and writes each output once."""
+    direct = [r for r in rows if r["compression"] and r["algorithm"] == "direct"]
+    assert {r["compression"] for r in direct} == {"bf16", "int8"}
+    for r in direct:
+        assert r["launches_one_device"] == 1 and r["traffic_one_device_bytes"] == r["floor_bytes"], r
+        assert r["launches_per_device"] > 1 and r["traffic_bytes"] > r["floor_bytes"], r

@@ -344,3 +344,28 @@ def batch_arguments(rows):
     for i, row in enumerate(rows):
         batch.rows[i] = row
     return batch
+
+
+# -- devices: ranks on one device, the rounding fused with the sum ------------------
+
+
+class CodecSumArgs(ctypes.Structure):
+    """codec.cu's CodecSumArgs, the by-value argument of codec_round_sum."""
+    _fields_ = [("inputs", ctypes.c_uint64 * 64), ("outputs", ctypes.c_uint64 * 64), ("n", ctypes.c_int64),
+                ("ninputs", ctypes.c_int32), ("noutputs", ctypes.c_int32), ("divisor", ctypes.c_float),
+                ("unused", ctypes.c_int32)]
+
+
+def round_sum_arguments(inputs, outputs, n, divisor):
+    """CodecSumArgs for codec_round_sum: every output gets the sum, in the
+    order of `inputs` (float32 addresses), of each input rounded through the
+    codec, divided by `divisor` when it is > 0."""
+    if not 1 <= len(inputs) <= 64 or not 1 <= len(outputs) <= 64:
+        raise InvalidUsageError(f"codec_round_sum takes 1 to 64 inputs and outputs, got {len(inputs)} and "
+                                f"{len(outputs)}")
+    args = CodecSumArgs(n=int(n), ninputs=len(inputs), noutputs=len(outputs), divisor=float(_divisor(divisor)))
+    for i, address in enumerate(inputs):
+        args.inputs[i] = int(address)
+    for i, address in enumerate(outputs):
+        args.outputs[i] = int(address)
+    return args

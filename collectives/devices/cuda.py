@@ -270,6 +270,26 @@ class CudaDevice:
             self._launch(function, grid, kernels.CODEC_THREADS, stream, pointer)
         return issue
 
+    def launch_codec_round_sum(self, stream, codec, inputs, outputs, n, divisor):
+        """codec_round_sum of kernels/codec.cu on `stream`: every output (a
+        float32 address) gets the sum, in the order of `inputs`, of each
+        input rounded through the codec, divided by `divisor` when > 0."""
+        self.codec_round_sum_launcher(codec, inputs, outputs, n, divisor)(stream)
+
+    def codec_round_sum_launcher(self, codec, inputs, outputs, n, divisor):
+        """issue(stream): launch_codec_round_sum's launch, prepared once."""
+        parameters = codecs.round_sum_arguments(inputs, outputs, n, divisor)
+        if n == 0:
+            return lambda stream: None   # CUDA refuses an empty grid
+        function = self._function(kernels.CodecSumInstance(codecs.codec_id(codec)))
+        grid = (kernels.codec_grid(n, self.resident_blocks), 1)
+        pointers = (ctypes.c_void_p * 1)(ctypes.addressof(parameters))
+        pointer = ctypes.addressof(pointers)
+
+        def issue(stream, _alive=(parameters, pointers)):
+            self._launch(function, grid, kernels.CODEC_THREADS, stream, pointer)
+        return issue
+
     def _launch(self, function, grid, threads, stream, parameter_pointer):
         """cuLaunchKernel; the caller holds the launch lock (the driver has
         copied the parameters once this returns)."""

@@ -271,6 +271,19 @@ class EmulatedDevice:
         if status != 0:
             raise CollectiveError(f"the emulated codec_batch rejected codec {codec}, grid {grid} (status {status})")
 
+    def launch_codec_round_sum(self, stream, codec, inputs, outputs, n, divisor):
+        # kernels/codec.cu's codec_round_sum compiled for the CPU, its shuffles run by fibers.
+        args = codecs.round_sum_arguments(inputs, outputs, n, divisor)   # checked now: a bad call queues nothing
+        if n:
+            grid = kernels.codec_grid(n, self.resident_blocks)
+            stream.queue.append(("launch", self._run_codec_round_sum, codecs.codec_id(codec), grid, args))
+
+    def _run_codec_round_sum(self, codec, grid, args):
+        status = self._library.collectives_emulated_codec_round_sum(codec, grid, kernels.CODEC_THREADS,
+                                                                    ctypes.byref(args))
+        if status != 0:
+            raise CollectiveError(f"the emulated codec_round_sum rejected codec {codec}, grid {grid} (status {status})")
+
     def new_event(self):
         return EmulatedEvent()
 
@@ -411,15 +424,17 @@ def _load(path):
     lib.collectives_emulated_codec_batch.restype = ctypes.c_int
     lib.collectives_emulated_codec_batch.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                                                      ctypes.c_void_p]
+    lib.collectives_emulated_codec_round_sum.restype = ctypes.c_int
+    lib.collectives_emulated_codec_round_sum.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p]
     lib.collectives_emulated_batched_copy.restype = ctypes.c_int
     lib.collectives_emulated_batched_copy.argtypes = [
         ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_int,
     ]
     if (lib.collectives_emulated_max_ranks(), lib.collectives_emulated_buffers(),
             lib.collectives_emulated_copy_columns(), lib.collectives_emulated_codec_args_size(),
-            lib.collectives_emulated_codec_batch_size()) != \
+            lib.collectives_emulated_codec_batch_size(), lib.collectives_emulated_codec_sum_args_size()) != \
             (kernels.MAX_RANKS, kernels.BUFFERS, kernels.COPY_COLUMNS, ctypes.sizeof(codecs.CodecArgs),
-             ctypes.sizeof(codecs.CodecBatch)):
+             ctypes.sizeof(codecs.CodecBatch), ctypes.sizeof(codecs.CodecSumArgs)):
         raise CollectiveError(f"{path} was built from other kernel sources; delete it and try again")
     lib.collectives_emulated_ll_layout.restype = ctypes.c_longlong
     lib.collectives_emulated_ll_layout.argtypes = [ctypes.c_int]

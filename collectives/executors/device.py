@@ -269,8 +269,8 @@ class DeviceRanks:
         if cached is None or cached.program is not program or cached.inputs is not inputs \
                 or cached.outputs is not outputs or cached.workspace_generation != self._workspace_generation:
             plan = program.plan
-            workspaces = [self._workspace(rank, plan.workspace_bytes).address
-                          for rank in range(len(self.rank_devices))]
+            workspaces = [0] * len(self.rank_devices) if self.rounds_in_one_pass(plan) else \
+                [self._workspace(rank, plan.workspace_bytes).address for rank in range(len(self.rank_devices))]
             key = (tuple(i.address for i in inputs), tuple(o.address for o in outputs), tuple(workspaces))
             if cached is None or cached.program is not program or cached.key != key:
                 record = self._codec_record(program, workspaces, inputs, outputs)
@@ -283,10 +283,26 @@ class DeviceRanks:
         for device in self.devices:
             device.call_returned()
 
+    def rounds_in_one_pass(self, plan):
+        """Whether the compressed `plan` runs as one codec_round_sum launch
+        (kernels/codec.cu): a direct allreduce of ranks that share one
+        device, which read each other's inputs and need no wire form. Its
+        bits are those of the plan's codec operations: every rank sums the
+        rounded inputs in rank order (compression/wire.py lowers direct so)."""
+        return plan.compression is not None and plan.algorithm == "direct" and len(self.devices) == 1
+
     def _codec_record(self, program, workspaces, inputs, outputs):
         """(device index, issue(stream)) for every codec launch, record and
         wait of a compressed program on these buffers."""
         plan, devices = program.plan, self.devices
+        if self.rounds_in_one_pass(plan):
+            device = devices[0]
+            divisor = plan.nranks if ReduceOp(plan.op) is ReduceOp.AVG else 0
+            args = (plan.compression, [i.address for i in inputs], [o.address for o in outputs], plan.count, divisor)
+            prepared = getattr(device, "codec_round_sum_launcher", None)
+            issue = prepared(*args) if prepared is not None else \
+                (lambda stream: device.launch_codec_round_sum(stream, *args))
+            return ((0, issue),)
         buffers = {INPUT: [i.address for i in inputs], OUTPUT: [o.address for o in outputs]}
 
         def address_of(rank, buffer):
@@ -496,6 +512,8 @@ class DeviceRanks:
         program = self._program(plan)
         if plan.compression is None:
             return program.launches
+        if self.rounds_in_one_pass(plan):
+            return (1,) if plan.count else (0,)
 
         def address_of(rank, buffer):
             return (1 + 4 * rank + (buffer if buffer in (INPUT, OUTPUT) else 0)) << 40 \

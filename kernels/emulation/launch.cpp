@@ -190,6 +190,12 @@ void run_codec_batch_grid(unsigned grid_x, unsigned grid_y, unsigned block_x, co
                             [&] { collectives::codec_batch<Codec>(batch); });
 }
 
+template <int Codec>
+void run_codec_round_sum_grid(unsigned grid_x, unsigned block_x, const collectives::CodecSumArgs& args) {
+    walk_grid_cooperatively(dim3(grid_x, 1, 1), dim3(block_x, 1, 1),
+                            [&] { collectives::codec_round_sum<Codec>(args); });
+}
+
 }  // namespace
 
 extern "C" {
@@ -201,6 +207,7 @@ int collectives_emulated_buffers() { return collectives::kBuffers; }
 int collectives_emulated_copy_columns() { return collectives::kCopyColumns; }
 int collectives_emulated_codec_args_size() { return static_cast<int>(sizeof(collectives::CodecArgs)); }
 int collectives_emulated_codec_batch_size() { return static_cast<int>(sizeof(collectives::CodecBatch)); }
+int collectives_emulated_codec_sum_args_size() { return static_cast<int>(sizeof(collectives::CodecSumArgs)); }
 
 // Runs plan_step<element, op> over a grid_x * grid_y grid of block_x threads,
 // grid_y groups of `fanout` rows. `addresses` holds max_ranks * buffers byte
@@ -263,6 +270,21 @@ int collectives_emulated_codec_batch(int codec, unsigned grid_x, unsigned grid_y
     }
     COLLECTIVES_FOR_EACH_CODEC(COLLECTIVES_CODEC_BATCH_DISPATCH)
 #undef COLLECTIVES_CODEC_BATCH_DISPATCH
+    return -1;
+}
+
+// Runs codec_round_sum<codec> over a grid_x grid of block_x threads.
+// Returns 0, or -1 for an unknown codec, -2 for a grid CUDA would refuse.
+int collectives_emulated_codec_round_sum(int codec, unsigned grid_x, unsigned block_x,
+                                         const collectives::CodecSumArgs* args) {
+    if (grid_x == 0 || block_x == 0 || block_x % 32 || block_x > 1024) return -2;
+#define COLLECTIVES_CODEC_SUM_DISPATCH(Codec)                        \
+    if (codec == Codec) {                                            \
+        run_codec_round_sum_grid<Codec>(grid_x, block_x, *args);     \
+        return 0;                                                    \
+    }
+    COLLECTIVES_FOR_EACH_CODEC(COLLECTIVES_CODEC_SUM_DISPATCH)
+#undef COLLECTIVES_CODEC_SUM_DISPATCH
     return -1;
 }
 
