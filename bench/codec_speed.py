@@ -24,7 +24,15 @@ yardstick: about 12 GB/s here).
     add+encode                  out = acc + b, then encoded as above
 
 With --device cuda (or emulated), each operation is the codec kernel of
-kernels/codec.cu through the device's launch_codec, and what is reported is
+kernels/codec.cu through the device's launch_codec, two more are what
+compressed allreduces of 4 ranks launch (they are not CPU loops):
+
+    batch4:decode_add+encode    four ring hops of a quarter of the elements
+                                each, as one codec_batch launch
+    round_sum4                  codec_round_sum: 4 inputs rounded and summed
+                                into 4 outputs (direct, ranks on one GPU)
+
+and what is reported is
 bytes read plus written per second, beside a device-to-device copy moving
 as many bytes (half read, half written), the two alternating in one run:
 the floor a kernel that reads and writes each byte once can reach. The
@@ -113,6 +121,51 @@ DEVICE_OPS = {
 }
 
 
+# Device-only operations: what a 4-rank compressed allreduce launches.
+BATCH4, ROUND_SUM4 = "batch4:decode_add+encode", "round_sum4"
+DEVICE_ONLY_OPS = (BATCH4, ROUND_SUM4)
+
+
+def _quarters(region):
+    """`region` cut into 4 regions of a quarter of its elements each."""
+    quarter = region.count // 4
+    size = np.dtype(region.dtype).itemsize
+    return [Region(region.address + k * quarter * size, quarter, region.dtype) for k in range(4)]
+
+
+def _device_only_op(op, device, kind, codec, buffers, n, rng, stream):
+    """(run once, bytes read plus written) for BATCH4 or ROUND_SUM4."""
+    if op == BATCH4:   # the rows a ring hop of 4 ranks gives each: n/4 elements, block aligned
+        names = DEVICE_OPS["decode_add+encode"][1]
+        quarters = [_quarters(buffers[name][1]) if name != "scales" and name != "out_scales" else None
+                    for name in names]
+        rows = []
+        for k in range(4):
+            regions = []
+            for name, parts in zip(names, quarters):
+                if parts is not None:
+                    regions.append(parts[k])
+                else:   # scale bytes: a quarter's blocks
+                    whole = buffers[name][1]
+                    blocks = whole.count // 4
+                    regions.append(Region(whole.address + k * blocks, blocks, whole.dtype))
+            rows.append(kernels.device_row("decode_add", codec, tuple(regions), 0))
+        moved = bytes_moved(tuple(buffers[name][1] for name in names), "decode_add")
+        return (lambda: device.launch_codec_batch(stream, codec, rows)), moved
+    assert op == ROUND_SUM4
+    memory = [device.allocate(4 * n) for _ in range(8)]
+    for m in memory[:4]:
+        values = rng.standard_normal(n).astype(np.float32)
+        if kind == "cuda":
+            import cupy
+            cupy.cuda.runtime.memcpy(m.address, values.ctypes.data, values.nbytes, cupy.cuda.runtime.memcpyHostToDevice)
+        else:
+            m.array[:values.nbytes] = values.view(np.uint8)
+    inputs, outputs = [m.address for m in memory[:4]], [m.address for m in memory[4:]]
+    buffers["round_sum"] = (memory, None)   # kept alive with the other buffers
+    return (lambda: device.launch_codec_round_sum(stream, codec, inputs, outputs, n, 0)), 8 * 4 * n
+
+
 def device_buffers(device, kind, codec, n, rng):
     """{name: (device memory, Region)} for every operand, filled as _calls fills its arrays."""
     x = rng.standard_normal(n).astype(np.float32)
@@ -153,18 +206,21 @@ def measure_device(kind, codecs, ops, mib, repeat, rounds=3):
     rows = []
     for codec in codecs:
         buffers = device_buffers(device, kind, codec, n, rng)
-        copy_from, copy_to = device.allocate(8 * n), device.allocate(8 * n)   # room for the largest operation's bytes
+        copy_from, copy_to = device.allocate(16 * n), device.allocate(16 * n)   # room for the largest operation's bytes
         stream = device.current_stream()
         for op in ops:
-            kernel, names = DEVICE_OPS[op]
-            regions = tuple(None if name is None else buffers[name][1] for name in names)
-            moved = bytes_moved(regions, kernel)
+            if op in DEVICE_ONLY_OPS:
+                run_codec, moved = _device_only_op(op, device, kind, codec, buffers, n, rng, stream)
+            else:
+                kernel, names = DEVICE_OPS[op]
+                regions = tuple(None if name is None else buffers[name][1] for name in names)
+                moved = bytes_moved(regions, kernel)
+
+                def run_codec(kernel=kernel, regions=regions):
+                    device.launch_codec(stream, kernel, codec, regions, 0)
             half = moved // 2
             src = Region(copy_from.address, half, "uint8")
             dst = Region(copy_to.address, half, "uint8")
-
-            def run_codec(kernel=kernel, regions=regions):
-                device.launch_codec(stream, kernel, codec, regions, 0)
 
             def run_copy(src=src, dst=dst):
                 device.launch_codec(stream, "copy", codec, (dst, src), 0)
@@ -185,13 +241,16 @@ def main(argv=None):
     parser.add_argument("--mib", type=int, default=64, help="MiB of float32 per operand (default 64)")
     parser.add_argument("--repeat", type=int, default=7, help="runs per measurement, the best counts (default 7)")
     parser.add_argument("--codecs", default=",".join(kernels.CODECS), help="codecs to time, comma-separated")
-    parser.add_argument("--ops", default=",".join(OPS), help="codec operations to time, comma-separated")
+    parser.add_argument("--ops", default="", help="codec operations to time, comma-separated (default: all; "
+                        f"on a device also {', '.join(DEVICE_ONLY_OPS)})")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "emulated"],
                         help="cpu: the C++ loops on one core; cuda or emulated: the codec kernels against a device copy")
     parser.add_argument("-J", "--output_file", help="write the results as JSON here (device modes; default: no file)")
     args = parser.parse_args(argv)
-    codecs, ops = args.codecs.split(","), args.ops.split(",")
-    for name, given, known in (("--codecs", codecs, kernels.CODECS), ("--ops", ops, OPS)):
+    codecs = args.codecs.split(",")
+    ops = args.ops.split(",") if args.ops else list(OPS) + (list(DEVICE_ONLY_OPS) if args.device != "cpu" else [])
+    known_ops = OPS + DEVICE_ONLY_OPS if args.device != "cpu" else OPS
+    for name, given, known in (("--codecs", codecs, kernels.CODECS), ("--ops", ops, known_ops)):
         unknown = [g for g in given if g not in known]
         if unknown:
             parser.error(f"{name}: unknown {unknown[0]!r}; expected some of {', '.join(known)}")

@@ -483,3 +483,20 @@ def test_codec_speed_on_a_device_times_each_kernel_against_a_copy_of_as_many_byt
         assert r["codec_GBps"] > 0 and r["copy_GBps"] > 0
         assert r["codec_vs_copy"] == pytest.approx(r["codec_GBps"] / r["copy_GBps"])
     assert "decode_add+encode" in capsys.readouterr().out
+
+
+def test_codec_speed_times_what_a_four_rank_compressed_call_launches(tmp_path):
+    """The device-only rows: four ring hops as one codec_batch (the bytes of
+    one hop over all the elements), and codec_round_sum of 4 inputs into 4
+    outputs (each read or written once); and the CPU mode refuses them."""
+    from bench import codec_speed
+    out = tmp_path / "batches.json"
+    assert codec_speed.main(["--device", "emulated", "--mib", "1", "--repeat", "1", "--codecs", "int8",
+                             "--ops", "decode_add+encode,batch4:decode_add+encode,round_sum4", "-J", str(out)]) == 0
+    rows = {r["op"]: r for r in json.loads(out.read_text())["rows"]}
+    n = rows["round_sum4"]["elements"]
+    assert rows["batch4:decode_add+encode"]["bytes_moved"] == rows["decode_add+encode"]["bytes_moved"]
+    assert rows["round_sum4"]["bytes_moved"] == 8 * 4 * n
+    assert all(r["codec_GBps"] > 0 and r["copy_GBps"] > 0 for r in rows.values())
+    with pytest.raises(SystemExit):
+        codec_speed.main(["--ops", "round_sum4"])
