@@ -14,10 +14,13 @@ written once in C++ and compiled two ways:
                                           builds (no CUDA needed)
 
 This module checks arguments and calls them: `cpu_encode` and friends on
-NumPy arrays, `device_launch` turns one of wire.codec_launches' operations
-on device regions into a kernel instance and its argument block, which both
-devices launch. tests/test_codecs.py compares every form with the NumPy
-reference (tests/codec_reference.py) bit for bit.
+NumPy arrays; on devices, `device_launch` turns one of wire.codec_launches'
+operations into a codec_kernel instance and its argument block,
+`device_row` into a row of codec_batch, and `batch_rows` groups a
+device's rows into launches (rows that touch no common memory run side by
+side); `round_sum_arguments` is codec_round_sum's block (direct, ranks on
+one device: the rounding fused with the sum). tests/test_codecs.py compares
+every form with the NumPy reference (tests/codec_reference.py) bit for bit.
 """
 
 import ctypes
