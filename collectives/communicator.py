@@ -51,11 +51,12 @@ class VirtualHostRanks:
         for phase in plan.phases:
             host.execute(phase.table, lambda rank, buffer_id: views[rank, buffer_id], plan.op, plan.nranks)
 
-    def bind(self, plan, inputs, outputs):
+    def bind(self, plan, inputs, outputs, input_infos=None, output_infos=None):
         """`plan` bound to these arrays (host.BoundTables): a callable that
         runs it, as `run` does, on arrays of a later call with the same
-        shapes and memory relation, `bound([*inputs, *outputs])`. None for
-        compressed plans, which `run` runs."""
+        shapes and memory relation, `bound.run([*inputs, *outputs])`. None
+        for compressed plans, which `run` runs. (The ArrayInfos are for
+        ranks whose bound form keeps addresses: DeviceRanks.bind.)"""
         if plan.compression is not None:
             return None
         nranks = len(self._workspaces)
@@ -242,7 +243,7 @@ class Communicator:
             result = fast(x, op, out, self.timeout)
             if result is not None:
                 return result
-        return self._collective(ALLREDUCE, x, op=op, out=out, algorithm=algorithm, compression=compression)
+        return self._collective(ALLREDUCE, x, op, out, 0, algorithm, compression)
 
     def reduce_scatter(self, x, op="sum", out=None, algorithm="auto"):
         """Reduce all ranks' `x` and give rank r block r of the result.
@@ -262,7 +263,7 @@ class Communicator:
         CollectiveTimeoutError or RankFailedError when a peer stalls or dies
         (see Communicator).
         """
-        return self._collective(REDUCE_SCATTER, x, op=op, out=out, algorithm=algorithm)
+        return self._collective(REDUCE_SCATTER, x, op, out, 0, algorithm)
 
     def allgather(self, x, out=None, algorithm="auto"):
         """Every rank gets all ranks' `x` concatenated in rank order.
@@ -280,7 +281,7 @@ class Communicator:
         CollectiveTimeoutError or RankFailedError when a peer stalls or
         dies (see Communicator).
         """
-        return self._collective(ALLGATHER, x, out=out, algorithm=algorithm)
+        return self._collective(ALLGATHER, x, "sum", out, 0, algorithm)
 
     def broadcast(self, x, root=0, algorithm="auto"):
         """Every rank's `x` becomes a copy of the root's `x`, in place.
@@ -294,7 +295,7 @@ class Communicator:
         argument (nothing is written), CollectiveTimeoutError or
         RankFailedError when a peer stalls or dies (see Communicator).
         """
-        return self._collective(BROADCAST, x, root=root, algorithm=algorithm)
+        return self._collective(BROADCAST, x, "sum", None, root, algorithm)
 
     def reduce(self, x, root=0, op="sum", algorithm="auto"):
         """The root's `x` becomes the reduction of all ranks' `x`, in place;
@@ -309,7 +310,7 @@ class Communicator:
         argument (nothing is written), CollectiveTimeoutError or
         RankFailedError when a peer stalls or dies (see Communicator).
         """
-        return self._collective(REDUCE_TO_ROOT, x, op=op, root=root, algorithm=algorithm)
+        return self._collective(REDUCE_TO_ROOT, x, op, None, root, algorithm)
 
     def allreduce_many(self, arrays, op="sum", fusion_threshold=fusion.DEFAULT_THRESHOLD, compression=None,
                        algorithm="auto"):
@@ -571,7 +572,8 @@ class Communicator:
 
     # -- the one path every collective takes -------------------------------------
 
-    def _collective(self, collective, x, *, op="sum", out=None, root=0, algorithm="auto", compression=None):
+    def _collective(self, collective, x, op="sum", out=None, root=0, algorithm="auto", compression=None):
+        # (The collectives pass their arguments by position: the cheaper call.)
         if self._closed:
             self._check_open()
         if self._busy:
@@ -583,9 +585,7 @@ class Communicator:
         as_sequence = isinstance(x, (list, tuple))
         xs = tuple(x) if as_sequence else (x,)
         key = None
-        # (1.0 and True equal 1 as keys, but only 1 is a rank.)
-        state_of = arrays.repeat_state(xs[0]) if root.__class__ is int and xs else None
-        if state_of is not None:
+        if root.__class__ is int:   # (1.0 and True equal 1 as keys, but only 1 is a rank)
             try:
                 outs = () if out is None else tuple(out) if isinstance(out, (list, tuple)) else (out,)
                 objects = xs + outs
@@ -593,8 +593,8 @@ class Communicator:
                 key = (collective, op, root, algorithm, compression, as_sequence, out is None, len(xs),
                        *map(id, refs))
                 call = self._calls.get(key)
-            except (TypeError, ValueError):  # not arrays, or unhashable arguments: the checks below say what is wrong
-                key = call = None
+            except (TypeError, ValueError):  # not arrays, or unhashable: the checks below say what is wrong
+                key = None
             else:
                 if call is not None and tuple(map(call.state_of, objects)) == call.states:
                     return self._repeat(call, xs, objects, as_sequence)
@@ -642,7 +642,9 @@ class Communicator:
         plan = self._plan(collective, dtype, elements, op, root, algorithm, binding, compression)
         ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
         if key is not None:
-            self._remember(key, refs, objects, state_of, plan, input_infos, output_infos, made)
+            state_of = arrays.repeat_state(objects[0])  # None: arrays of a kind whose calls are checked in full
+            if state_of is not None:
+                self._remember(key, refs, objects, state_of, plan, input_infos, output_infos, made)
         return outputs if as_sequence else outputs[0]
 
     def _remember(self, key, refs, objects, state_of, plan, input_infos, output_infos, made):
@@ -684,7 +686,8 @@ class Communicator:
         bound = call.bound
         if bound is None:  # bound at the first repeat: a call made once is not worth binding
             bind = getattr(self._ranks, "bind", None)
-            bound = call.bound = (bind and bind(call.plan, xs, outputs)) or False
+            bound = call.bound = (bind and bind(call.plan, xs, outputs, call.input_infos,
+                                                None if made is _FRESH else call.output_infos)) or False
         if bound:
             bound.run(xs + outputs)
         else:

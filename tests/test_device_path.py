@@ -251,3 +251,43 @@ def test_chosen_algorithm_names_what_an_in_place_or_out_of_place_call_runs():
         assert comm.chosen_algorithm("allreduce", 64 << 20, in_place=True) == "star"
     with collectives.Communicator.local(4) as host:   # virtual host ranks: binding changes nothing
         assert host.chosen_algorithm("allreduce", 1 << 20) == host.chosen_algorithm("allreduce", 1 << 20, in_place=True)
+
+
+# -- repeated calls on device ranks: the bound program (executors/device.py BoundProgram) ----------
+
+
+@pytest.mark.parametrize("devices", [["emulated:0"] * 4, ["emulated:0", "emulated:1"] * 2])
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+def test_a_repeated_call_on_device_ranks_uses_the_arrays_it_is_given(devices, algorithm):
+    """Once a call repeats, its launches are bound to its arrays' addresses.
+    Each later call with other arrays (a new list, the same list with an
+    array replaced, a view of other memory, in place after out of place)
+    must launch with its own, and leave the arrays it was not given alone."""
+    with collectives.Communicator.local(4, devices=devices) as comm:
+        xs = [np.full(256, r + 1, np.float32) for r in range(4)]
+        outs = [np.zeros(256, np.float32) for _ in range(4)]
+        for _ in range(3):
+            comm.allreduce(xs, out=outs, algorithm=algorithm)
+            assert all((o == 10).all() for o in outs)
+        others = [np.zeros(256, np.float32) for _ in range(4)]
+        for _ in range(3):   # two repeated calls in turn: each repeat's addresses differ from the last call's
+            for target in (outs, others):
+                for o in target:
+                    o[...] = 0
+                result = comm.allreduce(xs, out=target, algorithm=algorithm)
+                assert all(r is o for r, o in zip(result, target)) and all((o == 10).all() for o in target)
+        outs[0][...] = -1   # left alone by the repeat below, which writes the same list's new array
+        outs_before = outs[0]
+        outs[0] = np.zeros(256, np.float32)
+        xs[3] = np.full(256, 100, np.float32)
+        for _ in range(2):
+            comm.allreduce(xs, out=outs, algorithm=algorithm)
+            assert all((o == 106).all() for o in outs)
+        assert (outs_before == -1).all()
+        bases = [np.full(512, r + 1, np.float32) for r in range(4)]
+        views = [b[256:] for b in bases]   # other memory, an offset into it
+        for _ in range(2):
+            comm.allreduce(views, out=outs, algorithm=algorithm)
+            assert all((o == 10).all() for o in outs) and all((b[:256] == r + 1).all() for r, b in enumerate(bases))
+        comm.allreduce(xs, algorithm=algorithm)
+        assert all((x == 106).all() for x in xs) and all((o == 10).all() for o in outs)

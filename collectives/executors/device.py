@@ -211,6 +211,9 @@ class DeviceRanks:
         self._programs = {}     # id(plan) -> Program
         self._codec_records = {}   # id(program) -> (program, buffer addresses, codec launch record)
         self._last_addresses = None
+        # Counts the times a rank's workspace was replaced by a bigger one: an
+        # address table made before holds an outgrown workspace (BoundProgram).
+        self._workspaces_replaced = 0
 
     # -- the per-call path -----------------------------------------------------
 
@@ -237,6 +240,17 @@ class DeviceRanks:
             issue(streams[k])
         for device in devices:
             device.call_returned()
+
+    def bind(self, plan, inputs, outputs, input_infos, output_infos):
+        """`plan` bound to these arrays (their ArrayInfos): a BoundProgram,
+        whose `run(arrays)` does what `run` does for a later call on the very
+        same arrays, unchanged (Communicator._repeat vouches for that), with
+        nothing looked up or rebuilt. None for compressed plans, which `run`
+        runs, and where `output_infos` is None: outputs that each call makes
+        anew (allgather without `out`) have addresses of their own."""
+        if plan.compression is not None or output_infos is None:
+            return None
+        return BoundProgram(self, self._program(plan), input_infos, output_infos)
 
     def _run_codec_program(self, program, streams, inputs, outputs):
         """A compressed plan: each rank's codec operations (compression/wire.py)
@@ -310,6 +324,7 @@ class DeviceRanks:
         if workspace is None or workspace.nbytes < nbytes:
             if workspace is not None:
                 self._retired.append(workspace)
+                self._workspaces_replaced += 1
             grown = max(nbytes, 2 * workspace.nbytes) if workspace is not None else nbytes
             workspace = self._workspaces[rank] = self.rank_devices[rank].allocate(grown)
         return workspace
@@ -451,6 +466,62 @@ class DeviceRanks:
         for device in self.devices:
             device.synchronize()
         self._workspaces = [None] * len(self.rank_devices)
+        self._workspaces_replaced += 1   # no bound program keeps a freed workspace's address
         self._retired.clear()
         self._programs.clear()
         self._codec_records.clear()
+
+
+class BoundProgram:
+    """A program bound to one call's arrays (DeviceRanks.bind): its launch
+    record, and the address table of those arrays, made once. What a call must still do each time: read each device's current
+    stream (the caller may have made another current, a graph capture
+    does), point the program's address blocks at this table when another
+    call of the same plan moved them, and issue the launches.
+
+    The table also holds the ranks' workspaces; when one has grown since it
+    was made (DeviceRanks._workspaces_replaced), it is made anew."""
+
+    def __init__(self, ranks, program, input_infos, output_infos):
+        self._ranks, self._program = ranks, program
+        self._input_infos, self._output_infos = input_infos, output_infos
+        self._devices = tuple(ranks.devices)
+        self._record = program.record   # (device index, issue(stream)) per step
+        # On one device every step goes to its stream: the issues alone.
+        self._one_device = len(self._devices) == 1
+        self._issues = tuple(issue for _, issue in program.record)
+        self._make_table()
+
+    def _make_table(self):
+        ranks = self._ranks
+        self._workspaces_replaced = ranks._workspaces_replaced
+        self._table = ranks._addresses(self._program.plan, self._input_infos, self._output_infos)
+
+    def run(self, arrays=None):
+        """Issue the program on each device's current stream; `arrays` (the
+        call's, as VirtualHostRanks' bound form takes them) are those bound."""
+        devices = self._devices
+        if self._one_device:
+            stream = devices[0].current_stream()
+        else:
+            streams = [device.current_stream() for device in devices]
+            if any(d.is_capturing(s) for d, s in zip(devices, streams)):
+                raise InvalidUsageError(
+                    "capturing a collective in a CUDA graph works when all ranks share one GPU; "
+                    f"these ranks use {len(devices)} devices")
+        if self._workspaces_replaced != self._ranks._workspaces_replaced:
+            self._make_table()
+        program, table = self._program, self._table
+        if program.patched[0] is not table:
+            for block in program.blocks:
+                block.update(table)
+            program.patched[0] = table
+        if self._one_device:
+            for issue in self._issues:
+                issue(stream)
+            devices[0].call_returned()
+            return
+        for k, issue in self._record:
+            issue(streams[k])
+        for device in devices:
+            device.call_returned()
