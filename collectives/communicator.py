@@ -581,7 +581,9 @@ class Communicator:
         # A call with the arguments and the very arrays of an earlier call
         # that passed every check, none of them changed since, would pass
         # again: it takes that call's verdict, plan and bound form (_Call).
-        # The arrays are recognised by their weak references (see _remember).
+        # The arrays are recognised by their ids: a remembered call is
+        # forgotten as soon as one of its arrays is gone (see _remember), so
+        # while it is remembered no other object can have one of those ids.
         as_sequence = isinstance(x, (list, tuple))
         xs = tuple(x) if as_sequence else (x,)
         key = None
@@ -589,9 +591,8 @@ class Communicator:
             try:
                 outs = () if out is None else tuple(out) if isinstance(out, (list, tuple)) else (out,)
                 objects = xs + outs
-                refs = tuple(map(weakref.ref, objects))
                 key = (collective, op, root, algorithm, compression, as_sequence, out is None, len(xs),
-                       *map(id, refs))
+                       *map(id, objects))
                 call = self._calls.get(key)
             except (TypeError, ValueError):  # not arrays, or unhashable: the checks below say what is wrong
                 key = None
@@ -644,31 +645,36 @@ class Communicator:
         if key is not None:
             state_of = arrays.repeat_state(objects[0])  # None: arrays of a kind whose calls are checked in full
             if state_of is not None:
-                self._remember(key, refs, objects, state_of, plan, input_infos, output_infos, made)
+                self._remember(key, objects, state_of, plan, input_infos, output_infos, made)
         return outputs if as_sequence else outputs[0]
 
-    def _remember(self, key, refs, objects, state_of, plan, input_infos, output_infos, made):
+    def _remember(self, key, objects, state_of, plan, input_infos, output_infos, made):
         """Keep a call that passed for `_collective` to recognise its repeats,
         when its arrays are all of one type whose state is cheap to read back
         (`state_of`, arrays.repeat_state: NumPy and CuPy arrays).
 
-        `key` holds the ids of the arrays' weak references `refs`, which the
-        _Call keeps: so no array is kept alive, and no other object can take
-        a reference's id. weakref.ref(a) returns a's existing reference, so
-        a later call's key equals this one only with these very arrays, still
-        alive. A weak reference also pins an array's memory: NumPy refuses to
-        resize (move) an array that has one (short of resize(refcheck=False),
-        which it documents as unsafe). A CuPy array's state includes its
-        address (arrays.repeat_state). So an array of the same state is
-        still the memory that passed the checks."""
+        `key` holds the arrays' ids. The _Call keeps a weak reference to each
+        array, whose callback forgets the call when the array goes: so no
+        array is kept alive, and a key names these very arrays for as long
+        as the call is remembered (an id is reused only once its object is
+        gone, and CPython runs the callbacks before it frees the object). A
+        weak reference also pins an array's memory: NumPy refuses to resize
+        (move) an array that has one (short of resize(refcheck=False), which
+        it documents as unsafe). A CuPy array's state includes its address
+        (arrays.repeat_state). So an array of the same state is still the
+        memory that passed the checks."""
         kind = type(objects[0])
         if not all(type(a) is kind for a in objects):
             return
-        if len(self._calls) >= _CALLS_KEPT:  # forget calls whose arrays are gone, or else all
-            live = {k: c for k, c in self._calls.items() if all(r() is not None for r in c.refs)}
-            self._calls = live if len(live) < _CALLS_KEPT // 2 else {}
-        self._calls[key] = _Call(refs, state_of, tuple(map(state_of, objects)), plan, input_infos, output_infos,
-                                 made)
+        calls = self._calls
+        if len(calls) >= _CALLS_KEPT:   # all alive (the gone are forgotten): start afresh
+            calls = self._calls = {}
+
+        def forget(_, calls=calls, key=key):   # not `self`: the communicator is not kept alive either
+            calls.pop(key, None)
+
+        refs = tuple(weakref.ref(a, forget) for a in objects)
+        calls[key] = _Call(refs, state_of, tuple(map(state_of, objects)), plan, input_infos, output_infos, made)
 
     def _repeat(self, call, xs, objects, as_sequence):
         """Run a recognised call (see _collective): `xs` its inputs, `objects`

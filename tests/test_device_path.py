@@ -4,6 +4,8 @@ executor's ordering between devices, the emulated streams, and the errors.
 The collective matrix itself runs on emulated devices in test_collectives.py.
 """
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -291,3 +293,29 @@ def test_a_repeated_call_on_device_ranks_uses_the_arrays_it_is_given(devices, al
             assert all((o == 10).all() for o in outs) and all((b[:256] == r + 1).all() for r, b in enumerate(bases))
         comm.allreduce(xs, algorithm=algorithm)
         assert all((x == 106).all() for x in xs) and all((o == 10).all() for o in outs)
+
+
+def test_arrays_made_anew_at_the_ids_of_gone_ones_on_device_ranks():
+    """Arrays made anew each step often get the ids of the last step's.
+    A remembered call is forgotten when one of its arrays goes, so a new
+    array at an old id takes the full path and the launches use its memory,
+    not the memory of the array that had the id. (The old arrays are views
+    of bases kept alive: were a stale call reused, it would write there.)"""
+    with collectives.Communicator.local(4, devices=["emulated:0"] * 4) as comm:
+        kept_bases, previous_ids, reused = [], set(), 0
+        for step in range(20):
+            bases = [np.zeros(64, np.float32) for _ in range(8)]
+            kept_bases.append(bases)
+            xs, outs = [b[:32] for b in bases[:4]], [b[32:] for b in bases[4:]]
+            for r, x in enumerate(xs):
+                x[...] = r + step
+            for _ in range(2):   # the second call is a repeat
+                comm.allreduce(xs, out=outs)
+                assert all((o == 6 + 4 * step).all() for o in outs), step
+            ids = set(map(id, xs + outs))
+            reused += bool(ids & previous_ids)
+            previous_ids = ids
+            del xs, outs
+            gc.collect()
+            assert all(r() is not None for c in comm._calls.values() for r in c.refs), "a call of gone arrays"
+        assert reused, "no id was reused: the case this test is about did not arise"
