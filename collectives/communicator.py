@@ -695,7 +695,7 @@ class Communicator:
             bound = call.bound = (bind and bind(call.plan, xs, outputs, call.input_infos,
                                                 None if made is _FRESH else call.output_infos)) or False
         if bound:
-            bound.run(xs + outputs)
+            bound.run(objects if made is _GIVEN else xs + outputs)   # (objects: the inputs, then the outputs)
         else:
             output_infos = [arrays.describe(o) for o in outputs] if made is _FRESH else call.output_infos
             self._ranks.run(call.plan, list(xs), list(outputs), call.input_infos, output_infos,
