@@ -154,17 +154,22 @@ def test_a_repeated_compressed_call_issues_prepared_codec_launches(monkeypatch, 
     assert made_first == made_fresh == first and made_repeat == 0
 
 
-def test_a_repeated_call_launches_with_the_workspaces_that_replaced_its_own():
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_a_repeated_call_launches_with_the_workspaces_that_replaced_its_own(compression):
     """A repeated call's launches are bound to its arrays' addresses and the
     ranks' workspaces (executors/device.py BoundProgram). When a larger call
-    replaces the workspaces, the repeat launches with the new ones, and
-    each call with its own arrays."""
+    (uncompressed, or compressed: the codec path grows them too) replaces
+    the workspaces, the repeat launches with the new ones, and each call
+    with its own arrays."""
     from collectives import kernels
     from collectives.binding import INPUT, WORK
     dry, comm = dry_communicator(1)
     ranks = comm._ranks
     small, large = on_rank_device(dry, 64), on_rank_device(dry, 4096)
     for xs in (small, small, small, large, small, small):
+        if xs is large:
+            comm.allreduce(xs, algorithm="direct", compression=compression)
+            continue
         comm.allreduce(xs, algorithm="direct")   # in place, direct goes through a workspace
         (program,) = [p for p in ranks._programs.values() if p.plan.count == xs[0].size]
         assert program.plan.workspace_bytes > 0

@@ -324,7 +324,9 @@ class DeviceRanks:
         if workspace is None or workspace.nbytes < nbytes:
             if workspace is not None:
                 self._retired.append(workspace)
+                # Address tables made before hold the outgrown workspace: none is reused.
                 self._workspaces_replaced += 1
+                self._last_addresses = None
             grown = max(nbytes, 2 * workspace.nbytes) if workspace is not None else nbytes
             workspace = self._workspaces[rank] = self.rank_devices[rank].allocate(grown)
         return workspace
