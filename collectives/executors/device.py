@@ -29,7 +29,10 @@ launch's kernel, grid and packed parameters are the adapter's, prepared by
 its `step_launcher`), and per device one block of buffer addresses that its
 launches read. A call whose buffers are those of the program's last call
 rewrites nothing; one with other buffers (the same shapes, other arrays)
-rewrites each device's block once, not each launch.
+rewrites each device's block once, not each launch. A call that repeats an
+earlier one on the same arrays (Communicator._repeat) runs the program bound
+to them (`bind`, BoundProgram): its address table made once, nothing
+looked up per call.
 """
 
 import functools
@@ -476,10 +479,11 @@ class DeviceRanks:
 
 class BoundProgram:
     """A program bound to one call's arrays (DeviceRanks.bind): its launch
-    record, and the address table of those arrays, made once. What a call must still do each time: read each device's current
-    stream (the caller may have made another current, a graph capture
-    does), point the program's address blocks at this table when another
-    call of the same plan moved them, and issue the launches.
+    record, and the address table of those arrays, made once. What a call
+    must still do each time: read each device's current stream (the caller
+    may have made another current, a graph capture does), point the
+    program's address blocks at this table when another call of the same
+    plan moved them, and issue the launches.
 
     The table also holds the ranks' workspaces; when one has grown since it
     was made (DeviceRanks._workspaces_replaced), it is made anew."""
