@@ -51,11 +51,12 @@ class VirtualHostRanks:
         for phase in plan.phases:
             host.execute(phase.table, lambda rank, buffer_id: views[rank, buffer_id], plan.op, plan.nranks)
 
-    def bind(self, plan, inputs, outputs):
+    def bind(self, plan, inputs, outputs, input_infos=None, output_infos=None):
         """`plan` bound to these arrays (host.BoundTables): a callable that
         runs it, as `run` does, on arrays of a later call with the same
-        shapes and memory relation, `bound([*inputs, *outputs])`. None for
-        compressed plans, which `run` runs."""
+        shapes and memory relation, `bound.run([*inputs, *outputs])`. None
+        for compressed plans, which `run` runs. (The ArrayInfos are for
+        ranks whose bound form keeps addresses: DeviceRanks.bind.)"""
         if plan.compression is not None:
             return None
         nranks = len(self._workspaces)
@@ -242,7 +243,7 @@ class Communicator:
             result = fast(x, op, out, self.timeout)
             if result is not None:
                 return result
-        return self._collective(ALLREDUCE, x, op=op, out=out, algorithm=algorithm, compression=compression)
+        return self._collective(ALLREDUCE, x, op, out, 0, algorithm, compression)
 
     def reduce_scatter(self, x, op="sum", out=None, algorithm="auto"):
         """Reduce all ranks' `x` and give rank r block r of the result.
@@ -262,7 +263,7 @@ class Communicator:
         CollectiveTimeoutError or RankFailedError when a peer stalls or dies
         (see Communicator).
         """
-        return self._collective(REDUCE_SCATTER, x, op=op, out=out, algorithm=algorithm)
+        return self._collective(REDUCE_SCATTER, x, op, out, 0, algorithm)
 
     def allgather(self, x, out=None, algorithm="auto"):
         """Every rank gets all ranks' `x` concatenated in rank order.
@@ -280,7 +281,7 @@ class Communicator:
         CollectiveTimeoutError or RankFailedError when a peer stalls or
         dies (see Communicator).
         """
-        return self._collective(ALLGATHER, x, out=out, algorithm=algorithm)
+        return self._collective(ALLGATHER, x, "sum", out, 0, algorithm)
 
     def broadcast(self, x, root=0, algorithm="auto"):
         """Every rank's `x` becomes a copy of the root's `x`, in place.
@@ -294,7 +295,7 @@ class Communicator:
         argument (nothing is written), CollectiveTimeoutError or
         RankFailedError when a peer stalls or dies (see Communicator).
         """
-        return self._collective(BROADCAST, x, root=root, algorithm=algorithm)
+        return self._collective(BROADCAST, x, "sum", None, root, algorithm)
 
     def reduce(self, x, root=0, op="sum", algorithm="auto"):
         """The root's `x` becomes the reduction of all ranks' `x`, in place;
@@ -309,7 +310,7 @@ class Communicator:
         argument (nothing is written), CollectiveTimeoutError or
         RankFailedError when a peer stalls or dies (see Communicator).
         """
-        return self._collective(REDUCE_TO_ROOT, x, op=op, root=root, algorithm=algorithm)
+        return self._collective(REDUCE_TO_ROOT, x, op, None, root, algorithm)
 
     def allreduce_many(self, arrays, op="sum", fusion_threshold=fusion.DEFAULT_THRESHOLD, compression=None,
                        algorithm="auto"):
@@ -571,7 +572,8 @@ class Communicator:
 
     # -- the one path every collective takes -------------------------------------
 
-    def _collective(self, collective, x, *, op="sum", out=None, root=0, algorithm="auto", compression=None):
+    def _collective(self, collective, x, op="sum", out=None, root=0, algorithm="auto", compression=None):
+        # (The collectives pass their arguments by position: the cheaper call.)
         if self._closed:
             self._check_open()
         if self._busy:
@@ -579,22 +581,21 @@ class Communicator:
         # A call with the arguments and the very arrays of an earlier call
         # that passed every check, none of them changed since, would pass
         # again: it takes that call's verdict, plan and bound form (_Call).
-        # The arrays are recognised by their weak references (see _remember).
+        # The arrays are recognised by their ids: a remembered call is
+        # forgotten as soon as one of its arrays is gone (see _remember), so
+        # while it is remembered no other object can have one of those ids.
         as_sequence = isinstance(x, (list, tuple))
         xs = tuple(x) if as_sequence else (x,)
         key = None
-        # (1.0 and True equal 1 as keys, but only 1 is a rank.)
-        state_of = arrays.repeat_state(xs[0]) if root.__class__ is int and xs else None
-        if state_of is not None:
+        if root.__class__ is int:   # (1.0 and True equal 1 as keys, but only 1 is a rank)
             try:
                 outs = () if out is None else tuple(out) if isinstance(out, (list, tuple)) else (out,)
                 objects = xs + outs
-                refs = tuple(map(weakref.ref, objects))
                 key = (collective, op, root, algorithm, compression, as_sequence, out is None, len(xs),
-                       *map(id, refs))
+                       *map(id, objects))
                 call = self._calls.get(key)
-            except (TypeError, ValueError):  # not arrays, or unhashable arguments: the checks below say what is wrong
-                key = call = None
+            except (TypeError, ValueError):  # not arrays, or unhashable: the checks below say what is wrong
+                key = None
             else:
                 if call is not None and tuple(map(call.state_of, objects)) == call.states:
                     return self._repeat(call, xs, objects, as_sequence)
@@ -642,31 +643,38 @@ class Communicator:
         plan = self._plan(collective, dtype, elements, op, root, algorithm, binding, compression)
         ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
         if key is not None:
-            self._remember(key, refs, objects, state_of, plan, input_infos, output_infos, made)
+            state_of = arrays.repeat_state(objects[0])  # None: arrays of a kind whose calls are checked in full
+            if state_of is not None:
+                self._remember(key, objects, state_of, plan, input_infos, output_infos, made)
         return outputs if as_sequence else outputs[0]
 
-    def _remember(self, key, refs, objects, state_of, plan, input_infos, output_infos, made):
+    def _remember(self, key, objects, state_of, plan, input_infos, output_infos, made):
         """Keep a call that passed for `_collective` to recognise its repeats,
         when its arrays are all of one type whose state is cheap to read back
         (`state_of`, arrays.repeat_state: NumPy and CuPy arrays).
 
-        `key` holds the ids of the arrays' weak references `refs`, which the
-        _Call keeps: so no array is kept alive, and no other object can take
-        a reference's id. weakref.ref(a) returns a's existing reference, so
-        a later call's key equals this one only with these very arrays, still
-        alive. A weak reference also pins an array's memory: NumPy refuses to
-        resize (move) an array that has one (short of resize(refcheck=False),
-        which it documents as unsafe). A CuPy array's state includes its
-        address (arrays.repeat_state). So an array of the same state is
-        still the memory that passed the checks."""
+        `key` holds the arrays' ids. The _Call keeps a weak reference to each
+        array, whose callback forgets the call when the array goes: so no
+        array is kept alive, and a key names these very arrays for as long
+        as the call is remembered (an id is reused only once its object is
+        gone, and CPython runs the callbacks before it frees the object). A
+        weak reference also pins an array's memory: NumPy refuses to resize
+        (move) an array that has one (short of resize(refcheck=False), which
+        it documents as unsafe). A CuPy array's state includes its address
+        (arrays.repeat_state). So an array of the same state is still the
+        memory that passed the checks."""
         kind = type(objects[0])
         if not all(type(a) is kind for a in objects):
             return
-        if len(self._calls) >= _CALLS_KEPT:  # forget calls whose arrays are gone, or else all
-            live = {k: c for k, c in self._calls.items() if all(r() is not None for r in c.refs)}
-            self._calls = live if len(live) < _CALLS_KEPT // 2 else {}
-        self._calls[key] = _Call(refs, state_of, tuple(map(state_of, objects)), plan, input_infos, output_infos,
-                                 made)
+        calls = self._calls
+        if len(calls) >= _CALLS_KEPT:   # all alive (the gone are forgotten): start afresh
+            calls = self._calls = {}
+
+        def forget(_, calls=calls, key=key):   # not `self`: the communicator is not kept alive either
+            calls.pop(key, None)
+
+        refs = tuple(weakref.ref(a, forget) for a in objects)
+        calls[key] = _Call(refs, state_of, tuple(map(state_of, objects)), plan, input_infos, output_infos, made)
 
     def _repeat(self, call, xs, objects, as_sequence):
         """Run a recognised call (see _collective): `xs` its inputs, `objects`
@@ -684,9 +692,10 @@ class Communicator:
         bound = call.bound
         if bound is None:  # bound at the first repeat: a call made once is not worth binding
             bind = getattr(self._ranks, "bind", None)
-            bound = call.bound = (bind and bind(call.plan, xs, outputs)) or False
+            bound = call.bound = (bind and bind(call.plan, xs, outputs, call.input_infos,
+                                                None if made is _FRESH else call.output_infos)) or False
         if bound:
-            bound.run(xs + outputs)
+            bound.run(objects if made is _GIVEN else xs + outputs)   # (objects: the inputs, then the outputs)
         else:
             output_infos = [arrays.describe(o) for o in outputs] if made is _FRESH else call.output_infos
             self._ranks.run(call.plan, list(xs), list(outputs), call.input_infos, output_infos,

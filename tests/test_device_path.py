@@ -4,6 +4,8 @@ executor's ordering between devices, the emulated streams, and the errors.
 The collective matrix itself runs on emulated devices in test_collectives.py.
 """
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -295,3 +297,69 @@ def test_chosen_algorithm_names_what_an_in_place_or_out_of_place_call_runs():
         assert comm.chosen_algorithm("allreduce", 64 << 20, in_place=True) == "direct"
     with collectives.Communicator.local(4) as host:   # virtual host ranks: binding changes nothing
         assert host.chosen_algorithm("allreduce", 1 << 20) == host.chosen_algorithm("allreduce", 1 << 20, in_place=True)
+
+
+# -- repeated calls on device ranks: the bound program (executors/device.py BoundProgram) ----------
+
+
+@pytest.mark.parametrize("devices", [["emulated:0"] * 4, ["emulated:0", "emulated:1"] * 2])
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+def test_a_repeated_call_on_device_ranks_uses_the_arrays_it_is_given(devices, algorithm):
+    """Once a call repeats, its launches are bound to its arrays' addresses.
+    Each later call with other arrays (a new list, the same list with an
+    array replaced, a view of other memory, in place after out of place)
+    must launch with its own, and leave the arrays it was not given alone."""
+    with collectives.Communicator.local(4, devices=devices) as comm:
+        xs = [np.full(256, r + 1, np.float32) for r in range(4)]
+        outs = [np.zeros(256, np.float32) for _ in range(4)]
+        for _ in range(3):
+            comm.allreduce(xs, out=outs, algorithm=algorithm)
+            assert all((o == 10).all() for o in outs)
+        others = [np.zeros(256, np.float32) for _ in range(4)]
+        for _ in range(3):   # two repeated calls in turn: each repeat's addresses differ from the last call's
+            for target in (outs, others):
+                for o in target:
+                    o[...] = 0
+                result = comm.allreduce(xs, out=target, algorithm=algorithm)
+                assert all(r is o for r, o in zip(result, target)) and all((o == 10).all() for o in target)
+        outs[0][...] = -1   # left alone by the repeat below, which writes the same list's new array
+        outs_before = outs[0]
+        outs[0] = np.zeros(256, np.float32)
+        xs[3] = np.full(256, 100, np.float32)
+        for _ in range(2):
+            comm.allreduce(xs, out=outs, algorithm=algorithm)
+            assert all((o == 106).all() for o in outs)
+        assert (outs_before == -1).all()
+        bases = [np.full(512, r + 1, np.float32) for r in range(4)]
+        views = [b[256:] for b in bases]   # other memory, an offset into it
+        for _ in range(2):
+            comm.allreduce(views, out=outs, algorithm=algorithm)
+            assert all((o == 10).all() for o in outs) and all((b[:256] == r + 1).all() for r, b in enumerate(bases))
+        comm.allreduce(xs, algorithm=algorithm)
+        assert all((x == 106).all() for x in xs) and all((o == 10).all() for o in outs)
+
+
+def test_arrays_made_anew_at_the_ids_of_gone_ones_on_device_ranks():
+    """Arrays made anew each step often get the ids of the last step's.
+    A remembered call is forgotten when one of its arrays goes, so a new
+    array at an old id takes the full path and the launches use its memory,
+    not the memory of the array that had the id. (The old arrays are views
+    of bases kept alive: were a stale call reused, it would write there.)"""
+    with collectives.Communicator.local(4, devices=["emulated:0"] * 4) as comm:
+        kept_bases, previous_ids, reused = [], set(), 0
+        for step in range(20):
+            bases = [np.zeros(64, np.float32) for _ in range(8)]
+            kept_bases.append(bases)
+            xs, outs = [b[:32] for b in bases[:4]], [b[32:] for b in bases[4:]]
+            for r, x in enumerate(xs):
+                x[...] = r + step
+            for _ in range(2):   # the second call is a repeat
+                comm.allreduce(xs, out=outs)
+                assert all((o == 6 + 4 * step).all() for o in outs), step
+            ids = set(map(id, xs + outs))
+            reused += bool(ids & previous_ids)
+            previous_ids = ids
+            del xs, outs
+            gc.collect()
+            assert all(r() is not None for c in comm._calls.values() for r in c.refs), "a call of gone arrays"
+        assert reused, "no id was reused: the case this test is about did not arise"

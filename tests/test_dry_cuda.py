@@ -153,3 +153,30 @@ def test_a_repeated_compressed_call_issues_prepared_codec_launches(monkeypatch, 
     (first, made_first), (repeat, made_repeat), (fresh, made_fresh) = launched
     assert first == repeat == fresh > 0
     assert made_first == made_fresh > first and made_repeat == 0
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_a_repeated_call_launches_with_the_workspaces_that_replaced_its_own(compression):
+    """A repeated call's launches are bound to its arrays' addresses and the
+    ranks' workspaces (executors/device.py BoundProgram). When a larger call
+    (uncompressed, or compressed: the codec path grows them too) replaces
+    the workspaces, the repeat launches with the new ones, and each call
+    with its own arrays."""
+    from collectives import kernels
+    from collectives.binding import INPUT, WORK
+    dry, comm = dry_communicator(1)
+    ranks = comm._ranks
+    small, large = on_rank_device(dry, 64), on_rank_device(dry, 4096)
+    for xs in (small, small, small, large, small, small):
+        if xs is large:
+            # both grow the workspaces (compressed direct on one device would need none)
+            comm.allreduce(xs, algorithm="butterfly" if compression is None else "ring", compression=compression)
+            continue
+        comm.allreduce(xs, algorithm="butterfly")   # in place, butterfly goes through a workspace
+        (program,) = [p for p in ranks._programs.values() if p.plan.count == xs[0].size]
+        assert program.plan.workspace_bytes > 0
+        table = program.blocks[0]._table.reshape(kernels.MAX_RANKS, kernels.BUFFERS)
+        assert list(table[:N, WORK]) == [ranks._workspaces[r].address for r in range(N)]
+        assert list(table[:N, INPUT]) == [x.data.ptr for x in xs]
+    assert ranks._retired, "the large call replaced the small call's workspaces"
+    comm.close()

@@ -29,7 +29,10 @@ launch's kernel, grid and packed parameters are the adapter's, prepared by
 its `step_launcher`), and per device one block of buffer addresses that its
 launches read. A call whose buffers are those of the program's last call
 rewrites nothing; one with other buffers (the same shapes, other arrays)
-rewrites each device's block once, not each launch.
+rewrites each device's block once, not each launch. A call that repeats an
+earlier one on the same arrays (Communicator._repeat) runs the program bound
+to them (`bind`, BoundProgram): its address table made once, nothing
+looked up per call.
 """
 
 import functools
@@ -80,7 +83,7 @@ class CodecRecord(NamedTuple):
     record: tuple          # (device index, issue(stream)) per launch, record and wait
     inputs: list           # the descriptions of the call that last used it (for a repeat's identity check)
     outputs: list
-    workspace_generation: int
+    workspaces_replaced: int   # DeviceRanks._workspaces_replaced when it was made
 
 
 class AddressBlock:
@@ -227,8 +230,10 @@ class DeviceRanks:
         self._retired = []      # outgrown workspaces: in-flight work may still use them
         self._programs = {}     # id(plan) -> Program
         self._codec_records = {}   # id(program) -> CodecRecord
-        self._workspace_generation = 0   # counts workspaces replaced by larger ones
         self._last_addresses = None
+        # Counts the times a rank's workspace was replaced by a bigger one: an
+        # address table made before holds an outgrown workspace (BoundProgram).
+        self._workspaces_replaced = 0
 
     # -- the per-call path -----------------------------------------------------
 
@@ -256,6 +261,17 @@ class DeviceRanks:
         for device in devices:
             device.call_returned()
 
+    def bind(self, plan, inputs, outputs, input_infos, output_infos):
+        """`plan` bound to these arrays (their ArrayInfos): a BoundProgram,
+        whose `run(arrays)` does what `run` does for a later call on the very
+        same arrays, unchanged (Communicator._repeat vouches for that), with
+        nothing looked up or rebuilt. None for compressed plans, which `run`
+        runs, and where `output_infos` is None: outputs that each call makes
+        anew (allgather without `out`) have addresses of their own."""
+        if plan.compression is not None or output_infos is None:
+            return None
+        return BoundProgram(self, self._program(plan), input_infos, output_infos)
+
     def _run_codec_program(self, program, streams, inputs, outputs):
         """A compressed plan: each rank's codec operations (compression/wire.py)
         as codec kernel launches, ordered between devices like step launches.
@@ -267,7 +283,7 @@ class DeviceRanks:
         # workspace was replaced, the ones the record was made for are there
         # and large enough: nothing to check further.
         if cached is None or cached.program is not program or cached.inputs is not inputs \
-                or cached.outputs is not outputs or cached.workspace_generation != self._workspace_generation:
+                or cached.outputs is not outputs or cached.workspaces_replaced != self._workspaces_replaced:
             plan = program.plan
             workspaces = [0] * len(self.rank_devices) if self.rounds_in_one_pass(plan) else \
                 [self._workspace(rank, plan.workspace_bytes).address for rank in range(len(self.rank_devices))]
@@ -276,7 +292,7 @@ class DeviceRanks:
                 record = self._codec_record(program, workspaces, inputs, outputs)
             else:
                 record = cached.record
-            cached = CodecRecord(program, key, record, inputs, outputs, self._workspace_generation)
+            cached = CodecRecord(program, key, record, inputs, outputs, self._workspaces_replaced)
             self._codec_records[id(program)] = cached
         for k, issue in cached.record:
             issue(streams[k])
@@ -385,9 +401,11 @@ class DeviceRanks:
         if workspace is None or workspace.nbytes < nbytes:
             if workspace is not None:
                 self._retired.append(workspace)
+                # Address tables made before hold the outgrown workspace: none is reused.
+                self._workspaces_replaced += 1
+                self._last_addresses = None
             grown = max(nbytes, 2 * workspace.nbytes) if workspace is not None else nbytes
             workspace = self._workspaces[rank] = self.rank_devices[rank].allocate(grown)
-            self._workspace_generation += 1
         return workspace
 
     # -- preparing a plan, once ----------------------------------------------------
@@ -544,6 +562,63 @@ class DeviceRanks:
         for device in self.devices:
             device.synchronize()
         self._workspaces = [None] * len(self.rank_devices)
+        self._workspaces_replaced += 1   # no bound program keeps a freed workspace's address
         self._retired.clear()
         self._programs.clear()
         self._codec_records.clear()
+
+
+class BoundProgram:
+    """A program bound to one call's arrays (DeviceRanks.bind): its launch
+    record, and the address table of those arrays, made once. What a call
+    must still do each time: read each device's current stream (the caller
+    may have made another current, a graph capture does), point the
+    program's address blocks at this table when another call of the same
+    plan moved them, and issue the launches.
+
+    The table also holds the ranks' workspaces; when one has grown since it
+    was made (DeviceRanks._workspaces_replaced), it is made anew."""
+
+    def __init__(self, ranks, program, input_infos, output_infos):
+        self._ranks, self._program = ranks, program
+        self._input_infos, self._output_infos = input_infos, output_infos
+        self._devices = tuple(ranks.devices)
+        self._record = program.record   # (device index, issue(stream)) per step
+        # On one device every step goes to its stream: the issues alone.
+        self._one_device = len(self._devices) == 1
+        self._issues = tuple(issue for _, issue in program.record)
+        self._make_table()
+
+    def _make_table(self):
+        ranks = self._ranks
+        self._workspaces_replaced = ranks._workspaces_replaced
+        self._table = ranks._addresses(self._program.plan, self._input_infos, self._output_infos)
+
+    def run(self, arrays=None):
+        """Issue the program on each device's current stream; `arrays` (the
+        call's, as VirtualHostRanks' bound form takes them) are those bound."""
+        devices = self._devices
+        if self._one_device:
+            stream = devices[0].current_stream()
+        else:
+            streams = [device.current_stream() for device in devices]
+            if any(d.is_capturing(s) for d, s in zip(devices, streams)):
+                raise InvalidUsageError(
+                    "capturing a collective in a CUDA graph works when all ranks share one GPU; "
+                    f"these ranks use {len(devices)} devices")
+        if self._workspaces_replaced != self._ranks._workspaces_replaced:
+            self._make_table()
+        program, table = self._program, self._table
+        if program.patched[0] is not table:
+            for block in program.blocks:
+                block.update(table)
+            program.patched[0] = table
+        if self._one_device:
+            for issue in self._issues:
+                issue(stream)
+            devices[0].call_returned()
+            return
+        for k, issue in self._record:
+            issue(streams[k])
+        for device in devices:
+            device.call_returned()
