@@ -40,7 +40,7 @@ import collectives
 from bench import cli
 from bench.environment import command_line
 
-ADAPTER_CALLS = ("launch_step", "launch_codec_batch", "record", "wait", "call_returned")
+ADAPTER_CALLS = ("launch_step", "launch_codec_batch", "launch_codec_round_sum", "record", "wait", "call_returned")
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 

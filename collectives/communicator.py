@@ -408,7 +408,7 @@ class Communicator:
         for future in pending:
             future.add_done_callback(one_done)
 
-    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=False):
+    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=False, compression=None):
         """The algorithm that `algorithm="auto"` runs for a call: a name of
         collectives.algorithms.REGISTRY, chosen by the cost model of this
         communicator's transport.
@@ -424,27 +424,36 @@ class Communicator:
         in_place    whether the call writes its result into `x`: ranks that
                     share one GPU choose differently in place (see
                     docs/gpu.md); elsewhere it changes nothing.
+        compression the call's codec (allreduce), or None: ranks that share
+                    one GPU run a compressed direct in one pass at the
+                    memory floor, and choose it.
 
         Raises InvalidUsageError for an unknown collective or a bad root.
         """
         if collective not in COLLECTIVE_NAMES:
             raise InvalidUsageError(
                 f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
-        if collective == ALLREDUCE and dtype is not None and self._fast_allreduce is not None and fastpath.takes(dtype):
+        if collective == ALLREDUCE and dtype is not None and self._fast_allreduce is not None and fastpath.takes(dtype) \
+                and compression is None:
             return fastpath.path_for(nbytes)
+        if compression is not None:
+            return self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, "auto",
+                              (WORKSPACE, True), compression).algorithm
         itemsize = 1  # nbytes is already bytes
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
         binding = self._in_place_binding() if in_place or rooted else OUT_OF_PLACE   # broadcast and reduce run in place
         return self._auto(collective, nbytes, itemsize, validation.root_rank(root, self.size) if rooted else 0,
                           binding if getattr(self._ranks, "addressable", False) else None)
 
-    def _auto(self, collective, elements, itemsize, root, binding=None):
+    def _auto(self, collective, elements, itemsize, root, binding=None, compression=None):
         """What `auto` runs for a call of `elements` per rank: the model asks
         about each rank's WORK buffer (all blocks, for allgather). Ranks that
-        price bound plans themselves (all on one GPU) answer for a binding."""
+        price bound plans themselves (all on one GPU) answer for a binding,
+        or a codec."""
         count = elements * self.size if collective == ALLGATHER else elements
         by_binding = getattr(self._ranks, "choose", None)
-        picked = by_binding(collective, count * itemsize, root, binding) if by_binding and binding else None
+        picked = by_binding(collective, count * itemsize, root, binding, compression) \
+            if by_binding and (binding or compression) else None
         return picked or choose(collective, self.size, count * itemsize, root, self._ranks.transport)
 
     def barrier(self):
@@ -720,7 +729,8 @@ class Communicator:
         if compression is not None:
             itemsize = wire.encoded_nbytes(compression, max(elements, 1)) / max(elements, 1)  # what `auto` weighs
         if algorithm == "auto":
-            algorithm = self._auto(collective, elements, itemsize, root, binding if compression is None else None)
+            algorithm = self._auto(collective, elements, itemsize, root, binding if compression is None else None,
+                                   compression)
         if compression is not None:
             binding, streamlined = binding
             plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding, compression, streamlined)

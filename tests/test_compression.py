@@ -185,6 +185,25 @@ def test_direct_on_one_device_is_one_rounding_pass_with_the_host_bits(monkeypatc
                         assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (codec, nranks, count, op)
 
 
+def test_auto_on_one_device_runs_compressed_calls_as_the_rounding_pass(monkeypatch):
+    """No plan beats direct's one pass at the floor: auto picks it for ranks
+    on one device at every size; on a device each, it prices the plans."""
+    device = open_device("emulated:0")
+    launched = []
+    original = device.launch_codec_round_sum
+    monkeypatch.setattr(device, "launch_codec_round_sum", lambda *a: (launched.append(1), original(*a)))
+    comm = collectives.Communicator.local(4, devices=["emulated:0"] * 4)
+    for nbytes in (4, 1 << 20, 256 << 20):
+        assert comm.chosen_algorithm("allreduce", nbytes, compression="int8") == "direct"
+    inputs = gradients(4, 100, "1", seed=1)
+    got = comm.allreduce([x.copy() for x in inputs], compression="int8")
+    assert launched == [1]
+    want = run_host(4, inputs, "int8", "direct")
+    assert all(np.array_equal(g.view(np.uint32), w.view(np.uint32)) for g, w in zip(got, want))
+    apart = collectives.Communicator.local(4, devices=[f"emulated:{r}" for r in range(4)])
+    assert apart.chosen_algorithm("allreduce", 256 << 20, compression="int8") != "direct"
+
+
 def test_a_rounding_pass_that_sums_in_another_order_gives_wrong_bits(monkeypatch):
     """The check above can fail: summing the same rounded inputs last rank
     first changes the float32 rounding of the sums (where the ranks'

@@ -512,11 +512,17 @@ class DeviceRanks:
                 wait(k, key)
         return steps, recorded
 
-    def choose(self, collective, nbytes, root, binding):
+    def choose(self, collective, nbytes, root, binding, compression=None):
         """What `auto` runs for a call of `nbytes` per rank's WORK buffer
-        bound as `binding`: priced on bound plans when every rank shares one
-        device (one_device_choice), else None (the schedule-level model)."""
-        if len(self.devices) != 1 or binding not in (IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE):
+        bound as `binding`, when every rank shares one device: priced on
+        bound plans (one_device_choice); compressed, direct, whose one pass
+        (rounds_in_one_pass) moves the floor's bytes in one launch, which no
+        plan beats. Else None (the schedule-level model)."""
+        if len(self.devices) != 1:
+            return None
+        if compression is not None:
+            return "direct" if "direct" in REGISTRY and collective in REGISTRY["direct"].collectives else None
+        if binding not in (IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE):
             return None
         return one_device_choice(collective, len(self.rank_devices), nbytes, root, binding, self.transport)
 
