@@ -158,7 +158,8 @@ def measure(args):
             "calls": calls,
             "total_us_per_call": total / calls * 1e6,
             "median_us_per_call": statistics.median(batches) * 1e6,
-            "algorithm_run": (comm.chosen_algorithm(collective, positional[0][0].nbytes)
+            "algorithm_run": (comm.chosen_algorithm(collective, positional[0][0].nbytes, in_place=args.in_place,
+                                                    compression=args.compression if collective == "allreduce" else None)
                               if args.algorithm == "auto" else args.algorithm),
             "outside_adapter_us_per_call": (total - spent["seconds"]) / calls * 1e6,
             **{f"{name}_per_call": spent[name] / calls for name in ADAPTER_CALLS},
