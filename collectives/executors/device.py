@@ -33,6 +33,19 @@ rewrites each device's block once, not each launch. A call that repeats an
 earlier one on the same arrays (Communicator._repeat) runs the program bound
 to them (`bind`, BoundProgram): its address table made once, nothing
 looked up per call.
+
+In place, ranks on one device get the lockstep binding (binding.py,
+IN_PLACE_LOCKSTEP): a fan-out group may overwrite the inputs it reads,
+since plan_step reads every source of an element before writing there, so
+direct allreduce in place is one launch too.
+
+A compressed plan runs its ranks' codec operations (compression/wire.py)
+instead of the table: per device, between its events, as codec_batch
+launches of the operations that share no memory (`_codec_steps`), prepared
+once per set of buffers (the codec launch record). Compressed direct with
+every rank on one device is one codec_round_sum instead
+(`rounds_in_one_pass`): each input rounded in registers and summed in rank
+order, the compressed plan's bits at the uncompressed floor.
 """
 
 import functools
