@@ -239,6 +239,11 @@ def scenario_mismatch(comm):
 def scenario_killed(comm):
     run = one_call(comm)
     run()
+    # Every rank's first call done before rank FAILING dies: a reduce's
+    # other ranks wait for nobody, and rank FAILING could die while a peer
+    # still opens its LL area (which reports the death, but in the call
+    # this scenario wants to succeed).
+    MPI.COMM_WORLD.Barrier()
     if comm.rank == FAILING:
         os._exit(0)
     expect(RankFailedError, lambda: (run(), run()), names=[f"rank {FAILING} (pid", "died"], within=1.5)

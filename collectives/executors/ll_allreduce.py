@@ -41,7 +41,9 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import kernels
-from ..algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCING_COLLECTIVES
+from ..algorithms.schedule import (
+    ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT, REDUCING_COLLECTIVES,
+)
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from ..ops import ReduceOp
 from ..transport.layout import (
@@ -56,7 +58,7 @@ WATCHDOG_PERIOD_S = 0.05
 # the message (allreduce, broadcast, reduce), its block (allgather) or all
 # n blocks (reduce_scatter), which must fit in LL_MAX_BYTES as whole lines
 # per block (kernels.ll_shape).
-ACCEPTED = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER})
+ACCEPTED = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT})
 
 
 class _LLCall(NamedTuple):
