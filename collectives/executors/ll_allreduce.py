@@ -99,11 +99,13 @@ class LLAllreduce:
         self._watchdog = None
         self._stop = threading.Event()
 
-    @staticmethod
-    def accepts(plan):
+    def accepts(self, plan):
         """Whether `plan`'s call runs here: a `direct` plan of ACCEPTED (whose
         fold, rank order in one accumulator, the kernel's is), uncompressed,
-        small."""
+        small. A plan run here before is known (a dictionary lookup per call)."""
+        call = self._calls.get(id(plan))
+        if call is not None and call.plan is plan:
+            return True
         return (plan.collective in ACCEPTED and plan.algorithm == "direct" and plan.compression is None
                 and plan.nranks <= kernels.LL_MAX_RANKS
                 and kernels.ll_shape(plan.collective, plan.nranks, plan.count, plan.dtype.itemsize).fits)
