@@ -98,8 +98,10 @@
 // ranks out of step) into a timeout instead of silently wrong data, and
 // because it is the ordering the argument above needs on paper (an acquire,
 // not a control dependency). After a broadcast or a reduce, whose ranks
-// read only the root (or nobody), it is a real wait: for the peers to have
-// published the previous call, which they do without waiting for anyone.
+// read only the root (or nobody), it is a real wait, and a needed one
+// (without it such a rank runs two calls ahead: tests/ll_protocol_model.py):
+// for the peers to have published the previous call, which they do without
+// waiting for anyone.
 // And the line may already carry call g + 1 (same set): a peer that reads
 // nobody in call g (a broadcast's root, a reduce's other ranks) may finish
 // it, and store its call g + 1 over the line that this rank's later threads
