@@ -52,7 +52,9 @@
 // Every rank publishes every call, also where nobody reads its lines (a
 // broadcast's other ranks, whose input is the output they will receive):
 // step 1 of the next call looks at a line of every peer, and that line is
-// the peer's word that it is done with the call before (below).
+// the peer's word that it is done with the call before (below). (Line j of
+// chunk c is stored by the thread that reads line j of every chunk: the
+// same-thread rule holds for reduce_scatter's chunk r too.)
 //
 // A line whose flag has g's generation half but another signature is a
 // peer making a different call as its call g: the thread records a
@@ -64,11 +66,11 @@
 // Every reducing rank folds the same words in the same order (0, 1, ..,
 // n - 1), one accumulator per element, rounded once: the fold of the `direct`
 // plan's REDUCE_FINAL rows (elements.cuh), so every rank holds the bits the
-// NumPy interpreter gives; copies are bits. No __syncthreads, no shuffles, no waits between blocks
-// of one rank: each (block, thread) depends only on the same (block,
-// thread) of its peers, which is why running the threads of a grid one
-// after another (the emulated device) is exact while the ranks themselves
-// run concurrently in their processes.
+// NumPy interpreter gives; copies are bits. No __syncthreads, no shuffles,
+// no waits between blocks of one rank: each (block, thread) depends only on
+// the same (block, thread) of its peers, which is why running the threads
+// of a grid one after another (the emulated device) is exact while the
+// ranks themselves run concurrently in their processes.
 //
 // Why step 3 never reads a stale or a later call's line: set g % 2 holds
 // calls g - 2, g, g + 2, ...; flags are compared for equality with g, and a
