@@ -1,13 +1,14 @@
 """Per-call cost of a small collective with one rank per process: GPU ranks
 (emulated devices, or GPUs) against host ranks, side by side in one run.
 
-    python -m bench.spmd_overhead [--ranks 2] [--device emulated] [--bytes 1K]
+    python -m bench.spmd_overhead [--ranks 2] [--device emulated] [--bytes 1K] [--collective allreduce]
 
 Each process makes three communicators, `init(device="host")`,
 `init(device=DEVICE)` (the step protocol) and the same with
-COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 ("DEVICE+ll": small allreduces as one
-kernel, executors/ll_allreduce.py), and times batches of allreduce calls on
-each in turn (alternating, so that the machine's noise hits all alike); it
+COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 ("DEVICE+ll": small collectives as one
+kernel, executors/ll_allreduce.py), and times batches of calls (allreduce,
+or --collective; broadcast and reduce from root 0) on each in turn
+(alternating, so that the machine's noise hits all alike); it
 prints the median time per call of each, their ratio, and the host round
 trips a call makes: peer waits (a poll of a peer's counter), kernel
 launches, and event polls until each launch is done. For the one-kernel
@@ -28,6 +29,7 @@ import numpy as np
 
 import collectives
 from bench import cli
+from collectives.algorithms.schedule import COLLECTIVES
 from collectives.config import ONE_KERNEL_ALLREDUCE_ENV
 from bench.harness import RELAUNCHED, environment, mpi_world, parse_size, relaunch_under_mpiexec
 
@@ -38,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="emulated", choices=["emulated", "cuda"], help="the GPU ranks' device, timed against host ranks")
     p.add_argument("--bytes", default="1K", type=cli.size, help="message size (suffixes K, M)")
     p.add_argument("--algorithm", default="auto", help="auto or a registered algorithm")
+    p.add_argument("--collective", default="allreduce", choices=COLLECTIVES,
+                   help="the collective timed (--bytes: each rank's x; broadcast and reduce run in place)")
     p.add_argument("--in-place", action="store_true", help="in place (else out of place)")
     p.add_argument("--batches", type=int, default=30, help="batches per communicator, alternating")
     p.add_argument("--calls", type=int, default=200, help="calls per batch")
@@ -49,7 +53,20 @@ def parse_args(argv=None):
     return args
 
 
-def round_trips(comm, x, out, algorithm):
+def call(comm, collective, x, out, algorithm):
+    """One call of the collective timed, as every rank makes it."""
+    if collective == "allreduce":
+        return comm.allreduce(x, out=out, algorithm=algorithm)
+    if collective == "reduce_scatter":
+        return comm.reduce_scatter(x, out=out, algorithm=algorithm)
+    if collective == "allgather":
+        return comm.allgather(x, out=out, algorithm=algorithm)
+    if collective == "broadcast":
+        return comm.broadcast(x, algorithm=algorithm)
+    return comm.reduce(x, algorithm=algorithm)
+
+
+def round_trips(comm, collective, x, out, algorithm):
     """Host round trips of one call, counted on an instrumented copy of the
     communicator's rank (outside the timed batches)."""
     ranks = comm._ranks  # noqa: SLF001 - the benchmark looks inside on purpose
@@ -82,7 +99,7 @@ def round_trips(comm, x, out, algorithm):
         device.launch_step, device.query = counted_launch, counted_query
         device.launch_ll_allreduce = counted_ll_launch
     try:
-        comm.allreduce(x, out=out, algorithm=algorithm)
+        call(comm, collective, x, out, algorithm)
     finally:
         del group._wait_for  # noqa: SLF001 - the instance attributes go, the methods stay
         if device is not None:
@@ -90,8 +107,8 @@ def round_trips(comm, x, out, algorithm):
     return counts
 
 
-def issue_time(comm, x, out, algorithm, calls):
-    """Host seconds per call to issue `calls` one-kernel allreduces, the
+def issue_time(comm, collective, x, out, algorithm, calls):
+    """Host seconds per call to issue `calls` one-kernel calls, the
     kernels left queued (the emulated device runs them at synchronize, as a
     GPU runs them behind the host)."""
     device = comm._ranks.device  # noqa: SLF001
@@ -100,7 +117,7 @@ def issue_time(comm, x, out, algorithm, calls):
     try:
         start = time.perf_counter()
         for _ in range(calls):
-            comm.allreduce(x, out=out, algorithm=algorithm)
+            call(comm, collective, x, out, algorithm)
         elapsed = time.perf_counter() - start
     finally:
         del device.call_returned
@@ -127,41 +144,49 @@ def main(argv=None):
     one_kernel = collectives.init(comm=world, device=args.device)
     del os.environ[ONE_KERNEL_ALLREDUCE_ENV]
     count = max(1, args.nbytes // 4)
+    n = world.size
+    if args.collective == "reduce_scatter":
+        count = -(-count // n) * n   # n equal blocks
+    # Elements of `out`; None where the call runs in place.
+    out_count = {"allreduce": count, "reduce_scatter": count // n, "allgather": n * count}.get(args.collective)
     arrays = {}
     for name, comm in (("host", host), (args.device, gpu), (f"{args.device}+ll", one_kernel)):
+        xp = np
         if name.startswith("cuda"):
-            import cupy
-            x = cupy.ones(count, cupy.float32)
-            out = None if args.in_place else cupy.empty_like(x)
-        else:
-            x = np.ones(count, np.float32)
-            out = None if args.in_place else np.empty_like(x)
+            import cupy as xp
+        x = xp.ones(count, xp.float32)
+        out = None if args.in_place or out_count is None else xp.empty(out_count, xp.float32)
+        if args.in_place and args.collective == "allgather":   # x is this rank's block of out
+            out = xp.empty(n * count, xp.float32)
+            x = out[world.rank * count:(world.rank + 1) * count]
+            x[:] = 1
         arrays[name] = (comm, x, out)
     samples = {name: [] for name in arrays}
     for name, (comm, x, out) in arrays.items():   # warm up: plans, kernels, workspaces
         for _ in range(args.calls):
-            comm.allreduce(x, out=out, algorithm=args.algorithm)
+            call(comm, args.collective, x, out, args.algorithm)
     for _ in range(args.batches):
         for name, (comm, x, out) in arrays.items():
             comm.barrier()
             start = time.perf_counter()
             for _ in range(args.calls):
-                comm.allreduce(x, out=out, algorithm=args.algorithm)
+                call(comm, args.collective, x, out, args.algorithm)
             comm.synchronize()
             samples[name].append((time.perf_counter() - start) / args.calls)
     # Per batch the slowest rank's time (a collective is as slow as its last rank), then the median.
     medians = {name: statistics.median([world.allreduce(t, op=_max()) for t in times])
                for name, times in samples.items()}
-    trips = {name: round_trips(comm, x, out, args.algorithm) for name, (comm, x, out) in arrays.items()}
+    trips = {name: round_trips(comm, args.collective, x, out, args.algorithm)
+             for name, (comm, x, out) in arrays.items()}
     ll_name = f"{args.device}+ll"
     ll_comm, ll_x, ll_out = arrays[ll_name]
-    issue = [world.allreduce(issue_time(ll_comm, ll_x, ll_out, args.algorithm, args.calls), op=_max())
+    issue = [world.allreduce(issue_time(ll_comm, args.collective, ll_x, ll_out, args.algorithm, args.calls), op=_max())
              for _ in range(args.batches)]
     issue_us = statistics.median(issue) * 1e6
     plan = next(iter(host._plans.values()))  # noqa: SLF001
     if leader:
         place = "in place" if args.in_place else "out of place"
-        print(f"# allreduce of {args.nbytes} B float32 ({place}), {world.size} processes, algorithm "
+        print(f"# {args.collective} of {args.nbytes} B float32 ({place}), {world.size} processes, algorithm "
               f"{plan.algorithm}, {args.batches} alternating batches of {args.calls} calls")
         print(f"# {'ranks':>10s}  {'median us/call':>14s}  {'vs host':>7s}  host round trips per call (rank 0)")
         for name in samples:
@@ -170,7 +195,8 @@ def main(argv=None):
         print(f"# {ll_name}: issue us/call (host time, kernels left queued) {issue_us:.1f}")
     if args.output_file and leader:
         with open(args.output_file, "w") as f:
-            json.dump({"benchmark": "spmd_overhead", "bytes": args.nbytes, "in_place": args.in_place,
+            json.dump({"benchmark": "spmd_overhead", "collective": args.collective, "bytes": args.nbytes,
+                       "in_place": args.in_place,
                        "algorithm": plan.algorithm, "phases": len(plan.phases),
                        "environment": environment(_harness_args(args), world.size, ["host", args.device]),
                        "median_us_per_call": {k: v * 1e6 for k, v in medians.items()},

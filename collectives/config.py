@@ -34,7 +34,8 @@ ONE_KERNEL_ALLREDUCE_ENV = "COLLECTIVES_ONE_KERNEL_ALLREDUCE"
 
 
 def resolve_one_kernel_allreduce(enabled=None):
-    """Whether GPU ranks in separate processes run small allreduces as one
+    """Whether GPU ranks in separate processes run small collectives (all
+    five; the variable's name is from when it was the allreduce alone) as one
     kernel (executors/ll_allreduce.py): the argument, else
     $COLLECTIVES_ONE_KERNEL_ALLREDUCE ("1" or "0"), else off. Every rank must
     agree (mpiexec gives all ranks the same environment)."""

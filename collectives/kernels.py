@@ -377,7 +377,7 @@ def buffer_table(addresses):
     return table
 
 
-# -- ll_allreduce (kernels/ll_allreduce.cu): the one-kernel small allreduce --------
+# -- ll_allreduce (kernels/ll_allreduce.cu): the one-kernel small collectives ------
 
 LL_THREADS = 256           # kLLThreads: threads per block on a GPU
 LL_MAX_RANKS = 64          # kLLMaxRanks: ranks whose LL areas the arguments name
@@ -422,15 +422,44 @@ class LLAllreduceArgs(ctypes.Structure):
         ("prev_lines", ctypes.c_int64), ("generation", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
         ("abort_word", ctypes.c_uint64), ("faults", ctypes.c_uint64),
         ("rank", ctypes.c_int32), ("nranks", ctypes.c_int32), ("divisor", ctypes.c_int32),
-        ("flag", ctypes.c_uint32), ("prev_flag", ctypes.c_uint32), ("pad", ctypes.c_int32),
+        ("flag", ctypes.c_uint32), ("prev_flag", ctypes.c_uint32), ("collective", ctypes.c_int32),
+        ("root", ctypes.c_int32),
         ("areas", ctypes.c_uint64 * LL_MAX_RANKS),
     ]
 
 
-def ll_signature(count, dtype, op):
+# enum LLCollective: what an LL call computes, args.collective.
+LL_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+
+
+class LLShape(NamedTuple):
+    """How a call's input lies in a rank's LL slot set: `chunks` chunks of
+    `count` elements (args.count), each on `lines` lines (the grid's lines)."""
+    collective: int    # index in LL_COLLECTIVES
+    count: int
+    chunks: int
+    lines: int
+
+    @property
+    def fits(self):
+        return self.chunks * self.lines <= LL_MAX_BYTES // 8
+
+
+def ll_shape(collective, nranks, count, itemsize):
+    """The LLShape of a call whose plan has `count` elements in each rank's
+    WORK buffer: the message, or nranks blocks for reduce_scatter (every rank
+    publishes all of them; rank r reads block r) and allgather (every rank
+    publishes its own block)."""
+    code = LL_COLLECTIVES.index(collective)
+    chunk = count // nranks if collective in ("reduce_scatter", "allgather") else count
+    chunks = nranks if collective == "reduce_scatter" else 1
+    return LLShape(code, chunk, chunks, ll_lines(chunk * itemsize))
+
+
+def ll_signature(count, dtype, op, collective="allreduce", root=0):
     """16 bits that differ (but for one in 65536) between calls of another
-    count, dtype or op: the low half of each LL flag."""
-    text = f"{count} {np.dtype(dtype).name} {int(OP_CODES[op])} {op}".encode()
+    collective, count, dtype, op or root: the low half of each LL flag."""
+    text = f"{collective} {count} {np.dtype(dtype).name} {int(OP_CODES[op])} {op} {root}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=2).digest(), "little")
 
 
@@ -439,7 +468,16 @@ def ll_flag(generation, signature):
     return (generation & 0xffff) << 16 | signature
 
 
+class LLFault(NamedTuple):
+    """A nonzero fault word, decoded (LLWatch::record)."""
+    reason: int        # LL_FAULT_*
+    peer: int          # the rank named, or -1
+    generation: int    # the call's, mod 2**32
+    collective: str    # the call's, a name of LL_COLLECTIVES
+
+
 def ll_fault(word):
-    """(reason, rank named or -1, generation mod 2**32) of a nonzero fault word."""
     word &= (1 << 64) - 1
-    return word & 0xff, ((word >> 8) & 0xffff) - 1, word >> 32
+    code = (word >> 24) & 0xff
+    return LLFault(word & 0xff, ((word >> 8) & 0xffff) - 1, word >> 32,
+                   LL_COLLECTIVES[code] if code < len(LL_COLLECTIVES) else f"collective {code}")

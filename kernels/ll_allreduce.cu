@@ -1,5 +1,7 @@
-// One-shot allreduce of a small message between ranks in separate processes,
-// with no host in the loop: the kernel itself waits for its peers' data.
+// One-shot collectives of a small message between ranks in separate
+// processes, with no host in the loop: the kernel itself waits for its
+// peers' data. The allreduce is the model; the other four collectives are
+// the same kernel with another last step (args.collective, below).
 //
 // NCCL's LL ("low latency") protocol is the model. Every rank owns an LL
 // area (device memory its peers map through CUDA IPC) of 2 slot sets x
@@ -23,18 +25,36 @@
 // Call number g = 1, 2, ... (the generation: the host counts LL calls, the
 // same on every rank, and passes g; nothing is read back) uses slot set
 // g % 2 and flag F(g) = (g mod 2^16) << 16 | the call's signature (16 bits
-// of a hash of count, dtype and op, also from the host). Thread t of every
-// rank handles the same lines i = t, t + T, ... (T threads in the grid,
-// equal on all ranks), so a thread only ever waits for the same thread of
-// its peers:
+// of a hash of the collective, count, dtype, op and root, also from the
+// host). What a rank publishes is its input cut into `chunks` chunks of
+// args.count elements, chunk c on lines c * L .. c * L + L - 1 (L lines of
+// 8 bytes per chunk): one chunk, but n for reduce_scatter, whose rank r
+// reads chunk r of every rank. Thread t of every rank handles the same
+// chunk lines j = t, t + T, ... (T threads in the grid, equal on all ranks;
+// line j of every chunk), so a thread only ever waits for the same thread
+// of its peers:
 //
 //   1. (g >= 2) wait until every peer's line (t mod prev_lines) of set
-//      (g - 1) % 2 carries flag F(g - 1)                  (ld.acquire.sys)
-//   2. for each of its lines i: store line i of its own set g % 2 with
-//      (input word i, F(g))                                (16-byte store)
-//   3. for each of its lines i: for q = 0 .. n - 1 in rank order, spin on
-//      line i of q's set g % 2 until both flags equal F(g), fold the word
-//      in; write output word i                             (plain stores)
+//      (g - 1) % 2 carries flag F(g - 1), or a flag of call g + 1
+//                                                          (ld.acquire.sys)
+//   2. for each of its j, each chunk c: store line c * L + j of its own set
+//      g % 2 with (input word j of chunk c, F(g))          (16-byte store)
+//   3. for each of its j: read what this rank needs of its peers' lines of
+//      set g % 2, spinning on each until both flags equal F(g)  (plain stores)
+//        allreduce       fold line j of q = 0 .. n - 1, in rank order;
+//                        write output word j
+//        reduce          the same on the root; the other ranks stop after 2
+//        reduce_scatter  fold line r * L + j of every q, in rank order;
+//                        write output word j (the rank's own block)
+//        allgather       copy line j of every q to word j of output block q
+//        broadcast       copy line j of the root to output word j
+//
+// Every rank publishes every call, also where nobody reads its lines (a
+// broadcast's other ranks, whose input is the output they will receive):
+// step 1 of the next call looks at a line of every peer, and that line is
+// the peer's word that it is done with the call before (below). (Line j of
+// chunk c is stored by the thread that reads line j of every chunk: the
+// same-thread rule holds for reduce_scatter's chunk r too.)
 //
 // A line whose flag has g's generation half but another signature is a
 // peer making a different call as its call g: the thread records a
@@ -43,14 +63,14 @@
 // timeout. (A different call with the same 16-bit signature goes unseen:
 // one in 65536.)
 //
-// Every rank folds the same words in the same order (0, 1, .., n - 1), one
-// accumulator per element, rounded once: the fold of the `direct` plan's one
-// REDUCE_FINAL row (elements.cuh), so every rank holds the bits the NumPy
-// interpreter gives. No __syncthreads, no shuffles, no waits between blocks
-// of one rank: each (block, thread) depends only on the same (block,
-// thread) of its peers, which is why running the threads of a grid one
-// after another (the emulated device) is exact while the ranks themselves
-// run concurrently in their processes.
+// Every reducing rank folds the same words in the same order (0, 1, ..,
+// n - 1), one accumulator per element, rounded once: the fold of the `direct`
+// plan's REDUCE_FINAL rows (elements.cuh), so every rank holds the bits the
+// NumPy interpreter gives; copies are bits. No __syncthreads, no shuffles,
+// no waits between blocks of one rank: each (block, thread) depends only on
+// the same (block, thread) of its peers, which is why running the threads
+// of a grid one after another (the emulated device) is exact while the
+// ranks themselves run concurrently in their processes.
 //
 // Why step 3 never reads a stale or a later call's line: set g % 2 holds
 // calls g - 2, g, g + 2, ...; flags are compared for equality with g, and a
@@ -68,16 +88,29 @@
 // a kernel's loads are all performed before the next kernel on the stream
 // starts. Step 1 sees such a line with an acquire load, so every load of
 // p's call g - 2 happens before this thread's stores of call g. The line
-// looked at, t mod prev_lines, exists in call g - 1 whatever the sizes of
-// the two calls (prev_lines >= 1: the host never counts an empty call).
-// Given stream order on this rank too, step 1 is already satisfied when it
-// runs: this rank's call g - 1 read every line of every peer's call g - 1,
-// so those flags were g - 1, and no peer can move on to g + 1 in that set
-// before this rank's call g writes its own lines. So step 1 costs n - 1
-// loads that succeed at once; it is kept because it turns a broken
-// precondition (calls overlapping on two streams, ranks out of step) into
-// a timeout instead of silently wrong data, and because it is the ordering
-// the argument above needs on paper (an acquire, not a control dependency).
+// looked at, t mod prev_lines, exists in call g - 1 whatever the sizes and
+// collectives of the two calls (prev_lines is L of call g - 1, and line
+// t mod L of chunk 0 is published by every rank; prev_lines >= 1: the host
+// never counts an empty call). Where this rank's call g - 1 read every peer
+// (allreduce, reduce_scatter, allgather) and runs in stream order, step 1 is
+// already satisfied when it runs: those flags were g - 1, and no peer can
+// move on to g + 1 in that set before this rank's call g writes its own
+// lines. So step 1 costs n - 1 loads that succeed at once; it is kept
+// because it turns a broken precondition (calls overlapping on two streams,
+// ranks out of step) into a timeout instead of silently wrong data, and
+// because it is the ordering the argument above needs on paper (an acquire,
+// not a control dependency). After a broadcast or a reduce, whose ranks
+// read only the root (or nobody), it is a real wait, and a needed one
+// (without it such a rank runs two calls ahead: tests/ll_protocol_model.py):
+// for the peers to have published the previous call, which they do without
+// waiting for anyone.
+// And the line may already carry call g + 1 (same set): a peer that reads
+// nobody in call g (a broadcast's root, a reduce's other ranks) may finish
+// it, and store its call g + 1 over the line that this rank's later threads
+// of call g have yet to look at. Such a line says more than F(g - 1) (the
+// peer finished call g - 2 long ago), so step 1 takes it too. (Without it
+// those threads would wait for F(g - 1) until the timeout.) Nothing newer
+// can be there: call g + 3 would need this rank's lines of call g + 2.
 //
 // Memory order and scope. Lines are written and polled with volatile
 // 16-byte accesses, which PTX treats as relaxed at system scope: enough for
@@ -91,7 +124,8 @@
 // words every kLLCheckEvery polls (after kLLSpinPolls tight polls, with a
 // growing __nanosleep in between). At `timeout_ns` after its wait began
 // (%globaltimer on the GPU, a steady clock on the emulated device) it
-// stores a fault code {timed out, the peer it waited for, g} in its rank's
+// stores a fault code {timed out, the peer it waited for, the collective,
+// g} in its rank's
 // fault word and returns. A thread that sees any rank's fault word, or the
 // communicator's abort flag (set by a host: a dead peer, a failed call),
 // records {stopped, whose fault} (if its own word is still clear) and
@@ -100,7 +134,9 @@
 // them without a CUDA call: at the next call or synchronize() they raise
 // CollectiveTimeoutError, RankFailedError or InvalidUsageError naming the
 // peer (collectives/executors/ll_allreduce.py). The output of a failed call
-// is undefined, and the communicator is aborted.
+// is undefined, and the communicator is aborted. A rank that reads nobody in
+// a call (a reduce's other ranks) learns of a fault there at its next call,
+// whose step 1 waits for the peers that stopped.
 //
 // Preconditions: every rank makes the same LL calls in the same order (a
 // different one is caught by its signature, above); a rank's calls run in
@@ -126,11 +162,14 @@ constexpr unsigned kLLMaxSleepNs = 1024;
 constexpr int kLLRegionWords = 16;
 enum LLFault { kLLTimedOut = 1, kLLStopped = 2, kLLMismatch = 3 };
 
+// What a call computes (kernels.py: LL_COLLECTIVES, in this order).
+enum LLCollective { kLLAllreduce = 0, kLLReduceScatter = 1, kLLAllgather = 2, kLLBroadcast = 3, kLLReduce = 4 };
+
 struct LLAllreduceArgs {
-    const void* input;                      // this rank's count elements
-    void* output;                           // may be the input
-    long long count;                        // elements; count * size <= kLLMaxBytes
-    long long prev_lines;                   // lines of call g - 1 (>= 1 when g >= 2)
+    const void* input;                      // this rank's chunks (n for reduce_scatter, else 1)
+    void* output;                           // may be the input (or hold it: see step 3)
+    long long count;                        // elements of one chunk; chunks * lines <= kLLLines
+    long long prev_lines;                   // lines of a chunk of call g - 1 (>= 1 when g >= 2)
     unsigned long long generation;          // g >= 1, counted by the host
     unsigned long long timeout_ns;          // how long one wait may last
     const unsigned long long* abort_word;   // the communicator's abort flag (nonzero: stop)
@@ -140,7 +179,8 @@ struct LLAllreduceArgs {
     int divisor;                            // avg: nranks; else 0
     unsigned flag;                          // F(g): (g mod 2^16) << 16 | this call's signature
     unsigned prev_flag;                     // F(g - 1), of the previous call
-    int pad;
+    int collective;                         // LLCollective
+    int root;                               // broadcast and reduce: the rank sent from, or to
     unsigned long long areas[kLLMaxRanks];  // every rank's LL area, mapped in this process
 };
 
@@ -207,6 +247,7 @@ struct LLWatch {
         // A stop only says why when nothing was said: a timeout's peer is the news.
         if (reason == kLLStopped && sys_load_relaxed(mine) != 0) return;
         sys_store_relaxed(mine, reason | (static_cast<unsigned long long>(whom + 1) & 0xffffu) << 8 |
+                                    (static_cast<unsigned long long>(args.collective) & 0xffu) << 24 |
                                     (args.generation & 0xffffffffull) << 32);
     }
 
@@ -238,13 +279,17 @@ struct LLWatch {
         return true;
     }
 
-    // Wait for line i of `rank`'s set; its two words come back in w0, w1.
-    __device__ bool line(int rank, int set, long long i, unsigned flag, unsigned long long& w0,
-                         unsigned long long& w1) {
+    // Wait for line i of `rank`'s set to carry `flag` in both words; its 8
+    // payload bytes come back in `word`.
+    __device__ bool payload(int rank, int set, long long i, unsigned flag, unsigned long long& word) {
         const unsigned long long* p = ll_line(args.areas[rank], set, i);
         for (;;) {
+            unsigned long long w0, w1;
             sys_load_line(p, w0, w1);
-            if (has_flag(w0, w1, flag)) return true;
+            if (has_flag(w0, w1, flag)) {
+                word = (w0 & 0xffffffffull) | (w1 << 32);
+                return true;
+            }
             if (other_call(w0, flag) || other_call(w1, flag)) {
                 record(kLLMismatch, rank);
                 return false;
@@ -253,13 +298,15 @@ struct LLWatch {
         }
     }
 
-    // Wait, with an acquire, for the first word of line i to carry `flag`.
-    __device__ bool acquire(int rank, int set, long long i, unsigned flag) {
+    // Wait, with an acquire, for the first word of line i to carry `flag`,
+    // or any flag of generation `later` (mod 2^16): step 1's wait.
+    __device__ bool acquire(int rank, int set, long long i, unsigned flag, unsigned later) {
         const unsigned long long* p = ll_line(args.areas[rank], set, i);
-        while (static_cast<unsigned>(sys_load_acquire(p) >> 32) != flag) {
+        for (;;) {
+            const unsigned seen = static_cast<unsigned>(sys_load_acquire(p) >> 32);
+            if (seen == flag || seen >> 16 == (later & 0xffffu)) return true;
             if (!keep_waiting(rank)) return false;
         }
-        return true;
     }
 };
 
@@ -295,13 +342,26 @@ __device__ __forceinline__ void store_word(void* p, long long count, long long i
         if (l < left) elements[l] = Bits<S>::from(word >> (8 * sizeof(S) * l));
 }
 
+// Chunk c of `count` elements at p.
+template <typename S>
+__device__ __forceinline__ const S* chunk_at(const void* p, long long c, long long count) {
+    return static_cast<const S*>(p) + c * count;
+}
+template <typename S>
+__device__ __forceinline__ S* chunk_at(void* p, long long c, long long count) {
+    return static_cast<S*>(p) + c * count;
+}
+
+// At least one block per SM: all the occupancy a grid of at most 32 blocks
+// needs. Without it ptxas holds some instances to a register count that
+// makes them spill (kernels/check.py finds it).
 template <typename E, int Op>
-__global__ void __launch_bounds__(kLLThreads) ll_allreduce(const LLAllreduceArgs args) {
+__global__ void __launch_bounds__(kLLThreads, 1) ll_allreduce(const LLAllreduceArgs args) {
     using S = typename E::Storage;
     using A = typename E::Accumulator;
     constexpr int kLanes = 8 / sizeof(S);
     constexpr int kLaneBits = 8 * sizeof(S);
-    const long long lines = (args.count + kLanes - 1) / kLanes;
+    const long long lines = (args.count + kLanes - 1) / kLanes;   // L: lines of one chunk
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (first >= lines) return;
@@ -314,23 +374,45 @@ __global__ void __launch_bounds__(kLLThreads) ll_allreduce(const LLAllreduceArgs
         const long long probe = first % args.prev_lines;
         const int previous = static_cast<int>((args.generation - 1) % kLLSlotSets);
         for (int p = 0; p < args.nranks; ++p)
-            if (p != args.rank && !watch.acquire(p, previous, probe, args.prev_flag)) return;
+            if (p != args.rank && !watch.acquire(p, previous, probe, args.prev_flag, args.generation + 1)) return;
     }
 
-    // 2. Publish this thread's lines.
+    // 2. Publish this thread's lines: its line j of every chunk.
+    const int chunks = args.collective == kLLReduceScatter ? args.nranks : 1;
     const unsigned long long tag = static_cast<unsigned long long>(flag) << 32;
-    for (long long i = first; i < lines; i += stride) {
-        const unsigned long long word = load_word<S>(args.input, args.count, i);
-        sys_store_line(ll_line(args.areas[args.rank], set, i), tag | (word & 0xffffffffull), tag | (word >> 32));
+    for (long long j = first; j < lines; j += stride) {
+        for (int c = 0; c < chunks; ++c) {
+            const long long i = c * lines + j;
+            const unsigned long long word = load_word<S>(chunk_at<S>(args.input, c, args.count), args.count, j);
+            sys_store_line(ll_line(args.areas[args.rank], set, i), tag | (word & 0xffffffffull), tag | (word >> 32));
+        }
     }
 
-    // 3. Fold every rank's line i in rank order (this rank's own comes back at once).
-    for (long long i = first; i < lines; i += stride) {
+    // 3. Read what this rank needs, rank by rank (its own lines come back
+    // at once). A reducing collective folds the ranks' words in rank order
+    // 0 .. n - 1, one accumulator per element, rounded once (avg divides at
+    // the end): the `direct` plan's REDUCE_FINAL row. The output word j this
+    // thread writes is its own: the only input word it overlaps in place is
+    // word j of the same chunk, which step 2 has read.
+    if (args.collective == kLLReduce && args.rank != args.root) return;   // only the root receives
+    const bool reduces = args.collective != kLLAllgather && args.collective != kLLBroadcast;
+    const int from = args.collective == kLLBroadcast ? args.root : 0;       // broadcast: the root only
+    const int to = args.collective == kLLBroadcast ? args.root + 1 : args.nranks;
+    const long long chunk = args.collective == kLLReduceScatter ? args.rank : 0;   // rank r's block: chunk r
+    for (long long j = first; j < lines; j += stride) {
+        if (!reduces) {   // allgather: rank q's chunk is block q; broadcast: the root's is the output
+            for (int q = from; q < to; ++q) {
+                unsigned long long word;
+                if (!watch.payload(q, set, j, flag, word)) return;
+                store_word<S>(chunk_at<S>(args.output, args.collective == kLLAllgather ? q : 0, args.count),
+                              args.count, j, word);
+            }
+            continue;
+        }
         A acc[kLanes];
         for (int q = 0; q < args.nranks; ++q) {
-            unsigned long long w0, w1;
-            if (!watch.line(q, set, i, flag, w0, w1)) return;
-            const unsigned long long word = (w0 & 0xffffffffull) | (w1 << 32);
+            unsigned long long word;
+            if (!watch.payload(q, set, chunk * lines + j, flag, word)) return;
 #pragma unroll
             for (int l = 0; l < kLanes; ++l) {
                 const A x = E::load(Bits<S>::from(word >> (kLaneBits * l)));
@@ -343,7 +425,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_allreduce(const LLAllreduceArgs
             const A value = args.divisor > 0 ? E::divide(acc[l], args.divisor) : acc[l];
             result |= Bits<S>::to(E::store(value)) << (kLaneBits * l);
         }
-        store_word<S>(args.output, args.count, i, result);
+        store_word<S>(args.output, args.count, j, result);
     }
 }
 

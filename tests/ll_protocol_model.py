@@ -1,4 +1,4 @@
-"""CPU model of the LL one-shot allreduce (kernels/ll_allreduce.cu,
+"""CPU model of the LL one-shot collectives (kernels/ll_allreduce.cu,
 docs/device-protocol.md), with weak memory and random interleavings.
 
 The emulated device runs the kernel itself (tests/test_ll_kernel.py), but
@@ -17,10 +17,16 @@ every rank, varying between calls, fewer than the threads at times), thread
 t of rank r runs the kernel's three steps on lines t, t + T, ...:
 
     1. g >= 2: wait until each peer's line (t mod lines[g - 1]) of set
-       (g - 1) % 2 has flag g - 1
+       (g - 1) % 2 has flag g - 1, or g + 1
     2. store its lines of set g % 2: words (g, data)
-    3. per line, rank order: wait until both words of q's line have flag g,
-       add the data; record the output
+    3. per line, for each rank q it reads, in rank order: wait until both
+       words of q's line have flag g, add the data; record the output
+
+Each call is, at random, an allreduce (every rank reads every rank, as
+allgather and reduce_scatter do too), a broadcast (every rank reads the
+root) or a reduce (the root reads every rank, the others nobody): ranks
+that read nobody, or only the root, run ahead of the others, which is what
+step 1's "or g + 1" and step 1 itself are for.
 
 Between calls a rank's threads meet (stream order: call g + 1 starts after
 every thread of call g returned, its stores visible). Invariants, checked
@@ -30,7 +36,8 @@ on every operation:
         for that owner, line and word;
     (b) OVERWRITE_WHILE_READ  a waiter never finds a later call's flag in
         the line it waits for (its call's data is gone);
-    (c) WRONG_RESULT          every output is the rank-order sum;
+    (c) WRONG_RESULT          every output is the rank-order sum (the
+                              root's data, for a broadcast);
     (d) DEADLOCK              reported, never hung.
 
 MUTATIONS are broken variants; the tests expect each to be caught.
@@ -61,6 +68,8 @@ class Protocol:
     reuse_wait: bool = True         # step 1
     flag_with_data: bool = True     # each word carries its flag (else: data words, then a separate flag word)
     stream_order: bool = True       # a rank's call g + 1 starts after its call g finished
+    next_call_in_step1: bool = True  # step 1 also takes a peer's line of call g + 1
+    kinds: tuple = ("allreduce", "broadcast", "reduce")   # what a call may be
 
 
 DESIGN = Protocol()
@@ -73,10 +82,17 @@ MUTATIONS = {
     # A rank's calls overlap (two streams, no event between them): step 1's
     # "a peer that wrote call g - 1 finished g - 2" no longer holds.
     "calls_overlap": Protocol(stream_order=False),
+    # Step 1 waits for F(g - 1) only: a peer that read nobody in call g (a
+    # broadcast's root, a reduce's other ranks) may have stored call g + 1
+    # there already (the real kernel would wait until its timeout).
+    "step1_without_next_call": Protocol(next_call_in_step1=False),
+    # No step 1: such a peer runs two calls ahead and rewrites lines a
+    # slower rank still has to read.
+    "no_reuse_wait": Protocol(reuse_wait=False),
 }
-# Correct, not the design: step 1 is implied by stream order and the
-# previous call's reads (the kernel's header explains why it stays).
-NO_REUSE_WAIT = Protocol(reuse_wait=False)
+# Correct, not the design: with allreduces only (every rank reads every
+# rank), step 1 is implied by stream order and the previous call's reads.
+NO_REUSE_WAIT = Protocol(reuse_wait=False, kinds=("allreduce",))
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,8 @@ class Run:
         self.shape, self.protocol, self.rng = shape, protocol, random.Random(seed)
         n, calls = shape.ranks, shape.calls
         self.lines = [0] + [self.rng.randint(1, shape.max_lines) for _ in range(calls)]   # per call, 1-based
+        self.kind = [None] + [self.rng.choice(protocol.kinds) for _ in range(calls)]
+        self.root = [None] + [self.rng.randrange(n) for _ in range(calls)]
         self.inputs = {(r, g, i, w): self.rng.uniform(-1, 1)
                        for r in range(n) for g in range(1, calls + 1) for i in range(self.lines[g]) for w in range(WORDS)}
         self.memory = {}        # location -> value; a missing line word reads (0, None)
@@ -187,7 +205,7 @@ class Run:
                             yield LOOK
                             flag, _ = self.load(tid, self.word(q, previous, probe, 0) if protocol.flag_with_data
                                                 else self.flag(q, previous, probe))
-                            if flag == g - 1:
+                            if flag == g - 1 or flag == g + 1 and protocol.next_call_in_step1:
                                 break
                             if flag > g - 1:
                                 raise ProtocolViolation(OVERWRITE_WHILE_READ, f"{tid} step 1 of call {g} finds "
@@ -203,7 +221,7 @@ class Run:
                     self.store(tid, self.flag(r, s, i), (g, None))
             for i in mine:
                 totals = [None] * WORDS
-                for q in range(shape.ranks):
+                for q in self.read_by(r, g):
                     data = yield from self.wait_line(tid, q, s, i, g)
                     for w, (_, value) in enumerate(data):
                         self.reads += 1
@@ -211,8 +229,9 @@ class Run:
                             raise ProtocolViolation(READ_BEFORE_COMPLETE, f"{tid} at call {g} takes rank {q}'s "
                                                     f"line {i} word {w} with flag {g}, holding {value}")
                         totals[w] = value[4] if totals[w] is None else totals[w] + value[4]
-                for w in range(WORDS):
-                    self.outputs[(r, g, i, w)] = totals[w]
+                if totals[0] is not None:
+                    for w in range(WORDS):
+                        self.outputs[(r, g, i, w)] = totals[w]
             # The kernel returns: its stores are visible before the next call on the stream.
             yield
             self.release(tid)
@@ -221,6 +240,15 @@ class Run:
                 self.finished[r] = 0
                 self.call_of[r] = g + 1
                 self.version += 1
+
+    def read_by(self, r, g):
+        """The ranks whose lines rank r reads in call g, in rank order."""
+        kind, root = self.kind[g], self.root[g]
+        if kind == "broadcast":
+            return [root]
+        if kind == "reduce" and r != root:
+            return []
+        return range(self.shape.ranks)
 
     # -- the scheduler ------------------------------------------------------------------
 
@@ -267,7 +295,11 @@ class Run:
                 want = self.inputs[(0, g, i, w)]
                 for q in range(1, shape.ranks):
                     want += self.inputs[(q, g, i, w)]
+                if self.kind[g] == "broadcast":
+                    want = self.inputs[(self.root[g], g, i, w)]
                 for r in range(shape.ranks):
+                    if self.kind[g] == "reduce" and r != self.root[g]:
+                        continue   # only the root receives
                     if self.outputs.get((r, g, i, w)) != want:
                         raise ProtocolViolation(WRONG_RESULT, f"rank {r} call {g} line {i} word {w}")
 

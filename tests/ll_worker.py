@@ -1,23 +1,28 @@
 """One rank of tests/test_ll_mpi.py, started N times under mpiexec with
 $COLLECTIVES_ONE_KERNEL_ALLREDUCE=1:
 
-    mpiexec -n N python tests/ll_worker.py SCENARIO [DEVICE]
+    mpiexec -n N python tests/ll_worker.py SCENARIO [DEVICE [COLLECTIVE]]
 
 DEVICE is "emulated" (the default, CI) or "cuda" (CuPy arrays on a GPU;
-several processes may share one under MPS).
+several processes may share one under MPS). COLLECTIVE is the one under
+test (allreduce, the default, allgather, broadcast, reduce_scatter, reduce).
 
-"bits": every dtype and op, counts 0, 1, odd, and up to the LL capacity, in
-place and out of place, then a long run of calls of random sizes (both slot
-sets reused many times, generations far past 2) with a plan-path call mixed
-in: every result has the bits the NumPy interpreter gives (the `direct`
-plan on host ranks in this process), every call of the LL's kind ran as one
-kernel (the rank's LL generation counts them, its step-protocol counter
-does not move), and all ranks hold the same bytes.
+"bits": every dtype and op (one op for the copies), counts 0, 1, odd, and up
+to the LL capacity, in place and out of place, roots varying, then a long
+run of calls of random sizes (both slot sets reused many times, generations
+far past 2), allreduces mixed in, and step-protocol calls of the same
+collective (another algorithm; one element too many): every result has the
+bits the NumPy interpreter gives (the `direct` plan on host ranks in this
+process), exactly the calls that fit ran as one kernel (the rank's LL
+generation counts them, its step-protocol counter does not move in the
+first part), and all ranks hold the same bytes where they should.
 "stalled", "killed": rank FAILING stops calling, or dies, after one call;
 every other rank must raise CollectiveTimeoutError (within the timeout and
 a second) or RankFailedError (within 1.5 s), naming it.
 "mismatch": rank FAILING's second call has another count: every rank is
 told of a different call (InvalidUsageError) well before the timeout.
+A rank that reads no peer in a call (a broadcast's root, a reduce's other
+ranks) is told at its next call, whose kernel waits for the peers.
 
 Each rank prints "OK <scenario> <rank>" when every check held.
 """
@@ -45,6 +50,7 @@ def rank_input(seed, rank, dtype, count):
 
 
 DEVICE = "emulated"
+COLLECTIVE = "allreduce"
 
 
 def on_device(array):
@@ -61,69 +67,144 @@ def on_host(array):
     return array
 
 
+def takes_the_path(comm, collective, x_bytes, root, algorithm):
+    """Whether a call should run as one kernel, by the rule the executor
+    must follow, worked out here apart from it: the `direct` plan (the one
+    `auto` picks, or named), and what a rank publishes (its x: all its
+    blocks for reduce_scatter, laid out per block) fits in LL_MAX_BYTES."""
+    if algorithm == "auto":
+        algorithm = comm.chosen_algorithm(collective, x_bytes, root=root)
+    blocks = comm.size if collective == "reduce_scatter" else 1
+    published = blocks * -(-(x_bytes // blocks) // 8) * 8
+    return algorithm == "direct" and published <= kernels.LL_MAX_BYTES and x_bytes > 0
+
+
 class Checker:
-    """Runs an allreduce on `comm` and on in-process host ranks, compares."""
+    """Runs a collective on `comm` and on in-process host ranks, compares."""
 
     def __init__(self, comm, reference):
         self.comm, self.reference = comm, reference
         self.ll = comm._ranks._ll   # noqa: SLF001 - the test looks inside on purpose
-        self.calls = 0              # calls with at least one element: the LL's generations
+        self.calls = 0              # calls that take the path: the LL's generations
         self.seed = 0
 
-    def allreduce(self, dtype, op, count, in_place, algorithm="auto"):
+    def call(self, collective, dtype, op, count, in_place, algorithm="auto", root=0):
+        """`count`: elements of x (reduce_scatter: of each of its n blocks).
+        Out of place: `out` given (reduce_scatter), a new array (allgather);
+        broadcast and reduce always run in place."""
         comm, n, r = self.comm, self.comm.size, self.comm.rank
         self.seed += 1
-        inputs = [rank_input(self.seed, q, dtype, count) for q in range(n)]
+        elements = n * count if collective == "reduce_scatter" else count
+        inputs = [rank_input(self.seed, q, dtype, elements) for q in range(n)]
         x = on_device(inputs[r].copy())
-        result = comm.allreduce(x, op=op, algorithm=algorithm) if in_place else \
-            comm.allreduce(x, op=op, out=on_device(np.empty(count, dtype)), algorithm=algorithm)
+        if collective == "allreduce":
+            result = comm.allreduce(x, op=op, algorithm=algorithm) if in_place else \
+                comm.allreduce(x, op=op, out=on_device(np.empty(count, dtype)), algorithm=algorithm)
+        elif collective == "reduce_scatter":
+            result = comm.reduce_scatter(x, op=op, algorithm=algorithm) if in_place else \
+                comm.reduce_scatter(x, op=op, out=on_device(np.empty(count, dtype)), algorithm=algorithm)
+        elif collective == "allgather":
+            if in_place:   # x is this rank's block of the output
+                out = on_device(np.zeros(n * count, dtype))
+                out[r * count:(r + 1) * count] = x
+                result = comm.allgather(out[r * count:(r + 1) * count], out=out, algorithm=algorithm)
+            else:
+                result = comm.allgather(x, algorithm=algorithm)
+        elif collective == "broadcast":
+            result = comm.broadcast(x, root=root, algorithm=algorithm)
+        else:
+            result = comm.reduce(x, root=root, op=op, algorithm=algorithm)
         got = on_host(result)
-        want = self.reference.allreduce(inputs, op=op, algorithm="direct" if algorithm == "auto" else algorithm)[r]
-        case = f"allreduce {dtype} {op} count={count} in_place={in_place} algorithm={algorithm}"
+        want = self.expected(collective, inputs, op, root, "direct" if algorithm == "auto" else algorithm)[r]
+        case = f"{collective} {dtype} {op} count={count} in_place={in_place} algorithm={algorithm} root={root}"
         assert got.tobytes() == want.tobytes(), f"{case}: {got[:6]} != {want[:6]}"
-        assert not in_place or result is x, case
-        if algorithm == "auto" and count:
+        if takes_the_path(comm, collective, elements * dtype.itemsize, root, algorithm):
             self.calls += 1
         assert self.ll._generation == self.calls, (case, self.ll._generation, self.calls)   # noqa: SLF001
         return got
+
+    def expected(self, collective, inputs, op, root, algorithm):
+        inputs = [x.copy() for x in inputs]
+        reference = self.reference
+        if collective == "allreduce":
+            return reference.allreduce(inputs, op=op, algorithm=algorithm)
+        if collective == "reduce_scatter":
+            return reference.reduce_scatter(inputs, op=op, algorithm=algorithm)
+        if collective == "allgather":
+            return reference.allgather(inputs, algorithm=algorithm)
+        if collective == "broadcast":
+            return reference.broadcast(inputs, root=root, algorithm=algorithm)
+        return reference.reduce(inputs, root=root, op=op, algorithm=algorithm)
+
+
+def capacity(collective, n, dtype):
+    """The largest count that fits (reduce_scatter: per block)."""
+    lines = kernels.LL_MAX_BYTES // 8 // (n if collective == "reduce_scatter" else 1)
+    return lines * 8 // dtype.itemsize
 
 
 def scenario_bits(comm):
     group = comm._ranks.group   # noqa: SLF001
     counter = int(group._rows[comm.rank, COUNTER])   # noqa: SLF001
-    with collectives.Communicator.local(comm.size) as reference:
+    n = comm.size
+    # The collective under test names its algorithm where `auto` would not
+    # pick `direct` (allgather and reduce_scatter for 2 ranks: ring).
+    algorithm = "direct" if comm.chosen_algorithm(COLLECTIVE, 8) != "direct" else "auto"
+    ops = OPS if COLLECTIVE in ("allreduce", "reduce_scatter", "reduce") else OPS[:1]
+    with collectives.Communicator.local(n) as reference:
         check = Checker(comm, reference)
         in_place = False
         for dtype in DTYPES:
-            capacity = kernels.LL_MAX_BYTES // dtype.itemsize
-            for op in OPS:
-                for count in (0, 1, 7, 1001, capacity):
+            for op in ops:
+                for count in (0, 1, 7, 1001, capacity(COLLECTIVE, n, dtype)):
                     in_place = not in_place
-                    check.allreduce(dtype, op, count, in_place)
+                    check.call(COLLECTIVE, dtype, op, count, in_place, algorithm, root=count % n)
         assert int(group._rows[comm.rank, COUNTER]) == counter, "a call took the step protocol"   # noqa: SLF001
+        assert check.calls == check.ll._generation > 0   # noqa: SLF001
         rng = np.random.default_rng(7)   # the same on every rank
         for i in range(150):
+            collective = COLLECTIVE if rng.random() < 0.7 else "allreduce"   # another kind of LL call between
             dtype = DTYPES[rng.integers(len(DTYPES))]
-            count = int(rng.integers(0, kernels.LL_MAX_BYTES // dtype.itemsize + 1)) if i % 10 == 0 else \
+            count = int(rng.integers(0, capacity(collective, n, dtype) + 1)) if i % 10 == 0 else \
                 int(rng.integers(1, 64))
-            if i == 75:   # the step protocol in between, then the LL again
-                check.allreduce(np.dtype(np.float32), "sum", 5000, False, algorithm="ring")
-            last = check.allreduce(dtype, OPS[rng.integers(len(OPS))], count, bool(rng.integers(2)))
+            if i == 75:   # the step protocol in between (another algorithm), then the LL again
+                check.call(COLLECTIVE, np.dtype(np.float32), "sum", 5000, False, algorithm="ring")
+            if i == 76:   # too large for the LL: the step protocol too
+                check.call(COLLECTIVE, np.dtype(np.float32), "sum", capacity(COLLECTIVE, n, np.dtype(np.float32)) + 1,
+                           False, algorithm="direct")
+            last = check.call(collective, dtype, OPS[rng.integers(len(OPS))], count, bool(rng.integers(2)),
+                              algorithm if collective == COLLECTIVE else "auto", root=int(rng.integers(n)))
     everyone = MPI.COMM_WORLD.allgather(last.tobytes())
-    assert all(b == everyone[0] for b in everyone), "ranks disagree"
+    if collective in ("allreduce", "allgather", "broadcast"):   # the last call gives every rank the same
+        assert all(b == everyone[0] for b in everyone), "ranks disagree"
     comm.synchronize()
     comm.barrier()
 
 
 def one_call(comm):
-    """An allreduce and synchronize(): on a GPU the call returns once queued,
-    and a kernel that gave up is reported at synchronize() (or the next call)."""
-    x = on_device(np.ones(1000, np.float32))
+    """A call of the collective under test and synchronize(): on a GPU the
+    call returns once queued, and a kernel that gave up is reported at
+    synchronize() (or the next call)."""
+    n = comm.size
+    x = on_device(np.ones(1000 * (n if COLLECTIVE == "reduce_scatter" else 1), np.float32))
 
     def run():
-        comm.allreduce(x)
+        collective_call(comm, x)
         comm.synchronize()
     return run
+
+
+def collective_call(comm, x):
+    """The collective under test on x, by the `direct` plan (root 0)."""
+    if COLLECTIVE == "allreduce":
+        return comm.allreduce(x)   # `auto`: the path as users take it
+    if COLLECTIVE == "reduce_scatter":
+        return comm.reduce_scatter(x, algorithm="direct")
+    if COLLECTIVE == "allgather":
+        return comm.allgather(x, algorithm="direct")
+    if COLLECTIVE == "broadcast":
+        return comm.broadcast(x, algorithm="direct")
+    return comm.reduce(x, algorithm="direct")
 
 
 def scenario_stalled(comm):
@@ -133,30 +214,46 @@ def scenario_stalled(comm):
         time.sleep(TIMEOUT + 1.5)   # the others gave up by now, and aborted the communicator
         expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
         return
-    expect(CollectiveTimeoutError, run, names=[f"waiting for rank {FAILING}", "allreduce"], within=TIMEOUT + 1.0)
+    # A rank that reads nobody in this call (a broadcast's root, a reduce's
+    # other ranks) learns of the stall in the next one (the kernel's step 1).
+    expect(CollectiveTimeoutError, lambda: (run(), run()), names=[f"waiting for rank {FAILING}", COLLECTIVE],
+           within=TIMEOUT + 1.0)
 
 
 def scenario_mismatch(comm):
     one_call(comm)()
-    count = 1001 if comm.rank == FAILING else 1000
+    MPI.COMM_WORLD.Barrier()   # every rank's first call checked: the mismatch below is all that fails
+    n = comm.size
+    count = (1001 if comm.rank == FAILING else 1000) * (n if COLLECTIVE == "reduce_scatter" else 1)
     x = on_device(np.ones(count, np.float32))
     start = time.perf_counter()
-    expect_a_different_call(lambda: (comm.allreduce(x), comm.synchronize()), "an allreduce of another count")
+
+    def calls():   # again, for a rank that reads nobody in the first (see scenario_stalled)
+        for _ in range(2):
+            collective_call(comm, x)
+            comm.synchronize()
+    expect_a_different_call(calls, f"a {COLLECTIVE} of another count")
     assert time.perf_counter() - start < TIMEOUT / 2, "the mismatch was found by the timeout"
 
 
 def scenario_killed(comm):
     run = one_call(comm)
     run()
+    # Every rank's first call done before rank FAILING dies: a reduce's
+    # other ranks wait for nobody, and rank FAILING could die while a peer
+    # still opens its LL area (which reports the death, but in the call
+    # this scenario wants to succeed).
+    MPI.COMM_WORLD.Barrier()
     if comm.rank == FAILING:
         os._exit(0)
-    expect(RankFailedError, run, names=[f"rank {FAILING} (pid", "died"], within=1.5)
+    expect(RankFailedError, lambda: (run(), run()), names=[f"rank {FAILING} (pid", "died"], within=1.5)
 
 
 def main():
-    global DEVICE
+    global DEVICE, COLLECTIVE
     scenario = sys.argv[1]
     DEVICE = sys.argv[2] if len(sys.argv) > 2 else "emulated"
+    COLLECTIVE = sys.argv[3] if len(sys.argv) > 3 else "allreduce"
     comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
     assert comm._ranks._ll is not None, "run with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1"   # noqa: SLF001
     killed = scenario == "killed"

@@ -195,6 +195,18 @@ def test_gpu_ranks_across_processes_in_the_benchmarks(tmp_path):
     assert trips["emulated+ll"] == {"peer waits": 0, "launches": 1, "event polls": 0}
     assert result["one_kernel_issue_us_per_call"] > 0
 
+    # Another collective (allgather in place: x is its block of out) takes the one-kernel path too.
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.spmd_overhead", "--ranks", "2", "--batches", "2", "--calls", "20",
+         "--collective", "allgather", "--algorithm", "direct", "--in-place", "-J", str(overhead)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(overhead.read_text())
+    assert result["collective"] == "allgather" and result["algorithm"] == "direct" and "allgather of" in done.stdout
+    trips = result["round_trips_per_call"]
+    assert trips["emulated"]["launches"] == result["phases"] and trips["emulated"]["peer waits"] > 0
+    assert trips["emulated+ll"] == {"peer waits": 0, "launches": 1, "event polls": 0}
+
 
 def test_call_overhead_and_plan_report(tmp_path, capsys):
     from bench import call_overhead, plan_report

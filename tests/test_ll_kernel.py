@@ -33,18 +33,24 @@ from collectives.transport.layout import LL_FAULT, LL_REGION_WORDS
 SOURCES = Path(kernels.source_dir())
 DTYPES = tuple(np.dtype(name) for name in collectives.SUPPORTED_DTYPES)
 OPS = ("sum", "prod", "max", "min", "avg")
+COLLECTIVES = kernels.LL_COLLECTIVES
 
 
-def call_sequence(seed, calls):
-    """The calls every rank makes: (dtype, op, count, in place)."""
+def call_sequence(seed, calls, n, kinds=COLLECTIVES):
+    """The calls every rank makes: (collective, dtype, op, count, in place,
+    root), `count` elements per rank's block for reduce_scatter and
+    allgather (whose input is n blocks, or one), else the message's."""
     rng = np.random.default_rng(seed)
     sequence = []
     for _ in range(calls):
+        collective = kinds[rng.integers(len(kinds))]
         dtype = DTYPES[rng.integers(len(DTYPES))]
-        capacity = kernels.LL_MAX_BYTES // dtype.itemsize
+        lines = kernels.LL_MAX_BYTES // 8 // (n if collective == "reduce_scatter" else 1)   # per block
+        capacity = lines * 8 // dtype.itemsize
         count = int(rng.choice([0, 1, 2, 3, 7, int(rng.integers(1, 300)), int(rng.integers(1, capacity + 1)),
                                 capacity]))
-        sequence.append((dtype, OPS[rng.integers(len(OPS))], count, bool(rng.integers(2))))
+        sequence.append((collective, dtype, OPS[rng.integers(len(OPS))], count, bool(rng.integers(2)),
+                         int(rng.integers(n))))
     return sequence
 
 
@@ -57,7 +63,40 @@ def rank_input(seed, call, rank, dtype, count):
     return (rng.standard_normal(count) * 4).astype(dtype)
 
 
-def run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays):
+def arrays_of(collective, rank, n, x, in_place):
+    """The rank's input and output as the communicator passes them (in place:
+    reduce_scatter's output is the rank's block of x, allgather's x its
+    block of the output); a reduce's output starts as its input, which the
+    other ranks must leave as it was."""
+    if collective == "reduce_scatter":
+        k = x.size // n
+        return x, x[rank * k:(rank + 1) * k] if in_place else np.empty(k, x.dtype)
+    if collective == "allgather":
+        out = np.empty(n * x.size, x.dtype)
+        if not in_place:
+            return x, out
+        out[rank * x.size:(rank + 1) * x.size] = x
+        return out[rank * x.size:(rank + 1) * x.size], out
+    if collective == "reduce":
+        return x, x if in_place else x.copy()
+    return x, x if in_place else np.empty(x.size, x.dtype)
+
+
+def interpreted(reference, collective, inputs, op, root):
+    """Every rank's result by the `direct` plan on host ranks (NumPy)."""
+    inputs = [x.copy() for x in inputs]
+    if collective == "allreduce":
+        return reference.allreduce(inputs, op=op, algorithm="direct")
+    if collective == "reduce_scatter":
+        return reference.reduce_scatter(inputs, op=op, algorithm="direct")
+    if collective == "allgather":
+        return reference.allgather(inputs, algorithm="direct")
+    if collective == "broadcast":
+        return reference.broadcast(inputs, root=root, algorithm="direct")
+    return reference.reduce(inputs, root=root, op=op, algorithm="direct")
+
+
+def run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays, kinds=COLLECTIVES):
     """One rank's calls, as the executor makes them; returns the calls whose
     result differs from the NumPy interpreter's, and a fault if a kernel gave up."""
     base = ctypes.addressof(ctypes.c_char.from_buffer(areas))
@@ -72,35 +111,41 @@ def run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays):
     generation = prev_lines = prev_flag = 0
     wrong = []
     with collectives.Communicator.local(n) as reference:
-        for call, (dtype, op, count, in_place) in enumerate(call_sequence(seed, calls)):
-            inputs = [rank_input(seed, call, q, dtype, count) for q in range(n)]
-            x = inputs[rank].copy()
-            out = x if in_place else np.empty(count, dtype)
-            lines = kernels.ll_lines(count * dtype.itemsize)
+        for call, (collective, dtype, op, count, in_place, root) in enumerate(
+                call_sequence(seed, calls, n, kinds)):
+            elements = n * count if collective == "reduce_scatter" else count   # each rank's x
+            work = n * count if collective in ("reduce_scatter", "allgather") else count   # the plan's count
+            inputs = [rank_input(seed, call, q, dtype, elements) for q in range(n)]
+            x, out = arrays_of(collective, rank, n, inputs[rank].copy(), in_place)
+            shape = kernels.ll_shape(collective, n, work, dtype.itemsize)
+            assert shape.fits, (collective, count, dtype)
             if delays and rng.random() < 0.3:
                 time.sleep(rng.random() * 2e-4)
-            if lines:
+            if shape.lines:
                 generation += 1
-                args.input, args.output, args.count = x.ctypes.data, out.ctypes.data, count
-                flag = kernels.ll_flag(generation, kernels.ll_signature(count, dtype, ReduceOp(op)))
+                args.input, args.output, args.count = x.ctypes.data, out.ctypes.data, shape.count
+                args.collective, args.root = shape.collective, root
+                signature = kernels.ll_signature(work, dtype, ReduceOp(op), collective, root)
+                flag = kernels.ll_flag(generation, signature)
                 args.generation, args.prev_lines, args.flag, args.prev_flag = generation, prev_lines, flag, prev_flag
-                args.divisor = kernels.step_divisor(ReduceOp(op), n)
-                instance = kernels.ll_instance(dtype, ReduceOp(op))
-                blocks, threads = min(emulated.LL_BLOCKS, -(-lines // emulated.LL_THREADS)), \
-                    min(emulated.LL_THREADS, lines)
+                reducing = collective in ("allreduce", "reduce_scatter", "reduce")
+                args.divisor = kernels.step_divisor(ReduceOp(op), n) if reducing else 0
+                instance = kernels.ll_instance(dtype, ReduceOp(op) if reducing else ReduceOp.SUM)
+                blocks, threads = min(emulated.LL_BLOCKS, -(-shape.lines // emulated.LL_THREADS)), \
+                    min(emulated.LL_THREADS, shape.lines)
                 status = library.collectives_emulated_ll_allreduce(instance.element_index, instance.op_code,
                                                                    blocks, threads, ctypes.byref(args))
                 assert status == 0, status
-                prev_lines, prev_flag = lines, flag
+                prev_lines, prev_flag = shape.lines, flag
                 if faults.any():
                     return wrong, [kernels.ll_fault(int(w)) for w in faults]
-            want = reference.allreduce(inputs, op=op, algorithm="direct")[rank]
+            want = interpreted(reference, collective, inputs, op, root)[rank]
             if out.tobytes() != want.tobytes():
-                wrong.append((call, dtype.name, op, count, in_place))
+                wrong.append((call, collective, dtype.name, op, count, in_place, root))
     return wrong, None
 
 
-def run_ranks(library, n, seed, calls, timeout_s=5.0, delays=True):
+def run_ranks(library, n, seed, calls, timeout_s=5.0, delays=True, kinds=COLLECTIVES):
     """Every rank in a process of its own; what each found, by rank."""
     areas = mmap.mmap(-1, n * kernels.LL_AREA_BYTES)        # shared, zeroed
     control = mmap.mmap(-1, 8 + n * LL_REGION_WORDS * 8)    # the abort word, then the fault words
@@ -109,7 +154,8 @@ def run_ranks(library, n, seed, calls, timeout_s=5.0, delays=True):
 
     def rank_main(rank):
         try:
-            results.put((rank, run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays)))
+            results.put((rank, run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays,
+                                        kinds)))
         except BaseException as error:  # noqa: BLE001 - reported to the parent
             results.put((rank, ([repr(error)], None)))
         finally:
@@ -128,25 +174,37 @@ def run_ranks(library, n, seed, calls, timeout_s=5.0, delays=True):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_the_kernel_gives_the_interpreters_bits_across_processes(n):
+    # All five collectives mixed: a call's slot-reuse wait (step 1) looks at
+    # lines of the previous call, whatever collective and shape it had.
     found = run_ranks(emulated.library(), n, seed=n, calls=60)
     assert found == {rank: ([], None) for rank in range(n)}
 
 
-def test_a_stalled_rank_makes_the_others_give_up_and_name_it():
-    # Rank n - 1 makes one call fewer: the others' kernels time out waiting
-    # for it (a fault word naming it), they do not hang.
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_each_collective_alone_gives_the_interpreters_bits(collective):
+    found = run_ranks(emulated.library(), 3, seed=17, calls=30, kinds=(collective,))
+    assert found == {rank: ([], None) for rank in range(3)}
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_a_stalled_rank_makes_the_others_give_up_and_name_it(collective):
+    # Rank n - 1 makes three calls, the others five: the others' kernels
+    # time out waiting for it (a fault word naming it), they do not hang. A
+    # rank that reads nobody's lines in its fourth call (a broadcast's root,
+    # a reduce's other ranks) waits for it in its fifth call's step 1.
     library = emulated.library()
-    n, timeout_s = 3, 0.5
-    assert call_sequence(11, 4)[3][2] > 0   # the call the stalled rank misses has lines
+    n, timeout_s, seed = 3, 0.5, 11
+    assert call_sequence(seed, 4, n, (collective,))[3][3] > 0   # the call the stalled rank misses has lines
     areas = mmap.mmap(-1, n * kernels.LL_AREA_BYTES)
     control = mmap.mmap(-1, 8 + n * LL_REGION_WORDS * 8)
     context = multiprocessing.get_context("fork")
     results = context.Queue()
 
     def rank_main(rank):
-        calls = 3 if rank == n - 1 else 4
+        calls = 3 if rank == n - 1 else 5
         start = time.perf_counter()
-        outcome = run_rank(library, rank, n, 11, calls, areas, control, timeout_s, delays=False)
+        outcome = run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays=False,
+                           kinds=(collective,))
         results.put((rank, outcome, time.perf_counter() - start))
         results.close()
         results.join_thread()
@@ -162,8 +220,8 @@ def test_a_stalled_rank_makes_the_others_give_up_and_name_it():
         (wrong, faults), elapsed = found[rank]
         assert wrong == [] and faults is not None, found
         assert elapsed < timeout_s + 1.5, found   # the whole run: three calls before the one that waits
-        timed_out = [f for f in faults if f[0] == kernels.LL_FAULT_TIMED_OUT]
-        assert timed_out and all(peer == n - 1 for _, peer, _ in timed_out), faults
+        timed_out = [f for f in faults if f.reason == kernels.LL_FAULT_TIMED_OUT]
+        assert timed_out and all(f.peer == n - 1 and f.collective == collective for f in timed_out), faults
 
 
 def broken_copy(tmp_path, old, new):
@@ -187,8 +245,9 @@ def test_a_flag_stored_before_its_data_is_caught(tmp_path):
                   " sys_store_line(line, tag, tag); sched_yield();"
                   " sys_store_line(line, tag | (word & 0xffffffffull), tag | (word >> 32)); }")
     library = emulated.library(broken_copy(tmp_path, PUBLISH, flag_first))
-    found = run_ranks(library, 3, seed=5, calls=40, delays=False)
-    assert any(wrong for wrong, _ in found.values()), found
+    for collective in COLLECTIVES:   # every read of step 3: a fold, a block's fold, copies
+        found = run_ranks(library, 3, seed=5, calls=40, delays=False, kinds=(collective,))
+        assert any(wrong for wrong, _ in found.values()), (collective, found)
 
 
 def nvrtc_library():

@@ -1,5 +1,5 @@
-"""The one-kernel allreduce (kernels/ll_allreduce.cu, executors/ll_allreduce.py)
-through the communicator, ranks in separate processes under mpiexec on
+"""The one-kernel collectives (kernels/ll_allreduce.cu, executors/ll_allreduce.py)
+through the communicator, each collective that takes the path, ranks in separate processes under mpiexec on
 emulated devices (and on a GPU, marked `gpu`: all ranks share GPU 0, which
 needs MPS to run their kernels at once): the NumPy interpreter's bits for
 every dtype and op, a stalled or killed rank reported on every other rank,
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from backends import gpu_unavailable_reason
+from collectives.executors.ll_allreduce import ACCEPTED
 from test_mpi import run_worker
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
@@ -21,10 +22,14 @@ pytestmark = pytest.mark.mpi
 WORKER = Path(__file__).with_name("ll_worker.py")
 
 
-def run_ranks(n, scenario, device="emulated", limit=120):
+# The collectives the executor runs as one kernel, the allreduce first.
+ON_THE_PATH = sorted(ACCEPTED, key=lambda name: name != "allreduce")
+
+
+def run_ranks(n, scenario, device="emulated", collective="allreduce", limit=120):
     """Every rank must print OK (but a killed one)."""
     flags = ["-disable-auto-cleanup"] if scenario == "killed" else []   # Hydra would kill the survivors
-    oks, report = run_worker(WORKER, n, scenario, device, launcher_flags=flags, limit=limit,
+    oks, report = run_worker(WORKER, n, scenario, device, collective, launcher_flags=flags, limit=limit,
                              environment={"COLLECTIVES_ONE_KERNEL_ALLREDUCE": "1"})
     assert len(oks) == (n - 1 if scenario == "killed" else n), report
 
@@ -36,28 +41,33 @@ def emulation_library_built():
     emulated.library()
 
 
+@pytest.mark.parametrize("collective", ON_THE_PATH)
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_every_dtype_op_and_size_gives_the_interpreters_bits(n):
-    run_ranks(n, "bits")
+def test_every_dtype_op_and_size_gives_the_interpreters_bits(n, collective):
+    run_ranks(n, "bits", collective=collective)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("collective", ON_THE_PATH)
 @pytest.mark.parametrize("scenario", ["bits", "stalled", "killed", "mismatch"])
-def test_on_a_gpu(scenario):
+def test_on_a_gpu(scenario, collective):
     if gpu_unavailable_reason():
         pytest.skip(gpu_unavailable_reason())
-    run_ranks(2 if scenario == "bits" else 3, scenario, device="cuda", limit=300)
+    run_ranks(2 if scenario == "bits" else 3, scenario, device="cuda", collective=collective, limit=300)
 
 
+@pytest.mark.parametrize("collective", ON_THE_PATH)
 @pytest.mark.parametrize("n", [2, 3])
-def test_a_stalled_rank_is_a_timeout_naming_it_on_every_other_rank(n):
-    run_ranks(n, "stalled")
+def test_a_stalled_rank_is_a_timeout_naming_it_on_every_other_rank(n, collective):
+    run_ranks(n, "stalled", collective=collective)
 
 
-def test_a_killed_rank_is_reported_on_every_other_rank():
-    run_ranks(3, "killed")
+@pytest.mark.parametrize("collective", ON_THE_PATH)
+def test_a_killed_rank_is_reported_on_every_other_rank(collective):
+    run_ranks(3, "killed", collective=collective)
 
 
+@pytest.mark.parametrize("collective", ON_THE_PATH)
 @pytest.mark.parametrize("n", [2, 3])
-def test_a_rank_making_a_different_call_is_told_so_on_every_rank(n):
-    run_ranks(n, "mismatch")
+def test_a_rank_making_a_different_call_is_told_so_on_every_rank(n, collective):
+    run_ranks(n, "mismatch", collective=collective)

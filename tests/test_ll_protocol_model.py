@@ -1,10 +1,12 @@
-"""The LL one-shot allreduce's protocol (kernels/ll_allreduce.cu), checked on
-its CPU model (ll_protocol_model.py): weak memory, random interleavings,
-message sizes that change between calls. The design survives; each broken
-variant is caught by a named invariant; the slot-reuse wait (step 1) is
-implied by stream order, which is why removing it from the real kernel
-cannot be caught, and why the executor orders a call after the previous one
-when the caller changes streams (calls_overlap)."""
+"""The LL one-shot collectives' protocol (kernels/ll_allreduce.cu), checked
+on its CPU model (ll_protocol_model.py): weak memory, random interleavings,
+message sizes and collectives that change between calls. The design
+survives; each broken variant is caught by a named invariant. With
+allreduces alone the slot-reuse wait (step 1) is implied by stream order,
+which is why the executor orders a call after the previous one when the
+caller changes streams (calls_overlap); with broadcasts and reduces, whose
+ranks do not all read every peer, step 1 is needed, and so is its taking a
+peer's line of the next call."""
 
 import pytest
 
@@ -18,6 +20,8 @@ CAUGHT_BY = {
     "one_slot_set": OVERWRITE_WHILE_READ,
     "flag_apart_from_data": READ_BEFORE_COMPLETE,
     "calls_overlap": OVERWRITE_WHILE_READ,
+    "step1_without_next_call": OVERWRITE_WHILE_READ,
+    "no_reuse_wait": OVERWRITE_WHILE_READ,
 }
 
 
@@ -52,5 +56,5 @@ def test_mutation_is_caught(mutation):
     print(f"\n{mutation}: {invariant} in run {run_index + 1} ({shape}, seed {seed}): {detail}")
 
 
-def test_the_slot_reuse_wait_is_implied_by_stream_order():
+def test_the_slot_reuse_wait_is_implied_by_stream_order_for_allreduces_alone():
     assert_clean(explore(NO_REUSE_WAIT, RUNS // 2, seed=4), RUNS // 2)

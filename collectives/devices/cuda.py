@@ -333,7 +333,7 @@ class CudaDevice:
     def is_capturing(self, stream):
         return stream.is_capturing()
 
-    # -- the one-kernel allreduce between processes (kernels/ll_allreduce.cu) -----
+    # -- the one-kernel collectives between processes (kernels/ll_allreduce.cu) ---
     # (not run by CI: the emulated device's twins of these methods are)
 
     def clear_shared(self, memory):

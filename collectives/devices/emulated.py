@@ -306,7 +306,7 @@ class EmulatedDevice:
     def is_capturing(self, stream):
         return stream.capturing
 
-    # -- the one-kernel allreduce between processes (kernels/ll_allreduce.cu) -----
+    # -- the one-kernel collectives between processes (kernels/ll_allreduce.cu) ---
 
     def clear_shared(self, memory):
         """Zero shared memory before peers see it (a new segment already is)."""

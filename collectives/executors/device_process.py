@@ -18,10 +18,10 @@ plan's WORKSPACE binding), as NCCL's eager path does: peers read only
 workspaces, never a caller's arrays. Because the host waits between phases, a
 call returns with its work complete, and cannot be captured in a CUDA graph.
 A device-side protocol that would remove those waits is designed in
-docs/device-protocol.md; its first step, small allreduces as one kernel with
-no host in the loop (executors/ll_allreduce.py), runs here when
-$COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 (config.py): a call it takes returns as
-soon as its kernel is queued.
+docs/device-protocol.md; its first step, small calls of every collective as
+one kernel with no host in the loop (executors/ll_allreduce.py), runs here
+when $COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 (config.py): a call it takes
+returns as soon as its kernel is queued.
 """
 
 from typing import NamedTuple, Optional, Tuple

@@ -1,11 +1,12 @@
-"""The one-kernel allreduce of small messages between GPU ranks in separate
-processes: kernels/ll_allreduce.cu, with no host in the loop.
+"""The one-kernel collectives of small messages between GPU ranks in
+separate processes: kernels/ll_allreduce.cu, with no host in the loop.
 
-A call that fits (an allreduce the `direct` plan would run, whose message
-is at most LL_MAX_BYTES, uncompressed) is one launch on the caller's current
-stream and returns at once: no event, no counter, no wait on a peer. The
-kernel reads the caller's input and writes its output directly; peers see
-only each rank's LL area. What the host does per call:
+A call that fits (a collective the `direct` plan would run, uncompressed,
+whose input a rank publishes fits its LL slot set: LL_MAX_BYTES, see
+ACCEPTED) is one launch on the caller's current stream and returns at once:
+no event, no counter, no wait on a peer. The kernel reads the caller's
+input and writes its output directly; peers see only each rank's LL area.
+What the host does per call:
 
 * counts the call (its generation, the same on every rank because every
   rank makes the same calls) and remembers how many lines it had (the
@@ -35,10 +36,14 @@ import ctypes
 import threading
 import time
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import kernels
-from ..algorithms.schedule import ALLREDUCE
+from ..algorithms.schedule import (
+    ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT, REDUCING_COLLECTIVES,
+)
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from ..ops import ReduceOp
 from ..transport.layout import (
@@ -48,9 +53,25 @@ from ..transport.protocol import Counters, Waiter, describe_call
 
 WATCHDOG_PERIOD_S = 0.05
 
+# The collectives that run here, as the `direct` plan runs them (the
+# kernel's step 3 is that plan's one step). Each rank publishes its input:
+# the message (allreduce, broadcast, reduce), its block (allgather) or all
+# n blocks (reduce_scatter), which must fit in LL_MAX_BYTES as whole lines
+# per block (kernels.ll_shape).
+ACCEPTED = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT})
+
+
+class _LLCall(NamedTuple):
+    plan: object
+    shape: kernels.LLShape
+    instance: kernels.LLInstance
+    divisor: int
+    signature: int
+    description: str
+
 
 class LLAllreduce:
-    """This rank's side of the one-kernel allreduce of a DeviceProcessRank."""
+    """This rank's side of the one-kernel collectives of a DeviceProcessRank."""
 
     def __init__(self, rank, size, prefix, device, group):
         self.rank, self.size, self.prefix = rank, size, prefix
@@ -67,7 +88,7 @@ class LLAllreduce:
         self._peer_areas = {}                               # rank -> opened memory
         self._mapped = None                                 # the control segment's front, as kernels see it
         self._args = kernels.LLAllreduceArgs()
-        self._instances = {}                                # id(plan) -> (plan, instance, divisor, signature, text)
+        self._calls = {}                                    # id(plan) -> _LLCall
         self._generation = 0
         self._prev_lines = 0
         self._prev_flag = 0
@@ -78,13 +99,16 @@ class LLAllreduce:
         self._watchdog = None
         self._stop = threading.Event()
 
-    @staticmethod
-    def accepts(plan):
-        """Whether `plan`'s call runs here: the `direct` allreduce (whose fold,
-        rank order in one accumulator, the kernel's is), uncompressed, small."""
-        return (plan.collective == ALLREDUCE and plan.algorithm == "direct" and plan.compression is None
-                and plan.count * plan.dtype.itemsize <= kernels.LL_MAX_BYTES
-                and plan.nranks <= kernels.LL_MAX_RANKS)
+    def accepts(self, plan):
+        """Whether `plan`'s call runs here: a `direct` plan of ACCEPTED (whose
+        fold, rank order in one accumulator, the kernel's is), uncompressed,
+        small. A plan run here before is known (a dictionary lookup per call)."""
+        call = self._calls.get(id(plan))
+        if call is not None and call.plan is plan:
+            return True
+        return (plan.collective in ACCEPTED and plan.algorithm == "direct" and plan.compression is None
+                and plan.nranks <= kernels.LL_MAX_RANKS
+                and kernels.ll_shape(plan.collective, plan.nranks, plan.count, plan.dtype.itemsize).fits)
 
     @property
     def used(self):
@@ -94,29 +118,24 @@ class LLAllreduce:
 
     def run(self, plan, source, result, deadline):
         self.check()
-        lines = kernels.ll_lines(plan.count * plan.dtype.itemsize)
+        call = self._calls.get(id(plan))
+        if call is None or call.plan is not plan:
+            call = self._prepare(plan)
+        lines = call.shape.lines
         if lines == 0:
             return   # nothing to exchange: not a generation (the kernel's prev_lines is never 0)
         device = self.device
         stream = device.current_stream()
         if device.is_capturing(stream):
             raise InvalidUsageError(
-                "an allreduce between processes counts its calls on the host (each launch carries its call "
-                "number), so it cannot be captured in a CUDA graph; capture works for ranks in one process")
+                f"a {plan.collective} between processes counts its calls on the host (each launch carries its "
+                "call number), so it cannot be captured in a CUDA graph; capture works for ranks in one process")
         if self._own_area is None:
             try:
                 self._setup(deadline)
             except BaseException as error:   # the peers waiting for this rank's area learn of it at once
                 self.group.abort(f"{type(error).__name__}: {error}", error)
                 raise
-        entry = self._instances.get(id(plan))
-        if entry is None or entry[0] is not plan:
-            op = ReduceOp(plan.op)
-            entry = (plan, kernels.ll_instance(plan.dtype, op), kernels.step_divisor(op, plan.nranks),
-                     kernels.ll_signature(plan.count, plan.dtype, op), describe_call(plan))
-            if len(self._instances) >= 256:
-                self._instances.clear()
-            self._instances[id(plan)] = entry
         if self._stream is not None and stream is not self._stream and \
                 getattr(stream, "ptr", stream) != getattr(self._stream, "ptr", self._stream):
             device.record(self._event, self._stream)   # the previous call first (the kernel's stream order)
@@ -124,17 +143,31 @@ class LLAllreduce:
         self._stream = stream
         self._timeout_s = max(deadline - time.perf_counter(), 0.0)
         args = self._args
-        args.input, args.output, args.count = source, result, plan.count
+        args.input, args.output, args.count = source, result, call.shape.count
+        args.collective, args.root = call.shape.collective, plan.root
         generation = self._generation + 1
-        flag = kernels.ll_flag(generation, entry[3])
+        flag = kernels.ll_flag(generation, call.signature)
         args.prev_lines, args.generation, args.flag, args.prev_flag = self._prev_lines, generation, flag, self._prev_flag
         args.timeout_ns = int(self._timeout_s * 1e9)
-        args.divisor = entry[2]
-        self._call = entry[4]
-        device.launch_ll_allreduce(stream, entry[1], args, lines)
+        args.divisor = call.divisor
+        self._call = call.description
+        device.launch_ll_allreduce(stream, call.instance, args, lines)
         self._generation, self._prev_lines, self._prev_flag = generation, lines, flag
         device.call_returned()   # the emulated device runs it now; a GPU keeps it queued
         self.check()
+
+    def _prepare(self, plan):
+        """What every call of `plan` passes the kernel, once per plan."""
+        reducing = plan.collective in REDUCING_COLLECTIVES
+        op = ReduceOp(plan.op) if reducing else ReduceOp.SUM   # copies: any instance of the dtype does
+        call = _LLCall(plan, kernels.ll_shape(plan.collective, plan.nranks, plan.count, plan.dtype.itemsize),
+                       kernels.ll_instance(plan.dtype, op), kernels.step_divisor(op, plan.nranks) if reducing else 0,
+                       kernels.ll_signature(plan.count, plan.dtype, ReduceOp(plan.op), plan.collective, plan.root),
+                       describe_call(plan))
+        if len(self._calls) >= 256:
+            self._calls.clear()
+        self._calls[id(plan)] = call
+        return call
 
     def check(self):
         """Raise if the communicator was aborted or any rank's kernel gave up."""
@@ -147,19 +180,21 @@ class LLAllreduce:
         """The error of a kernel that gave up, on every rank: a timeout names
         the peer it waited for (RankFailedError if that peer is dead)."""
         faults = [(rank, kernels.ll_fault(int(word))) for rank, word in enumerate(self._faults) if word]
-        mismatched = [(rank, peer, g) for rank, (reason, peer, g) in faults if reason == kernels.LL_FAULT_MISMATCH]
+        mismatched = [(rank, fault) for rank, fault in faults if fault.reason == kernels.LL_FAULT_MISMATCH]
         if mismatched:
-            rank, peer, g = mismatched[0]
+            rank, fault = mismatched[0]
             mine = f": {self._call}" if rank == self.rank else ""
             error = InvalidUsageError(
-                f"rank {peer} made a different call from rank {rank}'s one-kernel allreduce #{g}{mine} "
-                "(another count, dtype or op); every rank must make the same calls in the same order")
+                f"rank {fault.peer} made a different call from rank {rank}'s one-kernel {fault.collective} "
+                f"#{fault.generation}{mine} (another collective, count, dtype, op or root); every rank must "
+                "make the same calls in the same order")
             self.group.abort(f"{type(error).__name__}: {error}", error)
             raise error
-        timed_out = [(rank, peer, g) for rank, (reason, peer, g) in faults if reason == kernels.LL_FAULT_TIMED_OUT]
+        timed_out = [(rank, fault) for rank, fault in faults if fault.reason == kernels.LL_FAULT_TIMED_OUT]
         if timed_out:
-            waiter, peer, g = timed_out[0]
-            during = f"its part of allreduce #{g} on the device (one-kernel protocol)"
+            waiter, fault = timed_out[0]
+            peer = fault.peer
+            during = f"its part of {fault.collective} #{fault.generation} on the device (one-kernel protocol)"
             try:
                 self.group.check_health(peer, during)   # dead: RankFailedError; aborted meanwhile: that class
             except CollectiveError as error:
@@ -170,7 +205,7 @@ class LLAllreduce:
                 f"it has not (has rank {peer} stopped calling, or is it making other calls?)")
         else:
             self.group.check_health()   # a kernel stopped for the abort flag: its class
-            error = CollectiveError(f"the one-kernel allreduce stopped on ranks {[rank for rank, _ in faults]}")
+            error = CollectiveError(f"the one-kernel collective stopped on ranks {[rank for rank, _ in faults]}")
         self.group.abort(f"{type(error).__name__}: {error}", error)
         raise error
 
@@ -197,8 +232,8 @@ class LLAllreduce:
                 continue
             ready = self._flags.loader(peer, LL_READY)
             waiter.until(lambda: ready() == 1,
-                         lambda: f"rank {peer} to set up the one-kernel allreduce{group.absent_note(group._seq)}",
-                         lambda: group.check_health(peer, "setting up the one-kernel allreduce"))
+                         lambda: f"rank {peer} to set up the one-kernel collectives{group.absent_note(group._seq)}",
+                         lambda: group.check_health(peer, "setting up the one-kernel collectives"))
             handle = bytes(self._region[peer, LL_HANDLE_OFFSET:LL_HANDLE_OFFSET + HANDLE_BYTES])
             self._peer_areas[peer] = opened = device.open_shared(handle)
             areas[peer] = opened.address
@@ -220,7 +255,7 @@ class LLAllreduce:
         while not self._stop.wait(WATCHDOG_PERIOD_S):
             for peer in peers:
                 try:
-                    self.group.check_health(peer, "its calls of the one-kernel allreduce")
+                    self.group.check_health(peer, "its calls of the one-kernel collectives")
                 except RankFailedError as error:
                     self.group.abort(f"{type(error).__name__}: {error}", error)
                     return

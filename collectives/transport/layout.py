@@ -16,7 +16,7 @@ place that says where, so both import it and neither imports the other.
     handles     per rank, HANDLE_BYTES: its workspace's IPC handle
     reason      REASON_BYTES: why the communicator was aborted, as text
     ll          from the next 128 bytes, per rank LL_REGION_BYTES: the
-                one-kernel allreduce's (kernels/ll_allreduce.cu) LL_FAULT
+                one-kernel collectives' (kernels/ll_allreduce.cu) LL_FAULT
                 word, which the rank's kernel sets when it stops waiting
                 (why, for whom, in which call) and every rank's kernel and
                 host read; LL_READY, raised once the rank's LL area (device
