@@ -180,3 +180,33 @@ def test_a_repeated_call_launches_with_the_workspaces_that_replaced_its_own(comp
         assert list(table[:N, INPUT]) == [x.data.ptr for x in xs]
     assert ranks._retired, "the large call replaced the small call's workspaces"
     comm.close()
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_compressed_direct_on_one_gpu_is_one_codec_round_sum_with_the_arrays(op):
+    """The CUDA adapter's side of the one rounding pass (executors/device.py,
+    rounds_in_one_pass): one launch of codec_round_sum<int8>, whose by-value
+    CodecSumArgs name every rank's input in rank order, every output, the
+    count and avg's divisor; and a repeat launches the same."""
+    import ctypes
+
+    from collectives import kernels
+    from collectives.compression import kernels as codecs
+    dry, comm = dry_communicator(1)
+    launched = []
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, parameters, extra):
+        args = codecs.CodecSumArgs.from_address(ctypes.cast(parameters, ctypes.POINTER(ctypes.c_void_p))[0])
+        launched.append((function, (gx, gy), bx, list(args.inputs[:args.ninputs]), list(args.outputs[:args.noutputs]),
+                         args.n, args.divisor))
+
+    dry.cuda.driver.launchKernel = launch_kernel
+    xs, outs = on_rank_device(dry, 1000), on_rank_device(dry, 1000)
+    for _ in range(2):
+        comm.allreduce(xs, out=outs, op=op, compression="int8")
+    (device,) = comm._ranks.devices
+    function = device._functions[kernels.CodecSumInstance(codecs.codec_id("int8"))]
+    want = (function, (kernels.codec_grid(1000, device.resident_blocks), 1), kernels.CODEC_THREADS,
+            [x.data.ptr for x in xs], [o.data.ptr for o in outs], 1000, 4.0 if op == "avg" else 0.0)
+    assert launched == [want, want]
+    comm.close()

@@ -55,7 +55,7 @@ import numpy as np
 
 from .. import kernels
 from ..algorithms import MODELS, REGISTRY
-from ..algorithms.schedule import ALLGATHER, REDUCING_COLLECTIVES
+from ..algorithms.schedule import REDUCING_COLLECTIVES
 from ..binding import IN_PLACE, IN_PLACE_LOCKSTEP, INPUT, OUT_OF_PLACE, OUTPUT
 from ..compression import kernels as codecs
 from ..compression import wire
