@@ -162,6 +162,26 @@ __device__ __forceinline__ unsigned int group_max(unsigned int m) {
     return m;
 }
 
+// What lane `lane_in_warp` of the warp at step w of a grid-stride loop works
+// on: its block of 32 elements, its first element, how many of its 4
+// elements exist (0 past the end: the lane still takes part in shuffles),
+// and whether they move as one vector.
+struct LaneSpan {
+    long long blk, first;
+    int count;
+    bool vector;
+};
+
+__device__ __forceinline__ LaneSpan lane_span(long long w, int lane_in_warp, long long n, bool aligned) {
+    LaneSpan span;
+    span.blk = w * (32 / kCodecLanes) + lane_in_warp / kCodecLanes;
+    span.first = span.blk * kBlock + (lane_in_warp & (kCodecLanes - 1)) * kCodecPerLane;
+    const long long left = n - span.first;
+    span.count = left <= 0 ? 0 : left >= kCodecPerLane ? kCodecPerLane : static_cast<int>(left);
+    span.vector = aligned && span.count == kCodecPerLane;
+    return span;
+}
+
 // A lane's 4 values v through the codec: the block's scale byte from all 8
 // lanes of its group (returned; 127, e = 0, for bf16, which has none), then
 // each value's payload q and the value that payload decodes to. Every lane
@@ -231,11 +251,10 @@ __device__ __forceinline__ void codec_op(const CodecArgs& args, long long warp, 
     constexpr int kBlocksPerWarp = 32 / kCodecLanes;
 
     for (long long w = warp; w * kBlocksPerWarp < nblocks; w += warps) {
-        const long long blk = w * kBlocksPerWarp + (lane_in_warp / kCodecLanes);
-        const long long first = blk * kBlock + lane * kCodecPerLane;
-        const long long left = n - first;
-        const int count = left <= 0 ? 0 : left >= kCodecPerLane ? kCodecPerLane : static_cast<int>(left);
-        const bool vector = aligned && count == kCodecPerLane;
+        const LaneSpan span = lane_span(w, lane_in_warp, n, aligned);
+        const long long blk = span.blk, first = span.first;
+        const int count = span.count;
+        const bool vector = span.vector;
 
         // The values v of the lane's elements.
         float v[kCodecPerLane] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -394,14 +413,12 @@ __global__ void __launch_bounds__(kCodecThreads) codec_round_sum(const __grid_co
     const long long n = args.n;
     const long long nblocks = (n + kBlock - 1) / kBlock;
     const int lane_in_warp = threadIdx.x & 31;
-    const int lane = lane_in_warp & (kCodecLanes - 1);
     constexpr int kBlocksPerWarp = 32 / kCodecLanes;
     for (long long w = grid_warp(); w * kBlocksPerWarp < nblocks; w += grid_warps()) {
-        const long long blk = w * kBlocksPerWarp + (lane_in_warp / kCodecLanes);
-        const long long first = blk * kBlock + lane * kCodecPerLane;
-        const long long left = n - first;
-        const int count = left <= 0 ? 0 : left >= kCodecPerLane ? kCodecPerLane : static_cast<int>(left);
-        const bool vector = aligned && count == kCodecPerLane;
+        const LaneSpan span = lane_span(w, lane_in_warp, n, aligned);
+        const long long blk = span.blk, first = span.first;
+        const int count = span.count;
+        const bool vector = span.vector;
 
         float sum[kCodecPerLane] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int s = 0; s < args.ninputs; ++s) {
