@@ -131,10 +131,15 @@ def measure(args):
     outs = [on_rank_device(r, lambda: xp.empty(count, np.float32)) for r in range(args.ranks)]
     results = {}
     for collective in args.collectives:
-        call = getattr(comm, collective)
         positional, keywords = arguments(collective, xs, outs, args.in_place, args.compression)
+        keywords = {"algorithm": args.algorithm, **keywords}
+        inputs = positional[0]
+        if args.prepared:   # comm.prepare's call: checked once, then issued with no checks
+            call, positional, keywords = comm.prepare(collective, *positional, **keywords), (), {}
+        else:
+            call = getattr(comm, collective)
         for _ in range(200):
-            call(*positional, algorithm=args.algorithm, **keywords)
+            call(*positional, **keywords)
         for key in spent:
             spent[key] = 0
         launched_before = dry.launches if dry is not None else 0
@@ -147,7 +152,7 @@ def measure(args):
         for _ in range(args.calls // batch):
             started = time.perf_counter()
             for _ in range(batch):
-                call(*positional, algorithm=args.algorithm, **keywords)
+                call(*positional, **keywords)
             batches.append((time.perf_counter() - started) / batch)
         total = time.perf_counter() - began
         comm.synchronize()
@@ -158,7 +163,8 @@ def measure(args):
             "calls": calls,
             "total_us_per_call": total / calls * 1e6,
             "median_us_per_call": statistics.median(batches) * 1e6,
-            "algorithm_run": (comm.chosen_algorithm(collective, positional[0][0].nbytes, in_place=args.in_place,
+            "algorithm_run": call.algorithm if args.prepared else
+                             (comm.chosen_algorithm(collective, inputs[0].nbytes, in_place=args.in_place,
                                                     compression=args.compression if collective == "allreduce" else None)
                               if args.algorithm == "auto" else args.algorithm),
             "outside_adapter_us_per_call": (total - spent["seconds"]) / calls * 1e6,
@@ -182,7 +188,8 @@ def callgrind(args):
                        str(args.devices), "--calls", str(calls), "--batch", str(args.batch), "--algorithm",
                        args.algorithm, "--device", args.device, "--count", str(args.count),
                        "--collectives", ",".join(args.collectives), *(["--in-place"] if args.in_place else []),
-                       *(["--compression", args.compression] if args.compression else [])]
+                       *(["--compression", args.compression] if args.compression else []),
+                       *(["--prepared"] if args.prepared else [])]
             # A fixed hash seed: dict and set layouts, hence instruction counts, repeat.
             # One OpenBLAS thread: its idle threads' spinning would count too.
             subprocess.run(command, check=True, capture_output=True,
@@ -223,6 +230,8 @@ def main(argv=None):
     p.add_argument("--in-place", action="store_true", help="in place (else out= for the collectives that take it)")
     p.add_argument("--compression", choices=["bf16", "fp16", "int8"],
                    help="allreduce with this codec (its launches are codec kernels; default: none)")
+    p.add_argument("--prepared", action="store_true",
+                   help="time a prepared call (comm.prepare: checked once, no checks per call) instead of the method")
     p.add_argument("--callgrind", action="store_true", help="instructions per call, under valgrind")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
@@ -235,6 +244,7 @@ def main(argv=None):
     report = {"command": command_line("bench.call_overhead", argv or sys.argv[1:]),
               "device": args.device, "ranks": args.ranks, "devices": args.devices, "algorithm": args.algorithm, "in_place": args.in_place,
               "adapter": args.adapter, "count": args.count or args.ranks * 4, "compression": args.compression,
+              "prepared": args.prepared,
               "environment": measured_on(args), "results": report}
     print(json.dumps(report, indent=1))
     if args.output_file:

@@ -9,6 +9,7 @@ import numpy as np
 
 from . import arrays, fusion, validation
 from . import graph as graph_capture
+from . import prepared
 from .algorithms import choose
 from .algorithms.schedule import (
     ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES as COLLECTIVE_NAMES, REDUCE_SCATTER, REDUCE_TO_ROOT,
@@ -312,6 +313,36 @@ class Communicator:
         """
         return self._collective(REDUCE_TO_ROOT, x, op, None, root, algorithm)
 
+    def prepare(self, collective, x, **arguments):
+        """A collective on fixed arrays, checked and planned now, to run as
+        often as wanted with no checks (MPI-4's persistent collectives):
+
+            step = comm.prepare("allreduce", grads, op="avg")
+            step()                  # the same as comm.allreduce(grads, op="avg")
+
+        collective  "allreduce", "reduce_scatter", "allgather", "broadcast" or "reduce".
+        x           as for that collective.
+        arguments   that collective's keyword arguments (op, out, root,
+                    algorithm, compression: those it takes), with its defaults.
+
+        Returns a PreparedCall (collectives/prepared.py): calling it runs
+        the collective and returns what the collective returns, the same
+        arrays each time (allgather without `out` makes its outputs once,
+        here). It keeps the arrays alive. Between calls write new values
+        into them; do not reshape, retype or resize them in place (nothing
+        is re-checked). On ranks in this process a call issues the launches
+        bound now; on ranks in separate processes and with NCCL it is the
+        plain call.
+
+        Raises what the collective raises for bad arguments
+        (InvalidUsageError, nothing written), and InvalidUsageError for an
+        unknown collective or an argument it does not take.
+        """
+        self._check_open()
+        op, out, root, algorithm, compression = prepared.call_arguments(collective, arguments)
+        checked = self._checked(collective, x, op, out, root, algorithm, compression)
+        return prepared.PreparedCall(self, collective, x, arguments, checked)
+
     def allreduce_many(self, arrays, op="sum", fusion_threshold=fusion.DEFAULT_THRESHOLD, compression=None,
                        algorithm="auto"):
         """Allreduce every array of `arrays` in place, fused into few calls.
@@ -609,6 +640,19 @@ class Communicator:
                 if call is not None and tuple(map(call.state_of, objects)) == call.states:
                     return self._repeat(call, xs, objects, as_sequence)
 
+        checked = self._checked(collective, x, op, out, root, algorithm, compression)
+        inputs, outputs, input_infos, output_infos, made, plan, as_sequence = checked
+        self._ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
+        if key is not None:
+            state_of = arrays.repeat_state(objects[0])  # None: arrays of a kind whose calls are checked in full
+            if state_of is not None:
+                self._remember(key, objects, state_of, plan, input_infos, output_infos, made)
+        return outputs if as_sequence else outputs[0]
+
+    def _checked(self, collective, x, op, out, root, algorithm, compression):
+        """Every check of a call, then its plan: (inputs, outputs, their
+        ArrayInfos, how the outputs came about, the plan, whether `x` was a
+        sequence). Raises InvalidUsageError, having written nothing."""
         # The checks, in the order a caller's mistakes arise (validation.py):
         # the call's own arguments, each array, then arrays against each other.
         self._check_arguments(collective, op, root, algorithm, compression)
@@ -650,12 +694,7 @@ class Communicator:
             streamlined = validation.relation(input_infos, output_infos, _same_array) != validation.OVERLAPPING
             binding = (WORKSPACE, streamlined)
         plan = self._plan(collective, dtype, elements, op, root, algorithm, binding, compression)
-        ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
-        if key is not None:
-            state_of = arrays.repeat_state(objects[0])  # None: arrays of a kind whose calls are checked in full
-            if state_of is not None:
-                self._remember(key, objects, state_of, plan, input_infos, output_infos, made)
-        return outputs if as_sequence else outputs[0]
+        return inputs, outputs, input_infos, output_infos, made, plan, as_sequence
 
     def _remember(self, key, objects, state_of, plan, input_infos, output_infos, made):
         """Keep a call that passed for `_collective` to recognise its repeats,
