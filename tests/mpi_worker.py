@@ -119,6 +119,32 @@ def scenario_collectives(comm):
     comm.barrier()
 
 
+def scenario_prepared(comm):
+    """Prepared calls (comm.prepare) between processes make the plain call
+    each time: the same bits as it, the same arrays returned, call after call."""
+    r, n = comm.rank, comm.size
+    x = on_rank(np.zeros(1000, np.float32))
+    gathered_from = on_rank(np.zeros(3, np.int64))
+    step = comm.prepare("allreduce", x, op="avg")
+    gather = comm.prepare("allgather", gathered_from)
+    reduce = comm.prepare("reduce", x, root=n - 1, op="max")
+    first_gathered = None
+    for k in range(3):
+        inputs = [random_floats(q + 10 * k, 1000) for q in range(n)]
+        x[...] = on_rank(inputs[r])
+        assert step() is x
+        check(x, to_host(comm.allreduce(on_rank(inputs[r]), op="avg")), f"prepared avg, call {k}")
+        gathered_from[...] = on_rank(np.arange(3) + 10 * r + k)
+        gathered = gather()
+        first_gathered = gathered if first_gathered is None else first_gathered
+        assert gathered is first_gathered
+        check(gathered, np.concatenate([np.arange(3) + 10 * q + k for q in range(n)]), f"prepared allgather {k}")
+        x[...] = on_rank(inputs[r])
+        reduce()
+        check(x, np.max(inputs, axis=0) if r == n - 1 else inputs[r], f"prepared reduce {k}")
+    comm.barrier()
+
+
 def random_floats(rank, size):
     return np.random.default_rng([rank, size]).standard_normal(size).astype(np.float32)
 

@@ -87,6 +87,11 @@ def test_a_killed_rank_is_reported_quickly(device):
     assert len(oks) == 2, report
 
 
+def test_prepared_calls_across_processes(device):
+    oks, report = run_ranks(3, "prepared", device=device)
+    assert len(oks) == 3, report
+
+
 def test_fusion_and_compression_across_processes(device):
     oks, report = run_ranks(3, "fusion", device=device)
     assert len(oks) == 3, report
