@@ -5,7 +5,9 @@
    second) for copy and reduce rows against a plain device-to-device copy of
    the same size, in the same run, alternating the two, for each variant of
    the kernel (unroll, launch bounds);
-3. runs the allreduce benchmark on --ranks ranks of one GPU;
+3. runs the allreduce benchmark on --ranks ranks of one GPU, then
+   bench.floor: the same allreduce (plain, prepared, in a graph) beside an
+   empty kernel launch and a device copy of the bytes it moves;
 4. runs it again with one rank per process (--processes of them under
    mpiexec, sharing the GPU through CUDA IPC), and the per-call comparison
    of those GPU ranks with host ranks (bench.spmd_overhead). On a GPU it
@@ -34,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import cli
-from bench import all_reduce_perf, harness
+from bench import all_reduce_perf, floor, harness
 from bench.environment import command_line, device_environment
 from collectives import kernels
 from collectives.binding import INPUT, OUTPUT
@@ -290,6 +292,13 @@ def main(argv=None):
     code = harness.main(all_reduce_perf.ALLREDUCE, bench_argv)
     report["allreduce"] = json.loads(table.read_text())["rows"]
     table.unlink()
+
+    print(f"# 3b. allreduce on {args.ranks} ranks of one device against its floor (an empty launch, a copy)",
+          flush=True)
+    floor_argv = ["--device", args.device, "--ranks", str(args.ranks)]
+    if args.device == "cuda":
+        floor_argv += ["-b", "4", "-e", args.maxbytes]
+    report["against_floor"] = floor.main(floor_argv)
 
     print(f"# 4. one rank per process: {args.processes} processes sharing the device", flush=True)
     report["processes"], report["processes_sharing"] = run_processes(args)

@@ -154,6 +154,10 @@ def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
     assert [r["sources"] for r in report["kernel_bandwidth"]] == [1, 2, 4]
     assert all(r["step_GBps"] > 0 and r["copy_GBps"] > 0 for r in report["kernel_bandwidth"])
     assert report["allreduce"] and all(r["out_of_place"]["wrong"] == 0 for r in report["allreduce"])
+    floor = report["against_floor"]["rows"]   # bench.floor: checked sizes, every method but the GPU's launch
+    assert [r["bytes"] for r in floor] == [4, 16, 64, 256, 1024, 4096, 16384, 65536]
+    assert all(r["call_us"] > 0 and r["prepared_us"] > 0 and r["graph_us"] > 0 and r["copy_us"] > 0
+               and r["launch_us"] is None for r in floor)
     assert report["environment"]["device"].startswith("emulated")
     processes = report["processes"]
     assert all(run["returncode"] == 0 for run in processes.values()), processes
@@ -161,6 +165,27 @@ def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
     assert processes["overhead"]["result"]["ratio_to_host"]["emulated"] > 0
     assert report["processes_sharing"] == {"mode": "time-sliced", "why_not_mps": "not a GPU"}
     assert report["ours_vs_nccl"] == {"skipped": "NCCL needs a GPU"}
+
+
+def test_the_floor_benchmark_checks_every_size_and_saves_its_rows(tmp_path):
+    """bench.floor on the emulated device, in place: each size checked
+    against NumPy before it is timed, the rows and the command in the JSON."""
+    from bench import floor
+    path = tmp_path / "floor.json"
+    report = floor.main(["--device", "emulated", "--ranks", "3", "-b", "5", "-e", "4K", "-f", "8", "--in-place",
+                         "--calls", "2", "--rounds", "1", "-J", str(path)])
+    assert json.loads(path.read_text()) == report
+    assert report["command"].startswith("python -m bench.floor --device emulated")
+    assert [r["bytes"] for r in report["rows"]] == [5, 40, 320, 2560]
+    assert all(r["algorithm"] == "direct" and r["copy_over_call"] > 0 for r in report["rows"])
+
+
+def test_the_floor_benchmark_stops_on_a_wrong_result(monkeypatch):
+    """A wrong allreduce is a failure, not a row."""
+    from bench import floor
+    monkeypatch.setattr(floor.np, "sum", lambda arrays, axis, dtype: np.full(len(arrays[0]), 99, dtype))
+    with pytest.raises(SystemExit, match="wrong elements"):
+        floor.main(["--device", "emulated", "--ranks", "2", "-b", "64", "-e", "64", "--calls", "1", "--rounds", "1"])
 
 
 @pytest.mark.mpi
