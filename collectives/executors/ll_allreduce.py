@@ -9,10 +9,12 @@ input and writes its output directly; peers see only each rank's LL area.
 The host does not count calls: the kernel does, in state words at the end
 of the rank's LL area (kernels/ll_allreduce.cu), so a call's launch has the
 same arguments every time it is made, and a CUDA graph of calls replays
-correctly. What the host does per call:
+correctly, interleaved with direct calls in any way (Communicator.graph();
+replay_graph below). What the host does per call:
 
 * orders the call after the previous one when the caller changed streams
-  (an event), since the kernel's argument rests on stream order;
+  (an event), since the kernel's argument rests on stream order (a graph's
+  replay likewise, once, before it; inside a graph the launches are in order);
 * reads every rank's fault word and the communicator's abort flag (host
   memory, the control segment's LL region) before and after the launch,
   and raises if a kernel gave up: CollectiveTimeoutError naming the peer a
@@ -149,7 +151,7 @@ class LLAllreduce:
             except BaseException as error:   # the peers waiting for this rank's area learn of it at once
                 self.group.abort(f"{type(error).__name__}: {error}", error)
                 raise
-        if not capturing:   # a graph is ordered when it is replayed
+        if not capturing:   # a graph is ordered when it is replayed (replay_graph)
             self._order_on(stream)
         self._timeout_s = max(deadline - time.perf_counter(), 0.0)
         args = self._args
@@ -171,6 +173,21 @@ class LLAllreduce:
             self.device.record(self._event, self._stream)
             self.device.wait(stream, self._event)
         self._stream = stream
+
+    def replay_graph(self, graph):
+        """Replay a captured graph (Graph.replay) on the current stream: its
+        one-kernel calls take their generations from the state words, so
+        they interleave with direct calls; a kernel that gave up is
+        reported as after a direct call (at once on the emulated device,
+        whose replay runs the graph; on a GPU at the next call or
+        synchronize())."""
+        self.check()
+        device = self.device
+        if self._own_area is not None:
+            self._order_on(device.current_stream())
+            self._call = "a call of a replayed graph"
+        device.replay(graph)
+        self.check()
 
     def _prepare(self, plan):
         """What every call of `plan` passes the kernel, once per plan."""
