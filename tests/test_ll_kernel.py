@@ -245,6 +245,21 @@ def test_a_flag_stored_before_its_data_is_caught(tmp_path):
         assert any(wrong for wrong, _ in found.values()), (collective, found)
 
 
+STATE_STORE = "*state = ll_state(generation, args.signature, lines);"
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "broadcast"])
+def test_a_kernel_that_does_not_advance_its_state_is_caught(tmp_path, collective):
+    # The device-side generation broken: the state word is read but never
+    # written back, so every call is call 1 (set 1, flag F(1), no slot-reuse
+    # wait). Readers take the previous call's lines for this one's (wrong
+    # bits) or see another call's signature under the same generation (a
+    # mismatch fault), which the host reports.
+    library = emulated.library(broken_copy(tmp_path, STATE_STORE, "(void)lines;"))
+    found = run_ranks(library, 3, seed=23, calls=40, timeout_s=2.0, kinds=(collective,))
+    assert any(wrong or faults for wrong, faults in found.values()), found
+
+
 def nvrtc_library():
     """NVRTC from NVIDIA's wheels (the `test` extra brings it), by ctypes:
     CuPy's bindings need a GPU-capable install this test does not."""
