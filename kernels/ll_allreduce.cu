@@ -67,8 +67,8 @@
 // because the word has one writer and one reader, the same thread t, in
 // consecutive calls of the rank, which run in stream order (a kernel's
 // stores are visible to the next kernel on its stream; the executor adds an
-// event when the caller switches streams, and a graph's launches are in
-// stream order too); and because every call is launched with the same grid
+// event when the caller switches streams, also before a graph's replay,
+// whose launches are in stream order too); and because every call is launched with the same grid
 // (kLLGridBlocks x kLLThreads on a GPU, the emulated device's own fixed grid
 // there), so that every thread runs, and writes its word, in every call,
 // also a thread with no lines. (A grid that depended on the call's size, as
@@ -78,8 +78,8 @@
 // F(g) needs g mod 2^16, the set g mod 2 (2^32 is even, so the sets keep
 // alternating when g wraps), and "is there a call before" is L' != 0, not
 // g >= 2, so the wrap after 2^32 calls is harmless. The host reads the
-// generation only to report it: from the fault word (below), or from word
-// 0 after the device is idle (tests).
+// generation only to report it: from the fault word (below), or from the
+// words once the device is idle (tests: they must all agree).
 //
 // Every rank publishes every call, also where nobody reads its lines (a
 // broadcast's other ranks, whose input is the output they will receive):
