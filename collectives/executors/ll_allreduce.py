@@ -137,7 +137,7 @@ class LLAllreduce:
             call = self._prepare(plan)
         lines = call.shape.lines
         if lines == 0:
-            return   # nothing to exchange: not a generation (the kernel's prev_lines is never 0)
+            return   # nothing to exchange, and no launch: the state words would record 0 lines ("no call before")
         device = self.device
         stream = device.current_stream()
         capturing = device.is_capturing(stream)
