@@ -532,20 +532,25 @@ class Communicator:
         Returns a context manager whose `with` value is the Graph.
 
         Raises InvalidUsageError unless every local rank is on one device
-        (our kernels; backend="nccl" and ranks in several processes cannot
-        be captured), where the communicator is closed or a fusion buffer has
-        allreduces in flight; CollectiveError when the capture itself fails.
+        (our kernels; backend="nccl" cannot be captured, and GPU ranks in
+        separate processes only on the one-kernel path, whose calls are the
+        only ones they may make while capturing), where the communicator is
+        closed or a fusion buffer has allreduces in flight; CollectiveError
+        when the capture itself fails.
         """
         from .executors.device import DeviceRanks
         self._check_open()
         self._check_idle()
         devices = getattr(self._ranks, "devices", ())
+        if getattr(self._ranks, "capturable", False):   # GPU ranks in processes, one-kernel path
+            return graph_capture.Capture(self, devices[0], self._ranks.replay_graph)
         if not isinstance(self._ranks, DeviceRanks) or len(devices) != 1:
             where = (f"these ranks are on {len(devices)} devices" if isinstance(self._ranks, DeviceRanks)
                      else f"these are {type(self._ranks).__name__} ranks")
             raise InvalidUsageError(
                 "graph: capturing needs every local rank on one device, with our kernels "
-                f"(Communicator.local(n, devices=[0] * n)); {where}")
+                "(Communicator.local(n, devices=[0] * n)), or GPU ranks in separate processes with "
+                f"COLLECTIVES_ONE_KERNEL_ALLREDUCE=1; {where}")
         return graph_capture.Capture(self, devices[0])
 
     @property

@@ -16,7 +16,10 @@ addresses, the plan, the algorithm. So it replays on the same memory (write
 new values into the arrays, do not rebind them to new arrays), and it is
 valid while the communicator is open. Every local rank must share one
 device (CUDA cannot capture across devices), and only calls of that
-communicator may be made while capturing. On emulated devices a graph is
+communicator may be made while capturing. GPU ranks in separate processes
+capture the calls of the one-kernel path (COLLECTIVES_ONE_KERNEL_ALLREDUCE=1,
+executors/ll_allreduce.py), whose kernels count their calls in device
+memory; every rank must capture and replay the same calls. On emulated devices a graph is
 the recorded queue of kernels, run on replay: the same rules, testable on
 a CPU.
 """
@@ -25,11 +28,15 @@ from .errors import CollectiveError, InvalidUsageError
 
 
 class Graph:
-    """Captured collectives (see the module doc); `replay()` runs them."""
+    """Captured collectives (see the module doc); `replay()` runs them.
+    `replay`: how the ranks replay a graph, device.replay by default (GPU
+    ranks in separate processes order it after their previous call and
+    check for a kernel that gave up: DeviceProcessRank.replay_graph)."""
 
-    def __init__(self, comm, device):
+    def __init__(self, comm, device, replay=None):
         self._comm = comm
         self._device = device
+        self._replay = replay or device.replay
         self._graph = None
 
     def replay(self):
@@ -44,15 +51,15 @@ class Graph:
                                     "or it ended with an error")
         if self._comm.closed:
             raise InvalidUsageError("graph: its communicator was closed, and with it the memory the graph uses")
-        self._device.replay(self._graph)
+        self._replay(self._graph)
 
 
 class Capture:
     """The context manager `Communicator.graph()` returns."""
 
-    def __init__(self, comm, device):
+    def __init__(self, comm, device, replay=None):
         self._device = device
-        self._graph = Graph(comm, device)
+        self._graph = Graph(comm, device, replay)
         self._capture = None
 
     def __enter__(self):

@@ -380,11 +380,14 @@ def buffer_table(addresses):
 # -- ll_allreduce (kernels/ll_allreduce.cu): the one-kernel small collectives ------
 
 LL_THREADS = 256           # kLLThreads: threads per block on a GPU
+LL_GRID_BLOCKS = 32        # kLLGridBlocks: blocks of every launch on a GPU (the grid is fixed: the state words)
+LL_STATE_SLOTS = LL_GRID_BLOCKS * LL_THREADS   # kLLStateSlots: a rank's state words, one per thread of the grid
 LL_MAX_RANKS = 64          # kLLMaxRanks: ranks whose LL areas the arguments name
 LL_MAX_BYTES = 64 << 10    # kLLMaxBytes: payload of one call
 LL_LINE_BYTES = 16         # 8 payload bytes and two 32-bit flags
 LL_SLOT_SETS = 2
-LL_AREA_BYTES = LL_SLOT_SETS * (LL_MAX_BYTES // 8) * LL_LINE_BYTES   # one rank's area
+LL_STATE_OFFSET = LL_SLOT_SETS * (LL_MAX_BYTES // 8) * LL_LINE_BYTES   # bytes: the slot sets, then the state
+LL_AREA_BYTES = LL_STATE_OFFSET + 8 * LL_STATE_SLOTS   # one rank's area
 LL_FAULT_TIMED_OUT, LL_FAULT_STOPPED, LL_FAULT_MISMATCH = 1, 2, 3   # enum LLFault
 
 
@@ -419,11 +422,9 @@ class LLAllreduceArgs(ctypes.Structure):
     """The kernel's one argument, struct LLAllreduceArgs, field for field."""
     _fields_ = [
         ("input", ctypes.c_uint64), ("output", ctypes.c_uint64), ("count", ctypes.c_int64),
-        ("prev_lines", ctypes.c_int64), ("generation", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
-        ("abort_word", ctypes.c_uint64), ("faults", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64), ("abort_word", ctypes.c_uint64), ("faults", ctypes.c_uint64),
         ("rank", ctypes.c_int32), ("nranks", ctypes.c_int32), ("divisor", ctypes.c_int32),
-        ("flag", ctypes.c_uint32), ("prev_flag", ctypes.c_uint32), ("collective", ctypes.c_int32),
-        ("root", ctypes.c_int32),
+        ("signature", ctypes.c_uint32), ("collective", ctypes.c_int32), ("root", ctypes.c_int32),
         ("areas", ctypes.c_uint64 * LL_MAX_RANKS),
     ]
 
@@ -463,9 +464,17 @@ def ll_signature(count, dtype, op, collective="allreduce", root=0):
     return int.from_bytes(hashlib.blake2b(text, digest_size=2).digest(), "little")
 
 
-def ll_flag(generation, signature):
-    """The flag of call `generation`'s lines: its low 16 bits, then the signature."""
-    return (generation & 0xffff) << 16 | signature
+class LLState(NamedTuple):
+    """A state word of a rank's LL area, decoded (ll_state in the kernel):
+    what one thread of the grid knows of the rank's last call."""
+    generation: int    # the call's, mod 2**32 (0: none yet)
+    signature: int
+    lines: int
+
+
+def ll_state(word):
+    word &= (1 << 64) - 1
+    return LLState(word & 0xffffffff, (word >> 32) & 0xffff, word >> 48)
 
 
 class LLFault(NamedTuple):

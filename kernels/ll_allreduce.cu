@@ -22,11 +22,13 @@
 // flag fields in one v4.u32 store and relies on 8-byte granularity in
 // practice; 64-bit elements make that guarantee an architectural one.)
 //
-// Call number g = 1, 2, ... (the generation: the host counts LL calls, the
-// same on every rank, and passes g; nothing is read back) uses slot set
-// g % 2 and flag F(g) = (g mod 2^16) << 16 | the call's signature (16 bits
-// of a hash of the collective, count, dtype, op and root, also from the
-// host). What a rank publishes is its input cut into `chunks` chunks of
+// Call number g = 1, 2, ... (the generation, the same on every rank because
+// every rank makes the same calls) uses slot set g % 2 and flag
+// F(g) = (g mod 2^16) << 16 | the call's signature (16 bits of a hash of the
+// collective, count, dtype, op and root, an argument from the host). The
+// kernel, not the host, counts g (the per-thread state, below), so a launch's
+// arguments are the same every time the call is made: a CUDA graph replays
+// it. What a rank publishes is its input cut into `chunks` chunks of
 // args.count elements, chunk c on lines c * L .. c * L + L - 1 (L lines of
 // 8 bytes per chunk): one chunk, but n for reduce_scatter, whose rank r
 // reads chunk r of every rank. Thread t of every rank handles the same
@@ -34,7 +36,8 @@
 // line j of every chunk), so a thread only ever waits for the same thread
 // of its peers:
 //
-//   1. (g >= 2) wait until every peer's line (t mod prev_lines) of set
+//   0. read and advance this thread's state word: g, F(g - 1), prev_lines
+//   1. (a call before) wait until every peer's line (t mod prev_lines) of set
 //      (g - 1) % 2 carries flag F(g - 1), or a flag of call g + 1
 //                                                          (ld.acquire.sys)
 //   2. for each of its j, each chunk c: store line c * L + j of its own set
@@ -48,6 +51,35 @@
 //                        write output word j (the rank's own block)
 //        allgather       copy line j of every q to word j of output block q
 //        broadcast       copy line j of the root to output word j
+//
+// The per-thread state: where g comes from. Each rank's LL area ends with
+// kLLStateSlots 64-bit words, one per thread of the grid, zeroed with the
+// area. Word t holds what thread t of this rank knows of its last call:
+//
+//     bits  0..31  g' (that call's generation; 0: no call yet)
+//     bits 32..47  that call's signature (F(g') = (g' mod 2^16) << 16 | it)
+//     bits 48..63  that call's lines per chunk, L' (>= 1; kLLLines < 2^16)
+//
+// Thread t reads its word first, takes g = g' + 1, F(g - 1) and
+// prev_lines = L' from it, and writes (g, this call's signature, L) back at
+// once, before anything that may return early. Invariant: at the start of a
+// call, every word of the rank holds the rank's previous call. It holds
+// because the word has one writer and one reader, the same thread t, in
+// consecutive calls of the rank, which run in stream order (a kernel's
+// stores are visible to the next kernel on its stream; the executor adds an
+// event when the caller switches streams, also before a graph's replay,
+// whose launches are in stream order too); and because every call is launched with the same grid
+// (kLLGridBlocks x kLLThreads on a GPU, the emulated device's own fixed grid
+// there), so that every thread runs, and writes its word, in every call,
+// also a thread with no lines. (A grid that depended on the call's size, as
+// the first version's did, would leave the words of the threads it did not
+// run one call or more behind.) Plain loads and stores: no other thread or
+// rank ever touches the word. The whole state is 32 bits of generation:
+// F(g) needs g mod 2^16, the set g mod 2 (2^32 is even, so the sets keep
+// alternating when g wraps), and "is there a call before" is L' != 0, not
+// g >= 2, so the wrap after 2^32 calls is harmless. The host reads the
+// generation only to report it: from the fault word (below), or from the
+// words once the device is idle (tests: they must all agree).
 //
 // Every rank publishes every call, also where nobody reads its lines (a
 // broadcast's other ranks, whose input is the output they will receive):
@@ -91,7 +123,7 @@
 // looked at, t mod prev_lines, exists in call g - 1 whatever the sizes and
 // collectives of the two calls (prev_lines is L of call g - 1, and line
 // t mod L of chunk 0 is published by every rank; prev_lines >= 1: the host
-// never counts an empty call). Where this rank's call g - 1 read every peer
+// never launches an empty call). Where this rank's call g - 1 read every peer
 // (allreduce, reduce_scatter, allgather) and runs in stream order, step 1 is
 // already satisfied when it runs: those flags were g - 1, and no peer can
 // move on to g + 1 in that set before this rank's call g writes its own
@@ -125,7 +157,7 @@
 // growing __nanosleep in between). At `timeout_ns` after its wait began
 // (%globaltimer on the GPU, a steady clock on the emulated device) it
 // stores a fault code {timed out, the peer it waited for, the collective,
-// g} in its rank's
+// g mod 2^32} in its rank's
 // fault word and returns. A thread that sees any rank's fault word, or the
 // communicator's abort flag (set by a host: a dead peer, a failed call),
 // records {stopped, whose fault} (if its own word is still clear) and
@@ -139,20 +171,26 @@
 // whose step 1 waits for the peers that stopped.
 //
 // Preconditions: every rank makes the same LL calls in the same order (a
-// different one is caught by its signature, above); a rank's calls run in
-// stream order; all ranks' grids are resident at once (a thread spins for
-// a thread of another process; several processes on one GPU need MPS).
+// different one is caught by its signature, above), directly or by
+// replaying a graph that holds them; a rank's calls run in stream order,
+// each on the same grid; all ranks' grids are resident at once (a thread
+// spins for a thread of another process; several processes on one GPU need
+// MPS).
 
 #include "elements.cuh"
 
 namespace collectives {
 
 constexpr int kLLThreads = 256;            // threads per block on a GPU (kernels.py: LL_THREADS)
+constexpr int kLLGridBlocks = 32;          // blocks of every launch on a GPU (kernels.py: LL_GRID_BLOCKS)
+constexpr int kLLStateSlots = kLLGridBlocks * kLLThreads;   // state words: one per thread of the grid
 constexpr int kLLMaxRanks = 64;            // ranks whose areas the arguments name (kernels.py: LL_MAX_RANKS)
 constexpr long long kLLMaxBytes = 64 << 10;   // payload per call (kernels.py: LL_MAX_BYTES)
 constexpr long long kLLLines = kLLMaxBytes / 8;  // lines per slot set: 8 payload bytes each
 constexpr int kLLLineWords = 2;            // 64-bit words per line
 constexpr int kLLSlotSets = 2;             // calls alternate between them
+constexpr long long kLLStateOffset = kLLSlotSets * kLLLines * kLLLineWords;   // words: the state after the sets
+static_assert(kLLLines < (1 << 16), "a state word keeps a call's lines in 16 bits");
 constexpr int kLLSpinPolls = 64;           // polls before the first clock read and sleep
 constexpr int kLLCheckEvery = 16;          // polls between clock and abort checks after that
 constexpr unsigned kLLMaxSleepNs = 1024;
@@ -165,24 +203,35 @@ enum LLFault { kLLTimedOut = 1, kLLStopped = 2, kLLMismatch = 3 };
 // What a call computes (kernels.py: LL_COLLECTIVES, in this order).
 enum LLCollective { kLLAllreduce = 0, kLLReduceScatter = 1, kLLAllgather = 2, kLLBroadcast = 3, kLLReduce = 4 };
 
+// Nothing in it changes from one call of the same collective, arrays and
+// sizes to the next: a captured launch is correct every time it is replayed.
 struct LLAllreduceArgs {
     const void* input;                      // this rank's chunks (n for reduce_scatter, else 1)
     void* output;                           // may be the input (or hold it: see step 3)
     long long count;                        // elements of one chunk; chunks * lines <= kLLLines
-    long long prev_lines;                   // lines of a chunk of call g - 1 (>= 1 when g >= 2)
-    unsigned long long generation;          // g >= 1, counted by the host
     unsigned long long timeout_ns;          // how long one wait may last
     const unsigned long long* abort_word;   // the communicator's abort flag (nonzero: stop)
     unsigned long long* faults;             // rank q's fault word: faults[q * kLLRegionWords]
     int rank;
     int nranks;
     int divisor;                            // avg: nranks; else 0
-    unsigned flag;                          // F(g): (g mod 2^16) << 16 | this call's signature
-    unsigned prev_flag;                     // F(g - 1), of the previous call
+    unsigned signature;                     // this call's 16 bits: F(g)'s low half
     int collective;                         // LLCollective
     int root;                               // broadcast and reduce: the rank sent from, or to
-    unsigned long long areas[kLLMaxRanks];  // every rank's LL area, mapped in this process
+    unsigned long long areas[kLLMaxRanks];  // every rank's LL area, mapped in this process (its
+                                            // own ends with its state words: kLLStateOffset)
 };
+
+// The state word of a call (see the header): generation, signature, lines.
+__device__ __forceinline__ unsigned long long ll_state(unsigned generation, unsigned signature, long long lines) {
+    return generation | static_cast<unsigned long long>(signature & 0xffffu) << 32 |
+           static_cast<unsigned long long>(lines) << 48;
+}
+
+// F(g) of generation g and a signature.
+__device__ __forceinline__ unsigned ll_flag(unsigned generation, unsigned signature) {
+    return (generation & 0xffffu) << 16 | (signature & 0xffffu);
+}
 
 // System-scope accesses. On the GPU, PTX; on the emulated device,
 // kernels/emulation/cuda_host.h defines the same functions with GCC's
@@ -236,11 +285,13 @@ __device__ __forceinline__ bool other_call(unsigned long long word, unsigned fla
 // clock and every rank's abort words looked at every kLLCheckEvery polls.
 struct LLWatch {
     const LLAllreduceArgs& args;
+    unsigned generation;                    // g, for the fault word
     unsigned long long started;
     unsigned polls;
     unsigned sleep_ns;
 
-    __device__ explicit LLWatch(const LLAllreduceArgs& a) : args(a), started(0), polls(0), sleep_ns(32) {}
+    __device__ LLWatch(const LLAllreduceArgs& a, unsigned g)
+        : args(a), generation(g), started(0), polls(0), sleep_ns(32) {}
 
     __device__ void record(unsigned long long reason, int whom) {
         unsigned long long* mine = args.faults + static_cast<long long>(args.rank) * kLLRegionWords;
@@ -248,7 +299,7 @@ struct LLWatch {
         if (reason == kLLStopped && sys_load_relaxed(mine) != 0) return;
         sys_store_relaxed(mine, reason | (static_cast<unsigned long long>(whom + 1) & 0xffffu) << 8 |
                                     (static_cast<unsigned long long>(args.collective) & 0xffu) << 24 |
-                                    (args.generation & 0xffffffffull) << 32);
+                                    static_cast<unsigned long long>(generation) << 32);
     }
 
     // False when the wait must end: `peer` is the rank waited for.
@@ -364,17 +415,26 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_allreduce(const LLAllreduceA
     const long long lines = (args.count + kLanes - 1) / kLanes;   // L: lines of one chunk
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+
+    // 0. This thread's state: its last call, then this one (see the header:
+    // every thread of the fixed grid, before any return).
+    unsigned long long* state = reinterpret_cast<unsigned long long*>(args.areas[args.rank]) + kLLStateOffset + first;
+    const unsigned long long last = *state;
+    const unsigned generation = static_cast<unsigned>(last) + 1;
+    const long long prev_lines = static_cast<long long>(last >> 48);   // 0: no call before
+    *state = ll_state(generation, args.signature, lines);
     if (first >= lines) return;
-    const unsigned flag = args.flag;
-    const int set = static_cast<int>(args.generation % kLLSlotSets);
-    LLWatch watch(args);
+    const unsigned flag = ll_flag(generation, args.signature);
+    const int set = static_cast<int>(generation % kLLSlotSets);
+    LLWatch watch(args, generation);
 
     // 1. The peers are done with this set (see the header: at once, in order).
-    if (args.generation >= 2) {
-        const long long probe = first % args.prev_lines;
-        const int previous = static_cast<int>((args.generation - 1) % kLLSlotSets);
+    if (prev_lines != 0) {
+        const long long probe = first % prev_lines;
+        const unsigned prev_flag = ll_flag(generation - 1, static_cast<unsigned>(last >> 32));
+        const int previous = static_cast<int>((generation - 1) % kLLSlotSets);
         for (int p = 0; p < args.nranks; ++p)
-            if (p != args.rank && !watch.acquire(p, previous, probe, args.prev_flag, args.generation + 1)) return;
+            if (p != args.rank && !watch.acquire(p, previous, probe, prev_flag, generation + 1)) return;
     }
 
     // 2. Publish this thread's lines: its line j of every chunk.

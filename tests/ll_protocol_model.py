@@ -14,7 +14,10 @@ kernel's comments' business, not this model's).
 A 64-bit word is one location holding (flag, data): a line is two of them,
 each stored whole. Per call g (1, 2, ...) with `lines[g]` lines (the same on
 every rank, varying between calls, fewer than the threads at times), thread
-t of rank r runs the kernel's three steps on lines t, t + T, ...:
+t of rank r runs the kernel's three steps on lines t, t + T, ... (g and
+lines[g - 1] are the thread's own record of its calls, as the kernel's
+per-thread state words are: every thread runs in every call, so the loop's
+count is that word; its step 0 touches nothing another thread reads):
 
     1. g >= 2: wait until each peer's line (t mod lines[g - 1]) of set
        (g - 1) % 2 has flag g - 1, or g + 1

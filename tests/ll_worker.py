@@ -23,6 +23,16 @@ a second) or RankFailedError (within 1.5 s), naming it.
 told of a different call (InvalidUsageError) well before the timeout.
 A rank that reads no peer in a call (a broadcast's root, a reduce's other
 ranks) is told at its next call, whose kernel waits for the peers.
+"graph": a CUDA graph (comm.graph()) of several calls of different
+collectives, dtypes and sizes, replayed many times with new inputs written
+into its arrays and direct calls of other shapes in between, directly after
+one another or not: every result has the interpreter's bits, the kernels'
+call count (the device's state words, which the host does not keep) is the
+number of calls made and replayed, a step-protocol call is refused while
+capturing, and a call made after the graph's last replay is right too.
+"graph_stalled": rank FAILING stops replaying the graph after one replay:
+every other rank's replay raises CollectiveTimeoutError naming it (within
+the timeout and a second), and rank FAILING's next replay the abort.
 
 Each rank prints "OK <scenario> <rank>" when every check held.
 """
@@ -120,7 +130,7 @@ class Checker:
         assert got.tobytes() == want.tobytes(), f"{case}: {got[:6]} != {want[:6]}"
         if takes_the_path(comm, collective, elements * dtype.itemsize, root, algorithm):
             self.calls += 1
-        assert self.ll._generation == self.calls, (case, self.ll._generation, self.calls)   # noqa: SLF001
+        assert self.ll.generation() == self.calls, (case, self.ll.generation(), self.calls)
         return got
 
     def expected(self, collective, inputs, op, root, algorithm):
@@ -160,7 +170,7 @@ def scenario_bits(comm):
                     in_place = not in_place
                     check.call(COLLECTIVE, dtype, op, count, in_place, algorithm, root=count % n)
         assert int(group._rows[comm.rank, COUNTER]) == counter, "a call took the step protocol"   # noqa: SLF001
-        assert check.calls == check.ll._generation > 0   # noqa: SLF001
+        assert check.calls == check.ll.generation() > 0
         rng = np.random.default_rng(7)   # the same on every rank
         for i in range(150):
             collective = COLLECTIVE if rng.random() < 0.7 else "allreduce"   # another kind of LL call between
@@ -179,6 +189,129 @@ def scenario_bits(comm):
         assert all(b == everyone[0] for b in everyone), "ranks disagree"
     comm.synchronize()
     comm.barrier()
+
+
+class GraphCall:
+    """One call of a graph: its arrays, made once (a graph replays on the
+    same memory), its new inputs before each replay, its result's check."""
+
+    def __init__(self, check, collective, dtype, op, count, in_place, root=0):
+        comm, n = check.comm, check.comm.size
+        self.check, self.collective, self.dtype, self.op, self.count, self.root = \
+            check, collective, np.dtype(dtype), op, count, root
+        self.elements = n * count if collective == "reduce_scatter" else count   # x's
+        self.x = on_device(np.zeros(self.elements, self.dtype))
+        r = comm.rank
+        if collective in ("broadcast", "reduce") or in_place and collective == "allreduce":
+            self.out = self.x
+        elif collective == "reduce_scatter":
+            self.out = self.x[r * count:(r + 1) * count] if in_place else on_device(np.zeros(count, self.dtype))
+        elif collective == "allgather":
+            self.out = on_device(np.zeros(n * count, self.dtype))
+            if in_place:
+                self.x = self.out[r * count:(r + 1) * count]
+        else:
+            self.out = on_device(np.zeros(count, self.dtype))
+        self.inputs = None
+
+    def issue(self):
+        """The call (made directly, or captured)."""
+        comm, x, out, op = self.check.comm, self.x, self.out, self.op
+        algorithm = "direct"   # what `auto` picks but for allgather and reduce_scatter on 2 ranks
+        if self.collective == "allreduce":
+            comm.allreduce(x, op=op, out=None if out is x else out, algorithm=algorithm)
+        elif self.collective == "reduce_scatter":
+            comm.reduce_scatter(x, op=op, out=out, algorithm=algorithm)
+        elif self.collective == "allgather":
+            comm.allgather(x, out=out, algorithm=algorithm)
+        elif self.collective == "broadcast":
+            comm.broadcast(x, root=self.root, algorithm=algorithm)
+        else:
+            comm.reduce(x, root=self.root, op=op, algorithm=algorithm)
+
+    def fill(self, seed):
+        """New inputs, written into the arrays the graph reads."""
+        comm = self.check.comm
+        self.inputs = [rank_input(seed, q, self.dtype, self.elements) for q in range(comm.size)]
+        self.x[:] = on_device(self.inputs[comm.rank])
+
+    def verify(self, case):
+        want = self.check.expected(self.collective, self.inputs, self.op, self.root, "direct")[self.check.comm.rank]
+        got = on_host(self.out)
+        assert got.tobytes() == want.tobytes(), f"{case} {self.collective} {self.dtype} {self.op}: " \
+                                                f"{got[:6]} != {want[:6]}"
+
+
+def scenario_graph(comm):
+    from collectives import InvalidUsageError
+    n = comm.size
+    with collectives.Communicator.local(n) as reference:
+        check = Checker(comm, reference)
+        calls = [GraphCall(check, "allreduce", np.float32, "sum", 1001, False),
+                 GraphCall(check, "reduce_scatter", np.int32, "max", 37, True),
+                 GraphCall(check, "allgather", np.float16, "sum", 5, False),
+                 GraphCall(check, "broadcast", "bfloat16", "sum", 300, True, root=n - 1),
+                 GraphCall(check, "reduce", np.float64, "avg", 11, True, root=1 % n),
+                 GraphCall(check, "allreduce", np.int8, "prod", capacity("allreduce", n, np.dtype(np.int8)), True),
+                 GraphCall(check, "allreduce", np.float32, "min", 1, True)]
+        made = 0   # one-kernel calls run so far: the device's state words must say so
+        for k, call in enumerate(calls):   # each once before capturing (first-call set-up is not capturable)
+            call.fill(1000 + k)
+            call.issue()
+            call.verify("direct, before capturing")
+            made += 1
+        assert check.ll.generation() == made
+        with comm.graph() as graph:
+            for call in calls:
+                call.issue()
+            try:   # the step protocol waits on the host between phases: refused, nothing captured
+                comm.allreduce(on_device(np.ones(5000, np.float32)), algorithm="ring")
+                raise AssertionError("a step-protocol call was captured")
+            except InvalidUsageError as error:
+                assert "cannot be captured" in str(error), error
+        assert check.ll.generation() == made, "capturing ran something"
+        rng = np.random.default_rng(11)   # the same on every rank: the same calls in the same order
+        for replay in range(40):
+            for k, call in enumerate(calls):
+                call.fill(replay * 100 + k)
+            graph.replay()
+            made += len(calls)
+            for call in calls:
+                call.verify(f"replay {replay}")
+            if replay % 8 == 7:
+                assert check.ll.generation() == made, (replay, check.ll.generation(), made)
+            for _ in range(int(rng.integers(3))):   # direct calls in between, 0 to 2 (replays back to back too)
+                collective = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")[rng.integers(5)]
+                check.calls = made
+                check.call(collective, DTYPES[rng.integers(len(DTYPES))], OPS[rng.integers(len(OPS))],
+                           int(rng.integers(1, 200)), bool(rng.integers(2)), "direct", root=int(rng.integers(n)))
+                made += 1
+        check.calls = made
+        check.call("allreduce", np.dtype(np.float32), "sum", 123, False)   # a direct call right after a replay
+    comm.synchronize()
+    comm.barrier()
+
+
+def scenario_graph_stalled(comm):
+    n = comm.size
+    x = on_device(np.ones(1000, np.float32))
+    y = on_device(np.ones(7, np.int32))
+    comm.allreduce(x)
+    comm.broadcast(y, root=n - 1, algorithm="direct")
+    with comm.graph() as graph:   # calls 3 and 4, 5 and 6, ...; an allreduce first: it waits for every peer
+        comm.allreduce(x)
+        comm.broadcast(y, root=n - 1, algorithm="direct")
+
+    def replay():
+        graph.replay()
+        comm.synchronize()
+    replay()
+    if comm.rank == FAILING:
+        time.sleep(TIMEOUT + 1.5)   # the others gave up by now, and aborted the communicator
+        expect(CollectiveTimeoutError, replay, names=["aborted"], within=0.5)
+        return
+    expect(CollectiveTimeoutError, replay, names=[f"waiting for rank {FAILING}", "allreduce #5"],
+           within=TIMEOUT + 1.0)
 
 
 def one_call(comm):

@@ -2,9 +2,10 @@
 processes (fork), each running the kernel for a sequence of calls on LL
 areas in shared memory, against the NumPy interpreter's bits.
 
-No communicator is involved: the test plays the host's part itself (counts
-generations, passes the previous call's lines, reads the fault words), so a
-broken copy of the kernel source can run in its place. Every call has random
+No communicator is involved: the test plays the host's part itself (fills
+each call's arguments, launches on the device's fixed grid, reads the fault
+words; the kernel counts the calls in its state words), so a broken copy of
+the kernel source can run in its place. Every call has random
 dtype, op, size (0 to the capacity, odd ones included), in place or not, and
 random delays between calls on every rank, so ranks drift in and out of
 step and both slot sets are reused many times.
@@ -108,7 +109,6 @@ def run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays, k
     args.rank, args.nranks = rank, n
     args.timeout_ns = int(timeout_s * 1e9)
     rng = np.random.default_rng([seed, rank, 1])
-    generation = prev_lines = prev_flag = 0
     wrong = []
     with collectives.Communicator.local(n) as reference:
         for call, (collective, dtype, op, count, in_place, root) in enumerate(
@@ -121,22 +121,17 @@ def run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays, k
             assert shape.fits, (collective, count, dtype)
             if delays and rng.random() < 0.3:
                 time.sleep(rng.random() * 2e-4)
-            if shape.lines:
-                generation += 1
+            if shape.lines:   # an empty call launches nothing (the executor's rule)
                 args.input, args.output, args.count = x.ctypes.data, out.ctypes.data, shape.count
                 args.collective, args.root = shape.collective, root
-                signature = kernels.ll_signature(work, dtype, ReduceOp(op), collective, root)
-                flag = kernels.ll_flag(generation, signature)
-                args.generation, args.prev_lines, args.flag, args.prev_flag = generation, prev_lines, flag, prev_flag
+                args.signature = kernels.ll_signature(work, dtype, ReduceOp(op), collective, root)
                 reducing = collective in ("allreduce", "reduce_scatter", "reduce")
                 args.divisor = kernels.step_divisor(ReduceOp(op), n) if reducing else 0
                 instance = kernels.ll_instance(dtype, ReduceOp(op) if reducing else ReduceOp.SUM)
-                blocks, threads = min(emulated.LL_BLOCKS, -(-shape.lines // emulated.LL_THREADS)), \
-                    min(emulated.LL_THREADS, shape.lines)
                 status = library.collectives_emulated_ll_allreduce(instance.element_index, instance.op_code,
-                                                                   blocks, threads, ctypes.byref(args))
+                                                                   emulated.LL_BLOCKS, emulated.LL_THREADS,
+                                                                   ctypes.byref(args))
                 assert status == 0, status
-                prev_lines, prev_flag = shape.lines, flag
                 if faults.any():
                     return wrong, [kernels.ll_fault(int(w)) for w in faults]
             want = interpreted(reference, collective, inputs, op, root)[rank]
@@ -250,6 +245,21 @@ def test_a_flag_stored_before_its_data_is_caught(tmp_path):
         assert any(wrong for wrong, _ in found.values()), (collective, found)
 
 
+STATE_STORE = "*state = ll_state(generation, args.signature, lines);"
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "broadcast"])
+def test_a_kernel_that_does_not_advance_its_state_is_caught(tmp_path, collective):
+    # The device-side generation broken: the state word is read but never
+    # written back, so every call is call 1 (set 1, flag F(1), no slot-reuse
+    # wait). Readers take the previous call's lines for this one's (wrong
+    # bits) or see another call's signature under the same generation (a
+    # mismatch fault), which the host reports.
+    library = emulated.library(broken_copy(tmp_path, STATE_STORE, "(void)lines;"))
+    found = run_ranks(library, 3, seed=23, calls=40, timeout_s=2.0, kinds=(collective,))
+    assert any(wrong or faults for wrong, faults in found.values()), found
+
+
 def nvrtc_library():
     """NVRTC from NVIDIA's wheels (the `test` extra brings it), by ctypes:
     CuPy's bindings need a GPU-capable install this test does not."""
@@ -293,7 +303,7 @@ def test_nvrtc_compiles_the_instances_the_cuda_device_asks_for(dtype, op):
 def test_the_cuda_adapter_launches_the_kernel_with_its_arguments_and_grid():
     # devices/cuda.py's launch_ll_allreduce on the dry stand-in for CuPy
     # (devices/dry_cuda.py): the struct reaches cuLaunchKernel whole, as
-    # its one parameter, over one line per thread up to the capacity.
+    # its one parameter, on the fixed grid: one line per thread at the capacity.
     from collectives.devices.dry_cuda import dry_devices
     dry, (device,) = dry_devices(1)
     launched = []
@@ -304,12 +314,15 @@ def test_the_cuda_adapter_launches_the_kernel_with_its_arguments_and_grid():
             (ctypes.c_char * ctypes.sizeof(kernels.LLAllreduceArgs)).from_address(pointer))))
 
     dry.cuda.driver.launchKernel = launch_kernel
-    args = kernels.LLAllreduceArgs(input=0x1000, output=0x2000, count=5, generation=7, flag=0x7abcd, rank=1,
-                                   nranks=2)
+    args = kernels.LLAllreduceArgs(input=0x1000, output=0x2000, count=5, signature=0xabcd, rank=1, nranks=2)
     args.areas[:2] = [0x10000, 0x20000]
     instance = kernels.ll_instance(np.dtype(np.float32), ReduceOp.SUM)
-    for lines in (3, 300, kernels.LL_MAX_BYTES // 8):
-        device.launch_ll_allreduce(device.current_stream(), instance, args, lines)
-    grids = [(grid, block) for grid, block, _ in launched]
-    assert grids == [((1, 1, 1), (32, 1, 1)), ((2, 1, 1), (256, 1, 1)), ((32, 1, 1), (256, 1, 1))]
-    assert all(bytes(sent) == bytes(args) for _, _, sent in launched)
+    for count in (3, 300, kernels.LL_MAX_BYTES // 4):
+        args.count = count
+        device.launch_ll_allreduce(device.current_stream(), instance, args)
+        assert bytes(launched[-1][2]) == bytes(args)
+    # One grid for every size: each thread keeps the rank's call count in a
+    # state word of its own, one per thread of this grid.
+    grids = {(grid, block) for grid, block, _ in launched}
+    assert grids == {((kernels.LL_GRID_BLOCKS, 1, 1), (kernels.LL_THREADS, 1, 1))}
+    assert kernels.LL_GRID_BLOCKS * kernels.LL_THREADS == kernels.LL_STATE_SLOTS == kernels.LL_MAX_BYTES // 8

@@ -3,7 +3,8 @@ through the communicator, each collective that takes the path, ranks in separate
 emulated devices (and on a GPU, marked `gpu`: all ranks share GPU 0, which
 needs MPS to run their kernels at once): the NumPy interpreter's bits for
 every dtype and op, a stalled or killed rank reported on every other rank,
-and a rank making a different call told so. The checks of each
+a rank making a different call told so, and calls captured in a CUDA graph
+(comm.graph()) replayed between direct calls. The checks of each
 rank are in tests/ll_worker.py; the kernel alone is tested in
 tests/test_ll_kernel.py.
 """
@@ -54,6 +55,26 @@ def test_on_a_gpu(scenario, collective):
     if gpu_unavailable_reason():
         pytest.skip(gpu_unavailable_reason())
     run_ranks(2 if scenario == "bits" else 3, scenario, device="cuda", collective=collective, limit=300)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_graph_replayed_between_direct_calls_gives_the_interpreters_bits(n):
+    # Several collectives in one graph, replayed 40 times with direct calls
+    # in between: the kernels count their calls in device memory.
+    run_ranks(n, "graph")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_that_stops_replaying_is_a_timeout_naming_it_on_every_other_rank(n):
+    run_ranks(n, "graph_stalled")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", ["graph", "graph_stalled"])
+def test_graphs_on_a_gpu(scenario):
+    if gpu_unavailable_reason():
+        pytest.skip(gpu_unavailable_reason())
+    run_ranks(2 if scenario == "graph" else 3, scenario, device="cuda", limit=300)
 
 
 @pytest.mark.parametrize("collective", ON_THE_PATH)

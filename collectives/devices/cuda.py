@@ -37,9 +37,10 @@ _PARAMETER_OFFSETS = (0, 8 * _WIDTH_WORD, 8 * _BUFFERS_WORD, 8 * _DIVISOR_WORD, 
 # rows in the low 4 bytes of the next word.
 _COPY_PARAMETER_OFFSETS = (0, 8)
 BLOCKS_PER_MULTIPROCESSOR = 2048 // kernels.STEP_THREADS
-# ll_allreduce: one line per thread up to LL_MAX_BLOCKS x LL_THREADS lines
-# (the capacity), a grid small enough for every rank's to be resident at once.
-LL_MAX_BLOCKS = 32
+# ll_allreduce: kernels.LL_GRID_BLOCKS x LL_THREADS threads on every call (a
+# fixed grid: each thread keeps the rank's call count in a state word of its
+# own), one line per thread at the capacity, small enough for every rank's
+# grid to be resident at once.
 # cudaHostRegister's flags and cudaDevAttrCanUseHostPointerForRegisteredMem.
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 1, 2
 _CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
@@ -85,6 +86,7 @@ class CudaDevice:
         self.name = self.array_location = f"cuda:{index}"
         self._device = cupy.cuda.Device(index)
         self.resident_blocks = self._device.attributes["MultiProcessorCount"] * BLOCKS_PER_MULTIPROCESSOR
+        self.ll_grid_threads = kernels.LL_STATE_SLOTS   # ll_allreduce's fixed grid: the state words it uses
         self._functions = {}   # StepInstance or kernels.COPY_INSTANCE -> CUfunction
         self._kernels = []
         self._defines = tuple(f"-D{name}={value}" for name, value in sorted((defines or {}).items()))
@@ -357,18 +359,27 @@ class CudaDevice:
         with self._device:
             self._cupy.cuda.runtime.hostUnregister(address)
 
-    def launch_ll_allreduce(self, stream, instance, args, lines):
-        """ll_allreduce<instance> over `lines` LL lines; `args`
-        (kernels.LLAllreduceArgs) is copied into the launch's parameters."""
+    def download(self, address, nbytes):
+        """`nbytes` of device memory at `address`, once the device is idle."""
+        out = np.empty(nbytes, np.uint8)
+        runtime = self._cupy.cuda.runtime
+        with self._device:
+            self._device.synchronize()
+            runtime.memcpy(out.ctypes.data, address, nbytes, runtime.memcpyDeviceToHost)
+        return out.tobytes()
+
+    def launch_ll_allreduce(self, stream, instance, args):
+        """ll_allreduce<instance> on its fixed grid; `args`
+        (kernels.LLAllreduceArgs) is copied into the launch's parameters
+        (while capturing, into the graph's node)."""
         function = self._functions.get(instance) or self._function(instance)
-        threads = min(kernels.LL_THREADS, -(-lines // 32) * 32)
-        blocks = min(-(-lines // threads), LL_MAX_BLOCKS)
         with self._launch_lock:
             if self._ll_parameters is None:
                 self._ll_parameters = kernels.LLAllreduceArgs()
                 self._ll_parameter_addresses = np.array([ctypes.addressof(self._ll_parameters)], np.uint64)
             ctypes.memmove(ctypes.addressof(self._ll_parameters), ctypes.addressof(args), ctypes.sizeof(args))
-            self._launch(function, (blocks, 1), threads, stream, self._ll_parameter_addresses.ctypes.data)
+            self._launch(function, (kernels.LL_GRID_BLOCKS, 1), kernels.LL_THREADS, stream,
+                         self._ll_parameter_addresses.ctypes.data)
 
     # -- graphs ------------------------------------------------------------------
 

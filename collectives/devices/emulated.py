@@ -40,7 +40,9 @@ from ..transport.segments import Segment
 
 RESIDENT_BLOCKS = 2  # a small grid: every emulated thread strides over more elements
 # ll_allreduce's grid: each thread's waits for its peers are a handshake
-# between processes, so few threads, each striding over many lines.
+# between processes, so few threads, each striding over many lines. The
+# same for every call, small or not: each thread keeps the rank's call
+# count in a state word of its own (kernels/ll_allreduce.cu).
 LL_BLOCKS, LL_THREADS = 2, 4
 
 
@@ -165,6 +167,7 @@ class EmulatedDevice:
         self.index = index
         self.name = f"emulated:{index}"
         self.resident_blocks = RESIDENT_BLOCKS
+        self.ll_grid_threads = LL_BLOCKS * LL_THREADS   # ll_allreduce's fixed grid: the state words it uses
         self.array_location = "host"  # NumPy arrays are this device's arrays
         self._library = library()
         self._default_stream = self.new_stream()
@@ -319,11 +322,16 @@ class EmulatedDevice:
     def unmap_host(self, address):
         pass
 
-    def launch_ll_allreduce(self, stream, instance, args, lines):
-        """ll_allreduce<instance> over `lines` LL lines; `args` is copied now
+    def download(self, address, nbytes):
+        """`nbytes` of device memory at `address`, once the work issued so far is done."""
+        _ENGINE.drain()
+        return ctypes.string_at(address, nbytes)
+
+    def launch_ll_allreduce(self, stream, instance, args):
+        """ll_allreduce<instance> on its fixed grid; `args` is copied now
         (kernels.LLAllreduceArgs), so the caller may change it at once."""
-        grid = (min(LL_BLOCKS, -(-lines // LL_THREADS)), min(LL_THREADS, lines))
-        stream.queue.append(("launch", self._run_ll, instance, grid, type(args).from_buffer_copy(args)))
+        stream.queue.append(("launch", self._run_ll, instance, (LL_BLOCKS, LL_THREADS),
+                             type(args).from_buffer_copy(args)))
 
     def _run_ll(self, instance, grid, args):
         status = self._library.collectives_emulated_ll_allreduce(instance.element_index, instance.op_code,
@@ -441,7 +449,8 @@ def _load(path):
     lib.collectives_emulated_ll_allreduce.restype = ctypes.c_int
     lib.collectives_emulated_ll_allreduce.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
                                                       ctypes.POINTER(kernels.LLAllreduceArgs)]
-    if tuple(lib.collectives_emulated_ll_layout(i) for i in range(4)) != (
-            kernels.LL_MAX_BYTES, kernels.LL_MAX_RANKS, LL_REGION_WORDS, ctypes.sizeof(kernels.LLAllreduceArgs)):
+    if tuple(lib.collectives_emulated_ll_layout(i) for i in range(6)) != (
+            kernels.LL_MAX_BYTES, kernels.LL_MAX_RANKS, LL_REGION_WORDS, ctypes.sizeof(kernels.LLAllreduceArgs),
+            kernels.LL_STATE_SLOTS, kernels.LL_THREADS):
         raise CollectiveError(f"{path} was built from other kernel sources (ll_allreduce); delete it and try again")
     return lib

@@ -21,7 +21,8 @@ A device-side protocol that would remove those waits is designed in
 docs/device-protocol.md; its first step, small calls of every collective as
 one kernel with no host in the loop (executors/ll_allreduce.py), runs here
 when $COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 (config.py): a call it takes
-returns as soon as its kernel is queued.
+returns as soon as its kernel is queued, and can be captured in a graph
+(Communicator.graph(): `capturable`, replay_graph).
 """
 
 from typing import NamedTuple, Optional, Tuple
@@ -89,6 +90,17 @@ class DeviceProcessRank:
         self._tables = {}      # (phase launch, workspace generations, input, output) -> buffer table
         self._ll = LLAllreduce(rank, size, prefix, device, self.group) \
             if config.resolve_one_kernel_allreduce() else None
+
+    @property
+    def capturable(self):
+        """Whether Communicator.graph() may capture calls: those of the
+        one-kernel path (the others refuse while capturing, in run)."""
+        return self._ll is not None
+
+    def replay_graph(self, graph):
+        """Graph.replay for these ranks: the one-kernel path orders the
+        replay after its previous call and reports a kernel that gave up."""
+        self._ll.replay_graph(graph)
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         ll = self._ll

@@ -6,13 +6,15 @@ whose input a rank publishes fits its LL slot set: LL_MAX_BYTES, see
 ACCEPTED) is one launch on the caller's current stream and returns at once:
 no event, no counter, no wait on a peer. The kernel reads the caller's
 input and writes its output directly; peers see only each rank's LL area.
-What the host does per call:
+The host does not count calls: the kernel does, in state words at the end
+of the rank's LL area (kernels/ll_allreduce.cu), so a call's launch has the
+same arguments every time it is made, and a CUDA graph of calls replays
+correctly, interleaved with direct calls in any way (Communicator.graph();
+replay_graph below). What the host does per call:
 
-* counts the call (its generation, the same on every rank because every
-  rank makes the same calls) and remembers how many lines it had (the
-  kernel's slot-reuse check looks at a line of the previous call);
 * orders the call after the previous one when the caller changed streams
-  (an event), since the kernel's argument rests on stream order;
+  (an event), since the kernel's argument rests on stream order (a graph's
+  replay likewise, once, before it; inside a graph the launches are in order);
 * reads every rank's fault word and the communicator's abort flag (host
   memory, the control segment's LL region) before and after the launch,
   and raises if a kernel gave up: CollectiveTimeoutError naming the peer a
@@ -89,9 +91,6 @@ class LLAllreduce:
         self._mapped = None                                 # the control segment's front, as kernels see it
         self._args = kernels.LLAllreduceArgs()
         self._calls = {}                                    # id(plan) -> _LLCall
-        self._generation = 0
-        self._prev_lines = 0
-        self._prev_flag = 0
         self._call = ""                                     # the last call's description, for errors
         self._stream = None
         self._event = device.new_event()
@@ -112,7 +111,22 @@ class LLAllreduce:
 
     @property
     def used(self):
-        return self._generation > 0
+        """Whether the LL area is set up: kernels may have run, or be queued."""
+        return self._own_area is not None
+
+    def generation(self):
+        """The rank's LL call count (mod 2**32), read from the device's state
+        words once its work is done (for tests and diagnostics; the host
+        keeps no count). Every word must agree: each thread of the grid
+        advanced its own."""
+        if self._own_area is None:
+            return 0
+        words = np.frombuffer(self.device.download(self._own_area.address + kernels.LL_STATE_OFFSET,
+                                                   8 * self.device.ll_grid_threads), np.uint64)
+        generations = {kernels.ll_state(int(word)).generation for word in words}
+        if len(generations) != 1:
+            raise CollectiveError(f"the one-kernel state words disagree: generations {sorted(generations)}")
+        return generations.pop()
 
     # -- a call -------------------------------------------------------------------
 
@@ -123,37 +137,56 @@ class LLAllreduce:
             call = self._prepare(plan)
         lines = call.shape.lines
         if lines == 0:
-            return   # nothing to exchange: not a generation (the kernel's prev_lines is never 0)
+            return   # nothing to exchange, and no launch: the state words would record 0 lines ("no call before")
         device = self.device
         stream = device.current_stream()
-        if device.is_capturing(stream):
-            raise InvalidUsageError(
-                f"a {plan.collective} between processes counts its calls on the host (each launch carries its "
-                "call number), so it cannot be captured in a CUDA graph; capture works for ranks in one process")
+        capturing = device.is_capturing(stream)
         if self._own_area is None:
+            if capturing:   # allocating and the peers' handshake cannot be captured
+                raise InvalidUsageError(
+                    f"graph: the first one-kernel {plan.collective} of a communicator sets up memory its peers "
+                    "open, which cannot be captured: make each call once before capturing it")
             try:
                 self._setup(deadline)
             except BaseException as error:   # the peers waiting for this rank's area learn of it at once
                 self.group.abort(f"{type(error).__name__}: {error}", error)
                 raise
-        if self._stream is not None and stream is not self._stream and \
-                getattr(stream, "ptr", stream) != getattr(self._stream, "ptr", self._stream):
-            device.record(self._event, self._stream)   # the previous call first (the kernel's stream order)
-            device.wait(stream, self._event)
-        self._stream = stream
+        if not capturing:   # a graph is ordered when it is replayed (replay_graph)
+            self._order_on(stream)
         self._timeout_s = max(deadline - time.perf_counter(), 0.0)
         args = self._args
         args.input, args.output, args.count = source, result, call.shape.count
-        args.collective, args.root = call.shape.collective, plan.root
-        generation = self._generation + 1
-        flag = kernels.ll_flag(generation, call.signature)
-        args.prev_lines, args.generation, args.flag, args.prev_flag = self._prev_lines, generation, flag, self._prev_flag
+        args.collective, args.root, args.signature = call.shape.collective, plan.root, call.signature
         args.timeout_ns = int(self._timeout_s * 1e9)
         args.divisor = call.divisor
-        self._call = call.description
-        device.launch_ll_allreduce(stream, call.instance, args, lines)
-        self._generation, self._prev_lines, self._prev_flag = generation, lines, flag
+        if not capturing:
+            self._call = call.description
+        device.launch_ll_allreduce(stream, call.instance, args)
         device.call_returned()   # the emulated device runs it now; a GPU keeps it queued
+        self.check()
+
+    def _order_on(self, stream):
+        """Order what runs next on `stream` after this rank's previous call
+        (the kernel's state words and slot reuse rest on stream order)."""
+        if self._stream is not None and stream is not self._stream and \
+                getattr(stream, "ptr", stream) != getattr(self._stream, "ptr", self._stream):
+            self.device.record(self._event, self._stream)
+            self.device.wait(stream, self._event)
+        self._stream = stream
+
+    def replay_graph(self, graph):
+        """Replay a captured graph (Graph.replay) on the current stream: its
+        one-kernel calls take their generations from the state words, so
+        they interleave with direct calls; a kernel that gave up is
+        reported as after a direct call (at once on the emulated device,
+        whose replay runs the graph; on a GPU at the next call or
+        synchronize())."""
+        self.check()
+        device = self.device
+        if self._own_area is not None:
+            self._order_on(device.current_stream())
+            self._call = "a call of a replayed graph"
+        device.replay(graph)
         self.check()
 
     def _prepare(self, plan):

@@ -2,6 +2,9 @@
 // the same library as launch.cpp (collectives/devices/emulated.py). Every
 // (block, thread) of the grid runs in turn, which is exact: a thread waits
 // only for the same thread of its peers, which run in their own processes.
+// The grid must be the same on every call of a rank (the kernel's state
+// words, one per thread: see its header); devices/emulated.py launches
+// LL_BLOCKS x LL_THREADS always.
 
 #include "../ll_allreduce.cu"
 
@@ -45,15 +48,19 @@ long long collectives_emulated_ll_layout(int what) {
         case 1: return collectives::kLLMaxRanks;
         case 2: return collectives::kLLRegionWords;
         case 3: return sizeof(LLAllreduceArgs);
+        case 4: return collectives::kLLStateSlots;
+        case 5: return collectives::kLLThreads;
         default: return -1;
     }
 }
 
 // Runs ll_allreduce<element, op> over `blocks` x `threads`. Returns 0, or
-// -1 for an unknown element, -2 for an unknown op, -3 for an empty grid.
+// -1 for an unknown element, -2 for an unknown op, -3 for an empty grid or
+// one with more threads than state words.
 int collectives_emulated_ll_allreduce(int element, int op, unsigned blocks, unsigned threads,
                                       const LLAllreduceArgs* args) {
-    if (blocks == 0 || threads == 0) return -3;
+    if (blocks == 0 || threads == 0 ||
+        static_cast<long long>(blocks) * threads > collectives::kLLStateSlots) return -3;
     int index = 0;
 #define COLLECTIVES_DISPATCH(Element) \
     if (element == index++) return run_ll_for_op<collectives::Element>(op, blocks, threads, *args);
