@@ -458,10 +458,13 @@ def ll_shape(collective, nranks, count, itemsize):
 
 
 def ll_signature(count, dtype, op, collective="allreduce", root=0):
-    """16 bits that differ (but for one in 65536) between calls of another
-    collective, count, dtype, op or root: the low half of each LL flag."""
+    """16 bits that differ (but for one in 65535) between calls of another
+    collective, count, dtype, op or root: the low half of each LL flag.
+    Never 0: a call whose generation is a multiple of 65536 would otherwise
+    have flag 0, which is also what a line nobody ever wrote holds (zeroed
+    memory), so a reader would take the zeros for that call's data."""
     text = f"{collective} {count} {np.dtype(dtype).name} {int(OP_CODES[op])} {op} {root}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=2).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(text, digest_size=2).digest(), "little") % 0xFFFF + 1
 
 
 class LLState(NamedTuple):

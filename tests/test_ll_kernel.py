@@ -326,3 +326,21 @@ def test_the_cuda_adapter_launches_the_kernel_with_its_arguments_and_grid():
     grids = {(grid, block) for grid, block, _ in launched}
     assert grids == {((kernels.LL_GRID_BLOCKS, 1, 1), (kernels.LL_THREADS, 1, 1))}
     assert kernels.LL_GRID_BLOCKS * kernels.LL_THREADS == kernels.LL_STATE_SLOTS == kernels.LL_MAX_BYTES // 8
+
+
+def test_a_signature_is_never_zero(monkeypatch):
+    """A flag is (generation mod 2^16) << 16 | signature: with a zero
+    signature, every 65536th call's flag would be 0, the value of a line
+    nobody wrote. A hash of 0 is mapped elsewhere; others stay distinct."""
+    class ZeroHash:
+        def __init__(self, text, digest_size):
+            self.digest_size = digest_size
+
+        def digest(self):
+            return bytes(self.digest_size)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(kernels.hashlib, "blake2b", ZeroHash)
+        assert kernels.ll_signature(8, np.float32, ReduceOp.SUM) != 0
+    signatures = {kernels.ll_signature(count, np.float32, ReduceOp.SUM) for count in range(1, 2000)}
+    assert 0 not in signatures and max(signatures) <= 0xFFFF and len(signatures) > 1900
