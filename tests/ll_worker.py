@@ -79,14 +79,17 @@ def on_host(array):
 
 def takes_the_path(comm, collective, x_bytes, root, algorithm):
     """Whether a call should run as one kernel, by the rule the executor
-    must follow, worked out here apart from it: the `direct` plan (the one
-    `auto` picks, or named), and what a rank publishes (its x: all its
-    blocks for reduce_scatter, laid out per block) fits in LL_MAX_BYTES."""
+    must follow, worked out here apart from it: a plan whose bits are the
+    `direct` plan's (direct itself, picked by `auto` or named; any plan of
+    allgather and broadcast, which only copy; any plan of 2 ranks, one
+    commutative fold), and what a rank publishes (its x: all its blocks for
+    reduce_scatter, laid out per block) fits in LL_MAX_BYTES."""
     if algorithm == "auto":
         algorithm = comm.chosen_algorithm(collective, x_bytes, root=root)
     blocks = comm.size if collective == "reduce_scatter" else 1
     published = blocks * -(-(x_bytes // blocks) // 8) * 8
-    return algorithm == "direct" and published <= kernels.LL_MAX_BYTES and x_bytes > 0
+    direct_bits = algorithm == "direct" or collective in ("allgather", "broadcast") or comm.size == 2
+    return direct_bits and published <= kernels.LL_MAX_BYTES and x_bytes > 0
 
 
 class Checker:
@@ -125,7 +128,12 @@ class Checker:
         else:
             result = comm.reduce(x, root=root, op=op, algorithm=algorithm)
         got = on_host(result)
-        want = self.expected(collective, inputs, op, root, "direct" if algorithm == "auto" else algorithm)[r]
+        # The plan `auto` picks on the host reference: on the path the kernel
+        # must give that plan's bits too (the path takes only plans whose
+        # bits are direct's).
+        picked = comm.chosen_algorithm(collective, elements * dtype.itemsize, root=root) \
+            if algorithm == "auto" else algorithm
+        want = self.expected(collective, inputs, op, root, picked)[r]
         case = f"{collective} {dtype} {op} count={count} in_place={in_place} algorithm={algorithm} root={root}"
         assert got.tobytes() == want.tobytes(), f"{case}: {got[:6]} != {want[:6]}"
         if takes_the_path(comm, collective, elements * dtype.itemsize, root, algorithm):
@@ -157,9 +165,9 @@ def scenario_bits(comm):
     group = comm._ranks.group   # noqa: SLF001
     counter = int(group._rows[comm.rank, COUNTER])   # noqa: SLF001
     n = comm.size
-    # The collective under test names its algorithm where `auto` would not
-    # pick `direct` (allgather and reduce_scatter for 2 ranks: ring).
-    algorithm = "direct" if comm.chosen_algorithm(COLLECTIVE, 8) != "direct" else "auto"
+    # `auto`, as users call: for 2 ranks it picks ring for allgather and
+    # reduce_scatter, whose bits are direct's there, and which the path takes.
+    algorithm = "auto"
     ops = OPS if COLLECTIVE in ("allreduce", "reduce_scatter", "reduce") else OPS[:1]
     with collectives.Communicator.local(n) as reference:
         check = Checker(comm, reference)
@@ -265,7 +273,7 @@ def scenario_graph(comm):
             for call in calls:
                 call.issue()
             try:   # the step protocol waits on the host between phases: refused, nothing captured
-                comm.allreduce(on_device(np.ones(5000, np.float32)), algorithm="ring")
+                comm.allreduce(on_device(np.ones(kernels.LL_MAX_BYTES // 4 + 1000, np.float32)), algorithm="ring")
                 raise AssertionError("a step-protocol call was captured")
             except InvalidUsageError as error:
                 assert "cannot be captured" in str(error), error

@@ -1,7 +1,7 @@
 """The one-kernel collectives of small messages between GPU ranks in
 separate processes: kernels/ll_allreduce.cu, with no host in the loop.
 
-A call that fits (a collective the `direct` plan would run, uncompressed,
+A call that fits (a plan whose bits are the `direct` plan's, uncompressed,
 whose input a rank publishes fits its LL slot set: LL_MAX_BYTES, see
 ACCEPTED) is one launch on the caller's current stream and returns at once:
 no event, no counter, no wait on a peer. The kernel reads the caller's
@@ -63,6 +63,17 @@ WATCHDOG_PERIOD_S = 0.05
 ACCEPTED = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT})
 
 
+def same_bits_as_direct(plan):
+    """Whether every algorithm's plan of this call gives the `direct` plan's
+    bits, which are the kernel's (each element folded in rank order in one
+    accumulator): the direct plan itself; allgather and broadcast, which
+    only copy; and a reduction of 2 ranks, whose one fold of two operands
+    is commutative (sum and prod exactly; max and min by the one tie rule).
+    `auto` gives 2 ranks' allgather and reduce_scatter the ring (a tie in
+    the model), which would otherwise miss this path."""
+    return plan.algorithm == "direct" or plan.collective in (ALLGATHER, BROADCAST) or plan.nranks == 2
+
+
 class _LLCall(NamedTuple):
     plan: object
     shape: kernels.LLShape
@@ -99,13 +110,13 @@ class LLAllreduce:
         self._stop = threading.Event()
 
     def accepts(self, plan):
-        """Whether `plan`'s call runs here: a `direct` plan of ACCEPTED (whose
-        fold, rank order in one accumulator, the kernel's is), uncompressed,
-        small. A plan run here before is known (a dictionary lookup per call)."""
+        """Whether `plan`'s call runs here: a plan of ACCEPTED whose bits are
+        the kernel's (same_bits_as_direct), uncompressed, small. A plan run
+        here before is known (a dictionary lookup per call)."""
         call = self._calls.get(id(plan))
         if call is not None and call.plan is plan:
             return True
-        return (plan.collective in ACCEPTED and plan.algorithm == "direct" and plan.compression is None
+        return (plan.collective in ACCEPTED and same_bits_as_direct(plan) and plan.compression is None
                 and plan.nranks <= kernels.LL_MAX_RANKS
                 and kernels.ll_shape(plan.collective, plan.nranks, plan.count, plan.dtype.itemsize).fits)
 
