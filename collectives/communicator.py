@@ -339,7 +339,7 @@ class Communicator:
         unknown collective or an argument it does not take.
         """
         self._check_open()
-        op, out, root, algorithm, compression = prepared.call_arguments(collective, arguments)
+        op, out, root, algorithm, compression = prepared.call_arguments(self, collective, arguments)
         checked = self._checked(collective, x, op, out, root, algorithm, compression)
         return prepared.PreparedCall(self, collective, x, arguments, checked)
 

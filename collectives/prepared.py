@@ -23,37 +23,34 @@ exchange with their peers, not the checks, and their fast paths (the
 compiled loop of host ranks, the one-kernel path of GPU ranks) stay theirs.
 """
 
+import inspect
 import time
 
-from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT
+from .algorithms.schedule import ALLGATHER, COLLECTIVES
 from .errors import InvalidUsageError
 
-# The keyword arguments each collective takes (its Communicator method's),
-# with their defaults.
-ARGUMENTS = {
-    ALLREDUCE: {"op": "sum", "out": None, "algorithm": "auto", "compression": None},
-    REDUCE_SCATTER: {"op": "sum", "out": None, "algorithm": "auto"},
-    ALLGATHER: {"out": None, "algorithm": "auto"},
-    BROADCAST: {"root": 0, "algorithm": "auto"},
-    REDUCE_TO_ROOT: {"root": 0, "op": "sum", "algorithm": "auto"},
-}
 
-
-def call_arguments(collective, arguments):
-    """`arguments` completed with the collective's defaults, as
-    (op, out, root, algorithm, compression); InvalidUsageError for an
-    unknown collective or an argument it does not take."""
-    if collective not in ARGUMENTS:
+def call_arguments(comm, collective, arguments):
+    """`arguments` completed with the defaults of the collective's method
+    (whose signature is the one list of what it takes), as (op, out, root,
+    algorithm, compression); InvalidUsageError for an unknown collective or
+    an argument the method does not take."""
+    if collective not in COLLECTIVES:
         raise InvalidUsageError(
-            f"collective: unknown collective {collective!r}; expected one of {', '.join(ARGUMENTS)}")
-    taken = ARGUMENTS[collective]
+            f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVES)}")
+    taken = taken_arguments(type(comm), collective)
     unknown = sorted(set(arguments) - set(taken))
     if unknown:
         raise InvalidUsageError(
             f"{unknown[0]}: {collective} takes no {unknown[0]!r} argument; it takes {', '.join(taken)}")
-    given = {**taken, **arguments}
-    return (given.get("op", "sum"), given.get("out"), given.get("root", 0), given["algorithm"],
-            given.get("compression"))
+    given = {"op": "sum", "out": None, "root": 0, "compression": None, **taken, **arguments}
+    return given["op"], given["out"], given["root"], given["algorithm"], given["compression"]
+
+
+def taken_arguments(kind, collective):
+    """{name: default} of the arguments after `x` of `kind`'s method `collective`."""
+    parameters = list(inspect.signature(getattr(kind, collective)).parameters.values())[2:]   # self, x
+    return {p.name: p.default for p in parameters}
 
 
 class PreparedCall:
@@ -97,9 +94,9 @@ class PreparedCall:
             comm._check_open()
         if comm._busy:
             comm._check_idle()
-        if self._plain:
-            return getattr(comm, self._collective)(self._x, **self._arguments)
-        if self._bound:
+        if self._plain:   # its results are the arrays kept here (a reduce_scatter's block, as a new view)
+            getattr(comm, self._collective)(self._x, **self._arguments)
+        elif self._bound:
             self._bound.run(self._arrays)
         else:   # no bound form (compressed plans): the ranks' run, with the descriptions made once
             comm._ranks.run(self._plan, self._inputs, self._outputs, self._input_infos, self._output_infos,

@@ -128,7 +128,9 @@ def scenario_prepared(comm):
     step = comm.prepare("allreduce", x, op="avg")
     gather = comm.prepare("allgather", gathered_from)
     reduce = comm.prepare("reduce", x, root=n - 1, op="max")
-    first_gathered = None
+    blocks = on_rank(np.zeros(n * 4, np.int32))
+    scatter = comm.prepare("reduce_scatter", blocks)   # in place: the result is a view of this rank's block
+    first_gathered = first_block = None
     for k in range(3):
         inputs = [random_floats(q + 10 * k, 1000) for q in range(n)]
         x[...] = on_rank(inputs[r])
@@ -142,6 +144,12 @@ def scenario_prepared(comm):
         x[...] = on_rank(inputs[r])
         reduce()
         check(x, np.max(inputs, axis=0) if r == n - 1 else inputs[r], f"prepared reduce {k}")
+        blocks[...] = on_rank(np.arange(n * 4, dtype=np.int32) * (r + 1) + k)
+        block = scatter()
+        first_block = block if first_block is None else first_block
+        assert block is first_block
+        check(block, (np.arange(n * 4, dtype=np.int32) * (n * (n + 1) // 2) + n * k)[r * 4:(r + 1) * 4],
+              f"prepared reduce_scatter {k}")
     comm.barrier()
 
 

@@ -31,7 +31,7 @@ def shapes(collective, n):
 
 def arguments(collective, outs, op, root, algorithm):
     """The collective's keyword arguments (prepare takes the method's)."""
-    taken = collectives.prepared.ARGUMENTS[collective]
+    taken = collectives.prepared.taken_arguments(collectives.Communicator, collective)
     given = {"op": op, "out": outs, "root": root, "algorithm": algorithm}
     return {name: value for name, value in given.items() if name in taken and value is not None}
 
@@ -50,6 +50,7 @@ def test_a_prepared_call_gives_the_plain_calls_bits_call_after_call(ranks, colle
         xs = [np.empty(in_shape, dtype) for _ in range(n)]
         outs = [np.empty(out_shape, dtype) for _ in range(n)] if out_given else None
         step = comm.prepare(collective, xs, **arguments(collective, outs, op, root, algorithm))
+        assert step._bound, "ranks in this process issue the bound launches, not the plain call"
         results = []
         for _ in range(3):
             values = [random_values(rng, dtype, in_shape) for _ in range(n)]
