@@ -68,9 +68,14 @@ def same_bits_as_direct(plan):
     bits, which are the kernel's (each element folded in rank order in one
     accumulator): the direct plan itself; allgather and broadcast, which
     only copy; and a reduction of 2 ranks, whose one fold of two operands
-    is commutative (sum and prod exactly; max and min by the one tie rule).
-    `auto` gives 2 ranks' allgather and reduce_scatter the ring (a tie in
-    the model), which would otherwise miss this path."""
+    is commutative (sum and prod exactly; max and min by the one tie rule;
+    avg divides once either way). `auto` gives 2 ranks' allgather and
+    reduce_scatter the ring (a tie in the model), which would otherwise
+    miss this path. One exception, in NaN payloads only: where both
+    operands are NaN, the emulated device's sum keeps the first operand's
+    payload, so a plan folding rank 1 first (ring) and the kernel may give
+    NaNs of different payloads; a GPU gives its one canonical NaN either
+    way, and results are compared as NaN (design: NaN compared as NaN)."""
     return plan.algorithm == "direct" or plan.collective in (ALLGATHER, BROADCAST) or plan.nranks == 2
 
 
