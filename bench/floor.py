@@ -9,9 +9,12 @@ unless --in-place), and the two floors it is judged against:
     call      comm.allreduce(xs, out=outs): the plain call, repeated
     prepared  comm.prepare("allreduce", ...)(): checked once, issued bare
     graph     that call captured once with comm.graph(), replayed
-    launch    the floor of a small call: an empty kernel launch (a CuPy
-              RawKernel with an empty body; on the emulated device, which
-              has no launch cost to speak of, not measured)
+    launch    the floor of a small call: an empty kernel's launch through
+              the driver (cuLaunchKernel, as the library launches; on the
+              emulated device, which has no launch cost to speak of, not
+              measured)
+    cupy_launch  the same kernel launched by calling CuPy's RawKernel,
+              the yardstick issue 25 names ("an empty CuPy launch")
     copy      the floor of a large call: one device-to-device copy of the
               bytes the allreduce must move on one device, every input read
               once and every output written once (ranks x S bytes copied;
@@ -38,7 +41,11 @@ from bench import cli
 from bench.environment import command_line, device_environment, git_commit
 from bench.harness import parse_size
 
-METHODS = ("call", "prepared", "graph", "launch", "copy")
+METHODS = ("call", "prepared", "graph", "launch", "cupy_launch", "copy")
+
+
+class WrongResult(Exception):
+    """An allreduce that did not give NumPy's result: a failure, not a row."""
 
 
 class Device:
@@ -50,6 +57,7 @@ class Device:
             import cupy
             self.xp = cupy
             self._empty = cupy.RawKernel('extern "C" __global__ void empty() {}', "empty")
+            self._empty.compile()
         else:
             self.xp = np
             self._empty = None
@@ -66,7 +74,16 @@ class Device:
             self.xp.cuda.get_current_stream().synchronize()
 
     def empty_launch(self):
-        """An empty kernel's launch, or None where there is no such floor."""
+        """An empty kernel's launch through the driver, as devices/cuda.py
+        launches ours (one cuLaunchKernel, no argument packing), or None
+        where there is no such floor."""
+        if self._empty is None:
+            return None
+        launch_kernel, function, cuda = self.xp.cuda.driver.launchKernel, self._empty.kernel.ptr, self.xp.cuda
+        return lambda: launch_kernel(function, 1, 1, 1, 1, 1, 1, 0, cuda.get_current_stream().ptr, 0, 0)
+
+    def cupy_launch(self):
+        """The same kernel launched by calling CuPy's RawKernel, or None."""
         if self._empty is None:
             return None
         kernel = self._empty
@@ -100,10 +117,10 @@ def measure_size(comm, device, nbytes, args):
     keywords = {} if outs is None else {"out": outs}
     results = comm.allreduce(xs, **keywords)
     comm.synchronize()
-    want = np.sum(inputs, axis=0, dtype=np.float32)
+    want = expected(inputs)
     wrong = sum(int(np.count_nonzero(device.to_host(r) != want)) for r in results)
     if wrong:
-        raise SystemExit(f"bench.floor: {wrong} wrong elements at {nbytes} bytes per rank")
+        raise WrongResult(f"{wrong} wrong elements at {4 * count} bytes per rank")
     step = comm.prepare("allreduce", xs, **keywords)
     step()
     with comm.graph() as graph:
@@ -111,7 +128,8 @@ def measure_size(comm, device, nbytes, args):
     floor_src = device.array(np.zeros(n * count, np.float32))
     floor_dst = device.array(np.zeros(n * count, np.float32))
     issues = {"call": lambda: comm.allreduce(xs, **keywords), "prepared": step, "graph": graph.replay,
-              "launch": device.empty_launch(), "copy": device.copy(floor_dst, floor_src)}
+              "launch": device.empty_launch(), "cupy_launch": device.cupy_launch(),
+              "copy": device.copy(floor_dst, floor_src)}
     issues = {name: issue for name, issue in issues.items() if issue is not None}
     for issue in issues.values():   # warm-up: kernels loaded, caches made
         time_per_call(issue, 2, device.synchronize)
@@ -120,6 +138,11 @@ def measure_size(comm, device, nbytes, args):
         for name, issue in issues.items():
             seconds[name].append(time_per_call(issue, args.calls, device.synchronize))
     return {name: statistics.median(values) for name, values in seconds.items()}, step.algorithm
+
+
+def expected(inputs):
+    """Their float32 sum (small integers: exact in any order)."""
+    return np.sum(inputs, axis=0, dtype=np.float32)
 
 
 def row_of(nbytes, medians, algorithm):
@@ -179,13 +202,13 @@ def main(argv=None):
     print(f"# bench.floor: {args.ranks} ranks on one {args.device} device, float32 sum, "
           f"{'in place' if args.in_place else 'out of place'}; µs per call, medians of {args.rounds} rounds "
           f"of {args.calls} calls", flush=True)
-    print(f"# {'bytes':>9s} {'algorithm':>10s} " + " ".join(f"{m:>9s}" for m in METHODS)
+    print(f"# {'bytes':>9s} {'algorithm':>10s} " + " ".join(f"{m.replace('cupy_launch', 'cupy ln'):>9s}" for m in METHODS)
           + f" {'call/ln':>8s} {'prep/ln':>8s} {'copy/call':>8s}", flush=True)
     rows = []
     with collectives.Communicator.local(args.ranks, devices=devices) as comm:
         for nbytes in args.sizes:
             medians, algorithm = measure_size(comm, device, nbytes, args)
-            rows.append(row_of(nbytes, medians, algorithm))
+            rows.append(row_of(4 * max(nbytes // 4, 1), medians, algorithm))   # whole float32 elements
             print_row(rows[-1])
     report = {"command": command_line("bench.floor", argv), "environment": {
         **device_environment(args.device), "git_commit": git_commit(), "ranks": args.ranks,
@@ -197,4 +220,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except WrongResult as error:
+        cli.fail("python -m bench.floor", error)

@@ -298,7 +298,11 @@ def main(argv=None):
     floor_argv = ["--device", args.device, "--ranks", str(args.ranks)]
     if args.device == "cuda":
         floor_argv += ["-b", "4", "-e", args.maxbytes]
-    report["against_floor"] = floor.main(floor_argv)
+    try:
+        report["against_floor"] = floor.main(floor_argv)
+    except floor.WrongResult as error:   # recorded and failed, but the sections after it still run
+        print(f"# bench.floor FAILED: {error}", flush=True)
+        report["against_floor"] = {"error": str(error)}
 
     print(f"# 4. one rank per process: {args.processes} processes sharing the device", flush=True)
     report["processes"], report["processes_sharing"] = run_processes(args)
@@ -311,7 +315,7 @@ def main(argv=None):
     print(f"# wrote {args.output_file}")
     failed = (report.get("gpu_tests", {}).get("returncode", 0) not in (0, 5)) or code != 0 \
         or any(run["returncode"] != 0 for run in report["processes"].values()) \
-        or report["ours_vs_nccl"].get("returncode", 0) != 0
+        or report["ours_vs_nccl"].get("returncode", 0) != 0 or "error" in report["against_floor"]
     print("# gpu_check " + ("FAILED" if failed else "passed"))
     return 1 if failed else 0
 

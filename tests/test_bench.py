@@ -154,10 +154,10 @@ def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
     assert [r["sources"] for r in report["kernel_bandwidth"]] == [1, 2, 4]
     assert all(r["step_GBps"] > 0 and r["copy_GBps"] > 0 for r in report["kernel_bandwidth"])
     assert report["allreduce"] and all(r["out_of_place"]["wrong"] == 0 for r in report["allreduce"])
-    floor = report["against_floor"]["rows"]   # bench.floor: checked sizes, every method but the GPU's launch
+    floor = report["against_floor"]["rows"]   # bench.floor: checked sizes, every method but the GPU's launches
     assert [r["bytes"] for r in floor] == [4, 16, 64, 256, 1024, 4096, 16384, 65536]
     assert all(r["call_us"] > 0 and r["prepared_us"] > 0 and r["graph_us"] > 0 and r["copy_us"] > 0
-               and r["launch_us"] is None for r in floor)
+               and r["launch_us"] is None and r["cupy_launch_us"] is None for r in floor)
     assert report["environment"]["device"].startswith("emulated")
     processes = report["processes"]
     assert all(run["returncode"] == 0 for run in processes.values()), processes
@@ -176,15 +176,16 @@ def test_the_floor_benchmark_checks_every_size_and_saves_its_rows(tmp_path):
                          "--calls", "2", "--rounds", "1", "-J", str(path)])
     assert json.loads(path.read_text()) == report
     assert report["command"].startswith("python -m bench.floor --device emulated")
-    assert [r["bytes"] for r in report["rows"]] == [5, 40, 320, 2560]
+    assert [r["bytes"] for r in report["rows"]] == [4, 40, 320, 2560]   # whole float32 elements (-b 5: one)
     assert all(r["algorithm"] == "direct" and r["copy_over_call"] > 0 for r in report["rows"])
 
 
 def test_the_floor_benchmark_stops_on_a_wrong_result(monkeypatch):
-    """A wrong allreduce is a failure, not a row."""
+    """A wrong allreduce is a failure, not a row (gpu_check records the
+    error, fails, and still runs its later sections)."""
     from bench import floor
-    monkeypatch.setattr(floor.np, "sum", lambda arrays, axis, dtype: np.full(len(arrays[0]), 99, dtype))
-    with pytest.raises(SystemExit, match="wrong elements"):
+    monkeypatch.setattr(floor, "expected", lambda inputs: np.full(len(inputs[0]), 99, np.float32))
+    with pytest.raises(floor.WrongResult, match="wrong elements at 64 bytes"):
         floor.main(["--device", "emulated", "--ranks", "2", "-b", "64", "-e", "64", "--calls", "1", "--rounds", "1"])
 
 
