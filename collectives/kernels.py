@@ -386,6 +386,7 @@ LL_MAX_RANKS = 64          # kLLMaxRanks: ranks whose LL areas the arguments nam
 LL_MAX_BYTES = 64 << 10    # kLLMaxBytes: payload of one call
 LL_LINE_BYTES = 16         # 8 payload bytes and two 32-bit flags
 LL_SLOT_SETS = 2
+LL_SCRUB_PERIOD = 1 << 14  # kLLScrubPeriod: calls between scrubs of a slot set's unpublished lines
 LL_STATE_OFFSET = LL_SLOT_SETS * (LL_MAX_BYTES // 8) * LL_LINE_BYTES   # bytes: the slot sets, then the state
 LL_AREA_BYTES = LL_STATE_OFFSET + 8 * LL_STATE_SLOTS   # one rank's area
 LL_FAULT_TIMED_OUT, LL_FAULT_STOPPED, LL_FAULT_MISMATCH = 1, 2, 3   # enum LLFault

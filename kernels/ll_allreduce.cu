@@ -108,9 +108,17 @@
 // calls g - 2, g, g + 2, ...; flags are compared for equality with g, and a
 // rank writes call g + 2 only after step 1 of g + 2 saw this reader's line
 // of call g + 1 in the other set, i.e. after this reader finished call g
-// (stream order, below). The generation half wraps after 2^16 calls; only
-// equality is ever tested, and a set's old lines carry g - 2, never equal
-// to g modulo 2^16.
+// (stream order, below). The generation half wraps after 2^16 calls and
+// only equality is ever tested, so no line of a set may be 2^16 calls old
+// (nor, for step 1's "call g + 1", 2^16 - 1): line i of set g % 2 holds
+// the last call of that parity that had more than i lines, which could be
+// any age, or never written (zero). The scrub bounds it: in the calls g
+// with g mod kLLScrubPeriod < 2, one per set, every thread of the grid,
+// after step 1, also overwrites the set's lines that the call does not
+// publish with the flag of generation g - 2 and signature 0 (no call's
+// signature is 0: kernels.ll_signature), so no line is ever more than
+// kLLScrubPeriod + 2 < 2^15 calls old. Step 1 makes the scrub as safe as
+// step 2's stores (below); no reader of this call reads those lines.
 //
 // Why overwriting set g % 2 in step 2 is safe (the slot-reuse argument):
 // the set's previous contents (call g - 2) are read only by the peers'
@@ -189,6 +197,7 @@ constexpr long long kLLMaxBytes = 64 << 10;   // payload per call (kernels.py: L
 constexpr long long kLLLines = kLLMaxBytes / 8;  // lines per slot set: 8 payload bytes each
 constexpr int kLLLineWords = 2;            // 64-bit words per line
 constexpr int kLLSlotSets = 2;             // calls alternate between them
+constexpr unsigned kLLScrubPeriod = 1u << 14;   // calls between scrubs of a set's unpublished lines (header)
 constexpr long long kLLStateOffset = kLLSlotSets * kLLLines * kLLLineWords;   // words: the state after the sets
 static_assert(kLLLines < (1 << 16), "a state word keeps a call's lines in 16 bits");
 constexpr int kLLSpinPolls = 64;           // polls before the first clock read and sleep
@@ -423,9 +432,11 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_allreduce(const LLAllreduceA
     const unsigned generation = static_cast<unsigned>(last) + 1;
     const long long prev_lines = static_cast<long long>(last >> 48);   // 0: no call before
     *state = ll_state(generation, args.signature, lines);
-    if (first >= lines) return;
+    const bool scrub = (generation & (kLLScrubPeriod - 1)) < static_cast<unsigned>(kLLSlotSets);
+    if (first >= lines && !scrub) return;
     const unsigned flag = ll_flag(generation, args.signature);
     const int set = static_cast<int>(generation % kLLSlotSets);
+    const int chunks = args.collective == kLLReduceScatter ? args.nranks : 1;
     LLWatch watch(args, generation);
 
     // 1. The peers are done with this set (see the header: at once, in order).
@@ -437,8 +448,16 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_allreduce(const LLAllreduceA
             if (p != args.rank && !watch.acquire(p, previous, probe, prev_flag, generation + 1)) return;
     }
 
+    // 1b. The scrub (see the header): the lines past what this call
+    // publishes get an old flag, so none is ever 2^15 calls old.
+    if (scrub) {
+        const unsigned long long old_tag = static_cast<unsigned long long>(ll_flag(generation - kLLSlotSets, 0)) << 32;
+        for (long long i = chunks * lines + first; i < kLLLines; i += stride)
+            sys_store_line(ll_line(args.areas[args.rank], set, i), old_tag, old_tag);
+        if (first >= lines) return;
+    }
+
     // 2. Publish this thread's lines: its line j of every chunk.
-    const int chunks = args.collective == kLLReduceScatter ? args.nranks : 1;
     const unsigned long long tag = static_cast<unsigned long long>(flag) << 32;
     for (long long j = first; j < lines; j += stride) {
         for (int c = 0; c < chunks; ++c) {

@@ -344,3 +344,97 @@ def test_a_signature_is_never_zero(monkeypatch):
         assert kernels.ll_signature(8, np.float32, ReduceOp.SUM) != 0
     signatures = {kernels.ll_signature(count, np.float32, ReduceOp.SUM) for count in range(1, 2000)}
     assert 0 not in signatures and max(signatures) <= 0xFFFF and len(signatures) > 1900
+
+
+class TwoRanksInThreads:
+    """Two ranks' LL areas in one process, each rank's kernel launched from
+    a thread of its own (ctypes lets go of the GIL, so they run at once),
+    and the host's state words set by hand to jump ahead in generations."""
+
+    SMALL = ("allreduce", np.dtype(np.float32), 1)   # the calls jumped over: 1-element allreduces
+
+    def __init__(self, library):
+        self.library, self.n = library, 2
+        self.areas = np.zeros(self.n * kernels.LL_AREA_BYTES // 8, np.uint64)
+        self.control = np.zeros(1 + self.n * LL_REGION_WORDS, np.int64)
+
+    def signature(self, collective, dtype, count):
+        return kernels.ll_signature(count, dtype, ReduceOp.SUM, collective, 0)
+
+    def jump(self, generation):
+        """Every rank as after calls generation - 1 and generation, both
+        1-element allreduces: the state words, and line 0 of each set."""
+        words_per_area, lines_per_set = kernels.LL_AREA_BYTES // 8, kernels.LL_MAX_BYTES // 8
+        signature = self.signature(*self.SMALL)
+        for q in range(self.n):
+            base = q * words_per_area
+            for g in (generation - 1, generation):
+                tag = (((g & 0xFFFF) << 16) | signature) << 32
+                line = base + (g % kernels.LL_SLOT_SETS) * lines_per_set * 2
+                self.areas[line:line + 2] = (tag | 0x3F800000, tag)
+            state = base + kernels.LL_STATE_OFFSET // 8
+            self.areas[state:state + emulated.LL_BLOCKS * emulated.LL_THREADS] = \
+                generation | signature << 32 | 1 << 48
+
+    def launch(self, rank, x, out, timeout_s):
+        args = kernels.LLAllreduceArgs()
+        args.areas[:self.n] = [self.areas.ctypes.data + q * kernels.LL_AREA_BYTES for q in range(self.n)]
+        args.abort_word, args.faults = self.control.ctypes.data, self.control.ctypes.data + 8
+        args.rank, args.nranks, args.timeout_ns = rank, self.n, int(timeout_s * 1e9)
+        args.input, args.output, args.count = x.ctypes.data, out.ctypes.data, x.size
+        args.collective, args.root, args.divisor = kernels.LL_COLLECTIVES.index("allreduce"), 0, 0
+        args.signature = self.signature("allreduce", x.dtype, x.size)
+        instance = kernels.ll_instance(x.dtype, ReduceOp.SUM)
+        assert self.library.collectives_emulated_ll_allreduce(
+            instance.element_index, instance.op_code, emulated.LL_BLOCKS, emulated.LL_THREADS, ctypes.byref(args)) == 0
+
+    def allreduce(self, inputs, absent_rank=None, timeout_s=5.0):
+        """The ranks' allreduce of `inputs` (but rank `absent_rank`'s, which
+        never comes); their outputs, and the fault words."""
+        import threading
+        outs = [np.zeros_like(x) for x in inputs]
+        threads = [threading.Thread(target=self.launch, args=(q, inputs[q], outs[q], timeout_s))
+                   for q in range(self.n) if q != absent_rank]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        return outs, [kernels.ll_fault(int(w)) for w in self.control[1:].reshape(self.n, -1)[:, LL_FAULT] if w]
+
+
+def test_no_line_gets_old_enough_to_pass_for_the_current_call():
+    """A flag keeps 16 bits of the generation. A 20-element allreduce as
+    call 65536 leaves lines 1..9 of slot set 0 that no 1-element call
+    touches; as call 131072 the same allreduce has the same flag there, and
+    a rank ahead of its late peer would take those lines for the peer's
+    data (and lines never written, zero, would look like a different call
+    as call 65536). The scrub (every LL_SCRUB_PERIOD calls, the unpublished
+    lines of each set get an old flag) must make it wait instead (here:
+    until it gives up, as its peer never comes).
+    Generations are jumped over by hand, never across a scrub: real calls
+    make the scrubs the jumps land between."""
+    ranks = TwoRanksInThreads(emulated.library())
+    small = [np.ones(1, np.float32), np.ones(1, np.float32)]
+
+    def small_calls_across_a_scrub(scrubbed):   # set 0 is scrubbed at `scrubbed`, set 1 at the next call
+        ranks.jump(scrubbed - 2)
+        for _ in range(4):
+            outs, faults = ranks.allreduce(small)
+            assert not faults and all((o == 2).all() for o in outs), (scrubbed, faults)
+
+    ranks.jump(9)   # the 20-element call early on too: without a scrub, its lines would still be there
+    outs, faults = ranks.allreduce([np.full(20, 5, np.float32), np.full(20, 5, np.float32)])
+    assert not faults and all((o == 10).all() for o in outs), faults
+    small_calls_across_a_scrub(3 * kernels.LL_SCRUB_PERIOD)   # 49152
+    ranks.jump(65535)
+    outs, faults = ranks.allreduce([np.full(20, 1, np.float32), np.full(20, 2, np.float32)])
+    assert not faults and all((o == 3).all() for o in outs), faults
+    small_calls_across_a_scrub(5 * kernels.LL_SCRUB_PERIOD)   # 81920
+    ranks.jump(131070)
+    assert not ranks.allreduce(small)[1]
+    # Rank 1 never makes the call: rank 0 must time out waiting for it, and
+    # take no line of rank 1's for this call's (10 + 2: call 65536's).
+    outs, faults = ranks.allreduce([np.full(20, 10, np.float32), np.full(20, 20, np.float32)], absent_rank=1,
+                                   timeout_s=0.3)
+    assert [(f.reason, f.peer) for f in faults] == [(kernels.LL_FAULT_TIMED_OUT, 1)], faults
+    assert not (outs[0] == 12).any(), f"rank 0 took 65536-calls-old lines for its absent peer's: {outs[0]}"
