@@ -343,6 +343,48 @@ class Communicator:
         checked = self._checked(collective, x, op, out, root, algorithm, compression)
         return prepared.PreparedCall(self, collective, x, arguments, checked)
 
+    def alloc(self, shape, dtype="float32"):
+        """Arrays for collectives that read and write the peers' arrays in
+        place ("symmetric memory", NCCL's registered buffers): every rank
+        calls alloc with the same shape and dtype, in the same order.
+
+            x = comm.alloc(1 << 25, "float32")   # on every rank
+            x[...] = ...
+            comm.allreduce(x)                      # in place, no workspace copies
+
+        On GPU ranks in separate processes with the one-kernel path on
+        (COLLECTIVES_ONE_KERNEL_ALLREDUCE=1), a call whose input and output
+        both lie in this memory, at the same place on every rank, runs as a
+        barrier, one pass of the step kernel over the peers' arrays and a
+        barrier, with no host in the loop (executors/symmetric.py); calls
+        small enough for the one-kernel path take it as before. Elsewhere
+        (ranks in one process already read each other's arrays; host ranks)
+        it returns plain arrays of the ranks' kind. Contents are undefined
+        until written, like numpy.empty. The memory is the communicator's:
+        do not use it after close() for collectives.
+
+        shape    an int or a sequence of ints
+        dtype    a supported dtype (collectives.SUPPORTED_DTYPES)
+
+        Returns one array per local rank: a list where this process has
+        several ranks, else the array (NumPy, or CuPy on a GPU).
+
+        Raises InvalidUsageError for a bad shape or dtype, where the
+        communicator is closed, or where ranks ask for different sizes
+        (every rank raises); CollectiveTimeoutError where a rank does not
+        call alloc within the timeout.
+        """
+        self._check_open()
+        self._check_idle()
+        shape, dtype = validation.allocation(shape, dtype)
+        allocate = getattr(self._ranks, "allocate_symmetric", None)
+        if allocate is not None:   # one rank per process
+            return allocate(shape, dtype, self.allgather)
+        devices = getattr(self._ranks, "rank_devices", None)
+        made = [device.empty(shape, dtype) for device in devices] if devices else \
+            [np.empty(shape, dtype) for _ in self.local_ranks]
+        return made if len(made) > 1 else made[0]
+
     def allreduce_many(self, arrays, op="sum", fusion_threshold=fusion.DEFAULT_THRESHOLD, compression=None,
                        algorithm="auto"):
         """Allreduce every array of `arrays` in place, fused into few calls.

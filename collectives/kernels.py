@@ -388,8 +388,18 @@ LL_LINE_BYTES = 16         # 8 payload bytes and two 32-bit flags
 LL_SLOT_SETS = 2
 LL_SCRUB_PERIOD = 1 << 14  # kLLScrubPeriod: calls between scrubs of a slot set's unpublished lines
 LL_STATE_OFFSET = LL_SLOT_SETS * (LL_MAX_BYTES // 8) * LL_LINE_BYTES   # bytes: the slot sets, then the state
-LL_AREA_BYTES = LL_STATE_OFFSET + 8 * LL_STATE_SLOTS   # one rank's area
+LL_BARRIER_OFFSET = LL_STATE_OFFSET + 8 * LL_STATE_SLOTS   # bytes: ll_barrier's word (symmetric calls)
+LL_AREA_BYTES = LL_BARRIER_OFFSET + 16   # one rank's area (16: the barrier word, padded)
 LL_FAULT_TIMED_OUT, LL_FAULT_STOPPED, LL_FAULT_MISMATCH = 1, 2, 3   # enum LLFault
+
+
+class LLBarrierInstance(NamedTuple):
+    """ll_barrier, not a template: its one instance (as COPY_INSTANCE)."""
+    name_expression: str = "collectives::ll_barrier"
+    source: str = "ll_allreduce.cu"
+
+
+LL_BARRIER_INSTANCE = LLBarrierInstance()
 
 
 class LLInstance(NamedTuple):
@@ -492,5 +502,10 @@ class LLFault(NamedTuple):
 def ll_fault(word):
     word &= (1 << 64) - 1
     code = (word >> 24) & 0xff
-    return LLFault(word & 0xff, ((word >> 8) & 0xffff) - 1, word >> 32,
-                   LL_COLLECTIVES[code] if code < len(LL_COLLECTIVES) else f"collective {code}")
+    # ll_barrier's faults (calls on symmetric memory) add SYMMETRIC_FAULT_CODE.
+    symmetric, index = divmod(code, 16)
+    if index < len(LL_COLLECTIVES) and symmetric in (0, 1):
+        name = LL_COLLECTIVES[index] + (" on symmetric memory" if symmetric else "")
+    else:
+        name = f"collective {code}"
+    return LLFault(word & 0xff, ((word >> 8) & 0xffff) - 1, word >> 32, name)

@@ -283,3 +283,24 @@ def root_rank(root, size):
     if not 0 <= value < size:
         raise InvalidUsageError(f"root: {value} is out of range; this communicator's ranks are 0 to {size - 1}")
     return value
+
+
+def allocation(shape, dtype):
+    """Communicator.alloc's (shape as a tuple of ints, np.dtype), or
+    InvalidUsageError naming the argument."""
+    from .ops import BFLOAT16, SUPPORTED_DTYPES
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise InvalidUsageError(f"shape: expected an int or a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise InvalidUsageError(f"shape: dimensions must be >= 0, got {dims}")
+    try:
+        kind = BFLOAT16 if str(dtype) == "bfloat16" else np.dtype(dtype)
+    except TypeError:
+        kind = None
+    if kind is None or (kind.name not in SUPPORTED_DTYPES and kind != BFLOAT16):
+        raise InvalidUsageError(f"dtype: {dtype!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return dims, kind

@@ -199,6 +199,7 @@ constexpr int kLLLineWords = 2;            // 64-bit words per line
 constexpr int kLLSlotSets = 2;             // calls alternate between them
 constexpr unsigned kLLScrubPeriod = 1u << 14;   // calls between scrubs of a set's unpublished lines (header)
 constexpr long long kLLStateOffset = kLLSlotSets * kLLLines * kLLLineWords;   // words: the state after the sets
+constexpr long long kLLBarrierOffset = kLLStateOffset + kLLStateSlots;   // words: ll_barrier's word after the state
 static_assert(kLLLines < (1 << 16), "a state word keeps a call's lines in 16 bits");
 constexpr int kLLSpinPolls = 64;           // polls before the first clock read and sleep
 constexpr int kLLCheckEvery = 16;          // polls between clock and abort checks after that
@@ -266,6 +267,9 @@ __device__ __forceinline__ unsigned long long sys_load_relaxed(const unsigned lo
 }
 __device__ __forceinline__ void sys_store_relaxed(unsigned long long* p, unsigned long long v) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void sys_store_release(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ unsigned long long clock_ns() {
     unsigned long long t;
@@ -354,6 +358,23 @@ struct LLWatch {
                 record(kLLMismatch, rank);
                 return false;
             }
+            if (!keep_waiting(rank)) return false;
+        }
+    }
+
+    // Wait, with an acquire, until `rank`'s barrier word has reached `phase`
+    // (ll_barrier, below); a word at `phase` with another signature is a
+    // peer making a different call.
+    __device__ bool reached(int rank, unsigned phase, unsigned signature) {
+        const unsigned long long* p = reinterpret_cast<const unsigned long long*>(args.areas[rank]) + kLLBarrierOffset;
+        for (;;) {
+            const unsigned long long word = sys_load_acquire(p);
+            const int ahead = static_cast<int>(static_cast<unsigned>(word) - phase);   // wraps with the count
+            if (ahead == 0 && static_cast<unsigned>(word >> 32) != signature) {
+                record(kLLMismatch, rank);
+                return false;
+            }
+            if (ahead >= 0) return true;
             if (!keep_waiting(rank)) return false;
         }
     }
@@ -506,6 +527,48 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_allreduce(const LLAllreduceA
         }
         store_word<S>(args.output, args.count, j, result);
     }
+}
+
+// The barrier of a call on symmetric memory (collectives/executors/
+// symmetric.py), where every rank's step kernel reads its peers' inputs and
+// writes their outputs directly, with no copy through a workspace. A call
+// is three launches on the caller's stream:
+//
+//     ll_barrier   enter: every peer has reached this call, so its input
+//                  holds the call's data and nothing of its still reads its
+//                  output (its stream got here)
+//     plan_step    this rank's share: fold chunk r of every rank's input,
+//                  store it to every rank's output (collective by collective:
+//                  symmetric.py)
+//     ll_barrier   leave: every peer is done with this rank's input and
+//                  output, so the caller's next work on its stream may
+//                  write the one and read the other
+//
+// One thread, one 64-bit word per rank after its LL state words (zeroed
+// with the area): bits 0..31 a count of barrier phases, bits 32..63 the
+// call's 32-bit signature (a hash of the collective, sizes, dtype, op, root
+// and the arrays' places in symmetric memory: symmetric.py). Phase 2g - 1
+// enters call g, phase 2g leaves it. The thread reads its own word (its one
+// writer: the rank's previous barrier, before it on the stream, as the LL
+// state words), stores phase p = that + 1 with a release at system scope,
+// after a system fence that puts the step kernel before it on the stream
+// (its stores into peers' outputs, its loads of their inputs) ahead of the
+// word; then waits, with acquires, until every peer's count is at least p.
+// A peer's count is never more than p + 1: to store p + 2 it must have seen
+// this rank's p + 1. So "at least p" is a signed difference of the 32-bit
+// counts, which wrap harmlessly; a peer at exactly p with another
+// signature made a different call (a mismatch, as the LL lines report it).
+// A peer already at p + 1 compared its signature with this rank's p itself.
+// Timeouts, the abort flag and the fault word are the LL kernel's (LLWatch).
+__global__ void __launch_bounds__(32, 1) ll_barrier(const LLAllreduceArgs args) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    unsigned long long* mine = reinterpret_cast<unsigned long long*>(args.areas[args.rank]) + kLLBarrierOffset;
+    const unsigned phase = static_cast<unsigned>(sys_load_relaxed(mine)) + 1;
+    LLWatch watch(args, (phase + 1) / 2);   // the call's number, for the fault word
+    __threadfence_system();
+    sys_store_release(mine, phase | static_cast<unsigned long long>(args.signature) << 32);
+    for (int p = 0; p < args.nranks; ++p)
+        if (p != args.rank && !watch.reached(p, phase, args.signature)) return;
 }
 
 }  // namespace collectives

@@ -135,6 +135,29 @@ class CudaDevice:
             with self._device:
                 self._cupy.cuda.runtime.ipcCloseMemHandle(memory.address)
 
+    def wrap_shared(self, memory, shape, dtype):
+        """A CuPy array of `shape` and `dtype` at the start of our own shared
+        memory (symmetric memory: Communicator.alloc); it holds the
+        allocation, which is freed once it and release_shared let go."""
+        cupy = self._cupy
+        with self._device:
+            return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory.owner, 0))
+
+    def empty(self, shape, dtype):
+        """A CuPy array on this GPU."""
+        with self._device:
+            return self._cupy.empty(shape, dtype)
+
+    def from_host(self, array):
+        """A CuPy copy of a NumPy array on this GPU."""
+        with self._device:
+            return self._cupy.asarray(array)
+
+    def to_host(self, array):
+        """A NumPy copy of a CuPy array (after the current stream's work)."""
+        with self._device:
+            return self._cupy.asnumpy(array)
+
     def upload(self, array):
         with self._device:
             copy = self._cupy.asarray(np.ascontiguousarray(array))
@@ -372,14 +395,21 @@ class CudaDevice:
         """ll_allreduce<instance> on its fixed grid; `args`
         (kernels.LLAllreduceArgs) is copied into the launch's parameters
         (while capturing, into the graph's node)."""
+        self._launch_with_args(instance, (kernels.LL_GRID_BLOCKS, 1), kernels.LL_THREADS, stream, args)
+
+    def launch_ll_barrier(self, stream, args):
+        """ll_barrier, one thread; `args` is copied into the launch's parameters."""
+        self._launch_with_args(kernels.LL_BARRIER_INSTANCE, (1, 1), 32, stream, args)
+
+    def _launch_with_args(self, instance, grid, threads, stream, args):
+        """Launch a kernel whose one parameter is an LLAllreduceArgs."""
         function = self._functions.get(instance) or self._function(instance)
         with self._launch_lock:
             if self._ll_parameters is None:
                 self._ll_parameters = kernels.LLAllreduceArgs()
                 self._ll_parameter_addresses = np.array([ctypes.addressof(self._ll_parameters)], np.uint64)
             ctypes.memmove(ctypes.addressof(self._ll_parameters), ctypes.addressof(args), ctypes.sizeof(args))
-            self._launch(function, (kernels.LL_GRID_BLOCKS, 1), kernels.LL_THREADS, stream,
-                         self._ll_parameter_addresses.ctypes.data)
+            self._launch(function, grid, threads, stream, self._ll_parameter_addresses.ctypes.data)
 
     # -- graphs ------------------------------------------------------------------
 

@@ -191,6 +191,25 @@ class EmulatedDevice:
     def release_shared(self, memory, own):
         memory.release(own)
 
+    def wrap_shared(self, memory, shape, dtype):
+        """An array of `shape` and `dtype` at the start of shared memory
+        (symmetric memory: Communicator.alloc). It keeps the mapping alive:
+        release_shared leaves a mapping with views to its last view."""
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(memory.segment.buf, dtype, count).reshape(shape)
+
+    def empty(self, shape, dtype):
+        """An array of this device's ranks (NumPy: the emulated device's memory is the host's)."""
+        return np.empty(shape, dtype)
+
+    def from_host(self, array):
+        """A copy of a NumPy array as an array of this device's ranks."""
+        return np.array(array)
+
+    def to_host(self, array):
+        """A NumPy copy of an array of this device's ranks, once the work on it is done."""
+        return np.array(array)
+
     def upload(self, array):
         memory = EmulatedMemory(array.nbytes)
         memory.array[:] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
@@ -339,6 +358,13 @@ class EmulatedDevice:
         if status != 0:
             raise CollectiveError(f"the emulated ll_allreduce rejected {instance} (status {status})")
 
+    def launch_ll_barrier(self, stream, args):
+        """ll_barrier (one thread); `args` is copied now."""
+        stream.queue.append(("launch", self._run_ll_barrier, None, (1, 1), type(args).from_buffer_copy(args)))
+
+    def _run_ll_barrier(self, _, grid, args):
+        self._library.collectives_emulated_ll_barrier(ctypes.byref(args))
+
     # -- graphs: what is queued while capturing is recorded, not run --------------
 
     def begin_capture(self):
@@ -447,10 +473,12 @@ def _load(path):
     lib.collectives_emulated_ll_layout.restype = ctypes.c_longlong
     lib.collectives_emulated_ll_layout.argtypes = [ctypes.c_int]
     lib.collectives_emulated_ll_allreduce.restype = ctypes.c_int
+    lib.collectives_emulated_ll_barrier.restype = ctypes.c_int
+    lib.collectives_emulated_ll_barrier.argtypes = [ctypes.POINTER(kernels.LLAllreduceArgs)]
     lib.collectives_emulated_ll_allreduce.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
                                                       ctypes.POINTER(kernels.LLAllreduceArgs)]
-    if tuple(lib.collectives_emulated_ll_layout(i) for i in range(6)) != (
+    if tuple(lib.collectives_emulated_ll_layout(i) for i in range(7)) != (
             kernels.LL_MAX_BYTES, kernels.LL_MAX_RANKS, LL_REGION_WORDS, ctypes.sizeof(kernels.LLAllreduceArgs),
-            kernels.LL_STATE_SLOTS, kernels.LL_THREADS):
+            kernels.LL_STATE_SLOTS, kernels.LL_THREADS, kernels.LL_BARRIER_OFFSET // 8):
         raise CollectiveError(f"{path} was built from other kernel sources (ll_allreduce); delete it and try again")
     return lib

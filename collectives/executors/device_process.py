@@ -38,6 +38,7 @@ from ..plan import NSRC, SCRATCH, SRC0, SRC_BUF, SRC_RANK, WORK
 from ..transport.protocol import ProcessGroup, describe_call
 from .device import grid_for
 from .ll_allreduce import LLAllreduce
+from .symmetric import SymmetricCalls
 
 
 class PhaseLaunch(NamedTuple):
@@ -90,6 +91,7 @@ class DeviceProcessRank:
         self._tables = {}      # (phase launch, workspace generations, input, output) -> buffer table
         self._ll = LLAllreduce(rank, size, prefix, device, self.group) \
             if config.resolve_one_kernel_allreduce() else None
+        self._symmetric = SymmetricCalls(rank, size, prefix, device, self._ll) if self._ll is not None else None
 
     @property
     def capturable(self):
@@ -102,12 +104,26 @@ class DeviceProcessRank:
         replay after its previous call and reports a kernel that gave up."""
         self._ll.replay_graph(graph)
 
+    def allocate_symmetric(self, shape, dtype, exchange):
+        """Communicator.alloc: an array in symmetric memory (executors/
+        symmetric.py) where the one-kernel path is on; else a plain array of
+        the device, on which calls take the step protocol."""
+        if self._symmetric is None:
+            return self.device.empty(shape, dtype)
+        return self._symmetric.allocate(shape, dtype, exchange)
+
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         ll = self._ll
         if ll is not None:
-            if ll.accepts(plan):
+            if ll.accepts(plan):   # small: one launch, whatever memory the arrays are in
                 ll.run(plan, input_infos[0].address, output_infos[0].address, deadline)
                 return
+            symmetric = self._symmetric
+            if symmetric.allocations:
+                arrays = symmetric.accepts(plan, input_infos[0], output_infos[0])
+                if arrays is not None:
+                    symmetric.run(plan, arrays, deadline)
+                    return
             if ll.used:
                 ll.check()   # a kernel of an earlier call gave up: this call must not wait for it
         entry = self._programs.get(id(plan))
@@ -243,6 +259,7 @@ class DeviceProcessRank:
             self.device.synchronize()
         finally:
             if self._ll is not None:
+                self._symmetric.release()
                 self._ll.close()
             self._tables.clear()
             self._programs.clear()

@@ -104,6 +104,7 @@ class LLAllreduce:
         self._flags = Counters(self._words)
         self._own_area = None
         self._peer_areas = {}                               # rank -> opened memory
+        self._peer_memory = []                              # peers' symmetric memory, opened here
         self._mapped = None                                 # the control segment's front, as kernels see it
         self._args = kernels.LLAllreduceArgs()
         self._calls = {}                                    # id(plan) -> _LLCall
@@ -157,31 +158,52 @@ class LLAllreduce:
         device = self.device
         stream = device.current_stream()
         capturing = device.is_capturing(stream)
-        if self._own_area is None:
-            if capturing:   # allocating and the peers' handshake cannot be captured
-                raise InvalidUsageError(
-                    f"graph: the first one-kernel {plan.collective} of a communicator sets up memory its peers "
-                    "open, which cannot be captured: make each call once before capturing it")
-            try:
-                self._setup(deadline)
-            except BaseException as error:   # the peers waiting for this rank's area learn of it at once
-                self.group.abort(f"{type(error).__name__}: {error}", error)
-                raise
+        self.ensure_setup(deadline, capturing, plan.collective)
         if not capturing:   # a graph is ordered when it is replayed (replay_graph)
-            self._order_on(stream)
-        self._timeout_s = max(deadline - time.perf_counter(), 0.0)
+            self.order_on(stream)
+            self._call = call.description
         args = self._args
         args.input, args.output, args.count = source, result, call.shape.count
         args.collective, args.root, args.signature = call.shape.collective, plan.root, call.signature
-        args.timeout_ns = int(self._timeout_s * 1e9)
+        args.timeout_ns = self.set_timeout(deadline)
         args.divisor = call.divisor
-        if not capturing:
-            self._call = call.description
         device.launch_ll_allreduce(stream, call.instance, args)
         device.call_returned()   # the emulated device runs it now; a GPU keeps it queued
         self.check()
 
-    def _order_on(self, stream):
+    def ensure_setup(self, deadline, capturing, collective):
+        """Set up the LL area at the first call (this one, or the first on
+        symmetric memory: executors/symmetric.py, whose barrier word it holds)."""
+        if self._own_area is not None:
+            return
+        if capturing:   # allocating and the peers' handshake cannot be captured
+            raise InvalidUsageError(
+                f"graph: the first one-kernel {collective} of a communicator sets up memory its peers "
+                "open, which cannot be captured: make each call once before capturing it")
+        try:
+            self._setup(deadline)
+        except BaseException as error:   # the peers waiting for this rank's area learn of it at once
+            self.group.abort(f"{type(error).__name__}: {error}", error)
+            raise
+
+    def set_timeout(self, deadline):
+        """The call's timeout, kept for its error message: in ns, as kernels take it."""
+        self._timeout_s = max(deadline - time.perf_counter(), 0.0)
+        return int(self._timeout_s * 1e9)
+
+    def describe_call(self, description):
+        """What a fault on this rank's own call names (a direct call's)."""
+        self._call = description
+
+    def args_copy(self):
+        """The kernels' arguments as set up (areas, abort and fault words, ranks)."""
+        return type(self._args).from_buffer_copy(self._args)
+
+    def hold_peer_memory(self, opened):
+        """Unmap a peer's memory at close, with the LL areas (symmetric memory)."""
+        self._peer_memory.append(opened)
+
+    def order_on(self, stream):
         """Order what runs next on `stream` after this rank's previous call
         (the kernel's state words and slot reuse rest on stream order)."""
         if self._stream is not None and stream is not self._stream and \
@@ -200,7 +222,7 @@ class LLAllreduce:
         self.check()
         device = self.device
         if self._own_area is not None:
-            self._order_on(device.current_stream())
+            self.order_on(device.current_stream())
             self._call = "a call of a replayed graph"
         device.replay(graph)
         self.check()
@@ -235,7 +257,8 @@ class LLAllreduce:
             mine = f": {self._call}" if rank == self.rank else ""
             error = InvalidUsageError(
                 f"rank {fault.peer} made a different call from rank {rank}'s one-kernel {fault.collective} "
-                f"#{fault.generation}{mine} (another collective, count, dtype, op or root); every rank must "
+                f"#{fault.generation}{mine} (another collective, count, dtype, op or root, or another place in "
+                "symmetric memory); every rank must "
                 "make the same calls in the same order")
             self.group.abort(f"{type(error).__name__}: {error}", error)
             raise error
@@ -320,9 +343,10 @@ class LLAllreduce:
             self._watchdog.join(timeout=1.0)
             self._watchdog = None
         device = self.device
-        for opened in self._peer_areas.values():
+        for opened in [*self._peer_areas.values(), *self._peer_memory]:
             device.release_shared(opened, own=False)
         self._peer_areas.clear()
+        self._peer_memory.clear()
         if self._own_area is not None:
             device.release_shared(self._own_area, own=True)
             self._own_area = None

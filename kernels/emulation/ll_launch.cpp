@@ -50,6 +50,7 @@ long long collectives_emulated_ll_layout(int what) {
         case 3: return sizeof(LLAllreduceArgs);
         case 4: return collectives::kLLStateSlots;
         case 5: return collectives::kLLThreads;
+        case 6: return collectives::kLLBarrierOffset;
         default: return -1;
     }
 }
@@ -67,6 +68,16 @@ int collectives_emulated_ll_allreduce(int element, int op, unsigned blocks, unsi
     COLLECTIVES_FOR_EACH_ELEMENT(COLLECTIVES_DISPATCH)
 #undef COLLECTIVES_DISPATCH
     return -1;
+}
+
+// Runs ll_barrier: its one thread (a barrier of a call on symmetric memory).
+int collectives_emulated_ll_barrier(const LLAllreduceArgs* args) {
+    gridDim = dim3(1, 1, 1);
+    blockDim = dim3(1, 1, 1);
+    blockIdx = uint3{0, 0, 0};
+    threadIdx = uint3{0, 0, 0};
+    collectives::ll_barrier(*args);
+    return 0;
 }
 
 }  // extern "C"

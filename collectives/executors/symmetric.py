@@ -1,0 +1,311 @@
+"""Collectives on symmetric memory between GPU ranks in separate processes:
+each rank's kernel reads its peers' inputs and writes their outputs where
+they lie, with no copy into or out of a workspace and no host in the loop
+(NCCL's registered buffers, PyTorch's symmetric memory).
+
+Symmetric memory is what Communicator.alloc(shape, dtype) returns: every
+rank allocates the same bytes of IPC-shareable device memory, the ranks
+exchange the handles by an allgather, and each maps every peer's. So an
+array at offset o of allocation k on one rank has a twin at offset o of
+allocation k on every rank, and a rank knows its address on each peer.
+
+A call runs here when its input and output both lie in symmetric memory
+and its plan's bits are the `direct` plan's (same_bits_as_direct), with no
+compression. It is three launches on the caller's stream:
+
+    ll_barrier  enter: every peer has reached the call (kernels/ll_allreduce.cu)
+    plan_step   this rank's share, below, on the peers' memory
+    ll_barrier  leave: every peer is done with this rank's arrays
+
+Rank r's share, in one plan_step table of the op-table format (plan.py),
+with n ranks, a message of C elements cut into n chunks at 16-byte
+boundaries (plan.chunk_bounds), chunk r = [lo, hi):
+
+    allreduce       fold chunk r of every rank's input, in rank order, and
+                    store it to chunk r of every rank's output (one row per
+                    output; plan_step reads the sources once for all of them)
+    reduce          the same, stored to the root's output only
+    broadcast       copy chunk r of the root's input to every output
+    reduce_scatter  fold block r of every input; store it to r's own output
+    allgather       copy r's input to block r of every output
+
+Every element is read and written by one thread of one rank, which reads all
+its sources before it stores: so an output may be its input (in place) or
+hold it (reduce_scatter's own block, allgather's). Each rank reads about
+the message and writes about the message: for ranks sharing one GPU every
+input is read once and every output written once, the memory floor. Every
+rank folds in rank order with one accumulator (the REDUCE_FINAL rows of the
+`direct` plan), so results are the NumPy interpreter's bits.
+
+The barriers' signature (32 bits of a hash of the collective, counts, dtype,
+op, root and where input and output lie in symmetric memory) makes a rank
+whose call differs (another allocation or offset included) a mismatch that
+every rank raises as InvalidUsageError. A rank that passes arrays outside
+symmetric memory while its peers pass symmetric ones takes another path:
+both sides time out (CollectiveTimeoutError), as with any two different
+paths. Timeouts, a dead peer, graphs and stream order are the LL path's
+(executors/ll_allreduce.py), whose area holds the barrier word.
+"""
+
+import hashlib
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from .. import kernels
+from ..algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT, REDUCING_COLLECTIVES
+from ..binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP
+from ..errors import InvalidUsageError
+from ..ops import ReduceOp
+from ..plan import SRC0, chunk_bounds
+from ..transport.protocol import describe_call
+from .device import fan_out, grid_for
+from .ll_allreduce import ACCEPTED, same_bits_as_direct
+
+# The barrier's fault word names the collective as LL_COLLECTIVES's index
+# plus this (kernels.ll_fault decodes it), so that an error says which path.
+SYMMETRIC_FAULT_CODE = 16
+HANDLE_PAYLOAD = 8 + 64   # what a rank shares of an allocation: its byte count, its handle
+
+# Whose arrays a rank's share touches (share_rows): peers read every input
+# but allgather's (each rank copies its own), and write every output but
+# reduce_scatter's (each rank folds its own block). Those arrays must lie in
+# symmetric memory, at the same place on every rank; the others may lie
+# anywhere on the rank's device, at any place.
+PEERS_READ_INPUT = frozenset({ALLREDUCE, REDUCE_SCATTER, BROADCAST, REDUCE_TO_ROOT})
+PEERS_WRITE_OUTPUT = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_TO_ROOT})
+
+
+class Allocation(NamedTuple):
+    index: int                     # the communicator's k-th symmetric allocation, the same on every rank
+    own: object                    # this rank's memory (device.allocate_shared)
+    nbytes: int
+    addresses: Tuple[int, ...]     # every rank's memory, as mapped in this process
+
+
+class Place(NamedTuple):
+    allocation: Allocation
+    offset: int                    # bytes from its start
+
+
+class _Arrays(NamedTuple):
+    """Where a call's arrays lie: in symmetric memory where peers reach them."""
+    source: Optional[Place]        # the input, where peers read it (None: allgather's, read by its rank only)
+    result: Optional[Place]        # the output, where peers write it (None: reduce_scatter's)
+    input_address: int
+    output_address: int
+
+    @property
+    def key(self):
+        """What a prepared call depends on (Places hold their allocation's tuple)."""
+        where = [(place.allocation.index, place.offset) if place else None for place in (self.source, self.result)]
+        return (*where, self.input_address if self.source is None else 0,
+                self.output_address if self.result is None else 0)
+
+
+class _SymmetricCall(NamedTuple):
+    plan: object
+    instance: kernels.StepInstance
+    divisor: int
+    table: object                  # rank r's rows, in device memory; None: no rows (an empty share)
+    width: int
+    grid: tuple
+    fanout: int
+    addresses: np.ndarray          # the BufferTable: every rank's INPUT and OUTPUT
+    signature: int
+    description: str
+
+
+def share_rows(collective, nranks, rank, root, count, itemsize, op_kind, in_place):
+    """Rank `rank`'s rows (plan.py's op-table format) of a call on symmetric
+    memory; `count` is plan.count (the message; reduce_scatter's input,
+    allgather's output: n blocks). `in_place`: the output is the input (or,
+    for allgather, holds it as block `rank`): a copy onto itself is left out."""
+    rows = []
+
+    def row(destination, kind, elements, dst_offset, sources):
+        rows.append([destination, kind, elements, OUTPUT, dst_offset, len(sources)]
+                    + [field for source in sources for field in source])
+
+    everyone = range(nranks)
+    if collective in (REDUCE_SCATTER, ALLGATHER):
+        block = count // nranks
+        if block == 0:
+            return np.zeros((0, SRC0 + 3), np.int64)
+        if collective == REDUCE_SCATTER:
+            row(rank, op_kind, block, 0, [(q, INPUT, rank * block) for q in everyone])
+        else:
+            for d in everyone:
+                if not (in_place and d == rank):
+                    row(d, COPY_OP, block, rank * block, [(rank, INPUT, 0)])
+    else:
+        lo, hi = chunk_bounds(collective, nranks, nranks, count, itemsize)[rank]
+        if hi > lo:
+            if collective == BROADCAST:
+                for d in everyone:
+                    if not (in_place and d == root):
+                        row(d, COPY_OP, hi - lo, lo, [(root, INPUT, lo)])
+            else:
+                sources = [(q, INPUT, lo) for q in everyone]
+                for d in (everyone if collective == ALLREDUCE else (root,)):
+                    row(d, op_kind, hi - lo, lo, sources)
+    width = max((len(r) for r in rows), default=SRC0 + 3)
+    table = np.full((len(rows), width), -1, np.int64)
+    for i, r in enumerate(rows):
+        table[i, :len(r)] = r
+    return table
+
+
+def signature(plan, arrays):
+    """32 bits of the call and where its arrays lie in symmetric memory
+    (the same on every rank, or the call differs): the barrier word's high half."""
+    where = arrays.key[:2]
+    text = f"{describe_call(plan)} {plan.count} {plan.root} {where}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little")
+
+
+class SymmetricCalls:
+    """This rank's symmetric memory and the calls on it, for a DeviceProcessRank
+    whose one-kernel path (`ll`, an LLAllreduce) is on."""
+
+    def __init__(self, rank, size, prefix, device, ll):
+        self.rank, self.size, self.prefix = rank, size, prefix
+        self.device, self.ll = device, ll
+        self.allocations = []
+        self._calls = {}               # (id(plan), places) -> _SymmetricCall
+        self._args = None              # the barriers' kernels.LLAllreduceArgs, made at the first call
+
+    # -- memory ---------------------------------------------------------------
+
+    def allocate(self, shape, dtype, exchange):
+        """Communicator.alloc on this rank: an array of `shape` and `dtype`
+        in new symmetric memory. `exchange(payload)` is the communicator's
+        allgather of a small uint8 array on this rank's device. Every rank
+        must ask for the same bytes: else every rank raises InvalidUsageError."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        device = self.device
+        index = len(self.allocations)
+        own = device.allocate_shared(max(nbytes, 1), f"{self.prefix}-r{self.rank}-sym{index}")
+        payload = np.zeros(HANDLE_PAYLOAD, np.uint8)
+        payload[:8] = np.frombuffer(np.int64(nbytes).tobytes(), np.uint8)
+        payload[8:8 + len(own.handle)] = np.frombuffer(own.handle, np.uint8)
+        try:
+            shared = device.to_host(exchange(device.from_host(payload))).reshape(self.size, HANDLE_PAYLOAD)
+            sizes = [int(np.frombuffer(shared[q, :8].tobytes(), np.int64)[0]) for q in range(self.size)]
+            if len(set(sizes)) != 1:
+                raise InvalidUsageError(
+                    f"alloc: every rank must allocate the same bytes (symmetric memory), but ranks asked for "
+                    f"{sizes}: rank {self.rank} asked for shape {tuple(shape)} of {dtype}")
+            addresses = []
+            for q in range(self.size):
+                if q == self.rank:
+                    addresses.append(own.address)
+                    continue
+                opened = device.open_shared(bytes(shared[q, 8:]))
+                self.ll.hold_peer_memory(opened)   # unmapped at close, with the LL areas
+                addresses.append(opened.address)
+        except BaseException:
+            device.release_shared(own, own=True)
+            raise
+        self.allocations.append(Allocation(index, own, nbytes, tuple(addresses)))
+        return device.wrap_shared(own, tuple(shape), dtype)
+
+    def place(self, info):
+        """The Place of an array (ArrayInfo) wholly inside this rank's
+        symmetric memory, else None."""
+        for allocation in self.allocations:
+            offset = info.address - allocation.own.address
+            if 0 <= offset and offset + info.nbytes <= allocation.nbytes:
+                return Place(allocation, offset)
+        return None
+
+    def release(self):
+        """At close, after every rank's kernels are done (a barrier): our own
+        memory goes once the caller's arrays in it are gone too."""
+        for allocation in self.allocations:
+            self.device.release_shared(allocation.own, own=True)
+        self.allocations = []
+        self._calls.clear()
+
+    # -- a call ---------------------------------------------------------------
+
+    def accepts(self, plan, input_info, output_info):
+        """The call's _Arrays when it runs here, else None: the arrays that
+        peers read (every input but allgather's) or write (every output but
+        reduce_scatter's) lie in symmetric memory."""
+        if not self.allocations or plan.compression is not None or plan.collective not in ACCEPTED \
+                or not same_bits_as_direct(plan) or plan.nranks > kernels.MAX_RANKS:
+            return None
+        source = self.place(input_info) if plan.collective in PEERS_READ_INPUT else None
+        result = self.place(output_info) if plan.collective in PEERS_WRITE_OUTPUT else None
+        if (source is None) == (plan.collective in PEERS_READ_INPUT) or \
+                (result is None) == (plan.collective in PEERS_WRITE_OUTPUT):
+            return None
+        return _Arrays(source, result, input_info.address, output_info.address)
+
+    def run(self, plan, arrays, deadline):
+        key = (id(plan), *arrays.key)
+        call = self._calls.get(key)
+        if call is None or call.plan is not plan:
+            call = self._prepare(plan, arrays, key)
+        if plan.count == 0:
+            return
+        device, ll = self.device, self.ll
+        stream = device.current_stream()
+        capturing = device.is_capturing(stream)
+        ll.ensure_setup(deadline, capturing, plan.collective)
+        if not capturing:
+            ll.order_on(stream)
+            ll.describe_call(call.description)
+        args = self._barrier_args()
+        args.signature = call.signature
+        args.collective = SYMMETRIC_FAULT_CODE + kernels.LL_COLLECTIVES.index(plan.collective)
+        args.timeout_ns = ll.set_timeout(deadline)
+        device.launch_ll_barrier(stream, args)
+        if call.table is not None:
+            device.launch_step(stream, call.instance, call.grid, call.table, call.width, call.addresses,
+                               call.divisor, call.fanout)
+        device.launch_ll_barrier(stream, args)
+        device.call_returned()   # the emulated device runs them now; a GPU keeps them queued
+        ll.check()
+
+    def _barrier_args(self):
+        if self._args is None:
+            self._args = self.ll.args_copy()
+        return self._args
+
+    def _prepare(self, plan, arrays, key):
+        itemsize = plan.dtype.itemsize
+        reducing = plan.collective in REDUCING_COLLECTIVES
+        op = ReduceOp(plan.op) if reducing else ReduceOp.SUM
+        block_bytes = plan.count // self.size * itemsize
+        # A copy of a rank's data onto itself is left out (in place).
+        in_place = plan.collective == BROADCAST or (
+            plan.collective == ALLGATHER and arrays.input_address == arrays.output_address + self.rank * block_bytes)
+        rows = share_rows(plan.collective, self.size, self.rank, plan.root, plan.count, itemsize,
+                          REDUCE_FINAL_OP, in_place)
+        addresses = [0] * (kernels.BUFFERS * self.size)
+        for q in range(self.size):   # where the rows read and write each rank's arrays, mapped here
+            if arrays.source is not None:
+                addresses[kernels.BUFFERS * q + INPUT] = arrays.source.allocation.addresses[q] + arrays.source.offset
+            if arrays.result is not None:
+                addresses[kernels.BUFFERS * q + OUTPUT] = arrays.result.allocation.addresses[q] + arrays.result.offset
+        if arrays.source is None:   # allgather: only this rank reads its input
+            addresses[kernels.BUFFERS * self.rank + INPUT] = arrays.input_address
+        if arrays.result is None:   # reduce_scatter: only this rank writes its output
+            addresses[kernels.BUFFERS * self.rank + OUTPUT] = arrays.output_address
+        buffers = kernels.buffer_table(addresses)
+        buffers.setflags(write=False)
+        table = width = grid = None
+        fanout = 1
+        if len(rows):
+            rows, fanout = fan_out(rows)
+            table, width = self.device.upload(rows), rows.shape[1]
+            grid = grid_for(rows, self.device, itemsize, fanout)
+        call = _SymmetricCall(plan, kernels.step_instance(plan.dtype, op, reducing),
+                              kernels.step_divisor(op, self.size) if reducing else 0, table, width, grid, fanout,
+                              buffers, signature(plan, arrays), describe_call(plan) + " on symmetric memory")
+        if len(self._calls) >= 256:
+            self._calls.clear()
+        self._calls[key] = call
+        return call

@@ -1,0 +1,284 @@
+"""One rank of tests/test_symmetric.py's multi-process tests, started N
+times under mpiexec with $COLLECTIVES_ONE_KERNEL_ALLREDUCE=1:
+
+    mpiexec -n N python tests/symmetric_worker.py SCENARIO [DEVICE]
+
+Calls on symmetric memory (Communicator.alloc, executors/symmetric.py):
+each rank's step kernel reads the peers' inputs and writes their outputs
+between two device barriers.
+
+"bits": every collective, dtypes and ops, sizes past the one-kernel (LL)
+path's capacity, in place and out of place (given outputs in symmetric
+memory, reduce_scatter's own block, allgather's block of its output),
+roots varying: every result has the NumPy interpreter's bits; every call
+ran on symmetric memory (the barrier word counts 2 phases per call) and
+none took the step protocol (its counter does not move); calls on plain
+arrays between them still take the step protocol and agree; small calls
+on symmetric memory take the LL path; reduce_scatter's output and
+allgather's input, which only their rank touches, may be plain arrays.
+"sizes": ranks asking alloc for different sizes all raise InvalidUsageError.
+"mismatch": rank FAILING's input lies at another offset: every rank is told
+of a different call (InvalidUsageError), well before the timeout.
+"stalled": rank FAILING stops calling after one call: every other rank
+raises CollectiveTimeoutError naming it.
+"graph": calls on symmetric memory captured in a graph and replayed with
+new inputs, direct calls in between: the interpreter's bits.
+
+Each rank prints "OK <scenario> <rank>" when every check held.
+"""
+
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+from cases import expect_a_different_call, run_scenario
+from collectives import CollectiveTimeoutError, InvalidUsageError, kernels
+from collectives.transport.layout import COUNTER
+from ll_worker import rank_input
+from peer_failure_worker import FAILING, TIMEOUT, expect
+
+DEVICE = "emulated"
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+
+
+def to_host(array):
+    if DEVICE == "cuda":
+        import cupy
+        return cupy.asnumpy(array)
+    return np.asarray(array)
+
+
+def write(array, values):
+    if DEVICE == "cuda":
+        import cupy
+        array[...] = cupy.asarray(values)
+    else:
+        array[...] = values
+
+
+def barrier_phases(comm):
+    """The rank's barrier count (its word in the LL area), once its work is done."""
+    ll = comm._ranks._ll   # noqa: SLF001 - the test looks inside on purpose
+    if ll._own_area is None:   # noqa: SLF001
+        return 0
+    word = comm._ranks.device.download(ll._own_area.address + kernels.LL_BARRIER_OFFSET, 8)   # noqa: SLF001
+    return int(np.frombuffer(word, np.uint64)[0]) & 0xFFFFFFFF
+
+
+class Arrays:
+    """A call's arrays in symmetric memory: x (the input) and out, laid out
+    as the collective and `in_place` say."""
+
+    def __init__(self, comm, collective, dtype, count, in_place):
+        n, r = comm.size, comm.rank
+        self.elements = n * count if collective == "reduce_scatter" else count
+        if collective in ("broadcast", "reduce") or (collective == "allreduce" and in_place):
+            self.x = self.out = comm.alloc(self.elements, dtype)
+        elif collective == "reduce_scatter":
+            self.x = comm.alloc(self.elements, dtype)
+            self.out = self.x[r * count:(r + 1) * count] if in_place else comm.alloc(count, dtype)
+        elif collective == "allgather":
+            self.out = comm.alloc(n * count, dtype)
+            self.x = self.out[r * count:(r + 1) * count] if in_place else comm.alloc(count, dtype)
+        else:
+            self.x, self.out = comm.alloc(count, dtype), comm.alloc(count, dtype)
+
+    def call(self, comm, collective, op, root, algorithm="auto"):
+        x, out = self.x, self.out
+        if collective == "allreduce":
+            return comm.allreduce(x, op=op, out=None if out is x else out, algorithm=algorithm)
+        if collective == "reduce_scatter":
+            return comm.reduce_scatter(x, op=op, out=out, algorithm=algorithm)
+        if collective == "allgather":
+            return comm.allgather(x, out=out, algorithm=algorithm)
+        if collective == "broadcast":
+            return comm.broadcast(x, root=root, algorithm=algorithm)
+        return comm.reduce(x, root=root, op=op, algorithm=algorithm)
+
+
+def expected(reference, collective, inputs, op, root, algorithm):
+    inputs = [x.copy() for x in inputs]
+    if collective == "allreduce":
+        return reference.allreduce(inputs, op=op, algorithm=algorithm)
+    if collective == "reduce_scatter":
+        return reference.reduce_scatter(inputs, op=op, algorithm=algorithm)
+    if collective == "allgather":
+        return reference.allgather(inputs, algorithm=algorithm)
+    if collective == "broadcast":
+        return reference.broadcast(inputs, root=root, algorithm=algorithm)
+    return reference.reduce(inputs, root=root, op=op, algorithm=algorithm)
+
+
+def check_call(comm, reference, arrays, collective, dtype, op, root, seed, algorithm="auto"):
+    """Fill the input, call, compare with the interpreter's plan of the call."""
+    n, r = comm.size, comm.rank
+    inputs = [rank_input(seed, q, dtype, arrays.elements) for q in range(n)]
+    write(arrays.x, inputs[r])
+    result = arrays.call(comm, collective, op, root, algorithm)
+    assert result is arrays.out or collective == "reduce_scatter" and result.base is not None, \
+        f"{collective}: the result is not the array given"
+    picked = comm.chosen_algorithm(collective, arrays.elements * dtype.itemsize, root=root) \
+        if algorithm == "auto" else algorithm
+    want = expected(reference, collective, inputs, op, root, picked)[r]
+    got = to_host(arrays.out)
+    case = f"{collective} {dtype} {op} elements={arrays.elements} root={root}"
+    assert got.tobytes() == want.tobytes(), f"{case}: {got[:6]} != {want[:6]}"
+
+
+def beyond_the_ll(collective, n, dtype, extra):
+    """A count (reduce_scatter: per block) that the LL path does not take."""
+    lines = kernels.LL_MAX_BYTES // 8 // (n if collective == "reduce_scatter" else 1)
+    return lines * 8 // dtype.itemsize + extra
+
+
+def scenario_bits(comm):
+    group = comm._ranks.group   # noqa: SLF001
+    n = comm.size
+    counter = int(group._rows[comm.rank, COUNTER])   # noqa: SLF001
+    cases = [(np.dtype(np.float32), "sum"), (np.dtype(np.float16), "avg"), (np.dtype(np.int8), "max"),
+             (np.dtype(np.float64), "prod"), (np.dtype("int32"), "min"), (collectives.ops.BFLOAT16, "sum")]
+    made = 0
+    with collectives.Communicator.local(n) as reference:
+        for k, collective in enumerate(COLLECTIVES):
+            for j, (dtype, op) in enumerate(cases):
+                extra = (1, 13, 4096 + 3)[(j + k) % 3]   # odd tails, and chunks past one
+                count = beyond_the_ll(collective, n, dtype, extra)
+                for in_place in (False, True):
+                    arrays = Arrays(comm, collective, dtype, count, in_place)
+                    root = (j + in_place) % n
+                    check_call(comm, reference, arrays, collective, dtype, op, root, seed=100 * k + 10 * j + in_place)
+                    made += 1
+                    check_call(comm, reference, arrays, collective, dtype, op, root, seed=7 + made)   # a repeat
+                    made += 1
+        # Arrays that only their own rank touches may lie anywhere: reduce_scatter's
+        # output, allgather's input.
+        dtype = np.dtype(np.float32)
+        for collective in ("reduce_scatter", "allgather"):
+            count = beyond_the_ll(collective, n, dtype, 3)
+            arrays = Arrays(comm, collective, dtype, count, False)
+            if collective == "reduce_scatter":
+                arrays.out = plain(count, dtype)
+            else:
+                arrays.x = plain(count, dtype)
+            check_call(comm, reference, arrays, collective, dtype, "sum", 0, seed=500 + made)
+            made += 1
+        assert int(group._rows[comm.rank, COUNTER]) == counter, "a call took the step protocol"   # noqa: SLF001
+        comm.synchronize()
+        assert barrier_phases(comm) == 2 * made, (barrier_phases(comm), made)
+        # Plain arrays take the step protocol; small symmetric ones the LL path.
+        count = beyond_the_ll("allreduce", n, np.dtype(np.float32), 5)
+        inputs = [rank_input(1, q, np.dtype(np.float32), count) for q in range(n)]
+        got = comm.allreduce(inputs[comm.rank].copy() if DEVICE != "cuda" else to_device(inputs[comm.rank]))
+        want = reference.allreduce([x.copy() for x in inputs])[comm.rank]
+        assert to_host(got).tobytes() == want.tobytes()
+        assert int(group._rows[comm.rank, COUNTER]) != counter, "a plain array's call skipped the step protocol"
+        small = Arrays(comm, "allreduce", np.dtype(np.float32), 1000, True)
+        check_call(comm, reference, small, "allreduce", np.dtype(np.float32), "sum", 0, seed=3)
+        comm.synchronize()
+        assert barrier_phases(comm) == 2 * made, "a small call on symmetric memory skipped the LL path"
+    comm.barrier()
+
+
+def plain(count, dtype):
+    """An array outside symmetric memory."""
+    return to_device(np.zeros(count, dtype)) if DEVICE == "cuda" else np.zeros(count, dtype)
+
+
+def to_device(array):
+    import cupy
+    return cupy.asarray(array)
+
+
+def scenario_sizes(comm):
+    comm.alloc(10, "float32")   # the same on every rank
+    try:
+        comm.alloc(10 + comm.rank, "float32")
+    except InvalidUsageError as error:
+        assert "same bytes" in str(error), error
+    else:
+        raise AssertionError("ranks allocated different sizes")
+    x = comm.alloc((3, 4), "int16")   # and the communicator still works
+    assert x.shape == (3, 4) and x.dtype == np.int16
+    comm.barrier()
+
+
+def one_call(comm, offset):
+    """An allreduce on symmetric memory beyond the LL, starting `offset` elements in."""
+    count = beyond_the_ll("allreduce", comm.size, np.dtype(np.float32), 100)
+    memory = comm.alloc(count + 64, "float32")
+    write(memory, np.ones(count + 64, np.float32))
+    x = memory[offset:offset + count]
+
+    def run():
+        comm.allreduce(x)
+        comm.synchronize()
+    return run
+
+
+def scenario_mismatch(comm):
+    one_call(comm, 0)()
+    MPI.COMM_WORLD.Barrier()
+    run = one_call(comm, 16 if comm.rank == FAILING else 0)
+    start = time.perf_counter()
+    expect_a_different_call(run, "an allreduce at another offset")
+    assert time.perf_counter() - start < TIMEOUT / 2, "the mismatch was found by the timeout"
+
+
+def scenario_stalled(comm):
+    run = one_call(comm, 0)
+    run()
+    if comm.rank == FAILING:
+        time.sleep(TIMEOUT + 1.5)   # the others gave up by now, and aborted the communicator
+        expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
+        return
+    expect(CollectiveTimeoutError, run, names=[f"waiting for rank {FAILING}", "symmetric memory"],
+           within=TIMEOUT + 1.0)
+
+
+def scenario_graph(comm):
+    n = comm.size
+    dtype = np.dtype(np.float32)
+    with collectives.Communicator.local(n) as reference:
+        plans = [("allreduce", "sum", False), ("reduce_scatter", "max", True), ("allgather", "sum", False),
+                 ("broadcast", "sum", True), ("reduce", "avg", True)]
+        calls = [(collective, op, Arrays(comm, collective, dtype, beyond_the_ll(collective, n, dtype, 9), in_place))
+                 for collective, op, in_place in plans]
+        for k, (collective, op, arrays) in enumerate(calls):   # once before capturing
+            check_call(comm, reference, arrays, collective, dtype, op, k % n, seed=k, algorithm="direct")
+        with comm.graph() as graph:
+            for k, (collective, op, arrays) in enumerate(calls):
+                arrays.call(comm, collective, op, k % n, "direct")
+        for replay in range(6):
+            inputs = []
+            for k, (collective, op, arrays) in enumerate(calls):
+                inputs.append([rank_input(50 + 10 * replay + k, q, dtype, arrays.elements) for q in range(n)])
+                write(arrays.x, inputs[-1][comm.rank])
+            graph.replay()
+            for k, (collective, op, arrays) in enumerate(calls):
+                want = expected(reference, collective, inputs[k], op, k % n, "direct")[comm.rank]
+                got = to_host(arrays.out)
+                assert got.tobytes() == want.tobytes(), f"replay {replay} {collective}: {got[:4]} != {want[:4]}"
+            collective, op, arrays = calls[replay % len(calls)]   # a direct call in between
+            check_call(comm, reference, arrays, collective, dtype, op, replay % n, seed=900 + replay,
+                       algorithm="direct")
+        comm.synchronize()
+        assert barrier_phases(comm) == 2 * (len(calls) * 7 + 6)
+    comm.barrier()
+
+
+def main():
+    global DEVICE
+    scenario = sys.argv[1]
+    DEVICE = sys.argv[2] if len(sys.argv) > 2 else "emulated"
+    comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
+    assert comm._ranks._ll is not None, "run with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1"   # noqa: SLF001
+    run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=False)
+    print(f"OK {scenario} {comm.rank}", flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
