@@ -160,6 +160,20 @@ class Ours(Backend):
     def run(self, buffers):
         self.spec.run_ours(self.comm, buffers.inputs, buffers.outputs, self.args)
 
+    def symmetric(self, which, local, count, dtype):
+        """The first `count` elements of symmetric buffer `which` (0: inputs,
+        1: outputs) of local rank `local` (--symmetric): two comm.alloc'd
+        buffers per rank, made once for the largest message, so every size
+        uses the same memory at the same place on every rank."""
+        if not hasattr(self, "_symmetric"):
+            counts = self.spec.counts(self.args.maxbytes, 1, self.nranks)
+            nbytes = -(-max(counts) // 16) * 16 + 16
+            self._symmetric = []
+            for _ in range(2):
+                made = self.comm.alloc(nbytes, "uint8")
+                self._symmetric.append(made if isinstance(made, list) else [made])
+        return self._symmetric[which][local][:count * dtype.itemsize].view(dtype)
+
     def barrier(self):
         """Every rank here, and every rank's issued work done."""
         self.comm.synchronize()

@@ -174,6 +174,10 @@ def parse_args(spec, argv=None):
                         "row gets maxrel (max |result - float64 reference| / max |reference|) and wire B "
                         "(bytes a rank reads from its peers per call); compressed rows have no bitwise #wrong. "
                         "mpi, gloo and nccl rows run uncompressed")
+    p.add_argument("--symmetric", action="store_true",
+                   help="our backend's buffers from comm.alloc (symmetric memory): GPU ranks in separate "
+                        "processes with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 then read and write each other's "
+                        "arrays with no workspace copies (docs/device-protocol.md); elsewhere plain arrays")
     p.add_argument("--timeout", type=float, default=None,
                    help="communicator timeout in seconds (default: the library's, 300 or $COLLECTIVES_TIMEOUT)")
     p.add_argument("--bind-to", default="core",
@@ -396,18 +400,27 @@ def allocate(backend, spec, args, nbytes, in_place, seeded=None):
     dtype, n = args.dtype, backend.nranks
     in_count, out_count = spec.counts(nbytes, dtype.itemsize, n)
     inputs, outputs, whole_buffers = [], [], []
-    for r in backend.local_ranks:
+    symmetric = getattr(backend, "symmetric", None) if getattr(args, "symmetric", False) else None
+    for i, r in enumerate(backend.local_ranks):
         if seeded is not None:
             x = seeded.input(r, in_count).copy()
         else:
             x = spec.fill(dtype, args.op, n, r, in_count, args.root)
         if in_place:
-            buffer = np.empty(max(in_count, out_count), dtype)
-            spec.in_place_input(buffer, r, n)[...] = x
-            buffer = backend.to_device(buffer)
+            if symmetric is not None:
+                buffer = symmetric(0, i, max(in_count, out_count), dtype)
+                spec.in_place_input(buffer, r, n)[...] = backend.to_device(x)
+            else:
+                buffer = np.empty(max(in_count, out_count), dtype)
+                spec.in_place_input(buffer, r, n)[...] = x
+                buffer = backend.to_device(buffer)
             whole_buffers.append(buffer)
             inputs.append(spec.in_place_input(buffer, r, n))
             outputs.append(spec.in_place_result(buffer, r, n))
+        elif symmetric is not None:
+            inputs.append(symmetric(0, i, in_count, dtype))
+            inputs[-1][...] = backend.to_device(x)
+            outputs.append(symmetric(1, i, out_count, dtype))
         else:
             inputs.append(backend.to_device(x))
             outputs.append(backend.to_device(np.empty(out_count, dtype)))

@@ -6,6 +6,10 @@ asking for different sizes, a call at another offset, a stalled rank and
 graph capture (the checks of each rank are in tests/symmetric_worker.py).
 """
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +149,24 @@ def test_across_processes_on_a_gpu(scenario):
     if gpu_unavailable_reason():
         pytest.skip(gpu_unavailable_reason())
     run_ranks(2, scenario, device="cuda", limit=400)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tool", ["all_reduce_perf", "reduce_scatter_perf", "all_gather_perf", "broadcast_perf",
+                                  "reduce_perf"])
+def test_the_benchmarks_run_on_symmetric_memory(tool, tmp_path, emulation_library_built):
+    # --symmetric: every size's results checked bit for bit, in place and
+    # out of place, on buffers from comm.alloc (the path itself is checked
+    # by the worker's barrier counts, above).
+    pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
+    from bench.harness import find_mpiexec
+    sweep = tmp_path / "sweep.json"
+    done = subprocess.run(
+        [find_mpiexec(), "-n", "2", sys.executable, "-m", f"bench.{tool}", "--device", "emulated", "--symmetric",
+         "-b", "4K", "-e", "1M", "-f", "16", "-n", "2", "-w", "1", "-J", str(sweep)],
+        cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=240,
+        env=dict(os.environ, COLLECTIVES_ONE_KERNEL_ALLREDUCE="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(sweep.read_text())["rows"]
+    assert len(rows) == 3 and all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in rows)
+    assert "--symmetric" in json.loads(sweep.read_text())["environment"]["command"]
