@@ -314,12 +314,18 @@ def scenario_graph_stalled(comm):
         graph.replay()
         comm.synchronize()
     replay()
+    stop_on_failing_rank(comm, replay, names=[f"waiting for rank {FAILING}", "allreduce #5"])
+
+
+def stop_on_failing_rank(comm, run, names):
+    """Rank FAILING stops calling `run` (made once already by every rank):
+    every other rank's next `run` must raise CollectiveTimeoutError naming
+    `names` within the timeout and a second, and rank FAILING's the abort."""
     if comm.rank == FAILING:
         time.sleep(TIMEOUT + 1.5)   # the others gave up by now, and aborted the communicator
-        expect(CollectiveTimeoutError, replay, names=["aborted"], within=0.5)
+        expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
         return
-    expect(CollectiveTimeoutError, replay, names=[f"waiting for rank {FAILING}", "allreduce #5"],
-           within=TIMEOUT + 1.0)
+    expect(CollectiveTimeoutError, run, names=names, within=TIMEOUT + 1.0)
 
 
 def one_call(comm):

@@ -35,10 +35,10 @@ from mpi4py import MPI
 
 import collectives
 from cases import expect_a_different_call, run_scenario
-from collectives import CollectiveTimeoutError, InvalidUsageError, kernels
+from collectives import InvalidUsageError, kernels
 from collectives.transport.layout import COUNTER
-from ll_worker import rank_input
-from peer_failure_worker import FAILING, TIMEOUT, expect
+from ll_worker import rank_input, stop_on_failing_rank
+from peer_failure_worker import FAILING, TIMEOUT
 
 DEVICE = "emulated"
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -230,12 +230,7 @@ def scenario_mismatch(comm):
 def scenario_stalled(comm):
     run = one_call(comm, 0)
     run()
-    if comm.rank == FAILING:
-        time.sleep(TIMEOUT + 1.5)   # the others gave up by now, and aborted the communicator
-        expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
-        return
-    expect(CollectiveTimeoutError, run, names=[f"waiting for rank {FAILING}", "symmetric memory"],
-           within=TIMEOUT + 1.0)
+    stop_on_failing_rank(comm, run, names=[f"waiting for rank {FAILING}", "symmetric memory"])
 
 
 def scenario_graph(comm):
