@@ -315,21 +315,28 @@ struct LLWatch {
                                     static_cast<unsigned long long>(generation) << 32);
     }
 
+    // Whether the communicator was aborted or any rank's kernel gave up
+    // (recorded as this thread's reason to stop).
+    __device__ bool stopped() {
+        if (sys_load_relaxed(args.abort_word) != 0) {
+            record(kLLStopped, -1);
+            return true;
+        }
+        for (int q = 0; q < args.nranks; ++q) {
+            if (sys_load_relaxed(args.faults + static_cast<long long>(q) * kLLRegionWords) != 0) {
+                record(kLLStopped, q);
+                return true;
+            }
+        }
+        return false;
+    }
+
     // False when the wait must end: `peer` is the rank waited for.
     __device__ bool keep_waiting(int peer) {
         ++polls;
         if (polls < kLLSpinPolls) return true;
         if (polls % kLLCheckEvery == 0 || started == 0) {
-            if (sys_load_relaxed(args.abort_word) != 0) {
-                record(kLLStopped, -1);
-                return false;
-            }
-            for (int q = 0; q < args.nranks; ++q) {
-                if (sys_load_relaxed(args.faults + static_cast<long long>(q) * kLLRegionWords) != 0) {
-                    record(kLLStopped, q);
-                    return false;
-                }
-            }
+            if (stopped()) return false;
             const unsigned long long now = clock_ns();
             if (started == 0) {
                 started = now;
@@ -560,15 +567,35 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_allreduce(const LLAllreduceA
 // signature made a different call (a mismatch, as the LL lines report it).
 // A peer already at p + 1 compared its signature with this rank's p itself.
 // Timeouts, the abort flag and the fault word are the LL kernel's (LLWatch).
+//
+// A barrier that gives up (a timeout, a mismatch, a fault or the abort flag
+// seen) also disarms the step kernel queued behind it: it zeroes the
+// args.count 64-bit words at args.output, that call's op table, so every
+// row moves 0 elements and the step touches no one's arrays (a peer that
+// never came, or made another call, keeps what it had). The communicator
+// is aborted after any failure, so no later call runs that table again
+// (and a barrier of a later call queued meanwhile gives up in turn: it
+// sees the fault words). Nor does a barrier after a failure advance the
+// phase (it looks at the fault words and the abort flag first): the leave
+// barrier of a call whose enter barrier gave up would otherwise store p + 1,
+// which a slower peer still waiting at p takes for a pass (found by the
+// mismatch test: that peer's step then ran).
 __global__ void __launch_bounds__(32, 1) ll_barrier(const LLAllreduceArgs args) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     unsigned long long* mine = reinterpret_cast<unsigned long long*>(args.areas[args.rank]) + kLLBarrierOffset;
     const unsigned phase = static_cast<unsigned>(sys_load_relaxed(mine)) + 1;
     LLWatch watch(args, (phase + 1) / 2);   // the call's number, for the fault word
-    __threadfence_system();
-    sys_store_release(mine, phase | static_cast<unsigned long long>(args.signature) << 32);
-    for (int p = 0; p < args.nranks; ++p)
-        if (p != args.rank && !watch.reached(p, phase, args.signature)) return;
+    bool passed = !watch.stopped();   // after a failure no phase advances: a peer would take it for a pass
+    if (passed) {
+        __threadfence_system();
+        sys_store_release(mine, phase | static_cast<unsigned long long>(args.signature) << 32);
+        for (int p = 0; p < args.nranks && passed; ++p)
+            passed = p == args.rank || watch.reached(p, phase, args.signature);
+    }
+    if (!passed) {
+        long long* table = static_cast<long long*>(args.output);
+        for (long long i = 0; i < args.count; ++i) table[i] = 0;
+    }
 }
 
 }  // namespace collectives

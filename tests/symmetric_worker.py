@@ -15,12 +15,16 @@ ran on symmetric memory (the barrier word counts 2 phases per call) and
 none took the step protocol (its counter does not move); calls on plain
 arrays between them still take the step protocol and agree; small calls
 on symmetric memory take the LL path; reduce_scatter's output and
-allgather's input, which only their rank touches, may be plain arrays.
+allgather's input, which only their rank touches, may be plain arrays; an
+output that overlaps its input takes the step protocol; alloc is refused
+while capturing.
 "sizes": ranks asking alloc for different sizes all raise InvalidUsageError.
 "mismatch": rank FAILING's input lies at another offset: every rank is told
-of a different call (InvalidUsageError), well before the timeout.
+of a different call (InvalidUsageError), well before the timeout, and no
+rank's memory was written.
 "stalled": rank FAILING stops calling after one call: every other rank
-raises CollectiveTimeoutError naming it.
+raises CollectiveTimeoutError naming it, and no rank's memory was written
+by the failed call.
 "graph": calls on symmetric memory captured in a graph and replayed with
 new inputs, direct calls in between: the interpreter's bits.
 
@@ -168,6 +172,22 @@ def scenario_bits(comm):
         assert int(group._rows[comm.rank, COUNTER]) == counter, "a call took the step protocol"   # noqa: SLF001
         comm.synchronize()
         assert barrier_phases(comm) == 2 * made, (barrier_phases(comm), made)
+        # An output overlapping its input (not the same array) would race in
+        # one pass: the step protocol takes it, with the interpreter's bits.
+        count = beyond_the_ll("allreduce", n, dtype, 7)
+        memory = comm.alloc(count + 4, dtype)
+        overlapping = Arrays.__new__(Arrays)
+        overlapping.elements, overlapping.x, overlapping.out = count, memory[:count], memory[4:]
+        steps = int(group._rows[comm.rank, COUNTER])   # noqa: SLF001
+        check_call(comm, reference, overlapping, "allreduce", dtype, "sum", 0, seed=77)
+        assert int(group._rows[comm.rank, COUNTER]) != steps, "an overlapping output ran in one pass"
+        # No allocating while capturing: the handles' exchange would be captured.
+        with comm.graph():
+            try:
+                comm.alloc(4, dtype)
+                raise AssertionError("alloc ran while capturing")
+            except InvalidUsageError as error:
+                assert "captured" in str(error), error
         # Plain arrays take the step protocol; small symmetric ones the LL path.
         count = beyond_the_ll("allreduce", n, np.dtype(np.float32), 5)
         inputs = [rank_input(1, q, np.dtype(np.float32), count) for q in range(n)]
@@ -206,31 +226,38 @@ def scenario_sizes(comm):
 
 
 def one_call(comm, offset):
-    """An allreduce on symmetric memory beyond the LL, starting `offset` elements in."""
+    """An allreduce on symmetric memory beyond the LL, starting `offset`
+    elements in, of ones times (rank + 1); and the memory."""
     count = beyond_the_ll("allreduce", comm.size, np.dtype(np.float32), 100)
     memory = comm.alloc(count + 64, "float32")
-    write(memory, np.ones(count + 64, np.float32))
+    write(memory, np.full(count + 64, comm.rank + 1, np.float32))
     x = memory[offset:offset + count]
 
     def run():
         comm.allreduce(x)
         comm.synchronize()
-    return run
+    return run, memory
 
 
 def scenario_mismatch(comm):
-    one_call(comm, 0)()
-    MPI.COMM_WORLD.Barrier()
-    run = one_call(comm, 16 if comm.rank == FAILING else 0)
+    one_call(comm, 0)[0]()
+    run, memory = one_call(comm, 16 if comm.rank == FAILING else 0)
+    before = to_host(memory).copy()
+    MPI.COMM_WORLD.Barrier()   # every rank's alloc done: the mismatch below is all that fails
     start = time.perf_counter()
     expect_a_different_call(run, "an allreduce at another offset")
     assert time.perf_counter() - start < TIMEOUT / 2, "the mismatch was found by the timeout"
+    # The barrier that found it disarmed the step kernel: no rank's memory was touched.
+    assert np.array_equal(to_host(memory), before), f"a failed call wrote into symmetric memory: rank {comm.rank} {np.flatnonzero(to_host(memory) != before)[:5]} {to_host(memory)[:3]} {before[:3]}"
 
 
 def scenario_stalled(comm):
-    run = one_call(comm, 0)
+    run, memory = one_call(comm, 0)
     run()
+    after_the_first = to_host(memory).copy()
     stop_on_failing_rank(comm, run, names=[f"waiting for rank {FAILING}", "symmetric memory"])
+    # Neither the ranks that timed out nor the one that stopped calling had their memory written.
+    assert np.array_equal(to_host(memory), after_the_first), "a failed call wrote into symmetric memory"
 
 
 def scenario_graph(comm):

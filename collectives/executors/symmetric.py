@@ -108,6 +108,7 @@ class _SymmetricCall(NamedTuple):
     instance: kernels.StepInstance
     divisor: int
     table: object                  # rank r's rows, in device memory; None: no rows (an empty share)
+    table_words: int               # the table's int64 words (rows x width)
     width: int
     grid: tuple
     fanout: int
@@ -184,6 +185,8 @@ class SymmetricCalls:
         must ask for the same bytes: else every rank raises InvalidUsageError."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         device = self.device
+        if device.is_capturing(device.current_stream()):   # the handles' allgather would be captured, not run
+            raise InvalidUsageError("alloc: cannot allocate while a graph is being captured; allocate before")
         index = len(self.allocations)
         own = device.allocate_shared(max(nbytes, 1), f"{self.prefix}-r{self.rank}-sym{index}")
         payload = np.zeros(HANDLE_PAYLOAD, np.uint8)
@@ -196,7 +199,11 @@ class SymmetricCalls:
                 raise InvalidUsageError(
                     f"alloc: every rank must allocate the same bytes (symmetric memory), but ranks asked for "
                     f"{sizes}: rank {self.rank} asked for shape {tuple(shape)} of {dtype}")
-            addresses = []
+        except BaseException:
+            device.release_shared(own, own=True)
+            raise
+        addresses = []
+        try:
             for q in range(self.size):
                 if q == self.rank:
                     addresses.append(own.address)
@@ -204,7 +211,10 @@ class SymmetricCalls:
                 opened = device.open_shared(bytes(shared[q, 8:]))
                 self.ll.hold_peer_memory(opened)   # unmapped at close, with the LL areas
                 addresses.append(opened.address)
-        except BaseException:
+        except BaseException as error:
+            # The peers have this allocation and this rank has not: their
+            # symmetric memory would no longer match. Abort for every rank.
+            self.ll.group.abort(f"{type(error).__name__}: alloc on rank {self.rank}: {error}", error)
             device.release_shared(own, own=True)
             raise
         self.allocations.append(Allocation(index, own, nbytes, tuple(addresses)))
@@ -241,7 +251,27 @@ class SymmetricCalls:
         if (source is None) == (plan.collective in PEERS_READ_INPUT) or \
                 (result is None) == (plan.collective in PEERS_WRITE_OUTPUT):
             return None
+        if not self._apart_or_aligned(plan, input_info, output_info):
+            return None
         return _Arrays(source, result, input_info.address, output_info.address)
+
+    def _apart_or_aligned(self, plan, input_info, output_info):
+        """Whether the output is the input, lies apart from it, or is the
+        relation the collective defines (reduce_scatter's output: block r of
+        its input; allgather's input: block r of its output). An output that
+        overlaps its input otherwise would race in the one pass; such a call
+        takes the step protocol. (For allreduce, reduce and broadcast both
+        arrays lie at the same places on every rank, so every rank decides
+        alike; an allgather's input or a reduce_scatter's output overlapping
+        that way on some ranks only sends them another path: a timeout.)"""
+        a, b = input_info.address, output_info.address
+        if a == b or a + input_info.nbytes <= b or b + output_info.nbytes <= a:
+            return True
+        if plan.collective == REDUCE_SCATTER:
+            return b == a + self.rank * output_info.nbytes
+        if plan.collective == ALLGATHER:
+            return a == b + self.rank * input_info.nbytes
+        return False
 
     def run(self, plan, arrays, deadline):
         key = (id(plan), *arrays.key)
@@ -251,6 +281,7 @@ class SymmetricCalls:
         if plan.count == 0:
             return
         device, ll = self.device, self.ll
+        ll.check()   # a kernel of an earlier call gave up: this call must not launch
         stream = device.current_stream()
         capturing = device.is_capturing(stream)
         ll.ensure_setup(deadline, capturing, plan.collective)
@@ -261,6 +292,8 @@ class SymmetricCalls:
         args.signature = call.signature
         args.collective = SYMMETRIC_FAULT_CODE + kernels.LL_COLLECTIVES.index(plan.collective)
         args.timeout_ns = ll.set_timeout(deadline)
+        # A barrier that gives up zeroes the step's table (ll_barrier): nothing moves.
+        args.output, args.count = (call.table.address, call.table_words) if call.table is not None else (0, 0)
         device.launch_ll_barrier(stream, args)
         if call.table is not None:
             device.launch_step(stream, call.instance, call.grid, call.table, call.width, call.addresses,
@@ -298,12 +331,13 @@ class SymmetricCalls:
         buffers.setflags(write=False)
         table = width = grid = None
         fanout = 1
+        words = rows.size
         if len(rows):
             rows, fanout = fan_out(rows)
             table, width = self.device.upload(rows), rows.shape[1]
             grid = grid_for(rows, self.device, itemsize, fanout)
         call = _SymmetricCall(plan, kernels.step_instance(plan.dtype, op, reducing),
-                              kernels.step_divisor(op, self.size) if reducing else 0, table, width, grid, fanout,
+                              kernels.step_divisor(op, self.size) if reducing else 0, table, words, width, grid, fanout,
                               buffers, signature(plan, arrays), describe_call(plan) + " on symmetric memory")
         if len(self._calls) >= 256:
             self._calls.clear()
