@@ -14,7 +14,9 @@ trips a call makes: peer waits (a poll of a peer's counter), kernel
 launches, and event polls until each launch is done. For the one-kernel
 path it also prints the host's time to issue a call ("issue us/call"): on
 a GPU that is what the caller waits for, the kernel runs behind it; on the
-emulated device the kernels run at synchronize() there. Without a launcher it relaunches itself
+emulated device the kernels run at synchronize() there. With --symmetric the
+DEVICE+ll ranks' arrays come from comm.alloc, so a call beyond 64 KiB runs
+on symmetric memory (three launches, no host wait). Without a launcher it relaunches itself
 under mpiexec with --ranks processes, pinned one per core (-bind-to core).
 """
 
@@ -43,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--collective", default="allreduce", choices=COLLECTIVES,
                    help="the collective timed (--bytes: each rank's x; broadcast and reduce run in place)")
     p.add_argument("--in-place", action="store_true", help="in place (else out of place)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="the DEVICE+ll ranks' arrays from comm.alloc (symmetric memory): calls beyond 64 KiB "
+                        "run as barrier, step kernel, barrier (executors/symmetric.py)")
     p.add_argument("--batches", type=int, default=30, help="batches per communicator, alternating")
     p.add_argument("--calls", type=int, default=200, help="calls per batch")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
@@ -83,6 +88,7 @@ def round_trips(comm, collective, x, out, algorithm):
     if device is not None:
         originals["launch"], originals["query"] = device.launch_step, device.query
         originals["ll"] = device.launch_ll_allreduce
+        originals["barrier"] = device.launch_ll_barrier
 
         def counted_launch(*a):
             counts["launches"] += 1
@@ -96,14 +102,18 @@ def round_trips(comm, collective, x, out, algorithm):
             counts["event polls"] += 1
             return originals["query"](*a)
 
+        def counted_barrier(*a):
+            counts["launches"] += 1
+            return originals["barrier"](*a)
+
         device.launch_step, device.query = counted_launch, counted_query
-        device.launch_ll_allreduce = counted_ll_launch
+        device.launch_ll_allreduce, device.launch_ll_barrier = counted_ll_launch, counted_barrier
     try:
         call(comm, collective, x, out, algorithm)
     finally:
         del group._wait_for  # noqa: SLF001 - the instance attributes go, the methods stay
         if device is not None:
-            del device.launch_step, device.query, device.launch_ll_allreduce
+            del device.launch_step, device.query, device.launch_ll_allreduce, device.launch_ll_barrier
     return counts
 
 
@@ -154,10 +164,13 @@ def main(argv=None):
         xp = np
         if name.startswith("cuda"):
             import cupy as xp
-        x = xp.ones(count, xp.float32)
-        out = None if args.in_place or out_count is None else xp.empty(out_count, xp.float32)
+        empty = (lambda k: comm.alloc(k, "float32")) if args.symmetric and name.endswith("+ll") else \
+            (lambda k, xp=xp: xp.empty(k, xp.float32))
+        x = empty(count)
+        x[...] = 1
+        out = None if args.in_place or out_count is None else empty(out_count)
         if args.in_place and args.collective == "allgather":   # x is this rank's block of out
-            out = xp.empty(n * count, xp.float32)
+            out = empty(n * count)
             x = out[world.rank * count:(world.rank + 1) * count]
             x[:] = 1
         arrays[name] = (comm, x, out)
@@ -196,7 +209,7 @@ def main(argv=None):
     if args.output_file and leader:
         with open(args.output_file, "w") as f:
             json.dump({"benchmark": "spmd_overhead", "collective": args.collective, "bytes": args.nbytes,
-                       "in_place": args.in_place,
+                       "in_place": args.in_place, "symmetric": args.symmetric,
                        "algorithm": plan.algorithm, "phases": len(plan.phases),
                        "environment": environment(_harness_args(args), world.size, ["host", args.device]),
                        "median_us_per_call": {k: v * 1e6 for k, v in medians.items()},

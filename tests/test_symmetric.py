@@ -170,3 +170,20 @@ def test_the_benchmarks_run_on_symmetric_memory(tool, tmp_path, emulation_librar
     rows = json.loads(sweep.read_text())["rows"]
     assert len(rows) == 3 and all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in rows)
     assert "--symmetric" in json.loads(sweep.read_text())["environment"]["command"]
+
+
+@pytest.mark.mpi
+def test_spmd_overhead_counts_a_symmetric_call_as_three_launches_and_no_host_wait(tmp_path,
+                                                                                  emulation_library_built):
+    pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
+    result_file = tmp_path / "overhead.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.spmd_overhead", "--ranks", "2", "--bytes", "256K", "--symmetric",
+         "--batches", "2", "--calls", "5", "-J", str(result_file)],
+        cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(result_file.read_text())
+    assert result["symmetric"] and result["one_kernel_issue_us_per_call"] > 0
+    # Barrier, step kernel, barrier; the step protocol's ranks beside it wait on the host.
+    assert result["round_trips_per_call"]["emulated+ll"] == {"peer waits": 0, "launches": 3, "event polls": 0}
+    assert result["round_trips_per_call"]["emulated"]["peer waits"] > 0
