@@ -14,6 +14,8 @@ from bench.backends import GLOO, MPI_BACKEND
 # The launcher and its flags, as the relaunching process ran them (the
 # ranks themselves cannot see `-bind-to core`, say).
 LAUNCHER_COMMAND = "COLLECTIVES_BENCH_LAUNCHER"
+# The benchmarks' own variables, not the library's settings.
+_BENCH_VARIABLES = frozenset({LAUNCHER_COMMAND, "COLLECTIVES_BENCH_RELAUNCHED"})
 
 
 def module_name():
@@ -45,6 +47,9 @@ def environment(args, nranks, backends):
         "ranks": nranks,
         "processes": processes,
         "backends": backends,
+        # The library's settings from the environment (COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 changes what runs).
+        "settings": {name: value for name, value in sorted(os.environ.items())
+                     if name.startswith("COLLECTIVES_") and name not in _BENCH_VARIABLES},
         **device_environment(args.device),
     }
     if MPI_BACKEND in backends or env["processes"] > 1:

@@ -9,7 +9,9 @@
    bench.floor: the same allreduce (plain, prepared, in a graph) beside an
    empty kernel launch and a device copy of the bytes it moves;
 4. runs it again with one rank per process (--processes of them under
-   mpiexec, sharing the GPU through CUDA IPC), and the per-call comparison
+   mpiexec, sharing the GPU through CUDA IPC): the step protocol, the
+   one-kernel path (COLLECTIVES_ONE_KERNEL_ALLREDUCE=1) on plain arrays and
+   on symmetric memory (--symmetric); and the per-call comparison
    of those GPU ranks with host ranks (bench.spmd_overhead). On a GPU it
    starts an MPS daemon of its own first when it can (processes on one GPU
    then run at once instead of taking turns), stops it after, and the JSON
@@ -40,6 +42,7 @@ from bench import all_reduce_perf, floor, harness
 from bench.environment import command_line, device_environment
 from collectives import kernels
 from collectives.binding import INPUT, OUTPUT
+from collectives.config import ONE_KERNEL_ALLREDUCE_ENV
 from collectives.executors.device import grid_for
 from collectives.plan import COPY_OP, REDUCE_OP
 
@@ -220,22 +223,30 @@ def run_process_benchmarks(args, env):
     mpiexec = harness.find_mpiexec()
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        sweep, overhead = Path(scratch) / "sweep.json", Path(scratch) / "overhead.json"
         emulated = args.device == "emulated"
+        processes = [mpiexec, "-bind-to", "core", "-n", str(args.processes), sys.executable, "-m"]
+        sweep = ["bench.all_reduce_perf", "--device", args.device, "-b", "8", "-e", args.maxbytes, "-f", "4",
+                 "-n", "3" if emulated else "20", "-w", "1" if emulated else "5"]
+        one_kernel = {ONE_KERNEL_ALLREDUCE_ENV: "1"}
+        # name: (command, extra environment): the step protocol's sweep, then the
+        # one-kernel path's on plain arrays and on symmetric memory (comm.alloc),
+        # whose large calls are barrier, step kernel, barrier: issue 26's 128 MiB goal.
         commands = {
-            "allreduce": [mpiexec, "-bind-to", "core", "-n", str(args.processes), sys.executable, "-m",
-                          "bench.all_reduce_perf", "--device", args.device, "-b", "8", "-e", args.maxbytes, "-f", "4",
-                          "-n", "3" if emulated else "20", "-w", "1" if emulated else "5", "-J", str(sweep)],
-            "overhead": [mpiexec, "-bind-to", "core", "-n", str(args.processes), sys.executable, "-m",
-                         "bench.spmd_overhead", "--device", args.device, "--batches", "5" if emulated else "20",
-                         "-J", str(overhead)],
+            "allreduce": (processes + sweep, {}),
+            "allreduce_one_kernel": (processes + sweep, one_kernel),
+            "allreduce_one_kernel_symmetric": (processes + sweep + ["--symmetric"], one_kernel),
+            "overhead": (processes + ["bench.spmd_overhead", "--device", args.device,
+                                      "--batches", "5" if emulated else "20"], {}),
         }
-        for name, command in commands.items():
-            print(" ".join(command), flush=True)
-            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        for name, (command, extra) in commands.items():
+            path = Path(scratch) / f"{name}.json"
+            command = command + ["-J", str(path)]
+            shown = " ".join([*(f"{k}={v}" for k, v in extra.items()), *command])
+            print(shown, flush=True)
+            done = subprocess.run(command, cwd=ROOT, env=dict(env, **extra), capture_output=True, text=True,
+                                  timeout=1800)
             print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
-            path = sweep if name == "allreduce" else overhead
-            results[name] = {"command": " ".join(command), "returncode": done.returncode,
+            results[name] = {"command": shown, "returncode": done.returncode,
                              "result": json.loads(path.read_text()) if path.exists() else None}
     return results
 

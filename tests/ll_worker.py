@@ -80,7 +80,7 @@ def on_host(array):
 def takes_the_path(comm, collective, x_bytes, root, algorithm):
     """Whether a call should run as one kernel, by the rule the executor
     must follow, worked out here apart from it: a plan whose bits are the
-    `direct` plan's (direct itself, picked by `auto` or named; any plan of
+    `direct` plan's (direct itself, picked by `auto` or named, and two_shot; any plan of
     allgather and broadcast, which only copy; any plan of 2 ranks, one
     commutative fold), and what a rank publishes (its x: all its blocks for
     reduce_scatter, laid out per block) fits in LL_MAX_BYTES."""
@@ -88,7 +88,7 @@ def takes_the_path(comm, collective, x_bytes, root, algorithm):
         algorithm = comm.chosen_algorithm(collective, x_bytes, root=root)
     blocks = comm.size if collective == "reduce_scatter" else 1
     published = blocks * -(-(x_bytes // blocks) // 8) * 8
-    direct_bits = algorithm == "direct" or collective in ("allgather", "broadcast") or comm.size == 2
+    direct_bits = algorithm in ("direct", "two_shot") or collective in ("allgather", "broadcast") or comm.size == 2
     return direct_bits and published <= kernels.LL_MAX_BYTES and x_bytes > 0
 
 

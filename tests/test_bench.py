@@ -146,7 +146,7 @@ def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
     bandwidth against a copy, the allreduce table and the JSON, as on a GPU."""
     path = tmp_path / "check.json"
     done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "emulated", "--bytes", "64K",
-                           "--maxbytes", "64K", "--repeats", "2", "-J", str(path)],
+                           "--maxbytes", "256K", "--repeats", "2", "-J", str(path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(path.read_text())
@@ -162,6 +162,12 @@ def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
     processes = report["processes"]
     assert all(run["returncode"] == 0 for run in processes.values()), processes
     assert processes["allreduce"]["result"]["environment"]["processes"] == 2
+    # The one-kernel path on plain arrays and on symmetric memory (128 KiB: beyond the LL, barrier-step-barrier).
+    for name in ("allreduce_one_kernel", "allreduce_one_kernel_symmetric"):
+        assert processes[name]["command"].startswith("COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 ")
+        rows = processes[name]["result"]["rows"]
+        assert rows[-1]["size"] == 128 << 10 and all(r["out_of_place"]["wrong"] == 0 for r in rows)
+    assert "--symmetric" in processes["allreduce_one_kernel_symmetric"]["command"]
     assert processes["overhead"]["result"]["ratio_to_host"]["emulated"] > 0
     assert report["processes_sharing"] == {"mode": "time-sliced", "why_not_mps": "not a GPU"}
     assert report["ours_vs_nccl"] == {"skipped": "NCCL needs a GPU"}

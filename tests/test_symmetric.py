@@ -40,6 +40,37 @@ def written_by(collective, n, count, itemsize, root=0, in_place=False):
     return writes
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_every_plan_the_one_pass_paths_take_gives_the_direct_plans_bits(n):
+    # same_bits_as_direct's claim, on the NumPy interpreter: every registered
+    # algorithm it accepts gives direct's bits (floats whose sums round), for
+    # each collective the one-kernel and symmetric paths run.
+    from collectives.algorithms import REGISTRY
+    from collectives.executors.ll_allreduce import ACCEPTED, same_bits_as_direct
+    from collectives.plan import build_plan
+    rng = np.random.default_rng(n)
+    taken = set()
+    with collectives.Communicator.local(n) as comm:
+        for collective in sorted(ACCEPTED):
+            xs = [(rng.standard_normal(n * 257) * 1e3).astype(np.float32) for _ in range(n)]
+            call = {"allreduce": lambda a, xs: comm.allreduce(xs, algorithm=a),
+                    "reduce_scatter": lambda a, xs: comm.reduce_scatter(xs, algorithm=a),
+                    "allgather": lambda a, xs: comm.allgather(xs, algorithm=a),
+                    "broadcast": lambda a, xs: comm.broadcast(xs, root=n - 1, algorithm=a),
+                    "reduce": lambda a, xs: comm.reduce(xs, root=n - 1, algorithm=a)}[collective]
+            want = call("direct", [x.copy() for x in xs])
+            for name, spec in REGISTRY.items():
+                if collective not in spec.collectives:
+                    continue
+                plan = build_plan(collective, name, n, xs[0].size, np.dtype(np.float32), "sum", root=n - 1)
+                if not same_bits_as_direct(plan):
+                    continue
+                taken.add(name)
+                got = call(name, [x.copy() for x in xs])
+                assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want)), (collective, name)
+    assert "two_shot" in taken and "direct" in taken
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("count", [0, 1, 5, 64, 1003])
 def test_every_output_element_is_written_once_from_the_right_sources(n, count):

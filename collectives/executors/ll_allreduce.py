@@ -66,7 +66,9 @@ ACCEPTED = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, REDUCE_TO
 def same_bits_as_direct(plan):
     """Whether every algorithm's plan of this call gives the `direct` plan's
     bits, which are the kernel's (each element folded in rank order in one
-    accumulator): the direct plan itself; allgather and broadcast, which
+    accumulator): the direct plan itself; `two_shot` (each chunk folded
+    once, by its owner, in rank order, then copied: what `auto` picks for
+    large allreduces of 3 ranks and more); allgather and broadcast, which
     only copy; and a reduction of 2 ranks, whose one fold of two operands
     is commutative (sum and prod exactly; max and min by the one tie rule;
     avg divides once either way). `auto` gives 2 ranks' allgather and
@@ -76,7 +78,7 @@ def same_bits_as_direct(plan):
     payload, so a plan folding rank 1 first (ring) and the kernel may give
     NaNs of different payloads; a GPU gives its one canonical NaN either
     way, and results are compared as NaN (design: NaN compared as NaN)."""
-    return plan.algorithm == "direct" or plan.collective in (ALLGATHER, BROADCAST) or plan.nranks == 2
+    return plan.algorithm in ("direct", "two_shot") or plan.collective in (ALLGATHER, BROADCAST) or plan.nranks == 2
 
 
 class _LLCall(NamedTuple):
