@@ -207,7 +207,7 @@ constexpr unsigned kLLMaxSleepNs = 1024;
 
 // The fault words, in the control segment (transport/layout.py: the LL
 // region, LL_REGION_WORDS int64 per rank, the fault word first).
-constexpr int kLLRegionWords = 16;
+constexpr int kLLRegionWords = 32;
 enum LLFault { kLLTimedOut = 1, kLLStopped = 2, kLLMismatch = 3 };
 
 // What a call computes (kernels.py: LL_COLLECTIVES, in this order).

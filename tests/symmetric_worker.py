@@ -13,11 +13,14 @@ memory, reduce_scatter's own block, allgather's block of its output),
 roots varying: every result has the NumPy interpreter's bits; every call
 ran on symmetric memory (the barrier word counts 2 phases per call) and
 none took the step protocol (its counter does not move); calls on plain
-arrays between them still take the step protocol and agree; small calls
-on symmetric memory take the LL path; reduce_scatter's output and
+small calls on symmetric memory take the LL path, compressed ones the step
+protocol; reduce_scatter's output and
 allgather's input, which only their rank touches, may be plain arrays; an
-output that overlaps its input takes the step protocol; alloc is refused
+output that overlaps its input goes through staging; alloc is refused
 while capturing.
+"staged": the same on plain arrays, through the staging buffers (no step
+protocol), sizes that make the buffers grow and shrink back, outputs that
+overlap their inputs; a growth refused while capturing.
 "sizes": ranks asking alloc for different sizes all raise InvalidUsageError.
 "mismatch": rank FAILING's input lies at another offset: every rank is told
 of a different call (InvalidUsageError), well before the timeout, and no
@@ -25,8 +28,9 @@ rank's memory was written.
 "stalled": rank FAILING stops calling after one call: every other rank
 raises CollectiveTimeoutError naming it, and no rank's memory was written
 by the failed call.
-"graph": calls on symmetric memory captured in a graph and replayed with
-new inputs, direct calls in between: the interpreter's bits.
+"graph": calls on symmetric memory and on plain arrays (staged) captured
+in a graph and replayed with new inputs, direct calls in between: the
+interpreter's bits.
 
 Each rank prints "OK <scenario> <rank>" when every check held.
 """
@@ -73,22 +77,23 @@ def barrier_phases(comm):
 
 
 class Arrays:
-    """A call's arrays in symmetric memory: x (the input) and out, laid out
-    as the collective and `in_place` say."""
+    """A call's arrays, x (the input) and out, laid out as the collective and
+    `in_place` say: in symmetric memory, or plain arrays (`symmetric` False)."""
 
-    def __init__(self, comm, collective, dtype, count, in_place):
+    def __init__(self, comm, collective, dtype, count, in_place, symmetric=True):
         n, r = comm.size, comm.rank
+        make = comm.alloc if symmetric else plain
         self.elements = n * count if collective == "reduce_scatter" else count
         if collective in ("broadcast", "reduce") or (collective == "allreduce" and in_place):
-            self.x = self.out = comm.alloc(self.elements, dtype)
+            self.x = self.out = make(self.elements, dtype)
         elif collective == "reduce_scatter":
-            self.x = comm.alloc(self.elements, dtype)
-            self.out = self.x[r * count:(r + 1) * count] if in_place else comm.alloc(count, dtype)
+            self.x = make(self.elements, dtype)
+            self.out = self.x[r * count:(r + 1) * count] if in_place else make(count, dtype)
         elif collective == "allgather":
-            self.out = comm.alloc(n * count, dtype)
-            self.x = self.out[r * count:(r + 1) * count] if in_place else comm.alloc(count, dtype)
+            self.out = make(n * count, dtype)
+            self.x = self.out[r * count:(r + 1) * count] if in_place else make(count, dtype)
         else:
-            self.x, self.out = comm.alloc(count, dtype), comm.alloc(count, dtype)
+            self.x, self.out = make(count, dtype), make(count, dtype)
 
     def call(self, comm, collective, op, root, algorithm="auto"):
         x, out = self.x, self.out
@@ -138,33 +143,44 @@ def beyond_the_ll(collective, n, dtype, extra):
     return lines * 8 // dtype.itemsize + extra
 
 
+CASES = [(np.dtype(np.float32), "sum"), (np.dtype(np.float16), "avg"), (np.dtype(np.int8), "max"),
+         (np.dtype(np.float64), "prod"), (np.dtype("int32"), "min"), (collectives.ops.BFLOAT16, "sum")]
+
+
+def every_collective(comm, reference, symmetric):
+    """Every collective, the CASES' dtypes and ops, beyond the LL, in place
+    and out of place, each call made twice on its arrays: the interpreter's
+    bits. Returns the calls made."""
+    n, made = comm.size, 0
+    for k, collective in enumerate(COLLECTIVES):
+        for j, (dtype, op) in enumerate(CASES):
+            extra = (1, 13, 4096 + 3)[(j + k) % 3]   # odd tails, and chunks past one
+            count = beyond_the_ll(collective, n, dtype, extra)
+            for in_place in (False, True):
+                arrays = Arrays(comm, collective, dtype, count, in_place, symmetric)
+                root = (j + in_place) % n
+                check_call(comm, reference, arrays, collective, dtype, op, root, seed=100 * k + 10 * j + in_place)
+                check_call(comm, reference, arrays, collective, dtype, op, root, seed=7 + made)   # a repeat
+                made += 2
+    return made
+
+
+def step_count(comm):
+    return int(comm._ranks.group._rows[comm.rank, COUNTER])   # noqa: SLF001 - the step protocol's calls
+
+
 def scenario_bits(comm):
-    group = comm._ranks.group   # noqa: SLF001
     n = comm.size
-    counter = int(group._rows[comm.rank, COUNTER])   # noqa: SLF001
-    cases = [(np.dtype(np.float32), "sum"), (np.dtype(np.float16), "avg"), (np.dtype(np.int8), "max"),
-             (np.dtype(np.float64), "prod"), (np.dtype("int32"), "min"), (collectives.ops.BFLOAT16, "sum")]
-    made = 0
+    counter = step_count(comm)
     with collectives.Communicator.local(n) as reference:
-        for k, collective in enumerate(COLLECTIVES):
-            for j, (dtype, op) in enumerate(cases):
-                extra = (1, 13, 4096 + 3)[(j + k) % 3]   # odd tails, and chunks past one
-                count = beyond_the_ll(collective, n, dtype, extra)
-                for in_place in (False, True):
-                    arrays = Arrays(comm, collective, dtype, count, in_place)
-                    root = (j + in_place) % n
-                    check_call(comm, reference, arrays, collective, dtype, op, root, seed=100 * k + 10 * j + in_place)
-                    made += 1
-                    check_call(comm, reference, arrays, collective, dtype, op, root, seed=7 + made)   # a repeat
-                    made += 1
+        made = every_collective(comm, reference, symmetric=True)
         # two_shot, what `auto` picks for large allreduces of 3 ranks and more, has direct's bits: it runs here.
-        arrays = Arrays(comm, "allreduce", np.dtype(np.float32), beyond_the_ll("allreduce", n, np.dtype(np.float32), 5),
-                        False)
-        check_call(comm, reference, arrays, "allreduce", np.dtype(np.float32), "avg", 0, seed=400, algorithm="two_shot")
+        dtype = np.dtype(np.float32)
+        arrays = Arrays(comm, "allreduce", dtype, beyond_the_ll("allreduce", n, dtype, 5), False)
+        check_call(comm, reference, arrays, "allreduce", dtype, "avg", 0, seed=400, algorithm="two_shot")
         made += 1
         # Arrays that only their own rank touches may lie anywhere: reduce_scatter's
         # output, allgather's input.
-        dtype = np.dtype(np.float32)
         for collective in ("reduce_scatter", "allgather"):
             count = beyond_the_ll(collective, n, dtype, 3)
             arrays = Arrays(comm, collective, dtype, count, False)
@@ -174,18 +190,17 @@ def scenario_bits(comm):
                 arrays.x = plain(count, dtype)
             check_call(comm, reference, arrays, collective, dtype, "sum", 0, seed=500 + made)
             made += 1
-        assert int(group._rows[comm.rank, COUNTER]) == counter, "a call took the step protocol"   # noqa: SLF001
+        assert step_count(comm) == counter, "a call took the step protocol"
         comm.synchronize()
         assert barrier_phases(comm) == 2 * made, (barrier_phases(comm), made)
         # An output overlapping its input (not the same array) would race in
-        # one pass: the step protocol takes it, with the interpreter's bits.
+        # one pass over the arrays: it goes through staging instead, as plain arrays do.
         count = beyond_the_ll("allreduce", n, dtype, 7)
         memory = comm.alloc(count + 4, dtype)
         overlapping = Arrays.__new__(Arrays)
         overlapping.elements, overlapping.x, overlapping.out = count, memory[:count], memory[4:]
-        steps = int(group._rows[comm.rank, COUNTER])   # noqa: SLF001
         check_call(comm, reference, overlapping, "allreduce", dtype, "sum", 0, seed=77)
-        assert int(group._rows[comm.rank, COUNTER]) != steps, "an overlapping output ran in one pass"
+        made += 1
         # No allocating while capturing: the handles' exchange would be captured.
         with comm.graph():
             try:
@@ -193,17 +208,57 @@ def scenario_bits(comm):
                 raise AssertionError("alloc ran while capturing")
             except InvalidUsageError as error:
                 assert "captured" in str(error), error
-        # Plain arrays take the step protocol; small symmetric ones the LL path.
-        count = beyond_the_ll("allreduce", n, np.dtype(np.float32), 5)
-        inputs = [rank_input(1, q, np.dtype(np.float32), count) for q in range(n)]
-        got = comm.allreduce(inputs[comm.rank].copy() if DEVICE != "cuda" else to_device(inputs[comm.rank]))
-        want = reference.allreduce([x.copy() for x in inputs])[comm.rank]
-        assert to_host(got).tobytes() == want.tobytes()
-        assert int(group._rows[comm.rank, COUNTER]) != counter, "a plain array's call skipped the step protocol"
-        small = Arrays(comm, "allreduce", np.dtype(np.float32), 1000, True)
-        check_call(comm, reference, small, "allreduce", np.dtype(np.float32), "sum", 0, seed=3)
+        # Small calls on symmetric memory take the LL path; compressed ones the step protocol.
+        small = Arrays(comm, "allreduce", dtype, 1000, True)
+        check_call(comm, reference, small, "allreduce", dtype, "sum", 0, seed=3)
         comm.synchronize()
         assert barrier_phases(comm) == 2 * made, "a small call on symmetric memory skipped the LL path"
+        assert step_count(comm) == counter
+        x = comm.alloc(beyond_the_ll("allreduce", n, dtype, 0), dtype)
+        write(x, np.ones(x.size, dtype))
+        got = to_host(comm.allreduce(x, compression="fp16"))
+        assert (got == n).all() and step_count(comm) != counter, "a compressed call skipped the step protocol"
+    comm.barrier()
+
+
+def scenario_staged(comm):
+    """Calls on plain arrays beyond the LL: through the staging buffers,
+    which grow at the same calls on every rank; the step protocol idle."""
+    n = comm.size
+    counter = step_count(comm)
+    staging = comm._ranks._symmetric   # noqa: SLF001
+    with collectives.Communicator.local(n) as reference:
+        made = every_collective(comm, reference, symmetric=False)
+        first = staging._staging.nbytes   # noqa: SLF001
+        for k, collective in enumerate(COLLECTIVES):   # larger (3 MiB and more): the buffers grow
+            dtype = np.dtype(np.float32)
+            arrays = Arrays(comm, collective, dtype, (3 << 20) // 4 // (n if collective == "reduce_scatter" else 1)
+                            + 5 * k, k % 2 == 0, symmetric=False)
+            check_call(comm, reference, arrays, collective, dtype, "sum", k % n, seed=600 + k)
+            made += 1
+        assert staging._staging.nbytes > first and staging._old_staging, "the staging buffers did not grow"  # noqa: SLF001
+        made += every_collective(comm, reference, symmetric=False)   # smaller again, in the grown buffers
+        # An output overlapping its input in any way: the input is staged whole first.
+        dtype = np.dtype(np.int32)
+        count = beyond_the_ll("allreduce", n, dtype, 7)
+        for shift in (3, -5):
+            memory = plain(count + 16, dtype)
+            overlapping = Arrays.__new__(Arrays)
+            overlapping.elements, overlapping.x, overlapping.out = count, memory[8:8 + count], \
+                memory[8 + shift:8 + shift + count]
+            check_call(comm, reference, overlapping, "allreduce", dtype, "sum", 0, seed=80 + shift)
+            made += 1
+        assert step_count(comm) == counter, "a call took the step protocol"
+        comm.synchronize()
+        assert barrier_phases(comm) == 2 * made, (barrier_phases(comm), made)
+        # A call larger than any before cannot be captured: growing waits on the host.
+        big = plain(8 * staging._staging.nbytes // 4, np.dtype(np.float32))   # noqa: SLF001
+        with comm.graph():
+            try:
+                comm.allreduce(big)
+                raise AssertionError("a staging buffer grew while capturing")
+            except InvalidUsageError as error:
+                assert "cannot be captured" in str(error), error
     comm.barrier()
 
 
@@ -270,10 +325,14 @@ def scenario_graph(comm):
     n = comm.size
     dtype = np.dtype(np.float32)
     with collectives.Communicator.local(n) as reference:
-        plans = [("allreduce", "sum", False), ("reduce_scatter", "max", True), ("allgather", "sum", False),
-                 ("broadcast", "sum", True), ("reduce", "avg", True)]
-        calls = [(collective, op, Arrays(comm, collective, dtype, beyond_the_ll(collective, n, dtype, 9), in_place))
-                 for collective, op, in_place in plans]
+        # On symmetric memory, then on plain arrays (through staging: the copies are captured too).
+        plans = [("allreduce", "sum", False, True), ("reduce_scatter", "max", True, True),
+                 ("allgather", "sum", False, True), ("broadcast", "sum", True, True), ("reduce", "avg", True, True),
+                 ("allreduce", "min", True, False), ("reduce_scatter", "sum", False, False),
+                 ("allgather", "sum", True, False), ("broadcast", "sum", True, False), ("reduce", "sum", True, False)]
+        calls = [(collective, op, Arrays(comm, collective, dtype, beyond_the_ll(collective, n, dtype, 9), in_place,
+                                         symmetric))
+                 for collective, op, in_place, symmetric in plans]
         for k, (collective, op, arrays) in enumerate(calls):   # once before capturing
             check_call(comm, reference, arrays, collective, dtype, op, k % n, seed=k, algorithm="direct")
         with comm.graph() as graph:

@@ -167,7 +167,7 @@ def run_ranks(n, scenario, device="emulated", limit=240):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("scenario", ["bits", "sizes", "mismatch", "stalled", "graph"])
+@pytest.mark.parametrize("scenario", ["bits", "staged", "sizes", "mismatch", "stalled", "graph"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_across_processes(n, scenario, emulation_library_built):
     run_ranks(n, scenario)
@@ -175,7 +175,7 @@ def test_across_processes(n, scenario, emulation_library_built):
 
 @pytest.mark.mpi
 @pytest.mark.gpu
-@pytest.mark.parametrize("scenario", ["bits", "sizes", "mismatch", "stalled", "graph"])
+@pytest.mark.parametrize("scenario", ["bits", "staged", "sizes", "mismatch", "stalled", "graph"])
 def test_across_processes_on_a_gpu(scenario):
     if gpu_unavailable_reason():
         pytest.skip(gpu_unavailable_reason())

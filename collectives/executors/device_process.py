@@ -22,7 +22,12 @@ docs/device-protocol.md; its first step, small calls of every collective as
 one kernel with no host in the loop (executors/ll_allreduce.py), runs here
 when $COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 (config.py): a call it takes
 returns as soon as its kernel is queued, and can be captured in a graph
-(Communicator.graph(): `capturable`, replay_graph).
+(Communicator.graph(): `capturable`, replay_graph). With it, larger calls
+whose plans have the `direct` plan's bits run on symmetric memory
+(executors/symmetric.py): on the caller's arrays where they lie in it
+(Communicator.alloc), else through staging buffers; barrier, step kernel,
+barrier, no host in the loop either. The step protocol then runs only
+the other plans (ring or tree of 3 ranks or more, compression).
 """
 
 from typing import NamedTuple, Optional, Tuple
@@ -121,9 +126,12 @@ class DeviceProcessRank:
             symmetric = self._symmetric
             if symmetric.allocations:
                 arrays = symmetric.accepts(plan, input_infos[0], output_infos[0])
-                if arrays is not None:
+                if arrays is not None:   # the caller's arrays in symmetric memory: read where they lie
                     symmetric.run(plan, arrays, deadline)
                     return
+            if symmetric.stages(plan):   # plain arrays: through this rank's staging buffer
+                symmetric.run_staged(plan, input_infos[0], output_infos[0], deadline)
+                return
             if ll.used:
                 ll.check()   # a kernel of an earlier call gave up: this call must not wait for it
         entry = self._programs.get(id(plan))
@@ -231,6 +239,8 @@ class DeviceProcessRank:
         """Kernel launches this rank makes for `plan`."""
         if self._ll is not None and self._ll.accepts(plan):
             return 1 if plan.count else 0
+        if self._symmetric is not None and self._symmetric.stages(plan):   # on plain arrays (symmetric memory: 3)
+            return self._symmetric.staged_launches(plan)
         entry = self._programs.get(id(plan))
         program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
         return sum(launch is not None for launch in program.launches)

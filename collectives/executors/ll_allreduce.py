@@ -49,7 +49,8 @@ from ..algorithms.schedule import (
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from ..ops import ReduceOp
 from ..transport.layout import (
-    ABORT, HANDLE_BYTES, LL_FAULT, LL_HANDLE_OFFSET, LL_READY, LL_REGION_WORDS, ll_mapped_bytes, ll_region_offset,
+    ABORT, HANDLE_BYTES, LL_FAULT, LL_HANDLE_OFFSET, LL_READY, LL_REGION_WORDS, LL_STAGING, LL_STAGING_HANDLE_OFFSET,
+    ll_mapped_bytes, ll_region_offset,
 )
 from ..transport.protocol import Counters, Waiter, describe_call
 
@@ -205,6 +206,36 @@ class LLAllreduce:
         """Unmap a peer's memory at close, with the LL areas (symmetric memory)."""
         self._peer_memory.append(opened)
 
+    def exchange_staging(self, own, capacity, deadline):
+        """Publish this rank's new staging buffer (executors/symmetric.py)
+        in the LL region and wait for every peer's, of at least `capacity`
+        bytes (every rank grows at the same call, to the same size); open
+        them. Every rank's address of its peers' buffers, this rank's own
+        at its place. (A peer reads the handle before it may change again:
+        the next growth comes after this call's barriers.)"""
+        handle = np.frombuffer(own.handle, np.uint8)
+        mine = self._region[self.rank, LL_STAGING_HANDLE_OFFSET:LL_STAGING_HANDLE_OFFSET + HANDLE_BYTES]
+        mine[:] = 0
+        mine[:len(handle)] = handle
+        self._flags.publish(self.rank, LL_STAGING, capacity)   # last: a peer that sees it sees the handle
+        waiter = Waiter(deadline)
+        group = self.group
+        addresses = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                addresses.append(own.address)
+                continue
+            published = self._flags.loader(peer, LL_STAGING)
+            waiter.until(lambda: published() >= capacity,
+                         lambda: f"rank {peer} to grow its staging buffer to {capacity} bytes"
+                                 f"{group.absent_note(group._seq)}",
+                         lambda: group.check_health(peer, "growing its staging buffer"))
+            peer_handle = bytes(self._region[peer, LL_STAGING_HANDLE_OFFSET:LL_STAGING_HANDLE_OFFSET + HANDLE_BYTES])
+            opened = self.device.open_shared(peer_handle)
+            self.hold_peer_memory(opened)
+            addresses.append(opened.address)
+        return tuple(addresses)
+
     def order_on(self, stream):
         """Order what runs next on `stream` after this rank's previous call
         (the kernel's state words and slot reuse rest on stream order)."""
@@ -317,7 +348,7 @@ class LLAllreduce:
         args.abort_word = mapped + 8 * ABORT
         args.faults = mapped + ll_region_offset(self.size) + 8 * LL_FAULT
         args.rank, args.nranks = self.rank, self.size
-        assert LL_REGION_WORDS == 16   # kLLRegionWords; the emulated library checks it too
+        assert LL_REGION_WORDS == 32   # kLLRegionWords; the emulated library checks it too
         self._watchdog = threading.Thread(target=self._watch, name=f"collectives-ll-watchdog-r{self.rank}",
                                           daemon=True)
         self._watchdog.start()

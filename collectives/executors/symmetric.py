@@ -37,6 +37,15 @@ input is read once and every output written once, the memory floor. Every
 rank folds in rank order with one accumulator (the REDUCE_FINAL rows of the
 `direct` plan), so results are the NumPy interpreter's bits.
 
+Calls on plain arrays that the LL path does not take (larger than 64 KiB)
+and whose plans have the `direct` plan's bits run here too, through each
+rank's staging buffer, symmetric memory of the communicator's own: a copy of
+the input into it, the same three launches in place on the staging buffers,
+a copy of the result out (run_staged): five launches, no host wait, the
+copies NCCL's eager path makes. The staging buffers grow at the same calls
+on every rank (every rank makes the same calls), a power of two at least
+STAGING_MIN_BYTES, which is the only time these calls wait on the host.
+
 The barriers' signature (32 bits of a hash of the collective, counts, dtype,
 op, root and where input and output lie in symmetric memory) makes a rank
 whose call differs (another allocation or offset included) a mismatch that
@@ -66,6 +75,7 @@ from .ll_allreduce import ACCEPTED, same_bits_as_direct
 # plus this (kernels.ll_fault decodes it), so that an error says which path.
 SYMMETRIC_FAULT_CODE = 16
 HANDLE_PAYLOAD = 8 + 64   # what a rank shares of an allocation: its byte count, its handle
+STAGING_MIN_BYTES = 1 << 20   # a staging buffer's least size: growth, which waits on the host, stays rare
 
 # Whose arrays a rank's share touches (share_rows): peers read every input
 # but allgather's (each rank copies its own), and write every output but
@@ -101,6 +111,13 @@ class _Arrays(NamedTuple):
         where = [(place.allocation.index, place.offset) if place else None for place in (self.source, self.result)]
         return (*where, self.input_address if self.source is None else 0,
                 self.output_address if self.result is None else 0)
+
+
+class _StagedCall(NamedTuple):
+    call: object                   # the _SymmetricCall in place on the staging buffers
+    staging: Allocation            # the staging buffer it was made for
+    copy_in: Optional[tuple]       # batched_copy's (table in device memory, rows), or None
+    copy_out: Optional[tuple]
 
 
 class _SymmetricCall(NamedTuple):
@@ -175,6 +192,9 @@ class SymmetricCalls:
         self.allocations = []
         self._calls = {}               # (id(plan), places) -> _SymmetricCall
         self._args = None              # the barriers' kernels.LLAllreduceArgs, made at the first call
+        self._staging = None           # the current staging buffer (an Allocation), for calls on plain arrays
+        self._old_staging = []         # the ones it replaced: released at close
+        self._staged = {}              # (id(plan), input address, output address) -> _StagedCall
 
     # -- memory ---------------------------------------------------------------
 
@@ -232,10 +252,12 @@ class SymmetricCalls:
     def release(self):
         """At close, after every rank's kernels are done (a barrier): our own
         memory goes once the caller's arrays in it are gone too."""
-        for allocation in self.allocations:
+        staging = self._old_staging + ([self._staging] if self._staging is not None else [])
+        for allocation in self.allocations + staging:
             self.device.release_shared(allocation.own, own=True)
-        self.allocations = []
+        self.allocations, self._old_staging, self._staging = [], [], None
         self._calls.clear()
+        self._staged.clear()
 
     # -- a call ---------------------------------------------------------------
 
@@ -274,12 +296,23 @@ class SymmetricCalls:
         return False
 
     def run(self, plan, arrays, deadline):
+        """A call on symmetric memory: barrier, this rank's share, barrier."""
+        if plan.count == 0:
+            return
+        call = self._call(plan, arrays)
+        stream = self._begin(plan, call.description, deadline)
+        self._launch(plan, call, stream, deadline)
+        self._end()
+
+    def _call(self, plan, arrays):
         key = (id(plan), *arrays.key)
         call = self._calls.get(key)
         if call is None or call.plan is not plan:
             call = self._prepare(plan, arrays, key)
-        if plan.count == 0:
-            return
+        return call
+
+    def _begin(self, plan, description, deadline):
+        """Checks and ordering before a call's launches; its stream."""
         device, ll = self.device, self.ll
         ll.check()   # a kernel of an earlier call gave up: this call must not launch
         stream = device.current_stream()
@@ -287,7 +320,11 @@ class SymmetricCalls:
         ll.ensure_setup(deadline, capturing, plan.collective)
         if not capturing:
             ll.order_on(stream)
-            ll.describe_call(call.description)
+            ll.describe_call(description)
+        return stream
+
+    def _launch(self, plan, call, stream, deadline):
+        device, ll = self.device, self.ll
         args = self._barrier_args()
         args.signature = call.signature
         args.collective = SYMMETRIC_FAULT_CODE + kernels.LL_COLLECTIVES.index(plan.collective)
@@ -299,8 +336,128 @@ class SymmetricCalls:
             device.launch_step(stream, call.instance, call.grid, call.table, call.width, call.addresses,
                                call.divisor, call.fanout)
         device.launch_ll_barrier(stream, args)
-        device.call_returned()   # the emulated device runs them now; a GPU keeps them queued
-        ll.check()
+
+    def _end(self):
+        self.device.call_returned()   # the emulated device runs the launches now; a GPU keeps them queued
+        self.ll.check()
+
+    # -- calls on plain arrays, through staging -------------------------------------
+
+    def stages(self, plan):
+        """Whether a call on plain arrays runs here, through this rank's
+        staging buffer (run_staged): a plan with the `direct` plan's bits,
+        uncompressed; the LL path takes the small ones first."""
+        return plan.compression is None and plan.collective in ACCEPTED and same_bits_as_direct(plan) \
+            and plan.nranks <= kernels.MAX_RANKS
+
+    def run_staged(self, plan, input_info, output_info, deadline):
+        """A call on plain arrays as five launches, no host wait: a copy of
+        the input into this rank's staging buffer (symmetric memory of the
+        communicator's own), the call in place on the staging buffers
+        (barrier, share, barrier) and a copy of the result out. The copy in
+        may overwrite the staging buffer at once: every peer finished with
+        it in this rank's previous call, whose leave barrier came before on
+        the stream. The output may overlap the input in any way: the input
+        is copied whole before anything is written."""
+        if plan.count == 0:
+            return
+        staged = self._staged_call(plan, input_info.address, output_info.address, deadline)
+        stream = self._begin(plan, staged.call.description, deadline)
+        device = self.device
+        if staged.copy_in is not None:
+            device.launch_copies(stream, *staged.copy_in)
+        self._launch(plan, staged.call, stream, deadline)
+        if staged.copy_out is not None:
+            device.launch_copies(stream, *staged.copy_out)
+        self._end()
+
+    def staged_launches(self, plan):
+        """Launches of a staged call of `plan` on this rank (bench.plan_report, spmd_overhead)."""
+        if plan.count == 0:
+            return 0
+        copy_in, copy_out = self._staged_copies(plan)
+        return 3 + (copy_in is not None) + (copy_out is not None)
+
+    def _staged_copies(self, plan):
+        """(copy in, copy out) of a staged call, each (staging offset, bytes) or
+        None: what this rank contributes and what it receives."""
+        block = plan.count // self.size * plan.dtype.itemsize
+        whole = plan.count * plan.dtype.itemsize
+        r, root, collective = self.rank, plan.root, plan.collective
+        if collective == ALLGATHER:
+            return (r * block, block), (0, whole)
+        if collective == REDUCE_SCATTER:
+            return (0, whole), (r * block, block)
+        if collective == BROADCAST:   # the root's x is its own result
+            return ((0, whole), None) if r == root else (None, (0, whole))
+        if collective == REDUCE_TO_ROOT:   # the other ranks' x stays as it is
+            return (0, whole), ((0, whole) if r == root else None)
+        return (0, whole), (0, whole)
+
+    def _staged_call(self, plan, input_address, output_address, deadline):
+        key = (id(plan), input_address, output_address)
+        staged = self._staged.get(key)
+        if staged is not None and staged.call.plan is plan and staged.staging is self._staging:
+            return staged
+        staging = self._ensure_staging(plan.count * plan.dtype.itemsize, plan.collective, deadline)
+        block = plan.count // self.size * plan.dtype.itemsize
+        own = staging.own.address
+        # The call in place on the staging buffers (symmetric.py's in-place
+        # cases): reduce_scatter's output its own block, allgather's input its own block.
+        if plan.collective == ALLGATHER:
+            arrays = _Arrays(None, Place(staging, 0), own + self.rank * block, own)
+        elif plan.collective == REDUCE_SCATTER:
+            arrays = _Arrays(Place(staging, 0), None, own, own + self.rank * block)
+        else:
+            arrays = _Arrays(Place(staging, 0), Place(staging, 0), own, own)
+        copy_in, copy_out = self._staged_copies(plan)
+        device = self.device
+
+        def copies(sources, destinations, nbytes):
+            table = kernels.copy_table(sources, destinations, nbytes)
+            return device.upload(table), len(table)
+
+        staged = _StagedCall(
+            self._call(plan, arrays), staging,
+            copy_in and copies([input_address], [own + copy_in[0]], [copy_in[1]]),
+            copy_out and copies([own + copy_out[0]], [output_address], [copy_out[1]]))
+        if len(self._staged) >= 256:
+            self._staged.clear()
+        self._staged[key] = staged
+        return staged
+
+    def _ensure_staging(self, nbytes, collective, deadline):
+        """This rank's staging buffer, at least `nbytes`, and every peer's,
+        mapped here. Every rank makes the same calls, so every rank grows
+        at the same call, to the same size (a power of two, at least
+        STAGING_MIN_BYTES). Growing publishes the new buffer's handle and
+        size in the control segment's LL region and waits for every peer's:
+        the only host wait of these calls, once per growth. It first waits
+        for this rank's stream, so that every peer is done with the old
+        buffer (this rank's last leave barrier is behind it), and the old
+        buffers are released at close only (a peer may still map them)."""
+        staging = self._staging
+        if staging is not None and staging.nbytes >= nbytes:
+            return staging
+        device, ll = self.device, self.ll
+        if device.is_capturing(device.current_stream()):
+            raise InvalidUsageError(
+                f"graph: a {collective} on plain arrays larger than any before grows the buffers its peers open, "
+                "which cannot be captured: make each call once before capturing it")
+        capacity = max(STAGING_MIN_BYTES, 1 << max(nbytes - 1, 1).bit_length())
+        device.synchronize()
+        generation = len(self._old_staging) + (staging is not None) + 1
+        own = device.allocate_shared(capacity, f"{self.prefix}-r{self.rank}-staging{generation}")
+        try:
+            addresses = ll.exchange_staging(own, capacity, deadline)
+        except BaseException as error:   # the peers waiting for this rank's buffer learn of it at once
+            device.release_shared(own, own=True)
+            ll.group.abort(f"{type(error).__name__}: {error}", error)
+            raise
+        if staging is not None:
+            self._old_staging.append(staging)
+        self._staging = Allocation(-generation, own, capacity, addresses)   # negative: not a caller's allocation
+        return self._staging
 
     def _barrier_args(self):
         if self._args is None:

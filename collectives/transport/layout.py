@@ -15,13 +15,16 @@ place that says where, so both import it and neither imports the other.
                 peers, 14 raised while it writes into peers
     handles     per rank, HANDLE_BYTES: its workspace's IPC handle
     reason      REASON_BYTES: why the communicator was aborted, as text
-    ll          from the next 128 bytes, per rank LL_REGION_BYTES: the
+    ll          from the next 256 bytes, per rank LL_REGION_BYTES: the
                 one-kernel collectives' (kernels/ll_allreduce.cu) LL_FAULT
                 word, which the rank's kernel sets when it stops waiting
                 (why, for whom, in which call) and every rank's kernel and
                 host read; LL_READY, raised once the rank's LL area (device
                 memory) is allocated, zeroed and its handle is at
-                LL_HANDLE_OFFSET. GPUs map this part of the segment.
+                LL_HANDLE_OFFSET; LL_STAGING, the bytes of the rank's
+                staging buffer for calls on plain arrays through symmetric
+                memory (executors/symmetric.py), raised once its handle is
+                at LL_STAGING_HANDLE_OFFSET. GPUs map this part of the segment.
     channel     from the next page: the fast path's channel, per rank
                   small slots   2 x (SLOT_HEADER + SMALL_MAX) bytes: the
                                 merged step of messages up to SMALL_MAX
@@ -41,10 +44,11 @@ WORKSPACE_ALIGN = 4096
 PAGE = 4096
 
 # The LL region, per rank: int64 words (kLLRegionWords in kernels/ll_allreduce.cu).
-LL_REGION_BYTES = 128
+LL_REGION_BYTES = 256
 LL_REGION_WORDS = LL_REGION_BYTES // 8
-LL_FAULT, LL_READY = 0, 1
+LL_FAULT, LL_READY, LL_STAGING = 0, 1, 2
 LL_HANDLE_OFFSET = 64        # bytes into the rank's region: HANDLE_BYTES of its LL area's handle
+LL_STAGING_HANDLE_OFFSET = 128   # and of its current staging buffer's
 
 # bytes: the merged step up to SMALL_MAX, the pipeline above, CHUNK bytes of
 # every block per iteration. Every rank must use the same values (mpiexec
@@ -59,7 +63,7 @@ def _pages(nbytes):
 
 
 def ll_region_offset(size):
-    """Where the LL region starts: the first 128 bytes after the reason."""
+    """Where the LL region starts: the first LL_REGION_BYTES boundary after the reason."""
     used = 8 * (HEADER + ROW * size) + HANDLE_BYTES * size + REASON_BYTES
     return -(-used // LL_REGION_BYTES) * LL_REGION_BYTES
 
