@@ -89,6 +89,7 @@ def round_trips(comm, collective, x, out, algorithm):
         originals["launch"], originals["query"] = device.launch_step, device.query
         originals["ll"] = device.launch_ll_allreduce
         originals["barrier"] = device.launch_ll_barrier
+        originals["copies"] = device.launch_copies
 
         def counted_launch(*a):
             counts["launches"] += 1
@@ -107,13 +108,19 @@ def round_trips(comm, collective, x, out, algorithm):
             return originals["barrier"](*a)
 
         device.launch_step, device.query = counted_launch, counted_query
+        def counted_copies(*a):
+            counts["launches"] += 1
+            return originals["copies"](*a)
+
         device.launch_ll_allreduce, device.launch_ll_barrier = counted_ll_launch, counted_barrier
+        device.launch_copies = counted_copies
     try:
         call(comm, collective, x, out, algorithm)
     finally:
         del group._wait_for  # noqa: SLF001 - the instance attributes go, the methods stay
         if device is not None:
             del device.launch_step, device.query, device.launch_ll_allreduce, device.launch_ll_barrier
+            del device.launch_copies
     return counts
 
 

@@ -123,14 +123,9 @@ class DeviceProcessRank:
             if ll.accepts(plan):   # small: one launch, whatever memory the arrays are in
                 ll.run(plan, input_infos[0].address, output_infos[0].address, deadline)
                 return
-            symmetric = self._symmetric
-            if symmetric.allocations:
-                arrays = symmetric.accepts(plan, input_infos[0], output_infos[0])
-                if arrays is not None:   # the caller's arrays in symmetric memory: read where they lie
-                    symmetric.run(plan, arrays, deadline)
-                    return
-            if symmetric.stages(plan):   # plain arrays: through this rank's staging buffer
-                symmetric.run_staged(plan, input_infos[0], output_infos[0], deadline)
+            # Larger: on the caller's arrays where they lie in symmetric
+            # memory, else through this rank's staging buffer.
+            if self._symmetric.runs(plan, input_infos[0], output_infos[0], deadline):
                 return
             if ll.used:
                 ll.check()   # a kernel of an earlier call gave up: this call must not wait for it

@@ -111,6 +111,7 @@ class LLAllreduce:
         self._mapped = None                                 # the control segment's front, as kernels see it
         self._args = kernels.LLAllreduceArgs()
         self._calls = {}                                    # id(plan) -> _LLCall
+        self._declined = {}                                 # id(plan) -> a plan that does not run here
         self._call = ""                                     # the last call's description, for errors
         self._stream = None
         self._event = device.new_event()
@@ -125,9 +126,16 @@ class LLAllreduce:
         call = self._calls.get(id(plan))
         if call is not None and call.plan is plan:
             return True
-        return (plan.collective in ACCEPTED and same_bits_as_direct(plan) and plan.compression is None
-                and plan.nranks <= kernels.LL_MAX_RANKS
-                and kernels.ll_shape(plan.collective, plan.nranks, plan.count, plan.dtype.itemsize).fits)
+        if self._declined.get(id(plan)) is plan:
+            return False
+        taken = (plan.collective in ACCEPTED and same_bits_as_direct(plan) and plan.compression is None
+                 and plan.nranks <= kernels.LL_MAX_RANKS
+                 and kernels.ll_shape(plan.collective, plan.nranks, plan.count, plan.dtype.itemsize).fits)
+        if not taken:
+            if len(self._declined) >= 256:
+                self._declined.clear()
+            self._declined[id(plan)] = plan   # (the plan is kept alive, so its id is not reused meanwhile)
+        return taken
 
     @property
     def used(self):

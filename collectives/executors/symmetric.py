@@ -195,6 +195,7 @@ class SymmetricCalls:
         self._staging = None           # the current staging buffer (an Allocation), for calls on plain arrays
         self._old_staging = []         # the ones it replaced: released at close
         self._staged = {}              # (id(plan), input address, output address) -> _StagedCall
+        self._routes = {}              # (id(plan), input address, output address) -> (plan, _Arrays, staged)
 
     # -- memory ---------------------------------------------------------------
 
@@ -238,6 +239,7 @@ class SymmetricCalls:
             device.release_shared(own, own=True)
             raise
         self.allocations.append(Allocation(index, own, nbytes, tuple(addresses)))
+        self._routes.clear()   # a plain array's address may lie in it now (runs)
         return device.wrap_shared(own, tuple(shape), dtype)
 
     def place(self, info):
@@ -258,6 +260,7 @@ class SymmetricCalls:
         self.allocations, self._old_staging, self._staging = [], [], None
         self._calls.clear()
         self._staged.clear()
+        self._routes.clear()
 
     # -- a call ---------------------------------------------------------------
 
@@ -295,11 +298,39 @@ class SymmetricCalls:
             return a == b + self.rank * input_info.nbytes
         return False
 
+    def runs(self, plan, input_info, output_info, deadline):
+        """Run the call here if it runs here (on the caller's arrays in
+        symmetric memory, or through staging), and say whether it did. The
+        route of a (plan, input, output) is remembered until the next
+        allocation, which every rank makes at the same point: a plain
+        array's memory may then lie in symmetric memory, and every rank must
+        route a call alike."""
+        key = (id(plan), input_info.address, output_info.address)
+        route = self._routes.get(key)
+        if route is None or route[0] is not plan:
+            arrays = self.accepts(plan, input_info, output_info) if self.allocations else None
+            route = (plan, arrays, arrays is None and self.stages(plan))
+            if len(self._routes) >= 256:
+                self._routes.clear()
+            self._routes[key] = route
+        if route[1] is not None:
+            call = route[1] if type(route[1]) is _SymmetricCall else self._call(plan, route[1])
+            if call is not route[1]:
+                self._routes[key] = (plan, call, False)   # prepared now: later calls skip the lookup
+            self._run_call(plan, call, deadline)
+            return True
+        if route[2]:
+            self.run_staged(plan, input_info, output_info, deadline)
+            return True
+        return False
+
     def run(self, plan, arrays, deadline):
         """A call on symmetric memory: barrier, this rank's share, barrier."""
+        self._run_call(plan, self._call(plan, arrays), deadline)
+
+    def _run_call(self, plan, call, deadline):
         if plan.count == 0:
             return
-        call = self._call(plan, arrays)
         stream = self._begin(plan, call.description, deadline)
         self._launch(plan, call, stream, deadline)
         self._end()
