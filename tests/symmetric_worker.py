@@ -353,6 +353,25 @@ def scenario_graph(comm):
                        algorithm="direct")
         comm.synchronize()
         assert barrier_phases(comm) == 2 * (len(calls) * 7 + 6)
+        # A capture whose calls come on two of its streams is refused: its
+        # replay could run them at once (here a second capturing stream
+        # stands for one forked from the capture by an event).
+        device = comm._ranks.device   # noqa: SLF001
+        if DEVICE == "emulated":
+            collective, op, arrays = calls[0]
+            try:
+                with comm.graph():
+                    arrays.call(comm, collective, op, 0, "direct")
+                    forked = device.new_stream()
+                    forked.capturing, captured = True, device._current   # noqa: SLF001
+                    device._current = forked   # noqa: SLF001
+                    try:
+                        arrays.call(comm, collective, op, 0, "direct")
+                    finally:
+                        device._current, forked.capturing = captured, False   # noqa: SLF001
+                raise AssertionError("a capture on two streams was taken")
+            except InvalidUsageError as error:
+                assert "two streams" in str(error), error
     comm.barrier()
 
 

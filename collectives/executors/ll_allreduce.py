@@ -114,6 +114,7 @@ class LLAllreduce:
         self._declined = {}                                 # id(plan) -> a plan that does not run here
         self._call = ""                                     # the last call's description, for errors
         self._stream = None
+        self._capture_stream = None                         # the stream of the capture under way (one_capture_stream)
         self._event = device.new_event()
         self._timeout_s = 0.0
         self._watchdog = None
@@ -173,6 +174,8 @@ class LLAllreduce:
         if not capturing:   # a graph is ordered when it is replayed (replay_graph)
             self.order_on(stream)
             self._call = call.description
+        else:
+            self.one_capture_stream(stream)
         args = self._args
         args.input, args.output, args.count = source, result, call.shape.count
         args.collective, args.root, args.signature = call.shape.collective, plan.root, call.signature
@@ -196,6 +199,23 @@ class LLAllreduce:
         except BaseException as error:   # the peers waiting for this rank's area learn of it at once
             self.group.abort(f"{type(error).__name__}: {error}", error)
             raise
+
+    def one_capture_stream(self, stream):
+        """Refuse a captured call on another stream than the capture's
+        earlier ones: two captured streams (forked from the capture by an
+        event) become branches of the graph that may run at once, and the
+        kernels' state words and slots rest on this rank's calls running one
+        after another. (A capture that ended leaves no claim: its stream no
+        longer captures.)"""
+        held = self._capture_stream
+        if held is None or not self.device.is_capturing(held):
+            self._capture_stream = stream
+            return
+        if held is not stream and getattr(held, "ptr", held) != getattr(stream, "ptr", stream):
+            raise InvalidUsageError(
+                "graph: this capture's calls between processes were made on two streams, which its replay "
+                "may run at once; the one-kernel calls of a rank must run one after another: make them on "
+                "one stream")
 
     def set_timeout(self, deadline):
         """The call's timeout, kept for its error message: in ns, as kernels take it."""

@@ -352,6 +352,8 @@ class SymmetricCalls:
         if not capturing:
             ll.order_on(stream)
             ll.describe_call(description)
+        else:
+            ll.one_capture_stream(stream)
         return stream
 
     def _launch(self, plan, call, stream, deadline):
