@@ -25,6 +25,10 @@ overlap their inputs; a growth refused while capturing.
 "mismatch": rank FAILING's input lies at another offset: every rank is told
 of a different call (InvalidUsageError), well before the timeout, and no
 rank's memory was written.
+"staged_mismatch": the same on plain arrays (through staging): no output
+written either.
+"growth_fails": rank FAILING cannot allocate a larger staging buffer:
+every other rank raises the abort well before the timeout.
 "stalled": rank FAILING stops calling after one call: every other rank
 raises CollectiveTimeoutError naming it, and no rank's memory was written
 by the failed call.
@@ -310,6 +314,48 @@ def scenario_mismatch(comm):
     # The barrier that found it disarmed the step kernel: no rank's memory was touched.
     assert np.array_equal(to_host(memory), before), \
         f"a failed call wrote into rank {comm.rank}'s symmetric memory: {to_host(memory)[:3]}, was {before[:3]}"
+
+
+def scenario_staged_mismatch(comm):
+    """A staged call whose count differs on rank FAILING: every rank raises,
+    and no output is written (the leave barrier disarms the copy out)."""
+    n = comm.size
+    count = beyond_the_ll("allreduce", n, np.dtype(np.float32), 100)
+    comm.allreduce(plain(count, np.float32) + 1)   # the staging buffers hold a call's sums
+    comm.synchronize()
+    mine = count + (16 if comm.rank == FAILING else 0)
+    x = plain(mine, np.float32) + 5
+    out = plain(mine, np.float32) - 1
+    MPI.COMM_WORLD.Barrier()
+    start = time.perf_counter()
+    expect_a_different_call(lambda: (comm.allreduce(x, out=out), comm.synchronize()), "an allreduce of another count")
+    assert time.perf_counter() - start < TIMEOUT / 2, "the mismatch was found by the timeout"
+    assert (to_host(out) == -1).all() and (to_host(x) == 5).all(), "a failed staged call wrote an output"
+
+
+def scenario_growth_fails(comm):
+    """Rank FAILING cannot allocate its larger staging buffer: it aborts, and
+    every other rank learns of it at once, not at the timeout."""
+    n = comm.size
+    comm.allreduce(plain(beyond_the_ll("allreduce", n, np.dtype(np.float32), 1), np.float32))
+    comm.synchronize()
+    device = comm._ranks.device   # noqa: SLF001
+    if comm.rank == FAILING:
+        def no_memory(*_):
+            raise MemoryError("no device memory for the staging buffer (the test's)")
+        device.allocate_shared = no_memory
+    big = plain((4 << 20) // 4, np.float32)   # 4 MiB: past the first buffer's 1 MiB
+    MPI.COMM_WORLD.Barrier()
+    start = time.perf_counter()
+    try:
+        comm.allreduce(big)
+        comm.synchronize()
+        raise AssertionError("the call completed although a rank could not grow its staging buffer")
+    except MemoryError:
+        assert comm.rank == FAILING
+    except collectives.CollectiveError as error:
+        assert "staging" in str(error) and "aborted" in str(error), error
+    assert time.perf_counter() - start < TIMEOUT / 2, "a failed growth was found by the timeout"
 
 
 def scenario_stalled(comm):

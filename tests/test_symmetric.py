@@ -167,7 +167,8 @@ def run_ranks(n, scenario, device="emulated", limit=240):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("scenario", ["bits", "staged", "sizes", "mismatch", "stalled", "graph"])
+@pytest.mark.parametrize("scenario", ["bits", "staged", "sizes", "mismatch", "staged_mismatch", "growth_fails",
+                                      "stalled", "graph"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_across_processes(n, scenario, emulation_library_built):
     run_ranks(n, scenario)

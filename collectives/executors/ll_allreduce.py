@@ -258,7 +258,11 @@ class LLAllreduce:
                          lambda: f"rank {peer} to grow its staging buffer to {capacity} bytes"
                                  f"{group.absent_note(group._seq)}",
                          lambda: group.check_health(peer, "growing its staging buffer"))
+            seen = published()
             peer_handle = bytes(self._region[peer, LL_STAGING_HANDLE_OFFSET:LL_STAGING_HANDLE_OFFSET + HANDLE_BYTES])
+            if published() != seen:   # it grew again meanwhile: the handle read may be torn
+                raise CollectiveError(f"rank {peer} replaced its staging buffer while rank {self.rank} opened it "
+                                      "(the ranks' calls are out of step)")
             opened = self.device.open_shared(peer_handle)
             self.hold_peer_memory(opened)
             addresses.append(opened.address)

@@ -66,7 +66,7 @@ from ..algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTE
 from ..binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
-from ..plan import SRC0, chunk_bounds
+from ..plan import SCRATCH, SRC0, WORK, chunk_bounds
 from ..transport.protocol import describe_call
 from .device import fan_out, grid_for
 from .ll_allreduce import ACCEPTED, same_bits_as_direct
@@ -113,15 +113,46 @@ class _Arrays(NamedTuple):
                 self.output_address if self.result is None else 0)
 
 
+class _Rows(NamedTuple):
+    """Step-kernel rows in device memory."""
+    table: object
+    width: int
+    grid: tuple
+    words: int                     # int64 words of the table (what a barrier zeroes)
+
+
 class _StagedCall(NamedTuple):
+    """A plan's call on plain arrays through staging (run_staged)."""
     call: object                   # the _SymmetricCall in place on the staging buffers
     staging: Allocation            # the staging buffer it was made for
-    copy_in: Optional[tuple]       # batched_copy's (table in device memory, rows), or None
-    copy_out: Optional[tuple]
+    copy_instance: kernels.StepInstance
+    copy_in: Optional[_Rows]       # a COPY row: WORK (the caller's input) to INPUT (the staging buffer), or None
+    copy_out: Optional[_Rows]      # OUTPUT (the staging buffer) to SCRATCH (the caller's output), or None
+    tables: dict                   # (input, output address) -> BufferTable, a few
+
+    def buffers(self, input_address, output_address):
+        """The BufferTable of all three step launches (passed by value): the
+        share's, every rank's INPUT and OUTPUT on the staging buffers, with
+        this rank's WORK the caller's input and SCRATCH its output, which
+        the copies' rows name. One table for the three: a launch that
+        passes the table of the one before costs the host no copy of it."""
+        key = (input_address, output_address)
+        table = self.tables.get(key)
+        if table is None:
+            if len(self.tables) >= 8:
+                self.tables.clear()
+            table = np.array(self.call.addresses)
+            rank = self.call.rank
+            table[kernels.BUFFERS * rank + WORK] = input_address
+            table[kernels.BUFFERS * rank + SCRATCH] = output_address
+            table.setflags(write=False)
+            self.tables[key] = table
+        return table
 
 
 class _SymmetricCall(NamedTuple):
     plan: object
+    rank: int
     instance: kernels.StepInstance
     divisor: int
     table: object                  # rank r's rows, in device memory; None: no rows (an empty share)
@@ -194,7 +225,8 @@ class SymmetricCalls:
         self._args = None              # the barriers' kernels.LLAllreduceArgs, made at the first call
         self._staging = None           # the current staging buffer (an Allocation), for calls on plain arrays
         self._old_staging = []         # the ones it replaced: released at close
-        self._staged = {}              # (id(plan), input address, output address) -> _StagedCall
+        self._staged = {}              # id(plan) -> _StagedCall
+        self._kept = []                # every table uploaded: a graph may launch it until close
         self._routes = {}              # (id(plan), input address, output address) -> (plan, _Arrays, staged)
 
     # -- memory ---------------------------------------------------------------
@@ -261,6 +293,7 @@ class SymmetricCalls:
         self._calls.clear()
         self._staged.clear()
         self._routes.clear()
+        self._kept.clear()
 
     # -- a call ---------------------------------------------------------------
 
@@ -356,18 +389,21 @@ class SymmetricCalls:
             ll.one_capture_stream(stream)
         return stream
 
-    def _launch(self, plan, call, stream, deadline):
+    def _launch(self, plan, call, stream, deadline, after=None, buffers=None):
+        """Barrier, share, barrier. A barrier that gives up zeroes a table
+        (ll_barrier), whose rows then move nothing: the enter barrier the
+        share's, the leave barrier `after`'s (_Rows launched next, or None)."""
         device, ll = self.device, self.ll
         args = self._barrier_args()
         args.signature = call.signature
         args.collective = SYMMETRIC_FAULT_CODE + kernels.LL_COLLECTIVES.index(plan.collective)
         args.timeout_ns = ll.set_timeout(deadline)
-        # A barrier that gives up zeroes the step's table (ll_barrier): nothing moves.
         args.output, args.count = (call.table.address, call.table_words) if call.table is not None else (0, 0)
-        device.launch_ll_barrier(stream, args)
+        device.launch_ll_barrier(stream, args)   # (the launch copies the arguments)
         if call.table is not None:
-            device.launch_step(stream, call.instance, call.grid, call.table, call.width, call.addresses,
-                               call.divisor, call.fanout)
+            device.launch_step(stream, call.instance, call.grid, call.table, call.width,
+                               call.addresses if buffers is None else buffers, call.divisor, call.fanout)
+        args.output, args.count = (after.table.address, after.words) if after is not None else (0, 0)
         device.launch_ll_barrier(stream, args)
 
     def _end(self):
@@ -391,17 +427,24 @@ class SymmetricCalls:
         may overwrite the staging buffer at once: every peer finished with
         it in this rank's previous call, whose leave barrier came before on
         the stream. The output may overlap the input in any way: the input
-        is copied whole before anything is written."""
+        is copied whole before anything is written. The copies are step
+        kernel COPY rows made once per plan, the caller's addresses passed
+        by value (a new array costs no upload). A leave barrier that gives
+        up zeroes the copy out's table, as an enter barrier does the share's:
+        a failed call writes no output."""
         if plan.count == 0:
             return
-        staged = self._staged_call(plan, input_info.address, output_info.address, deadline)
+        staged = self._staged_call(plan, deadline)
+        buffers = staged.buffers(input_info.address, output_info.address)
         stream = self._begin(plan, staged.call.description, deadline)
         device = self.device
         if staged.copy_in is not None:
-            device.launch_copies(stream, *staged.copy_in)
-        self._launch(plan, staged.call, stream, deadline)
+            device.launch_step(stream, staged.copy_instance, staged.copy_in.grid, staged.copy_in.table,
+                               staged.copy_in.width, buffers, 0)
+        self._launch(plan, staged.call, stream, deadline, staged.copy_out, buffers)
         if staged.copy_out is not None:
-            device.launch_copies(stream, *staged.copy_out)
+            device.launch_step(stream, staged.copy_instance, staged.copy_out.grid, staged.copy_out.table,
+                               staged.copy_out.width, buffers, 0)
         self._end()
 
     def staged_launches(self, plan):
@@ -427,11 +470,11 @@ class SymmetricCalls:
             return (0, whole), ((0, whole) if r == root else None)
         return (0, whole), (0, whole)
 
-    def _staged_call(self, plan, input_address, output_address, deadline):
-        key = (id(plan), input_address, output_address)
-        staged = self._staged.get(key)
+    def _staged_call(self, plan, deadline):
+        staged = self._staged.get(id(plan))
         if staged is not None and staged.call.plan is plan and staged.staging is self._staging:
             return staged
+        self._refuse_capture(plan, "uploads its copies and may grow the staging buffers its peers open")
         staging = self._ensure_staging(plan.count * plan.dtype.itemsize, plan.collective, deadline)
         block = plan.count // self.size * plan.dtype.itemsize
         own = staging.own.address
@@ -444,20 +487,42 @@ class SymmetricCalls:
         else:
             arrays = _Arrays(Place(staging, 0), Place(staging, 0), own, own)
         copy_in, copy_out = self._staged_copies(plan)
-        device = self.device
+        itemsize = plan.dtype.itemsize
 
-        def copies(sources, destinations, nbytes):
-            table = kernels.copy_table(sources, destinations, nbytes)
-            return device.upload(table), len(table)
+        def copy(destination, source, nbytes):
+            """One COPY row of this rank. The share's table puts this rank's
+            INPUT and OUTPUT where its part of the call lies in the staging
+            buffer (at copy_in's and copy_out's offsets, _staged_copies);
+            WORK and SCRATCH are the caller's input and output (buffers)."""
+            rows = np.array([[self.rank, COPY_OP, nbytes // itemsize, destination, 0, 1, self.rank, source, 0]],
+                            np.int64)
+            return _Rows(self._upload(rows), rows.shape[1], grid_for(rows, self.device, itemsize), rows.size)
 
+        call = self._call(plan, arrays)
+        assert copy_in is None or call.addresses[kernels.BUFFERS * self.rank + INPUT] == own + copy_in[0]
+        assert copy_out is None or call.addresses[kernels.BUFFERS * self.rank + OUTPUT] == own + copy_out[0]
         staged = _StagedCall(
-            self._call(plan, arrays), staging,
-            copy_in and copies([input_address], [own + copy_in[0]], [copy_in[1]]),
-            copy_out and copies([own + copy_out[0]], [output_address], [copy_out[1]]))
+            call, staging, kernels.step_instance(plan.dtype, ReduceOp.SUM, False),
+            copy_in and copy(INPUT, WORK, copy_in[1]), copy_out and copy(SCRATCH, OUTPUT, copy_out[1]), {})
         if len(self._staged) >= 256:
             self._staged.clear()
-        self._staged[key] = staged
+        self._staged[id(plan)] = staged
         return staged
+
+    def _upload(self, rows):
+        """Rows in device memory, kept until close: a captured graph may
+        launch them after the caches here have let them go."""
+        table = self.device.upload(rows)
+        self._kept.append(table)
+        return table
+
+    def _refuse_capture(self, plan, what):
+        """InvalidUsageError while capturing: `what` a call not made before does, on the host."""
+        device = self.device
+        if device.is_capturing(device.current_stream()):
+            raise InvalidUsageError(
+                f"graph: a {plan.collective} between processes not made before {what}, which cannot be "
+                "captured: make each call once before capturing it")
 
     def _ensure_staging(self, nbytes, collective, deadline):
         """This rank's staging buffer, at least `nbytes`, and every peer's,
@@ -473,18 +538,16 @@ class SymmetricCalls:
         if staging is not None and staging.nbytes >= nbytes:
             return staging
         device, ll = self.device, self.ll
-        if device.is_capturing(device.current_stream()):
-            raise InvalidUsageError(
-                f"graph: a {collective} on plain arrays larger than any before grows the buffers its peers open, "
-                "which cannot be captured: make each call once before capturing it")
         capacity = max(STAGING_MIN_BYTES, 1 << max(nbytes - 1, 1).bit_length())
-        device.synchronize()
         generation = len(self._old_staging) + (staging is not None) + 1
-        own = device.allocate_shared(capacity, f"{self.prefix}-r{self.rank}-staging{generation}")
+        own = None
         try:
+            device.synchronize()
+            own = device.allocate_shared(capacity, f"{self.prefix}-r{self.rank}-staging{generation}")
             addresses = ll.exchange_staging(own, capacity, deadline)
         except BaseException as error:   # the peers waiting for this rank's buffer learn of it at once
-            device.release_shared(own, own=True)
+            if own is not None:
+                device.release_shared(own, own=True)
             ll.group.abort(f"{type(error).__name__}: {error}", error)
             raise
         if staging is not None:
@@ -523,10 +586,11 @@ class SymmetricCalls:
         fanout = 1
         words = rows.size
         if len(rows):
+            self._refuse_capture(plan, "uploads its rows")
             rows, fanout = fan_out(rows)
-            table, width = self.device.upload(rows), rows.shape[1]
+            table, width = self._upload(rows), rows.shape[1]
             grid = grid_for(rows, self.device, itemsize, fanout)
-        call = _SymmetricCall(plan, kernels.step_instance(plan.dtype, op, reducing),
+        call = _SymmetricCall(plan, self.rank, kernels.step_instance(plan.dtype, op, reducing),
                               kernels.step_divisor(op, self.size) if reducing else 0, table, words, width, grid, fanout,
                               buffers, signature(plan, arrays), describe_call(plan) + " on symmetric memory")
         if len(self._calls) >= 256:
