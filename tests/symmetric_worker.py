@@ -36,9 +36,12 @@ by the failed call.
 in a graph and replayed with new inputs, direct calls in between: the
 interpreter's bits.
 
-Each rank prints "OK <scenario> <rank>" when every check held.
+Each rank prints "OK <scenario> <rank>" when every check held. With
+$COLLECTIVES_TEST_BROKEN_KERNELS set to a folder of kernel sources, the
+emulated device runs those instead (the tests break ll_barrier on purpose).
 """
 
+import os
 import sys
 import time
 
@@ -53,6 +56,7 @@ from ll_worker import rank_input, stop_on_failing_rank
 from peer_failure_worker import FAILING, TIMEOUT
 
 DEVICE = "emulated"
+BROKEN_KERNELS = "COLLECTIVES_TEST_BROKEN_KERNELS"   # a folder of kernel sources the emulated device builds instead
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 
@@ -425,6 +429,11 @@ def main():
     global DEVICE
     scenario = sys.argv[1]
     DEVICE = sys.argv[2] if len(sys.argv) > 2 else "emulated"
+    broken = os.environ.get(BROKEN_KERNELS)
+    if broken:   # tests/test_symmetric.py: the emulated device runs a broken copy of the kernels
+        from pathlib import Path
+        from collectives.devices import emulated
+        emulated._LOADED[Path(kernels.source_dir())] = emulated.library(broken)   # noqa: SLF001
     comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
     assert comm._ranks._ll is not None, "run with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1"   # noqa: SLF001
     run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=False)

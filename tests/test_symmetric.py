@@ -219,3 +219,31 @@ def test_spmd_overhead_counts_a_symmetric_call_as_three_launches_and_no_host_wai
     # Barrier, step kernel, barrier; the step protocol's ranks beside it wait on the host.
     assert result["round_trips_per_call"]["emulated+ll"] == {"peer waits": 0, "launches": 3, "event polls": 0}
     assert result["round_trips_per_call"]["emulated"]["peer waits"] > 0
+
+
+# ll_barrier broken on purpose (kernels/ll_allreduce.cu), run by the workers:
+# each must make them fail, naming what went wrong.
+NO_WAIT = ("passed = p == args.rank || watch.reached(p, phase, args.signature);", "passed = true;")
+NO_DISARM = ("for (long long i = 0; i < args.count; ++i) table[i] = 0;", "(void)table;")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("broken, scenario, found", [
+    (NO_WAIT, "staged", "!="),                      # a rank reads its peers' buffers before they are written
+    (NO_DISARM, "mismatch", "wrote into"),          # a failed call writes every rank's memory
+    (NO_DISARM, "staged_mismatch", "wrote an output"),
+], ids=["barrier that does not wait", "no disarm, symmetric", "no disarm, staged"])
+def test_a_broken_barrier_is_caught(tmp_path, broken, scenario, found, emulation_library_built):
+    pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+    from collectives.devices import emulated
+    from test_ll_kernel import broken_copy
+    from test_mpi import mpiexec
+    from symmetric_worker import BROKEN_KERNELS
+    sources = broken_copy(tmp_path, *broken)
+    emulated.library(sources)   # built here, not by every rank within its start-up timeout
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
+               COLLECTIVES_ONE_KERNEL_ALLREDUCE="1", **{BROKEN_KERNELS: str(sources)})
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    done = subprocess.run([mpiexec(), "-n", "3", sys.executable, str(WORKER), scenario], capture_output=True,
+                          text=True, timeout=240, env=env)
+    assert done.returncode != 0 and found in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
