@@ -9,7 +9,12 @@ same with all ranks on one device (where fan-out groups read shared
 sources once, executors/device.py) against the floor, and how many bytes
 are copies between a caller's array and a workspace. Ranks in one process
 use the in-place or out-of-place binding (no workspace copies, binding.py);
-`workspace` is what ranks in separate processes must do, shown for scale.
+`workspace` is what ranks in separate processes do on the step protocol,
+shown for scale; `symmetric` and `staged` what they do with
+COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 beyond 64 KiB (any plan with direct's
+bits: barrier, share, barrier on symmetric memory, or with a copy into and
+out of each rank's staging buffer; launches per rank, the staging copies
+as workspace copies).
 
 The floor is what ranks sharing one device must move at least: every input
 read once and every output written once (allreduce: 2 n S for n ranks of S
@@ -40,6 +45,7 @@ from collectives.binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
 from collectives.compression.kernels import CODECS
 from collectives.devices import open_device
 from collectives.executors.device import DeviceRanks
+from collectives.executors.symmetric import call_traffic
 from collectives.plan import build_plan
 
 ROOTED = ("broadcast", "reduce")
@@ -105,6 +111,22 @@ def report(nranks, nbytes, dtype=np.dtype("float32"), codecs=()):
                         "workspace_copy_bytes": plan.traffic.workspace_copies if codec is None else None,
                         "workspace_bytes_per_rank": plan.workspace_bytes,
                     })
+        # GPU ranks in separate processes with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1,
+        # past the LL path: any plan with direct's bits runs as barrier, share,
+        # barrier on symmetric memory (comm.alloc), or with a copy in and out
+        # of each rank's staging buffer (executors/symmetric.py).
+        for binding, staged in (("symmetric", False), ("staged", True)):
+            traffic, launches = call_traffic(collective, nranks, 0, count, dtype.itemsize, staged)
+            floor = floor_bytes(collective, nranks, count, dtype.itemsize)
+            copies = call_traffic(collective, nranks, 0, count, dtype.itemsize, True)[0] - \
+                call_traffic(collective, nranks, 0, count, dtype.itemsize, False)[0] if staged else 0
+            rows.append({
+                "collective": collective, "algorithm": "direct", "binding": binding, "compression": None,
+                "launches_one_device": launches, "launches_per_device": launches,
+                "traffic_bytes": traffic, "traffic_one_device_bytes": traffic, "floor_bytes": floor,
+                "one_device_over_floor": traffic / floor, "workspace_copy_bytes": copies,
+                "workspace_bytes_per_rank": 0,
+            })
     return rows
 
 

@@ -66,7 +66,11 @@ def keeps_a_workspace_copy(collective, algorithm, binding, n):
     (direct allreduce, butterfly allreduce for 2 and 3 ranks), so the result
     waits in a workspace; and halving_doubling reduce_scatter for n not a
     power of two, whose extra ranks fetch their block from their partner's
-    workspace. Listed, so that a change either way is seen."""
+    workspace. Listed, so that a change either way is seen. (`staged`: GPU
+    ranks in processes through their staging buffers, a copy in and out;
+    `symmetric`: on the caller's arrays, no copy.)"""
+    if binding in ("staged", "symmetric"):
+        return binding == "staged"
     if n == 1 or binding == "workspace":
         return binding == "workspace"
     if (collective, algorithm) == ("reduce_scatter", "halving_doubling"):

@@ -95,3 +95,16 @@ def test_compressed_direct_on_one_device_is_one_pass_at_the_floor(rows):
     for r in direct:
         assert r["launches_one_device"] == 1 and r["traffic_one_device_bytes"] == r["floor_bytes"], r
         assert r["launches_per_device"] > 1 and r["traffic_bytes"] > r["floor_bytes"], r
+
+
+def test_calls_on_symmetric_memory_move_the_floor_and_staged_ones_add_their_copies(rows):
+    # One rank per process sharing a GPU: the share reads each input once and
+    # writes each output once; staging copies each rank's input in and result out.
+    for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"):
+        symmetric, = [r for r in rows if (r["collective"], r["binding"]) == (collective, "symmetric")]
+        staged, = [r for r in rows if (r["collective"], r["binding"]) == (collective, "staged")]
+        assert symmetric["traffic_bytes"] == symmetric["floor_bytes"] and symmetric["launches_per_device"] == 3
+        assert staged["traffic_bytes"] == symmetric["traffic_bytes"] + staged["workspace_copy_bytes"]
+        assert staged["workspace_copy_bytes"] > 0 and staged["launches_per_device"] in (4, 5)
+    allreduce, = [r for r in rows if (r["collective"], r["binding"]) == ("allreduce", "staged")]
+    assert allreduce["one_device_over_floor"] == 3   # 2 n S of share, and 4 S of copies per rank

@@ -66,7 +66,7 @@ from ..algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTE
 from ..binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
-from ..plan import SCRATCH, SRC0, WORK, chunk_bounds
+from ..plan import COUNT, NSRC, SCRATCH, SRC0, WORK, chunk_bounds
 from ..transport.protocol import describe_call
 from .device import fan_out, grid_for
 from .ll_allreduce import ACCEPTED, same_bits_as_direct
@@ -203,6 +203,42 @@ def share_rows(collective, nranks, rank, root, count, itemsize, op_kind, in_plac
     for i, r in enumerate(rows):
         table[i, :len(r)] = r
     return table
+
+
+def staged_copies(collective, nranks, rank, root, count, itemsize):
+    """(copy in, copy out) of rank `rank`'s staged call, each (staging
+    offset, bytes) or None: what the rank contributes and what it receives
+    (`count` is plan.count, as for share_rows)."""
+    block = count // nranks * itemsize
+    whole = count * itemsize
+    if collective == ALLGATHER:
+        return (rank * block, block), (0, whole)
+    if collective == REDUCE_SCATTER:
+        return (0, whole), (rank * block, block)
+    if collective == BROADCAST:   # the root's x is its own result
+        return ((0, whole), None) if rank == root else (None, (0, whole))
+    if collective == REDUCE_TO_ROOT:   # the other ranks' x stays as it is
+        return (0, whole), ((0, whole) if rank == root else None)
+    return (0, whole), (0, whole)
+
+
+def call_traffic(collective, nranks, root, count, itemsize, staged, in_place=False):
+    """(bytes read plus written by every rank's launches, the most launches a
+    rank makes) of a call on symmetric memory, or `staged` through staging
+    buffers (bench.plan_report): a share reads each source once for all its
+    destinations (fan-out); a copy reads and writes its bytes."""
+    traffic, launches = 0, 0
+    for rank in range(nranks):
+        rows = share_rows(collective, nranks, rank, root, count, itemsize, REDUCE_FINAL_OP,
+                          in_place or collective == BROADCAST)
+        if len(rows):
+            rows, fanout = fan_out(rows)
+            for group in rows[::fanout]:
+                traffic += int(group[COUNT]) * itemsize * (int(group[NSRC]) + fanout)
+        copies = [c for c in staged_copies(collective, nranks, rank, root, count, itemsize) if c] if staged else []
+        traffic += sum(2 * nbytes for _, nbytes in copies)
+        launches = max(launches, 3 + len(copies))
+    return traffic, launches
 
 
 def signature(plan, arrays):
@@ -455,20 +491,7 @@ class SymmetricCalls:
         return 3 + (copy_in is not None) + (copy_out is not None)
 
     def _staged_copies(self, plan):
-        """(copy in, copy out) of a staged call, each (staging offset, bytes) or
-        None: what this rank contributes and what it receives."""
-        block = plan.count // self.size * plan.dtype.itemsize
-        whole = plan.count * plan.dtype.itemsize
-        r, root, collective = self.rank, plan.root, plan.collective
-        if collective == ALLGATHER:
-            return (r * block, block), (0, whole)
-        if collective == REDUCE_SCATTER:
-            return (0, whole), (r * block, block)
-        if collective == BROADCAST:   # the root's x is its own result
-            return ((0, whole), None) if r == root else (None, (0, whole))
-        if collective == REDUCE_TO_ROOT:   # the other ranks' x stays as it is
-            return (0, whole), ((0, whole) if r == root else None)
-        return (0, whole), (0, whole)
+        return staged_copies(plan.collective, self.size, self.rank, plan.root, plan.count, plan.dtype.itemsize)
 
     def _staged_call(self, plan, deadline):
         staged = self._staged.get(id(plan))
