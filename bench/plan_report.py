@@ -45,7 +45,7 @@ from collectives.binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
 from collectives.compression.kernels import CODECS
 from collectives.devices import open_device
 from collectives.executors.device import DeviceRanks
-from collectives.executors.symmetric import call_traffic
+from collectives.executors.symmetric_rows import call_traffic
 from collectives.plan import build_plan
 
 ROOTED = ("broadcast", "reduce")

@@ -142,17 +142,22 @@ class Checker:
         return got
 
     def expected(self, collective, inputs, op, root, algorithm):
-        inputs = [x.copy() for x in inputs]
-        reference = self.reference
-        if collective == "allreduce":
-            return reference.allreduce(inputs, op=op, algorithm=algorithm)
-        if collective == "reduce_scatter":
-            return reference.reduce_scatter(inputs, op=op, algorithm=algorithm)
-        if collective == "allgather":
-            return reference.allgather(inputs, algorithm=algorithm)
-        if collective == "broadcast":
-            return reference.broadcast(inputs, root=root, algorithm=algorithm)
-        return reference.reduce(inputs, root=root, op=op, algorithm=algorithm)
+        return expected(self.reference, collective, inputs, op, root, algorithm)
+
+
+def expected(reference, collective, inputs, op, root, algorithm):
+    """Every rank's result of the call on `reference` (host ranks in this
+    process: the NumPy interpreter), on copies of `inputs`."""
+    inputs = [x.copy() for x in inputs]
+    if collective == "allreduce":
+        return reference.allreduce(inputs, op=op, algorithm=algorithm)
+    if collective == "reduce_scatter":
+        return reference.reduce_scatter(inputs, op=op, algorithm=algorithm)
+    if collective == "allgather":
+        return reference.allgather(inputs, algorithm=algorithm)
+    if collective == "broadcast":
+        return reference.broadcast(inputs, root=root, algorithm=algorithm)
+    return reference.reduce(inputs, root=root, op=op, algorithm=algorithm)
 
 
 def capacity(collective, n, dtype):

@@ -52,7 +52,7 @@ import collectives
 from cases import expect_a_different_call, run_scenario
 from collectives import InvalidUsageError, kernels
 from collectives.transport.layout import COUNTER
-from ll_worker import rank_input, stop_on_failing_rank
+from ll_worker import expected, rank_input, stop_on_failing_rank
 from peer_failure_worker import FAILING, TIMEOUT
 
 DEVICE = "emulated"
@@ -114,19 +114,6 @@ class Arrays:
         if collective == "broadcast":
             return comm.broadcast(x, root=root, algorithm=algorithm)
         return comm.reduce(x, root=root, op=op, algorithm=algorithm)
-
-
-def expected(reference, collective, inputs, op, root, algorithm):
-    inputs = [x.copy() for x in inputs]
-    if collective == "allreduce":
-        return reference.allreduce(inputs, op=op, algorithm=algorithm)
-    if collective == "reduce_scatter":
-        return reference.reduce_scatter(inputs, op=op, algorithm=algorithm)
-    if collective == "allgather":
-        return reference.allgather(inputs, algorithm=algorithm)
-    if collective == "broadcast":
-        return reference.broadcast(inputs, root=root, algorithm=algorithm)
-    return reference.reduce(inputs, root=root, op=op, algorithm=algorithm)
 
 
 def check_call(comm, reference, arrays, collective, dtype, op, root, seed, algorithm="auto"):

@@ -19,7 +19,8 @@ import collectives
 from backends import gpu_unavailable_reason
 from collectives import InvalidUsageError, kernels
 from collectives.binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP
-from collectives.executors.symmetric import SYMMETRIC_FAULT_CODE, share_rows
+from collectives.executors.symmetric import SYMMETRIC_FAULT_CODE
+from collectives.executors.symmetric_rows import share_rows
 from collectives.plan import COUNT, DST_OFF, KIND, NSRC, RANK, SRC0
 
 WORKER = Path(__file__).with_name("symmetric_worker.py")
