@@ -27,8 +27,12 @@ of a different call (InvalidUsageError), well before the timeout, and no
 rank's memory was written.
 "staged_mismatch": the same on plain arrays (through staging): no output
 written either.
+"mixed": rank FAILING passes a plain array where its peers pass symmetric
+memory: every rank is told of a different call (not a timeout).
 "growth_fails": rank FAILING cannot allocate a larger staging buffer:
 every other rank raises the abort well before the timeout.
+"killed": rank FAILING dies after one call: every other rank raises
+RankFailedError naming it within 1.5 s.
 "stalled": rank FAILING stops calling after one call: every other rank
 raises CollectiveTimeoutError naming it, and no rank's memory was written
 by the failed call.
@@ -50,10 +54,10 @@ from mpi4py import MPI
 
 import collectives
 from cases import expect_a_different_call, run_scenario
-from collectives import InvalidUsageError, kernels
+from collectives import InvalidUsageError, RankFailedError, kernels
 from collectives.transport.layout import COUNTER
 from ll_worker import expected, rank_input, stop_on_failing_rank
-from peer_failure_worker import FAILING, TIMEOUT
+from peer_failure_worker import FAILING, TIMEOUT, expect
 
 DEVICE = "emulated"
 BROKEN_KERNELS = "COLLECTIVES_TEST_BROKEN_KERNELS"   # a folder of kernel sources the emulated device builds instead
@@ -231,7 +235,8 @@ def scenario_staged(comm):
                             + 5 * k, k % 2 == 0, symmetric=False)
             check_call(comm, reference, arrays, collective, dtype, "sum", k % n, seed=600 + k)
             made += 1
-        assert staging._staging.nbytes > first and staging._old_staging, "the staging buffers did not grow"  # noqa: SLF001
+        grown = staging._staging.nbytes > first and staging._old_staging   # noqa: SLF001
+        assert grown, "the staging buffers did not grow"
         made += every_collective(comm, reference, symmetric=False)   # smaller again, in the grown buffers
         # An output overlapping its input in any way: the input is staged whole first.
         dtype = np.dtype(np.int32)
@@ -324,6 +329,22 @@ def scenario_staged_mismatch(comm):
     assert (to_host(out) == -1).all() and (to_host(x) == 5).all(), "a failed staged call wrote an output"
 
 
+def scenario_mixed(comm):
+    """Rank FAILING passes a plain array where its peers pass symmetric
+    memory: the two paths' barriers meet with different signatures, and
+    every rank is told of a different call, well before the timeout."""
+    n = comm.size
+    count = beyond_the_ll("allreduce", n, np.dtype(np.float32), 100)
+    comm.allreduce(plain(count, np.float32))   # the staging buffers exist: the first call is no growth
+    x = comm.alloc(count, np.float32)   # on every rank (alloc is collective); rank FAILING does not use it
+    if comm.rank == FAILING:
+        x = plain(count, np.float32)
+    MPI.COMM_WORLD.Barrier()
+    start = time.perf_counter()
+    expect_a_different_call(lambda: (comm.allreduce(x), comm.synchronize()), "an allreduce on other memory")
+    assert time.perf_counter() - start < TIMEOUT / 2, "the mismatch was found by the timeout"
+
+
 def scenario_growth_fails(comm):
     """Rank FAILING cannot allocate its larger staging buffer: it aborts, and
     every other rank learns of it at once, not at the timeout."""
@@ -347,6 +368,18 @@ def scenario_growth_fails(comm):
     except collectives.CollectiveError as error:
         assert "staging" in str(error) and "aborted" in str(error), error
     assert time.perf_counter() - start < TIMEOUT / 2, "a failed growth was found by the timeout"
+
+
+def scenario_killed(comm):
+    """Rank FAILING dies after one call: every other rank's next call (its
+    barrier waiting for the dead rank) raises RankFailedError naming it,
+    within 1.5 s (the watchdog sees the pid gone and sets the abort flag)."""
+    run, _ = one_call(comm, 0)
+    run()
+    MPI.COMM_WORLD.Barrier()
+    if comm.rank == FAILING:
+        os._exit(0)
+    expect(RankFailedError, run, names=[f"rank {FAILING} (pid", "died"], within=1.5)
 
 
 def scenario_stalled(comm):
@@ -423,8 +456,11 @@ def main():
         emulated._LOADED[Path(kernels.source_dir())] = emulated.library(broken)   # noqa: SLF001
     comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
     assert comm._ranks._ll is not None, "run with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1"   # noqa: SLF001
-    run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=False)
+    killed = scenario == "killed"
+    run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=killed)
     print(f"OK {scenario} {comm.rank}", flush=True)
+    if killed:
+        os._exit(0)   # MPI_Finalize would wait for the dead rank
     comm.close()
 
 

@@ -24,6 +24,8 @@ from collectives.executors.symmetric_rows import share_rows
 from collectives.plan import COUNT, DST_OFF, KIND, NSRC, RANK, SRC0
 
 WORKER = Path(__file__).with_name("symmetric_worker.py")
+SCENARIOS = ["bits", "staged", "sizes", "mismatch", "staged_mismatch", "mixed", "growth_fails", "stalled", "killed",
+             "graph"]   # tests/symmetric_worker.py
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 
@@ -162,14 +164,14 @@ def emulation_library_built():
 def run_ranks(n, scenario, device="emulated", limit=240):
     pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
     from test_mpi import run_worker
-    oks, report = run_worker(WORKER, n, scenario, device, launcher_flags=[], limit=limit,
+    flags = ["-disable-auto-cleanup"] if scenario == "killed" else []   # Hydra would kill the survivors
+    oks, report = run_worker(WORKER, n, scenario, device, launcher_flags=flags, limit=limit,
                              environment={"COLLECTIVES_ONE_KERNEL_ALLREDUCE": "1"})
-    assert len(oks) == n, report
+    assert len(oks) == (n - 1 if scenario == "killed" else n), report
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("scenario", ["bits", "staged", "sizes", "mismatch", "staged_mismatch", "growth_fails",
-                                      "stalled", "graph"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("n", [2, 3])
 def test_across_processes(n, scenario, emulation_library_built):
     run_ranks(n, scenario)
@@ -177,7 +179,7 @@ def test_across_processes(n, scenario, emulation_library_built):
 
 @pytest.mark.mpi
 @pytest.mark.gpu
-@pytest.mark.parametrize("scenario", ["bits", "staged", "sizes", "mismatch", "stalled", "graph"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_across_processes_on_a_gpu(scenario):
     if gpu_unavailable_reason():
         pytest.skip(gpu_unavailable_reason())

@@ -36,10 +36,10 @@ STAGING_MIN_BYTES, which is the only time these calls wait on the host.
 The barriers' signature (32 bits of a hash of the collective, counts, dtype,
 op, root and where input and output lie in symmetric memory) makes a rank
 whose call differs (another allocation or offset included) a mismatch that
-every rank raises as InvalidUsageError. A rank that passes arrays outside
-symmetric memory while its peers pass symmetric ones takes another path:
-both sides time out (CollectiveTimeoutError), as with any two different
-paths. Timeouts, a dead peer, graphs and stream order are the LL path's
+every rank raises as InvalidUsageError; so does a rank that passes arrays
+outside symmetric memory while its peers pass symmetric ones (its call goes
+through staging, whose place differs). Timeouts, a dead peer, graphs and
+stream order are the LL path's
 (executors/ll_allreduce.py), whose area holds the barrier word.
 """
 
@@ -166,7 +166,7 @@ class SymmetricCalls:
         self._old_staging = []         # the ones it replaced: released at close
         self._staged = {}              # id(plan) -> _StagedCall
         self._kept = []                # every table uploaded: a graph may launch it until close
-        self._routes = {}              # (id(plan), input address, output address) -> (plan, _Arrays, staged)
+        self._routes = {}              # (id(plan), input address, output address) -> (plan, _SymmetricCall, staged)
 
     # -- memory ---------------------------------------------------------------
 
@@ -257,10 +257,12 @@ class SymmetricCalls:
         relation the collective defines (reduce_scatter's output: block r of
         its input; allgather's input: block r of its output). An output that
         overlaps its input otherwise would race in the one pass; such a call
-        takes the step protocol. (For allreduce, reduce and broadcast both
-        arrays lie at the same places on every rank, so every rank decides
-        alike; an allgather's input or a reduce_scatter's output overlapping
-        that way on some ranks only sends them another path: a timeout.)"""
+        goes through staging, which copies the input whole first. (For
+        allreduce, reduce and broadcast both arrays lie at the same places on
+        every rank, so every rank decides alike; an allgather's input or a
+        reduce_scatter's output overlapping that way on some ranks only
+        sends them through staging while their peers are not: every rank
+        raises InvalidUsageError, a different call.)"""
         a, b = input_info.address, output_info.address
         if a == b or a + input_info.nbytes <= b or b + output_info.nbytes <= a:
             return True
@@ -281,26 +283,21 @@ class SymmetricCalls:
         route = self._routes.get(key)
         if route is None or route[0] is not plan:
             arrays = self.accepts(plan, input_info, output_info) if self.allocations else None
-            route = (plan, arrays, arrays is None and self.stages(plan))
+            call = self._call(plan, arrays) if arrays is not None else None
+            route = (plan, call, call is None and self.stages(plan))
             if len(self._routes) >= 256:
                 self._routes.clear()
             self._routes[key] = route
         if route[1] is not None:
-            call = route[1] if type(route[1]) is _SymmetricCall else self._call(plan, route[1])
-            if call is not route[1]:
-                self._routes[key] = (plan, call, False)   # prepared now: later calls skip the lookup
-            self._run_call(plan, call, deadline)
+            self._run_call(plan, route[1], deadline)
             return True
         if route[2]:
             self.run_staged(plan, input_info, output_info, deadline)
             return True
         return False
 
-    def run(self, plan, arrays, deadline):
-        """A call on symmetric memory: barrier, this rank's share, barrier."""
-        self._run_call(plan, self._call(plan, arrays), deadline)
-
     def _run_call(self, plan, call, deadline):
+        """A call on symmetric memory: barrier, this rank's share, barrier."""
         if plan.count == 0:
             return
         stream = self._begin(plan, call.description, deadline)
