@@ -406,13 +406,21 @@ def main():
     scenario = sys.argv[1]
     DEVICE = sys.argv[2] if len(sys.argv) > 2 else "emulated"
     COLLECTIVE = sys.argv[3] if len(sys.argv) > 3 else "allreduce"
+    run_one_kernel_rank(scenario, globals())
+
+
+def run_one_kernel_rank(scenario, scenarios):
+    """This rank of a one-kernel worker: `scenarios[f"scenario_{scenario}"]`
+    on a communicator of DEVICE ranks in processes, then "OK <scenario>
+    <rank>". In "killed" a rank dies: the others leave without MPI_Finalize,
+    which would wait for it."""
     comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
     assert comm._ranks._ll is not None, "run with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1"   # noqa: SLF001
     killed = scenario == "killed"
-    run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=killed)
+    run_scenario(lambda: scenarios[f"scenario_{scenario}"](comm), ranks_leave=killed)
     print(f"OK {scenario} {comm.rank}", flush=True)
     if killed:
-        os._exit(0)   # MPI_Finalize would wait for the dead rank
+        os._exit(0)
     comm.close()
 
 

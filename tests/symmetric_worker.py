@@ -53,9 +53,10 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import expect_a_different_call, run_scenario
+from cases import expect_a_different_call
 from collectives import InvalidUsageError, RankFailedError, kernels
 from collectives.transport.layout import COUNTER
+import ll_worker
 from ll_worker import expected, rank_input, stop_on_failing_rank
 from peer_failure_worker import FAILING, TIMEOUT, expect
 
@@ -454,14 +455,8 @@ def main():
         from pathlib import Path
         from collectives.devices import emulated
         emulated._LOADED[Path(kernels.source_dir())] = emulated.library(broken)   # noqa: SLF001
-    comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
-    assert comm._ranks._ll is not None, "run with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1"   # noqa: SLF001
-    killed = scenario == "killed"
-    run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=killed)
-    print(f"OK {scenario} {comm.rank}", flush=True)
-    if killed:
-        os._exit(0)   # MPI_Finalize would wait for the dead rank
-    comm.close()
+    ll_worker.DEVICE = DEVICE
+    ll_worker.run_one_kernel_rank(scenario, globals())
 
 
 if __name__ == "__main__":
