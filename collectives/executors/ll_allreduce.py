@@ -263,7 +263,13 @@ class LLAllreduce:
             if published() != seen:   # it grew again meanwhile: the handle read may be torn
                 raise CollectiveError(f"rank {peer} replaced its staging buffer while rank {self.rank} opened it "
                                       "(the ranks' calls are out of step)")
-            opened = self.device.open_shared(peer_handle)
+            try:
+                opened = self.device.open_shared(peer_handle)
+            except CollectiveError:
+                # A peer that gave up on this growth (another rank failed it)
+                # releases its buffer: say why, the abort, if that is what happened.
+                group.check_health(peer, "growing its staging buffer")
+                raise
             self.hold_peer_memory(opened)
             addresses.append(opened.address)
         return tuple(addresses)

@@ -469,9 +469,9 @@ class SymmetricCalls:
             own = device.allocate_shared(capacity, f"{self.prefix}-r{self.rank}-staging{generation}")
             addresses = ll.exchange_staging(own, capacity, deadline)
         except BaseException as error:   # the peers waiting for this rank's buffer learn of it at once
+            ll.group.abort(f"{type(error).__name__}: {error}", error)   # first: a peer that cannot open it asks why
             if own is not None:
                 device.release_shared(own, own=True)
-            ll.group.abort(f"{type(error).__name__}: {error}", error)
             raise
         if staging is not None:
             self._old_staging.append(staging)
