@@ -18,7 +18,7 @@ and reports per call (the median over batches of --batch calls too):
 for CuPy and its arrays (devices/dry_cuda.py): every line of ours that a
 call on a GPU runs, CuPy arrays' attribute reads included, without a GPU;
 only the driver's own cost is missing. Its time is all outside the driver,
-and the launches are counted by the stand-in driver. `--callgrind` runs
+and the launches, event records and waits are counted by the stand-in driver. `--callgrind` runs
 this script under valgrind twice (with --adapter noop, or dry when asked),
 with two call counts, and prints the instructions per call of the
 difference, a number that does not move with the machine's load.
@@ -40,7 +40,8 @@ import collectives
 from bench import cli
 from bench.environment import command_line
 
-ADAPTER_CALLS = ("launch_step", "launch_codec_batch", "launch_codec_round_sum", "record", "wait", "call_returned")
+ADAPTER_CALLS = ("launch_step", "launch_codec_batch", "launch_codec_round_sum", "launch_ll_allreduce", "record", "wait",
+                 "call_returned")
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 
@@ -63,25 +64,31 @@ def instrument(devices, noop):
                     spent["seconds"] += clock() - began
 
             setattr(device, name, timed)
-        if hasattr(device, "step_launcher"):  # the CUDA adapter's prepared launches (executors/device.py's record)
-            prepare = device.step_launcher
-
-            def step_launcher(*args, _prepare=prepare):
-                issue = _prepare(*args)
-
-                def timed_issue(stream):
-                    spent["launch_step"] += 1
-                    if noop:
-                        return None
-                    began = clock()
-                    try:
-                        return issue(stream)
-                    finally:
-                        spent["seconds"] += clock() - began
-                return timed_issue
-
-            device.step_launcher = step_launcher
+        # The CUDA adapter's prepared launches (the executors' launch records): their issue(stream) is the launch.
+        for maker, counted in (("step_launcher", "launch_step"), ("ll_launcher", "launch_ll_allreduce")):
+            if hasattr(device, maker):
+                setattr(device, maker, timed_launcher(getattr(device, maker), counted, spent, noop))
     return spent
+
+
+def timed_launcher(prepare, counted, spent, noop):
+    """`prepare` (a device's launcher maker), whose launches count as `counted` and are timed."""
+    clock = time.perf_counter
+
+    def prepared(*args):
+        issue = prepare(*args)
+
+        def timed_issue(stream):
+            spent[counted] += 1
+            if noop:
+                return None
+            began = clock()
+            try:
+                return issue(stream)
+            finally:
+                spent["seconds"] += clock() - began
+        return timed_issue
+    return prepared
 
 
 def arguments(collective, xs, outs, in_place, compression=None):
@@ -142,7 +149,7 @@ def measure(args):
             call(*positional, **keywords)
         for key in spent:
             spent[key] = 0
-        launched_before = dry.launches if dry is not None else 0
+        driver_before = (dry.launches, dry.records, dry.waits) if dry is not None else None
         # Objects from start-up move to the permanent generation: a full
         # collection's cost then does not land on whichever call triggers it.
         gc.collect()
@@ -157,8 +164,9 @@ def measure(args):
         total = time.perf_counter() - began
         comm.synchronize()
         calls = len(batches) * batch
-        if dry is not None:  # the stand-in driver counted them; nothing of ours ran inside it
-            spent["launch_step"] = dry.launches - launched_before
+        if dry is not None:  # the stand-in driver counted them (every kernel as launch_step); nothing of ours ran inside it
+            spent["launch_step"], spent["record"], spent["wait"] = (
+                now - before for now, before in zip((dry.launches, dry.records, dry.waits), driver_before))
         results[collective] = {
             "calls": calls,
             "total_us_per_call": total / calls * 1e6,

@@ -34,9 +34,10 @@ ONE_KERNEL_ALLREDUCE_ENV = "COLLECTIVES_ONE_KERNEL_ALLREDUCE"
 
 
 def resolve_one_kernel_allreduce(enabled=None):
-    """Whether GPU ranks in separate processes run small collectives (all
-    five; the variable's name is from when it was the allreduce alone) as one
-    kernel (executors/ll_allreduce.py): the argument, else
+    """Whether GPU ranks in separate processes, and ranks on several GPUs of
+    one process, run small collectives (all five; the variable's name is
+    from when it was the allreduce alone) as one kernel per rank
+    (executors/ll_allreduce.py, executors/peer_ll.py): the argument, else
     $COLLECTIVES_ONE_KERNEL_ALLREDUCE ("1" or "0"), else off. Every rank must
     agree (mpiexec gives all ranks the same environment)."""
     source = "one_kernel_allreduce"

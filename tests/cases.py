@@ -12,7 +12,7 @@ import traceback
 
 import numpy as np
 
-from collectives import SUPPORTED_DTYPES, CollectiveError, InvalidUsageError
+from collectives import SUPPORTED_DTYPES, CollectiveError, InvalidUsageError, kernels
 from collectives.ops import is_floating
 
 DTYPES = tuple(np.dtype(name) for name in SUPPORTED_DTYPES)
@@ -105,3 +105,34 @@ def run_scenario(run, ranks_leave):
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+
+
+# -- the one-kernel collectives (executors/ll_allreduce.py, peer_ll.py) ------------
+
+def rank_input(seed, rank, dtype, count):
+    """Random bits for integers, random values for floats (no NaN: bits compare)."""
+    rng = np.random.default_rng([seed, rank, count])
+    if dtype.kind in "iu":
+        return rng.integers(0, 256, count * dtype.itemsize, dtype=np.uint8).view(dtype)
+    return (rng.standard_normal(count) * 4).astype(dtype)
+
+
+def expected(reference, collective, inputs, op, root, algorithm):
+    """Every rank's result of the call on `reference` (host ranks in this
+    process: the NumPy interpreter), on copies of `inputs`."""
+    inputs = [x.copy() for x in inputs]
+    if collective == "allreduce":
+        return reference.allreduce(inputs, op=op, algorithm=algorithm)
+    if collective == "reduce_scatter":
+        return reference.reduce_scatter(inputs, op=op, algorithm=algorithm)
+    if collective == "allgather":
+        return reference.allgather(inputs, algorithm=algorithm)
+    if collective == "broadcast":
+        return reference.broadcast(inputs, root=root, algorithm=algorithm)
+    return reference.reduce(inputs, root=root, op=op, algorithm=algorithm)
+
+
+def capacity(collective, n, dtype):
+    """The largest count that fits (reduce_scatter: per block)."""
+    lines = kernels.LL_MAX_BYTES // 8 // (n if collective == "reduce_scatter" else 1)
+    return lines * 8 // dtype.itemsize

@@ -45,18 +45,10 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import DTYPES, OPS, expect_a_different_call, run_scenario
+from cases import DTYPES, OPS, capacity, expect_a_different_call, expected, rank_input, run_scenario
 from collectives import CollectiveTimeoutError, RankFailedError, kernels
 from collectives.transport.layout import COUNTER
 from peer_failure_worker import FAILING, TIMEOUT, expect
-
-
-def rank_input(seed, rank, dtype, count):
-    """Random bits for integers, random values for floats (no NaN: bits compare)."""
-    rng = np.random.default_rng([seed, rank, count])
-    if dtype.kind in "iu":
-        return rng.integers(0, 256, count * dtype.itemsize, dtype=np.uint8).view(dtype)
-    return (rng.standard_normal(count) * 4).astype(dtype)
 
 
 DEVICE = "emulated"
@@ -143,27 +135,6 @@ class Checker:
 
     def expected(self, collective, inputs, op, root, algorithm):
         return expected(self.reference, collective, inputs, op, root, algorithm)
-
-
-def expected(reference, collective, inputs, op, root, algorithm):
-    """Every rank's result of the call on `reference` (host ranks in this
-    process: the NumPy interpreter), on copies of `inputs`."""
-    inputs = [x.copy() for x in inputs]
-    if collective == "allreduce":
-        return reference.allreduce(inputs, op=op, algorithm=algorithm)
-    if collective == "reduce_scatter":
-        return reference.reduce_scatter(inputs, op=op, algorithm=algorithm)
-    if collective == "allgather":
-        return reference.allgather(inputs, algorithm=algorithm)
-    if collective == "broadcast":
-        return reference.broadcast(inputs, root=root, algorithm=algorithm)
-    return reference.reduce(inputs, root=root, op=op, algorithm=algorithm)
-
-
-def capacity(collective, n, dtype):
-    """The largest count that fits (reduce_scatter: per block)."""
-    lines = kernels.LL_MAX_BYTES // 8 // (n if collective == "reduce_scatter" else 1)
-    return lines * 8 // dtype.itemsize
 
 
 def scenario_bits(comm):

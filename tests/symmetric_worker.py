@@ -53,11 +53,11 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import expect_a_different_call
+from cases import expect_a_different_call, expected, rank_input
 from collectives import InvalidUsageError, RankFailedError, kernels
 from collectives.transport.layout import COUNTER
 import ll_worker
-from ll_worker import expected, rank_input, stop_on_failing_rank
+from ll_worker import stop_on_failing_rank
 from peer_failure_worker import FAILING, TIMEOUT, expect
 
 DEVICE = "emulated"

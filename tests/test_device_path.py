@@ -5,6 +5,8 @@ The collective matrix itself runs on emulated devices in test_collectives.py.
 """
 
 import gc
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -151,6 +153,37 @@ def test_emulated_stream_semantics():
     with pytest.raises(CollectiveError, match="deadlocked"):
         device.synchronize()
     assert not a.queue and not b.queue
+
+
+def test_emulated_kernels_that_wait_for_each_other_run_at_once():
+    """SPIN operations (kernels that wait for other kernels' writes) of two
+    streams run concurrently, as on two GPUs; what follows one on its stream
+    runs after it; an error in one is raised by the drain, after the other ended."""
+    a_device, b_device = open_device("emulated:5"), open_device("emulated:6")
+    a, b = a_device.new_stream(), b_device.new_stream()
+    flags, log = {"a": threading.Event(), "b": threading.Event()}, []
+
+    def handshake(mine, theirs):
+        flags[mine].set()
+        if not flags[theirs].wait(timeout=10):
+            raise AssertionError(f"{mine} never saw {theirs}: the kernels did not run at once")
+        log.append(mine)
+
+    a.queue.append((emulated.SPIN, handshake, "a", "b"))
+    b.queue.append((emulated.SPIN, handshake, "b", "a"))
+    b.queue.append((emulated.LAUNCH, log.append, "after b"))
+    a_device.synchronize()
+    assert sorted(log) == ["a", "after b", "b"] and log.index("after b") > log.index("b")
+
+    def fails():
+        raise ValueError("a kernel failed")
+
+    a.queue.append((emulated.SPIN, fails))
+    b.queue.append((emulated.SPIN, time.sleep, 0.2))
+    b.queue.append((emulated.LAUNCH, log.append, "never"))
+    with pytest.raises(ValueError, match="a kernel failed"):
+        a_device.synchronize()
+    assert "never" not in log and not a.queue and not b.queue
 
 
 # -- bad input ---------------------------------------------------------------------------

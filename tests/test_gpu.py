@@ -216,3 +216,54 @@ def test_ranks_on_two_gpus(gpu):
         comm.allreduce(xs)
         comm.synchronize()
         assert all(float(x[0]) == 10 for x in xs)
+
+
+def test_ranks_on_several_gpus_make_small_calls_as_one_kernel_each(gpu, monkeypatch):
+    """executors/peer_ll.py on GPUs: one rank per GPU, every collective's
+    small calls with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1, against the
+    interpreter's direct plan, three calls each with a larger call (the
+    event path) after each."""
+    needs_cuda()
+    import cupy
+    n = min(cupy.cuda.runtime.getDeviceCount(), 4)
+    if n < 2:
+        pytest.skip("needs two GPUs")
+    monkeypatch.setenv("COLLECTIVES_ONE_KERNEL_ALLREDUCE", "1")
+    from cases import expected, rank_input
+
+    def on_gpus(arrays):
+        placed = []
+        for r, a in enumerate(arrays):
+            with cupy.cuda.Device(r):
+                placed.append(cupy.asarray(a))
+        return placed
+
+    with collectives.Communicator.local(n, devices=list(range(n))) as comm, \
+            collectives.Communicator.local(n) as host:
+        assert comm._ranks._peers is not None   # noqa: SLF001
+        for dtype, op in ((np.dtype(np.float32), "sum"), (np.dtype(np.float16), "avg"), (np.dtype(np.int32), "max")):
+            for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"):
+                elements = 1001 * (n if collective == "reduce_scatter" else 1)
+                for call in range(3):
+                    inputs = [rank_input(call, q, dtype, elements) for q in range(n)]
+                    xs = on_gpus(inputs)
+                    root = call % n
+                    if collective == "allreduce":
+                        got = comm.allreduce(xs, op=op)
+                    elif collective == "reduce_scatter":
+                        got = comm.reduce_scatter(xs, op=op)
+                    elif collective == "allgather":
+                        got = comm.allgather(xs)
+                    elif collective == "broadcast":
+                        got = comm.broadcast(xs, root=root)
+                    else:
+                        got = comm.reduce(xs, root=root, op=op)
+                    comm.synchronize()
+                    want = expected(host, collective, inputs, op, root, "direct")
+                    for r in range(n):
+                        if collective != "reduce" or r == root:
+                            assert same_bits_or_both_nan(cupy.asnumpy(got[r]), want[r]), (collective, dtype, r)
+                    big = on_gpus([np.ones(1 << 20, np.float32)] * n)
+                    comm.allreduce(big)   # past the LL: the event path, between one-kernel calls
+                    comm.synchronize()
+                    assert float(big[0][0]) == n

@@ -46,9 +46,10 @@ class DryCuda:
     def __init__(self, ndevices, multiprocessors=132):
         self.ndevices, self.multiprocessors = ndevices, multiprocessors
         self.launches = 0
+        self.records = self.waits = 0   # event records and stream waits, as the driver is asked for them
         self.current = 0   # the calling thread's current device (one thread is all a dry run needs)
         self._next_address = _FIRST_ADDRESS
-        self._streams = [DryStream(0x5000 + k) for k in range(ndevices)]
+        self._streams = [DryStream(0x5000 + k, self) for k in range(ndevices)]
         dry = self
 
         class CUDARuntimeError(RuntimeError):
@@ -67,13 +68,15 @@ class DryCuda:
             deviceEnablePeerAccess=lambda other: None,
             ipcGetMemHandle=lambda address: address.to_bytes(64, "little"),
             ipcOpenMemHandle=lambda handle, flags: int.from_bytes(handle, "little"),
-            ipcCloseMemHandle=lambda address: None)
+            ipcCloseMemHandle=lambda address: None,
+            deviceGetAttribute=lambda attribute, index: 1, hostRegister=lambda address, nbytes, flags: None,
+            hostUnregister=lambda address: None, memset=lambda address, value, nbytes: None)
         self.cuda = types.SimpleNamespace(
             runtime=runtime, driver=types.SimpleNamespace(launchKernel=launch_kernel),
             Device=lambda index=None: DryDevice(dry, dry.current if index is None else index),
             alloc=self.allocate, memory=types.SimpleNamespace(Memory=self.allocate),
             get_current_stream=lambda index=None: dry._streams[dry.current if index is None else index],
-            Event=lambda block=False, disable_timing=True: DryEvent(),
+            Event=lambda block=False, disable_timing=True: DryEvent(dry),
             get_cuda_path=lambda: None)
 
     def allocate(self, nbytes):
@@ -124,8 +127,8 @@ class DryMemory:
 
 
 class DryStream:
-    def __init__(self, handle):
-        self._handle = handle
+    def __init__(self, handle, dry):
+        self._handle, self._dry = handle, dry
 
     @property
     def ptr(self):  # CuPy's Stream.ptr is a property too
@@ -138,12 +141,15 @@ class DryStream:
         return False
 
     def wait_event(self, event):
-        pass
+        self._dry.waits += 1
 
 
 class DryEvent:
+    def __init__(self, dry):
+        self._dry = dry
+
     def record(self, stream=None):
-        pass
+        self._dry.records += 1
 
     @property
     def done(self):

@@ -16,12 +16,15 @@ collective returns (or on synchronize) the queues drain in a random order
 that respects only what CUDA promises: order within a stream, and a wait on
 an event holds its stream until the work before the matching record is done.
 So an executor that forgets a cross-device wait gets wrong answers here too,
-not just on a GPU. COLLECTIVES_EMULATED_SEED fixes the order's seed.
+not just on a GPU. COLLECTIVES_EMULATED_SEED fixes the order's seed. A
+kernel that waits for another kernel's writes (the one-kernel collectives)
+runs on a thread of its own meanwhile, as kernels of two GPUs run at once.
 """
 
 import ctypes
 import hashlib
 import os
+import queue
 import random
 import shutil
 import subprocess
@@ -91,8 +94,19 @@ class EmulatedStream:
         return f"<EmulatedStream of {self.device.name}>"
 
 
+# The kinds of queued operation: SPIN is a kernel that may wait for another to run.
+LAUNCH, SPIN, RECORD, WAIT = "launch", "spin", "record", "wait"
+
+
 class _Engine:
-    """Every emulated stream of the process, drained together."""
+    """Every emulated stream of the process, drained together.
+
+    Most work runs on the draining thread, one operation at a time. A
+    kernel that waits for another kernel to write its memory (SPIN: the
+    one-kernel collectives, whose ranks on several devices of one process
+    wait for each other's flags) runs on a thread of its own, as kernels of
+    different streams run at once on GPUs: its stream holds until it ends,
+    the other streams go on meanwhile, so the kernel it waits for can run."""
 
     def __init__(self):
         self.streams = []
@@ -102,35 +116,76 @@ class _Engine:
 
     def drain(self):
         with self.lock:
-            while True:
-                busy = [s for s in self.streams if s.queue and not s.capturing]
+            running = {}                 # stream -> its SPIN operation's thread
+            ended = queue.SimpleQueue()  # (stream, the exception it raised or None), as threads end
+            try:
+                self._drain(running, ended)
+            finally:
+                for thread in running.values():   # nothing runs on once drain returns or raises
+                    thread.join()
+
+    def _drain(self, running, ended):
+        while True:
+            busy = [s for s in self.streams if s.queue and not s.capturing and s not in running]
+            ready = [s for s in busy if _ready(s.queue[0])]
+            if not ready:
+                if running:   # a spinning kernel may end, and record what a queue waits on
+                    self._ended(running, *ended.get())
+                    continue
                 if not busy:
                     return
-                ready = [s for s in busy if _ready(s.queue[0])]
-                if not ready:
-                    for s in busy:
-                        s.queue.clear()
-                    raise CollectiveError(
-                        "emulated streams deadlocked: every queue waits on an event that is never recorded "
-                        f"({', '.join(map(repr, busy))})")
-                if len(busy) == 1:  # one stream: its own order is the only order there is
-                    queue = busy[0].queue
-                    while queue and _ready(queue[0]):
-                        self._run(queue.popleft())
-                    continue
-                self._run(self.random.choice(ready).queue.popleft())
+                for s in busy:
+                    s.queue.clear()
+                raise CollectiveError(
+                    "emulated streams deadlocked: every queue waits on an event that is never recorded "
+                    f"({', '.join(map(repr, busy))})")
+            while not ended.empty():
+                self._ended(running, *ended.get())
+            if len(busy) == 1 and not running:
+                # One stream: its own order is the only order there is, and
+                # a kernel on it has no kernel of this process to wait for.
+                work = busy[0].queue
+                while work and _ready(work[0]):
+                    self._run(work.popleft())
+                continue
+            stream = self.random.choice(ready)
+            if stream.queue[0][0] == SPIN:
+                running[stream] = thread = threading.Thread(
+                    target=self._spin, args=(stream, stream.queue[0], ended), name=f"collectives-emulated-{stream!r}",
+                    daemon=True)
+                thread.start()
+                continue
+            self._run(stream.queue.popleft())
+
+    def _spin(self, stream, operation, ended):
+        try:
+            operation[1](*operation[2:])
+        except BaseException as error:   # noqa: BLE001 - the draining thread raises it
+            ended.put((stream, error))
+        else:
+            ended.put((stream, None))
+
+    def _ended(self, running, stream, error):
+        running.pop(stream).join()
+        stream.queue.popleft()
+        if error is not None:
+            self._failed()
+            raise error
 
     def _run(self, operation):
         try:
             operation[1](*operation[2:])
         except BaseException:
-            for s in self.streams:  # what was queued behind a failure never runs
-                s.queue.clear()
+            self._failed()
             raise
+
+    def _failed(self):
+        for s in self.streams:  # what was queued behind a failure never runs
+            s.queue.clear()
 
 
 def _ready(operation):
-    if operation[0] == "wait":
+    if operation[0] == WAIT:
         event, generation = operation[2], operation[3]
         return event.completed >= generation
     return True
@@ -234,7 +289,7 @@ class EmulatedDevice:
             if addresses.flags.writeable:  # the caller may reuse it before this runs
                 addresses = np.array(addresses, np.uint64)
             self._last_addresses = (addresses, addresses.ctypes.data)
-        stream.queue.append(("launch", self._run_step, instance, grid, table, width, self._last_addresses, divisor,
+        stream.queue.append((LAUNCH, self._run_step, instance, grid, table, width, self._last_addresses, divisor,
                              fanout))
 
     def _run_step(self, instance, grid, table, width, addresses, divisor, fanout):
@@ -248,7 +303,7 @@ class EmulatedDevice:
         # Checked now, run when the stream drains: a bad call queues nothing.
         grid = kernels.copy_launch_grid(table, rows, grid, self.resident_blocks)
         if grid is not None:  # the queued tuple keeps `table` alive until it has run
-            stream.queue.append(("launch", self._run_copies, grid, table, int(rows)))
+            stream.queue.append((LAUNCH, self._run_copies, grid, table, int(rows)))
 
     def _run_copies(self, grid, table, rows):
         status = self._library.collectives_emulated_batched_copy(grid[0], grid[1], kernels.COPY_THREADS,
@@ -261,13 +316,13 @@ class EmulatedDevice:
         # fibers (emulation/launch.cpp), when the stream drains; "copy" moves
         # the bytes of one region into another.
         if kernel == "copy":
-            stream.queue.append(("launch", _run_copy, *args))
+            stream.queue.append((LAUNCH, _run_copy, *args))
             return
         launch = codecs.device_launch(kernel, codec, args, divisor)   # checked now: a bad call queues nothing
         if launch is not None:
             instance, parameters, n = launch
             grid = kernels.codec_grid(n, self.resident_blocks)
-            stream.queue.append(("launch", self._run_codec, instance, grid, parameters))
+            stream.queue.append((LAUNCH, self._run_codec, instance, grid, parameters))
 
     def _run_codec(self, instance, grid, parameters):
         status = self._library.collectives_emulated_codec(instance.codec, instance.op, grid, kernels.CODEC_THREADS,
@@ -284,7 +339,7 @@ class EmulatedDevice:
         # first: a batch holding two rows that must keep their order (one
         # reads or overwrites what the other writes) then gives wrong bits
         # instead of passing because the emulator happened to run them in order.
-        stream.queue.append(("launch", self._run_codec_batch, codecs.codec_id(codec), grid,
+        stream.queue.append((LAUNCH, self._run_codec_batch, codecs.codec_id(codec), grid,
                              codecs.batch_arguments(rows[::-1])))
 
     def _run_codec_batch(self, codec, grid, batch):
@@ -298,7 +353,7 @@ class EmulatedDevice:
         args = codecs.round_sum_arguments(inputs, outputs, n, divisor)   # checked now: a bad call queues nothing
         if n:
             grid = kernels.codec_grid(n, self.resident_blocks)
-            stream.queue.append(("launch", self._run_codec_round_sum, codecs.codec_id(codec), grid, args))
+            stream.queue.append((LAUNCH, self._run_codec_round_sum, codecs.codec_id(codec), grid, args))
 
     def _run_codec_round_sum(self, codec, grid, args):
         status = self._library.collectives_emulated_codec_round_sum(codec, grid, kernels.CODEC_THREADS,
@@ -311,11 +366,11 @@ class EmulatedDevice:
 
     def record(self, event, stream):
         event.records += 1
-        stream.queue.append(("record", _complete, event, event.records))
+        stream.queue.append((RECORD, _complete, event, event.records))
 
     def wait(self, stream, event):
         if event.records:  # as in CUDA, waiting for an event never recorded is no wait
-            stream.queue.append(("wait", _nothing, event, event.records))
+            stream.queue.append((WAIT, _nothing, event, event.records))
 
     def query(self, event):
         # Like cudaEventQuery, but the work runs when asked about: drain, then look.
@@ -349,7 +404,7 @@ class EmulatedDevice:
     def launch_ll_allreduce(self, stream, instance, args):
         """ll_allreduce<instance> on its fixed grid; `args` is copied now
         (kernels.LLAllreduceArgs), so the caller may change it at once."""
-        stream.queue.append(("launch", self._run_ll, instance, (LL_BLOCKS, LL_THREADS),
+        stream.queue.append((SPIN, self._run_ll, instance, (LL_BLOCKS, LL_THREADS),
                              type(args).from_buffer_copy(args)))
 
     def _run_ll(self, instance, grid, args):
@@ -360,7 +415,7 @@ class EmulatedDevice:
 
     def launch_ll_barrier(self, stream, args):
         """ll_barrier (one thread); `args` is copied now."""
-        stream.queue.append(("launch", self._run_ll_barrier, None, (1, 1), type(args).from_buffer_copy(args)))
+        stream.queue.append((SPIN, self._run_ll_barrier, None, (1, 1), type(args).from_buffer_copy(args)))
 
     def _run_ll_barrier(self, _, grid, args):
         self._library.collectives_emulated_ll_barrier(ctypes.byref(args))

@@ -53,7 +53,7 @@ from typing import NamedTuple, Tuple
 
 import numpy as np
 
-from .. import kernels
+from .. import config, kernels
 from ..algorithms import MODELS, REGISTRY
 from ..algorithms.schedule import REDUCING_COLLECTIVES
 from ..binding import IN_PLACE, IN_PLACE_LOCKSTEP, INPUT, OUT_OF_PLACE, OUTPUT
@@ -62,6 +62,7 @@ from ..compression import wire
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
 from ..plan import COUNT, DST_BUF, DST_OFF, NSRC, RANK, SCRATCH, WORK, build_plan, derive_waits
+from .peer_ll import PeerLL
 
 LAUNCH, RECORD, WAIT = "launch", "record", "wait"
 # Event keys are (device, phase): recorded after that device's launch of that
@@ -247,12 +248,24 @@ class DeviceRanks:
         # Counts the times a rank's workspace was replaced by a bigger one: an
         # address table made before holds an outgrown workspace (BoundProgram).
         self._workspaces_replaced = 0
+        # Ranks each on a GPU of their own: small calls as one kernel per
+        # device, with no host event between them (executors/peer_ll.py).
+        self._peers = PeerLL(self.devices) \
+            if len(self.devices) > 1 and len(self.devices) == len(devices) and config.resolve_one_kernel_allreduce() \
+            else None
 
     # -- the per-call path -----------------------------------------------------
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline=None):
         """Issue `plan` on each device's current stream for the ranks' arrays
         (only their ArrayInfos matter here)."""
+        peers = self._peers
+        if peers is not None:
+            if peers.accepts(plan):
+                peers.run(plan, input_infos, output_infos, deadline)
+                return
+            if peers.used:
+                peers.check()   # a kernel that gave up is reported, by this call as by any
         entry = self._programs.get(id(plan))
         program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
         devices = self.devices
@@ -283,6 +296,8 @@ class DeviceRanks:
         anew (allgather without `out`) have addresses of their own."""
         if plan.compression is not None or output_infos is None:
             return None
+        if self._peers is not None and self._peers.accepts(plan):
+            return self._peers.bind(plan, input_infos, output_infos)
         return BoundProgram(self, self._program(plan), input_infos, output_infos)
 
     def _run_codec_program(self, program, streams, inputs, outputs):
@@ -546,6 +561,8 @@ class DeviceRanks:
         on which operations share memory, so they are counted on made-up
         buffers: every rank's workspace, input and output apart, as a
         call's are."""
+        if self._peers is not None and self._peers.accepts(plan):
+            return (1 if plan.count else 0,) * len(self.devices)
         program = self._program(plan)
         if plan.compression is None:
             return program.launches
@@ -574,12 +591,23 @@ class DeviceRanks:
     def barrier(self, deadline):
         pass  # ranks in one process: every call is already collective
 
+    def synchronize(self, deadline):
+        """Communicator.synchronize: every device's work done, and a one-kernel
+        call that gave up reported (its kernels' waits are bounded by the timeout)."""
+        for device in self.devices:
+            device.synchronize()
+        if self._peers is not None and self._peers.used:
+            self._peers.check()
+
     def abort(self, reason):
-        pass
+        if self._peers is not None:
+            self._peers.abort(reason)
 
     def close(self):
         for device in self.devices:
             device.synchronize()
+        if self._peers is not None:
+            self._peers.close()
         self._workspaces = [None] * len(self.rank_devices)
         self._workspaces_replaced += 1   # no bound program keeps a freed workspace's address
         self._retired.clear()

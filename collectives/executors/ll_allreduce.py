@@ -82,13 +82,32 @@ def same_bits_as_direct(plan):
     return plan.algorithm in ("direct", "two_shot") or plan.collective in (ALLGATHER, BROADCAST) or plan.nranks == 2
 
 
-class _LLCall(NamedTuple):
+def takes(plan):
+    """Whether `plan`'s call runs as one kernel: a plan of ACCEPTED whose
+    bits are the kernel's (same_bits_as_direct), uncompressed, small."""
+    return (plan.collective in ACCEPTED and same_bits_as_direct(plan) and plan.compression is None
+            and plan.nranks <= kernels.LL_MAX_RANKS
+            and kernels.ll_shape(plan.collective, plan.nranks, plan.count, plan.dtype.itemsize).fits)
+
+
+class LLCall(NamedTuple):
+    """What every call of a plan passes the kernel (prepare_call)."""
     plan: object
     shape: kernels.LLShape
     instance: kernels.LLInstance
     divisor: int
     signature: int
     description: str
+
+
+def prepare_call(plan):
+    """The LLCall of a plan that `takes` accepts, once per plan."""
+    reducing = plan.collective in REDUCING_COLLECTIVES
+    op = ReduceOp(plan.op) if reducing else ReduceOp.SUM   # copies: any instance of the dtype does
+    return LLCall(plan, kernels.ll_shape(plan.collective, plan.nranks, plan.count, plan.dtype.itemsize),
+                  kernels.ll_instance(plan.dtype, op), kernels.step_divisor(op, plan.nranks) if reducing else 0,
+                  kernels.ll_signature(plan.count, plan.dtype, ReduceOp(plan.op), plan.collective, plan.root),
+                  describe_call(plan))
 
 
 class LLAllreduce:
@@ -110,7 +129,7 @@ class LLAllreduce:
         self._peer_memory = []                              # peers' symmetric memory, opened here
         self._mapped = None                                 # the control segment's front, as kernels see it
         self._args = kernels.LLAllreduceArgs()
-        self._calls = {}                                    # id(plan) -> _LLCall
+        self._calls = {}                                    # id(plan) -> LLCall
         self._declined = {}                                 # id(plan) -> a plan that does not run here
         self._call = ""                                     # the last call's description, for errors
         self._stream = None
@@ -129,9 +148,7 @@ class LLAllreduce:
             return True
         if self._declined.get(id(plan)) is plan:
             return False
-        taken = (plan.collective in ACCEPTED and same_bits_as_direct(plan) and plan.compression is None
-                 and plan.nranks <= kernels.LL_MAX_RANKS
-                 and kernels.ll_shape(plan.collective, plan.nranks, plan.count, plan.dtype.itemsize).fits)
+        taken = takes(plan)
         if not taken:
             if len(self._declined) >= 256:
                 self._declined.clear()
@@ -300,12 +317,7 @@ class LLAllreduce:
 
     def _prepare(self, plan):
         """What every call of `plan` passes the kernel, once per plan."""
-        reducing = plan.collective in REDUCING_COLLECTIVES
-        op = ReduceOp(plan.op) if reducing else ReduceOp.SUM   # copies: any instance of the dtype does
-        call = _LLCall(plan, kernels.ll_shape(plan.collective, plan.nranks, plan.count, plan.dtype.itemsize),
-                       kernels.ll_instance(plan.dtype, op), kernels.step_divisor(op, plan.nranks) if reducing else 0,
-                       kernels.ll_signature(plan.count, plan.dtype, ReduceOp(plan.op), plan.collective, plan.root),
-                       describe_call(plan))
+        call = prepare_call(plan)
         if len(self._calls) >= 256:
             self._calls.clear()
         self._calls[id(plan)] = call

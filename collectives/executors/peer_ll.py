@@ -1,0 +1,292 @@
+"""The one-kernel collectives of small messages between ranks on several
+GPUs of one process: kernels/ll_allreduce.cu, the protocol of the ranks in
+separate processes (executors/ll_allreduce.py), over peer access instead of
+CUDA IPC.
+
+On the event path (executors/device.py) the host orders every phase between
+devices: a direct allreduce of k GPUs is k launches, k event records and
+k(k-1) waits before them, and as many after (the join). Here a call that
+fits (ll_allreduce.takes: small, uncompressed, the direct plan's bits) is
+one launch per device and nothing else:
+
+    each rank's kernel    publishes its input, flagged, in its own LL area
+                          (memory of its own GPU);
+                          reads its peers' areas through peer access,
+                          waiting for their flags itself;
+                          writes its own output.
+
+No kernel reads another rank's arrays, so no join either: once a device's
+stream has run its kernel, that rank's arrays are the caller's again.
+Consecutive calls are ordered by the kernels' state words and slot sets
+(kernels/ll_allreduce.cu), on each rank's stream; a rank whose caller
+switched streams gets an event from its previous stream, as across
+processes.
+
+Where it runs: ranks on two or more devices, one rank per device (two ranks
+on one GPU would queue their kernels on its one stream, the second behind
+the first, which waits for it), with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 as
+for ranks in processes. Not inside a CUDA graph: a capture over several
+devices is refused, as on the event path.
+
+Set up at the first call: per rank an LL area (LL_AREA_BYTES, zeroed) on
+its device, and the control words in page-locked host memory that every
+device maps (registered once, portable): the abort word, then each rank's
+fault word. A kernel that waits past the communicator's timeout (a device
+whose stream is busy with other work for that long) writes its fault word
+and stops; the call, the next one or synchronize() raises
+CollectiveTimeoutError. A launch that fails after others were issued sets
+the abort word, so the kernels already launched stop instead of waiting for
+the one that never came. Either way the ranks' call counts no longer agree:
+the path is then aborted, and every later call raises.
+"""
+
+import ctypes
+import mmap
+import time
+
+import numpy as np
+
+from .. import kernels
+from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
+from ..transport.layout import LL_FAULT, LL_REGION_WORDS
+from .ll_allreduce import prepare_call, takes
+
+ABORT_ROW = 0   # the control words' first row holds the abort word; rank r's row is r + 1
+
+
+class PeerLL:
+    """The one-kernel calls of DeviceRanks whose ranks each have a GPU."""
+
+    def __init__(self, devices):
+        if len(set(map(id, devices))) != len(devices) or not 2 <= len(devices) <= kernels.LL_MAX_RANKS:
+            raise InvalidUsageError(f"the one-kernel path between devices takes 2 to {kernels.LL_MAX_RANKS} ranks, "
+                                    "one per device")
+        self.devices = tuple(devices)
+        self._calls = {}          # id(plan) -> LLCall, or _Refused for a plan that does not run here
+        self._areas = None        # per rank: its LL area on its device
+        self._control = None      # (mmap, the words as int64 (nranks + 1, LL_REGION_WORDS), mapped address)
+        self._cells = ()          # the abort word and the fault words as ctypes cells (cheap to read)
+        self._args = ()           # per rank: its kernel's arguments, the set-up fields filled
+        self._streams = [None] * len(devices)   # per rank: the stream of its last call
+        self._events = [device.new_event() for device in devices]
+        self._timeout_ns = 0
+        self._last_call = ""      # the description of the last call, for errors
+        self._last = None         # (LLCall, addresses, BoundPeerCall) of the last unbound call
+        self._aborted = None      # why the path stopped: every later call raises it
+
+    # -- which calls ----------------------------------------------------------------
+
+    def accepts(self, plan):
+        """Whether `plan`'s call runs here (a dictionary lookup after the first time)."""
+        entry = self._calls.get(id(plan))
+        if entry is None or entry.plan is not plan:
+            if len(self._calls) >= 256:
+                self._calls.clear()
+            # (Either entry keeps its plan alive, so its id is not reused meanwhile.)
+            entry = self._calls[id(plan)] = prepare_call(plan) if takes(plan) else _Refused(plan)
+        return entry.__class__ is not _Refused
+
+    @property
+    def used(self):
+        """Whether the areas are set up: kernels may have run, or be queued."""
+        return self._areas is not None
+
+    def generation(self, rank):
+        """Rank `rank`'s call count (mod 2**32), read from its kernels' state
+        words once its device is idle (for tests; the host keeps no count)."""
+        if self._areas is None:
+            return 0
+        device = self.devices[rank]
+        words = np.frombuffer(device.download(self._areas[rank].address + kernels.LL_STATE_OFFSET,
+                                              8 * device.ll_grid_threads), np.uint64)
+        generations = {kernels.ll_state(int(word)).generation for word in words}
+        if len(generations) != 1:
+            raise CollectiveError(f"rank {rank}'s one-kernel state words disagree: generations {sorted(generations)}")
+        return generations.pop()
+
+    # -- a call ---------------------------------------------------------------------
+
+    def run(self, plan, inputs, outputs, deadline=None):
+        """Issue `plan` (accepted) for the ranks' arrays (ArrayInfos). A call
+        on the addresses of the last one reuses its launches."""
+        call = self._calls[id(plan)]
+        addresses = (*(i.address for i in inputs), *(o.address for o in outputs))
+        last = self._last
+        if last is None or last[0] is not call or last[1] != addresses:
+            last = self._last = (call, addresses, self.bind(plan, inputs, outputs, deadline))
+        last[2].run()
+
+    def bind(self, plan, inputs, outputs, deadline=None):
+        """The call of `plan` on these arrays (ArrayInfos), each rank's
+        arguments made once: its run() only orders streams and launches."""
+        call = self._calls[id(plan)]
+        args = self._fill(call, [i.address for i in inputs], [o.address for o in outputs], deadline)
+        return BoundPeerCall(self, call, tuple(launcher(device, call.instance, a)
+                                               for device, a in zip(self.devices, args)))
+
+    def _fill(self, call, inputs, outputs, deadline):
+        """Every rank's kernel arguments for `call` on these addresses."""
+        self.ensure_setup()
+        if deadline is not None:
+            self._timeout_ns = int(max(deadline - time.perf_counter(), 0.0) * 1e9)
+        filled = []
+        for rank, template in enumerate(self._args):
+            args = type(template).from_buffer_copy(template)
+            args.input, args.output, args.count = inputs[rank], outputs[rank], call.shape.count
+            args.collective, args.root, args.signature = call.shape.collective, call.plan.root, call.signature
+            args.divisor, args.timeout_ns = call.divisor, self._timeout_ns
+            filled.append(args)
+        return filled
+
+    def issue(self, call, launches):
+        """One launch per device (`launches`: per rank, issue(stream)), on
+        its current stream; then the faults seen."""
+        self.check()
+        if call.shape.lines == 0:
+            return   # nothing to exchange, and no launch: a state word would record 0 lines ("no call before")
+        devices = self.devices
+        streams = [device.current_stream() for device in devices]
+        if any(d.is_capturing(s) for d, s in zip(devices, streams)):
+            raise InvalidUsageError(
+                "capturing a collective in a CUDA graph works when all ranks share one GPU; "
+                f"these ranks use {len(devices)} devices")
+        self._last_call = call.description
+        launched = 0
+        try:
+            for rank, launch in enumerate(launches):
+                if streams[rank] is not self._streams[rank]:
+                    self._order_on(rank, streams[rank])
+                launch(streams[rank])
+                launched += 1
+            for device in devices:
+                device.call_returned()   # the emulated device runs them now; a GPU keeps them queued
+        except BaseException as error:
+            if launched:   # kernels wait for the rank that was not launched: stop them now
+                self.abort(f"a launch of {call.description} failed: {type(error).__name__}: {error}")
+            raise
+        self.check()
+
+    def _order_on(self, rank, stream):
+        """Order `stream` after the rank's previous call, made on another
+        stream (the kernel's state words rest on each rank's stream order)."""
+        previous = self._streams[rank]
+        if previous is not None and previous is not stream and \
+                getattr(previous, "ptr", previous) != getattr(stream, "ptr", stream):
+            device = self.devices[rank]
+            device.record(self._events[rank], previous)
+            device.wait(stream, self._events[rank])
+        self._streams[rank] = stream
+
+    # -- faults ---------------------------------------------------------------------
+
+    def check(self):
+        """Raise if the path was aborted or a kernel gave up."""
+        if self._aborted is not None:
+            raise CollectiveError(f"the one-kernel collectives between devices were aborted: {self._aborted}")
+        for cell in self._cells:
+            if cell.value:
+                self._raise_fault()
+
+    def _raise_fault(self):
+        words = self._control[1]
+        if words[ABORT_ROW, 0]:
+            raise CollectiveError("the one-kernel collectives between devices were aborted")
+        faults = [(rank, kernels.ll_fault(int(word)))
+                  for rank, word in enumerate(words[ABORT_ROW + 1:, LL_FAULT]) if word]
+        # A kernel that sees another's fault word stops too (LL_FAULT_STOPPED): the cause is the one that timed out.
+        timed_out = [(rank, fault) for rank, fault in faults if fault.reason == kernels.LL_FAULT_TIMED_OUT]
+        if timed_out:
+            waiter, fault = timed_out[0]
+            error = CollectiveTimeoutError(
+                f"rank {waiter} timed out after {self._timeout_ns / 1e9:.1f} s waiting for rank {fault.peer} "
+                f"(on {self.devices[fault.peer].name}) to write its part of {fault.collective} #{fault.generation} "
+                f"(one-kernel protocol, the last call {self._last_call}): was that device busy with other work "
+                "queued before it for that long?")
+        else:   # a mismatch cannot happen here (one call launches every rank), nor a stop without an abort
+            error = CollectiveError(f"the one-kernel collective stopped on ranks {[rank for rank, _ in faults]}: "
+                                    f"{[fault for _, fault in faults]}")
+        self.abort(f"{type(error).__name__}: {error}")
+        raise error
+
+    def abort(self, reason):
+        """Stop every kernel of the path now, and every later call."""
+        if self._aborted is None:
+            self._aborted = reason
+        if self._control is not None:
+            self._control[1][ABORT_ROW, 0] = 1
+
+    # -- set-up and close -----------------------------------------------------------
+
+    def ensure_setup(self):
+        if self._areas is not None:
+            return
+        n = len(self.devices)
+        nbytes = 8 * (n + 1) * LL_REGION_WORDS
+        buffer = mmap.mmap(-1, nbytes)   # page-aligned, zeroed: what cudaHostRegister maps whole
+        words = np.frombuffer(buffer, np.int64).reshape(n + 1, LL_REGION_WORDS)
+        # Registered once, portable: every device's kernels use the host address (unified addressing).
+        mapped = self.devices[0].map_host(words.ctypes.data, nbytes)
+        self._control = (buffer, words, mapped)
+        areas = []
+        try:
+            for device in self.devices:
+                area = device.allocate(kernels.LL_AREA_BYTES)
+                device.clear_shared(area)   # a kernel takes a zero state word for "no call yet"
+                areas.append(area)
+        except BaseException:
+            self.devices[0].unmap_host(mapped)
+            self._control = None
+            raise
+        self._areas = areas
+        row = 8 * LL_REGION_WORDS
+        self._cells = (ctypes.c_int64.from_buffer(words[ABORT_ROW]),
+                       *(ctypes.c_int64.from_buffer(words[ABORT_ROW + 1 + r], 8 * LL_FAULT) for r in range(n)))
+        templates = []
+        for rank in range(n):
+            args = kernels.LLAllreduceArgs()
+            args.areas[:] = [a.address for a in areas] + [0] * (kernels.LL_MAX_RANKS - n)
+            args.abort_word = mapped + 8 * ABORT_ROW * LL_REGION_WORDS
+            args.faults = mapped + row * (ABORT_ROW + 1) + 8 * LL_FAULT
+            args.rank, args.nranks = rank, n
+            templates.append(args)
+        self._args = tuple(templates)
+
+    def close(self):
+        """Release the areas and the control words: after the devices are idle."""
+        if self._areas is None:
+            return
+        for device in self.devices:
+            device.synchronize()
+        self._areas = None
+        self._cells = ()
+        self.devices[0].unmap_host(self._control[2])
+        self._control = None   # the mapping goes with its last view
+
+
+class _Refused:
+    """A plan that does not run here, remembered by identity."""
+    __slots__ = ("plan",)
+
+    def __init__(self, plan):
+        self.plan = plan
+
+
+class BoundPeerCall:
+    """A call of PeerLL bound to its arrays (DeviceRanks.bind, and PeerLL.run
+    for a call on the last call's arrays): each rank's launch prepared once."""
+
+    def __init__(self, peers, call, launches):
+        self._peers, self._call, self._launches = peers, call, launches
+
+    def run(self, arrays=None):
+        self._peers.issue(self._call, self._launches)
+
+
+def launcher(device, instance, args):
+    """issue(stream): the kernel with these arguments on `device`: its own
+    prepared launch where it has one (CudaDevice.ll_launcher), else its
+    launch_ll_allreduce (which copies `args` at each launch)."""
+    prepared = getattr(device, "ll_launcher", None)
+    if prepared is not None:
+        return prepared(instance, args)
+    return lambda stream: device.launch_ll_allreduce(stream, instance, args)
