@@ -149,7 +149,7 @@ def measure(args):
             call(*positional, **keywords)
         for key in spent:
             spent[key] = 0
-        driver_before = (dry.launches, dry.records, dry.waits) if dry is not None else None
+        driver_before = (dry.launches, dry.ll_launches, dry.records, dry.waits) if dry is not None else None
         # Objects from start-up move to the permanent generation: a full
         # collection's cost then does not land on whichever call triggers it.
         gc.collect()
@@ -164,9 +164,11 @@ def measure(args):
         total = time.perf_counter() - began
         comm.synchronize()
         calls = len(batches) * batch
-        if dry is not None:  # the stand-in driver counted them (every kernel as launch_step); nothing of ours ran inside it
-            spent["launch_step"], spent["record"], spent["wait"] = (
-                now - before for now, before in zip((dry.launches, dry.records, dry.waits), driver_before))
+        if dry is not None:  # the stand-in driver counted them; nothing of ours ran inside it
+            launched, ll_launched, spent["record"], spent["wait"] = (
+                now - before for now, before in zip((dry.launches, dry.ll_launches, dry.records, dry.waits),
+                                                    driver_before))
+            spent["launch_step"], spent["launch_ll_allreduce"] = launched - ll_launched, ll_launched   # (the rest: step, copy, codec)
         results[collective] = {
             "calls": calls,
             "total_us_per_call": total / calls * 1e6,

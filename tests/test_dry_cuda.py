@@ -6,6 +6,7 @@ launches the plan has, for every collective, in place and out of place, on
 one device and on two (where the adapter records and waits for events)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -210,3 +211,18 @@ def test_compressed_direct_on_one_gpu_is_one_codec_round_sum_with_the_arrays(op)
             [x.data.ptr for x in xs], [o.data.ptr for o in outs], 1000, 4.0 if op == "avg" else 0.0)
     assert launched == [want, want]
     comm.close()
+
+
+@pytest.mark.parametrize("one_kernel", ["0", "1"])
+def test_ranks_on_four_gpus_issue_what_their_path_needs(one_kernel):
+    """The CUDA adapter on four pretend GPUs, a 1 KiB allreduce: the event
+    path's 4 launches, 8 records and 24 waits; the one-kernel path's 4
+    ll_allreduce launches (CudaDevice.ll_launcher) and nothing else."""
+    done = subprocess.run([sys.executable, "-m", "bench.call_overhead", "--adapter", "dry", "--calls", "200",
+                           "--batch", "50", "--count", "256", "--algorithm", "auto", "--ranks", "4", "--devices", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, COLLECTIVES_ONE_KERNEL_ALLREDUCE=one_kernel))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)["results"]["allreduce"]
+    issued = [result[f"{kind}_per_call"] for kind in ("launch_step", "launch_ll_allreduce", "record", "wait")]
+    assert issued == ([0, 4, 0, 0] if one_kernel == "1" else [4, 0, 8, 24])

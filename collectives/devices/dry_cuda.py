@@ -29,7 +29,7 @@ import types
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, kernels
 from .cuda import CudaDevice
 
 _STREAM_OF_INTERFACE = 1  # CUDA's legacy default stream, as __cuda_array_interface__ names it
@@ -45,7 +45,9 @@ class DryCuda:
 
     def __init__(self, ndevices, multiprocessors=132):
         self.ndevices, self.multiprocessors = ndevices, multiprocessors
-        self.launches = 0
+        self.launches = 0                 # every kernel launched
+        self.ll_launches = 0              # of which ll_allreduce's (the one-kernel collectives)
+        self.ll_functions = set()         # the made-up handles of ll_allreduce instances
         self.records = self.waits = 0   # event records and stream waits, as the driver is asked for them
         self.current = 0   # the calling thread's current device (one thread is all a dry run needs)
         self._next_address = _FIRST_ADDRESS
@@ -57,6 +59,8 @@ class DryCuda:
 
         def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, parameters, extra):
             dry.launches += 1
+            if function in dry.ll_functions:
+                dry.ll_launches += 1
 
         def set_device(index):
             dry.current = index
@@ -284,4 +288,7 @@ class DryCudaDevice(CudaDevice):
     _handles = itertools.count(0x1000)
 
     def _load(self, instance):
-        return next(self._handles)
+        handle = next(self._handles)
+        if isinstance(instance, kernels.LLInstance):
+            self._cupy.ll_functions.add(handle)
+        return handle
