@@ -157,6 +157,20 @@ class Communicator:
         # and then the general path below runs (and raises what is wrong).
         self._fast_allreduce = getattr(ranks, "fast_allreduce", None)
 
+    @property
+    def timeout(self):
+        """Seconds any call may wait for its peers; setting it applies to the calls made after."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds):
+        self._timeout = seconds
+        # Ranks whose kernels wait for their peers by themselves take it as a
+        # kernel argument (DeviceRanks: the one-kernel calls between GPUs).
+        use = getattr(self._ranks, "use_timeout", None)
+        if use is not None:
+            use(seconds)
+
     @classmethod
     def local(cls, nranks, *, devices=None, timeout=None, backend="ours"):
         """A communicator of `nranks` ranks, all owned by this process

@@ -175,6 +175,17 @@ def test_emulated_kernels_that_wait_for_each_other_run_at_once():
     a_device.synchronize()
     assert sorted(log) == ["a", "after b", "b"] and log.index("after b") > log.index("b")
 
+    # A stream freed by a kernel that ended is looked at again before the
+    # one-stream shortcut runs another stream's waiting kernel on the draining thread.
+    for seed in range(8):
+        emulated._ENGINE.random.seed(seed)   # noqa: SLF001
+        flag = threading.Event()
+        a.queue.extend([(emulated.SPIN, lambda: None), (emulated.SPIN, flag.set)])
+        b.queue.extend([(emulated.LAUNCH, time.sleep, 0.05), (emulated.SPIN, lambda: flag.wait(timeout=10) or log.append("late"))])
+        began = time.perf_counter()
+        a_device.synchronize()
+        assert "late" not in log and time.perf_counter() - began < 5, seed
+
     def fails():
         raise ValueError("a kernel failed")
 

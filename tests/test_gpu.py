@@ -222,7 +222,8 @@ def test_ranks_on_several_gpus_make_small_calls_as_one_kernel_each(gpu, monkeypa
     """executors/peer_ll.py on GPUs: one rank per GPU, every collective's
     small calls with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1, against the
     interpreter's direct plan, three calls each with a larger call (the
-    event path) after each."""
+    event path) after each; then repeated and prepared calls on the same
+    arrays."""
     needs_cuda()
     import cupy
     n = min(cupy.cuda.runtime.getDeviceCount(), 4)
@@ -267,3 +268,16 @@ def test_ranks_on_several_gpus_make_small_calls_as_one_kernel_each(gpu, monkeypa
                     comm.allreduce(big)   # past the LL: the event path, between one-kernel calls
                     comm.synchronize()
                     assert float(big[0][0]) == n
+        # The same arrays again and again: the bound launches, plain and prepared.
+        xs = on_gpus([np.zeros(777, np.float32)] * n)
+        outs = on_gpus([np.zeros(777, np.float32)] * n)
+        step = comm.prepare("allreduce", xs, out=outs)
+        for call in range(6):
+            inputs = [rank_input(100 + call, q, np.dtype(np.float32), 777) for q in range(n)]
+            for r, x in enumerate(xs):
+                with cupy.cuda.Device(r):
+                    x.set(inputs[r])
+            step() if call % 2 else comm.allreduce(xs, out=outs)
+            comm.synchronize()
+            want = expected(host, "allreduce", inputs, "sum", 0, "direct")
+            assert all(same_bits_or_both_nan(cupy.asnumpy(outs[r]), want[r]) for r in range(n)), call

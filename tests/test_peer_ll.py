@@ -235,6 +235,42 @@ def test_a_launch_that_fails_partway_stops_the_kernels_launched(one_kernel, monk
             comm.allreduce(xs)
 
 
+def test_a_prepared_call_made_first_runs_with_the_communicators_timeout(one_kernel):
+    n = 3
+    with communicator(n, timeout=30) as comm, collectives.Communicator.local(n) as reference:
+        xs = [np.empty(11, np.float32) for _ in range(n)]
+        step = comm.prepare("allreduce", xs)   # bound before any call was made
+        for call in range(3):
+            inputs = [rank_input(call, q, np.dtype(np.float32), 11) for q in range(n)]
+            for x, values in zip(xs, inputs):
+                x[...] = values
+            step()
+            want = expected(reference, "allreduce", inputs, "sum", 0, "direct")
+            assert all(xs[r].tobytes() == want[r].tobytes() for r in range(n))
+
+
+def test_a_new_timeout_applies_to_the_calls_after(one_kernel, monkeypatch):
+    """Repeated calls (bound launches) and prepared ones take the
+    communicator's timeout when they are issued, not when they were bound."""
+    n = 3
+    with communicator(n, timeout=30) as comm:
+        xs = [np.ones(16, np.float32) for _ in range(n)]
+        step = comm.prepare("allreduce", xs)
+        step()               # its launches made, with 30 s
+        comm.timeout = 0.5
+        original = EmulatedDevice.launch_ll_allreduce
+
+        def rank_2_never_runs(device, stream, instance, args):
+            if args.rank != 2:
+                original(device, stream, instance, args)
+
+        monkeypatch.setattr(EmulatedDevice, "launch_ll_allreduce", rank_2_never_runs)
+        start = time.perf_counter()
+        with pytest.raises(CollectiveTimeoutError, match="timed out after 0.5 s waiting for rank 2"):
+            step()
+        assert time.perf_counter() - start < 5.0
+
+
 def test_a_call_on_a_closed_path_writes_nothing(one_kernel):
     n = 2
     with communicator(n) as comm:

@@ -398,18 +398,17 @@ class CudaDevice:
         self._launch_with_args(instance, (kernels.LL_GRID_BLOCKS, 1), kernels.LL_THREADS, stream, args)
 
     def ll_launcher(self, instance, args):
-        """issue(stream): ll_allreduce<instance> with a copy of `args`, made
-        now (executors/peer_ll.py's bound calls, whose arguments do not
-        change): the kernel handle and parameter pointer are prepared once,
-        as step_launcher's."""
+        """issue(stream): ll_allreduce<instance> with `args` as they are at
+        each launch (the driver copies them then), which the caller keeps
+        (executors/peer_ll.py's bound calls): the kernel handle and parameter
+        pointer are prepared once, as step_launcher's."""
         function = self._function(instance)
-        values = type(args).from_buffer_copy(args)
-        pointers = np.array([ctypes.addressof(values)], np.uint64)
+        pointers = np.array([ctypes.addressof(args)], np.uint64)
         parameters = pointers.ctypes.data
         gx, threads, index = kernels.LL_GRID_BLOCKS, kernels.LL_THREADS, self.index
         launch_kernel, runtime = self._driver.launchKernel, self._cupy.cuda.runtime
 
-        def issue(stream, _alive=(values, pointers)):  # the memory `parameters` points into
+        def issue(stream, _alive=(args, pointers)):  # the memory `parameters` points into
             current = runtime.getDevice()
             if current == index:
                 launch_kernel(function, gx, 1, 1, threads, 1, 1, 0, stream.ptr, parameters, 0)

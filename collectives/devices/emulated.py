@@ -121,8 +121,13 @@ class _Engine:
             try:
                 self._drain(running, ended)
             finally:
-                for thread in running.values():   # nothing runs on once drain returns or raises
+                # Nothing runs on once drain returns or raises (after a failure,
+                # a kernel that waits for one that will not run now gives up at
+                # its timeout); what ran leaves its queue.
+                for stream, thread in running.items():
                     thread.join()
+                    if stream.queue:
+                        stream.queue.popleft()
 
     def _drain(self, running, ended):
         while True:
@@ -139,8 +144,10 @@ class _Engine:
                 raise CollectiveError(
                     "emulated streams deadlocked: every queue waits on an event that is never recorded "
                     f"({', '.join(map(repr, busy))})")
-            while not ended.empty():
-                self._ended(running, *ended.get())
+            if not ended.empty():   # streams freed meanwhile: look again with them
+                while not ended.empty():
+                    self._ended(running, *ended.get())
+                continue
             if len(busy) == 1 and not running:
                 # One stream: its own order is the only order there is, and
                 # a kernel on it has no kernel of this process to wait for.

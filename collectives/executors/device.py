@@ -262,7 +262,7 @@ class DeviceRanks:
         peers = self._peers
         if peers is not None:
             if peers.accepts(plan):
-                peers.run(plan, input_infos, output_infos, deadline)
+                peers.run(plan, input_infos, output_infos)
                 return
             if peers.used:
                 peers.check()   # a kernel that gave up is reported, by this call as by any
@@ -590,6 +590,12 @@ class DeviceRanks:
 
     def barrier(self, deadline):
         pass  # ranks in one process: every call is already collective
+
+    def use_timeout(self, seconds):
+        """The communicator's timeout (Communicator.timeout): how long a
+        one-kernel call's kernels wait for a peer."""
+        if self._peers is not None:
+            self._peers.use_timeout(seconds)
 
     def synchronize(self, deadline):
         """Communicator.synchronize: every device's work done, and a one-kernel

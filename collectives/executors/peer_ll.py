@@ -42,11 +42,11 @@ the path is then aborted, and every later call raises.
 
 import ctypes
 import mmap
-import time
 
 import numpy as np
 
 from .. import kernels
+from ..config import resolve_timeout
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from ..transport.layout import LL_FAULT, LL_REGION_WORDS
 from .ll_allreduce import prepare_call, takes
@@ -69,7 +69,8 @@ class PeerLL:
         self._args = ()           # per rank: its kernel's arguments, the set-up fields filled
         self._streams = [None] * len(devices)   # per rank: the stream of its last call
         self._events = [device.new_event() for device in devices]
-        self._timeout_ns = 0
+        self.timeout_ns = int(resolve_timeout(None) * 1e9)   # until the communicator sets its own
+        self._issued_timeout_ns = 0
         self._last_call = ""      # the description of the last call, for errors
         self._last = None         # (LLCall, addresses, BoundPeerCall) of the last unbound call
         self._aborted = None      # why the path stopped: every later call raises it
@@ -106,42 +107,41 @@ class PeerLL:
 
     # -- a call ---------------------------------------------------------------------
 
-    def run(self, plan, inputs, outputs, deadline=None):
+    def use_timeout(self, seconds):
+        """How long a kernel may wait for a peer: the communicator's timeout
+        (Communicator.timeout), taken by every call issued from now on."""
+        self.timeout_ns = int(seconds * 1e9)
+
+    def run(self, plan, inputs, outputs):
         """Issue `plan` (accepted) for the ranks' arrays (ArrayInfos). A call
         on the addresses of the last one reuses its launches."""
         call = self._calls[id(plan)]
         addresses = (*(i.address for i in inputs), *(o.address for o in outputs))
         last = self._last
         if last is None or last[0] is not call or last[1] != addresses:
-            last = self._last = (call, addresses, self.bind(plan, inputs, outputs, deadline))
+            last = self._last = (call, addresses, self.bind(plan, inputs, outputs))
         last[2].run()
 
-    def bind(self, plan, inputs, outputs, deadline=None):
+    def bind(self, plan, inputs, outputs):
         """The call of `plan` on these arrays (ArrayInfos), each rank's
         arguments made once: its run() only orders streams and launches."""
-        call = self._calls[id(plan)]
-        args = self._fill(call, [i.address for i in inputs], [o.address for o in outputs], deadline)
-        return BoundPeerCall(self, call, tuple(launcher(device, call.instance, a)
-                                               for device, a in zip(self.devices, args)))
-
-    def _fill(self, call, inputs, outputs, deadline):
-        """Every rank's kernel arguments for `call` on these addresses."""
         self.ensure_setup()
-        if deadline is not None:
-            self._timeout_ns = int(max(deadline - time.perf_counter(), 0.0) * 1e9)
-        filled = []
+        call = self._calls[id(plan)]
+        args = []
         for rank, template in enumerate(self._args):
-            args = type(template).from_buffer_copy(template)
-            args.input, args.output, args.count = inputs[rank], outputs[rank], call.shape.count
-            args.collective, args.root, args.signature = call.shape.collective, call.plan.root, call.signature
-            args.divisor, args.timeout_ns = call.divisor, self._timeout_ns
-            filled.append(args)
-        return filled
+            a = type(template).from_buffer_copy(template)
+            a.input, a.output, a.count = inputs[rank].address, outputs[rank].address, call.shape.count
+            a.collective, a.root, a.signature = call.shape.collective, plan.root, call.signature
+            a.divisor = call.divisor
+            args.append(a)
+        return BoundPeerCall(self, call, tuple(args),
+                             tuple(launcher(device, call.instance, a) for device, a in zip(self.devices, args)))
 
-    def issue(self, call, launches):
+    def issue(self, call, launches, timeout_ns):
         """One launch per device (`launches`: per rank, issue(stream)), on
         its current stream; then the faults seen."""
         self.check()
+        self._issued_timeout_ns = timeout_ns   # for the message of a fault: the timeout the kernels had
         if call.shape.lines == 0:
             return   # nothing to exchange, and no launch: a state word would record 0 lines ("no call before")
         devices = self.devices
@@ -198,7 +198,7 @@ class PeerLL:
         if timed_out:
             waiter, fault = timed_out[0]
             error = CollectiveTimeoutError(
-                f"rank {waiter} timed out after {self._timeout_ns / 1e9:.1f} s waiting for rank {fault.peer} "
+                f"rank {waiter} timed out after {self._issued_timeout_ns / 1e9:.1f} s waiting for rank {fault.peer} "
                 f"(on {self.devices[fault.peer].name}) to write its part of {fault.collective} #{fault.generation} "
                 f"(one-kernel protocol, the last call {self._last_call}): was that device busy with other work "
                 "queued before it for that long?")
@@ -273,19 +273,28 @@ class _Refused:
 
 class BoundPeerCall:
     """A call of PeerLL bound to its arrays (DeviceRanks.bind, and PeerLL.run
-    for a call on the last call's arrays): each rank's launch prepared once."""
+    for a call on the last call's arrays): each rank's arguments and launch
+    made once. The launches read the arguments when issued, so the timeout,
+    the one argument that may change (PeerLL.use_timeout), is written into
+    them when it did."""
 
-    def __init__(self, peers, call, launches):
-        self._peers, self._call, self._launches = peers, call, launches
+    def __init__(self, peers, call, args, launches):
+        self._peers, self._call, self._args, self._launches = peers, call, args, launches
+        self._timeout_ns = None
 
     def run(self, arrays=None):
-        self._peers.issue(self._call, self._launches)
+        timeout_ns = self._peers.timeout_ns
+        if timeout_ns != self._timeout_ns:
+            for a in self._args:
+                a.timeout_ns = timeout_ns
+            self._timeout_ns = timeout_ns
+        self._peers.issue(self._call, self._launches, timeout_ns)
 
 
 def launcher(device, instance, args):
-    """issue(stream): the kernel with these arguments on `device`: its own
-    prepared launch where it has one (CudaDevice.ll_launcher), else its
-    launch_ll_allreduce (which copies `args` at each launch)."""
+    """issue(stream): the kernel with `args` as they are at each launch, on
+    `device`: its own prepared launch where it has one
+    (CudaDevice.ll_launcher), else its launch_ll_allreduce."""
     prepared = getattr(device, "ll_launcher", None)
     if prepared is not None:
         return prepared(instance, args)
