@@ -45,9 +45,12 @@ ADAPTER_CALLS = ("launch_step", "launch_codec_batch", "launch_codec_round_sum", 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 
-def instrument(devices, noop):
-    """Wrap each device's adapter calls; returns the per-call counters."""
+def instrument(devices, noop, wrapped=None):
+    """Wrap each device's adapter calls; returns the per-call counters.
+    Each (device, name) wrapped is added to `wrapped`, for `uninstrument`:
+    devices are shared by every communicator of the process."""
     spent = {"seconds": 0.0, **{name: 0 for name in ADAPTER_CALLS}}
+    wrapped = [] if wrapped is None else wrapped
     clock = time.perf_counter
     for device in devices:
         for name in ADAPTER_CALLS:
@@ -64,11 +67,19 @@ def instrument(devices, noop):
                     spent["seconds"] += clock() - began
 
             setattr(device, name, timed)
+            wrapped.append((device, name))
         # The CUDA adapter's prepared launches (the executors' launch records): their issue(stream) is the launch.
         for maker, counted in (("step_launcher", "launch_step"), ("ll_launcher", "launch_ll_allreduce")):
             if hasattr(device, maker):
                 setattr(device, maker, timed_launcher(getattr(device, maker), counted, spent, noop))
+                wrapped.append((device, maker))
     return spent
+
+
+def uninstrument(wrapped):
+    """Give the devices their own methods back (the wrappers are instance attributes)."""
+    for device, name in wrapped:
+        device.__dict__.pop(name, None)
 
 
 def timed_launcher(prepare, counted, spent, noop):
@@ -106,6 +117,14 @@ def arguments(collective, xs, outs, in_place, compression=None):
 
 
 def measure(args):
+    wrapped = []
+    try:
+        return _measure(args, wrapped)
+    finally:
+        uninstrument(wrapped)
+
+
+def _measure(args, wrapped):
     dry = None
     if args.adapter == "dry":   # the CUDA adapter on stand-ins: nothing to subtract
         from collectives.devices.dry_cuda import dry_devices
@@ -120,7 +139,7 @@ def measure(args):
     else:
         devices = [f"{args.device}:{r % args.devices}" for r in range(args.ranks)]
         comm = collectives.Communicator.local(args.ranks, devices=devices)
-        spent = instrument(comm._ranks.devices, args.adapter == "noop")
+        spent = instrument(comm._ranks.devices, args.adapter == "noop", wrapped)
     count = args.count or args.ranks * 4
     if dry is not None:
         xp = dry

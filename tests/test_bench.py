@@ -247,6 +247,9 @@ def test_call_overhead_and_plan_report(tmp_path, capsys):
     results = json.loads((tmp_path / "overhead.json").read_text())["results"]
     assert results["allreduce"]["launch_step_per_call"] == 6  # ring on 4 ranks, one device
     assert results["allreduce"]["outside_adapter_us_per_call"] > 0
+    # The devices are the process's: they get their own methods back.
+    from collectives.devices import open_device
+    assert not set(call_overhead.ADAPTER_CALLS) & set(vars(open_device("emulated:0")))
     plan_report.main(["--ranks", "3", "--bytes", "3K", "-J", str(tmp_path / "plans.json")])
     rows = json.loads((tmp_path / "plans.json").read_text())["rows"]
     for r in rows:
