@@ -1,7 +1,7 @@
 """collectives: GPU collective operations with our own kernels, NCCL as the yardstick.
 
 The base install needs no GPU package and no CUDA toolkit: NumPy and
-ml_dtypes, and a C/C++ compiler for the two extensions below (optional: the
+ml_dtypes, and a C/C++ compiler for the three extensions below (optional: the
 package installs without them and says what is missing when it is used).
 Extras:
     test    what the test suite needs: pytest, MPI for the
@@ -22,6 +22,7 @@ Extras:
 """
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 # The compiled inner loop of host ranks in separate processes (copy, reduce,
 # wait; release/acquire counters). Optional: without a C compiler the build
@@ -50,6 +51,37 @@ CODEC = Extension(
     extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math"],
     optional=True,
 )
+
+# What a repeated call reads back of NumPy arrays, from the array struct
+# (collectives/_arraystate.c): about 1,300 instructions for 8 arrays, against
+# 16,000 through their attributes. It needs NumPy's headers, so NumPy is a
+# build requirement (setup_requires: pip puts it in the build environment).
+# Optional like the others: without it collectives/arrays.py reads the attributes.
+ARRAYSTATE = Extension(
+    "collectives._arraystate",
+    sources=["collectives/_arraystate.c"],
+    extra_compile_args=["-O2", "-std=c11"],
+    optional=True,
+)
+
+
+class BuildExtWithNumpy(build_ext):
+    """build_ext, with NumPy's headers for _arraystate, looked up when the
+    build runs (NumPy is installed by then); without NumPy, _arraystate is
+    left out."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        try:
+            import numpy
+        except ImportError:
+            print("collectives: NumPy is not importable at build time: collectives._arraystate is not built")
+            self.extensions = [e for e in self.extensions if e.name != ARRAYSTATE.name]
+            return
+        for extension in self.extensions:
+            if extension.name == ARRAYSTATE.name:
+                extension.include_dirs.append(numpy.get_include())
+
 
 MPI = ["mpi4py>=4.0", "mpich>=4.2"]
 PLOTS = ["matplotlib>=3.7"]   # bench.plot puts the legend "outside", new in 3.7
@@ -82,8 +114,10 @@ setup(
     packages=find_packages(include=["collectives", "collectives.*"]) + ["collectives.kernel_sources"],
     package_dir={"collectives.kernel_sources": "kernels"},
     package_data={"collectives.kernel_sources": ["*.cu", "*.cuh", "emulation/*.h", "emulation/*.cpp"]},
-    ext_modules=[SHMLOOP, CODEC],
+    ext_modules=[SHMLOOP, CODEC, ARRAYSTATE],
+    cmdclass={"build_ext": BuildExtWithNumpy},
     python_requires=">=3.10",
+    setup_requires=["numpy>=1.24"],
     install_requires=["numpy>=1.24", "ml_dtypes>=0.4"],
     extras_require={
         "mpi": MPI,

@@ -171,14 +171,28 @@ _MAKERS = {}  # type -> empty_like of a registered kind
 # short of re-running __init__ or __setstate__; its address is read back all
 # the same, through `.data.ptr` (0.2 µs; __cuda_array_interface__ costs 1 µs
 # and `.device` makes an object). Same address, same device.
-_REPEAT_STATES = {_numpy: operator.attrgetter("shape", "dtype", "flags.num"),
-                  describe_cupy: operator.attrgetter("data.ptr", "shape", "dtype")}
+#
+# A state is read for all of a call's arrays at once: states(arrays), arrays
+# a tuple of one kind, gives a value compared with ==. NumPy's is read from
+# the array struct in C where the extension was built (collectives/_arraystate.c:
+# the address too, and the dtype by identity), else through the attributes.
+def _states_through(attributes):
+    getter = operator.attrgetter(*attributes)
+    return lambda arrays: tuple(map(getter, arrays))
+
+
+try:
+    from ._arraystate import numpy_states as _numpy_states
+except ImportError:   # not built (no compiler, or no NumPy at build time)
+    _numpy_states = _states_through(("shape", "dtype", "flags.num"))
+
+_REPEAT_STATES = {_numpy: _numpy_states, describe_cupy: _states_through(("data.ptr", "shape", "dtype"))}
 
 
 def repeat_state(obj):
-    """The function giving what a repeated call compares of arrays of
-    `obj`'s type (see above), or None where there is none (then every call
-    is checked in full)."""
+    """The function giving what a repeated call compares of a tuple of
+    arrays of `obj`'s type (see above), or None where there is none (then
+    every call is checked in full)."""
     return _REPEAT_STATES.get(_describer_of(obj))
 
 

@@ -698,16 +698,16 @@ class Communicator:
             except (TypeError, ValueError):  # not arrays, or unhashable: the checks below say what is wrong
                 key = None
             else:
-                if call is not None and tuple(map(call.state_of, objects)) == call.states:
+                if call is not None and call.states_of(objects) == call.states:
                     return self._repeat(call, xs, objects, as_sequence)
 
         checked = self._checked(collective, x, op, out, root, algorithm, compression)
         inputs, outputs, input_infos, output_infos, made, plan, as_sequence = checked
         self._ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
         if key is not None:
-            state_of = arrays.repeat_state(objects[0])  # None: arrays of a kind whose calls are checked in full
-            if state_of is not None:
-                self._remember(key, objects, state_of, plan, input_infos, output_infos, made)
+            states_of = arrays.repeat_state(objects[0])  # None: arrays of a kind whose calls are checked in full
+            if states_of is not None:
+                self._remember(key, objects, states_of, plan, input_infos, output_infos, made)
         return outputs if as_sequence else outputs[0]
 
     def _checked(self, collective, x, op, out, root, algorithm, compression):
@@ -757,10 +757,10 @@ class Communicator:
         plan = self._plan(collective, dtype, elements, op, root, algorithm, binding, compression)
         return inputs, outputs, input_infos, output_infos, made, plan, as_sequence
 
-    def _remember(self, key, objects, state_of, plan, input_infos, output_infos, made):
+    def _remember(self, key, objects, states_of, plan, input_infos, output_infos, made):
         """Keep a call that passed for `_collective` to recognise its repeats,
         when its arrays are all of one type whose state is cheap to read back
-        (`state_of`, arrays.repeat_state: NumPy and CuPy arrays).
+        (`states_of`, arrays.repeat_state: NumPy and CuPy arrays).
 
         `key` holds the arrays' ids. The _Call keeps a weak reference to each
         array, whose callback forgets the call when the array goes: so no
@@ -783,7 +783,7 @@ class Communicator:
             calls.pop(key, None)
 
         refs = tuple(weakref.ref(a, forget) for a in objects)
-        calls[key] = _Call(refs, state_of, tuple(map(state_of, objects)), plan, input_infos, output_infos, made)
+        calls[key] = _Call(refs, states_of, states_of(objects), plan, input_infos, output_infos, made)
 
     def _repeat(self, call, xs, objects, as_sequence):
         """Run a recognised call (see _collective): `xs` its inputs, `objects`
@@ -927,10 +927,10 @@ class _Call:
     (VirtualHostRanks.bind): None until the first repeat, False where there
     is no bound form."""
 
-    __slots__ = ("refs", "state_of", "states", "plan", "input_infos", "output_infos", "made", "bound")
+    __slots__ = ("refs", "states_of", "states", "plan", "input_infos", "output_infos", "made", "bound")
 
-    def __init__(self, refs, state_of, states, plan, input_infos, output_infos, made):
-        self.refs, self.state_of, self.states, self.plan, self.made = refs, state_of, states, plan, made
+    def __init__(self, refs, states_of, states, plan, input_infos, output_infos, made):
+        self.refs, self.states_of, self.states, self.plan, self.made = refs, states_of, states, plan, made
         self.input_infos, self.output_infos = input_infos, output_infos
         self.bound = None
 

@@ -192,7 +192,38 @@ def test_arrays_whose_ids_are_reused():
             gc.collect()
 
 
-def test_an_array_reshaped_or_retyped_in_place():
+@pytest.fixture(params=["compiled", "attributes"])
+def numpy_states(request, monkeypatch):
+    """A repeated call reads NumPy arrays' state in C (collectives/_arraystate.c,
+    which the install builds) or, without it, through their attributes: the
+    tests taking this run with both."""
+    from collectives import arrays
+    if request.param == "compiled":
+        from collectives import _arraystate   # an ImportError here: the install did not build it
+        assert arrays.repeat_state(np.empty(1)) is _arraystate.numpy_states
+    else:
+        monkeypatch.setitem(arrays._REPEAT_STATES, arrays._numpy,   # noqa: SLF001
+                            arrays._states_through(("shape", "dtype", "flags.num")))   # noqa: SLF001
+    return request.param
+
+
+def test_the_compiled_state_differs_exactly_when_a_fact_does():
+    from collectives._arraystate import numpy_states
+    a, b = np.zeros((2, 3), np.float32), np.zeros(4, np.int8)
+    same = numpy_states((a, b))
+    assert numpy_states((a, b)) == same and numpy_states((b, a)) != same
+    for change in (lambda: setattr(a, "shape", (3, 2)), lambda: setattr(a, "dtype", np.int32),
+                   lambda: a.setflags(write=False)):
+        change()
+        assert numpy_states((a, b)) != same
+        a = np.zeros((2, 3), np.float32)
+        same = numpy_states((a, b))
+    assert numpy_states((a[:, :2], b)) != numpy_states((a, b))   # a view: another address, shape and flags
+    with pytest.raises(TypeError, match="NumPy arrays"):
+        numpy_states((a, [1, 2]))
+
+
+def test_an_array_reshaped_or_retyped_in_place(numpy_states):
     with collectives.Communicator.local(2) as comm:
         xs = [np.full(8, r + 1, np.int32) for r in range(2)]
         for _ in range(2):
@@ -209,7 +240,7 @@ def test_an_array_reshaped_or_retyped_in_place():
         assert all(x.dtype == np.float32 and (x == 3.0).all() for x in xs)
 
 
-def test_an_array_made_read_only_after_a_success():
+def test_an_array_made_read_only_after_a_success(numpy_states):
     with collectives.Communicator.local(3) as comm:
         xs = [np.full(6, r + 1, np.float32) for r in range(3)]
         outs = [np.zeros(6, np.float32) for _ in range(3)]
