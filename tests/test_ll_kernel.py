@@ -18,6 +18,7 @@ import ctypes
 import mmap
 import multiprocessing
 import os
+import queue
 import shutil
 import time
 from pathlib import Path
@@ -140,6 +141,15 @@ def run_rank(library, rank, n, seed, calls, areas, control, timeout_s, delays, k
     return wrong, None
 
 
+# How long run_ranks waits for a rank's result. Each kernel's waits are
+# bounded by timeout_s, so only a rank that stopped making progress outside
+# them (or a machine starved for minutes) takes this long. At 60 s,
+# test_a_flag_stored_before_its_data_is_caught failed twice on the 2-core
+# machine, both times while other jobs loaded it; a failure now names the
+# ranks that did not report.
+RESULTS_TIMEOUT_S = 180
+
+
 def run_ranks(library, n, seed, calls, timeout_s=5.0, delays=True, kinds=COLLECTIVES):
     """Every rank in a process of its own; what each found, by rank."""
     areas = mmap.mmap(-1, n * kernels.LL_AREA_BYTES)        # shared, zeroed
@@ -161,9 +171,20 @@ def run_ranks(library, n, seed, calls, timeout_s=5.0, delays=True, kinds=COLLECT
     processes = [context.Process(target=rank_main, args=(rank,)) for rank in range(n)]
     for p in processes:
         p.start()
-    found = dict(results.get(timeout=60) for _ in processes)
-    for p in processes:
-        p.join(timeout=10)
+    found = {}
+    try:
+        for _ in processes:
+            rank, outcome = results.get(timeout=RESULTS_TIMEOUT_S)
+            found[rank] = outcome
+    except queue.Empty:
+        alive = [rank for rank, p in enumerate(processes) if p.is_alive()]
+        raise AssertionError(f"no result within {RESULTS_TIMEOUT_S} s from ranks {sorted(set(range(n)) - set(found))} "
+                             f"(still running: {alive}); those that reported: {found}") from None
+    finally:
+        for p in processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
     return found
 
 
