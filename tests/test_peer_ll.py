@@ -190,23 +190,32 @@ def test_a_switched_stream_is_ordered_after_the_previous_call(one_kernel, monkey
         assert {comm._ranks._peers.generation(r) for r in range(n)} == {4}   # noqa: SLF001
 
 
+def without_launch(monkeypatch, rank, error=None):
+    """Rank `rank`'s kernel is never launched (its launch raises `error`,
+    if given); returns what puts the launch back."""
+    original = EmulatedDevice.launch_ll_allreduce
+
+    def launch(device, stream, instance, args):
+        if args.rank != rank:
+            return original(device, stream, instance, args)
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(EmulatedDevice, "launch_ll_allreduce", launch)
+    return lambda: monkeypatch.setattr(EmulatedDevice, "launch_ll_allreduce", original)
+
+
 def test_a_rank_whose_kernel_never_runs_times_out_naming_it(one_kernel, monkeypatch):
     n = 3
     with communicator(n, timeout=0.5) as comm:
         xs = [np.ones(16, np.float32) for _ in range(n)]
         comm.allreduce(xs)
-        original = EmulatedDevice.launch_ll_allreduce
-
-        def rank_2_never_runs(device, stream, instance, args):
-            if args.rank != 2:
-                original(device, stream, instance, args)
-
-        monkeypatch.setattr(EmulatedDevice, "launch_ll_allreduce", rank_2_never_runs)
+        put_back = without_launch(monkeypatch, 2)
         start = time.perf_counter()
         with pytest.raises(CollectiveTimeoutError, match=r"waiting for rank 2 \(on emulated:2\)"):
             comm.allreduce(xs)
         assert time.perf_counter() - start < 5.0
-        monkeypatch.setattr(EmulatedDevice, "launch_ll_allreduce", original)
+        put_back()
         with pytest.raises(CollectiveError, match="aborted"):
             comm.allreduce(xs)
 
@@ -216,17 +225,10 @@ def test_a_launch_that_fails_partway_stops_the_kernels_launched(one_kernel, monk
     with communicator(n, timeout=60) as comm:
         xs = [np.ones(16, np.float32) for _ in range(n)]
         comm.allreduce(xs)
-        original = EmulatedDevice.launch_ll_allreduce
-
-        def rank_1_fails(device, stream, instance, args):
-            if args.rank == 1:
-                raise RuntimeError("no launch for rank 1")
-            original(device, stream, instance, args)
-
-        monkeypatch.setattr(EmulatedDevice, "launch_ll_allreduce", rank_1_fails)
+        put_back = without_launch(monkeypatch, 1, RuntimeError("no launch for rank 1"))
         with pytest.raises(RuntimeError, match="no launch for rank 1"):
             comm.allreduce(xs)
-        monkeypatch.setattr(EmulatedDevice, "launch_ll_allreduce", original)
+        put_back()
         start = time.perf_counter()
         with pytest.raises(CollectiveError, match="aborted: a launch of "):
             comm.synchronize()   # rank 0's kernel, queued, runs now: it stops for the abort, not the 60 s
@@ -258,13 +260,7 @@ def test_a_new_timeout_applies_to_the_calls_after(one_kernel, monkeypatch):
         step = comm.prepare("allreduce", xs)
         step()               # its launches made, with 30 s
         comm.timeout = 0.5
-        original = EmulatedDevice.launch_ll_allreduce
-
-        def rank_2_never_runs(device, stream, instance, args):
-            if args.rank != 2:
-                original(device, stream, instance, args)
-
-        monkeypatch.setattr(EmulatedDevice, "launch_ll_allreduce", rank_2_never_runs)
+        without_launch(monkeypatch, 2)
         start = time.perf_counter()
         with pytest.raises(CollectiveTimeoutError, match="timed out after 0.5 s waiting for rank 2"):
             step()
