@@ -55,8 +55,9 @@ CODEC = Extension(
 # What a repeated call reads back of NumPy arrays, from the array struct
 # (collectives/_arraystate.c): about 1,300 instructions for 8 arrays, against
 # 16,000 through their attributes. It needs NumPy's headers, so NumPy is a
-# build requirement (setup_requires: pip puts it in the build environment).
-# Optional like the others: without it collectives/arrays.py reads the attributes.
+# build requirement as well as a runtime one (setup_requires: pip puts it in
+# the isolated build environment). Optional like the others: where it fails
+# to compile, collectives/arrays.py reads the attributes.
 ARRAYSTATE = Extension(
     "collectives._arraystate",
     sources=["collectives/_arraystate.c"],
@@ -67,17 +68,11 @@ ARRAYSTATE = Extension(
 
 class BuildExtWithNumpy(build_ext):
     """build_ext, with NumPy's headers for _arraystate, looked up when the
-    build runs (NumPy is installed by then); without NumPy, _arraystate is
-    left out."""
+    build runs (setup_requires has installed NumPy by then)."""
 
     def finalize_options(self):
         super().finalize_options()
-        try:
-            import numpy
-        except ImportError:
-            print("collectives: NumPy is not importable at build time: collectives._arraystate is not built")
-            self.extensions = [e for e in self.extensions if e.name != ARRAYSTATE.name]
-            return
+        import numpy
         for extension in self.extensions:
             if extension.name == ARRAYSTATE.name:
                 extension.include_dirs.append(numpy.get_include())

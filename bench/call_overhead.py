@@ -47,8 +47,9 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"
 
 def instrument(devices, noop, wrapped=None):
     """Wrap each device's adapter calls; returns the per-call counters.
-    Each (device, name) wrapped is added to `wrapped`, for `uninstrument`:
-    devices are shared by every communicator of the process."""
+    Each (device, name, what its instance held) wrapped is added to
+    `wrapped`, for `uninstrument`: devices are shared by every communicator
+    of the process."""
     spent = {"seconds": 0.0, **{name: 0 for name in ADAPTER_CALLS}}
     wrapped = [] if wrapped is None else wrapped
     clock = time.perf_counter
@@ -66,20 +67,26 @@ def instrument(devices, noop, wrapped=None):
                 finally:
                     spent["seconds"] += clock() - began
 
+            wrapped.append((device, name, vars(device).get(name, _CLASS_METHOD)))
             setattr(device, name, timed)
-            wrapped.append((device, name))
         # The CUDA adapter's prepared launches (the executors' launch records): their issue(stream) is the launch.
         for maker, counted in (("step_launcher", "launch_step"), ("ll_launcher", "launch_ll_allreduce")):
             if hasattr(device, maker):
+                wrapped.append((device, maker, vars(device).get(maker, _CLASS_METHOD)))
                 setattr(device, maker, timed_launcher(getattr(device, maker), counted, spent, noop))
-                wrapped.append((device, maker))
     return spent
 
 
+_CLASS_METHOD = object()   # what `wrapped` records where the device's method was its class's
+
+
 def uninstrument(wrapped):
-    """Give the devices their own methods back (the wrappers are instance attributes)."""
-    for device, name in wrapped:
-        device.__dict__.pop(name, None)
+    """Give the devices back what they held before `instrument` (the wrappers are instance attributes)."""
+    for device, name, held in reversed(wrapped):
+        if held is _CLASS_METHOD:
+            vars(device).pop(name, None)
+        else:
+            setattr(device, name, held)
 
 
 def timed_launcher(prepare, counted, spent, noop):

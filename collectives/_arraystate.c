@@ -16,7 +16,10 @@
  * its data address, its dtype (the descriptor's address: an array retyped in
  * place gets another), its flags, its number of dimensions and each
  * dimension, as C integers of the pointer's size. Two calls give equal bytes
- * only if every array has the same values of all of them.
+ * only if every array has the same values of all of them. The dtype is
+ * compared by address without a reference here: the remembered call's
+ * ArrayInfos hold its dtype objects, so no other dtype can take that address
+ * while the call is remembered.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -73,6 +76,11 @@ static struct PyModuleDef module_definition = {
 };
 
 PyMODINIT_FUNC PyInit__arraystate(void) {
-    import_array();   /* NumPy's C API; an ImportError where this NumPy cannot serve it */
+    /* NumPy's C API. Where this NumPy cannot serve the one it was built
+     * against, an ImportError, which arrays.py takes quietly (import_array()
+     * would print it first). */
+    if (_import_array() < 0) {
+        return NULL;
+    }
     return PyModule_Create(&module_definition);
 }

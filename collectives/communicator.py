@@ -771,7 +771,9 @@ class Communicator:
         (move) an array that has one (short of resize(refcheck=False), which
         it documents as unsafe). A CuPy array's state includes its address
         (arrays.repeat_state). So an array of the same state is still the
-        memory that passed the checks."""
+        memory that passed the checks. (`input_infos` and `output_infos`
+        also keep the arrays' dtype objects alive, which the compiled NumPy
+        state compares by address.)"""
         kind = type(objects[0])
         if not all(type(a) is kind for a in objects):
             return

@@ -172,19 +172,26 @@ def run_ranks(library, n, seed, calls, timeout_s=5.0, delays=True, kinds=COLLECT
     for p in processes:
         p.start()
     found = {}
+    deadline = time.monotonic() + RESULTS_TIMEOUT_S
     try:
-        for _ in processes:
-            rank, outcome = results.get(timeout=RESULTS_TIMEOUT_S)
+        while len(found) < n:
+            try:
+                rank, outcome = results.get(timeout=1.0)
+            except queue.Empty:
+                # A rank exits 0 once it has reported: any other exit is a crash.
+                crashed = [(r, p.exitcode) for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
+                missing = sorted(set(range(n)) - set(found))
+                if crashed or time.monotonic() > deadline:
+                    reason = f"crashed: {crashed}" if crashed else f"none within {RESULTS_TIMEOUT_S} s"
+                    raise AssertionError(f"no result from ranks {missing} ({reason}); those that reported: {found}")
+                continue
             found[rank] = outcome
-    except queue.Empty:
-        alive = [rank for rank, p in enumerate(processes) if p.is_alive()]
-        raise AssertionError(f"no result within {RESULTS_TIMEOUT_S} s from ranks {sorted(set(range(n)) - set(found))} "
-                             f"(still running: {alive}); those that reported: {found}") from None
     finally:
         for p in processes:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join()
     return found
 
 
