@@ -87,12 +87,18 @@ class Arrays:
         return comm.reduce(self.xs, root=root, op=op)
 
 
+def fill(xs, seed, dtype):
+    """Write each rank's random input (cases.rank_input) into its array; returns the inputs."""
+    inputs = [rank_input(seed, q, dtype, x.size) for q, x in enumerate(xs)]
+    for x, values in zip(xs, inputs):
+        x[...] = values
+    return inputs
+
+
 def check_call(comm, reference, arrays, collective, dtype, op, root, seed):
     """Fill the inputs, call, compare every rank's result with the interpreter's direct plan."""
     n = comm.size
-    inputs = [rank_input(seed, q, dtype, arrays.elements) for q in range(n)]
-    for x, values in zip(arrays.xs, inputs):
-        x[...] = values
+    inputs = fill(arrays.xs, seed, dtype)
     results = arrays.call(comm, collective, op, root)
     want = expected(reference, collective, inputs, op, root, "direct")
     for r in range(n):
@@ -136,9 +142,7 @@ def test_small_and_large_calls_interleave_on_the_same_arrays(one_kernel, monkeyp
         for i in range(30):
             count = int(rng.choice([7, small, small + 1, 3 * small]))
             xs = [a[:count] for a in shared] if count <= small + 1 else [np.empty(count, dtype) for _ in range(n)]
-            inputs = [rank_input(i, q, dtype, count) for q in range(n)]
-            for x, values in zip(xs, inputs):
-                x[...] = values
+            inputs = fill(xs, i, dtype)
             issued.take()
             comm.allreduce(xs)
             counts = issued.take()
@@ -177,9 +181,7 @@ def test_a_switched_stream_is_ordered_after_the_previous_call(one_kernel, monkey
             if call == 2:
                 for device in devices:
                     device._current = device.new_stream()   # noqa: SLF001 - the caller made another stream current
-            inputs = [rank_input(call, q, np.dtype(np.float32), 9) for q in range(n)]
-            for x, values in zip(xs, inputs):
-                x[...] = values
+            inputs = fill(xs, call, np.dtype(np.float32))
             issued.take()
             comm.allreduce(xs)
             counts = issued.take()
@@ -243,9 +245,7 @@ def test_a_prepared_call_made_first_runs_with_the_communicators_timeout(one_kern
         xs = [np.empty(11, np.float32) for _ in range(n)]
         step = comm.prepare("allreduce", xs)   # bound before any call was made
         for call in range(3):
-            inputs = [rank_input(call, q, np.dtype(np.float32), 11) for q in range(n)]
-            for x, values in zip(xs, inputs):
-                x[...] = values
+            inputs = fill(xs, call, np.dtype(np.float32))
             step()
             want = expected(reference, "allreduce", inputs, "sum", 0, "direct")
             assert all(xs[r].tobytes() == want[r].tobytes() for r in range(n))
