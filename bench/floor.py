@@ -14,7 +14,7 @@ unless --in-place), and the two floors it is judged against:
               emulated device, which has no launch cost to speak of, not
               measured)
     cupy_launch  the same kernel launched by calling CuPy's RawKernel,
-              the yardstick issue 25 names ("an empty CuPy launch")
+              the yardstick of the GPU goals ("an empty CuPy launch")
     copy      the floor of a large call: one device-to-device copy of the
               bytes the allreduce must move on one device, every input read
               once and every output written once (ranks x S bytes copied;
@@ -24,7 +24,7 @@ Each is timed as --calls issues back to back, then one synchronize, per
 call; the methods alternate within each of --rounds rounds (so the
 machine's noise hits all alike) and the table gives medians. Every size's
 result is checked against NumPy first. Ratios: call / launch and
-prepared / launch (issue 25's goal for 4 B to 1 MiB: at most 1.5, and at
+prepared / launch (the goal for 4 B to 1 MiB: at most 1.5, and at
 most 10 µs a call), graph (at most 2.5 µs), copy / call (for 16 MiB and
 up: at least 0.9 of the floor's speed).
 """

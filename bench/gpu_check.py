@@ -230,7 +230,8 @@ def run_process_benchmarks(args, env):
         one_kernel = {ONE_KERNEL_ALLREDUCE_ENV: "1"}
         # name: (command, extra environment): the step protocol's sweep, then the
         # one-kernel path's on plain arrays and on symmetric memory (comm.alloc),
-        # whose large calls are barrier, step kernel, barrier: issue 26's 128 MiB goal.
+        # whose large calls are barrier, step kernel, barrier: the 128 MiB goal
+        # of processes sharing a GPU (at least 0.7 of the copy floor).
         commands = {
             "allreduce": (processes + sweep, {}),
             "allreduce_one_kernel": (processes + sweep, one_kernel),

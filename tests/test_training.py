@@ -1,4 +1,4 @@
-"""Data-parallel training with collectives.torch (issue 14).
+"""Data-parallel training with collectives.torch.
 
 In this process, on a one-rank communicator: the optimizer wrapper's
 plumbing (every gradient goes through the fusion buffer and comes back, in
