@@ -1,27 +1,11 @@
-"""collectives: GPU collective operations with our own kernels, NCCL as the yardstick.
+"""The compiled parts of collectives: three optional C/C++ extensions.
 
-The base install needs no GPU package and no CUDA toolkit: NumPy and
-ml_dtypes, and a C/C++ compiler for the three extensions below (optional: the
-package installs without them and says what is missing when it is used).
-Extras:
-    test    what the test suite needs: pytest, MPI for the
-            multi-process tests, and NVIDIA's PyPI wheels of nvcc, ptxas,
-            cuobjdump and the CUDA headers, with which the tests build every
-            kernel (the codecs' too) for sm_80/sm_90, check it statically,
-            and compile it for the CPU (the emulated device); matplotlib and
-            PyTorch's CPU build for the plot and Gloo tests. No GPU and no
-            CUDA toolkit needed.
-    mpi     mpi4py with MPICH's wheel, for one rank per process under mpiexec
-    examples  MPI and scikit-learn (the digits data set), for examples/
-    bench   matplotlib, for python -m bench.plot
-    torch   PyTorch, for the Gloo backend of the benchmarks (torch.distributed);
-            the test extra pins the CPU build 2.13.0 (an unpinned torch pulls
-            a multi-GB CUDA build)
-    cuda12  CuPy, NVRTC, the CUDA headers and NCCL built for CUDA 12
-    cuda13  the same for CUDA 13
+Everything else (metadata, dependencies, extras, packages, tool settings)
+is in pyproject.toml, which also names NumPy as a build requirement: the
+_arraystate extension includes NumPy's headers.
 """
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # The compiled inner loop of host ranks in separate processes (copy, reduce,
@@ -55,8 +39,8 @@ CODEC = Extension(
 # What a repeated call reads back of NumPy arrays, from the array struct
 # (collectives/_arraystate.c): about 1,300 instructions for 8 arrays, against
 # 16,000 through their attributes. It needs NumPy's headers, so NumPy is a
-# build requirement as well as a runtime one (setup_requires: pip puts it in
-# the isolated build environment). Optional like the others: where it fails
+# build requirement as well as a runtime one (pyproject.toml's build-system:
+# pip puts it in the isolated build environment). Optional like the others: where it fails
 # to compile, collectives/arrays.py reads the attributes.
 ARRAYSTATE = Extension(
     "collectives._arraystate",
@@ -68,7 +52,7 @@ ARRAYSTATE = Extension(
 
 class BuildExtWithNumpy(build_ext):
     """build_ext, with NumPy's headers for _arraystate, looked up when the
-    build runs (setup_requires has installed NumPy by then)."""
+    build runs (the build environment has NumPy by then)."""
 
     def finalize_options(self):
         super().finalize_options()
@@ -78,52 +62,5 @@ class BuildExtWithNumpy(build_ext):
                 extension.include_dirs.append(numpy.get_include())
 
 
-MPI = ["mpi4py>=4.0", "mpich>=4.2"]
-PLOTS = ["matplotlib>=3.7"]   # bench.plot puts the legend "outside", new in 3.7
-
-# The toolchain the kernel build checks run with. Pinned: register counts,
-# and so the spill checks, differ between nvcc releases.
-CUDA_TOOLCHAIN = [
-    "nvidia-cuda-nvcc==13.5.37",
-    "nvidia-cuda-crt==13.5.37",
-    "nvidia-nvvm==13.5.37",
-    "nvidia-cuda-runtime==13.5.37",       # cuda_fp16.h, cuda_bf16.h
-    "nvidia-cuda-cccl==13.3.5.0.6",       # <nv/target>, which cuda_fp16.h includes
-    "nvidia-cuda-cuobjdump==13.5.37",
-    "nvidia-cuda-nvdisasm==13.5.37",      # cuobjdump -sass runs it
-    "cmake>=3.25",
-]
-
-# The training examples' data set (scikit-learn's digits), and the tests that run them.
-EXAMPLES = ["scikit-learn>=1.3"]
-
-setup(
-    name="collectives",
-    version="0.1.0",
-    description="Collective operations (allreduce, reduce_scatter, allgather, broadcast, reduce) "
-                "on GPU and host arrays, with our own data plane",
-    long_description=open("README.md", encoding="utf-8").read(),
-    long_description_content_type="text/markdown",
-    # The CUDA sources in kernels/ ship inside the package as
-    # collectives/kernel_sources (collectives/kernels.py finds either place).
-    packages=find_packages(include=["collectives", "collectives.*"]) + ["collectives.kernel_sources"],
-    package_dir={"collectives.kernel_sources": "kernels"},
-    package_data={"collectives.kernel_sources": ["*.cu", "*.cuh", "emulation/*.h", "emulation/*.cpp"]},
-    ext_modules=[SHMLOOP, CODEC, ARRAYSTATE],
-    cmdclass={"build_ext": BuildExtWithNumpy},
-    python_requires=">=3.10",
-    setup_requires=["numpy>=1.24"],
-    install_requires=["numpy>=1.24", "ml_dtypes>=0.4"],
-    extras_require={
-        "mpi": MPI,
-        "test": ["pytest>=8", "pytest-timeout>=2.3", *MPI, *CUDA_TOOLCHAIN, *PLOTS, "torch==2.13.0",
-                 *EXAMPLES],
-        "bench": PLOTS,
-        "examples": [*MPI, *EXAMPLES],
-        "torch": ["torch>=2.1"],
-        "cuda12": ["cupy-cuda12x>=13.3", "nvidia-cuda-nvrtc-cu12>=12.4", "nvidia-cuda-runtime-cu12>=12.4",
-                   "nvidia-nccl-cu12>=2.21"],
-        "cuda13": ["cupy-cuda13x>=14.0", "nvidia-cuda-nvrtc>=13.0", "nvidia-cuda-runtime>=13.0",
-                   "nvidia-cuda-cccl>=13.0", "nvidia-nccl-cu13>=2.28"],
-    },
-)
+# The extensions, and build_ext with NumPy's headers: everything else is in pyproject.toml.
+setup(ext_modules=[SHMLOOP, CODEC, ARRAYSTATE], cmdclass={"build_ext": BuildExtWithNumpy})

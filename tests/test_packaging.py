@@ -1,14 +1,17 @@
-"""A non-editable install ships only what setup.py's packages list names."""
+"""A non-editable install ships only what pyproject.toml's packages list
+names, and the build asks for what it needs without a deprecated hook."""
 
+import fnmatch
 from pathlib import Path
 
-from setuptools import find_packages
+from setuptools.config.pyprojecttoml import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
+SETUPTOOLS = load_file(ROOT / "pyproject.toml")["tool"]["setuptools"]
 
 
-def test_every_source_folder_is_a_package_setup_py_ships():
-    shipped = set(find_packages(where=str(ROOT), include=["collectives", "collectives.*"]))
+def test_every_source_folder_is_a_package_pyproject_ships():
+    shipped = set(SETUPTOOLS["packages"])
     with_sources = {
         ".".join(path.parent.relative_to(ROOT).parts)
         for path in (ROOT / "collectives").rglob("*.py")
@@ -18,14 +21,26 @@ def test_every_source_folder_is_a_package_setup_py_ships():
 
 
 def test_the_kernel_sources_ship_with_the_package():
-    """setup.py installs kernels/ as collectives/kernel_sources: every file the
-    kernels are built from must match its package_data patterns."""
-    import fnmatch
-    import re
-    setup_py = (ROOT / "setup.py").read_text()
-    patterns = re.findall(r'"([^"]+)"', re.search(r'package_data=\{"collectives.kernel_sources": \[([^]]*)\]', setup_py)[1])
+    """pyproject.toml installs kernels/ as collectives/kernel_sources: every
+    file the kernels are built from must match its package-data patterns."""
     from collectives import kernels
-    needed = [p.relative_to(ROOT / "kernels").as_posix() for p in (ROOT / "kernels").rglob("*")
+    assert SETUPTOOLS["package-dir"]["collectives.kernel_sources"] == "kernels"
+    needed = [p.relative_to(ROOT / "kernels") for p in (ROOT / "kernels").rglob("*")
               if p.is_file() and p.suffix in (".cu", ".cuh", ".h", ".cpp")]
-    assert needed and all(any(fnmatch.fnmatch(f, pattern) for pattern in patterns) for f in needed), needed
+    unshipped = []
+    for source in needed:
+        package = ".".join(("collectives.kernel_sources", *source.parent.parts))
+        patterns = SETUPTOOLS["package-data"].get(package, []) if package in SETUPTOOLS["packages"] else []
+        if not any(fnmatch.fnmatch(source.name, pattern) for pattern in patterns):
+            unshipped.append(source.as_posix())
+    assert needed and not unshipped, f"kernel sources no package ships: {unshipped}"
     assert kernels.source_dir() == ROOT / "kernels"
+
+
+def test_numpy_is_a_build_requirement_not_a_setup_requires():
+    """_arraystate.c includes NumPy's headers: pyproject.toml's build-system
+    brings NumPy; setup_requires (deprecated, warned about on every build)
+    is gone."""
+    build = load_file(ROOT / "pyproject.toml")["build-system"]["requires"]
+    assert any(requirement.startswith("numpy") for requirement in build), build
+    assert "setup_requires" not in (ROOT / "setup.py").read_text()
