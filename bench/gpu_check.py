@@ -18,8 +18,10 @@
    says which mode was measured ("mps" or "time-sliced");
 5. ours against NCCL, side by side, one rank per visible GPU (NCCL takes
    one rank per GPU); skipped, with the reason, on emulated devices;
-6. writes everything to one JSON under bench/results/ with the device,
-   driver, CUDA, CuPy and NCCL versions and the exact command.
+6. writes everything to one JSON (-J; by default gpu_check_<device>.json in
+   the current directory) with the device, driver, CUDA, CuPy and NCCL
+   versions and the exact command; the runs worth keeping are committed
+   under bench/results/.
 
 `--device emulated` runs the same steps on the CPU (our kernels compiled for
 it): CI does, so that on a GPU only the CuPy adapter is new.
@@ -62,14 +64,16 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=20, help="timed launches per measurement")
     p.add_argument("--processes", type=int, default=2, help="processes for the one-rank-per-process runs")
     p.add_argument("--skip-tests", action="store_true", help="do not run the gpu tests")
-    p.add_argument("-J", "--output_file", default=None, help="JSON path (default bench/results/gpu_check_<device>.json)")
+    p.add_argument("-J", "--output_file", default=None,
+                   help="JSON path (default gpu_check_<device>.json in the current directory)")
     args = p.parse_args(argv)
     emulated = args.device == "emulated"
     args.nbytes = harness.parse_size(args.bytes or ("1M" if emulated else "256M"))
     args.maxbytes = args.maxbytes or ("1M" if emulated else "256M")
     args.variants = [(None, None)] if emulated else [
         (int(m), int(u)) for m in args.min_blocks.split(",") for u in args.unroll.split(",")]
-    args.output_file = args.output_file or str(ROOT / "bench" / "results" / f"gpu_check_{args.device}.json")
+    # Absolute: the steps run in the checkout's root, and their JSON goes beside this one.
+    args.output_file = os.path.abspath(args.output_file or f"gpu_check_{args.device}.json")
     return args
 
 

@@ -1,7 +1,7 @@
 """Half-precision allreduce accuracy: our algorithms against NCCL's ring order.
 
     python -m bench.half_precision_error [--ranks 8] [--count 1M] [--seed 0] [--trials 3]
-                                         [--emulated all|none|ring,direct] [--json PATH]
+                                         [--emulated all|none|ring,direct] [-J PATH]
 
 For float16 and bfloat16, `--ranks` ranks hold random inputs and sum them
 with every allreduce algorithm of this library (host ranks, and the same
@@ -89,7 +89,6 @@ NCCL_RING, FP32_ONCE, CORRECTLY_ROUNDED = "nccl_ring", "fp32_once", "correctly_r
 REFERENCES = (NCCL_RING, FP32_ONCE, CORRECTLY_ROUNDED)
 PER_ADD, PER_TRANSFER = "per_add", "per_transfer"
 
-DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "half_precision_error.json")
 
 
 # -- inputs and the float64 reference --------------------------------------------
@@ -445,7 +444,8 @@ def parse_args(argv=None):
                    help="our algorithms on host ranks: all, or a comma-separated list")
     p.add_argument("--emulated", type=_algorithm_list, default=ALLREDUCE_ALGORITHMS,
                    help="algorithms also run on emulated devices (our CUDA kernel on the CPU): all, none, or a list")
-    p.add_argument("--json", default=DEFAULT_JSON, help="results file ('' for none)")
+    p.add_argument("-J", "--output_file", "--json", dest="json", default=None,
+                   help="write the results as JSON here (default: no file)")
     return p.parse_args(argv)
 
 

@@ -29,8 +29,8 @@ Method, per size and placement (out of place, then in place):
     check data.
 
 The table: size, then per placement ours µs, MPICH µs and MPICH/ours (above
-1: ours is faster). The JSON (default bench/results/host_vs_mpich.json; with
---quick none unless -J) has the machine, the exact command, each launch's
+1: ours is faster). The JSON (written where -J says; the committed runs are
+under bench/results/) has the machine, the exact command, each launch's
 mpiexec line and every rank's CPU affinity, and every batch of every size.
 
 Noise: the other processes on the machine are the largest error. Each
@@ -95,7 +95,6 @@ BACKENDS = (OURS, MPICH)
 PLACEMENTS = ("out_of_place", "in_place")
 SIZES = "4,1K,16K,256K,1M,4M,16M,64M"
 QUICK_SIZES = "4,64K"
-DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "host_vs_mpich.json"
 MODULE = "bench.host_vs_mpich"
 DTYPE = np.float32
 OP = "sum"
@@ -120,10 +119,8 @@ def parse_args(argv=None):
     p.add_argument("--min-iters", type=int, default=None, help="calls per batch at least (default 5; --quick 2)")
     p.add_argument("--max-iters", type=int, default=None, help="calls per batch at most (default 20000; --quick 200)")
     p.add_argument("--quick", action="store_true",
-                   help=f"smoke run: sizes {QUICK_SIZES}, 2 tiny batches, and no JSON unless -J")
-    p.add_argument("-J", "--output_file", default=None,
-                   help=f"the JSON report (default {DEFAULT_OUTPUT.relative_to(DEFAULT_OUTPUT.parents[2])}; "
-                        "--quick: none); '-' for none")
+                   help=f"smoke run: sizes {QUICK_SIZES}, 2 tiny batches")
+    p.add_argument("-J", "--output_file", default=None, help="write the JSON report here (default: no file)")
     p.add_argument("--timeout", type=float, default=None, help="our communicator's timeout in seconds")
     p.add_argument("--worker-output", default=None, help=argparse.SUPPRESS)  # a launch's rank 0 writes its run here
     args = p.parse_args(argv)
@@ -146,10 +143,6 @@ def parse_args(argv=None):
         p.error("--ranks: process counts of at least 2")
     if args.batches < 1 or args.budget <= 0 or not 1 <= args.min_iters <= args.max_iters:
         p.error("need --batches >= 1, --budget > 0 and 1 <= --min-iters <= --max-iters")
-    if args.output_file is None and not quick:
-        args.output_file = str(DEFAULT_OUTPUT)
-    if args.output_file == "-":
-        args.output_file = None
     return args
 
 

@@ -2,6 +2,7 @@
 shows its default, and a bad flag or a missing toolchain ends in one line
 of stderr, never a traceback."""
 
+import argparse
 import os
 import runpy
 import subprocess
@@ -121,3 +122,37 @@ def test_the_library_names_both_installs_when_headers_are_missing(monkeypatch):
     monkeypatch.setattr(pathlib.Path, "is_file", lambda path: path.name != "cuda_fp16.h" and is_file(path))
     with pytest.raises(CollectiveError, match=r"pip install -e '\.\[test\]'.*pip install 'collectives\[test\]'"):
         kernels.cuda_include_dirs()
+
+
+# The tools that write a file whatever they are told: bench.report's job is
+# to write docs/benchmarks.md (test_report.py checks the page), and
+# bench.plot requires -o. The models print and write nothing.
+WRITERS_BY_DESIGN = {"report", "plot"}
+PRINT_ONLY = {"model", "hierarchy_model"}
+
+
+@pytest.mark.parametrize("tool", sorted(set(TOOLS) - WRITERS_BY_DESIGN))
+def test_no_tool_writes_a_file_unless_told(tool, monkeypatch):
+    """Every flag naming a file to write defaults to none: a run leaves the
+    checkout as it found it unless -J (or the tool's own flag) says where."""
+    parsed = []
+
+    def parse_and_stop(self, args=None, namespace=None):
+        parsed.append(argparse.ArgumentParser.parse_args(self, args, namespace))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli.Parser, "parse_args", parse_and_stop)
+    run_tool(monkeypatch, tool, [])
+    (namespace,) = parsed
+    writes = {name: value for name, value in vars(namespace).items()
+              if ("output" in name or "json" in name) and name != "worker_output"}
+    assert (tool in PRINT_ONLY) != bool(writes), writes
+    assert all(value is None for value in writes.values()), writes
+
+
+def test_gpu_check_writes_its_report_in_the_current_directory(tmp_path, monkeypatch):
+    """gpu_check's report is its product, so it has a default file, in the
+    current directory (absolute: its steps run in the checkout's root)."""
+    from bench import gpu_check
+    monkeypatch.chdir(tmp_path)
+    assert gpu_check.parse_args(["--device", "emulated"]).output_file == str(tmp_path / "gpu_check_emulated.json")

@@ -219,12 +219,12 @@ def test_ulp_and_rounding():
 
 def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     path = tmp_path / "out.json"
-    hpe.main(["--ranks", "4", "--count", "257", "--trials", "1", "--emulated", "ring", "--json", str(path)])
+    hpe.main(["--ranks", "4", "--count", "257", "--trials", "1", "--emulated", "ring", "-J", str(path)])
     printed = capsys.readouterr().out
     assert "ours:ring" in printed and "nccl_ring" in printed and "fp32_once" in printed
     result = json.loads(path.read_text())
     assert result["command"].endswith("-m bench.half_precision_error --ranks 4 --count 257 --trials 1 "
-                                      f"--emulated ring --json {path}")
+                                      f"--emulated ring -J {path}")
     assert result["environment"]["cpu"] and result["ranks"] == 4
     rows = {(r["dtype"], r["distribution"], r["method"]): r for r in result["rows"]}
     assert len(rows) == 2 * len(DISTRIBUTIONS) * (3 + 2 * len(hpe.ALLREDUCE_ALGORITHMS))
