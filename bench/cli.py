@@ -36,12 +36,19 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
+def parse_size(text):
+    """A byte or element count: a number with an optional suffix K, M or G
+    (powers of 1024), as nccl-tests takes them: 64M, 1.5K, 4096."""
+    text = str(text).strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
 def size(text):
     """An argparse type for a byte or element count with an optional suffix
     K, M or G (parse_size's syntax): checks it and returns the text as given,
     so the tool parses it where it always did, and a bad one is a one-line
     usage error instead of a ValueError traceback."""
-    from bench.harness import parse_size  # bench.harness imports this module
     try:
         parse_size(text)
     except (ValueError, IndexError):

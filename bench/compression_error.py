@@ -20,7 +20,7 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import environment
-from bench.harness import parse_size
+from bench.cli import parse_size
 from collectives.algorithms import REGISTRY
 from collectives.compression import wire
 from collectives.compression.kernels import CODECS

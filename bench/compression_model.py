@@ -43,7 +43,7 @@ import numpy as np
 
 from bench import cli
 from bench.environment import git_commit
-from bench.harness import parse_size
+from bench.cli import parse_size
 from collectives.algorithms import MODELS, REGISTRY
 from collectives.algorithms.schedule import ALLREDUCE
 from collectives.binding import WORKSPACE

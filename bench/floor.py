@@ -39,7 +39,7 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import command_line, device_environment, git_commit
-from bench.harness import parse_size
+from bench.cli import parse_size
 
 METHODS = ("call", "prepared", "graph", "launch", "cupy_launch", "copy")
 

@@ -31,7 +31,7 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import environment
-from bench.harness import RELAUNCHED, mpi_world, parse_size, relaunch_under_mpiexec
+from bench.harness import RELAUNCHED, mpi_world, relaunch_under_mpiexec
 from bench.model_shapes import MODELS
 
 MODES = ("fused", "per-array")
@@ -56,7 +56,7 @@ def parse_args(argv=None):
     for model in args.models:
         if model not in MODELS:
             p.error(f"unknown model {model!r}; expected some of {', '.join(MODELS)}")
-    args.threshold_bytes = parse_size(args.threshold)
+    args.threshold_bytes = cli.parse_size(args.threshold)
     return args
 
 

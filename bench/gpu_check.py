@@ -68,7 +68,7 @@ def parse_args(argv):
                    help="JSON path (default gpu_check_<device>.json in the current directory)")
     args = p.parse_args(argv)
     emulated = args.device == "emulated"
-    args.nbytes = harness.parse_size(args.bytes or ("1M" if emulated else "256M"))
+    args.nbytes = cli.parse_size(args.bytes or ("1M" if emulated else "256M"))
     args.maxbytes = args.maxbytes or ("1M" if emulated else "256M")
     args.variants = [(None, None)] if emulated else [
         (int(m), int(u)) for m in args.min_blocks.split(",") for u in args.unroll.split(",")]

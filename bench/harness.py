@@ -185,7 +185,7 @@ def parse_args(spec, argv=None):
                         "(core: rank r on core r mod cores; none; hwthread; hydra's user:C0,C1,...; "
                         "or auto: core while the processes have a core each, none beyond)")
     args = p.parse_args(argv)
-    args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
+    args.minbytes, args.maxbytes = cli.parse_size(args.minbytes), cli.parse_size(args.maxbytes)
     name = DTYPE_NAMES[args.datatype]
     args.dtype = BFLOAT16 if name == "bfloat16" else np.dtype(name)
     args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
@@ -228,12 +228,6 @@ def parse_args(spec, argv=None):
     if GLOO in args.backends and importlib.util.find_spec("torch") is None:
         p.error(f"--backend gloo needs PyTorch (torch.distributed with Gloo): pip install {TORCH_PIN}")
     return args
-
-
-def parse_size(text):
-    text = str(text).strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
 def sizes(args):

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from bench import cli
-from bench.harness import parse_size
+from bench.cli import parse_size
 from collectives.hierarchy import uses_two_shot
 
 

@@ -36,7 +36,8 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import LAUNCHER_COMMAND, environment
-from bench.harness import find_mpiexec, parse_size
+from bench.harness import find_mpiexec
+from bench.cli import parse_size
 from collectives.bootstrap import LAUNCHER_VARIABLES, PRETEND_NODES_ENV
 from collectives.plan import KIND, REDUCE_FINAL_OP
 

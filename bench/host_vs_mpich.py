@@ -88,7 +88,8 @@ import collectives
 from bench import cli
 from bench.all_reduce_perf import expected, fill
 from bench.environment import LAUNCHER_COMMAND, environment
-from bench.harness import bind_to, count_wrong, find_mpiexec, mpi_world, parse_size
+from bench.harness import bind_to, count_wrong, find_mpiexec, mpi_world
+from bench.cli import parse_size
 
 OURS, MPICH = "ours", "mpich"
 BACKENDS = (OURS, MPICH)

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 from bench import cli
-from bench.harness import parse_size
+from bench.cli import parse_size
 from collectives.algorithms import (
     DEFAULT_TRANSPORT, MODELS, REGISTRY, bytes_moved, modelled_seconds, schedule_for, synchronisations,
 )

@@ -38,7 +38,7 @@ import numpy as np
 from bench import cli
 from bench.compression_model import codec_phase_bytes
 from bench.environment import git_commit
-from bench.harness import parse_size
+from bench.cli import parse_size
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_SCATTER, REDUCE_TO_ROOT
 from collectives.binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE

@@ -33,7 +33,7 @@ import collectives
 from bench import cli
 from collectives.algorithms.schedule import COLLECTIVES
 from collectives.config import ONE_KERNEL_ALLREDUCE_ENV
-from bench.harness import RELAUNCHED, environment, mpi_world, parse_size, relaunch_under_mpiexec
+from bench.harness import RELAUNCHED, environment, mpi_world, relaunch_under_mpiexec
 
 
 def parse_args(argv=None):
@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     cli.require_device_toolchain(p.prog, args.device)
-    args.nbytes = parse_size(args.bytes)
+    args.nbytes = cli.parse_size(args.bytes)
     args.launcher_flags = ["-bind-to", "core"]
     return args
 

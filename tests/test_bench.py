@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import harness
+from bench import cli, harness
 from bench.all_reduce_perf import ALLREDUCE
 from cases import keeps_a_workspace_copy
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_size_sweep_and_suffixes():
     args = harness.parse_args(ALLREDUCE, ["-b", "8", "-e", "1K", "-f", "4"])
     assert list(harness.sizes(args)) == [8, 32, 128, 512]
-    assert harness.parse_size("64M") == 64 << 20 and harness.parse_size("1.5K") == 1536
+    assert cli.parse_size("64M") == 64 << 20 and cli.parse_size("1.5K") == 1536
 
 
 def test_busbw_factor_is_nccl_tests():
