@@ -20,7 +20,6 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import environment
-from bench.cli import parse_size
 from collectives.algorithms import REGISTRY
 from collectives.compression import wire
 from collectives.compression.kernels import CODECS
@@ -45,7 +44,7 @@ def main(argv=None):
                    help="allreduce algorithms, comma-separated")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
-    count = parse_size(args.count)
+    count = cli.parse_size(args.count)
     algorithms = args.algorithms.split(",")
     comm = collectives.Communicator.local(args.ranks)
     rows = []

@@ -43,7 +43,6 @@ import numpy as np
 
 from bench import cli
 from bench.environment import git_commit
-from bench.cli import parse_size
 from collectives.algorithms import MODELS, REGISTRY
 from collectives.algorithms.schedule import ALLREDUCE
 from collectives.binding import WORKSPACE
@@ -207,7 +206,7 @@ def parse_args(argv=None):
                    help="fixed cost of a phase, us")
     p.add_argument("-J", "--output_file", help="write the rows as JSON here (default: no file)")
     args = p.parse_args(argv)
-    args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    args.sizes = [cli.parse_size(s) for s in args.sizes.split(",")]
     args.algorithms = args.algorithms.split(",")
     args.codecs = args.codecs.split(",")
     for name in args.algorithms:

@@ -29,6 +29,7 @@ most 10 µs a call), graph (at most 2.5 µs), copy / call (for 16 MiB and
 up: at least 0.9 of the floor's speed).
 """
 
+import ctypes
 import json
 import statistics
 import sys
@@ -39,7 +40,6 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import command_line, device_environment, git_commit
-from bench.cli import parse_size
 
 METHODS = ("call", "prepared", "graph", "launch", "cupy_launch", "copy")
 
@@ -91,12 +91,22 @@ class Device:
 
     def copy(self, dst, src):
         """A device-to-device copy of all of `src` into `dst` (bytes)."""
-        if self.kind == "cuda":
-            runtime = self.xp.cuda.runtime
-            nbytes, d, s = src.nbytes, dst.data.ptr, src.data.ptr
-            return lambda: runtime.memcpyAsync(d, s, nbytes, runtime.memcpyDeviceToDevice,
-                                               self.xp.cuda.get_current_stream().ptr)
-        return lambda: np.copyto(dst, src)
+        kind, nbytes = self.kind, src.nbytes
+        d, s = (dst.data.ptr, src.data.ptr) if kind == "cuda" else (dst.ctypes.data, src.ctypes.data)
+        return lambda: device_copy(kind, d, s, nbytes)
+
+
+def device_copy(kind, dst_address, src_address, nbytes):
+    """The floor of a large call: one copy of `nbytes` from one device
+    address to another, on the current stream (cudaMemcpyAsync); on the
+    emulated device, whose memory is the host's, a memmove."""
+    if kind == "cuda":
+        import cupy
+        runtime = cupy.cuda.runtime
+        runtime.memcpyAsync(dst_address, src_address, nbytes, runtime.memcpyDeviceToDevice,
+                            cupy.cuda.get_current_stream().ptr)
+    else:
+        ctypes.memmove(dst_address, src_address, nbytes)
 
 
 def time_per_call(issue, calls, synchronize):
@@ -184,7 +194,7 @@ def parse_args(argv):
     if args.ranks < 1 or args.stepfactor < 2 or args.calls < 1 or args.rounds < 1:
         p.error("--ranks, --calls and --rounds must be at least 1, -f at least 2")
     args.sizes = []
-    size, last = parse_size(args.minbytes), parse_size(args.maxbytes)
+    size, last = cli.parse_size(args.minbytes), cli.parse_size(args.maxbytes)
     while size <= last:
         args.sizes.append(size)
         size *= args.stepfactor

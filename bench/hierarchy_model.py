@@ -37,7 +37,6 @@ from typing import NamedTuple
 import numpy as np
 
 from bench import cli
-from bench.cli import parse_size
 from collectives.hierarchy import uses_two_shot
 
 
@@ -155,7 +154,7 @@ def main(argv=None):
     node_counts = [int(v) for v in args.nodes.split(",")]
     if min(node_counts) < 2 or args.ranks_per_node < 1:
         p.error("the model is of 2 nodes or more, of 1 rank or more each")
-    table(links, node_counts, args.ranks_per_node, [parse_size(v) for v in args.bytes.split(",")])
+    table(links, node_counts, args.ranks_per_node, [cli.parse_size(v) for v in args.bytes.split(",")])
     return 0
 
 

@@ -37,7 +37,6 @@ import collectives
 from bench import cli
 from bench.environment import LAUNCHER_COMMAND, environment
 from bench.harness import find_mpiexec
-from bench.cli import parse_size
 from collectives.bootstrap import LAUNCHER_VARIABLES, PRETEND_NODES_ENV
 from collectives.plan import KIND, REDUCE_FINAL_OP
 
@@ -106,7 +105,7 @@ def measure(world, calls, nbytes, args):
     """{backend: {"out_of_place": µs, "in_place": µs, "wrong": elements}} for one size."""
     count = nbytes // 4
     n, r = world.Get_size(), world.Get_rank()
-    iters = max(2, min(args.iters, parse_size(args.batch_bytes) // max(nbytes, 1)))
+    iters = max(2, min(args.iters, cli.parse_size(args.batch_bytes) // max(nbytes, 1)))
     row = {name: {} for name in calls}
     for place in ("out_of_place", "in_place"):
         buffers = {name: (np.full(count, r + 1, np.float32), np.empty(count, np.float32)) for name in calls}
@@ -185,8 +184,8 @@ def main(argv=None):
     assert type(hierarchical).__name__ == "HierarchicalCommunicator", "the pretend nodes gave one node"
     calls = make_calls(world, hierarchical, one_node)
     nodes = hierarchical.topology.nodes
-    sizes, size = [], parse_size(args.minbytes)
-    while size <= parse_size(args.maxbytes):
+    sizes, size = [], cli.parse_size(args.minbytes)
+    while size <= cli.parse_size(args.maxbytes):
         sizes.append(size)
         size *= args.stepfactor
     rank0 = world.Get_rank() == 0

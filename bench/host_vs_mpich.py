@@ -89,7 +89,6 @@ from bench import cli
 from bench.all_reduce_perf import expected, fill
 from bench.environment import LAUNCHER_COMMAND, environment
 from bench.harness import bind_to, count_wrong, find_mpiexec, mpi_world
-from bench.cli import parse_size
 
 OURS, MPICH = "ours", "mpich"
 BACKENDS = (OURS, MPICH)
@@ -133,7 +132,7 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     try:
-        args.size_list = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+        args.size_list = [cli.parse_size(s) for s in args.sizes.split(",") if s.strip()]
         args.rank_list = [int(r) for r in args.ranks.split(",") if r.strip()]
     except ValueError as error:
         p.error(f"--sizes and --ranks are comma-separated numbers: {error}")

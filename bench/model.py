@@ -25,7 +25,6 @@ import sys
 import numpy as np
 
 from bench import cli
-from bench.cli import parse_size
 from collectives.algorithms import (
     DEFAULT_TRANSPORT, MODELS, REGISTRY, bytes_moved, modelled_seconds, schedule_for, synchronisations,
 )
@@ -223,7 +222,7 @@ def main(argv=None):
     p.add_argument("--results", nargs="+", help="benchmark JSONs of several algorithms: auto against the fastest")
     p.add_argument("--calibrate", nargs="+", help="benchmark JSONs to fit each transport's constants to")
     args = p.parse_args(argv)
-    nbytes = parse_size(args.bytes)
+    nbytes = cli.parse_size(args.bytes)
     if args.ranks < 1:
         p.error("--ranks must be at least 1")
     if args.calibrate:

@@ -38,7 +38,6 @@ import numpy as np
 from bench import cli
 from bench.compression_model import codec_phase_bytes
 from bench.environment import git_commit
-from bench.cli import parse_size
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_SCATTER, REDUCE_TO_ROOT
 from collectives.binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
@@ -138,7 +137,7 @@ def main(argv=None):
                    help=f"also the compressed allreduce plans with these codecs, comma-separated ({', '.join(CODECS)})")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
-    nbytes = parse_size(args.bytes)
+    nbytes = cli.parse_size(args.bytes)
     codecs = [c for c in args.compression.split(",") if c]
     for codec in codecs:
         if codec not in CODECS:
