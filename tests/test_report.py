@@ -1,8 +1,10 @@
 """docs/benchmarks.md is exactly what `python -m bench.report` writes from
-bench/results/, so its tables cannot drift from the measurements."""
+bench/results/, so it cannot drift from the measurements; and it shows, per
+question, the latest run of each configuration and links the rest."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,11 +15,24 @@ from bench import report
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = report.ROOT / report.RESULTS
 
+OLD, NEW = "a" * 40, "b" * 40
+HISTORY = {OLD: 1000, NEW: 2000}  # NEW is the later commit
+
 
 def test_committed_page_is_what_the_report_writes_today():
     committed = (report.ROOT / report.OUTPUT).read_text()
     assert committed == report.render(RESULTS), (
         "docs/benchmarks.md is out of date with bench/results/: run python -m bench.report and commit it")
+
+
+
+def test_the_page_links_every_run():
+    """Nothing is lost: every file is shown or linked, relative to docs/."""
+    page = (report.ROOT / report.OUTPUT).read_text()
+    for path in sorted(RESULTS.rglob("*.json")):
+        relative = path.relative_to(RESULTS).as_posix()
+        if relative != report.NOTES:
+            assert f"](../bench/results/{relative})" in page, relative
 
 
 def test_every_run_names_the_commit_it_measured():
@@ -39,42 +54,152 @@ def test_no_run_names_a_path_outside_the_repository():
     """Recorded commands say `python -m ...` and name output files as the
     repository keeps them: no interpreter or folder of the machine that
     ran them (bench.environment.command_line)."""
-    import re
     outside = re.compile(r"(?<![\w.])/(?:work|tmp|root|home|opt|usr|mnt|scratch)/")
     named = [path.relative_to(RESULTS).as_posix() for path in sorted(RESULTS.rglob("*.json"))
              if outside.search(path.read_text())]
     assert not named, f"these runs name a path outside the repository: {named}"
 
 
-def harness_run(command, commit=None, backends=("ours", "mpi")):
-    environment = {"command": command, "cpu": "Test CPU", "cores": 2, "device": "host (no GPU)"}
-    if commit:
-        environment["git_commit"] = commit
+def test_the_repository_history_dates_the_commits_runs_record():
+    """What orders runs: the commits of this checkout, the current one among them."""
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert head.stdout.strip() in report.repository_history()
+
+
+# -- synthetic runs --------------------------------------------------------------------
+
+
+def suite_run(commit, mpi_over_ours, collective="reduce_scatter", processes=2):
+    """A harness run on host ranks, ours against mpi, MPICH `mpi_over_ours` times slower at every size."""
+    environment = {"command": f"mpiexec -n {processes} /x/.venv/bin/python -m bench.reduce_scatter_perf "
+                              f"--backend ours,mpi -J ../scratch/out.json",
+                   "cpu": "Test CPU", "cores": 2, "device": "host (no GPU)", "processes": processes,
+                   "ranks": processes, "mpi_library": "MPICH Version: 9.9.9", "git_commit": commit}
     rows = [{"backend": b, "size": size, "type": "float32", "redop": "sum",
-             "out_of_place": {"time_us": 10.0 * (i + 1)}, "in_place": {"time_us": 5.0 * (i + 1)}}
-            for size in (1024, 4) for i, b in enumerate(backends)]
-    return {"collective": "allreduce", "environment": environment, "rows": rows}
+             "out_of_place": {"time_us": 10.0 * (mpi_over_ours if b == "mpi" else 1)},
+             "in_place": {"time_us": 5.0 * (mpi_over_ours if b == "mpi" else 1)}}
+            for size in (4096, 1024) for b in ("ours", "mpi")]
+    return {"collective": collective, "environment": environment, "rows": rows}
 
 
-def test_the_page_comes_from_the_files_sorted_with_their_command_machine_and_commit(tmp_path):
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "b.json").write_text(json.dumps(harness_run("mpiexec -n 2 /x/.venv/bin/python -m bench.all_reduce_perf",
-                                                            commit="0123456789abcdef")))
-    (tmp_path / "a.json").write_text(json.dumps({"command": "python -m bench.plan_report", "rows": [{"x": 1}]}))
-    (tmp_path / "sub" / "c.json").write_text(json.dumps({"rows": []}))
-    (tmp_path / report.NOTES).write_text(json.dumps({"a.json": {"commit": "fedcba9876543210", "stale": "old"}}))
-    page = report.render(tmp_path)
-    assert page == report.render(tmp_path)
-    a, b, c = (page.index(f"## bench/results/{name}") for name in ("a.json", "b.json", "sub/c.json"))
-    assert a < b < c
-    assert "- Command: `mpiexec -n 2 python -m bench.all_reduce_perf`" in page
-    assert "- Machine: Test CPU, 2 cores; no GPU" in page
-    assert "- Commit: `0123456789`" in page
-    assert "- Commit: `fedcba9876` (the run recorded none" in page and "**No longer describes the code:** old" in page
-    assert "- Command: `not recorded`" in page and "- Machine: not recorded" in page  # sub/c.json has neither
-    # Rows sorted by size, each backend's two placements, then mpi's time over ours.
-    assert "| 4 B | 10.0 | 5.0 | 20.0 | 10.0 | 2.00 | 2.00 |" in page
-    assert page.index("| 4 B |") < page.index("| 1 KiB |")
+def host_vs_mpich_run(commit, collective=None):
+    """bench.host_vs_mpich's shape: MPICH twice as slow; runs name their collective when given."""
+    run = {"processes": 2, "bind_to": "core",
+           "environment": {"git_commit": commit, "device": "host (no GPU)", "cores": 2, "cpu": "Test CPU",
+                           "mpi_library": "MPICH Version: 9.9.9"},
+           "rows": [{"size": 64, "out_of_place": {"ours": {"time_us": 1.0}, "mpich": {"time_us": 2.0}},
+                     "in_place": {"ours": {"time_us": 1.0}, "mpich": {"time_us": 2.0}}}]}
+    if collective:
+        run["collective"] = collective
+    return {"benchmark": "allreduce float32 sum, ours vs MPICH", "command": "python -m bench.host_vs_mpich --ranks 2",
+            "machine": run["environment"], "runs": [run]}
+
+
+def write(folder, files, notes=None):
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps(data))
+    if notes is not None:
+        (folder / report.NOTES).write_text(json.dumps(notes))
+
+
+def section(page, title):
+    """The text of `## title` up to the next `## `."""
+    return page.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_latest_run_of_a_configuration_shows_and_the_older_is_linked(tmp_path):
+    # The older run sorts last by name, so a pick by path would take it.
+    write(tmp_path, {"a_new.json": suite_run(NEW, 3.0), "z_old.json": suite_run(OLD, 2.0)})
+    page = report.render(tmp_path, HISTORY)
+    host = section(page, "Host ranks against MPICH and Gloo")
+    assert "| 1 KiB | 3.00 · 3.00 |" in host and "2.00 · 2.00" not in host
+    assert "- 2 processes: [`a_new.json`](../bench/results/a_new.json), commit `bbbbbbbbbb`" in host
+    assert ("- [`z_old.json`](../bench/results/z_old.json): an older run of what "
+            "[`a_new.json`](../bench/results/a_new.json) measured") in host
+    # The command as a reader types it, writing where the file is kept; the machine named once.
+    assert "`mpiexec -n 2 python -m bench.reduce_scatter_perf --backend ours,mpi -J bench/results/a_new.json`" in host
+    assert "Machine: Test CPU, 2 cores; no GPU; MPICH Version: 9.9.9." in host
+    # The same files with the commits' order reversed: the other run is the latest.
+    flipped = section(report.render(tmp_path, {OLD: 3000, NEW: 2000}), "Host ranks against MPICH and Gloo")
+    assert "| 1 KiB | 2.00 · 2.00 |" in flipped and "3.00 · 3.00" not in flipped
+    assert page == report.render(tmp_path, HISTORY)
+
+
+def test_different_configurations_both_show(tmp_path):
+    write(tmp_path, {"two.json": suite_run(OLD, 2.0, processes=2), "four.json": suite_run(NEW, 3.0, processes=4)})
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH and Gloo")
+    assert "| size | MPICH / ours, 2 processes | MPICH / ours, 4 processes |" in host
+    assert "| 1 KiB | 2.00 · 2.00 | 3.00 · 3.00 |" in host
+    assert "Other runs of this question" not in host
+
+
+def test_a_stale_run_is_linked_not_shown(tmp_path):
+    write(tmp_path, {"new.json": suite_run(NEW, 3.0), "old.json": suite_run(OLD, 2.0)},
+          notes={"new.json": {"stale": "measured code that is gone"}})
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH and Gloo")
+    assert "| 1 KiB | 2.00 · 2.00 |" in host and "3.00" not in host
+    assert "- [`new.json`](../bench/results/new.json): no longer describes the code: measured code that is gone" in host
+
+
+def test_a_configuration_with_only_stale_runs_shows_none(tmp_path):
+    write(tmp_path, {"old.json": suite_run(OLD, 2.0)}, notes={"old.json": {"stale": "gone"}})
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH and Gloo")
+    assert "No current run measures host ranks against another library." in host
+    assert "- [`old.json`](../bench/results/old.json): no longer describes the code: gone" in host
+
+
+def test_questions_with_no_data_say_so(tmp_path):
+    write(tmp_path, {"a.json": suite_run(NEW, 2.0, collective="allgather")})
+    page = report.render(tmp_path, HISTORY)
+    host = section(page, "Host ranks against MPICH and Gloo")
+    assert "No current run measures reduce_scatter on host ranks against another library." in host
+    assert "No current run against Gloo." in host
+    assert "`bench.host_vs_mpich` has not measured allgather yet." in host
+    gpu = section(page, "GPU ranks against the memory floor and NCCL")
+    assert "Not measured yet: no run under `bench/results/` has an `nccl` backend." in gpu
+    assert "No current run of `python -m bench.gpu_check` on a GPU." in gpu
+
+
+def test_host_vs_mpich_runs_slot_in_by_their_collective(tmp_path):
+    """Runs of bench.host_vs_mpich that name their collective go to its table;
+    those that do not are allreduce, as its "benchmark" line says."""
+    write(tmp_path, {"hvm.json": host_vs_mpich_run(NEW), "hvm_rs.json": host_vs_mpich_run(NEW, "reduce_scatter")})
+    page = report.render(tmp_path, HISTORY)
+    host = section(page, "Host ranks against MPICH and Gloo")
+    for collective in ("allreduce", "reduce_scatter"):
+        table = host.split(f"### {collective}\n", 1)[1].split("###", 1)[0]
+        assert "| 64 B | 2.00 · 2.00 |" in table, collective
+        assert "has not measured" not in table
+
+
+def test_the_gpu_floor_is_one_copy_of_what_the_call_moves(tmp_path):
+    """gpu_check's allreduce against a copy of 2 x ranks x size bytes at the
+    copy bandwidth it measured: 4 ranks of 32 MiB at 1000 GB/s is 268.4 µs."""
+    environment = {"device": "Test GPU", "git_commit": NEW}
+    floor_us = 2 * 4 * (32 << 20) / 1e3 / 1000
+    rows = [{"backend": "ours", "size": size, "out_of_place": {"time_us": 2 * floor_us * size / (32 << 20)},
+             "in_place": {"time_us": 4 * floor_us * size / (32 << 20)}} for size in (1 << 20, 32 << 20)]
+    write(tmp_path, {"gpu_check.json": {
+        "command": "python -m bench.gpu_check --ranks 4", "environment": environment,
+        "kernel_bandwidth": [{"min_blocks": 4, "unroll": 1, "sources": 1, "bytes_per_source": 1 << 28,
+                              "step_GBps": 900.0, "copy_GBps": 1000.0, "step_vs_copy": 0.9}],
+        "allreduce_command": "python -m bench.all_reduce_perf --device cuda --ranks 4", "allreduce": rows}})
+    page = report.render(tmp_path, HISTORY)
+    gpu = section(page, "GPU ranks against the memory floor and NCCL")
+    assert "| 32 MiB | 0.50 · 0.25 |" in gpu and "| 1 MiB |" not in gpu  # below 16 MiB a call is launch-bound
+    assert "the copy at 1000 GB/s" in gpu
+    assert "| 4 | 1 | 1 | 256 MiB | 900 | 1000 | 0.90 |" in gpu
+
+
+def test_runs_no_question_reads_are_linked_at_the_end(tmp_path):
+    write(tmp_path, {"sub/plan.json": {"command": "python -m bench.plan_report", "rows": [{"x": 1}]}},
+          notes={"sub/plan.json": {"commit": OLD, "note": "counted, not measured"}})
+    others = section(report.render(tmp_path, HISTORY), "Runs no question reads")
+    assert "- [`sub/plan.json`](../bench/results/sub/plan.json): `python -m bench.plan_report`. counted, not measured" \
+        in others
 
 
 def test_notes_for_missing_files_are_an_error(tmp_path):
@@ -84,10 +209,14 @@ def test_notes_for_missing_files_are_an_error(tmp_path):
         report.render(tmp_path)
 
 
+
 def test_the_command_writes_the_page(tmp_path):
-    (tmp_path / "a.json").write_text(json.dumps(harness_run("python -m bench.all_reduce_perf", commit="1" * 40)))
+    write(tmp_path, {"a.json": suite_run(NEW, 2.0)})
     output = tmp_path / "page.md"
-    done = subprocess.run([sys.executable, "-m", "bench.report", "--results", str(tmp_path), "-o", str(output)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "bench.report", "--results", str(tmp_path), "-o", str(output)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert output.read_text() == report.render(tmp_path)
+    printed = subprocess.run([*command[:-1], "-"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == report.render(tmp_path)

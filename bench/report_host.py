@@ -1,0 +1,137 @@
+"""bench.report's first question: how do host ranks compare with MPICH and
+Gloo, collective by collective? From bench.host_vs_mpich's runs (one per
+process count, and per collective where it measures several), the suite's
+runs on host ranks with an mpi or gloo backend (bench/harness.py), and
+bench.hierarchy_perf's across pretend nodes."""
+
+from bench.report_runs import (PLACES, Measurement, Part, harness_rows, markdown, our_backend, pair, place_times,
+                               provenance, ratio, rows_by_size, settings_of, size_label)
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+REFERENCES = ("MPICH", "Gloo")  # the libraries host ranks are measured against
+SOURCES = ("bench.host_vs_mpich", "the suite", "bench.hierarchy_perf")  # the order of their columns
+
+
+# -- host ranks against MPICH and Gloo, per collective --------------------------------
+
+
+def against_libraries(run):
+    """Our time against another library's, per size, on host ranks: from
+    bench.host_vs_mpich's runs, the suite's (bench/harness.py) runs with an
+    mpi or gloo backend, and bench.hierarchy_perf's across pretend nodes."""
+    data = run.data
+    if isinstance(data.get("runs"), list):
+        return [host_vs_mpich_measurement(run, r) for r in data["runs"] if isinstance(r.get("rows"), list)]
+    rows = data.get("rows")
+    if isinstance(rows, list) and rows and isinstance(rows[0].get("backends"), dict) and data.get("nodes"):
+        return [hierarchy_measurement(run)]
+    if harness_rows(data) and str(run.environment.get("device", "")).startswith("host"):
+        found = suite_measurement(run)
+        return [found] if found else []
+    return []
+
+
+def host_vs_mpich_measurement(run, one):
+    """One run of bench.host_vs_mpich: {size: {"out_of_place": {"ours": {...}, "mpich": {...}}, ...}}."""
+    environment = one.get("environment") or run.environment
+    # A run names its collective; the tool's first runs measured allreduce alone and said so in "benchmark".
+    collective = (one.get("collective") or run.data.get("collective")
+                  or str(run.data.get("benchmark", "")).split(" ")[0])
+    ratios = {}
+    for row in one["rows"]:
+        for i, place in enumerate(PLACES):
+            times = row.get(place, {})
+            ours = times.get("ours", {}).get("time_us")
+            for backend, timed in times.items():
+                if backend != "ours":
+                    cells = ratios.setdefault(reference_name(backend, environment), {})
+                    cells.setdefault(row["size"], [None, None])[i] = ratio(timed.get("time_us"), ours)
+    processes, bind_to = one.get("processes"), one.get("bind_to")
+    return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to),
+                       f"{processes} processes, -bind-to {bind_to}",
+                       comparison(collective, ratios, "bench.host_vs_mpich", "host ranks", processes), environment)
+
+
+def suite_measurement(run):
+    """A harness run on host ranks with ours and mpi or gloo among its backends."""
+    rows, environment = harness_rows(run.data), run.environment
+    by_size = rows_by_size(rows)
+    backends = sorted({r["backend"] for r in rows})
+    ours = our_backend(backends)
+    references = [b for b in backends if b in ("mpi", "gloo")]
+    if not ours or not references:
+        return None
+    ratios = {}
+    for backend in references:
+        name = reference_name(backend, environment)
+        ratios[name] = {size: [ratio(theirs, mine) for theirs, mine in zip(place_times(got.get(backend)),
+                                                                             place_times(got.get(ours)))]
+                        for size, got in by_size.items()}
+    processes, ranks = environment.get("processes", 1), environment.get("ranks")
+    label = f"{processes} processes" + (f", {ranks} ranks" if ranks and ranks != processes else "")
+    configuration = (run.tool, run.data.get("collective"), "host", processes, ranks, tuple(backends),
+                     settings_of(environment))
+    return Measurement(run, configuration, label,
+                       comparison(run.data.get("collective"), ratios, "the suite", "host ranks", processes))
+
+
+def hierarchy_measurement(run):
+    """bench.hierarchy_perf: MPICH's time over the hierarchical allreduce's across pretend nodes."""
+    nodes = run.data["nodes"]
+    where = f"{len(nodes)} pretend nodes of {len(nodes[0])} processes"
+    ratios = {reference_name("mpich", run.environment): {
+        r["size"]: [ratio(r["backends"].get("mpich", {}).get(place), r["backends"].get("hierarchical", {}).get(place))
+                    for place in PLACES] for r in run.data["rows"]}}
+    configuration = ("bench.hierarchy_perf", run.data.get("collective"), tuple(tuple(n) for n in nodes))
+    return Measurement(run, configuration, where, comparison(run.data.get("collective"), ratios,
+                                                             "bench.hierarchy_perf", where, sum(map(len, nodes))))
+
+
+def comparison(collective, ratios, source, where, processes):
+    """What this question's tables read: {library: {size: [out of place, in place]}} of the
+    library's time over ours; and which tool measured it, where."""
+    return {"collective": collective, "ratios": ratios, "source": source, "where": where, "processes": processes}
+
+
+def reference_name(backend, environment):
+    """"MPICH" for the mpi backend over MPICH (another MPI by its own name), "Gloo" for gloo."""
+    if backend in ("mpi", "mpich"):
+        library = " ".join(str(environment.get("mpi_library", "")).split())
+        return "MPICH" if not library or library.startswith("MPICH") else library.split(",")[0]
+    return {"gloo": "Gloo"}.get(backend, backend)
+
+
+def write_against_libraries(shown, runs):
+    """One table per collective: each configuration's ratio against each library, size by size."""
+    lines = []
+    named = [m.content["collective"] for m in shown]
+    for collective in [*COLLECTIVES, *sorted(set(named) - set(COLLECTIVES))]:
+        mine = sorted((m for m in shown if m.content["collective"] == collective),
+                      key=lambda m: SOURCES.index(m.content["source"]))
+        lines += [f"### {collective}", ""]
+        if not mine:
+            lines += [f"No current run measures {collective} on host ranks against another library.", ""]
+            continue
+        columns = [(m, name) for m in mine for name in sorted(m.content["ratios"], key=reference_order)]
+        sizes = sorted({size for m, name in columns for size in m.content["ratios"][name]})
+        header = ["size"] + [f"{name} / ours, {m.label}" for m, name in columns]
+        body = [[size_label(size)] + [pair(m.content["ratios"][name].get(size, [None, None])) for m, name in columns]
+                for size in sizes]
+        lines += [*markdown(header, body), ""]
+        measured = {name for m, name in columns}
+        lines += [f"No current run against {name}." for name in REFERENCES if name not in measured]
+        if not any(m.configuration[0] == "bench.host_vs_mpich" for m in mine):
+            lines.append(f"`bench.host_vs_mpich` has not measured {collective} yet.")
+        lines += ["", *provenance(mine)]
+    return lines
+
+
+def reference_order(name):
+    return (REFERENCES.index(name) if name in REFERENCES else len(REFERENCES), name)
+
+
+
+
+
+HOST_PARTS = (Part("", against_libraries, write_against_libraries,
+                   "No current run measures host ranks against another library."),)

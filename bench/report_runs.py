@@ -1,0 +1,330 @@
+"""The runs bench.report digests: each JSON file under bench/results/ with
+what notes.json says of it, the measurements a question takes from it, the
+latest measurement of each configuration, and how the page names where a
+number came from (machine, commit, command) and writes its tables."""
+
+import json
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTES = "notes.json"  # per file: the commit a run describes where it recorded none, and what is stale
+LINK_BASE = "../bench/results/"  # from docs/benchmarks.md to the files it digests
+PLACES = ("out_of_place", "in_place")
+OUR_BACKENDS = ("ours", "host")  # "host" is the old name of the `ours` backend
+
+
+@dataclass(frozen=True)
+class Run:
+    """One JSON file under bench/results/ and its entry in notes.json."""
+    path: str    # relative to the results directory, as notes.json names it
+    data: dict
+    note: dict
+
+    @property
+    def environment(self):
+        return run_environment(self.data)
+
+    @property
+    def stale(self):
+        return self.note.get("stale")
+
+    @property
+    def command(self):
+        return run_command(self.data, self.environment)
+
+    @property
+    def tool(self):
+        """The module that wrote the file, e.g. bench.host_vs_mpich ("" when the command does not say)."""
+        found = re.search(r"-m (bench\.\w+)", self.command)
+        return found[1] if found else ""
+
+    @property
+    def link(self):
+        return f"[`{self.path}`]({LINK_BASE}{self.path})"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one question takes from a run: a whole file, or one run of
+    several in it (bench.host_vs_mpich writes one per process count)."""
+    run: Run
+    configuration: tuple   # what makes it a different measurement (tool, device, ranks, placement, ...)
+    label: str             # how its table names it
+    content: object        # what the question tabulates; its shape is the question's own
+    environment: dict = field(default=None)   # its own where it has one, else the file's
+
+    @property
+    def machine_environment(self):
+        return self.environment if self.environment is not None else self.run.environment
+
+    @property
+    def commit(self):
+        """The commit measured: recorded by the run, else notes.json's (None if neither)."""
+        recorded = self.machine_environment.get("git_commit") or self.run.environment.get("git_commit")
+        if recorded and recorded != "unknown":
+            return recorded
+        return self.run.note.get("commit")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One table of a question: which measurements it takes from a run
+    (`measure`: a file it does not answer gives none), and its tables from
+    the latest measurement of each configuration (`write`)."""
+    title: str                      # its heading; "" for a question of one part
+    measure: Callable               # run -> [Measurement]
+    write: Callable                 # (latest measurements, every run) -> markdown lines
+    missing: str                    # what the page says where no current run answers it
+
+
+@dataclass(frozen=True)
+class Question:
+    title: str
+    intro: str
+    parts: tuple
+
+
+def load_runs(results):
+    """Every JSON file under `results` (a Path) but notes.json, sorted by path."""
+    notes_path = results / NOTES
+    notes = json.loads(notes_path.read_text()) if notes_path.is_file() else {}
+    files = sorted(f for f in results.rglob("*.json") if f.name != NOTES)
+    runs = []
+    for f in files:
+        relative = f.relative_to(results).as_posix()
+        runs.append(Run(relative, json.loads(f.read_text()), notes.get(relative, {})))
+    unknown = sorted(set(notes) - {run.path for run in runs})
+    if unknown:
+        raise ValueError(f"{notes_path} has notes for files that do not exist: {unknown}")
+    return runs
+
+
+# -- which run is the latest -------------------------------------------------------
+
+
+def repository_history(root=ROOT):
+    """{commit: commit time} of every commit in the checkout's git history: the
+    files record commits, not dates, and only the history says which came
+    later. Empty where there is no git or no history."""
+    try:
+        done = subprocess.run(["git", "-C", str(root), "log", "--all", "--format=%H %ct"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    if done.returncode != 0:
+        return {}
+    return {commit: int(seconds) for commit, seconds in (line.split() for line in done.stdout.splitlines())}
+
+
+def age(measurement, history):
+    """Sorts a configuration's measurements oldest first: by the time of the
+    commit measured (one the history does not know is oldest), then by path,
+    so that the pick never depends on the order the files were read in."""
+    seconds = history.get(measurement.commit or "")
+    return (seconds is not None, seconds or 0, measurement.run.path)
+
+
+def latest(measurements, history):
+    """The latest measurement of each configuration, sorted by configuration.
+    A stale run (notes.json) is never the latest: a configuration measured
+    only by stale runs shows none, and its files are linked with the reason."""
+    newest = {}
+    for m in measurements:
+        if m.run.stale:
+            continue
+        if m.configuration not in newest or age(m, history) > age(newest[m.configuration], history):
+            newest[m.configuration] = m
+    return sorted(newest.values(), key=lambda m: sort_key(m.configuration))
+
+
+def sort_key(values):
+    """Tuples of numbers, strings and None, comparable with each other."""
+    return tuple((0, v, "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0, str(v))
+                 for v in values)
+
+
+# -- where a number came from --------------------------------------------------------
+
+
+def run_environment(data):
+    """What bench/environment.py recorded, wherever this kind of file keeps it."""
+    for key in ("environment", "machine"):
+        if isinstance(data.get(key), dict):
+            return data[key]
+    runs = data.get("runs")
+    if isinstance(runs, list) and runs and isinstance(runs[0].get("environment"), dict):
+        return runs[0]["environment"]
+    return {}
+
+
+def run_command(data, environment):
+    return environment.get("command") or data.get("command") or "not recorded"
+
+
+def shown_command(run):
+    """The command as a reader would type it in the repository, with the
+    library's settings it ran under (COLLECTIVES_*=...) in front."""
+    command = written_here(readable_command(run.command), run.path)
+    settings = [f"{name}={value}" for name, value in settings_of(run.environment) if f"{name}=" not in command]
+    return " ".join([*settings, command])
+
+
+def settings_of(environment):
+    """The library's settings from the environment (COLLECTIVES_*), which change what runs: part of a configuration."""
+    return tuple(sorted((environment.get("settings") or {}).items()))
+
+
+def written_here(command, relative):
+    """The command with its JSON output (-J, --output_file) named where the
+    file is kept now, bench/results/<relative>: runs made elsewhere wrote it
+    to a scratch path first, which means nothing to a reader of this repository."""
+    return re.sub(r"(-J|--output_file)(\s+|=)\S+", lambda m: f"{m[1]}{m[2]}bench/results/{relative}", command)
+
+
+def readable_command(command):
+    """The command as a reader would type it: `python -m`, not the venv's path."""
+    return re.sub(r"\S*/python3?(\.\d+)? -m ", "python -m ", command)
+
+
+def machine(environment):
+    if not environment:
+        return "not recorded"
+    parts = []
+    device = environment.get("device")
+    if device and not is_cpu(device):
+        gpu = [device]
+        for key, label in (("compute_capability", "sm"), ("driver_release", "driver"),
+                           ("cuda_runtime", "CUDA runtime"), ("cupy", "CuPy"), ("nccl", "NCCL")):
+            if environment.get(key):
+                gpu.append(f"{label} {environment[key]}")
+        parts.append(", ".join(gpu))
+    if environment.get("cpu"):
+        cpu = environment["cpu"]
+        if environment.get("cores"):
+            cpu += f", {environment['cores']} cores"
+        if environment.get("memory_bytes"):
+            cpu += f", {environment['memory_bytes'] / 2 ** 30:.0f} GiB"
+        parts.append(cpu)
+    if device and str(device).startswith("host"):
+        parts.append("no GPU")
+    for key, label in (("mpi_library", ""), ("mpi4py", "mpi4py "), ("torch", "torch "), ("python", "Python "),
+                       ("numpy", "NumPy ")):
+        if environment.get(key):
+            parts.append(label + " ".join(str(environment[key]).split()))
+    return "; ".join(parts) or "not recorded"
+
+
+
+
+def is_cpu(device):
+    """Host ranks, and our CUDA kernels compiled for the CPU, and the dry adapter run on no GPU."""
+    return str(device).startswith(("host", "emulated", "dry"))
+
+
+def commit_text(measurement):
+    commit = measurement.commit
+    if not commit:
+        return "commit not recorded"
+    recorded = measurement.machine_environment.get("git_commit") or measurement.run.environment.get("git_commit")
+    if recorded and recorded != "unknown":
+        return f"commit `{commit[:10]}`"
+    return f"commit `{commit[:10]}` (the run recorded none: notes.json gives the commit that added the file)"
+
+
+def provenance(measurements):
+    """Under a table: each measurement's file, commit, command and notes,
+    under the machine it ran on (named once for all that share it)."""
+    by_machine = {}
+    for m in measurements:
+        by_machine.setdefault(machine(m.machine_environment), []).append(m)
+    lines = []
+    for name, group in by_machine.items():
+        lines += [f"Machine: {name}.", ""]
+        for m in group:
+            line = f"- {m.label}: {m.run.link}, {commit_text(m)}; `{shown_command(m.run)}`"
+            lines.append(line + (f". {m.run.note['note']}" if m.run.note.get("note") else ""))
+        lines.append("")
+    return lines
+
+
+# -- bench/harness.py's rows -----------------------------------------------------------
+
+
+def harness_rows(data):
+    """The rows of a harness run (one per backend and size), or None."""
+    rows = data.get("rows")
+    if isinstance(rows, list) and rows and "backend" in rows[0] and isinstance(rows[0].get("out_of_place"), dict):
+        return rows
+    return None
+
+
+def rows_by_size(rows):
+    """{size: {backend: row}}."""
+    by_size = {}
+    for r in rows:
+        by_size.setdefault(r["size"], {})[r["backend"]] = r
+    return dict(sorted(by_size.items()))
+
+
+def our_backend(backends):
+    return next((b for b in OUR_BACKENDS if b in backends), None)
+
+
+def place_times(row):
+    """A row's time per call in µs, out of place and in place (None where not measured)."""
+    return [(row or {}).get(place, {}).get("time_us") for place in PLACES]
+
+
+# -- tables ------------------------------------------------------------------------
+
+
+def markdown(header, body, text_columns=1):
+    """A table whose first `text_columns` columns are left-aligned, the rest (numbers) right-aligned."""
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i < text_columns else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in line) + " |" for line in body]
+    return lines
+
+
+def pair(values, digits=2):
+    """Out of place and in place in one cell: "1.74 · 1.62"; "-" for one not measured, or both."""
+    if all(v is None for v in values):
+        return "-"
+    return " · ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
+
+
+def ratio(numerator, denominator):
+    return numerator / denominator if numerator and denominator else None
+
+
+def and_join(items):
+    """"a", "a and b", "a, b and c"."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def size_label(nbytes):
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def cell(value):
+    """A number as a table shows it: enough digits to compare, no more."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return readable_command(" ".join(str(value).split()))
+    if isinstance(value, int):
+        return str(value)
+    if value == 0:
+        return "0"
+    if abs(value) >= 1e7 or abs(value) < 1e-3:
+        return f"{value:.3g}"
+    if abs(value) >= 100:
+        return f"{value:.1f}"
+    return f"{value:.3g}"
