@@ -8,7 +8,8 @@ import re
 import statistics
 
 from bench.report_runs import (Measurement, Part, harness_rows, is_cpu, markdown, our_backend, pair,
-                               place_times, provenance, ratio, rows_by_size, settings_of, size_label)
+                               place_times, provenance, ratio, rows_by_size, settings_of, short_machine,
+                               short_machines, size_label, span)
 
 # bench.floor judges a call by the copy from this size up; below, a call is bound by its launch, not by memory.
 FLOOR_FROM_BYTES = 16 << 20
@@ -47,6 +48,15 @@ def write_step_kernel(shown, runs):
         lines += [f"**{m.label}**", "", *markdown(header, body), ""]
     return lines + provenance(shown)
 
+
+def readme_step_kernel(shown, runs):
+    rows = []
+    for m in shown:
+        sizes = sorted({size_label(r["bytes_per_source"]) for r in m.content})
+        rows.append(["a device copy", f"the step kernel, {', '.join(sizes)} per source",
+                     span([r["step_vs_copy"] for r in m.content]) + " of its bandwidth",
+                     short_machine(m.machine_environment)])
+    return rows
 
 
 # -- allreduce against the copy floor --------------------------------------------------------
@@ -153,6 +163,17 @@ def write_against_floor(shown, runs):
     return lines + ["", *provenance(shown)]
 
 
+def readme_against_floor(shown, runs):
+    if not shown:
+        return []
+    ratios = [floor_ratios(m, runs) for m in shown]
+    sizes = sorted({size for r in ratios for size in r})
+    ranks = sorted({m.content["ranks"] for m in shown})
+    what = (f"allreduce, {' or '.join(map(str, ranks))} ranks on one GPU, "
+            f"{size_label(sizes[0])} to {size_label(sizes[-1])} per rank" if sizes else "allreduce")
+    values = [v for r in ratios for cells in r.values() for v in cells]
+    return [["a device copy", what, span(values) + " of its speed", short_machines(shown)]]
+
 
 # -- against NCCL ------------------------------------------------------------------
 
@@ -186,14 +207,22 @@ def write_against_nccl(shown, runs):
             *markdown(header, body), "", *provenance(shown)]
 
 
+def readme_against_nccl(shown, runs):
+    if not shown:
+        return [["NCCL", "any collective on GPU ranks", "not measured yet", "-"]]
+    values = [v for m in shown for cells in m.content.values() for v in cells]
+    versions = sorted({str(m.machine_environment.get("nccl")) for m in shown if m.machine_environment.get("nccl")})
+    return [[" ".join(["NCCL", *versions]), ", ".join(sorted({m.label for m in shown})), span(values),
+             short_machines(shown)]]
+
 
 GPU_PARTS = (
     Part("The step kernel against a device copy", step_kernel, write_step_kernel,
-         "No current run of `python -m bench.gpu_check` on a GPU."),
+         "No current run of `python -m bench.gpu_check` on a GPU.", readme_step_kernel),
     Part("Allreduce against one device copy", against_floor, write_against_floor,
-         "No current run of allreduce on a GPU."),
+         "No current run of allreduce on a GPU.", readme_against_floor),
     Part("Against NCCL", against_nccl, write_against_nccl,
          "Not measured yet: no run under `bench/results/` has an `nccl` backend. `python -m bench.gpu_check` "
          "measures it on a machine with GPUs (its section 5), as does `python -m bench.all_reduce_perf "
-         "--device cuda --backend ours,nccl`."),
+         "--device cuda --backend ours,nccl`.", readme_against_nccl),
 )

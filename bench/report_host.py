@@ -4,12 +4,15 @@ process count, and per collective where it measures several), the suite's
 runs on host ranks with an mpi or gloo backend (bench/harness.py), and
 bench.hierarchy_perf's across pretend nodes."""
 
-from bench.report_runs import (PLACES, Measurement, Part, harness_rows, markdown, our_backend, pair, place_times,
-                               provenance, ratio, rows_by_size, settings_of, size_label)
+import re
+
+from bench.report_runs import (PLACES, Measurement, Part, and_join, harness_rows, markdown, our_backend, pair,
+                               place_times, provenance, ratio, rows_by_size, settings_of, short_machines, size_label,
+                               span)
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 REFERENCES = ("MPICH", "Gloo")  # the libraries host ranks are measured against
-SOURCES = ("bench.host_vs_mpich", "the suite", "bench.hierarchy_perf")  # the order of their columns
+SOURCES = ("bench.host_vs_mpich", "the suite", "bench.hierarchy_perf")  # the order of their columns and README rows
 
 
 # -- host ranks against MPICH and Gloo, per collective --------------------------------
@@ -89,7 +92,7 @@ def hierarchy_measurement(run):
 
 def comparison(collective, ratios, source, where, processes):
     """What this question's tables read: {library: {size: [out of place, in place]}} of the
-    library's time over ours; and which tool measured it, where."""
+    library's time over ours; and which tool measured it, where (for the README's rows)."""
     return {"collective": collective, "ratios": ratios, "source": source, "where": where, "processes": processes}
 
 
@@ -130,8 +133,44 @@ def reference_order(name):
     return (REFERENCES.index(name) if name in REFERENCES else len(REFERENCES), name)
 
 
+def readme_against_libraries(shown, runs):
+    """A row per library and tool: the range of its time over ours, over every size, placement and configuration."""
+    groups = {}
+    for m in shown:
+        for name in m.content["ratios"]:
+            groups.setdefault((SOURCES.index(m.content["source"]), reference_order(name)), []).append((m, name))
+    rows = []
+    for _, members in sorted(groups.items()):
+        name = members[0][1]
+        collectives = [c for c in COLLECTIVES if any(m.content["collective"] == c for m, _ in members)]
+        sizes = sorted({s for m, n in members for s in m.content["ratios"][n]})
+        what = (f"{', '.join(collectives)}; {where_text([m.content for m, _ in members])}; "
+                f"{size_label(sizes[0])} to {size_label(sizes[-1])}")
+        values = [v for m, n in members for cells in m.content["ratios"][n].values() for v in cells]
+        rows.append([library_version(name, [m.machine_environment for m, _ in members]), what, span(values),
+                     short_machines([m for m, _ in members])])
+    return rows
 
+
+def where_text(contents):
+    """Where the runs ran, in a few words: "host ranks, 2 and 4 processes"."""
+    wheres = {}
+    for content in contents:
+        wheres.setdefault(content["where"], set()).add(content["processes"])
+    return "; ".join(f"{where}, {and_join([str(n) for n in sorted(counts)])} processes" if where == "host ranks"
+                     else where for where, counts in wheres.items())
+
+
+def library_version(name, environments):
+    """"MPICH 5.0.2", "Gloo (torch 2.13.0)": the versions the runs recorded."""
+    if name == "MPICH":
+        found = (re.search(r"\d+(\.\d+)+", str(e.get("mpi_library", ""))) for e in environments)
+        return " ".join(["MPICH", *sorted({version[0] for version in found if version})])
+    if name == "Gloo":
+        versions = sorted({str(e["torch"]).split("+")[0] for e in environments if e.get("torch")})
+        return f"Gloo (torch {', '.join(versions)})" if versions else "Gloo"
+    return name
 
 
 HOST_PARTS = (Part("", against_libraries, write_against_libraries,
-                   "No current run measures host ranks against another library."),)
+                   "No current run measures host ranks against another library.", readme_against_libraries),)

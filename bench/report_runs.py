@@ -73,12 +73,14 @@ class Measurement:
 @dataclass(frozen=True)
 class Part:
     """One table of a question: which measurements it takes from a run
-    (`measure`: a file it does not answer gives none), and its tables from
-    the latest measurement of each configuration (`write`)."""
+    (`measure`: a file it does not answer gives none), its tables from the
+    latest measurement of each configuration (`write`), and its rows of the
+    README's results table (`readme`, where it gives any)."""
     title: str                      # its heading; "" for a question of one part
     measure: Callable               # run -> [Measurement]
     write: Callable                 # (latest measurements, every run) -> markdown lines
     missing: str                    # what the page says where no current run answers it
+    readme: Callable = None         # (latest measurements, every run) -> README rows
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,19 @@ def machine(environment):
     return "; ".join(parts) or "not recorded"
 
 
+def short_machine(environment):
+    """The machine in a few words, for the README: the GPU, or the CPU's cores."""
+    device = str(environment.get("device") or "")
+    if device and not is_cpu(device):
+        return device
+    cores = environment.get("cores")
+    kind = "emulated GPU ranks" if device.startswith("emulated") else "no GPU"
+    return f"{cores}-core CPU, {kind}" if cores else "not recorded"
+
+
+def short_machines(measurements):
+    """Each measurement's machine in a few words, once each."""
+    return "; ".join(dict.fromkeys(short_machine(m.machine_environment) for m in measurements))
 
 
 def is_cpu(device):
@@ -328,3 +343,12 @@ def cell(value):
     if abs(value) >= 100:
         return f"{value:.1f}"
     return f"{value:.3g}"
+
+
+def span(values, unit="x"):
+    """The range of some ratios as the README gives it: "1.47x to 3.57x"."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return f"{low:.2f}{unit}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}{unit} to {high:.2f}{unit}"

@@ -1,6 +1,7 @@
-"""docs/benchmarks.md is exactly what `python -m bench.report` writes from
-bench/results/, so it cannot drift from the measurements; and it shows, per
-question, the latest run of each configuration and links the rest."""
+"""docs/benchmarks.md and the README's results table are exactly what
+`python -m bench.report` writes from bench/results/, so neither can drift
+from the measurements; and the page shows, per question, the latest run of
+each configuration and links the rest."""
 
 import json
 import os
@@ -24,6 +25,13 @@ def test_committed_page_is_what_the_report_writes_today():
     assert committed == report.render(RESULTS), (
         "docs/benchmarks.md is out of date with bench/results/: run python -m bench.report and commit it")
 
+
+def test_committed_readme_table_is_what_the_report_writes_today():
+    runs = report.load_runs(RESULTS)
+    committed = report.readme_block((report.ROOT / report.README).read_text())
+    assert committed is not None, f"README.md has lost its {report.README_START} block"
+    assert committed == report.readme_table(runs, report.repository_history()), (
+        "README.md's results table is out of date with bench/results/: run python -m bench.report and commit it")
 
 
 def test_the_page_links_every_run():
@@ -161,6 +169,8 @@ def test_questions_with_no_data_say_so(tmp_path):
     gpu = section(page, "GPU ranks against the memory floor and NCCL")
     assert "Not measured yet: no run under `bench/results/` has an `nccl` backend." in gpu
     assert "No current run of `python -m bench.gpu_check` on a GPU." in gpu
+    table = report.readme_table(report.load_runs(tmp_path), HISTORY)
+    assert "| NCCL | any collective on GPU ranks | not measured yet | - |" in table
 
 
 def test_host_vs_mpich_runs_slot_in_by_their_collective(tmp_path):
@@ -173,6 +183,9 @@ def test_host_vs_mpich_runs_slot_in_by_their_collective(tmp_path):
         table = host.split(f"### {collective}\n", 1)[1].split("###", 1)[0]
         assert "| 64 B | 2.00 · 2.00 |" in table, collective
         assert "has not measured" not in table
+    table = report.readme_table(report.load_runs(tmp_path), HISTORY)
+    assert ("| MPICH 9.9.9 | allreduce, reduce_scatter; host ranks, 2 processes; 64 B to 64 B | 2.00x "
+            "| 2-core CPU, no GPU |") in table
 
 
 def test_the_gpu_floor_is_one_copy_of_what_the_call_moves(tmp_path):
@@ -192,6 +205,9 @@ def test_the_gpu_floor_is_one_copy_of_what_the_call_moves(tmp_path):
     assert "| 32 MiB | 0.50 · 0.25 |" in gpu and "| 1 MiB |" not in gpu  # below 16 MiB a call is launch-bound
     assert "the copy at 1000 GB/s" in gpu
     assert "| 4 | 1 | 1 | 256 MiB | 900 | 1000 | 0.90 |" in gpu
+    table = report.readme_table(report.load_runs(tmp_path), HISTORY)
+    assert "| a device copy | the step kernel, 256 MiB per source | 0.90x of its bandwidth | Test GPU |" in table
+    assert "| a device copy | allreduce, 4 ranks on one GPU, 32 MiB to 32 MiB per rank | 0.25x to 0.50x" in table
 
 
 def test_runs_no_question_reads_are_linked_at_the_end(tmp_path):
@@ -209,14 +225,30 @@ def test_notes_for_missing_files_are_an_error(tmp_path):
         report.render(tmp_path)
 
 
+def test_the_results_table_replaces_only_its_block():
+    text = f"# R\n\nbefore\n\n{report.README_START}\n| old |\n{report.README_END}\n\nafter\n"
+    rewritten = report.with_results_table(text, "| new |\n")
+    assert rewritten == f"# R\n\nbefore\n\n{report.README_START}\n| new |\n{report.README_END}\n\nafter\n"
+    assert report.readme_block(rewritten) == "| new |\n"
+    with pytest.raises(ValueError, match="no .* block"):
+        report.with_results_table("# R\n", "| new |\n")
 
-def test_the_command_writes_the_page(tmp_path):
-    write(tmp_path, {"a.json": suite_run(NEW, 2.0)})
+
+def test_the_command_writes_the_page_and_the_readme_table(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    write(results, {"a.json": suite_run(NEW, 2.0)})
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# R\n\n{report.README_START}\nstale\n{report.README_END}\n\nmore\n")
     output = tmp_path / "page.md"
-    command = [sys.executable, "-m", "bench.report", "--results", str(tmp_path), "-o", str(output)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "bench.report", "--results", str(results), "-o", str(output)]
+    done = subprocess.run([*command, "--readme", str(readme)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert output.read_text() == report.render(tmp_path)
+    assert output.read_text() == report.render(results)
+    runs = report.load_runs(results)
+    table = report.readme_table(runs, report.repository_history())
+    assert readme.read_text() == f"# R\n\n{report.README_START}\n{table}{report.README_END}\n\nmore\n"
+    # -o - prints the page; with --results of its own and no --readme, no README is touched.
     printed = subprocess.run([*command[:-1], "-"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert printed.returncode == 0, printed.stderr
-    assert printed.stdout == report.render(tmp_path)
+    assert printed.stdout == report.render(results)
