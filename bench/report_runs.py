@@ -6,7 +6,7 @@ number came from (machine, commit, command) and writes its tables."""
 import json
 import re
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -55,19 +55,21 @@ class Measurement:
     configuration: tuple   # what makes it a different measurement (tool, device, ranks, placement, ...)
     label: str             # how its table names it
     content: object        # what the question tabulates; its shape is the question's own
-    environment: dict = field(default=None)   # its own where it has one, else the file's
+    environment: dict = None   # its own where it has one (a host_vs_mpich run's), else the file's
 
     @property
     def machine_environment(self):
         return self.environment if self.environment is not None else self.run.environment
 
     @property
+    def recorded_commit(self):
+        recorded = self.machine_environment.get("git_commit") or self.run.environment.get("git_commit")
+        return recorded if recorded and recorded != "unknown" else None
+
+    @property
     def commit(self):
         """The commit measured: recorded by the run, else notes.json's (None if neither)."""
-        recorded = self.machine_environment.get("git_commit") or self.run.environment.get("git_commit")
-        if recorded and recorded != "unknown":
-            return recorded
-        return self.run.note.get("commit")
+        return self.recorded_commit or self.run.note.get("commit")
 
 
 @dataclass(frozen=True)
@@ -241,13 +243,12 @@ def is_cpu(device):
 
 
 def commit_text(measurement):
-    commit = measurement.commit
-    if not commit:
-        return "commit not recorded"
-    recorded = measurement.machine_environment.get("git_commit") or measurement.run.environment.get("git_commit")
-    if recorded and recorded != "unknown":
-        return f"commit `{commit[:10]}`"
-    return f"commit `{commit[:10]}` (the run recorded none: notes.json gives the commit that added the file)"
+    if measurement.recorded_commit:
+        return f"commit `{measurement.recorded_commit[:10]}`"
+    if measurement.commit:
+        return (f"commit `{measurement.commit[:10]}` (the run recorded none: notes.json gives the commit that added "
+                f"the file)")
+    return "commit not recorded"
 
 
 def provenance(measurements):
