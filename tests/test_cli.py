@@ -125,8 +125,9 @@ def test_the_library_names_both_installs_when_headers_are_missing(monkeypatch):
 
 
 # The tools that write a file whatever they are told: bench.report's job is
-# to write docs/benchmarks.md (test_report.py checks the page), and
-# bench.plot requires -o. The models print and write nothing.
+# to write docs/benchmarks.md and README.md's results table (test_report.py
+# checks both), and bench.plot requires -o. The models print and write
+# nothing.
 WRITERS_BY_DESIGN = {"report", "plot"}
 PRINT_ONLY = {"model", "hierarchy_model"}
 
