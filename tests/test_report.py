@@ -210,6 +210,27 @@ def test_the_gpu_floor_is_one_copy_of_what_the_call_moves(tmp_path):
     assert "| a device copy | allreduce, 4 ranks on one GPU, 32 MiB to 32 MiB per rank | 0.25x to 0.50x" in table
 
 
+def test_bench_floor_rows_and_an_nccl_backend_fill_their_tables(tmp_path):
+    """What no committed run has yet: bench.floor's own copy / call, and ours against NCCL."""
+    gpu = {"device": "Test GPU", "git_commit": NEW, "ranks": 2, "nccl": "2.99.1"}
+    floor_rows = [{"bytes": size, "algorithm": "ring", "copy_over_call": 0.8} for size in (4, 64 << 20)]
+    nccl_rows = [{"backend": b, "size": 1 << 20, "out_of_place": {"time_us": 30.0 if b == "nccl" else 10.0},
+                  "in_place": {"time_us": 20.0 if b == "nccl" else 10.0}} for b in ("ours", "nccl")]
+    write(tmp_path, {"floor.json": {"command": "python -m bench.floor --device cuda --ranks 2",
+                                    "environment": {**gpu, "in_place": True}, "rows": floor_rows},
+                     "nccl.json": {"collective": "allreduce", "rows": nccl_rows, "environment": {
+                         **gpu, "command": "python -m bench.all_reduce_perf --device cuda --backend ours,nccl"}}})
+    page = section(report.render(tmp_path, HISTORY), "GPU ranks against the memory floor and NCCL")
+    # The nccl run is also a sweep of ours on a GPU, with no copy measured beside it: a column, no ratio.
+    assert "| 64 MiB | - | - · 0.80 |" in page and "| 4 B |" not in page
+    assert "- bench.floor, 2 ranks on one GPU: the copy timed beside the call, size by size (bench.floor)." in page
+    assert "2 ranks, the default algorithm: no device copy was measured on the same GPU at the same commit" in page
+    assert "| size | NCCL / ours, allreduce, 2 ranks |" in page and "| 1 MiB | 3.00 · 2.00 |" in page
+    assert "Not measured yet" not in page
+    table = report.readme_table(report.load_runs(tmp_path), HISTORY)
+    assert "| NCCL 2.99.1 | allreduce, 2 ranks | 2.00x to 3.00x | Test GPU |" in table
+
+
 def test_runs_no_question_reads_are_linked_at_the_end(tmp_path):
     write(tmp_path, {"sub/plan.json": {"command": "python -m bench.plan_report", "rows": [{"x": 1}]}},
           notes={"sub/plan.json": {"commit": OLD, "note": "counted, not measured"}})
