@@ -6,6 +6,7 @@ Rank r's element i is chosen so that every result is exact in every dtype
 so one expectation serves every algorithm and backend, with no tolerance.
 """
 
+import functools
 import os
 import sys
 import traceback
@@ -30,20 +31,28 @@ def _sign(dtype):
 
 
 def reduction_input(op, dtype, n, r, count):
-    i = np.arange(count)
     if op in ("sum", "avg"):
-        values = _sign(dtype) * ((i % 5) + r + 1)
+        values = _sign(dtype) * (_residues(5, count) + (r + 1))
     elif op == "prod":
-        values = np.where((i + r) % n == 0, 2, 1)  # exactly one rank contributes 2
+        values = np.where(_residues(n, count) == (-r) % n, 2, 1)  # exactly one rank contributes 2
     else:
-        values = (i + r) % n + (0 if dtype.kind == "u" else -3)
+        values = (_residues(n, count) + r) % n + (0 if dtype.kind == "u" else -3)
     return values.astype(dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def _residues(modulus, count):
+    """i % modulus for i < count, read-only: the matrix asks for the same few
+    thousand times (every dtype, op, rank, algorithm and backend), and at
+    65537 elements computing it anew was most of a test's time."""
+    residues = (np.arange(count) % modulus).astype(np.int16)
+    residues.flags.writeable = False
+    return residues
+
+
 def reduction_expected(op, dtype, n, count):
-    i = np.arange(count)
     if op in ("sum", "avg"):
-        total = n * (i % 5) + n * (n + 1) // 2
+        total = n * _residues(5, count).astype(np.int64) + n * (n + 1) // 2
         if op == "avg":
             # Floats divide exactly here ((n+1)/2 is a half-integer at worst);
             # integers truncate the magnitude, i.e. round toward zero.

@@ -62,9 +62,9 @@ def test_allreduce(backend, communicators, n, count, algorithm, in_place):
             want = reduction_expected(op, dtype, n, count)
             for r in range(n):
                 assert results[r] is (xs[r] if in_place else outs[r]), case
-                assert_bits_equal(backend.get(results[r]), want, f"{case} rank {r}")
+                assert_bits_equal(backend.read(results[r]), want, f"{case} rank {r}")
                 if not in_place:
-                    assert_bits_equal(backend.get(xs[r]), originals[r], f"{case}: input of rank {r} changed")
+                    assert_bits_equal(backend.read(xs[r]), originals[r], f"{case}: input of rank {r} changed")
 
 
 @matrix
@@ -82,8 +82,8 @@ def test_reduce_scatter(backend, communicators, n, count, algorithm, in_place):
             want = reduction_expected(op, dtype, n, n * count)
             for r in range(n):
                 block = slice(r * count, (r + 1) * count)
-                assert_bits_equal(backend.get(results[r]), want[block], f"{case} rank {r}")
-                x = backend.get(xs[r])
+                assert_bits_equal(backend.read(results[r]), want[block], f"{case} rank {r}")
+                x = backend.read(xs[r])
                 if in_place:
                     assert count == 0 or shares_memory(results[r], xs[r]), case
                     others = np.ones(n * count, bool)
@@ -112,7 +112,7 @@ def test_allgather(backend, communicators, n, count, algorithm, in_place):
         results = comm.allgather(xs, out=outs, algorithm=algorithm)
         for r in range(n):
             assert results[r] is outs[r], case
-            assert_bits_equal(backend.get(results[r]), want, f"{case} rank {r}")
+            assert_bits_equal(backend.read(results[r]), want, f"{case} rank {r}")
 
 
 @matrix
@@ -126,7 +126,7 @@ def test_broadcast(backend, communicators, n, count, algorithm):
             results = comm.broadcast(xs, root=root, algorithm=algorithm)
             for r in range(n):
                 assert results[r] is xs[r]
-                assert_bits_equal(backend.get(results[r]), gather_input(dtype, root, count), f"{case} rank {r}")
+                assert_bits_equal(backend.read(results[r]), gather_input(dtype, root, count), f"{case} rank {r}")
 
 
 @matrix
@@ -142,7 +142,7 @@ def test_reduce(backend, communicators, n, count, algorithm):
                 comm.reduce(xs, root=root, op=op, algorithm=algorithm)
                 for r in range(n):
                     want = reduction_expected(op, dtype, n, count) if r == root else originals[r]
-                    assert_bits_equal(backend.get(xs[r]), want, f"{case} rank {r}")
+                    assert_bits_equal(backend.read(xs[r]), want, f"{case} rank {r}")
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
