@@ -80,7 +80,8 @@ def parse_args(argv):
 # -- 1. the gpu tests ------------------------------------------------------------
 
 def run_gpu_tests(device):
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"]
+    # -n 0: in one process, one test at a time: the tests share the one GPU.
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "-p", "no:cacheprovider", "tests"]
     env = dict(os.environ, COLLECTIVES_TEST_DEVICE=device)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)

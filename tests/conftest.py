@@ -1,4 +1,6 @@
-"""Test configuration: markers, a global hang guard, shared fixtures."""
+"""Test configuration (the rest is pyproject.toml's [tool.pytest.ini_options]):
+which collective-matrix cases run, which tests share an xdist worker, and
+the skips grouped by reason."""
 
 import pytest
 
@@ -13,23 +15,25 @@ REDUCED_MATRIX_ON_DEVICES = {"emulated": {(3, 4), (3, 1000), (4, 1000), (5, 6), 
                              "emulated-3": {(5, 1000)}}
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with a reason when none is usable)")
-    config.addinivalue_line("markers", "mpi: starts several processes under mpiexec")
-    # No test may hang CI: every test gets a hard limit unless it sets its own.
-    if config.pluginmanager.hasplugin("timeout") and not config.getoption("timeout", None):
-        config.option.timeout = 300
+# The xdist group of the tests whose ranks are processes waiting on each
+# other (markers mpi and processes): they run one after another on one
+# worker, so that two such jobs never share the two cores of CI, where a
+# rank that is not scheduled looks stalled to its peers.
+PROCESS_GROUP = "processes"
 
 
 def pytest_collection_modifyitems(config, items):
     """Drop the collective-matrix cases that cannot or need not run: an
     algorithm on a collective it does not implement, and the device
-    backends' cases beyond the reduced matrix for the newer algorithms."""
+    backends' cases beyond the reduced matrix for the newer algorithms.
+    Put the tests that start processes in one xdist group."""
     from collectives.algorithms import REGISTRY
     from collectives.algorithms.schedule import COLLECTIVES
 
     kept, dropped = [], []
     for item in items:
+        if item.get_closest_marker("mpi") or item.get_closest_marker("processes"):
+            item.add_marker(pytest.mark.xdist_group(PROCESS_GROUP))
         params = getattr(item, "callspec", None) and item.callspec.params
         collective = item.originalname[len("test_"):] if item.originalname else ""
         if not params or "algorithm" not in params or item.module.__name__ != "test_collectives":

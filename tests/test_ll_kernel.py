@@ -195,6 +195,7 @@ def run_ranks(library, n, seed, calls, timeout_s=5.0, delays=True, kinds=COLLECT
     return found
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_the_kernel_gives_the_interpreters_bits_across_processes(n):
     # All five collectives mixed: a call's slot-reuse wait (step 1) looks at
@@ -203,12 +204,14 @@ def test_the_kernel_gives_the_interpreters_bits_across_processes(n):
     assert found == {rank: ([], None) for rank in range(n)}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_each_collective_alone_gives_the_interpreters_bits(collective):
     found = run_ranks(emulated.library(), 3, seed=17, calls=30, kinds=(collective,))
     assert found == {rank: ([], None) for rank in range(3)}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_a_stalled_rank_makes_the_others_give_up_and_name_it(collective):
     # Rank n - 1 makes three calls, the others five: the others' kernels
@@ -260,6 +263,7 @@ def broken_copy(tmp_path, old, new):
 PUBLISH = "sys_store_line(ll_line(args.areas[args.rank], set, i), tag | (word & 0xffffffffull), tag | (word >> 32));"
 
 
+@pytest.mark.processes
 def test_a_flag_stored_before_its_data_is_caught(tmp_path):
     # The LL rule broken: the flag goes out in a store of its own, before the
     # data (a yield between the two stands for the delay a GPU may put
@@ -276,6 +280,7 @@ def test_a_flag_stored_before_its_data_is_caught(tmp_path):
 STATE_STORE = "*state = ll_state(generation, args.signature, lines);"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("collective", ["allreduce", "broadcast"])
 def test_a_kernel_that_does_not_advance_its_state_is_caught(tmp_path, collective):
     # The device-side generation broken: the state word is read but never

@@ -23,8 +23,10 @@ pytestmark = pytest.mark.mpi
 WORKER = Path(__file__).with_name("ll_worker.py")
 
 
-# The collectives the executor runs as one kernel, the allreduce first.
-ON_THE_PATH = sorted(ACCEPTED, key=lambda name: name != "allreduce")
+# The collectives the executor runs as one kernel, the allreduce first, the
+# others by name (ACCEPTED is a set: its order differs between processes,
+# and pytest-xdist needs every worker to collect the same order).
+ON_THE_PATH = sorted(ACCEPTED, key=lambda name: (name != "allreduce", name))
 
 
 def run_ranks(n, scenario, device="emulated", collective="allreduce", limit=120):
