@@ -7,10 +7,9 @@ import weakref
 
 import numpy as np
 
-from . import arrays, fusion, validation
+from . import arrays, auto, fusion, validation
 from . import graph as graph_capture
 from . import prepared
-from .algorithms import choose
 from .algorithms.schedule import (
     ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES as COLLECTIVE_NAMES, REDUCE_SCATTER, REDUCE_TO_ROOT,
 )
@@ -535,13 +534,9 @@ class Communicator:
     def _auto(self, collective, elements, itemsize, root, binding=None, compression=None):
         """What `auto` runs for a call of `elements` per rank: the model asks
         about each rank's WORK buffer (all blocks, for allgather). Ranks that
-        price bound plans themselves (all on one GPU) answer for a binding,
-        or a codec."""
+        all share one GPU price bound plans, for a binding or a codec (auto.py)."""
         count = elements * self.size if collective == ALLGATHER else elements
-        by_binding = getattr(self._ranks, "choose", None)
-        picked = by_binding(collective, count * itemsize, root, binding, compression) \
-            if by_binding and (binding or compression) else None
-        return picked or choose(collective, self.size, count * itemsize, root, self._ranks.transport)
+        return auto.choose(collective, self.size, count * itemsize, root, self._ranks, binding, compression)
 
     def barrier(self):
         """Return once every rank has called barrier.

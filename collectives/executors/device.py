@@ -48,20 +48,18 @@ every rank on one device is one codec_round_sum instead
 order, the compressed plan's bits at the uncompressed floor.
 """
 
-import functools
 from typing import NamedTuple, Tuple
 
 import numpy as np
 
 from .. import config, kernels
-from ..algorithms import MODELS, REGISTRY
 from ..algorithms.schedule import REDUCING_COLLECTIVES
-from ..binding import IN_PLACE, IN_PLACE_LOCKSTEP, INPUT, OUT_OF_PLACE, OUTPUT
+from ..binding import IN_PLACE, IN_PLACE_LOCKSTEP, INPUT, OUTPUT
 from ..compression import kernels as codecs
 from ..compression import wire
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
-from ..plan import COUNT, DST_BUF, DST_OFF, NSRC, RANK, SCRATCH, WORK, build_plan, derive_waits
+from ..plan import COUNT, DST_BUF, DST_OFF, NSRC, RANK, SCRATCH, WORK, derive_waits
 from .peer_ll import PeerLL
 
 LAUNCH, RECORD, WAIT = "launch", "record", "wait"
@@ -172,46 +170,6 @@ def groups_traffic(rows, fanout, itemsize):
     return int((counts * (sources + fanout)).sum()) * itemsize
 
 
-@functools.lru_cache(maxsize=256)
-def bound_plan_costs(collective, nranks, root, binding):
-    """Per registered algorithm, with every rank on one device: (launches,
-    bytes of traffic per byte of a rank's WORK buffer) of its bound plan,
-    fan-out groups reading their sources once. Traffic scales with the
-    message, so one plan of whole chunks prices every size."""
-    itemsize, count = 4, nranks * nranks * 64
-    costs = {}
-    for name, spec in REGISTRY.items():
-        if collective not in spec.collectives:
-            continue
-        plan = build_plan(collective, name, nranks, count, np.dtype(np.float32), "sum", root, binding)
-        launches = traffic = 0
-        for phase in plan.phases:
-            if len(phase.table):
-                rows, fanout = fan_out(phase.table)
-                launches += 1
-                traffic += groups_traffic(rows, fanout, itemsize)
-        costs[name] = (launches, traffic / (count * itemsize))
-    return costs
-
-
-def one_device_choice(collective, nranks, nbytes, root, binding, transport):
-    """The algorithm `auto` runs for ranks that all share one device: the one
-    whose bound plan the model of `transport` prices lowest, its launches at
-    the model's step cost plus its traffic at the model's bandwidth; ties go
-    to fewer launches, then to the first registered. The schedule-level
-    model (algorithms.choose) cannot see what binding and fan-out change
-    there: out of place, direct is one launch at the floor; in place it
-    needs a copy phase, and star or two_shot move less."""
-    model = MODELS[transport]
-    costs = bound_plan_costs(collective, nranks, root, binding)
-
-    def price(name):
-        launches, traffic_per_byte = costs[name]
-        return launches * model.step_seconds + traffic_per_byte * nbytes / model.bytes_per_second, launches
-
-    return min(costs, key=price)
-
-
 class DeviceRanks:
     """Ranks of one process, each on a device (the object `run` is called on)."""
 
@@ -253,6 +211,12 @@ class DeviceRanks:
         self._peers = PeerLL(self.devices) \
             if len(self.devices) > 1 and len(self.devices) == len(devices) and config.resolve_one_kernel_allreduce() \
             else None
+
+    @property
+    def one_device(self):
+        """Whether every rank shares one device, where `auto` prices bound
+        plans (auto.py) and a compressed direct runs in one pass."""
+        return len(self.devices) == 1
 
     # -- the per-call path -----------------------------------------------------
 
@@ -539,20 +503,6 @@ class DeviceRanks:
             for key in joins[k]:
                 wait(k, key)
         return steps, recorded
-
-    def choose(self, collective, nbytes, root, binding, compression=None):
-        """What `auto` runs for a call of `nbytes` per rank's WORK buffer
-        bound as `binding`, when every rank shares one device: priced on
-        bound plans (one_device_choice); compressed, direct, whose one pass
-        (rounds_in_one_pass) moves the floor's bytes in one launch, which no
-        plan beats. Else None (the schedule-level model)."""
-        if len(self.devices) != 1:
-            return None
-        if compression is not None:
-            return "direct" if "direct" in REGISTRY and collective in REGISTRY["direct"].collectives else None
-        if binding not in (IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE):
-            return None
-        return one_device_choice(collective, len(self.rank_devices), nbytes, root, binding, self.transport)
 
     # -- reports ---------------------------------------------------------------
 
