@@ -281,7 +281,7 @@ class ProcessGroup:
 
     def ll_region(self):
         """The control segment's LL region (layout.py): LL_REGION_BYTES per
-        rank, for the one-kernel collectives (executors/ll_allreduce.py)."""
+        rank, for the one-kernel collectives (executors/device_protocol.py)."""
         return np.ndarray((self.size, LL_REGION_BYTES), np.uint8, self._control_segment.buf,
                           offset=ll_region_offset(self.size))
 
