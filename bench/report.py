@@ -226,7 +226,8 @@ def harness_table(data):
                 for place in ("out_of_place", "in_place"):
                     line.append(ratio(got.get(b), first, place))
         if picks:
-            picked = sorted({r["picked"] for r in got.values() if r.get("algorithm") == "auto" and r.get("picked")})
+            picked = sorted({r["picked"] + (f" ({r['path']})" if r.get("path") else "")   # runs since the paths
+                             for r in got.values() if r.get("algorithm") == "auto" and r.get("picked")})
             line.append(", ".join(picked) or "-")
         body.append(line)
     title = (f"{data.get('collective', '')}, {first_value(data['rows'], 'type')} "

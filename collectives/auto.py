@@ -88,3 +88,27 @@ def one_device_choice(collective, nranks, nbytes, root, binding, transport):
 
     return min(costs, key=price)
 
+
+class Choice(str):
+    """What a call runs (Communicator.chosen_algorithm): the algorithm's
+    name, which it is (it compares, hashes, prints and serializes as that
+    str, so code that took the name goes on working), and the execution
+    path that runs it in `path` (executors/paths.py: "ll", "symmetric",
+    "staged", "step", "peer_ll", "events"; for other ranks "interpreter",
+    "step", "compiled_loop", "nccl")."""
+
+    def __new__(cls, algorithm, path):
+        choice = super().__new__(cls, algorithm)
+        choice.path = path
+        return choice
+
+    @property
+    def algorithm(self):
+        """The algorithm's name, as a plain str."""
+        return str.__str__(self)
+
+    def __repr__(self):
+        return f"Choice({self.algorithm!r}, path={self.path!r})"
+
+    def __reduce__(self):
+        return Choice, (self.algorithm, self.path)

@@ -85,6 +85,18 @@ def one_pass(plan):
     return plan.collective in ONE_PASS_COLLECTIVES and same_bits_as_direct(plan) and plan.compression is None
 
 
+class CallShape(NamedTuple):
+    """What the paths' `serves` reads of a plan, for asking which path a
+    call would take without planning it (Communicator.chosen_algorithm)."""
+    collective: str
+    algorithm: str
+    nranks: int
+    count: int          # elements of each rank's WORK buffer, as plan.count
+    dtype: object       # a NumPy dtype
+    root: int
+    compression: object
+
+
 class Path:
     """One way a call runs. A path says:
 
