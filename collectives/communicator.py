@@ -626,8 +626,8 @@ class Communicator:
         self._check_open()
         self._check_idle()
         devices = getattr(self._ranks, "devices", ())
-        if getattr(self._ranks, "capturable", False):   # GPU ranks in processes, one-kernel path
-            return graph_capture.Capture(self, devices[0], self._ranks.replay_graph)
+        if getattr(self._ranks, "capturable", False):   # GPU ranks in processes, one-kernel paths
+            return graph_capture.Capture(self, self._ranks, self._ranks.replay_graph)
         if not isinstance(self._ranks, DeviceRanks) or len(devices) != 1:
             where = (f"these ranks are on {len(devices)} devices" if isinstance(self._ranks, DeviceRanks)
                      else f"these are {type(self._ranks).__name__} ranks")

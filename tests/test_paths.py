@@ -1,7 +1,11 @@
 """The execution paths of GPU calls and the selector that picks one
-(executors/paths.py): the selector's rule and its memory; the path
+(executors/paths.py): the selector's rule and memory; the path
 chosen_algorithm names is the one a call takes, in one process and across
-processes (tests/paths_worker.py, under mpiexec on emulated devices).
+processes; the call records (executors/device_protocol.py). Across
+processes under mpiexec on emulated devices (tests/paths_worker.py): a
+rank whose call takes another path than its peers' (LL, symmetric memory,
+staging, the step protocol, a barrier, a graph's replay) is a different
+call that every rank names at once.
 """
 
 import json
@@ -15,10 +19,14 @@ import collectives
 from collectives import InvalidUsageError
 from collectives.auto import Choice
 from collectives.config import ONE_KERNEL_ALLREDUCE_ENV
+from collectives.executors.device_protocol import CallRecords
 from collectives.executors.paths import ANY, PLAIN, SYMMETRIC, Path as ExecutionPath, Route, Selector
 from collectives.plan import build_plan
+from collectives.transport.layout import CALL_RECORD_BYTES, CALL_RECORDS
 
 WORKER = Path(__file__).with_name("paths_worker.py")
+CROSS_PATH = ["ll_vs_symmetric", "ll_vs_staged", "ll_vs_step", "staged_vs_step", "symmetric_vs_step", "ll_vs_barrier",
+              "replay_vs_staged"]   # tests/paths_worker.py
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +37,23 @@ def emulation_library_built():
 
 
 @pytest.mark.mpi
-def test_ranks_in_processes_run_the_path_chosen_algorithm_names(emulation_library_built):
+@pytest.mark.parametrize("scenario", CROSS_PATH)
+def test_a_rank_whose_call_takes_another_path_is_named_at_once_on_every_rank(scenario, emulation_library_built):
     pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
     from test_mpi import run_worker
-    oks, report = run_worker(WORKER, 3, "chosen_path", "emulated", limit=120,
+    oks, report = run_worker(WORKER, 3, scenario, "emulated", limit=120,
                              environment={"COLLECTIVES_ONE_KERNEL_ALLREDUCE": "1"})
     assert len(oks) == 3, report
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, scenario", [(2, "algorithms_of_one_kernel"), (3, "chosen_path")])
+def test_across_processes(n, scenario, emulation_library_built):
+    pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+    from test_mpi import run_worker
+    oks, report = run_worker(WORKER, n, scenario, "emulated", limit=120,
+                             environment={"COLLECTIVES_ONE_KERNEL_ALLREDUCE": "1"})
+    assert len(oks) == n, report
 
 
 # -- the selector -------------------------------------------------------------------------
@@ -167,3 +186,62 @@ def test_ranks_in_one_process_run_the_path_chosen_algorithm_names(monkeypatch, o
             assert one_kernel_ran == (path == "peer_ll"), (count, algorithm, compression, counts)
     with collectives.Communicator.local(3, devices="emulated") as comm:
         assert comm.chosen_algorithm("allreduce", 1024).path == "events"
+
+
+# -- the call records -----------------------------------------------------------------------
+
+class Group:
+    """What CallRecords asks of a ProcessGroup: the records' memory (one
+    array shared by the ranks of the test, as the control segment is) and
+    the abort."""
+
+    def __init__(self, region):
+        self.region, self.aborted = region, []
+
+    def call_records(self):
+        return self.region
+
+    def abort(self, reason, cause):
+        self.aborted.append((reason, cause))
+
+
+def ranks_records(n):
+    region = np.zeros((n, CALL_RECORDS * CALL_RECORD_BYTES), np.uint8)
+    groups = [Group(region) for _ in range(n)]
+    return [CallRecords(r, n, groups[r]) for r in range(n)], groups
+
+
+def test_the_rank_second_to_a_different_call_names_both_and_aborts():
+    (a, b, c), groups = ranks_records(3)
+    for records in (a, b, c):
+        records.record_plan(plan_of(64))   # the same call: nothing to say
+    a.record_plan(plan_of(64))
+    c.record_plan(plan_of(64))
+    with pytest.raises(InvalidUsageError, match="different call") as raised:
+        b.record_plan(plan_of(64, "ring"))
+    message = str(raised.value)
+    assert "rank 0" in message and "call #2" in message and "algorithm direct" in message and "algorithm ring" in message
+    assert groups[1].aborted and groups[1].aborted[0][1] is raised.value   # the peers' waits and kernels stop
+    assert not groups[0].aborted and not groups[2].aborted
+
+
+def test_two_ranks_that_record_at_once_are_told_by_the_next_check():
+    (a, b), groups = ranks_records(2)
+    words = groups[0].region.view(np.uint64).reshape(2, CALL_RECORDS, CALL_RECORD_BYTES // 8)
+    a.record(7, b"a call")
+    landed, words[0, 1, 0] = words[0, 1, 0], 0   # b reads rank 0's record of call 1 before it lands
+    b.record(8, b"another call")
+    words[0, 1, 0] = landed
+    with pytest.raises(InvalidUsageError, match="rank 1 made a different call from rank 0's call #1"):
+        a.check_last()   # the watchdog's check
+    assert groups[0].aborted
+
+
+def test_a_peer_a_whole_ring_ahead_is_no_mismatch():
+    (a, b), _ = ranks_records(2)
+    for _ in range(CALL_RECORDS + 1):
+        b.record(5, b"b's calls")   # b's call 1 is overwritten by its call CALL_RECORDS + 1
+    a.record(6, b"a's call")        # a's call 1 finds no record of b's call 1: nothing to compare
+    a.check_last()
+    for _ in range(CALL_RECORDS):
+        a.record(5, b"a's calls")   # the same calls as b's from here: nothing to say

@@ -28,7 +28,10 @@ through staging buffers, on any arrays). They take the plans with the
 `direct` plan's bits; the step protocol then runs only the other plans
 (ring or tree of 3 ranks or more, compression). Their calls return as soon
 as their kernels are queued, and can be captured in a graph
-(Communicator.graph(): `capturable`, replay_graph).
+(Communicator.graph(): `capturable`, begin_capture, replay_graph). Every
+call, whatever its path, is recorded first (device_protocol.CallRecords),
+so that a rank whose call differs from its peers', and so may take another
+path, is named at once.
 """
 
 from typing import NamedTuple, Optional, Tuple
@@ -43,7 +46,7 @@ from ..compression import wire
 from ..plan import NSRC, SCRATCH, SRC0, SRC_BUF, SRC_RANK, WORK
 from ..transport.protocol import ProcessGroup, describe_call
 from .device import grid_for
-from .device_protocol import DeviceProtocol
+from .device_protocol import CallRecords, DeviceProtocol, signature
 from .ll_collectives import LLPath
 from .paths import PLAIN, Path, Route, Selector
 from .symmetric import StagedPath, SymmetricMemory, SymmetricPath
@@ -95,26 +98,40 @@ class DeviceProcessRank:
         self.locations = [device.array_location]
         self.group = ProcessGroup(rank, size, prefix, DeviceMemory(device))
         self.step = StepProtocolPath(rank, size, device, self.group)
-        self.protocol = self.memory = None
+        self.protocol = self.memory = self.records = None
         paths = ()
         if config.resolve_one_kernel_allreduce():
-            self.protocol = self.step.protocol = DeviceProtocol(rank, size, prefix, device, self.group)
+            self.records = CallRecords(rank, size, self.group)
+            self.protocol = self.step.protocol = DeviceProtocol(rank, size, prefix, device, self.group, self.records)
             self.memory = SymmetricMemory(rank, size, prefix, device, self.protocol)
             paths = (LLPath(self.protocol), SymmetricPath(self.memory), StagedPath(self.memory))
         self.selector = Selector(paths, self.step)
         self._routes = self.selector.by_plan.get
+        self._captured = None   # while Communicator.graph() captures: the plans of the calls captured
 
     # -- a call -------------------------------------------------------------------------
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         """Run `plan` on this rank's arrays (their ArrayInfos) on the path the
-        selector chooses. The selector's memory is read here first: a known
-        plan whose path the buffers do not decide costs one lookup, and no
+        selector chooses; recorded first, where the one-kernel paths are on.
+        The selector's memory and the records' are read here first: a known
+        plan whose path the buffers do not decide costs two lookups, and no
         call but the path's."""
         source, result = input_infos[0], output_infos[0]
         route = self._routes(id(plan))
         if route is None or route.__class__ is not Route or route.plan is not plan:
             route = self.selector.route(plan, source, result)
+        captured = self._captured
+        if captured is not None:   # a capture: recorded when the graph is replayed
+            route.path.run(route, source, result, deadline)
+            captured.append(plan)
+            return
+        records = self.records
+        if records is not None:
+            known = records.known(id(plan))
+            if known is None or known[0] is not plan:
+                known = records.learn(plan)
+            records.record(known[1], known[2])
         route.path.run(route, source, result, deadline)
 
     def chosen_path(self, plan, kind=PLAIN):
@@ -134,10 +151,26 @@ class DeviceProcessRank:
         paths with no host in the loop (the step path refuses while capturing)."""
         return self.protocol is not None
 
+    def begin_capture(self):
+        """Communicator.graph(): the device's capture, and the calls made
+        meanwhile noted (a replay is recorded as one call of them all)."""
+        capture = self.device.begin_capture()
+        self._captured = []
+        return capture
+
+    def end_capture(self, capture):
+        """The captured graph (a _Replay), and the capture's end."""
+        plans, self._captured = self._captured, None
+        graph = self.device.end_capture(capture)
+        descriptions = [describe_call(plan) for plan in plans or ()]
+        text = f"a replay of a graph of {len(descriptions)} calls: " + "; ".join(descriptions)
+        return _Replay(graph, signature(text), text.encode())
+
     def replay_graph(self, graph):
-        """Graph.replay for these ranks: ordered after the previous call, a
-        kernel that gave up reported (DeviceProtocol.replay_graph)."""
-        self.protocol.replay_graph(graph)
+        """Graph.replay for these ranks: recorded as one call, ordered after
+        the previous call, a kernel that gave up reported."""
+        self.records.record(graph.signature, graph.description)
+        self.protocol.replay_graph(graph.graph)
 
     def allocate_symmetric(self, shape, dtype, exchange):
         """Communicator.alloc: an array in symmetric memory (symmetric.py)
@@ -152,6 +185,8 @@ class DeviceProcessRank:
     # -- life cycle ------------------------------------------------------------------------
 
     def barrier(self, deadline):
+        if self.records is not None:
+            self.records.record(BARRIER_SIGNATURE, b"barrier")
         if self.protocol is not None and self.protocol.used:
             # Done reading the peers' LL areas (close() follows a barrier),
             # and a kernel that gave up is reported here, not waited for.
@@ -180,6 +215,16 @@ class DeviceProcessRank:
             self.selector.forget()
             self.step.forget()
             self.group.close()
+
+
+BARRIER_SIGNATURE = signature("barrier")
+
+
+class _Replay(NamedTuple):
+    """A graph captured by DeviceProcessRank: the device's, and its record."""
+    graph: object
+    signature: int
+    description: bytes
 
 
 class StepProtocolPath(Path):

@@ -1,6 +1,7 @@
 """This rank's side of the device protocol between GPU ranks in separate
 processes: what the paths with no host in the loop (ll_collectives.py: ll;
-symmetric.py: symmetric, staged) share.
+symmetric.py: symmetric, staged) share, and the call records that name a
+rank whose call takes another path than its peers'.
 
 The kernels (kernels/ll_allreduce.cu: ll_allreduce, ll_barrier) count the
 calls themselves, in state words at the end of the rank's LL area, and
@@ -27,13 +28,39 @@ host wait, once) and opens them; the GPU maps the front of the control
 segment so that kernels read the abort flag and fault words. A watchdog
 thread then checks the peers' pids every 50 ms and aborts the communicator
 when one dies: kernels waiting for it see the abort flag and stop, and
-every rank raises RankFailedError, long before the timeout.
+every rank raises RankFailedError, long before the timeout. It checks the
+call records too (below).
 
 The areas live until close(), which the communicator calls after a barrier;
 barrier() first waits for this rank's kernels (DeviceProcessRank.barrier),
 so no peer's kernel still reads an area when it is released.
+
+Call records. Each path checks that the ranks make the same call only
+among the ranks on it: the LL kernel by the signature in its flags, the
+barrier of symmetric and staged calls by its word's signature, the step
+protocol by the row's SIG. Ranks whose calls differ may choose different
+paths (paths.py) and never meet in one check: each would wait for the
+other until the timeout. So every call of a rank (every path, barriers,
+a graph's replay as one) is numbered and recorded before it runs: in the
+control segment, rank r's record of its call k is one word, k's low 32
+bits and 32 bits of the call's signature (describe_call: collective,
+count, dtype, op, root, algorithm; and compression), with the call's
+description beside it for messages. Before a call runs, its rank records
+it and compares it with each peer's record of the same number: another
+call there is InvalidUsageError, at once, with nothing launched, and the
+communicator is aborted with that class, so the peers' kernels and waits
+stop and every rank raises it. The rank that comes second to a call finds
+it; the watchdog compares the last call's records every 50 ms besides
+(two ranks that record at the same instant may each read the other's
+record before it lands), as do the host waits of the first call's set-up.
+A record is one 64-bit word, so it is read whole; the description beside
+it is for the message only. The records are a ring of CALL_RECORDS per
+rank: a peer that many calls ahead has overwritten the record, and a
+mismatch with it is left to the paths' own checks and the timeout.
 """
 
+import ctypes
+import hashlib
 import threading
 import time
 
@@ -42,10 +69,10 @@ import numpy as np
 from .. import kernels
 from ..errors import CollectiveError, InvalidUsageError, RankFailedError
 from ..transport.layout import (
-    ABORT, HANDLE_BYTES, LL_FAULT, LL_HANDLE_OFFSET, LL_READY, LL_REGION_WORDS, LL_STAGING, LL_STAGING_HANDLE_OFFSET,
-    ll_mapped_bytes, ll_region_offset,
+    ABORT, CALL_DESCRIPTION_BYTES, CALL_RECORD_BYTES, CALL_RECORDS, HANDLE_BYTES, LL_FAULT, LL_HANDLE_OFFSET,
+    LL_READY, LL_REGION_WORDS, LL_STAGING, LL_STAGING_HANDLE_OFFSET, ll_mapped_bytes, ll_region_offset,
 )
-from ..transport.protocol import Counters, Waiter
+from ..transport.protocol import Counters, Waiter, describe_call
 from . import faults
 
 WATCHDOG_PERIOD_S = 0.05
@@ -70,9 +97,9 @@ class DeviceProtocol:
     stream order, the watchdog; for the paths of a DeviceProcessRank with
     no host in the loop (see the module doc)."""
 
-    def __init__(self, rank, size, prefix, device, group):
+    def __init__(self, rank, size, prefix, device, group, records):
         self.rank, self.size, self.prefix = rank, size, prefix
-        self.device, self.group = device, group
+        self.device, self.group, self.records = device, group, records
         region = group.ll_region()
         self._region = region
         self._words = region.view(np.int64)               # (size, LL_REGION_WORDS)
@@ -202,7 +229,7 @@ class DeviceProtocol:
             waiter.until(lambda: published() >= capacity,
                          lambda: f"rank {peer} to grow its staging buffer to {capacity} bytes"
                                  f"{group.absent_note(group._seq)}",
-                         lambda: group.check_health(peer, "growing its staging buffer"))
+                         lambda: self._check_waiting(peer, "growing its staging buffer"))
             seen = published()
             peer_handle = bytes(self._region[peer, LL_STAGING_HANDLE_OFFSET:LL_STAGING_HANDLE_OFFSET + HANDLE_BYTES])
             if published() != seen:   # it grew again meanwhile: the handle read may be torn
@@ -274,6 +301,12 @@ class DeviceProtocol:
         self.group.abort(f"{type(error).__name__}: {error}", error)
         raise error
 
+    def _check_waiting(self, peer, during):
+        """What a host wait of the protocol checks now and then: the peer
+        alive, the communicator not aborted, the ranks' calls the same."""
+        self.group.check_health(peer, during)
+        self.records.check_last()
+
     # -- set-up, the watchdog, close -------------------------------------------------
 
     def _setup(self, deadline):
@@ -298,7 +331,7 @@ class DeviceProtocol:
             ready = self._flags.loader(peer, LL_READY)
             waiter.until(lambda: ready() == 1,
                          lambda: f"rank {peer} to set up the one-kernel collectives{group.absent_note(group._seq)}",
-                         lambda: group.check_health(peer, "setting up the one-kernel collectives"))
+                         lambda: self._check_waiting(peer, "setting up the one-kernel collectives"))
             handle = bytes(self._region[peer, LL_HANDLE_OFFSET:LL_HANDLE_OFFSET + HANDLE_BYTES])
             self._peer_areas[peer] = opened = device.open_shared(handle)
             areas[peer] = opened.address
@@ -314,20 +347,22 @@ class DeviceProtocol:
         self._watchdog.start()
 
     def _watch(self):
-        """Abort the communicator when a peer dies: a kernel waiting for it
-        sees the abort flag and stops (it cannot look at pids itself)."""
+        """Abort the communicator when a peer dies (a kernel waiting for it
+        sees the abort flag and stops: it cannot look at pids itself), or
+        when a peer's record of this rank's last call is another call."""
         peers = [peer for peer in range(self.size) if peer != self.rank]
         while not self._stop.wait(WATCHDOG_PERIOD_S):
-            for peer in peers:
-                try:
+            try:
+                for peer in peers:
                     self.group.check_health(peer, "its calls of the one-kernel collectives")
-                except RankFailedError as error:
-                    self.group.abort(f"{type(error).__name__}: {error}", error)
-                    return
-                except CollectiveError:
-                    return   # aborted already: the kernels stop for it
-                except Exception:   # noqa: BLE001 - the group is closing under this thread
-                    return
+                self.records.check_last()
+            except (RankFailedError, InvalidUsageError) as error:
+                self.group.abort(f"{type(error).__name__}: {error}", error)
+                return
+            except CollectiveError:
+                return   # aborted already: the kernels stop for it
+            except Exception:   # noqa: BLE001 - the group is closing under this thread
+                return
 
     def close(self):
         """Release the areas: after every rank's kernels are done (see the top)."""
@@ -348,3 +383,99 @@ class DeviceProtocol:
             self._mapped = None
         self._region = self._words = self._faults = self._flags = self._fault_cells = None
 
+
+class CallRecords:
+    """This rank's record of each of its calls, and its peers' (see the
+    module doc): `record` (or `record_plan`) before a call runs,
+    `check_last` now and then."""
+
+    def __init__(self, rank, size, group):
+        self.rank, self.size, self.group = rank, size, group
+        region = group.call_records()                       # (size, CALL_RECORDS * CALL_RECORD_BYTES) uint8
+        self._texts = region.reshape(size, CALL_RECORDS, CALL_RECORD_BYTES)[:, :, 8:]
+        words = region.view(np.uint64).reshape(size, CALL_RECORDS, CALL_RECORD_BYTES // 8)
+        # Per record slot, this rank's word and (peer, word) of each peer, as
+        # ctypes cells: a store and a load each per call.
+        self._mine = tuple(ctypes.c_uint64.from_buffer(words[rank, slot]) for slot in range(CALL_RECORDS))
+        self._theirs = tuple(tuple((q, ctypes.c_uint64.from_buffer(words[q, slot])) for q in range(size) if q != rank)
+                             for slot in range(CALL_RECORDS))
+        self._written = [None] * CALL_RECORDS               # the description each slot of ours holds
+        self._number = 0                                    # this rank's calls so far
+        self._last_word = 0                                 # the record of the last call (0: none yet)
+        self._known = {}                                    # id(plan) -> (plan, signature, description)
+        self.known = self._known.get                        # (id(plan)): what `learn` made for it, or None
+
+    def learn(self, plan):
+        """(plan, signature, description) of a call of `plan`, made once:
+        record(signature, description) records the call. `known` finds it."""
+        description = describe_call(plan) + (f", compressed {plan.compression}" if plan.compression else "")
+        known = (plan, signature(description), description.encode())
+        if len(self._known) >= 1024:
+            self._known.clear()
+        self._known[id(plan)] = known   # (the entry keeps its plan alive: its id is not reused meanwhile)
+        return known
+
+    def record_plan(self, plan):
+        """Record the call of `plan` this rank is about to run, and compare."""
+        known = self.known(id(plan))
+        if known is None or known[0] is not plan:
+            known = self.learn(plan)
+        self.record(known[1], known[2])
+
+    def record(self, call_signature, description):
+        """Record this rank's next call, of `call_signature` (32 bits, not 0)
+        and `description` (bytes, for messages), and compare it with each
+        peer's record of the same number: InvalidUsageError, and the
+        communicator aborted with it, where a peer made another call."""
+        number = self._number = (self._number + 1) & 0xFFFFFFFF   # the word keeps 32 bits of it
+        slot = number % CALL_RECORDS
+        if self._written[slot] is not description:   # the description first: a peer that sees the word sees it
+            self._describe(slot, description)
+        word = self._last_word = number << 32 | call_signature
+        self._mine[slot].value = word
+        for peer, cell in self._theirs[slot]:   # (_compare, inline: this is every call's cost)
+            theirs = cell.value
+            if theirs != word and theirs >> 32 == number:
+                self._mismatch(peer, number, theirs)
+
+    def _describe(self, slot, description):
+        text = self._texts[self.rank, slot]
+        text[:] = 0
+        text[:min(len(description), CALL_DESCRIPTION_BYTES)] = np.frombuffer(description[:CALL_DESCRIPTION_BYTES],
+                                                                             np.uint8)
+        self._written[slot] = description
+
+    def check_last(self):
+        """Compare this rank's last record with its peers' of the same number
+        again (InvalidUsageError for another call): for two ranks that
+        recorded at the same instant, each before the other's record landed."""
+        if self._last_word:
+            self._compare(self._last_word)
+
+    def _compare(self, word):
+        """A peer's record of this call's number, where it is there, must be `word`."""
+        number = word >> 32
+        for peer, cell in self._theirs[number % CALL_RECORDS]:
+            theirs = cell.value
+            if theirs != word and theirs >> 32 == number:   # the same number, another call
+                self._mismatch(peer, number, theirs)
+
+    def _mismatch(self, peer, number, theirs):
+        """Raise the mismatch with `peer`'s record `theirs` of call `number`,
+        having aborted the communicator with it (its kernels and waits stop,
+        and every rank raises InvalidUsageError)."""
+        slot = number % CALL_RECORDS
+        text = bytes(self._texts[peer, slot]).rstrip(b"\0").decode(errors="replace")
+        if dict(self._theirs[slot])[peer].value != theirs:   # rewritten meanwhile: the text may be the next call's
+            text = "another call"
+        mine = bytes(self._texts[self.rank, slot]).rstrip(b"\0").decode(errors="replace")
+        error = InvalidUsageError(
+            f"rank {peer} made a different call from rank {self.rank}'s call #{number}: rank {peer}'s is "
+            f"{text}, rank {self.rank}'s {mine}; every rank must make the same calls in the same order")
+        self.group.abort(f"{type(error).__name__}: {error}", error)
+        raise error
+
+
+def signature(description):
+    """32 bits of a call's description, never 0 (a record of 0 is none)."""
+    return int.from_bytes(hashlib.blake2b(description.encode(), digest_size=4).digest(), "little") % 0xFFFFFFFF + 1
