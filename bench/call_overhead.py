@@ -195,14 +195,15 @@ def _measure(args, wrapped):
                 now - before for now, before in zip((dry.launches, dry.ll_launches, dry.records, dry.waits),
                                                     driver_before))
             spent["launch_step"], spent["launch_ll_allreduce"] = launched - ll_launched, ll_launched   # (the rest: step, copy, codec)
+        chosen = comm.chosen_algorithm(collective, inputs[0].nbytes, in_place=args.in_place,
+                                       compression=args.compression if collective == "allreduce" else None,
+                                       algorithm=args.algorithm)
         results[collective] = {
             "calls": calls,
             "total_us_per_call": total / calls * 1e6,
             "median_us_per_call": statistics.median(batches) * 1e6,
-            "algorithm_run": call.algorithm if args.prepared else
-                             (comm.chosen_algorithm(collective, inputs[0].nbytes, in_place=args.in_place,
-                                                    compression=args.compression if collective == "allreduce" else None)
-                              if args.algorithm == "auto" else args.algorithm),
+            "algorithm_run": call.algorithm if args.prepared else chosen.algorithm,
+            "path_run": chosen.path,
             "outside_adapter_us_per_call": (total - spent["seconds"]) / calls * 1e6,
             **{f"{name}_per_call": spent[name] / calls for name in ADAPTER_CALLS},
         }

@@ -495,18 +495,15 @@ def error_check(backend, spec, args, nbytes, in_place, seeded):
 
 
 def picked_algorithm(backend, spec, args, in_count):
-    """The algorithm our backend's calls ran: its own, or what auto picks for
-    what it weighs (for a compressed call, the encoded size)."""
-    if backend.algorithm != "auto":
-        return backend.algorithm
-    nbytes = in_count * args.dtype.itemsize
-    if backend.compression is not None:
-        from collectives.compression.wire import encoded_nbytes
-        nbytes = encoded_nbytes(backend.compression, in_count)
+    """What our backend's calls ran (Communicator.chosen_algorithm): the
+    algorithm, its own or what auto picks, a str with the execution path
+    that ran it in `.path` (symmetric memory where --symmetric asks for it)."""
+    nbytes = in_count * args.dtype.itemsize   # (with a compression, chosen_algorithm weighs the encoded size)
     # a single rank's uncompressed allreduce passes one array (all_reduce_perf.run_ours): say so
     one_array = len(backend.local_ranks) == 1 and backend.compression is None
     return backend.comm.chosen_algorithm(spec.name, nbytes, root=args.root if spec.rooted else 0,
-                                         dtype=args.dtype if one_array else None)
+                                         dtype=args.dtype if one_array else None, compression=backend.compression,
+                                         algorithm=backend.algorithm, symmetric=getattr(args, "symmetric", False))
 
 
 def wire_bytes_per_rank(backend, spec, args, in_count):
@@ -646,8 +643,9 @@ def main(spec, argv=None):
                    "type": args.dtype.name, "redop": args.op if spec.has_op else "none",
                    "root": args.root if spec.rooted else -1}
             if backend.algorithm is not None:
+                picked = picked_algorithm(backend, spec, args, in_count)
                 row["algorithm"] = backend.algorithm
-                row["picked"] = picked_algorithm(backend, spec, args, in_count)
+                row["picked"], row["path"] = picked.algorithm, picked.path
             factor = spec.busbw_factor(nranks)
             for place, m in zip(("out_of_place", "in_place"), placements):
                 seconds = m["seconds"]

@@ -6,7 +6,7 @@
 Each process makes three communicators, `init(device="host")`,
 `init(device=DEVICE)` (the step protocol) and the same with
 COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 ("DEVICE+ll": small collectives as one
-kernel, executors/ll_allreduce.py), and times batches of calls (allreduce,
+kernel, executors/ll_collectives.py), and times batches of calls (allreduce,
 or --collective; broadcast and reduce from root 0) on each in turn
 (alternating, so that the machine's noise hits all alike); it
 prints the median time per call of each, their ratio, and the host round

@@ -7,10 +7,9 @@ import weakref
 
 import numpy as np
 
-from . import arrays, fusion, validation
+from . import arrays, auto, fusion, validation
 from . import graph as graph_capture
 from . import prepared
-from .algorithms import choose
 from .algorithms.schedule import (
     ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES as COLLECTIVE_NAMES, REDUCE_SCATTER, REDUCE_TO_ROOT,
 )
@@ -19,6 +18,7 @@ from .compression import wire
 from .config import resolve_timeout
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
+from .executors.paths import PLAIN, SYMMETRIC, CallShape
 from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
 from .transport import fastpath
 
@@ -33,6 +33,7 @@ class VirtualHostRanks:
     locations = None
     compresses = True   # runs compressed plans
     transport = "host-in-process"   # which cost model `auto` asks (algorithms/__init__.py)
+    path = "interpreter"   # what runs a call (Communicator.chosen_algorithm): the NumPy interpreter of op tables
 
     def __init__(self, nranks):
         self._workspaces = [np.empty(0, np.uint8) for _ in range(nranks)]
@@ -495,10 +496,12 @@ class Communicator:
         for future in pending:
             future.add_done_callback(one_done)
 
-    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=False, compression=None):
-        """The algorithm that `algorithm="auto"` runs for a call: a name of
-        collectives.algorithms.REGISTRY, chosen by the cost model of this
-        communicator's transport.
+    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=False, compression=None,
+                         algorithm="auto", symmetric=False):
+        """What a call runs: the algorithm, a name of
+        collectives.algorithms.REGISTRY that `algorithm="auto"` chooses by
+        the cost model of this communicator's transport (or `algorithm`
+        itself, when named), and the execution path that runs it.
 
         collective  "allreduce", "reduce_scatter", "allgather", "broadcast" or "reduce".
         nbytes      bytes of each rank's `x`.
@@ -514,34 +517,59 @@ class Communicator:
         compression the call's codec (allreduce), or None: ranks that share
                     one GPU run a compressed direct in one pass at the
                     memory floor, and choose it.
+        algorithm   "auto" (default), or the algorithm the call names.
+        symmetric   whether the arrays lie in symmetric memory (`alloc`):
+                    GPU ranks in processes run such calls on another path.
 
-        Raises InvalidUsageError for an unknown collective or a bad root.
+        Returns a Choice (collectives/auto.py): a str, the algorithm's
+        name, with the path in `.path`: for GPU ranks "ll", "symmetric",
+        "staged" or "step" in processes, "peer_ll" or "events" in one
+        process (docs/design.md, "Execution paths"); "interpreter" for host
+        ranks in one process, "step" or "compiled_loop" for host ranks in
+        processes, "nccl" for backend="nccl".
+
+        Raises InvalidUsageError for an unknown collective or algorithm, or
+        a bad root.
         """
         if collective not in COLLECTIVE_NAMES:
             raise InvalidUsageError(
                 f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
-        if collective == ALLREDUCE and dtype is not None and self._fast_allreduce is not None and fastpath.takes(dtype) \
-                and compression is None:
-            return fastpath.path_for(nbytes)
-        if compression is not None:
-            return self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, "auto",
-                              (WORKSPACE, True), compression).algorithm
-        itemsize = 1  # nbytes is already bytes
+        if algorithm == "auto" and collective == ALLREDUCE and dtype is not None and self._fast_allreduce is not None \
+                and fastpath.takes(dtype) and compression is None:
+            return auto.Choice(fastpath.path_for(nbytes), "compiled_loop")
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
-        binding = self._in_place_binding() if in_place or rooted else OUT_OF_PLACE   # broadcast and reduce run in place
-        return self._auto(collective, nbytes, itemsize, validation.root_rank(root, self.size) if rooted else 0,
-                          binding if getattr(self._ranks, "addressable", False) else None)
+        if compression is not None:
+            plan = self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, algorithm,
+                              (WORKSPACE, True), compression)
+            return auto.Choice(plan.algorithm, self._chosen_path(plan))
+        root = validation.root_rank(root, self.size) if rooted else 0
+        if algorithm == "auto":
+            itemsize = 1  # nbytes is already bytes
+            binding = self._in_place_binding() if in_place or rooted else OUT_OF_PLACE   # broadcast and reduce run in place
+            algorithm = self._auto(collective, nbytes, itemsize, root,
+                                   binding if getattr(self._ranks, "addressable", False) else None)
+        else:
+            validation.call_arguments(collective, "sum", root, algorithm, None, self.size)
+        dtype = np.dtype(np.uint8) if dtype is None else np.dtype(dtype)
+        elements = max(nbytes // dtype.itemsize, 0)
+        shape = CallShape(collective, algorithm, self.size, elements * self.size if collective == ALLGATHER else elements,
+                          dtype, root, None)
+        return auto.Choice(algorithm, self._chosen_path(shape, symmetric))
+
+    def _chosen_path(self, plan, symmetric=False):
+        """The execution path of a call of `plan` (or a paths.CallShape): the
+        ranks' selector's choice (GPU ranks), else what runs every call."""
+        chosen = getattr(self._ranks, "chosen_path", None)
+        if chosen is None:
+            return getattr(self._ranks, "path", type(self._ranks).__name__)
+        return chosen(plan, SYMMETRIC if symmetric else PLAIN)
 
     def _auto(self, collective, elements, itemsize, root, binding=None, compression=None):
         """What `auto` runs for a call of `elements` per rank: the model asks
         about each rank's WORK buffer (all blocks, for allgather). Ranks that
-        price bound plans themselves (all on one GPU) answer for a binding,
-        or a codec."""
+        all share one GPU price bound plans, for a binding or a codec (auto.py)."""
         count = elements * self.size if collective == ALLGATHER else elements
-        by_binding = getattr(self._ranks, "choose", None)
-        picked = by_binding(collective, count * itemsize, root, binding, compression) \
-            if by_binding and (binding or compression) else None
-        return picked or choose(collective, self.size, count * itemsize, root, self._ranks.transport)
+        return auto.choose(collective, self.size, count * itemsize, root, self._ranks, binding, compression)
 
     def barrier(self):
         """Return once every rank has called barrier.
@@ -598,8 +626,8 @@ class Communicator:
         self._check_open()
         self._check_idle()
         devices = getattr(self._ranks, "devices", ())
-        if getattr(self._ranks, "capturable", False):   # GPU ranks in processes, one-kernel path
-            return graph_capture.Capture(self, devices[0], self._ranks.replay_graph)
+        if getattr(self._ranks, "capturable", False):   # GPU ranks in processes, one-kernel paths
+            return graph_capture.Capture(self, self._ranks, self._ranks.replay_graph)
         if not isinstance(self._ranks, DeviceRanks) or len(devices) != 1:
             where = (f"these ranks are on {len(devices)} devices" if isinstance(self._ranks, DeviceRanks)
                      else f"these are {type(self._ranks).__name__} ranks")

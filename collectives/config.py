@@ -37,7 +37,7 @@ def resolve_one_kernel_allreduce(enabled=None):
     """Whether GPU ranks in separate processes, and ranks on several GPUs of
     one process, run small collectives (all five; the variable's name is
     from when it was the allreduce alone) as one kernel per rank
-    (executors/ll_allreduce.py, executors/peer_ll.py): the argument, else
+    (the ll, symmetric, staged and peer_ll paths, executors/paths.py): the argument, else
     $COLLECTIVES_ONE_KERNEL_ALLREDUCE ("1" or "0"), else off. Every rank must
     agree (mpiexec gives all ranks the same environment)."""
     source = "one_kernel_allreduce"

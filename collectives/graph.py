@@ -18,7 +18,7 @@ valid while the communicator is open. Every local rank must share one
 device (CUDA cannot capture across devices), and only calls of that
 communicator may be made while capturing. GPU ranks in separate processes
 capture the calls of the one-kernel path (COLLECTIVES_ONE_KERNEL_ALLREDUCE=1,
-executors/ll_allreduce.py), whose kernels count their calls in device
+executors/device_protocol.py), whose kernels count their calls in device
 memory; every rank must capture and replay the same calls. On emulated devices a graph is
 the recorded queue of kernels, run on replay: the same rules, testable on
 a CPU.

@@ -134,7 +134,7 @@ class HierarchicalCommunicator(Communicator):
         _no_compression(compression)
         return super().fusion_buffer(threshold, op, None, error_feedback, algorithm)
 
-    def _auto(self, collective, elements, itemsize, root):
+    def _auto(self, collective, elements, itemsize, root, binding=None, compression=None):
         return "hierarchical"
 
     def _check_arguments(self, collective, op, root, algorithm, compression):
@@ -166,6 +166,7 @@ class HierarchyRanks:
     locations = None
     compresses = False
     transport = "host-hierarchical"
+    path = "hierarchical"   # what runs every call (Communicator.chosen_algorithm): hierarchy.py's plans
 
     def __init__(self, topology, rank, shm, link):
         self.topology, self.rank, self.shm, self.link = topology, rank, shm, link

@@ -116,7 +116,7 @@ def run_scenario(run, ranks_leave):
         os._exit(1)
 
 
-# -- the one-kernel collectives (executors/ll_allreduce.py, peer_ll.py) ------------
+# -- the one-kernel collectives (executors/ll_collectives.py, peer_ll.py) ----------
 
 def rank_input(seed, rank, dtype, count):
     """Random bits for integers, random values for floats (no NaN: bits compare)."""

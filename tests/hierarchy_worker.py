@@ -183,6 +183,8 @@ def scenario_refusals(comm):
             raise AssertionError("a bad call was accepted")
         assert np.array_equal(x, np.arange(8, dtype=np.float32)), "a rejected call modified its input"
     check(comm.allreduce(np.ones(3, np.int32)), np.full(3, comm.size, np.int32), "still usable")
+    chosen = comm.chosen_algorithm("allreduce", 1024)   # what runs every call here: the hierarchical plan
+    assert (chosen, chosen.path) == ("hierarchical", "hierarchical"), repr(chosen)
 
 
 def scenario_stalled(comm):

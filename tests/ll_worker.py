@@ -89,7 +89,7 @@ class Checker:
 
     def __init__(self, comm, reference):
         self.comm, self.reference = comm, reference
-        self.ll = comm._ranks._ll   # noqa: SLF001 - the test looks inside on purpose
+        self.ll = comm._ranks.protocol   # the device protocol, whose generation() counts the LL calls
         self.calls = 0              # calls that take the path: the LL's generations
         self.seed = 0
 
@@ -386,7 +386,7 @@ def run_one_kernel_rank(scenario, scenarios):
     <rank>". In "killed" a rank dies: the others leave without MPI_Finalize,
     which would wait for it."""
     comm = collectives.init(timeout=TIMEOUT, device=DEVICE)
-    assert comm._ranks._ll is not None, "run with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1"   # noqa: SLF001
+    assert comm._ranks.protocol is not None, "run with COLLECTIVES_ONE_KERNEL_ALLREDUCE=1"
     killed = scenario == "killed"
     run_scenario(lambda: scenarios[f"scenario_{scenario}"](comm), ranks_leave=killed)
     print(f"OK {scenario} {comm.rank}", flush=True)

@@ -82,10 +82,10 @@ def write(array, values):
 
 def barrier_phases(comm):
     """The rank's barrier count (its word in the LL area), once its work is done."""
-    ll = comm._ranks._ll   # noqa: SLF001 - the test looks inside on purpose
-    if ll._own_area is None:   # noqa: SLF001
+    area = comm._ranks.protocol.own_area
+    if area is None:
         return 0
-    word = comm._ranks.device.download(ll._own_area.address + kernels.LL_BARRIER_OFFSET, 8)   # noqa: SLF001
+    word = comm._ranks.device.download(area.address + kernels.LL_BARRIER_OFFSET, 8)
     return int(np.frombuffer(word, np.uint64)[0]) & 0xFFFFFFFF
 
 
@@ -226,17 +226,17 @@ def scenario_staged(comm):
     which grow at the same calls on every rank; the step protocol idle."""
     n = comm.size
     counter = step_count(comm)
-    staging = comm._ranks._symmetric   # noqa: SLF001
+    staging = comm._ranks.memory   # SymmetricMemory
     with collectives.Communicator.local(n) as reference:
         made = every_collective(comm, reference, symmetric=False)
-        first = staging._staging.nbytes   # noqa: SLF001
+        first = staging.staging.nbytes
         for k, collective in enumerate(COLLECTIVES):   # larger (3 MiB and more): the buffers grow
             dtype = np.dtype(np.float32)
             arrays = Arrays(comm, collective, dtype, (3 << 20) // 4 // (n if collective == "reduce_scatter" else 1)
                             + 5 * k, k % 2 == 0, symmetric=False)
             check_call(comm, reference, arrays, collective, dtype, "sum", k % n, seed=600 + k)
             made += 1
-        grown = staging._staging.nbytes > first and staging._old_staging   # noqa: SLF001
+        grown = staging.staging.nbytes > first and staging._old_staging   # noqa: SLF001
         assert grown, "the staging buffers did not grow"
         made += every_collective(comm, reference, symmetric=False)   # smaller again, in the grown buffers
         # An output overlapping its input in any way: the input is staged whole first.
@@ -253,7 +253,7 @@ def scenario_staged(comm):
         comm.synchronize()
         assert barrier_phases(comm) == 2 * made, (barrier_phases(comm), made)
         # A call larger than any before cannot be captured: growing waits on the host.
-        big = plain(8 * staging._staging.nbytes // 4, np.dtype(np.float32))   # noqa: SLF001
+        big = plain(8 * staging.staging.nbytes // 4, np.dtype(np.float32))
         with comm.graph():
             try:
                 comm.allreduce(big)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import collectives
-from collectives import CollectiveError, InvalidUsageError
+from collectives import CollectiveError, InvalidUsageError, auto
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import COLLECTIVES
 from collectives.binding import IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE, WORKSPACE
@@ -268,14 +268,14 @@ def test_auto_on_one_device_prices_bound_plans_with_fan_out():
     it needs a copy phase (IN_PLACE), so auto would pick a plan that moves
     less; but ranks on one device run in place in lockstep
     (IN_PLACE_LOCKSTEP), and there direct is one launch at the floor again."""
-    costs = device_executor.bound_plan_costs("allreduce", 4, 0, IN_PLACE)
-    out_of_place = device_executor.bound_plan_costs("allreduce", 4, 0, OUT_OF_PLACE)
-    lockstep = device_executor.bound_plan_costs("allreduce", 4, 0, IN_PLACE_LOCKSTEP)
+    costs = auto.bound_plan_costs("allreduce", 4, 0, IN_PLACE)
+    out_of_place = auto.bound_plan_costs("allreduce", 4, 0, OUT_OF_PLACE)
+    lockstep = auto.bound_plan_costs("allreduce", 4, 0, IN_PLACE_LOCKSTEP)
     assert out_of_place["direct"] == lockstep["direct"] == (1, 2 * 4)   # one launch, n reads and n writes
     for nbytes in (4, 1 << 20, 256 << 20):
         for binding in (OUT_OF_PLACE, IN_PLACE_LOCKSTEP):
-            assert device_executor.one_device_choice("allreduce", 4, nbytes, 0, binding, "gpu-in-process") == "direct"
-        picked = device_executor.one_device_choice("allreduce", 4, nbytes, 0, IN_PLACE, "gpu-in-process")
+            assert auto.one_device_choice("allreduce", 4, nbytes, 0, binding, "gpu-in-process") == "direct"
+        picked = auto.one_device_choice("allreduce", 4, nbytes, 0, IN_PLACE, "gpu-in-process")
         assert costs[picked][1] < costs["direct"][1], (nbytes, picked, costs)
 
 

@@ -241,7 +241,7 @@ def test_ranks_on_several_gpus_make_small_calls_as_one_kernel_each(gpu, monkeypa
 
     with collectives.Communicator.local(n, devices=list(range(n))) as comm, \
             collectives.Communicator.local(n) as host:
-        assert comm._ranks._peers is not None   # noqa: SLF001
+        assert comm._ranks.peer_ll is not None   # noqa: SLF001
         for dtype, op in ((np.dtype(np.float32), "sum"), (np.dtype(np.float16), "avg"), (np.dtype(np.int32), "max")):
             for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"):
                 elements = 1001 * (n if collective == "reduce_scatter" else 1)

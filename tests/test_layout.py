@@ -51,3 +51,11 @@ def test_the_ll_region_lies_between_the_reason_and_the_channel_and_gpus_map_all_
         assert layout.ll_mapped_bytes(size) % layout.PAGE == 0
         assert layout.LL_HANDLE_OFFSET + layout.HANDLE_BYTES <= layout.LL_REGION_BYTES
         assert max(layout.LL_FAULT, layout.LL_READY) < layout.LL_HANDLE_OFFSET // 8
+
+
+def test_the_call_records_lie_between_the_ll_region_and_the_channel():
+    for size in (1, 2, 3, 8, 64):
+        start = layout.calls_offset(size)
+        assert start >= layout.ll_region_offset(size) + layout.LL_REGION_BYTES * size and start % 8 == 0
+        assert start + layout.CALL_RECORDS * layout.CALL_RECORD_BYTES * size <= layout.channel_offset(size)
+        assert layout.CALL_RECORD_BYTES % 8 == 0 and layout.CALL_DESCRIPTION_BYTES == layout.CALL_RECORD_BYTES - 8

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from backends import gpu_unavailable_reason
-from collectives.executors.ll_allreduce import ACCEPTED
+from collectives.executors.paths import ONE_PASS_COLLECTIVES
 from test_mpi import run_worker
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
@@ -24,9 +24,9 @@ WORKER = Path(__file__).with_name("ll_worker.py")
 
 
 # The collectives the executor runs as one kernel, the allreduce first, the
-# others by name (ACCEPTED is a set: its order differs between processes,
-# and pytest-xdist needs every worker to collect the same order).
-ON_THE_PATH = sorted(ACCEPTED, key=lambda name: (name != "allreduce", name))
+# others by name (a set's order differs between processes, and pytest-xdist
+# needs every worker to collect the same order).
+ON_THE_PATH = sorted(ONE_PASS_COLLECTIVES, key=lambda name: (name != "allreduce", name))
 
 
 def run_ranks(n, scenario, device="emulated", collective="allreduce", limit=120):

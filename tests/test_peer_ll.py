@@ -112,7 +112,7 @@ def check_call(comm, reference, arrays, collective, dtype, op, root, seed):
 def test_every_collective_is_one_launch_per_device_with_the_interpreters_bits(one_kernel, monkeypatch, n):
     issued = Issued(monkeypatch)
     with communicator(n) as comm, collectives.Communicator.local(n) as reference:
-        assert comm._ranks._peers is not None   # noqa: SLF001
+        assert comm._ranks.peer_ll is not None   # noqa: SLF001
         for k, collective in enumerate(COLLECTIVES):
             for j, (dtype, op) in enumerate(CASES):
                 for count in (1, 13 + j, capacity(collective, n, dtype)):
@@ -157,7 +157,7 @@ def test_without_the_setting_small_calls_take_the_event_path(monkeypatch):
     monkeypatch.delenv(ONE_KERNEL_ALLREDUCE_ENV, raising=False)
     issued = Issued(monkeypatch)
     with communicator(2) as comm:
-        assert comm._ranks._peers is None   # noqa: SLF001
+        assert comm._ranks.peer_ll is None   # noqa: SLF001
         xs = [np.ones(8, np.float32) for _ in range(2)]
         comm.allreduce(xs)
         assert xs[1].tolist() == [2.0] * 8
@@ -168,7 +168,7 @@ def test_without_the_setting_small_calls_take_the_event_path(monkeypatch):
 def test_two_ranks_sharing_a_device_keep_the_event_path(one_kernel):
     """One kernel per rank would queue two waiting kernels on one stream."""
     with collectives.Communicator.local(4, devices=["emulated:0", "emulated:1"] * 2) as comm:
-        assert comm._ranks._peers is None   # noqa: SLF001
+        assert comm._ranks.peer_ll is None   # noqa: SLF001
 
 
 def test_a_switched_stream_is_ordered_after_the_previous_call(one_kernel, monkeypatch):
@@ -189,7 +189,7 @@ def test_a_switched_stream_is_ordered_after_the_previous_call(one_kernel, monkey
             assert all(xs[r].tobytes() == want[r].tobytes() for r in range(n))
             switched = n if call == 2 else 0   # one event from the old stream to the new, per device
             assert (counts["record"], counts["wait"]) == (switched, switched), (call, counts)
-        assert {comm._ranks._peers.generation(r) for r in range(n)} == {4}   # noqa: SLF001
+        assert {comm._ranks.peer_ll.generation(r) for r in range(n)} == {4}   # noqa: SLF001
 
 
 def without_launch(monkeypatch, rank, error=None):

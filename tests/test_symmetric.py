@@ -49,12 +49,12 @@ def test_every_plan_the_one_pass_paths_take_gives_the_direct_plans_bits(n):
     # algorithm it accepts gives direct's bits (floats whose sums round), for
     # each collective the one-kernel and symmetric paths run.
     from collectives.algorithms import REGISTRY
-    from collectives.executors.ll_allreduce import ACCEPTED, same_bits_as_direct
+    from collectives.executors.paths import ONE_PASS_COLLECTIVES, same_bits_as_direct
     from collectives.plan import build_plan
     rng = np.random.default_rng(n)
     taken = set()
     with collectives.Communicator.local(n) as comm:
-        for collective in sorted(ACCEPTED):
+        for collective in sorted(ONE_PASS_COLLECTIVES):
             xs = [(rng.standard_normal(n * 257) * 1e3).astype(np.float32) for _ in range(n)]
             call = {"allreduce": lambda a, xs: comm.allreduce(xs, algorithm=a),
                     "reduce_scatter": lambda a, xs: comm.reduce_scatter(xs, algorithm=a),

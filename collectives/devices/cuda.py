@@ -24,6 +24,7 @@ import numpy as np
 from .. import kernels
 from ..compression import kernels as codecs
 from ..errors import CollectiveError
+from . import Device, PreparedLaunches
 
 # plan_step(const long long* table, int width, BufferTable buffers, int divisor,
 # int fanout), one parameter per pointer of cuLaunchKernel's array, each in
@@ -66,7 +67,7 @@ def visible_gpus():
     return count
 
 
-class CudaDevice:
+class CudaDevice(Device, PreparedLaunches):
     def __init__(self, index, defines=None, *, cupy=None):
         """GPU `index`. `defines` adds preprocessor definitions to every
         kernel it compiles (bench/gpu_check.py measures variants this way).

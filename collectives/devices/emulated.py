@@ -40,6 +40,7 @@ from ..compression import kernels as codecs
 from ..errors import CollectiveError, InvalidUsageError
 from ..transport.layout import LL_REGION_WORDS
 from ..transport.segments import Segment
+from . import Device
 
 RESIDENT_BLOCKS = 2  # a small grid: every emulated thread strides over more elements
 # ll_allreduce's grid: each thread's waits for its peers are a handshake
@@ -224,7 +225,7 @@ def _host_view(region):
 _ENGINE = _Engine()
 
 
-class EmulatedDevice:
+class EmulatedDevice(Device):
     def __init__(self, index):
         self.index = index
         self.name = f"emulated:{index}"

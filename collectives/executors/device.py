@@ -1,8 +1,11 @@
-"""The GPU executor: plans run by the step kernel, on any device that
-implements the interface of devices/__init__.py (CUDA GPUs, emulated ones).
+"""The GPU executor of ranks in this process, each on a device (several may
+share one), on any device that implements the interface of
+devices/__init__.py (CUDA GPUs, emulated ones).
 
-Ranks in this process, each on a device; several ranks may share one. For
-each plan it prepares, once, a program:
+Its calls take one of two paths (paths.py): peer_ll (peer_ll.py: small
+calls as one kernel per GPU, for ranks each on a GPU of their own, with
+$COLLECTIVES_ONE_KERNEL_ALLREDUCE=1), else events, here: plans run by the
+step kernel. For each plan the events path prepares, once, a program:
 
 * per phase and device, the rows of that device's ranks as a table in device
   memory, and one plan_step launch over them. Rows that fold the same
@@ -48,21 +51,20 @@ every rank on one device is one codec_round_sum instead
 order, the compressed plan's bits at the uncompressed floor.
 """
 
-import functools
 from typing import NamedTuple, Tuple
 
 import numpy as np
 
 from .. import config, kernels
-from ..algorithms import MODELS, REGISTRY
 from ..algorithms.schedule import REDUCING_COLLECTIVES
-from ..binding import IN_PLACE, IN_PLACE_LOCKSTEP, INPUT, OUT_OF_PLACE, OUTPUT
+from ..binding import IN_PLACE, IN_PLACE_LOCKSTEP, INPUT, OUTPUT
 from ..compression import kernels as codecs
 from ..compression import wire
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
-from ..plan import COUNT, DST_BUF, DST_OFF, NSRC, RANK, SCRATCH, WORK, build_plan, derive_waits
-from .peer_ll import PeerLL
+from ..plan import COUNT, DST_BUF, DST_OFF, NSRC, RANK, SCRATCH, WORK, derive_waits
+from .paths import PLAIN, Path, Selector
+from .peer_ll import PeerLLPath
 
 LAUNCH, RECORD, WAIT = "launch", "record", "wait"
 # Event keys are (device, phase): recorded after that device's launch of that
@@ -172,46 +174,6 @@ def groups_traffic(rows, fanout, itemsize):
     return int((counts * (sources + fanout)).sum()) * itemsize
 
 
-@functools.lru_cache(maxsize=256)
-def bound_plan_costs(collective, nranks, root, binding):
-    """Per registered algorithm, with every rank on one device: (launches,
-    bytes of traffic per byte of a rank's WORK buffer) of its bound plan,
-    fan-out groups reading their sources once. Traffic scales with the
-    message, so one plan of whole chunks prices every size."""
-    itemsize, count = 4, nranks * nranks * 64
-    costs = {}
-    for name, spec in REGISTRY.items():
-        if collective not in spec.collectives:
-            continue
-        plan = build_plan(collective, name, nranks, count, np.dtype(np.float32), "sum", root, binding)
-        launches = traffic = 0
-        for phase in plan.phases:
-            if len(phase.table):
-                rows, fanout = fan_out(phase.table)
-                launches += 1
-                traffic += groups_traffic(rows, fanout, itemsize)
-        costs[name] = (launches, traffic / (count * itemsize))
-    return costs
-
-
-def one_device_choice(collective, nranks, nbytes, root, binding, transport):
-    """The algorithm `auto` runs for ranks that all share one device: the one
-    whose bound plan the model of `transport` prices lowest, its launches at
-    the model's step cost plus its traffic at the model's bandwidth; ties go
-    to fewer launches, then to the first registered. The schedule-level
-    model (algorithms.choose) cannot see what binding and fan-out change
-    there: out of place, direct is one launch at the floor; in place it
-    needs a copy phase, and star or two_shot move less."""
-    model = MODELS[transport]
-    costs = bound_plan_costs(collective, nranks, root, binding)
-
-    def price(name):
-        launches, traffic_per_byte = costs[name]
-        return launches * model.step_seconds + traffic_per_byte * nbytes / model.bytes_per_second, launches
-
-    return min(costs, key=price)
-
-
 class DeviceRanks:
     """Ranks of one process, each on a device (the object `run` is called on)."""
 
@@ -250,24 +212,39 @@ class DeviceRanks:
         self._workspaces_replaced = 0
         # Ranks each on a GPU of their own: small calls as one kernel per
         # device, with no host event between them (executors/peer_ll.py).
-        self._peers = PeerLL(self.devices) \
+        self.peer_ll = PeerLLPath(self.devices) \
             if len(self.devices) > 1 and len(self.devices) == len(devices) and config.resolve_one_kernel_allreduce() \
             else None
+        self.selector = Selector((self.peer_ll,) if self.peer_ll is not None else (), EventsPath(self))
+        self._routes = self.selector.by_plan.get
+
+    @property
+    def one_device(self):
+        """Whether every rank shares one device, where `auto` prices bound
+        plans (auto.py) and a compressed direct runs in one pass."""
+        return len(self.devices) == 1
 
     # -- the per-call path -----------------------------------------------------
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline=None):
         """Issue `plan` on each device's current stream for the ranks' arrays
-        (only their ArrayInfos matter here)."""
-        peers = self._peers
-        if peers is not None:
-            if peers.accepts(plan):
-                peers.run(plan, input_infos, output_infos)
-                return
-            if peers.used:
-                peers.check()   # a kernel that gave up is reported, by this call as by any
-        entry = self._programs.get(id(plan))
-        program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
+        (only their ArrayInfos matter here), on the path the selector
+        chooses. In one process the plan alone decides, so the selector's
+        memory holds the plan's Route: read here first, a known plan costs
+        one lookup and no call."""
+        route = self._routes(id(plan))
+        if route is None or route.plan is not plan:
+            route = self.selector.route(plan, None, None)
+        route.path.run(route, input_infos, output_infos, deadline)
+
+    def run_program(self, route, input_infos, output_infos, deadline=None):
+        """The events path's call (EventsPath.run): the route's program on
+        each device's current stream."""
+        peers = self.peer_ll
+        if peers is not None and peers.used:
+            peers.check()   # a kernel that gave up is reported, by this call as by any
+        program = route.call
+        plan = program.plan
         devices = self.devices
         streams = [device.current_stream() for device in devices]
         if len(devices) > 1 and any(d.is_capturing(s) for d, s in zip(devices, streams)):
@@ -296,9 +273,8 @@ class DeviceRanks:
         anew (allgather without `out`) have addresses of their own."""
         if plan.compression is not None or output_infos is None:
             return None
-        if self._peers is not None and self._peers.accepts(plan):
-            return self._peers.bind(plan, input_infos, output_infos)
-        return BoundProgram(self, self._program(plan), input_infos, output_infos)
+        route = self.selector.route(plan, None, None)
+        return route.path.bind(route, input_infos, output_infos)
 
     def _run_codec_program(self, program, streams, inputs, outputs):
         """A compressed plan: each rank's codec operations (compression/wire.py)
@@ -540,29 +516,21 @@ class DeviceRanks:
                 wait(k, key)
         return steps, recorded
 
-    def choose(self, collective, nbytes, root, binding, compression=None):
-        """What `auto` runs for a call of `nbytes` per rank's WORK buffer
-        bound as `binding`, when every rank shares one device: priced on
-        bound plans (one_device_choice); compressed, direct, whose one pass
-        (rounds_in_one_pass) moves the floor's bytes in one launch, which no
-        plan beats. Else None (the schedule-level model)."""
-        if len(self.devices) != 1:
-            return None
-        if compression is not None:
-            return "direct" if "direct" in REGISTRY and collective in REGISTRY["direct"].collectives else None
-        if binding not in (IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE):
-            return None
-        return one_device_choice(collective, len(self.rank_devices), nbytes, root, binding, self.transport)
-
     # -- reports ---------------------------------------------------------------
 
+    def chosen_path(self, plan, kind=PLAIN):
+        """The path a call of `plan` takes (paths.py); buffers change nothing here."""
+        return self.selector.select(plan, kind).name
+
     def launches(self, plan):
-        """Kernel launches per device for `plan`. A compressed plan's depend
-        on which operations share memory, so they are counted on made-up
-        buffers: every rank's workspace, input and output apart, as a
-        call's are."""
-        if self._peers is not None and self._peers.accepts(plan):
-            return (1 if plan.count else 0,) * len(self.devices)
+        """Kernel launches per device for a call of `plan`."""
+        return self.selector.select(plan).launches(plan)
+
+    def program_launches(self, plan):
+        """Kernel launches per device of the events path's program of `plan`.
+        A compressed plan's depend on which operations share memory, so they
+        are counted on made-up buffers: every rank's workspace, input and
+        output apart, as a call's are."""
         program = self._program(plan)
         if plan.compression is None:
             return program.launches
@@ -594,31 +562,59 @@ class DeviceRanks:
     def use_timeout(self, seconds):
         """The communicator's timeout (Communicator.timeout): how long a
         one-kernel call's kernels wait for a peer."""
-        if self._peers is not None:
-            self._peers.use_timeout(seconds)
+        if self.peer_ll is not None:
+            self.peer_ll.use_timeout(seconds)
 
     def synchronize(self, deadline):
         """Communicator.synchronize: every device's work done, and a one-kernel
         call that gave up reported (its kernels' waits are bounded by the timeout)."""
         for device in self.devices:
             device.synchronize()
-        if self._peers is not None and self._peers.used:
-            self._peers.check()
+        if self.peer_ll is not None and self.peer_ll.used:
+            self.peer_ll.check()
 
     def abort(self, reason):
-        if self._peers is not None:
-            self._peers.abort(reason)
+        if self.peer_ll is not None:
+            self.peer_ll.abort(reason)
 
     def close(self):
         for device in self.devices:
             device.synchronize()
-        if self._peers is not None:
-            self._peers.close()
+        if self.peer_ll is not None:
+            self.peer_ll.close()
+        self.selector.forget()
         self._workspaces = [None] * len(self.rank_devices)
         self._workspaces_replaced += 1   # no bound program keeps a freed workspace's address
         self._retired.clear()
         self._programs.clear()
         self._codec_records.clear()
+
+
+class EventsPath(Path):
+    """The events path: every call of ranks in one process, each phase one
+    plan_step launch per device (codec launches where compressed), ordered
+    between devices by events (see the module doc). DeviceRanks holds its
+    programs, workspaces and address tables."""
+
+    name = "events"
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+        # A call is DeviceRanks.run_program(route, inputs, outputs, deadline)
+        # itself: no frame of this class's on the per-call path.
+        self.run = ranks.run_program
+
+    def serves(self, plan):
+        return True
+
+    def prepare(self, plan, arrays=None):
+        return self.ranks._program(plan)
+
+    def launches(self, plan):
+        return self.ranks.program_launches(plan)
+
+    def bind(self, route, inputs, outputs):
+        return BoundProgram(self.ranks, route.call, inputs, outputs)
 
 
 class BoundProgram:

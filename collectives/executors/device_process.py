@@ -17,17 +17,21 @@ A user's array enters the workspace by one copy row and leaves it by one (the
 plan's WORKSPACE binding), as NCCL's eager path does: peers read only
 workspaces, never a caller's arrays. Because the host waits between phases, a
 call returns with its work complete, and cannot be captured in a CUDA graph.
-A device-side protocol that would remove those waits is designed in
-docs/device-protocol.md; its first step, small calls of every collective as
-one kernel with no host in the loop (executors/ll_allreduce.py), runs here
-when $COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 (config.py): a call it takes
-returns as soon as its kernel is queued, and can be captured in a graph
-(Communicator.graph(): `capturable`, replay_graph). With it, larger calls
-whose plans have the `direct` plan's bits run on symmetric memory
-(executors/symmetric.py): on the caller's arrays where they lie in it
-(Communicator.alloc), else through staging buffers; barrier, step kernel,
-barrier, no host in the loop either. The step protocol then runs only
-the other plans (ring or tree of 3 ranks or more, compression).
+
+That is the step path (StepProtocolPath), which serves every call. With
+$COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 (config.py) the selector (paths.py)
+asks three paths with no host in the loop first, in this order: ll
+(ll_collectives.py: small calls of every collective as one kernel), symmetric
+(symmetric.py: on the caller's arrays where they lie in symmetric memory,
+Communicator.alloc: barrier, step kernel, barrier) and staged (the same
+through staging buffers, on any arrays). They take the plans with the
+`direct` plan's bits; the step protocol then runs only the other plans
+(ring or tree of 3 ranks or more, compression). Their calls return as soon
+as their kernels are queued, and can be captured in a graph
+(Communicator.graph(): `capturable`, begin_capture, replay_graph). Every
+call, whatever its path, is recorded first (device_protocol.CallRecords),
+so that a rank whose call differs from its peers', and so may take another
+path, is named at once.
 """
 
 from typing import NamedTuple, Optional, Tuple
@@ -42,8 +46,10 @@ from ..compression import wire
 from ..plan import NSRC, SCRATCH, SRC0, SRC_BUF, SRC_RANK, WORK
 from ..transport.protocol import ProcessGroup, describe_call
 from .device import grid_for
-from .ll_allreduce import LLAllreduce
-from .symmetric import SymmetricCalls
+from .device_protocol import CallRecords, DeviceProtocol, signature
+from .ll_collectives import LLPath
+from .paths import PLAIN, Path, Route, Selector
+from .symmetric import StagedPath, SymmetricMemory, SymmetricPath
 
 
 class PhaseLaunch(NamedTuple):
@@ -91,46 +97,164 @@ class DeviceProcessRank:
         self.devices = self.rank_devices = [device]
         self.locations = [device.array_location]
         self.group = ProcessGroup(rank, size, prefix, DeviceMemory(device))
-        self._event = device.new_event()
-        self._programs = {}    # id(plan) -> Program
-        self._tables = {}      # (phase launch, workspace generations, input, output) -> buffer table
-        self._ll = LLAllreduce(rank, size, prefix, device, self.group) \
-            if config.resolve_one_kernel_allreduce() else None
-        self._symmetric = SymmetricCalls(rank, size, prefix, device, self._ll) if self._ll is not None else None
+        self.step = StepProtocolPath(rank, size, device, self.group)
+        self.protocol = self.memory = self.records = None
+        paths = ()
+        if config.resolve_one_kernel_allreduce():
+            self.records = CallRecords(rank, size, self.group)
+            self.protocol = self.step.protocol = DeviceProtocol(rank, size, prefix, device, self.group, self.records)
+            self.memory = SymmetricMemory(rank, size, prefix, device, self.protocol)
+            paths = (LLPath(self.protocol), SymmetricPath(self.memory), StagedPath(self.memory))
+        self.selector = Selector(paths, self.step)
+        self._routes = self.selector.by_plan.get
+        self._captured = None   # while Communicator.graph() captures: the plans of the calls captured
+
+    # -- a call -------------------------------------------------------------------------
+
+    def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
+        """Run `plan` on this rank's arrays (their ArrayInfos) on the path the
+        selector chooses; recorded first, where the one-kernel paths are on.
+        The selector's memory and the records' are read here first: a known
+        plan whose path the buffers do not decide costs two lookups, and no
+        call but the path's."""
+        source, result = input_infos[0], output_infos[0]
+        route = self._routes(id(plan))
+        if route is None or route.__class__ is not Route or route.plan is not plan:
+            route = self.selector.route(plan, source, result)
+        captured = self._captured
+        if captured is not None:   # a capture: recorded when the graph is replayed
+            route.path.run(route, source, result, deadline)
+            captured.append(plan)
+            return
+        records = self.records
+        if records is not None:
+            known = records.known(id(plan))
+            if known is None or known[0] is not plan:
+                known = records.learn(plan)
+            records.record(known[1], known[2])
+        route.path.run(route, source, result, deadline)
+
+    def chosen_path(self, plan, kind=PLAIN):
+        """The path a call of `plan` takes on buffers of `kind` (paths.PLAIN,
+        or paths.SYMMETRIC: its arrays in symmetric memory)."""
+        return self.selector.select(plan, kind).name
+
+    def launches(self, plan, kind=PLAIN):
+        """Kernel launches this rank makes for a call of `plan` on buffers of `kind`."""
+        return self.selector.select(plan, kind).launches(plan)
+
+    # -- graphs and symmetric memory ------------------------------------------------------
 
     @property
     def capturable(self):
         """Whether Communicator.graph() may capture calls: those of the
-        one-kernel path (the others refuse while capturing, in run)."""
-        return self._ll is not None
+        paths with no host in the loop (the step path refuses while capturing)."""
+        return self.protocol is not None
+
+    def begin_capture(self):
+        """Communicator.graph(): the device's capture, and the calls made
+        meanwhile noted (a replay is recorded as one call of them all)."""
+        capture = self.device.begin_capture()
+        self._captured = []
+        return capture
+
+    def end_capture(self, capture):
+        """The captured graph (a _Replay), and the capture's end."""
+        plans, self._captured = self._captured, None
+        graph = self.device.end_capture(capture)
+        descriptions = [describe_call(plan) for plan in plans or ()]
+        text = f"a replay of a graph of {len(descriptions)} calls: " + "; ".join(descriptions)
+        return _Replay(graph, signature(text), text.encode())
 
     def replay_graph(self, graph):
-        """Graph.replay for these ranks: the one-kernel path orders the
-        replay after its previous call and reports a kernel that gave up."""
-        self._ll.replay_graph(graph)
+        """Graph.replay for these ranks: recorded as one call, ordered after
+        the previous call, a kernel that gave up reported."""
+        self.records.record(graph.signature, graph.description)
+        self.protocol.replay_graph(graph.graph)
 
     def allocate_symmetric(self, shape, dtype, exchange):
-        """Communicator.alloc: an array in symmetric memory (executors/
-        symmetric.py) where the one-kernel path is on; else a plain array of
-        the device, on which calls take the step protocol."""
-        if self._symmetric is None:
+        """Communicator.alloc: an array in symmetric memory (symmetric.py)
+        where the one-kernel paths are on; else a plain array of the device,
+        on which calls take the step protocol."""
+        if self.memory is None:
             return self.device.empty(shape, dtype)
-        return self._symmetric.allocate(shape, dtype, exchange)
+        array = self.memory.allocate(shape, dtype, exchange)
+        self.selector.forget_buffers()   # a plain array's address may lie in it now: every rank forgets alike
+        return array
 
-    def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
-        ll = self._ll
-        if ll is not None:
-            if ll.accepts(plan):   # small: one launch, whatever memory the arrays are in
-                ll.run(plan, input_infos[0].address, output_infos[0].address, deadline)
-                return
-            # Larger: on the caller's arrays where they lie in symmetric
-            # memory, else through this rank's staging buffer.
-            if self._symmetric.runs(plan, input_infos[0], output_infos[0], deadline):
-                return
-            if ll.used:
-                ll.check()   # a kernel of an earlier call gave up: this call must not wait for it
-        entry = self._programs.get(id(plan))
-        program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
+    # -- life cycle ------------------------------------------------------------------------
+
+    def barrier(self, deadline):
+        if self.records is not None:
+            self.records.record(BARRIER_SIGNATURE, b"barrier")
+        if self.protocol is not None and self.protocol.used:
+            # Done reading the peers' LL areas (close() follows a barrier),
+            # and a kernel that gave up is reported here, not waited for.
+            self.device.synchronize()
+            self.protocol.check()
+        self.group.barrier(deadline)
+
+    def synchronize(self, deadline):
+        """Communicator.synchronize: this rank's work done, and a kernel that
+        gave up reported. Every kernel's wait is bounded by the timeout."""
+        self.device.synchronize()
+        if self.protocol is not None and self.protocol.used:
+            self.protocol.check()
+
+    def abort(self, reason, cause=CollectiveError):
+        """Abort the communicator for every rank: theirs raise `cause`'s class (protocol.py)."""
+        self.group.abort(reason, cause)
+
+    def close(self):
+        try:
+            self.device.synchronize()
+        finally:
+            if self.protocol is not None:
+                self.memory.release()
+                self.protocol.close()
+            self.selector.forget()
+            self.step.forget()
+            self.group.close()
+
+
+BARRIER_SIGNATURE = signature("barrier")
+
+
+class _Replay(NamedTuple):
+    """A graph captured by DeviceProcessRank: the device's, and its record."""
+    graph: object
+    signature: int
+    description: bytes
+
+
+class StepProtocolPath(Path):
+    """The step path: every call, phase by phase, a step-kernel launch per
+    phase whose event the host polls, the peers' counters waited for
+    between phases (transport/protocol.py; see the module doc)."""
+
+    name = "step"
+
+    def __init__(self, rank, size, device, group):
+        self.rank, self.size, self.device, self.group = rank, size, device, group
+        self.protocol = None   # the device protocol, where the one-kernel paths are on
+        self._event = device.new_event()
+        self._programs = {}    # id(plan) -> Program
+        self._tables = {}      # (phase launch, workspace generations, input, output) -> buffer table
+
+    def serves(self, plan):
+        return True
+
+    def prepare(self, plan, arrays=None):
+        return self._program(plan)
+
+    def launches(self, plan):
+        return sum(launch is not None for launch in self._program(plan).launches)
+
+    def run(self, route, input_info, output_info, deadline):
+        plan, program = route.plan, route.call
+        protocol = self.protocol
+        if protocol is not None and protocol.used:
+            protocol.check()   # a kernel of an earlier call gave up: this call must not wait for it
         device, event, group = self.device, self._event, self.group
         stream = device.current_stream()
         if device.is_capturing(stream):
@@ -138,7 +262,7 @@ class DeviceProcessRank:
                 "a collective between processes waits on the host between its phases, so it cannot be "
                 "captured in a CUDA graph; capture works for ranks in one process on one GPU")
         instance, divisor = program.instance, program.divisor
-        source, result = input_infos[0].address, output_infos[0].address
+        source, result = input_info.address, output_info.address
 
         def execute_phase(p, waiter):
             launch = program.launches[p]
@@ -230,42 +354,11 @@ class DeviceProcessRank:
         self._programs[id(plan)] = program
         return program
 
-    def launches(self, plan):
-        """Kernel launches this rank makes for `plan`."""
-        if self._ll is not None and self._ll.accepts(plan):
-            return 1 if plan.count else 0
-        if self._symmetric is not None and self._symmetric.stages(plan):   # on plain arrays (symmetric memory: 3)
-            return self._symmetric.staged_launches(plan)
+    def _program(self, plan):
         entry = self._programs.get(id(plan))
-        program = entry if entry is not None and entry.plan is plan else self._prepare(plan)
-        return sum(launch is not None for launch in program.launches)
+        return entry if entry is not None and entry.plan is plan else self._prepare(plan)
 
-    def barrier(self, deadline):
-        if self._ll is not None and self._ll.used:
-            # Done reading the peers' LL areas (close() follows a barrier),
-            # and a kernel that gave up is reported here, not waited for.
-            self.device.synchronize()
-            self._ll.check()
-        self.group.barrier(deadline)
-
-    def synchronize(self, deadline):
-        """Communicator.synchronize: this rank's work done, and a kernel that
-        gave up reported. Every kernel's wait is bounded by the timeout."""
-        self.device.synchronize()
-        if self._ll is not None and self._ll.used:
-            self._ll.check()
-
-    def abort(self, reason, cause=CollectiveError):
-        """Abort the communicator for every rank: theirs raise `cause`'s class (protocol.py)."""
-        self.group.abort(reason, cause)
-
-    def close(self):
-        try:
-            self.device.synchronize()
-        finally:
-            if self._ll is not None:
-                self._symmetric.release()
-                self._ll.close()
-            self._tables.clear()
-            self._programs.clear()
-            self.group.close()
+    def forget(self):
+        """Close: the programs' tables go with the device memory."""
+        self._tables.clear()
+        self._programs.clear()

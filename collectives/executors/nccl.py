@@ -221,6 +221,7 @@ class NcclRanks:
 
     addressable = False   # NCCL moves the data: the plan, and so its binding, goes unused
     host_only = False
+    path = "nccl"         # what runs every call (Communicator.chosen_algorithm)
 
     def __init__(self, nccl, devices, communicators, nccl_ranks, timeout, transport):
         """`communicators[i]` is the NcclCommunicator of local rank i, on

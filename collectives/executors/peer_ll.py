@@ -1,13 +1,15 @@
-"""The one-kernel collectives of small messages between ranks on several
-GPUs of one process: kernels/ll_allreduce.cu, the protocol of the ranks in
-separate processes (executors/ll_allreduce.py), over peer access instead of
-CUDA IPC.
+"""The peer_ll path (paths.py): small calls of the five collectives between
+ranks on several GPUs of one process, one launch of kernels/ll_allreduce.cu
+per GPU: the protocol of the ranks in separate processes
+(ll_collectives.py, device_protocol.py), over peer access instead of CUDA
+IPC.
 
-On the event path (executors/device.py) the host orders every phase between
+Serves what the LL path serves (ll_collectives.fits: a one-pass plan,
+small, uncompressed, the direct plan's bits), on any buffers. On the
+events path (executors/device.py) the host orders every phase between
 devices: a direct allreduce of k GPUs is k launches, k event records and
-k(k-1) waits before them, and as many after (the join). Here a call that
-fits (ll_allreduce.takes: small, uncompressed, the direct plan's bits) is
-one launch per device and nothing else:
+k(k-1) waits before them, and as many after (the join). Here a call is one
+launch per device and nothing else:
 
     each rank's kernel    publishes its input, flagged, in its own LL area
                           (memory of its own GPU);
@@ -40,29 +42,32 @@ the one that never came. Either way the ranks' call counts no longer agree:
 the path is then aborted, and every later call raises.
 """
 
-import ctypes
 import mmap
 
 import numpy as np
 
 from .. import kernels
 from ..config import resolve_timeout
-from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
+from ..errors import CollectiveError, InvalidUsageError
 from ..transport.layout import LL_FAULT, LL_REGION_WORDS
-from .ll_allreduce import prepare_call, takes
+from . import faults
+from .device_protocol import order_after
+from .ll_collectives import fits, prepare_call
+from .paths import Path
 
 ABORT_ROW = 0   # the control words' first row holds the abort word; rank r's row is r + 1
 
 
-class PeerLL:
+class PeerLLPath(Path):
     """The one-kernel calls of DeviceRanks whose ranks each have a GPU."""
+
+    name = "peer_ll"
 
     def __init__(self, devices):
         if len(set(map(id, devices))) != len(devices) or not 2 <= len(devices) <= kernels.LL_MAX_RANKS:
             raise InvalidUsageError(f"the one-kernel path between devices takes 2 to {kernels.LL_MAX_RANKS} ranks, "
                                     "one per device")
         self.devices = tuple(devices)
-        self._calls = {}          # id(plan) -> LLCall, or _Refused for a plan that does not run here
         self._areas = None        # per rank: its LL area on its device
         self._control = None      # (mmap, the words as int64 (nranks + 1, LL_REGION_WORDS), mapped address)
         self._cells = ()          # the abort word and the fault words as ctypes cells (cheap to read)
@@ -77,15 +82,14 @@ class PeerLL:
 
     # -- which calls ----------------------------------------------------------------
 
-    def accepts(self, plan):
-        """Whether `plan`'s call runs here (a dictionary lookup after the first time)."""
-        entry = self._calls.get(id(plan))
-        if entry is None or entry.plan is not plan:
-            if len(self._calls) >= 256:
-                self._calls.clear()
-            # (Either entry keeps its plan alive, so its id is not reused meanwhile.)
-            entry = self._calls[id(plan)] = prepare_call(plan) if takes(plan) else _Refused(plan)
-        return entry.__class__ is not _Refused
+    def serves(self, plan):
+        return fits(plan)
+
+    def prepare(self, plan, arrays=None):
+        return prepare_call(plan)
+
+    def launches(self, plan):
+        return (1 if plan.count else 0,) * len(self.devices)
 
     @property
     def used(self):
@@ -97,13 +101,7 @@ class PeerLL:
         words once its device is idle (for tests; the host keeps no count)."""
         if self._areas is None:
             return 0
-        device = self.devices[rank]
-        words = np.frombuffer(device.download(self._areas[rank].address + kernels.LL_STATE_OFFSET,
-                                              8 * device.ll_grid_threads), np.uint64)
-        generations = {kernels.ll_state(int(word)).generation for word in words}
-        if len(generations) != 1:
-            raise CollectiveError(f"rank {rank}'s one-kernel state words disagree: generations {sorted(generations)}")
-        return generations.pop()
+        return faults.generation(self.devices[rank], self._areas[rank].address, f"rank {rank}'s")
 
     # -- a call ---------------------------------------------------------------------
 
@@ -112,21 +110,21 @@ class PeerLL:
         (Communicator.timeout), taken by every call issued from now on."""
         self.timeout_ns = int(seconds * 1e9)
 
-    def run(self, plan, inputs, outputs):
-        """Issue `plan` (accepted) for the ranks' arrays (ArrayInfos). A call
+    def run(self, route, inputs, outputs, deadline=None):
+        """Issue the route's call for the ranks' arrays (ArrayInfos). A call
         on the addresses of the last one reuses its launches."""
-        call = self._calls[id(plan)]
+        call = route.call
         addresses = (*(i.address for i in inputs), *(o.address for o in outputs))
         last = self._last
         if last is None or last[0] is not call or last[1] != addresses:
-            last = self._last = (call, addresses, self.bind(plan, inputs, outputs))
+            last = self._last = (call, addresses, self.bind(route, inputs, outputs))
         last[2].run()
 
-    def bind(self, plan, inputs, outputs):
-        """The call of `plan` on these arrays (ArrayInfos), each rank's
+    def bind(self, route, inputs, outputs):
+        """The route's call on these arrays (ArrayInfos), each rank's
         arguments made once: its run() only orders streams and launches."""
         self.ensure_setup()
-        call = self._calls[id(plan)]
+        plan, call = route.plan, route.call
         args = []
         for rank, template in enumerate(self._args):
             a = type(template).from_buffer_copy(template)
@@ -169,12 +167,7 @@ class PeerLL:
     def _order_on(self, rank, stream):
         """Order `stream` after the rank's previous call, made on another
         stream (the kernel's state words rest on each rank's stream order)."""
-        previous = self._streams[rank]
-        if previous is not None and previous is not stream and \
-                getattr(previous, "ptr", previous) != getattr(stream, "ptr", stream):
-            device = self.devices[rank]
-            device.record(self._events[rank], previous)
-            device.wait(stream, self._events[rank])
+        order_after(self.devices[rank], self._events[rank], self._streams[rank], stream)
         self._streams[rank] = stream
 
     # -- faults ---------------------------------------------------------------------
@@ -183,7 +176,7 @@ class PeerLL:
         """Raise if the path was aborted or a kernel gave up."""
         if self._aborted is not None:
             raise CollectiveError(f"the one-kernel collectives between devices were aborted: {self._aborted}")
-        for cell in self._cells:
+        for cell in self._cells:   # every call: a loop here, not a function (its frame is the cost)
             if cell.value:
                 self._raise_fault()
 
@@ -191,20 +184,16 @@ class PeerLL:
         words = self._control[1]
         if words[ABORT_ROW, 0]:
             raise CollectiveError("the one-kernel collectives between devices were aborted")
-        faults = [(rank, kernels.ll_fault(int(word)))
-                  for rank, word in enumerate(words[ABORT_ROW + 1:, LL_FAULT]) if word]
-        # A kernel that sees another's fault word stops too (LL_FAULT_STOPPED): the cause is the one that timed out.
-        timed_out = [(rank, fault) for rank, fault in faults if fault.reason == kernels.LL_FAULT_TIMED_OUT]
-        if timed_out:
-            waiter, fault = timed_out[0]
-            error = CollectiveTimeoutError(
-                f"rank {waiter} timed out after {self._issued_timeout_ns / 1e9:.1f} s waiting for rank {fault.peer} "
-                f"(on {self.devices[fault.peer].name}) to write its part of {fault.collective} #{fault.generation} "
-                f"(one-kernel protocol, the last call {self._last_call}): was that device busy with other work "
+        found = faults.decoded(words[ABORT_ROW + 1:, LL_FAULT])
+        timed_out = faults.first(found, kernels.LL_FAULT_TIMED_OUT)
+        if timed_out is not None:
+            waiter, fault = timed_out
+            error = faults.timeout_error(
+                waiter, fault, self._issued_timeout_ns / 1e9, f"rank {fault.peer} (on {self.devices[fault.peer].name})",
+                f" (one-kernel protocol, the last call {self._last_call}): was that device busy with other work "
                 "queued before it for that long?")
         else:   # a mismatch cannot happen here (one call launches every rank), nor a stop without an abort
-            error = CollectiveError(f"the one-kernel collective stopped on ranks {[rank for rank, _ in faults]}: "
-                                    f"{[fault for _, fault in faults]}")
+            error = faults.stopped_error(found)
         self.abort(f"{type(error).__name__}: {error}")
         raise error
 
@@ -239,8 +228,7 @@ class PeerLL:
             raise
         self._areas = areas
         row = 8 * LL_REGION_WORDS
-        self._cells = (ctypes.c_int64.from_buffer(words[ABORT_ROW]),
-                       *(ctypes.c_int64.from_buffer(words[ABORT_ROW + 1 + r], 8 * LL_FAULT) for r in range(n)))
+        self._cells = (*faults.cells(words[ABORT_ROW:ABORT_ROW + 1], 0), *faults.cells(words[ABORT_ROW + 1:], LL_FAULT))
         templates = []
         for rank in range(n):
             args = kernels.LLAllreduceArgs()
@@ -263,20 +251,12 @@ class PeerLL:
         self._control = None   # the mapping goes with its last view
 
 
-class _Refused:
-    """A plan that does not run here, remembered by identity."""
-    __slots__ = ("plan",)
-
-    def __init__(self, plan):
-        self.plan = plan
-
-
 class BoundPeerCall:
-    """A call of PeerLL bound to its arrays (DeviceRanks.bind, and PeerLL.run
+    """A call of PeerLLPath bound to its arrays (DeviceRanks.bind, and run
     for a call on the last call's arrays): each rank's arguments and launch
     made once. The launches read the arguments when issued, so the timeout,
-    the one argument that may change (PeerLL.use_timeout), is written into
-    them when it did."""
+    the one argument that may change (PeerLLPath.use_timeout), is written
+    into them when it did."""
 
     def __init__(self, peers, call, args, launches):
         self._peers, self._call, self._args, self._launches = peers, call, args, launches

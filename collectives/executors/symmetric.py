@@ -1,7 +1,8 @@
 """Collectives on symmetric memory between GPU ranks in separate processes:
 each rank's kernel reads its peers' inputs and writes their outputs where
 they lie, with no copy into or out of a workspace and no host in the loop
-(NCCL's registered buffers, PyTorch's symmetric memory).
+(NCCL's registered buffers, PyTorch's symmetric memory). Two paths
+(paths.py) and the memory they run on.
 
 Symmetric memory is what Communicator.alloc(shape, dtype) returns: every
 rank allocates the same bytes of IPC-shareable device memory, the ranks
@@ -9,10 +10,11 @@ exchange the handles by an allgather, and each maps every peer's. So an
 array at offset o of allocation k on one rank has a twin at offset o of
 allocation k on every rank, and a rank knows its address on each peer.
 
-A call runs here when the arrays its peers touch (every input but
-allgather's, every output but reduce_scatter's) lie in symmetric memory and
-its plan's bits are the `direct` plan's (same_bits_as_direct), with no
-compression. It is three launches on the caller's stream:
+The symmetric path serves the one-pass plans (paths.one_pass: the five
+collectives, the `direct` plan's bits, uncompressed) on symmetric buffers:
+the arrays its peers touch (every input but allgather's, every output but
+reduce_scatter's) lie in symmetric memory. A call is three launches on the
+caller's stream:
 
     ll_barrier  enter: every peer has reached the call (kernels/ll_allreduce.cu)
     plan_step   this rank's share (symmetric_rows.py), on the peers' memory
@@ -24,14 +26,15 @@ writes about the message, each input once and each output once for ranks
 sharing one GPU (the memory floor), folding in rank order (the `direct`
 plan's bits).
 
-Calls on plain arrays that the LL path does not take (larger than 64 KiB)
-and whose plans have the `direct` plan's bits run here too, through each
-rank's staging buffer, symmetric memory of the communicator's own: a copy of
-the input into it, the same three launches in place on the staging buffers,
-a copy of the result out (run_staged): five launches, no host wait, the
-copies NCCL's eager path makes. The staging buffers grow at the same calls
-on every rank (every rank makes the same calls), a power of two at least
-STAGING_MIN_BYTES, which is the only time these calls wait on the host.
+The staged path serves the same plans on any buffers (the LL path takes
+the small ones first, the symmetric path those on symmetric memory),
+through each rank's staging buffer, symmetric memory of the
+communicator's own: a copy of the input into it, the same three launches
+in place on the staging buffers, a copy of the result out: five launches,
+no host wait, the copies NCCL's eager path makes. The staging buffers grow
+at the same calls on every rank (every rank makes the same calls), a power
+of two at least STAGING_MIN_BYTES, which is the only time these calls wait
+on the host.
 
 The barriers' signature (32 bits of a hash of the collective, counts, dtype,
 op, root and where input and output lie in symmetric memory) makes a rank
@@ -39,8 +42,8 @@ whose call differs (another allocation or offset included) a mismatch that
 every rank raises as InvalidUsageError; so does a rank that passes arrays
 outside symmetric memory while its peers pass symmetric ones (its call goes
 through staging, whose place differs). Timeouts, a dead peer, graphs and
-stream order are the LL path's
-(executors/ll_allreduce.py), whose area holds the barrier word.
+stream order are the device protocol's (device_protocol.py), whose LL
+area holds the barrier word.
 """
 
 import hashlib
@@ -56,7 +59,7 @@ from ..ops import ReduceOp
 from ..plan import SCRATCH, WORK
 from ..transport.protocol import describe_call
 from .device import fan_out, grid_for
-from .ll_allreduce import ACCEPTED, same_bits_as_direct
+from .paths import SYMMETRIC, Path, one_pass
 from .symmetric_rows import PEERS_READ_INPUT, PEERS_WRITE_OUTPUT, share_rows, staged_copies
 
 # The barrier's fault word names the collective as LL_COLLECTIVES's index
@@ -64,6 +67,7 @@ from .symmetric_rows import PEERS_READ_INPUT, PEERS_WRITE_OUTPUT, share_rows, st
 SYMMETRIC_FAULT_CODE = 16
 HANDLE_PAYLOAD = 8 + 64   # what a rank shares of an allocation: its byte count, its handle
 STAGING_MIN_BYTES = 1 << 20   # a staging buffer's least size: growth, which waits on the host, stays rare
+
 
 class Allocation(NamedTuple):
     index: int                     # the communicator's k-th symmetric allocation, the same on every rank
@@ -101,7 +105,7 @@ class _Rows(NamedTuple):
 
 
 class _StagedCall(NamedTuple):
-    """A plan's call on plain arrays through staging (run_staged)."""
+    """A plan's call on plain arrays through staging (StagedPath)."""
     call: object                   # the _SymmetricCall in place on the staging buffers
     staging: Allocation            # the staging buffer it was made for
     copy_instance: kernels.StepInstance
@@ -152,21 +156,21 @@ def signature(plan, arrays):
     return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little")
 
 
-class SymmetricCalls:
-    """This rank's symmetric memory and the calls on it, for a DeviceProcessRank
-    whose one-kernel path (`ll`, an LLAllreduce) is on."""
+class SymmetricMemory:
+    """This rank's symmetric memory (the caller's allocations and the staging
+    buffers) and what both paths on it do: prepare a call's share, and
+    launch barrier, share, barrier. `protocol` is the rank's
+    device_protocol.DeviceProtocol, whose LL area holds the barrier word."""
 
-    def __init__(self, rank, size, prefix, device, ll):
+    def __init__(self, rank, size, prefix, device, protocol):
         self.rank, self.size, self.prefix = rank, size, prefix
-        self.device, self.ll = device, ll
+        self.device, self.protocol = device, protocol
         self.allocations = []
+        self.staging = None            # the current staging buffer (an Allocation), for calls on plain arrays
+        self._old_staging = []         # the ones it replaced: released at close
         self._calls = {}               # (id(plan), places) -> _SymmetricCall
         self._args = None              # the barriers' kernels.LLAllreduceArgs, made at the first call
-        self._staging = None           # the current staging buffer (an Allocation), for calls on plain arrays
-        self._old_staging = []         # the ones it replaced: released at close
-        self._staged = {}              # id(plan) -> _StagedCall
         self._kept = []                # every table uploaded: a graph may launch it until close
-        self._routes = {}              # (id(plan), input address, output address) -> (plan, _SymmetricCall, staged)
 
     # -- memory ---------------------------------------------------------------
 
@@ -174,7 +178,9 @@ class SymmetricCalls:
         """Communicator.alloc on this rank: an array of `shape` and `dtype`
         in new symmetric memory. `exchange(payload)` is the communicator's
         allgather of a small uint8 array on this rank's device. Every rank
-        must ask for the same bytes: else every rank raises InvalidUsageError."""
+        must ask for the same bytes: else every rank raises InvalidUsageError.
+        (A plain array's memory may lie in it now: the selector forgets the
+        paths the buffers chose, DeviceProcessRank.allocate_symmetric.)"""
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         device = self.device
         if device.is_capturing(device.current_stream()):   # the handles' allgather would be captured, not run
@@ -201,16 +207,15 @@ class SymmetricCalls:
                     addresses.append(own.address)
                     continue
                 opened = device.open_shared(bytes(shared[q, 8:]))
-                self.ll.hold_peer_memory(opened)   # unmapped at close, with the LL areas
+                self.protocol.hold_peer_memory(opened)   # unmapped at close, with the LL areas
                 addresses.append(opened.address)
         except BaseException as error:
             # The peers have this allocation and this rank has not: their
             # symmetric memory would no longer match. Abort for every rank.
-            self.ll.group.abort(f"{type(error).__name__}: alloc on rank {self.rank}: {error}", error)
+            self.protocol.group.abort(f"{type(error).__name__}: alloc on rank {self.rank}: {error}", error)
             device.release_shared(own, own=True)
             raise
         self.allocations.append(Allocation(index, own, nbytes, tuple(addresses)))
-        self._routes.clear()   # a plain array's address may lie in it now (runs)
         return device.wrap_shared(own, tuple(shape), dtype)
 
     def place(self, info):
@@ -222,232 +227,7 @@ class SymmetricCalls:
                 return Place(allocation, offset)
         return None
 
-    def release(self):
-        """At close, after every rank's kernels are done (a barrier): our own
-        memory goes once the caller's arrays in it are gone too."""
-        staging = self._old_staging + ([self._staging] if self._staging is not None else [])
-        for allocation in self.allocations + staging:
-            self.device.release_shared(allocation.own, own=True)
-        self.allocations, self._old_staging, self._staging = [], [], None
-        self._calls.clear()
-        self._staged.clear()
-        self._routes.clear()
-        self._kept.clear()
-
-    # -- a call ---------------------------------------------------------------
-
-    def accepts(self, plan, input_info, output_info):
-        """The call's _Arrays when it runs here, else None: the arrays that
-        peers read (every input but allgather's) or write (every output but
-        reduce_scatter's) lie in symmetric memory."""
-        if not self.allocations or plan.compression is not None or plan.collective not in ACCEPTED \
-                or not same_bits_as_direct(plan) or plan.nranks > kernels.MAX_RANKS:
-            return None
-        source = self.place(input_info) if plan.collective in PEERS_READ_INPUT else None
-        result = self.place(output_info) if plan.collective in PEERS_WRITE_OUTPUT else None
-        if (source is None) == (plan.collective in PEERS_READ_INPUT) or \
-                (result is None) == (plan.collective in PEERS_WRITE_OUTPUT):
-            return None
-        if not self._apart_or_aligned(plan, input_info, output_info):
-            return None
-        return _Arrays(source, result, input_info.address, output_info.address)
-
-    def _apart_or_aligned(self, plan, input_info, output_info):
-        """Whether the output is the input, lies apart from it, or is the
-        relation the collective defines (reduce_scatter's output: block r of
-        its input; allgather's input: block r of its output). An output that
-        overlaps its input otherwise would race in the one pass; such a call
-        goes through staging, which copies the input whole first. (For
-        allreduce, reduce and broadcast both arrays lie at the same places on
-        every rank, so every rank decides alike; an allgather's input or a
-        reduce_scatter's output overlapping that way on some ranks only
-        sends them through staging while their peers are not: every rank
-        raises InvalidUsageError, a different call.)"""
-        a, b = input_info.address, output_info.address
-        if a == b or a + input_info.nbytes <= b or b + output_info.nbytes <= a:
-            return True
-        if plan.collective == REDUCE_SCATTER:
-            return b == a + self.rank * output_info.nbytes
-        if plan.collective == ALLGATHER:
-            return a == b + self.rank * input_info.nbytes
-        return False
-
-    def runs(self, plan, input_info, output_info, deadline):
-        """Run the call here if it runs here (on the caller's arrays in
-        symmetric memory, or through staging), and say whether it did. The
-        route of a (plan, input, output) is remembered until the next
-        allocation, which every rank makes at the same point: a plain
-        array's memory may then lie in symmetric memory, and every rank must
-        route a call alike."""
-        key = (id(plan), input_info.address, output_info.address)
-        route = self._routes.get(key)
-        if route is None or route[0] is not plan:
-            arrays = self.accepts(plan, input_info, output_info) if self.allocations else None
-            call = self._call(plan, arrays) if arrays is not None else None
-            route = (plan, call, call is None and self.stages(plan))
-            if len(self._routes) >= 256:
-                self._routes.clear()
-            self._routes[key] = route
-        if route[1] is not None:
-            self._run_call(plan, route[1], deadline)
-            return True
-        if route[2]:
-            self.run_staged(plan, input_info, output_info, deadline)
-            return True
-        return False
-
-    def _run_call(self, plan, call, deadline):
-        """A call on symmetric memory: barrier, this rank's share, barrier."""
-        if plan.count == 0:
-            return
-        stream = self._begin(plan, call.description, deadline)
-        self._launch(plan, call, stream, deadline)
-        self._end()
-
-    def _call(self, plan, arrays):
-        key = (id(plan), *arrays.key)
-        call = self._calls.get(key)
-        if call is None or call.plan is not plan:
-            call = self._prepare(plan, arrays, key)
-        return call
-
-    def _begin(self, plan, description, deadline):
-        """Checks and ordering before a call's launches; its stream."""
-        device, ll = self.device, self.ll
-        ll.check()   # a kernel of an earlier call gave up: this call must not launch
-        stream = device.current_stream()
-        capturing = device.is_capturing(stream)
-        ll.ensure_setup(deadline, capturing, plan.collective)
-        if not capturing:
-            ll.order_on(stream)
-            ll.describe_call(description)
-        else:
-            ll.one_capture_stream(stream)
-        return stream
-
-    def _launch(self, plan, call, stream, deadline, after=None, buffers=None):
-        """Barrier, share, barrier. A barrier that gives up zeroes a table
-        (ll_barrier), whose rows then move nothing: the enter barrier the
-        share's, the leave barrier `after`'s (_Rows launched next, or None)."""
-        device, ll = self.device, self.ll
-        args = self._barrier_args()
-        args.signature = call.signature
-        args.collective = SYMMETRIC_FAULT_CODE + kernels.LL_COLLECTIVES.index(plan.collective)
-        args.timeout_ns = ll.set_timeout(deadline)
-        args.output, args.count = (call.table.address, call.table_words) if call.table is not None else (0, 0)
-        device.launch_ll_barrier(stream, args)   # (the launch copies the arguments)
-        if call.table is not None:
-            device.launch_step(stream, call.instance, call.grid, call.table, call.width,
-                               call.addresses if buffers is None else buffers, call.divisor, call.fanout)
-        args.output, args.count = (after.table.address, after.words) if after is not None else (0, 0)
-        device.launch_ll_barrier(stream, args)
-
-    def _end(self):
-        self.device.call_returned()   # the emulated device runs the launches now; a GPU keeps them queued
-        self.ll.check()
-
-    # -- calls on plain arrays, through staging -------------------------------------
-
-    def stages(self, plan):
-        """Whether a call on plain arrays runs here, through this rank's
-        staging buffer (run_staged): a plan with the `direct` plan's bits,
-        uncompressed; the LL path takes the small ones first."""
-        return plan.compression is None and plan.collective in ACCEPTED and same_bits_as_direct(plan) \
-            and plan.nranks <= kernels.MAX_RANKS
-
-    def run_staged(self, plan, input_info, output_info, deadline):
-        """A call on plain arrays as five launches, no host wait: a copy of
-        the input into this rank's staging buffer (symmetric memory of the
-        communicator's own), the call in place on the staging buffers
-        (barrier, share, barrier) and a copy of the result out. The copy in
-        may overwrite the staging buffer at once: every peer finished with
-        it in this rank's previous call, whose leave barrier came before on
-        the stream. The output may overlap the input in any way: the input
-        is copied whole before anything is written. The copies are step
-        kernel COPY rows made once per plan, the caller's addresses passed
-        by value (a new array costs no upload). A leave barrier that gives
-        up zeroes the copy out's table, as an enter barrier does the share's:
-        a failed call writes no output."""
-        if plan.count == 0:
-            return
-        staged = self._staged_call(plan, deadline)
-        buffers = staged.buffers(input_info.address, output_info.address)
-        stream = self._begin(plan, staged.call.description, deadline)
-        device = self.device
-        if staged.copy_in is not None:
-            device.launch_step(stream, staged.copy_instance, staged.copy_in.grid, staged.copy_in.table,
-                               staged.copy_in.width, buffers, 0)
-        self._launch(plan, staged.call, stream, deadline, staged.copy_out, buffers)
-        if staged.copy_out is not None:
-            device.launch_step(stream, staged.copy_instance, staged.copy_out.grid, staged.copy_out.table,
-                               staged.copy_out.width, buffers, 0)
-        self._end()
-
-    def staged_launches(self, plan):
-        """Launches of a staged call of `plan` on this rank (bench.plan_report, spmd_overhead)."""
-        if plan.count == 0:
-            return 0
-        copy_in, copy_out = self._staged_copies(plan)
-        return 3 + (copy_in is not None) + (copy_out is not None)
-
-    def _staged_copies(self, plan):
-        return staged_copies(plan.collective, self.size, self.rank, plan.root, plan.count, plan.dtype.itemsize)
-
-    def _staged_call(self, plan, deadline):
-        staged = self._staged.get(id(plan))
-        if staged is not None and staged.call.plan is plan and staged.staging is self._staging:
-            return staged
-        self._refuse_capture(plan, "uploads its copies and may grow the staging buffers its peers open")
-        staging = self._ensure_staging(plan.count * plan.dtype.itemsize, plan.collective, deadline)
-        block = plan.count // self.size * plan.dtype.itemsize
-        own = staging.own.address
-        # The call in place on the staging buffers (symmetric.py's in-place
-        # cases): reduce_scatter's output its own block, allgather's input its own block.
-        if plan.collective == ALLGATHER:
-            arrays = _Arrays(None, Place(staging, 0), own + self.rank * block, own)
-        elif plan.collective == REDUCE_SCATTER:
-            arrays = _Arrays(Place(staging, 0), None, own, own + self.rank * block)
-        else:
-            arrays = _Arrays(Place(staging, 0), Place(staging, 0), own, own)
-        copy_in, copy_out = self._staged_copies(plan)
-        itemsize = plan.dtype.itemsize
-
-        def copy(destination, source, nbytes):
-            """One COPY row of this rank. The share's table puts this rank's
-            INPUT and OUTPUT where its part of the call lies in the staging
-            buffer (at copy_in's and copy_out's offsets, _staged_copies);
-            WORK and SCRATCH are the caller's input and output (buffers)."""
-            rows = np.array([[self.rank, COPY_OP, nbytes // itemsize, destination, 0, 1, self.rank, source, 0]],
-                            np.int64)
-            return _Rows(self._upload(rows), rows.shape[1], grid_for(rows, self.device, itemsize), rows.size)
-
-        call = self._call(plan, arrays)
-        assert copy_in is None or call.addresses[kernels.BUFFERS * self.rank + INPUT] == own + copy_in[0]
-        assert copy_out is None or call.addresses[kernels.BUFFERS * self.rank + OUTPUT] == own + copy_out[0]
-        staged = _StagedCall(
-            call, staging, kernels.step_instance(plan.dtype, ReduceOp.SUM, False),
-            copy_in and copy(INPUT, WORK, copy_in[1]), copy_out and copy(SCRATCH, OUTPUT, copy_out[1]), {})
-        if len(self._staged) >= 256:
-            self._staged.clear()
-        self._staged[id(plan)] = staged
-        return staged
-
-    def _upload(self, rows):
-        """Rows in device memory, kept until close: a captured graph may
-        launch them after the caches here have let them go."""
-        table = self.device.upload(rows)
-        self._kept.append(table)
-        return table
-
-    def _refuse_capture(self, plan, what):
-        """InvalidUsageError while capturing: `what` a call not made before does, on the host."""
-        device = self.device
-        if device.is_capturing(device.current_stream()):
-            raise InvalidUsageError(
-                f"graph: a {plan.collective} between processes not made before {what}, which cannot be "
-                "captured: make each call once before capturing it")
-
-    def _ensure_staging(self, nbytes, collective, deadline):
+    def grow_staging(self, nbytes, deadline):
         """This rank's staging buffer, at least `nbytes`, and every peer's,
         mapped here. Every rank makes the same calls, so every rank grows
         at the same call, to the same size (a power of two, at least
@@ -457,31 +237,81 @@ class SymmetricCalls:
         for this rank's stream, so that every peer is done with the old
         buffer (this rank's last leave barrier is behind it), and the old
         buffers are released at close only (a peer may still map them)."""
-        staging = self._staging
+        staging = self.staging
         if staging is not None and staging.nbytes >= nbytes:
             return staging
-        device, ll = self.device, self.ll
+        device, protocol = self.device, self.protocol
         capacity = max(STAGING_MIN_BYTES, 1 << max(nbytes - 1, 1).bit_length())
         generation = len(self._old_staging) + (staging is not None) + 1
         own = None
         try:
             device.synchronize()
             own = device.allocate_shared(capacity, f"{self.prefix}-r{self.rank}-staging{generation}")
-            addresses = ll.exchange_staging(own, capacity, deadline)
+            addresses = protocol.exchange_staging(own, capacity, deadline)
         except BaseException as error:   # the peers waiting for this rank's buffer learn of it at once
-            ll.group.abort(f"{type(error).__name__}: {error}", error)   # first: a peer that cannot open it asks why
+            protocol.group.abort(f"{type(error).__name__}: {error}", error)   # first: a peer that cannot open it asks why
             if own is not None:
                 device.release_shared(own, own=True)
             raise
         if staging is not None:
             self._old_staging.append(staging)
-        self._staging = Allocation(-generation, own, capacity, addresses)   # negative: not a caller's allocation
-        return self._staging
+        self.staging = Allocation(-generation, own, capacity, addresses)   # negative: not a caller's allocation
+        return self.staging
 
-    def _barrier_args(self):
+    def upload(self, rows):
+        """Rows in device memory, kept until close: a captured graph may
+        launch them after the caches here have let them go."""
+        table = self.device.upload(rows)
+        self._kept.append(table)
+        return table
+
+    def refuse_capture(self, plan, what):
+        """InvalidUsageError while capturing: `what` a call not made before does, on the host."""
+        device = self.device
+        if device.is_capturing(device.current_stream()):
+            raise InvalidUsageError(
+                f"graph: a {plan.collective} between processes not made before {what}, which cannot be "
+                "captured: make each call once before capturing it")
+
+    def release(self):
+        """At close, after every rank's kernels are done (a barrier): our own
+        memory goes once the caller's arrays in it are gone too."""
+        staging = self._old_staging + ([self.staging] if self.staging is not None else [])
+        for allocation in self.allocations + staging:
+            self.device.release_shared(allocation.own, own=True)
+        self.allocations, self._old_staging, self.staging = [], [], None
+        self._calls.clear()
+        self._kept.clear()
+
+    # -- the calls of both paths: barrier, share, barrier ----------------------------
+
+    def call(self, plan, arrays):
+        """The _SymmetricCall of `plan` on arrays that lie as `arrays` says
+        (_Arrays), made once."""
+        key = (id(plan), *arrays.key)
+        call = self._calls.get(key)
+        if call is None or call.plan is not plan:
+            call = self._prepare(plan, arrays, key)
+        return call
+
+    def launch(self, plan, call, stream, deadline, after=None, buffers=None):
+        """Barrier, share, barrier. A barrier that gives up zeroes a table
+        (ll_barrier), whose rows then move nothing: the enter barrier the
+        share's, the leave barrier `after`'s (_Rows launched next, or None)."""
+        device, protocol = self.device, self.protocol
         if self._args is None:
-            self._args = self.ll.args_copy()
-        return self._args
+            self._args = protocol.args_copy()
+        args = self._args
+        args.signature = call.signature
+        args.collective = SYMMETRIC_FAULT_CODE + kernels.LL_COLLECTIVES.index(plan.collective)
+        args.timeout_ns = protocol.set_timeout(deadline)
+        args.output, args.count = (call.table.address, call.table_words) if call.table is not None else (0, 0)
+        device.launch_ll_barrier(stream, args)   # (the launch copies the arguments)
+        if call.table is not None:
+            device.launch_step(stream, call.instance, call.grid, call.table, call.width,
+                               call.addresses if buffers is None else buffers, call.divisor, call.fanout)
+        args.output, args.count = (after.table.address, after.words) if after is not None else (0, 0)
+        device.launch_ll_barrier(stream, args)
 
     def _prepare(self, plan, arrays, key):
         itemsize = plan.dtype.itemsize
@@ -509,9 +339,9 @@ class SymmetricCalls:
         fanout = 1
         words = rows.size
         if len(rows):
-            self._refuse_capture(plan, "uploads its rows")
+            self.refuse_capture(plan, "uploads its rows")
             rows, fanout = fan_out(rows)
-            table, width = self._upload(rows), rows.shape[1]
+            table, width = self.upload(rows), rows.shape[1]
             grid = grid_for(rows, self.device, itemsize, fanout)
         call = _SymmetricCall(plan, self.rank, kernels.step_instance(plan.dtype, op, reducing),
                               kernels.step_divisor(op, self.size) if reducing else 0, table, words, width, grid, fanout,
@@ -520,3 +350,174 @@ class SymmetricCalls:
             self._calls.clear()
         self._calls[key] = call
         return call
+
+
+def _one_pass_on_symmetric_memory(plan):
+    """What both paths serve: a one-pass plan (paths.one_pass) of at most
+    MAX_RANKS ranks (the step kernel's buffer table)."""
+    return one_pass(plan) and plan.nranks <= kernels.MAX_RANKS
+
+
+class SymmetricPath(Path):
+    """Calls whose arrays lie in symmetric memory: barrier, this rank's
+    share on the peers' arrays, barrier (see the module doc)."""
+
+    name = "symmetric"
+    buffers = frozenset({SYMMETRIC})
+
+    def __init__(self, memory):
+        self.memory = memory   # SymmetricMemory
+
+    def serves(self, plan):
+        return _one_pass_on_symmetric_memory(plan)
+
+    def arrays(self, plan, input_info, output_info):
+        """The call's _Arrays where the arrays peers read (every input but
+        allgather's) or write (every output but reduce_scatter's) lie in
+        symmetric memory, else None."""
+        memory = self.memory
+        if not memory.allocations:
+            return None
+        source = memory.place(input_info) if plan.collective in PEERS_READ_INPUT else None
+        result = memory.place(output_info) if plan.collective in PEERS_WRITE_OUTPUT else None
+        if (source is None) == (plan.collective in PEERS_READ_INPUT) or \
+                (result is None) == (plan.collective in PEERS_WRITE_OUTPUT):
+            return None
+        if not self._apart_or_aligned(plan, input_info, output_info):
+            return None
+        return _Arrays(source, result, input_info.address, output_info.address)
+
+    def _apart_or_aligned(self, plan, input_info, output_info):
+        """Whether the output is the input, lies apart from it, or is the
+        relation the collective defines (reduce_scatter's output: block r of
+        its input; allgather's input: block r of its output). An output that
+        overlaps its input otherwise would race in the one pass; such a call
+        goes through staging, which copies the input whole first. (For
+        allreduce, reduce and broadcast both arrays lie at the same places on
+        every rank, so every rank decides alike; an allgather's input or a
+        reduce_scatter's output overlapping that way on some ranks only
+        sends them through staging while their peers are not: every rank
+        raises InvalidUsageError, a different call.)"""
+        a, b = input_info.address, output_info.address
+        if a == b or a + input_info.nbytes <= b or b + output_info.nbytes <= a:
+            return True
+        if plan.collective == REDUCE_SCATTER:
+            return b == a + self.memory.rank * output_info.nbytes
+        if plan.collective == ALLGATHER:
+            return a == b + self.memory.rank * input_info.nbytes
+        return False
+
+    def prepare(self, plan, arrays=None):
+        return self.memory.call(plan, arrays)
+
+    def launches(self, plan):
+        return 3 if plan.count else 0
+
+    def run(self, route, input_info, output_info, deadline):
+        plan, call = route.plan, route.call
+        protocol = self.memory.protocol
+        if plan.count == 0:
+            protocol.check()
+            return
+        stream = protocol.begin(plan.collective, call.description, deadline)
+        self.memory.launch(plan, call, stream, deadline)
+        protocol.end()
+
+
+class StagedPath(Path):
+    """Calls on any arrays through the staging buffers: a copy in, barrier,
+    share, barrier on the staging buffers, a copy out (see the module doc)."""
+
+    name = "staged"
+
+    def __init__(self, memory):
+        self.memory = memory   # SymmetricMemory
+        self._staged = {}      # id(plan) -> _StagedCall
+
+    def serves(self, plan):
+        return _one_pass_on_symmetric_memory(plan)
+
+    def launches(self, plan):
+        if plan.count == 0:
+            return 0
+        copy_in, copy_out = self._copies(plan)
+        return 3 + (copy_in is not None) + (copy_out is not None)
+
+    def run(self, route, input_info, output_info, deadline):
+        """Five launches, no host wait: a copy of the input into this rank's
+        staging buffer, the call in place on the staging buffers (barrier,
+        share, barrier) and a copy of the result out. The copy in may
+        overwrite the staging buffer at once: every peer finished with it
+        in this rank's previous call, whose leave barrier came before on the
+        stream. The output may overlap the input in any way: the input is
+        copied whole before anything is written. The copies are step kernel
+        COPY rows made once per plan, the caller's addresses passed by value
+        (a new array costs no upload). A leave barrier that gives up zeroes
+        the copy out's table, as an enter barrier does the share's: a failed
+        call writes no output."""
+        plan = route.plan
+        memory = self.memory
+        protocol = memory.protocol
+        if plan.count == 0:
+            protocol.check()
+            return
+        staged = self._call(plan, deadline)
+        buffers = staged.buffers(input_info.address, output_info.address)
+        stream = protocol.begin(plan.collective, staged.call.description, deadline)
+        device = memory.device
+        if staged.copy_in is not None:
+            device.launch_step(stream, staged.copy_instance, staged.copy_in.grid, staged.copy_in.table,
+                               staged.copy_in.width, buffers, 0)
+        memory.launch(plan, staged.call, stream, deadline, staged.copy_out, buffers)
+        if staged.copy_out is not None:
+            device.launch_step(stream, staged.copy_instance, staged.copy_out.grid, staged.copy_out.table,
+                               staged.copy_out.width, buffers, 0)
+        protocol.end()
+
+    def _copies(self, plan):
+        memory = self.memory
+        return staged_copies(plan.collective, memory.size, memory.rank, plan.root, plan.count, plan.dtype.itemsize)
+
+    def _call(self, plan, deadline):
+        memory = self.memory
+        staged = self._staged.get(id(plan))
+        if staged is not None and staged.call.plan is plan and staged.staging is memory.staging:
+            return staged
+        memory.refuse_capture(plan, "uploads its copies and may grow the staging buffers its peers open")
+        staging = memory.grow_staging(plan.count * plan.dtype.itemsize, deadline)
+        rank = memory.rank
+        block = plan.count // memory.size * plan.dtype.itemsize
+        own = staging.own.address
+        # The call in place on the staging buffers (the symmetric path's
+        # in-place cases): reduce_scatter's output its own block, allgather's input its own block.
+        if plan.collective == ALLGATHER:
+            arrays = _Arrays(None, Place(staging, 0), own + rank * block, own)
+        elif plan.collective == REDUCE_SCATTER:
+            arrays = _Arrays(Place(staging, 0), None, own, own + rank * block)
+        else:
+            arrays = _Arrays(Place(staging, 0), Place(staging, 0), own, own)
+        copy_in, copy_out = self._copies(plan)
+        itemsize = plan.dtype.itemsize
+
+        def copy(destination, source, nbytes):
+            """One COPY row of this rank. The share's table puts this rank's
+            INPUT and OUTPUT where its part of the call lies in the staging
+            buffer (at copy_in's and copy_out's offsets, _copies); WORK and
+            SCRATCH are the caller's input and output (buffers)."""
+            rows = np.array([[rank, COPY_OP, nbytes // itemsize, destination, 0, 1, rank, source, 0]], np.int64)
+            return _Rows(memory.upload(rows), rows.shape[1], grid_for(rows, memory.device, itemsize), rows.size)
+
+        call = memory.call(plan, arrays)
+        assert copy_in is None or call.addresses[kernels.BUFFERS * rank + INPUT] == own + copy_in[0]
+        assert copy_out is None or call.addresses[kernels.BUFFERS * rank + OUTPUT] == own + copy_out[0]
+        staged = _StagedCall(
+            call, staging, kernels.step_instance(plan.dtype, ReduceOp.SUM, False),
+            copy_in and copy(INPUT, WORK, copy_in[1]), copy_out and copy(SCRATCH, OUTPUT, copy_out[1]), {})
+        if len(self._staged) >= 256:
+            self._staged.clear()
+        self._staged[id(plan)] = staged
+        return staged
+
+    def forget(self):
+        """Close: the staged calls' tables go with the memory."""
+        self._staged.clear()

@@ -25,6 +25,10 @@ place that says where, so both import it and neither imports the other.
                 staging buffer for calls on plain arrays through symmetric
                 memory (executors/symmetric.py), raised once its handle is
                 at LL_STAGING_HANDLE_OFFSET. GPUs map this part of the segment.
+    calls       per rank, CALL_RECORDS records of CALL_RECORD_BYTES: GPU
+                ranks' record of each call, whatever path it takes (a word:
+                the call's number and signature; then its description), which
+                peers compare (executors/device_protocol.py: CallRecords)
     channel     from the next page: the fast path's channel, per rank
                   small slots   2 x (SLOT_HEADER + SMALL_MAX) bytes: the
                                 merged step of messages up to SMALL_MAX
@@ -50,6 +54,11 @@ LL_FAULT, LL_READY, LL_STAGING = 0, 1, 2
 LL_HANDLE_OFFSET = 64        # bytes into the rank's region: HANDLE_BYTES of its LL area's handle
 LL_STAGING_HANDLE_OFFSET = 128   # and of its current staging buffer's
 
+# The call records, per rank: a ring of CALL_RECORDS, each a word and a description.
+CALL_RECORDS = 64
+CALL_RECORD_BYTES = 128
+CALL_DESCRIPTION_BYTES = CALL_RECORD_BYTES - 8
+
 # bytes: the merged step up to SMALL_MAX, the pipeline above, CHUNK bytes of
 # every block per iteration. Every rank must use the same values (mpiexec
 # passes the environment to all); the defaults were measured (docs/host-ranks.md).
@@ -74,9 +83,14 @@ def ll_mapped_bytes(size):
     return _pages(ll_region_offset(size) + LL_REGION_BYTES * size)
 
 
+def calls_offset(size):
+    """Where the call records start: after the LL region."""
+    return ll_region_offset(size) + LL_REGION_BYTES * size
+
+
 def channel_offset(size):
-    """Where the channel starts: the first page after the LL region."""
-    used = ll_region_offset(size) + LL_REGION_BYTES * size
+    """Where the channel starts: the first page after the call records."""
+    used = calls_offset(size) + CALL_RECORDS * CALL_RECORD_BYTES * size
     return -(-used // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 

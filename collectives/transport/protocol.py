@@ -63,7 +63,8 @@ import numpy as np
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, class_of_kind, kind_of
 from .layout import (  # noqa: F401 (ROW and HEADER: other modules read the layout here too)
     ABORT, ABORT_KIND, ABORT_RANK, CAP, COUNTER, GEN, HANDLE_BYTES, HEADER, PID, REASON_BYTES, ROW, SEQ, SIG,
-    LL_REGION_BYTES, WORKSPACE_ALIGN, channel_offset, control_bytes, ll_region_offset,
+    CALL_RECORD_BYTES, CALL_RECORDS, LL_REGION_BYTES, WORKSPACE_ALIGN, calls_offset, channel_offset, control_bytes,
+    ll_region_offset,
 )
 from .segments import Segment
 
@@ -281,9 +282,16 @@ class ProcessGroup:
 
     def ll_region(self):
         """The control segment's LL region (layout.py): LL_REGION_BYTES per
-        rank, for the one-kernel collectives (executors/ll_allreduce.py)."""
+        rank, for the one-kernel collectives (executors/device_protocol.py)."""
         return np.ndarray((self.size, LL_REGION_BYTES), np.uint8, self._control_segment.buf,
                           offset=ll_region_offset(self.size))
+
+    def call_records(self):
+        """The control segment's call records (layout.py): per rank
+        CALL_RECORDS records of CALL_RECORD_BYTES, for GPU ranks
+        (executors/device_protocol.py: CallRecords)."""
+        return np.ndarray((self.size, CALL_RECORDS * CALL_RECORD_BYTES), np.uint8, self._control_segment.buf,
+                          offset=calls_offset(self.size))
 
     # -- the workspaces peers read ----------------------------------------------
 

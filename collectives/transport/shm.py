@@ -27,6 +27,7 @@ class ShmRank:
     host_only = True     # it indexes NumPy arrays
     locations = None
     compresses = True    # runs compressed plans
+    path = "step"        # what runs a plan (Communicator.chosen_algorithm; the compiled loop's: "compiled_loop")
 
     def __init__(self, rank, size, prefix):
         self.group = ProcessGroup(rank, size, prefix, HostMemory)
