@@ -51,26 +51,45 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
     config.stash[MATRIX_DESELECTED] = len(dropped)
+    if hasattr(config, "workeroutput"):   # an xdist worker: the controller, which collects nothing, reports it
+        config.workeroutput[MATRIX_DESELECTED_KEY] = len(dropped)
 
 
 # How many collective-matrix cases pytest_collection_modifyitems dropped, for the report.
 MATRIX_DESELECTED = pytest.StashKey[int]()
+MATRIX_DESELECTED_KEY = "collectives_matrix_deselected"
+
+
+def matrix_deselected_line(dropped):
+    return (f"collectives: {dropped} collective-matrix cases deselected on purpose: an algorithm on a "
+            f"collective it does not implement, and on emulated devices the algorithms other than "
+            f"{', '.join(FULL_MATRIX_ON_DEVICES)} beyond a reduced (ranks, count) set (tests/conftest.py)")
 
 
 def pytest_report_collectionfinish(config, items):
-    """Says once why thousands of cases are deselected, right under pytest's count."""
+    """Says once why thousands of cases are deselected, right under pytest's
+    count (in one process, -n 0; under xdist the summary says it)."""
     dropped = config.stash.get(MATRIX_DESELECTED, 0)
-    if dropped:
-        return [f"collectives: {dropped} collective-matrix cases deselected on purpose: an algorithm on a "
-                f"collective it does not implement, and on emulated devices the algorithms other than "
-                f"{', '.join(FULL_MATRIX_ON_DEVICES)} beyond a reduced (ranks, count) set "
-                f"(tests/conftest.py)"]
-    return []
+    return [matrix_deselected_line(dropped)] if dropped else []
 
 
-def pytest_terminal_summary(terminalreporter):
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """An xdist worker is done: keep what it deselected (every worker
+    collects the same list, so any one's count is the run's)."""
+    dropped = getattr(node, "workeroutput", {}).get(MATRIX_DESELECTED_KEY)
+    if dropped is not None:
+        node.config.stash[MATRIX_DESELECTED] = dropped
+
+
+def pytest_terminal_summary(terminalreporter, config):
     """Skips grouped by reason with their counts, most frequent first: one
-    line per reason instead of one per test (pytest -rs still lists them all)."""
+    line per reason instead of one per test (pytest -rs still lists them all);
+    under xdist, also the deselected matrix cases, which pytest's own count
+    leaves out there."""
+    dropped = config.stash.get(MATRIX_DESELECTED, 0)
+    if dropped and config.pluginmanager.hasplugin("dsession"):   # the xdist controller
+        terminalreporter.write_line(matrix_deselected_line(dropped))
     reasons = {}
     for report in terminalreporter.stats.get("skipped", []):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)

@@ -21,7 +21,9 @@ kernel that waits for another kernel's writes (the one-kernel collectives)
 runs on a thread of its own meanwhile, as kernels of two GPUs run at once.
 """
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import os
 import queue
@@ -481,31 +483,72 @@ def compiler():
     return found
 
 
-def build_command(source, output):
-    flags = ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
-             "-include", str(source / "emulation" / "cuda_host.h")]
-    flags += [f"-I{d}" for d in kernels.cuda_include_dirs()]
-    units = [str(source / "emulation" / name) for name in ("launch.cpp", "ll_launch.cpp")]
-    return [compiler(), *flags, *units, "-o", str(output)]
+# The two translation units of the library: the thread-independent kernels
+# (plan_step, batched_copy, the codecs) and the one-kernel collectives.
+UNITS = ("launch.cpp", "ll_launch.cpp")
+
+
+def compile_flags(source):
+    return ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC",
+            "-include", str(source / "emulation" / "cuda_host.h"), *[f"-I{d}" for d in kernels.cuda_include_dirs()]]
 
 
 def _build(source):
-    command = build_command(source, "OUTPUT")
+    """The library's path in the cache, built if it is not there. Built
+    once however many processes ask at once (a lock per library), and from
+    objects cached per translation unit, keyed by the unit's preprocessed
+    text: a copy of the sources changed in one kernel, as the tests that
+    break a kernel on purpose make, recompiles only the unit that includes
+    it."""
+    compiler_version = subprocess.run([compiler(), "--version"], capture_output=True).stdout
     digest = hashlib.sha256(kernels.sources_digest(source).encode())
-    digest.update(" ".join(command).encode())
-    digest.update(subprocess.run([command[0], "--version"], capture_output=True).stdout)
+    digest.update(" ".join(compile_flags(Path("SOURCE"))).encode() + compiler_version)
     target = kernels.cache_dir() / f"emulated-{digest.hexdigest()[:20]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+    with _locked(target), tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        if target.exists():   # built by another process while this one waited for the lock
+            return target
+        objects = [_unit_object(source, unit, compiler_version, Path(scratch)) for unit in UNITS]
         built = Path(scratch) / target.name
-        result = subprocess.run(build_command(source, built), capture_output=True, text=True)
-        if result.returncode != 0:
-            raise CollectiveError("building the emulated kernels failed:\n"
-                                  + kernels.describe_compile_error(result.stderr, source))
-        os.replace(built, target)  # atomic: concurrent builders all end with a whole file
+        _compile([compiler(), "-shared", *map(str, objects), "-o", str(built)], source)
+        os.replace(built, target)  # atomic: a process that does not take the lock sees a whole file or none
     return target
+
+
+def _unit_object(source, unit, compiler_version, scratch):
+    """The cached object file of one translation unit of `source`."""
+    flags = compile_flags(source)
+    preprocessed = _compile([compiler(), *flags, "-E", "-P", str(source / "emulation" / unit)], source)
+    digest = hashlib.sha256(preprocessed.encode())
+    digest.update(" ".join(compile_flags(Path("SOURCE"))).encode() + compiler_version)
+    cached = kernels.cache_dir() / f"emulated-{Path(unit).stem}-{digest.hexdigest()[:20]}.o"
+    if not cached.exists():
+        built = scratch / cached.name
+        _compile([compiler(), *flags, "-c", str(source / "emulation" / unit), "-o", str(built)], source)
+        os.replace(built, cached)
+    return cached
+
+
+def _compile(command, source):
+    """Runs the compiler; its standard output, or a CollectiveError that shows the failing source lines."""
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise CollectiveError("building the emulated kernels failed:\n"
+                              + kernels.describe_compile_error(result.stderr, source))
+    return result.stdout
+
+
+@contextlib.contextmanager
+def _locked(target):
+    """An exclusive lock on `target`'s lock file for the block (the file stays: removing it would race)."""
+    with open(target.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _load(path):

@@ -78,6 +78,7 @@ inline unsigned int __vminu2(unsigned int a, unsigned int b) { return simd_word<
 // yields the core: the emulated ranks may outnumber the cores.
 
 #include <sched.h>
+#include <time.h>
 
 #include <chrono>
 
@@ -98,4 +99,12 @@ inline unsigned long long clock_ns() {
     return static_cast<unsigned long long>(std::chrono::duration_cast<std::chrono::nanoseconds>(
         std::chrono::steady_clock::now().time_since_epoch()).count());
 }
-inline void __nanosleep(unsigned) { sched_yield(); }
+// A GPU thread's __nanosleep suspends it for about `ns`; here the OS thread
+// sleeps as long (Linux rounds it up to its timer slack, tens of µs), so a
+// rank that waits out a stalled peer's timeout leaves the cores to the
+// others instead of yielding in a loop. The kernels sleep only after their
+// tight polls (kLLSpinPolls), so a wait that ends soon never gets here.
+inline void __nanosleep(unsigned ns) {
+    const timespec pause{0, static_cast<long>(ns)};
+    nanosleep(&pause, nullptr);
+}
