@@ -21,9 +21,31 @@ OPS = ("sum", "prod", "max", "min", "avg")
 RANK_COUNTS = tuple(range(1, 9))
 
 
+# The largest count of the matrix: past 64 KiB of float32 (the one-kernel
+# path's limit, chunked and pipelined plans), and odd.
+LARGEST_COUNT = 65537
+
+
 def counts_for(n):
     """The element counts worth testing with n ranks."""
-    return sorted({0, 1, max(n - 1, 0), n + 1, 1000, 65537})
+    return sorted({0, 1, max(n - 1, 0), n + 1, 1000, LARGEST_COUNT})
+
+
+# At the largest count, a dtype of each item size (both 16-bit float
+# formats). What a count changes in a plan and a kernel (the blocks and
+# chunks it is cut into, the 16-byte vector path and the tail, grids,
+# workspaces, the compiled loop's pipeline) depends on the element's size,
+# never on its type; what the type changes (the fold: integer wrap, 16-bit
+# floats accumulated in float32, NaN and signed zeros) is elementwise, the
+# same at every count, and runs for every dtype at the other counts (1000
+# included: vector path and tail). The cells left out ran the very code of
+# the kept ones, and were a third of the whole suite's time.
+LARGEST_COUNT_DTYPES = ("int8", "float16", "bfloat16", "float32", "float64")
+
+
+def dtypes_for(count, among=DTYPES):
+    """The dtypes of `among` the matrix runs at `count` elements (per block for reduce_scatter)."""
+    return [d for d in among if count < LARGEST_COUNT or d.name in LARGEST_COUNT_DTYPES]
 
 
 def _sign(dtype):

@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import DTYPES, OPS, counts_for, gather_input, reduction_expected, reduction_input
+from cases import DTYPES, OPS, counts_for, dtypes_for, gather_input, reduction_expected, reduction_input
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.bootstrap import PRETEND_NODES_ENV
 from collectives.executors import host
@@ -89,7 +89,7 @@ def scenario_matrix(comm):
     assert isinstance(comm, HierarchicalCommunicator), comm
     nodes = comm.topology.nodes
     for count in counts_for(n):
-        for dtype in DTYPES:
+        for dtype in dtypes_for(count):
             for i, op in enumerate(OPS):
                 case = f"{op} {dtype} count={count} rank {r} nodes {nodes}"
                 x = reduction_input(op, dtype, n, r, count)

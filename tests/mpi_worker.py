@@ -22,8 +22,8 @@ from mpi4py import MPI
 
 import collectives
 import collectives.compression
-from cases import (DTYPES, OPS, counts_for, expect_a_different_call, gather_input, reduction_expected, reduction_input,
-                   run_scenario)
+from cases import (DTYPES, OPS, counts_for, dtypes_for, expect_a_different_call, gather_input, reduction_expected,
+                   reduction_input, run_scenario)
 from collectives import CollectiveError, CollectiveTimeoutError, RankFailedError
 from collectives.algorithms import REGISTRY
 
@@ -75,7 +75,7 @@ def scenario_collectives(comm):
     for algorithm in (ALGORITHMS if DEVICE == "host" else ("ring", "direct")):
         implemented = REGISTRY[algorithm].collectives
         for count in counts_for(n):
-            for dtype in dtypes:
+            for dtype in dtypes_for(count, dtypes):
                 for op in OPS:
                     case = f"{algorithm} {op} {dtype} count={count} rank {r}"
                     x = reduction_input(op, dtype, n, r, count)
