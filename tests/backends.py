@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import collectives
+from cases import DTYPES, SPREAD_DTYPES, dtypes_for
 from collectives import arrays
 
 GPU_DEVICE = os.environ.get("COLLECTIVES_TEST_DEVICE", "cuda")
@@ -75,6 +76,12 @@ class Backend:
             if isinstance(array, cupy.ndarray):
                 return cupy.asnumpy(array)
         return np.array(array)
+
+    def dtypes(self, count):
+        """The dtypes the collective matrix runs on this backend at `count`
+        elements (tests/cases.py says why some cells are left out)."""
+        return dtypes_for(count, [d for d in DTYPES if d.name in SPREAD_DTYPES] if self.name == "emulated-3"
+                          else DTYPES)
 
     def read(self, array):
         """The values of an array of this backend as NumPy, to compare at

@@ -48,6 +48,14 @@ def dtypes_for(count, among=DTYPES):
     return [d for d in among if count < LARGEST_COUNT or d.name in LARGEST_COUNT_DTYPES]
 
 
+# Ranks spread over several devices (the emulated-3 backend) run the same
+# dtypes at every count. What spreading adds (events and waits between the
+# devices' streams, copies from a peer device) follows the plan's phases
+# and the bytes it moves, not the element type; the kernels' arithmetic of
+# every dtype runs on the very same plans with the ranks on one device.
+SPREAD_DTYPES = LARGEST_COUNT_DTYPES
+
+
 def _sign(dtype):
     return 1 if dtype.kind == "u" else -1
 

@@ -22,11 +22,26 @@ REDUCED_MATRIX_ON_DEVICES = {"emulated": {(3, 4), (3, 1000), (4, 1000), (5, 6), 
 PROCESS_GROUP = "processes"
 
 
+def mark_the_quick_tier(items):
+    """`pytest -m quick`, a working loop of a minute or two: the middle case
+    of every test function that is not marked slow (the middle one rather
+    than the first, which is often the empty or one-rank case)."""
+    cases = {}
+    for item in items:
+        cases.setdefault((item.module.__name__, item.originalname), []).append(item)
+    for same_function in cases.values():
+        middle = same_function[len(same_function) // 2]
+        if not middle.get_closest_marker("slow"):
+            middle.add_marker(pytest.mark.quick)
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m selects: the quick marker must be there
 def pytest_collection_modifyitems(config, items):
     """Drop the collective-matrix cases that cannot or need not run: an
     algorithm on a collective it does not implement, and the device
     backends' cases beyond the reduced matrix for the newer algorithms.
-    Put the tests that start processes in one xdist group."""
+    Put the tests that start processes in one xdist group, and mark the
+    quick tier among the cases that run."""
     from collectives.algorithms import REGISTRY
     from collectives.algorithms.schedule import COLLECTIVES
 
@@ -50,6 +65,7 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+    mark_the_quick_tier(items)
     config.stash[MATRIX_DESELECTED] = len(dropped)
     if hasattr(config, "workeroutput"):   # an xdist worker: the controller, which collects nothing, reports it
         config.workeroutput[MATRIX_DESELECTED_KEY] = len(dropped)

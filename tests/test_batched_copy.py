@@ -231,6 +231,7 @@ def broken_copy(tmp_path, old, new):
     return emulated.library(broken)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("old, new", [
     ("if (w < words) to[w] = word[u];", "if (w + 1 < words) to[w] = word[u];"),   # drops a row's last word
     ("for (long long i = thread; i < head; i += threads)", "for (long long i = thread + 1; i < head; i += threads)"),

@@ -141,6 +141,7 @@ def test_the_gpu_path_on_emulated_devices(capsys):
     assert [r[2] for r in rows] == ["bfloat16"] * 3 and all(r[8] == r[12] == "0" for r in rows)
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_end_to_end_on_emulated_devices(tmp_path):
     """python -m bench.gpu_check --device emulated: the gpu tests, the kernel
     bandwidth against a copy, the allreduce table and the JSON, as on a GPU."""

@@ -551,6 +551,7 @@ def test_the_emulated_kernels_stride_and_take_unaligned_regions():
         check_against_reference(EmulatedKernels(emulated.library(), misalign=True), codec, x[:777])
 
 
+@pytest.mark.slow
 def test_a_broken_emulated_shuffle_is_caught(tmp_path):
     """The comparison with the reference sees the shuffles: an emulated
     shuffle that hands each lane its own value back (so a block's scale comes

@@ -12,7 +12,7 @@ import pytest
 
 import collectives
 from backends import GPU_DEVICE, Backend, backend_params, require_gpu, shares_memory
-from cases import OPS, RANK_COUNTS, counts_for, dtypes_for, gather_input, reduction_expected, reduction_input
+from cases import OPS, RANK_COUNTS, counts_for, gather_input, reduction_expected, reduction_input
 from collectives.algorithms import REGISTRY
 
 # Every registered algorithm, on the collectives it implements (the rest are
@@ -52,7 +52,7 @@ def assert_bits_equal(got, want, case):
 @placement
 def test_allreduce(backend, communicators, n, count, algorithm, in_place):
     comm = communicators(n)
-    for dtype in dtypes_for(count):
+    for dtype in backend.dtypes(count):
         for op in OPS:
             case = f"allreduce {op} {dtype} n={n} count={count} {algorithm} on {backend}"
             originals = [reduction_input(op, dtype, n, r, count) for r in range(n)]
@@ -72,7 +72,7 @@ def test_allreduce(backend, communicators, n, count, algorithm, in_place):
 @placement
 def test_reduce_scatter(backend, communicators, n, count, algorithm, in_place):
     comm = communicators(n)
-    for dtype in dtypes_for(count):
+    for dtype in backend.dtypes(count):
         for op in OPS:
             case = f"reduce_scatter {op} {dtype} n={n} count={count} {algorithm} on {backend}"
             originals = [reduction_input(op, dtype, n, r, n * count) for r in range(n)]
@@ -99,7 +99,7 @@ def test_reduce_scatter(backend, communicators, n, count, algorithm, in_place):
 def test_allgather(backend, communicators, n, count, algorithm, in_place):
     """In place here is MPI's: each rank's x is its own block of the output."""
     comm = communicators(n)
-    for dtype in dtypes_for(count):
+    for dtype in backend.dtypes(count):
         case = f"allgather {dtype} n={n} count={count} {algorithm} on {backend}"
         want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
         if in_place:
@@ -120,7 +120,7 @@ def test_allgather(backend, communicators, n, count, algorithm, in_place):
 def test_broadcast(backend, communicators, n, count, algorithm):
     comm = communicators(n)
     for root in sorted({0, n // 2, n - 1}):
-        for dtype in dtypes_for(count):
+        for dtype in backend.dtypes(count):
             case = f"broadcast {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
             xs = [backend.put(gather_input(dtype, r, count)) for r in range(n)]
             results = comm.broadcast(xs, root=root, algorithm=algorithm)
@@ -134,7 +134,7 @@ def test_broadcast(backend, communicators, n, count, algorithm):
 def test_reduce(backend, communicators, n, count, algorithm):
     comm = communicators(n)
     for root in sorted({0, n - 1}):
-        for dtype in dtypes_for(count):
+        for dtype in backend.dtypes(count):
             for op in OPS:
                 case = f"reduce {op} {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
                 originals = [reduction_input(op, dtype, n, r, count) for r in range(n)]

@@ -383,6 +383,7 @@ def test_a_repeated_call_on_device_ranks_uses_the_arrays_it_is_given(devices, al
         assert all((x == 106).all() for x in xs) and all((o == 10).all() for o in outs)
 
 
+@pytest.mark.slow
 def test_arrays_made_anew_at_the_ids_of_gone_ones_on_device_ranks():
     """Arrays made anew each step often get the ids of the last step's.
     A remembered call is forgotten when one of its arrays goes, so a new

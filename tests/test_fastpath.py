@@ -65,6 +65,7 @@ def interpreter_digests(n):
     return {digest for _, digest in without_loop}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("large_path", LARGE_PATHS)
 @pytest.mark.parametrize("n", [2, 3])
 def test_bits_equal_the_interpreter_with_and_without_the_loop(n, large_path):
@@ -91,6 +92,7 @@ def test_mismatched_calls_are_named(case):
     assert len(oks) == 2, report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [0, 2, 1], ids=["waits-for-the-write", "out-of-place", "names-a-writer-held-longer"])
 def test_a_failed_call_raises_only_once_no_peer_writes_into_its_output(case):
     oks, report = run_worker(2, "fenced", env={**LARGE_PATHS["single-copy"], "FASTPATH_CASE": str(case)},
@@ -106,6 +108,7 @@ def test_waits_that_fall_asleep_wake_with_the_right_result():
     assert len(oks) == 4, report
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_waiting_call_raises_at_once_and_aborts_the_others():
     oks, report = run_worker(3, "interrupted", launcher_flags=["-disable-auto-cleanup"])
     assert {"0", "2"} <= {rank for rank, _ in oks}, report

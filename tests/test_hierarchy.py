@@ -43,6 +43,7 @@ def run_ranks(scenario, layout, *launcher_flags, limit=240):
     return re.findall(rf"OK {scenario} \d+", done.stdout), report
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE, ONE_PER_NODE])
 def test_every_collective_dtype_and_op_across_nodes(layout):
@@ -50,6 +51,7 @@ def test_every_collective_dtype_and_op_across_nodes(layout):
     assert len(oks) == 4, report
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE, ONE_PER_NODE, THREE_NODES, INTERLEAVED])
 def test_every_rank_holds_the_bits_of_the_documented_fold_order(layout):
@@ -69,6 +71,7 @@ def test_all_ranks_on_one_node_keep_todays_communicator():
     assert len(oks) == 4, report
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE])
 def test_a_rank_that_stalls_on_the_other_node_makes_the_others_raise_in_time(layout):
@@ -76,6 +79,7 @@ def test_a_rank_that_stalls_on_the_other_node_makes_the_others_raise_in_time(lay
     assert len(oks) == 4, report
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE])
 def test_a_rank_that_dies_on_the_other_node_makes_the_others_raise_in_time(layout):

@@ -238,6 +238,7 @@ def test_fan_out_groups_write_every_destination_as_the_interpreter_does():
     assert fuzz(emulated.library(), seed=2, cases=600, fanning_out=True) == []
 
 
+@pytest.mark.slow
 def test_a_kernel_that_writes_only_the_first_row_of_a_group_is_caught(tmp_path):
     """The fan-out comparison can fail: the same sources, but only the
     group's first destination is written."""
@@ -251,6 +252,7 @@ def test_a_kernel_that_writes_only_the_first_row_of_a_group_is_caught(tmp_path):
         "a kernel that skips fan-out destinations passed the comparison"
 
 
+@pytest.mark.slow
 def test_a_kernel_with_one_broken_lane_is_caught(tmp_path):
     """The comparison above can fail: the same sources, but combine_into
     skips the last lane of every 16-byte pack."""
@@ -279,6 +281,7 @@ def test_a_compile_error_shows_the_failing_source_line(tmp_path):
 
 # -- nvcc, ptxas and the SASS ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_nvcc_build_passes_the_static_checks(tmp_path, capsys):
     """Every instance for sm_80 and sm_90 (and compute_90 PTX), with the
     pinned nvcc of the test extra."""

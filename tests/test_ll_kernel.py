@@ -263,6 +263,7 @@ def broken_copy(tmp_path, old, new):
 PUBLISH = "sys_store_line(ll_line(args.areas[args.rank], set, i), tag | (word & 0xffffffffull), tag | (word >> 32));"
 
 
+@pytest.mark.slow
 @pytest.mark.processes
 def test_a_flag_stored_before_its_data_is_caught(tmp_path):
     # The LL rule broken: the flag goes out in a store of its own, before the
@@ -280,6 +281,7 @@ def test_a_flag_stored_before_its_data_is_caught(tmp_path):
 STATE_STORE = "*state = ll_state(generation, args.signature, lines);"
 
 
+@pytest.mark.slow
 @pytest.mark.processes
 @pytest.mark.parametrize("collective", ["allreduce", "broadcast"])
 def test_a_kernel_that_does_not_advance_its_state_is_caught(tmp_path, collective):

@@ -66,6 +66,7 @@ def test_a_graph_replayed_between_direct_calls_gives_the_interpreters_bits(n):
     run_ranks(n, "graph")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_rank_that_stops_replaying_is_a_timeout_naming_it_on_every_other_rank(n):
     run_ranks(n, "graph_stalled")
@@ -79,6 +80,7 @@ def test_graphs_on_a_gpu(scenario):
     run_ranks(2 if scenario == "graph" else 3, scenario, device="cuda", limit=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("collective", ON_THE_PATH)
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_stalled_rank_is_a_timeout_naming_it_on_every_other_rank(n, collective):

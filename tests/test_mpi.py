@@ -64,6 +64,7 @@ def run_ranks(n, scenario, *launcher_flags, device="host", limit=240):
     return run_worker(WORKER, n, scenario, device, launcher_flags=launcher_flags, limit=limit)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_every_collective_across_processes(n, device):
     oks, report = run_ranks(n, "collectives", device=device)
@@ -75,6 +76,7 @@ def test_workspaces_grow_across_calls(device):
     assert len(oks) == 3, report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["stalled", "stalled_barrier", "mismatch"])
 def test_a_rank_that_stops_calling_in_or_disagrees_raises_instead_of_hanging(scenario, device):
     oks, report = run_ranks(3, scenario, device=device)

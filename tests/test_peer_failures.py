@@ -42,12 +42,14 @@ def run_failure(n, event, device, path, limit=60):
     assert len(oks) == (n - 1 if event == "killed" else n), report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [3, 4])
 @pytest.mark.parametrize("device, path", PATHS)
 def test_every_rank_waiting_on_a_stalled_peer_raises_a_timeout_naming_it(n, device, path):
     run_failure(n, "stalled", device, path)
 
 
+@pytest.mark.slow
 def test_a_stalled_peer_in_a_barrier_is_a_timeout_on_every_rank():
     run_failure(3, "stalled", "host", "barrier")
 

@@ -375,6 +375,7 @@ def test_ours_and_mpi_side_by_side(tmp_path):
     assert out.count("# Out of bounds values : 0 OK") == 2
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_gloo_beside_ours_and_mpi(tmp_path):
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
@@ -386,6 +387,7 @@ def test_gloo_beside_ours_and_mpi(tmp_path):
     assert report["environment"]["torch"].startswith("2.")
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_backend_without_the_op_is_skipped(tmp_path):
     """MPI has no average: its rows are left out, with the reason; Gloo averages floats."""

@@ -230,6 +230,7 @@ NO_WAIT = ("passed = p == args.rank || watch.reached(p, phase, args.signature);"
 NO_DISARM = ("for (long long i = 0; i < args.count; ++i) table[i] = 0;", "(void)table;")
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("broken, scenario, found", [
     (NO_WAIT, "staged", "!="),                      # a rank reads its peers' buffers before they are written

@@ -204,6 +204,7 @@ def run_worker(n, scenario, output=None, *launcher_flags):
     return re.findall(rf"OK {scenario} \d+", stdout), report   # ranks' lines can arrive glued together
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_four_ranks_stay_bitwise_identical_and_match_one_process(tmp_path):
     oks, report = run_worker(4, "sync", tmp_path / "sync.json")
@@ -212,6 +213,7 @@ def test_four_ranks_stay_bitwise_identical_and_match_one_process(tmp_path):
     assert measured["difference"] <= measured["tolerance"], measured
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_compressed_training_ends_within_one_point_of_uncompressed(tmp_path):
     pytest.importorskip("sklearn", reason=NEEDS_SKLEARN)
@@ -232,6 +234,7 @@ def test_compressed_training_ends_within_one_point_of_uncompressed(tmp_path):
         assert r["parameter_difference"] > 0, f"{r['compression']} changed nothing: was it applied?"
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_rank_that_dies_mid_training_makes_the_others_raise():
     # Hydra would otherwise kill the survivors itself when one rank exits.
@@ -239,6 +242,7 @@ def test_a_rank_that_dies_mid_training_makes_the_others_raise():
     assert len(oks) == 3, report
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("example, n, flags", [
     ("numpy_mlp.py", 4, ["--epochs", "2"]),
