@@ -129,9 +129,28 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
     dtype = np.dtype(dtype)
     if compression is not None:
         wire.check_compression(compression, dtype, op, collective)
-        binding = WORKSPACE
-    else:
-        streamlined = False
+        return _build_plan(collective, algorithm, nranks, count, dtype, op, root, WORKSPACE, compression, streamlined)
+    # Without compression a plan depends on the element's size only: one
+    # build serves every dtype and op of that size (its tables, waits and
+    # traffic are read-only), which a first call of a new dtype or op finds.
+    shape = _uncompressed_plan(collective, algorithm, nranks, count, dtype.itemsize, root, binding)
+    return shape._replace(dtype=dtype, op=op)
+
+
+@functools.lru_cache(maxsize=256)
+def _uncompressed_plan(collective, algorithm, nranks, count, itemsize, root, binding):
+    """The uncompressed plan for elements of `itemsize` bytes (its dtype and op stand-ins, replaced by the caller's)."""
+    return _build_plan(collective, algorithm, nranks, count, np.dtype(f"V{itemsize}"), None, root, binding, None, False)
+
+
+def clear_cache():
+    """Forget every plan built (for tests that change how plans are made)."""
+    build_plan.cache_clear()
+    _uncompressed_plan.cache_clear()
+
+
+def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, compression, streamlined):
+    """build_plan's work, uncached."""
     schedule = schedule_for(algorithm, collective, nranks, root if collective in (BROADCAST, REDUCE_TO_ROOT) else None)
     bounds = chunk_bounds(collective, nranks, schedule.nchunks, count, dtype.itemsize,
                           wire.BLOCK if compression is not None else 1)

@@ -20,6 +20,7 @@ from collectives.compression import wire
 from collectives.compression.kernels import CODECS
 from collectives.devices import open_device
 from collectives.plan import build_plan
+from collectives.plan import clear_cache as clear_plans
 
 ALLREDUCE_ALGORITHMS = tuple(name for name, entry in REGISTRY.items() if "allreduce" in entry.collectives)
 MAGNITUDES = ("1e-8", "1", "1e5", "mixed")
@@ -311,7 +312,7 @@ def test_streamlined_operations_give_the_plain_lowerings_bits(codec, in_place, m
     """streamline.py only removes float32 passes nothing needs: the results
     are the bits of the plain lowering, in place (INPUT is OUTPUT) and not."""
     def run(nranks, inputs, algorithm):
-        build_plan.cache_clear()
+        clear_plans()
         comm = collectives.Communicator.local(nranks)
         xs = [x.copy() for x in inputs]
         out = None if in_place else [np.full_like(x, np.nan) for x in inputs]
@@ -326,7 +327,7 @@ def test_streamlined_operations_give_the_plain_lowerings_bits(codec, in_place, m
                 plain = run(nranks, inputs, algorithm)
             for s, p in zip(streamlined, plain):
                 assert np.array_equal(s.view(np.uint32), p.view(np.uint32)), f"{algorithm} n={nranks}"
-    build_plan.cache_clear()
+    clear_plans()
 
 
 def test_streamlining_removes_the_copies_of_a_ring():

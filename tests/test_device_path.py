@@ -19,6 +19,7 @@ from collectives.binding import IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE, WORKS
 from collectives.devices import emulated, open_device
 from collectives.executors import device as device_executor
 from collectives.plan import build_plan
+from collectives.plan import clear_cache as clear_plans
 from cases import keeps_a_workspace_copy
 
 ROOTED = ("broadcast", "reduce")
@@ -311,10 +312,10 @@ def test_direct_allreduce_in_place_on_one_device_is_one_lockstep_launch(monkeypa
         run()
     # ... and where it did not know to refuse, the bits would be wrong.
     from collectives import binding
-    build_plan.cache_clear()
+    clear_plans()
     monkeypatch.setattr(binding, "lockstep_phases", lambda phases, schedule: frozenset())
     got, launches = run()
-    build_plan.cache_clear()
+    clear_plans()
     assert launches == [1]   # one launch of 4 rows, each its own group
     assert not all(np.array_equal(g.view(np.uint32), w.view(np.uint32)) for g, w in zip(got, want))
 
