@@ -37,3 +37,15 @@ def test_the_training_snippet_runs():
     names = {}
     exec(compile(snippet("Training with PyTorch"), "README: Training with PyTorch", "exec"), names)
     assert names["loss"].item() > 0
+
+
+def test_docs_and_code_name_things_not_issue_numbers():
+    """A reader cannot open the tracker's numbers ("issue" and a number):
+    docs, code and tests say what they mean instead."""
+    root = README.parent
+    sources = [p for folder in ("collectives", "bench", "kernels", "tests", "examples")
+               for p in (root / folder).rglob("*") if p.suffix in (".py", ".c", ".cpp", ".h", ".cu", ".cuh", ".md")]
+    files = [README, *root.glob("docs/*.md"), *root.glob("*.toml"), root / "setup.py", *sources]
+    pattern = re.compile(r"\b[Ii]ssues? #?\d+|\b[Ii]ssue #\d+")
+    cited = [f"{p.relative_to(root)}: {m.group(0)}" for p in files for m in pattern.finditer(p.read_text(errors="replace"))]
+    assert not cited, cited
