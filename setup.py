@@ -15,6 +15,8 @@ from setuptools.command.build_ext import build_ext
 SHMLOOP = Extension(
     "collectives.transport._shmloop",
     sources=["collectives/transport/_shmloop.c"],
+    include_dirs=["collectives/transport", "collectives/executors"],
+    depends=["collectives/transport/shm_waits.h", "collectives/executors/host_folds.h"],
     extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
     optional=True,
 )

@@ -1,0 +1,234 @@
+/* Waiting between host ranks in separate processes, and the control
+ * segment's slots the waits read (collectives/transport/layout.py says where
+ * each is; protocol.py, fastpath.py and executors/host_process.py use them).
+ * Included by the compiled loop (transport/_shmloop.c) and the compiled plan
+ * executor (executors/_host_plan.c); the including file includes Python.h
+ * first.
+ *
+ * Memory ordering: a rank writes its data, then publishes a counter with a
+ * release store; a peer reads the counter with an acquire load, then the
+ * data. C11 atomics give that order on every architecture (on x86-64 they
+ * compile to plain moves; on aarch64 to stlr/ldar).
+ *
+ * Waits keep every guarantee of the Python waits: a deadline, the abort
+ * flag, a dead peer (its pid), and the GIL released once a wait stops
+ * spinning, so another thread of the process can run.
+ *
+ * A wait spins, then yields its core for a while, then sleeps on a futex
+ * over the counter it waits for. Yielding is what ranks that outnumber the
+ * cores need first: the rank waited for is often queued on the same core,
+ * and a yield hands it the core in about a microsecond, where waking a
+ * sleeper costs tens (an interrupt to another core, in a VM). But the
+ * scheduler may also pick another waiter, again and again: a yield phase
+ * without end made 4 MiB over 4 ranks on 2 cores take 25 ms instead of
+ * 1.5 (bench/host_vs_mpich.py), so after a short while the wait sleeps,
+ * which leaves the core to whoever can run. A sleeper counts itself in the
+ * SLEEPERS slot of the row it waits on; a rank that publishes a counter
+ * with a sequentially consistent store, then finds sleepers in its row,
+ * wakes them. Either the sleeper's recheck sees the new value or the
+ * publisher sees the sleeper (both orders are sequentially consistent),
+ * and the kernel compares the futex word again before sleeping, so no
+ * wake is lost. Sleeps last at most 10 ms: the abort flag, the deadline
+ * and a peer's death wake no one, and are checked between sleeps.
+ */
+
+#ifndef COLLECTIVES_SHM_WAITS_H
+#define COLLECTIVES_SHM_WAITS_H
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* The layout shared with protocol.py and fastpath.py (FastAllreduce        */
+/* asserts ROW and HEADER against the Python constants; the slots are the  */
+/* ones protocol.py lists).                                                */
+
+enum { HEADER_SLOTS = 16, ROW_SLOTS = 16 };        /* int64 slots: 128 bytes each */
+enum { ABORT = 0 };                                 /* header slot */
+enum { COUNTER = 0, PID = 1, SEQ = 2, SIG = 3,      /* row slots (protocol.py) */
+       STAGED = 8, REDUCED = 9,                     /* the pipelined path's chunk counters */
+       SLEEPERS = 10,                               /* waits asleep on this row's counters */
+       IN_ADDR = 11, OUT_ADDR = 12,                 /* the single-copy path's buffers, this call */
+       CAN_REACH = 13,                              /* 1: cannot read and write every peer's memory, 2: can */
+       WRITING = 14 };                              /* 1 while writing into peers' memory */
+enum { SLOT_HEADER = 128 };                         /* a small slot: its signature, then data */
+
+/* Statuses returned to Python (fastpath.py turns them into exceptions). */
+enum { OK = 0, TIMED_OUT = 1, ABORTED = 2, PEER_DEAD = 3, MISMATCH = 4, READ_FAILED = 5,
+       INTERRUPTED = 6,     /* a signal handler raised (Ctrl-C): the exception is set */
+       WRITE_FAILED = 7 };
+
+static inline int64_t load_acquire(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+/* The futex word of a counter: its low 32 bits, which change whenever the
+ * counter does (counters only grow, by less than 2^32 at a time). */
+static inline uint32_t *futex_word(const int64_t *counter)
+{
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return (uint32_t *)counter + 1;
+#else
+    return (uint32_t *)counter;
+#endif
+}
+
+/* Store `v` in slot `slot` of `row` (a release store and more), and wake
+ * any wait asleep on the row. Shared, not process-private, futexes: the
+ * rows are mapped by every rank's process. */
+static inline void publish(int64_t *row, int slot, int64_t v)
+{
+    __atomic_store_n(&row[slot], v, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&row[SLEEPERS], __ATOMIC_SEQ_CST) != 0)
+        syscall(SYS_futex, futex_word(&row[slot]), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static double now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);   /* time.perf_counter's clock on Linux */
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Whether process `pid` still runs; a zombie (dead, not yet reaped) is dead. */
+static int process_alive(int64_t pid)
+{
+    if (pid <= 0)
+        return 1;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    FILE *f = fopen(path, "r");
+    if (f != NULL) {
+        size_t n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        char *close_paren = strrchr(buf, ')');
+        if (close_paren != NULL && close_paren[1] == ' ')
+            return close_paren[2] != 'Z' && close_paren[2] != 'X';
+        return 1;
+    }
+    if (errno == ENOENT)
+        return 0;
+    return !(kill((pid_t)pid, 0) == -1 && errno == ESRCH);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Waiting                                                                  */
+
+typedef struct {
+    int64_t *header;     /* the control segment's header (ABORT) */
+    int64_t *rows;       /* ROW_SLOTS int64 per rank */
+    int rank, nranks;
+    long spin;           /* polls before the wait yields */
+    double yield_seconds; /* then yields for as long, before it sleeps */
+    double deadline;     /* time.perf_counter() value */
+    /* filled when a wait fails */
+    int failed_peer;
+    int64_t failed_have, failed_need;
+} Waits;
+
+/* The slow part of a wait for `peer`'s slot: yield, then sleep until the
+ * peer publishes, looking at the abort flag, the deadline and the peer's
+ * process between sleeps. Called without the GIL. */
+static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need, PyThreadState **released)
+{
+    int status = OK;
+    double yield_until = now_seconds() + w->yield_seconds;
+    while (load_acquire(counter) < need && !__atomic_load_n(&w->header[ABORT], __ATOMIC_RELAXED)
+           && now_seconds() < yield_until)
+        sched_yield();
+    int64_t *sleepers = &w->rows[peer * ROW_SLOTS + SLEEPERS];
+    __atomic_fetch_add(sleepers, 1, __ATOMIC_SEQ_CST);
+    double next_check = now_seconds() + 0.05;   /* a peer that died shows within 50 ms */
+    for (;;) {
+        int64_t have = __atomic_load_n(counter, __ATOMIC_SEQ_CST);
+        if (have >= need)
+            break;
+        double now = now_seconds();
+        if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
+            status = load_acquire(counter) >= need ? OK : ABORTED;   /* published, then aborted */
+            break;
+        }
+        if (now >= next_check) {
+            if (!process_alive(load_acquire(&w->rows[peer * ROW_SLOTS + PID]))) {
+                /* a peer may publish, then exit, between the load above and this check */
+                status = load_acquire(counter) >= need ? OK : PEER_DEAD;
+                break;
+            }
+            /* Python's signal handlers run here, as in the interpreter's waits */
+            PyEval_RestoreThread(*released);
+            int raised = PyErr_CheckSignals() < 0;
+            *released = PyEval_SaveThread();
+            if (raised) {
+                status = INTERRUPTED;
+                break;
+            }
+            next_check = now + 0.05;
+        }
+        if (now >= w->deadline) {
+            status = TIMED_OUT;
+            break;
+        }
+        double nap = w->deadline - now < 0.01 ? w->deadline - now : 0.01;
+        struct timespec ts = {0, (long)(nap * 1e9) + 1};
+        syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, (uint32_t)have, &ts, NULL, 0);
+    }
+    __atomic_fetch_sub(sleepers, 1, __ATOMIC_SEQ_CST);
+    if (status != OK) {
+        w->failed_peer = peer;
+        w->failed_have = load_acquire(counter);
+        w->failed_need = need;
+    }
+    return status;
+}
+
+/* Wait until `peer`'s row slot `slot` is at least `need`: spin, then the
+ * slow wait, without the GIL (*released keeps it released across waits). */
+static int wait_for(Waits *w, int peer, int slot, int64_t need, PyThreadState **released)
+{
+    const int64_t *counter = &w->rows[peer * ROW_SLOTS + slot];
+    if (load_acquire(counter) >= need)
+        return OK;
+    for (long polls = 0; polls < w->spin; polls++) {
+        if (load_acquire(counter) >= need || __atomic_load_n(&w->header[ABORT], __ATOMIC_RELAXED))
+            break;
+        CPU_RELAX();
+    }
+    if (load_acquire(counter) >= need)
+        return OK;
+    if (*released == NULL)
+        *released = PyEval_SaveThread();
+    return wait_slowly(w, peer, counter, need, released);
+}
+
+/* Wait until every peer's row slot `slot` is at least `need`. */
+static int wait_peers(Waits *w, int slot, int64_t need)
+{
+    PyThreadState *released = NULL;
+    int status = OK;
+    for (int peer = 0; peer < w->nranks && status == OK; peer++)
+        if (peer != w->rank)
+            status = wait_for(w, peer, slot, need, &released);
+    if (released != NULL)
+        PyEval_RestoreThread(released);
+    return status;
+}
+
+#endif
