@@ -1,4 +1,4 @@
-"""The compiled parts of collectives: three optional C/C++ extensions.
+"""The compiled parts of collectives: four optional C/C++ extensions.
 
 Everything else (metadata, dependencies, extras, packages, tool settings)
 is in pyproject.toml, which also names NumPy as a build requirement: the
@@ -15,6 +15,18 @@ from setuptools.command.build_ext import build_ext
 SHMLOOP = Extension(
     "collectives.transport._shmloop",
     sources=["collectives/transport/_shmloop.c"],
+    include_dirs=["collectives/transport", "collectives/executors"],
+    depends=["collectives/transport/shm_waits.h", "collectives/executors/host_folds.h"],
+    extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
+    optional=True,
+)
+
+# The compiled plan executor of host ranks in separate processes: any plan's
+# rows and waits (executors/host_process.py), with the loop's waits and
+# folds. Optional like _shmloop: without it the NumPy interpreter runs them.
+HOST_PLAN = Extension(
+    "collectives.executors._host_plan",
+    sources=["collectives/executors/_host_plan.c"],
     include_dirs=["collectives/transport", "collectives/executors"],
     depends=["collectives/transport/shm_waits.h", "collectives/executors/host_folds.h"],
     extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
@@ -65,4 +77,4 @@ class BuildExtWithNumpy(build_ext):
 
 
 # The extensions, and build_ext with NumPy's headers: everything else is in pyproject.toml.
-setup(ext_modules=[SHMLOOP, CODEC, ARRAYSTATE], cmdclass={"build_ext": BuildExtWithNumpy})
+setup(ext_modules=[SHMLOOP, HOST_PLAN, CODEC, ARRAYSTATE], cmdclass={"build_ext": BuildExtWithNumpy})

@@ -114,8 +114,12 @@ def round_trips(comm, collective, x, out, algorithm):
 
         device.launch_ll_allreduce, device.launch_ll_barrier = counted_ll_launch, counted_barrier
         device.launch_copies = counted_copies
+    compiled = getattr(ranks, "compiled", None)   # host ranks' compiled executor waits in C: its own count
+    waited_in_c = compiled.waits_made if compiled is not None else 0
     try:
         call(comm, collective, x, out, algorithm)
+        if compiled is not None:
+            counts["peer waits"] += compiled.waits_made - waited_in_c
     finally:
         del group._wait_for  # noqa: SLF001 - the instance attributes go, the methods stay
         if device is not None:

@@ -95,7 +95,7 @@ class Choice(str):
     str, so code that took the name goes on working), and the execution
     path that runs it in `path` (executors/paths.py: "ll", "symmetric",
     "staged", "step", "peer_ll", "events"; for other ranks "interpreter",
-    "step", "compiled_loop", "nccl")."""
+    "step", "compiled_loop", "compiled_plan", "nccl")."""
 
     def __new__(cls, algorithm, path):
         choice = super().__new__(cls, algorithm)

@@ -525,8 +525,10 @@ class Communicator:
         name, with the path in `.path`: for GPU ranks "ll", "symmetric",
         "staged" or "step" in processes, "peer_ll" or "events" in one
         process (docs/design.md, "Execution paths"); "interpreter" for host
-        ranks in one process, "step" or "compiled_loop" for host ranks in
-        processes, "nccl" for backend="nccl".
+        ranks in one process; for host ranks in processes "compiled_loop"
+        (allreduce's), "compiled_plan" (the compiled plan executor) or
+        "step" (the interpreter: compressed, float16 and bfloat16 calls);
+        "nccl" for backend="nccl".
 
         Raises InvalidUsageError for an unknown collective or algorithm, or
         a bad root.

@@ -51,3 +51,25 @@ def resolve_one_kernel_allreduce(enabled=None):
     if str(enabled) in ("0", "1"):
         return str(enabled) == "1"
     raise InvalidUsageError(f"{source}: expected 0 or 1, got {enabled!r}")
+
+
+COMPILED_PLANS_ENV = "COLLECTIVES_COMPILED_PLANS"
+
+
+def resolve_compiled_plans(enabled=None):
+    """Whether host ranks in separate processes run their plans in the
+    compiled executor (executors/host_process.py) where it takes them: the
+    argument, else $COLLECTIVES_COMPILED_PLANS ("1" or "0"), else on. "0"
+    runs every plan in the NumPy interpreter (to compare the two). Ranks may
+    differ: both executors follow one protocol."""
+    source = "compiled_plans"
+    if enabled is None:
+        enabled = os.environ.get(COMPILED_PLANS_ENV)
+        source = f"${COMPILED_PLANS_ENV}"
+        if enabled is None:
+            return True
+    if isinstance(enabled, bool):
+        return enabled
+    if str(enabled) in ("0", "1"):
+        return str(enabled) == "1"
+    raise InvalidUsageError(f"{source}: expected 0 or 1, got {enabled!r}")

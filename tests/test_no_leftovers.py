@@ -136,7 +136,7 @@ if what == "segment":
 else:
     rank = ShmRank(0, 2, new_prefix())
     if what == "workspace":
-        rank.group._ensure_capacity(1 << 20)
+        rank.group.ensure_capacity(1 << 20)
     print(rank.prefix, flush=True)
 sys.stdin.readline()   # until the test kills it
 """
@@ -266,7 +266,7 @@ def test_a_workspace_released_by_a_rank_leaving_an_aborted_communicator_reports_
     rank0 = ShmRank(0, 2, new_prefix())
     rank1 = ShmRank(1, 2, rank0.prefix)
     try:
-        rank0.group._ensure_capacity(1 << 20)
+        rank0.group.ensure_capacity(1 << 20)
         rank0.group.abort("RankFailedError: rank 3 died before completing the collective")
         rank0.close()
         with pytest.raises(CollectiveError, match="rank 0 aborted the communicator: .*died"):

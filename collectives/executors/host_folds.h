@@ -116,7 +116,7 @@ static const divide_fn DIVIDE[NTYPES] = {
 /* The element type of a buffer, from its struct format and item size; -1
  * for the types this loop leaves to the interpreter (float16, bfloat16,
  * bool, complex...). */
-static int element_type(const Py_buffer *view)
+static inline int element_type(const Py_buffer *view)
 {
     const char *f = view->format ? view->format : "B";
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -144,20 +144,22 @@ static int element_type(const Py_buffer *view)
 
 enum { REDUCE_TILE = 4096 };   /* bytes folded at a time, in a stack buffer */
 
-/* dst (and, when not NULL, dst2) = the fold of srcs[0..n) in rank order,
- * avg divided at the end. dst may be any source at the same offsets (in
- * place): with two sources each element is read before it is written;
- * with more, a tile is folded aside first (writing dst early would lose
- * a later source). */
+/* dst (and, when not NULL, dst2) = the fold of srcs[0..n) in the order
+ * given, divided by `divisor` at the end when it is not 0 (avg's last
+ * step: the rank count, on the fold that completes an element). `op` is
+ * the fold (avg folds as sum). dst may be any source at the same offsets
+ * (in place): with two sources each element is read before it is written;
+ * with more, a tile is folded aside first (writing dst early would lose a
+ * later source). */
 static void reduce_sources(int type, int op, const char *const *srcs, int n, char *dst, char *dst2,
-                           size_t nbytes, size_t itemsize)
+                           size_t nbytes, size_t itemsize, int divisor)
 {
     fold_fn fold = FOLD[type][op];
     fold3_fn fold3 = FOLD3[type][op];
     if (n == 1) {
         memmove(dst, srcs[0], nbytes);
-        if (op == OP_AVG)
-            DIVIDE[type](dst, nbytes / itemsize, n);
+        if (divisor)
+            DIVIDE[type](dst, nbytes / itemsize, divisor);
         if (dst2 != NULL)
             memcpy(dst2, dst, nbytes);
         return;
@@ -166,8 +168,8 @@ static void reduce_sources(int type, int op, const char *const *srcs, int n, cha
         for (size_t at = 0; at < nbytes; at += REDUCE_TILE) {
             size_t len = nbytes - at < REDUCE_TILE ? nbytes - at : REDUCE_TILE;
             fold3(dst + at, srcs[0] + at, srcs[1] + at, len / itemsize);
-            if (op == OP_AVG)
-                DIVIDE[type](dst + at, len / itemsize, n);
+            if (divisor)
+                DIVIDE[type](dst + at, len / itemsize, divisor);
             if (dst2 != NULL)
                 memcpy(dst2 + at, dst + at, len);
         }
@@ -180,8 +182,8 @@ static void reduce_sources(int type, int op, const char *const *srcs, int n, cha
         fold3(acc, srcs[0] + at, srcs[1] + at, count);
         for (int s = 2; s < n; s++)
             fold(acc, srcs[s] + at, count);
-        if (op == OP_AVG)
-            DIVIDE[type](acc, count, n);
+        if (divisor)
+            DIVIDE[type](acc, count, divisor);
         memcpy(dst + at, acc, len);
         if (dst2 != NULL)
             memcpy(dst2 + at, acc, len);

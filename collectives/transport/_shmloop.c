@@ -101,7 +101,7 @@ static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes,
         }
         srcs[p] = p == r ? in : peer_slot + SLOT_HEADER;
     }
-    reduce_sources(type, op, srcs, n, out, NULL, nbytes, itemsize);
+    reduce_sources(type, op, srcs, n, out, NULL, nbytes, itemsize, op == OP_AVG ? n : 0);
     publish(mine, COUNTER, base + 2);
     return PyLong_FromLong(OK);
 }
@@ -279,7 +279,7 @@ static int run_single_copy(Channel *c, const char *in, char *out, size_t itemsiz
                 return status;
             srcs[p] = landed;
         }
-        reduce_sources(type, op, srcs, n, out + offset, NULL, bytes, itemsize);   /* fold */
+        reduce_sources(type, op, srcs, n, out + offset, NULL, bytes, itemsize, op == OP_AVG ? n : 0);   /* fold */
         if (!begin_writes(w)) {                                                  /* write */
             w->failed_peer = -1;
             return ABORTED;
@@ -398,7 +398,8 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
             size_t offset = (block_start[r] + first) * itemsize;
             for (int p = 0; p < n; p++)
                 srcs[p] = p == r ? in + offset : c->staging + p * c->staging_stride + parity + r * c->chunk;
-            reduce_sources(type, op, srcs, n, out + offset, my_staging + r * c->chunk, items * itemsize, itemsize);
+            reduce_sources(type, op, srcs, n, out + offset, my_staging + r * c->chunk, items * itemsize, itemsize,
+                           op == OP_AVG ? n : 0);
         }
         publish(mine, REDUCED, g + 1);
 

@@ -51,6 +51,7 @@ segment by a name that says which process holds it: the control segment's,
 rank 0's process), so the prefix alone is still all that ranks exchange.
 """
 
+import functools
 import hashlib
 import os
 import platform
@@ -96,9 +97,22 @@ def describe_call(plan):
 
 
 def call_signature(seq, description):
-    """64 bits that differ when two ranks make different calls."""
-    text = f"{seq}: {description}"
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+    """64 bits that differ when two ranks make different calls: the
+    description's hash (computed once per description) mixed with the call's
+    number, a few integer operations per call."""
+    mixed = (description_hash(description) ^ (seq * 0x9E3779B97F4A7C15)) & _MASK64
+    mixed = ((mixed ^ (mixed >> 31)) * 0xBF58476D1CE4E5B9) & _MASK64
+    mixed ^= mixed >> 29
+    return mixed - (1 << 64) if mixed >> 63 else mixed   # a signed int64, as the rows hold it
+
+
+_MASK64 = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=1024)
+def description_hash(description):
+    """64 bits of the description (an unsigned int): call_signature's per-description half."""
+    return int.from_bytes(hashlib.blake2b(description.encode(), digest_size=8).digest(), "little")
 
 
 class Waiter:
@@ -253,8 +267,8 @@ class ProcessGroup:
                 f"rank {self.rank}'s call #{self._seq}, {description}; every rank must make the same "
                 "calls in the same order")
 
-    def _enter(self, description):
-        """Start a call: its sequence number, signature and counter base."""
+    def enter_call(self, description):
+        """Start a call: its signature and counter base (its sequence number: `seq`)."""
         self.check_health()
         self._seq = int(self._mine[SEQ]) + 1   # the row's: the fast path (fastpath.py) counts calls there too
         return call_signature(self._seq, description), int(self._mine[COUNTER])
@@ -270,6 +284,16 @@ class ProcessGroup:
             self._header[ABORT_RANK] = self.rank + 1
             self._header[ABORT_KIND] = kind_of(cause)
             self._header[ABORT] = 1   # last, as before: a rank that sees the flag reads the rest
+
+    def note_call(self, seq):
+        """A call made without enter_call (the compiled executor numbers its
+        calls itself): its number, for this group's messages."""
+        self._seq = seq
+
+    @property
+    def seq(self):
+        """The number of this rank's current (or last) call."""
+        return self._seq
 
     def peer_seq(self, peer):
         """The number of the call `peer` is in (for error messages)."""
@@ -295,7 +319,7 @@ class ProcessGroup:
 
     # -- the workspaces peers read ----------------------------------------------
 
-    def _ensure_capacity(self, nbytes):
+    def ensure_capacity(self, nbytes):
         """Grow this rank's workspace. Called in phase 0, when no peer can
         still be reading the old one (phase 0 waits for all to leave the last call)."""
         if nbytes == 0 or (self._state["own"] is not None and self._mine[CAP] >= nbytes):
@@ -343,7 +367,7 @@ class ProcessGroup:
     def run(self, plan, description, execute_phase, deadline):
         """Run this rank's phases of `plan`: execute_phase(p, waiter) returns
         once phase p's writes are complete."""
-        signature, base = self._enter(description)
+        signature, base = self.enter_call(description)
         waiter = Waiter(deadline)
         try:
             for p, phase in enumerate(plan.phases):
@@ -352,7 +376,7 @@ class ProcessGroup:
                     if done >= 1:
                         self._check_same_call(peer, signature, description)
                 if p == 0:
-                    self._ensure_capacity(plan.workspace_bytes)
+                    self.ensure_capacity(plan.workspace_bytes)
                     self._mine[SEQ] = self._seq
                     self._mine[SIG] = signature
                 execute_phase(p, waiter)
@@ -368,7 +392,7 @@ class ProcessGroup:
         previous call before this rank's signature overwrites its last one;
         phase 1 waits for every peer to enter.
         """
-        signature, base = self._enter("barrier")
+        signature, base = self.enter_call("barrier")
         waiter = Waiter(deadline)
         peers = [peer for peer in range(self.size) if peer != self.rank]
         try:

@@ -1,10 +1,12 @@
 """Host ranks in separate processes on one machine, through shared memory.
 
-Each rank owns one workspace (its WORK and SCRATCH buffers), a named file in
-/dev/shm that the others map and read; plans only ever write the executing
-rank's own memory. The step protocol (waits, abort, growth of workspaces) is
+Each rank owns one workspace (its WORK and SCRATCH buffers), shared memory
+that the others map and read; plans only ever write the executing rank's
+own memory. The step protocol (waits, abort, growth of workspaces) is
 transport/protocol.py, shared with GPU ranks; this module only says how a
-host rank runs a phase: with NumPy, over views of the mapped workspaces.
+host rank runs a plan: in the compiled executor (executors/host_process.py)
+where it takes the plan, else phase by phase with NumPy, over views of the
+mapped workspaces.
 """
 
 import os
@@ -13,7 +15,8 @@ import numpy as np
 
 from ..compression import wire
 from ..errors import CollectiveError
-from ..executors import host
+from ..config import resolve_compiled_plans
+from ..executors import host, host_process
 from ..plan import INPUT, OUTPUT, WORK
 from . import fastpath
 from .protocol import ProcessGroup, describe_call
@@ -27,7 +30,6 @@ class ShmRank:
     host_only = True     # it indexes NumPy arrays
     locations = None
     compresses = True    # runs compressed plans
-    path = "step"        # what runs a plan (Communicator.chosen_algorithm; the compiled loop's: "compiled_loop")
 
     def __init__(self, rank, size, prefix):
         self.group = ProcessGroup(rank, size, prefix, HostMemory)
@@ -38,9 +40,22 @@ class ShmRank:
         self.transport = "host-processes-oversubscribed" if oversubscribed else "host-processes"
         # Allreduce with `auto` in the compiled loop (fastpath.py); None without it.
         self.fast_allreduce = fastpath.make(self.group, oversubscribed)
+        # Every other plan it takes in the compiled executor; None: the interpreter runs them all.
+        self.compiled = host_process.CompiledPlans(
+            self.group, fastpath.SPIN_OVERSUBSCRIBED if oversubscribed else fastpath.SPIN_DEDICATED,
+            fastpath.YIELD_SECONDS) if host_process.available() and resolve_compiled_plans() else None
+
+    def chosen_path(self, plan, kind=None):
+        """What runs a call of `plan` (a Plan or a paths.CallShape):
+        "compiled_plan" (executors/host_process.py) or "step" (the
+        interpreter, phase by phase)."""
+        return "compiled_plan" if self.compiled is not None and self.compiled.takes(plan) else "step"
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         """Execute this rank's part of `plan`; the lists hold this rank's arrays."""
+        if self.compiled is not None and self.compiled.takes(plan) and input_infos[0].contiguous \
+                and output_infos[0].contiguous:
+            return self.compiled.run(plan, input_infos[0].address, output_infos[0].address, deadline)
         views = {}
         group = self.group
 

@@ -219,7 +219,7 @@ static int wait_for(Waits *w, int peer, int slot, int64_t need, PyThreadState **
 }
 
 /* Wait until every peer's row slot `slot` is at least `need`. */
-static int wait_peers(Waits *w, int slot, int64_t need)
+static inline int wait_peers(Waits *w, int slot, int64_t need)
 {
     PyThreadState *released = NULL;
     int status = OK;

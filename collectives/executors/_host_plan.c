@@ -1,0 +1,374 @@
+/* The compiled plan executor of host ranks in separate processes: the C
+ * twin of kernels/plan_step.cu, and of the NumPy interpreter
+ * (executors/host.py), which stays the reference meaning of a plan.
+ *
+ * It runs one rank's part of any plan (any collective, any algorithm: the
+ * plan's op tables are the only input) through the step protocol of
+ * transport/protocol.py, phase by phase, with no Python in between:
+ *
+ *   for each phase p from start_phase:
+ *     wait until every peer named in the phase's waits has completed the
+ *       phases it must have (its COUNTER), and, once a peer is in this
+ *       call (done >= 1), check that its SIG names the same call;
+ *     phase 0 only: this rank's workspace must hold the plan (else
+ *       NEED_GROW: Python grows it, at the only moment no peer reads it,
+ *       and calls again from phase 0), then name the call (SEQ, SIG);
+ *     a peer workspace the phase reads must be the generation Python
+ *       opened (else NEED_OPEN: Python opens the new one and calls again
+ *       from this phase; no row of it has run);
+ *     run this rank's rows: COPY (dst = src), REDUCE (dst = the fold of the
+ *       sources in the order given), REDUCE_FINAL (avg divides by the rank
+ *       count), over byte addresses of the four buffers (WORK and SCRATCH
+ *       of any rank's workspace, this rank's INPUT and OUTPUT);
+ *     publish COUNTER = base + p + 1 (release: a peer that sees it sees
+ *       the rows' writes).
+ *
+ * The same waits, counters and signatures as the interpreter's ProcessGroup.run,
+ * so ranks on either executor run one call together. It writes only this
+ * rank's own memory. The GIL is released for the whole run (the waits
+ * take it back briefly to run Python's signal handlers).
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include "shm_waits.h"
+#include "host_folds.h"
+
+enum { GEN = 4, CAP = 5 };                                  /* row slots (protocol.py) */
+enum { WORK = 0, SCRATCH = 1, INPUT = 2, OUTPUT = 3 };      /* buffer ids (plan.py) */
+enum { COPY_OP = 0, REDUCE_OP = 1, REDUCE_FINAL_OP = 2 };   /* row kinds (binding.py) */
+enum { RANK = 0, KIND = 1, COUNT = 2, DST_BUF = 3, DST_OFF = 4, NSRC = 5, SRC0 = 6 };   /* row columns */
+/* Returned beside the waits' statuses (shm_waits.h). */
+enum { NEED_OPEN = 8, NEED_GROW = 9, BAD_PLAN = 10 };
+enum { MAX_SOURCES = 256 };
+
+typedef struct {
+    PyObject_HEAD
+    Waits waits;
+    int64_t base, seq, signature;   /* of the call running, or last run */
+    long long waits_made;           /* peer waits over the runner's life (bench.spmd_overhead counts them) */
+} Runner;
+
+/* The arrays and numbers of one call (see Runner_run). */
+typedef struct {
+    const int64_t *rows, *row_starts, *waits, *wait_starts;
+    int64_t phases, width;
+    const int64_t *bases;       /* per rank: the workspace's address (0: not opened) */
+    const int64_t *generations; /* per rank: the generation `bases` holds */
+    char *input, *output;
+    int64_t scratch_offset, workspace_bytes;
+    int type, op, nranks;
+    size_t itemsize;
+} Call;
+
+static char *address(const Call *call, int me, int64_t rank, int64_t buffer, int64_t offset)
+{
+    char *start = NULL;
+    if (buffer == WORK || buffer == SCRATCH) {
+        if (rank >= 0 && rank < call->nranks && call->bases[rank] != 0)
+            start = (char *)(uintptr_t)call->bases[rank] + (buffer == SCRATCH ? call->scratch_offset : 0);
+    } else if (rank == me) {
+        start = buffer == INPUT ? call->input : buffer == OUTPUT ? call->output : NULL;
+    }
+    return start == NULL ? NULL : start + (size_t)offset * call->itemsize;
+}
+
+/* Run rows [first, last) of the table. BAD_PLAN where a row names memory
+ * this rank cannot address (a peer's INPUT: plans for ranks in separate
+ * processes never do) or has more sources than the loop takes. */
+static int run_rows(const Call *call, int me, int64_t first, int64_t last)
+{
+    const char *srcs[MAX_SOURCES];
+    for (int64_t i = first; i < last; i++) {
+        const int64_t *row = call->rows + i * call->width;
+        int64_t nsrc = row[NSRC];
+        size_t nbytes = (size_t)row[COUNT] * call->itemsize;
+        char *dst = address(call, me, row[RANK], row[DST_BUF], row[DST_OFF]);
+        if (dst == NULL || nsrc < 1 || nsrc > MAX_SOURCES || SRC0 + 3 * nsrc > call->width)
+            return BAD_PLAN;
+        for (int64_t s = 0; s < nsrc; s++) {
+            const int64_t *src = row + SRC0 + 3 * s;
+            if ((srcs[s] = address(call, me, src[0], src[1], src[2])) == NULL)
+                return BAD_PLAN;
+        }
+        if (row[KIND] == COPY_OP) {
+            memmove(dst, srcs[0], nbytes);
+            continue;
+        }
+        int divisor = row[KIND] == REDUCE_FINAL_OP && call->op == OP_AVG ? call->nranks : 0;
+        reduce_sources(call->type, call->op, srcs, (int)nsrc, dst, NULL, nbytes, call->itemsize, divisor);
+    }
+    return OK;
+}
+
+/* NEED_OPEN (with the peer in w->failed_peer) where a row of rows
+ * [first, last) reads a peer's workspace of another generation than the
+ * one opened; else OK. */
+static int check_generations(Waits *w, const Call *call, int64_t first, int64_t last)
+{
+    for (int64_t i = first; i < last; i++) {
+        const int64_t *row = call->rows + i * call->width;
+        for (int64_t s = 0; s < row[NSRC] && SRC0 + 3 * s + 2 < call->width; s++) {
+            int64_t peer = row[SRC0 + 3 * s], buffer = row[SRC0 + 3 * s + 1];
+            if (peer == w->rank || peer < 0 || peer >= w->nranks || (buffer != WORK && buffer != SCRATCH))
+                continue;
+            if (call->bases[peer] == 0 || load_acquire(&w->rows[peer * ROW_SLOTS + GEN]) != call->generations[peer]) {
+                w->failed_peer = (int)peer;
+                return NEED_OPEN;
+            }
+        }
+    }
+    return OK;
+}
+
+static int run_phases(Waits *w, const Call *call, int64_t start_phase, int64_t base, int64_t seq,
+                      int64_t signature, int64_t *stopped_at, long long *waits_made, PyThreadState **released)
+{
+    int me = w->rank;
+    int64_t *mine = &w->rows[me * ROW_SLOTS];
+    for (int64_t p = start_phase; p < call->phases; p++) {
+        *stopped_at = p;
+        for (int64_t k = call->wait_starts[p]; k < call->wait_starts[p + 1]; k++) {
+            int peer = (int)call->waits[2 * k];
+            int64_t done = call->waits[2 * k + 1];
+            ++*waits_made;
+            int status = wait_for(w, peer, COUNTER, base + done, released);
+            if (status != OK)
+                return status;
+            if (done >= 1 && load_acquire(&w->rows[peer * ROW_SLOTS + SIG]) != signature) {
+                w->failed_peer = peer;
+                w->failed_have = w->rows[peer * ROW_SLOTS + SIG];
+                w->failed_need = signature;
+                return MISMATCH;
+            }
+        }
+        if (p == 0) {
+            if (call->workspace_bytes > 0 && (call->bases[me] == 0 || mine[CAP] < call->workspace_bytes))
+                return NEED_GROW;
+            mine[SEQ] = seq;
+            mine[SIG] = signature;
+        }
+        int64_t first = call->row_starts[p], last = call->row_starts[p + 1];
+        int status = check_generations(w, call, first, last);
+        if (status == OK)
+            status = run_rows(call, me, first, last);
+        if (status != OK)
+            return status;
+        publish(mine, COUNTER, base + p + 1);
+    }
+    return OK;
+}
+
+/* protocol.py's call_signature: the call's description hash (blake2b,
+ * computed once per description in Python) mixed with its number. */
+static int64_t call_signature(uint64_t description_hash, int64_t seq)
+{
+    uint64_t mixed = description_hash ^ ((uint64_t)seq * 0x9E3779B97F4A7C15ULL);
+    mixed = (mixed ^ (mixed >> 31)) * 0xBF58476D1CE4E5B9ULL;
+    mixed ^= mixed >> 29;
+    return (int64_t)mixed;
+}
+
+/* A C-contiguous int64 array's data, or NULL with an exception set. */
+static const int64_t *int64s(PyObject *object, Py_buffer *view, Py_ssize_t at_least)
+{
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (view->itemsize != 8 || (f[0] != 'q' && f[0] != 'l') || view->len / 8 < at_least) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "the runner takes C-contiguous int64 arrays");
+        return NULL;
+    }
+    return view->buf;
+}
+
+/* runner.run(rows, row_starts, waits, wait_starts, bases, generations, input, output,
+ *            scratch_offset, workspace_bytes, start_phase, type, op, nranks, description_hash,
+ *            deadline)
+ * -> 0 once the rank's phases ran, else (status, peer, have, need, seq, phase):
+ * a wait's failure (shm_waits.h), MISMATCH, NEED_GROW or NEED_OPEN at
+ * `phase` (call again from there), or BAD_PLAN. rows: the rank's rows of
+ * every phase, one table; row_starts: phases + 1 row indexes; waits:
+ * (peer, phases done) pairs, wait_starts their phases' starts. input and
+ * output are addresses (0 where the plan names no such buffer). A call
+ * from phase 0 is a new call: its number (the row's SEQ + 1), counter base
+ * (the row's COUNTER) and signature are taken then, and kept for the calls
+ * that resume it. */
+static PyObject *Runner_run(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "run() takes 16 arguments: see _host_plan.c");
+        return NULL;
+    }
+    Call call;
+    int64_t values[8];   /* input ... nranks: the integers after the six arrays */
+    for (int i = 0; i < 8; i++)
+        values[i] = PyLong_AsLongLong(args[6 + i]);
+    uint64_t description_hash = PyLong_AsUnsignedLongLong(args[14]);
+    double deadline = PyFloat_AsDouble(args[15]);
+    if (PyErr_Occurred())
+        return NULL;
+    call.input = (char *)(uintptr_t)values[0];
+    call.output = (char *)(uintptr_t)values[1];
+    call.scratch_offset = values[2];
+    call.workspace_bytes = values[3];
+    int64_t start_phase = values[4];
+    call.type = (int)values[5];
+    call.op = (int)values[6];
+    call.nranks = (int)values[7];
+    if (call.type < 0 || call.type >= NTYPES || call.op < 0 || call.op > OP_AVG
+        || call.nranks != self->waits.nranks) {
+        PyErr_SetString(PyExc_ValueError, "run(): an element type, op or rank count this runner does not take");
+        return NULL;
+    }
+    static const size_t itemsizes[NTYPES] = {4, 8, 1, 1, 2, 2, 4, 4, 8, 8};   /* host_folds.h's T_ order */
+    call.itemsize = itemsizes[call.type];
+
+    Py_buffer views[6];
+    int held = 0;
+    PyObject *result = NULL;
+    const int64_t *row_starts = NULL, *wait_starts = NULL;
+    const int64_t *arrays[6];
+    for (; held < 6; held++) {
+        if ((arrays[held] = int64s(args[held], &views[held], 0)) == NULL)
+            goto done;
+    }
+    row_starts = arrays[1];
+    wait_starts = arrays[3];
+    call.phases = views[1].len / 8 - 1;
+    call.rows = arrays[0];
+    call.row_starts = row_starts;
+    call.waits = arrays[2];
+    call.wait_starts = wait_starts;
+    call.bases = arrays[4];
+    call.generations = arrays[5];
+    call.width = views[0].ndim == 2 ? views[0].shape[1] : SRC0;
+    if (call.phases < 0 || views[3].len / 8 != call.phases + 1 || views[4].len / 8 < call.nranks
+        || views[5].len / 8 < call.nranks || start_phase < 0 || start_phase > call.phases
+        || (call.phases > 0 && (row_starts[call.phases] * call.width * 8 > views[0].len
+                                || wait_starts[call.phases] * 16 > views[2].len))) {
+        PyErr_SetString(PyExc_ValueError, "run(): the plan's arrays do not fit together");
+        goto done;
+    }
+
+    Waits *w = &self->waits;
+    if (start_phase == 0) {   /* a new call */
+        const int64_t *mine = &w->rows[w->rank * ROW_SLOTS];
+        self->base = mine[COUNTER];
+        self->seq = mine[SEQ] + 1;
+        self->signature = call_signature(description_hash, self->seq);
+    }
+    int64_t base = self->base, seq = self->seq, signature = self->signature;
+    w->deadline = deadline;
+    w->failed_peer = -1;
+    w->failed_have = w->failed_need = 0;
+    int64_t stopped_at = start_phase;
+    int status;
+    PyThreadState *released = PyEval_SaveThread();
+    if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE))
+        status = ABORTED;
+    else
+        status = run_phases(w, &call, start_phase, base, seq, signature, &stopped_at, &self->waits_made, &released);
+    PyEval_RestoreThread(released);
+    if (status == INTERRUPTED)
+        goto done;   /* the signal handler's exception */
+    if (status == OK)
+        result = PyLong_FromLong(OK);
+    else
+        result = Py_BuildValue("(iiLLLL)", status, w->failed_peer, (long long)w->failed_have,
+                               (long long)w->failed_need, (long long)seq, (long long)stopped_at);
+done:
+    while (held > 0)
+        PyBuffer_Release(&views[--held]);
+    return result;
+}
+
+static PyObject *Runner_call(Runner *self, PyObject *Py_UNUSED(ignored))
+{
+    return Py_BuildValue("(LLL)", (long long)self->seq, (long long)self->base, (long long)self->signature);
+}
+
+static int Runner_init(Runner *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", NULL};
+    unsigned long long header, rows;
+    int rank, nranks;
+    long spin;
+    double yield_seconds;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiild", names, &header, &rows, &rank, &nranks, &spin,
+                                     &yield_seconds))
+        return -1;
+    if (nranks < 1 || nranks > MAX_SOURCES || rank < 0 || rank >= nranks) {
+        PyErr_SetString(PyExc_ValueError, "a runner has 1 to 256 ranks");
+        return -1;
+    }
+    memset(&self->waits, 0, sizeof self->waits);
+    self->waits.header = (int64_t *)(uintptr_t)header;
+    self->waits.rows = (int64_t *)(uintptr_t)rows;
+    self->waits.rank = rank;
+    self->waits.nranks = nranks;
+    self->waits.spin = spin;
+    self->waits.yield_seconds = yield_seconds;
+    self->base = self->seq = self->signature = 0;
+    self->waits_made = 0;
+    return 0;
+}
+
+static PyMethodDef Runner_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))Runner_run, METH_FASTCALL,
+     "run(rows, row_starts, waits, wait_starts, bases, generations, input, output, scratch_offset, "
+     "workspace_bytes, start_phase, type, op, nranks, description_hash, deadline): see _host_plan.c"},
+    {"call", (PyCFunction)Runner_call, METH_NOARGS,
+     "call() -> (seq, base, signature) of the call running, or last run"},
+    {NULL},
+};
+
+static PyMemberDef Runner_members[] = {
+    {"waits_made", T_LONGLONG, offsetof(Runner, waits_made), READONLY, "peer waits made over the runner's life"},
+    {NULL},
+};
+
+static PyTypeObject RunnerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "collectives.executors._host_plan.Runner",
+    .tp_basicsize = sizeof(Runner),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Runner_init,
+    .tp_methods = Runner_methods,
+    .tp_members = Runner_members,
+    .tp_doc = "This rank's compiled plan executor over the control segment (addresses into mapped memory).",
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_host_plan",
+    "The compiled plan executor of host ranks in separate processes (see _host_plan.c).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__host_plan(void)
+{
+    if (PyType_Ready(&RunnerType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RunnerType);
+    if (PyModule_AddObject(m, "Runner", (PyObject *)&RunnerType) < 0) {
+        Py_DECREF(&RunnerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* host_folds.h's element types, in their T_ order; the Python side maps dtypes by these names */
+    PyModule_AddStringConstant(m, "TYPES", "float32 float64 int8 uint8 int16 uint16 int32 uint32 int64 uint64");
+    PyModule_AddIntConstant(m, "NEED_OPEN", NEED_OPEN);
+    PyModule_AddIntConstant(m, "NEED_GROW", NEED_GROW);
+    PyModule_AddIntConstant(m, "BAD_PLAN", BAD_PLAN);
+    PyModule_AddIntConstant(m, "GEN", GEN);
+    PyModule_AddIntConstant(m, "CAP", CAP);
+    return m;
+}

@@ -1,0 +1,151 @@
+"""Host ranks in separate processes run their plans compiled (_host_plan.c).
+
+A rank of `transport.shm.ShmRank` hands every plan it can to the compiled
+executor: its rows and waits, flattened once per plan, go to C, which runs
+the rank's phases through the step protocol with no Python between them
+(the waits, the call's signature, the counters: transport/protocol.py).
+Python steps in only where the protocol needs it, and then resumes the
+run:
+
+    NEED_GROW   this rank's workspace is too small for the plan: grown
+                after phase 0's waits (no peer reads it then), as the
+                interpreter grows it;
+    NEED_OPEN   a peer's workspace is of a generation not yet opened here:
+                opened before any row of the phase that reads it runs.
+
+The NumPy interpreter (executors/host.py) stays the reference meaning of a
+plan and runs what the compiled executor does not take: compressed plans,
+float16 and bfloat16 (which accumulate in float32: the interpreter's rule),
+and everything when the package was built without a C compiler. Both
+executors follow one protocol, so ranks may mix them within a call.
+"""
+
+import numpy as np
+
+from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
+from ..ops import ReduceOp
+from ..transport.layout import CAP, GEN
+from ..transport.protocol import describe_call, description_hash
+
+try:
+    from . import _host_plan
+except ImportError:   # built without a C compiler: the interpreter runs every plan
+    _host_plan = None
+
+# Statuses of a run that failed (transport/shm_waits.h, _host_plan.c).
+TIMED_OUT, ABORTED, PEER_DEAD, MISMATCH = 1, 2, 3, 4
+
+_OPS = {op: code for code, op in enumerate(ReduceOp)}
+assert [op.value for op in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "host_folds.h's OP_ codes"
+
+
+def available():
+    return _host_plan is not None
+
+
+class CompiledPlans:
+    """This rank's compiled executor: runs a plan's phases in C."""
+
+    def __init__(self, group, spin, yield_seconds):
+        assert (_host_plan.GEN, _host_plan.CAP) == (GEN, CAP), "layout.py and _host_plan.c disagree"
+        header, rows, _ = group.channel_addresses()
+        self._group = group
+        self._runner = _host_plan.Runner(header=header, rows=rows, rank=group.rank, nranks=group.size, spin=spin,
+                                         yield_seconds=yield_seconds)
+        self._types = {np.dtype(name): code for code, name in enumerate(_host_plan.TYPES.split())}
+        # Per rank: the address of its workspace as mapped here, and the generation that is.
+        self._bases = np.zeros(group.size, np.int64)
+        self._generations = np.full(group.size, -1, np.int64)
+        self._prepared = {}   # id(plan) -> (plan, its arrays): the plan held, so that its id stays its own
+
+    @property
+    def waits_made(self):
+        """Peer waits the compiled executor made so far (each a poll of a peer's counter, in C)."""
+        return self._runner.waits_made
+
+    def takes(self, plan):
+        """Whether the compiled executor runs `plan` (else the interpreter does)."""
+        return plan.compression is None and plan.dtype in self._types
+
+    def run(self, plan, x_address, out_address, deadline):
+        """Run this rank's part of `plan` on its arrays, C-contiguous NumPy
+        arrays at `x_address` and `out_address` (the bytes the interpreter's
+        flat views of them are)."""
+        entry = self._prepared.get(id(plan))
+        if entry is None or entry[0] is not plan:
+            entry = self._prepare(plan)
+        _, arrays, description, sizes, codes, hashed = entry
+        group = self._group
+        rank = group.rank
+        try:
+            if self._generations[rank] != group.generation(rank):
+                self._refresh(rank)
+            start = 0
+            while True:
+                result = self._runner.run(*arrays, self._bases, self._generations, x_address, out_address, *sizes,
+                                          start, *codes, hashed, deadline)
+                if result == 0:
+                    return
+                status, peer, have, need, seq, start = result
+                group.note_call(seq)
+                if status == _host_plan.NEED_GROW:
+                    group.ensure_capacity(plan.workspace_bytes)
+                    self._refresh(rank)
+                elif status == _host_plan.NEED_OPEN:
+                    self._refresh(peer)
+                else:
+                    self._raise_for(status, peer, have, need, description)
+        except BaseException as error:
+            group.note_call(self._runner.call()[0])
+            group.abort(f"{type(error).__name__}: {error}", error)
+            raise
+
+    def _prepare(self, plan):
+        """What the runner needs of `plan` for this rank, made once per plan:
+        the rank's rows and waits, flat; the call's description; the numbers."""
+        rank = self._group.rank
+        tables = [phase.rows_by_rank[rank] for phase in plan.phases]
+        width = max((t.shape[1] for t in tables), default=6)
+        rows = np.ascontiguousarray(np.concatenate([t for t in tables if len(t)] or [np.zeros((0, width))])
+                                    .astype(np.int64, copy=False)).reshape(-1, width)
+        row_starts = np.cumsum([0] + [len(t) for t in tables], dtype=np.int64)
+        waits = [phase.waits[rank] for phase in plan.phases]
+        pairs = np.array([pair for phase_waits in waits for pair in phase_waits], np.int64).reshape(-1, 2)
+        wait_starts = np.cumsum([0] + [len(w) for w in waits], dtype=np.int64)
+        description = describe_call(plan)
+        entry = (plan, (rows, row_starts, pairs, wait_starts), description,
+                 (plan.scratch_offset, plan.workspace_bytes),
+                 (self._types[plan.dtype], _OPS[ReduceOp(plan.op)], plan.nranks), description_hash(description))
+        self._prepared[id(plan)] = entry
+        return entry
+
+    def _refresh(self, rank):
+        """Map `rank`'s workspace of its current generation (this rank's own:
+        the one it has) and note its address."""
+        group = self._group
+        generation = group.generation(rank)
+        if generation == self._generations[rank] and self._bases[rank]:
+            return
+        memory = group.workspace(rank)
+        if memory is None:   # this rank's, before its first workspace
+            self._bases[rank], self._generations[rank] = 0, -1
+            return
+        self._bases[rank] = np.frombuffer(memory.buf, np.uint8).ctypes.data
+        self._generations[rank] = generation
+
+    def _raise_for(self, status, peer, have, need, description):
+        """Raise what the interpreter's waits raise for the same failure."""
+        group, seq = self._group, self._group.seq
+        if status in (ABORTED, PEER_DEAD):   # check_health raises the aborting rank's class, or RankFailedError
+            group.check_health(peer if status == PEER_DEAD else None, f"call #{seq}, {description}")
+            raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")
+        if status == TIMED_OUT:
+            raise CollectiveTimeoutError(
+                f"timed out waiting for rank {peer} in call #{seq}, {description} (it has completed {have} "
+                f"phases, this rank needs {need}){group.absent_note(seq)}")
+        if status == MISMATCH:
+            raise InvalidUsageError(
+                f"rank {peer} is in its call #{group.peer_seq(peer)}, a different call from rank {group.rank}'s "
+                f"call #{seq}, {description}; every rank must make the same calls in the same order")
+        raise CollectiveError(f"the compiled executor cannot run call #{seq}, {description} (status {status}): "
+                              "its plan names memory of another rank than its workspace")

@@ -1,0 +1,136 @@
+"""One rank of tests/test_host_plans.py: host ranks in separate processes
+running their plans in the compiled executor (executors/host_process.py).
+
+    mpiexec -n N python tests/host_plan_worker.py SCENARIO [MODULE]
+
+MODULE, where given, is a build of _host_plan.c (broken on purpose by the
+test) that this rank uses instead of the installed one. Each rank prints
+"OK <scenario> <rank>" when what it checked held, or "CAUGHT <scenario>
+<rank>: ..." when a result differed from the interpreter's.
+"""
+
+import importlib.util
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+from collectives.algorithms import REGISTRY
+from collectives.executors import host, host_process
+
+TIMEOUT = 30.0
+ALGORITHMS = ("direct", "ring", "star", "tree", "halving_doubling", "two_shot", "round_robin", "butterfly")
+
+
+def random_floats(seed, count):
+    return np.random.default_rng([seed, count]).standard_normal(count).astype(np.float32)
+
+
+def calls(comm, reference, rounds):
+    """Every collective over several algorithms and sizes, on random
+    floats; yields (case, this rank's result, the interpreter's)."""
+    r, n = comm.rank, comm.size
+    rng = np.random.default_rng(7)
+    for k in range(rounds):
+        for algorithm in ALGORITHMS:
+            implemented = REGISTRY[algorithm].collectives
+            size = int(rng.integers(1, 5000))
+            if k % 2 and r == 1:   # one rank late: a wait that is missing reads what is not there yet
+                time.sleep(0.002)
+            inputs = [random_floats(q + 100 * k, n * size) for q in range(n)]
+            if "allreduce" in implemented:
+                got = comm.allreduce(inputs[r].copy(), op="sum", out=np.empty(n * size, np.float32),
+                                     algorithm=algorithm)
+                yield f"allreduce {algorithm} {n * size}", got, reference.allreduce(
+                    [x.copy() for x in inputs], algorithm=algorithm)[r]
+            if "reduce_scatter" in implemented:
+                got = comm.reduce_scatter(inputs[r].copy(), op="max", out=np.empty(size, np.float32),
+                                          algorithm=algorithm)
+                yield f"reduce_scatter {algorithm} {size}", got, reference.reduce_scatter(
+                    [x.copy() for x in inputs], op="max", algorithm=algorithm)[r]
+            if "allgather" in implemented:
+                got = comm.allgather(inputs[r][:size].copy(), algorithm=algorithm)
+                yield f"allgather {algorithm} {size}", got, np.concatenate([x[:size] for x in inputs])
+            if "reduce" in implemented:
+                x = inputs[r].copy()
+                comm.reduce(x, root=n - 1, op="sum", algorithm=algorithm)
+                want = reference.reduce([y.copy() for y in inputs], root=n - 1, algorithm=algorithm)[r]
+                yield f"reduce {algorithm} {n * size}", x, want
+            if "broadcast" in implemented:
+                x = inputs[r].copy()
+                comm.broadcast(x, root=n // 2, algorithm=algorithm)
+                yield f"broadcast {algorithm} {n * size}", x, inputs[n // 2]
+
+
+def scenario_bits(comm):
+    """Every call gives the interpreter's bits, whichever executor each rank runs."""
+    with collectives.Communicator.local(comm.size) as reference:
+        for case, got, want in calls(comm, reference, rounds=4):
+            assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8)), f"{case}: {got[:4]} {want[:4]}"
+
+
+def scenario_takes_the_plans(comm):
+    """The compiled executor runs every uncompressed plan of the ten dtypes
+    it folds (the interpreter none of them), and leaves float16 to the
+    interpreter: counted, not assumed."""
+    compiled = comm._ranks.compiled  # noqa: SLF001
+    assert compiled is not None, "the compiled executor is not built"
+    interpreted = []
+    execute = host.execute
+    host.execute = lambda *a, **k: (interpreted.append(1), execute(*a, **k))[1]
+    before = compiled.waits_made
+    for dtype in (np.float32, np.int8, np.uint64):
+        x = np.arange(4 * comm.size, dtype=dtype)
+        comm.reduce_scatter(x, out=np.empty(4, dtype))
+        comm.allgather(x[:4])
+        comm.broadcast(x, root=0, algorithm="tree")
+        comm.reduce(x, root=0, op="max")
+        comm.allreduce(x, algorithm="ring")
+    assert not interpreted and compiled.waits_made > before, (len(interpreted), compiled.waits_made)
+    comm.allreduce(np.ones(8, np.float16), algorithm="ring")
+    assert interpreted, "float16 did not go to the interpreter"
+    # chosen_algorithm names the path
+    assert comm.chosen_algorithm("reduce_scatter", 1024, dtype=np.float32).path == "compiled_plan"
+    assert comm.chosen_algorithm("allgather", 1024, dtype=np.float16).path == "step"
+    assert comm.chosen_algorithm("allreduce", 1024, dtype=np.float32).path == "compiled_loop"
+
+
+def scenario_broken(comm):
+    """A broken build: some rank's result differs from the interpreter's.
+    The first call grows every workspace past what the others need, so that
+    a build that skips waits reads stale data, not memory a peer has yet to
+    grow (which would crash it: caught too, but not by the comparison)."""
+    comm.allreduce(np.zeros(1 << 20, np.float32), algorithm="direct")
+    wrong = None
+    with collectives.Communicator.local(comm.size) as reference:
+        for case, got, want in calls(comm, reference, rounds=6):
+            if wrong is None and not np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8)):
+                wrong = case
+    everyone = MPI.COMM_WORLD.allgather(wrong)
+    caught = [w for w in everyone if w is not None]
+    return f"CAUGHT broken {comm.rank}: {caught[0]}" if caught else None
+
+
+def load_build(path):
+    """The _host_plan module built at `path`, in place of the installed one."""
+    spec = importlib.util.spec_from_file_location("collectives.executors._host_plan", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    host_process._host_plan = module
+
+
+def main():
+    scenario = sys.argv[1]
+    if len(sys.argv) > 2:
+        load_build(sys.argv[2])
+    comm = collectives.init(timeout=TIMEOUT)
+    result = globals()[f"scenario_{scenario}"](comm)
+    comm.barrier()
+    print(result or f"OK {scenario} {comm.rank}", flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

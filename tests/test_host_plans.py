@@ -1,0 +1,100 @@
+"""The compiled plan executor of host ranks in separate processes
+(collectives/executors/_host_plan.c): the interpreter's bits for every
+collective and algorithm, with ranks on either executor in one job, and a
+build broken on purpose (a fold out of order, a flag before its data, a
+missing wait) caught by those same checks."""
+
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from test_mpi import mpiexec
+
+pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+host_process = pytest.importorskip("collectives.executors.host_process")
+if not host_process.available():
+    pytest.skip("the compiled executor is not built (no C compiler at install)", allow_module_level=True)
+pytestmark = pytest.mark.mpi
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("host_plan_worker.py")
+SOURCE = ROOT / "collectives" / "executors" / "_host_plan.c"
+
+
+def run(ranks, scenario, *arguments, environments=None, limit=180):
+    """mpiexec of `ranks` workers; `environments`: per rank, extra variables
+    (MPMD: one program block per rank). Returns (exit code, output)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_COMPILED_PLANS", None)
+    command = [mpiexec()]
+    for rank in range(ranks):
+        if rank:
+            command.append(":")
+        command += ["-n", "1"]
+        for name, value in (environments or {}).get(rank, {}).items():
+            command += ["-env", name, value]
+        command += [sys.executable, str(WORKER), scenario, *arguments]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=limit, env=env)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("interpreted", [(), (0,), (1, 2)], ids=["all-compiled", "rank0-interpreted",
+                                                                  "ranks12-interpreted"])
+def test_every_collective_gives_the_interpreters_bits_whichever_executor_each_rank_runs(interpreted):
+    code, output = run(3, "bits", environments={r: {"COLLECTIVES_COMPILED_PLANS": "0"} for r in interpreted})
+    assert code == 0 and len(re.findall(r"OK bits \d", output)) == 3, output
+
+
+def test_the_compiled_executor_takes_the_plans_and_leaves_float16_to_the_interpreter():
+    code, output = run(2, "takes_the_plans")
+    assert code == 0 and len(re.findall(r"OK takes_the_plans \d", output)) == 2, output
+
+
+# (what the build gets wrong, the text it replaces, its replacement)
+BROKEN = {
+    "fold out of order": (
+        "        int divisor = row[KIND]",
+        "        for (int64_t a = 0, b = nsrc - 1; a < b; a++, b--) {\n"
+        "            const char *swapped = srcs[a]; srcs[a] = srcs[b]; srcs[b] = swapped;\n"
+        "        }\n"
+        "        int divisor = row[KIND]"),
+    "flag before its data": (
+        "        int64_t first = call->row_starts[p], last = call->row_starts[p + 1];",
+        "        publish(mine, COUNTER, base + p + 1);\n"
+        "        { struct timespec pause = {0, 1000000}; nanosleep(&pause, NULL); }\n"
+        "        int64_t first = call->row_starts[p], last = call->row_starts[p + 1];"),
+    # Every wait for a peer's phase of this call, after the first call (which
+    # makes every rank's workspace: without it a peer's would not exist yet).
+    "missing wait": (
+        "            int status = wait_for(w, peer, COUNTER, base + done, released);",
+        "            if (done >= 1 && seq > 1) continue;\n"
+        "            int status = wait_for(w, peer, COUNTER, base + done, released);"),
+}
+
+
+def broken_build(tmp_path, old, new):
+    """_host_plan.c with `old` replaced by `new`, compiled as the extension is."""
+    source = SOURCE.read_text()
+    assert source.count(old) == 1, f"the test's anchor is not in _host_plan.c once: {old!r}"
+    broken = tmp_path / "_host_plan.c"
+    broken.write_text(source.replace(old, new))
+    target = tmp_path / f"_host_plan{sysconfig.get_config_var('EXT_SUFFIX')}"
+    compiler = os.environ.get("CC", "cc")
+    subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing",
+                    f"-I{sysconfig.get_paths()['include']}", f"-I{ROOT / 'collectives' / 'transport'}",
+                    f"-I{ROOT / 'collectives' / 'executors'}", str(broken), "-o", str(target)],
+                   check=True, capture_output=True, text=True)
+    return target
+
+
+@pytest.mark.parametrize("mistake", list(BROKEN))
+def test_a_broken_build_is_caught(tmp_path, mistake):
+    module = broken_build(tmp_path, *BROKEN[mistake])
+    code, output = run(3, "broken", str(module))
+    assert code == 0, output
+    assert len(re.findall(r"CAUGHT broken \d", output)) == 3, f"{mistake} went unnoticed:\n{output}"
