@@ -32,8 +32,9 @@ Calls advance COUNTER by 2 and SEQ by 1 like any other call
 (protocol.py), so fast and interpreted calls mix freely. The loop takes
 float32/float64 and 8- to 64-bit integers, C-contiguous NumPy arrays, any
 op; everything else (float16, bfloat16, overlapping outputs, lists,
-an explicit algorithm) declines to the interpreter, which checks the call
-and runs or refuses it. Without the compiled loop there is no fast path.
+an explicit algorithm) declines to the checks and the plans, which the
+compiled plan executor (executors/host_process.py) or the interpreter runs.
+Without the compiled loop there is no fast path.
 """
 
 import os
