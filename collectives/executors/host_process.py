@@ -20,6 +20,8 @@ and everything when the package was built without a C compiler. Both
 executors follow one protocol, so ranks may mix them within a call.
 """
 
+import time
+
 import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
@@ -100,6 +102,12 @@ class CompiledPlans:
             group.abort(f"{type(error).__name__}: {error}", error)
             raise
 
+    def bind(self, plan, x_address, out_address, timeout):
+        """`run` for one plan and pair of arrays, ready to repeat:
+        `bound.run(arrays)` (the arrays only keep them alive; their
+        addresses are these), waiting at most timeout() seconds."""
+        return BoundPlan(self, plan, x_address, out_address, timeout)
+
     def _prepare(self, plan):
         """What the runner needs of `plan` for this rank, made once per plan:
         the rank's rows and waits, flat; the call's description; the numbers."""
@@ -149,3 +157,16 @@ class CompiledPlans:
                 f"call #{seq}, {description}; every rank must make the same calls in the same order")
         raise CollectiveError(f"the compiled executor cannot run call #{seq}, {description} (status {status}): "
                               "its plan names memory of another rank than its workspace")
+
+
+class BoundPlan:
+    """A plan bound to one pair of arrays (CompiledPlans.bind)."""
+
+    __slots__ = ("_run", "_plan", "_x", "_out", "_timeout")
+
+    def __init__(self, compiled, plan, x_address, out_address, timeout):
+        self._run, self._plan, self._x, self._out, self._timeout = compiled.run, plan, x_address, out_address, timeout
+
+    def run(self, arrays):
+        """Run the call (`arrays`, the call's, are what keeps the addresses valid)."""
+        self._run(self._plan, self._x, self._out, time.perf_counter() + self._timeout())

@@ -34,6 +34,7 @@ class ShmRank:
     def __init__(self, rank, size, prefix):
         self.group = ProcessGroup(rank, size, prefix, HostMemory)
         self.rank, self.size, self.prefix = rank, size, prefix
+        self._timeout = None   # the communicator's, which it sets at once (use_timeout)
         # Which cost model `auto` asks: ranks that outnumber the cores wait
         # for the scheduler at every step, a cost of its own.
         oversubscribed = size > (os.cpu_count() or 1)
@@ -44,6 +45,22 @@ class ShmRank:
         self.compiled = host_process.CompiledPlans(
             self.group, fastpath.SPIN_OVERSUBSCRIBED if oversubscribed else fastpath.SPIN_DEDICATED,
             fastpath.YIELD_SECONDS) if host_process.available() and resolve_compiled_plans() else None
+
+    def use_timeout(self, seconds):
+        """The communicator's timeout (Communicator.timeout passes each new
+        value on): what a bound call waits at most."""
+        self._timeout = seconds
+
+    def bind(self, plan, inputs, outputs, input_infos, output_infos):
+        """A repeated call of `plan` on these very arrays, bound
+        (Communicator._repeat): `bound.run(arrays)` runs it in the compiled
+        executor with nothing looked up again. None where the compiled
+        executor does not take the call (or its outputs are new each call):
+        `run` runs it then."""
+        if self.compiled is None or not self.compiled.takes(plan) or output_infos is None \
+                or not (input_infos[0].contiguous and output_infos[0].contiguous):
+            return None
+        return self.compiled.bind(plan, input_infos[0].address, output_infos[0].address, lambda: self._timeout)
 
     def chosen_path(self, plan, kind=None):
         """What runs a call of `plan` (a Plan or a paths.CallShape):
