@@ -47,13 +47,12 @@ from collectives.executors.device import DeviceRanks
 from collectives.executors.symmetric_rows import call_traffic
 from collectives.plan import build_plan
 
-ROOTED = ("broadcast", "reduce")
-
 
 def floor_bytes(collective, nranks, count, itemsize, in_place=False):
     """The least traffic of a collective whose ranks share one device: each
     input read once, each output written once (`count`: a rank's WORK). In
-    place, allgather's own block is already where it belongs."""
+    place, allgather's own block and a broadcast's root are already where
+    they belong."""
     message = count * itemsize
     if collective == ALLREDUCE:
         return 2 * nranks * message
@@ -62,7 +61,7 @@ def floor_bytes(collective, nranks, count, itemsize, in_place=False):
     if collective == ALLGATHER:
         return message + (nranks - 1 if in_place else nranks) * message
     assert collective == BROADCAST
-    return nranks * message
+    return (nranks if in_place else nranks + 1) * message
 
 
 def codec_traffic_bytes(plan):
@@ -78,7 +77,7 @@ def report(nranks, nbytes, dtype=np.dtype("float32"), codecs=()):
     for collective in COLLECTIVES:
         count = nbytes // dtype.itemsize  # each rank's WORK buffer: the message, or all blocks
         count -= count % nranks
-        bindings = (IN_PLACE, WORKSPACE) if collective in ROOTED else (OUT_OF_PLACE, IN_PLACE, WORKSPACE)
+        bindings = (OUT_OF_PLACE, IN_PLACE, WORKSPACE)
         for algorithm in sorted(name for name, spec in REGISTRY.items() if collective in spec.collectives):
             for codec in (None, *codecs) if collective == ALLREDUCE else (None,):
                 # A compressed plan always runs through the workspace, which
@@ -114,11 +113,15 @@ def report(nranks, nbytes, dtype=np.dtype("float32"), codecs=()):
         # past the LL path: any plan with direct's bits runs as barrier, share,
         # barrier on symmetric memory (comm.alloc), or with a copy in and out
         # of each rank's staging buffer (executors/symmetric.py).
-        for binding, staged in (("symmetric", False), ("staged", True)):
-            traffic, launches = call_traffic(collective, nranks, 0, count, dtype.itemsize, staged)
-            floor = floor_bytes(collective, nranks, count, dtype.itemsize)
-            copies = call_traffic(collective, nranks, 0, count, dtype.itemsize, True)[0] - \
-                call_traffic(collective, nranks, 0, count, dtype.itemsize, False)[0] if staged else 0
+        # Out of place, as the plans above; a broadcast in place too (its
+        # root's copy to itself is left out).
+        for binding, staged, in_place in (("symmetric", False, False), ("staged", True, False),
+                                          *((("symmetric in place", False, True), ("staged in place", True, True))
+                                            if collective == BROADCAST else ())):
+            traffic, launches = call_traffic(collective, nranks, 0, count, dtype.itemsize, staged, in_place)
+            floor = floor_bytes(collective, nranks, count, dtype.itemsize, in_place)
+            copies = call_traffic(collective, nranks, 0, count, dtype.itemsize, True, in_place)[0] - \
+                call_traffic(collective, nranks, 0, count, dtype.itemsize, False, in_place)[0] if staged else 0
             rows.append({
                 "collective": collective, "algorithm": "direct", "binding": binding, "compression": None,
                 "launches_one_device": launches, "launches_per_device": launches,

@@ -2,8 +2,9 @@
 
 The input is allreduce's, so the root's (-r, default 0) result is
 allreduce's closed form; as in nccl-tests, only the root's output is
-checked, the others' being undefined. Ours and Gloo reduce in place: out of
-place, every rank first copies its input to its output.
+checked, the others' being undefined. Ours and MPI take an output apart from
+the input; Gloo reduces in place: out of place, every rank first copies its
+input to its output.
 """
 
 import sys
@@ -18,10 +19,8 @@ def expected(dtype, op, nranks, rank, count, root=0):
 
 
 def run_ours(comm, x, out, args):
-    for x_rank, out_rank in zip(x, out):
-        if out_rank is not x_rank:
-            out_rank[...] = x_rank
-    comm.reduce(out, root=args.root, op=args.op, algorithm=args.algorithm)
+    in_place = all(o is i for o, i in zip(out, x))
+    comm.reduce(x, root=args.root, op=args.op, out=None if in_place else out, algorithm=args.algorithm)
 
 
 def run_mpi(comm, x, out, args):

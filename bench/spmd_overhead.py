@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--bytes", default="1K", type=cli.size, help="message size (suffixes K, M)")
     p.add_argument("--algorithm", default="auto", help="auto or a registered algorithm")
     p.add_argument("--collective", default="allreduce", choices=COLLECTIVES,
-                   help="the collective timed (--bytes: each rank's x; broadcast and reduce run in place)")
+                   help="the collective timed (--bytes: each rank's x)")
     p.add_argument("--in-place", action="store_true", help="in place (else out of place)")
     p.add_argument("--symmetric", action="store_true",
                    help="the DEVICE+ll ranks' arrays from comm.alloc (symmetric memory): calls beyond 64 KiB "
@@ -67,8 +67,8 @@ def call(comm, collective, x, out, algorithm):
     if collective == "allgather":
         return comm.allgather(x, out=out, algorithm=algorithm)
     if collective == "broadcast":
-        return comm.broadcast(x, algorithm=algorithm)
-    return comm.reduce(x, algorithm=algorithm)
+        return comm.broadcast(x, out=out, algorithm=algorithm)
+    return comm.reduce(x, out=out, algorithm=algorithm)
 
 
 def round_trips(comm, collective, x, out, algorithm):
@@ -168,8 +168,8 @@ def main(argv=None):
     n = world.size
     if args.collective == "reduce_scatter":
         count = -(-count // n) * n   # n equal blocks
-    # Elements of `out`; None where the call runs in place.
-    out_count = {"allreduce": count, "reduce_scatter": count // n, "allgather": n * count}.get(args.collective)
+    # Elements of `out` (unused in place).
+    out_count = {"reduce_scatter": count // n, "allgather": n * count}.get(args.collective, count)
     arrays = {}
     for name, comm in (("host", host), (args.device, gpu), (f"{args.device}+ll", one_kernel)):
         xp = np
@@ -179,7 +179,7 @@ def main(argv=None):
             (lambda k, xp=xp: xp.empty(k, xp.float32))
         x = empty(count)
         x[...] = 1
-        out = None if args.in_place or out_count is None else empty(out_count)
+        out = None if args.in_place else empty(out_count)
         if args.in_place and args.collective == "allgather":   # x is this rank's block of out
             out = empty(n * count)
             x = out[world.rank * count:(world.rank + 1) * count]

@@ -39,6 +39,17 @@ writes: every executor does, so a move may write one of its own sources.)
 Otherwise the next, more cautious, rewrite is
 tried, and the plain plan is the last resort. So binding can cost speed,
 never bits.
+
+Ranks that cannot address each other's arrays (processes) keep the plain
+plan, peers reading only workspaces, in one of two bindings:
+
+    WORKSPACE      the plain plan (any relation of INPUT and OUTPUT)
+    WORKSPACE_IN_PLACE
+                   INPUT and OUTPUT are the same memory, chunk for chunk:
+                   a copy out of a chunk that still holds the rank's own
+                   input (a broadcast's root, allgather's own block) is
+                   left out, its value being there already; proved by the
+                   same symbolic run.
 """
 
 from typing import NamedTuple, Tuple
@@ -54,10 +65,12 @@ REDUCE_OP = 1
 REDUCE_FINAL_OP = 2
 
 WORKSPACE = "workspace"
+WORKSPACE_IN_PLACE = "workspace_in_place"
 OUT_OF_PLACE = "out_of_place"
 IN_PLACE = "in_place"
 IN_PLACE_LOCKSTEP = "in_place_lockstep"
-BINDINGS = (WORKSPACE, OUT_OF_PLACE, IN_PLACE, IN_PLACE_LOCKSTEP)
+BINDINGS = (WORKSPACE, WORKSPACE_IN_PLACE, OUT_OF_PLACE, IN_PLACE, IN_PLACE_LOCKSTEP)
+IN_PLACE_BINDINGS = frozenset({WORKSPACE_IN_PLACE, IN_PLACE, IN_PLACE_LOCKSTEP})
 
 
 class Loc(NamedTuple):
@@ -113,10 +126,12 @@ def bind(phases, schedule, binding):
         raise ValueError(f"unknown binding {binding!r}")
     if binding == WORKSPACE:
         return phases
-    layout = _Layout(schedule, in_place=binding in (IN_PLACE, IN_PLACE_LOCKSTEP),
-                     lockstep=binding == IN_PLACE_LOCKSTEP)
+    layout = _Layout(schedule, in_place=binding in IN_PLACE_BINDINGS, lockstep=binding == IN_PLACE_LOCKSTEP)
     expected = layout.run(phases)
     assert expected is not None, "a valid schedule's plain plan has no conflicts"
+    if binding == WORKSPACE_IN_PLACE:
+        candidate = _without_copies_of_untouched_input(phases)
+        return candidate if layout.run(candidate) == expected else phases
     for policy in POLICIES:
         candidate = _rewrite(phases, schedule, policy, layout)
         if layout.run(candidate) == expected:
@@ -131,10 +146,10 @@ def bind(phases, schedule, binding):
 
 
 def storage(schedule, binding):
-    """A function naming the memory each Loc lives in: with IN_PLACE, an
+    """A function naming the memory each Loc lives in: in place, an
     OUTPUT chunk is the INPUT chunk it shares memory with. Hazards (waits,
     conflicts) are between memory, not between names."""
-    if binding not in (IN_PLACE, IN_PLACE_LOCKSTEP):
+    if binding not in IN_PLACE_BINDINGS:
         return lambda loc: loc
     return _Layout(schedule, in_place=True).storage
 
@@ -144,6 +159,20 @@ def lockstep_phases(phases, schedule):
     lockstep groups: those the plain in-place rule refuses."""
     plain = _Layout(schedule, in_place=True)
     return frozenset(p for p, phase in enumerate(phases) if plain.run([phase]) is None)
+
+
+def _without_copies_of_untouched_input(phases):
+    """The plain plan less each copy out whose source WORK chunk no step
+    wrote since the copy in filled it from the same chunk of INPUT: in
+    place, OUTPUT's chunk is that INPUT chunk, which holds the value."""
+    copy_in, *steps, copy_out = phases
+    written = {m.dst for step in steps for m in step}
+    loaded_from = {m.dst: m.srcs[0] for m in copy_in}
+
+    def untouched_input(m):
+        src = m.srcs[0]
+        return src not in written and loaded_from.get(src) == Loc(m.dst.rank, INPUT, m.dst.chunk)
+    return [copy_in, *steps, [m for m in copy_out if not untouched_input(m)]]
 
 
 def _rewrite(phases, schedule, policy, layout):

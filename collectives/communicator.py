@@ -13,7 +13,7 @@ from . import prepared
 from .algorithms.schedule import (
     ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES as COLLECTIVE_NAMES, REDUCE_SCATTER, REDUCE_TO_ROOT,
 )
-from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
+from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
 from .compression import wire
 from .config import resolve_timeout
 from .errors import CollectiveError, InvalidUsageError
@@ -299,34 +299,45 @@ class Communicator:
         """
         return self._collective(ALLGATHER, x, "sum", out, 0, algorithm)
 
-    def broadcast(self, x, root=0, algorithm="auto"):
-        """Every rank's `x` becomes a copy of the root's `x`, in place.
+    def broadcast(self, x, root=0, out=None, algorithm="auto"):
+        """Every rank gets a copy of the root's `x`.
 
         x            the rank's array (or a list, one per local rank), of the
-                     same dtype and shape on every rank.
+                     same dtype and shape on every rank; only the root's is
+                     read.
         root         the rank whose `x` is sent: an int, 0 <= root < size.
+        out          None: the copy overwrites `x` (in place). Else arrays of
+                     x's size and dtype, in the form of `x`, that receive it,
+                     the root's included (NCCL's send and receive buffers);
+                     `x` is then left as it was.
         algorithm    "auto" (default) or a name that implements broadcast.
 
-        Returns `x` (a list for a list). Raises InvalidUsageError for a bad
-        argument (nothing is written), CollectiveTimeoutError or
-        RankFailedError when a peer stalls or dies (see Communicator).
+        Returns the result: `out`, or `x` in place (a list for a list).
+        Raises InvalidUsageError for a bad argument (nothing is written),
+        CollectiveTimeoutError or RankFailedError when a peer stalls or dies
+        (see Communicator).
         """
-        return self._collective(BROADCAST, x, "sum", None, root, algorithm)
+        return self._collective(BROADCAST, x, "sum", out, root, algorithm)
 
-    def reduce(self, x, root=0, op="sum", algorithm="auto"):
-        """The root's `x` becomes the reduction of all ranks' `x`, in place;
-        the other ranks' `x` are left as they were.
+    def reduce(self, x, root=0, op="sum", out=None, algorithm="auto"):
+        """The root gets the reduction (`op`) of all ranks' `x`.
 
         x            the rank's array (or a list, one per local rank).
         root         the rank that receives the result: an int, 0 <= root < size.
         op           "sum" (default), "prod", "max", "min", "avg", or a ReduceOp.
+        out          None: the result overwrites the root's `x` (in place).
+                     Else arrays of x's size and dtype, in the form of `x`:
+                     the root's receives the result, the other ranks' are
+                     left as they were (NCCL's receive buffer, significant
+                     at the root only), and every `x` as it was.
         algorithm    "auto" (default) or a name that implements reduce.
 
-        Returns `x` (a list for a list). Raises InvalidUsageError for a bad
-        argument (nothing is written), CollectiveTimeoutError or
-        RankFailedError when a peer stalls or dies (see Communicator).
+        Returns `out`, or `x` in place (a list for a list): on the other
+        ranks as it was. Raises InvalidUsageError for a bad argument
+        (nothing is written), CollectiveTimeoutError or RankFailedError when
+        a peer stalls or dies (see Communicator).
         """
-        return self._collective(REDUCE_TO_ROOT, x, op, None, root, algorithm)
+        return self._collective(REDUCE_TO_ROOT, x, op, out, root, algorithm)
 
     def prepare(self, collective, x, **arguments):
         """A collective on fixed arrays, checked and planned now, to run as
@@ -496,7 +507,7 @@ class Communicator:
         for future in pending:
             future.add_done_callback(one_done)
 
-    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=False, compression=None,
+    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=None, compression=None,
                          algorithm="auto", symmetric=False):
         """What a call runs: the algorithm, a name of
         collectives.algorithms.REGISTRY that `algorithm="auto"` chooses by
@@ -511,9 +522,11 @@ class Communicator:
                     loop when it takes the dtype, and the answer is then its
                     step, "merged" or "pipelined". Without it (a list of
                     arrays, which the loop declines), the plan's algorithm.
-        in_place    whether the call writes its result into `x`: ranks that
-                    share one GPU choose differently in place (see
-                    docs/gpu.md); elsewhere it changes nothing.
+        in_place    whether the call writes its result into `x` (None: as
+                    the call with no `out` does: broadcast and reduce in
+                    place, the others not): ranks that share one GPU choose
+                    differently in place (see docs/gpu.md); elsewhere it
+                    changes nothing.
         compression the call's codec (allreduce), or None: ranks that share
                     one GPU run a compressed direct in one pass at the
                     memory floor, and choose it.
@@ -547,7 +560,9 @@ class Communicator:
         root = validation.root_rank(root, self.size) if rooted else 0
         if algorithm == "auto":
             itemsize = 1  # nbytes is already bytes
-            binding = self._in_place_binding() if in_place or rooted else OUT_OF_PLACE   # broadcast and reduce run in place
+            if in_place is None:   # as a call without `out`: broadcast and reduce in place
+                in_place = rooted
+            binding = self._in_place_binding() if in_place else OUT_OF_PLACE
             algorithm = self._auto(collective, nbytes, itemsize, root,
                                    binding if getattr(self._ranks, "addressable", False) else None)
         else:
@@ -901,19 +916,22 @@ class Communicator:
         if last is not None and last[0] == key:  # equal descriptions pass equally (identical ones compare fast)
             return last[1]
         out_given = made is _GIVEN
-        written = [o for o, rank in zip(output_infos, self.local_ranks) if _receives(collective, rank, root)]
-        validation.writable(written, "out" if out_given else "x")
+        ranks = self.local_ranks
+        validation.writable(output_infos, "out" if out_given else "x",
+                            lambda i: _receives(collective, ranks[i], root, out_given))
         validation.ranks_own_their_memory(input_infos, output_infos, out_given,
                                           inputs_written=made in (_IN_PLACE, _OWN_BLOCKS),
                                           objects={"x": inputs, "out": outputs})
-        binding = self._binding(collective, input_infos, output_infos) if self._ranks.addressable else WORKSPACE
+        binding = self._binding(collective, input_infos, output_infos)
         self._last_checked = (key, binding)
         return binding
 
     def _binding(self, collective, inputs, outputs):
-        """How a plan may use the arrays of ranks that address each other's
-        (binding.py): IN_PLACE when every rank's output is its input chunk for
-        chunk, OUT_OF_PLACE when they are separate, else through a workspace."""
+        """How a plan may use the caller's arrays (binding.py). Ranks that
+        address each other's arrays: IN_PLACE when every rank's output is
+        its input chunk for chunk, OUT_OF_PLACE when they are separate, else
+        through a workspace. Other ranks: through a workspace, in place
+        (WORKSPACE_IN_PLACE) or not."""
         ranks = self.local_ranks
         if collective == REDUCE_SCATTER:    # the output is the rank's block of the input
             def same(i, a, b): return b.address == a.address + ranks[i] * b.nbytes and a.device == b.device
@@ -922,6 +940,8 @@ class Communicator:
         else:
             def same(i, a, b): return a.address == b.address and a.device == b.device
         relation = validation.relation(inputs, outputs, same)
+        if not self._ranks.addressable:
+            return WORKSPACE_IN_PLACE if relation == validation.SAME else WORKSPACE
         return {validation.SAME: self._in_place_binding(), validation.DISJOINT: OUT_OF_PLACE}.get(relation, WORKSPACE)
 
     def _in_place_binding(self):
@@ -983,10 +1003,10 @@ def _same_array(rank, a, b):
     return a.address == b.address and a.device == b.device
 
 
-def _receives(collective, rank, root):
+def _receives(collective, rank, root, out_given):
     """Whether `rank`'s output is written by the collective."""
     if collective == BROADCAST:
-        return rank != root
+        return rank != root or out_given
     if collective == REDUCE_TO_ROOT:
         return rank == root
     return True

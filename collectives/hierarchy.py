@@ -262,11 +262,11 @@ class HierarchyRanks:
 def allreduce(h, call, x, out, deadline, root_node=None):
     """Reduce-scatter in the node, direct or two_shot across nodes, all-gather
     in the node. reduce() is this with `root_node`: only that node gathers,
-    into the root's x."""
+    into the root's output."""
     if call.count == 0:
         return
     plan = range_plan(h.topology, call.count, call.dtype.itemsize, h.rank, root_node)
-    result = out if call.collective == ALLREDUCE else x if h.rank == call.root else None
+    result = out if call.collective == ALLREDUCE or h.rank == call.root else None
     if h.shm is None:        # alone on its node: its range is everything, its input the partial
         part = result if result is not None else h.scratch("part", call.dtype, call.count)
         if part is not x:
@@ -359,9 +359,14 @@ def allgather(h, call, x, out, deadline):
 
 def broadcast(h, call, x, out, deadline):
     """Scatter + all-gather among one leader per node, then the node's ranks
-    copy from their leader."""
+    copy from their leader. Out of place, the root's x is first copied into
+    its output, and every rank's output is the buffer sent and received."""
     if call.count == 0:
         return
+    if out is not x:
+        if h.rank == call.root:
+            np.copyto(out, x)
+        x = out
     plan = broadcast_plan(h.topology, call.count, call.root, h.rank)
     leader = h.rank == plan.leader
 

@@ -186,9 +186,11 @@ def same_dtype_and_shape(infos, name="x"):
             raise InvalidUsageError(f"{_name(name, i, True)} has shape {a.shape} but {first} has {shape}")
 
 
-def writable(infos, name):
+def writable(infos, name, written=None):
+    """Every array the collective writes is writable: `infos` (one per local
+    rank), those whose index `written` says when not all."""
     for i, a in enumerate(infos):
-        if not a.writable:
+        if not a.writable and (written is None or written(i)):
             raise InvalidUsageError(f"{_name(name, i, True)} is read-only, but the collective writes it")
 
 

@@ -107,9 +107,10 @@ def keeps_a_workspace_copy(collective, algorithm, binding, n):
     power of two, whose extra ranks fetch their block from their partner's
     workspace. Listed, so that a change either way is seen. (`staged`: GPU
     ranks in processes through their staging buffers, a copy in and out;
-    `symmetric`: on the caller's arrays, no copy.)"""
-    if binding in ("staged", "symmetric"):
-        return binding == "staged"
+    `symmetric`: on the caller's arrays, no copy; a broadcast in place
+    through staging too: its root copies in, the other ranks out.)"""
+    if binding.startswith(("staged", "symmetric")):
+        return binding.startswith("staged")
     if n == 1 or binding == "workspace":
         return binding == "workspace"
     if (collective, algorithm) == ("reduce_scatter", "halving_doubling"):

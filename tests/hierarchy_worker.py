@@ -112,8 +112,14 @@ def scenario_matrix(comm):
                 check(out, reduction_expected(op, dtype, n, n * count)[r * count:(r + 1) * count],
                       f"reduce_scatter {case}")
                 root = i % n
-                got = comm.reduce(x.copy(), root=root, op=op)
-                check(got, want if r == root else x, f"reduce to {root} {case}")
+                if i % 2:
+                    got = comm.reduce(x.copy(), root=root, op=op)
+                    check(got, want if r == root else x, f"reduce to {root} {case}")
+                else:   # out of place: the other ranks' out are left as they were, every x too
+                    kept, untouched = x.copy(), gather_input(dtype, n + r, count)
+                    got = comm.reduce(kept, root=root, op=op, out=untouched.copy())
+                    check(got, want if r == root else untouched, f"reduce to {root} out of place {case}")
+                    check(kept, x, f"reduce's x out of place {case}")
             gathered = comm.allgather(gather_input(dtype, r, count))
             want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
             check(gathered, want, f"allgather {dtype} count={count}")
@@ -122,8 +128,11 @@ def scenario_matrix(comm):
             comm.allgather(out[r * count:(r + 1) * count], out=out)   # in place, as MPI_IN_PLACE
             check(out, want, f"allgather in place {dtype} count={count}")
             for root in (0, n - 1):
-                got = comm.broadcast(gather_input(dtype, r, count), root=root)
+                x = gather_input(dtype, r, count)
+                out = None if root == 0 else np.zeros_like(x)   # in place from 0, out of place from n - 1
+                got = comm.broadcast(x, root=root, out=out)
                 check(got, gather_input(dtype, root, count), f"broadcast from {root} {dtype} count={count}")
+                check(x, gather_input(dtype, root if out is None else r, count), f"broadcast's x from {root}")
     comm.barrier()
 
 

@@ -95,8 +95,8 @@ class Checker:
 
     def call(self, collective, dtype, op, count, in_place, algorithm="auto", root=0):
         """`count`: elements of x (reduce_scatter: of each of its n blocks).
-        Out of place: `out` given (reduce_scatter), a new array (allgather);
-        broadcast and reduce always run in place."""
+        Out of place: `out` given (reduce_scatter, broadcast, reduce: filled
+        first, which a reduce's other ranks keep), a new array (allgather)."""
         comm, n, r = self.comm, self.comm.size, self.comm.rank
         self.seed += 1
         elements = n * count if collective == "reduce_scatter" else count
@@ -115,10 +115,15 @@ class Checker:
                 result = comm.allgather(out[r * count:(r + 1) * count], out=out, algorithm=algorithm)
             else:
                 result = comm.allgather(x, algorithm=algorithm)
-        elif collective == "broadcast":
-            result = comm.broadcast(x, root=root, algorithm=algorithm)
         else:
-            result = comm.reduce(x, root=root, op=op, algorithm=algorithm)
+            untouched = rank_input(self.seed + 1000, r, dtype, elements)
+            out = None if in_place else on_device(untouched)
+            if collective == "broadcast":
+                result = comm.broadcast(x, root=root, out=out, algorithm=algorithm)
+            else:
+                result = comm.reduce(x, root=root, op=op, out=out, algorithm=algorithm)
+            assert result is (x if in_place else out)
+            assert in_place or on_host(x).tobytes() == inputs[r].tobytes(), f"{collective}: x changed out of place"
         got = on_host(result)
         # The plan `auto` picks on the host reference: on the path the kernel
         # must give that plan's bits too (the path takes only plans whose
@@ -126,6 +131,8 @@ class Checker:
         picked = comm.chosen_algorithm(collective, elements * dtype.itemsize, root=root) \
             if algorithm == "auto" else algorithm
         want = self.expected(collective, inputs, op, root, picked)[r]
+        if collective == "reduce" and not in_place and r != root:
+            want = untouched
         case = f"{collective} {dtype} {op} count={count} in_place={in_place} algorithm={algorithm} root={root}"
         assert got.tobytes() == want.tobytes(), f"{case}: {got[:6]} != {want[:6]}"
         if takes_the_path(comm, collective, elements * dtype.itemsize, root, algorithm):

@@ -88,16 +88,31 @@ def scenario_collectives(comm):
                                             algorithm=algorithm)
                         check(out, reduction_expected(op, dtype, n, n * count)[r * count:(r + 1) * count],
                               f"reduce_scatter {case}")
-                    if "reduce" in implemented:
-                        got = comm.reduce(on_rank(x), root=n - 1, op=op, algorithm=algorithm)
-                        check(got, reduction_expected(op, dtype, n, count) if r == n - 1 else x, f"reduce {case}")
+                    if "reduce" in implemented:   # in place and out of place, op by op
+                        out_of_place = OPS.index(op) % 2 == 1
+                        untouched = gather_input(dtype, n + r, count)
+                        out = on_rank(untouched) if out_of_place else None
+                        got = comm.reduce(on_rank(x), root=n - 1, op=op, out=out, algorithm=algorithm)
+                        check(got, reduction_expected(op, dtype, n, count) if r == n - 1 else
+                              untouched if out_of_place else x, f"reduce {case} {'out of' if out_of_place else 'in'} place")
+                # allgather and broadcast in place and out of place, dtype by dtype
+                in_place = dtypes.index(dtype) % 2 == 0
                 if "allgather" in implemented:
-                    gathered = comm.allgather(on_rank(gather_input(dtype, r, count)), algorithm=algorithm)
                     want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
-                    check(gathered, want, f"allgather {algorithm} {dtype} count={count}")
+                    if in_place:   # x is the rank's own block of the output, as MPI_IN_PLACE
+                        out = np.where(np.arange(n * count) // max(count, 1) == r, want, 0).astype(dtype)
+                        gathered = on_rank(out)
+                        comm.allgather(gathered[r * count:(r + 1) * count], out=gathered, algorithm=algorithm)
+                    else:
+                        gathered = comm.allgather(on_rank(gather_input(dtype, r, count)), algorithm=algorithm)
+                    check(gathered, want, f"allgather {algorithm} {dtype} count={count} in place={in_place}")
                 if "broadcast" in implemented:
-                    got = comm.broadcast(on_rank(gather_input(dtype, r, count)), root=n // 2, algorithm=algorithm)
-                    check(got, gather_input(dtype, n // 2, count), f"broadcast {algorithm} {dtype} count={count}")
+                    x = on_rank(gather_input(dtype, r, count))
+                    got = comm.broadcast(x, root=n // 2, out=None if in_place else on_rank(np.zeros(count, dtype)),
+                                         algorithm=algorithm)
+                    check(got, gather_input(dtype, n // 2, count), f"broadcast {algorithm} {dtype} count={count} "
+                          f"in place={in_place}")
+                    check(x, gather_input(dtype, n // 2 if in_place else r, count), "broadcast's x")
     # Random floats: every rank holds the bits the NumPy interpreter gives for
     # the same inputs (each rank can make everyone's), so all ranks agree.
     with collectives.Communicator.local(n) as reference:

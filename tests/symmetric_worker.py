@@ -97,7 +97,7 @@ class Arrays:
         n, r = comm.size, comm.rank
         make = comm.alloc if symmetric else plain
         self.elements = n * count if collective == "reduce_scatter" else count
-        if collective in ("broadcast", "reduce") or (collective == "allreduce" and in_place):
+        if collective in ("allreduce", "broadcast", "reduce") and in_place:
             self.x = self.out = make(self.elements, dtype)
         elif collective == "reduce_scatter":
             self.x = make(self.elements, dtype)
@@ -117,8 +117,8 @@ class Arrays:
         if collective == "allgather":
             return comm.allgather(x, out=out, algorithm=algorithm)
         if collective == "broadcast":
-            return comm.broadcast(x, root=root, algorithm=algorithm)
-        return comm.reduce(x, root=root, op=op, algorithm=algorithm)
+            return comm.broadcast(x, root=root, out=None if out is x else out, algorithm=algorithm)
+        return comm.reduce(x, root=root, op=op, out=None if out is x else out, algorithm=algorithm)
 
 
 def check_call(comm, reference, arrays, collective, dtype, op, root, seed, algorithm="auto"):
@@ -126,12 +126,20 @@ def check_call(comm, reference, arrays, collective, dtype, op, root, seed, algor
     n, r = comm.size, comm.rank
     inputs = [rank_input(seed, q, dtype, arrays.elements) for q in range(n)]
     write(arrays.x, inputs[r])
+    rooted_out_of_place = collective in ("broadcast", "reduce") and arrays.out is not arrays.x
+    if rooted_out_of_place:   # what a reduce's other ranks keep in out
+        untouched = rank_input(seed + 1000, r, dtype, arrays.elements)
+        write(arrays.out, untouched)
     result = arrays.call(comm, collective, op, root, algorithm)
     assert result is arrays.out or collective == "reduce_scatter" and result.base is not None, \
         f"{collective}: the result is not the array given"
     picked = comm.chosen_algorithm(collective, arrays.elements * dtype.itemsize, root=root) \
         if algorithm == "auto" else algorithm
     want = expected(reference, collective, inputs, op, root, picked)[r]
+    if rooted_out_of_place:
+        assert to_host(arrays.x).tobytes() == inputs[r].tobytes(), f"{collective}: x changed out of place"
+        if collective == "reduce" and r != root:
+            want = untouched
     got = to_host(arrays.out)
     case = f"{collective} {dtype} {op} elements={arrays.elements} root={root}"
     assert got.tobytes() == want.tobytes(), f"{case}: {got[:6]} != {want[:6]}"

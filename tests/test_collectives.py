@@ -117,32 +117,48 @@ def test_allgather(backend, communicators, n, count, algorithm, in_place):
 
 @matrix
 @algorithms
-def test_broadcast(backend, communicators, n, count, algorithm):
+@placement
+def test_broadcast(backend, communicators, n, count, algorithm, in_place):
+    """Out of place, every rank's out receives the root's x (the root's
+    too), and every x is left as it was."""
     comm = communicators(n)
     for root in sorted({0, n // 2, n - 1}):
         for dtype in backend.dtypes(count):
             case = f"broadcast {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
-            xs = [backend.put(gather_input(dtype, r, count)) for r in range(n)]
-            results = comm.broadcast(xs, root=root, algorithm=algorithm)
+            originals = [gather_input(dtype, r, count) for r in range(n)]
+            xs = [backend.put(x) for x in originals]
+            outs = None if in_place else [backend.put(gather_input(dtype, n + r, count)) for r in range(n)]
+            results = comm.broadcast(xs, root=root, out=outs, algorithm=algorithm)
             for r in range(n):
-                assert results[r] is xs[r]
-                assert_bits_equal(backend.read(results[r]), gather_input(dtype, root, count), f"{case} rank {r}")
+                assert results[r] is (xs[r] if in_place else outs[r]), case
+                assert_bits_equal(backend.read(results[r]), originals[root], f"{case} rank {r}")
+                if not in_place:
+                    assert_bits_equal(backend.read(xs[r]), originals[r], f"{case}: input of rank {r} changed")
 
 
 @matrix
 @algorithms
-def test_reduce(backend, communicators, n, count, algorithm):
+@placement
+def test_reduce(backend, communicators, n, count, algorithm, in_place):
+    """Out of place, the root's out receives the reduction, the other
+    ranks' out are left as they were, and so is every x."""
     comm = communicators(n)
     for root in sorted({0, n - 1}):
         for dtype in backend.dtypes(count):
             for op in OPS:
                 case = f"reduce {op} {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
                 originals = [reduction_input(op, dtype, n, r, count) for r in range(n)]
+                untouched = [gather_input(dtype, n + r, count) for r in range(n)]
                 xs = [backend.put(x) for x in originals]
-                comm.reduce(xs, root=root, op=op, algorithm=algorithm)
+                outs = None if in_place else [backend.put(u) for u in untouched]
+                results = comm.reduce(xs, root=root, op=op, out=outs, algorithm=algorithm)
                 for r in range(n):
-                    want = reduction_expected(op, dtype, n, count) if r == root else originals[r]
-                    assert_bits_equal(backend.read(xs[r]), want, f"{case} rank {r}")
+                    assert results[r] is (xs[r] if in_place else outs[r]), case
+                    want = reduction_expected(op, dtype, n, count) if r == root else \
+                        originals[r] if in_place else untouched[r]
+                    assert_bits_equal(backend.read(results[r]), want, f"{case} rank {r}")
+                    if not in_place:
+                        assert_bits_equal(backend.read(xs[r]), originals[r], f"{case}: input of rank {r} changed")
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])

@@ -15,7 +15,7 @@ import collectives
 from collectives import CollectiveError, InvalidUsageError, auto
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import COLLECTIVES
-from collectives.binding import IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE, WORKSPACE
+from collectives.binding import IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
 from collectives.devices import emulated, open_device
 from collectives.executors import device as device_executor
 from collectives.plan import build_plan
@@ -28,12 +28,6 @@ IMPLEMENTED = pytest.mark.parametrize("collective,algorithm", [
     if collective in spec.collectives])
 
 
-def bindings_of(collective):
-    """The bindings a collective can be called with in one process: the
-    rooted ones are always in place."""
-    return (IN_PLACE,) if collective in ROOTED else (IN_PLACE, OUT_OF_PLACE)
-
-
 # -- plans bound to the caller's arrays ---------------------------------------------------
 
 @IMPLEMENTED
@@ -43,7 +37,7 @@ def test_in_process_plans_copy_nothing_through_a_workspace(collective, algorithm
     bound plans do not, but for the cases `keeps_a_workspace_copy` lists."""
     count = 1024 * n
     plain = build_plan(collective, algorithm, n, count, np.dtype("float32"), "sum", 0, WORKSPACE)
-    for binding in bindings_of(collective):
+    for binding in (IN_PLACE, OUT_OF_PLACE):
         bound = build_plan(collective, algorithm, n, count, np.dtype("float32"), "sum", 0, binding)
         if keeps_a_workspace_copy(collective, algorithm, binding, n):
             assert 0 < bound.traffic.workspace_copies <= count * 4 * 2 * n, binding
@@ -51,6 +45,12 @@ def test_in_process_plans_copy_nothing_through_a_workspace(collective, algorithm
             assert bound.traffic.workspace_copies == 0, binding
         assert bound.traffic.total < plain.traffic.total or n == 1 and binding == IN_PLACE
     assert plain.traffic.workspace_copies > 0
+    # In place through a workspace (ranks in processes) only the copies out
+    # of input no step touched go: a broadcast's root's, allgather's own
+    # blocks, and for one rank every output.
+    through = build_plan(collective, algorithm, n, count, np.dtype("float32"), "sum", 0, WORKSPACE_IN_PLACE)
+    untouched_input_bytes = count * 4 if collective in ("broadcast", "allgather") or n == 1 else 0
+    assert plain.traffic.workspace_copies - through.traffic.workspace_copies == 2 * untouched_input_bytes
 
 
 @IMPLEMENTED
@@ -65,9 +65,8 @@ def test_bound_plans_give_the_plain_plans_bits(collective, algorithm, n):
         call = getattr(comm, collective)
         kwargs = {"algorithm": algorithm} | ({"root": n - 1} if collective in ROOTED else {})
         in_place = call([x.copy() for x in xs], **kwargs)
-        if collective not in ROOTED:
-            size = count // n if collective == "reduce_scatter" else count * n if collective == "allgather" else count
-            out_of_place = call([x.copy() for x in xs], out=[np.empty(size, np.float32) for _ in xs], **kwargs)
+        size = count // n if collective == "reduce_scatter" else count * n if collective == "allgather" else count
+        out_of_place = call([x.copy() for x in xs], out=[np.empty(size, np.float32) for _ in xs], **kwargs)
         # The same call through plain workspace plans, as processes run them:
         plain = build_plan(collective, algorithm, n, count * (n if collective == "allgather" else 1),
                            np.dtype("float32"), "sum", n - 1 if collective in ROOTED else 0, WORKSPACE)
@@ -79,11 +78,27 @@ def test_bound_plans_give_the_plain_plans_bits(collective, algorithm, n):
             outs = [np.empty(count // n, np.float32) for _ in xs]
         VirtualHostRanks(n).run(plain, ys, outs, None, None, None)
         expected = outs if collective in ("allgather", "reduce_scatter") else ys
+        # In place through a workspace, as processes run x = out.
+        through = build_plan(collective, algorithm, n, count * (n if collective == "allgather" else 1),
+                             np.dtype("float32"), "sum", n - 1 if collective in ROOTED else 0, WORKSPACE_IN_PLACE)
+        if collective == "allgather":   # x is the rank's own block of out
+            outs_through = [np.zeros(count * n, np.float32) for _ in xs]
+            for r, out in enumerate(outs_through):
+                out[r * count:(r + 1) * count] = xs[r]
+            ins_through = [out[r * count:(r + 1) * count] for r, out in enumerate(outs_through)]
+        else:
+            ins_through = [x.copy() for x in xs]
+            outs_through = [x[r * (count // n):(r + 1) * (count // n)] for r, x in enumerate(ins_through)] \
+                if collective == "reduce_scatter" else ins_through
+        VirtualHostRanks(n).run(through, ins_through, outs_through, None, None, None)
         for r in range(n):
+            want = expected[r].reshape(-1).view(np.uint32)
             got = np.asarray(in_place[r]).reshape(-1)
-            assert np.array_equal(got.view(np.uint32), expected[r].reshape(-1).view(np.uint32)), r
-            if collective not in ROOTED:
-                assert np.array_equal(out_of_place[r].view(np.uint32), expected[r].reshape(-1).view(np.uint32)), r
+            assert np.array_equal(got.view(np.uint32), want), r
+            if collective == "reduce" and r != n - 1:   # out of place, the other ranks' out are not written
+                continue
+            assert np.array_equal(out_of_place[r].view(np.uint32), want), r
+            assert np.array_equal(outs_through[r].view(np.uint32), want), r
 
 
 def test_overlapping_input_and_output_fall_back_to_the_workspace():

@@ -126,12 +126,24 @@ def test_ranks_sharing_memory(comm):
              "^out: the same array is given for local ranks 0 and 1", *xs, outs[0])
 
 
-def test_in_place_collectives_take_no_out(comm):
+def test_broadcast_and_reduce_check_out_as_the_others_do(comm):
     xs = arrays()
-    with pytest.raises(TypeError):
-        comm.broadcast(xs, out=xs)
-    with pytest.raises(TypeError):
-        comm.reduce(xs, out=xs)
+    wrong_size = [np.zeros(5, np.float32) for _ in range(3)]
+    rejected(lambda: comm.broadcast(xs, root=1, out=wrong_size), r"out\[0\] has 5 elements, expected 6",
+             *xs, *wrong_size)
+    wrong_dtype = [np.zeros(6, np.float64) for _ in range(3)]
+    rejected(lambda: comm.reduce(xs, root=2, out=wrong_dtype), "dtype float64, expected float32", *xs, *wrong_dtype)
+    outs = [np.zeros(6, np.float32) for _ in range(3)]
+    outs[1].setflags(write=False)
+    # A broadcast writes the root's out too; a reduce only the root's.
+    rejected(lambda: comm.broadcast(xs, root=1, out=outs), r"out\[1\] is read-only", *xs, *outs)
+    rejected(lambda: comm.reduce(xs, root=1, out=outs), r"out\[1\] is read-only", *xs, *outs)
+    results = comm.reduce(xs, root=0, out=outs)   # the read-only out is not written
+    assert all(r is o for r, o in zip(results, outs)) and (outs[0] == 6).all() and (outs[1] == 0).all()
+    # out=x is the call in place.
+    want = xs[2].copy()
+    results = comm.broadcast(xs, root=2, out=xs)
+    assert all(r is x and np.array_equal(x, want) for r, x in zip(results, xs))
 
 
 def test_device_array_without_device_support(comm):

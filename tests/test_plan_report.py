@@ -41,7 +41,8 @@ def test_the_floor_is_one_read_of_each_input_and_one_write_of_each_output():
     assert plan_report.floor_bytes("reduce_scatter", n, count, itemsize) == n * s + s
     assert plan_report.floor_bytes("allgather", n, count, itemsize) == s + n * s
     assert plan_report.floor_bytes("allgather", n, count, itemsize, in_place=True) == s + (n - 1) * s
-    assert plan_report.floor_bytes("broadcast", n, count, itemsize) == n * s
+    assert plan_report.floor_bytes("broadcast", n, count, itemsize) == s + n * s
+    assert plan_report.floor_bytes("broadcast", n, count, itemsize, in_place=True) == n * s   # the root's x is its output
     assert plan_report.floor_bytes("reduce", n, count, itemsize) == n * s + s
 
 
@@ -106,5 +107,10 @@ def test_calls_on_symmetric_memory_move_the_floor_and_staged_ones_add_their_copi
         assert symmetric["traffic_bytes"] == symmetric["floor_bytes"] and symmetric["launches_per_device"] == 3
         assert staged["traffic_bytes"] == symmetric["traffic_bytes"] + staged["workspace_copy_bytes"]
         assert staged["workspace_copy_bytes"] > 0 and staged["launches_per_device"] in (4, 5)
+    # A broadcast in place leaves out the root's copy to itself, in the share and in staging.
+    in_place = {r["binding"]: r for r in rows if r["collective"] == "broadcast" and r["binding"].endswith("in place")}
+    assert in_place["symmetric in place"]["traffic_bytes"] == in_place["symmetric in place"]["floor_bytes"]
+    out_of_place, = [r for r in rows if (r["collective"], r["binding"]) == ("broadcast", "staged")]
+    assert in_place["staged in place"]["workspace_copy_bytes"] < out_of_place["workspace_copy_bytes"]
     allreduce, = [r for r in rows if (r["collective"], r["binding"]) == ("allreduce", "staged")]
     assert allreduce["one_device_over_floor"] == 3   # 2 n S of share, and 4 S of copies per rank

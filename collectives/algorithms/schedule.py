@@ -177,11 +177,11 @@ class Schedule:
         return tuple(range(self.nchunks))
 
     def output_chunks(self, rank):
-        """The `result_buffer` chunks that form `rank`'s output, in order."""
+        """The `result_buffer` chunks that form `rank`'s output, in order.
+        A broadcast's root has an output too: its own input, copied where
+        the caller gives an `out` (binding.py leaves the copy out in place)."""
         if self.collective == REDUCE_SCATTER:
             return (rank,)
-        if self.collective == BROADCAST and rank == self.root:
-            return ()  # the root's buffer already holds what it sends
         if self.collective == REDUCE_TO_ROOT and rank != self.root:
             return ()  # only the root receives the reduction
         return tuple(range(self.nchunks))

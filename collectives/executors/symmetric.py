@@ -53,7 +53,7 @@ import numpy as np
 
 from .. import kernels
 from ..algorithms.schedule import ALLGATHER, BROADCAST, REDUCE_SCATTER, REDUCING_COLLECTIVES
-from ..binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP
+from ..binding import COPY_OP, IN_PLACE_BINDINGS, INPUT, OUTPUT, REDUCE_FINAL_OP
 from ..errors import InvalidUsageError
 from ..ops import ReduceOp
 from ..plan import SCRATCH, WORK
@@ -319,8 +319,8 @@ class SymmetricMemory:
         op = ReduceOp(plan.op) if reducing else ReduceOp.SUM
         block_bytes = plan.count // self.size * itemsize
         # A copy of a rank's data onto itself is left out (in place).
-        in_place = plan.collective == BROADCAST or (
-            plan.collective == ALLGATHER and arrays.input_address == arrays.output_address + self.rank * block_bytes)
+        own_block = self.rank * block_bytes if plan.collective == ALLGATHER else 0
+        in_place = plan.collective in (BROADCAST, ALLGATHER) and arrays.input_address == arrays.output_address + own_block
         rows = share_rows(plan.collective, self.size, self.rank, plan.root, plan.count, itemsize,
                           REDUCE_FINAL_OP, in_place)
         addresses = [0] * (kernels.BUFFERS * self.size)
@@ -476,7 +476,8 @@ class StagedPath(Path):
 
     def _copies(self, plan):
         memory = self.memory
-        return staged_copies(plan.collective, memory.size, memory.rank, plan.root, plan.count, plan.dtype.itemsize)
+        return staged_copies(plan.collective, memory.size, memory.rank, plan.root, plan.count, plan.dtype.itemsize,
+                             plan.binding in IN_PLACE_BINDINGS)
 
     def _call(self, plan, deadline):
         memory = self.memory

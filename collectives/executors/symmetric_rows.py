@@ -81,18 +81,19 @@ def share_rows(collective, nranks, rank, root, count, itemsize, op_kind, in_plac
     return table
 
 
-def staged_copies(collective, nranks, rank, root, count, itemsize):
+def staged_copies(collective, nranks, rank, root, count, itemsize, in_place=True):
     """(copy in, copy out) of rank `rank`'s staged call, each (staging
     offset, bytes) or None: what the rank contributes and what it receives
-    (`count` is plan.count, as for share_rows)."""
+    (`count` is plan.count, as for share_rows; `in_place`: the caller's
+    output is its input, which a broadcast's root then need not receive)."""
     block = count // nranks * itemsize
     whole = count * itemsize
     if collective == ALLGATHER:
         return (rank * block, block), (0, whole)
     if collective == REDUCE_SCATTER:
         return (0, whole), (rank * block, block)
-    if collective == BROADCAST:   # the root's x is its own result
-        return ((0, whole), None) if rank == root else (None, (0, whole))
+    if collective == BROADCAST:   # in place, the root's x is its own result
+        return ((0, whole), None if in_place else (0, whole)) if rank == root else (None, (0, whole))
     if collective == REDUCE_TO_ROOT:   # the other ranks' x stays as it is
         return (0, whole), ((0, whole) if rank == root else None)
     return (0, whole), (0, whole)
@@ -105,13 +106,12 @@ def call_traffic(collective, nranks, root, count, itemsize, staged, in_place=Fal
     destinations (fan-out); a copy reads and writes its bytes."""
     traffic, launches = 0, 0
     for rank in range(nranks):
-        rows = share_rows(collective, nranks, rank, root, count, itemsize, REDUCE_FINAL_OP,
-                          in_place or collective == BROADCAST)
+        rows = share_rows(collective, nranks, rank, root, count, itemsize, REDUCE_FINAL_OP, in_place)
         if len(rows):
             rows, fanout = fan_out(rows)
             for group in rows[::fanout]:
                 traffic += int(group[COUNT]) * itemsize * (int(group[NSRC]) + fanout)
-        copies = [c for c in staged_copies(collective, nranks, rank, root, count, itemsize) if c] if staged else []
+        copies = [c for c in staged_copies(collective, nranks, rank, root, count, itemsize, in_place) if c] if staged else []
         traffic += sum(2 * nbytes for _, nbytes in copies)
         launches = max(launches, 3 + len(copies))
     return traffic, launches
