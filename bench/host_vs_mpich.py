@@ -231,7 +231,7 @@ def run_launch(args, world):
     for name in args.collective_list:
         spec = SPECS[name]
         if leader:
-            print(f"# {name} float32 {OP if spec.has_op else ''} {world.size} processes, -bind-to {binding}: "
+            print(f"# {name}, float32{f' {OP}' if spec.has_op else ''}, {world.size} processes, -bind-to {binding}: "
                   f"ours, MPICH (mpi4py), Gloo (torch.distributed), {args.rounds} rounds, alternating; "
                   f"median of rounds; CPU affinity per rank {affinity}", flush=True)
             print(HEADER, flush=True)

@@ -124,13 +124,14 @@ def write_against_libraries(shown, runs):
                 for size in sizes]
         lines += [*markdown(header, body), ""]
         measured = {name for m, name in columns}
-        lines += [f"No current run against {name}." for name in REFERENCES if name not in measured]
+        notes = [f"No current run against {name}." for name in REFERENCES if name not in measured]
         if not any(m.configuration[0] == "bench.host_vs_mpich" for m in mine):
-            lines.append(f"`bench.host_vs_mpich` has not measured {collective} yet.")
+            notes.append(f"`bench.host_vs_mpich` has not measured {collective} yet.")
         elif any(m.content.get("in_place_only") for m in mine):
-            lines.append(f"`bench.host_vs_mpich` measures {collective} in place only: our `{collective}` takes no "
+            notes.append(f"`bench.host_vs_mpich` measures {collective} in place only: our `{collective}` takes no "
                          "`out=` today, so its out-of-place cells are empty.")
-        lines += ["", *provenance(mine)]
+        lines += [*notes, ""] if notes else []
+        lines += provenance(mine)
     return lines
 
 
