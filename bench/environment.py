@@ -14,8 +14,10 @@ from bench.backends import GLOO, MPI_BACKEND
 # The launcher and its flags, as the relaunching process ran them (the
 # ranks themselves cannot see `-bind-to core`, say).
 LAUNCHER_COMMAND = "COLLECTIVES_BENCH_LAUNCHER"
+# The -bind-to a relaunching benchmark passed mpiexec, for its ranks' record.
+BIND_TO = "COLLECTIVES_BENCH_BIND_TO"
 # The benchmarks' own variables, not the library's settings.
-_BENCH_VARIABLES = frozenset({LAUNCHER_COMMAND, "COLLECTIVES_BENCH_RELAUNCHED"})
+_BENCH_VARIABLES = frozenset({LAUNCHER_COMMAND, BIND_TO, "COLLECTIVES_BENCH_RELAUNCHED"})
 
 
 def module_name():

@@ -337,9 +337,10 @@ def max_relative_error(got, ref, chunk=1 << 22):
     return float(worst / scale)
 
 
-def measure(backends, spec, args, nbytes, world, progress=None, seeded=None):
-    """Per backend, for one size, out of place then in place: a dict of
-    seconds, wrong and maxrel.
+def measure(backends, spec, args, nbytes, world, progress=None, seeded=None, placements=(False, True)):
+    """Per backend, for one size, out of place then in place (`placements`:
+    in_place flags, in order; e.g. (True,) for in place only): a dict of
+    seconds, rounds (each round's seconds), wrong and maxrel.
 
     Seconds: the median over --rounds rounds; in each round every backend
     runs one timed batch of -n iterations in turn, so that the machine's
@@ -352,7 +353,7 @@ def measure(backends, spec, args, nbytes, world, progress=None, seeded=None):
     before each batch.
     """
     rows = [[] for _ in backends]
-    for in_place in (False, True):
+    for in_place in placements:
         shared = {}  # backends on the same ranks (algorithms, codecs of one communicator) share their buffers
         buffers = []
         for backend in backends:
@@ -383,7 +384,7 @@ def measure(backends, spec, args, nbytes, world, progress=None, seeded=None):
                 maxrel = error_check(backend, spec, args, nbytes, in_place, seeded)
                 if world is not None:  # not MPI's MAX: NaN must win
                     maxrel = float(np.max(world.allgather(maxrel)))
-            row.append({"seconds": statistics.median(times), "wrong": wrong, "maxrel": maxrel})
+            row.append({"seconds": statistics.median(times), "rounds": times, "wrong": wrong, "maxrel": maxrel})
     return rows
 
 

@@ -1,80 +1,83 @@
-"""Allreduce float32 sum: our host ranks against MPICH, one rank per process.
+"""Every collective on host ranks, one rank per process: ours against MPICH and Gloo.
 
-    python -m bench.host_vs_mpich --ranks 2,4
+    python -m bench.host_vs_mpich --ranks 2,4 [-J FILE]
 
 For each process count in --ranks this launches MPICH's mpiexec (the one
-beside this Python) with `-bind-to BIND -n N`, and every process runs both
-libraries on its own buffers:
+beside this Python) with `-bind-to BIND -n N`, and every process runs the
+five collectives (allreduce, reduce_scatter, allgather, broadcast, reduce;
+float32, sum, root 0) with three libraries on its own buffers:
 
-    ours    comm = collectives.init();  comm.allreduce(x, out=y)  and  comm.allreduce(x)
-    MPICH   MPI.COMM_WORLD.Allreduce(x, y)  and  Allreduce(MPI.IN_PLACE, x)   (mpi4py)
+    ours    comm = collectives.init();  comm.allreduce(x, out=y), ...
+    MPICH   MPI.COMM_WORLD.Allreduce(x, y), ...  (mpi4py)
+    Gloo    torch.distributed with the gloo backend on CPU tensors, its
+            TCP store on 127.0.0.1 at a port rank 0 picks and MPI broadcasts
 
-Method, per size and placement (out of place, then in place):
-  * check: one call of each library on fresh inputs (rank r's element i is
-    (i mod 3) + r + 1); every element of every rank's result must equal the
-    exact sum, else the size is reported WRONG and the run exits 1;
-  * iterations: each library is warmed up by batches of 1, 2, 4, ... calls
-    until a batch takes a quarter of --budget; its batches then make
-    budget / (least time per call of those) calls, within [--min-iters,
-    --max-iters], the same count on every rank (small sizes get thousands
-    of calls, 64 MiB a few);
-  * batches: --batches rounds of (ours, MPICH), alternating in the same
-    processes, so the machine's noise hits both alike. A batch starts with
-    the library's barrier and ends with it; the barrier is outside the
-    per-call times but inside the batch's mean. Every call is timed on every
-    rank; a call's time is its slowest rank's, a batch's median is the
-    median of its calls' times, and the table shows the median of the batch
-    medians. In place, the timed buffers hold zeros (repeated in-place sums
-    of the check data would overflow to inf); out of place they hold the
-    check data.
+It is a spec over the benchmark harness (bench/harness.py), the one the
+per-collective tools (bench/<collective>_perf.py) run on, with their specs:
+the same inputs, checks, alternation and timing, the three libraries as the
+harness's backends ours, mpi and gloo. What this tool adds: every
+collective in one launch per process count, calls per batch that follow the
+size, the ratios, the noise on the machine, and one JSON for bench.report.
 
-The table: size, then per placement ours µs, MPICH µs and MPICH/ours (above
-1: ours is faster). The JSON (written where -J says; the committed runs are
-under bench/results/) has the machine, the exact command, each launch's
-mpiexec line and every rank's CPU affinity, and every batch of every size.
+Method, per collective, size and placement:
+  * calls per batch: --batch-bytes / size, within [--min-iters, --max-iters]
+    (16 MiB a batch: 200 calls of 16 KiB, 16 of 1 MiB, 2 of 64 MiB), after
+    -w untimed calls of each library;
+  * rounds: --rounds rounds of (ours, MPICH, Gloo), alternating in the same
+    processes, so the machine's noise hits the three alike. A batch starts
+    and ends with its library's barrier; its time per call is its slowest
+    rank's mean. The table shows the median over rounds;
+  * check: after the rounds, one call of each library on fresh inputs (the
+    spec's closed form); every element of every rank's result must match it
+    bit for bit, else the size is reported WRONG and the run exits 1.
+  * placements: out of place and in place where the library's call takes
+    out=; broadcast and reduce take none today, so they are measured in
+    place only and their out-of-place cells stay empty (timing a copy plus
+    the in-place call would measure something no user calls).
+
+The table: per collective and size, per placement, the time per call of
+ours, MPICH and Gloo (µs) and MPICH/ours and Gloo/ours (above 1: ours is
+faster). The JSON (written only where -J says; the committed runs are under
+bench/results/, digested by python -m bench.report) has the machine, the
+library versions, the commit, the exact command, each launch's mpiexec line
+and every rank's CPU affinity, and every round's time.
 
 Noise: the other processes on the machine are the largest error. Each
-run records how many cores other processes kept busy meanwhile
+collective's run records how many cores other processes kept busy meanwhile
 (other_processes_cores, from /proc) and says so when it is a quarter of a
-core or more; alternating batches keeps that noise from favouring either
-library, but not from moving both. Where the median and the mean time per
-call rank the libraries differently at some size, the run says so too.
+core or more; alternating keeps that noise from favouring one library, but
+not from moving all three.
 
 Pinning (--bind-to, passed to mpiexec as -bind-to). `core` puts rank r on
 core r mod cores: 4 processes on 2 cores stack ranks 0,2 on core 0 and 1,3 on
 core 1; `none` leaves placement to the kernel; `user:0,0,1,1` (hydra's
-syntax) stacks ranks 0,1 and 2,3. The default, `auto`, is `core` while every
-process has a core (processes <= os.cpu_count(), the library's own test for
-oversubscription) and `none` beyond. On the 2-core machine, 4 processes,
-back to back, before the compiled loop (bench/results/
+syntax) stacks ranks 0,1 and 2,3. MPICH's hydra needs no flag to run more
+processes than cores; its waits yield every MPIR_CVAR_POLLS_BEFORE_YIELD
+(1000) polls, ours spin less when the processes outnumber the cores, then
+yield, then sleep on a futex (collectives/transport/shm_waits.h), Gloo's
+block in the kernel. The default, `auto`, is `core` while every process has
+a core (processes <= os.cpu_count(), the library's own test for
+oversubscription) and `none` beyond. On the 2-core machine, 4 processes
+of allreduce, back to back, before the compiled loop (bench/results/
 host_vs_mpich_4proc_bind_{none,core}.json; µs, ours / MPICH, out of place):
 
     4 processes     4 B           16 KiB        1 MiB          64 MiB
     -bind-to none   209 / 14      864 / 101     3342 / 1885    106382 / 151256
     -bind-to core   3333 / 2343   2302 / 2179   6780 / 7509    136759 / 194477
 
-Pinned, two ranks that share a core wait for each other's time slice (both
-libraries poll, then yield): a small call costs milliseconds, for MPICH as
-for ours, and MPICH loses more than ours, so pinning 4 processes flatters
-ours. Unpinned, the kernel runs whichever rank is ready on whichever core is
-free: small messages got 3x to 16x (ours) and 20x to 170x (MPICH) faster,
-and no size more than 6% slower (ours at 256 KiB). user:0,0,1,1 measured
-like core. When other processes hold a core (1 core or more busy), 4 ranks
-on what is left take a time slice per small call (~2.8 ms) however they are
-placed, and pinning made no consistent difference. With 2 processes, `core`
-was never slower, and under such load unpinned ranks were (ours 171 µs a
-small call against 31 µs pinned, before the compiled loop; MPICH unmoved).
-Each run records every rank's CPU affinity.
+Pinned, two ranks that share a core wait for each other's time slice: a
+small call costs milliseconds, for MPICH as for ours. Unpinned, the kernel
+runs whichever rank is ready on whichever core is free. Each run records
+every rank's CPU affinity.
 
 Under mpiexec already (`mpiexec -n 4 python -m bench.host_vs_mpich`) it runs
 once on those processes and rank 0 prints and writes the same report.
 """
 
 import argparse
+import inspect
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,19 +88,27 @@ from pathlib import Path
 import numpy as np
 
 import collectives
-from bench import cli
-from bench.all_reduce_perf import expected, fill
-from bench.environment import LAUNCHER_COMMAND, environment
-from bench.harness import bind_to, count_wrong, find_mpiexec, mpi_world
+from bench import cli, harness
+from bench.all_gather_perf import ALLGATHER
+from bench.all_reduce_perf import ALLREDUCE
+from bench.backends import GLOO, MPI_BACKEND, OURS, make_backends
+from bench.broadcast_perf import BROADCAST
+from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment
+from bench.reduce_perf import REDUCE
+from bench.reduce_scatter_perf import REDUCE_SCATTER
+from bench.report_runs import size_label
 
-OURS, MPICH = "ours", "mpich"
-BACKENDS = (OURS, MPICH)
+SPECS = {spec.name: spec for spec in (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE)}
+# The harness's backends, and the names the JSON (and bench.report) gives the libraries.
+LIBRARIES = {OURS: "ours", MPI_BACKEND: "mpich", GLOO: "gloo"}
+OTHERS = ("mpich", "gloo")
 PLACEMENTS = ("out_of_place", "in_place")
-SIZES = "4,1K,16K,256K,1M,4M,16M,64M"
-QUICK_SIZES = "4,64K"
+SIZES = "1K,16K,256K,1M,4M,16M,64M"
+QUICK_SIZES = "1K,64K"
 MODULE = "bench.host_vs_mpich"
-DTYPE = np.float32
-OP = "sum"
+DTYPE, OP, ROOT = "float", "sum", 0
+DEFAULTS = {"rounds": 5, "batch_bytes": "16M", "min_iters": 2, "max_iters": 200, "warmup": 2}
+QUICK = {"rounds": 2, "batch_bytes": "64K", "min_iters": 1, "max_iters": 5, "warmup": 1}
 
 
 def parse_args(argv=None):
@@ -105,192 +116,162 @@ def parse_args(argv=None):
                    epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--ranks", default="2,4",
                    help="process counts, comma-separated: one mpiexec launch each (ignored under mpiexec)")
+    p.add_argument("--collectives", default=",".join(SPECS),
+                   help=f"comma-separated, from {', '.join(SPECS)}")
     p.add_argument("--sizes", default=None, type=cli.sizes,
-                   help=f"message sizes in bytes per rank, comma-separated, suffixes K M G (default {SIZES}; "
-                        f"--quick: {QUICK_SIZES})")
+                   help=f"message sizes in bytes, comma-separated, suffixes K M G, as the <collective>_perf tools "
+                        f"count them (default {SIZES}; --quick: {QUICK_SIZES})")
     p.add_argument("--bind-to", default="auto",
                    help="mpiexec's -bind-to: auto (the default: core while the processes have a core each, "
                         "none beyond), core (rank r on core r mod cores), none, hwthread, or hydra's "
                         "user:C0,C1,... (ignored under mpiexec)")
-    p.add_argument("--batches", type=int, default=None,
-                   help="timed batches per library, per size and placement, alternating (default 10; --quick 2)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds a batch aims at; the calls per batch follow from it (default 0.1; --quick 0.005)")
-    p.add_argument("--min-iters", type=int, default=None, help="calls per batch at least (default 5; --quick 2)")
-    p.add_argument("--max-iters", type=int, default=None, help="calls per batch at most (default 20000; --quick 200)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke run: sizes {QUICK_SIZES}, 2 tiny batches")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"timed rounds of (ours, MPICH, Gloo) per size and placement; the time is their median "
+                        f"(default {DEFAULTS['rounds']}; --quick {QUICK['rounds']})")
+    p.add_argument("--batch-bytes", default=None, type=cli.size,
+                   help=f"bytes a timed batch moves: its calls are this over the size (default "
+                        f"{DEFAULTS['batch_bytes']}; --quick {QUICK['batch_bytes']})")
+    p.add_argument("--min-iters", type=int, default=None,
+                   help=f"calls per batch at least (default {DEFAULTS['min_iters']}; --quick {QUICK['min_iters']})")
+    p.add_argument("--max-iters", type=int, default=None,
+                   help=f"calls per batch at most (default {DEFAULTS['max_iters']}; --quick {QUICK['max_iters']})")
+    p.add_argument("-w", "--warmup", type=int, default=None,
+                   help=f"untimed calls of each library per size and placement first (default "
+                        f"{DEFAULTS['warmup']}; --quick {QUICK['warmup']})")
+    p.add_argument("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 2 rounds of a few calls")
     p.add_argument("-J", "--output_file", default=None, help="write the JSON report here (default: no file)")
     p.add_argument("--timeout", type=float, default=None, help="our communicator's timeout in seconds")
     p.add_argument("--worker-output", default=None, help=argparse.SUPPRESS)  # a launch's rank 0 writes its run here
     args = p.parse_args(argv)
-    quick = args.quick
-    defaults = {"sizes": QUICK_SIZES if quick else SIZES, "batches": 2 if quick else 10,
-                "budget": 0.005 if quick else 0.1, "min_iters": 2 if quick else 5,
-                "max_iters": 200 if quick else 20000}
-    for name, value in defaults.items():
+    for name, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.sizes is None:
+        args.sizes = QUICK_SIZES if args.quick else SIZES
+    args.batch_bytes = cli.parse_size(args.batch_bytes)
     try:
         args.size_list = [cli.parse_size(s) for s in args.sizes.split(",") if s.strip()]
         args.rank_list = [int(r) for r in args.ranks.split(",") if r.strip()]
     except ValueError as error:
         p.error(f"--sizes and --ranks are comma-separated numbers: {error}")
-    itemsize = np.dtype(DTYPE).itemsize
-    if not args.size_list or any(s < itemsize or s % itemsize for s in args.size_list):
-        p.error(f"--sizes: each a positive multiple of {itemsize} B (float32)")
+    args.collective_list = [c.strip() for c in args.collectives.split(",") if c.strip()]
+    unknown = sorted(set(args.collective_list) - set(SPECS))
+    if unknown or not args.collective_list:
+        p.error(f"--collectives: unknown {unknown}; choose from {', '.join(SPECS)}")
+    if not args.size_list or any(s < 4 or s % 4 for s in args.size_list):
+        p.error("--sizes: each a positive multiple of 4 B (float32)")
     if not args.rank_list or any(r < 2 for r in args.rank_list):
         p.error("--ranks: process counts of at least 2")
-    if args.batches < 1 or args.budget <= 0 or not 1 <= args.min_iters <= args.max_iters:
-        p.error("need --batches >= 1, --budget > 0 and 1 <= --min-iters <= --max-iters")
+    if args.rounds < 1 or args.batch_bytes < 1 or args.warmup < 0 or not 1 <= args.min_iters <= args.max_iters:
+        p.error("need --rounds >= 1, --batch-bytes >= 1, -w >= 0 and 1 <= --min-iters <= --max-iters")
     return args
 
 
-def size_label(nbytes):
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
+def placements(spec):
+    """The placements our library offers for the collective: out of place
+    only where its call takes out= (broadcast and reduce do not, today)."""
+    takes_out = "out" in inspect.signature(getattr(collectives.Communicator, spec.name)).parameters
+    return PLACEMENTS if takes_out else ("in_place",)
+
+
+def calls_per_batch(nbytes, args):
+    return max(args.min_iters, min(args.max_iters, args.batch_bytes // nbytes))
+
+
+def harness_args(spec, args):
+    """The harness's own flags for this spec (its parser fills every default)."""
+    argv = ["--backend", ",".join(LIBRARIES), "-d", DTYPE, "-o", OP, "-r", str(ROOT), "-w", str(args.warmup),
+            "--rounds", str(args.rounds), "-e", str(max(args.size_list)), "-q"]
+    if args.timeout is not None:
+        argv += ["--timeout", repr(args.timeout)]
+    return harness.parse_args(spec, argv)
 
 
 # -- one launch: every rank runs this --------------------------------------------------
 
-class Libraries:
-    """The two libraries on this process's rank: a call of each, on buffers it owns."""
-
-    def __init__(self, world, timeout):
-        from mpi4py import MPI
-        self.MPI, self.world = MPI, world
-        self.ours = collectives.init(timeout=timeout)   # MPI.COMM_WORLD's processes, as a user writes it
-        self.rank, self.nranks = world.rank, world.size
-
-    def buffers(self, count, placement, data):
-        """(x, y): y is None in place. data: "check" (the closed-form inputs) or "zeros"."""
-        x = fill(DTYPE, OP, self.nranks, self.rank, count) if data == "check" else np.zeros(count, DTYPE)
-        y = np.zeros(count, DTYPE) if placement == "out_of_place" else None  # zeros: its pages touched now
-        return x, y
-
-    def call(self, backend, x, y):
-        """A call of no arguments: the library's allreduce, sum, of x into y (in place: into x)."""
-        if backend == OURS:
-            comm = self.ours
-            if y is None:
-                return lambda: comm.allreduce(x)
-            return lambda: comm.allreduce(x, out=y)
-        world, MPI, SUM = self.world, self.MPI, self.MPI.SUM
-        if y is None:
-            return lambda: world.Allreduce(MPI.IN_PLACE, x, op=SUM)
-        return lambda: world.Allreduce(x, y, op=SUM)
-
-    def barrier(self, backend):
-        return self.ours.barrier if backend == OURS else self.world.Barrier
-
-    def max_over_ranks(self, value):
-        return self.world.allreduce(value, op=self.MPI.MAX)
-
-    def close(self):
-        self.ours.close()
+def measure_collective(spec, args, world):
+    """Every rank: one collective over the sizes. Rank 0 returns its rows (else None)."""
+    hargs = harness_args(spec, args)
+    backends = make_backends(list(LIBRARIES), spec, hargs, world)
+    ours = backends[0]
+    places = placements(spec)
+    nranks, itemsize, rows = world.size, hargs.dtype.itemsize, []
+    try:
+        for nbytes in args.size_list:
+            if spec.param_count(nbytes, itemsize, nranks) == 0:
+                continue   # less than one element per rank
+            hargs.iters = calls_per_batch(nbytes, args)
+            measured = harness.measure(backends, spec, hargs, nbytes, world,
+                                       placements=[place == "in_place" for place in places])
+            in_count, _ = spec.counts(nbytes, itemsize, nranks)
+            picked = harness.picked_algorithm(ours, spec, hargs, in_count)
+            row = {"size": spec.bytes_moved(nbytes, itemsize, nranks),
+                   "count": spec.param_count(nbytes, itemsize, nranks),
+                   "iters": hargs.iters, "algorithm": picked.algorithm, "path": picked.path}
+            for i, place in enumerate(places):
+                row[place] = {LIBRARIES[b.name]: {"time_us": m[i]["seconds"] * 1e6, "wrong": m[i]["wrong"],
+                                                  "rounds_us": [s * 1e6 for s in m[i]["rounds"]]}
+                              for b, m in zip(backends, measured)}
+            rows.append(row)
+            if world.rank == 0:
+                print(format_row(row), flush=True)
+    finally:
+        for backend in backends:
+            backend.close()
+    return rows
 
 
-def check(libs, backend, placement, count):
-    """Wrong elements over every rank after one call on fresh check inputs."""
-    x, y = libs.buffers(count, placement, "check")
-    libs.call(backend, x, y)()
-    result = x if y is None else y
-    wrong = count_wrong(result, expected(DTYPE, OP, libs.nranks, libs.rank, count))
-    return libs.world.allreduce(wrong)
+def run_launch(args, world):
+    """Every rank: every collective. Rank 0 returns the runs, one per collective (else None)."""
+    leader = world.rank == 0
+    affinity = world.gather(sorted(os.sched_getaffinity(0)), root=0)
+    pids = world.gather(os.getpid(), root=0)
+    binding = os.environ.get(BIND_TO, "as launched")
+    runs = []
+    for name in args.collective_list:
+        spec = SPECS[name]
+        if leader:
+            print(f"# {name}, float32{f' {OP}' if spec.has_op else ''}, {world.size} processes, -bind-to {binding}: "
+                  f"ours, MPICH (mpi4py), Gloo (torch.distributed), {args.rounds} rounds, alternating; "
+                  f"median of rounds; CPU affinity per rank {affinity}", flush=True)
+            print(HEADER, flush=True)
+        load_before = os.getloadavg()
+        cpu_before = cpu_ticks(pids) if leader else None
+        rows = measure_collective(spec, args, world)
+        cpu_after = cpu_ticks(pids) if leader else None
+        if not leader:
+            continue
+        env = environment(argparse.Namespace(device="host"), world.size, list(LIBRARIES))
+        launch = env.pop("command").split(" --worker-output ")[0]  # the report's own temporary file
+        runs.append({"collective": name, "processes": world.size, "bind_to": binding, "affinity": affinity,
+                     "placements": list(placements(spec)), "launch": launch, "environment": env,
+                     "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+                     "other_processes_cores": other_processes_cores(cpu_before, cpu_after), "rows": rows})
+    return runs if leader else None
 
 
-def iterations(libs, call, barrier, args):
-    """Warm-up, and the calls a batch makes: batches of 1, 2, 4, ... calls
-    until one takes budget / 4 (the slowest rank's), then budget over the
-    time per call, the least any of these batches took: one stalled batch
-    (another process had the core) would otherwise leave every batch of
-    this size a few calls. Every rank reaches the same number (the times are
-    agreed through MPI)."""
-    k, per_call = 1, math.inf
-    while True:
-        barrier()
-        start = time.perf_counter()
-        for _ in range(k):
-            call()
-        barrier()
-        took = libs.max_over_ranks(time.perf_counter() - start)
-        per_call = min(per_call, took / k)
-        if took >= args.budget / 4 or k >= args.max_iters:
-            break
-        k *= 2
-    return max(args.min_iters, min(args.max_iters, math.ceil(args.budget / max(per_call, 1e-9))))
+COLUMNS = "   ours µs  MPICH µs   Gloo µs  MPICH/ours   Gloo/ours"   # a placement's cells, as format_row writes them
+HEADER = f"#{'':9s}{' out of place ':-^{len(COLUMNS)}s}{' in place ':-^{len(COLUMNS)}s}\n#     size{COLUMNS}{COLUMNS}"
 
 
-def timed_batch(libs, call, barrier, iters):
-    """One batch of `iters` calls, every call timed on every rank: the median
-    over calls of the slowest rank's time, the slowest rank's mean including
-    the closing barrier, and each rank's own median (µs)."""
-    stamps = np.empty(iters + 1)
-    clock = time.perf_counter
-    barrier()
-    for i in range(iters):
-        stamps[i] = clock()
-        call()
-    stamps[iters] = clock()
-    barrier()
-    mean = (clock() - stamps[0]) / iters
-    every = libs.world.gather(np.diff(stamps), root=0)
-    mean = libs.max_over_ranks(mean)
-    if libs.rank != 0:
+def ratio(row, placement, other):
+    times = row.get(placement)
+    if not times:
         return None
-    every = np.stack(every)
-    slowest = every.max(axis=0)
-    return {"iters": iters, "median_us": float(np.median(slowest)) * 1e6, "mean_us": mean * 1e6,
-            "p90_us": float(np.percentile(slowest, 90)) * 1e6,
-            "rank_median_us": [float(m) * 1e6 for m in np.median(every, axis=1)]}
-
-
-def measure_size(libs, nbytes, args):
-    """One row: per placement, per library, its check, calls per batch, batches and median."""
-    count = nbytes // np.dtype(DTYPE).itemsize
-    row = {"size": nbytes, "count": count}
-    for placement in PLACEMENTS:
-        wrong = {b: check(libs, b, placement, count) for b in BACKENDS}
-        data = "zeros" if placement == "in_place" else "check"
-        calls, barriers, iters, batches = {}, {}, {}, {b: [] for b in BACKENDS}
-        held = []
-        for b in BACKENDS:
-            x, y = libs.buffers(count, placement, data)
-            held.append((x, y))
-            calls[b], barriers[b] = libs.call(b, x, y), libs.barrier(b)
-            iters[b] = iterations(libs, calls[b], barriers[b], args)
-        for _ in range(args.batches):
-            for b in BACKENDS:  # ours, MPICH, ours, MPICH, ...
-                batches[b].append(timed_batch(libs, calls[b], barriers[b], iters[b]))
-        del held
-        if libs.rank == 0:
-            row[placement] = {
-                b: {"time_us": statistics.median(s["median_us"] for s in batches[b]),
-                    "mean_us": statistics.median(s["mean_us"] for s in batches[b]),
-                    "iters": iters[b], "wrong": wrong[b], "batches": batches[b]}
-                for b in BACKENDS}
-    return row
-
-
-HEADER = ("#             -------------- out of place ---------------  ---------------- in place -----------------\n"
-          "#     size    ours (µs)   MPICH (µs)  MPICH/ours           ours (µs)   MPICH (µs)  MPICH/ours")
-
-
-def ratio(row, placement):
-    r = row[placement]
-    return r[MPICH]["time_us"] / r[OURS]["time_us"]
+    return times[other]["time_us"] / times["ours"]["time_us"]
 
 
 def format_row(row):
     cells = f"{size_label(row['size']):>10s}"
     for placement in PLACEMENTS:
-        r = row[placement]
-        cells += f"  {r[OURS]['time_us']:11.1f}  {r[MPICH]['time_us']:11.1f}  {ratio(row, placement):9.2f}x"
-        wrong = r[OURS]["wrong"] + r[MPICH]["wrong"]
-        cells += f" {'WRONG' if wrong else '':>7s}"
-    return cells
+        times = row.get(placement)
+        if not times:
+            cells += f"{'(in place only)':>{len(COLUMNS)}s}"
+            continue
+        cells += "".join(f"  {times[lib]['time_us']:8.1f}" for lib in ("ours", *OTHERS))
+        cells += "".join(f"  {ratio(row, placement, lib):9.2f}x" for lib in OTHERS)
+    wrong = any(m["wrong"] for p in PLACEMENTS for m in row.get(p, {}).values())
+    return cells + ("  WRONG" if wrong else "")
 
 
 def cpu_ticks(pids):
@@ -320,80 +301,36 @@ def other_processes_cores(before, after):
     return max(0.0, others / hz / (after[0] - before[0]))
 
 
-def run_launch(args, world):
-    """Every rank: the whole sweep. Rank 0 returns the run (else None)."""
-    libs = Libraries(world, args.timeout)
-    leader = libs.rank == 0
-    affinity = world.gather(sorted(os.sched_getaffinity(0)), root=0)
-    if leader:
-        binding = os.environ.get("COLLECTIVES_BIND_TO", "as launched")
-        print(f"# allreduce float32 sum, {libs.nranks} processes, -bind-to {binding}: ours (collectives.init) and "
-              f"MPICH (mpi4py), {args.batches} batches each, alternating, ~{args.budget * 1e3:g} ms a batch; "
-              "median of batch medians", flush=True)
-        print(f"# CPU affinity per rank: {affinity}", flush=True)
-        print(HEADER, flush=True)
-    load_before = os.getloadavg()
-    pids = world.gather(os.getpid(), root=0)
-    cpu_before = cpu_ticks(pids) if leader else None
-    rows = []
-    for nbytes in args.size_list:
-        row = measure_size(libs, nbytes, args)
-        if leader:
-            rows.append(row)
-            print(format_row(row), flush=True)
-    cpu_after = cpu_ticks(pids) if leader else None   # before close: every rank is still there
-    libs.close()
-    if not leader:
-        return None
-    env = environment(argparse.Namespace(device="host"), libs.nranks, list(BACKENDS))
-    launch = env.pop("command").split(" --worker-output ")[0]  # the report's own temporary file
-    return {"processes": libs.nranks, "bind_to": os.environ.get("COLLECTIVES_BIND_TO", "as launched"),
-            "affinity": affinity,
-            "launch": launch, "environment": env,
-            "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-            "other_processes_cores": other_processes_cores(cpu_before, cpu_after), "rows": rows}
-
-
 # -- the report --------------------------------------------------------------------------
 
-def busy_note(run):
-    """A warning when other processes kept the machine's cores busy during
-    the run (a quarter of a core or more, on average), or None."""
-    others = run.get("other_processes_cores")
-    if others is None or others < 0.25:
-        return None
-    return (f"other processes kept {others:.1f} of the {run['environment'].get('cores')} cores busy during the "
-            "run: the times are noisier than on an idle machine (other_processes_cores in the JSON)")
-
-
 def verdict(run):
-    """Sizes where MPICH was at least as fast as ours, per placement."""
-    slower = {p: [size_label(r["size"]) for r in run["rows"] if ratio(r, p) <= 1] for p in PLACEMENTS}
+    """Sizes where another library was at least as fast as ours, per library
+    and placement; and the sizes with wrong results."""
+    slower = {(lib, p): [size_label(r["size"]) for r in run["rows"] if p in r and ratio(r, p, lib) <= 1]
+              for lib in OTHERS for p in run["placements"]}
     wrong = [size_label(r["size"]) for r in run["rows"]
-             if any(r[p][b]["wrong"] for p in PLACEMENTS for b in BACKENDS)]
+             if any(m["wrong"] for p in run["placements"] for m in r[p].values())]
     return slower, wrong
 
 
 def summary_lines(run):
     slower, wrong = verdict(run)
-    n = run["processes"]
+    where = f"# {run['collective']}, {run['processes']} processes:"
     lines = []
-    busy = busy_note(run)
-    if busy:
-        lines.append(f"# {n} processes: {busy}")
-    if not any(slower.values()):
-        lines.append(f"# {n} processes: ours faster than MPICH at every size, out of place and in place")
-    else:
-        lines.append(f"# {n} processes: ours NOT faster at every size; MPICH as fast or faster at: "
-                     f"out of place {', '.join(slower['out_of_place']) or '-'}; "
-                     f"in place {', '.join(slower['in_place']) or '-'}")
-    split = [f"{size_label(r['size'])} {p.replace('_', ' ')}" for r in run["rows"] for p in PLACEMENTS
-             if (ratio(r, p) > 1) != (r[p][MPICH]["mean_us"] > r[p][OURS]["mean_us"])]
-    if split:  # e.g. ranks sharing a core: half the calls wait a time slice, the median lands on either side
-        lines.append(f"# {n} processes: the mean time per call (mean_us in the JSON) ranks the libraries the other "
-                     f"way at {', '.join(split)}")
-    lines.append(f"# {n} processes: " + (f"WRONG results at {', '.join(wrong)}" if wrong else
-                                         "every element of every result equals the expected sum (both libraries)"))
+    others = run.get("other_processes_cores")
+    if others is not None and others >= 0.25:
+        lines.append(f"{where} other processes kept {others:.1f} of the {run['environment'].get('cores')} cores "
+                     "busy: the times are noisier than on an idle machine (other_processes_cores in the JSON)")
+    if len(run["placements"]) == 1:
+        lines.append(f"{where} in place only (our {run['collective']} takes no out=)")
+    for lib in OTHERS:
+        lost = [f"{p.replace('_', ' ')} {', '.join(sizes)}" for (other, p), sizes in slower.items()
+                if other == lib and sizes]
+        name = {"mpich": "MPICH", "gloo": "Gloo"}[lib]
+        lines.append(f"{where} " + (f"{name} as fast or faster at {'; '.join(lost)}" if lost
+                                    else f"ours faster than {name} at every size"))
+    lines.append(f"{where} " + (f"WRONG results at {', '.join(wrong)}" if wrong else
+                                "every element of every result as expected (three libraries)"))
     return lines
 
 
@@ -402,19 +339,19 @@ def write_report(args, runs, command):
         return
     machine = {k: v for k, v in runs[0]["environment"].items() if k not in ("ranks", "processes", "backends")}
     report = {
-        "benchmark": "allreduce float32 sum, ours (collectives.init host ranks) vs MPICH (mpi4py), "
-                     "one rank per process",
+        "benchmark": "allreduce, reduce_scatter, allgather, broadcast, reduce on float32 (sum, root 0): ours "
+                     "(collectives.init host ranks) vs MPICH (mpi4py) and Gloo (torch.distributed), one rank "
+                     "per process",
         "command": command,
         "python_executable": os.path.basename(sys.executable),
         "machine": machine,
-        "method": {"sizes": args.size_list, "batches": args.batches, "budget_seconds": args.budget,
-                   "min_iters": args.min_iters, "max_iters": args.max_iters, "bind_to": args.bind_to,
-                   "time_us": "median over batches of the batch median; a batch median is the median over its "
-                              "calls of the slowest rank's time for that call",
-                   "mean_us": "median over batches of the slowest rank's batch time (closing barrier included) "
-                              "over its calls",
-                   "in_place_data": "zeros (the check runs on (i mod 3) + rank + 1 first)",
-                   "out_of_place_data": "(i mod 3) + rank + 1"},
+        "method": {"collectives": args.collective_list, "sizes": args.size_list, "rounds": args.rounds,
+                   "batch_bytes": args.batch_bytes, "min_iters": args.min_iters, "max_iters": args.max_iters,
+                   "warmup": args.warmup, "bind_to": args.bind_to,
+                   "time_us": "median over rounds of the batch's time per call: its slowest rank's time for the "
+                              "batch (barriers at both ends included) over its calls",
+                   "placements": "out of place and in place where our call takes out=; else in place only",
+                   "data": "the <collective>_perf specs' closed-form inputs, checked bit for bit after the rounds"},
         "runs": runs,
     }
     path = Path(args.output_file)
@@ -424,15 +361,15 @@ def write_report(args, runs, command):
 
 
 def launch(args, nranks, argv_run):
-    """Run one mpiexec launch of `nranks` processes; its run, or None if it failed."""
-    mpiexec = find_mpiexec()
-    binding = bind_to(args.bind_to, nranks)
+    """Run one mpiexec launch of `nranks` processes; its runs, or None if it failed."""
+    mpiexec = harness.find_mpiexec()
+    binding = harness.bind_to(args.bind_to, nranks)
     flags = ["-bind-to", binding]
     fd, out = tempfile.mkstemp(prefix="host_vs_mpich_", suffix=".json")
     os.close(fd)
     command = [mpiexec, *flags, "-n", str(nranks), sys.executable, "-m", MODULE, *argv_run, "--worker-output", out]
-    env = dict(os.environ, COLLECTIVES_BIND_TO=binding,
-               **{LAUNCHER_COMMAND: " ".join(["mpiexec", *flags, "-n", str(nranks)])})
+    env = dict(os.environ, **{BIND_TO: binding,
+                              LAUNCHER_COMMAND: " ".join(["mpiexec", *flags, "-n", str(nranks)])})
     try:
         code = subprocess.call(command, env=env)
         if code != 0:
@@ -446,8 +383,9 @@ def launch(args, nranks, argv_run):
 
 def worker_argv(args):
     """The options every launch's ranks run with (explicit, so the JSON says what ran)."""
-    argv = ["--sizes", ",".join(str(s) for s in args.size_list), "--batches", str(args.batches),
-            "--budget", repr(args.budget), "--min-iters", str(args.min_iters), "--max-iters", str(args.max_iters)]
+    argv = ["--collectives", ",".join(args.collective_list), "--sizes", ",".join(str(s) for s in args.size_list),
+            "--rounds", str(args.rounds), "--batch-bytes", str(args.batch_bytes), "--min-iters", str(args.min_iters),
+            "--max-iters", str(args.max_iters), "-w", str(args.warmup)]
     if args.timeout is not None:
         argv += ["--timeout", repr(args.timeout)]
     return argv
@@ -456,34 +394,33 @@ def worker_argv(args):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    world = mpi_world()
+    world = harness.mpi_world()
     if world is not None:  # a rank of a launch: ours (--worker-output) or the user's own mpiexec
         try:
-            run = run_launch(args, world)
+            runs = run_launch(args, world)
         except BaseException:  # noqa: BLE001 - one rank's failure would leave the others waiting
             traceback.print_exc()
             sys.stderr.flush()
             world.Abort(1)
-        if run is None:
+        if runs is None:
             return 0
         if args.worker_output:
-            Path(args.worker_output).write_text(json.dumps(run))
+            Path(args.worker_output).write_text(json.dumps(runs))
             return 0
-        run["launch"] = " ".join([os.environ.get(LAUNCHER_COMMAND, f"mpiexec -n {run['processes']}"),
-                                  "python", "-m", MODULE, *argv])
-        for line in summary_lines(run):
-            print(line)
-        write_report(args, [run], run["launch"])
-        return 1 if verdict(run)[1] else 0
-    command = " ".join(["python", "-m", MODULE, *argv])
-    print(f"# {command}", flush=True)
-    runs = []
-    for nranks in args.rank_list:
-        run = launch(args, nranks, worker_argv(args))
-        if run is None:
-            return 2
-        runs.append(run)
-        print(flush=True)
+        command = " ".join([os.environ.get(LAUNCHER_COMMAND, f"mpiexec -n {world.size}"), "python", "-m", MODULE,
+                            *argv])
+        for run in runs:
+            run["launch"] = command
+    else:
+        command = " ".join(["python", "-m", MODULE, *argv])
+        print(f"# {command}", flush=True)
+        runs = []
+        for nranks in args.rank_list:
+            launched = launch(args, nranks, worker_argv(args))
+            if launched is None:
+                return 2
+            runs += launched
+            print(flush=True)
     for run in runs:
         for line in summary_lines(run):
             print(line)

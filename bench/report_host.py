@@ -1,6 +1,6 @@
 """bench.report's first question: how do host ranks compare with MPICH and
 Gloo, collective by collective? From bench.host_vs_mpich's runs (one per
-process count, and per collective where it measures several), the suite's
+process count and collective; broadcast and reduce in place only), the suite's
 runs on host ranks with an mpi or gloo backend (bench/harness.py), and
 bench.hierarchy_perf's across pretend nodes."""
 
@@ -50,9 +50,11 @@ def host_vs_mpich_measurement(run, one):
                     cells = ratios.setdefault(reference_name(backend, environment), {})
                     cells.setdefault(row["size"], [None, None])[i] = ratio(timed.get("time_us"), ours)
     processes, bind_to = one.get("processes"), one.get("bind_to")
+    content = comparison(collective, ratios, "bench.host_vs_mpich", "host ranks", processes)
+    # Broadcast and reduce take no out= today: the tool measures them in place only, and says so.
+    content["in_place_only"] = one.get("placements") == ["in_place"]
     return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to),
-                       f"{processes} processes, -bind-to {bind_to}",
-                       comparison(collective, ratios, "bench.host_vs_mpich", "host ranks", processes), environment)
+                       f"{processes} processes, -bind-to {bind_to}", content, environment)
 
 
 def suite_measurement(run):
@@ -122,10 +124,14 @@ def write_against_libraries(shown, runs):
                 for size in sizes]
         lines += [*markdown(header, body), ""]
         measured = {name for m, name in columns}
-        lines += [f"No current run against {name}." for name in REFERENCES if name not in measured]
+        notes = [f"No current run against {name}." for name in REFERENCES if name not in measured]
         if not any(m.configuration[0] == "bench.host_vs_mpich" for m in mine):
-            lines.append(f"`bench.host_vs_mpich` has not measured {collective} yet.")
-        lines += ["", *provenance(mine)]
+            notes.append(f"`bench.host_vs_mpich` has not measured {collective} yet.")
+        elif any(m.content.get("in_place_only") for m in mine):
+            notes.append(f"`bench.host_vs_mpich` measures {collective} in place only: our `{collective}` takes no "
+                         "`out=` today, so its out-of-place cells are empty.")
+        lines += [*notes, ""] if notes else []
+        lines += provenance(mine)
     return lines
 
 
@@ -134,15 +140,21 @@ def reference_order(name):
 
 
 def readme_against_libraries(shown, runs):
-    """A row per library and tool: the range of its time over ours, over every size, placement and configuration."""
+    """A row per library and tool: the range of its time over ours, over every size, placement and
+    configuration; bench.host_vs_mpich's, the comparison users rerun, a row per collective too."""
     groups = {}
     for m in shown:
+        source = SOURCES.index(m.content["source"])
+        collective = m.content["collective"] if m.content["source"] == SOURCES[0] else None
         for name in m.content["ratios"]:
-            groups.setdefault((SOURCES.index(m.content["source"]), reference_order(name)), []).append((m, name))
+            key = (source, reference_order(name), collective_order(collective))
+            groups.setdefault(key, []).append((m, name))
     rows = []
     for _, members in sorted(groups.items()):
         name = members[0][1]
-        collectives = [c for c in COLLECTIVES if any(m.content["collective"] == c for m, _ in members)]
+        collectives = [c + (" (in place only)" if all(m.content.get("in_place_only") for m, _ in members
+                                                      if m.content["collective"] == c) else "")
+                       for c in COLLECTIVES if any(m.content["collective"] == c for m, _ in members)]
         sizes = sorted({s for m, n in members for s in m.content["ratios"][n]})
         what = (f"{', '.join(collectives)}; {where_text([m.content for m, _ in members])}; "
                 f"{size_label(sizes[0])} to {size_label(sizes[-1])}")
@@ -150,6 +162,13 @@ def readme_against_libraries(shown, runs):
         rows.append([library_version(name, [m.machine_environment for m, _ in members]), what, span(values),
                      short_machines([m for m, _ in members])])
     return rows
+
+
+def collective_order(collective):
+    """Sorts COLLECTIVES' order first, others by name after, None (all of them) first."""
+    if collective is None:
+        return (-1, "")
+    return (COLLECTIVES.index(collective) if collective in COLLECTIVES else len(COLLECTIVES), collective)
 
 
 def where_text(contents):

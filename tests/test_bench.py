@@ -95,40 +95,56 @@ def test_host_and_mpi_side_by_side_across_processes(tmp_path):
 
 
 @pytest.mark.mpi
-def test_host_vs_mpich_alternates_checks_and_keeps_every_batch(tmp_path):
+def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     """python -m bench.host_vs_mpich: one mpiexec launch per process count,
-    both libraries in the same processes, each size checked, every batch in
-    the JSON beside the machine and the exact command."""
+    ours, MPICH and Gloo alternating in the same processes on the harness's
+    specs, each size checked, every round in the JSON beside the machine,
+    the versions and the exact command; broadcast in place only (our
+    broadcast takes no out=), with no out-of-place row."""
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
+    pytest.importorskip("torch", reason="needs PyTorch for Gloo: pip install torch")
     path = tmp_path / "host_vs_mpich.json"
-    command = [sys.executable, "-m", "bench.host_vs_mpich", "--quick", "--ranks", "2", "--sizes", "4,1K",
-               "--batches", "3", "-J", str(path)]
+    command = [sys.executable, "-m", "bench.host_vs_mpich", "--quick", "--ranks", "2", "--sizes", "1K,4K",
+               "--collectives", "reduce_scatter,broadcast", "--rounds", "3", "-J", str(path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     table = [line for line in done.stdout.splitlines() if line.strip() and not line.startswith("#")]
-    assert [line.split()[:2] for line in table] == [["4", "B"], ["1", "KiB"]]
-    assert all(len(line.split()) == 8 for line in table)   # size (2), then 3 columns per placement
-    assert "every element of every result equals the expected sum" in done.stdout
+    assert [line.split()[:2] for line in table] == [["1", "KiB"], ["4", "KiB"]] * 2
+    assert [len(line.split()) for line in table] == [12, 12, 10, 10]   # size (2), 5 cells per placement
+    assert all("(in place only)" in line for line in table[2:])
+    assert done.stdout.count("every element of every result as expected (three libraries)") == 2
+    assert "# broadcast, 2 processes: in place only (our broadcast takes no out=)" in done.stdout
     report = json.loads(path.read_text())
     assert report["command"] == "python -m bench.host_vs_mpich " + " ".join(command[3:])
     machine = report["machine"]
-    assert machine["cores"] >= 1 and machine["cpu"] and machine["memory_bytes"] > 0
-    assert "MPICH" in machine["mpi_library"] and machine["mpi4py"] and machine["collectives"]
-    assert report["method"]["sizes"] == [4, 1024] and report["method"]["batches"] == 3
-    [run] = report["runs"]
+    assert machine["cores"] >= 1 and machine["cpu"] and machine["memory_bytes"] > 0 and machine["git_commit"]
+    assert "MPICH" in machine["mpi_library"] and machine["mpi4py"] and machine["collectives"] and machine["torch"]
+    assert not any(name.startswith("COLLECTIVES_BENCH") for name in machine["settings"])  # the tool's, not ours
+    assert report["method"]["sizes"] == [1024, 4096] and report["method"]["rounds"] == 3
     binding = "core" if (os.cpu_count() or 1) >= 2 else "none"   # --bind-to auto: a core each, else unpinned
-    assert run["processes"] == 2 and run["bind_to"] == binding and len(run["affinity"]) == 2
-    assert run["launch"].startswith(f"mpiexec -bind-to {binding} -n 2 ") and "--worker-output" not in run["launch"]
-    assert len(run["load_average"]["before"]) == 3 and run["other_processes_cores"] >= 0
-    assert [row["size"] for row in run["rows"]] == [4, 1024] and [row["count"] for row in run["rows"]] == [1, 256]
-    for row in run["rows"]:
-        for placement in ("out_of_place", "in_place"):
-            for backend in ("ours", "mpich"):
-                m = row[placement][backend]
-                assert m["wrong"] == 0 and m["iters"] >= 2
-                assert len(m["batches"]) == 3 and all(b["iters"] == m["iters"] for b in m["batches"])
-                assert all(b["median_us"] > 0 and len(b["rank_median_us"]) == 2 for b in m["batches"])
-                assert m["time_us"] == pytest.approx(statistics.median(b["median_us"] for b in m["batches"]))
+    assert [(r["collective"], r["processes"], r["bind_to"]) for r in report["runs"]] == [
+        ("reduce_scatter", 2, binding), ("broadcast", 2, binding)]
+    for run in report["runs"]:
+        assert len(run["affinity"]) == 2 and run["other_processes_cores"] >= 0
+        assert run["launch"].startswith(f"mpiexec -bind-to {binding} -n 2 ") and "--worker-output" not in run["launch"]
+        assert [row["size"] for row in run["rows"]] == [1024, 4096]
+        places = ["out_of_place", "in_place"] if run["collective"] == "reduce_scatter" else ["in_place"]
+        assert run["placements"] == places
+        for row in run["rows"]:
+            assert [p for p in ("out_of_place", "in_place") if p in row] == places
+            assert row["iters"] >= 1 and row["algorithm"]
+            for place in places:
+                assert sorted(row[place]) == ["gloo", "mpich", "ours"]
+                for m in row[place].values():
+                    assert m["wrong"] == 0 and len(m["rounds_us"]) == 3 and min(m["rounds_us"]) > 0
+                    assert m["time_us"] == pytest.approx(statistics.median(m["rounds_us"]))
+    # bench.report reads it: both libraries' ratios, per collective, broadcast's out of place empty.
+    from bench import report_host
+    from bench.report_runs import Run
+    measured = report_host.against_libraries(Run("host_vs_mpich.json", report, {}))
+    assert [(m.content["collective"], sorted(m.content["ratios"]), m.content["in_place_only"])
+            for m in measured] == [("reduce_scatter", ["Gloo", "MPICH"], False), ("broadcast", ["Gloo", "MPICH"], True)]
+    assert all(cells[0] is None and cells[1] > 0 for cells in measured[1].content["ratios"]["MPICH"].values())
 
 
 def test_the_gpu_path_on_emulated_devices(capsys):

@@ -184,8 +184,45 @@ def test_host_vs_mpich_runs_slot_in_by_their_collective(tmp_path):
         assert "| 64 B | 2.00 · 2.00 |" in table, collective
         assert "has not measured" not in table
     table = report.readme_table(report.load_runs(tmp_path), HISTORY)
-    assert ("| MPICH 9.9.9 | allreduce, reduce_scatter; host ranks, 2 processes; 64 B to 64 B | 2.00x "
-            "| 2-core CPU, no GPU |") in table
+    # The comparison users rerun gets a README row per collective.
+    assert ("| MPICH 9.9.9 | allreduce; host ranks, 2 processes; 64 B to 64 B | 2.00x | 2-core CPU, no GPU |\n"
+            "| MPICH 9.9.9 | reduce_scatter; host ranks, 2 processes; 64 B to 64 B | 2.00x | 2-core CPU, no GPU |"
+            ) in table
+
+
+def test_host_vs_mpich_gloo_beside_mpich_and_in_place_only_collectives(tmp_path):
+    """bench.host_vs_mpich's runs of today: Gloo's ratio in a column beside
+    MPICH's, per process count; broadcast measured in place only shows an
+    empty out-of-place cell, says why, and its README rows say so."""
+    runs = []
+    for processes in (2, 4):
+        for collective, places in (("allgather", ["out_of_place", "in_place"]), ("broadcast", ["in_place"])):
+            runs.append({"collective": collective, "processes": processes, "bind_to": "core", "placements": places,
+                         "environment": {"git_commit": NEW, "device": "host (no GPU)", "cores": 2,
+                                         "cpu": "Test CPU", "mpi_library": "MPICH Version: 9.9.9",
+                                         "torch": "2.13.0+cpu"},
+                         "rows": [{"size": 1024, **{place: {"ours": {"time_us": 2.0},
+                                                            "mpich": {"time_us": 3.0 * processes},
+                                                            "gloo": {"time_us": 50.0}} for place in places}}]})
+    write(tmp_path, {"host_vs_mpich.json": {"command": "python -m bench.host_vs_mpich --ranks 2,4",
+                                            "machine": runs[0]["environment"], "runs": runs}})
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH and Gloo")
+    allgather = host.split("### allgather\n", 1)[1].split("###", 1)[0]
+    assert ("| size | MPICH / ours, 2 processes, -bind-to core | Gloo / ours, 2 processes, -bind-to core "
+            "| MPICH / ours, 4 processes, -bind-to core | Gloo / ours, 4 processes, -bind-to core |") in allgather
+    assert "| 1 KiB | 3.00 · 3.00 | 25.00 · 25.00 | 6.00 · 6.00 | 25.00 · 25.00 |" in allgather
+    assert "in place only" not in allgather and "No current run against" not in allgather
+    broadcast = host.split("### broadcast\n", 1)[1].split("###", 1)[0]
+    assert "| 1 KiB | - · 3.00 | - · 25.00 | - · 6.00 | - · 25.00 |" in broadcast
+    assert ("`bench.host_vs_mpich` measures broadcast in place only: our `broadcast` takes no `out=` today, so its "
+            "out-of-place cells are empty.") in broadcast
+    assert "Machine: Test CPU, 2 cores; no GPU; MPICH Version: 9.9.9; torch 2.13.0+cpu." in broadcast
+    table = report.readme_table(report.load_runs(tmp_path), HISTORY)
+    assert ("| MPICH 9.9.9 | allgather; host ranks, 2 and 4 processes; 1 KiB to 1 KiB | 3.00x to 6.00x "
+            "| 2-core CPU, no GPU |\n"
+            "| MPICH 9.9.9 | broadcast (in place only); host ranks, 2 and 4 processes; 1 KiB to 1 KiB | 3.00x to 6.00x "
+            "| 2-core CPU, no GPU |\n"
+            "| Gloo (torch 2.13.0) | allgather; host ranks, 2 and 4 processes; 1 KiB to 1 KiB | 25.00x ") in table
 
 
 def test_the_gpu_floor_is_one_copy_of_what_the_call_moves(tmp_path):
