@@ -30,10 +30,9 @@ Method, per collective, size and placement:
   * check: after the rounds, one call of each library on fresh inputs (the
     spec's closed form); every element of every rank's result must match it
     bit for bit, else the size is reported WRONG and the run exits 1.
-  * placements: out of place and in place where the library's call takes
-    out=; broadcast and reduce take none today, so they are measured in
-    place only and their out-of-place cells stay empty (timing a copy plus
-    the in-place call would measure something no user calls).
+  * placements: out of place and in place, every collective. MPI_Bcast and
+    Gloo's broadcast and reduce have no separate output: out of place, they
+    copy the input into the output first, as their users must.
 
 The table: per collective and size, per placement, the time per call of
 ours, MPICH and Gloo (µs) and MPICH/ours and Gloo/ours (above 1: ours is
@@ -75,7 +74,6 @@ once on those processes and rank 0 prints and writes the same report.
 """
 
 import argparse
-import inspect
 import json
 import os
 import subprocess
@@ -87,7 +85,6 @@ from pathlib import Path
 
 import numpy as np
 
-import collectives
 from bench import cli, harness
 from bench.all_gather_perf import ALLGATHER
 from bench.all_reduce_perf import ALLREDUCE
@@ -167,13 +164,6 @@ def parse_args(argv=None):
     return args
 
 
-def placements(spec):
-    """The placements our library offers for the collective: out of place
-    only where its call takes out= (broadcast and reduce do not, today)."""
-    takes_out = "out" in inspect.signature(getattr(collectives.Communicator, spec.name)).parameters
-    return PLACEMENTS if takes_out else ("in_place",)
-
-
 def calls_per_batch(nbytes, args):
     return max(args.min_iters, min(args.max_iters, args.batch_bytes // nbytes))
 
@@ -194,7 +184,7 @@ def measure_collective(spec, args, world):
     hargs = harness_args(spec, args)
     backends = make_backends(list(LIBRARIES), spec, hargs, world)
     ours = backends[0]
-    places = placements(spec)
+    places = PLACEMENTS
     nranks, itemsize, rows = world.size, hargs.dtype.itemsize, []
     try:
         for nbytes in args.size_list:
@@ -244,7 +234,7 @@ def run_launch(args, world):
         env = environment(argparse.Namespace(device="host"), world.size, list(LIBRARIES))
         launch = env.pop("command").split(" --worker-output ")[0]  # the report's own temporary file
         runs.append({"collective": name, "processes": world.size, "bind_to": binding, "affinity": affinity,
-                     "placements": list(placements(spec)), "launch": launch, "environment": env,
+                     "placements": list(PLACEMENTS), "launch": launch, "environment": env,
                      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
                      "other_processes_cores": other_processes_cores(cpu_before, cpu_after), "rows": rows})
     return runs if leader else None
@@ -264,10 +254,7 @@ def ratio(row, placement, other):
 def format_row(row):
     cells = f"{size_label(row['size']):>10s}"
     for placement in PLACEMENTS:
-        times = row.get(placement)
-        if not times:
-            cells += f"{'(in place only)':>{len(COLUMNS)}s}"
-            continue
+        times = row[placement]
         cells += "".join(f"  {times[lib]['time_us']:8.1f}" for lib in ("ours", *OTHERS))
         cells += "".join(f"  {ratio(row, placement, lib):9.2f}x" for lib in OTHERS)
     wrong = any(m["wrong"] for p in PLACEMENTS for m in row.get(p, {}).values())
@@ -321,8 +308,6 @@ def summary_lines(run):
     if others is not None and others >= 0.25:
         lines.append(f"{where} other processes kept {others:.1f} of the {run['environment'].get('cores')} cores "
                      "busy: the times are noisier than on an idle machine (other_processes_cores in the JSON)")
-    if len(run["placements"]) == 1:
-        lines.append(f"{where} in place only (our {run['collective']} takes no out=)")
     for lib in OTHERS:
         lost = [f"{p.replace('_', ' ')} {', '.join(sizes)}" for (other, p), sizes in slower.items()
                 if other == lib and sizes]
@@ -350,7 +335,7 @@ def write_report(args, runs, command):
                    "warmup": args.warmup, "bind_to": args.bind_to,
                    "time_us": "median over rounds of the batch's time per call: its slowest rank's time for the "
                               "batch (barriers at both ends included) over its calls",
-                   "placements": "out of place and in place where our call takes out=; else in place only",
+                   "placements": "out of place and in place",
                    "data": "the <collective>_perf specs' closed-form inputs, checked bit for bit after the rounds"},
         "runs": runs,
     }

@@ -1,6 +1,7 @@
 """bench.report's first question: how do host ranks compare with MPICH and
 Gloo, collective by collective? From bench.host_vs_mpich's runs (one per
-process count and collective; broadcast and reduce in place only), the suite's
+process count and collective; broadcast and reduce in place only before
+they took out=), the suite's
 runs on host ranks with an mpi or gloo backend (bench/harness.py), and
 bench.hierarchy_perf's across pretend nodes."""
 
@@ -51,7 +52,7 @@ def host_vs_mpich_measurement(run, one):
                     cells.setdefault(row["size"], [None, None])[i] = ratio(timed.get("time_us"), ours)
     processes, bind_to = one.get("processes"), one.get("bind_to")
     content = comparison(collective, ratios, "bench.host_vs_mpich", "host ranks", processes)
-    # Broadcast and reduce take no out= today: the tool measures them in place only, and says so.
+    # Runs made before broadcast and reduce took out= measured them in place only, and say so.
     content["in_place_only"] = one.get("placements") == ["in_place"]
     return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to),
                        f"{processes} processes, -bind-to {bind_to}", content, environment)
@@ -128,8 +129,8 @@ def write_against_libraries(shown, runs):
         if not any(m.configuration[0] == "bench.host_vs_mpich" for m in mine):
             notes.append(f"`bench.host_vs_mpich` has not measured {collective} yet.")
         elif any(m.content.get("in_place_only") for m in mine):
-            notes.append(f"`bench.host_vs_mpich` measures {collective} in place only: our `{collective}` takes no "
-                         "`out=` today, so its out-of-place cells are empty.")
+            notes.append(f"`bench.host_vs_mpich` measured {collective} in place only (before our `{collective}` took "
+                         "`out=`): its out-of-place cells are empty.")
         lines += [*notes, ""] if notes else []
         lines += provenance(mine)
     return lines

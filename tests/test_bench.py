@@ -99,8 +99,7 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     """python -m bench.host_vs_mpich: one mpiexec launch per process count,
     ours, MPICH and Gloo alternating in the same processes on the harness's
     specs, each size checked, every round in the JSON beside the machine,
-    the versions and the exact command; broadcast in place only (our
-    broadcast takes no out=), with no out-of-place row."""
+    the versions and the exact command; every collective in both placements."""
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
     pytest.importorskip("torch", reason="needs PyTorch for Gloo: pip install torch")
     path = tmp_path / "host_vs_mpich.json"
@@ -110,10 +109,8 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     table = [line for line in done.stdout.splitlines() if line.strip() and not line.startswith("#")]
     assert [line.split()[:2] for line in table] == [["1", "KiB"], ["4", "KiB"]] * 2
-    assert [len(line.split()) for line in table] == [12, 12, 10, 10]   # size (2), 5 cells per placement
-    assert all("(in place only)" in line for line in table[2:])
+    assert [len(line.split()) for line in table] == [12] * 4   # size (2), 5 cells per placement
     assert done.stdout.count("every element of every result as expected (three libraries)") == 2
-    assert "# broadcast, 2 processes: in place only (our broadcast takes no out=)" in done.stdout
     report = json.loads(path.read_text())
     assert report["command"] == "python -m bench.host_vs_mpich " + " ".join(command[3:])
     machine = report["machine"]
@@ -128,7 +125,7 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
         assert len(run["affinity"]) == 2 and run["other_processes_cores"] >= 0
         assert run["launch"].startswith(f"mpiexec -bind-to {binding} -n 2 ") and "--worker-output" not in run["launch"]
         assert [row["size"] for row in run["rows"]] == [1024, 4096]
-        places = ["out_of_place", "in_place"] if run["collective"] == "reduce_scatter" else ["in_place"]
+        places = ["out_of_place", "in_place"]
         assert run["placements"] == places
         for row in run["rows"]:
             assert [p for p in ("out_of_place", "in_place") if p in row] == places
@@ -138,13 +135,13 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
                 for m in row[place].values():
                     assert m["wrong"] == 0 and len(m["rounds_us"]) == 3 and min(m["rounds_us"]) > 0
                     assert m["time_us"] == pytest.approx(statistics.median(m["rounds_us"]))
-    # bench.report reads it: both libraries' ratios, per collective, broadcast's out of place empty.
+    # bench.report reads it: both libraries' ratios, per collective, both placements.
     from bench import report_host
     from bench.report_runs import Run
     measured = report_host.against_libraries(Run("host_vs_mpich.json", report, {}))
     assert [(m.content["collective"], sorted(m.content["ratios"]), m.content["in_place_only"])
-            for m in measured] == [("reduce_scatter", ["Gloo", "MPICH"], False), ("broadcast", ["Gloo", "MPICH"], True)]
-    assert all(cells[0] is None and cells[1] > 0 for cells in measured[1].content["ratios"]["MPICH"].values())
+            for m in measured] == [("reduce_scatter", ["Gloo", "MPICH"], False), ("broadcast", ["Gloo", "MPICH"], False)]
+    assert all(cells[0] > 0 and cells[1] > 0 for cells in measured[1].content["ratios"]["MPICH"].values())
 
 
 def test_the_gpu_path_on_emulated_devices(capsys):

@@ -192,8 +192,9 @@ def test_host_vs_mpich_runs_slot_in_by_their_collective(tmp_path):
 
 def test_host_vs_mpich_gloo_beside_mpich_and_in_place_only_collectives(tmp_path):
     """bench.host_vs_mpich's runs of today: Gloo's ratio in a column beside
-    MPICH's, per process count; broadcast measured in place only shows an
-    empty out-of-place cell, says why, and its README rows say so."""
+    MPICH's, per process count; broadcast measured in place only (runs made
+    before it took out=) shows an empty out-of-place cell, says why, and its
+    README rows say so."""
     runs = []
     for processes in (2, 4):
         for collective, places in (("allgather", ["out_of_place", "in_place"]), ("broadcast", ["in_place"])):
@@ -214,7 +215,7 @@ def test_host_vs_mpich_gloo_beside_mpich_and_in_place_only_collectives(tmp_path)
     assert "in place only" not in allgather and "No current run against" not in allgather
     broadcast = host.split("### broadcast\n", 1)[1].split("###", 1)[0]
     assert "| 1 KiB | - · 3.00 | - · 25.00 | - · 6.00 | - · 25.00 |" in broadcast
-    assert ("`bench.host_vs_mpich` measures broadcast in place only: our `broadcast` takes no `out=` today, so its "
+    assert ("`bench.host_vs_mpich` measured broadcast in place only (before our `broadcast` took `out=`): its "
             "out-of-place cells are empty.") in broadcast
     assert "Machine: Test CPU, 2 cores; no GPU; MPICH Version: 9.9.9; torch 2.13.0+cpu." in broadcast
     table = report.readme_table(report.load_runs(tmp_path), HISTORY)
