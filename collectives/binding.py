@@ -41,15 +41,22 @@ tried, and the plain plan is the last resort. So binding can cost speed,
 never bits.
 
 Ranks that cannot address each other's arrays (processes) keep the plain
-plan, peers reading only workspaces, in one of two bindings:
+plan's reads, peers reading only workspaces, in one of two bindings:
 
-    WORKSPACE      the plain plan (any relation of INPUT and OUTPUT)
+    WORKSPACE      any relation of INPUT and OUTPUT: a result chunk's last
+                   write goes straight to OUTPUT where nobody reads the
+                   chunk after it (the copy out it saves: a broadcast's
+                   receivers, a direct allgather's or reduce_scatter's
+                   blocks); INPUT is read only by the copy in, before any
+                   step, so any overlap with OUTPUT is still safe
     WORKSPACE_IN_PLACE
                    INPUT and OUTPUT are the same memory, chunk for chunk:
-                   a copy out of a chunk that still holds the rank's own
-                   input (a broadcast's root, allgather's own block) is
-                   left out, its value being there already; proved by the
-                   same symbolic run.
+                   also, a copy out of a chunk that still holds the rank's
+                   own input (a broadcast's root, allgather's own block) is
+                   left out, its value being there already
+
+Each proved by the same symbolic run. Compressed plans keep the plain plan
+(their wire copies are lowered from its moves).
 """
 
 from typing import NamedTuple, Tuple
@@ -120,18 +127,24 @@ RESULT_IN_WORKSPACE = "the result stays in the workspace and is copied out"
 POLICIES = (RESULT_IN_OUTPUT, LAST_WRITE_IN_OUTPUT, RESULT_IN_WORKSPACE)
 
 
-def bind(phases, schedule, binding):
-    """`phases` rewritten for `binding` (see the module doc)."""
+def bind(phases, schedule, binding, rewrite_workspace_plans=True):
+    """`phases` rewritten for `binding` (see the module doc);
+    `rewrite_workspace_plans` False keeps the plain plan for the workspace
+    bindings (compressed plans)."""
     if binding not in BINDINGS:
         raise ValueError(f"unknown binding {binding!r}")
-    if binding == WORKSPACE:
+    if binding in (WORKSPACE, WORKSPACE_IN_PLACE) and not rewrite_workspace_plans:
         return phases
     layout = _Layout(schedule, in_place=binding in IN_PLACE_BINDINGS, lockstep=binding == IN_PLACE_LOCKSTEP)
     expected = layout.run(phases)
     assert expected is not None, "a valid schedule's plain plan has no conflicts"
-    if binding == WORKSPACE_IN_PLACE:
-        candidate = _without_copies_of_untouched_input(phases)
-        return candidate if layout.run(candidate) == expected else phases
+    if binding in (WORKSPACE, WORKSPACE_IN_PLACE):
+        direct = _last_results_in_output(phases)
+        candidates = [direct, phases]
+        if binding == WORKSPACE_IN_PLACE:
+            candidates = [_without_copies_of_untouched_input(direct), _without_copies_of_untouched_input(phases),
+                          *candidates]
+        return next(c for c in candidates if c is phases or layout.run(c) == expected)
     for policy in POLICIES:
         candidate = _rewrite(phases, schedule, policy, layout)
         if layout.run(candidate) == expected:
@@ -159,6 +172,25 @@ def lockstep_phases(phases, schedule):
     lockstep groups: those the plain in-place rule refuses."""
     plain = _Layout(schedule, in_place=True)
     return frozenset(p for p, phase in enumerate(phases) if plain.run([phase]) is None)
+
+
+def _last_results_in_output(phases):
+    """The plain plan with each result chunk's last write sent to OUTPUT,
+    and its copy out left out, where no move reads the chunk in a later
+    phase (a move reads its sources before the phase writes: a read in the
+    same phase is of the value before, which stays in the workspace)."""
+    copy_in, *steps, copy_out = phases
+    output_of = {m.srcs[0]: m.dst for m in copy_out}
+    last_write, last_read = {}, {}
+    for p, step in enumerate(steps):
+        for m in step:
+            last_write[m.dst] = p
+            for src in m.srcs:
+                last_read[src] = p
+    direct = {loc for loc, p in last_write.items() if loc in output_of and last_read.get(loc, -1) <= p}
+    rewritten = [[m._replace(dst=output_of[m.dst]) if m.dst in direct and last_write[m.dst] == p else m
+                  for m in step] for p, step in enumerate(steps)]
+    return [copy_in, *rewritten, [m for m in copy_out if m.srcs[0] not in direct]]
 
 
 def _without_copies_of_untouched_input(phases):

@@ -154,7 +154,8 @@ def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, 
     schedule = schedule_for(algorithm, collective, nranks, root if collective in (BROADCAST, REDUCE_TO_ROOT) else None)
     bounds = chunk_bounds(collective, nranks, schedule.nchunks, count, dtype.itemsize,
                           wire.BLOCK if compression is not None else 1)
-    moves = bindings.bind(bindings.logical_phases(schedule), schedule, binding)
+    moves = bindings.bind(bindings.logical_phases(schedule), schedule, binding,
+                          rewrite_workspace_plans=compression is None)
     encoded = wire.encoded_writes(moves) if compression is not None else None
 
     def element_offset(loc):

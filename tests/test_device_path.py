@@ -15,6 +15,9 @@ import collectives
 from collectives import CollectiveError, InvalidUsageError, auto
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import COLLECTIVES
+from collectives import binding as bindings
+from collectives.algorithms import schedule_for
+from collectives.algorithms.schedule import SCRATCH, WORK
 from collectives.binding import IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
 from collectives.devices import emulated, open_device
 from collectives.executors import device as device_executor
@@ -43,7 +46,9 @@ def test_in_process_plans_copy_nothing_through_a_workspace(collective, algorithm
             assert 0 < bound.traffic.workspace_copies <= count * 4 * 2 * n, binding
         else:
             assert bound.traffic.workspace_copies == 0, binding
-        assert bound.traffic.total < plain.traffic.total or n == 1 and binding == IN_PLACE
+        # (a result kept in a workspace costs what the workspace plan's direct write does)
+        assert bound.traffic.total < plain.traffic.total or n == 1 and binding == IN_PLACE \
+            or keeps_a_workspace_copy(collective, algorithm, binding, n) and bound.traffic.total <= plain.traffic.total
     assert plain.traffic.workspace_copies > 0
     # In place through a workspace (ranks in processes) only the copies out
     # of input no step touched go: a broadcast's root's, allgather's own
@@ -51,6 +56,27 @@ def test_in_process_plans_copy_nothing_through_a_workspace(collective, algorithm
     through = build_plan(collective, algorithm, n, count, np.dtype("float32"), "sum", 0, WORKSPACE_IN_PLACE)
     untouched_input_bytes = count * 4 if collective in ("broadcast", "allgather") or n == 1 else 0
     assert plain.traffic.workspace_copies - through.traffic.workspace_copies == 2 * untouched_input_bytes
+
+
+@IMPLEMENTED
+@pytest.mark.parametrize("n", range(2, 9))
+def test_workspace_plans_write_results_straight_to_the_output(collective, algorithm, n):
+    """Ranks in processes: peers still read only workspaces, the caller's
+    input only before any step (so any overlap with the output is safe),
+    and a result chunk no one reads after its last write goes straight to
+    the output, with no copy out: fewer bytes than the plain plan."""
+    schedule = schedule_for(algorithm, collective, n, n - 1 if collective in ROOTED else None)
+    plain = bindings.logical_phases(schedule)
+
+    def accesses(phases):
+        return sum(len(m.srcs) + 1 for phase in phases for m in phase)
+    for binding in (WORKSPACE, WORKSPACE_IN_PLACE):
+        bound = bindings.bind(plain, schedule, binding)
+        assert all(src.rank == m.rank or src.buffer in (WORK, SCRATCH) for phase in bound for m in phase
+                   for src in m.srcs), binding
+        assert all(src.buffer != bindings.INPUT for phase in bound[1:] for m in phase for src in m.srcs), binding
+        assert accesses(bound) < accesses(plain), binding
+    assert bindings.bind(plain, schedule, WORKSPACE, rewrite_workspace_plans=False) is plain
 
 
 @IMPLEMENTED
