@@ -144,7 +144,8 @@ def bind(phases, schedule, binding, rewrite_workspace_plans=True):
         if binding == WORKSPACE_IN_PLACE:
             candidates = [_without_copies_of_untouched_input(direct), _without_copies_of_untouched_input(phases),
                           *candidates]
-        return next(c for c in candidates if c is phases or layout.run(c) == expected)
+        chosen = next(c for c in candidates if c is phases or layout.run(c) == expected)
+        return chosen[:-1] if len(chosen) > 2 and not chosen[-1] else chosen   # no copy out left: one phase less
     for policy in POLICIES:
         candidate = _rewrite(phases, schedule, policy, layout)
         if layout.run(candidate) == expected:
