@@ -37,9 +37,9 @@ import weakref
 import numpy as np
 import torch
 
-from .compression import warm_up, wire
-from .errors import InvalidUsageError
-from .fusion import DEFAULT_THRESHOLD
+from ..compression import warm_up, wire
+from ..errors import InvalidUsageError
+from ..fusion import DEFAULT_THRESHOLD
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters"]
 
