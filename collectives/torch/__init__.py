@@ -1,12 +1,33 @@
 """PyTorch's ways in to the library.
 
-    optimizer.py   DistributedOptimizer and broadcast_parameters: Horovod's
-                   style, on a communicator from collectives.init()
+    optimizer.py      DistributedOptimizer and broadcast_parameters: Horovod's
+                      style, on a communicator from collectives.init()
+    process_group.py  the torch.distributed backend "collectives", which
+                      importing this package registers:
+                          import collectives.torch
+                          torch.distributed.init_process_group("collectives")
+                      (under torchrun: no mpiexec, no mpi4py); DDP, FSDP2
+                      and torch.distributed's calls run on it unchanged
+    rendezvous.py,    start-up through a c10d store, and the messages
+    link.py           between nodes on a Gloo group
 
 Needs PyTorch (`pip install '.[torch]'`); `import collectives` does not
 import this package.
 """
 
-from .optimizer import DistributedOptimizer, broadcast_parameters, host_array
+import torch.distributed as _dist
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "host_array"]
+from .optimizer import DistributedOptimizer, broadcast_parameters, host_array
+from .process_group import BACKEND, ProcessGroupCollectives, create_process_group
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "host_array", "ProcessGroupCollectives", "BACKEND"]
+
+
+def _register():
+    """Register the backend once (a second import, or a reload, keeps the first)."""
+    if BACKEND.upper() not in _dist.Backend._plugins:
+        _dist.Backend.register_backend(BACKEND, create_process_group, devices=["cpu", "cuda"])
+
+
+if _dist.is_available():
+    _register()

@@ -60,3 +60,15 @@ def numpy_dtype(dtype):
     except (TypeError, RuntimeError):
         return None
 
+
+
+def reducible(dtype, op):
+    """None when collectives can reduce tensors of torch `dtype` with `op`
+    (our op's name), else why not, for an InvalidUsageError. Collectives
+    that only move bytes (broadcast, allgather) take any dtype."""
+    from ..ops import SUPPORTED_DTYPES
+    numpy = numpy_dtype(dtype)
+    if numpy is None or numpy.name not in SUPPORTED_DTYPES:
+        return (f"tensors of {dtype} cannot be reduced by collectives (op {op}); it reduces "
+                f"{', '.join(SUPPORTED_DTYPES)} (for bool, reduce a uint8 copy)")
+    return None
