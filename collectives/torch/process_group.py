@@ -88,10 +88,36 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout.total_seconds() if timeout is not None else None
         self._lock = threading.RLock()
+        self._group_name = self._group_desc = ""
         self._communicators = {"cpu": start(StoreRendezvous(dist.PrefixStore("cpu/", store), rank, size),
                                             "host", timeout=self._timeout)}
 
     def getBackendName(self):
+        return BACKEND
+
+    # torch.distributed names every group (_set_group_name, after the creator
+    # returns); C++'s ProcessGroup keeps the name in its backends, which a
+    # Python group has none of, so the name lives here. init_device_mesh,
+    # DeviceMesh.from_group and FSDP2 read it.
+
+    def _set_group_name(self, name):
+        self._group_name = name
+
+    @property
+    def group_name(self):
+        return self._group_name
+
+    def _set_group_desc(self, desc):
+        self._group_desc = desc
+
+    @property
+    def group_desc(self):
+        return self._group_desc
+
+    def name(self):
+        return BACKEND
+
+    def _get_backend_name(self):
         return BACKEND
 
     def __repr__(self):
