@@ -42,10 +42,10 @@ def torchrun(scenarios, limit=150, **environ):
 
 @pytest.mark.processes
 def test_every_op_and_training_against_numpy_and_gloo():
-    """ops: every op, form and dtype against NumPy, object collectives,
+    """init: collectives.init() under torchrun; ops: every op, form and dtype against NumPy, object collectives,
     barrier, futures, refusals; training: DDP against Gloo's DDP, FSDP2."""
-    oks, code, report = torchrun("ops,training")
-    assert code == 0 and oks == {"ops": [0, 1, 2, 3], "training": [0, 1, 2, 3]}, report
+    oks, code, report = torchrun("init,ops,training")
+    assert code == 0 and oks == {"init": [0, 1, 2, 3], "ops": [0, 1, 2, 3], "training": [0, 1, 2, 3]}, report
     assert "max |ours - gloo|" in report and "max |fsdp2 - ddp|" in report, report
 
 
@@ -54,8 +54,8 @@ def test_pretend_nodes_run_on_the_hierarchy_with_gloo_between_nodes():
     """The same checks on two pretend nodes of two ranks: shared memory
     inside each, Gloo between them (the worker checks the communicator is
     the hierarchical one)."""
-    oks, code, report = torchrun("ops,training", COLLECTIVES_PRETEND_NODES="0,0,1,1")
-    assert code == 0 and oks == {"ops": [0, 1, 2, 3], "training": [0, 1, 2, 3]}, report
+    oks, code, report = torchrun("init,ops,training", COLLECTIVES_PRETEND_NODES="0,0,1,1")
+    assert code == 0 and oks == {"init": [0, 1, 2, 3], "ops": [0, 1, 2, 3], "training": [0, 1, 2, 3]}, report
 
 
 @pytest.mark.processes

@@ -6,6 +6,7 @@
 Scenarios, comma-separated, run in order (each rank checks its own results
 and prints "OK <scenario> <rank>"):
 
+    init       (first only) collectives.init() under torchrun: its store, no MPI
     ops        every op, form and dtype against a NumPy reference; object
                collectives, barrier, futures; ops we do not offer and bad
                input raising, on every rank, with nothing written
@@ -472,11 +473,31 @@ def failure():
         check(False, "DDP's backward went on without a rank")
 
 
-SCENARIOS = {"ops": ops, "training": training, "failure": failure}
+# -- collectives.init() under torchrun --------------------------------------------------------------
+
+def init():
+    """collectives.init() under torchrun: the ranks meet through torchrun's
+    store (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), not MPI."""
+    import collectives
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    with collectives.init(timeout=60) as comm:
+        check((comm.rank, comm.size) == (rank, size), f"init's rank and size {comm.rank}, {comm.size}")
+        pretend = os.environ.get("COLLECTIVES_PRETEND_NODES")
+        check(isinstance(comm, HierarchicalCommunicator) == bool(pretend), "pretend nodes give the hierarchy")
+        x = np.arange(10, dtype=np.float32) * (rank + 1)
+        comm.allreduce(x)
+        same(torch.from_numpy(x), np.arange(10) * sum(range(1, size + 1)), "init's allreduce")
+
+
+SCENARIOS = {"init": init, "ops": ops, "training": training, "failure": failure}
 
 
 def main():
     scenarios = sys.argv[1].split(",")
+    if scenarios[0] == "init":   # before torch.distributed: init() must not need a process group
+        init()
+        say(f"OK init {os.environ['RANK']}")
+        scenarios = scenarios[1:]
     timeout = datetime.timedelta(seconds=20 if "failure" in scenarios else 60)
     dist.init_process_group("collectives", timeout=timeout)
     for scenario in scenarios:

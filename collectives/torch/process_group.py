@@ -318,6 +318,16 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         for comm in communicators.values():
             comm.close()
 
+    def abort(self):
+        """torch.distributed's abort (_abort_process_group): end our
+        communicators at once, telling the peers (they raise instead of
+        waiting out their timeout). Not under the call lock: a call of
+        another thread may be stuck."""
+        communicators, self._communicators = self._communicators, {}
+        reason = CollectiveError(f"rank {self.rank()} aborted the torch.distributed process group")
+        for comm in communicators.values():
+            comm.__exit__(type(reason), reason, None)
+
     # -- the one path of every call ---------------------------------------------------------------
 
     def _run(self, tensors, what, run, result=None):
