@@ -79,3 +79,24 @@ def test_a_wrong_reference_is_caught():
     oks, code, report = torchrun("ops", TORCH_BACKEND_TEST_SABOTAGE="1")
     assert code != 0 and oks == {"ops": []}, report
     assert "AssertionError" in report and "allreduce" in report, report
+
+
+@pytest.mark.processes
+def test_the_benchmarks_time_torch_collectives_beside_gloo(tmp_path):
+    """--backend ours,torch:collectives,torch:gloo relaunches the tool under
+    torchrun (no mpiexec): every backend's rows, every result correct."""
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")]))
+    for name in (*MPI_VARIABLES, "COLLECTIVES_BENCH_RELAUNCHED"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-m", "bench.reduce_scatter_perf", "--backend",
+                           "ours,torch:collectives,torch:gloo", "--ranks", "2", "-b", "1K", "-e", "4K", "-f", "4",
+                           "-n", "2", "-w", "1", "-q", "-J", str(out)],
+                          capture_output=True, text=True, timeout=150, env=env, cwd=WORKER.parent.parent)
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-4000:]}"
+    assert done.returncode == 0 and "torch.distributed.run" in done.stdout, report
+    import json
+    rows = json.loads(out.read_text())
+    assert [r["backend"] for r in rows["rows"]] == ["ours", "torch:collectives", "torch:gloo"] * 2, report
+    assert all(r[p]["wrong"] == 0 for r in rows["rows"] for p in ("out_of_place", "in_place")), report
+    assert rows["environment"]["torch"].startswith("2.") and "torchrun" in rows["environment"]["command"], report
