@@ -336,9 +336,9 @@ def batch(step, rank):
     return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
-def train(net, steps=STEPS):
+def train(net, steps=STEPS, lr=0.1):
     """SGD with momentum on this rank's batches; returns the losses."""
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     losses = []
     for step in range(steps):
         x, y = batch(step, dist.get_rank())
@@ -389,16 +389,31 @@ def training():
     # FSDP2 on our group: all_gather_single and reduce_scatter_single (AVG) per layer, full_tensor()'s
     # all_gather_single_coalesced; the same model and data as DDP, so the same parameters
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-    sharded = model()
-    for layer in sharded:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
+
+    def sharded_model():
+        sharded = model()
+        for layer in sharded:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(sharded, mesh=mesh)
+
+    sharded = sharded_model()
     fsdp_losses = train(sharded)
     full = torch.cat([p.full_tensor().reshape(-1) for p in sharded.parameters()])
     difference = (full - a).abs().max().item()
     check(difference <= DDP_TOLERANCE, f"FSDP2 on collectives and DDP on collectives differ by {difference}")
     say(f"FSDP2 rank {rank}: max |fsdp2 - ddp| = {difference:.3g}; last loss {fsdp_losses[-1]:.6f}")
+    # a divide factor makes FSDP2 reduce with PREMUL_SUM(1 / factor): gradients halved, learning rate doubled,
+    # the same parameters (SGD with momentum is linear in the gradient's scale)
+    halved = sharded_model()
+    for module in halved.modules():   # each fully_shard'ed module reduces its own gradients
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(2.0 * size)
+    train(halved, lr=0.2)
+    full = torch.cat([p.full_tensor().reshape(-1) for p in halved.parameters()])
+    difference = (full - a).abs().max().item()
+    check(difference <= DDP_TOLERANCE, f"FSDP2 with PREMUL_SUM and DDP differ by {difference}")
+    say(f"FSDP2 PREMUL_SUM rank {rank}: max |fsdp2 - ddp| = {difference:.3g}")
 
 
 # -- the failure scenario ----------------------------------------------------------------------------

@@ -6,6 +6,8 @@ CPU tensors go to host ranks as NumPy arrays sharing their memory
 our kernels queue behind the kernels that made the tensors.
 """
 
+import functools
+
 import torch
 
 
@@ -62,6 +64,7 @@ def numpy_dtype(dtype):
 
 
 
+@functools.lru_cache(maxsize=None)   # per call otherwise: a NumPy dtype made from an empty tensor costs ~10 us
 def reducible(dtype, op):
     """None when collectives can reduce tensors of torch `dtype` with `op`
     (our op's name), else why not, for an InvalidUsageError. Collectives
