@@ -46,6 +46,7 @@ def test_every_op_and_training_against_numpy_and_gloo():
     barrier, futures, refusals; training: DDP against Gloo's DDP, FSDP2."""
     oks, code, report = torchrun("init,ops,training")
     assert code == 0 and oks == {"init": [0, 1, 2, 3], "ops": [0, 1, 2, 3], "training": [0, 1, 2, 3]}, report
+    assert sorted(re.findall(r"OK destroyed (\d)", report)) == ["0", "1", "2", "3"], report
     assert "max |ours - gloo|" in report and "max |fsdp2 - ddp|" in report, report
 
 

@@ -520,7 +520,15 @@ def main():
         say(f"OK {scenario} {dist.get_rank()}")
     if "failure" in scenarios:   # a rank is dead: closing would wait for it
         os._exit(0)
-    dist.destroy_process_group()
+    group = dist.group.WORLD
+    dist.destroy_process_group()   # closes our communicators: a later call says so
+    try:
+        group.allreduce([torch.ones(3)])
+    except InvalidUsageError as error:
+        check("shut down" in str(error), f"a call after destroy_process_group: {error}")
+    else:
+        check(False, "a call after destroy_process_group did not raise")
+    say(f"OK destroyed {os.environ['RANK']}")
 
 
 if __name__ == "__main__":

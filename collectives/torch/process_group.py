@@ -5,6 +5,10 @@
     dist.init_process_group("collectives")        # under torchrun: no mpiexec, no mpi4py
     # or "cpu:collectives,cuda:collectives"; DDP, FSDP2 and dist.* run on it unchanged
 
+Tested on CPU tensors (tests/test_torch_backend.py: 4 processes under
+torchrun, mpi4py hidden). The CUDA tensor path below is written against
+the library's GPU API but has not yet run on a GPU.
+
 What torch.distributed calls a backend is, for a Python library in torch
 2.13, a subclass of `torch.distributed.ProcessGroup` (the C++ `Backend`
 class cannot be subclassed from Python), made by the creator registered
@@ -26,12 +30,18 @@ op checks its tensors, turns them into what a Communicator takes
   across nodes run whole in NCCL, through the library's NCCL backend
   (executors/nccl.py, CuPy's binding: the cuda12/cuda13 extra), as
   init(backend="nccl") does today: our GPU ranks do not cross nodes yet.
-  (A torch NCCL group cannot sit beside ours in one process group: for a
-  Python process group, torch 2.13 keeps one backend for every device.)
-- Timeouts: the group's timeout is the communicators'; a rank that stalls
-  or dies makes the others' calls fail with CollectiveTimeoutError or
-  RankFailedError, raised by work.wait() (and, in DDP's backward, as a
-  RuntimeError that names it).
+  (A torch NCCL group cannot sit beside ours in one process group: torch
+  2.13 makes a Python process group the whole group, for every device, so
+  a device map such as "cpu:gloo,cuda:collectives" or
+  "cpu:collectives,cuda:nccl" gives our group every device's tensors.)
+- Timeouts: the group's timeout is the communicators' (torch's default for
+  a group is 30 minutes, not the library's 300 s: pass timeout= to
+  init_process_group or new_group). A rank that stalls makes the others'
+  calls fail with CollectiveTimeoutError at the timeout; a rank that dies,
+  with RankFailedError at once (the peers see its process gone). Both are
+  raised by work.wait() (by dist.* itself for a blocking call) and, in
+  DDP's backward, as a RuntimeError that names them. After such an error
+  the group's communicator is aborted: make a new group.
 - Execution: every call runs to completion in the caller's thread before it
   returns (host ranks), or is queued on the caller's current CUDA stream (GPU
   ranks), under one lock, so calls from several threads (DDP's autograd
@@ -46,6 +56,12 @@ op checks its tensors, turns them into what a Communicator takes
   _reduce_scatter_base), their coalesced forms, barrier. send, recv,
   all_to_all, gather and scatter raise NotImplementedError naming
   themselves; BAND, BOR and BXOR raise InvalidUsageError.
+  all_gather_object and broadcast_object_list run on allgather and
+  broadcast (of bytes: collectives that only move data take any dtype,
+  bool and complex included); reductions take the library's dtypes
+  (collectives.SUPPORTED_DTYPES: no bool, no complex).
+- Life cycle: destroy_process_group closes our communicators (shutdown);
+  torch's abort ends them at once and tells the peers (abort).
 - Errors: a tensor on another device, mismatched tensors, an op or dtype we
   do not offer: InvalidUsageError (or NotImplementedError) before anything
   is written, on every rank (every rank makes the same call). Errors of the
@@ -126,15 +142,21 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def communicator(self, device="cpu"):
         """The Communicator that runs this group's calls on `device`'s
         tensors: "cpu", or a CUDA device (made at the first call, by every
-        rank together). The compression hook calls it directly."""
+        rank together). A communication hook may call it directly."""
         device = torch.device(device)
         if device.type == "cpu":
-            return self._communicators["cpu"]
+            comm = self._communicators.get("cpu")
+            if comm is None:
+                raise InvalidUsageError("this process group was shut down or aborted (destroy_process_group): "
+                                        "make a new one")
+            return comm
         if device.type != "cuda":
             raise InvalidUsageError(
                 f"tensors on {device} are not supported: collectives' process group takes CPU tensors (host ranks) "
                 "and CUDA tensors (GPU ranks)")
         with self._lock:
+            if "cpu" not in self._communicators:
+                self.communicator("cpu")   # raises: shut down
             if "cuda" not in self._communicators:
                 self._communicators["cuda"] = self._gpu_communicator(device)
             return self._communicators["cuda"]
