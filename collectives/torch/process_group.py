@@ -79,7 +79,7 @@ import torch.distributed as dist
 from .. import bootstrap, start
 from ..errors import CollectiveError, InvalidUsageError
 from .rendezvous import StoreRendezvous
-from .tensors import byte_array, on_torch_stream, rank_array, reducible
+from .tensors import byte_array, host_array, on_torch_stream, rank_array, reducible
 from .work import Work
 
 BACKEND = "collectives"
@@ -176,6 +176,16 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         tensor = _one(tensors, "allreduce")
         op, factor = _reduce_op(_opts(opts, dist.AllreduceOptions).reduceOp, tensor, "allreduce")
+        cpu = self._communicators.get("cpu")
+        if factor is None and cpu is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
+            # DDP's and most callers' case, on the shortest path: the
+            # general one below costs ~10 us more a call in Python
+            with self._lock:
+                try:
+                    cpu.allreduce(host_array(tensor), op=op)
+                except CollectiveError as error:
+                    return Work(error=error)
+            return Work(tensors)
 
         def run(comm):
             with _contiguous(tensor) as t:
@@ -421,6 +431,12 @@ def _reduce_op(op, tensor, what):
     """(our op's name, the PREMUL_SUM factor or None) for a ReduceOp, after
     checking that `tensor`'s dtype can be reduced with it."""
     kind = op.op if isinstance(op, dist.ReduceOp) else op
+    name = _REDUCE_OPS.get(kind)
+    if name is not None:
+        why = reducible(tensor.dtype, name)
+        if why:
+            raise InvalidUsageError(f"{what}: {why}")
+        return name, None
     if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
         factor = op.factor
         name, factor = "sum", factor.item() if isinstance(factor, torch.Tensor) else float(factor)

@@ -31,11 +31,8 @@ class Work(dist._Work):
     def __init__(self, result=(), error=None):
         super().__init__()
         self._error = error
-        if error is None:
-            self._future = torch.futures.Future()
-            self._future.set_result(list(result))
-        else:
-            self._future = failed_future(error)
+        self._result = result
+        self._future = None   # made when asked for (DDP and FSDP ask; a blocking dist.* call does not)
 
     def wait(self, timeout=None):
         """Return True, or raise the call's error (a collectives error)."""
@@ -44,6 +41,12 @@ class Work(dist._Work):
         return True
 
     def get_future(self):
+        if self._future is None:
+            if self._error is None:
+                self._future = torch.futures.Future()
+                self._future.set_result(list(self._result))
+            else:
+                self._future = failed_future(self._error)
         return self._future
 
     def is_completed(self):
@@ -56,7 +59,7 @@ class Work(dist._Work):
         return self._error
 
     def result(self):
-        return self._future.value() if self._error is None else []
+        return list(self._result) if self._error is None else []
 
     def synchronize(self):
         self.wait()
