@@ -312,6 +312,14 @@ def ops():
            out)
     meta = torch.empty(6, device="meta")
     raises("a tensor on the meta device", lambda: dist.all_reduce(meta))
+    # the device map form makes our group too (torch makes one Python group for every device)
+    mapped = dist.new_group(backend="cpu:collectives,cuda:collectives")
+    check(type(mapped).__name__ == "ProcessGroupCollectives", f"the device map form gave {type(mapped)}")
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, group=mapped)
+    check(torch.equal(t, torch.full((3,), float(sum(range(size))))), "an allreduce on the device map's group")
+    dist.destroy_process_group(mapped)
+
     # after all that, the group still works
     t = torch.full((6,), float(rank))
     dist.all_reduce(t)

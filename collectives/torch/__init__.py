@@ -26,7 +26,10 @@ __all__ = ["DistributedOptimizer", "broadcast_parameters", "host_array", "Proces
 def _register():
     """Register the backend once (a second import, or a reload, keeps the first)."""
     if BACKEND.upper() not in _dist.Backend._plugins:
-        _dist.Backend.register_backend(BACKEND, create_process_group, devices=["cpu", "cuda"])
+        try:
+            _dist.Backend.register_backend(BACKEND, create_process_group, devices=["cpu", "cuda"])
+        except TypeError:   # a torch before `devices` (tested: 2.13 only)
+            _dist.Backend.register_backend(BACKEND, create_process_group)
 
 
 if _dist.is_available():
