@@ -335,8 +335,9 @@ STEPS = 8
 
 def model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                               torch.nn.Linear(64, 10))
+    # BatchNorm's buffers make DDP broadcast them from rank 0 at every forward
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
 
 
 def batch(step, rank):
@@ -391,6 +392,8 @@ def training():
     everyone_a = [torch.empty_like(a) for _ in range(size)]
     dist.all_gather(everyone_a, a, group=gloo)
     check(all(torch.equal(x, a) for x in everyone_a), "DDP on collectives: every rank holds the same parameters")
+    ours_stats, theirs_stats = ours.module[1].running_mean, theirs.module[1].running_mean
+    check((ours_stats - theirs_stats).abs().max().item() <= DDP_TOLERANCE, "DDP's broadcast buffers differ")
     say(f"DDP rank {rank}: max |ours - gloo| = {difference:.3g} after {STEPS} steps (moved {moved:.3g}); "
         f"last loss ours {ours_losses[-1]:.6f} gloo {theirs_losses[-1]:.6f}")
 
