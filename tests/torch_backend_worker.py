@@ -333,10 +333,12 @@ def ops():
 STEPS = 8
 
 
-def model():
+def model(buffers=True):
+    """BatchNorm's buffers make DDP broadcast them from rank 0 at every
+    forward; without buffers, DDP's only calls are its backward's allreduces."""
     torch.manual_seed(0)
-    # BatchNorm's buffers make DDP broadcast them from rank 0 at every forward
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Tanh(),
+    norm = torch.nn.BatchNorm1d(64) if buffers else torch.nn.Identity()
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), norm, torch.nn.Tanh(),
                                torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
 
 
@@ -468,7 +470,7 @@ def failure():
     # a killed rank: the others raise RankFailedError through DDP's backward and work.wait(), well
     # before the group's 10 s timeout
     doomed = dist.new_group(backend="collectives", timeout=datetime.timedelta(seconds=10))
-    net = DDP(model(), process_group=doomed)
+    net = DDP(model(buffers=False), process_group=doomed)   # its first call after the kill: backward's
     # torchrun's agent answers the death with SIGTERM to the others: they
     # ignore it, to show what our library does (they exit on their own)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
