@@ -27,9 +27,11 @@ def module_name():
 
 def command_line(module, arguments, launcher=()):
     """The command that ran a benchmark, as a reader would type it in the
-    repository: `python -m module ...`, with no interpreter path (a record
-    names nothing outside the repository)."""
-    return " ".join([*launcher, "python", "-m", module, *arguments])
+    repository: `python -m module ...` (under torchrun, `torchrun ... -m
+    module ...`), with no interpreter path (a record names nothing outside
+    the repository)."""
+    python = [] if launcher and launcher[0].startswith("torchrun") else ["python"]
+    return " ".join([*launcher, *python, "-m", module, *arguments])
 
 
 def environment(args, nranks, backends):
