@@ -60,13 +60,15 @@ def test_pretend_nodes_run_on_the_hierarchy_with_gloo_between_nodes():
 
 
 @pytest.mark.processes
-def test_stalled_mismatched_and_killed_ranks_raise_typed_errors():
+@pytest.mark.parametrize("nodes", [None, "0,0,1,1"], ids=["one-node", "pretend-nodes"])
+def test_stalled_mismatched_and_killed_ranks_raise_typed_errors(nodes):
     """The last rank stalls, then ranks disagree on a shape, then the last
     rank is killed: the others raise CollectiveTimeoutError,
     InvalidUsageError and RankFailedError (through work.wait() and DDP's
     backward) within the group's timeout. The killed rank fails the job;
-    the others must each say OK."""
-    oks, code, report = torchrun("failure")
+    the others must each say OK. On pretend nodes the failures cross the
+    Gloo link too (a dead peer's closed connection is RankFailedError)."""
+    oks, code, report = torchrun("failure", **({"COLLECTIVES_PRETEND_NODES": nodes} if nodes else {}))
     assert oks == {"failure": [0, 1, 2]}, report
     assert code != 0, report   # torchrun reports the killed rank
     assert report.count("CollectiveTimeoutError after") == RANKS, report

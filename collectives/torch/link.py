@@ -123,10 +123,15 @@ class TorchLink:
         heard = np.zeros(len(sources), np.int64)
         signature = self._signature.copy()   # a later call's begin() may change ours while Gloo still sends it
         group = self.group
-        works = [group.recv([_tensor(heard[i:i + 1])], peer, DATA_TAG) for i, peer in enumerate(sources)]
-        works += [group.recv([_tensor(a)], peer, DATA_TAG) for peer, a in receives if a.size]
-        works += [group.send([_tensor(signature)], peer, DATA_TAG) for peer in targets]
-        works += [group.send([_tensor(a)], peer, DATA_TAG) for peer, a in sends if a.size]
+        works = []
+        try:   # Gloo raises at once, not in the wait, where a peer's connection is already closed
+            works += [group.recv([_tensor(heard[i:i + 1])], peer, DATA_TAG) for i, peer in enumerate(sources)]
+            works += [group.recv([_tensor(a)], peer, DATA_TAG) for peer, a in receives if a.size]
+            works += [group.send([_tensor(signature)], peer, DATA_TAG) for peer in targets]
+            works += [group.send([_tensor(a)], peer, DATA_TAG) for peer, a in sends if a.size]
+        except (RuntimeError, dist.DistError) as error:
+            self._orphans.append((works, heard, signature, sends, receives))
+            self._raise_gloo_error(error, what, sources)
         waited = self._waiter.submit(_wait_all, works, deadline)
         try:
             self._watch(waited, deadline, what, sources)
@@ -154,6 +159,10 @@ class TorchLink:
         error = waited.exception()
         if error is None:
             return
+        self._raise_gloo_error(error, what, sources)
+
+    def _raise_gloo_error(self, error, what, sources):
+        """Gloo's failure as our typed error (a peer's abort record, if any, first)."""
         self.check_health()   # a peer's abort explains the failure better than Gloo's words
         message = str(error)
         if _PEER_GONE in message:
