@@ -310,6 +310,10 @@ def ops():
     out = torch.full((6,), -1.0)
     raises("reduce_scatter_tensor of the wrong size", lambda: dist.reduce_scatter_tensor(out, torch.ones(size * 6 - 1)),
            out)
+    good, bad = torch.full((size * 2,), -1.0), torch.full((size * 3 + 1,), -1.0)
+    raises("a coalesced all_gather with a bad second item",
+           lambda: pg.all_gather_single_coalesced([good, bad], [torch.ones(2), torch.ones(3)]),
+           good, bad)
     meta = torch.empty(6, device="meta")
     raises("a tensor on the meta device", lambda: dist.all_reduce(meta))
     # the device map form makes our group too (torch makes one Python group for every device)

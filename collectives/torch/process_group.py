@@ -258,11 +258,20 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     _allgather_base = all_gather_single   # the spelling before torch 2.13
 
+    # The coalesced forms run one call per item, after checking every item
+    # (so that a bad one raises before any is written).
+
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self._each(list(zip(output_lists, input_list)), lambda pair: self.allgather([pair[0]], [pair[1]]))
+        pairs = _pairs(output_lists, input_list, "allgather_coalesced")
+        for outputs, tensor in pairs:
+            self._check_blocks(outputs, tensor, "allgather_coalesced", "output_lists")
+        return self._each(pairs, lambda pair: self.allgather([pair[0]], [pair[1]]))
 
     def all_gather_single_coalesced(self, output_list, input_list, opts=None):
-        return self._each(list(zip(output_list, input_list)), lambda pair: self.all_gather_single(*pair))
+        pairs = _pairs(output_list, input_list, "all_gather_single_coalesced")
+        for output, tensor in pairs:
+            _check_sizes("all_gather_single_coalesced", output, "output", tensor, "input", self.size())
+        return self._each(pairs, lambda pair: self.all_gather_single(*pair))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -293,7 +302,11 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single   # the spelling before torch 2.13
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        return self._each(list(zip(outputs, inputs)), lambda pair: self.reduce_scatter_single(*pair, opts))
+        pairs = _pairs(outputs, inputs, "reduce_scatter_single_coalesced")
+        for output, tensor in pairs:
+            _check_sizes("reduce_scatter_single_coalesced", tensor, "input", output, "output", self.size())
+            _reduce_op(_opts(opts, dist.ReduceScatterOptions).reduceOp, output, "reduce_scatter_single_coalesced")
+        return self._each(pairs, lambda pair: self.reduce_scatter_single(*pair, opts))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -403,6 +416,12 @@ def _one(tensors, what, name="tensors"):
     if len(tensors) != 1:
         raise InvalidUsageError(f"{what}: {name} must hold one item (one device per process), got {len(tensors)}")
     return tensors[0]
+
+
+def _pairs(outputs, inputs, what):
+    if len(outputs) != len(inputs):
+        raise InvalidUsageError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs; they must pair up")
+    return list(zip(outputs, inputs))
 
 
 def _root(root, size, what):
