@@ -324,6 +324,18 @@ def ops():
     check(torch.equal(t, torch.full((3,), float(sum(range(size))))), "an allreduce on the device map's group")
     dist.destroy_process_group(mapped)
 
+    # a group of some ranks (every rank calls new_group; members only call on it), ranks renumbered
+    members = list(range(1, size))
+    sub = dist.new_group(ranks=members, backend="collectives")
+    if rank in members:
+        t = torch.full((5,), float(rank))
+        dist.all_reduce(t, group=sub)
+        check(torch.equal(t, torch.full((5,), float(sum(members)))), f"a subgroup's allreduce: {t}")
+        outs = [torch.empty(2) for _ in members]
+        dist.all_gather(outs, torch.full((2,), float(rank)), group=sub)
+        check([o[0].item() for o in outs] == [float(m) for m in members], f"a subgroup's all_gather: {outs}")
+        dist.destroy_process_group(sub)
+
     # after all that, the group still works
     t = torch.full((6,), float(rank))
     dist.all_reduce(t)
