@@ -182,8 +182,12 @@ def topology(rendezvous, deadline, environ=os.environ):
     further by $COLLECTIVES_PRETEND_NODES. Every rank must call this
     together; a bad setting on any rank raises on every rank."""
     rank, size = rendezvous.rank, rendezvous.size
+    # The labels are the job's, one per rank of the world: a rendezvous of
+    # some of its ranks (a torch.distributed group of some ranks) says where
+    # its ranks sit in the world.
+    world_rank, world_size = getattr(rendezvous, "world_rank", rank), getattr(rendezvous, "world_size", size)
     try:
-        mine = f"ok\n{machine_name()}\n{pretend_label(rank, size, environ)}"
+        mine = f"ok\n{machine_name()}\n{pretend_label(world_rank, world_size, environ)}"
     except InvalidUsageError as error:
         mine = f"error\n{error}"
     answers = [text.split("\n") for text in

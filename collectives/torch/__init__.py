@@ -18,7 +18,7 @@ import this package.
 import torch.distributed as _dist
 
 from .optimizer import DistributedOptimizer, broadcast_parameters, host_array
-from .process_group import BACKEND, ProcessGroupCollectives, create_process_group
+from .process_group import BACKEND, ProcessGroupCollectives, create_process_group, create_process_group_extended
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "host_array", "ProcessGroupCollectives", "BACKEND"]
 
@@ -27,7 +27,8 @@ def _register():
     """Register the backend once (a second import, or a reload, keeps the first)."""
     if BACKEND.upper() not in _dist.Backend._plugins:
         try:
-            _dist.Backend.register_backend(BACKEND, create_process_group, devices=["cpu", "cuda"])
+            _dist.Backend.register_backend(BACKEND, create_process_group_extended, extended_api=True,
+                                           devices=["cpu", "cuda"])
         except TypeError:   # a torch before `devices` (tested: 2.13 only)
             _dist.Backend.register_backend(BACKEND, create_process_group)
 

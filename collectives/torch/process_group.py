@@ -95,18 +95,29 @@ def create_process_group(store, rank, size, timeout):
     return ProcessGroupCollectives(store, rank, size, timeout)
 
 
+def create_process_group_extended(options, backend_options=None):
+    """The creator of register_backend's extended API, which also says
+    where a group of some ranks sits in the world (global_ranks_in_group:
+    empty for the default group), for $COLLECTIVES_PRETEND_NODES."""
+    world_ranks = list(options.global_ranks_in_group) or None
+    return ProcessGroupCollectives(options.store, options.group_rank, options.group_size, options.timeout,
+                                   world_ranks=world_ranks)
+
+
 class ProcessGroupCollectives(dist.ProcessGroup):
     """torch.distributed's view of our communicators: one for CPU tensors
     (host ranks), one for CUDA tensors (GPU ranks, made at the first CUDA call)."""
 
-    def __init__(self, store, rank, size, timeout):
+    def __init__(self, store, rank, size, timeout, world_ranks=None):
         super().__init__(rank, size)
         self._store = store
+        # this rank's place in the job (a group of some ranks: its global ranks, in group order)
+        self._world = (world_ranks[rank], dist.get_world_size()) if world_ranks and dist.is_initialized() else \
+            (rank, size)
         self._timeout = timeout.total_seconds() if timeout is not None else None
         self._lock = threading.RLock()
         self._group_name = self._group_desc = ""
-        self._communicators = {"cpu": start(StoreRendezvous(dist.PrefixStore("cpu/", store), rank, size),
-                                            "host", timeout=self._timeout)}
+        self._communicators = {"cpu": start(self._rendezvous("cpu/"), "host", timeout=self._timeout)}
 
     def getBackendName(self):
         return BACKEND
@@ -164,12 +175,15 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def _gpu_communicator(self, device):
         """Our GPU ranks where every rank shares a node (CUDA IPC between
         them), else NCCL, which runs whole collectives across nodes."""
-        rendezvous = StoreRendezvous(dist.PrefixStore("cuda/", self._store), self.rank(), self.size())
+        rendezvous = self._rendezvous("cuda/")
         deadline = time.perf_counter() + (self._timeout or 300.0)
         nodes = len(bootstrap.topology(rendezvous, deadline).nodes)
         index = device.index if device.index is not None else torch.cuda.current_device()
         return start(rendezvous, f"cuda:{index}", backend="ours" if nodes == 1 else "nccl", timeout=self._timeout,
                      deadline=deadline)
+
+    def _rendezvous(self, prefix):
+        return StoreRendezvous(dist.PrefixStore(prefix, self._store), self.rank(), self.size(), *self._world)
 
     # -- the collectives -------------------------------------------------------------------------
 

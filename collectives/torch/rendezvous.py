@@ -34,10 +34,15 @@ class StoreRendezvous:
     """bootstrap.py's rendezvous over a c10d store (set, wait, get, add,
     delete_key). `rank` and `size` are this process's place in the group
     whose store it is. Every rank makes the same exchanges in the same order;
-    exchange n uses keys `n/<rank>`, which the last rank to read them deletes."""
+    exchange n uses keys `n/<rank>`, which the last rank to read them deletes.
+    `world_rank` and `world_size` place a group of some ranks in its job
+    (bootstrap.topology reads $COLLECTIVES_PRETEND_NODES by world rank);
+    by default the group is the world."""
 
-    def __init__(self, store, rank, size):
+    def __init__(self, store, rank, size, world_rank=None, world_size=None):
         self.store, self.rank, self.size = store, rank, size
+        self.world_rank = rank if world_rank is None else world_rank
+        self.world_size = size if world_size is None else world_size
         self._exchanges = 0
 
     def allgather(self, data, nbytes, deadline, what):
