@@ -1,9 +1,17 @@
 """The backends a benchmark runs side by side: this library (`ours`), MPI
-(mpi4py over MPICH) and Gloo (torch.distributed), each behind one small
-class that runs a spec's call on its ranks' buffers, and what each cannot do
-(so that the harness skips it with a reason instead of failing)."""
+(mpi4py over MPICH), Gloo (torch.distributed), and torch.distributed's
+process groups by backend name (`torch:collectives`, this library through
+torch.distributed; `torch:gloo`), each behind one small class that runs a
+spec's call on its ranks' buffers, and what each cannot do (so that the
+harness skips it with a reason instead of failing).
+
+Ranks in processes meet through a *world* (the harness's bookkeeping: the
+slowest rank's time, the wrong elements over every rank): MPI's
+COMM_WORLD under mpiexec, `TorchWorld` (a Gloo group) under torchrun."""
 
 import argparse
+import functools
+import os
 import socket
 from dataclasses import dataclass
 
@@ -13,14 +21,21 @@ import collectives
 from collectives.ops import BFLOAT16, is_floating
 
 OURS, MPI_BACKEND, GLOO, NCCL = "ours", "mpi", "gloo", "nccl"
+# torch.distributed process groups of a registered backend, one rank per
+# process: "torch:collectives" is this library behind torch.distributed (what
+# its layer costs, beside `ours` in the same run), "torch:gloo" is Gloo's group
+# made the same way (under torchrun, `gloo` is the same thing).
+TORCH_PREFIX = "torch:"
+TORCH_COLLECTIVES, TORCH_GLOO = "torch:collectives", "torch:gloo"
+TORCH_BACKENDS = (TORCH_COLLECTIVES, TORCH_GLOO)
 NO_COMPRESSION = "none"
 # `host`, our backend's name before mpi and gloo joined it, is still accepted;
 # rows keep the name the command used (older results files say `host`).
 OLD_OURS = "host"
 DEFAULT_BACKEND = OURS
-BACKENDS = (OURS, OLD_OURS, MPI_BACKEND, GLOO, NCCL)
+BACKENDS = (OURS, OLD_OURS, MPI_BACKEND, GLOO, NCCL, *TORCH_BACKENDS)
 COMPRESSING_BACKENDS = (OURS, OLD_OURS)  # --compression applies to these; the others run uncompressed
-PROCESS_BACKENDS = (MPI_BACKEND, GLOO)   # one rank per process
+PROCESS_BACKENDS = (MPI_BACKEND, GLOO, *TORCH_BACKENDS)   # one rank per process
 TORCH_PIN = "torch==2.13.0"
 
 MPI_OPS = ("sum", "prod", "max", "min")   # MPI has no average
@@ -38,7 +53,13 @@ def unsupported(backend, spec, args):
             return f"MPI has no {args.op!r} reduction (it has {', '.join(MPI_OPS)})"
         if reduces and args.dtype == BFLOAT16 and _mpi_bfloat16() is None:
             return "this MPI library has no bfloat16 type to reduce (mpi4py's BFLOAT16_T is null)"
-    if backend == GLOO:
+    if backend in (GLOO, TORCH_GLOO, TORCH_COLLECTIVES) and spec.run_gloo is None:
+        return f"no torch.distributed call for {spec.name}"
+    if backend == TORCH_COLLECTIVES and reduces:
+        from collectives.ops import SUPPORTED_DTYPES
+        if args.dtype.name not in SUPPORTED_DTYPES:
+            return f"collectives reduces {', '.join(SUPPORTED_DTYPES)}, not {args.dtype.name}"
+    if backend in (GLOO, TORCH_GLOO):
         if spec.run_gloo is None:
             return f"no gloo call for {spec.name}"
         if args.dtype.name not in GLOO_DTYPES:
@@ -152,8 +173,9 @@ class Ours(Backend):
                 devices = ["cuda:0" if args.device == "cuda" else "emulated"] * args.ranks
             self.comm = collectives.Communicator.local(args.ranks, devices=devices, timeout=args.timeout,
                                                        backend=library)
-        else:  # one rank per process, on the host or on this process's device
-            self.comm = collectives.init(timeout=args.timeout, comm=world, device=args.device, backend=library)
+        else:  # one rank per process, on the host or on this process's device (under torchrun: its store)
+            self.comm = collectives.init(timeout=args.timeout, comm=None if isinstance(world, TorchWorld) else world,
+                                         device=args.device, backend=library)
         self.local_ranks, self.nranks = list(self.comm.local_ranks), self.comm.size
         self.owns_comm = comm is None
 
@@ -202,7 +224,7 @@ class Mpi(Backend):
 
     def __init__(self, name, spec, args, world):
         super().__init__(name, spec, args)
-        if world is None and args.ranks != 1:
+        if (world is None and args.ranks != 1) or isinstance(world, TorchWorld):
             raise SystemExit("the mpi backend runs one rank per process: run under mpiexec")
         from mpi4py import MPI
         self.comm = world if world is not None else MPI.COMM_WORLD
@@ -230,24 +252,20 @@ class Gloo(Backend):
     def __init__(self, name, spec, args, world):
         super().__init__(name, spec, args)
         if world is None and args.ranks != 1:
-            raise SystemExit("the gloo backend runs one rank per process: run under mpiexec")
+            raise SystemExit(f"the {name} backend runs one rank per process: run under mpiexec or torchrun")
         try:
             import torch
             import torch.distributed as dist
         except ImportError as error:
             raise SystemExit(f"--backend gloo needs PyTorch: pip install {TORCH_PIN} ({error})") from None
         self.torch, self.dist = torch, dist
-        rank, size = (world.rank, world.size) if world is not None else (0, 1)
-        # Gloo meets its peers through a TCP store: rank 0 picks a free port and MPI tells the others.
-        port = free_port() if rank == 0 else None
-        if world is not None:
-            port = world.bcast(port, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-        self.local_ranks, self.nranks = [rank], size
+        self.calls = dist   # run_gloo's torch.distributed: the default group's calls
+        self.owns_group = default_group(world)
+        self.local_ranks, self.nranks = [dist.get_rank()], dist.get_world_size()
 
     def run(self, buffers):
         in_place = buffers.in_place is not None
-        self.spec.run_gloo(self.dist, None if in_place else buffers.inputs[0],
+        self.spec.run_gloo(self.calls, None if in_place else buffers.inputs[0],
                            buffers.in_place[0] if in_place else buffers.outputs[0], self.args)
 
     def barrier(self):
@@ -264,7 +282,102 @@ class Gloo(Backend):
         return tensor.numpy()
 
     def close(self):
-        self.dist.destroy_process_group()
+        if self.owns_group and self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+class TorchGroup(Gloo):
+    """A torch.distributed process group of a registered backend
+    (`torch:collectives`: this library's, collectives.torch; `torch:gloo`),
+    made with new_group beside the default group, one rank per process.
+    Runs the spec's torch.distributed call (run_gloo) on that group."""
+
+    def __init__(self, name, spec, args, world):
+        super().__init__(name, spec, args, world)
+        backend = name[len(TORCH_PREFIX):]
+        if backend == "collectives":
+            import collectives.torch  # noqa: F401  (registers the backend)
+        self.group = self.dist.new_group(backend=backend)
+        self.calls = GroupCalls(self.dist, self.group)
+
+    def barrier(self):
+        self.dist.barrier(group=self.group)
+
+    def close(self):
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group(self.group)
+        super().close()
+
+
+class GroupCalls:
+    """torch.distributed's module as run_gloo uses it, bound to one group:
+    the collectives and get_rank/get_world_size take group=, the rest
+    (ReduceOp...) passes through."""
+
+    def __init__(self, dist, group):
+        self._dist, self._group = dist, group
+
+    def __getattr__(self, name):
+        found = getattr(self._dist, name)
+        if callable(found) and not isinstance(found, type) and name[:1].islower() and name != "is_initialized":
+            return functools.partial(found, group=self._group)
+        return found
+
+
+class TorchWorld:
+    """The harness's world under torchrun (no MPI): mpi4py's few calls it
+    makes (rank, size, allreduce, allgather, bcast), on torch.distributed's
+    default group, Gloo's, which torchrun's environment starts (env://).
+    Only bookkeeping runs on it, outside the timed loops."""
+
+    MAX = "max"
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist = dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def allgather(self, value):
+        everyone = [None] * self.size
+        self.dist.all_gather_object(everyone, value)
+        return everyone
+
+    def allreduce(self, value, op=None):
+        everyone = self.allgather(value)
+        return max(everyone) if op == self.MAX else sum(everyone)
+
+    def bcast(self, value, root=0):
+        sent = [value]
+        self.dist.broadcast_object_list(sent, src=root)
+        return sent[0]
+
+    def close(self):
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def launched_by_torchrun(environ=os.environ):
+    """Whether torchrun (or torch.distributed's env:// convention) started this
+    process, and no MPI launcher did."""
+    from collectives.bootstrap import LAUNCHER_VARIABLES, TORCHRUN_VARIABLES
+    return all(v in environ for v in TORCHRUN_VARIABLES) and not any(v in environ for v in LAUNCHER_VARIABLES)
+
+
+def default_group(world):
+    """Make torch.distributed's default group (Gloo) unless one exists; True
+    when this made it. Under mpiexec Gloo meets its peers through a TCP
+    store: rank 0 picks a free port and MPI tells the others."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return False
+    rank, size = (world.rank, world.size) if world is not None else (0, 1)
+    port = free_port() if rank == 0 else None
+    if world is not None:
+        port = world.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    return True
 
 
 def free_port():
@@ -287,6 +400,8 @@ def make_backends(names, spec, args, world):
             backends.append(Ours(name, spec, args, world, "auto"))
         elif name == MPI_BACKEND:
             backends.append(Mpi(name, spec, args, world))
+        elif name in TORCH_BACKENDS:
+            backends.append(TorchGroup(name, spec, args, world))
         else:
             backends.append(Gloo(name, spec, args, world))
     return backends

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 import collectives
-from bench.backends import GLOO, MPI_BACKEND
+from bench.backends import GLOO, MPI_BACKEND, TORCH_BACKENDS, launched_by_torchrun
 
 # The launcher and its flags, as the relaunching process ran them (the
 # ranks themselves cannot see `-bind-to core`, say).
@@ -27,15 +27,19 @@ def module_name():
 
 def command_line(module, arguments, launcher=()):
     """The command that ran a benchmark, as a reader would type it in the
-    repository: `python -m module ...`, with no interpreter path (a record
-    names nothing outside the repository)."""
-    return " ".join([*launcher, "python", "-m", module, *arguments])
+    repository: `python -m module ...` (under torchrun, `torchrun ... -m
+    module ...`), with no interpreter path (a record names nothing outside
+    the repository)."""
+    python = [] if launcher and launcher[0].startswith("torchrun") else ["python"]
+    return " ".join([*launcher, *python, "-m", module, *arguments])
 
 
 def environment(args, nranks, backends):
     """What the numbers were measured on and with."""
-    processes = int(os.environ.get("PMI_SIZE", "1"))
-    launcher = [os.environ.get(LAUNCHER_COMMAND, f"mpiexec -n {processes}")] if processes > 1 else []
+    torchrun = launched_by_torchrun()
+    processes = int(os.environ.get("WORLD_SIZE" if torchrun else "PMI_SIZE", "1"))
+    default_launcher = f"torchrun --nproc-per-node {processes}" if torchrun else f"mpiexec -n {processes}"
+    launcher = [os.environ.get(LAUNCHER_COMMAND, default_launcher)] if processes > 1 else []
     env = {
         "command": command_line(module_name(), sys.argv[1:], launcher),
         "host": socket.gethostname(),
@@ -54,12 +58,12 @@ def environment(args, nranks, backends):
                      if name.startswith("COLLECTIVES_") and name not in _BENCH_VARIABLES},
         **device_environment(args.device),
     }
-    if MPI_BACKEND in backends or env["processes"] > 1:
+    if MPI_BACKEND in backends or (env["processes"] > 1 and not torchrun):
         from mpi4py import MPI
         import mpi4py
         env["mpi4py"] = mpi4py.__version__
         env["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
-    if GLOO in backends:
+    if GLOO in backends or any(b in TORCH_BACKENDS for b in backends):
         import torch
         env["torch"] = torch.__version__
     return env

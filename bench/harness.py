@@ -13,8 +13,17 @@ identical inputs in one invocation, alternating size by size:
     gloo   torch.distributed with the Gloo backend, on host arrays
     nccl   NCCL, through this library's backend="nccl" (--device cuda)
 
-mpi and gloo run one rank per process: asking for them without a launcher
-relaunches the benchmark under MPICH's mpiexec with `--ranks` processes,
+    torch:collectives  this library through torch.distributed: a process
+                       group of the backend collectives.torch registers
+    torch:gloo         a Gloo process group made the same way
+
+mpi, gloo and torch:* run one rank per process. Under torchrun (no MPI),
+the ranks' bookkeeping runs on a Gloo group (backends.TorchWorld), `ours`
+starts from torchrun's store (collectives.init) and `gloo` is torch:gloo's
+group; `mpi` needs mpiexec. Asking for torch:* without a launcher
+relaunches the benchmark under torchrun with `--ranks` processes (under
+mpiexec when mpi is asked for too); asking for mpi or gloo without a
+launcher relaunches it under MPICH's mpiexec with `--ranks` processes,
 pinned one per core (`--bind-to core`: rank r on core r mod cores; `none`
 leaves placement to the kernel; `auto` is core up to one process per core and
 none beyond, which bench/host_vs_mpich.py found best for both libraries). A
@@ -46,8 +55,8 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.backends import (
-    BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, NCCL, NO_COMPRESSION, PROCESS_BACKENDS, TORCH_PIN,
-    Buffers, make_backends, unsupported,
+    BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, MPI_BACKEND, NCCL, NO_COMPRESSION, PROCESS_BACKENDS,
+    TORCH_BACKENDS, TORCH_PIN, Buffers, TorchWorld, launched_by_torchrun, make_backends, unsupported,
 )
 from bench.environment import LAUNCHER_COMMAND, environment, module_name
 from bench.progress import Progress
@@ -163,7 +172,9 @@ def parse_args(spec, argv=None):
                    help="comma-separated: ours (this library, on --device; the default; `host` is its older "
                         "name), mpi (mpi4py over MPICH), "
                         f"gloo (torch.distributed with Gloo; needs {TORCH_PIN}), nccl (NCCL through this "
-                        "library's backend='nccl'; --device cuda, one rank per GPU)")
+                        "library's backend='nccl'; --device cuda, one rank per GPU), torch:collectives (this "
+                        "library through torch.distributed, under torchrun), torch:gloo (a Gloo group made the "
+                        "same way)")
     p.add_argument("--algorithm", default="auto",
                    help="our algorithm, or several comma-separated (each runs as a backend of its own, "
                         "alternating per size): auto or a registered name (python -m bench.model lists them)")
@@ -225,8 +236,11 @@ def parse_args(spec, argv=None):
         p.error("--backend mpi and gloo run on host arrays; with --device cuda compare ours with nccl on a GPU")
     if NCCL in args.backends and args.device != "cuda":
         p.error("--backend nccl runs on GPUs: add --device cuda")
-    if GLOO in args.backends and importlib.util.find_spec("torch") is None:
-        p.error(f"--backend gloo needs PyTorch (torch.distributed with Gloo): pip install {TORCH_PIN}")
+    torch_backends = [b for b in args.backends if b in (GLOO, *TORCH_BACKENDS)]
+    if torch_backends and importlib.util.find_spec("torch") is None:
+        p.error(f"--backend {','.join(torch_backends)} needs PyTorch (torch.distributed): pip install {TORCH_PIN}")
+    if MPI_BACKEND in args.backends and launched_by_torchrun():
+        p.error("--backend mpi needs mpiexec: under torchrun compare ours, gloo, torch:collectives, torch:gloo")
     return args
 
 
@@ -238,7 +252,10 @@ def sizes(args):
 
 
 def mpi_world():
-    """The MPI world when launched by mpiexec, else None (and no MPI import)."""
+    """The ranks' world: MPI's when launched by mpiexec, a Gloo group's
+    (TorchWorld) when launched by torchrun, else None (and no MPI import)."""
+    if launched_by_torchrun():
+        return TorchWorld()
     if not any(v in os.environ for v in LAUNCHER_VARIABLES):
         return None
     from mpi4py import MPI
@@ -264,6 +281,19 @@ def bind_to(value, nranks):
     if value != "auto":
         return value
     return "core" if nranks <= (os.cpu_count() or 1) else "none"
+
+
+def relaunch_under_torchrun(args, argv):
+    """Run this same benchmark as `--ranks` processes started by torchrun
+    (one machine, its own store); return its exit code."""
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--standalone"]
+    command = [sys.executable, *launcher, "-m", module_name(), *argv]
+    print(f"# relaunching as {args.ranks} processes: {' '.join(command)}", flush=True)
+    env = dict(os.environ, **{RELAUNCHED: "1", LAUNCHER_COMMAND: f"torchrun --nproc-per-node {args.ranks} --standalone"})
+    env.setdefault("OMP_NUM_THREADS", "1")   # torchrun's own default, said here so that it does not warn
+    if not getattr(args, "quiet", True) and sys.stderr.isatty():
+        env[SHOW_PROGRESS] = "1"
+    return subprocess.call(command, env=env)
 
 
 def relaunch_under_mpiexec(args, argv, launcher_flags=()):
@@ -444,7 +474,9 @@ def timed_batch(backend, buffers, args, world):
             backend.run(buffers)
         backend.barrier()  # GPU work is asynchronous: the time is until it is done
         seconds = (time.perf_counter() - start) / args.iters
-    return world.allreduce(seconds, op=_mpi_max()) if world is not None else seconds
+    if world is None:
+        return seconds
+    return world.allreduce(seconds, op=world.MAX if isinstance(world, TorchWorld) else _mpi_max())
 
 
 def graph_timed_batch(backend, buffers, iters, launches):
@@ -589,6 +621,8 @@ def main(spec, argv=None):
     world = mpi_world()
     if world is None and args.ranks > 1 and any(b in PROCESS_BACKENDS for b in args.backends) \
             and not os.environ.get(RELAUNCHED):
+        if any(b in TORCH_BACKENDS for b in args.backends) and MPI_BACKEND not in args.backends:
+            return relaunch_under_torchrun(args, argv)
         return relaunch_under_mpiexec(args, argv, ("-bind-to", bind_to(args.bind_to, args.ranks)))
     leader = world is None or world.rank == 0
     say = print if leader else (lambda *a, **k: None)
@@ -675,6 +709,8 @@ def main(spec, argv=None):
         say(f"# wrote {args.output_file}")
     for backend in backends:
         backend.close()
+    if isinstance(world, TorchWorld):
+        world.close()
     say("# " + ("all results correct" if wrong == 0 else f"{wrong} WRONG elements")
         + (" (compressed rows: approximate, see maxrel)" if args.compressed and wrong == 0 else ""))
     if worst is not None and not np.isfinite(worst):

@@ -28,8 +28,11 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
     and return one bare array per call.
 
     Rank and size come from MPI when the program runs under `mpiexec -n N`
-    (or from `comm`, an mpi4py communicator); without a launcher it is a
-    communicator of one rank. Every rank must call init together.
+    (or from `comm`, an mpi4py communicator), from torchrun's environment
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the ranks meet through its
+    c10d store, and mpi4py is not needed) when torchrun started it; without
+    a launcher it is a communicator of one rank. Every rank must call init
+    together.
 
     `timeout`: seconds any call (init's own exchanges included) may wait for
     its peers; None takes $COLLECTIVES_TIMEOUT, else 300.
@@ -39,7 +42,8 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
     bootstrap.py). When all ranks share one node, host ranks reach each
     other through shared memory alone. When they span several nodes, host
     ranks get a hierarchical communicator (hierarchy.py): our shared memory
-    inside each node, MPI between nodes. GPU ranks across nodes need
+    inside each node, MPI between nodes (under torchrun, a torch.distributed
+    Gloo group: torch/link.py). GPU ranks across nodes need
     backend="nccl", which runs whole collectives in NCCL.
 
     `device` says where this process's rank works:
@@ -62,37 +66,65 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
     within the timeout.
     """
     from . import bootstrap
-    from .communicator import VirtualHostRanks
-    from .validation import naming
 
     timeout = resolve_timeout(timeout)
     backend = resolve_backend(backend)
     deadline = time.perf_counter() + timeout
-    on_host = isinstance(device, str) and device.strip().lower() == "host"
-    # A bad spec, or a missing NCCL, is an error on every rank, before any exchange.
+    binding = check_device(device, backend)   # a bad spec, or a missing NCCL, raises on every rank before any exchange
+    return _start(bootstrap.rendezvous(comm, deadline), device, backend, binding, timeout, deadline)
+
+
+def check_device(device, backend):
+    """Raise InvalidUsageError for a bad device spec, CollectiveError when
+    backend="nccl" has no NCCL; returns NCCL's binding for backend="nccl"."""
+    from .validation import naming
+
     if backend == "nccl":
         from .executors import nccl as nccl_backend
         with naming("device"):
             nccl_backend.cuda_spec(device)
-        binding = nccl_backend.load_binding()
-    elif not on_host:
+        return nccl_backend.load_binding()
+    if not _on_host(device):
         from .devices import parse_spec
         with naming("device"):
             parse_spec(device)
-    world = bootstrap.mpi_world(comm)
-    alone = world is None or world.Get_size() == 1
-    if on_host:
+    return None
+
+
+def _on_host(device):
+    return isinstance(device, str) and device.strip().lower() == "host"
+
+
+def start(rendezvous, device="host", backend="ours", timeout=None, deadline=None):
+    """init's work once the processes have a rendezvous (bootstrap.py): MPI's,
+    the c10d store's (the torch.distributed backend calls this with the
+    store it is given), or None for a process alone. Every rank calls it
+    together. Returns the Communicator; raises as init does."""
+    timeout = resolve_timeout(timeout)
+    backend = resolve_backend(backend)
+    deadline = time.perf_counter() + timeout if deadline is None else deadline
+    return _start(rendezvous, device, backend, check_device(device, backend), timeout, deadline)
+
+
+def _start(rendezvous, device, backend, binding, timeout, deadline):
+    from . import bootstrap
+    from .communicator import VirtualHostRanks
+
+    alone = rendezvous is None or rendezvous.size == 1
+    if _on_host(device):
         if alone:
             return Communicator(VirtualHostRanks(1), size=1, local_ranks=[0], timeout=timeout)
-        found = bootstrap.topology(world, deadline)
+        found = bootstrap.topology(rendezvous, deadline)
         if len(found.nodes) > 1:
             from .hierarchy import HierarchicalCommunicator
-            return HierarchicalCommunicator.start(world, found, deadline, timeout)
+            return HierarchicalCommunicator.start(rendezvous, found, deadline, timeout)
         from .transport.shm import ShmRank
-        ranks = bootstrap.process_rank(world, deadline, ShmRank)
-        return Communicator(ranks, size=world.Get_size(), local_ranks=[world.Get_rank()], timeout=timeout)
+        ranks = bootstrap.process_rank(rendezvous, deadline, ShmRank)
+        return Communicator(ranks, size=rendezvous.size, local_ranks=[rendezvous.rank], timeout=timeout)
 
     from .devices import device_for_rank
+    if backend == "nccl":
+        from .executors import nccl as nccl_backend
     if alone:
         opened = device_for_rank(device, 0)
         opened.use()
@@ -102,27 +134,28 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
             from .executors.device import DeviceRanks
             ranks = DeviceRanks([opened])
         return Communicator(ranks, size=1, local_ranks=[0], timeout=timeout)
-    local_rank, found = bootstrap.local_rank(world, deadline)
+    rank, size = rendezvous.rank, rendezvous.size
+    local_rank, found = bootstrap.local_rank(rendezvous, deadline)
     if len(found.nodes) > 1 and backend != "nccl":
         raise CollectiveError(
             f"GPU ranks with backend='ours' must share one node, but these span {len(found.nodes)} nodes "
             f"(ranks {' | '.join(' '.join(map(str, node)) for node in found.nodes)}); across nodes use "
-            "backend='nccl', or host arrays (device='host'), whose collectives cross nodes through MPI")
+            "backend='nccl', or host arrays (device='host'), whose collectives cross nodes through MPI "
+            "or torch.distributed")
     opened = error = unique_id = None
     try:
         opened = device_for_rank(device, local_rank)
-        if backend == "nccl" and world.Get_rank() == 0:
+        if backend == "nccl" and rank == 0:
             unique_id = nccl_backend.new_unique_id(binding)
     except CollectiveError as failure:
         error = failure
-    bootstrap.agree(world, deadline, error)   # every rank raises if one could not open its device (or make NCCL's id)
+    bootstrap.agree(rendezvous, deadline, error)   # every rank raises if one could not open its device (or make NCCL's id)
     opened.use()
     if backend == "nccl":
-        unique_id = nccl_backend.share_unique_id(world, deadline, unique_id)
-        ranks = nccl_backend.NcclRanks.in_processes(binding, opened, world.Get_rank(), world.Get_size(), unique_id,
-                                                    timeout)
-        return Communicator(ranks, size=world.Get_size(), local_ranks=[world.Get_rank()], timeout=timeout)
+        unique_id = nccl_backend.share_unique_id(rendezvous, deadline, unique_id)
+        ranks = nccl_backend.NcclRanks.in_processes(binding, opened, rank, size, unique_id, timeout)
+        return Communicator(ranks, size=size, local_ranks=[rank], timeout=timeout)
     from .executors.device_process import DeviceProcessRank
-    ranks = bootstrap.process_rank(world, deadline, lambda rank, size, prefix:
+    ranks = bootstrap.process_rank(rendezvous, deadline, lambda rank, size, prefix:
                                    DeviceProcessRank(rank, size, prefix, opened))
-    return Communicator(ranks, size=world.Get_size(), local_ranks=[world.Get_rank()], timeout=timeout)
+    return Communicator(ranks, size=size, local_ranks=[rank], timeout=timeout)

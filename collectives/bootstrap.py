@@ -1,11 +1,24 @@
-"""How processes find each other: MPI (mpiexec -n N, through mpi4py).
+"""How processes find each other: a rendezvous they already have.
 
-MPI is used at start-up to agree on names and on which ranks share a node;
-inside a node the collectives go through our own transports, and between
-nodes through MPI (collectives/hierarchy.py). Every MPI call here is
-nonblocking and polled against the deadline, so a rank that never arrives is
-a timeout, not a hang. (That is why nodes are found from host names rather
-than with MPI_Comm_split_type, a blocking collective with no nonblocking form.)
+Under `mpiexec -n N` that is MPI (mpi4py); under `torchrun`, or inside a
+torch.distributed backend, the c10d store (collectives/torch/rendezvous.py).
+Either is used at start-up only, through one small interface, a
+*rendezvous*:
+
+    rank, size                          this process's place in the job
+    allgather(data, nbytes, deadline, what) -> every rank's bytes, in rank order
+    barrier(deadline, what)             every rank has arrived
+    link(deadline)                      the messages between nodes (hierarchy.py)
+
+so that the functions below (which ranks share a node, whether every rank
+could open its device, the communicator's name) are written once. Only
+handles travel through it (process ids, shared-memory names, CUDA IPC
+handles, NCCL's id); data never does. Inside a node the collectives go
+through our own transports, and between nodes through the rendezvous'
+engine (MPI, or a torch.distributed group: hierarchy.py). Every exchange is
+bounded by the deadline, so a rank that never arrives is a timeout, not a
+hang. (That is why nodes are found from host names rather than with
+MPI_Comm_split_type, a blocking collective with no nonblocking form.)
 """
 
 import functools
@@ -19,6 +32,9 @@ from .transport.protocol import new_prefix
 
 # Set by common launchers in every process they start.
 LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+# Set by torchrun (and by torch.distributed's env:// convention) in every
+# process: enough to reach the c10d store that torchrun's agent serves.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Splits each machine into pretend nodes, for tests: one label per rank of the
 # world, comma-separated ("0,0,1,1": ranks 0 and 1 on one node, 2 and 3 on
 # another). Ranks with the same label on the same machine share a node; a
@@ -27,6 +43,20 @@ PRETEND_NODES_ENV = "COLLECTIVES_PRETEND_NODES"
 _NAME_BYTES = 128
 _ERROR_BYTES = 384
 _NODE_BYTES = 256
+
+
+def rendezvous(comm=None, deadline=None, environ=os.environ):
+    """The rendezvous to bootstrap from: MPI's when `comm` (an mpi4py
+    communicator) is given or an MPI launcher started this process; the c10d
+    store's when torchrun did (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+    no mpi4py needed); else MPI's world when mpi4py is installed; None when
+    running alone without it."""
+    launched_by_mpi = [v for v in LAUNCHER_VARIABLES if v in environ]
+    if comm is None and not launched_by_mpi and all(v in environ for v in TORCHRUN_VARIABLES):
+        from .torch.rendezvous import torchrun_rendezvous
+        return torchrun_rendezvous(deadline, environ)
+    world = mpi_world(comm)
+    return None if world is None else MpiRendezvous(world)
 
 
 def mpi_world(comm=None):
@@ -52,16 +82,41 @@ def _wait(request, deadline, what):
         time.sleep(1e-4)
 
 
-def _allgather_text(comm, text, nbytes, deadline, what):
+class MpiRendezvous:
+    """Start-up exchanges over an mpi4py communicator, every call nonblocking
+    and polled against the deadline."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def allgather(self, data, nbytes, deadline, what):
+        """Every rank's `data` (at most `nbytes` bytes), in rank order, each
+        padded with zero bytes to `nbytes`."""
+        from mpi4py import MPI
+        mine = bytearray(nbytes)
+        mine[:len(data[:nbytes])] = data[:nbytes]
+        everyone = bytearray(nbytes * self.size)
+        _wait(self.comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE]), deadline, what)
+        return [bytes(everyone[i:i + nbytes]) for i in range(0, len(everyone), nbytes)]
+
+    def barrier(self, deadline, what):
+        _wait(self.comm.Ibarrier(), deadline, what)
+
+    def link(self, deadline):
+        """hierarchy.py's messages between nodes: MPI point-to-point on a
+        private duplicate of the communicator (MPI_Comm_idup, polled), so our
+        messages never match the program's own."""
+        from .transport.mpi import MpiLink
+        copy, request = self.comm.Idup()
+        _wait(request, deadline, "every rank to duplicate the MPI communicator")
+        return MpiLink(copy)
+
+
+def _allgather_text(rendezvous, text, nbytes, deadline, what):
     """Every rank's `text` (at most `nbytes` of UTF-8), in rank order."""
-    from mpi4py import MPI
-    mine = bytearray(nbytes)
-    data = text.encode()[:nbytes]
-    mine[:len(data)] = data
-    everyone = bytearray(nbytes * comm.Get_size())
-    _wait(comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE]), deadline, what)
-    return [bytes(everyone[i:i + nbytes]).rstrip(b"\0").decode(errors="replace")
-            for i in range(0, len(everyone), nbytes)]
+    return [data.rstrip(b"\0").decode(errors="replace")
+            for data in rendezvous.allgather(text.encode()[:nbytes], nbytes, deadline, what)]
 
 
 class Topology(NamedTuple):
@@ -122,17 +177,21 @@ def pretend_label(rank, size, environ=os.environ):
     return labels[rank]
 
 
-def topology(comm, deadline, environ=os.environ):
-    """Which ranks of `comm` share a node: ranks on one machine, split
-    further by $COLLECTIVES_PRETEND_NODES. Every rank of `comm` must call
-    this together; a bad setting on any rank raises on every rank."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+def topology(rendezvous, deadline, environ=os.environ):
+    """Which ranks of the rendezvous share a node: ranks on one machine, split
+    further by $COLLECTIVES_PRETEND_NODES. Every rank must call this
+    together; a bad setting on any rank raises on every rank."""
+    rank, size = rendezvous.rank, rendezvous.size
+    # The labels are the job's, one per rank of the world: a rendezvous of
+    # some of its ranks (a torch.distributed group of some ranks) says where
+    # its ranks sit in the world.
+    world_rank, world_size = getattr(rendezvous, "world_rank", rank), getattr(rendezvous, "world_size", size)
     try:
-        mine = f"ok\n{machine_name()}\n{pretend_label(rank, size, environ)}"
+        mine = f"ok\n{machine_name()}\n{pretend_label(world_rank, world_size, environ)}"
     except InvalidUsageError as error:
         mine = f"error\n{error}"
     answers = [text.split("\n") for text in
-               _allgather_text(comm, mine, _NODE_BYTES, deadline, "every rank's machine and node")]
+               _allgather_text(rendezvous, mine, _NODE_BYTES, deadline, "every rank's machine and node")]
     failed = [(r, a[1]) for r, a in enumerate(answers) if a[0] != "ok"]
     if failed:
         raise InvalidUsageError("; ".join(f"rank {r}: {message}" for r, message in failed))
@@ -143,69 +202,57 @@ def topology(comm, deadline, environ=os.environ):
                     tuple(machine for _, machine, _ in answers))
 
 
-def local_rank(comm, deadline):
+def local_rank(rendezvous, deadline):
     """This rank's index among the ranks on its machine (which GPU it takes),
     and the Topology."""
-    found = topology(comm, deadline)
-    return found.machine_rank(comm.Get_rank()), found
+    found = topology(rendezvous, deadline)
+    return found.machine_rank(rendezvous.rank), found
 
 
-def agree(comm, deadline, error):
+def agree(rendezvous, deadline, error):
     """Raise on every rank if any rank reports an `error` (an exception or None)."""
     text = "" if error is None else f"{type(error).__name__}: {error}"
-    errors = _allgather_text(comm, text, _ERROR_BYTES, deadline, "every rank to open its device")
+    errors = _allgather_text(rendezvous, text, _ERROR_BYTES, deadline, "every rank to open its device")
     failed = [(rank, e) for rank, e in enumerate(errors) if e]
     if failed:
         raise CollectiveError("; ".join(f"rank {rank} could not start: {e}" for rank, e in failed)) from error
 
 
-def process_rank(comm, deadline, make_rank):
+def process_rank(rendezvous, deadline, make_rank):
     """This process's rank object, `make_rank(rank, size, prefix)`; every rank
-    of `comm` must call this together. Rank 0 makes its rank (and with it the
-    control segment) before the others look for it. The prefix is all that
-    travels: it names rank 0's process, which holds the control segment, and
-    the others map it from there (transport/segments.py), so new_prefix() is
+    must call this together. Rank 0 makes its rank (and with it the control
+    segment) before the others look for it. The prefix is all that travels:
+    it names rank 0's process, which holds the control segment, and the
+    others map it from there (transport/segments.py), so new_prefix() is
     called in the process that becomes rank 0, here and in node_process_rank."""
-    from mpi4py import MPI
-
-    rank, size = comm.Get_rank(), comm.Get_size()
-    name = bytearray(_NAME_BYTES)
-    made = None
+    rank, size = rendezvous.rank, rendezvous.size
+    made, prefix = None, ""
     if rank == 0:
         prefix = new_prefix()
         made = make_rank(0, size, prefix)
-        name[:len(prefix)] = prefix.encode()
-    _wait(comm.Ibcast([name, MPI.BYTE], root=0), deadline, "rank 0 to share the communicator's name")
+    names = _allgather_text(rendezvous, prefix, _NAME_BYTES, deadline, "rank 0 to share the communicator's name")
     if rank != 0:
-        made = make_rank(rank, size, bytes(name).rstrip(b"\0").decode())
+        made = make_rank(rank, size, names[0])
     # Nobody returns (and could close) before every rank has mapped the control segment.
-    _wait(comm.Ibarrier(), deadline, "every rank to attach")
+    rendezvous.barrier(deadline, "every rank to attach")
     return made
 
 
-def node_process_rank(comm, deadline, make_rank, found):
+def node_process_rank(rendezvous, deadline, make_rank, found):
     """process_rank for every node at once: this process's rank object among
     the ranks of its node, `make_rank(local rank, node size, prefix)`, or
     None when it is alone on its node. Each node's first rank makes the
     control segment; the others attach to their own node's, and never to
-    another node's (they could not map it). Every rank of `comm` calls this."""
-    rank = comm.Get_rank()
+    another node's (they could not map it). Every rank calls this."""
+    rank = rendezvous.rank
     node = found.nodes[found.node_of(rank)]
     local, leader = node.index(rank), node[0]
     made, prefix = None, ""
     if len(node) > 1 and rank == leader:
         prefix = new_prefix()
         made = make_rank(0, len(node), prefix)
-    names = _allgather_text(comm, prefix, _NAME_BYTES, deadline, "each node's first rank to share its name")
+    names = _allgather_text(rendezvous, prefix, _NAME_BYTES, deadline, "each node's first rank to share its name")
     if len(node) > 1 and rank != leader:
         made = make_rank(local, len(node), names[leader])
-    _wait(comm.Ibarrier(), deadline, "every rank to attach")
+    rendezvous.barrier(deadline, "every rank to attach")
     return made
-
-
-def duplicate(comm, deadline):
-    """A private copy of `comm` (MPI_Comm_idup, polled): our messages never
-    match the program's own."""
-    copy, request = comm.Idup()
-    _wait(request, deadline, "every rank to duplicate the MPI communicator")
-    return copy

@@ -81,7 +81,6 @@ from .errors import CollectiveError, InvalidUsageError
 from .executors import host
 from .ops import ReduceOp
 from .plan import INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, SRC0, WORK
-from .transport.mpi import MpiLink
 from .transport.protocol import call_signature
 from .validation import call_arguments
 
@@ -108,14 +107,14 @@ class HierarchicalCommunicator(Communicator):
     into topology.nodes."""
 
     @classmethod
-    def start(cls, world, found, deadline, timeout):
-        """Every rank of the mpi4py communicator `world` calls this together (init does)."""
+    def start(cls, rendezvous, found, deadline, timeout):
+        """Every rank of the rendezvous (bootstrap.py) calls this together (init does)."""
         from .transport.shm import ShmRank
 
-        shm = bootstrap.node_process_rank(world, deadline, ShmRank, found)
-        link = MpiLink(bootstrap.duplicate(world, deadline))
-        ranks = HierarchyRanks(found, world.Get_rank(), shm, link)
-        return cls(ranks, size=world.Get_size(), local_ranks=[world.Get_rank()], timeout=timeout)
+        shm = bootstrap.node_process_rank(rendezvous, deadline, ShmRank, found)
+        link = rendezvous.link(deadline)
+        ranks = HierarchyRanks(found, rendezvous.rank, shm, link)
+        return cls(ranks, size=rendezvous.size, local_ranks=[rendezvous.rank], timeout=timeout)
 
     def __init__(self, ranks, *, size, local_ranks, timeout):
         super().__init__(ranks, size=size, local_ranks=local_ranks, timeout=timeout)

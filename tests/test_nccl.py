@@ -17,6 +17,7 @@ from collectives import (
     SUPPORTED_DTYPES, CollectiveError, CollectiveTimeoutError, Communicator, InvalidUsageError, ReduceOp,
 )
 from collectives.arrays import ArrayInfo
+from collectives.bootstrap import MpiRendezvous
 from collectives.executors import nccl as nccl_backend
 from collectives.executors.nccl import NcclCall, NcclRanks, nccl_call, nccl_op_name, nccl_type_name
 from backends import GPU_DEVICE, gpu_unavailable_reason
@@ -306,7 +307,7 @@ def test_without_nccl_or_a_gpu_the_error_says_what_is_missing():
 def test_the_unique_id_travels_through_mpi():
     MPI = pytest.importorskip("mpi4py.MPI")
     unique_id = bytes(range(128))
-    assert nccl_backend.share_unique_id(MPI.COMM_SELF, time.perf_counter() + 5, unique_id) == unique_id
+    assert nccl_backend.share_unique_id(MpiRendezvous(MPI.COMM_SELF), time.perf_counter() + 5, unique_id) == unique_id
 
 
 # -- where the host waits: timeouts, errors, abort ----------------------------------------------

@@ -202,15 +202,10 @@ def new_unique_id(nccl):
         raise CollectiveError(f"NCCL could not make a unique id: {error}") from error
 
 
-def share_unique_id(comm, deadline, unique_id):
-    """Rank 0's NCCL unique id, on every rank of the mpi4py communicator
-    `comm`: a nonblocking broadcast polled against the deadline."""
-    from mpi4py import MPI
-    from ..bootstrap import _wait
-
-    buffer = bytearray(unique_id) if comm.Get_rank() == 0 else bytearray(UNIQUE_ID_BYTES)
-    _wait(comm.Ibcast([buffer, MPI.BYTE], root=0), deadline, "rank 0 to share NCCL's unique id")
-    return bytes(buffer)
+def share_unique_id(rendezvous, deadline, unique_id):
+    """Rank 0's NCCL unique id, on every rank of the rendezvous (bootstrap.py)."""
+    mine = bytes(unique_id) if rendezvous.rank == 0 else b""
+    return rendezvous.allgather(mine, UNIQUE_ID_BYTES, deadline, "rank 0 to share NCCL's unique id")[0]
 
 
 # -- the executor ----------------------------------------------------------------------

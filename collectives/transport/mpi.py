@@ -39,7 +39,7 @@ _KIND_DIGITS = "0123456789"
 
 class MpiLink:
     """This rank's end of the messages between nodes: `comm` is a private
-    duplicate (bootstrap.duplicate) of the communicator the ranks started from."""
+    duplicate (MpiRendezvous.link, bootstrap.py) of the communicator the ranks started from."""
 
     def __init__(self, comm):
         from mpi4py import MPI

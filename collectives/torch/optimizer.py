@@ -37,9 +37,10 @@ import weakref
 import numpy as np
 import torch
 
-from .compression import warm_up, wire
-from .errors import InvalidUsageError
-from .fusion import DEFAULT_THRESHOLD
+from ..compression import warm_up, wire
+from ..errors import InvalidUsageError
+from ..fusion import DEFAULT_THRESHOLD
+from .tensors import host_array, on_torch_stream
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters"]
 
@@ -288,7 +289,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._buffer.add(host_array(contiguous))
         elif grad.device.type == "cuda":
             stream = torch.cuda.current_stream(grad.device)
-            with _on_torch_stream(stream):
+            with on_torch_stream(stream):
                 self._buffer.add(contiguous)
             self._streams.add(stream)
         else:
@@ -371,39 +372,10 @@ def _broadcast_bytes(tensors, comm, root, device):
         if device.type == "cpu":
             comm.broadcast(flat.numpy(), root=root)
         elif device.type == "cuda":
-            with _on_torch_stream(torch.cuda.current_stream(device)):
+            with on_torch_stream(torch.cuda.current_stream(device)):
                 comm.broadcast(flat, root=root)
         else:
             raise InvalidUsageError(f"tensors on {device} are not supported: CPU or CUDA tensors only")
         for t, offset in zip(tensors, offsets):
             nbytes = t.numel() * t.element_size()
             t.copy_(flat[offset:offset + nbytes].view(t.dtype).view(t.shape))
-
-
-def host_array(tensor):
-    """A NumPy array sharing `tensor`'s memory (a contiguous CPU tensor),
-    what host ranks take. bfloat16 becomes ml_dtypes.bfloat16."""
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        import ml_dtypes
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
-
-
-class _on_torch_stream:
-    """Make PyTorch's stream CuPy's current one (and its device current), so
-    that the library's kernels queue behind the kernels that produced the
-    tensors, and the ones that read the results queue behind them."""
-
-    def __init__(self, stream):
-        import cupy
-        self._device = cupy.cuda.Device(stream.device.index)
-        self._stream = cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
-
-    def __enter__(self):
-        self._device.__enter__()
-        self._stream.__enter__()
-
-    def __exit__(self, *exc):
-        self._stream.__exit__(*exc)
-        self._device.__exit__(*exc)

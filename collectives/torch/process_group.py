@@ -1,0 +1,502 @@
+"""A torch.distributed backend whose collectives run on this library.
+
+    import torch.distributed as dist
+    import collectives.torch                      # registers the backend "collectives"
+    dist.init_process_group("collectives")        # under torchrun: no mpiexec, no mpi4py
+    # or "cpu:collectives,cuda:collectives"; DDP, FSDP2 and dist.* run on it unchanged
+
+Tested on CPU tensors (tests/test_torch_backend.py: 4 processes under
+torchrun, mpi4py hidden). The CUDA tensor path below is written against
+the library's GPU API but has not yet run on a GPU.
+
+What torch.distributed calls a backend is, for a Python library in torch
+2.13, a subclass of `torch.distributed.ProcessGroup` (the C++ `Backend`
+class cannot be subclassed from Python), made by the creator registered
+with `Backend.register_backend(name, creator, devices=[...])`. The creator
+gets the group's store, a PrefixStore private to the group, its rank, size
+and timeout. `ProcessGroupCollectives` is an adapter and owns no data path: each
+op checks its tensors, turns them into what a Communicator takes
+(tensors.py), calls it, and returns a finished Work (work.py).
+
+- Rendezvous: the group's store is the ranks' meeting place
+  (rendezvous.py): host ranks exchange their process ids and shared-memory
+  names through it, GPU ranks their CUDA IPC handles. The host
+  communicator is made with the group (every rank is in the creator
+  together); the GPU one at the group's first call on CUDA tensors, which
+  every rank makes at the same point of its program, as NCCL makes its
+  communicators lazily.
+- Across nodes, CPU tensors run on our hierarchical communicator: shared
+  memory inside each node, Gloo between nodes (link.py). CUDA tensors
+  across nodes run whole in NCCL, through the library's NCCL backend
+  (executors/nccl.py, CuPy's binding: the cuda12/cuda13 extra), as
+  init(backend="nccl") does today: our GPU ranks do not cross nodes yet.
+  (A torch NCCL group cannot sit beside ours in one process group: torch
+  2.13 makes a Python process group the whole group, for every device, so
+  a device map such as "cpu:gloo,cuda:collectives" or
+  "cpu:collectives,cuda:nccl" gives our group every device's tensors.)
+- Timeouts: the group's timeout is the communicators' (torch's default for
+  a group is 30 minutes, not the library's 300 s: pass timeout= to
+  init_process_group or new_group). A rank that stalls makes the others'
+  calls fail with CollectiveTimeoutError at the timeout; a rank that dies,
+  with RankFailedError at once (the peers see its process gone). Both are
+  raised by work.wait() (by dist.* itself for a blocking call) and, in
+  DDP's backward, as a RuntimeError that names them. After such an error
+  the group's communicator is aborted: make a new group.
+- Execution: every call runs to completion in the caller's thread before it
+  returns (host ranks), or is queued on the caller's current CUDA stream (GPU
+  ranks), under one lock, so calls from several threads (DDP's autograd
+  threads) are issued in one order. No background thread: on host ranks
+  communication is CPU work on the cores that run the model
+  (docs/training.md measured what overlap buys there: a few percent), and
+  a hand-off to a thread would cost more than that on small calls.
+- Ops: allreduce (SUM, AVG, PRODUCT, MIN, MAX, and PREMUL_SUM as a scaled
+  copy summed), broadcast, reduce, allgather and reduce_scatter in their
+  list and single-tensor forms (both spellings: 2.13's all_gather_single /
+  reduce_scatter_single and the older _allgather_base /
+  _reduce_scatter_base), their coalesced forms, barrier. send, recv,
+  all_to_all, gather and scatter raise NotImplementedError naming
+  themselves; BAND, BOR and BXOR raise InvalidUsageError.
+  all_gather_object and broadcast_object_list run on allgather and
+  broadcast (of bytes: collectives that only move data take any dtype,
+  bool and complex included); reductions take the library's dtypes
+  (collectives.SUPPORTED_DTYPES: no bool, no complex).
+- Life cycle: destroy_process_group closes our communicators (shutdown);
+  torch's abort ends them at once and tells the peers (abort).
+- Errors: a tensor on another device, mismatched tensors, an op or dtype we
+  do not offer: InvalidUsageError (or NotImplementedError) before anything
+  is written, on every rank (every rank makes the same call). Errors of the
+  call itself (a peer's different shapes, timeouts, dead peers) are in the
+  returned Work: wait() raises them.
+"""
+
+import contextlib
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import bootstrap, start
+from ..errors import CollectiveError, InvalidUsageError
+from .rendezvous import StoreRendezvous
+from .tensors import byte_array, host_array, on_torch_stream, rank_array, reducible
+from .work import Work
+
+BACKEND = "collectives"
+
+_REDUCE_OPS = {dist.ReduceOp.RedOpType.SUM: "sum", dist.ReduceOp.RedOpType.AVG: "avg",
+               dist.ReduceOp.RedOpType.PRODUCT: "prod", dist.ReduceOp.RedOpType.MIN: "min",
+               dist.ReduceOp.RedOpType.MAX: "max"}
+_OFFERED = "SUM, AVG, PRODUCT, MIN, MAX and PREMUL_SUM"
+
+
+def create_process_group(store, rank, size, timeout):
+    """The creator torch.distributed calls (Backend.register_backend)."""
+    return ProcessGroupCollectives(store, rank, size, timeout)
+
+
+def create_process_group_extended(options, backend_options=None):
+    """The creator of register_backend's extended API, which also says
+    where a group of some ranks sits in the world (global_ranks_in_group:
+    empty for the default group), for $COLLECTIVES_PRETEND_NODES."""
+    world_ranks = list(options.global_ranks_in_group) or None
+    return ProcessGroupCollectives(options.store, options.group_rank, options.group_size, options.timeout,
+                                   world_ranks=world_ranks)
+
+
+class ProcessGroupCollectives(dist.ProcessGroup):
+    """torch.distributed's view of our communicators: one for CPU tensors
+    (host ranks), one for CUDA tensors (GPU ranks, made at the first CUDA call)."""
+
+    def __init__(self, store, rank, size, timeout, world_ranks=None):
+        super().__init__(rank, size)
+        self._store = store
+        # this rank's place in the job (a group of some ranks: its global ranks, in group order)
+        self._world = (world_ranks[rank], dist.get_world_size()) if world_ranks and dist.is_initialized() else \
+            (rank, size)
+        self._timeout = timeout.total_seconds() if timeout is not None else None
+        self._lock = threading.RLock()
+        self._group_name = self._group_desc = ""
+        self._communicators = {"cpu": start(self._rendezvous("cpu/"), "host", timeout=self._timeout)}
+
+    def getBackendName(self):
+        return BACKEND
+
+    # torch.distributed names every group (_set_group_name, after the creator
+    # returns); C++'s ProcessGroup keeps the name in its backends, which a
+    # Python group has none of, so the name lives here. init_device_mesh,
+    # DeviceMesh.from_group and FSDP2 read it.
+
+    def _set_group_name(self, name):
+        self._group_name = name
+
+    @property
+    def group_name(self):
+        return self._group_name
+
+    def _set_group_desc(self, desc):
+        self._group_desc = desc
+
+    @property
+    def group_desc(self):
+        return self._group_desc
+
+    def name(self):
+        return BACKEND
+
+    def _get_backend_name(self):
+        return BACKEND
+
+    def __repr__(self):
+        return f"<ProcessGroupCollectives rank={self.rank()} size={self.size()}>"
+
+    def communicator(self, device="cpu"):
+        """The Communicator that runs this group's calls on `device`'s
+        tensors: "cpu", or a CUDA device (made at the first call, by every
+        rank together). A communication hook may call it directly."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            comm = self._communicators.get("cpu")
+            if comm is None:
+                raise InvalidUsageError("this process group was shut down or aborted (destroy_process_group): "
+                                        "make a new one")
+            return comm
+        if device.type != "cuda":
+            raise InvalidUsageError(
+                f"tensors on {device} are not supported: collectives' process group takes CPU tensors (host ranks) "
+                "and CUDA tensors (GPU ranks)")
+        with self._lock:
+            if "cpu" not in self._communicators:
+                self.communicator("cpu")   # raises: shut down
+            if "cuda" not in self._communicators:
+                self._communicators["cuda"] = self._gpu_communicator(device)
+            return self._communicators["cuda"]
+
+    def _gpu_communicator(self, device):
+        """Our GPU ranks where every rank shares a node (CUDA IPC between
+        them), else NCCL, which runs whole collectives across nodes."""
+        rendezvous = self._rendezvous("cuda/")
+        deadline = time.perf_counter() + (self._timeout or 300.0)
+        nodes = len(bootstrap.topology(rendezvous, deadline).nodes)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return start(rendezvous, f"cuda:{index}", backend="ours" if nodes == 1 else "nccl", timeout=self._timeout,
+                     deadline=deadline)
+
+    def _rendezvous(self, prefix):
+        return StoreRendezvous(dist.PrefixStore(prefix, self._store), self.rank(), self.size(), *self._world)
+
+    # -- the collectives -------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        tensor = _one(tensors, "allreduce")
+        op, factor = _reduce_op(_opts(opts, dist.AllreduceOptions).reduceOp, tensor, "allreduce")
+        cpu = self._communicators.get("cpu")
+        if factor is None and cpu is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
+            # DDP's and most callers' case, on the shortest path: the
+            # general one below costs ~10 us more a call in Python
+            with self._lock:
+                try:
+                    cpu.allreduce(host_array(tensor), op=op)
+                except CollectiveError as error:
+                    return Work(error=error)
+            return Work(tensors)
+
+        def run(comm):
+            with _contiguous(tensor) as t:
+                if factor is None:
+                    comm.allreduce(rank_array(t), op=op)
+                else:
+                    comm.allreduce(rank_array(t * factor), op=op, out=rank_array(t))
+        return self._run([tensor], "allreduce", run)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = _opts(opts, dist.AllreduceCoalescedOptions)
+        for t in tensors:
+            op, factor = _reduce_op(opts.reduceOp, t, "allreduce_coalesced")
+        if not tensors or factor is not None:
+            single = dist.AllreduceOptions()
+            single.reduceOp = opts.reduceOp
+            return self._each(tensors, lambda t: self.allreduce([t], single))
+
+        def run(comm):
+            with contextlib.ExitStack() as stack:
+                flat = [stack.enter_context(_contiguous(t)) for t in tensors]
+                comm.allreduce_many([rank_array(t) for t in flat], op=op)
+        return self._run(tensors, "allreduce_coalesced", run)
+
+    def broadcast(self, tensors, opts=None):
+        tensor = _one(tensors, "broadcast")
+        root = _root(_opts(opts, dist.BroadcastOptions).rootRank, self.size(), "broadcast")
+
+        def run(comm):
+            with _contiguous(tensor) as t:
+                comm.broadcast(byte_array(t), root=root)
+        return self._run([tensor], "broadcast", run)
+
+    def reduce(self, tensors, opts=None):
+        tensor = _one(tensors, "reduce")
+        opts = _opts(opts, dist.ReduceOptions)
+        root = _root(opts.rootRank, self.size(), "reduce")
+        op, factor = _reduce_op(opts.reduceOp, tensor, "reduce")
+
+        def run(comm):
+            with _contiguous(tensor) as t:
+                if factor is None:
+                    comm.reduce(rank_array(t), root=root, op=op)
+                    return
+                scaled = t * factor
+                comm.reduce(rank_array(scaled), root=root, op=op)
+                if self.rank() == root:
+                    t.copy_(scaled)
+        return self._run([tensor], "reduce", run)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        tensor = _one(input_tensors, "allgather")
+        outputs = _one(output_tensors, "allgather", "output_tensors")
+        self._check_blocks(outputs, tensor, "allgather", "output_tensors")
+
+        def run(comm):
+            gathered = torch.empty((self.size(), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+            comm.allgather(byte_array(tensor.contiguous()), out=byte_array(gathered))
+            for out, block in zip(outputs, gathered):
+                out.copy_(block)
+        return self._run([tensor, *outputs], "allgather", run, outputs)
+
+    def all_gather_single(self, output, input, opts=None):
+        _check_sizes("all_gather_single", output, "output", input, "input", self.size())
+
+        def run(comm):
+            with _contiguous(output) as out:
+                comm.allgather(byte_array(input.contiguous()), out=byte_array(out))
+        return self._run([output, input], "all_gather_single", run, [output])
+
+    _allgather_base = all_gather_single   # the spelling before torch 2.13
+
+    # The coalesced forms run one call per item, after checking every item
+    # (so that a bad one raises before any is written).
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        pairs = _pairs(output_lists, input_list, "allgather_coalesced")
+        for outputs, tensor in pairs:
+            self._check_blocks(outputs, tensor, "allgather_coalesced", "output_lists")
+        return self._each(pairs, lambda pair: self.allgather([pair[0]], [pair[1]]))
+
+    def all_gather_single_coalesced(self, output_list, input_list, opts=None):
+        pairs = _pairs(output_list, input_list, "all_gather_single_coalesced")
+        for output, tensor in pairs:
+            _check_sizes("all_gather_single_coalesced", output, "output", tensor, "input", self.size())
+        return self._each(pairs, lambda pair: self.all_gather_single(*pair))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        output = _one(output_tensors, "reduce_scatter")
+        inputs = _one(input_tensors, "reduce_scatter", "input_tensors")
+        self._check_blocks(inputs, output, "reduce_scatter", "input_tensors")
+        op, factor = _reduce_op(_opts(opts, dist.ReduceScatterOptions).reduceOp, output, "reduce_scatter")
+
+        def run(comm):
+            stacked = torch.stack(inputs)   # a copy, contiguous: rank r's block is inputs[r]
+            if factor is not None:
+                stacked.mul_(factor)
+            with _contiguous(output) as out:
+                comm.reduce_scatter(rank_array(stacked.reshape(-1)), op=op, out=rank_array(out.reshape(-1)))
+        return self._run([output, *inputs], "reduce_scatter", run, [output])
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        _check_sizes("reduce_scatter_single", input, "input", output, "output", self.size())
+        op, factor = _reduce_op(_opts(opts, dist.ReduceScatterOptions).reduceOp, output, "reduce_scatter_single")
+
+        def run(comm):
+            x = input.reshape(-1) * factor if factor is not None else input.contiguous().reshape(-1)
+            with _contiguous(output) as out:
+                comm.reduce_scatter(rank_array(x), op=op, out=rank_array(out.reshape(-1)))
+        return self._run([output, input], "reduce_scatter_single", run, [output])
+
+    _reduce_scatter_base = reduce_scatter_single   # the spelling before torch 2.13
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        pairs = _pairs(outputs, inputs, "reduce_scatter_single_coalesced")
+        for output, tensor in pairs:
+            _check_sizes("reduce_scatter_single_coalesced", tensor, "input", output, "output", self.size())
+            _reduce_op(_opts(opts, dist.ReduceScatterOptions).reduceOp, output, "reduce_scatter_single_coalesced")
+        return self._each(pairs, lambda pair: self.reduce_scatter_single(*pair, opts))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def barrier(self, opts=None):
+        def run(comm):
+            gpu = self._communicators.get("cuda")
+            if gpu is not None:   # as NCCL's barrier: after the GPU work issued so far
+                gpu.synchronize()
+            comm.barrier()
+        return self._run([], "barrier", run)
+
+    # -- what we do not offer: said, never a wrong result -----------------------------------------
+
+    def send(self, *args, **kwargs):
+        raise _not_offered("send")
+
+    def recv(self, *args, **kwargs):
+        raise _not_offered("recv")
+
+    def recv_anysource(self, *args, **kwargs):
+        raise _not_offered("recv_anysource")
+
+    def alltoall(self, *args, **kwargs):
+        raise _not_offered("all_to_all")
+
+    def alltoall_base(self, *args, **kwargs):
+        raise _not_offered("all_to_all_single")
+
+    def all_to_all_single(self, *args, **kwargs):
+        raise _not_offered("all_to_all_single")
+
+    def gather(self, *args, **kwargs):
+        raise _not_offered("gather")
+
+    def scatter(self, *args, **kwargs):
+        raise _not_offered("scatter")
+
+    def monitored_barrier(self, *args, **kwargs):
+        raise _not_offered("monitored_barrier")
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def set_timeout(self, timeout):
+        """The group's timeout, and so our communicators' (for the calls made after)."""
+        self._timeout = timeout.total_seconds()
+        for comm in self._communicators.values():
+            comm.timeout = self._timeout
+
+    def shutdown(self):
+        """destroy_process_group's call: close our communicators (collective:
+        every rank destroys the group; a dead peer does not make it hang)."""
+        with self._lock:
+            communicators, self._communicators = self._communicators, {}
+        for comm in communicators.values():
+            comm.close()
+
+    def abort(self):
+        """torch.distributed's abort (_abort_process_group): end our
+        communicators at once, telling the peers (they raise instead of
+        waiting out their timeout). Not under the call lock: a call of
+        another thread may be stuck."""
+        communicators, self._communicators = self._communicators, {}
+        reason = CollectiveError(f"rank {self.rank()} aborted the torch.distributed process group")
+        for comm in communicators.values():
+            comm.__exit__(type(reason), reason, None)
+
+    # -- the one path of every call ---------------------------------------------------------------
+
+    def _run(self, tensors, what, run, result=None):
+        """`run(communicator)` for `tensors` (all on one device; none: the
+        host communicator's), as a finished Work holding `result` (default:
+        `tensors`), or the call's error."""
+        device = _device_of(tensors, what)
+        comm = self.communicator(device)
+        stream = on_torch_stream(torch.cuda.current_stream(device)) if device.type == "cuda" else \
+            contextlib.nullcontext()
+        with self._lock, stream:
+            try:
+                run(comm)
+            except CollectiveError as error:
+                return Work(error=error)
+        return Work(tensors if result is None else result)
+
+    def _each(self, items, call):
+        """Coalesced forms: one call per item, in order; one Work, failed at the first failure."""
+        results = []
+        for item in items:
+            work = call(item)
+            if not work.is_success():
+                return work
+            results += work.result()
+        return Work(results)
+
+    def _check_blocks(self, blocks, like, what, name):
+        if len(blocks) != self.size() or any(b.shape != like.shape or b.dtype != like.dtype for b in blocks):
+            raise InvalidUsageError(
+                f"{what}: {name} must hold {self.size()} tensors of shape {tuple(like.shape)} and dtype {like.dtype}, "
+                f"one per rank; got {len(blocks)}: {[(tuple(b.shape), b.dtype) for b in blocks][:4]}")
+
+
+def _opts(opts, kind):
+    return kind() if opts is None else opts
+
+
+def _one(tensors, what, name="tensors"):
+    """The one item of `tensors`: one device per process, as torch 2.x has it."""
+    if len(tensors) != 1:
+        raise InvalidUsageError(f"{what}: {name} must hold one item (one device per process), got {len(tensors)}")
+    return tensors[0]
+
+
+def _pairs(outputs, inputs, what):
+    if len(outputs) != len(inputs):
+        raise InvalidUsageError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs; they must pair up")
+    return list(zip(outputs, inputs))
+
+
+def _root(root, size, what):
+    if not 0 <= root < size:
+        raise InvalidUsageError(f"{what}: root {root} is not a rank of this group of {size}")
+    return root
+
+
+def _check_sizes(what, whole, whole_name, block, block_name, size):
+    if whole.numel() != size * block.numel() or whole.dtype != block.dtype:
+        raise InvalidUsageError(
+            f"{what}: {whole_name} has {whole.numel()} elements of {whole.dtype}, {block_name} {block.numel()} of "
+            f"{block.dtype}: the {whole_name} needs {size} x the {block_name}'s elements, of its dtype")
+
+
+def _device_of(tensors, what):
+    """The one device of the call's tensors (the CPU for a call with none)."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise InvalidUsageError(f"{what}: tensors on several devices ({', '.join(sorted(map(str, devices)))}); "
+                                "a call's tensors must share one")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _reduce_op(op, tensor, what):
+    """(our op's name, the PREMUL_SUM factor or None) for a ReduceOp, after
+    checking that `tensor`'s dtype can be reduced with it."""
+    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    name = _REDUCE_OPS.get(kind)
+    if name is not None:
+        why = reducible(tensor.dtype, name)
+        if why:
+            raise InvalidUsageError(f"{what}: {why}")
+        return name, None
+    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        factor = op.factor
+        name, factor = "sum", factor.item() if isinstance(factor, torch.Tensor) else float(factor)
+    elif kind in _REDUCE_OPS:
+        name, factor = _REDUCE_OPS[kind], None
+    else:
+        raise InvalidUsageError(f"{what}: ReduceOp.{getattr(kind, 'name', kind)} is not offered by collectives "
+                                f"(it reduces with {_OFFERED})")
+    why = reducible(tensor.dtype, name)
+    if why:
+        raise InvalidUsageError(f"{what}: {why}")
+    return name, factor
+
+
+def _not_offered(what):
+    return NotImplementedError(
+        f"{what} is not offered by collectives' process group: it offers allreduce, broadcast, reduce, allgather, "
+        "reduce_scatter (list, single-tensor and coalesced forms) and barrier")
+
+
+@contextlib.contextmanager
+def _contiguous(tensor):
+    """`tensor`, or a contiguous copy of it that is copied back when the
+    call succeeds (the collectives take contiguous memory)."""
+    if tensor.is_contiguous():
+        yield tensor
+        return
+    copy = tensor.contiguous()
+    yield copy
+    tensor.copy_(copy)
