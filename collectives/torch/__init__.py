@@ -8,6 +8,8 @@
                           torch.distributed.init_process_group("collectives")
                       (under torchrun: no mpiexec, no mpi4py); DDP, FSDP2
                       and torch.distributed's calls run on it unchanged
+    hooks.py          compression_hook: our compressed allreduce (float32
+                      sums) as a DDP communication hook
     rendezvous.py,    start-up through a c10d store, and the messages
     link.py           between nodes on a Gloo group
 
@@ -17,10 +19,12 @@ import this package.
 
 import torch.distributed as _dist
 
+from .hooks import compression_hook
 from .optimizer import DistributedOptimizer, broadcast_parameters, host_array
 from .process_group import BACKEND, ProcessGroupCollectives, create_process_group, create_process_group_extended
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "host_array", "ProcessGroupCollectives", "BACKEND"]
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "host_array", "ProcessGroupCollectives", "BACKEND",
+           "compression_hook"]
 
 
 def _register():
