@@ -153,8 +153,11 @@ class CompressionState:
         future = torch.futures.Future()
         if buffer.device.type == "cpu":
             array = buffer.detach().numpy()
-            done = comm._fusion_submit(self, lambda _fuser: self._reduce(comm, index, array))
-            comm._fusion_done(self, [done])
+            # The communicator's other collectives wait for this one (they raise
+            # while it is in flight): each bucket is an owner of its own.
+            owner = object()
+            done = comm._fusion_submit(owner, lambda _fuser: self._reduce(comm, index, array))
+            comm._fusion_done(owner, [done])
 
             def finish(done):
                 error = done.exception()
