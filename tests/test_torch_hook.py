@@ -1,8 +1,8 @@
 """collectives.torch.compression_hook: our compressed allreduce as a DDP communication hook.
 
 In this process: the arguments it refuses. Under torchrun (marked
-`processes`; tests/torch_hook_worker.py is one rank): one launch of 4
-ranks runs every scenario, DDP on a Gloo group with our communicator
+`processes`; tests/torch_hook_worker.py is one rank): one launch of 2
+ranks and one of 4 run every scenario, DDP on a Gloo group with our communicator
 (collectives.init() through torchrun's store) beside it, and each test
 below reads its scenario's verdict from every rank:
 
@@ -35,7 +35,6 @@ from collectives import InvalidUsageError  # noqa: E402
 from collectives.torch import compression_hook  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-NRANKS = 4
 
 
 def test_unknown_codecs_and_arguments_are_refused_at_once():
@@ -79,19 +78,20 @@ def test_one_rank_averages_over_itself():
     assert torch.equal(result, values) and hook.residual(3) is None
 
 
-@pytest.fixture(scope="module")
-def verdicts(tmp_path_factory):
-    """Run every scenario once on NRANKS torchrun processes; per scenario,
-    every rank's verdict, and rank 0's measurements."""
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def verdicts(request, tmp_path_factory):
+    """Run every scenario once on 2 and on 4 torchrun processes; per
+    scenario, every rank's verdict, and rank 0's measurements."""
+    nranks = request.param
     out = tmp_path_factory.mktemp("torch_hook")
     env = dict(os.environ, COLLECTIVES_TIMEOUT="30", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={NRANKS}", str(HERE / "torch_hook_worker.py"), str(out)],
+                           f"--nproc-per-node={nranks}", str(HERE / "torch_hook_worker.py"), str(out)],
                           env=env, capture_output=True, text=True, timeout=240)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(NRANKS)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nranks)
              if (out / f"rank{r}.json").exists()]
-    assert done.returncode == 0 and len(ranks) == NRANKS, done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.returncode == 0 and len(ranks) == nranks, done.stdout[-3000:] + done.stderr[-6000:]
     return {name: [r["results"][name] for r in ranks] for name in ranks[0]["results"]}, ranks[0]["measured"]
 
 
