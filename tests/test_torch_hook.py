@@ -49,6 +49,18 @@ def test_unknown_codecs_and_arguments_are_refused_at_once():
         compression_hook("fp16", communicator=comm)
 
 
+def test_a_communicator_that_does_not_compress_is_refused(monkeypatch):
+    """Across nodes (HierarchicalCommunicator) and on NCCL our codecs do not
+    run: the hook says so when it is made, not in the middle of backward."""
+    comm = collectives.init()
+
+    class Ranks:
+        compresses = False
+    monkeypatch.setattr(comm, "_ranks", Ranks())
+    with pytest.raises(InvalidUsageError, match="not available on Ranks ranks"):
+        compression_hook("bf16", communicator=comm)
+
+
 def test_the_hook_is_named_and_error_feedback_means_direct():
     hook = compression_hook("int8", error_feedback=True)
     assert hook.__name__ == "collectives_int8_compression_hook" and hook.algorithm == "direct"

@@ -48,6 +48,10 @@ nothing else is, so the residual is exactly what was lost). DDP rebuilds
 its buckets after the first step; a bucket whose size changed starts again
 from a zero residual.
 
+Compression runs where the communicator compresses: host ranks and GPU
+ranks of one node. A communicator across nodes (HierarchicalCommunicator)
+or on backend="nccl" does not, and the hook refuses it.
+
 Needs PyTorch; `import collectives` does not import this module.
 """
 
@@ -201,3 +205,6 @@ def _check_communicator(comm):
     if len(comm.local_ranks) != 1:
         raise InvalidUsageError("compression_hook: the communicator must have one rank in this process "
                                 "(collectives.init() under torchrun or mpiexec)")
+    if not getattr(comm._ranks, "compresses", False):
+        raise InvalidUsageError(f"compression_hook: compression is not available on {type(comm._ranks).__name__} "
+                                "ranks (communicators across nodes and backend='nccl' do not compress)")
