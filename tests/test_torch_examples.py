@@ -1,12 +1,11 @@
 """examples/ddp.py and examples/fsdp.py run under torchrun, with no mpiexec.
 
-Gloo carries DDP's and FSDP's collectives; ddp.py's --compression puts our
-compression hook (collectives.torch.compression_hook) on DDP's buckets, on
-a communicator collectives.init() makes beside Gloo through torchrun's
-store. Two epochs on 2 processes: each run ends with the test accuracy
-and, for DDP, every rank holding the same parameters. `--backend
-collectives` needs the torch.distributed backend and is run where it is
-registered.
+Gloo or our torch.distributed backend (`--backend collectives`) carries
+DDP's and FSDP's collectives; ddp.py's --compression puts our compression
+hook (collectives.torch.compression_hook) on DDP's buckets, on the
+communicator of our group, or on one collectives.init() makes beside Gloo
+through torchrun's store. Two epochs on 2 processes: each run ends with
+the test accuracy and, for DDP, every rank holding the same parameters.
 """
 
 import os
@@ -35,9 +34,10 @@ def torchrun(n, script, *flags, limit=180):
 
 @pytest.mark.slow
 @pytest.mark.processes
-@pytest.mark.parametrize("compression", ["none", "int8"])
-def test_ddp_example_trains_under_torchrun(compression):
-    flags = ["--epochs", "2", "--compression", compression] + (["--error-feedback"] if compression != "none" else [])
+@pytest.mark.parametrize("backend, compression", [("gloo", "none"), ("gloo", "int8"), ("collectives", "bf16")])
+def test_ddp_example_trains_under_torchrun(backend, compression):
+    flags = ["--epochs", "2", "--backend", backend, "--compression", compression] + \
+        (["--error-feedback"] if compression == "int8" else [])
     stdout, report = torchrun(2, "ddp.py", *flags)
     assert re.search(r"final test accuracy 0\.[5-9]\d+", stdout), report
     assert "parameters bitwise identical on all 2 ranks: True" in stdout, report
@@ -49,3 +49,15 @@ def test_fsdp_example_trains_under_torchrun():
     stdout, report = torchrun(2, "fsdp.py", "--epochs", "2")
     assert re.search(r"final test accuracy 0\.[5-9]\d+", stdout), report
     assert "parameters' digest" in stdout, report
+
+
+@pytest.mark.processes
+def test_on_our_group_fsdp_ends_on_ddps_parameters():
+    """On our backend DDP and FSDP2 fold the same values in the same order:
+    the same parameters, bit for bit (their digest)."""
+    digests = []
+    for script in ("ddp.py", "fsdp.py"):
+        stdout, report = torchrun(2, script, "--epochs", "2", "--backend", "collectives")
+        assert re.search(r"final test accuracy 0\.[5-9]\d+", stdout), report
+        digests.append(re.search(r"digest ([0-9a-f]{16})", stdout).group(1))
+    assert digests[0] == digests[1], digests
