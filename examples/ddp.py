@@ -31,42 +31,15 @@ them (two runs with the same digest trained the same bits).
 
 import argparse
 import hashlib
-import os
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-
-def digits(seed=0):
-    """(x_train, y_train, x_test, y_test) as tensors: 1197 training and 600 test images."""
-    data = load_digits()
-    order = np.random.default_rng(seed).permutation(len(data.target))
-    x, y = torch.tensor(data.data[order] / 16.0, dtype=torch.float32), torch.tensor(data.target[order])
-    return x[:1197], y[:1197], x[1197:], y[1197:]
-
-
-def mlp(sizes):
-    layers = []
-    for fan_in, fan_out in zip(sizes, sizes[1:]):
-        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
-
-
-def start(backend):
-    """init_process_group for `backend`; the device this rank's tensors live on."""
-    if backend == "collectives":
-        import collectives.torch  # noqa: F401 - registers the "collectives" backend
-    dist.init_process_group(backend)
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+from digits_task import digits, mlp, start
 
 
 def hook_state(backend, device):

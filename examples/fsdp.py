@@ -21,55 +21,28 @@ per step, and a digest of the full parameters.
 
 import argparse
 import hashlib
-import os
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-
-def digits(seed=0):
-    """(x_train, y_train, x_test, y_test) as tensors: 1197 training and 600 test images."""
-    data = load_digits()
-    order = np.random.default_rng(seed).permutation(len(data.target))
-    x, y = torch.tensor(data.data[order] / 16.0, dtype=torch.float32), torch.tensor(data.target[order])
-    return x[:1197], y[:1197], x[1197:], y[1197:]
-
-
-def mlp(sizes):
-    layers = []
-    for fan_in, fan_out in zip(sizes, sizes[1:]):
-        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
-
-
-def start(backend):
-    """init_process_group for `backend`; the device type of this rank's tensors."""
-    if backend == "collectives":
-        import collectives.torch  # noqa: F401 - registers the "collectives" backend
-    dist.init_process_group(backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        return "cuda"
-    return "cpu"
+from digits_task import digits, mlp, start
 
 
 def train(args):
-    device_type = start(args.backend)
+    device = start(args.backend)
     rank, size = dist.get_rank(), dist.get_world_size()
     assert args.batch % size == 0, "the global batch must split evenly over the ranks"
     local = args.batch // size
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     x_train, y_train, x_test, y_test = (t.to(device) for t in digits())
 
     torch.manual_seed(args.seed)                 # every rank builds the same model, then keeps its shards
     model = mlp((64, 32, 10)).to(device)
-    mesh = init_device_mesh(device_type, (size,))
+    mesh = init_device_mesh(device.type, (size,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)

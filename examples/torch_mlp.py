@@ -30,25 +30,11 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 
 import collectives
 from collectives.torch import DistributedOptimizer, broadcast_parameters
 
-
-def digits(seed=0):
-    """(x_train, y_train, x_test, y_test) as tensors: 1197 training and 600 test images."""
-    data = load_digits()
-    order = np.random.default_rng(seed).permutation(len(data.target))
-    x, y = torch.tensor(data.data[order] / 16.0, dtype=torch.float32), torch.tensor(data.target[order])
-    return x[:1197], y[:1197], x[1197:], y[1197:]
-
-
-def mlp(sizes):
-    layers = []
-    for fan_in, fan_out in zip(sizes, sizes[1:]):
-        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
+from digits_task import digits, mlp
 
 
 def train(comm, args):
