@@ -40,17 +40,7 @@ def resolve_one_kernel_allreduce(enabled=None):
     (the ll, symmetric, staged and peer_ll paths, executors/paths.py): the argument, else
     $COLLECTIVES_ONE_KERNEL_ALLREDUCE ("1" or "0"), else off. Every rank must
     agree (mpiexec gives all ranks the same environment)."""
-    source = "one_kernel_allreduce"
-    if enabled is None:
-        enabled = os.environ.get(ONE_KERNEL_ALLREDUCE_ENV)
-        source = f"${ONE_KERNEL_ALLREDUCE_ENV}"
-        if enabled is None:
-            return False
-    if isinstance(enabled, bool):
-        return enabled
-    if str(enabled) in ("0", "1"):
-        return str(enabled) == "1"
-    raise InvalidUsageError(f"{source}: expected 0 or 1, got {enabled!r}")
+    return _switch(enabled, "one_kernel_allreduce", ONE_KERNEL_ALLREDUCE_ENV, default=False)
 
 
 COMPILED_PLANS_ENV = "COLLECTIVES_COMPILED_PLANS"
@@ -62,12 +52,19 @@ def resolve_compiled_plans(enabled=None):
     argument, else $COLLECTIVES_COMPILED_PLANS ("1" or "0"), else on. "0"
     runs every plan in the NumPy interpreter (to compare the two). Ranks may
     differ: both executors follow one protocol."""
-    source = "compiled_plans"
+    return _switch(enabled, "compiled_plans", COMPILED_PLANS_ENV, default=True)
+
+
+def _switch(enabled, argument, variable, default):
+    """An on/off setting: `enabled` (a bool, or "1"/"0"), else $`variable`
+    ("1" or "0"), else `default`; InvalidUsageError naming where a bad
+    value came from."""
+    source = argument
     if enabled is None:
-        enabled = os.environ.get(COMPILED_PLANS_ENV)
-        source = f"${COMPILED_PLANS_ENV}"
+        enabled = os.environ.get(variable)
+        source = f"${variable}"
         if enabled is None:
-            return True
+            return default
     if isinstance(enabled, bool):
         return enabled
     if str(enabled) in ("0", "1"):
