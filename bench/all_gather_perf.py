@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from bench.backends import mpi_bytes
-from bench.harness import Spec, main, own_block, rank_pattern
+from bench.harness import Spec, as_users_call, main, own_block, rank_pattern
 
 
 def counts(nbytes, itemsize, nranks):
@@ -28,6 +28,7 @@ def expected(dtype, op, nranks, rank, count, root=0):
 
 
 def run_ours(comm, x, out, args):
+    x, out = as_users_call(x, out)
     comm.allgather(x, out=out, algorithm=args.algorithm)  # in place, x is out's own block
 
 

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from bench.backends import gloo_op, mpi_buffer, mpi_op
-from bench.harness import Spec, main
+from bench.harness import Spec, as_users_call, main
 from collectives.ops import is_floating
 
 
@@ -55,8 +55,7 @@ def reference(op, nranks, inputs):
 def run_ours(comm, x, out, args):
     codec = getattr(args, "codec", None)  # the backend's --compression entry, None for none
     if codec is None:
-        if len(x) == 1:   # one rank per process: the call its users make, an array (the compiled loop takes it)
-            x, out = x[0], out[0]
+        x, out = as_users_call(x, out)
         comm.allreduce(x, op=args.op, out=out, algorithm=args.algorithm)  # in place, out is x
     else:
         comm.allreduce(x, op=args.op, out=out, algorithm=args.algorithm, compression=codec)

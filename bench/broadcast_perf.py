@@ -9,7 +9,7 @@ root first copies its input to its output (as ncclBroadcast does inside).
 import sys
 
 from bench.backends import mpi_bytes
-from bench.harness import Spec, main, rank_pattern
+from bench.harness import Spec, as_users_call, main, rank_pattern
 
 
 def fill(dtype, op, nranks, rank, count, root=0):
@@ -22,6 +22,7 @@ def expected(dtype, op, nranks, rank, count, root=0):
 
 def run_ours(comm, x, out, args):
     in_place = all(o is i for o, i in zip(out, x))
+    x, out = as_users_call(x, out)
     comm.broadcast(x, root=args.root, out=None if in_place else out, algorithm=args.algorithm)
 
 

@@ -90,6 +90,13 @@ def own_block(buffer, rank, nranks):
     return buffer[rank * block:(rank + 1) * block]
 
 
+def as_users_call(x, out):
+    """The call's arrays as its users pass them: one rank per process, the
+    arrays themselves (which the compiled loop of host ranks takes); ranks
+    in one process, the lists."""
+    return (x[0], out[0]) if len(x) == 1 else (x, out)
+
+
 def first_block(buffer, rank, nranks):
     return buffer[:len(buffer) // nranks]
 
@@ -532,7 +539,7 @@ def picked_algorithm(backend, spec, args, in_count):
     algorithm, its own or what auto picks, a str with the execution path
     that ran it in `.path` (symmetric memory where --symmetric asks for it)."""
     nbytes = in_count * args.dtype.itemsize   # (with a compression, chosen_algorithm weighs the encoded size)
-    # a single rank's uncompressed allreduce passes one array (all_reduce_perf.run_ours): say so
+    # one rank per process passes its arrays themselves (as_users_call), uncompressed: say so
     one_array = len(backend.local_ranks) == 1 and backend.compression is None
     return backend.comm.chosen_algorithm(spec.name, nbytes, root=args.root if spec.rooted else 0,
                                          dtype=args.dtype if one_array else None, compression=backend.compression,
@@ -546,9 +553,11 @@ def wire_bytes_per_rank(backend, spec, args, in_count):
     if backend.algorithm is None:
         return None
     from collectives.plan import build_plan
-    from collectives.transport.fastpath import SAME_TRAFFIC
+    from collectives.transport.fastpath import PATHS, same_traffic
     algorithm = picked_algorithm(backend, spec, args, in_count)
-    plan = build_plan(spec.name, SAME_TRAFFIC.get(algorithm, algorithm), backend.nranks, in_count,
+    if algorithm in PATHS:
+        algorithm = same_traffic(spec.name, algorithm)
+    plan = build_plan(spec.name, algorithm, backend.nranks, in_count,
                       args.dtype, collectives.ReduceOp(args.op), compression=backend.compression)
     per_rank = plan.wire_bytes / backend.nranks
     return int(per_rank) if per_rank == int(per_rank) else per_rank

@@ -11,7 +11,7 @@ import sys
 
 from bench import all_reduce_perf
 from bench.backends import gloo_op, mpi_buffer, mpi_op
-from bench.harness import Spec, main
+from bench.harness import Spec, as_users_call, main
 
 
 def expected(dtype, op, nranks, rank, count, root=0):
@@ -20,6 +20,7 @@ def expected(dtype, op, nranks, rank, count, root=0):
 
 def run_ours(comm, x, out, args):
     in_place = all(o is i for o, i in zip(out, x))
+    x, out = as_users_call(x, out)
     comm.reduce(x, root=args.root, op=args.op, out=None if in_place else out, algorithm=args.algorithm)
 
 

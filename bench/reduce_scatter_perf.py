@@ -10,7 +10,7 @@ import sys
 
 from bench import all_reduce_perf
 from bench.backends import gloo_op, mpi_buffer, mpi_op
-from bench.harness import Spec, first_block, main, own_block
+from bench.harness import Spec, as_users_call, first_block, main, own_block
 
 
 def counts(nbytes, itemsize, nranks):
@@ -24,6 +24,7 @@ def expected(dtype, op, nranks, rank, count, root=0):
 
 
 def run_ours(comm, x, out, args):
+    x, out = as_users_call(x, out)
     comm.reduce_scatter(x, op=args.op, out=out, algorithm=args.algorithm)  # in place, out is x's own block
 
 

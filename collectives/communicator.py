@@ -157,6 +157,9 @@ class Communicator:
         # fast(x, op, out, timeout) returns the result, or None to decline,
         # and then the general path below runs (and raises what is wrong).
         self._fast_allreduce = getattr(ranks, "fast_allreduce", None)
+        # And the other four: fast(collective, x, op, out, root, timeout)
+        # returns True once done, or None to decline (see _fast).
+        self._fast_collective = getattr(ranks, "fast_collective", None)
 
     @property
     def timeout(self):
@@ -279,6 +282,10 @@ class Communicator:
         CollectiveTimeoutError or RankFailedError when a peer stalls or dies
         (see Communicator).
         """
+        if self._fast_collective is not None:
+            result = self._fast(REDUCE_SCATTER, x, op, out, 0, algorithm)
+            if result is not None:
+                return result
         return self._collective(REDUCE_SCATTER, x, op, out, 0, algorithm)
 
     def allgather(self, x, out=None, algorithm="auto"):
@@ -297,6 +304,10 @@ class Communicator:
         CollectiveTimeoutError or RankFailedError when a peer stalls or
         dies (see Communicator).
         """
+        if self._fast_collective is not None:
+            result = self._fast(ALLGATHER, x, "sum", out, 0, algorithm)
+            if result is not None:
+                return result
         return self._collective(ALLGATHER, x, "sum", out, 0, algorithm)
 
     def broadcast(self, x, root=0, out=None, algorithm="auto"):
@@ -317,6 +328,10 @@ class Communicator:
         CollectiveTimeoutError or RankFailedError when a peer stalls or dies
         (see Communicator).
         """
+        if self._fast_collective is not None:
+            result = self._fast(BROADCAST, x, "sum", out, root, algorithm)
+            if result is not None:
+                return result
         return self._collective(BROADCAST, x, "sum", out, root, algorithm)
 
     def reduce(self, x, root=0, op="sum", out=None, algorithm="auto"):
@@ -337,6 +352,10 @@ class Communicator:
         (nothing is written), CollectiveTimeoutError or RankFailedError when
         a peer stalls or dies (see Communicator).
         """
+        if self._fast_collective is not None:
+            result = self._fast(REDUCE_TO_ROOT, x, op, out, root, algorithm)
+            if result is not None:
+                return result
         return self._collective(REDUCE_TO_ROOT, x, op, out, root, algorithm)
 
     def prepare(self, collective, x, **arguments):
@@ -518,9 +537,9 @@ class Communicator:
         nbytes      bytes of each rank's `x`.
         root        the call's root (broadcast and reduce; else ignored).
         dtype       the dtype of `x` when it is one NumPy array: host ranks
-                    in processes run such an allreduce in their compiled
-                    loop when it takes the dtype, and the answer is then its
-                    step, "merged" or "pipelined". Without it (a list of
+                    in processes run such a call (any collective) in their
+                    compiled loop when it takes the dtype, and the answer is
+                    then its step, "merged" or "pipelined". Without it (a list of
                     arrays, which the loop declines), the plan's algorithm.
         in_place    whether the call writes its result into `x` (None: as
                     the call with no `out` does: broadcast and reduce in
@@ -539,7 +558,7 @@ class Communicator:
         "staged" or "step" in processes, "peer_ll" or "events" in one
         process (docs/design.md, "Execution paths"); "interpreter" for host
         ranks in one process; for host ranks in processes "compiled_loop"
-        (allreduce's), "compiled_plan" (the compiled plan executor) or
+        (`auto` calls on one array), "compiled_plan" (the compiled plan executor) or
         "step" (the interpreter: compressed, float16 and bfloat16 calls);
         "nccl" for backend="nccl".
 
@@ -549,10 +568,10 @@ class Communicator:
         if collective not in COLLECTIVE_NAMES:
             raise InvalidUsageError(
                 f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
-        if algorithm == "auto" and collective == ALLREDUCE and dtype is not None and self._fast_allreduce is not None \
-                and fastpath.takes(dtype) and compression is None:
-            return auto.Choice(fastpath.path_for(nbytes), "compiled_loop")
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
+        if algorithm == "auto" and dtype is not None and self._fast_allreduce is not None and fastpath.takes(dtype) \
+                and compression is None and (not rooted or validation.root_rank(root, self.size) is not None):
+            return auto.Choice(fastpath.path_for(nbytes), "compiled_loop")
         if compression is not None:
             plan = self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, algorithm,
                               (WORKSPACE, True), compression)
@@ -716,7 +735,27 @@ class Communicator:
                 "a fusion buffer of this communicator has allreduces in flight; call its wait() first "
                 "(collectives run in one order on every rank)")
 
-    # -- the one path every collective takes -------------------------------------
+    # -- the compiled loop's shortcut, and the one path every collective takes ---
+
+    def _fast(self, collective, x, op, out, root, algorithm):
+        """A reduce_scatter, allgather, broadcast or reduce with `auto` run
+        by the ranks' compiled loop (host ranks in processes: fastpath.py),
+        which checks the arrays itself: the result, or None where the loop
+        declines the call and the checks and plans of _collective run it
+        (and raise what is wrong)."""
+        if algorithm.__class__ is not str or algorithm != "auto" or root.__class__ is not int or self._closed \
+                or self._busy:
+            return None
+        if collective == ALLGATHER and out is None:   # a new array, as _checked makes it
+            if type(x) is not np.ndarray:
+                return None
+            out = np.empty((self.size * x.shape[0], *x.shape[1:]) if x.ndim else (self.size,), x.dtype)
+        if not self._fast_collective(collective, x, op, out, root, self.timeout):
+            return None
+        if out is not None:
+            return out
+        return self._own_block(x, self.rank) if collective == REDUCE_SCATTER else x
+
 
     def _collective(self, collective, x, op="sum", out=None, root=0, algorithm="auto", compression=None):
         # (The collectives pass their arguments by position: the cheaper call.)

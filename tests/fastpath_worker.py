@@ -80,9 +80,85 @@ def scenario_bits(comm, digest):
                 everyone = world.allgather(hashlib.blake2b(out.tobytes()).hexdigest())
                 assert len(set(everyone)) == 1, (np.dtype(dtype).name, count, op, "ranks differ")
                 digest.update(reference.tobytes())   # with the loop, also `out`'s and `in_place`'s bits
-            # An interpreted collective between fast ones keeps the counters in step.
-            block = comm.broadcast(np.arange(8, dtype=np.float64) + comm.rank, root=comm.size - 1)
+            # A planned collective between fast ones keeps the counters in step.
+            block = comm.broadcast(np.arange(8, dtype=np.float64) + comm.rank, root=comm.size - 1, algorithm="direct")
             assert block[0] == comm.size - 1
+
+
+def counts_to_cover(itemsize, n, collective):
+    """Elements of x on both sides of the merged step's limit, and over
+    several staging segments (nranks chunks each); reduce_scatter's a
+    multiple of the rank count, as it must be."""
+    small = fastpath.SMALL_MAX // itemsize
+    segment = n * fastpath.CHUNK // itemsize
+    counts = [1, 1000, small, small + 1, segment + 3, 2 * segment + 11]
+    return [c * n for c in {c // n or 1 for c in counts}] if collective == "reduce_scatter" else counts
+
+
+def calls_of(comm, collective, x, root, op):
+    """The four ways to make the call: (name, fast call, reference call); the
+    reference is the `direct` plan, which folds in rank order as the loop does."""
+    n, r = comm.size, comm.rank
+    if collective == "reduce_scatter":   # in place: the result is a view of x's own block
+        block = x.size // n
+        reference = lambda: comm.reduce_scatter(x, op=op, out=np.empty(block, x.dtype), algorithm="direct")
+        yield "out", lambda: comm.reduce_scatter(x, op=op, out=np.empty(block, x.dtype)), reference
+        yield "in place", lambda: comm.reduce_scatter(x.copy(), op=op), reference
+    elif collective == "allgather":
+        yield ("new", lambda: comm.allgather(x), lambda: comm.allgather(x, algorithm="direct"))
+        out = np.zeros((n * x.size,), x.dtype)
+        out[r * x.size:(r + 1) * x.size] = x.reshape(-1)
+        yield ("in place", lambda: comm.allgather(out[r * x.size:(r + 1) * x.size], out=out),
+               lambda: comm.allgather(x, algorithm="direct"))
+    elif collective == "broadcast":
+        yield ("out", lambda: comm.broadcast(x, root=root, out=np.zeros_like(x)),
+               lambda: comm.broadcast(x, root=root, out=np.zeros_like(x), algorithm="direct"))
+        yield ("in place", lambda: comm.broadcast(x.copy(), root=root),
+               lambda: comm.broadcast(x.copy(), root=root, algorithm="direct"))
+    else:
+        yield ("out", lambda: comm.reduce(x, root=root, op=op, out=np.zeros_like(x)),
+               lambda: comm.reduce(x, root=root, op=op, out=np.zeros_like(x), algorithm="direct"))
+        yield ("in place", lambda: comm.reduce(x.copy(), root=root, op=op),
+               lambda: comm.reduce(x.copy(), root=root, op=op, algorithm="direct"))
+
+
+def scenario_collectives(comm, digest):
+    """reduce_scatter, allgather, broadcast and reduce with `auto`: the
+    loop's bits equal the `direct` plan's on every rank, out of place and in
+    place (reduce_scatter's own block, allgather's block of `out`), for every
+    dtype on the merged step and three over staging segments or the single
+    copy; every op; both ends for the root. Inputs are left as they were."""
+    rng = np.random.default_rng(99 + comm.rank)
+    n = comm.size
+    compiled = comm._ranks.compiled   # noqa: SLF001 - its waits tell a plan's run from the loop's
+    for collective in ("reduce_scatter", "allgather", "broadcast", "reduce"):
+        for dtype in DTYPES:
+            itemsize = np.dtype(dtype).itemsize
+            for count in counts_to_cover(itemsize, n, collective):
+                if count * itemsize > fastpath.SMALL_MAX and dtype not in (np.float32, np.float64, np.int8):
+                    continue
+                ops = OPS if collective in ("reduce_scatter", "reduce") else ["sum"]
+                for op, root in zip(ops, [0, n - 1, 0, n - 1, 0]):
+                    x = inputs(comm.rank, count, dtype, rng)
+                    if count % n == 0 and count > n:
+                        x = x.reshape(n, -1)
+                    before = x.copy()
+                    for how, fast, reference in calls_of(comm, collective, x, root, op):
+                        plan_waits = compiled.waits_made
+                        got = fast()
+                        assert compiled.waits_made == plan_waits, f"{collective} {how}: the loop declined the call"
+                        want = reference()
+                        assert compiled.waits_made > plan_waits, "the reference ran no plan"
+                        if collective == "reduce" and comm.rank != root:
+                            want = got = np.zeros(0)   # only the root's output is defined
+                        if got.tobytes() != want.tobytes():
+                            raise AssertionError(f"{collective} {how} {np.dtype(dtype).name} {count} {op} root {root}: "
+                                                 f"the loop's result differs from the direct plan's")
+                        digest.update(want.tobytes())
+                    assert before.tobytes() == x.tobytes(), f"{collective}: x changed"
+        # every call above but the references took the loop (or none did)
+        chosen = comm.chosen_algorithm(collective, 64, dtype=np.float32)
+        assert (chosen.path == "compiled_loop") == LOOP, chosen
 
 
 def which_is_wrong(x, op, result, reference):
@@ -194,6 +270,54 @@ def scenario_abort(comm):
         raise AssertionError("allreduce completed after rank 0 aborted")
 
 
+def scenario_collective_faults(comm):
+    """The other four collectives in the loop fail as allreduce does: a
+    stalled peer is a timeout on the merged step and the large path (cases
+    0, 1), a dead one is named within a second (2), and ranks that make
+    different calls (another collective of the same size, another root, a
+    plan against the loop) are told so (3 to 5)."""
+    case = int(os.environ["FASTPATH_CASE"])
+    large = np.ones(3 << 18, np.float32)   # 3 MiB: the large path (and blocks for 3 ranks)
+    if case in (0, 1):
+        call = comm.allgather if case == 0 else comm.reduce_scatter
+        x = np.ones(30, np.float32) if case == 0 else large
+        if comm.rank == 1:
+            time.sleep(TIMEOUT + 2)
+            return
+        start = time.perf_counter()
+        try:
+            call(x)
+        except CollectiveTimeoutError as error:
+            assert "timed out waiting for rank 1" in str(error), error
+            assert ("allgather" if case == 0 else "reduce_scatter") in str(error), error
+        except CollectiveError as error:   # another rank timed out first and aborted
+            assert "aborted" in str(error) and "timed out" in str(error), error
+        else:
+            raise AssertionError("the call completed without rank 1")
+        assert time.perf_counter() - start < TIMEOUT + 1.5
+    elif case == 2:
+        comm.broadcast(large, root=0)
+        comm.barrier()
+        if comm.rank == 1:
+            os._exit(0)
+        start = time.perf_counter()
+        try:
+            comm.broadcast(large, root=1)
+        except (RankFailedError, CollectiveError) as error:
+            assert isinstance(error, RankFailedError) or "died" in str(error), error
+            assert time.perf_counter() - start < 1.0, "a dead rank should be reported within a second"
+        else:
+            raise AssertionError("broadcast completed without rank 1")
+    else:
+        x = np.ones(64 * comm.size, np.float32)
+        mismatched = {
+            3: lambda: comm.allgather(x) if comm.rank == 0 else comm.reduce_scatter(x),
+            4: lambda: comm.broadcast(large, root=0 if comm.rank == 0 else 1),
+            5: lambda: comm.allgather(x, algorithm="auto" if comm.rank == 0 else "direct"),
+        }
+        expect_a_different_call(mismatched[case], f"mismatched call {case}")
+
+
 # The fenced scenario: rank 1 holds each chunk's writes into rank 0 this
 # long (fastpath.TEST_WRITE_STALL); rank 0 gives up after FENCED_TIMEOUT,
 # by when rank 1 is inside its first chunk's writes.
@@ -275,7 +399,9 @@ def scenario_late(comm):
             assert np.array_equal(comm.allreduce(x), np.arange(count) * comm.size + sum(range(comm.size)))
             if comm.rank == late:
                 time.sleep(0.05)
-            y = comm.broadcast(np.full(10, comm.rank, np.int32), root=late)   # interpreted: publishes from Python
+            y = comm.broadcast(np.full(10, comm.rank, np.int32), root=late, algorithm="direct")   # a plan's protocol
+            assert (y == late).all()
+            y = comm.broadcast(np.full(10, comm.rank, np.int32), root=late)   # the loop's merged step
             assert (y == late).all()
     world.Barrier()   # every rank is out of every wait
     asleep = [counters.load(r, _shmloop.SLEEPERS) for r in range(comm.size)]
@@ -289,12 +415,15 @@ def main():
     comm = collectives.init(timeout=TIMEOUT)
     assert LOOP == (comm._ranks.fast_allreduce is not None), "the loop runs exactly when not hidden"   # noqa: SLF001
     digest = hashlib.blake2b()
-    ranks_leave = scenario in ("killed_large", "abort", "stalled_large", "mismatch", "interrupted", "fenced")
+    ranks_leave = scenario in ("killed_large", "abort", "stalled_large", "mismatch", "interrupted", "fenced",
+                               "collective_faults")
 
     def run():
         if scenario == "bits":
             scenario_bits(comm, digest)
             scenario_declined(comm, digest)
+        elif scenario == "collectives":
+            scenario_collectives(comm, digest)
         else:
             globals()[f"scenario_{scenario}"](comm)
     run_scenario(run, ranks_leave)

@@ -83,18 +83,20 @@ def scenario_takes_the_plans(comm):
     before = compiled.waits_made
     for dtype in (np.float32, np.int8, np.uint64):
         x = np.arange(4 * comm.size, dtype=dtype)
-        comm.reduce_scatter(x, out=np.empty(4, dtype))
-        comm.allgather(x[:4])
+        # (named algorithms: with `auto`, the compiled loop takes these calls)
+        comm.reduce_scatter(x, out=np.empty(4, dtype), algorithm="ring")
+        comm.allgather(x[:4], algorithm="direct")
         comm.broadcast(x, root=0, algorithm="tree")
-        comm.reduce(x, root=0, op="max")
+        comm.reduce(x, root=0, op="max", algorithm="direct")
         comm.allreduce(x, algorithm="ring")
     assert not interpreted and compiled.waits_made > before, (len(interpreted), compiled.waits_made)
     comm.allreduce(np.ones(8, np.float16), algorithm="ring")
     assert interpreted, "float16 did not go to the interpreter"
     # chosen_algorithm names the path
-    assert comm.chosen_algorithm("reduce_scatter", 1024, dtype=np.float32).path == "compiled_plan"
+    assert comm.chosen_algorithm("reduce_scatter", 1024, dtype=np.float32, algorithm="ring").path == "compiled_plan"
     assert comm.chosen_algorithm("allgather", 1024, dtype=np.float16).path == "step"
-    assert comm.chosen_algorithm("allreduce", 1024, dtype=np.float32).path == "compiled_loop"
+    for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"):
+        assert comm.chosen_algorithm(collective, 1024, dtype=np.float32).path == "compiled_loop"
 
 
 def scenario_broken(comm):

@@ -76,6 +76,16 @@ def test_bits_equal_the_interpreter_with_and_without_the_loop(n, large_path):
 
 
 @pytest.mark.parametrize("large_path", LARGE_PATHS)
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_other_collectives_equal_the_direct_plan(n, large_path):
+    """reduce_scatter, allgather, broadcast and reduce in the loop: the
+    worker compares every result with the `direct` plan's, in the same run."""
+    oks, report = run_worker(n, "collectives", env=LARGE_PATHS[large_path])
+    assert len(oks) == n, report
+    check_large_path(report, large_path)
+
+
+@pytest.mark.parametrize("large_path", LARGE_PATHS)
 @pytest.mark.parametrize("scenario", ["stalled_large", "killed_large", "abort"])
 def test_faults_on_the_pipelined_path(scenario, large_path):
     # Hydra would otherwise kill the survivors itself when one rank exits.
@@ -90,6 +100,16 @@ def test_faults_on_the_pipelined_path(scenario, large_path):
 def test_mismatched_calls_are_named(case):
     oks, report = run_worker(2, "mismatch", env={"FASTPATH_CASE": str(case)}, launcher_flags=["-disable-auto-cleanup"])
     assert len(oks) == 2, report
+
+
+@pytest.mark.parametrize("case", range(6), ids=["stalled-merged", "stalled-large", "killed", "another-collective",
+                                                 "another-root", "plan-vs-loop"])
+def test_the_other_collectives_fail_as_allreduce_does(case):
+    oks, report = run_worker(3, "collective_faults", env={"FASTPATH_CASE": str(case)},
+                             launcher_flags=["-disable-auto-cleanup"])
+    # the ranks that wait on the stalled or killed rank 1 must each have seen it
+    must_report = {"0", "2"} if case < 3 else {"0", "1", "2"}
+    assert must_report <= {rank for rank, _ in oks}, report
 
 
 @pytest.mark.slow

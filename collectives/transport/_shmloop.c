@@ -2,7 +2,7 @@
  *
  * Python decides what to run and with which memory; this file runs the
  * parts Python cannot run fast enough: copies, reductions and the waits
- * between ranks of an allreduce on the shared "channel" (fastpath.py
+ * between ranks of the five collectives on the shared "channel" (fastpath.py
  * describes its layout), and the release/acquire accesses every counter of
  * the step protocol (protocol.py) goes through. The waits are shm_waits.h
  * (with the memory ordering every counter follows), the folds
@@ -62,17 +62,106 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
                          (long long)w->failed_need, (long long)seq);
 }
 
+/* ---- What each collective is ------------------------------------------------
+ *
+ * All five collectives run the same two steps: a small message is one
+ * merged step through the small slots; a larger one moves chunk by chunk,
+ * straight out of peers' inputs where the ranks may reach each other's
+ * memory (single copy), else through staging. Each is its `direct`
+ * algorithm: rank r reads, from every rank it needs, the part of its input
+ * it needs, and folds those parts in rank order or copies them:
+ *
+ *   collective      its x is read by     rank r reads of rank p's x    into r's out
+ *   allreduce       every rank           all of it                     fold, in rank order
+ *   reduce_scatter  every rank           block r                       fold, in rank order
+ *   allgather       every rank           all of it                     block p
+ *   broadcast       the root's, only     all of it (r != root)         all of it
+ *   reduce          all but the root's   all of it (r == root)         fold, in rank order
+ *
+ * Allreduce's large messages take the pipeline below (a reduce-scatter and
+ * an all-gather); the other four only ever read from peers, so a failed
+ * call of theirs needs no fence. */
+
+enum { K_ALLREDUCE = 0, K_REDUCE_SCATTER = 1, K_ALLGATHER = 2, K_BROADCAST = 3, K_REDUCE = 4 };
+
+typedef struct {
+    int kind, root, type, op;
+    size_t itemsize;
+    const char *in;
+    char *out;          /* for reduce_scatter, rank r's block of the result */
+    size_t nbytes;      /* of every rank's x */
+} Collective;
+
+/* Whether some rank reads rank p's x. */
+static int is_read(const Collective *k, int p)
+{
+    return k->kind == K_BROADCAST ? p == k->root : k->kind == K_REDUCE ? p != k->root : 1;
+}
+
+/* Whether rank r's output is computed from its peers' inputs. */
+static int reads_peers(const Collective *k, int r)
+{
+    return k->kind == K_BROADCAST ? r != k->root : k->kind == K_REDUCE ? r == k->root : 1;
+}
+
+/* The bytes [*lo, *hi) of every rank's x that rank r wants. */
+static void wanted(const Collective *k, int r, int n, size_t *lo, size_t *hi)
+{
+    size_t block = k->kind == K_REDUCE_SCATTER ? k->nbytes / (size_t)n : k->nbytes;
+    *lo = k->kind == K_REDUCE_SCATTER ? (size_t)r * block : 0;
+    *hi = *lo + block;
+}
+
+/* Rank r's share of bytes [lo, hi) of the inputs, whose copies it can see:
+ * at[p] is where rank p's byte `lo` lies here (at[r]: this rank's own x).
+ * Copies skip a destination that is their source (in place). */
+static void take_segment(const Collective *k, int r, int n, const char *const *at, size_t lo, size_t hi)
+{
+    size_t want_lo, want_hi;
+    wanted(k, r, n, &want_lo, &want_hi);
+    size_t from = lo > want_lo ? lo : want_lo, to = hi < want_hi ? hi : want_hi;
+    if (from >= to)
+        return;
+    size_t skip = from - lo, len = to - from;
+    if (k->kind == K_ALLGATHER) {
+        for (int p = 0; p < n; p++) {
+            char *dst = k->out + (size_t)p * k->nbytes + from;
+            if (dst != at[p] + skip)
+                memmove(dst, at[p] + skip, len);
+        }
+    } else if (k->kind == K_BROADCAST) {
+        if (k->out + from != at[k->root] + skip)
+            memmove(k->out + from, at[k->root] + skip, len);
+    } else if (reads_peers(k, r)) {
+        const char *srcs[256];
+        for (int p = 0; p < n; p++)
+            srcs[p] = at[p] + skip;
+        reduce_sources(k->type, k->op, srcs, n, k->out + (from - want_lo), NULL, len, k->itemsize,
+                       k->op == OP_AVG ? n : 0);
+    }
+}
+
+/* 64 bits that differ when two ranks make different calls: allreduce's
+ * are call_signature's, the others mix in the collective and the root. */
+static int64_t collective_signature(const Collective *k, int64_t seq, int path)
+{
+    int64_t signature = call_signature(seq, k->type, k->op, k->nbytes, path);
+    if (k->kind == K_ALLREDUCE)
+        return signature;
+    return (int64_t)mix64((uint64_t)signature ^ mix64((uint64_t)k->kind << 32 | (uint64_t)(k->root + 1)));
+}
+
 /* Small messages, one merged step: copy into this rank's slot of this
- * call's parity, publish, wait once, fold every rank's slot in rank order.
- * A slot is rewritten two small calls later, by when every peer has
- * entered the next small call and so finished reading it. */
-static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes, size_t itemsize,
-                           int type, int op, int64_t base, int64_t seq)
+ * call's parity (where a peer reads it), publish, wait once, take this
+ * rank's share of every rank's slot. A slot is rewritten two small calls
+ * later, by when every peer has entered the next small call and so
+ * finished reading it. */
+static PyObject *run_small(Channel *c, const Collective *k, int64_t base, int64_t seq)
 {
     Waits *w = &c->waits;
     int r = w->rank, n = w->nranks;
     size_t parity = (size_t)(c->small_calls & 1) * (SLOT_HEADER + c->small_max);
-    int64_t signature = call_signature(seq, type, op, nbytes, 1);
+    int64_t signature = collective_signature(k, seq, 1);
     int64_t *mine = &w->rows[r * ROW_SLOTS];
     char *slot = c->small + r * c->small_stride + parity;
 
@@ -81,7 +170,8 @@ static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes,
      * previous call, a wait this step does without). The slot's header names
      * this call instead; a peer on another path sees the stale SIG, which
      * names no call of this number, and reports the mismatch. */
-    memcpy(slot + SLOT_HEADER, in, nbytes);
+    if (is_read(k, r))
+        memcpy(slot + SLOT_HEADER, k->in, k->nbytes);
     *(int64_t *)slot = signature;
     mine[SEQ] = seq;
     publish(mine, COUNTER, base + 1);
@@ -90,7 +180,7 @@ static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes,
     int status = wait_peers(w, COUNTER, base + 1);
     if (status != OK)
         return failure(w, status, seq);
-    const char *srcs[256];
+    const char *at[256];
     for (int p = 0; p < n; p++) {
         const char *peer_slot = c->small + p * c->small_stride + parity;
         if (p != r && *(const int64_t *)peer_slot != signature) {
@@ -99,9 +189,9 @@ static PyObject *run_small(Channel *c, const char *in, char *out, size_t nbytes,
             w->failed_need = signature;
             return failure(w, MISMATCH, seq);
         }
-        srcs[p] = p == r ? in : peer_slot + SLOT_HEADER;
+        at[p] = p == r ? k->in : peer_slot + SLOT_HEADER;
     }
-    reduce_sources(type, op, srcs, n, out, NULL, nbytes, itemsize, op == OP_AVG ? n : 0);
+    take_segment(k, r, n, at, 0, k->nbytes);
     publish(mine, COUNTER, base + 2);
     return PyLong_FromLong(OK);
 }
@@ -247,39 +337,56 @@ static int agree_on_single_copy(Channel *c, size_t nbytes)
     return OK;
 }
 
+/* Where the landing chunks (one per peer) start for a fold into `dst`:
+ * half a page away from dst's page offset, since a store to dst[i] and a
+ * load of landing[i] at the same offset in their pages stall each other
+ * (4K aliasing), and malloc puts user buffers at one offset. */
+static char *landing_for(Channel *c, const char *dst)
+{
+    uintptr_t page_base = ((uintptr_t)c->scratch + 4095) & ~(uintptr_t)4095;
+    char *landing = (char *)page_base - 4096 + ((((uintptr_t)dst & 4095) + 2048) & 4095 & ~(uintptr_t)63);
+    return landing < c->scratch ? landing + 4096 : landing;
+}
+
+/* dst = the fold, in rank order, of bytes [offset, offset + bytes) of every
+ * rank's input: this rank's from `in`, each peer's read straight out of its
+ * process into its landing chunk. */
+static int fold_from_peers(Channel *c, const char *in, char *dst, size_t offset, size_t bytes, char *landing,
+                           int type, int op, size_t itemsize)
+{
+    Waits *w = &c->waits;
+    int r = w->rank, n = w->nranks;
+    const char *srcs[256];
+    for (int p = 0; p < n; p++) {
+        if (p == r) {
+            srcs[p] = in + offset;
+            continue;
+        }
+        char *landed = landing + (size_t)p * c->chunk;
+        int status = copy_with_peer(w, p, landed, load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]) + (int64_t)offset,
+                                    bytes, 0);
+        if (status != OK)
+            return status;
+        srcs[p] = landed;
+    }
+    reduce_sources(type, op, srcs, n, dst, NULL, bytes, itemsize, op == OP_AVG ? n : 0);
+    return OK;
+}
+
 static int run_single_copy(Channel *c, const char *in, char *out, size_t itemsize, int type, int op,
                            const size_t *block_start)
 {
     Waits *w = &c->waits;
     int r = w->rank, n = w->nranks;
-    const char *srcs[256];
     size_t my_start = block_start[r] * itemsize, my_end = block_start[r + 1] * itemsize;
     size_t chunk = c->chunk / itemsize * itemsize;
-    /* The landing chunks sit half a page away from the output's page
-     * offset: a store to out[i] and a load of landing[i] at the same
-     * offset in their pages stall each other (4K aliasing), and malloc
-     * puts user buffers at one offset. */
-    uintptr_t page_base = ((uintptr_t)c->scratch + 4095) & ~(uintptr_t)4095;
-    uintptr_t my_output = (uintptr_t)out + my_start;
-    char *landing = (char *)page_base - 4096 + (((my_output & 4095) + 2048) & 4095 & ~(uintptr_t)63);
-    if (landing < c->scratch)
-        landing += 4096;
+    char *landing = landing_for(c, out + my_start);
 
     for (size_t offset = my_start; offset < my_end; offset += chunk) {
         size_t bytes = my_end - offset < chunk ? my_end - offset : chunk;
-        for (int p = 0; p < n; p++) {       /* read */
-            if (p == r) {
-                srcs[p] = in + offset;
-                continue;
-            }
-            char *landed = landing + (size_t)p * c->chunk;
-            int status = copy_with_peer(w, p, landed, load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]) + (int64_t)offset,
-                                        bytes, 0);
-            if (status != OK)
-                return status;
-            srcs[p] = landed;
-        }
-        reduce_sources(type, op, srcs, n, out + offset, NULL, bytes, itemsize, op == OP_AVG ? n : 0);   /* fold */
+        int status = fold_from_peers(c, in, out + offset, offset, bytes, landing, type, op, itemsize); /* read, fold */
+        if (status != OK)
+            return status;
         if (!begin_writes(w)) {                                                  /* write */
             w->failed_peer = -1;
             return ABORTED;
@@ -289,8 +396,8 @@ static int run_single_copy(Channel *c, const char *in, char *out, size_t itemsiz
         for (int p = 0; p < n; p++) {
             if (p == r)
                 continue;
-            int status = copy_with_peer(w, p, out + offset, load_acquire(&w->rows[p * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
-                                        bytes, 1);
+            status = copy_with_peer(w, p, out + offset, load_acquire(&w->rows[p * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
+                                    bytes, 1);
             if (status != OK) {
                 end_writes(w);
                 return status;
@@ -299,6 +406,157 @@ static int run_single_copy(Channel *c, const char *in, char *out, size_t itemsiz
         end_writes(w);
     }
     return OK;
+}
+
+/* Enter a large call as protocol.py's phase 0 does: once every peer has
+ * left the previous call (which may still read this row's SIG), name this
+ * call and its buffers; then every peer is in it, and named the same,
+ * before any byte moves. At the channel's first large call the ranks also
+ * agree whether they may take the single copy. */
+static int enter_large(Channel *c, const char *in, const char *out, size_t nbytes, int64_t base, int64_t seq,
+                       int64_t signature)
+{
+    Waits *w = &c->waits;
+    int r = w->rank, n = w->nranks;
+    int64_t *mine = &w->rows[r * ROW_SLOTS];
+    mine[SEQ] = seq;
+    int status = wait_peers(w, COUNTER, base);
+    if (status != OK)
+        return status;
+    mine[SIG] = signature;
+    mine[IN_ADDR] = (int64_t)(uintptr_t)in;
+    mine[OUT_ADDR] = (int64_t)(uintptr_t)out;
+    publish(mine, COUNTER, base + 1);
+    status = wait_peers(w, COUNTER, base + 1);
+    if (status != OK)
+        return status;
+    for (int p = 0; p < n; p++) {
+        if (p != r && load_acquire(&w->rows[p * ROW_SLOTS + SIG]) != signature) {
+            w->failed_peer = p;
+            w->failed_have = w->rows[p * ROW_SLOTS + SIG];
+            w->failed_need = signature;
+            return MISMATCH;
+        }
+    }
+    if (c->single_copy == 0)
+        return agree_on_single_copy(c, nbytes);
+    return OK;
+}
+
+/* Leave a call whose inputs peers read in place: publish the end of this
+ * rank's reads, then wait until every peer has ended its own. A peer that
+ * gave up waiting for this rank aborted before its caller could touch the
+ * buffers this rank read: what was read may be wrong, so the call fails. */
+static int leave_single_copy(Waits *w, int64_t base)
+{
+    publish(&w->rows[w->rank * ROW_SLOTS], COUNTER, base + 2);
+    int status = wait_peers(w, COUNTER, base + 2);
+    if (status == OK && __atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
+        w->failed_peer = -1;
+        status = ABORTED;
+    }
+    return status;
+}
+
+/* The other four collectives' large messages, single copy: rank r reads
+ * what it wants of its peers' inputs straight out of their processes, into
+ * its output where it copies (allgather, broadcast), through landing
+ * chunks where it folds (reduce_scatter, reduce). */
+static int read_from_peers(Channel *c, const Collective *k)
+{
+    Waits *w = &c->waits;
+    int r = w->rank, n = w->nranks;
+    size_t lo, hi;
+    wanted(k, r, n, &lo, &hi);
+    if (k->kind == K_ALLGATHER) {
+        for (int p = 0; p < n; p++) {
+            char *block = k->out + (size_t)p * k->nbytes;
+            int status = OK;
+            if (p != r)
+                status = copy_with_peer(w, p, block, load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]), k->nbytes, 0);
+            else if (block != k->in)
+                memcpy(block, k->in, k->nbytes);
+            if (status != OK)
+                return status;
+        }
+        return OK;
+    }
+    if (k->kind == K_BROADCAST) {
+        if (r != k->root)
+            return copy_with_peer(w, k->root, k->out, load_acquire(&w->rows[k->root * ROW_SLOTS + IN_ADDR]),
+                                  k->nbytes, 0);
+        if (k->out != k->in)
+            memcpy(k->out, k->in, k->nbytes);
+        return OK;
+    }
+    if (!reads_peers(k, r))
+        return OK;
+    size_t chunk = c->chunk / k->itemsize * k->itemsize;
+    char *landing = landing_for(c, k->out);
+    for (size_t offset = lo; offset < hi; offset += chunk) {
+        size_t bytes = hi - offset < chunk ? hi - offset : chunk;
+        int status = fold_from_peers(c, k->in, k->out + (offset - lo), offset, bytes, landing, k->type, k->op,
+                                     k->itemsize);
+        if (status != OK)
+            return status;
+    }
+    return OK;
+}
+
+/* The other four collectives' large messages where some rank may not reach
+ * another's memory: segment by segment through staging (each rank's two
+ * parities of nranks chunks), every segment a merged step:
+ *   stage    copy segment t of x into my staging (if anyone reads my x), publish STAGED;
+ *   take     wait for every peer's STAGED, take my share of the segment, publish REDUCED.
+ * A parity is rewritten two iterations later, once every peer published
+ * REDUCED for the iteration that used it; before this call's first two,
+ * every peer left the previous call (enter_large), so it read them. */
+static int run_staged_segments(Channel *c, const Collective *k)
+{
+    Waits *w = &c->waits;
+    int r = w->rank, n = w->nranks;
+    int64_t *mine = &w->rows[r * ROW_SLOTS];
+    size_t segment = (size_t)n * c->chunk;
+    int64_t iterations = (int64_t)((k->nbytes + segment - 1) / segment);
+    const char *at[256];
+    for (int64_t t = 0; t < iterations; t++) {
+        int64_t g = c->chunks_done + t;      /* this iteration's number over the channel's life */
+        size_t parity = (size_t)(g & 1) * segment;
+        size_t lo = (size_t)t * segment, hi = k->nbytes - lo < segment ? k->nbytes : lo + segment;
+        int status = t >= 2 ? wait_peers(w, REDUCED, g - 1) : OK;
+        if (status != OK)
+            return status;
+        if (is_read(k, r))                                                        /* stage */
+            memcpy(c->staging + r * c->staging_stride + parity, k->in + lo, hi - lo);
+        publish(mine, STAGED, g + 1);
+        if ((status = wait_peers(w, STAGED, g + 1)) != OK)                        /* take */
+            return status;
+        for (int p = 0; p < n; p++)
+            at[p] = p == r ? k->in + lo : c->staging + p * c->staging_stride + parity;
+        take_segment(k, r, n, at, lo, hi);
+        publish(mine, REDUCED, g + 1);
+    }
+    c->chunks_done += iterations;
+    return OK;
+}
+
+static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_t seq)
+{
+    Waits *w = &c->waits;
+    /* a rank that may not take the single copy makes another call (path 2) */
+    int64_t signature = collective_signature(k, seq, c->may_single_copy ? 3 : 2);
+    int status = enter_large(c, k->in, k->out, k->nbytes < k->itemsize ? k->nbytes : k->itemsize, base, seq,
+                             signature);
+    if (status != OK)
+        return failure(w, status, seq);
+    if (c->single_copy == 2) {
+        status = read_from_peers(c, k);
+        if (status == OK)
+            status = leave_single_copy(w, base);
+    } else if ((status = run_staged_segments(c, k)) == OK) {
+        publish(&w->rows[w->rank * ROW_SLOTS], COUNTER, base + 2);
+    }
+    return status == OK ? PyLong_FromLong(OK) : failure(w, status, seq);
 }
 
 /* Large messages, pipelined: the buffer is cut into nranks blocks (rank b
@@ -330,46 +588,16 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
             longest = block_start[b + 1] - block_start[b];
     int64_t iterations = (int64_t)((longest + chunk_items - 1) / chunk_items);
 
-    /* Enter as protocol.py's phase 0 does: once every peer has left the
-     * previous call (which may still read this row's SIG), name this call;
-     * then every peer is in it, and named the same, before any chunk moves.
-     * The chunk counters run on from the last call's. */
-    mine[SEQ] = seq;
-    int status = wait_peers(w, COUNTER, base);
+    /* The chunk counters run on from the last call's. */
+    int status = enter_large(c, in, out, nbytes, base, seq, signature);
     if (status != OK)
-        return failure(w, status, seq);
-    mine[SIG] = signature;
-    mine[IN_ADDR] = (int64_t)(uintptr_t)in;
-    mine[OUT_ADDR] = (int64_t)(uintptr_t)out;
-    publish(mine, COUNTER, base + 1);
-    status = wait_peers(w, COUNTER, base + 1);
-    if (status != OK)
-        return failure(w, status, seq);
-    for (int p = 0; p < n; p++) {
-        if (p != r && load_acquire(&w->rows[p * ROW_SLOTS + SIG]) != signature) {
-            w->failed_peer = p;
-            w->failed_have = w->rows[p * ROW_SLOTS + SIG];
-            w->failed_need = signature;
-            return failure(w, MISMATCH, seq);
-        }
-    }
-    if (c->single_copy == 0 && (status = agree_on_single_copy(c, nbytes)) != OK)
         return failure(w, status, seq);
     if (c->single_copy == 2) {
         status = run_single_copy(c, in, out, itemsize, type, op, block_start);
-        if (status != OK)
-            return failure(w, status, seq);
-        publish(mine, COUNTER, base + 2);
         /* the peers' reads of this rank's input and writes into its output
          * are over once they all end */
-        status = wait_peers(w, COUNTER, base + 2);
-        /* A peer that gave up waiting for this rank aborted before its
-         * caller could touch the buffers this rank read: what was read
-         * may be wrong, so the call fails. */
-        if (status == OK && __atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
-            w->failed_peer = -1;
-            status = ABORTED;
-        }
+        if (status == OK)
+            status = leave_single_copy(w, base);
         return status == OK ? PyLong_FromLong(OK) : failure(w, status, seq);
     }
 
@@ -420,9 +648,14 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     return PyLong_FromLong(OK);
 }
 
+static int overlap_ranges(const char *a, size_t a_bytes, const char *b, size_t b_bytes)
+{
+    return a < b + b_bytes && b < a + a_bytes;
+}
+
 static int overlap(const char *a, const char *b, size_t nbytes)
 {
-    return a < b + nbytes && b < a + nbytes;
+    return overlap_ranges(a, nbytes, b, nbytes);
 }
 
 /* channel.allreduce(x, out, op, deadline, pipelined_from) -> 0, or None when
@@ -467,9 +700,90 @@ static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t
             c->waits.failed_peer = -1;
             result = failure(&c->waits, ABORTED, seq);
         } else if (nbytes <= c->small_max) {
-            result = run_small(c, x.buf, o->buf, nbytes, (size_t)x.itemsize, type, op, base, seq);
+            Collective k = {K_ALLREDUCE, 0, type, op, (size_t)x.itemsize, x.buf, o->buf, nbytes};
+            result = run_small(c, &k, base, seq);
         } else {
             result = run_pipelined(c, x.buf, o->buf, nbytes, (size_t)x.itemsize, type, op, base, seq);
+        }
+    } else {
+        Py_INCREF(result);
+    }
+    if (!in_place)
+        PyBuffer_Release(&y);
+    PyBuffer_Release(&x);
+    return result;
+}
+
+/* Whether rank `rank` writes its output in a call of `kind` (`root`'s). */
+static int writes_output(int kind, int rank, int root)
+{
+    return kind == K_BROADCAST ? rank != root : kind == K_REDUCE ? rank == root : 1;
+}
+
+/* channel.collective(kind, x, out, op, root, deadline) -> 0, None or a
+ * failure, as allreduce() (kind: 1 reduce_scatter, 2 allgather, 3
+ * broadcast, 4 reduce). `out` None is the call without `out`: the result
+ * in x (reduce_scatter: in x's own block); allgather needs `out`. The loop
+ * takes C-contiguous buffers of one element type it folds, of the sizes
+ * the collective needs, and outputs that are apart from x or exactly its
+ * in-place form; a buffer is asked to be writable only where this rank
+ * writes it. Anything else returns None: the Python path checks it. */
+static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "collective(kind, x, out, op, root, deadline)");
+        return NULL;
+    }
+    int kind = (int)PyLong_AsLong(args[0]);
+    int op = (int)PyLong_AsLong(args[3]);
+    int root = (int)PyLong_AsLong(args[4]);
+    double deadline = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    Waits *w = &c->waits;
+    int r = w->rank, n = w->nranks;
+    /* out=x is in place for broadcast and reduce; for reduce_scatter and
+     * allgather it names a wrong size, which the Python path reports */
+    int in_place = args[2] == Py_None || (args[2] == args[1] && (kind == K_BROADCAST || kind == K_REDUCE));
+    int writes = writes_output(kind, r, root);
+    if (kind < K_REDUCE_SCATTER || kind > K_REDUCE || op < 0 || op > OP_AVG || root < 0 || root >= n || n > 256
+        || (in_place && kind == K_ALLGATHER))
+        Py_RETURN_NONE;
+    Py_buffer x, y;
+    if (PyObject_GetBuffer(args[1], &x, (in_place && writes ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (!in_place && PyObject_GetBuffer(args[2], &y, (writes ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&x);
+        Py_RETURN_NONE;
+    }
+    size_t nbytes = (size_t)x.len;
+    int type = element_type(&x);
+    /* the output's bytes, and where its in-place form lies */
+    size_t out_bytes = kind == K_REDUCE_SCATTER ? nbytes / (size_t)n : kind == K_ALLGATHER ? nbytes * (size_t)n : nbytes;
+    char *out = in_place ? (char *)x.buf + (kind == K_REDUCE_SCATTER ? (size_t)r * out_bytes : 0) : y.buf;
+    char *in_place_out = kind == K_ALLGATHER ? NULL : (char *)x.buf + (kind == K_REDUCE_SCATTER ? (size_t)r * out_bytes : 0);
+    const char *in_place_x = kind == K_ALLGATHER ? out + (size_t)r * nbytes : x.buf;
+    int takes = type >= 0 && nbytes > 0 && (kind != K_REDUCE_SCATTER || nbytes % ((size_t)n * (size_t)x.itemsize) == 0)
+                && (in_place || ((size_t)y.len == out_bytes && element_type(&y) == type && y.itemsize == x.itemsize
+                                 && (out == in_place_out || (const char *)x.buf == in_place_x
+                                     || !overlap_ranges(x.buf, nbytes, out, out_bytes))));
+    PyObject *result = Py_None;
+    if (takes) {
+        int64_t *mine = &w->rows[r * ROW_SLOTS];
+        int64_t base = mine[COUNTER], seq = mine[SEQ] + 1;
+        Collective k = {kind, kind == K_BROADCAST || kind == K_REDUCE ? root : 0, type,
+                        kind == K_ALLGATHER || kind == K_BROADCAST ? 0 : op, (size_t)x.itemsize, x.buf, out, nbytes};
+        w->deadline = deadline;
+        if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
+            w->failed_peer = -1;
+            result = failure(w, ABORTED, seq);
+        } else if (nbytes <= c->small_max) {
+            result = run_small(c, &k, base, seq);
+        } else {
+            result = run_large(c, &k, base, seq);
         }
     } else {
         Py_INCREF(result);
@@ -581,6 +895,8 @@ static PyGetSetDef Channel_getset[] = {
 static PyMethodDef Channel_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))Channel_allreduce, METH_FASTCALL,
      "allreduce(x, out, op, deadline, pipelined_from): see _shmloop.c"},
+    {"collective", (PyCFunction)(void (*)(void))Channel_collective, METH_FASTCALL,
+     "collective(kind, x, out, op, root, deadline): reduce_scatter, allgather, broadcast or reduce; see _shmloop.c"},
     {"fence_writes", (PyCFunction)Channel_fence_writes, METH_O,
      "fence_writes(seconds): after an abort, wait until no peer writes into this rank's memory; -1, or "
      "the peer still writing after `seconds`"},
@@ -662,5 +978,9 @@ PyMODINIT_FUNC PyInit__shmloop(void)
     PyModule_AddIntConstant(m, "REDUCED", REDUCED);
     PyModule_AddIntConstant(m, "SLEEPERS", SLEEPERS);
     PyModule_AddIntConstant(m, "SLOT_HEADER", SLOT_HEADER);
+    PyModule_AddIntConstant(m, "REDUCE_SCATTER", K_REDUCE_SCATTER);
+    PyModule_AddIntConstant(m, "ALLGATHER", K_ALLGATHER);
+    PyModule_AddIntConstant(m, "BROADCAST", K_BROADCAST);
+    PyModule_AddIntConstant(m, "REDUCE", K_REDUCE);
     return m;
 }

@@ -1,40 +1,48 @@
-"""Allreduce of host ranks in separate processes, in the compiled loop.
+"""The five collectives of host ranks in separate processes, in the compiled loop.
 
-The op-table interpreter (executors/host.py) runs any plan, but per call it
-pays Python for every row and copies whole buffers into and out of the
-shared workspaces between lock-step phases. For allreduce with `auto`, host
+The compiled plan executor (executors/host_process.py) runs any plan, but a
+plan of ranks in processes copies each rank's input into its workspace and
+takes a few microseconds of Python per call. For calls with `auto`, host
 ranks take this path instead: the compiled loop (_shmloop.c) over a channel
 of shared memory at the end of the control segment (layout.py), per rank
 
     small slots   2 x (128-byte header + SMALL_MAX bytes): a message of up to
                   SMALL_MAX bytes is one merged step: copy in, publish, wait
-                  once, fold every rank's slot in rank order (the header
-                  names the call, so mismatched calls are caught);
-    staging       2 x nranks chunks of CHUNK bytes: a larger message is a
+                  once, take this rank's share of every rank's slot (the
+                  header names the call, so mismatched calls are caught);
+    staging       2 x nranks chunks of CHUNK bytes: a larger allreduce is a
                   pipelined reduce-scatter and all-gather, chunk by chunk,
-                  with per-chunk counters (rows' STAGED and REDUCED slots).
+                  with per-chunk counters (rows' STAGED and REDUCED slots);
+                  the other four move a larger message segment by segment,
+                  each segment a merged step.
 
-Where it can, a large message skips staging (the single copy): each rank
-reads its block of every peer's input straight from the peer's process
-(process_vm_readv), folds it, and writes the reduced block straight into
-every peer's output (process_vm_writev), one copy where staging makes two.
-That needs every rank to be allowed to read and write every other's memory
-(the same user; Yama's ptrace_scope 0, or 1 with ranks that are each
-other's ancestors; no seccomp rule against it): the ranks find out at their
-first large call and all agree, and where any may not, every message keeps
-the staged pipeline (`FastAllreduce.large_path` says which). Since peers
-write into a rank's output, a call that fails aborts the communicator and
-then waits until no peer is writing (`_shmloop.c`'s fence) before it raises.
+Every collective is its `direct` algorithm: rank r reads, of every rank it
+needs, the part of its input it needs (reduce_scatter: block r; broadcast:
+the root's; reduce: the root reads all), and folds in rank order or copies.
+So the bits equal the `direct` plan's on every rank, in place and out of
+place (tests/test_fastpath.py compares them).
 
-Both fold in rank order, as the `direct` plan does, so the bits equal the
-interpreter's for that plan on every rank, in place and out of place.
+Where it can, a large message skips staging (the single copy): readers
+pull straight from the peer's input (process_vm_readv): allgather and
+broadcast into their output, reduce_scatter and reduce through a chunk in
+cache that they fold; allreduce's ranks fold their block of every peer's
+input and write the reduced block straight into every peer's output
+(process_vm_writev), one copy where staging makes two. That needs every
+rank to be allowed to read and write every other's memory (the same user;
+Yama's ptrace_scope 0, or 1 with ranks that are each other's ancestors; no
+seccomp rule against it): the ranks find out at their first large call and
+all agree, and where any may not, every message keeps to staging
+(`FastCollectives.large_path` says which). Since allreduce's peers write
+into a rank's output, a call that fails aborts the communicator and then
+waits until no peer is writing (`_shmloop.c`'s fence) before it raises.
+
 Calls advance COUNTER by 2 and SEQ by 1 like any other call
-(protocol.py), so fast and interpreted calls mix freely. The loop takes
+(protocol.py), so loop and plan calls mix freely. The loop takes
 float32/float64 and 8- to 64-bit integers, C-contiguous NumPy arrays, any
 op; everything else (float16, bfloat16, overlapping outputs, lists,
 an explicit algorithm) declines to the checks and the plans, which the
-compiled plan executor (executors/host_process.py) or the interpreter runs.
-Without the compiled loop there is no fast path.
+compiled plan executor or the interpreter runs. Without the compiled loop
+there is no fast path.
 """
 
 import os
@@ -81,10 +89,18 @@ _OP_CODES = {**{o: i for i, o in enumerate(ReduceOp)}, **{o.value: i for i, o in
 assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the loop's OP_ codes"
 
 PATHS = ("merged", "pipelined")   # what `chosen_algorithm` reports for the two
-# The plan whose traffic between ranks each step has, per rank: the merged
-# step reads every peer's slot, as `direct` reads every peer's buffer; the
-# pipeline moves 2(n-1)/n of the message across, as `two_shot` does.
-SAME_TRAFFIC = {"merged": "direct", "pipelined": "two_shot"}
+
+
+# The collectives the loop runs besides allreduce (_shmloop.c's K_ codes).
+_KINDS = {"reduce_scatter": 1, "allgather": 2, "broadcast": 3, "reduce": 4}
+COLLECTIVES = ("allreduce", *_KINDS)
+
+
+def same_traffic(collective, step):
+    """The plan that moves as many bytes between ranks per call as the
+    loop's `step` does for `collective` (each rank reads what `direct`
+    reads of every peer; allreduce's pipeline moves what `two_shot` does)."""
+    return "two_shot" if collective == "allreduce" and step == "pipelined" else "direct"
 
 
 def available():
@@ -106,11 +122,13 @@ def takes(dtype):
     return np.dtype(dtype) in LOOP_DTYPES
 
 
-class FastAllreduce:
-    """`ShmRank.fast_allreduce`: the compiled allreduce, or None to decline."""
+class FastCollectives:
+    """`ShmRank.fast_allreduce` (called: an allreduce) and `.collective`
+    (the other four): the compiled loop's run of a call, or None to decline."""
 
     def __init__(self, group, header_address, rows_address, channel_address, oversubscribed):
         assert (ROW, HEADER) == (_shmloop.ROW_SLOTS, _shmloop.HEADER_SLOTS), "protocol.py and _shmloop.c disagree"
+        assert _KINDS == {name: getattr(_shmloop, name.upper()) for name in _KINDS}, "_shmloop.c's K_ codes"
         self._group = group
         self._channel = _shmloop.Channel(
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
@@ -145,13 +163,38 @@ class FastAllreduce:
         except BaseException as error:
             self._abort_and_raise(f"{type(error).__name__}: {error}", error)
 
-    def _raise_for(self, status, x, op):
+    def collective(self, collective, x, op, out, root, timeout):
+        """A reduce_scatter, allgather, broadcast or reduce (`collective`,
+        by name) in the loop: True once done, None to decline (the caller's
+        checks and plans then run the call). `out` None is the call without
+        one (allgather has none: the caller makes it); root an int."""
+        if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray) or self._run is None:
+            return None
+        try:
+            code = _OP_CODES[op]
+        except (KeyError, TypeError):
+            return None   # the interpreter names the valid ops
+        try:
+            status = self._channel.collective(_KINDS[collective], x, out, code, root, self._clock() + timeout)
+        except BaseException as error:   # a signal handler's (Ctrl-C) while the call waited
+            self._abort_and_raise(f"rank {self._group.rank} was interrupted during a {collective}: "
+                                  f"{type(error).__name__}", error)
+        if status == 0:
+            return True
+        if status is None:
+            return None
+        try:
+            self._raise_for(status, x, op, collective, root)
+        except BaseException as error:
+            self._abort_and_raise(f"{type(error).__name__}: {error}", error)
+
+    def _raise_for(self, status, x, op, collective="allreduce", root=0):
         """Raise what the interpreter's waits raise for the same failure."""
         kind, peer, have, need, seq = status
         group = self._group
         group._seq = seq   # noqa: SLF001 - the row's SEQ, which this call advanced
-        description = (f"allreduce of {x.size} {x.dtype} (op {list(ReduceOp)[_OP_CODES[op]].value}, root 0, "
-                       f"algorithm {path_for(x.nbytes)})")
+        description = (f"{collective} of {x.size} {x.dtype} (op {list(ReduceOp)[_OP_CODES[op]].value}, "
+                       f"root {root}, algorithm {path_for(x.nbytes)})")
         if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health raises the aborting rank's class, or RankFailedError
             group.check_health(peer if kind == 3 else None, f"call #{seq}, {description}")
             raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")
@@ -202,8 +245,8 @@ class FastAllreduce:
 
 
 def make(group, oversubscribed):
-    """The fast allreduce of `group`'s rank, or None without the compiled loop
+    """The compiled loop of `group`'s rank, or None without it
     (or when COLLECTIVES_FAST_PATH=0 asks for the interpreter)."""
     if _shmloop is None or os.environ.get("COLLECTIVES_FAST_PATH", "1") == "0":
         return None
-    return FastAllreduce(group, *group.channel_addresses(), oversubscribed)
+    return FastCollectives(group, *group.channel_addresses(), oversubscribed)

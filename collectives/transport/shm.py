@@ -39,8 +39,10 @@ class ShmRank:
         # for the scheduler at every step, a cost of its own.
         oversubscribed = size > (os.cpu_count() or 1)
         self.transport = "host-processes-oversubscribed" if oversubscribed else "host-processes"
-        # Allreduce with `auto` in the compiled loop (fastpath.py); None without it.
+        # Calls with `auto` in the compiled loop (fastpath.py), allreduce's
+        # and the other four collectives'; None without it.
         self.fast_allreduce = fastpath.make(self.group, oversubscribed)
+        self.fast_collective = None if self.fast_allreduce is None else self.fast_allreduce.collective
         # Every other plan it takes in the compiled executor; None: the interpreter runs them all.
         self.compiled = host_process.CompiledPlans(
             self.group, fastpath.SPIN_OVERSUBSCRIBED if oversubscribed else fastpath.SPIN_DEDICATED,
