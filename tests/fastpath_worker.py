@@ -330,18 +330,22 @@ def scenario_fenced(comm):
     (the single copy): the failed call raises only once that write is done,
     in place (case 0) and out of place (case 2), so the output does not
     change after the call raised; a writer held longer than the fence waits
-    is named in the error (case 1)."""
+    is named in the error (case 1); and the same for a reduce to rank 0,
+    whose peers write their blocks into the root's output (case 3)."""
     case = int(os.environ["FASTPATH_CASE"])
     count = (4 << 20) // 4
     x = np.ones(count, np.float32)
-    out = x if case != 2 else np.zeros_like(x)
+    out = x if case in (0, 1) else np.zeros_like(x)
     if comm.rank == 0:
         comm.timeout = FENCED_TIMEOUT
         if case == 1:
             fastpath.FENCE_SECONDS = 0.2
     MPI.COMM_WORLD.Barrier()
     try:
-        comm.allreduce(x, out=out)
+        if case == 3:
+            comm.reduce(x, root=0, out=out)
+        else:
+            comm.allreduce(x, out=out)
     except CollectiveError as error:
         if comm.rank == 1:
             assert "aborted" in str(error) and "timed out" in str(error), error

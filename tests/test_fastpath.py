@@ -113,7 +113,8 @@ def test_the_other_collectives_fail_as_allreduce_does(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [0, 2, 1], ids=["waits-for-the-write", "out-of-place", "names-a-writer-held-longer"])
+@pytest.mark.parametrize("case", [0, 2, 1, 3], ids=["waits-for-the-write", "out-of-place", "names-a-writer-held-longer",
+                                                  "reduce"])
 def test_a_failed_call_raises_only_once_no_peer_writes_into_its_output(case):
     oks, report = run_worker(2, "fenced", env={**LARGE_PATHS["single-copy"], "FASTPATH_CASE": str(case)},
                              launcher_flags=["-disable-auto-cleanup"])

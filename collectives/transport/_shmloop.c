@@ -78,9 +78,11 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
  *   broadcast       the root's, only     all of it (r != root)         all of it
  *   reduce          all but the root's   all of it (r == root)         fold, in rank order
  *
- * Allreduce's large messages take the pipeline below (a reduce-scatter and
- * an all-gather); the other four only ever read from peers, so a failed
- * call of theirs needs no fence. */
+ * Two large messages take other steps, as allreduce's first form did:
+ * allreduce's the pipeline below (a reduce-scatter and an all-gather), and
+ * reduce's single copy a reduce-scatter whose blocks are written into the
+ * root's output (reduce_by_blocks): both write into a peer's memory, and a
+ * failed call of theirs waits at the fence. The other three only read. */
 
 enum { K_ALLREDUCE = 0, K_REDUCE_SCATTER = 1, K_ALLGATHER = 2, K_BROADCAST = 3, K_REDUCE = 4 };
 
@@ -458,10 +460,49 @@ static int leave_single_copy(Waits *w, int64_t base)
     return status;
 }
 
+/* reduce's large messages, single copy: as allreduce's, rank r folds
+ * block r of every rank's input, chunk by chunk, but only the root
+ * receives: the root folds straight into its output, the others into a
+ * chunk in cache that they write into the root's output. Block b of the
+ * root's output is written by rank b alone, chunk t after rank b read chunk
+ * t of the root's input, so in place needs no other order. */
+static int reduce_by_blocks(Channel *c, const Collective *k)
+{
+    Waits *w = &c->waits;
+    int r = w->rank, n = w->nranks, root = k->root;
+    size_t count = k->nbytes / k->itemsize;
+    size_t lo = count * (size_t)r / (size_t)n * k->itemsize, hi = count * (size_t)(r + 1) / (size_t)n * k->itemsize;
+    size_t chunk = c->chunk / k->itemsize * k->itemsize;
+    char *landing = landing_for(c, r == root ? k->out + lo : k->in + lo);
+    /* (the landing chunk of this rank itself is free: its own source is its input) */
+    char *reduced = r == root ? NULL : landing + (size_t)r * c->chunk;
+    for (size_t offset = lo; offset < hi; offset += chunk) {
+        size_t bytes = hi - offset < chunk ? hi - offset : chunk;
+        int status = fold_from_peers(c, k->in, r == root ? k->out + offset : reduced, offset, bytes, landing,
+                                     k->type, k->op, k->itemsize);
+        if (status != OK)
+            return status;
+        if (r == root)
+            continue;
+        if (!begin_writes(w)) {
+            w->failed_peer = -1;
+            return ABORTED;
+        }
+        if (c->test_write_stall > 0)
+            stall(c->test_write_stall);
+        status = copy_with_peer(w, root, reduced, load_acquire(&w->rows[root * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
+                                bytes, 1);
+        end_writes(w);
+        if (status != OK)
+            return status;
+    }
+    return OK;
+}
+
 /* The other four collectives' large messages, single copy: rank r reads
  * what it wants of its peers' inputs straight out of their processes, into
  * its output where it copies (allgather, broadcast), through landing
- * chunks where it folds (reduce_scatter, reduce). */
+ * chunks where it folds (reduce_scatter; reduce: reduce_by_blocks). */
 static int read_from_peers(Channel *c, const Collective *k)
 {
     Waits *w = &c->waits;
@@ -489,8 +530,8 @@ static int read_from_peers(Channel *c, const Collective *k)
             memcpy(k->out, k->in, k->nbytes);
         return OK;
     }
-    if (!reads_peers(k, r))
-        return OK;
+    if (k->kind == K_REDUCE)
+        return reduce_by_blocks(c, k);
     size_t chunk = c->chunk / k->itemsize * k->itemsize;
     char *landing = landing_for(c, k->out);
     for (size_t offset = lo; offset < hi; offset += chunk) {

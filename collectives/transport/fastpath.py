@@ -18,23 +18,26 @@ of shared memory at the end of the control segment (layout.py), per rank
 
 Every collective is its `direct` algorithm: rank r reads, of every rank it
 needs, the part of its input it needs (reduce_scatter: block r; broadcast:
-the root's; reduce: the root reads all), and folds in rank order or copies.
+the root's; reduce: the root reads all), and folds in rank order or copies
+(reduce's single copy below splits the folds by block, in the same order).
 So the bits equal the `direct` plan's on every rank, in place and out of
 place (tests/test_fastpath.py compares them).
 
 Where it can, a large message skips staging (the single copy): readers
 pull straight from the peer's input (process_vm_readv): allgather and
-broadcast into their output, reduce_scatter and reduce through a chunk in
-cache that they fold; allreduce's ranks fold their block of every peer's
-input and write the reduced block straight into every peer's output
-(process_vm_writev), one copy where staging makes two. That needs every
-rank to be allowed to read and write every other's memory (the same user;
+broadcast into their output, reduce_scatter through a chunk in cache that
+it folds; allreduce's ranks fold their block of every peer's input and
+write the reduced block straight into every peer's output
+(process_vm_writev), one copy where staging makes two, and reduce's ranks
+into the root's output alone. That needs every rank to be allowed to read
+and write every other's memory (the same user;
 Yama's ptrace_scope 0, or 1 with ranks that are each other's ancestors; no
 seccomp rule against it): the ranks find out at their first large call and
 all agree, and where any may not, every message keeps to staging
-(`FastCollectives.large_path` says which). Since allreduce's peers write
-into a rank's output, a call that fails aborts the communicator and then
-waits until no peer is writing (`_shmloop.c`'s fence) before it raises.
+(`FastCollectives.large_path` says which). Since allreduce's and reduce's
+peers write into a rank's output, a call that fails aborts the communicator
+and then waits until no peer is writing (`_shmloop.c`'s fence) before it
+raises.
 
 Calls advance COUNTER by 2 and SEQ by 1 like any other call
 (protocol.py), so loop and plan calls mix freely. The loop takes
