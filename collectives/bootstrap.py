@@ -240,19 +240,21 @@ def process_rank(rendezvous, deadline, make_rank):
 
 def node_process_rank(rendezvous, deadline, make_rank, found):
     """process_rank for every node at once: this process's rank object among
-    the ranks of its node, `make_rank(local rank, node size, prefix)`, or
-    None when it is alone on its node. Each node's first rank makes the
+    the ranks of its node, `make_rank(local rank, node size, prefix,
+    ranks_on_machine)`, or None when it is alone on its node (pretend nodes
+    share a machine: its ranks all compete for its cores). Each node's first rank makes the
     control segment; the others attach to their own node's, and never to
     another node's (they could not map it). Every rank calls this."""
     rank = rendezvous.rank
     node = found.nodes[found.node_of(rank)]
     local, leader = node.index(rank), node[0]
+    on_machine = found.machines.count(found.machines[rank])
     made, prefix = None, ""
     if len(node) > 1 and rank == leader:
         prefix = new_prefix()
-        made = make_rank(0, len(node), prefix)
+        made = make_rank(0, len(node), prefix, on_machine)
     names = _allgather_text(rendezvous, prefix, _NAME_BYTES, deadline, "each node's first rank to share its name")
     if len(node) > 1 and rank != leader:
-        made = make_rank(local, len(node), names[leader])
+        made = make_rank(local, len(node), names[leader], on_machine)
     rendezvous.barrier(deadline, "every rank to attach")
     return made

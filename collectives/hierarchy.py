@@ -55,6 +55,10 @@ The other collectives, in the same shape:
     barrier         every rank of a node arrives; the node leaders hear from
                     each other (dissemination over MPI); the node's ranks leave.
 
+Small messages take a shorter way where every node has as many ranks: one
+call of the node's compiled loop and one exchange between counterparts
+(see "small messages" below), with the same bits.
+
 Steps inside a node are phases of one run of the step protocol: phase p
 starts once every other rank of the node has completed p phases of the call
 (so phase 0 waits for them to have left the last call, whose last phase may
@@ -70,6 +74,7 @@ and fusion_buffer work, through allreduce.
 """
 
 import functools
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -81,6 +86,8 @@ from .errors import CollectiveError, InvalidUsageError
 from .executors import host
 from .ops import ReduceOp
 from .plan import INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, SRC0, WORK
+from .transport import fastpath
+from .transport.layout import SMALL_MAX
 from .transport.protocol import call_signature
 from .validation import call_arguments
 
@@ -401,8 +408,132 @@ def barrier(h, call, x, out, deadline):
     h.in_node(call, 3, 0, lambda p, work: between_leaders() if p == 1 else None, deadline)
 
 
-RUN = {ALLREDUCE: allreduce, REDUCE_TO_ROOT: reduce, REDUCE_SCATTER: reduce_scatter, ALLGATHER: allgather,
-       BROADCAST: broadcast}
+# -- small messages: the node's compiled loop, then one exchange between counterparts ----------
+#
+# A message of up to SMALL_MAX bytes per rank, where every node has G ranks
+# and the node's compiled loop takes the dtype (fastpath.py), is one call of
+# that loop inside the node and one exchange over MPI between counterparts,
+# the ranks of one local index l on every node:
+#
+#   allreduce       the node's allreduce gives every rank P_k; each sends it
+#                   to its counterparts and folds the K partials in node order.
+#   reduce          the node's reduce to the root's local index gives that
+#                   rank P_k, which it sends to the root; the root folds.
+#   reduce_scatter  the node's allreduce gives every rank P_k; each sends its
+#                   counterpart c block c of it; each folds its block's K partials.
+#   allgather       the node's allgather gives every rank its node's blocks; each
+#                   sends them to its counterparts and places what it receives.
+#   broadcast       the root's node broadcasts; each of its ranks sends the data
+#                   to its counterparts.
+#
+# The loop folds a node's inputs in local rank order and the rows below fold
+# the partials in node order, as the phases above do: the same bits.
+
+def takes_small(h, call):
+    """Whether `call` runs the small path (the same answer on every rank)."""
+    nbytes = call.count * call.dtype.itemsize
+    if call.collective == ALLGATHER:
+        nbytes *= len(h.node_ranks)   # what a rank sends each counterpart
+    return (0 < nbytes <= SMALL_MAX and len({len(node) for node in h.topology.nodes}) == 1
+            and fastpath.available() and fastpath.takes(call.dtype)
+            and (h.shm is None or h.shm.fast_allreduce is not None))
+
+
+def _in_node(h, collective, x, out, op, root, deadline):
+    """One call of the node's compiled loop (nothing when alone on the node:
+    out = x). The loop takes these buffers on every rank alike; its
+    declining would be a bug, and is raised as one."""
+    if h.shm is None:
+        if out is not x:
+            np.copyto(out, x)
+        return
+    timeout = max(deadline - time.perf_counter(), 0.0)
+    if collective == ALLREDUCE:
+        done = h.shm.fast_allreduce(x, op, out, timeout) is not None
+    else:
+        done = h.shm.fast_collective(collective, x, op, out, root, timeout)
+    if not done:
+        raise CollectiveError(f"the node's compiled loop declined a {collective} of {x.size} {x.dtype}")
+
+
+def _fold_partials(h, call, count, part, part_offset, received, out):
+    """out = the K partials of `count` elements folded in node order (the
+    across-node row of the phases' plans): this node's at
+    `part`[part_offset:], the others' in `received`, one after another in
+    node order."""
+    others = iter(range(0, len(received), count))
+    sources = [part[part_offset:part_offset + count] if k == h.node_index else received[next(others):][:count]
+               for k in range(len(h.topology.nodes))]
+    with np.errstate(all="ignore"):
+        host.fold_row(out, sources, call.op, h.topology.size, final=True)
+
+
+def small(h, call, x, out, deadline):
+    """The small path (above) for any collective."""
+    nodes, me, k_me = h.topology.nodes, h.rank, h.node_index
+    counterparts = [node[h.local] for node in nodes]
+    others = [peer for k, peer in enumerate(counterparts) if k != k_me]
+    count, what = call.count, f"{call.description}: between counterparts"
+    in_node_op = _in_node_op(call.op).value
+    if call.collective in (ALLREDUCE, REDUCE_SCATTER):
+        part = h.scratch("part", call.dtype, count)
+        _in_node(h, ALLREDUCE, x, part, in_node_op, 0, deadline)
+        k = count // h.topology.size if call.collective == REDUCE_SCATTER else count
+        received = h.scratch("received", call.dtype, len(others) * k)
+        if call.collective == ALLREDUCE:
+            sends = [(peer, part) for peer in others]
+        else:
+            sends = [(peer, part[peer * k:(peer + 1) * k]) for peer in others]
+        h.link.exchange(sends, [(peer, received[i * k:(i + 1) * k]) for i, peer in enumerate(others)], deadline, what)
+        _fold_partials(h, call, k, part, 0 if call.collective == ALLREDUCE else me * k, received, out)
+    elif call.collective == REDUCE_TO_ROOT:
+        root_node, root_local = h.topology.node_of(call.root), h.topology.local_of(call.root)
+        part = h.scratch("part", call.dtype, count)
+        _in_node(h, REDUCE_TO_ROOT, x, part, in_node_op, root_local, deadline)
+        if h.local != root_local:
+            return
+        if me != call.root:
+            h.link.exchange([(call.root, part)], [], deadline, what)
+            return
+        received = h.scratch("received", call.dtype, len(others) * count)
+        h.link.exchange([], [(peer, received[i * count:(i + 1) * count]) for i, peer in enumerate(others)],
+                        deadline, what)
+        _fold_partials(h, call, count, part, 0, received, out)
+    elif call.collective == ALLGATHER:
+        size = len(h.node_ranks)
+        gathered = h.scratch("gathered", call.dtype, len(nodes) * size * count)   # node by node, local order
+        mine = gathered[k_me * size * count:(k_me + 1) * size * count]
+        _in_node(h, ALLGATHER, x, mine, "sum", 0, deadline)
+        h.link.exchange([(peer, mine) for peer in others],
+                        [(counterparts[k], gathered[k * size * count:(k + 1) * size * count])
+                         for k in range(len(nodes)) if k != k_me], deadline, what)
+        for k, node in enumerate(nodes):
+            for local, rank in enumerate(node):
+                block = out[rank * count:(rank + 1) * count]
+                if k != k_me or rank != me or not _same_memory(block, x):
+                    block[...] = gathered[(k * size + local) * count:(k * size + local + 1) * count]
+    else:   # BROADCAST
+        root_node, root_local = h.topology.node_of(call.root), h.topology.local_of(call.root)
+        if k_me == root_node:
+            _in_node(h, BROADCAST, x, out, "sum", root_local, deadline)
+            h.link.exchange([(peer, out) for peer in others], [], deadline, what)
+        else:   # (out of place, x is left as it was)
+            h.link.exchange([], [(counterparts[root_node], out)], deadline, what)
+
+
+def _small_or(general):
+    """`general`, or the small path where it takes the call."""
+    def run(h, call, x, out, deadline):
+        if call.count and takes_small(h, call):
+            return small(h, call, x, out, deadline)
+        return general(h, call, x, out, deadline)
+    run.__name__, run.__doc__ = general.__name__, general.__doc__
+    return run
+
+
+RUN = {collective: _small_or(general) for collective, general in (
+    (ALLREDUCE, allreduce), (REDUCE_TO_ROOT, reduce), (REDUCE_SCATTER, reduce_scatter), (ALLGATHER, allgather),
+    (BROADCAST, broadcast))}
 
 
 def _in_node_op(op):

@@ -74,7 +74,6 @@ def execute(rows, buffer, op, nranks):
 
 
 def _execute(rows, buffer, op, nranks):
-    fold = _FOLD[op]
     for rank, kind, count, dst_buf, dst_off, nsrc, *sources in rows.tolist():
         dst = buffer(rank, dst_buf)[dst_off:dst_off + count]
         srcs = [
@@ -84,21 +83,29 @@ def _execute(rows, buffer, op, nranks):
         if kind == COPY_OP:
             np.copyto(dst, srcs[0])
             continue
-        divides = kind == REDUCE_FINAL_OP and op is ReduceOp.AVG
-        if dst.dtype in _ACCUMULATE_IN_FLOAT32:
-            _reduce_in_float32(dst, srcs, fold, nranks if divides else None)
-            continue
-        # Every source is read before dst is written, as in the kernel; folding
-        # into dst is that, unless dst is also a later source (a rank's own
-        # array in an in-place direct reduction): then fold aside.
-        late_alias = any(np.may_share_memory(dst, src) for src in srcs[2:])
-        acc = fold(srcs[0], srcs[1], out=None if late_alias else dst)
-        for src in srcs[2:]:
-            fold(acc, src, out=acc)
-        if late_alias:
-            np.copyto(dst, acc)
-        if divides:
-            divide_by_ranks(dst, nranks)
+        fold_row(dst, srcs, op, nranks, final=kind == REDUCE_FINAL_OP)
+
+
+def fold_row(dst, srcs, op, nranks, final):
+    """One REDUCE row (REDUCE_FINAL where `final`): dst = the fold of `srcs`
+    (two or more) in order, avg's division by `nranks` where final (call under
+    np.errstate(all="ignore"), as execute does)."""
+    fold = _FOLD[op]
+    divides = final and op is ReduceOp.AVG
+    if dst.dtype in _ACCUMULATE_IN_FLOAT32:
+        _reduce_in_float32(dst, srcs, fold, nranks if divides else None)
+        return
+    # Every source is read before dst is written, as in the kernel; folding
+    # into dst is that, unless dst is also a later source (a rank's own
+    # array in an in-place direct reduction): then fold aside.
+    late_alias = any(np.may_share_memory(dst, src) for src in srcs[2:])
+    acc = fold(srcs[0], srcs[1], out=None if late_alias else dst)
+    for src in srcs[2:]:
+        fold(acc, src, out=acc)
+    if late_alias:
+        np.copyto(dst, acc)
+    if divides:
+        divide_by_ranks(dst, nranks)
 
 
 # A float16 or bfloat16 transfer (one REDUCE or REDUCE_FINAL row, whatever its

@@ -31,13 +31,15 @@ class ShmRank:
     locations = None
     compresses = True    # runs compressed plans
 
-    def __init__(self, rank, size, prefix):
+    def __init__(self, rank, size, prefix, ranks_on_machine=None):
+        """`ranks_on_machine`: the processes of the job on this machine, where
+        they are more than this communicator's (pretend nodes share one)."""
         self.group = ProcessGroup(rank, size, prefix, HostMemory)
         self.rank, self.size, self.prefix = rank, size, prefix
         self._timeout = None   # the communicator's, which it sets at once (use_timeout)
         # Which cost model `auto` asks: ranks that outnumber the cores wait
         # for the scheduler at every step, a cost of its own.
-        oversubscribed = size > (os.cpu_count() or 1)
+        oversubscribed = max(size, ranks_on_machine or 0) > (os.cpu_count() or 1)
         self.transport = "host-processes-oversubscribed" if oversubscribed else "host-processes"
         # Calls with `auto` in the compiled loop (fastpath.py), allreduce's
         # and the other four collectives'; None without it.
