@@ -20,6 +20,7 @@ from cases import DTYPES, OPS, counts_for, dtypes_for, gather_input, reduction_e
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.bootstrap import PRETEND_NODES_ENV
 from collectives.executors import host
+from collectives import hierarchy
 from collectives.hierarchy import HierarchicalCommunicator
 from collectives.ops import BFLOAT16, ReduceOp
 from collectives.plan import REDUCE_FINAL_OP, REDUCE_OP, SRC0
@@ -142,6 +143,11 @@ def scenario_order(comm):
     reducing collectives agree with each other element for element."""
     r, n = comm.rank, comm.size
     nodes = comm.topology.nodes
+    # Count the calls that take the small path (one node-loop call, one exchange):
+    # its bits are checked below with the phases' (count 7 takes it where nodes are of one size).
+    taken = []
+    small = hierarchy.small
+    hierarchy.small = lambda *arguments: (taken.append(1), small(*arguments))[1]
     for dtype in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16, np.dtype(np.float64)):
         for op in OPS:
             # 40000 per rank: ranges large enough for two_shot across 3 or more nodes (hierarchy.uses_two_shot).
@@ -158,6 +164,8 @@ def scenario_order(comm):
                 got = comm.reduce(inputs[r].copy(), root=n - 1, op=op)
                 if r == n - 1:
                     check(got, want, f"reduce {case}")
+    hierarchy.small = small
+    assert bool(taken) == (len({len(node) for node in nodes}) == 1), (len(taken), nodes)
     # Fused allreduces go through allreduce: the same bits, array by array.
     arrays = [random_values(np.dtype(np.float32), q * 100 + i, 1000 + 37 * i) for i in range(6) for q in range(n)]
     mine = [arrays[i * n + r].copy() for i in range(6)]
