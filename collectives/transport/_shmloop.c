@@ -81,7 +81,7 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
  * Two large messages take other steps, as allreduce's first form did:
  * allreduce's the pipeline below (a reduce-scatter and an all-gather), and
  * reduce's single copy a reduce-scatter whose blocks are written into the
- * root's output (reduce_by_blocks): both write into a peer's memory, and a
+ * root's output (read_from_peers): both write into a peer's memory, and a
  * failed call of theirs waits at the fence. The other three only read. */
 
 enum { K_ALLREDUCE = 0, K_REDUCE_SCATTER = 1, K_ALLGATHER = 2, K_BROADCAST = 3, K_REDUCE = 4 };
@@ -460,29 +460,24 @@ static int leave_single_copy(Waits *w, int64_t base)
     return status;
 }
 
-/* reduce's large messages, single copy: as allreduce's, rank r folds
- * block r of every rank's input, chunk by chunk, but only the root
- * receives: the root folds straight into its output, the others into a
- * chunk in cache that they write into the root's output. Block b of the
- * root's output is written by rank b alone, chunk t after rank b read chunk
- * t of the root's input, so in place needs no other order. */
-static int reduce_by_blocks(Channel *c, const Collective *k)
+/* Fold bytes [lo, hi) of every rank's input in rank order, chunk by
+ * chunk, each peer's chunk read straight out of its process: into `into`
+ * (byte lo at into[0]), or, where `into` is NULL, into a chunk in cache
+ * that is then written into the same bytes of rank `root`'s output. */
+static int fold_range(Channel *c, const Collective *k, size_t lo, size_t hi, char *into, int root)
 {
     Waits *w = &c->waits;
-    int r = w->rank, n = w->nranks, root = k->root;
-    size_t count = k->nbytes / k->itemsize;
-    size_t lo = count * (size_t)r / (size_t)n * k->itemsize, hi = count * (size_t)(r + 1) / (size_t)n * k->itemsize;
     size_t chunk = c->chunk / k->itemsize * k->itemsize;
-    char *landing = landing_for(c, r == root ? k->out + lo : k->in + lo);
-    /* (the landing chunk of this rank itself is free: its own source is its input) */
-    char *reduced = r == root ? NULL : landing + (size_t)r * c->chunk;
+    char *landing = landing_for(c, into != NULL ? into : k->in + lo);
+    /* (this rank's own landing chunk is free: its own source is its input) */
+    char *reduced = landing + (size_t)w->rank * c->chunk;
     for (size_t offset = lo; offset < hi; offset += chunk) {
         size_t bytes = hi - offset < chunk ? hi - offset : chunk;
-        int status = fold_from_peers(c, k->in, r == root ? k->out + offset : reduced, offset, bytes, landing,
-                                     k->type, k->op, k->itemsize);
+        int status = fold_from_peers(c, k->in, into != NULL ? into + (offset - lo) : reduced, offset, bytes,
+                                     landing, k->type, k->op, k->itemsize);
         if (status != OK)
             return status;
-        if (r == root)
+        if (into != NULL)
             continue;
         if (!begin_writes(w)) {
             w->failed_peer = -1;
@@ -502,7 +497,7 @@ static int reduce_by_blocks(Channel *c, const Collective *k)
 /* The other four collectives' large messages, single copy: rank r reads
  * what it wants of its peers' inputs straight out of their processes, into
  * its output where it copies (allgather, broadcast), through landing
- * chunks where it folds (reduce_scatter; reduce: reduce_by_blocks). */
+ * chunks where it folds (reduce_scatter, reduce: fold_range). */
 static int read_from_peers(Channel *c, const Collective *k)
 {
     Waits *w = &c->waits;
@@ -530,18 +525,16 @@ static int read_from_peers(Channel *c, const Collective *k)
             memcpy(k->out, k->in, k->nbytes);
         return OK;
     }
-    if (k->kind == K_REDUCE)
-        return reduce_by_blocks(c, k);
-    size_t chunk = c->chunk / k->itemsize * k->itemsize;
-    char *landing = landing_for(c, k->out);
-    for (size_t offset = lo; offset < hi; offset += chunk) {
-        size_t bytes = hi - offset < chunk ? hi - offset : chunk;
-        int status = fold_from_peers(c, k->in, k->out + (offset - lo), offset, bytes, landing, k->type, k->op,
-                                     k->itemsize);
-        if (status != OK)
-            return status;
-    }
-    return OK;
+    if (k->kind == K_REDUCE_SCATTER)
+        return fold_range(c, k, lo, hi, k->out, -1);
+    /* reduce: as allreduce's single copy, rank r folds block r of every
+     * rank's input, but only the root receives: the root folds straight
+     * into its output, the others write their block into the root's. Block
+     * b of the root's output is written by rank b alone, chunk t after rank
+     * b read chunk t of the root's input, so in place needs no other order. */
+    size_t count = k->nbytes / k->itemsize;
+    size_t start = count * (size_t)r / (size_t)n * k->itemsize, end = count * (size_t)(r + 1) / (size_t)n * k->itemsize;
+    return fold_range(c, k, start, end, r == k->root ? k->out + start : NULL, k->root);
 }
 
 /* The other four collectives' large messages where some rank may not reach

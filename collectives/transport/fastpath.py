@@ -152,19 +152,8 @@ class FastCollectives:
             code = _OP_CODES[op]
         except (KeyError, TypeError):
             return None   # the interpreter names the valid ops
-        try:
-            status = self._run(x, out, code, self._clock() + timeout, SMALL_MAX + 1)
-        except BaseException as error:   # a signal handler's (Ctrl-C) while the call waited
-            self._abort_and_raise(f"rank {self._group.rank} was interrupted during an allreduce: "
-                                  f"{type(error).__name__}", error)
-        if status == 0:
-            return out
-        if status is None:
-            return None
-        try:
-            self._raise_for(status, x, op)
-        except BaseException as error:
-            self._abort_and_raise(f"{type(error).__name__}: {error}", error)
+        status = self._ran(self._run, (x, out, code, self._clock() + timeout, SMALL_MAX + 1), x, op, "allreduce", 0)
+        return out if status == 0 else None
 
     def collective(self, collective, x, op, out, root, timeout):
         """A reduce_scatter, allgather, broadcast or reduce (`collective`,
@@ -177,21 +166,27 @@ class FastCollectives:
             code = _OP_CODES[op]
         except (KeyError, TypeError):
             return None   # the interpreter names the valid ops
+        status = self._ran(self._channel.collective,
+                           (_KINDS[collective], x, out, code, root, self._clock() + timeout), x, op, collective, root)
+        return True if status == 0 else None
+
+    def _ran(self, run, arguments, x, op, collective, root):
+        """run(*arguments), one of the channel's calls: 0 once done, None
+        where it declined; a failure raises (Ctrl-C while it waited too),
+        once the communicator is aborted and the fence passed."""
         try:
-            status = self._channel.collective(_KINDS[collective], x, out, code, root, self._clock() + timeout)
+            status = run(*arguments)
         except BaseException as error:   # a signal handler's (Ctrl-C) while the call waited
             self._abort_and_raise(f"rank {self._group.rank} was interrupted during a {collective}: "
                                   f"{type(error).__name__}", error)
-        if status == 0:
-            return True
-        if status is None:
-            return None
+        if status == 0 or status is None:
+            return status
         try:
             self._raise_for(status, x, op, collective, root)
         except BaseException as error:
             self._abort_and_raise(f"{type(error).__name__}: {error}", error)
 
-    def _raise_for(self, status, x, op, collective="allreduce", root=0):
+    def _raise_for(self, status, x, op, collective, root):
         """Raise what the interpreter's waits raise for the same failure."""
         kind, peer, have, need, seq = status
         group = self._group
