@@ -743,11 +743,14 @@ class Communicator:
         which checks the arrays itself: the result, or None where the loop
         declines the call and the checks and plans of _collective run it
         (and raise what is wrong)."""
-        if algorithm.__class__ is not str or algorithm != "auto" or root.__class__ is not int or self._closed \
-                or self._busy:
+        if algorithm.__class__ is not str or algorithm != "auto" or self._closed or self._busy:
             return None
+        if root.__class__ is not int:   # a NumPy integer is a rank too (validation.root_rank)
+            if not isinstance(root, np.integer):
+                return None
+            root = int(root)
         if collective == ALLGATHER and out is None:   # a new array, as _checked makes it
-            if type(x) is not np.ndarray:
+            if not isinstance(x, np.ndarray):
                 return None
             out = np.empty((self.size * x.shape[0], *x.shape[1:]) if x.ndim else (self.size,), x.dtype)
         if not self._fast_collective(collective, x, op, out, root, self.timeout):

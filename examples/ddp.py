@@ -105,6 +105,11 @@ def train(args):
         print(f"{1e3 * elapsed / max(steps, 1):.2f} ms per step (rank 0, {steps} steps)", flush=True)
         print(f"parameters bitwise identical on all {size} ranks: {same}; their digest "
               f"{hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]}", flush=True)
+    # Every rank's queued work done before the group goes: a Gloo group torn
+    # down with work still in its threads can abort the process at exit
+    # (SIGABRT, "terminate called without an active exception", seen once
+    # under load with torch 2.13's Gloo).
+    dist.barrier()
     dist.destroy_process_group()
 
 

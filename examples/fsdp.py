@@ -74,6 +74,11 @@ def train(args):
         print(f"final test accuracy {final:.4f}", flush=True)
         print(f"{1e3 * elapsed / max(steps, 1):.2f} ms per step (rank 0, {steps} steps)", flush=True)
         print(f"parameters' digest {hashlib.sha256(full.cpu().numpy().tobytes()).hexdigest()[:16]}", flush=True)
+    # Every rank's queued work done before the group goes: a Gloo group torn
+    # down with work still in its threads can abort the process at exit
+    # (SIGABRT, "terminate called without an active exception", seen once
+    # under load with torch 2.13's Gloo).
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 import collectives
 from cases import expect_a_different_call, run_scenario
-from collectives.errors import CollectiveError, CollectiveTimeoutError, RankFailedError
+from collectives.errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.transport import fastpath
 
 TIMEOUT = 5.0
@@ -159,6 +159,68 @@ def scenario_collectives(comm, digest):
         # every call above but the references took the loop (or none did)
         chosen = comm.chosen_algorithm(collective, 64, dtype=np.float32)
         assert (chosen.path == "compiled_loop") == LOOP, chosen
+
+
+def scenario_edge_arrays(comm, digest):
+    """Legal calls whose arrays differ from rank to rank in ways the loop
+    must take alike on every rank (else a rank declining to the plans while
+    the others take the loop would make a valid call fail):
+    - the first large call, a reduce whose other ranks' outputs are
+      read-only: the loop's reach probe writes into private scratch only,
+      so the single copy stays possible;
+    - outputs that partly overlap their input on one rank only (reduce,
+      broadcast, reduce_scatter, allgather): the loop reads a private copy;
+    - a memory-mapped array, a NumPy integer root;
+    - a broadcast root's read-only output is refused, as the plans refuse it."""
+    import mmap
+    r, n = comm.rank, comm.size
+    large = (fastpath.SMALL_MAX // 4) * 3 + n * 16   # float32 elements: past the merged step, whole blocks
+    x = np.arange(large, dtype=np.float32) + r
+    sealed = mmap.mmap(-1, x.nbytes, prot=mmap.PROT_READ)
+    out = np.zeros_like(x) if r == 0 else np.frombuffer(sealed, np.float32)
+    comm.reduce(x, root=0, out=out)
+    if r == 0:
+        assert np.array_equal(out, np.arange(large, dtype=np.float32) * n + sum(range(n)))
+    assert comm._ranks.fast_allreduce.large_path in ("single-copy", "staged")   # noqa: SLF001
+    print(f"PROBED {r} {comm._ranks.fast_allreduce.large_path}", flush=True)   # noqa: SLF001
+    for count in (1000, 32776, large):
+        x = np.arange(count, dtype=np.float32) * (r + 1)
+        want_sum = np.arange(count, dtype=np.float32) * sum(range(1, n + 1))
+        buf = np.zeros(count + 1, np.float32)
+        buf[:count] = x
+        got = comm.reduce(buf[:count], root=0, out=buf[1:] if r == 0 else np.zeros(count, np.float32))
+        if r == 0:
+            assert np.array_equal(got, want_sum), ("reduce, overlapping out", count)
+        buf = np.zeros(count + 1, np.float32)
+        buf[:count] = x
+        got = comm.broadcast(buf[:count], root=0, out=buf[1:] if r == 0 else np.zeros(count, np.float32))
+        assert np.array_equal(got, np.arange(count, dtype=np.float32)), ("broadcast, overlapping out", count)
+        whole = np.arange(n * count, dtype=np.float32) * (r + 1)
+        block = comm.reduce_scatter(whole.copy(), out=whole[((r + 1) % n) * count:][:count] if r == 0 else None)
+        want = np.arange(n * count, dtype=np.float32)[r * count:(r + 1) * count] * sum(range(1, n + 1))
+        assert np.array_equal(block, want), ("reduce_scatter, out another block of x", count)
+        gathered = np.zeros(n * count + 1, np.float32)
+        mine = gathered[1:count + 1] if r == 0 else x
+        mine[...] = x
+        got = comm.allgather(mine, out=gathered[:n * count] if r == 0 else np.zeros(n * count, np.float32))
+        want = np.concatenate([np.arange(count, dtype=np.float32) * (q + 1) for q in range(n)])
+        assert np.array_equal(got, want), ("allgather, x partly overlapping out on rank 0", count)
+        digest.update(got.tobytes())
+    y = np.memmap(f"/dev/shm/fastpath-edge-{os.getpid()}", np.float32, "w+", shape=(1000,))
+    try:
+        y[...] = r
+        assert comm.broadcast(y, root=np.int64(n - 1)) is y and (y == n - 1).all()
+        assert np.array_equal(comm.allreduce(y), np.full(1000, (n - 1) * n, np.float32))
+    finally:
+        del y
+        os.unlink(f"/dev/shm/fastpath-edge-{os.getpid()}")
+    sealed_out = np.frombuffer(mmap.mmap(-1, 4000, prot=mmap.PROT_READ), np.float32)
+    try:
+        comm.broadcast(np.ones(1000, np.float32), root=0, out=sealed_out if r == 0 else np.zeros(1000, np.float32))
+    except (InvalidUsageError, CollectiveError) as error:
+        assert r != 0 or "read-only" in str(error), error
+    else:
+        raise AssertionError("a broadcast into the root's read-only output completed")
 
 
 def which_is_wrong(x, op, result, reference):
@@ -420,7 +482,7 @@ def main():
     assert LOOP == (comm._ranks.fast_allreduce is not None), "the loop runs exactly when not hidden"   # noqa: SLF001
     digest = hashlib.blake2b()
     ranks_leave = scenario in ("killed_large", "abort", "stalled_large", "mismatch", "interrupted", "fenced",
-                               "collective_faults")
+                               "collective_faults", "edge_arrays")
 
     def run():
         if scenario == "bits":
@@ -428,6 +490,8 @@ def main():
             scenario_declined(comm, digest)
         elif scenario == "collectives":
             scenario_collectives(comm, digest)
+        elif scenario == "edge_arrays":
+            scenario_edge_arrays(comm, digest)
         else:
             globals()[f"scenario_{scenario}"](comm)
     run_scenario(run, ranks_leave)

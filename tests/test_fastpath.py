@@ -102,6 +102,17 @@ def test_mismatched_calls_are_named(case):
     assert len(oks) == 2, report
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_arrays_that_differ_between_ranks_are_taken_alike(n):
+    """Overlapping outputs on one rank only, memory-mapped arrays, NumPy
+    integer roots, read-only outputs the call does not write: the worker
+    checks the results; here, that the first large call (a reduce into
+    read-only outputs on the other ranks) still found the single copy."""
+    oks, report = run_worker(n, "edge_arrays", launcher_flags=["-disable-auto-cleanup"])
+    assert len(oks) == n, report
+    check_large_path(report, "single-copy")
+
+
 @pytest.mark.parametrize("case", range(6), ids=["stalled-merged", "stalled-large", "killed", "another-collective",
                                                  "another-root", "plan-vs-loop"])
 def test_the_other_collectives_fail_as_allreduce_does(case):

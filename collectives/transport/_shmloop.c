@@ -291,11 +291,12 @@ static void end_writes(Waits *w)
     __atomic_store_n(&w->rows[w->rank * ROW_SLOTS + WRITING], 0, __ATOMIC_RELEASE);
 }
 
-/* Whether this rank may read every peer's input and write its output (1
- * or 0; -1 if the communicator was aborted), asked once per channel with
- * the peers' buffers of the first large call. No rank has moved a byte of
- * that call yet (all wait for each other's verdict first), so writing back
- * the bytes just read changes nothing. */
+/* Whether this rank may read every peer's input and write into its memory
+ * (1 or 0; -1 if the communicator was aborted), asked once per channel
+ * with the peers' inputs of the first large call. The write goes to the
+ * peer's private scratch (its row's SCRATCH_ADDR), which no call touches
+ * while the ranks wait for each other's verdict, and writes back the bytes
+ * just read there: a caller's buffer is only ever read. */
 static int can_reach_peers(Waits *w, size_t nbytes)
 {
     size_t probe_bytes = nbytes < 8 ? nbytes : 8;
@@ -309,10 +310,11 @@ static int can_reach_peers(Waits *w, size_t nbytes)
         pid_t pid = (pid_t)load_acquire(&w->rows[p * ROW_SLOTS + PID]);
         struct iovec here = {probe, probe_bytes};
         struct iovec input = {(void *)(uintptr_t)load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]), probe_bytes};
-        struct iovec output = {(void *)(uintptr_t)load_acquire(&w->rows[p * ROW_SLOTS + OUT_ADDR]), probe_bytes};
+        struct iovec scratch = {(void *)(uintptr_t)load_acquire(&w->rows[p * ROW_SLOTS + SCRATCH_ADDR]), 8};
+        struct iovec mine = {probe, 8};
         reached = process_vm_readv(pid, &here, 1, &input, 1, 0) == (ssize_t)probe_bytes
-                  && process_vm_readv(pid, &here, 1, &output, 1, 0) == (ssize_t)probe_bytes
-                  && process_vm_writev(pid, &here, 1, &output, 1, 0) == (ssize_t)probe_bytes;
+                  && process_vm_readv(pid, &mine, 1, &scratch, 1, 0) == 8
+                  && process_vm_writev(pid, &mine, 1, &scratch, 1, 0) == 8;
     }
     end_writes(w);
     return reached;
@@ -748,10 +750,11 @@ static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t
     return result;
 }
 
-/* Whether rank `rank` writes its output in a call of `kind` (`root`'s). */
-static int writes_output(int kind, int rank, int root)
+/* Whether rank `rank` writes its output in a call of `kind` (`root`'s):
+ * a broadcast's root only when it has an output of its own. */
+static int writes_output(int kind, int rank, int root, int in_place)
 {
-    return kind == K_BROADCAST ? rank != root : kind == K_REDUCE ? rank == root : 1;
+    return kind == K_BROADCAST ? rank != root || !in_place : kind == K_REDUCE ? rank == root : 1;
 }
 
 /* channel.collective(kind, x, out, op, root, deadline) -> 0, None or a
@@ -779,7 +782,7 @@ static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_
     /* out=x is in place for broadcast and reduce; for reduce_scatter and
      * allgather it names a wrong size, which the Python path reports */
     int in_place = args[2] == Py_None || (args[2] == args[1] && (kind == K_BROADCAST || kind == K_REDUCE));
-    int writes = writes_output(kind, r, root);
+    int writes = writes_output(kind, r, root, in_place);
     if (kind < K_REDUCE_SCATTER || kind > K_REDUCE || op < 0 || op > OP_AVG || root < 0 || root >= n || n > 256
         || (in_place && kind == K_ALLGATHER))
         Py_RETURN_NONE;
@@ -799,17 +802,30 @@ static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_
     size_t out_bytes = kind == K_REDUCE_SCATTER ? nbytes / (size_t)n : kind == K_ALLGATHER ? nbytes * (size_t)n : nbytes;
     char *out = in_place ? (char *)x.buf + (kind == K_REDUCE_SCATTER ? (size_t)r * out_bytes : 0) : y.buf;
     char *in_place_out = kind == K_ALLGATHER ? NULL : (char *)x.buf + (kind == K_REDUCE_SCATTER ? (size_t)r * out_bytes : 0);
-    const char *in_place_x = kind == K_ALLGATHER ? out + (size_t)r * nbytes : x.buf;
+    const char *in_place_x = kind == K_ALLGATHER ? out + (size_t)r * nbytes : NULL;
     int takes = type >= 0 && nbytes > 0 && (kind != K_REDUCE_SCATTER || nbytes % ((size_t)n * (size_t)x.itemsize) == 0)
-                && (in_place || ((size_t)y.len == out_bytes && element_type(&y) == type && y.itemsize == x.itemsize
-                                 && (out == in_place_out || (const char *)x.buf == in_place_x
-                                     || !overlap_ranges(x.buf, nbytes, out, out_bytes))));
+                && (in_place || ((size_t)y.len == out_bytes && element_type(&y) == type && y.itemsize == x.itemsize));
+    /* An output that overlaps x other than in the in-place form is legal
+     * (the plans take it) and other ranks may not have one: the call reads
+     * a private copy of x instead, so every rank takes the same calls. */
+    const char *in = x.buf;
+    char *copy = NULL;
+    if (takes && !in_place && out != in_place_out && (const char *)x.buf != in_place_x
+        && overlap_ranges(x.buf, nbytes, out, out_bytes)) {
+        if ((copy = PyMem_Malloc(nbytes)) == NULL) {
+            PyBuffer_Release(&y);
+            PyBuffer_Release(&x);
+            return PyErr_NoMemory();
+        }
+        memcpy(copy, x.buf, nbytes);
+        in = copy;
+    }
     PyObject *result = Py_None;
     if (takes) {
         int64_t *mine = &w->rows[r * ROW_SLOTS];
         int64_t base = mine[COUNTER], seq = mine[SEQ] + 1;
         Collective k = {kind, kind == K_BROADCAST || kind == K_REDUCE ? root : 0, type,
-                        kind == K_ALLGATHER || kind == K_BROADCAST ? 0 : op, (size_t)x.itemsize, x.buf, out, nbytes};
+                        kind == K_ALLGATHER || kind == K_BROADCAST ? 0 : op, (size_t)x.itemsize, in, out, nbytes};
         w->deadline = deadline;
         if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
             w->failed_peer = -1;
@@ -822,6 +838,7 @@ static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_
     } else {
         Py_INCREF(result);
     }
+    PyMem_Free(copy);
     if (!in_place)
         PyBuffer_Release(&y);
     PyBuffer_Release(&x);
@@ -872,6 +889,7 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
         PyErr_NoMemory();
         return -1;
     }
+    __atomic_store_n(&c->waits.rows[rank * ROW_SLOTS + SCRATCH_ADDR], (int64_t)(uintptr_t)c->scratch, __ATOMIC_RELEASE);
     return 0;
 }
 

@@ -94,6 +94,10 @@ assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the
 PATHS = ("merged", "pipelined")   # what `chosen_algorithm` reports for the two
 
 
+# The arrays the loop takes: NumPy's, and its memory-mapped ones (a rank
+# whose array is of another type declines, and ranks must agree).
+_ARRAYS = (np.ndarray, np.memmap)
+
 # The collectives the loop runs besides allreduce (_shmloop.c's K_ codes).
 _KINDS = {"reduce_scatter": 1, "allgather": 2, "broadcast": 3, "reduce": 4}
 COLLECTIVES = ("allreduce", *_KINDS)
@@ -142,11 +146,11 @@ class FastCollectives:
         self._clock = time.perf_counter
 
     def __call__(self, x, op, out, timeout):
-        if type(x) is not np.ndarray or self._run is None:
+        if type(x) not in _ARRAYS or self._run is None:
             return None
         if out is None:
             out = x
-        elif type(out) is not np.ndarray:
+        elif type(out) not in _ARRAYS:
             return None
         try:
             code = _OP_CODES[op]
@@ -160,7 +164,7 @@ class FastCollectives:
         by name) in the loop: True once done, None to decline (the caller's
         checks and plans then run the call). `out` None is the call without
         one (allgather has none: the caller makes it); root an int."""
-        if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray) or self._run is None:
+        if type(x) not in _ARRAYS or (out is not None and type(out) not in _ARRAYS) or self._run is None:
             return None
         try:
             code = _OP_CODES[op]

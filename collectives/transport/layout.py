@@ -12,7 +12,8 @@ place that says where, so both import it and neither imports the other.
                 CAP; slots 8 and 9 the fast path's chunk counters, 10 its
                 waits asleep on the row (which publish() wakes), 11 and 12
                 the single-copy path's buffers, 13 whether it may reach
-                peers, 14 raised while it writes into peers
+                peers, 14 raised while it writes into peers, 15 the
+                address of its private scratch (what the reach probe writes)
     handles     per rank, HANDLE_BYTES: its workspace's IPC handle
     reason      REASON_BYTES: why the communicator was aborted, as text
     ll          from the next 256 bytes, per rank LL_REGION_BYTES: the

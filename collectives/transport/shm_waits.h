@@ -69,7 +69,8 @@ enum { COUNTER = 0, PID = 1, SEQ = 2, SIG = 3,      /* row slots (protocol.py) *
        SLEEPERS = 10,                               /* waits asleep on this row's counters */
        IN_ADDR = 11, OUT_ADDR = 12,                 /* the single-copy path's buffers, this call */
        CAN_REACH = 13,                              /* 1: cannot read and write every peer's memory, 2: can */
-       WRITING = 14 };                              /* 1 while writing into peers' memory */
+       WRITING = 14,                                /* 1 while writing into peers' memory */
+       SCRATCH_ADDR = 15 };                         /* the compiled loop's private scratch (the reach probe's) */
 enum { SLOT_HEADER = 128 };                         /* a small slot: its signature, then data */
 
 /* Statuses returned to Python (fastpath.py turns them into exceptions). */
