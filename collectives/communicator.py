@@ -539,7 +539,9 @@ class Communicator:
         dtype       the dtype of `x` when it is one NumPy array: host ranks
                     in processes run such a call (any collective) in their
                     compiled loop when it takes the dtype, and the answer is
-                    then its step, "merged" or "pipelined". Without it (a list of
+                    then its step, "merged" or "pipelined" (the large
+                    message's step: allreduce's pipeline, the others'
+                    single copy or staged segments). Without it (a list of
                     arrays, which the loop declines), the plan's algorithm.
         in_place    whether the call writes its result into `x` (None: as
                     the call with no `out` does: broadcast and reduce in

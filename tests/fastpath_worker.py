@@ -245,12 +245,14 @@ def scenario_declined(comm, digest):
         [x],                                    # a list, even of one array
         np.ones((10, 10), np.float32)[:, ::2],  # not contiguous: the interpreter refuses it
         np.ones(0, np.float32),                 # nothing to reduce
-        x[:600],                                # an output overlapping its input, below
     ]
-    outs = [None] * 5 + [x[400:]]
-    for array, out in zip(declined, outs):
+    for array in declined:
         if fast is not None:
-            assert fast(array, "sum", out, TIMEOUT) is None, (array, out)
+            assert fast(array, "sum", None, TIMEOUT) is None, array
+    # An output overlapping its input is taken (the loop reads a private copy of x), as the plans take it.
+    y = np.arange(1000, dtype=np.float32)
+    got = comm.allreduce(y[:600], out=y[400:])
+    assert got.base is y and np.array_equal(y[400:], np.arange(600, dtype=np.float32) * comm.size), y[400:410]
     assert fast is None or fast(x, "no such op", None, TIMEOUT) is None
     # chosen_algorithm names the loop's step exactly for the dtypes it takes
     loop_dtypes = DTYPES + [np.uint16]

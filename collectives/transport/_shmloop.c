@@ -689,9 +689,23 @@ static int overlap_ranges(const char *a, size_t a_bytes, const char *b, size_t b
     return a < b + b_bytes && b < a + a_bytes;
 }
 
-static int overlap(const char *a, const char *b, size_t nbytes)
+/* What a call reads as this rank's x: x itself, or, where the output
+ * overlaps x other than in an in-place form (legal: the plans take it, and
+ * other ranks may not have such an output), a private copy, which the
+ * caller frees (*copy): so every rank takes the same calls. NULL, with
+ * MemoryError set, when the copy cannot be made. */
+static const char *input_to_read(const char *x, size_t nbytes, const char *out, size_t out_bytes, int in_place_form,
+                                 char **copy)
 {
-    return overlap_ranges(a, nbytes, b, nbytes);
+    *copy = NULL;
+    if (in_place_form || !overlap_ranges(x, nbytes, out, out_bytes))
+        return x;
+    if ((*copy = PyMem_Malloc(nbytes)) == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(*copy, x, nbytes);
+    return *copy;
 }
 
 /* channel.allreduce(x, out, op, deadline, pipelined_from) -> 0, or None when
@@ -726,8 +740,13 @@ static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t
     size_t nbytes = (size_t)x.len;
     int takes = type >= 0 && op >= 0 && op <= OP_AVG && x.len > 0 && c->waits.nranks <= 256
                 && o->len == x.len && element_type(o) == type && o->itemsize == x.itemsize
-                && (in_place || x.buf == o->buf || !overlap(x.buf, o->buf, nbytes))
                 && (nbytes <= c->small_max || (Py_ssize_t)nbytes >= pipelined_from);
+    char *copy = NULL;
+    const char *in = takes ? input_to_read(x.buf, nbytes, o->buf, nbytes, x.buf == o->buf, &copy) : x.buf;
+    if (in == NULL) {
+        takes = 0;
+        result = NULL;
+    }
     if (takes) {
         int64_t *mine = &c->waits.rows[c->waits.rank * ROW_SLOTS];
         int64_t base = mine[COUNTER], seq = mine[SEQ] + 1;
@@ -736,14 +755,15 @@ static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t
             c->waits.failed_peer = -1;
             result = failure(&c->waits, ABORTED, seq);
         } else if (nbytes <= c->small_max) {
-            Collective k = {K_ALLREDUCE, 0, type, op, (size_t)x.itemsize, x.buf, o->buf, nbytes};
+            Collective k = {K_ALLREDUCE, 0, type, op, (size_t)x.itemsize, in, o->buf, nbytes};
             result = run_small(c, &k, base, seq);
         } else {
-            result = run_pipelined(c, x.buf, o->buf, nbytes, (size_t)x.itemsize, type, op, base, seq);
+            result = run_pipelined(c, in, o->buf, nbytes, (size_t)x.itemsize, type, op, base, seq);
         }
     } else {
-        Py_INCREF(result);
+        Py_XINCREF(result);
     }
+    PyMem_Free(copy);
     if (!in_place)
         PyBuffer_Release(&y);
     PyBuffer_Release(&x);
@@ -805,22 +825,15 @@ static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_
     const char *in_place_x = kind == K_ALLGATHER ? out + (size_t)r * nbytes : NULL;
     int takes = type >= 0 && nbytes > 0 && (kind != K_REDUCE_SCATTER || nbytes % ((size_t)n * (size_t)x.itemsize) == 0)
                 && (in_place || ((size_t)y.len == out_bytes && element_type(&y) == type && y.itemsize == x.itemsize));
-    /* An output that overlaps x other than in the in-place form is legal
-     * (the plans take it) and other ranks may not have one: the call reads
-     * a private copy of x instead, so every rank takes the same calls. */
-    const char *in = x.buf;
     char *copy = NULL;
-    if (takes && !in_place && out != in_place_out && (const char *)x.buf != in_place_x
-        && overlap_ranges(x.buf, nbytes, out, out_bytes)) {
-        if ((copy = PyMem_Malloc(nbytes)) == NULL) {
-            PyBuffer_Release(&y);
-            PyBuffer_Release(&x);
-            return PyErr_NoMemory();
-        }
-        memcpy(copy, x.buf, nbytes);
-        in = copy;
-    }
+    const char *in = takes ? input_to_read(x.buf, nbytes, out, out_bytes,
+                                           in_place || out == in_place_out || (const char *)x.buf == in_place_x, &copy)
+                           : x.buf;
     PyObject *result = Py_None;
+    if (in == NULL) {
+        takes = 0;
+        result = NULL;
+    }
     if (takes) {
         int64_t *mine = &w->rows[r * ROW_SLOTS];
         int64_t base = mine[COUNTER], seq = mine[SEQ] + 1;
@@ -836,7 +849,7 @@ static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_
             result = run_large(c, &k, base, seq);
         }
     } else {
-        Py_INCREF(result);
+        Py_XINCREF(result);
     }
     PyMem_Free(copy);
     if (!in_place)

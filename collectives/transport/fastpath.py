@@ -42,8 +42,9 @@ raises.
 Calls advance COUNTER by 2 and SEQ by 1 like any other call
 (protocol.py), so loop and plan calls mix freely. The loop takes
 float32/float64 and 8- to 64-bit integers, C-contiguous NumPy arrays, any
-op; everything else (float16, bfloat16, overlapping outputs, lists,
-an explicit algorithm) declines to the checks and the plans, which the
+op (an output that partly overlaps its input is taken too: the loop reads
+a private copy of x); everything else (float16, bfloat16, lists, an
+explicit algorithm) declines to the checks and the plans, which the
 compiled plan executor or the interpreter runs. Without the compiled loop
 there is no fast path.
 """
@@ -91,7 +92,9 @@ YIELD_SECONDS = 300e-6
 _OP_CODES = {**{o: i for i, o in enumerate(ReduceOp)}, **{o.value: i for i, o in enumerate(ReduceOp)}}
 assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the loop's OP_ codes"
 
-PATHS = ("merged", "pipelined")   # what `chosen_algorithm` reports for the two
+# What `chosen_algorithm` reports for the two steps: the merged step, and
+# a large message's (allreduce's pipeline; the others' single copy or staged segments).
+PATHS = ("merged", "pipelined")
 
 
 # The arrays the loop takes: NumPy's, and its memory-mapped ones (a rank
