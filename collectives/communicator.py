@@ -571,8 +571,11 @@ class Communicator:
             raise InvalidUsageError(
                 f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
-        if algorithm == "auto" and dtype is not None and self._fast_allreduce is not None and fastpath.takes(dtype) \
-                and compression is None and (not rooted or validation.root_rank(root, self.size) is not None):
+        loop = self._fast_allreduce if collective == ALLREDUCE else self._fast_collective
+        if algorithm == "auto" and dtype is not None and loop is not None and fastpath.takes(dtype) \
+                and compression is None:
+            if rooted:
+                validation.root_rank(root, self.size)   # a bad root raises, as below
             return auto.Choice(fastpath.path_for(nbytes), "compiled_loop")
         if compression is not None:
             plan = self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, algorithm,
