@@ -270,23 +270,29 @@ def scenario_declined(comm, digest):
         digest.update(y.tobytes())
 
 
-def scenario_stalled_large(comm):
-    """Rank 1 stops calling in during a pipelined allreduce: a timeout, not a hang."""
-    x = np.ones(1 << 20, np.float32)
+def without_rank_1(comm, call, named):
+    """Rank 1 stops calling in; the others' `call` raises a timeout naming
+    rank 1 and `named` (or the abort of a rank that timed out first) within
+    the short timeout, not a hang."""
     comm.timeout = STALL_TIMEOUT
     if comm.rank == 1:
         time.sleep(STALL_TIMEOUT + 2)
         return
     start = time.perf_counter()
     try:
-        comm.allreduce(x)
+        call()
     except CollectiveTimeoutError as error:
-        assert "timed out waiting for rank 1" in str(error) and "pipelined" in str(error), error
+        assert "timed out waiting for rank 1" in str(error) and named in str(error), error
     except CollectiveError as error:   # another rank timed out first and aborted
         assert "aborted" in str(error) and "timed out" in str(error), error
     else:
-        raise AssertionError("allreduce completed without rank 1")
+        raise AssertionError("the call completed without rank 1")
     assert time.perf_counter() - start < STALL_TIMEOUT + 1.5
+
+
+def scenario_stalled_large(comm):
+    """Rank 1 stops calling in during a pipelined allreduce: a timeout, not a hang."""
+    without_rank_1(comm, lambda: comm.allreduce(np.ones(1 << 20, np.float32)), "pipelined")
 
 
 def scenario_killed_large(comm):
@@ -344,24 +350,10 @@ def scenario_collective_faults(comm):
     plan against the loop) are told so (3 to 5)."""
     case = int(os.environ["FASTPATH_CASE"])
     large = np.ones(3 << 18, np.float32)   # 3 MiB: the large path (and blocks for 3 ranks)
-    if case in (0, 1):
-        call = comm.allgather if case == 0 else comm.reduce_scatter
-        x = np.ones(30, np.float32) if case == 0 else large
-        comm.timeout = STALL_TIMEOUT
-        if comm.rank == 1:
-            time.sleep(STALL_TIMEOUT + 2)
-            return
-        start = time.perf_counter()
-        try:
-            call(x)
-        except CollectiveTimeoutError as error:
-            assert "timed out waiting for rank 1" in str(error), error
-            assert ("allgather" if case == 0 else "reduce_scatter") in str(error), error
-        except CollectiveError as error:   # another rank timed out first and aborted
-            assert "aborted" in str(error) and "timed out" in str(error), error
-        else:
-            raise AssertionError("the call completed without rank 1")
-        assert time.perf_counter() - start < STALL_TIMEOUT + 1.5
+    if case == 0:
+        without_rank_1(comm, lambda: comm.allgather(np.ones(30, np.float32)), "allgather")
+    elif case == 1:
+        without_rank_1(comm, lambda: comm.reduce_scatter(large), "reduce_scatter")
     elif case == 2:
         comm.broadcast(large, root=0)
         comm.barrier()

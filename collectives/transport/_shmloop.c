@@ -684,6 +684,26 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     return PyLong_FromLong(OK);
 }
 
+/* A call the loop takes, as its number `seq`: failed at once where the
+ * communicator was aborted, else the merged step or the large message's
+ * (allreduce's pipeline, the other four's run_large). */
+static PyObject *run_taken(Channel *c, const Collective *k, double deadline)
+{
+    Waits *w = &c->waits;
+    const int64_t *mine = &w->rows[w->rank * ROW_SLOTS];
+    int64_t base = mine[COUNTER], seq = mine[SEQ] + 1;
+    w->deadline = deadline;
+    if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
+        w->failed_peer = -1;
+        return failure(w, ABORTED, seq);
+    }
+    if (k->nbytes <= c->small_max)
+        return run_small(c, k, base, seq);
+    if (k->kind == K_ALLREDUCE)
+        return run_pipelined(c, k->in, k->out, k->nbytes, k->itemsize, k->type, k->op, base, seq);
+    return run_large(c, k, base, seq);
+}
+
 static int overlap_ranges(const char *a, size_t a_bytes, const char *b, size_t b_bytes)
 {
     return a < b + b_bytes && b < a + a_bytes;
@@ -748,18 +768,8 @@ static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t
         result = NULL;
     }
     if (takes) {
-        int64_t *mine = &c->waits.rows[c->waits.rank * ROW_SLOTS];
-        int64_t base = mine[COUNTER], seq = mine[SEQ] + 1;
-        c->waits.deadline = deadline;
-        if (__atomic_load_n(&c->waits.header[ABORT], __ATOMIC_ACQUIRE)) {
-            c->waits.failed_peer = -1;
-            result = failure(&c->waits, ABORTED, seq);
-        } else if (nbytes <= c->small_max) {
-            Collective k = {K_ALLREDUCE, 0, type, op, (size_t)x.itemsize, in, o->buf, nbytes};
-            result = run_small(c, &k, base, seq);
-        } else {
-            result = run_pipelined(c, in, o->buf, nbytes, (size_t)x.itemsize, type, op, base, seq);
-        }
+        Collective k = {K_ALLREDUCE, 0, type, op, (size_t)x.itemsize, in, o->buf, nbytes};
+        result = run_taken(c, &k, deadline);
     } else {
         Py_XINCREF(result);
     }
@@ -835,19 +845,9 @@ static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_
         result = NULL;
     }
     if (takes) {
-        int64_t *mine = &w->rows[r * ROW_SLOTS];
-        int64_t base = mine[COUNTER], seq = mine[SEQ] + 1;
         Collective k = {kind, kind == K_BROADCAST || kind == K_REDUCE ? root : 0, type,
                         kind == K_ALLGATHER || kind == K_BROADCAST ? 0 : op, (size_t)x.itemsize, in, out, nbytes};
-        w->deadline = deadline;
-        if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
-            w->failed_peer = -1;
-            result = failure(w, ABORTED, seq);
-        } else if (nbytes <= c->small_max) {
-            result = run_small(c, &k, base, seq);
-        } else {
-            result = run_large(c, &k, base, seq);
-        }
+        result = run_taken(c, &k, deadline);
     } else {
         Py_XINCREF(result);
     }
