@@ -6,6 +6,7 @@ The examples import it as a sibling module: run them as scripts
 """
 
 import os
+import time
 
 import numpy as np
 import torch
@@ -39,3 +40,23 @@ def start(backend):
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+
+def let_go(tensors, seconds=10.0):
+    """Return once Gloo's worker threads have let go of `tensors`, the last
+    ones a collective of this rank used, or after `seconds`.
+
+    A collective's call returns when its worker thread has filled the
+    tensors; the thread drops its hold on them afterwards, and with torch
+    2.13 it needs the GIL to drop a tensor Python also holds. If it gets
+    there after the interpreter began to finalize, the process aborts
+    ("terminate called without an active exception", SIGABRT after a run
+    that trained: twice on a loaded 2-core machine); if it gets there while
+    the main thread holds the GIL inside Gloo's destructor, which joins the
+    worker threads, both wait for good. Sleeping hands the thread the GIL.
+    """
+    if dist.get_backend() != "gloo":
+        return
+    deadline = time.monotonic() + seconds
+    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
+        time.sleep(1e-4)
