@@ -257,8 +257,9 @@ class Communicator:
         stalls or dies, CollectiveError otherwise (see Communicator).
         """
         fast = self._fast_allreduce
-        if fast is not None and compression is None and isinstance(algorithm, str) and algorithm == "auto" \
-                and not self._closed and not self._busy:
+        if fast is not None and compression is None and algorithm.__class__ is str and not self._closed \
+                and not self._busy and (algorithm == "auto" or algorithm == "direct" and x.__class__ in fastpath.ARRAYS
+                                        and fastpath.runs_as_direct(ALLREDUCE, x.nbytes)):
             result = fast(x, op, out, self.timeout)
             if result is not None:
                 return result
@@ -541,8 +542,11 @@ class Communicator:
                     compiled loop when it takes the dtype, and the answer is
                     then its step, "merged" or "pipelined" (the large
                     message's step: allreduce's pipeline, the others'
-                    single copy or staged segments). Without it (a list of
-                    arrays, which the loop declines), the plan's algorithm.
+                    single copy or staged segments); a call naming
+                    "direct" runs there too where the step is direct's
+                    (fastpath.runs_as_direct), and the answer is "direct".
+                    Without it (a list of arrays, which the loop declines),
+                    the plan's algorithm.
         in_place    whether the call writes its result into `x` (None: as
                     the call with no `out` does: broadcast and reduce in
                     place, the others not): ranks that share one GPU choose
@@ -560,7 +564,7 @@ class Communicator:
         "staged" or "step" in processes, "peer_ll" or "events" in one
         process (docs/design.md, "Execution paths"); "interpreter" for host
         ranks in one process; for host ranks in processes "compiled_loop"
-        (`auto` calls on one array), "compiled_plan" (the compiled plan executor) or
+        (`auto` or `direct` calls on one array), "compiled_plan" (the compiled plan executor) or
         "step" (the interpreter: compressed, float16 and bfloat16 calls);
         "nccl" for backend="nccl".
 
@@ -572,11 +576,11 @@ class Communicator:
                 f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
         loop = self._fast_allreduce if collective == ALLREDUCE else self._fast_collective
-        if algorithm == "auto" and dtype is not None and loop is not None and fastpath.takes(dtype) \
-                and compression is None:
+        if (algorithm == "auto" or algorithm == "direct" and fastpath.runs_as_direct(collective, nbytes)) \
+                and dtype is not None and loop is not None and fastpath.takes(dtype) and compression is None:
             if rooted:
                 validation.root_rank(root, self.size)   # a bad root raises, as below
-            return auto.Choice(fastpath.path_for(nbytes), "compiled_loop")
+            return auto.Choice(fastpath.path_for(nbytes) if algorithm == "auto" else algorithm, "compiled_loop")
         if compression is not None:
             plan = self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, algorithm,
                               (WORKSPACE, True), compression)
@@ -743,12 +747,14 @@ class Communicator:
     # -- the compiled loop's shortcut, and the one path every collective takes ---
 
     def _fast(self, collective, x, op, out, root, algorithm):
-        """A reduce_scatter, allgather, broadcast or reduce with `auto` run
-        by the ranks' compiled loop (host ranks in processes: fastpath.py),
+        """A reduce_scatter, allgather, broadcast or reduce with `auto` (or
+        naming `direct`, which the loop runs: fastpath.runs_as_direct) run by
+        the ranks' compiled loop (host ranks in processes: fastpath.py),
         which checks the arrays itself: the result, or None where the loop
         declines the call and the checks and plans of _collective run it
         (and raise what is wrong)."""
-        if algorithm.__class__ is not str or algorithm != "auto" or self._closed or self._busy:
+        if algorithm.__class__ is not str or algorithm != "auto" and algorithm != "direct" \
+                or self._closed or self._busy:
             return None
         if root.__class__ is not int:   # a NumPy integer is a rank too (validation.root_rank)
             if not isinstance(root, np.integer):

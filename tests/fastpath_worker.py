@@ -67,7 +67,7 @@ def scenario_bits(comm, digest):
                 x = inputs(comm.rank, count, dtype, rng).reshape(-1, 1) if count % 2 else inputs(
                     comm.rank, count, dtype, rng)
                 # The interpreter's direct plan folds in rank order, as the loop does.
-                reference = comm.allreduce(x.copy(), op=op, algorithm="direct")
+                reference = planned(comm.allreduce, x.copy(), op=op)
                 out = np.empty_like(x)
                 got = comm.allreduce(x, op=op, out=out)
                 assert got is out
@@ -82,8 +82,15 @@ def scenario_bits(comm, digest):
                 assert len(set(everyone)) == 1, (np.dtype(dtype).name, count, op, "ranks differ")
                 digest.update(reference.tobytes())   # with the loop, also `out`'s and `in_place`'s bits
             # A planned collective between fast ones keeps the counters in step.
-            block = comm.broadcast(np.arange(8, dtype=np.float64) + comm.rank, root=comm.size - 1, algorithm="direct")
+            block = planned(comm.broadcast, np.arange(8, dtype=np.float64) + comm.rank, root=comm.size - 1)
             assert block[0] == comm.size - 1
+
+
+def planned(method, x, out=None, **arguments):
+    """`method` (a Communicator's collective) run by the `direct` plan, the
+    loop's reference: the arrays as lists of one, which the loop declines
+    (a single array naming `direct` takes the loop: fastpath.runs_as_direct)."""
+    return method([x], out=None if out is None else [out], algorithm="direct", **arguments)[0]
 
 
 def counts_to_cover(itemsize, n, collective):
@@ -102,25 +109,25 @@ def calls_of(comm, collective, x, root, op):
     n, r = comm.size, comm.rank
     if collective == "reduce_scatter":   # in place: the result is a view of x's own block
         block = x.size // n
-        reference = lambda: comm.reduce_scatter(x, op=op, out=np.empty(block, x.dtype), algorithm="direct")
+        reference = lambda: planned(comm.reduce_scatter, x, op=op, out=np.empty(block, x.dtype))
         yield "out", lambda: comm.reduce_scatter(x, op=op, out=np.empty(block, x.dtype)), reference
         yield "in place", lambda: comm.reduce_scatter(x.copy(), op=op), reference
     elif collective == "allgather":
-        yield ("new", lambda: comm.allgather(x), lambda: comm.allgather(x, algorithm="direct"))
+        yield ("new", lambda: comm.allgather(x), lambda: planned(comm.allgather, x))
         out = np.zeros((n * x.size,), x.dtype)
         out[r * x.size:(r + 1) * x.size] = x.reshape(-1)
         yield ("in place", lambda: comm.allgather(out[r * x.size:(r + 1) * x.size], out=out),
-               lambda: comm.allgather(x, algorithm="direct"))
+               lambda: planned(comm.allgather, x))
     elif collective == "broadcast":
         yield ("out", lambda: comm.broadcast(x, root=root, out=np.zeros_like(x)),
-               lambda: comm.broadcast(x, root=root, out=np.zeros_like(x), algorithm="direct"))
+               lambda: planned(comm.broadcast, x, root=root, out=np.zeros_like(x)))
         yield ("in place", lambda: comm.broadcast(x.copy(), root=root),
-               lambda: comm.broadcast(x.copy(), root=root, algorithm="direct"))
+               lambda: planned(comm.broadcast, x.copy(), root=root))
     else:
         yield ("out", lambda: comm.reduce(x, root=root, op=op, out=np.zeros_like(x)),
-               lambda: comm.reduce(x, root=root, op=op, out=np.zeros_like(x), algorithm="direct"))
+               lambda: planned(comm.reduce, x, root=root, op=op, out=np.zeros_like(x)))
         yield ("in place", lambda: comm.reduce(x.copy(), root=root, op=op),
-               lambda: comm.reduce(x.copy(), root=root, op=op, algorithm="direct"))
+               lambda: planned(comm.reduce, x.copy(), root=root, op=op))
 
 
 def scenario_collectives(comm, digest):
@@ -160,6 +167,41 @@ def scenario_collectives(comm, digest):
         # every call above but the references took the loop (or none did)
         chosen = comm.chosen_algorithm(collective, 64, dtype=np.float32)
         assert (chosen.path == "compiled_loop") == LOOP, chosen
+    named_direct_takes_the_loop(comm, digest, rng)
+
+
+def named_direct_takes_the_loop(comm, digest, rng):
+    """A call naming `direct` on one array runs in the loop where the loop's
+    step is direct's (every collective's merged step; the large step but
+    allreduce's, whose pipeline is two_shot's traffic), with the plan's bits."""
+    n, compiled = comm.size, comm._ranks.compiled   # noqa: SLF001
+    small = inputs(comm.rank, 4 * n, np.float64, rng)
+    large = inputs(comm.rank, fastpath.SMALL_MAX // 8 * n + n, np.float64, rng)
+    for x in (small, large):
+        k = x.size // n
+        calls = {
+            "allreduce": (lambda: comm.allreduce(x, out=np.empty_like(x), algorithm="direct"),
+                          lambda: planned(comm.allreduce, x, out=np.empty_like(x))),
+            "reduce_scatter": (lambda: comm.reduce_scatter(x, op="max", out=np.empty(k, x.dtype), algorithm="direct"),
+                               lambda: planned(comm.reduce_scatter, x, op="max", out=np.empty(k, x.dtype))),
+            "allgather": (lambda: comm.allgather(x, algorithm="direct"), lambda: planned(comm.allgather, x)),
+            "broadcast": (lambda: comm.broadcast(x, root=n - 1, out=np.empty_like(x), algorithm="direct"),
+                          lambda: planned(comm.broadcast, x, root=n - 1, out=np.empty_like(x))),
+            "reduce": (lambda: comm.reduce(x, root=0, out=np.empty_like(x), algorithm="direct"),
+                       lambda: planned(comm.reduce, x, root=0, out=np.empty_like(x))),
+        }
+        for collective, (named, reference) in calls.items():
+            looped = fastpath.runs_as_direct(collective, x.nbytes)
+            plan_waits = compiled.waits_made
+            got = named()
+            assert (compiled.waits_made == plan_waits) == looped, f"{collective} {x.nbytes} bytes naming direct"
+            chosen = comm.chosen_algorithm(collective, x.nbytes, dtype=x.dtype, algorithm="direct")
+            assert (chosen, chosen.path) == ("direct", "compiled_loop" if looped else "compiled_plan"), chosen
+            want = reference()
+            if collective == "reduce" and comm.rank != 0:
+                want = got = np.zeros(0)   # only the root's output is defined
+            assert got.tobytes() == want.tobytes(), f"{collective} {x.nbytes} bytes naming direct: not the plan's bits"
+            digest.update(want.tobytes())
 
 
 def scenario_edge_arrays(comm, digest):
@@ -372,7 +414,7 @@ def scenario_collective_faults(comm):
         mismatched = {
             3: lambda: comm.allgather(x) if comm.rank == 0 else comm.reduce_scatter(x),
             4: lambda: comm.broadcast(large, root=0 if comm.rank == 0 else 1),
-            5: lambda: comm.allgather(x, algorithm="auto" if comm.rank == 0 else "direct"),
+            5: lambda: comm.allgather(x) if comm.rank == 0 else planned(comm.allgather, x),
         }
         expect_a_different_call(mismatched[case], f"mismatched call {case}")
 
@@ -462,7 +504,7 @@ def scenario_late(comm):
             assert np.array_equal(comm.allreduce(x), np.arange(count) * comm.size + sum(range(comm.size)))
             if comm.rank == late:
                 time.sleep(0.05)
-            y = comm.broadcast(np.full(10, comm.rank, np.int32), root=late, algorithm="direct")   # a plan's protocol
+            y = planned(comm.broadcast, np.full(10, comm.rank, np.int32), root=late)   # a plan's protocol
             assert (y == late).all()
             y = comm.broadcast(np.full(10, comm.rank, np.int32), root=late)   # the loop's merged step
             assert (y == late).all()

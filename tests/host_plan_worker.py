@@ -83,11 +83,11 @@ def scenario_takes_the_plans(comm):
     before = compiled.waits_made
     for dtype in (np.float32, np.int8, np.uint64):
         x = np.arange(4 * comm.size, dtype=dtype)
-        # (named algorithms: with `auto`, the compiled loop takes these calls)
+        # (named algorithms but direct: with `auto` or `direct`, the compiled loop takes these calls)
         comm.reduce_scatter(x, out=np.empty(4, dtype), algorithm="ring")
-        comm.allgather(x[:4], algorithm="direct")
+        comm.allgather(x[:4], algorithm="ring")
         comm.broadcast(x, root=0, algorithm="tree")
-        comm.reduce(x, root=0, op="max", algorithm="direct")
+        comm.reduce(x, root=0, op="max", algorithm="tree")
         comm.allreduce(x, algorithm="ring")
     assert not interpreted and compiled.waits_made > before, (len(interpreted), compiled.waits_made)
     comm.allreduce(np.ones(8, np.float16), algorithm="ring")

@@ -99,7 +99,7 @@ PATHS = ("merged", "pipelined")
 
 # The arrays the loop takes: NumPy's, and its memory-mapped ones (a rank
 # whose array is of another type declines, and ranks must agree).
-_ARRAYS = (np.ndarray, np.memmap)
+ARRAYS = (np.ndarray, np.memmap)
 
 # The collectives the loop runs besides allreduce (_shmloop.c's K_ codes).
 _KINDS = {"reduce_scatter": 1, "allgather": 2, "broadcast": 3, "reduce": 4}
@@ -111,6 +111,15 @@ def same_traffic(collective, step):
     loop's `step` does for `collective` (each rank reads what `direct`
     reads of every peer; allreduce's pipeline moves what `two_shot` does)."""
     return "two_shot" if collective == "allreduce" and step == "pipelined" else "direct"
+
+
+def runs_as_direct(collective, nbytes):
+    """Whether the loop's step for this call is the `direct` algorithm
+    itself (each rank reads what direct reads of every peer and folds in
+    rank order), so that a call naming `direct` may take the loop: the
+    merged step of every collective, and the large message's step of all
+    but allreduce, whose pipeline moves two_shot's traffic (direct's bits)."""
+    return collective != "allreduce" or nbytes <= SMALL_MAX
 
 
 def available():
@@ -149,11 +158,11 @@ class FastCollectives:
         self._clock = time.perf_counter
 
     def __call__(self, x, op, out, timeout):
-        if type(x) not in _ARRAYS or self._run is None:
+        if type(x) not in ARRAYS or self._run is None:
             return None
         if out is None:
             out = x
-        elif type(out) not in _ARRAYS:
+        elif type(out) not in ARRAYS:
             return None
         try:
             code = _OP_CODES[op]
@@ -167,7 +176,7 @@ class FastCollectives:
         by name) in the loop: True once done, None to decline (the caller's
         checks and plans then run the call). `out` None is the call without
         one (allgather has none: the caller makes it); root an int."""
-        if type(x) not in _ARRAYS or (out is not None and type(out) not in _ARRAYS) or self._run is None:
+        if type(x) not in ARRAYS or (out is not None and type(out) not in ARRAYS) or self._run is None:
             return None
         try:
             code = _OP_CODES[op]
