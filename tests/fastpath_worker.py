@@ -513,10 +513,44 @@ def scenario_late(comm):
     assert asleep == [0] * comm.size, asleep
 
 
+# The slow reader scenario: every rank but 0 waits SLOW_READ seconds before
+# each read out of a peer's input, so rank 0 reaches the end of every single
+# copy long before its readers are done with its input.
+SLOW_READ = 0.02
+
+
+def scenario_slow_reader(comm):
+    """Large calls on the single copy, each rank overwriting its input the
+    moment its call returns: the results must still be the inputs' (a rank
+    returns only once every peer has finished reading it)."""
+    n, r = comm.size, comm.rank
+    count = n * (fastpath.SMALL_MAX // 8 + 8)   # float64: above the merged step, a multiple of n
+    inputs = [np.arange(count, dtype=np.float64) + 1000.0 * p for p in range(n)]
+    total = np.sum(inputs, axis=0)
+    k = count // n
+    calls = {
+        "allreduce": (lambda x: comm.allreduce(x, out=np.empty_like(x)), total),
+        "reduce_scatter": (lambda x: comm.reduce_scatter(x, out=np.empty(k)), total[r * k:(r + 1) * k]),
+        "allgather": (lambda x: comm.allgather(x), np.concatenate(inputs)),
+        "broadcast": (lambda x: comm.broadcast(x, root=0, out=np.empty_like(x)), inputs[0]),
+        "reduce": (lambda x: comm.reduce(x, root=0, out=np.empty_like(x)), total if r == 0 else None),
+    }
+    for collective, (call, want) in calls.items():
+        x = inputs[r].copy()
+        got = call(x)
+        x[:] = -1.0   # what a reader still reading this rank's input would see
+        if want is not None and not np.array_equal(got, want):
+            wrong = np.flatnonzero(got != want)
+            raise AssertionError(f"{collective}: {wrong.size} elements wrong from {wrong[0]} ({got[wrong[0]]}): "
+                                 f"a peer returned before this rank had read its input")
+
+
 def main():
     scenario = sys.argv[1]
     if scenario == "fenced" and MPI.COMM_WORLD.rank == 1:
         fastpath.TEST_WRITE_STALL = FENCED_STALL   # read when the communicator is made
+    if scenario == "slow_reader" and MPI.COMM_WORLD.rank != 0:
+        fastpath.TEST_READ_STALL = SLOW_READ
     comm = collectives.init(timeout=TIMEOUT)
     assert LOOP == (comm._ranks.fast_allreduce is not None), "the loop runs exactly when not hidden"   # noqa: SLF001
     digest = hashlib.blake2b()

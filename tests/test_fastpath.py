@@ -123,6 +123,17 @@ def test_the_other_collectives_fail_as_allreduce_does(case):
     assert must_report <= {rank for rank, _ in oks}, report
 
 
+def test_a_rank_returns_only_once_its_readers_are_done_with_its_input():
+    """The single copy's last wait: rank 0's readers are held before every
+    read (fastpath.TEST_READ_STALL), rank 0 overwrites its input as soon as
+    its call returns, and every rank's result must still be the inputs'.
+    Without that wait in _shmloop.c (leave_single_copy), the calls give
+    wrong results."""
+    oks, report = run_worker(3, "slow_reader", env=LARGE_PATHS["single-copy"])
+    check_large_path(report, "single-copy")
+    assert len(oks) == 3, report
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [0, 2, 1, 3], ids=["waits-for-the-write", "out-of-place", "names-a-writer-held-longer",
                                                   "reduce"])

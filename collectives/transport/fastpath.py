@@ -77,6 +77,10 @@ SINGLE_COPY = os.environ.get("COLLECTIVES_FAST_SINGLE_COPY", "1") != "0"
 # COLLECTIVES_FAST_TEST_WRITE_STALL seconds per chunk.
 FENCE_SECONDS = 5.0
 TEST_WRITE_STALL = float(os.environ.get("COLLECTIVES_FAST_TEST_WRITE_STALL", 0))
+# Tests also hold a reader before each read out of a peer's input (the
+# single copy), so that a peer which returned before every reader was done
+# with its input would be caught (tests/fastpath_worker.py, slow_reader).
+TEST_READ_STALL = 0.0
 
 # Polls before a wait yields its core. Ranks that have a core each spin
 # longer (a peer is running and about to publish); ranks that outnumber
@@ -153,7 +157,7 @@ class FastCollectives:
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
             small=channel_address, small_max=SMALL_MAX, staging=channel_address + small_area(group.size),
-            chunk=CHUNK, single_copy=SINGLE_COPY, test_write_stall=TEST_WRITE_STALL)
+            chunk=CHUNK, single_copy=SINGLE_COPY, test_write_stall=TEST_WRITE_STALL, test_read_stall=TEST_READ_STALL)
         self._run = self._channel.allreduce
         self._clock = time.perf_counter
 
