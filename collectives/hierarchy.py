@@ -484,7 +484,7 @@ def small(h, call, x, out, deadline):
             sends = [(peer, part) for peer in others]
         else:
             sends = [(peer, part[peer * k:(peer + 1) * k]) for peer in others]
-        h.link.exchange(sends, [(peer, received[i * k:(i + 1) * k]) for i, peer in enumerate(others)], deadline, what)
+        h.link.exchange_small(sends, [(peer, received[i * k:(i + 1) * k]) for i, peer in enumerate(others)], deadline, what)
         _fold_partials(h, call, k, part, 0 if call.collective == ALLREDUCE else me * k, received, out)
     elif call.collective == REDUCE_TO_ROOT:
         root_node, root_local = h.topology.node_of(call.root), h.topology.local_of(call.root)
@@ -493,10 +493,10 @@ def small(h, call, x, out, deadline):
         if h.local != root_local:
             return
         if me != call.root:
-            h.link.exchange([(call.root, part)], [], deadline, what)
+            h.link.exchange_small([(call.root, part)], [], deadline, what)
             return
         received = h.scratch("received", call.dtype, len(others) * count)
-        h.link.exchange([], [(peer, received[i * count:(i + 1) * count]) for i, peer in enumerate(others)],
+        h.link.exchange_small([], [(peer, received[i * count:(i + 1) * count]) for i, peer in enumerate(others)],
                         deadline, what)
         _fold_partials(h, call, count, part, 0, received, out)
     elif call.collective == ALLGATHER:
@@ -504,7 +504,7 @@ def small(h, call, x, out, deadline):
         gathered = h.scratch("gathered", call.dtype, len(nodes) * size * count)   # node by node, local order
         mine = gathered[k_me * size * count:(k_me + 1) * size * count]
         _in_node(h, ALLGATHER, x, mine, "sum", 0, deadline)
-        h.link.exchange([(peer, mine) for peer in others],
+        h.link.exchange_small([(peer, mine) for peer in others],
                         [(counterparts[k], gathered[k * size * count:(k + 1) * size * count])
                          for k in range(len(nodes)) if k != k_me], deadline, what)
         for k, node in enumerate(nodes):
@@ -516,9 +516,9 @@ def small(h, call, x, out, deadline):
         root_node, root_local = h.topology.node_of(call.root), h.topology.local_of(call.root)
         if k_me == root_node:
             _in_node(h, BROADCAST, x, out, "sum", root_local, deadline)
-            h.link.exchange([(peer, out) for peer in others], [], deadline, what)
+            h.link.exchange_small([(peer, out) for peer in others], [], deadline, what)
         else:   # (out of place, x is left as it was)
-            h.link.exchange([], [(counterparts[root_node], out)], deadline, what)
+            h.link.exchange_small([], [(counterparts[root_node], out)], deadline, what)
 
 
 def _small_or(general):

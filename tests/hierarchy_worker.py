@@ -235,6 +235,30 @@ def scenario_stalled(comm):
     raise AssertionError("allreduce completed without the last rank")
 
 
+def scenario_mismatched(comm):
+    """The nodes make different small calls: node 0 an allreduce of 100
+    elements, the other nodes of 200 (the exchange between counterparts:
+    a message longer than its buffer on one side, another call's signature
+    on the other), then every node an allreduce, some node a
+    reduce_scatter of as many elements (another call's signature alone).
+    Every rank raises, none waits out its timeout."""
+    for case, call in enumerate((
+            lambda: comm.allreduce(np.ones(100 if comm.node == 0 else 200, np.float32)),
+            lambda: (comm.allreduce if comm.node == 0 else comm.reduce_scatter)(np.ones(8 * comm.size, np.int32)))):
+        start = time.perf_counter()
+        try:
+            call()
+        except CollectiveError as error:   # InvalidUsageError where a rank saw it, "aborted" where told
+            assert isinstance(error, InvalidUsageError) or "aborted" in str(error), error
+            print(f"RAISED {case} {comm.rank} {type(error).__name__}: {error}", flush=True)
+            assert time.perf_counter() - start < TIMEOUT, f"case {case} took {time.perf_counter() - start:.1f}s"
+        else:
+            raise AssertionError(f"case {case}: a mismatched call completed")
+        if case == 0:   # the first failure aborted this communicator: the next case needs another
+            WORLD.Barrier()
+            comm = collectives.init(timeout=TIMEOUT)
+
+
 def scenario_killed(comm):
     """The last rank dies: everyone else raises within the timeout (within a
     second when a node-mate sees it die and tells the other nodes)."""
@@ -288,12 +312,13 @@ def main():
     scenario, layout = sys.argv[1], sys.argv[2]
     os.environ[PRETEND_NODES_ENV] = layout
     record_segments()
-    comm = collectives.init(timeout=TIMEOUT if scenario in ("stalled", "killed") else 30.0)
+    comm = collectives.init(timeout=TIMEOUT if scenario in ("stalled", "killed", "mismatched") else 30.0)
     assert comm.size == WORLD.size and comm.rank == WORLD.rank
     globals()[f"scenario_{scenario}"](comm)
     if scenario in ("matrix", "order", "one_node"):
         no_segment_crosses_a_node(comm)
-    comm.close()
+    if scenario != "mismatched":   # (an aborted communicator closes with the process)
+        comm.close()
     print(f"OK {scenario} {comm.rank}", flush=True)
     if scenario == "killed":
         os._exit(0)   # MPI_Finalize would wait for the dead rank
