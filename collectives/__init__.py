@@ -12,7 +12,7 @@
 import time
 
 from .communicator import Communicator, resolve_backend
-from .config import resolve_timeout
+from .config import check_switches, resolve_timeout
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from .ops import SUPPORTED_DTYPES, ReduceOp
 
@@ -69,6 +69,7 @@ def init(timeout=None, *, comm=None, device="host", backend="ours"):
 
     timeout = resolve_timeout(timeout)
     backend = resolve_backend(backend)
+    check_switches()
     deadline = time.perf_counter() + timeout
     binding = check_device(device, backend)   # a bad spec, or a missing NCCL, raises on every rank before any exchange
     return _start(bootstrap.rendezvous(comm, deadline), device, backend, binding, timeout, deadline)
@@ -102,6 +103,7 @@ def start(rendezvous, device="host", backend="ours", timeout=None, deadline=None
     together. Returns the Communicator; raises as init does."""
     timeout = resolve_timeout(timeout)
     backend = resolve_backend(backend)
+    check_switches()
     deadline = time.perf_counter() + timeout if deadline is None else deadline
     return _start(rendezvous, device, backend, check_device(device, backend), timeout, deadline)
 

@@ -55,6 +55,40 @@ def resolve_compiled_plans(enabled=None):
     return _switch(enabled, "compiled_plans", COMPILED_PLANS_ENV, default=True)
 
 
+FAST_PATH_ENV = "COLLECTIVES_FAST_PATH"
+
+
+def resolve_fast_path(enabled=None):
+    """Whether host ranks in separate processes run the calls the compiled
+    loop takes there (transport/fastpath.py): the argument, else
+    $COLLECTIVES_FAST_PATH ("1" or "0"), else on. "0" sends every call to
+    the plans. Ranks may differ: a loop's call against a plan's is named
+    as a mismatch, not run."""
+    return _switch(enabled, "fast_path", FAST_PATH_ENV, default=True)
+
+
+FAST_SINGLE_COPY_ENV = "COLLECTIVES_FAST_SINGLE_COPY"
+
+
+def resolve_fast_single_copy(enabled=None):
+    """Whether the compiled loop's large messages may read and write peers'
+    arrays in place (the single copy) where the ranks can reach each
+    other's memory: the argument, else $COLLECTIVES_FAST_SINGLE_COPY ("1"
+    or "0"), else on. "0" keeps them on the staged pipeline. Every rank
+    must agree: a large call of a rank set to "0" against one that may take
+    the single copy is named as a mismatch."""
+    return _switch(enabled, "fast_single_copy", FAST_SINGLE_COPY_ENV, default=True)
+
+
+def check_switches():
+    """Resolve every on/off variable above once, so that a bad value raises
+    InvalidUsageError on every rank before any exchange (init and start
+    call it), not on the first rank to read it while the others wait."""
+    for resolve in (resolve_one_kernel_allreduce, resolve_compiled_plans, resolve_fast_path,
+                    resolve_fast_single_copy):
+        resolve()
+
+
 def _switch(enabled, argument, variable, default):
     """An on/off setting: `enabled` (a bool, or "1"/"0"), else $`variable`
     ("1" or "0"), else `default`; InvalidUsageError naming where a bad

@@ -181,6 +181,18 @@ def test_timeout_from_argument_and_environment(monkeypatch):
             collectives.Communicator.local(1)
 
 
+@pytest.mark.parametrize("variable", ["COLLECTIVES_FAST_PATH", "COLLECTIVES_FAST_SINGLE_COPY",
+                                      "COLLECTIVES_COMPILED_PLANS", "COLLECTIVES_ONE_KERNEL_ALLREDUCE"])
+def test_a_bad_switch_in_the_environment_stops_init_before_any_exchange(monkeypatch, variable):
+    """init resolves every on/off variable first (config.check_switches): a
+    bad value raises there, on every rank, naming the variable."""
+    monkeypatch.setenv(variable, "yes")
+    with pytest.raises(InvalidUsageError, match=rf"^\${variable}: expected 0 or 1, got 'yes'"):
+        collectives.init()
+    monkeypatch.setenv(variable, "0")
+    collectives.init().close()
+
+
 def test_reduce_op_enum_is_accepted(comm):
     xs = arrays()
     comm.allreduce(xs, op=collectives.ReduceOp.MAX)

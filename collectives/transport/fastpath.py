@@ -57,6 +57,7 @@ import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from ..ops import ReduceOp
+from ..config import resolve_fast_path, resolve_fast_single_copy
 from .layout import CHUNK, HEADER, ROW, SMALL_MAX, small_area
 
 try:
@@ -68,18 +69,19 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 # other's memory. Measured with 2 processes (README): faster than the staged
 # pipeline from 128 KiB to 64 MiB, 1.5x-1.9x in place and 1.1x (64 MiB out
 # of place) to 1.8x; with 4 processes on 2 cores, as fast at 256 KiB and
-# 1.05x-1.25x faster above.
-# COLLECTIVES_FAST_SINGLE_COPY=0 keeps every message on the staged pipeline.
-SINGLE_COPY = os.environ.get("COLLECTIVES_FAST_SINGLE_COPY", "1") != "0"
+# 1.05x-1.25x faster above. COLLECTIVES_FAST_SINGLE_COPY=0 keeps every
+# message on the staged pipeline (config.resolve_fast_single_copy, read
+# when a communicator is made).
 # seconds: how long a failed call waits for a peer still writing into its
 # output (a chunk's writes take microseconds; only a stopped or long
-# starved process takes longer). Tests hold a writer inside its writes for
-# COLLECTIVES_FAST_TEST_WRITE_STALL seconds per chunk.
+# starved process takes longer).
 FENCE_SECONDS = 5.0
-TEST_WRITE_STALL = float(os.environ.get("COLLECTIVES_FAST_TEST_WRITE_STALL", 0))
-# Tests also hold a reader before each read out of a peer's input (the
-# single copy), so that a peer which returned before every reader was done
-# with its input would be caught (tests/fastpath_worker.py, slow_reader).
+# Test-only knobs, read when a communicator is made (tests/fastpath_worker.py
+# sets them): seconds a writer is held inside each chunk's writes (the
+# fence), and a reader before each read out of a peer's input (so that a
+# peer which returned before every reader was done with its input would be
+# caught: the slow_reader scenario).
+TEST_WRITE_STALL = 0.0
 TEST_READ_STALL = 0.0
 
 # Polls before a wait yields its core. Ranks that have a core each spin
@@ -157,7 +159,8 @@ class FastCollectives:
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
             small=channel_address, small_max=SMALL_MAX, staging=channel_address + small_area(group.size),
-            chunk=CHUNK, single_copy=SINGLE_COPY, test_write_stall=TEST_WRITE_STALL, test_read_stall=TEST_READ_STALL)
+            chunk=CHUNK, single_copy=resolve_fast_single_copy(), test_write_stall=TEST_WRITE_STALL,
+            test_read_stall=TEST_READ_STALL)
         self._run = self._channel.allreduce
         self._clock = time.perf_counter
 
@@ -264,7 +267,7 @@ class FastCollectives:
 
 def make(group, oversubscribed):
     """The compiled loop of `group`'s rank, or None without it
-    (or when COLLECTIVES_FAST_PATH=0 asks for the interpreter)."""
-    if _shmloop is None or os.environ.get("COLLECTIVES_FAST_PATH", "1") == "0":
+    (or when COLLECTIVES_FAST_PATH=0 asks for the plans: config.resolve_fast_path)."""
+    if _shmloop is None or not resolve_fast_path():
         return None
     return FastCollectives(group, *group.channel_addresses(), oversubscribed)
