@@ -139,6 +139,8 @@ def scenario_collectives(comm, digest):
     rng = np.random.default_rng(99 + comm.rank)
     n = comm.size
     compiled = comm._ranks.compiled   # noqa: SLF001 - its waits tell a plan's run from the loop's
+    loop = comm._ranks.fast_allreduce   # noqa: SLF001 - its channel counts the large calls it staged
+    oversubscribed = comm._ranks.transport.endswith("oversubscribed")   # noqa: SLF001
     for collective in ("reduce_scatter", "allgather", "broadcast", "reduce"):
         for dtype in DTYPES:
             itemsize = np.dtype(dtype).itemsize
@@ -152,9 +154,15 @@ def scenario_collectives(comm, digest):
                         x = x.reshape(n, -1)
                     before = x.copy()
                     for how, fast, reference in calls_of(comm, collective, x, root, op):
-                        plan_waits = compiled.waits_made
+                        plan_waits, staged = compiled.waits_made, loop._channel.staged_calls   # noqa: SLF001
                         got = fast()
                         assert compiled.waits_made == plan_waits, f"{collective} {how}: the loop declined the call"
+                        if count * itemsize > fastpath.SMALL_MAX:   # staged where it must be, and only there
+                            spread_staged = (oversubscribed and collective in ("allgather", "broadcast")
+                                             and x.nbytes <= fastpath.OVERSUBSCRIBED_STAGED_MAX)
+                            want = loop.large_path == "staged" or spread_staged
+                            assert (loop._channel.staged_calls > staged) == want, (   # noqa: SLF001
+                                f"{collective} {how} {x.nbytes} bytes: staged {not want}, expected {want}")
                         want = reference()
                         assert compiled.waits_made > plan_waits, "the reference ran no plan"
                         if collective == "reduce" and comm.rank != root:
@@ -549,8 +557,12 @@ def main():
     scenario = sys.argv[1]
     if scenario == "fenced" and MPI.COMM_WORLD.rank == 1:
         fastpath.TEST_WRITE_STALL = FENCED_STALL   # read when the communicator is made
-    if scenario == "slow_reader" and MPI.COMM_WORLD.rank != 0:
-        fastpath.TEST_READ_STALL = SLOW_READ
+    if scenario == "slow_reader":
+        fastpath.OVERSUBSCRIBED_STAGED_MAX = 0   # allgather and broadcast read in place too, however many cores
+        if MPI.COMM_WORLD.rank != 0:
+            fastpath.TEST_READ_STALL = SLOW_READ
+    if "FASTPATH_SPREAD_STAGED_MAX" in os.environ:   # (tests/test_fastpath.py: the single copy on every rank count)
+        fastpath.OVERSUBSCRIBED_STAGED_MAX = int(os.environ["FASTPATH_SPREAD_STAGED_MAX"])
     comm = collectives.init(timeout=TIMEOUT)
     assert LOOP == (comm._ranks.fast_allreduce is not None), "the loop runs exactly when not hidden"   # noqa: SLF001
     digest = hashlib.blake2b()

@@ -37,6 +37,10 @@ typedef struct {
     double test_write_stall;   /* seconds each chunk's writes wait first (tests of the fence only) */
     double test_read_stall;    /* seconds each read out of a peer's input waits first (tests of the
                                 * single copy's last wait only) */
+    size_t staged_spread_max;  /* allgather and broadcast of up to this many bytes per rank stage even
+                                * where the single copy was agreed (0: never; fastpath.py sets it when
+                                * the ranks outnumber the cores, where staging measured faster) */
+    int64_t staged_calls;      /* large calls of the other four run through staging, for the tests */
     char *scratch;          /* the single-copy path's landing space: a chunk per rank */
 } Channel;
 
@@ -597,11 +601,14 @@ static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_
                              signature);
     if (status != OK)
         return failure(w, status, seq);
-    if (c->single_copy == 2) {
+    /* (every rank decides alike: the same agreement, call and setting) */
+    int spreads = k->kind == K_ALLGATHER || k->kind == K_BROADCAST;
+    if (c->single_copy == 2 && !(spreads && k->nbytes <= c->staged_spread_max)) {
         status = read_from_peers(c, k);
         if (status == OK)
             status = leave_single_copy(w, base);
     } else if ((status = run_staged_segments(c, k)) == OK) {
+        c->staged_calls++;
         publish(&w->rows[w->rank * ROW_SLOTS], COUNTER, base + 2);
     }
     return status == OK ? PyLong_FromLong(OK) : failure(w, status, seq);
@@ -873,7 +880,8 @@ static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_
 static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", "small", "small_max",
-                            "staging", "chunk", "single_copy", "test_write_stall", "test_read_stall", NULL};
+                            "staging", "chunk", "single_copy", "test_write_stall", "test_read_stall",
+                            "staged_spread_max", NULL};
     unsigned long long header, rows, small, staging;
     unsigned long long small_max, chunk;
     int rank, nranks;
@@ -881,9 +889,10 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     double yield_seconds;
     int single_copy = 1;
     double test_write_stall = 0, test_read_stall = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pdd", names, &header, &rows, &rank, &nranks, &spin,
-                                     &yield_seconds, &small, &small_max, &staging, &chunk, &single_copy,
-                                     &test_write_stall, &test_read_stall))
+    unsigned long long staged_spread_max = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pddK", names, &header, &rows, &rank, &nranks,
+                                     &spin, &yield_seconds, &small, &small_max, &staging, &chunk, &single_copy,
+                                     &test_write_stall, &test_read_stall, &staged_spread_max))
         return -1;
     if (nranks < 1 || nranks > 256 || rank < 0 || rank >= nranks || chunk == 0 || chunk % 64) {
         PyErr_SetString(PyExc_ValueError, "a channel has 1 to 256 ranks and chunks of a multiple of 64 bytes");
@@ -909,6 +918,8 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     c->single_copy = single_copy ? 0 : 1;
     c->test_write_stall = test_write_stall;
     c->test_read_stall = test_read_stall;
+    c->staged_spread_max = (size_t)staged_spread_max;
+    c->staged_calls = 0;
     PyMem_Free(c->scratch);
     c->scratch = PyMem_Malloc((size_t)nranks * (size_t)chunk + 8192);
     if (c->scratch == NULL) {
@@ -963,7 +974,14 @@ static PyObject *Channel_large_path(Channel *c, void *Py_UNUSED(closure))
     return PyUnicode_FromString(c->single_copy == 2 ? "single-copy" : c->single_copy == 1 ? "staged" : "undecided");
 }
 
+static PyObject *Channel_staged_calls(Channel *c, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLongLong(c->staged_calls);
+}
+
 static PyGetSetDef Channel_getset[] = {
+    {"staged_calls", (getter)Channel_staged_calls, NULL,
+     "large calls of reduce_scatter, allgather, broadcast and reduce run through staging so far", NULL},
     {"large_path", (getter)Channel_large_path, NULL,
      "how large messages move: single-copy, staged (some rank cannot read and write another's memory, or "
      "COLLECTIVES_FAST_SINGLE_COPY=0), or undecided before the first", NULL},

@@ -76,6 +76,15 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 # output (a chunk's writes take microseconds; only a stopped or long
 # starved process takes longer).
 FENCE_SECONDS = 5.0
+# Where the ranks outnumber the cores, allgather and broadcast of up to this
+# many bytes per rank take the staged pipeline even where the single copy
+# was agreed: there every reader's process_vm_readv of the same pages, and
+# the readers' wait for each other's end, cost more than staging. Measured
+# with 4 processes on the 2 cores (docs/host-ranks.md, "Oversubscribed"):
+# MPICH/ours at 512 KiB and 2 MiB, broadcast 0.77-0.98 single copy against
+# 1.17-1.73 staged, allgather (2 MiB gathered) 0.86-0.95 against 1.26-1.33;
+# at 8 MiB per rank and above, mixed or the single copy ahead.
+OVERSUBSCRIBED_STAGED_MAX = 2 << 20
 # Test-only knobs, read when a communicator is made (tests/fastpath_worker.py
 # sets them): seconds a writer is held inside each chunk's writes (the
 # fence), and a reader before each read out of a peer's input (so that a
@@ -160,7 +169,7 @@ class FastCollectives:
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
             small=channel_address, small_max=SMALL_MAX, staging=channel_address + small_area(group.size),
             chunk=CHUNK, single_copy=resolve_fast_single_copy(), test_write_stall=TEST_WRITE_STALL,
-            test_read_stall=TEST_READ_STALL)
+            test_read_stall=TEST_READ_STALL, staged_spread_max=OVERSUBSCRIBED_STAGED_MAX if oversubscribed else 0)
         self._run = self._channel.allreduce
         self._clock = time.perf_counter
 
