@@ -259,6 +259,21 @@ def scenario_mismatched(comm):
             comm = collectives.init(timeout=TIMEOUT)
 
 
+def scenario_mixed_paths(comm):
+    """Node 0 runs small calls on its compiled loop, the others without it
+    (COLLECTIVES_FAST_PATH=0, set by main): the nodes take different paths
+    for the same call, and every rank must raise rather than return the
+    other path's bytes as its result."""
+    x = np.full(16, comm.rank + 1.0, np.float32)
+    try:
+        y = comm.allreduce(x)
+    except CollectiveError as error:
+        assert isinstance(error, InvalidUsageError) or "aborted" in str(error), error
+        print(f"RAISED 0 {comm.rank} {type(error).__name__}: {error}", flush=True)
+    else:
+        raise AssertionError(f"rank {comm.rank} returned {y[0]} (the right sum is {comm.size * (comm.size + 1) / 2})")
+
+
 def scenario_killed(comm):
     """The last rank dies: everyone else raises within the timeout (within a
     second when a node-mate sees it die and tells the other nodes)."""
@@ -311,13 +326,15 @@ def no_segment_crosses_a_node(comm):
 def main():
     scenario, layout = sys.argv[1], sys.argv[2]
     os.environ[PRETEND_NODES_ENV] = layout
+    if scenario == "mixed_paths" and layout.split(",")[WORLD.rank] != layout.split(",")[0]:
+        os.environ["COLLECTIVES_FAST_PATH"] = "0"   # (read when the communicator is made)
     record_segments()
-    comm = collectives.init(timeout=TIMEOUT if scenario in ("stalled", "killed", "mismatched") else 30.0)
+    comm = collectives.init(timeout=TIMEOUT if scenario in ("stalled", "killed", "mismatched", "mixed_paths") else 30.0)
     assert comm.size == WORLD.size and comm.rank == WORLD.rank
     globals()[f"scenario_{scenario}"](comm)
     if scenario in ("matrix", "order", "one_node"):
         no_segment_crosses_a_node(comm)
-    if scenario != "mismatched":   # (an aborted communicator closes with the process)
+    if scenario not in ("mismatched", "mixed_paths"):   # (an aborted communicator closes with the process)
         comm.close()
     print(f"OK {scenario} {comm.rank}", flush=True)
     if scenario == "killed":

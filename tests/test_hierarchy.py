@@ -88,6 +88,17 @@ def test_small_calls_that_differ_between_nodes_are_named():
         assert named, report
 
 
+@pytest.mark.mpi
+def test_nodes_on_different_small_paths_raise_instead_of_returning_wrong_bytes():
+    """A node without the compiled loop sends what the general exchange
+    sends (a signature message, then the data); the small path must not
+    take the signature message, which carries the same call's signature,
+    for its data."""
+    oks, report = run_ranks("mixed_paths", TWO_AND_TWO, "-disable-auto-cleanup")
+    assert len(oks) == 4, report
+    assert re.findall(r"RAISED 0 \d InvalidUsageError: .*different call", report), report
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE])

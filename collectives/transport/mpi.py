@@ -147,8 +147,9 @@ class MpiLink:
             self._orphan(repeated.requests, repeated)   # (not kept for reuse: MPI may still hold it)
             raise
         self._repeated[key] = repeated   # the most recently used last
-        for (peer, _), header in zip(receives, repeated.receive_headers):
-            if header[0] != self._signature[0]:
+        for (peer, a), header, status in zip(receives, repeated.receive_headers, repeated.statuses):
+            # (a shorter message, such as `exchange`'s signature alone, may carry this very signature)
+            if header[0] != self._signature[0] or status.Get_count(self._mpi.BYTE) != 8 + a.nbytes:
                 raise InvalidUsageError(
                     f"rank {peer} is in a different call from rank {self.rank}'s {what}; every rank must make "
                     "the same calls in the same order")
@@ -221,9 +222,10 @@ class RepeatedExchange:
     """Buffers and persistent requests for one exchange_small shape: a
     message to or from a peer is 8 bytes of call signature, then the
     payload. A message longer than its receive buffer fails the wait
-    (MPI's truncation: a rank in another call); a shorter one, or one of
-    `exchange`'s signature messages, leaves another call's signature in
-    the header, which exchange_small names."""
+    (MPI's truncation: a rank in another call); exchange_small names a
+    shorter one (one of `exchange`'s signature messages, say, which may
+    carry the same call's signature: a rank that took the other path) or
+    one whose header holds another call's signature."""
 
     def __init__(self, comm, sends, receives):
         from mpi4py import MPI
