@@ -484,7 +484,8 @@ def small(h, call, x, out, deadline):
             sends = [(peer, part) for peer in others]
         else:
             sends = [(peer, part[peer * k:(peer + 1) * k]) for peer in others]
-        h.link.exchange_small(sends, [(peer, received[i * k:(i + 1) * k]) for i, peer in enumerate(others)], deadline, what)
+        h.link.exchange_small(sends, [(peer, received[i * k:(i + 1) * k]) for i, peer in enumerate(others)],
+                              deadline, what)
         _fold_partials(h, call, k, part, 0 if call.collective == ALLREDUCE else me * k, received, out)
     elif call.collective == REDUCE_TO_ROOT:
         root_node, root_local = h.topology.node_of(call.root), h.topology.local_of(call.root)
@@ -497,7 +498,7 @@ def small(h, call, x, out, deadline):
             return
         received = h.scratch("received", call.dtype, len(others) * count)
         h.link.exchange_small([], [(peer, received[i * count:(i + 1) * count]) for i, peer in enumerate(others)],
-                        deadline, what)
+                              deadline, what)
         _fold_partials(h, call, count, part, 0, received, out)
     elif call.collective == ALLGATHER:
         size = len(h.node_ranks)
@@ -505,8 +506,8 @@ def small(h, call, x, out, deadline):
         mine = gathered[k_me * size * count:(k_me + 1) * size * count]
         _in_node(h, ALLGATHER, x, mine, "sum", 0, deadline)
         h.link.exchange_small([(peer, mine) for peer in others],
-                        [(counterparts[k], gathered[k * size * count:(k + 1) * size * count])
-                         for k in range(len(nodes)) if k != k_me], deadline, what)
+                              [(counterparts[k], gathered[k * size * count:(k + 1) * size * count])
+                               for k in range(len(nodes)) if k != k_me], deadline, what)
         for k, node in enumerate(nodes):
             for local, rank in enumerate(node):
                 block = out[rank * count:(rank + 1) * count]

@@ -59,10 +59,11 @@ def let_go(tensors, seconds=10.0):
         return
     # What the collective filled: the tensor, or the base of a view of it
     # (full_tensor's), which Python holds once and each view once more.
-    holders = {}
+    filled, views = {}, {}
     for t in tensors:
-        filled = t._base if t._is_view() else t
-        holders[id(filled)] = (filled, holders.get(id(filled), (filled, 1))[1] + (filled is not t))
+        base = t._base if t._is_view() else t
+        filled[id(base)] = base
+        views[id(base)] = views.get(id(base), 0) + (base is not t)
     deadline = time.monotonic() + seconds
-    while any(t._use_count() > ours for t, ours in holders.values()) and time.monotonic() < deadline:
+    while any(base._use_count() > 1 + views[key] for key, base in filled.items()) and time.monotonic() < deadline:
         time.sleep(1e-4)

@@ -43,8 +43,9 @@ Calls advance COUNTER by 2 and SEQ by 1 like any other call
 (protocol.py), so loop and plan calls mix freely. The loop takes
 float32/float64 and 8- to 64-bit integers, C-contiguous NumPy arrays, any
 op (an output that partly overlaps its input is taken too: the loop reads
-a private copy of x); everything else (float16, bfloat16, lists, an
-explicit algorithm) declines to the checks and the plans, which the
+a private copy of x), with `auto` or naming `direct` (runs_as_direct);
+everything else (float16, bfloat16, lists, another algorithm) declines
+to the checks and the plans, which the
 compiled plan executor or the interpreter runs. Without the compiled loop
 there is no fast path.
 """
@@ -81,9 +82,9 @@ FENCE_SECONDS = 5.0
 # was agreed: there every reader's process_vm_readv of the same pages, and
 # the readers' wait for each other's end, cost more than staging. Measured
 # with 4 processes on the 2 cores (docs/host-ranks.md, "Oversubscribed"):
-# MPICH/ours at 512 KiB and 2 MiB, broadcast 0.77-0.98 single copy against
-# 1.17-1.73 staged, allgather (2 MiB gathered) 0.86-0.95 against 1.26-1.33;
-# at 8 MiB per rank and above, mixed or the single copy ahead.
+# MPICH/ours at 128 KiB to 2 MiB, broadcast 0.77-1.06 reading in place
+# against 1.17-1.59 staged (out of place); at 8 MiB per rank and above,
+# mixed or the single copy ahead.
 OVERSUBSCRIBED_STAGED_MAX = 2 << 20
 # Test-only knobs, read when a communicator is made (tests/fastpath_worker.py
 # sets them): seconds a writer is held inside each chunk's writes (the

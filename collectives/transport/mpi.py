@@ -9,16 +9,18 @@ deadline: a node that stops answering is a CollectiveTimeoutError, not a
 hang.
 
 One `exchange` is a set of sends and receives that may all be in flight at
-once. `exchange_small` is the same for small messages repeated call after
-call with the same peers and sizes (hierarchy.py's small path): each
-message carries the call signature in its first 8 bytes, through buffers
-and persistent requests made once, so a call is a copy in, one Startall,
-the polls and a copy out (about 1.5 µs for 1 KiB between 2 processes,
-against 4.2 to 4.8 µs for the four requests of `exchange`). Before its data, a rank sends every peer of the exchange its call
+once. Before its data, a rank sends every peer of the exchange its call
 signature (protocol.call_signature: the call's number and what it is), and
 checks the one each peer sent: ranks making different calls are told so
 instead of exchanging the wrong bytes. MPI keeps the messages between two
 ranks in order, so the signature is always the first message of the pair.
+
+`exchange_small` is the same for small messages repeated call after call
+with the same peers and sizes (hierarchy.py's small path): each message
+carries the call signature in its first 8 bytes, through buffers and
+persistent requests made once, so a call is a copy in, one Startall, the
+polls and a copy out (about 1.5 µs for 1 KiB between 2 processes, against
+4.2 to 4.8 µs for the four requests of `exchange`).
 
 A rank that fails in a collective sends every other rank an abort message
 (tag ABORT_TAG; each rank keeps one receive posted for it from anyone).
@@ -123,9 +125,7 @@ class MpiLink:
             raise
         wrong = [peer for peer, signature in zip(sources, heard) if signature != self._signature[0]]
         if wrong:
-            raise InvalidUsageError(
-                f"rank {wrong[0]} is in a different call from rank {self.rank}'s {what}; every rank must make "
-                "the same calls in the same order")
+            raise self._different_call(wrong[0], what)
 
     def exchange_small(self, sends, receives, deadline, what):
         """As `exchange`, through a RepeatedExchange made once for these
@@ -150,11 +150,13 @@ class MpiLink:
         for (peer, a), header, status in zip(receives, repeated.receive_headers, repeated.statuses):
             # (a shorter message, such as `exchange`'s signature alone, may carry this very signature)
             if header[0] != self._signature[0] or status.Get_count(self._mpi.BYTE) != 8 + a.nbytes:
-                raise InvalidUsageError(
-                    f"rank {peer} is in a different call from rank {self.rank}'s {what}; every rank must make "
-                    "the same calls in the same order")
+                raise self._different_call(peer, what)
         for (_, a), buffer in zip(receives, repeated.receive_payloads):
             a.reshape(-1).view(np.uint8)[...] = buffer
+
+    def _different_call(self, peer, what):
+        return InvalidUsageError(f"rank {peer} is in a different call from rank {self.rank}'s {what}; every rank "
+                                 "must make the same calls in the same order")
 
     def _wait(self, requests, deadline, what, sources, statuses=None):
         """Poll `requests` until all are done: the deadline and the abort
