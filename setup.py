@@ -1,4 +1,4 @@
-"""The compiled parts of collectives: four optional C/C++ extensions.
+"""The compiled parts of collectives: five optional C/C++ extensions.
 
 Everything else (metadata, dependencies, extras, packages, tool settings)
 is in pyproject.toml, which also names NumPy as a build requirement: the
@@ -27,6 +27,19 @@ SHMLOOP = Extension(
 HOST_PLAN = Extension(
     "collectives.executors._host_plan",
     sources=["collectives/executors/_host_plan.c"],
+    include_dirs=["collectives/transport", "collectives/executors"],
+    depends=["collectives/transport/shm_waits.h", "collectives/executors/host_folds.h"],
+    extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
+    optional=True,
+)
+
+# The small path across nodes (hierarchy.py) in one call: the node's loop,
+# MPI's persistent requests through the functions of the MPI library mpi4py
+# loaded (no MPI header: every handle is passed by address), the folds.
+# Optional like _shmloop: without it hierarchy.py drives those steps itself.
+ACROSS = Extension(
+    "collectives.transport._across",
+    sources=["collectives/transport/_across.c"],
     include_dirs=["collectives/transport", "collectives/executors"],
     depends=["collectives/transport/shm_waits.h", "collectives/executors/host_folds.h"],
     extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
@@ -77,4 +90,4 @@ class BuildExtWithNumpy(build_ext):
 
 
 # The extensions, and build_ext with NumPy's headers: everything else is in pyproject.toml.
-setup(ext_modules=[SHMLOOP, HOST_PLAN, CODEC, ARRAYSTATE], cmdclass={"build_ext": BuildExtWithNumpy})
+setup(ext_modules=[SHMLOOP, HOST_PLAN, ACROSS, CODEC, ARRAYSTATE], cmdclass={"build_ext": BuildExtWithNumpy})

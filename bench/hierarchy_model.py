@@ -88,7 +88,7 @@ def calibrate(path, fallback):
     report = json.loads(open(path).read())
     nodes = report["nodes"]
     k, g = len(nodes), max(len(node) for node in nodes)
-    rows = report["rows"]
+    rows = [row for row in report["rows"] if not row["components"].get("compiled")]   # (one C call: no split)
     sizes = np.array([row["size"] for row in rows], float)
     part = {name: np.array([row["components"][name] for row in rows]) * 1e-6
             for name in ("inside_nodes", "exchanges", "folds_across")}

@@ -575,7 +575,8 @@ class Communicator:
             raise InvalidUsageError(
                 f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
-        loop = self._fast_allreduce if collective == ALLREDUCE else self._fast_collective
+        # (the ranks' own loop: a hierarchical communicator's shortcuts run its steps, not the loop's)
+        loop = getattr(self._ranks, "fast_allreduce" if collective == ALLREDUCE else "fast_collective", None)
         if (algorithm == "auto" or algorithm == "direct" and fastpath.runs_as_direct(collective, nbytes)) \
                 and dtype is not None and loop is not None and fastpath.takes(dtype) and compression is None:
             if rooted:

@@ -74,6 +74,7 @@ and fusion_buffer work, through allreduce.
 """
 
 import functools
+import os
 import time
 from typing import NamedTuple
 
@@ -92,6 +93,8 @@ from .transport.protocol import call_signature
 from .validation import call_arguments
 
 # Buffers an op-table row or a message names, besides INPUT, OUTPUT and a rank's WORK:
+POLL_SPIN_DEDICATED = 2000   # polls of MPI's requests before a wait yields, where each rank has a core
+
 PART = 4        # this rank's partial or result (process memory, or a range of its WORK)
 RECEIVED = 5    # partials received from other nodes, before they are folded
 
@@ -127,6 +130,8 @@ class HierarchicalCommunicator(Communicator):
         super().__init__(ranks, size=size, local_ranks=local_ranks, timeout=timeout)
         self.topology = ranks.topology
         self.node = ranks.node_index
+        if ranks.programs is not None:   # a repeated small call: one compiled call (small_across.py)
+            self._fast_allreduce, self._fast_collective = ranks.programs.allreduce, ranks.programs.collective
 
     def __repr__(self):
         nodes = len(self.topology.nodes)
@@ -175,12 +180,21 @@ class HierarchyRanks:
     path = "hierarchical"   # what runs every call (Communicator.chosen_algorithm): hierarchy.py's plans
 
     def __init__(self, topology, rank, shm, link):
+        from .small_across import SmallPrograms
+
         self.topology, self.rank, self.shm, self.link = topology, rank, shm, link
         self.node_index = topology.node_of(rank)
         self.node_ranks = topology.nodes[self.node_index]
         self.local = topology.local_of(rank)
         self._scratch = {}
-        self._calls = 0
+        self.calls = 0          # calls made: each one's number goes into its signature
+        # Polls of a Program's MPI requests before it yields its core: few
+        # where this machine's ranks outnumber its cores (the peer may need this one).
+        on_machine = topology.machines.count(topology.machines[rank])
+        self.poll_spin = fastpath.SPIN_OVERSUBSCRIBED if on_machine > (os.cpu_count() or 1) else POLL_SPIN_DEDICATED
+        # The small path's compiled Programs (small_across.py), where they can
+        # run: hierarchy.small's way to run a call, and the communicator's shortcuts.
+        self.programs = SmallPrograms(self) if SmallPrograms.available(link) else None
 
     def run(self, call, inputs, outputs, input_infos, output_infos, deadline):
         """Communicator._collective's last step: `call` is what _plan returned."""
@@ -193,8 +207,8 @@ class HierarchyRanks:
                       deadline)
 
     def _guarded(self, algorithm, call, x, out, deadline):
-        self._calls += 1
-        self.link.begin(call_signature(self._calls, call.description))
+        self.calls += 1
+        self.link.begin(call_signature(self.calls, call.description))
         try:
             algorithm(self, call, x, out, deadline)
         except BaseException as error:
@@ -205,12 +219,16 @@ class HierarchyRanks:
         """Stop every rank: the node's through the control segment, the other
         nodes' through MPI (unless the abort came from there)."""
         error = error if isinstance(error, BaseException) else CollectiveError(str(error))
+        if self.programs is not None:
+            self.programs.stop()   # every later call meets the abort on the general path
         if self.shm is not None:
             self.shm.abort(f"{type(error).__name__} on rank {self.rank}: {error}", error)
         self.link.abort(error)
 
     def close(self):
         """After Communicator.close's barrier: no peer reads this rank's memory any more."""
+        if self.programs is not None:
+            self.programs.close()   # (their requests, before the link's communicator is freed)
         if self.shm is not None:
             self.shm.close()
         self.link.close()
@@ -469,7 +487,10 @@ def _fold_partials(h, call, count, part, part_offset, received, out):
 
 
 def small(h, call, x, out, deadline):
-    """The small path (above) for any collective."""
+    """The small path (above) for any collective: its compiled Program
+    (small_across.py) where one can run, else these steps, the same bits."""
+    if h.programs is not None:
+        return h.programs.run(call, x, out, deadline)
     nodes, me, k_me = h.topology.nodes, h.rank, h.node_index
     counterparts = [node[h.local] for node in nodes]
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
@@ -484,7 +505,7 @@ def small(h, call, x, out, deadline):
             sends = [(peer, part) for peer in others]
         else:
             sends = [(peer, part[peer * k:(peer + 1) * k]) for peer in others]
-        h.link.exchange_small(sends, [(peer, received[i * k:(i + 1) * k]) for i, peer in enumerate(others)],
+        h.link.exchange(sends, [(peer, received[i * k:(i + 1) * k]) for i, peer in enumerate(others)],
                               deadline, what)
         _fold_partials(h, call, k, part, 0 if call.collective == ALLREDUCE else me * k, received, out)
     elif call.collective == REDUCE_TO_ROOT:
@@ -494,10 +515,10 @@ def small(h, call, x, out, deadline):
         if h.local != root_local:
             return
         if me != call.root:
-            h.link.exchange_small([(call.root, part)], [], deadline, what)
+            h.link.exchange([(call.root, part)], [], deadline, what)
             return
         received = h.scratch("received", call.dtype, len(others) * count)
-        h.link.exchange_small([], [(peer, received[i * count:(i + 1) * count]) for i, peer in enumerate(others)],
+        h.link.exchange([], [(peer, received[i * count:(i + 1) * count]) for i, peer in enumerate(others)],
                               deadline, what)
         _fold_partials(h, call, count, part, 0, received, out)
     elif call.collective == ALLGATHER:
@@ -505,7 +526,7 @@ def small(h, call, x, out, deadline):
         gathered = h.scratch("gathered", call.dtype, len(nodes) * size * count)   # node by node, local order
         mine = gathered[k_me * size * count:(k_me + 1) * size * count]
         _in_node(h, ALLGATHER, x, mine, "sum", 0, deadline)
-        h.link.exchange_small([(peer, mine) for peer in others],
+        h.link.exchange([(peer, mine) for peer in others],
                               [(counterparts[k], gathered[k * size * count:(k + 1) * size * count])
                                for k in range(len(nodes)) if k != k_me], deadline, what)
         for k, node in enumerate(nodes):
@@ -517,9 +538,9 @@ def small(h, call, x, out, deadline):
         root_node, root_local = h.topology.node_of(call.root), h.topology.local_of(call.root)
         if k_me == root_node:
             _in_node(h, BROADCAST, x, out, "sum", root_local, deadline)
-            h.link.exchange_small([(peer, out) for peer in others], [], deadline, what)
+            h.link.exchange([(peer, out) for peer in others], [], deadline, what)
         else:   # (out of place, x is left as it was)
-            h.link.exchange_small([], [(counterparts[root_node], out)], deadline, what)
+            h.link.exchange([], [(counterparts[root_node], out)], deadline, what)
 
 
 def _small_or(general):

@@ -274,6 +274,82 @@ def scenario_mixed_paths(comm):
         raise AssertionError(f"rank {comm.rank} returned {y[0]} (the right sum is {comm.size * (comm.size + 1) / 2})")
 
 
+def scenario_repeated(comm):
+    """Small calls made again and again with new values, in and out of
+    place: from the second call of a shape on, the communicator's shortcut
+    runs the shape's compiled Program (small_across.py) without the general
+    path, and every result holds the documented fold order's bits."""
+    r, n, nodes = comm.rank, comm.size, comm.topology.nodes
+    general = []
+    run = comm._ranks.run   # noqa: SLF001 - counted: the calls that took the general path
+    comm._ranks.run = lambda *args: (general.append(args[0].collective), run(*args))   # noqa: SLF001
+    calls = 0
+    for dtype in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.uint8)):
+        for op in OPS:
+            for count in (1, 37, 256):
+                for repeat in range(3):
+                    values = [random_values(dtype, q + 100 * repeat, n * count) for q in range(n)]
+                    if dtype.kind in "iu":
+                        values = [np.arange(n * count, dtype=dtype) * (q + repeat + 1) % 7 for q in range(n)]
+                    case = f"{op} {dtype} count={count} repeat {repeat} rank {r}"
+                    x, whole = values[r][:count].copy(), values[r].copy()
+                    want = reference([v[:count] for v in values], nodes, op)
+                    out = np.empty_like(x)
+                    check(comm.allreduce(x, op=op, out=out), want, f"allreduce {case}")
+                    check(comm.allreduce(x, op=op), want, f"allreduce in place {case}")
+                    blocks = reference(values, nodes, op)[r * count:(r + 1) * count]
+                    check(comm.reduce_scatter(whole, op=op, out=np.empty(count, dtype)), blocks,
+                          f"reduce_scatter {case}")
+                    check(comm.reduce_scatter(whole.copy(), op=op), blocks, f"reduce_scatter in place {case}")
+                    root = (count + repeat) % n
+                    kept = values[r][:count].copy()
+                    got = comm.reduce(kept, root=root, op=op, out=np.zeros(count, dtype))
+                    if r == root:
+                        check(got, want, f"reduce to {root} {case}")
+                    check(kept, values[r][:count], f"reduce's x {case}")
+                    gathered = np.concatenate([v[:count] for v in values])
+                    check(comm.allgather(values[r][:count]), gathered, f"allgather {case}")
+                    into = np.zeros(n * count, dtype)
+                    into[r * count:(r + 1) * count] = values[r][:count]
+                    check(comm.allgather(into[r * count:(r + 1) * count], out=into), gathered,
+                          f"allgather in place {case}")
+                    check(comm.broadcast(values[r][:count].copy(), root=root), values[root][:count],
+                          f"broadcast from {root} {case}")
+                    check(comm.broadcast(values[r][:count], root=root, out=np.zeros(count, dtype)),
+                          values[root][:count], f"broadcast out of place from {root} {case}")
+                    calls += 10
+    # the general path took each shape's first calls only (the reduce and broadcast roots move between repeats)
+    assert len(general) < calls / 2, f"{len(general)} of {calls} calls took the general path"
+    comm.barrier()
+
+
+def scenario_repeated_mismatched(comm):
+    """After both calls ran on every rank, node 0 makes one while the other
+    nodes make the other, of as many bytes: through the shortcuts, every
+    rank raises at once (the messages' signatures differ)."""
+    x = np.ones(100, np.float32)
+    for _ in range(2):
+        comm.allreduce(x.copy())
+        comm.broadcast(x.copy(), root=0)
+    start = time.perf_counter()
+    try:
+        comm.allreduce(x.copy()) if comm.node == 0 else comm.broadcast(x.copy(), root=0)
+    except CollectiveError as error:
+        assert isinstance(error, InvalidUsageError) or "aborted" in str(error), error
+        print(f"RAISED 0 {comm.rank} {type(error).__name__}: {error}", flush=True)
+        assert time.perf_counter() - start < TIMEOUT, f"took {time.perf_counter() - start:.1f}s"
+    else:
+        raise AssertionError("a mismatched call completed")
+
+
+def scenario_repeated_stalled(comm):
+    """scenario_stalled once the call's shape has a Program: the others
+    raise within the timeout through the shortcut's polls."""
+    for _ in range(3):
+        comm.allreduce(np.ones(1000, np.float32))
+    scenario_stalled(comm)
+
+
 def scenario_killed(comm):
     """The last rank dies: everyone else raises within the timeout (within a
     second when a node-mate sees it die and tells the other nodes)."""
@@ -323,18 +399,22 @@ def no_segment_crosses_a_node(comm):
             assert not log, f"rank {rank} is alone on its node but opened {log}"
 
 
+FAILING = ("stalled", "killed", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled")
+ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched")
+
+
 def main():
     scenario, layout = sys.argv[1], sys.argv[2]
     os.environ[PRETEND_NODES_ENV] = layout
     if scenario == "mixed_paths" and layout.split(",")[WORLD.rank] != layout.split(",")[0]:
         os.environ["COLLECTIVES_FAST_PATH"] = "0"   # (read when the communicator is made)
     record_segments()
-    comm = collectives.init(timeout=TIMEOUT if scenario in ("stalled", "killed", "mismatched", "mixed_paths") else 30.0)
+    comm = collectives.init(timeout=TIMEOUT if scenario in FAILING else 30.0)
     assert comm.size == WORLD.size and comm.rank == WORLD.rank
     globals()[f"scenario_{scenario}"](comm)
     if scenario in ("matrix", "order", "one_node"):
         no_segment_crosses_a_node(comm)
-    if scenario not in ("mismatched", "mixed_paths"):   # (an aborted communicator closes with the process)
+    if scenario not in ABORTED:   # (an aborted communicator closes with the process)
         comm.close()
     print(f"OK {scenario} {comm.rank}", flush=True)
     if scenario == "killed":

@@ -99,6 +99,26 @@ def test_nodes_on_different_small_paths_raise_instead_of_returning_wrong_bytes()
     assert re.findall(r"RAISED 0 \d InvalidUsageError: .*different call", report), report
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, ONE_PER_NODE, INTERLEAVED])
+def test_repeated_small_calls_take_the_compiled_program_with_the_same_bits(layout):
+    oks, report = run_ranks("repeated", layout)
+    assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
+def test_repeated_small_calls_that_differ_between_nodes_are_named():
+    oks, report = run_ranks("repeated_mismatched", TWO_AND_TWO, "-disable-auto-cleanup")
+    assert len(oks) == 4, report
+    assert re.findall(r"RAISED 0 \d InvalidUsageError: .*different call", report), report
+
+
+@pytest.mark.mpi
+def test_a_rank_that_stalls_after_repeated_small_calls_makes_the_others_raise_in_time():
+    oks, report = run_ranks("repeated_stalled", TWO_AND_TWO)
+    assert len(oks) == 4, report
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE])

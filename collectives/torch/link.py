@@ -144,10 +144,6 @@ class TorchLink:
                 f"rank {wrong[0]} is in a different call from rank {self.rank}'s {what}; every rank must make "
                 "the same calls in the same order")
 
-    # hierarchy.small's repeated exchanges: Gloo has no persistent requests,
-    # so they are plain exchanges (MpiLink makes them once and reuses them)
-    exchange_small = exchange
-
     def _watch(self, waited, deadline, what, sources):
         """Until Gloo's waits are done: look at the abort record every
         HEALTH_EVERY seconds and at the deadline."""

@@ -105,7 +105,7 @@ SPIN_OVERSUBSCRIBED = 64
 # sleep) at 0.3x to 1.3x, 50 ms of yields at 0.2x at 4 MiB.
 YIELD_SECONDS = 300e-6
 
-_OP_CODES = {**{o: i for i, o in enumerate(ReduceOp)}, **{o.value: i for i, o in enumerate(ReduceOp)}}
+OP_CODES = {**{o: i for i, o in enumerate(ReduceOp)}, **{o.value: i for i, o in enumerate(ReduceOp)}}
 assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the loop's OP_ codes"
 
 # What `chosen_algorithm` reports for the two steps: the merged step, and
@@ -118,8 +118,8 @@ PATHS = ("merged", "pipelined")
 ARRAYS = (np.ndarray, np.memmap)
 
 # The collectives the loop runs besides allreduce (_shmloop.c's K_ codes).
-_KINDS = {"reduce_scatter": 1, "allgather": 2, "broadcast": 3, "reduce": 4}
-COLLECTIVES = ("allreduce", *_KINDS)
+KINDS = {"reduce_scatter": 1, "allgather": 2, "broadcast": 3, "reduce": 4}
+COLLECTIVES = ("allreduce", *KINDS)
 
 
 def same_traffic(collective, step):
@@ -163,7 +163,7 @@ class FastCollectives:
 
     def __init__(self, group, header_address, rows_address, channel_address, oversubscribed):
         assert (ROW, HEADER) == (_shmloop.ROW_SLOTS, _shmloop.HEADER_SLOTS), "protocol.py and _shmloop.c disagree"
-        assert _KINDS == {name: getattr(_shmloop, name.upper()) for name in _KINDS}, "_shmloop.c's K_ codes"
+        assert KINDS == {name: getattr(_shmloop, name.upper()) for name in KINDS}, "_shmloop.c's K_ codes"
         self._group = group
         self._channel = _shmloop.Channel(
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
@@ -182,7 +182,7 @@ class FastCollectives:
         elif type(out) not in ARRAYS:
             return None
         try:
-            code = _OP_CODES[op]
+            code = OP_CODES[op]
         except (KeyError, TypeError):
             return None   # the interpreter names the valid ops
         status = self._ran(self._run, (x, out, code, self._clock() + timeout, SMALL_MAX + 1), x, op, "allreduce", 0)
@@ -196,12 +196,23 @@ class FastCollectives:
         if type(x) not in ARRAYS or (out is not None and type(out) not in ARRAYS) or self._run is None:
             return None
         try:
-            code = _OP_CODES[op]
+            code = OP_CODES[op]
         except (KeyError, TypeError):
             return None   # the interpreter names the valid ops
         status = self._ran(self._channel.collective,
-                           (_KINDS[collective], x, out, code, root, self._clock() + timeout), x, op, collective, root)
+                           (KINDS[collective], x, out, code, root, self._clock() + timeout), x, op, collective, root)
         return True if status == 0 else None
+
+    @property
+    def channel(self):
+        """The loop's _shmloop.Channel, whose calls small_across.py's Programs
+        make themselves (None once closed); their failures go to raise_failure."""
+        return self._channel
+
+    def raise_failure(self, status, x, op, collective, root):
+        """Raise what a failed call of the channel (its `status`) means, as
+        a call through this object would, the communicator aborted first."""
+        self._ran(lambda: status, (), x, op, collective, root)
 
     def _ran(self, run, arguments, x, op, collective, root):
         """run(*arguments), one of the channel's calls: 0 once done, None
@@ -224,7 +235,7 @@ class FastCollectives:
         kind, peer, have, need, seq = status
         group = self._group
         group._seq = seq   # noqa: SLF001 - the row's SEQ, which this call advanced
-        description = (f"{collective} of {x.size} {x.dtype} (op {list(ReduceOp)[_OP_CODES[op]].value}, "
+        description = (f"{collective} of {x.size} {x.dtype} (op {list(ReduceOp)[OP_CODES[op]].value}, "
                        f"root {root}, algorithm {path_for(x.nbytes)})")
         if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health raises the aborting rank's class, or RankFailedError
             group.check_health(peer if kind == 3 else None, f"call #{seq}, {description}")

@@ -15,12 +15,11 @@ checks the one each peer sent: ranks making different calls are told so
 instead of exchanging the wrong bytes. MPI keeps the messages between two
 ranks in order, so the signature is always the first message of the pair.
 
-`exchange_small` is the same for small messages repeated call after call
-with the same peers and sizes (hierarchy.py's small path): each message
-carries the call signature in its first 8 bytes, through buffers and
-persistent requests made once, so a call is a copy in, one Startall, the
-polls and a copy out (about 1.5 µs for 1 KiB between 2 processes, against
-4.2 to 4.8 µs for the four requests of `exchange`).
+`repeated_exchange` lays out the messages of a small call repeated call
+after call with the same peers and sizes (small_across.py's Programs):
+each message carries the call signature in its first 8 bytes, through
+buffers and persistent requests made once, which the Program starts and
+tests from C.
 
 A rank that fails in a collective sends every other rank an abort message
 (tag ABORT_TAG; each rank keeps one receive posted for it from anyone).
@@ -36,7 +35,6 @@ import numpy as np
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, class_of_kind, kind_of
 
 ABORT_TAG, DATA_TAG = 1, 2
-REPEATED_KEPT = 16      # exchange_small's prepared exchanges kept (each a few requests and buffers)
 REASON_BYTES = 1024
 HEALTH_EVERY = 0.02     # seconds between looks at the abort channel while waiting
 SEND_ABORT_SECONDS = 0.05
@@ -52,7 +50,7 @@ class MpiLink:
     def __init__(self, comm):
         from mpi4py import MPI
 
-        self._mpi = MPI
+        self._mpi = self.mpi = MPI
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._signature = np.zeros(1, np.int64)
@@ -60,8 +58,7 @@ class MpiLink:
         self._abort_buffer = bytearray(REASON_BYTES)
         self._abort_status = MPI.Status()
         self._abort_request = comm.Irecv([self._abort_buffer, MPI.BYTE], MPI.ANY_SOURCE, ABORT_TAG)
-        self._orphans = []                # requests (and their buffers) of failed exchanges: kept alive
-        self._repeated = {}               # exchange_small's RepeatedExchange by peers and sizes, oldest first
+        self._orphans = []                # requests (and their buffers) of failed exchanges (also in _ORPHANS)
 
     # -- health ------------------------------------------------------------------
 
@@ -127,32 +124,20 @@ class MpiLink:
         if wrong:
             raise self._different_call(wrong[0], what)
 
-    def exchange_small(self, sends, receives, deadline, what):
-        """As `exchange`, through a RepeatedExchange made once for these
-        peers and sizes (up to REPEATED_KEPT of them are kept)."""
-        key = (tuple((peer, a.nbytes) for peer, a in sends), tuple((peer, a.nbytes) for peer, a in receives))
-        repeated = self._repeated.pop(key, None)
-        if repeated is None:
-            if len(self._repeated) >= REPEATED_KEPT:
-                self._repeated.pop(next(iter(self._repeated))).free()
-            repeated = RepeatedExchange(self.comm, *key)
-        for buffer, (_, a) in zip(repeated.send_payloads, sends):
-            buffer[...] = a.reshape(-1).view(np.uint8)
-        for header in repeated.send_headers:
-            header[0] = self._signature[0]
-        self._mpi.Prequest.Startall(repeated.requests)
-        try:
-            self._wait(repeated.requests, deadline, what, repeated.sources, repeated.statuses)
-        except BaseException:
-            self._orphan(repeated.requests, repeated)   # (not kept for reuse: MPI may still hold it)
-            raise
-        self._repeated[key] = repeated   # the most recently used last
-        for (peer, a), header, status in zip(receives, repeated.receive_headers, repeated.statuses):
-            # (a shorter message, such as `exchange`'s signature alone, may carry this very signature)
-            if header[0] != self._signature[0] or status.Get_count(self._mpi.BYTE) != 8 + a.nbytes:
-                raise self._different_call(peer, what)
-        for (_, a), buffer in zip(receives, repeated.receive_payloads):
-            a.reshape(-1).view(np.uint8)[...] = buffer
+    def repeated_exchange(self, sends, receives):
+        """The RepeatedExchange of messages to each (peer, nbytes) of
+        `sends` and from each of `receives`, for a Program to run; orphan()
+        or its free() ends it."""
+        return RepeatedExchange(self.comm, sends, receives)
+
+    def orphan(self, exchange):
+        """A RepeatedExchange whose requests MPI may still hold (a failed call's):
+        cancelled, and kept alive with its buffers."""
+        self._orphan(exchange.requests, exchange)
+
+    def mpi_error(self, code, what, peer):
+        """The error to raise for MPI's error `code` in a message with `peer`."""
+        return self._error_of_class(self._mpi.Get_error_class(code), f"{code}", what, peer)
 
     def _different_call(self, peer, what):
         return InvalidUsageError(f"rank {peer} is in a different call from rank {self.rank}'s {what}; every rank "
@@ -179,18 +164,22 @@ class MpiLink:
                         f"{what} (is every rank making the same calls?)")
                 os.sched_yield()
         except self._mpi.Exception as error:
-            if error.Get_error_class() in (self._mpi.ERR_PROC_FAILED, self._mpi.ERR_PROC_FAILED_PENDING):
-                raise RankFailedError(f"MPI reports a failed rank during {what}: {error}") from error
-            truncated = error.Get_error_class() == self._mpi.ERR_TRUNCATE or (
-                error.Get_error_class() == self._mpi.ERR_IN_STATUS
-                and any(status.Get_error() != self._mpi.SUCCESS
-                        and self._mpi.Get_error_class(status.Get_error()) == self._mpi.ERR_TRUNCATE
-                        for status in statuses))
-            if truncated:
-                raise InvalidUsageError(
-                    f"a rank on another node sent more bytes than {what} expects; every rank must make the "
-                    "same calls in the same order") from error
-            raise CollectiveError(f"MPI failed during {what}: {error}") from error
+            error_class = error.Get_error_class()
+            if error_class == self._mpi.ERR_IN_STATUS:   # the failed request's own class
+                error_class = next((self._mpi.Get_error_class(status.Get_error()) for status in statuses
+                                    if status.Get_error() != self._mpi.SUCCESS), error_class)
+            raise self._error_of_class(error_class, error, what, None) from error
+
+    def _error_of_class(self, error_class, error, what, peer):
+        """What an MPI error of `error_class` during `what` is to the caller."""
+        MPI = self._mpi
+        if error_class in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING):
+            return RankFailedError(f"MPI reports a failed rank during {what}: {error}")
+        if error_class == MPI.ERR_TRUNCATE:
+            return InvalidUsageError(
+                f"{'a rank' if peer is None else f'rank {peer}'} on another node sent more bytes than {what} "
+                "expects; every rank must make the same calls in the same order")
+        return CollectiveError(f"MPI failed during {what}: {error}")
 
     def _orphan(self, requests, buffers):
         """Requests of an exchange that failed: cancel what has not completed,
@@ -202,15 +191,13 @@ class MpiLink:
             except self._mpi.Exception:
                 pass
         self._orphans.append((requests, buffers))
+        _ORPHANS.append((requests, buffers))
 
     def close(self):
         """Release the duplicate communicator (when no exchange failed)."""
         if self.comm is None:
             return
         try:
-            for repeated in self._repeated.values():
-                repeated.free()
-            self._repeated.clear()
             self._abort_request.Cancel()
             if self._aborted is None and not self._orphans:
                 self._abort_request.Wait()
@@ -220,29 +207,53 @@ class MpiLink:
         self.comm = None
 
 
+# Every orphaned request and its buffers, kept for the life of the process:
+# MPI may write into a cancelled receive's buffer until MPI_Finalize, which
+# mpi4py calls at exit, after a communicator left unclosed (an aborted one,
+# say) and its link are gone. Freed with them, the buffers made half of the
+# exits after an aborted small call crash in MPI_Finalize (4 of 8 runs of
+# tests/test_hierarchy.py -k repeated; 0 of 8 kept here).
+_ORPHANS = []
+
+
 class RepeatedExchange:
-    """Buffers and persistent requests for one exchange_small shape: a
-    message to or from a peer is 8 bytes of call signature, then the
-    payload. A message longer than its receive buffer fails the wait
-    (MPI's truncation: a rank in another call); exchange_small names a
-    shorter one (one of `exchange`'s signature messages, say, which may
-    carry the same call's signature: a rank that took the other path) or
-    one whose header holds another call's signature."""
+    """Buffers and persistent requests for one repeated exchange: a message
+    to or from a peer is 8 bytes of call signature, then the payload;
+    receives first, in each peer's order (MPI matches a pair's messages in
+    the order they were posted). A message longer than its receive buffer
+    fails its request (MPI's truncation); one whose header is not the
+    call's signature is another call's. A shorter message of the same call
+    cannot come: the small path's signatures are no other path's
+    (small_across.py), and a Program zeroes each receive header first."""
 
     def __init__(self, comm, sends, receives):
         from mpi4py import MPI
 
-        self.sources = list(dict.fromkeys(peer for peer, _ in receives))
+        self.sources = [peer for peer, _ in receives]
+        self.targets = [peer for peer, _ in sends]
         self._sent = [np.zeros(8 + nbytes, np.uint8) for _, nbytes in sends]
         self._received = [np.zeros(8 + nbytes, np.uint8) for _, nbytes in receives]
-        self.send_headers = [b[:8].view(np.int64) for b in self._sent]
         self.send_payloads = [b[8:] for b in self._sent]
-        self.receive_headers = [b[:8].view(np.int64) for b in self._received]
         self.receive_payloads = [b[8:] for b in self._received]
-        # receives first, in each peer's order: MPI matches a pair's messages in the order they were posted
         self.requests = [comm.Recv_init([b, MPI.BYTE], peer, DATA_TAG) for (peer, _), b in zip(receives, self._received)]
         self.requests += [comm.Send_init([b, MPI.BYTE], peer, DATA_TAG) for (peer, _), b in zip(sends, self._sent)]
-        self.statuses = [MPI.Status() for _ in self.requests]
+        self._addressof = MPI._addressof   # noqa: SLF001 - where mpi4py keeps a request's handle
+        self._kept = []
+
+    def keep(self, array):
+        """Keep `array` (memory a Program points into) alive as long as this exchange; returns it."""
+        self._kept.append(array)
+        return array
+
+    def send_header_addresses(self):
+        return [b.ctypes.data for b in self._sent]
+
+    def receive_header_addresses(self):
+        return [b.ctypes.data for b in self._received]
+
+    def request_addresses(self):
+        """Where each request's handle lives (mpi4py's Request object): what MPI_Start and MPI_Test take."""
+        return [self._addressof(request) for request in self.requests]
 
     def free(self):
         for request in self.requests:

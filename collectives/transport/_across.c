@@ -1,0 +1,500 @@
+/* The small path across nodes (hierarchy.py) in one compiled call.
+ *
+ * A small call across nodes is three steps: the node's compiled loop
+ * (_shmloop's channel, called back through Python's C API), one message to
+ * or from each counterpart on the other nodes (MPI), and a fold of the
+ * partials in node order or copies into place. Driven from Python, the
+ * three cost about 20 µs a call, most of it the interpreter; MPICH's own
+ * allreduce costs 3. Here one Program runs a call's steps as hierarchy.py
+ * laid them out once per call shape (small_program):
+ *
+ *   1. the node step, if any: node_step(*node_args), with the call's x, out
+ *      and deadline put in their places; it returns 0 once done;
+ *   2. `before` copies (a partial into each message);
+ *   3. the call's signature into every message's header, the receive
+ *      headers zeroed, every persistent request started (receives first);
+ *   4. polls until every request is done (MPI_Test, one request at a time,
+ *      so an error is that request's own, never MPI_ERR_IN_STATUS), giving
+ *      the GIL back and yielding the core once the first polls found
+ *      nothing, until `poll_until`: then Python looks at the deadline, the
+ *      abort channel and signals, and calls resume();
+ *   5. every received header checked against the signature;
+ *   6. the fold (host_folds.h's reduce_sources: the partials in node order,
+ *      avg divided once at the end) and the `after` copies.
+ *
+ * MPI is called through the functions of the MPI library mpi4py loaded
+ * (their addresses come from bind_mpi), on the persistent requests mpi4py
+ * made (their handles' addresses), so this file needs no MPI header and
+ * works with either ABI: every handle is passed by address, and a status
+ * is scratch space of the library's size, never read here.
+ *
+ * A buffer is named by a base and an offset: the call's x, the call's out,
+ * or an absolute address (memory the Program's owner keeps alive).
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "shm_waits.h"
+#include "host_folds.h"
+
+typedef int (*mpi_start_fn)(void *request);
+typedef int (*mpi_test_fn)(void *request, int *flag, void *status);
+
+static mpi_start_fn mpi_start;
+static mpi_test_fn mpi_test;
+static Py_ssize_t status_size;
+
+enum { BASE_X = 0, BASE_OUT = 1, BASE_ADDRESS = 2 };
+typedef struct { int base; intptr_t offset; } Where;
+typedef struct { Where src, dst; size_t nbytes; } Copy;
+
+/* What run() and resume() return besides 0 (done). */
+enum { PENDING = 1, NODE_FAILED = 2, MPI_FAILED = 3, DIFFERENT_CALL = 4 };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *node_step;        /* a callable, or NULL: no node step */
+    PyObject *node_args;        /* a tuple; x, out and the deadline go at the indexes below */
+    Py_ssize_t x_at, out_at, deadline_at;
+    Copy *before, *after;
+    Py_ssize_t nbefore, nafter;
+    int64_t **send_headers, **receive_headers;
+    Py_ssize_t nsends, nreceives;
+    void **requests;            /* the receives' requests, then the sends' */
+    char *done;                 /* per request, this call */
+    Py_ssize_t nrequests;
+    Where *fold_sources;        /* none: no fold */
+    Py_ssize_t nfold;
+    Where fold_into;
+    size_t fold_bytes, itemsize;
+    int type, op, divisor;
+    Py_ssize_t x_bytes, out_bytes;  /* what the call's arrays must hold */
+    uint64_t description_hash;
+    int64_t signature;          /* of the call in flight */
+    long spin;                  /* polls before the GIL is released and the core yielded */
+    char *status;               /* MPI_Status scratch */
+} Program;
+
+/* protocol.call_signature(seq, description), from the description's hash. */
+static int64_t call_signature(uint64_t description_hash, int64_t seq)
+{
+    uint64_t mixed = description_hash ^ ((uint64_t)seq * 0x9E3779B97F4A7C15ULL);
+    mixed = (mixed ^ (mixed >> 31)) * 0xBF58476D1CE4E5B9ULL;
+    mixed ^= mixed >> 29;
+    return (int64_t)mixed;
+}
+
+static char *resolve(Where w, char *x, char *out)
+{
+    char *base = w.base == BASE_X ? x : w.base == BASE_OUT ? out : NULL;
+    return base + w.offset;
+}
+
+static void run_copies(const Copy *copies, Py_ssize_t n, char *x, char *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        memmove(resolve(copies[i].dst, x, out), resolve(copies[i].src, x, out), copies[i].nbytes);
+}
+
+/* Poll every request until all are done or `poll_until` passes (PENDING),
+ * or one fails: MPI_FAILED, with *failed the request's index and *code
+ * MPI's error code. */
+static int poll(Program *p, double poll_until, Py_ssize_t *failed, int *code)
+{
+    PyThreadState *released = NULL;
+    int status = OK;
+    for (long polls = 0;; polls++) {
+        int all = 1;
+        for (Py_ssize_t i = 0; i < p->nrequests; i++) {
+            if (p->done[i])
+                continue;
+            int flag = 0;
+            int rc = mpi_test(p->requests[i], &flag, p->status);
+            if (rc != 0) {
+                *failed = i;
+                *code = rc;
+                status = MPI_FAILED;
+                break;
+            }
+            if (flag)
+                p->done[i] = 1;
+            else
+                all = 0;
+        }
+        if (status != OK || all)
+            break;
+        if (polls < p->spin) {
+            CPU_RELAX();
+            continue;
+        }
+        if (released == NULL)
+            released = PyEval_SaveThread();
+        if (now_seconds() >= poll_until) {
+            status = PENDING;
+            break;
+        }
+        sched_yield();
+    }
+    if (released != NULL)
+        PyEval_RestoreThread(released);
+    return status;
+}
+
+typedef struct {
+    Py_buffer x, out;
+    int have_x, have_out;
+} Arrays;
+
+static void release(Arrays *a)
+{
+    if (a->have_out)
+        PyBuffer_Release(&a->out);
+    if (a->have_x)
+        PyBuffer_Release(&a->x);
+}
+
+/* The call's x and out (out may be x): 0, or -1 when they are not what the
+ * Program was laid out for (the caller declines the call). */
+static int take_arrays(Program *p, PyObject *x, PyObject *out, Arrays *a)
+{
+    a->have_x = a->have_out = 0;
+    if (PyObject_GetBuffer(x, &a->x, PyBUF_C_CONTIGUOUS | (x == out ? PyBUF_WRITABLE : 0)) < 0)
+        goto decline;
+    a->have_x = 1;
+    if (x != out) {
+        if (PyObject_GetBuffer(out, &a->out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            goto decline;
+        a->have_out = 1;
+    }
+    if (a->x.len != p->x_bytes || (x == out ? a->x.len : a->out.len) != p->out_bytes)
+        goto decline;
+    return 0;
+decline:
+    PyErr_Clear();
+    release(a);
+    return -1;
+}
+
+static PyObject *outcome(int status, long a, long b)
+{
+    return status == OK ? PyLong_FromLong(0) : Py_BuildValue("(ill)", status, a, b);
+}
+
+/* Steps 4 to 6. */
+static PyObject *finish(Program *p, char *x, char *out, double poll_until)
+{
+    Py_ssize_t failed = -1;
+    int code = 0;
+    int status = poll(p, poll_until, &failed, &code);
+    if (status != OK)
+        return outcome(status, (long)failed, code);
+    for (Py_ssize_t i = 0; i < p->nreceives; i++)
+        if (*p->receive_headers[i] != p->signature)
+            return outcome(DIFFERENT_CALL, (long)i, 0);
+    if (p->nfold > 0) {
+        const char *sources[p->nfold];
+        for (Py_ssize_t i = 0; i < p->nfold; i++)
+            sources[i] = resolve(p->fold_sources[i], x, out);
+        reduce_sources(p->type, p->op, sources, (int)p->nfold, resolve(p->fold_into, x, out), NULL, p->fold_bytes,
+                       p->itemsize, p->divisor);
+    }
+    run_copies(p->after, p->nafter, x, out);
+    return outcome(OK, 0, 0);
+}
+
+/* run(x, out, seq, deadline, poll_until): call number `seq` (the
+ * hierarchy's count, which makes its signature); 0 once done, else
+ * (PENDING, 0, 0): resume; (NODE_FAILED, 0, 0) with the node step's
+ * result second: (2, result); (MPI_FAILED, request, code); (DIFFERENT_CALL,
+ * receive, 0); None: the arrays are not this Program's (nothing ran). */
+static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "run(x, out, seq, deadline, poll_until)");
+        return NULL;
+    }
+    long long seq = PyLong_AsLongLong(args[2]);
+    double deadline = PyFloat_AsDouble(args[3]), poll_until = PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    Arrays a;
+    if (take_arrays(p, args[0], args[1], &a) < 0)
+        Py_RETURN_NONE;
+    char *x = a.x.buf, *out = a.have_out ? a.out.buf : a.x.buf;
+    p->signature = call_signature(p->description_hash, (int64_t)seq);
+    PyObject *result = NULL;
+    if (p->node_step != NULL) {
+        Py_ssize_t n = PyTuple_GET_SIZE(p->node_args);
+        PyObject *call_args[n > 0 ? n : 1];
+        PyObject *deadline_object = PyFloat_FromDouble(deadline);
+        if (deadline_object == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < n; i++)
+            call_args[i] = i == p->x_at ? args[0] : i == p->out_at ? args[1]
+                         : i == p->deadline_at ? deadline_object : PyTuple_GET_ITEM(p->node_args, i);
+        PyObject *stepped = PyObject_Vectorcall(p->node_step, call_args, (size_t)n, NULL);
+        Py_DECREF(deadline_object);
+        if (stepped == NULL)
+            goto done;
+        if (!(PyLong_CheckExact(stepped) && PyLong_AsLong(stepped) == 0)) {
+            result = Py_BuildValue("(iN)", NODE_FAILED, stepped);
+            goto done;
+        }
+        Py_DECREF(stepped);
+    }
+    run_copies(p->before, p->nbefore, x, out);
+    for (Py_ssize_t i = 0; i < p->nsends; i++)
+        *p->send_headers[i] = p->signature;
+    for (Py_ssize_t i = 0; i < p->nreceives; i++)
+        *p->receive_headers[i] = 0;
+    memset(p->done, 0, (size_t)p->nrequests);
+    for (Py_ssize_t i = 0; i < p->nrequests; i++) {
+        int rc = mpi_start(p->requests[i]);
+        if (rc != 0) {
+            result = outcome(MPI_FAILED, (long)i, rc);
+            goto done;
+        }
+    }
+    result = finish(p, x, out, poll_until);
+done:
+    release(&a);
+    return result;
+}
+
+/* resume(x, out, poll_until): run's steps 4 to 6 again, after PENDING. */
+static PyObject *Program_resume(Program *p, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "resume(x, out, poll_until)");
+        return NULL;
+    }
+    double poll_until = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    Arrays a;
+    if (take_arrays(p, args[0], args[1], &a) < 0) {
+        PyErr_SetString(PyExc_ValueError, "resume() takes the arrays run() took");
+        return NULL;
+    }
+    PyObject *result = finish(p, a.x.buf, a.have_out ? a.out.buf : a.x.buf, poll_until);
+    release(&a);
+    return result;
+}
+
+/* -- construction ----------------------------------------------------------- */
+
+static int parse_where(PyObject *pair, Where *w)
+{
+    long long offset;
+    if (!PyArg_ParseTuple(pair, "iL", &w->base, &offset))
+        return -1;
+    if (w->base < BASE_X || w->base > BASE_ADDRESS) {
+        PyErr_SetString(PyExc_ValueError, "a base is X, OUT or ADDRESS");
+        return -1;
+    }
+    w->offset = (intptr_t)offset;
+    return 0;
+}
+
+static int parse_copies(PyObject *list, Copy **copies, Py_ssize_t *n)
+{
+    PyObject *seq = PySequence_Fast(list, "copies: a list of (source, destination, nbytes)");
+    if (seq == NULL)
+        return -1;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    *copies = PyMem_Calloc(*n > 0 ? (size_t)*n : 1, sizeof(Copy));
+    int ok = *copies != NULL;
+    for (Py_ssize_t i = 0; ok && i < *n; i++) {
+        PyObject *src, *dst;
+        Py_ssize_t nbytes;
+        ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "OOn", &src, &dst, &nbytes)
+             && parse_where(src, &(*copies)[i].src) == 0 && parse_where(dst, &(*copies)[i].dst) == 0;
+        if (ok)
+            (*copies)[i].nbytes = (size_t)nbytes;
+    }
+    Py_DECREF(seq);
+    if (!ok && !PyErr_Occurred())
+        PyErr_NoMemory();
+    return ok ? 0 : -1;
+}
+
+/* A list of addresses (ints) into a new array of pointers. */
+static int parse_addresses(PyObject *list, void ***addresses, Py_ssize_t *n)
+{
+    PyObject *seq = PySequence_Fast(list, "a list of addresses");
+    if (seq == NULL)
+        return -1;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    *addresses = PyMem_Calloc(*n > 0 ? (size_t)*n : 1, sizeof(void *));
+    int ok = *addresses != NULL;
+    for (Py_ssize_t i = 0; ok && i < *n; i++) {
+        (*addresses)[i] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(seq, i));
+        ok = !PyErr_Occurred();
+    }
+    Py_DECREF(seq);
+    if (!ok && !PyErr_Occurred())
+        PyErr_NoMemory();
+    return ok ? 0 : -1;
+}
+
+static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"node_step", "node_args", "x_at", "out_at", "deadline_at", "before", "send_headers",
+                            "receive_headers", "requests", "fold", "after", "x_bytes", "out_bytes",
+                            "description_hash", "spin", NULL};
+    PyObject *node_step, *node_args, *before, *send_headers, *receive_headers, *requests, *fold, *after;
+    unsigned long long description_hash;
+    if (mpi_test == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind_mpi() first");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!nnnOOOOOOnnKl", names, &node_step, &PyTuple_Type, &node_args,
+                                     &p->x_at, &p->out_at, &p->deadline_at, &before, &send_headers,
+                                     &receive_headers, &requests, &fold, &after, &p->x_bytes, &p->out_bytes,
+                                     &description_hash, &p->spin))
+        return -1;
+    if (node_step != Py_None) {
+        p->node_step = Py_NewRef(node_step);
+        p->node_args = Py_NewRef(node_args);
+    }
+    p->description_hash = description_hash;
+    if (parse_copies(before, &p->before, &p->nbefore) < 0 || parse_copies(after, &p->after, &p->nafter) < 0
+        || parse_addresses(send_headers, (void ***)&p->send_headers, &p->nsends) < 0
+        || parse_addresses(receive_headers, (void ***)&p->receive_headers, &p->nreceives) < 0
+        || parse_addresses(requests, &p->requests, &p->nrequests) < 0)
+        return -1;
+    p->done = PyMem_Calloc(p->nrequests > 0 ? (size_t)p->nrequests : 1, 1);
+    p->status = PyMem_Calloc((size_t)status_size, 1);
+    if (p->done == NULL || p->status == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (fold != Py_None) {   /* (sources, into, nbytes, itemsize, type, op, divisor) */
+        PyObject *sources, *into;
+        Py_ssize_t nbytes, itemsize;
+        if (!PyArg_ParseTuple(fold, "OOnniii", &sources, &into, &nbytes, &itemsize, &p->type, &p->op, &p->divisor)
+            || parse_where(into, &p->fold_into) < 0)
+            return -1;
+        if (p->type < 0 || p->type >= NTYPES || p->op < OP_SUM || p->op > OP_AVG) {
+            PyErr_SetString(PyExc_ValueError, "fold: an element type and op of host_folds.h");
+            return -1;
+        }
+        PyObject *seq = PySequence_Fast(sources, "fold sources: a list of (base, offset)");
+        if (seq == NULL)
+            return -1;
+        p->nfold = PySequence_Fast_GET_SIZE(seq);
+        p->fold_sources = PyMem_Calloc(p->nfold > 0 ? (size_t)p->nfold : 1, sizeof(Where));
+        int ok = p->fold_sources != NULL && p->nfold >= 1;
+        for (Py_ssize_t i = 0; ok && i < p->nfold; i++)
+            ok = parse_where(PySequence_Fast_GET_ITEM(seq, i), &p->fold_sources[i]) == 0;
+        Py_DECREF(seq);
+        if (!ok) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "fold: one source or more");
+            return -1;
+        }
+        p->fold_bytes = (size_t)nbytes;
+        p->itemsize = (size_t)itemsize;
+    }
+    return 0;
+}
+
+static void Program_dealloc(Program *p)
+{
+    Py_XDECREF(p->node_step);
+    Py_XDECREF(p->node_args);
+    PyMem_Free(p->before);
+    PyMem_Free(p->after);
+    PyMem_Free(p->send_headers);
+    PyMem_Free(p->receive_headers);
+    PyMem_Free(p->requests);
+    PyMem_Free(p->done);
+    PyMem_Free(p->fold_sources);
+    PyMem_Free(p->status);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyMethodDef Program_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))Program_run, METH_FASTCALL,
+     "run(x, out, seq, deadline, poll_until): one call (see the module's doc)"},
+    {"resume", (PyCFunction)(void (*)(void))Program_resume, METH_FASTCALL,
+     "resume(x, out, poll_until): go on polling after run() returned PENDING"},
+    {NULL},
+};
+
+static PyTypeObject ProgramType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "collectives.transport._across.Program",
+    .tp_basicsize = sizeof(Program),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Program_init,
+    .tp_dealloc = (destructor)Program_dealloc,
+    .tp_methods = Program_methods,
+    .tp_doc = "One small call shape across nodes: its node step, messages and fold (see the module's doc).",
+};
+
+/* -- the module ------------------------------------------------------------- */
+
+static PyObject *py_bind_mpi(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    unsigned long long start, test;
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "KKn", &start, &test, &size))
+        return NULL;
+    if (start == 0 || test == 0 || size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "bind_mpi: two function addresses and the size of MPI_Status");
+        return NULL;
+    }
+    mpi_start = (mpi_start_fn)(uintptr_t)start;
+    mpi_test = (mpi_test_fn)(uintptr_t)test;
+    status_size = size;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_element_type(PyObject *Py_UNUSED(self), PyObject *array)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(array, &view, PyBUF_FORMAT | PyBUF_ANY_CONTIGUOUS) < 0)
+        return NULL;
+    int type = element_type(&view);
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(type);
+}
+
+static PyMethodDef module_methods[] = {
+    {"bind_mpi", py_bind_mpi, METH_VARARGS,
+     "bind_mpi(MPI_Start, MPI_Test, sizeof(MPI_Status)): the loaded MPI library's functions, by address"},
+    {"element_type", py_element_type, METH_O,
+     "element_type(array): host_folds.h's code for the array's element type, -1 where the folds lack it"},
+    {NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "collectives.transport._across",
+    "The small path across nodes in one compiled call (hierarchy.py).", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__across(void)
+{
+    if (PyType_Ready(&ProgramType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&ProgramType);
+    if (PyModule_AddObject(m, "Program", (PyObject *)&ProgramType) < 0) {
+        Py_DECREF(&ProgramType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "X", BASE_X);
+    PyModule_AddIntConstant(m, "OUT", BASE_OUT);
+    PyModule_AddIntConstant(m, "ADDRESS", BASE_ADDRESS);
+    PyModule_AddIntConstant(m, "PENDING", PENDING);
+    PyModule_AddIntConstant(m, "NODE_FAILED", NODE_FAILED);
+    PyModule_AddIntConstant(m, "MPI_FAILED", MPI_FAILED);
+    PyModule_AddIntConstant(m, "DIFFERENT_CALL", DIFFERENT_CALL);
+    return m;
+}
