@@ -130,7 +130,7 @@ class HierarchicalCommunicator(Communicator):
         super().__init__(ranks, size=size, local_ranks=local_ranks, timeout=timeout)
         self.topology = ranks.topology
         self.node = ranks.node_index
-        if ranks.programs is not None:   # a repeated small call: one compiled call (small_across.py)
+        if ranks.programs is not None:   # a call whose shape has a Program: one compiled call (across.py)
             self._fast_allreduce, self._fast_collective = ranks.programs.allreduce, ranks.programs.collective
 
     def __repr__(self):
@@ -180,7 +180,7 @@ class HierarchyRanks:
     path = "hierarchical"   # what runs every call (Communicator.chosen_algorithm): hierarchy.py's plans
 
     def __init__(self, topology, rank, shm, link):
-        from .small_across import SmallPrograms
+        from .across import Programs
 
         self.topology, self.rank, self.shm, self.link = topology, rank, shm, link
         self.node_index = topology.node_of(rank)
@@ -192,9 +192,9 @@ class HierarchyRanks:
         # where this machine's ranks outnumber its cores (the peer may need this one).
         on_machine = topology.machines.count(topology.machines[rank])
         self.poll_spin = fastpath.SPIN_OVERSUBSCRIBED if on_machine > (os.cpu_count() or 1) else POLL_SPIN_DEDICATED
-        # The small path's compiled Programs (small_across.py), where they can
-        # run: hierarchy.small's way to run a call, and the communicator's shortcuts.
-        self.programs = SmallPrograms(self) if SmallPrograms.available(link) else None
+        # Compiled Programs (across.py), where they can run: how the small path
+        # and a large allreduce of equal nodes run, and the communicator's shortcuts.
+        self.programs = Programs(self) if Programs.available(link) else None
 
     def run(self, call, inputs, outputs, input_infos, output_infos, deadline):
         """Communicator._collective's last step: `call` is what _plan returned."""
@@ -488,7 +488,7 @@ def _fold_partials(h, call, count, part, part_offset, received, out):
 
 def small(h, call, x, out, deadline):
     """The small path (above) for any collective: its compiled Program
-    (small_across.py) where one can run, else these steps, the same bits."""
+    (across.py) where one can run, else these steps, the same bits."""
     if h.programs is not None:
         return h.programs.run(call, x, out, deadline)
     nodes, me, k_me = h.topology.nodes, h.rank, h.node_index
@@ -543,17 +543,20 @@ def small(h, call, x, out, deadline):
             h.link.exchange([], [(counterparts[root_node], out)], deadline, what)
 
 
-def _small_or(general):
-    """`general`, or the small path where it takes the call."""
+def _shortest(general):
+    """`general`, or the small path where it takes the call, or a compiled
+    Program where one runs it in blocks (across.takes_blocks)."""
     def run(h, call, x, out, deadline):
         if call.count and takes_small(h, call):
             return small(h, call, x, out, deadline)
+        if h.programs is not None and h.programs.takes_blocks(call):
+            return h.programs.run(call, x, out, deadline)
         return general(h, call, x, out, deadline)
     run.__name__, run.__doc__ = general.__name__, general.__doc__
     return run
 
 
-RUN = {collective: _small_or(general) for collective, general in (
+RUN = {collective: _shortest(general) for collective, general in (
     (ALLREDUCE, allreduce), (REDUCE_TO_ROOT, reduce), (REDUCE_SCATTER, reduce_scatter), (ALLGATHER, allgather),
     (BROADCAST, broadcast))}
 

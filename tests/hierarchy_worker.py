@@ -275,9 +275,9 @@ def scenario_mixed_paths(comm):
 
 
 def scenario_repeated(comm):
-    """Small calls made again and again with new values, in and out of
+    """Calls made again and again with new values, in and out of
     place: from the second call of a shape on, the communicator's shortcut
-    runs the shape's compiled Program (small_across.py) without the general
+    runs the shape's compiled Program (across.py) without the general
     path, and every result holds the documented fold order's bits."""
     r, n, nodes = comm.rank, comm.size, comm.topology.nodes
     general = []
@@ -318,6 +318,19 @@ def scenario_repeated(comm):
                     check(comm.broadcast(values[r][:count], root=root, out=np.zeros(count, dtype)),
                           values[root][:count], f"broadcast out of place from {root} {case}")
                     calls += 10
+    # past the small path, an allreduce whose count every node's size divides runs in blocks (across.py)
+    large = 12 * 5000   # 240 KB of float32, 60 KB of uint8 (still small)
+    for dtype in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.uint8)):
+        for op in OPS:
+            for repeat in range(2):
+                values = [random_values(dtype, q + 100 * repeat, large) for q in range(n)]
+                if dtype.kind in "iu":
+                    values = [np.arange(large, dtype=dtype) * (q + repeat + 1) % 7 for q in range(n)]
+                want = reference(values, nodes, op)
+                case = f"allreduce {op} {dtype} count={large} repeat {repeat} rank {r}"
+                check(comm.allreduce(values[r], op=op, out=np.empty_like(values[r])), want, case)
+                check(comm.allreduce(values[r].copy(), op=op), want, f"{case} in place")
+                calls += 2
     # the general path took each shape's first calls only (the reduce and broadcast roots move between repeats)
     assert len(general) < calls / 2, f"{len(general)} of {calls} calls took the general path"
     comm.barrier()

@@ -101,7 +101,7 @@ def test_nodes_on_different_small_paths_raise_instead_of_returning_wrong_bytes()
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, ONE_PER_NODE, INTERLEAVED])
-def test_repeated_small_calls_take_the_compiled_program_with_the_same_bits(layout):
+def test_repeated_calls_take_the_compiled_programs_with_the_same_bits(layout):
     oks, report = run_ranks("repeated", layout)
     assert len(oks) == 4, report
 

@@ -8,7 +8,7 @@
  * allreduce costs 3. Here one Program runs a call's steps as hierarchy.py
  * laid them out once per call shape (small_program):
  *
- *   1. the node step, if any: node_step(*node_args), with the call's x, out
+ *   1. the first node step, if any: call(*args), with the call's x, out
  *      and deadline put in their places; it returns 0 once done;
  *   2. `before` copies (a partial into each message);
  *   3. the call's signature into every message's header, the receive
@@ -20,7 +20,8 @@
  *      abort channel and signals, and calls resume();
  *   5. every received header checked against the signature;
  *   6. the fold (host_folds.h's reduce_sources: the partials in node order,
- *      avg divided once at the end) and the `after` copies.
+ *      avg divided once at the end), the last node step, if any (a large
+ *      allreduce's all-gather inside the node), and the `after` copies.
  *
  * MPI is called through the functions of the MPI library mpi4py loaded
  * (their addresses come from bind_mpi), on the persistent requests mpi4py
@@ -52,11 +53,18 @@ typedef struct { Where src, dst; size_t nbytes; } Copy;
 /* What run() and resume() return besides 0 (done). */
 enum { PENDING = 1, NODE_FAILED = 2, MPI_FAILED = 3, DIFFERENT_CALL = 4 };
 
+/* A call of the node's loop: call(*args), the call's x, out and deadline
+ * put at the indexes given (-1: nowhere). */
+typedef struct {
+    PyObject *call;             /* NULL: no step */
+    PyObject *args;             /* a tuple */
+    Py_ssize_t x_at, out_at, deadline_at;
+} NodeStep;
+
 typedef struct {
     PyObject_HEAD
-    PyObject *node_step;        /* a callable, or NULL: no node step */
-    PyObject *node_args;        /* a tuple; x, out and the deadline go at the indexes below */
-    Py_ssize_t x_at, out_at, deadline_at;
+    NodeStep first, last;
+    double deadline;            /* of the call in flight (the last step's) */
     Copy *before, *after;
     Py_ssize_t nbefore, nafter;
     int64_t **send_headers, **receive_headers;
@@ -181,8 +189,29 @@ static PyObject *outcome(int status, long a, long b)
     return status == OK ? PyLong_FromLong(0) : Py_BuildValue("(ill)", status, a, b);
 }
 
+/* Run `step` for the call of x and out: NULL (an exception: a signal
+ * handler's) or 0 once done, else (NODE_FAILED, its result, which step). */
+static PyObject *run_step(const NodeStep *step, int which, PyObject *x, PyObject *out, double deadline)
+{
+    if (step->call == NULL)
+        return PyLong_FromLong(0);
+    Py_ssize_t n = PyTuple_GET_SIZE(step->args);
+    PyObject *call_args[n > 0 ? n : 1];
+    PyObject *deadline_object = PyFloat_FromDouble(deadline);
+    if (deadline_object == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        call_args[i] = i == step->x_at ? x : i == step->out_at ? out
+                     : i == step->deadline_at ? deadline_object : PyTuple_GET_ITEM(step->args, i);
+    PyObject *stepped = PyObject_Vectorcall(step->call, call_args, (size_t)n, NULL);
+    Py_DECREF(deadline_object);
+    if (stepped == NULL || (PyLong_CheckExact(stepped) && PyLong_AsLong(stepped) == 0))
+        return stepped;
+    return Py_BuildValue("(iNi)", NODE_FAILED, stepped, which);
+}
+
 /* Steps 4 to 6. */
-static PyObject *finish(Program *p, char *x, char *out, double poll_until)
+static PyObject *finish(Program *p, PyObject *x_obj, PyObject *out_obj, char *x, char *out, double poll_until)
 {
     Py_ssize_t failed = -1;
     int code = 0;
@@ -199,15 +228,20 @@ static PyObject *finish(Program *p, char *x, char *out, double poll_until)
         reduce_sources(p->type, p->op, sources, (int)p->nfold, resolve(p->fold_into, x, out), NULL, p->fold_bytes,
                        p->itemsize, p->divisor);
     }
+    PyObject *stepped = run_step(&p->last, 1, x_obj, out_obj, p->deadline);
+    if (stepped == NULL || !PyLong_CheckExact(stepped))
+        return stepped;
+    Py_DECREF(stepped);
     run_copies(p->after, p->nafter, x, out);
     return outcome(OK, 0, 0);
 }
 
 /* run(x, out, seq, deadline, poll_until): call number `seq` (the
  * hierarchy's count, which makes its signature); 0 once done, else
- * (PENDING, 0, 0): resume; (NODE_FAILED, 0, 0) with the node step's
- * result second: (2, result); (MPI_FAILED, request, code); (DIFFERENT_CALL,
- * receive, 0); None: the arrays are not this Program's (nothing ran). */
+ * (PENDING, 0, 0): resume; (NODE_FAILED, result, 0 or 1): the first or
+ * last node step returned `result`; (MPI_FAILED, request, code);
+ * (DIFFERENT_CALL, receive, 0); None: the arrays are not this Program's
+ * (nothing ran). */
 static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
@@ -223,26 +257,11 @@ static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs
         Py_RETURN_NONE;
     char *x = a.x.buf, *out = a.have_out ? a.out.buf : a.x.buf;
     p->signature = call_signature(p->description_hash, (int64_t)seq);
-    PyObject *result = NULL;
-    if (p->node_step != NULL) {
-        Py_ssize_t n = PyTuple_GET_SIZE(p->node_args);
-        PyObject *call_args[n > 0 ? n : 1];
-        PyObject *deadline_object = PyFloat_FromDouble(deadline);
-        if (deadline_object == NULL)
-            goto done;
-        for (Py_ssize_t i = 0; i < n; i++)
-            call_args[i] = i == p->x_at ? args[0] : i == p->out_at ? args[1]
-                         : i == p->deadline_at ? deadline_object : PyTuple_GET_ITEM(p->node_args, i);
-        PyObject *stepped = PyObject_Vectorcall(p->node_step, call_args, (size_t)n, NULL);
-        Py_DECREF(deadline_object);
-        if (stepped == NULL)
-            goto done;
-        if (!(PyLong_CheckExact(stepped) && PyLong_AsLong(stepped) == 0)) {
-            result = Py_BuildValue("(iN)", NODE_FAILED, stepped);
-            goto done;
-        }
-        Py_DECREF(stepped);
-    }
+    PyObject *result = run_step(&p->first, 0, args[0], args[1], deadline);
+    if (result == NULL || !PyLong_CheckExact(result))
+        goto done;
+    Py_CLEAR(result);
+    p->deadline = deadline;
     run_copies(p->before, p->nbefore, x, out);
     for (Py_ssize_t i = 0; i < p->nsends; i++)
         *p->send_headers[i] = p->signature;
@@ -256,7 +275,7 @@ static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs
             goto done;
         }
     }
-    result = finish(p, x, out, poll_until);
+    result = finish(p, args[0], args[1], x, out, poll_until);
 done:
     release(&a);
     return result;
@@ -277,7 +296,7 @@ static PyObject *Program_resume(Program *p, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "resume() takes the arrays run() took");
         return NULL;
     }
-    PyObject *result = finish(p, a.x.buf, a.have_out ? a.out.buf : a.x.buf, poll_until);
+    PyObject *result = finish(p, args[0], args[1], a.x.buf, a.have_out ? a.out.buf : a.x.buf, poll_until);
     release(&a);
     return result;
 }
@@ -338,26 +357,40 @@ static int parse_addresses(PyObject *list, void ***addresses, Py_ssize_t *n)
     return ok ? 0 : -1;
 }
 
+/* None, or (callable, args, x_at, out_at, deadline_at), into `step`. */
+static int parse_step(PyObject *spec, NodeStep *step)
+{
+    if (spec == Py_None)
+        return 0;
+    PyObject *call, *args;
+    if (!PyArg_ParseTuple(spec, "OO!nnn", &call, &PyTuple_Type, &args, &step->x_at, &step->out_at,
+                          &step->deadline_at))
+        return -1;
+    step->call = Py_NewRef(call);
+    step->args = Py_NewRef(args);
+    return 0;
+}
+
 static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"node_step", "node_args", "x_at", "out_at", "deadline_at", "before", "send_headers",
-                            "receive_headers", "requests", "fold", "after", "x_bytes", "out_bytes",
-                            "description_hash", "spin", NULL};
-    PyObject *node_step, *node_args, *before, *send_headers, *receive_headers, *requests, *fold, *after;
+    static char *names[] = {"first_step", "before", "send_headers", "receive_headers", "requests", "fold",
+                            "last_step", "after", "x_bytes", "out_bytes", "description_hash", "spin", NULL};
+    PyObject *first, *last, *before, *send_headers, *receive_headers, *requests, *fold, *after;
     unsigned long long description_hash;
     if (mpi_test == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "bind_mpi() first");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!nnnOOOOOOnnKl", names, &node_step, &PyTuple_Type, &node_args,
-                                     &p->x_at, &p->out_at, &p->deadline_at, &before, &send_headers,
-                                     &receive_headers, &requests, &fold, &after, &p->x_bytes, &p->out_bytes,
+    if (p->status != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a Program is made once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOnnKl", names, &first, &before, &send_headers,
+                                     &receive_headers, &requests, &fold, &last, &after, &p->x_bytes, &p->out_bytes,
                                      &description_hash, &p->spin))
         return -1;
-    if (node_step != Py_None) {
-        p->node_step = Py_NewRef(node_step);
-        p->node_args = Py_NewRef(node_args);
-    }
+    if (parse_step(first, &p->first) < 0 || parse_step(last, &p->last) < 0)
+        return -1;
     p->description_hash = description_hash;
     if (parse_copies(before, &p->before, &p->nbefore) < 0 || parse_copies(after, &p->after, &p->nafter) < 0
         || parse_addresses(send_headers, (void ***)&p->send_headers, &p->nsends) < 0
@@ -402,8 +435,10 @@ static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
 
 static void Program_dealloc(Program *p)
 {
-    Py_XDECREF(p->node_step);
-    Py_XDECREF(p->node_args);
+    Py_XDECREF(p->first.call);
+    Py_XDECREF(p->first.args);
+    Py_XDECREF(p->last.call);
+    Py_XDECREF(p->last.args);
     PyMem_Free(p->before);
     PyMem_Free(p->after);
     PyMem_Free(p->send_headers);

@@ -205,7 +205,7 @@ class FastCollectives:
 
     @property
     def channel(self):
-        """The loop's _shmloop.Channel, whose calls small_across.py's Programs
+        """The loop's _shmloop.Channel, whose calls across.py's Programs
         make themselves (None once closed); their failures go to raise_failure."""
         return self._channel
 

@@ -16,7 +16,7 @@ instead of exchanging the wrong bytes. MPI keeps the messages between two
 ranks in order, so the signature is always the first message of the pair.
 
 `repeated_exchange` lays out the messages of a small call repeated call
-after call with the same peers and sizes (small_across.py's Programs):
+after call with the same peers and sizes (across.py's Programs):
 each message carries the call signature in its first 8 bytes, through
 buffers and persistent requests made once, which the Program starts and
 tests from C.
@@ -27,6 +27,8 @@ Every wait checks it, so the others raise within moments instead of waiting
 out their timeout; a whole node that dies is noticed at the timeout.
 """
 
+import ctypes
+import itertools
 import os
 import time
 
@@ -58,7 +60,10 @@ class MpiLink:
         self._abort_buffer = bytearray(REASON_BYTES)
         self._abort_status = MPI.Status()
         self._abort_request = comm.Irecv([self._abort_buffer, MPI.BYTE], MPI.ANY_SOURCE, ABORT_TAG)
-        self._orphans = []                # requests (and their buffers) of failed exchanges (also in _ORPHANS)
+        # (MPI may write into it until close() or the process's end: see _HELD_FOR_MPI)
+        self._held = next(_LINK_NUMBERS)
+        _HELD_FOR_MPI[self._held] = [(self._abort_request, self._abort_buffer)]
+        self._orphans = []                # requests (and their buffers) of failed exchanges
 
     # -- health ------------------------------------------------------------------
 
@@ -91,7 +96,7 @@ class MpiLink:
                                 .encode()[:REASON_BYTES], np.uint8).copy()
         sends = [self.comm.Isend([message, self._mpi.BYTE], peer, ABORT_TAG)
                  for peer in range(self.size) if peer != self.rank]
-        self._orphans.append((sends, message))
+        self._hold((sends, message))
         until = time.perf_counter() + SEND_ABORT_SECONDS
         try:
             while not self._mpi.Request.Testall(sends) and time.perf_counter() < until:
@@ -122,7 +127,7 @@ class MpiLink:
             raise
         wrong = [peer for peer, signature in zip(sources, heard) if signature != self._signature[0]]
         if wrong:
-            raise self._different_call(wrong[0], what)
+            raise self.different_call(wrong[0], what)
 
     def repeated_exchange(self, sends, receives):
         """The RepeatedExchange of messages to each (peer, nbytes) of
@@ -139,7 +144,7 @@ class MpiLink:
         """The error to raise for MPI's error `code` in a message with `peer`."""
         return self._error_of_class(self._mpi.Get_error_class(code), f"{code}", what, peer)
 
-    def _different_call(self, peer, what):
+    def different_call(self, peer, what):
         return InvalidUsageError(f"rank {peer} is in a different call from rank {self.rank}'s {what}; every rank "
                                  "must make the same calls in the same order")
 
@@ -190,8 +195,12 @@ class MpiLink:
                     request.Cancel()
             except self._mpi.Exception:
                 pass
-        self._orphans.append((requests, buffers))
-        _ORPHANS.append((requests, buffers))
+        self._hold((requests, buffers))
+
+    def _hold(self, requests_and_buffers):
+        """Requests MPI may still complete, and their buffers: kept alive (_HELD_FOR_MPI)."""
+        self._orphans.append(requests_and_buffers)
+        _HELD_FOR_MPI[self._held].append(requests_and_buffers)
 
     def close(self):
         """Release the duplicate communicator (when no exchange failed)."""
@@ -202,18 +211,25 @@ class MpiLink:
             if self._aborted is None and not self._orphans:
                 self._abort_request.Wait()
                 self.comm.Free()
+                del _HELD_FOR_MPI[self._held]   # nothing of this link's is left with MPI
         except self._mpi.Exception:
             pass
         self.comm = None
 
 
-# Every orphaned request and its buffers, kept for the life of the process:
-# MPI may write into a cancelled receive's buffer until MPI_Finalize, which
-# mpi4py calls at exit, after a communicator left unclosed (an aborted one,
-# say) and its link are gone. Freed with them, the buffers made half of the
-# exits after an aborted small call crash in MPI_Finalize (4 of 8 runs of
-# tests/test_hierarchy.py -k repeated; 0 of 8 kept here).
-_ORPHANS = []
+# Every link's receives MPI may still complete (the abort channel's, those
+# of failed exchanges) and its sends, with their buffers, by link: kept
+# until the link's close() finds nothing of it left with MPI, else past the
+# interpreter's end. mpi4py calls MPI_Finalize after the interpreter has
+# freed its objects, modules' globals included, so a communicator left
+# unclosed (an aborted one, say) had its buffers freed first, and a message
+# arriving then (a peer's abort) was written into freed memory: valgrind
+# showed it, and about one exit in six after an aborted call crashed
+# ("malloc(): unsorted double linked list corrupted"). The dict holds one
+# reference more than its name gives, so the interpreter never frees it.
+_HELD_FOR_MPI = {}
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HELD_FOR_MPI))
+_LINK_NUMBERS = itertools.count()
 
 
 class RepeatedExchange:
@@ -224,7 +240,7 @@ class RepeatedExchange:
     fails its request (MPI's truncation); one whose header is not the
     call's signature is another call's. A shorter message of the same call
     cannot come: the small path's signatures are no other path's
-    (small_across.py), and a Program zeroes each receive header first."""
+    (across.py), and a Program zeroes each receive header first."""
 
     def __init__(self, comm, sends, receives):
         from mpi4py import MPI
@@ -239,6 +255,11 @@ class RepeatedExchange:
         self.requests += [comm.Send_init([b, MPI.BYTE], peer, DATA_TAG) for (peer, _), b in zip(sends, self._sent)]
         self._addressof = MPI._addressof   # noqa: SLF001 - where mpi4py keeps a request's handle
         self._kept = []
+
+    @property
+    def nbytes(self):
+        """Its buffers' bytes (the arrays kept included)."""
+        return sum(b.nbytes for b in self._sent + self._received + self._kept)
 
     def keep(self, array):
         """Keep `array` (memory a Program points into) alive as long as this exchange; returns it."""

@@ -1,33 +1,46 @@
-"""The small path across nodes, compiled: one C call per collective call.
+"""Calls across nodes as compiled Programs: one C call per collective call.
 
-hierarchy.py's small path (see "small messages" there) is three steps: one
-call of the node's compiled loop, one message to or from each counterpart
-on the other nodes, and the fold of the partials in node order (or copies
-into place). Driven from Python they cost about 20 µs a call between two
-processes, where MPICH's allreduce costs 3. Here the steps of a call shape
-(collective, dtype, count, op, root) are laid out once, as a Program of
-transport/_across.c, and every later call of that shape is one C call:
+Two of hierarchy.py's ways across nodes are a few steps that C can run
+back to back:
 
-    node step     the loop's channel (fastpath.FastCollectives.channel)
-                  called back with the call's x and deadline, into a partial
-                  that is already a message's payload where it can be;
+    small     (any collective up to SMALL_MAX bytes; hierarchy.small): one
+              call of the node's compiled loop, one message to or from each
+              counterpart on the other nodes, the partials folded in node
+              order or the data copied into place;
+    blocks    (an allreduce above that, every node of G ranks, G dividing
+              the count): the loop's reduce_scatter, which leaves local rank
+              l the node's partial of block l; that block to and from each
+              counterpart (local rank l of every node holds the same
+              block); the block's partials folded in node order; the loop's
+              all-gather of the blocks into out.
+
+Driven from Python the small path cost about 20 µs a call between two
+one-process pretend nodes, where MPICH's allreduce costs 3, and the general
+path's phases ran inside nodes without the loop. Here the steps of a call
+shape (collective, dtype, count, op, root) are laid out once as a Program
+of transport/_across.c, and every later call of that shape is one C call:
+
+    node steps    the loop's channel (fastpath.FastCollectives.channel)
+                  called back with the call's x, out and deadline;
     messages      persistent MPI requests made once (mpi.RepeatedExchange):
                   8 bytes of signature, then the payload; receives first;
     fold          host_folds.h's fold of the partials in node order (avg
-                  divided once, at the end), or the copies into `out`.
+                  divided once, at the end).
 
-The bits are those of hierarchy.small's steps, which run where no Program
-can (a torch.distributed link, or no compiled extension). The messages'
-signature is the call's, described with ", small path" appended: a rank on
-the general path (a node without the compiled loop) sends another, and
-both ranks name the mismatch instead of exchanging the wrong bytes.
+The bits are those of the fold order hierarchy.py documents: the loop
+folds a node's inputs in local rank order, the Program the partials in
+node order. hierarchy.small's Python steps run where no Program can (a
+torch.distributed link, or no compiled extension). The messages'
+signature is the call's, described with ", compiled" appended: a rank on
+another path (a node without the compiled loop) sends another, and both
+ranks name the mismatch instead of exchanging the wrong bytes.
 
 The Communicator calls `allreduce` and `collective` below first (its
 compiled shortcuts, `_fast_allreduce` and `_fast_collective`): a call whose
 shape has a Program runs it without any other check (the Program checks the
 arrays' sizes and contiguity, and declines, running nothing, where they
 differ); any other call takes the general path, which lays out the Program
-at a shape's first small call.
+at a shape's first call.
 """
 
 import ctypes
@@ -47,10 +60,11 @@ from .transport.protocol import description_hash
 
 try:
     from .transport import _across
-except ImportError:   # built without a C compiler: hierarchy.small drives the steps
+except ImportError:   # built without a C compiler: hierarchy.py runs every step itself
     _across = None
 
-PROGRAMS_KEPT = 16      # call shapes whose Program (requests and buffers) is kept, the least recently used dropped
+PROGRAMS_KEPT = 16              # call shapes whose Program is kept, the least recently used dropped first,
+PROGRAM_BYTES_KEPT = 256 << 20  # and while their buffers hold more than this
 HEALTH_EVERY = 0.02     # seconds a Program polls before Python looks at the deadline, the abort channel and signals
 
 
@@ -58,19 +72,32 @@ class Laid(NamedTuple):
     """A call shape's Program and what its failures are told with."""
     program: object          # _across.Program
     exchange: object         # its mpi.RepeatedExchange (kept alive, freed with it)
-    receive_peers: list      # the rank each receive comes from
-    send_peers: list
     description: str         # the call's, as errors name it
+    steps: tuple             # the collectives of its first and last node steps (for their errors)
     in_node_op: ReduceOp
+    nbytes: int              # its buffers'
 
 
-class SmallPrograms:
+def takes_blocks(h, call):
+    """Whether `call` (not a small one) runs as blocks (the module's doc):
+    the same answer on every rank."""
+    size = len(h.node_ranks)
+    return (call.collective == ALLREDUCE and call.count > 0 and call.count % size == 0
+            and len({len(node) for node in h.topology.nodes}) == 1 and fastpath.available()
+            and fastpath.takes(call.dtype) and (h.shm is None or h.shm.fast_allreduce is not None))
+
+
+class Programs:
     """A HierarchyRanks' Programs, by call shape: `allreduce` and `collective`
     are the Communicator's shortcuts, `run` the general path's way in."""
 
     def __init__(self, h):
         self._h = h
         self._laid = {}       # (collective, dtype, count, op, root) -> Laid, the most recently used last
+        self._bytes = 0
+
+    def takes_blocks(self, call):
+        return takes_blocks(self._h, call)
 
     @staticmethod
     def available(link):
@@ -120,17 +147,21 @@ class SmallPrograms:
     # -- the general path's way in -------------------------------------------------
 
     def run(self, call, x, out, deadline):
-        """Run `call` (hierarchy.Call; the small path takes it) through its
-        shape's Program, laid out first if need be; x and out flat."""
+        """Run `call` (hierarchy.Call, which the small path or takes_blocks
+        takes) through its shape's Program, laid out first if need be; x and
+        out flat."""
         key = (call.collective, call.dtype, call.count, call.op, call.root)
         laid = self._laid.pop(key, None)
         if laid is None:
-            if len(self._laid) >= PROGRAMS_KEPT:
-                self._laid.pop(next(iter(self._laid))).exchange.free()
             laid = lay_out(self._h, call)
+            self._bytes += laid.nbytes
+            while self._laid and (len(self._laid) >= PROGRAMS_KEPT or self._bytes > PROGRAM_BYTES_KEPT):
+                dropped = self._laid.pop(next(iter(self._laid)))
+                dropped.exchange.free()
+                self._bytes -= dropped.nbytes
         self._laid[key] = laid
         if not self._run(laid, x, out, self._h.calls, deadline):
-            raise CollectiveError(f"{call.description}: the small path's program declined arrays the checks passed")
+            raise CollectiveError(f"{call.description}: the compiled program declined arrays the checks passed")
 
     def _run(self, laid, x, out, seq, deadline):
         """One call of `laid`'s program: True once done, False where it declined (nothing ran)."""
@@ -141,14 +172,14 @@ class SmallPrograms:
                 return False
             if status[0] != _across.PENDING:
                 self._fail(laid, status, x)
-            link = self._h.link
-            link.check_health()
+            self._h.link.check_health()
             now = time.perf_counter()
             if now >= deadline:
                 self._drop(laid)
+                peers = laid.exchange.sources or laid.exchange.targets
                 raise CollectiveTimeoutError(
-                    f"timed out waiting for rank(s) {', '.join(map(str, laid.receive_peers)) or '-'} on other "
-                    f"nodes in {laid.description}: between counterparts (is every rank making the same calls?)")
+                    f"timed out waiting for rank(s) {', '.join(map(str, peers)) or '-'} on other nodes in "
+                    f"{laid.description}: between counterparts (is every rank making the same calls?)")
             status = laid.program.resume(x, out, min(deadline, now + HEALTH_EVERY))
         return True
 
@@ -157,23 +188,23 @@ class SmallPrograms:
         h, what = self._h, f"{laid.description}: between counterparts"
         kind = status[0]
         if kind == _across.NODE_FAILED:
-            result = status[1]
+            _, result, which = status
             if result is None:
-                raise CollectiveError(f"the node's compiled loop declined {laid.description}")
-            collective = laid.description.split(" ", 1)[0]
-            h.shm.fast_allreduce.raise_failure(result, x, laid.in_node_op, collective, 0)
+                raise CollectiveError(f"the node's compiled loop declined a step of {laid.description}")
+            h.shm.fast_allreduce.raise_failure(result, x, laid.in_node_op, laid.steps[which], 0)
         self._drop(laid)
+        exchange = laid.exchange
         if kind == _across.MPI_FAILED:
             _, request, code = status
-            peers = laid.receive_peers + laid.send_peers
-            raise h.link.mpi_error(code, what, peers[request])
-        raise h.link._different_call(laid.receive_peers[status[1]], what)   # noqa: SLF001
+            raise h.link.mpi_error(code, what, (exchange.sources + exchange.targets)[request])
+        raise h.link.different_call(exchange.sources[status[1]], what)
 
     def _drop(self, laid):
         """A failed call's Program: MPI may still hold its requests, so they are orphaned, never reused."""
         for key, kept in list(self._laid.items()):
             if kept is laid:
                 del self._laid[key]
+                self._bytes -= laid.nbytes
         self._h.link.orphan(laid.exchange)
 
     def stop(self):
@@ -181,12 +212,14 @@ class SmallPrograms:
         for laid in self._laid.values():
             self._h.link.orphan(laid.exchange)
         self._laid.clear()
+        self._bytes = 0
 
     def close(self):
         """Free every Program's requests (the link is about to be freed)."""
         for laid in self._laid.values():
             laid.exchange.free()
         self._laid.clear()
+        self._bytes = 0
 
 
 def _own_block(x, h):
@@ -196,44 +229,65 @@ def _own_block(x, h):
     return x.reshape(-1)[h.rank * block:(h.rank + 1) * block]
 
 
+# -- laying a call out -----------------------------------------------------------------------
+
+class Shape(NamedTuple):
+    """What lay_out hands the Program, worked out per collective below. A
+    node step is (callable, args, x_at, out_at, deadline_at): the call's x,
+    out and deadline go at those indexes of args (-1: nowhere)."""
+    exchange: object
+    x_bytes: int
+    out_bytes: int
+    first_step: tuple = None
+    before: list = []
+    fold: tuple = None
+    last_step: tuple = None
+    after: list = []
+    steps: tuple = ("", "")   # the collectives of the first and last node steps
+
+
 def lay_out(h, call):
     """The Program of `call`'s shape on rank h.rank (see the module's doc)."""
     nodes, k_me = h.topology.nodes, h.node_index
     counterparts = [node[h.local] for node in nodes]
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
-    shape = _LAYOUTS[call.collective](h, call, counterparts, others)
+    blocks = call.count * call.dtype.itemsize > SMALL_MAX
+    shape = (_blocks if blocks else _SMALL[call.collective])(h, call, counterparts, others)
     exchange = shape.exchange
     program = _across.Program(
-        node_step=shape.node_step, node_args=shape.node_args, x_at=shape.x_at, out_at=shape.out_at,
-        deadline_at=shape.deadline_at, before=shape.before, send_headers=exchange.send_header_addresses(),
+        first_step=shape.first_step, before=shape.before, send_headers=exchange.send_header_addresses(),
         receive_headers=exchange.receive_header_addresses(), requests=exchange.request_addresses(), fold=shape.fold,
-        after=shape.after, x_bytes=shape.x_bytes, out_bytes=shape.out_bytes,
-        description_hash=description_hash(f"{call.description}, small path"), spin=h.poll_spin)
-    return Laid(program, exchange, exchange.sources, exchange.targets, call.description, _in_node_op(call.op))
-
-
-class Shape(NamedTuple):
-    """What lay_out hands the Program, worked out per collective below."""
-    exchange: object
-    x_bytes: int
-    out_bytes: int
-    node_step: object = None
-    node_args: tuple = ()
-    x_at: int = -1
-    out_at: int = -1
-    deadline_at: int = -1
-    before: list = []
-    fold: object = None
-    after: list = []
+        last_step=shape.last_step, after=shape.after, x_bytes=shape.x_bytes, out_bytes=shape.out_bytes,
+        description_hash=description_hash(f"{call.description}, compiled"), spin=h.poll_spin)
+    return Laid(program, exchange, call.description, shape.steps, _in_node_op(call.op), exchange.nbytes)
 
 
 def _address(array):
     return array.ctypes.data
 
 
+def _loop_allreduce(h, call, into):
+    """The node's loop allreduces x into `into` (in-node op: avg sums)."""
+    code = fastpath.OP_CODES[_in_node_op(call.op)]
+    return h.shm.fast_allreduce.channel.allreduce, (None, into, code, None, SMALL_MAX + 1), 0, -1, 3
+
+
+def _loop(h, collective, source, into, code, root):
+    """The node's loop runs `collective` from `source` into `into` (None:
+    the call's x, or its out)."""
+    args = (fastpath.KINDS[collective], source, into, code, root, None)
+    return h.shm.fast_allreduce.channel.collective, args, 1 if source is None else -1, 2 if into is None else -1, 5
+
+
+def _fold(sources, into, call, nbytes, size):
+    """The fold of `sources` ((base, offset) each, in node order) into `into`."""
+    return (sources, into, nbytes, call.dtype.itemsize, _across.element_type(np.empty(1, call.dtype)),
+            fastpath.OP_CODES[call.op], size if call.op is ReduceOp.AVG else 0)
+
+
 def _reducing(h, call, counterparts, others):
-    """allreduce, reduce_scatter and reduce: the node's partial P (the loop's
-    allreduce, or reduce to the root's local index), sent to the
+    """Small allreduce, reduce_scatter and reduce: the node's partial P (the
+    loop's allreduce, or reduce to the root's local index) goes to the
     counterparts that fold it (reduce_scatter: block r of P to rank r's
     counterpart), which fold the partials in node order into out."""
     X, OUT, ADDRESS = _across.X, _across.OUT, _across.ADDRESS
@@ -254,19 +308,13 @@ def _reducing(h, call, counterparts, others):
         part = exchange.send_payloads[0].view(call.dtype)
     else:
         part = exchange.keep(np.empty(call.count, call.dtype))
-    before = []
+    first, before = None, []
     if h.shm is None:
         before.append(((X, 0), (ADDRESS, _address(part)), x_bytes))
-        step = {}
+    elif call.collective == REDUCE_TO_ROOT:
+        first = _loop(h, "reduce", None, part, fastpath.OP_CODES[_in_node_op(call.op)], h.topology.local_of(call.root))
     else:
-        channel = h.shm.fast_allreduce.channel
-        code = fastpath.OP_CODES[_in_node_op(call.op)]
-        if call.collective == REDUCE_TO_ROOT:
-            step = dict(node_step=channel.collective, x_at=1, deadline_at=5, node_args=(
-                fastpath.KINDS["reduce"], None, part, code, h.topology.local_of(call.root), None))
-        else:
-            step = dict(node_step=channel.allreduce, x_at=0, deadline_at=3,
-                        node_args=(None, part, code, None, SMALL_MAX + 1))
+        first = _loop_allreduce(h, call, part)
     for peer, payload in zip(senders, exchange.send_payloads):
         piece = _address(part) + (peer * block if call.collective == REDUCE_SCATTER else 0)
         if _address(payload) != piece:
@@ -276,9 +324,38 @@ def _reducing(h, call, counterparts, others):
         received = iter(exchange.receive_payloads)
         mine = _address(part) + (me * block if call.collective == REDUCE_SCATTER else 0)
         sources = [(ADDRESS, mine if k == k_me else _address(next(received))) for k in range(len(h.topology.nodes))]
-        fold = (sources, (OUT, 0), block, itemsize, _across.element_type(part), fastpath.OP_CODES[call.op],
-                size if call.op is ReduceOp.AVG else 0)
-    return Shape(exchange, x_bytes, block, before=before, fold=fold, **step)
+        fold = _fold(sources, (OUT, 0), call, block, size)
+    step = "reduce" if call.collective == REDUCE_TO_ROOT else "allreduce"
+    return Shape(exchange, x_bytes, block, first_step=first, before=before, fold=fold, steps=(step, ""))
+
+
+def _blocks(h, call, counterparts, others):
+    """A large allreduce (takes_blocks): reduce_scatter in the node, the
+    block's partials between counterparts, their fold in node order,
+    all-gather in the node."""
+    OUT, ADDRESS = _across.OUT, _across.ADDRESS
+    size, k_me = len(h.node_ranks), h.node_index
+    x_bytes = call.count * call.dtype.itemsize
+    block = x_bytes // size
+    exchange = h.link.repeated_exchange([(peer, block) for peer in others], [(peer, block) for peer in others])
+    part = exchange.send_payloads[0].view(call.dtype)
+    if h.shm is None:   # one rank a node: its x is its node's partial, and the result is out
+        before = [((_across.X, 0), (ADDRESS, _address(part)), x_bytes)]
+        first = last = None
+        result = (OUT, 0)
+    else:
+        before = []
+        first = _loop(h, "reduce_scatter", None, part, fastpath.OP_CODES[_in_node_op(call.op)], 0)
+        reduced = exchange.keep(np.empty(call.count // size, call.dtype))
+        last = _loop(h, "allgather", reduced, None, 0, 0)
+        result = (ADDRESS, _address(reduced))
+    before += [((ADDRESS, _address(part)), (ADDRESS, _address(payload)), block) for payload in exchange.send_payloads[1:]]
+    received = iter(exchange.receive_payloads)
+    sources = [(ADDRESS, _address(part) if k == k_me else _address(next(received)))
+               for k in range(len(h.topology.nodes))]
+    return Shape(exchange, x_bytes, x_bytes, first_step=first, before=before,
+                 fold=_fold(sources, result, call, block, h.topology.size), last_step=last,
+                 steps=("reduce_scatter", "allgather"))
 
 
 def _allgather(h, call, counterparts, others):
@@ -291,18 +368,17 @@ def _allgather(h, call, counterparts, others):
                                         [(counterparts[k], node_bytes) for k in range(len(nodes)) if k != k_me])
     mine = exchange.send_payloads[0]
     if h.shm is None:
-        before, step = [((X, 0), (ADDRESS, _address(mine)), row)], {}
+        first, before = None, [((X, 0), (ADDRESS, _address(mine)), row)]
     else:
-        before = []
-        step = dict(node_step=h.shm.fast_allreduce.channel.collective, x_at=1, deadline_at=5, node_args=(
-            fastpath.KINDS["allgather"], None, mine.view(call.dtype), 0, 0, None))
+        first, before = _loop(h, "allgather", None, mine.view(call.dtype), 0, 0), []
     before += [((ADDRESS, _address(mine)), (ADDRESS, _address(payload)), node_bytes)
                for payload in exchange.send_payloads[1:]]
     received = iter(exchange.receive_payloads)
     blocks = [_address(mine) if k == k_me else _address(next(received)) for k in range(len(nodes))]
     after = [((ADDRESS, blocks[k] + local * row), (OUT, rank * row), row)
              for k, node in enumerate(nodes) for local, rank in enumerate(node)]
-    return Shape(exchange, row, h.topology.size * row, before=before, after=after, **step)
+    return Shape(exchange, row, h.topology.size * row, first_step=first, before=before, after=after,
+                 steps=("allgather", ""))
 
 
 def _broadcast(h, call, counterparts, others):
@@ -313,21 +389,19 @@ def _broadcast(h, call, counterparts, others):
     root_node = h.topology.node_of(call.root)
     if h.node_index != root_node:   # (out of place, x is left as it was)
         exchange = h.link.repeated_exchange([], [(counterparts[root_node], nbytes)])
-        return Shape(exchange, nbytes, nbytes, after=[((ADDRESS, _address(exchange.receive_payloads[0])), (OUT, 0),
-                                                       nbytes)])
+        return Shape(exchange, nbytes, nbytes,
+                     after=[((ADDRESS, _address(exchange.receive_payloads[0])), (OUT, 0), nbytes)])
     exchange = h.link.repeated_exchange([(peer, nbytes) for peer in others], [])
     if h.shm is None:
-        before, step = [((X, 0), (OUT, 0), nbytes)], {}
+        first, before = None, [((X, 0), (OUT, 0), nbytes)]
     else:
-        before = []
-        step = dict(node_step=h.shm.fast_allreduce.channel.collective, x_at=1, out_at=2, deadline_at=5, node_args=(
-            fastpath.KINDS["broadcast"], None, None, 0, h.topology.local_of(call.root), None))
+        first, before = _loop(h, "broadcast", None, None, 0, h.topology.local_of(call.root)), []
     before += [((OUT, 0), (ADDRESS, _address(payload)), nbytes) for payload in exchange.send_payloads]
-    return Shape(exchange, nbytes, nbytes, before=before, **step)
+    return Shape(exchange, nbytes, nbytes, first_step=first, before=before, steps=("broadcast", ""))
 
 
-_LAYOUTS = {ALLREDUCE: _reducing, REDUCE_SCATTER: _reducing, REDUCE_TO_ROOT: _reducing, ALLGATHER: _allgather,
-            BROADCAST: _broadcast}
+_SMALL = {ALLREDUCE: _reducing, REDUCE_SCATTER: _reducing, REDUCE_TO_ROOT: _reducing, ALLGATHER: _allgather,
+          BROADCAST: _broadcast}
 
 
 def _bound(link):
