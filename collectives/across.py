@@ -134,15 +134,20 @@ class Programs:
     def _fast(self, laid, x, out, timeout):
         """A shortcut's call: True once done, False where the Program declined."""
         h = self._h
-        h.calls += 1   # the call's number, as HierarchyRanks counts every call
+        seq = h.calls = h.calls + 1   # the call's number, as HierarchyRanks counts every call
+        now = time.perf_counter()
+        deadline = now + timeout
         try:
-            ran = self._run(laid, x, out, h.calls, time.perf_counter() + timeout)
+            status = laid.program.run(x, out, seq, deadline, min(deadline, now + HEALTH_EVERY))
+            if status != 0:
+                if status is None:
+                    h.calls -= 1   # nothing ran: the general path counts the call
+                    return False
+                self._go_on(laid, status, x, out, deadline)
         except BaseException as error:
             h.abort(error)
             raise
-        if not ran:
-            h.calls -= 1   # nothing ran: the general path counts the call
-        return ran
+        return True
 
     # -- the general path's way in -------------------------------------------------
 
@@ -167,9 +172,17 @@ class Programs:
         """One call of `laid`'s program: True once done, False where it declined (nothing ran)."""
         now = time.perf_counter()
         status = laid.program.run(x, out, seq, deadline, min(deadline, now + HEALTH_EVERY))
+        if status is None:
+            return False
+        if status != 0:
+            self._go_on(laid, status, x, out, deadline)
+        return True
+
+    def _go_on(self, laid, status, x, out, deadline):
+        """After a run that did not finish: resume it while it is pending
+        and in time (the abort channel and signals looked at in between),
+        raise what a failure says."""
         while status != 0:
-            if status is None:
-                return False
             if status[0] != _across.PENDING:
                 self._fail(laid, status, x)
             self._h.link.check_health()
@@ -181,7 +194,6 @@ class Programs:
                     f"timed out waiting for rank(s) {', '.join(map(str, peers)) or '-'} on other nodes in "
                     f"{laid.description}: between counterparts (is every rank making the same calls?)")
             status = laid.program.resume(x, out, min(deadline, now + HEALTH_EVERY))
-        return True
 
     def _fail(self, laid, status, x):
         """Raise what `status` (a failed run's) says."""

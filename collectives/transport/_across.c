@@ -1,18 +1,20 @@
-/* The small path across nodes (hierarchy.py) in one compiled call.
+/* A call across nodes (hierarchy.py) in one compiled call: across.py's Programs.
  *
- * A small call across nodes is three steps: the node's compiled loop
- * (_shmloop's channel, called back through Python's C API), one message to
- * or from each counterpart on the other nodes (MPI), and a fold of the
- * partials in node order or copies into place. Driven from Python, the
- * three cost about 20 µs a call, most of it the interpreter; MPICH's own
- * allreduce costs 3. Here one Program runs a call's steps as hierarchy.py
- * laid them out once per call shape (small_program):
+ * A small call across nodes, or a large allreduce of equal nodes, is a few
+ * steps: the node's compiled loop (_shmloop's channel, called back through
+ * Python's C API), one message to or from each counterpart on the other
+ * nodes (MPI), a fold of the partials in node order, and for the large
+ * allreduce the loop again. Driven from Python, a small call cost about 20
+ * µs, most of it the interpreter; MPICH's own allreduce costs 3. Here one
+ * Program runs a call's steps as across.py laid them out once per call
+ * shape:
  *
- *   1. the first node step, if any: call(*args), with the call's x, out
+ *   1. the receive headers zeroed, the receives' persistent requests
+ *      started (a counterpart's message can land during the node step);
+ *   2. the first node step, if any: call(*args), with the call's x, out
  *      and deadline put in their places; it returns 0 once done;
- *   2. `before` copies (a partial into each message);
- *   3. the call's signature into every message's header, the receive
- *      headers zeroed, every persistent request started (receives first);
+ *   3. `before` copies (a partial into each message), the call's signature
+ *      into every message's header, the sends' requests started;
  *   4. polls until every request is done (MPI_Test, one request at a time,
  *      so an error is that request's own, never MPI_ERR_IN_STATUS), giving
  *      the GIL back and yielding the core once the first polls found
@@ -210,6 +212,17 @@ static PyObject *run_step(const NodeStep *step, int which, PyObject *x, PyObject
     return Py_BuildValue("(iNi)", NODE_FAILED, stepped, which);
 }
 
+/* MPI_Start requests [from, to): NULL once done, else (MPI_FAILED, request, code). */
+static PyObject *start_requests(Program *p, Py_ssize_t from, Py_ssize_t to)
+{
+    for (Py_ssize_t i = from; i < to; i++) {
+        int rc = mpi_start(p->requests[i]);
+        if (rc != 0)
+            return outcome(MPI_FAILED, (long)i, rc);
+    }
+    return NULL;
+}
+
 /* Steps 4 to 6. */
 static PyObject *finish(Program *p, PyObject *x_obj, PyObject *out_obj, char *x, char *out, double poll_until)
 {
@@ -257,24 +270,25 @@ static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs
         Py_RETURN_NONE;
     char *x = a.x.buf, *out = a.have_out ? a.out.buf : a.x.buf;
     p->signature = call_signature(p->description_hash, (int64_t)seq);
-    PyObject *result = run_step(&p->first, 0, args[0], args[1], deadline);
+    p->deadline = deadline;
+    /* The receives first, so that a counterpart's message can land while
+     * this rank is still in its node step; the sends once their data is there. */
+    memset(p->done, 0, (size_t)p->nrequests);
+    for (Py_ssize_t i = 0; i < p->nreceives; i++)
+        *p->receive_headers[i] = 0;
+    PyObject *result = start_requests(p, 0, p->nreceives);
+    if (result != NULL)
+        goto done;
+    result = run_step(&p->first, 0, args[0], args[1], deadline);
     if (result == NULL || !PyLong_CheckExact(result))
         goto done;
     Py_CLEAR(result);
-    p->deadline = deadline;
     run_copies(p->before, p->nbefore, x, out);
     for (Py_ssize_t i = 0; i < p->nsends; i++)
         *p->send_headers[i] = p->signature;
-    for (Py_ssize_t i = 0; i < p->nreceives; i++)
-        *p->receive_headers[i] = 0;
-    memset(p->done, 0, (size_t)p->nrequests);
-    for (Py_ssize_t i = 0; i < p->nrequests; i++) {
-        int rc = mpi_start(p->requests[i]);
-        if (rc != 0) {
-            result = outcome(MPI_FAILED, (long)i, rc);
-            goto done;
-        }
-    }
+    result = start_requests(p, p->nreceives, p->nrequests);
+    if (result != NULL)
+        goto done;
     result = finish(p, args[0], args[1], x, out, poll_until);
 done:
     release(&a);
