@@ -95,6 +95,7 @@ class Programs:
         self._h = h
         self._laid = {}       # (collective, dtype, count, op, root) -> Laid, the most recently used last
         self._bytes = 0
+        self._stopped = False
 
     def takes_blocks(self, call):
         return takes_blocks(self._h, call)
@@ -155,6 +156,8 @@ class Programs:
         """Run `call` (hierarchy.Call, which the small path or takes_blocks
         takes) through its shape's Program, laid out first if need be; x and
         out flat."""
+        if self._stopped:
+            self._h.link.check_health()   # raises: the communicator was aborted
         key = (call.collective, call.dtype, call.count, call.op, call.root)
         laid = self._laid.pop(key, None)
         if laid is None:
@@ -225,6 +228,7 @@ class Programs:
             self._h.link.orphan(laid.exchange)
         self._laid.clear()
         self._bytes = 0
+        self._stopped = True
 
     def close(self):
         """Free every Program's requests (the link is about to be freed)."""
@@ -413,7 +417,7 @@ def _broadcast(h, call, counterparts, others):
 
 
 _SMALL = {ALLREDUCE: _reducing, REDUCE_SCATTER: _reducing, REDUCE_TO_ROOT: _reducing, ALLGATHER: _allgather,
-          BROADCAST: _broadcast}
+          BROADCAST: _broadcast, "barrier": _reducing}   # (HierarchyRanks.barrier: an allreduce of one byte)
 
 
 def _bound(link):

@@ -195,6 +195,12 @@ class HierarchyRanks:
         # Compiled Programs (across.py), where they can run: how the small path
         # and a large allreduce of equal nodes run, and the communicator's shortcuts.
         self.programs = Programs(self) if Programs.available(link) else None
+        # A barrier as a small allreduce of one byte where a Program runs one
+        # (no rank has every node's partial before every rank has arrived):
+        # 12 µs against 158 through the phases, 2 nodes of 2 on the 2-core machine.
+        compiled = Call("barrier", np.dtype(np.uint8), 1, ReduceOp.SUM, 0, "barrier")
+        self._compiled_barrier = ((compiled, np.zeros(1, np.uint8))
+                                  if self.programs is not None and takes_small(self, compiled) else None)
 
     def run(self, call, inputs, outputs, input_infos, output_infos, deadline):
         """Communicator._collective's last step: `call` is what _plan returned."""
@@ -203,8 +209,17 @@ class HierarchyRanks:
         self._guarded(RUN[call.collective], call, x, out, deadline)
 
     def barrier(self, deadline):
-        self._guarded(barrier, Call("barrier", np.dtype(np.uint8), 0, ReduceOp.SUM, 0, "barrier"), None, None,
-                      deadline)
+        if self._compiled_barrier is None:
+            self._guarded(barrier, Call("barrier", np.dtype(np.uint8), 0, ReduceOp.SUM, 0, "barrier"), None, None,
+                          deadline)
+            return
+        call, byte = self._compiled_barrier
+        self.calls += 1
+        try:
+            self.programs.run(call, byte, byte, deadline)
+        except BaseException as error:
+            self.abort(error)
+            raise
 
     def _guarded(self, algorithm, call, x, out, deadline):
         self.calls += 1

@@ -336,6 +336,34 @@ def scenario_repeated(comm):
     comm.barrier()
 
 
+def scenario_barrier(comm):
+    """No rank leaves a barrier before the last one arrives (each rank in
+    turn arrives 0.2 s late), through the compiled barrier where it runs;
+    then node 0 calls barrier while the others allreduce one byte (a
+    barrier's messages are a one-byte allreduce's): every rank raises."""
+    compiled = comm._ranks._compiled_barrier is not None   # noqa: SLF001
+    assert compiled == (comm._ranks.programs is not None and len({len(n) for n in comm.topology.nodes}) == 1), \
+        "the compiled barrier runs where the small path does"   # noqa: SLF001
+    for late in range(comm.size):
+        if comm.rank == late:
+            time.sleep(0.2)
+        start = time.perf_counter()
+        comm.barrier()
+        if comm.rank != late:
+            assert time.perf_counter() - start > 0.15, f"rank {comm.rank} left before rank {late} arrived"
+    for _ in range(100):
+        comm.barrier()
+    start = time.perf_counter()
+    try:
+        comm.barrier() if comm.node == 0 else comm.allreduce(np.ones(1, np.uint8))
+    except CollectiveError as error:
+        assert isinstance(error, InvalidUsageError) or "aborted" in str(error), error
+        print(f"RAISED 0 {comm.rank} {type(error).__name__}: {error}", flush=True)
+        assert time.perf_counter() - start < TIMEOUT, f"took {time.perf_counter() - start:.1f}s"
+    else:
+        raise AssertionError("a barrier completed beside an allreduce")
+
+
 def scenario_repeated_mismatched(comm):
     """After both calls ran on every rank, node 0 makes one while the other
     nodes make the other, of as many bytes: through the shortcuts, every
@@ -412,8 +440,8 @@ def no_segment_crosses_a_node(comm):
             assert not log, f"rank {rank} is alone on its node but opened {log}"
 
 
-FAILING = ("stalled", "killed", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled")
-ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched")
+FAILING = ("stalled", "killed", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier")
+ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier")
 
 
 def main():

@@ -114,6 +114,14 @@ def test_repeated_small_calls_that_differ_between_nodes_are_named():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE])
+def test_a_barrier_across_nodes_waits_for_the_last_rank_and_names_a_different_call(layout):
+    oks, report = run_ranks("barrier", layout, "-disable-auto-cleanup")
+    assert len(oks) == 4, report
+    assert re.findall(r"RAISED 0 \d InvalidUsageError: .*different call", report), report
+
+
+@pytest.mark.mpi
 def test_a_rank_that_stalls_after_repeated_small_calls_makes_the_others_raise_in_time():
     oks, report = run_ranks("repeated_stalled", TWO_AND_TWO)
     assert len(oks) == 4, report
