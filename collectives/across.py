@@ -1,18 +1,19 @@
 """Calls across nodes as compiled Programs: one C call per collective call.
 
-Two of hierarchy.py's ways across nodes are a few steps that C can run
-back to back:
+Where every node has as many ranks (G) and the node's compiled loop takes
+the dtype, hierarchy.py's calls across nodes are a few steps that C can
+run back to back:
 
-    small     (any collective up to SMALL_MAX bytes; hierarchy.small): one
-              call of the node's compiled loop, one message to or from each
-              counterpart on the other nodes, the partials folded in node
-              order or the data copied into place;
-    blocks    (an allreduce above that, every node of G ranks, G dividing
-              the count): the loop's reduce_scatter, which leaves local rank
-              l the node's partial of block l; that block to and from each
-              counterpart (local rank l of every node holds the same
-              block); the block's partials folded in node order; the loop's
-              all-gather of the blocks into out.
+    small     (any collective; hierarchy.small's steps, at any size but an
+              allreduce's): one call of the node's compiled loop, one
+              message to or from each counterpart on the other nodes, the
+              partials folded in node order or the data copied into place;
+    blocks    (an allreduce above SMALL_MAX whose count G divides): the
+              loop's reduce_scatter, which leaves local rank l the node's
+              partial of block l; that block to and from each counterpart
+              (local rank l of every node holds the same block); the
+              block's partials folded in node order; the loop's all-gather
+              of the blocks into out.
 
 Driven from Python the small path cost about 20 µs a call between two
 one-process pretend nodes, where MPICH's allreduce costs 3, and the general
@@ -65,6 +66,7 @@ except ImportError:   # built without a C compiler: hierarchy.py runs every step
 
 PROGRAMS_KEPT = 16              # call shapes whose Program is kept, the least recently used dropped first,
 PROGRAM_BYTES_KEPT = 256 << 20  # and while their buffers hold more than this
+PROGRAM_MAX_BYTES = 64 << 20    # a larger call (its largest array) takes the phases, which need no such buffers
 HEALTH_EVERY = 0.02     # seconds a Program polls before Python looks at the deadline, the abort channel and signals
 
 
@@ -78,11 +80,16 @@ class Laid(NamedTuple):
     nbytes: int              # its buffers'
 
 
-def takes_blocks(h, call):
-    """Whether `call` (not a small one) runs as blocks (the module's doc):
-    the same answer on every rank."""
-    size = len(h.node_ranks)
-    return (call.collective == ALLREDUCE and call.count > 0 and call.count % size == 0
+def takes_large(h, call):
+    """Whether a call above the small path's limit runs as a Program (the
+    same answer on every rank): where every node has G ranks and the loop
+    takes the dtype, an allreduce whose count G divides (in blocks), any
+    other collective (laid out as the small path is: measured faster than
+    the phases at every size, see docs/across-nodes.md); up to
+    PROGRAM_MAX_BYTES in the largest of its arrays."""
+    size, itemsize = len(h.node_ranks), call.dtype.itemsize
+    largest = call.count * itemsize * (h.topology.size if call.collective == ALLGATHER else 1)
+    return (0 < largest <= PROGRAM_MAX_BYTES and (call.collective != ALLREDUCE or call.count % size == 0)
             and len({len(node) for node in h.topology.nodes}) == 1 and fastpath.available()
             and fastpath.takes(call.dtype) and (h.shm is None or h.shm.fast_allreduce is not None))
 
@@ -97,8 +104,8 @@ class Programs:
         self._bytes = 0
         self._stopped = False
 
-    def takes_blocks(self, call):
-        return takes_blocks(self._h, call)
+    def takes_large(self, call):
+        return takes_large(self._h, call)
 
     @staticmethod
     def available(link):
@@ -153,7 +160,7 @@ class Programs:
     # -- the general path's way in -------------------------------------------------
 
     def run(self, call, x, out, deadline):
-        """Run `call` (hierarchy.Call, which the small path or takes_blocks
+        """Run `call` (hierarchy.Call, which the small path or takes_large
         takes) through its shape's Program, laid out first if need be; x and
         out flat."""
         if self._stopped:
@@ -267,7 +274,7 @@ def lay_out(h, call):
     nodes, k_me = h.topology.nodes, h.node_index
     counterparts = [node[h.local] for node in nodes]
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
-    blocks = call.count * call.dtype.itemsize > SMALL_MAX
+    blocks = call.collective == ALLREDUCE and call.count * call.dtype.itemsize > SMALL_MAX
     shape = (_blocks if blocks else _SMALL[call.collective])(h, call, counterparts, others)
     exchange = shape.exchange
     program = _across.Program(
@@ -318,7 +325,8 @@ def _reducing(h, call, counterparts, others):
         senders, receivers = [call.root], []
     else:
         senders, receivers = [], others
-    exchange = h.link.repeated_exchange([(peer, block) for peer in senders], [(peer, block) for peer in receivers])
+    exchange = h.link.repeated_exchange([(peer, block) for peer in senders], [(peer, block) for peer in receivers],
+                                        one_payload=call.collective != REDUCE_SCATTER)
     # P: the first message itself where it is the whole partial, else memory of its own
     if senders and call.collective != REDUCE_SCATTER:
         part = exchange.send_payloads[0].view(call.dtype)
@@ -346,14 +354,15 @@ def _reducing(h, call, counterparts, others):
 
 
 def _blocks(h, call, counterparts, others):
-    """A large allreduce (takes_blocks): reduce_scatter in the node, the
+    """A large allreduce (takes_large): reduce_scatter in the node, the
     block's partials between counterparts, their fold in node order,
     all-gather in the node."""
     OUT, ADDRESS = _across.OUT, _across.ADDRESS
     size, k_me = len(h.node_ranks), h.node_index
     x_bytes = call.count * call.dtype.itemsize
     block = x_bytes // size
-    exchange = h.link.repeated_exchange([(peer, block) for peer in others], [(peer, block) for peer in others])
+    exchange = h.link.repeated_exchange([(peer, block) for peer in others], [(peer, block) for peer in others],
+                                        one_payload=True)
     part = exchange.send_payloads[0].view(call.dtype)
     if h.shm is None:   # one rank a node: its x is its node's partial, and the result is out
         before = [((_across.X, 0), (ADDRESS, _address(part)), x_bytes)]
@@ -365,7 +374,8 @@ def _blocks(h, call, counterparts, others):
         reduced = exchange.keep(np.empty(call.count // size, call.dtype))
         last = _loop(h, "allgather", reduced, None, 0, 0)
         result = (ADDRESS, _address(reduced))
-    before += [((ADDRESS, _address(part)), (ADDRESS, _address(payload)), block) for payload in exchange.send_payloads[1:]]
+    before += [((ADDRESS, _address(part)), (ADDRESS, _address(payload)), block)
+               for payload in exchange.send_payloads[1:] if _address(payload) != _address(part)]
     received = iter(exchange.receive_payloads)
     sources = [(ADDRESS, _address(part) if k == k_me else _address(next(received)))
                for k in range(len(h.topology.nodes))]
@@ -381,14 +391,15 @@ def _allgather(h, call, counterparts, others):
     nodes, k_me, row = h.topology.nodes, h.node_index, call.count * call.dtype.itemsize
     node_bytes = len(h.node_ranks) * row
     exchange = h.link.repeated_exchange([(peer, node_bytes) for peer in others],
-                                        [(counterparts[k], node_bytes) for k in range(len(nodes)) if k != k_me])
+                                        [(counterparts[k], node_bytes) for k in range(len(nodes)) if k != k_me],
+                                        one_payload=True)
     mine = exchange.send_payloads[0]
     if h.shm is None:
         first, before = None, [((X, 0), (ADDRESS, _address(mine)), row)]
     else:
         first, before = _loop(h, "allgather", None, mine.view(call.dtype), 0, 0), []
     before += [((ADDRESS, _address(mine)), (ADDRESS, _address(payload)), node_bytes)
-               for payload in exchange.send_payloads[1:]]
+               for payload in exchange.send_payloads[1:] if _address(payload) != _address(mine)]
     received = iter(exchange.receive_payloads)
     blocks = [_address(mine) if k == k_me else _address(next(received)) for k in range(len(nodes))]
     after = [((ADDRESS, blocks[k] + local * row), (OUT, rank * row), row)
@@ -407,12 +418,12 @@ def _broadcast(h, call, counterparts, others):
         exchange = h.link.repeated_exchange([], [(counterparts[root_node], nbytes)])
         return Shape(exchange, nbytes, nbytes,
                      after=[((ADDRESS, _address(exchange.receive_payloads[0])), (OUT, 0), nbytes)])
-    exchange = h.link.repeated_exchange([(peer, nbytes) for peer in others], [])
+    exchange = h.link.repeated_exchange([(peer, nbytes) for peer in others], [], one_payload=True)
     if h.shm is None:
         first, before = None, [((X, 0), (OUT, 0), nbytes)]
     else:
         first, before = _loop(h, "broadcast", None, None, 0, h.topology.local_of(call.root)), []
-    before += [((OUT, 0), (ADDRESS, _address(payload)), nbytes) for payload in exchange.send_payloads]
+    before += [((OUT, 0), (ADDRESS, _address(payload)), nbytes) for payload in exchange.send_payloads[:1]]
     return Shape(exchange, nbytes, nbytes, first_step=first, before=before, steps=("broadcast", ""))
 
 

@@ -560,11 +560,11 @@ def small(h, call, x, out, deadline):
 
 def _shortest(general):
     """`general`, or the small path where it takes the call, or a compiled
-    Program where one runs it in blocks (across.takes_blocks)."""
+    Program where one runs a larger one (across.takes_large)."""
     def run(h, call, x, out, deadline):
         if call.count and takes_small(h, call):
             return small(h, call, x, out, deadline)
-        if h.programs is not None and h.programs.takes_blocks(call):
+        if h.programs is not None and h.programs.takes_large(call):
             return h.programs.run(call, x, out, deadline)
         return general(h, call, x, out, deadline)
     run.__name__, run.__doc__ = general.__name__, general.__doc__

@@ -129,11 +129,12 @@ class MpiLink:
         if wrong:
             raise self.different_call(wrong[0], what)
 
-    def repeated_exchange(self, sends, receives):
+    def repeated_exchange(self, sends, receives, one_payload=False):
         """The RepeatedExchange of messages to each (peer, nbytes) of
         `sends` and from each of `receives`, for a Program to run; orphan()
-        or its free() ends it."""
-        return RepeatedExchange(self.comm, sends, receives)
+        or its free() ends it. `one_payload`: every send carries the same
+        bytes, from one buffer."""
+        return RepeatedExchange(self.comm, sends, receives, one_payload)
 
     def orphan(self, exchange):
         """A RepeatedExchange whose requests MPI may still hold (a failed call's):
@@ -242,12 +243,14 @@ class RepeatedExchange:
     cannot come: the small path's signatures are no other path's
     (across.py), and a Program zeroes each receive header first."""
 
-    def __init__(self, comm, sends, receives):
+    def __init__(self, comm, sends, receives, one_payload=False):
         from mpi4py import MPI
 
         self.sources = [peer for peer, _ in receives]
         self.targets = [peer for peer, _ in sends]
-        self._sent = [np.zeros(8 + nbytes, np.uint8) for _, nbytes in sends]
+        # (one buffer for all: MPI lets concurrent sends read the same memory)
+        self._sent = [np.zeros(8 + nbytes, np.uint8) for _, nbytes in (sends[:1] if one_payload else sends)]
+        self._sent *= len(sends) if one_payload else 1
         self._received = [np.zeros(8 + nbytes, np.uint8) for _, nbytes in receives]
         self.send_payloads = [b[8:] for b in self._sent]
         self.receive_payloads = [b[8:] for b in self._received]
@@ -259,7 +262,7 @@ class RepeatedExchange:
     @property
     def nbytes(self):
         """Its buffers' bytes (the arrays kept included)."""
-        return sum(b.nbytes for b in self._sent + self._received + self._kept)
+        return sum(b.nbytes for b in {id(b): b for b in self._sent + self._received + self._kept}.values())
 
     def keep(self, array):
         """Keep `array` (memory a Program points into) alive as long as this exchange; returns it."""
@@ -267,7 +270,7 @@ class RepeatedExchange:
         return array
 
     def send_header_addresses(self):
-        return [b.ctypes.data for b in self._sent]
+        return list(dict.fromkeys(b.ctypes.data for b in self._sent))   # (each shared buffer once)
 
     def receive_header_addresses(self):
         return [b.ctypes.data for b in self._received]
