@@ -318,7 +318,8 @@ def scenario_repeated(comm):
                     check(comm.broadcast(values[r][:count], root=root, out=np.zeros(count, dtype)),
                           values[root][:count], f"broadcast out of place from {root} {case}")
                     calls += 10
-    # past the small path, an allreduce whose count every node's size divides runs in blocks (across.py)
+    # past the small path, an allreduce whose count every node's size divides runs in blocks (across.py),
+    # and an allgather as the small path does
     large = 12 * 5000   # 240 KB of float32, 60 KB of uint8 (still small)
     for dtype in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.uint8)):
         for op in OPS:
@@ -330,7 +331,9 @@ def scenario_repeated(comm):
                 case = f"allreduce {op} {dtype} count={large} repeat {repeat} rank {r}"
                 check(comm.allreduce(values[r], op=op, out=np.empty_like(values[r])), want, case)
                 check(comm.allreduce(values[r].copy(), op=op), want, f"{case} in place")
-                calls += 2
+                rows = [v[:large // 4] for v in values]   # an allgather past the small path's limit
+                check(comm.allgather(rows[r]), np.concatenate(rows), f"allgather of {large // 4} {dtype} {case}")
+                calls += 3
     # the general path took each shape's first calls only (the reduce and broadcast roots move between repeats)
     assert len(general) < calls / 2, f"{len(general)} of {calls} calls took the general path"
     comm.barrier()
