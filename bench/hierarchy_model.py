@@ -89,6 +89,10 @@ def calibrate(path, fallback):
     nodes = report["nodes"]
     k, g = len(nodes), max(len(node) for node in nodes)
     rows = [row for row in report["rows"] if not row["components"].get("compiled")]   # (one C call: no split)
+    if len(rows) < 2:
+        raise SystemExit(f"{path}: fewer than 2 sizes ran as phases (the others were compiled Programs, one C "
+                         "call each, which cannot be split); measure the phases with COLLECTIVES_FAST_PATH=0 "
+                         "python -m bench.hierarchy_perf ... -J <file>")
     sizes = np.array([row["size"] for row in rows], float)
     part = {name: np.array([row["components"][name] for row in rows]) * 1e-6
             for name in ("inside_nodes", "exchanges", "folds_across")}

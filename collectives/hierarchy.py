@@ -57,7 +57,11 @@ The other collectives, in the same shape:
 
 Small messages take a shorter way where every node has as many ranks: one
 call of the node's compiled loop and one exchange between counterparts
-(see "small messages" below), with the same bits.
+(see "small messages" below), with the same bits. Where the loop takes the
+dtype and MPI carries the messages, that way (at every size up to 64 MiB
+but an allreduce's) and a large allreduce in blocks run as compiled
+Programs, one C call each (across.py); the barrier too, as a one-byte
+allreduce.
 
 Steps inside a node are phases of one run of the step protocol: phase p
 starts once every other rank of the node has completed p phases of the call
