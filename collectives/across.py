@@ -78,6 +78,7 @@ class Laid(NamedTuple):
     steps: tuple             # the collectives of its first and last node steps (for their errors)
     in_node_op: ReduceOp
     nbytes: int              # its buffers'
+    own: tuple               # (start, stop): out's elements its last step reads as `own` (blocks), or None
 
 
 def takes_large(h, call):
@@ -146,7 +147,10 @@ class Programs:
         now = time.perf_counter()
         deadline = now + timeout
         try:
-            status = laid.program.run(x, out, seq, deadline, min(deadline, now + HEALTH_EVERY))
+            if laid.own is None:
+                status = laid.program.run(x, out, seq, deadline, min(deadline, now + HEALTH_EVERY))
+            else:
+                status = laid.program.run(x, out, seq, deadline, min(deadline, now + HEALTH_EVERY), _own(out, laid))
             if status != 0:
                 if status is None:
                     h.calls -= 1   # nothing ran: the general path counts the call
@@ -181,7 +185,8 @@ class Programs:
     def _run(self, laid, x, out, seq, deadline):
         """One call of `laid`'s program: True once done, False where it declined (nothing ran)."""
         now = time.perf_counter()
-        status = laid.program.run(x, out, seq, deadline, min(deadline, now + HEALTH_EVERY))
+        own = () if laid.own is None else (_own(out, laid),)
+        status = laid.program.run(x, out, seq, deadline, min(deadline, now + HEALTH_EVERY), *own)
         if status is None:
             return False
         if status != 0:
@@ -245,6 +250,13 @@ class Programs:
         self._bytes = 0
 
 
+def _own(out, laid):
+    """out's elements laid.own, as the blocks layout's last step reads them
+    (a view where out is contiguous; else a copy, which the Program declines with out)."""
+    start, stop = laid.own
+    return out.reshape(-1)[start:stop]
+
+
 def _own_block(x, h):
     """reduce_scatter's output without `out`: x's block of this rank (a view
     where x is contiguous; else a copy, which the Program declines with x)."""
@@ -267,6 +279,7 @@ class Shape(NamedTuple):
     last_step: tuple = None
     after: list = []
     steps: tuple = ("", "")   # the collectives of the first and last node steps
+    own: tuple = None         # (start, stop): out's elements passed to a node step as `own`
 
 
 def lay_out(h, call):
@@ -282,7 +295,7 @@ def lay_out(h, call):
         receive_headers=exchange.receive_header_addresses(), requests=exchange.request_addresses(), fold=shape.fold,
         last_step=shape.last_step, after=shape.after, x_bytes=shape.x_bytes, out_bytes=shape.out_bytes,
         description_hash=description_hash(f"{call.description}, compiled"), spin=h.poll_spin)
-    return Laid(program, exchange, call.description, shape.steps, _in_node_op(call.op), exchange.nbytes)
+    return Laid(program, exchange, call.description, shape.steps, _in_node_op(call.op), exchange.nbytes, shape.own)
 
 
 def _address(array):
@@ -292,14 +305,16 @@ def _address(array):
 def _loop_allreduce(h, call, into):
     """The node's loop allreduces x into `into` (in-node op: avg sums)."""
     code = fastpath.OP_CODES[_in_node_op(call.op)]
-    return h.shm.fast_allreduce.channel.allreduce, (None, into, code, None, SMALL_MAX + 1), 0, -1, 3
+    return h.shm.fast_allreduce.channel.allreduce, (None, into, code, None, SMALL_MAX + 1), 0, -1, 3, -1
 
 
-def _loop(h, collective, source, into, code, root):
+def _loop(h, collective, source, into, code, root, own_source=False):
     """The node's loop runs `collective` from `source` into `into` (None:
-    the call's x, or its out)."""
+    the call's x, or its out; `own_source`: the call's `own`)."""
     args = (fastpath.KINDS[collective], source, into, code, root, None)
-    return h.shm.fast_allreduce.channel.collective, args, 1 if source is None else -1, 2 if into is None else -1, 5
+    x_at = 1 if source is None and not own_source else -1
+    return (h.shm.fast_allreduce.channel.collective, args, x_at, 2 if into is None else -1, 5,
+            1 if own_source else -1)
 
 
 def _fold(sources, into, call, nbytes, size):
@@ -366,14 +381,15 @@ def _blocks(h, call, counterparts, others):
     part = exchange.send_payloads[0].view(call.dtype)
     if h.shm is None:   # one rank a node: its x is its node's partial, and the result is out
         before = [((_across.X, 0), (ADDRESS, _address(part)), x_bytes)]
-        first = last = None
+        first = last = own = None
         result = (OUT, 0)
-    else:
+    else:   # the fold into out's block of this rank, which the all-gather then reads in place
         before = []
         first = _loop(h, "reduce_scatter", None, part, fastpath.OP_CODES[_in_node_op(call.op)], 0)
-        reduced = exchange.keep(np.empty(call.count // size, call.dtype))
-        last = _loop(h, "allgather", reduced, None, 0, 0)
-        result = (ADDRESS, _address(reduced))
+        last = _loop(h, "allgather", None, None, 0, 0, own_source=True)
+        count = call.count // size
+        own = (h.local * count, (h.local + 1) * count)
+        result = (OUT, h.local * block)
     before += [((ADDRESS, _address(part)), (ADDRESS, _address(payload)), block)
                for payload in exchange.send_payloads[1:] if _address(payload) != _address(part)]
     received = iter(exchange.receive_payloads)
@@ -381,7 +397,7 @@ def _blocks(h, call, counterparts, others):
                for k in range(len(h.topology.nodes))]
     return Shape(exchange, x_bytes, x_bytes, first_step=first, before=before,
                  fold=_fold(sources, result, call, block, h.topology.size), last_step=last,
-                 steps=("reduce_scatter", "allgather"))
+                 steps=("reduce_scatter", "allgather"), own=own)
 
 
 def _allgather(h, call, counterparts, others):

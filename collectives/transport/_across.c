@@ -55,18 +55,20 @@ typedef struct { Where src, dst; size_t nbytes; } Copy;
 /* What run() and resume() return besides 0 (done). */
 enum { PENDING = 1, NODE_FAILED = 2, MPI_FAILED = 3, DIFFERENT_CALL = 4 };
 
-/* A call of the node's loop: call(*args), the call's x, out and deadline
- * put at the indexes given (-1: nowhere). */
+/* A call of the node's loop: call(*args), the call's x, out, deadline and
+ * `own` (what run() was given last, if anything: a view of out's block of
+ * this rank) put at the indexes given (-1: nowhere). */
 typedef struct {
     PyObject *call;             /* NULL: no step */
     PyObject *args;             /* a tuple */
-    Py_ssize_t x_at, out_at, deadline_at;
+    Py_ssize_t x_at, out_at, deadline_at, own_at;
 } NodeStep;
 
 typedef struct {
     PyObject_HEAD
     NodeStep first, last;
     double deadline;            /* of the call in flight (the last step's) */
+    PyObject *own;              /* run()'s `own`, held until the call in flight ends */
     Copy *before, *after;
     Py_ssize_t nbefore, nafter;
     int64_t **send_headers, **receive_headers;
@@ -186,6 +188,13 @@ decline:
     return -1;
 }
 
+/* Whether `result` (run's or resume's) says PENDING. */
+static int pending(PyObject *result)
+{
+    return result != NULL && PyTuple_Check(result) && PyTuple_GET_SIZE(result) > 0
+           && PyLong_AsLong(PyTuple_GET_ITEM(result, 0)) == PENDING;
+}
+
 static PyObject *outcome(int status, long a, long b)
 {
     return status == OK ? PyLong_FromLong(0) : Py_BuildValue("(ill)", status, a, b);
@@ -193,7 +202,8 @@ static PyObject *outcome(int status, long a, long b)
 
 /* Run `step` for the call of x and out: NULL (an exception: a signal
  * handler's) or 0 once done, else (NODE_FAILED, its result, which step). */
-static PyObject *run_step(const NodeStep *step, int which, PyObject *x, PyObject *out, double deadline)
+static PyObject *run_step(const NodeStep *step, int which, PyObject *x, PyObject *out, PyObject *own,
+                          double deadline)
 {
     if (step->call == NULL)
         return PyLong_FromLong(0);
@@ -203,7 +213,7 @@ static PyObject *run_step(const NodeStep *step, int which, PyObject *x, PyObject
     if (deadline_object == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++)
-        call_args[i] = i == step->x_at ? x : i == step->out_at ? out
+        call_args[i] = i == step->x_at ? x : i == step->out_at ? out : i == step->own_at && own != NULL ? own
                      : i == step->deadline_at ? deadline_object : PyTuple_GET_ITEM(step->args, i);
     PyObject *stepped = PyObject_Vectorcall(step->call, call_args, (size_t)n, NULL);
     Py_DECREF(deadline_object);
@@ -223,12 +233,26 @@ static PyObject *start_requests(Program *p, Py_ssize_t from, Py_ssize_t to)
     return NULL;
 }
 
+static PyObject *finish_polled(Program *p, int status, Py_ssize_t failed, int code, PyObject *x_obj,
+                               PyObject *out_obj, char *x, char *out);
+
 /* Steps 4 to 6. */
 static PyObject *finish(Program *p, PyObject *x_obj, PyObject *out_obj, char *x, char *out, double poll_until)
 {
     Py_ssize_t failed = -1;
     int code = 0;
     int status = poll(p, poll_until, &failed, &code);
+    if (status == PENDING)
+        return outcome(status, (long)failed, code);
+    PyObject *result = finish_polled(p, status, failed, code, x_obj, out_obj, x, out);
+    Py_CLEAR(p->own);   /* the call is over */
+    return result;
+}
+
+/* finish() once the polls are over. */
+static PyObject *finish_polled(Program *p, int status, Py_ssize_t failed, int code, PyObject *x_obj,
+                               PyObject *out_obj, char *x, char *out)
+{
     if (status != OK)
         return outcome(status, (long)failed, code);
     for (Py_ssize_t i = 0; i < p->nreceives; i++)
@@ -241,7 +265,7 @@ static PyObject *finish(Program *p, PyObject *x_obj, PyObject *out_obj, char *x,
         reduce_sources(p->type, p->op, sources, (int)p->nfold, resolve(p->fold_into, x, out), NULL, p->fold_bytes,
                        p->itemsize, p->divisor);
     }
-    PyObject *stepped = run_step(&p->last, 1, x_obj, out_obj, p->deadline);
+    PyObject *stepped = run_step(&p->last, 1, x_obj, out_obj, p->own, p->deadline);
     if (stepped == NULL || !PyLong_CheckExact(stepped))
         return stepped;
     Py_DECREF(stepped);
@@ -249,7 +273,7 @@ static PyObject *finish(Program *p, PyObject *x_obj, PyObject *out_obj, char *x,
     return outcome(OK, 0, 0);
 }
 
-/* run(x, out, seq, deadline, poll_until): call number `seq` (the
+/* run(x, out, seq, deadline, poll_until[, own]): call number `seq` (the
  * hierarchy's count, which makes its signature); 0 once done, else
  * (PENDING, 0, 0): resume; (NODE_FAILED, result, 0 or 1): the first or
  * last node step returned `result`; (MPI_FAILED, request, code);
@@ -257,8 +281,8 @@ static PyObject *finish(Program *p, PyObject *x_obj, PyObject *out_obj, char *x,
  * (nothing ran). */
 static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "run(x, out, seq, deadline, poll_until)");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "run(x, out, seq, deadline, poll_until[, own])");
         return NULL;
     }
     long long seq = PyLong_AsLongLong(args[2]);
@@ -271,6 +295,7 @@ static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs
     char *x = a.x.buf, *out = a.have_out ? a.out.buf : a.x.buf;
     p->signature = call_signature(p->description_hash, (int64_t)seq);
     p->deadline = deadline;
+    Py_XSETREF(p->own, nargs == 6 ? Py_NewRef(args[5]) : NULL);
     /* The receives first, so that a counterpart's message can land while
      * this rank is still in its node step; the sends once their data is there. */
     memset(p->done, 0, (size_t)p->nrequests);
@@ -279,7 +304,7 @@ static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs
     PyObject *result = start_requests(p, 0, p->nreceives);
     if (result != NULL)
         goto done;
-    result = run_step(&p->first, 0, args[0], args[1], deadline);
+    result = run_step(&p->first, 0, args[0], args[1], p->own, deadline);
     if (result == NULL || !PyLong_CheckExact(result))
         goto done;
     Py_CLEAR(result);
@@ -291,6 +316,8 @@ static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs
         goto done;
     result = finish(p, args[0], args[1], x, out, poll_until);
 done:
+    if (!pending(result))
+        Py_CLEAR(p->own);   /* (finish() clears it too) */
     release(&a);
     return result;
 }
@@ -371,14 +398,14 @@ static int parse_addresses(PyObject *list, void ***addresses, Py_ssize_t *n)
     return ok ? 0 : -1;
 }
 
-/* None, or (callable, args, x_at, out_at, deadline_at), into `step`. */
+/* None, or (callable, args, x_at, out_at, deadline_at, own_at), into `step`. */
 static int parse_step(PyObject *spec, NodeStep *step)
 {
     if (spec == Py_None)
         return 0;
     PyObject *call, *args;
-    if (!PyArg_ParseTuple(spec, "OO!nnn", &call, &PyTuple_Type, &args, &step->x_at, &step->out_at,
-                          &step->deadline_at))
+    if (!PyArg_ParseTuple(spec, "OO!nnnn", &call, &PyTuple_Type, &args, &step->x_at, &step->out_at,
+                          &step->deadline_at, &step->own_at))
         return -1;
     step->call = Py_NewRef(call);
     step->args = Py_NewRef(args);
@@ -453,6 +480,7 @@ static void Program_dealloc(Program *p)
     Py_XDECREF(p->first.args);
     Py_XDECREF(p->last.call);
     Py_XDECREF(p->last.args);
+    Py_XDECREF(p->own);
     PyMem_Free(p->before);
     PyMem_Free(p->after);
     PyMem_Free(p->send_headers);
