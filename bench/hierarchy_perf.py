@@ -20,7 +20,10 @@ checked exactly on fresh inputs.
 Last, an untimed pass of the hierarchical allreduce at each size splits its
 time into what the model (bench/hierarchy_model.py) weighs: inside nodes,
 the MPI exchanges between nodes, and the folds across nodes; written to the
-JSON as "components" for `python -m bench.hierarchy_model --calibrate`.
+JSON as "components" for `python -m bench.hierarchy_model --calibrate`. A
+size that runs as a compiled Program (collectives/across.py) is one C call
+with no split: its total alone ("compiled"); COLLECTIVES_FAST_PATH=0 keeps
+every size on the phases.
 """
 
 import argparse
