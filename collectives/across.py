@@ -66,7 +66,7 @@ except ImportError:   # built without a C compiler: hierarchy.py runs every step
 
 PROGRAMS_KEPT = 16              # call shapes whose Program is kept, the least recently used dropped first,
 PROGRAM_BYTES_KEPT = 256 << 20  # and while their buffers hold more than this
-PROGRAM_MAX_BYTES = 64 << 20    # a larger call (its largest array) takes the phases, which need no such buffers
+PROGRAM_MAX_BYTES = 128 << 20   # a call whose Program's buffers would hold more takes the phases
 HEALTH_EVERY = 0.02     # seconds a Program polls before Python looks at the deadline, the abort channel and signals
 
 
@@ -86,13 +86,24 @@ def takes_large(h, call):
     same answer on every rank): where every node has G ranks and the loop
     takes the dtype, an allreduce whose count G divides (in blocks), any
     other collective (laid out as the small path is: measured faster than
-    the phases at every size, see docs/across-nodes.md); up to
-    PROGRAM_MAX_BYTES in the largest of its arrays."""
-    size, itemsize = len(h.node_ranks), call.dtype.itemsize
-    largest = call.count * itemsize * (h.topology.size if call.collective == ALLGATHER else 1)
-    return (0 < largest <= PROGRAM_MAX_BYTES and (call.collective != ALLREDUCE or call.count % size == 0)
+    the phases at every size, see docs/across-nodes.md); while its buffers
+    hold at most PROGRAM_MAX_BYTES."""
+    size = len(h.node_ranks)
+    return (call.count > 0 and (call.collective != ALLREDUCE or call.count % size == 0)
+            and _buffer_bytes(h, call) <= PROGRAM_MAX_BYTES
             and len({len(node) for node in h.topology.nodes}) == 1 and fastpath.available()
             and fastpath.takes(call.dtype) and (h.shm is None or h.shm.fast_allreduce is not None))
+
+
+def _buffer_bytes(h, call):
+    """No fewer bytes than a Program of `call` keeps, on any rank (messages,
+    scratch; the same answer on all)."""
+    nodes, x_bytes = len(h.topology.nodes), call.count * call.dtype.itemsize
+    return {ALLREDUCE: nodes * x_bytes // len(h.node_ranks) + 16 * nodes,   # (each message's header too)
+            REDUCE_SCATTER: 3 * x_bytes + 16 * nodes,
+            REDUCE_TO_ROOT: nodes * x_bytes + 16 * nodes,
+            ALLGATHER: h.topology.size * x_bytes + 16 * nodes,
+            BROADCAST: x_bytes + 16}[call.collective]
 
 
 class Programs:
@@ -119,11 +130,14 @@ class Programs:
         """Communicator._fast_allreduce: the result, or None to decline."""
         if x.__class__ is not np.ndarray:
             return None
-        laid = self._laid.get((ALLREDUCE, x.dtype, x.size, op, 0))
+        try:
+            laid = self._laid.get((ALLREDUCE, x.dtype, x.size, op, 0))
+        except TypeError:   # an unhashable op: the checks name it
+            return None
         if laid is None:
             return None
         out = x if out is None else out
-        if out.__class__ is not np.ndarray:
+        if out.__class__ is not np.ndarray or out.dtype != x.dtype:
             return None
         return out if self._fast(laid, x, out, timeout) else None
 
@@ -131,12 +145,15 @@ class Programs:
         """Communicator._fast_collective: True once done, None to decline."""
         if x.__class__ is not np.ndarray:
             return None
-        laid = self._laid.get((collective, x.dtype, x.size, op, root))
+        try:
+            laid = self._laid.get((collective, x.dtype, x.size, op, root))
+        except TypeError:   # an unhashable op: the checks name it
+            return None
         if laid is None:
             return None
         if out is None:   # reduce_scatter's own block of x; broadcast and reduce in place
             out = _own_block(x, self._h) if collective == REDUCE_SCATTER else x
-        elif out.__class__ is not np.ndarray:
+        elif out.__class__ is not np.ndarray or out.dtype != x.dtype:
             return None
         return True if self._fast(laid, x, out, timeout) else None
 
@@ -198,6 +215,9 @@ class Programs:
         and in time (the abort channel and signals looked at in between),
         raise what a failure says."""
         while status != 0:
+            if status[0] == _across.ABORT_ARRIVED:
+                self._h.link.check_health()   # raises the aborting rank's error
+                raise CollectiveError(f"{laid.description}: MPI failed on the abort channel")
             if status[0] != _across.PENDING:
                 self._fail(laid, status, x)
             self._h.link.check_health()
@@ -294,7 +314,8 @@ def lay_out(h, call):
         first_step=shape.first_step, before=shape.before, send_headers=exchange.send_header_addresses(),
         receive_headers=exchange.receive_header_addresses(), requests=exchange.request_addresses(), fold=shape.fold,
         last_step=shape.last_step, after=shape.after, x_bytes=shape.x_bytes, out_bytes=shape.out_bytes,
-        description_hash=description_hash(f"{call.description}, compiled"), spin=h.poll_spin)
+        description_hash=description_hash(f"{call.description}, compiled"), spin=h.poll_spin,
+        abort_request=h.link.abort_request_address, abort_status=h.link.abort_status_address)
     return Laid(program, exchange, call.description, shape.steps, _in_node_op(call.op), exchange.nbytes, shape.own)
 
 

@@ -122,6 +122,21 @@ def test_a_barrier_across_nodes_waits_for_the_last_rank_and_names_a_different_ca
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, ONE_PER_NODE])
+def test_the_shortcuts_take_read_only_inputs_refuse_wrong_calls_and_stop_after_an_abort(layout):
+    oks, report = run_ranks("shortcut_edges", layout, "-disable-auto-cleanup")
+    assert len(oks) == 4, report
+    assert len(re.findall(r"RAISED 0 \d \w*Error: rank 3 aborted", report)) == 3, report
+
+
+@pytest.mark.mpi
+def test_large_calls_that_differ_between_nodes_are_named_without_a_crash():
+    oks, report = run_ranks("mismatched_large", TWO_AND_TWO, "-disable-auto-cleanup")
+    assert len(oks) == 4, report
+    assert re.findall(r"RAISED 0 \d InvalidUsageError: .*(different call|more bytes)", report), report
+
+
+@pytest.mark.mpi
 def test_a_rank_that_stalls_after_repeated_small_calls_makes_the_others_raise_in_time():
     oks, report = run_ranks("repeated_stalled", TWO_AND_TWO)
     assert len(oks) == 4, report

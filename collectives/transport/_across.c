@@ -53,7 +53,7 @@ typedef struct { int base; intptr_t offset; } Where;
 typedef struct { Where src, dst; size_t nbytes; } Copy;
 
 /* What run() and resume() return besides 0 (done). */
-enum { PENDING = 1, NODE_FAILED = 2, MPI_FAILED = 3, DIFFERENT_CALL = 4 };
+enum { PENDING = 1, NODE_FAILED = 2, MPI_FAILED = 3, DIFFERENT_CALL = 4, ABORT_ARRIVED = 5 };
 
 /* A call of the node's loop: call(*args), the call's x, out, deadline and
  * `own` (what run() was given last, if anything: a view of out's block of
@@ -82,10 +82,13 @@ typedef struct {
     size_t fold_bytes, itemsize;
     int type, op, divisor;
     Py_ssize_t x_bytes, out_bytes;  /* what the call's arrays must hold */
+    int writes_out;             /* whether a copy or the fold writes out (else an in-place x may be read-only) */
     uint64_t description_hash;
     int64_t signature;          /* of the call in flight */
     long spin;                  /* polls before the GIL is released and the core yielded */
     char *status;               /* MPI_Status scratch */
+    void *abort_request;        /* the link's receive of abort messages (mpi4py's handle), */
+    void *abort_status;         /* and the status it fills (mpi4py's): tested before each call */
 } Program;
 
 /* protocol.call_signature(seq, description), from the description's hash. */
@@ -105,8 +108,19 @@ static char *resolve(Where w, char *x, char *out)
 
 static void run_copies(const Copy *copies, Py_ssize_t n, char *x, char *out)
 {
-    for (Py_ssize_t i = 0; i < n; i++)
-        memmove(resolve(copies[i].dst, x, out), resolve(copies[i].src, x, out), copies[i].nbytes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *dst = resolve(copies[i].dst, x, out);
+        const char *src = resolve(copies[i].src, x, out);
+        if (dst != src)   /* (x into out, in place) */
+            memmove(dst, src, copies[i].nbytes);
+    }
+}
+
+/* Whether `copy` writes out when out is x: a copy of x into out at the
+ * same offset writes nothing then. */
+static int writes_out_in_place(const Copy *copy)
+{
+    return copy->dst.base == BASE_OUT && !(copy->src.base == BASE_X && copy->src.offset == copy->dst.offset);
 }
 
 /* Poll every request until all are done or `poll_until` passes (PENDING),
@@ -171,7 +185,7 @@ static void release(Arrays *a)
 static int take_arrays(Program *p, PyObject *x, PyObject *out, Arrays *a)
 {
     a->have_x = a->have_out = 0;
-    if (PyObject_GetBuffer(x, &a->x, PyBUF_C_CONTIGUOUS | (x == out ? PyBUF_WRITABLE : 0)) < 0)
+    if (PyObject_GetBuffer(x, &a->x, PyBUF_C_CONTIGUOUS | (x == out && p->writes_out ? PyBUF_WRITABLE : 0)) < 0)
         goto decline;
     a->have_x = 1;
     if (x != out) {
@@ -186,6 +200,16 @@ decline:
     PyErr_Clear();
     release(a);
     return -1;
+}
+
+/* Whether a peer's abort message has arrived (or MPI fails on its
+ * request): no call starts then, and none writes its output. Python's
+ * check_health finds the request completed (its handle MPI_REQUEST_NULL)
+ * and reads the message and its status. */
+static int abort_arrived(Program *p)
+{
+    int arrived = 0;
+    return mpi_test(p->abort_request, &arrived, p->abort_status) != 0 || arrived;
 }
 
 /* Whether `result` (run's or resume's) says PENDING. */
@@ -255,6 +279,8 @@ static PyObject *finish_polled(Program *p, int status, Py_ssize_t failed, int co
 {
     if (status != OK)
         return outcome(status, (long)failed, code);
+    if (abort_arrived(p))   /* (before anything is written: a peer's abort may explain what came) */
+        return outcome(ABORT_ARRIVED, 0, 0);
     for (Py_ssize_t i = 0; i < p->nreceives; i++)
         if (*p->receive_headers[i] != p->signature)
             return outcome(DIFFERENT_CALL, (long)i, 0);
@@ -277,7 +303,8 @@ static PyObject *finish_polled(Program *p, int status, Py_ssize_t failed, int co
  * hierarchy's count, which makes its signature); 0 once done, else
  * (PENDING, 0, 0): resume; (NODE_FAILED, result, 0 or 1): the first or
  * last node step returned `result`; (MPI_FAILED, request, code);
- * (DIFFERENT_CALL, receive, 0); None: the arrays are not this Program's
+ * (DIFFERENT_CALL, receive, 0); (ABORT_ARRIVED, 0, 0): a peer's abort
+ * message is there (nothing ran); None: the arrays are not this Program's
  * (nothing ran). */
 static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -289,6 +316,8 @@ static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs
     double deadline = PyFloat_AsDouble(args[3]), poll_until = PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred())
         return NULL;
+    if (abort_arrived(p))
+        return outcome(ABORT_ARRIVED, 0, 0);
     Arrays a;
     if (take_arrays(p, args[0], args[1], &a) < 0)
         Py_RETURN_NONE;
@@ -415,7 +444,8 @@ static int parse_step(PyObject *spec, NodeStep *step)
 static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"first_step", "before", "send_headers", "receive_headers", "requests", "fold",
-                            "last_step", "after", "x_bytes", "out_bytes", "description_hash", "spin", NULL};
+                            "last_step", "after", "x_bytes", "out_bytes", "description_hash", "spin",
+                            "abort_request", "abort_status", NULL};
     PyObject *first, *last, *before, *send_headers, *receive_headers, *requests, *fold, *after;
     unsigned long long description_hash;
     if (mpi_test == NULL) {
@@ -426,10 +456,13 @@ static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_RuntimeError, "a Program is made once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOnnKl", names, &first, &before, &send_headers,
+    unsigned long long abort_request, abort_status;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOnnKlKK", names, &first, &before, &send_headers,
                                      &receive_headers, &requests, &fold, &last, &after, &p->x_bytes, &p->out_bytes,
-                                     &description_hash, &p->spin))
+                                     &description_hash, &p->spin, &abort_request, &abort_status))
         return -1;
+    p->abort_request = (void *)(uintptr_t)abort_request;
+    p->abort_status = (void *)(uintptr_t)abort_status;
     if (parse_step(first, &p->first) < 0 || parse_step(last, &p->last) < 0)
         return -1;
     p->description_hash = description_hash;
@@ -438,6 +471,10 @@ static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
         || parse_addresses(receive_headers, (void ***)&p->receive_headers, &p->nreceives) < 0
         || parse_addresses(requests, &p->requests, &p->nrequests) < 0)
         return -1;
+    for (Py_ssize_t i = 0; i < p->nbefore; i++)
+        p->writes_out |= writes_out_in_place(&p->before[i]);
+    for (Py_ssize_t i = 0; i < p->nafter; i++)
+        p->writes_out |= writes_out_in_place(&p->after[i]);
     p->done = PyMem_Calloc(p->nrequests > 0 ? (size_t)p->nrequests : 1, 1);
     p->status = PyMem_Calloc((size_t)status_size, 1);
     if (p->done == NULL || p->status == NULL) {
@@ -470,6 +507,7 @@ static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
         }
         p->fold_bytes = (size_t)nbytes;
         p->itemsize = (size_t)itemsize;
+        p->writes_out |= p->fold_into.base == BASE_OUT;
     }
     return 0;
 }
@@ -573,5 +611,6 @@ PyMODINIT_FUNC PyInit__across(void)
     PyModule_AddIntConstant(m, "NODE_FAILED", NODE_FAILED);
     PyModule_AddIntConstant(m, "MPI_FAILED", MPI_FAILED);
     PyModule_AddIntConstant(m, "DIFFERENT_CALL", DIFFERENT_CALL);
+    PyModule_AddIntConstant(m, "ABORT_ARRIVED", ABORT_ARRIVED);
     return m;
 }

@@ -72,9 +72,21 @@ class MpiLink:
         self.check_health()
         self._signature[0] = signature
 
+    @property
+    def abort_request_address(self):
+        """Where mpi4py keeps the abort receive's handle: across.py's Programs
+        test it (MPI_Test) before each call; once it completed there, the
+        handle is MPI_REQUEST_NULL and the status is filled."""
+        return self._mpi._addressof(self._abort_request)   # noqa: SLF001
+
+    @property
+    def abort_status_address(self):
+        return self._mpi._addressof(self._abort_status)   # noqa: SLF001
+
     def check_health(self):
         """Raise if this communicator was aborted, here or by another rank."""
-        if self._aborted is None and self._abort_request.Test(self._abort_status):
+        if self._aborted is None and (self._abort_request == self._mpi.REQUEST_NULL   # (a Program's MPI_Test took it)
+                                      or self._abort_request.Test(self._abort_status)):
             who = self._abort_status.Get_source()
             text = bytes(self._abort_buffer).rstrip(b"\0").decode(errors="replace")
             kind, reason = (int(text[0]), text[1:]) if text[:1] and text[0] in _KIND_DIGITS else (0, text)
@@ -118,12 +130,13 @@ class MpiLink:
         heard = np.zeros(len(sources), np.int64)
         requests = [comm.Irecv([heard[i:i + 1], MPI.INT64_T], peer, DATA_TAG) for i, peer in enumerate(sources)]
         requests += [comm.Irecv([a.view(np.uint8), MPI.BYTE], peer, DATA_TAG) for peer, a in receives if a.size]
+        nreceives = len(requests)
         requests += [comm.Isend([self._signature, MPI.INT64_T], peer, DATA_TAG) for peer in targets]
         requests += [comm.Isend([a.view(np.uint8), MPI.BYTE], peer, DATA_TAG) for peer, a in sends if a.size]
         try:
             self._wait(requests, deadline, what, sources)
         except BaseException:
-            self._orphan(requests, (heard, sends, receives))
+            self._orphan(requests, nreceives, (heard, sends, receives))
             raise
         wrong = [peer for peer, signature in zip(sources, heard) if signature != self._signature[0]]
         if wrong:
@@ -139,7 +152,7 @@ class MpiLink:
     def orphan(self, exchange):
         """A RepeatedExchange whose requests MPI may still hold (a failed call's):
         cancelled, and kept alive with its buffers."""
-        self._orphan(exchange.requests, exchange)
+        self._orphan(exchange.requests, len(exchange.sources), exchange)
 
     def mpi_error(self, code, what, peer):
         """The error to raise for MPI's error `code` in a message with `peer`."""
@@ -149,14 +162,13 @@ class MpiLink:
         return InvalidUsageError(f"rank {peer} is in a different call from rank {self.rank}'s {what}; every rank "
                                  "must make the same calls in the same order")
 
-    def _wait(self, requests, deadline, what, sources, statuses=None):
+    def _wait(self, requests, deadline, what, sources):
         """Poll `requests` until all are done: the deadline and the abort
         channel are checked between polls, and the core is yielded (ranks may
         outnumber cores), but never slept away: MPI moves a large message
         only while both ends call into it."""
         testall = self._mpi.Request.Testall
-        if statuses is None:   # where MPI says which request failed, and how
-            statuses = [self._mpi.Status() for _ in requests]
+        statuses = [self._mpi.Status() for _ in requests]   # where MPI says which request failed, and how
         next_health = 0.0
         try:
             while not testall(requests, statuses):
@@ -187,10 +199,13 @@ class MpiLink:
                 "expects; every rank must make the same calls in the same order")
         return CollectiveError(f"MPI failed during {what}: {error}")
 
-    def _orphan(self, requests, buffers):
-        """Requests of an exchange that failed: cancel what has not completed,
-        and keep the buffers alive, since MPI may still hold them."""
-        for request in requests:
+    def _orphan(self, requests, nreceives, buffers):
+        """Requests of an exchange that failed, its first `nreceives` the
+        receives: cancel the receives that have not completed, and keep
+        every buffer alive, since MPI may still hold them. A send is never
+        cancelled: cancelling a started large send crashed MPICH (3 of 6
+        runs of two nodes' allreduces of different large sizes)."""
+        for request in requests[:nreceives]:
             try:
                 if not request.Test():
                     request.Cancel()
