@@ -8,43 +8,34 @@ _arraystate extension includes NumPy's headers.
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+
+def host_ranks_extension(name):
+    """One of the C extensions of host ranks (collectives/<name>.c), built
+    alike: the shared waits and folds, and -ffp-contract=off, so that float
+    folds run exactly as written (no FMA): the bits NumPy gives. Optional:
+    without a C compiler the build warns and the package runs the Python
+    (NumPy) path each one replaces."""
+    return Extension(
+        "collectives." + name.replace("/", "."),
+        sources=[f"collectives/{name}.c"],
+        include_dirs=["collectives/transport", "collectives/executors"],
+        depends=["collectives/transport/shm_waits.h", "collectives/executors/host_folds.h"],
+        extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
+        optional=True,
+    )
+
+
 # The compiled inner loop of host ranks in separate processes (copy, reduce,
-# wait; release/acquire counters). Optional: without a C compiler the build
-# warns and the package falls back to the NumPy interpreter for every call.
-# -ffp-contract=off: float folds exactly as written (no FMA), the bits NumPy gives.
-SHMLOOP = Extension(
-    "collectives.transport._shmloop",
-    sources=["collectives/transport/_shmloop.c"],
-    include_dirs=["collectives/transport", "collectives/executors"],
-    depends=["collectives/transport/shm_waits.h", "collectives/executors/host_folds.h"],
-    extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
-    optional=True,
-)
-
+# wait; release/acquire counters); without it, the NumPy interpreter runs every call.
+SHMLOOP = host_ranks_extension("transport/_shmloop")
 # The compiled plan executor of host ranks in separate processes: any plan's
-# rows and waits (executors/host_process.py), with the loop's waits and
-# folds. Optional like _shmloop: without it the NumPy interpreter runs them.
-HOST_PLAN = Extension(
-    "collectives.executors._host_plan",
-    sources=["collectives/executors/_host_plan.c"],
-    include_dirs=["collectives/transport", "collectives/executors"],
-    depends=["collectives/transport/shm_waits.h", "collectives/executors/host_folds.h"],
-    extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
-    optional=True,
-)
-
-# The small path across nodes (hierarchy.py) in one call: the node's loop,
-# MPI's persistent requests through the functions of the MPI library mpi4py
-# loaded (no MPI header: every handle is passed by address), the folds.
-# Optional like _shmloop: without it hierarchy.py drives those steps itself.
-ACROSS = Extension(
-    "collectives.transport._across",
-    sources=["collectives/transport/_across.c"],
-    include_dirs=["collectives/transport", "collectives/executors"],
-    depends=["collectives/transport/shm_waits.h", "collectives/executors/host_folds.h"],
-    extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
-    optional=True,
-)
+# rows and waits (executors/host_process.py), with the loop's waits and folds.
+HOST_PLAN = host_ranks_extension("executors/_host_plan")
+# Calls across nodes as compiled Programs (across.py): the node's loop, MPI's
+# persistent requests through the functions of the MPI library mpi4py loaded
+# (no MPI header: every handle is passed by address), the folds; without it,
+# hierarchy.py drives those steps itself.
+ACROSS = host_ranks_extension("transport/_across")
 
 # The compression codecs' CPU loops (host ranks), kernels/codec.cuh's
 # arithmetic compiled for the CPU; no CUDA header needed. Optional like
