@@ -58,10 +58,10 @@ The other collectives, in the same shape:
 Small messages take a shorter way where every node has as many ranks: one
 call of the node's compiled loop and one exchange between counterparts
 (see "small messages" below), with the same bits. Where the loop takes the
-dtype and MPI carries the messages, that way (at every size up to 64 MiB
-but an allreduce's) and a large allreduce in blocks run as compiled
-Programs, one C call each (across.py); the barrier too, as a one-byte
-allreduce.
+dtype and MPI carries the messages, that way (at every size, but for an
+allreduce) and a large allreduce in blocks run as compiled Programs, one C
+call each (across.py), while a Program's buffers would hold at most 128
+MiB; the barrier too, as a one-byte allreduce.
 
 Steps inside a node are phases of one run of the step protocol: phase p
 starts once every other rank of the node has completed p phases of the call
@@ -526,7 +526,7 @@ def small(h, call, x, out, deadline):
         else:
             sends = [(peer, part[peer * k:(peer + 1) * k]) for peer in others]
         h.link.exchange(sends, [(peer, received[i * k:(i + 1) * k]) for i, peer in enumerate(others)],
-                              deadline, what)
+                        deadline, what)
         _fold_partials(h, call, k, part, 0 if call.collective == ALLREDUCE else me * k, received, out)
     elif call.collective == REDUCE_TO_ROOT:
         root_node, root_local = h.topology.node_of(call.root), h.topology.local_of(call.root)
@@ -539,7 +539,7 @@ def small(h, call, x, out, deadline):
             return
         received = h.scratch("received", call.dtype, len(others) * count)
         h.link.exchange([], [(peer, received[i * count:(i + 1) * count]) for i, peer in enumerate(others)],
-                              deadline, what)
+                        deadline, what)
         _fold_partials(h, call, count, part, 0, received, out)
     elif call.collective == ALLGATHER:
         size = len(h.node_ranks)
@@ -547,8 +547,8 @@ def small(h, call, x, out, deadline):
         mine = gathered[k_me * size * count:(k_me + 1) * size * count]
         _in_node(h, ALLGATHER, x, mine, "sum", 0, deadline)
         h.link.exchange([(peer, mine) for peer in others],
-                              [(counterparts[k], gathered[k * size * count:(k + 1) * size * count])
-                               for k in range(len(nodes)) if k != k_me], deadline, what)
+                        [(counterparts[k], gathered[k * size * count:(k + 1) * size * count])
+                         for k in range(len(nodes)) if k != k_me], deadline, what)
         for k, node in enumerate(nodes):
             for local, rank in enumerate(node):
                 block = out[rank * count:(rank + 1) * count]
