@@ -160,23 +160,15 @@ class Programs:
     def _fast(self, laid, x, out, timeout):
         """A shortcut's call: True once done, False where the Program declined."""
         h = self._h
-        seq = h.calls = h.calls + 1   # the call's number, as HierarchyRanks counts every call
-        now = time.perf_counter()
-        deadline = now + timeout
+        h.calls += 1   # the call's number, as HierarchyRanks counts every call
         try:
-            if laid.own is None:
-                status = laid.program.run(x, out, seq, deadline, min(deadline, now + HEALTH_EVERY))
-            else:
-                status = laid.program.run(x, out, seq, deadline, min(deadline, now + HEALTH_EVERY), _own(out, laid))
-            if status != 0:
-                if status is None:
-                    h.calls -= 1   # nothing ran: the general path counts the call
-                    return False
-                self._go_on(laid, status, x, out, deadline)
+            ran = self._run(laid, x, out, h.calls, time.perf_counter() + timeout)
         except BaseException as error:
             h.abort(error)
             raise
-        return True
+        if not ran:
+            h.calls -= 1   # nothing ran: the general path counts the call
+        return ran
 
     # -- the general path's way in -------------------------------------------------
 
