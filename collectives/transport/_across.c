@@ -88,7 +88,7 @@ typedef struct {
     long spin;                  /* polls before the GIL is released and the core yielded */
     char *status;               /* MPI_Status scratch */
     void *abort_request;        /* the link's receive of abort messages (mpi4py's handle), */
-    void *abort_status;         /* and the status it fills (mpi4py's): tested before each call */
+    void *abort_status;         /* and the status it fills (mpi4py's): see abort_arrived */
     double next_abort_test;     /* (abort_arrived) */
 } Program;
 
@@ -105,8 +105,9 @@ static int64_t call_signature(uint64_t description_hash, int64_t seq)
 
 static char *resolve(Where w, char *x, char *out)
 {
-    char *base = w.base == BASE_X ? x : w.base == BASE_OUT ? out : NULL;
-    return base + w.offset;
+    if (w.base == BASE_ADDRESS)
+        return (char *)w.offset;
+    return (w.base == BASE_X ? x : out) + w.offset;
 }
 
 static void run_copies(const Copy *copies, Py_ssize_t n, char *x, char *out)
