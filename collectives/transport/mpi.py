@@ -75,7 +75,7 @@ class MpiLink:
     @property
     def abort_request_address(self):
         """Where mpi4py keeps the abort receive's handle: across.py's Programs
-        test it (MPI_Test) before each call; once it completed there, the
+        test it (MPI_Test) before their calls; once it completed there, the
         handle is MPI_REQUEST_NULL and the status is filled."""
         return self._mpi._addressof(self._abort_request)   # noqa: SLF001
 
@@ -151,7 +151,7 @@ class MpiLink:
 
     def orphan(self, exchange):
         """A RepeatedExchange whose requests MPI may still hold (a failed call's):
-        cancelled, and kept alive with its buffers."""
+        its receives cancelled, all kept alive with its buffers (_orphan)."""
         self._orphan(exchange.requests, len(exchange.sources), exchange)
 
     def mpi_error(self, code, what, peer):
