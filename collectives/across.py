@@ -53,7 +53,7 @@ import numpy as np
 
 from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT
 from .errors import CollectiveError, CollectiveTimeoutError
-from .hierarchy import _in_node_op
+from .hierarchy import _in_node_op, loop_runs_nodes
 from .ops import ReduceOp
 from .transport import fastpath
 from .transport.layout import SMALL_MAX
@@ -90,9 +90,7 @@ def takes_large(h, call):
     hold at most PROGRAM_MAX_BYTES."""
     size = len(h.node_ranks)
     return (call.count > 0 and (call.collective != ALLREDUCE or call.count % size == 0)
-            and _buffer_bytes(h, call) <= PROGRAM_MAX_BYTES
-            and len({len(node) for node in h.topology.nodes}) == 1 and fastpath.available()
-            and fastpath.takes(call.dtype) and (h.shm is None or h.shm.fast_allreduce is not None))
+            and _buffer_bytes(h, call) <= PROGRAM_MAX_BYTES and loop_runs_nodes(h, call))
 
 
 def _buffer_bytes(h, call):

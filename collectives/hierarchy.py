@@ -472,9 +472,14 @@ def takes_small(h, call):
     nbytes = call.count * call.dtype.itemsize
     if call.collective == ALLGATHER:
         nbytes *= len(h.node_ranks)   # what a rank sends each counterpart
-    return (0 < nbytes <= SMALL_MAX and len({len(node) for node in h.topology.nodes}) == 1
-            and fastpath.available() and fastpath.takes(call.dtype)
-            and (h.shm is None or h.shm.fast_allreduce is not None))
+    return 0 < nbytes <= SMALL_MAX and loop_runs_nodes(h, call)
+
+
+def loop_runs_nodes(h, call):
+    """Whether every node has as many ranks and its compiled loop takes
+    `call`'s dtype: what the small path and across.py's Programs need."""
+    return (len({len(node) for node in h.topology.nodes}) == 1 and fastpath.available()
+            and fastpath.takes(call.dtype) and (h.shm is None or h.shm.fast_allreduce is not None))
 
 
 def _in_node(h, collective, x, out, op, root, deadline):
