@@ -228,7 +228,7 @@ class Programs:
             _, result, which = status
             if result is None:
                 raise CollectiveError(f"the node's compiled loop declined a step of {laid.description}")
-            h.shm.fast_allreduce.raise_failure(result, x, laid.in_node_op, laid.steps[which], 0)
+            h.shm.fast.raise_failure(result, x, laid.in_node_op, laid.steps[which], 0)
         self._drop(laid)
         exchange = laid.exchange
         if kind == _across.MPI_FAILED:
@@ -316,7 +316,7 @@ def _address(array):
 def _loop_allreduce(h, call, into):
     """The node's loop allreduces x into `into` (in-node op: avg sums)."""
     code = fastpath.OP_CODES[_in_node_op(call.op)]
-    return h.shm.fast_allreduce.channel.allreduce, (None, into, code, None, SMALL_MAX + 1), 0, -1, 3, -1
+    return h.shm.fast.channel.allreduce, (None, into, code, None, SMALL_MAX + 1), 0, -1, 3, -1
 
 
 def _loop(h, collective, source, into, code, root, own_source=False):
@@ -324,7 +324,7 @@ def _loop(h, collective, source, into, code, root, own_source=False):
     the call's x, or its out; `own_source`: the call's `own`)."""
     args = (fastpath.KINDS[collective], source, into, code, root, None)
     x_at = 1 if source is None and not own_source else -1
-    return (h.shm.fast_allreduce.channel.collective, args, x_at, 2 if into is None else -1, 5,
+    return (h.shm.fast.channel.collective, args, x_at, 2 if into is None else -1, 5,
             1 if own_source else -1)
 
 

@@ -283,10 +283,15 @@ class Communicator:
         CollectiveTimeoutError or RankFailedError when a peer stalls or dies
         (see Communicator).
         """
-        if self._fast_collective is not None:
-            result = self._fast(REDUCE_SCATTER, x, op, out, 0, algorithm)
-            if result is not None:
-                return result
+        fast = self._fast_collective
+        if fast is not None:
+            if algorithm.__class__ is str and algorithm == "auto" and not self._closed and not self._busy:
+                if fast(REDUCE_SCATTER, x, op, out, 0, self.timeout):   # (see _fast)
+                    return self._own_block(x, self.rank) if out is None else out
+            else:
+                result = self._fast(REDUCE_SCATTER, x, op, out, 0, algorithm)
+                if result is not None:
+                    return result
         return self._collective(REDUCE_SCATTER, x, op, out, 0, algorithm)
 
     def allgather(self, x, out=None, algorithm="auto"):
@@ -305,10 +310,16 @@ class Communicator:
         CollectiveTimeoutError or RankFailedError when a peer stalls or
         dies (see Communicator).
         """
-        if self._fast_collective is not None:
-            result = self._fast(ALLGATHER, x, "sum", out, 0, algorithm)
-            if result is not None:
-                return result
+        fast = self._fast_collective
+        if fast is not None:
+            if out is not None and algorithm.__class__ is str and algorithm == "auto" and not self._closed \
+                    and not self._busy:
+                if fast(ALLGATHER, x, "sum", out, 0, self.timeout):   # (see _fast)
+                    return out
+            else:
+                result = self._fast(ALLGATHER, x, "sum", out, 0, algorithm)
+                if result is not None:
+                    return result
         return self._collective(ALLGATHER, x, "sum", out, 0, algorithm)
 
     def broadcast(self, x, root=0, out=None, algorithm="auto"):
@@ -329,10 +340,16 @@ class Communicator:
         CollectiveTimeoutError or RankFailedError when a peer stalls or dies
         (see Communicator).
         """
-        if self._fast_collective is not None:
-            result = self._fast(BROADCAST, x, "sum", out, root, algorithm)
-            if result is not None:
-                return result
+        fast = self._fast_collective
+        if fast is not None:
+            if root.__class__ is int and algorithm.__class__ is str and algorithm == "auto" and not self._closed \
+                    and not self._busy:
+                if fast(BROADCAST, x, "sum", out, root, self.timeout):   # (see _fast)
+                    return x if out is None else out
+            else:
+                result = self._fast(BROADCAST, x, "sum", out, root, algorithm)
+                if result is not None:
+                    return result
         return self._collective(BROADCAST, x, "sum", out, root, algorithm)
 
     def reduce(self, x, root=0, op="sum", out=None, algorithm="auto"):
@@ -353,10 +370,16 @@ class Communicator:
         (nothing is written), CollectiveTimeoutError or RankFailedError when
         a peer stalls or dies (see Communicator).
         """
-        if self._fast_collective is not None:
-            result = self._fast(REDUCE_TO_ROOT, x, op, out, root, algorithm)
-            if result is not None:
-                return result
+        fast = self._fast_collective
+        if fast is not None:
+            if root.__class__ is int and algorithm.__class__ is str and algorithm == "auto" and not self._closed \
+                    and not self._busy:
+                if fast(REDUCE_TO_ROOT, x, op, out, root, self.timeout):   # (see _fast)
+                    return x if out is None else out
+            else:
+                result = self._fast(REDUCE_TO_ROOT, x, op, out, root, algorithm)
+                if result is not None:
+                    return result
         return self._collective(REDUCE_TO_ROOT, x, op, out, root, algorithm)
 
     def prepare(self, collective, x, **arguments):
@@ -753,7 +776,10 @@ class Communicator:
         the ranks' compiled loop (host ranks in processes: fastpath.py),
         which checks the arrays itself: the result, or None where the loop
         declines the call and the checks and plans of _collective run it
-        (and raise what is wrong)."""
+        (and raise what is wrong). The collectives themselves make the
+        commonest such call (`auto`, an int root, an `out` for allgather)
+        without this frame: about 0.2 us of a 1 KiB broadcast's 0.9 between
+        2 processes."""
         if algorithm.__class__ is not str or algorithm != "auto" and algorithm != "direct" \
                 or self._closed or self._busy:
             return None

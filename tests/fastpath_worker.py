@@ -139,7 +139,7 @@ def scenario_collectives(comm, digest):
     rng = np.random.default_rng(99 + comm.rank)
     n = comm.size
     compiled = comm._ranks.compiled   # noqa: SLF001 - its waits tell a plan's run from the loop's
-    loop = comm._ranks.fast_allreduce   # noqa: SLF001 - its channel counts the large calls it staged
+    loop = comm._ranks.fast   # noqa: SLF001 - its channel counts the large calls it staged
     oversubscribed = comm._ranks.transport.endswith("oversubscribed")   # noqa: SLF001
     for collective in ("reduce_scatter", "allgather", "broadcast", "reduce"):
         for dtype in DTYPES:
@@ -232,8 +232,8 @@ def scenario_edge_arrays(comm, digest):
     comm.reduce(x, root=0, out=out)
     if r == 0:
         assert np.array_equal(out, np.arange(large, dtype=np.float32) * n + sum(range(n)))
-    assert comm._ranks.fast_allreduce.large_path in ("single-copy", "staged")   # noqa: SLF001
-    print(f"PROBED {r} {comm._ranks.fast_allreduce.large_path}", flush=True)   # noqa: SLF001
+    assert comm._ranks.fast.large_path in ("single-copy", "staged")   # noqa: SLF001
+    print(f"PROBED {r} {comm._ranks.fast.large_path}", flush=True)   # noqa: SLF001
     for count in (1000, 32776, large):
         x = np.arange(count, dtype=np.float32) * (r + 1)
         want_sum = np.arange(count, dtype=np.float32) * sum(range(1, n + 1))
@@ -464,7 +464,7 @@ def scenario_fenced(comm):
             assert "timed out waiting for rank 1" in str(error) and "still writing" not in str(error), error
     else:
         # only where the ranks cannot reach each other's memory (no writes to hold): the test skips
-        assert comm._ranks.fast_allreduce.large_path == "staged"   # noqa: SLF001
+        assert comm._ranks.fast.large_path == "staged"   # noqa: SLF001
         return
     if comm.rank == 0 and case != 1:
         # rank 1's held chunk (the first of block 1) landed before the call raised ...
@@ -582,7 +582,7 @@ def main():
     run_scenario(run, ranks_leave)
     print(f"OK {scenario} {comm.rank} {digest.hexdigest()[:16]}", flush=True)
     if LOOP:
-        print(f"LARGE PATH {comm.rank} {comm._ranks.fast_allreduce.large_path}", flush=True)   # noqa: SLF001
+        print(f"LARGE PATH {comm.rank} {comm._ranks.fast.large_path}", flush=True)   # noqa: SLF001
     if ranks_leave:
         os._exit(0)
     comm.close()

@@ -42,6 +42,14 @@ typedef struct {
                                 * the ranks outnumber the cores, where staging measured faster) */
     int64_t staged_calls;      /* large calls of the other four run through staging, for the tests */
     char *scratch;          /* the single-copy path's landing space: a chunk per rank */
+    /* The shortcuts' (bind_shortcuts): the communicator calls them with its
+     * own arguments, so a call that succeeds runs no Python at all. */
+    PyObject *arrays;       /* the array types taken (a tuple) */
+    PyObject *ops;          /* op (a ReduceOp or its name) -> OP_ code */
+    PyObject *kinds;        /* collective name -> K_ code */
+    PyObject *on_failure;   /* on_failure(status, x, op, collective, root, error): raises */
+    PyObject *allreduce_name;   /* "allreduce", what on_failure is told */
+    int closed;             /* close() was called: the memory is about to go, decline every call */
 } Channel;
 
 static uint64_t mix64(uint64_t x)
@@ -747,28 +755,22 @@ static const char *input_to_read(const char *x, size_t nbytes, const char *out, 
     return *copy;
 }
 
-/* channel.allreduce(x, out, op, deadline, pipelined_from) -> 0, or None when
- * this loop does not take the call (the interpreter's path then checks it
- * and runs or refuses it), or (status, peer, have, need, seq) when it failed.
- * `out` is x for in place. */
-static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+/* An allreduce of x into out (x itself: in place): 0, or None when this
+ * loop does not take the call (the interpreter's path then checks it and
+ * runs or refuses it), or (status, peer, have, need, seq) when it failed,
+ * or NULL with an exception (a signal handler's while it waited). */
+static PyObject *run_allreduce(Channel *c, PyObject *x_object, PyObject *out_object, int op, double deadline,
+                               Py_ssize_t pipelined_from)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "allreduce(x, out, op, deadline, pipelined_from)");
-        return NULL;
-    }
-    int op = (int)PyLong_AsLong(args[2]);
-    double deadline = PyFloat_AsDouble(args[3]);
-    Py_ssize_t pipelined_from = PyLong_AsSsize_t(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    int in_place = args[0] == args[1];
+    if (c->closed)
+        Py_RETURN_NONE;
+    int in_place = x_object == out_object;
     Py_buffer x, y;
-    if (PyObject_GetBuffer(args[0], &x, (in_place ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (PyObject_GetBuffer(x_object, &x, (in_place ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    if (!in_place && PyObject_GetBuffer(args[1], &y, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (!in_place && PyObject_GetBuffer(out_object, &y, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         PyBuffer_Release(&x);
         Py_RETURN_NONE;
@@ -799,6 +801,23 @@ static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t
     return result;
 }
 
+/* channel.allreduce(x, out, op, deadline, pipelined_from): run_allreduce's
+ * answer; `out` is x for in place, op an OP_ code, the deadline a
+ * time.perf_counter() value (the calls across.py's Programs make). */
+static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "allreduce(x, out, op, deadline, pipelined_from)");
+        return NULL;
+    }
+    int op = (int)PyLong_AsLong(args[2]);
+    double deadline = PyFloat_AsDouble(args[3]);
+    Py_ssize_t pipelined_from = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    return run_allreduce(c, args[0], args[1], op, deadline, pipelined_from);
+}
+
 /* Whether rank `rank` writes its output in a call of `kind` (`root`'s):
  * a broadcast's root only when it has an output of its own. */
 static int writes_output(int kind, int rank, int root, int in_place)
@@ -806,41 +825,32 @@ static int writes_output(int kind, int rank, int root, int in_place)
     return kind == K_BROADCAST ? rank != root || !in_place : kind == K_REDUCE ? rank == root : 1;
 }
 
-/* channel.collective(kind, x, out, op, root, deadline) -> 0, None or a
- * failure, as allreduce() (kind: 1 reduce_scatter, 2 allgather, 3
- * broadcast, 4 reduce). `out` None is the call without `out`: the result
- * in x (reduce_scatter: in x's own block); allgather needs `out`. The loop
- * takes C-contiguous buffers of one element type it folds, of the sizes
- * the collective needs, and outputs that are apart from x or exactly its
- * in-place form; a buffer is asked to be writable only where this rank
- * writes it. Anything else returns None: the Python path checks it. */
-static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+/* A reduce_scatter, allgather, broadcast or reduce (kind 1 to 4): 0, None
+ * or a failure, as run_allreduce. `out` None is the call without `out`:
+ * the result in x (reduce_scatter: in x's own block); allgather needs
+ * `out`. The loop takes C-contiguous buffers of one element type it folds,
+ * of the sizes the collective needs, and outputs that are apart from x or
+ * exactly its in-place form; a buffer is asked to be writable only where
+ * this rank writes it. Anything else returns None: the Python path checks
+ * it. */
+static PyObject *run_collective(Channel *c, int kind, PyObject *x_object, PyObject *out_object, int op, int root,
+                                double deadline)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "collective(kind, x, out, op, root, deadline)");
-        return NULL;
-    }
-    int kind = (int)PyLong_AsLong(args[0]);
-    int op = (int)PyLong_AsLong(args[3]);
-    int root = (int)PyLong_AsLong(args[4]);
-    double deadline = PyFloat_AsDouble(args[5]);
-    if (PyErr_Occurred())
-        return NULL;
     Waits *w = &c->waits;
     int r = w->rank, n = w->nranks;
     /* out=x is in place for broadcast and reduce; for reduce_scatter and
      * allgather it names a wrong size, which the Python path reports */
-    int in_place = args[2] == Py_None || (args[2] == args[1] && (kind == K_BROADCAST || kind == K_REDUCE));
+    int in_place = out_object == Py_None || (out_object == x_object && (kind == K_BROADCAST || kind == K_REDUCE));
     int writes = writes_output(kind, r, root, in_place);
-    if (kind < K_REDUCE_SCATTER || kind > K_REDUCE || op < 0 || op > OP_AVG || root < 0 || root >= n || n > 256
-        || (in_place && kind == K_ALLGATHER))
+    if (c->closed || kind < K_REDUCE_SCATTER || kind > K_REDUCE || op < 0 || op > OP_AVG || root < 0 || root >= n
+        || n > 256 || (in_place && kind == K_ALLGATHER))
         Py_RETURN_NONE;
     Py_buffer x, y;
-    if (PyObject_GetBuffer(args[1], &x, (in_place && writes ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (PyObject_GetBuffer(x_object, &x, (in_place && writes ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    if (!in_place && PyObject_GetBuffer(args[2], &y, (writes ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (!in_place && PyObject_GetBuffer(out_object, &y, (writes ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         PyBuffer_Release(&x);
         Py_RETURN_NONE;
@@ -875,6 +885,173 @@ static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_
         PyBuffer_Release(&y);
     PyBuffer_Release(&x);
     return result;
+}
+
+/* channel.collective(kind, x, out, op, root, deadline): run_collective's
+ * answer (the calls across.py's Programs make). */
+static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "collective(kind, x, out, op, root, deadline)");
+        return NULL;
+    }
+    int kind = (int)PyLong_AsLong(args[0]);
+    int op = (int)PyLong_AsLong(args[3]);
+    int root = (int)PyLong_AsLong(args[4]);
+    double deadline = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    return run_collective(c, kind, args[1], args[2], op, root, deadline);
+}
+
+/* ---- The shortcuts ---------------------------------------------------------
+ *
+ * The communicator's first try at a call (communicator.py's
+ * _fast_allreduce and _fast_collective): its own arguments, checked here
+ * as far as the loop needs, so that a call that succeeds runs no Python.
+ * Python frames between the communicator and the loop cost about 0.4 us of
+ * a 1 KiB broadcast's 1.05 between 2 processes, more than the step itself
+ * leaves to win. A call the loop does not take returns None (the caller's
+ * checks and plans run it); a failed one, or one a signal handler
+ * interrupted, goes to on_failure (fastpath.py), which aborts the
+ * communicator and raises. */
+
+/* The OP_ code of `op`, or -1 (an op the loop does not know, or unhashable:
+ * the caller's checks name it). */
+static int op_code(Channel *c, PyObject *op)
+{
+    PyObject *code = PyDict_GetItemWithError(c->ops, op);
+    if (code == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    return (int)PyLong_AsLong(code);
+}
+
+/* The array types the shortcuts take: exactly these (a subclass may mean
+ * anything by its buffer), as fastpath.ARRAYS. */
+static int taken_array(Channel *c, PyObject *a)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(c->arrays);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((PyObject *)Py_TYPE(a) == PyTuple_GET_ITEM(c->arrays, i))
+            return 1;
+    return 0;
+}
+
+/* The answer of a run: `done` once it succeeded, None where it declined,
+ * else on_failure's (which raises). */
+static PyObject *answer(Channel *c, PyObject *status, PyObject *done, PyObject *x, PyObject *op,
+                        PyObject *collective, int root)
+{
+    if (status != NULL && PyLong_CheckExact(status)) {   /* 0: done */
+        Py_DECREF(status);
+        Py_INCREF(done);
+        return done;
+    }
+    if (status == Py_None)
+        return status;
+    PyObject *error = NULL;
+    if (status == NULL) {   /* a signal handler raised while the call waited */
+#if PY_VERSION_HEX >= 0x030C0000
+        error = PyErr_GetRaisedException();
+#else
+        PyObject *type, *traceback;
+        PyErr_Fetch(&type, &error, &traceback);
+        PyErr_NormalizeException(&type, &error, &traceback);
+        if (traceback != NULL)
+            PyException_SetTraceback(error, traceback);
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+#endif
+        if (error == NULL)
+            return NULL;
+        status = Py_NewRef(Py_None);
+    }
+    PyObject *raised = PyObject_CallFunction(c->on_failure, "OOOOiO", status, x, op, collective, root,
+                                             error != NULL ? error : Py_None);
+    Py_DECREF(status);
+    Py_XDECREF(error);
+    return raised;
+}
+
+/* channel.shortcut_allreduce(x, op, out, timeout) -> out (x when out is
+ * None) once done, None where the loop declines; failures raise. */
+static PyObject *Channel_shortcut_allreduce(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "shortcut_allreduce(x, op, out, timeout)");
+        return NULL;
+    }
+    PyObject *x = args[0], *out = args[2] == Py_None ? args[0] : args[2];
+    if (c->on_failure == NULL || !taken_array(c, x) || !taken_array(c, out))
+        Py_RETURN_NONE;
+    int op = op_code(c, args[1]);
+    double timeout = PyFloat_AsDouble(args[3]);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (op < 0)
+        Py_RETURN_NONE;
+    PyObject *status = run_allreduce(c, x, out, op, now_seconds() + timeout, (Py_ssize_t)c->small_max + 1);
+    return answer(c, status, out, x, args[1], c->allreduce_name, 0);
+}
+
+/* channel.shortcut(collective, x, op, out, root, timeout) -> True once
+ * done, None where the loop declines; failures raise. `collective` is a
+ * name (reduce_scatter, allgather, broadcast, reduce), root an int. */
+static PyObject *Channel_shortcut(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "shortcut(collective, x, op, out, root, timeout)");
+        return NULL;
+    }
+    PyObject *x = args[1], *out = args[3];
+    if (c->on_failure == NULL || !taken_array(c, x) || (out != Py_None && !taken_array(c, out)))
+        Py_RETURN_NONE;
+    PyObject *kind = PyDict_GetItemWithError(c->kinds, args[0]);
+    if (kind == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    int op = op_code(c, args[2]);
+    long root = PyLong_AsLong(args[4]);
+    if (root == -1 && PyErr_Occurred()) {   /* no rank: the caller's checks say so */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    double timeout = PyFloat_AsDouble(args[5]);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (op < 0 || root < 0 || root >= c->waits.nranks)
+        Py_RETURN_NONE;
+    PyObject *status = run_collective(c, (int)PyLong_AsLong(kind), x, out, op, (int)root, now_seconds() + timeout);
+    return answer(c, status, Py_True, x, args[2], args[0], (int)root);
+}
+
+/* channel.bind_shortcuts(arrays, ops, kinds, on_failure): what the
+ * shortcuts take and whom they tell of a failure. */
+static PyObject *Channel_bind_shortcuts(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyTuple_Check(args[0]) || !PyDict_Check(args[1]) || !PyDict_Check(args[2])
+        || !PyCallable_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "bind_shortcuts(arrays: tuple, ops: dict, kinds: dict, on_failure)");
+        return NULL;
+    }
+    Py_XSETREF(c->arrays, Py_NewRef(args[0]));
+    Py_XSETREF(c->ops, Py_NewRef(args[1]));
+    Py_XSETREF(c->kinds, Py_NewRef(args[2]));
+    Py_XSETREF(c->on_failure, Py_NewRef(args[3]));
+    Py_RETURN_NONE;
+}
+
+/* channel.close(): every later call declines (the memory is about to be
+ * unmapped), and the shortcuts let go of what they hold. */
+static PyObject *Channel_close(Channel *c, PyObject *Py_UNUSED(ignored))
+{
+    c->closed = 1;
+    Py_CLEAR(c->on_failure);
+    Py_RETURN_NONE;
 }
 
 static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
@@ -920,6 +1097,9 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     c->test_read_stall = test_read_stall;
     c->staged_spread_max = (size_t)staged_spread_max;
     c->staged_calls = 0;
+    Py_XSETREF(c->allreduce_name, PyUnicode_InternFromString("allreduce"));
+    if (c->allreduce_name == NULL)
+        return -1;
     PyMem_Free(c->scratch);
     c->scratch = PyMem_Malloc((size_t)nranks * (size_t)chunk + 8192);
     if (c->scratch == NULL) {
@@ -930,8 +1110,31 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     return 0;
 }
 
+/* The shortcuts' on_failure is a method of the object that holds the
+ * channel: a cycle, which the garbage collector sees through these. */
+static int Channel_traverse(Channel *c, visitproc visit, void *arg)
+{
+    Py_VISIT(c->arrays);
+    Py_VISIT(c->ops);
+    Py_VISIT(c->kinds);
+    Py_VISIT(c->on_failure);
+    return 0;
+}
+
+static int Channel_clear(Channel *c)
+{
+    Py_CLEAR(c->arrays);
+    Py_CLEAR(c->ops);
+    Py_CLEAR(c->kinds);
+    Py_CLEAR(c->on_failure);
+    return 0;
+}
+
 static void Channel_dealloc(Channel *c)
 {
+    PyObject_GC_UnTrack(c);
+    Channel_clear(c);
+    Py_CLEAR(c->allreduce_name);
     PyMem_Free(c->scratch);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
@@ -993,6 +1196,16 @@ static PyMethodDef Channel_methods[] = {
      "allreduce(x, out, op, deadline, pipelined_from): see _shmloop.c"},
     {"collective", (PyCFunction)(void (*)(void))Channel_collective, METH_FASTCALL,
      "collective(kind, x, out, op, root, deadline): reduce_scatter, allgather, broadcast or reduce; see _shmloop.c"},
+    {"shortcut_allreduce", (PyCFunction)(void (*)(void))Channel_shortcut_allreduce, METH_FASTCALL,
+     "shortcut_allreduce(x, op, out, timeout): the communicator's allreduce in the loop: out (x in place) "
+     "once done, None where declined; failures go to on_failure"},
+    {"shortcut", (PyCFunction)(void (*)(void))Channel_shortcut, METH_FASTCALL,
+     "shortcut(collective, x, op, out, root, timeout): the communicator's other four in the loop: True "
+     "once done, None where declined; failures go to on_failure"},
+    {"bind_shortcuts", (PyCFunction)(void (*)(void))Channel_bind_shortcuts, METH_FASTCALL,
+     "bind_shortcuts(arrays, ops, kinds, on_failure): what the shortcuts take, whom they tell of failures"},
+    {"close", (PyCFunction)Channel_close, METH_NOARGS,
+     "close(): decline every later call (the channel's memory is about to be unmapped)"},
     {"fence_writes", (PyCFunction)Channel_fence_writes, METH_O,
      "fence_writes(seconds): after an abort, wait until no peer writes into this rank's memory; -1, or "
      "the peer still writing after `seconds`"},
@@ -1003,10 +1216,12 @@ static PyTypeObject ChannelType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "collectives.transport._shmloop.Channel",
     .tp_basicsize = sizeof(Channel),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Channel_init,
     .tp_dealloc = (destructor)Channel_dealloc,
+    .tp_traverse = (traverseproc)Channel_traverse,
+    .tp_clear = (inquiry)Channel_clear,
     .tp_methods = Channel_methods,
     .tp_getset = Channel_getset,
     .tp_doc = "This rank's view of the fast path's shared channel (addresses into mapped memory).",

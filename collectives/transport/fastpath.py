@@ -51,7 +51,6 @@ there is no fast path.
 """
 
 import os
-import time
 import warnings
 
 import numpy as np
@@ -158,8 +157,11 @@ def takes(dtype):
 
 
 class FastCollectives:
-    """`ShmRank.fast_allreduce` (called: an allreduce) and `.collective`
-    (the other four): the compiled loop's run of a call, or None to decline."""
+    """The compiled loop of one rank: `allreduce(x, op, out, timeout)` and
+    `collective(collective, x, op, out, root, timeout)` are the channel's
+    shortcuts (_shmloop.c), which the communicator calls first: the result
+    (allreduce's output; True for the other four) once done, None where
+    the loop declines the call; a failure raises (`_failed`)."""
 
     def __init__(self, group, header_address, rows_address, channel_address, oversubscribed):
         assert (ROW, HEADER) == (_shmloop.ROW_SLOTS, _shmloop.HEADER_SLOTS), "protocol.py and _shmloop.c disagree"
@@ -171,37 +173,9 @@ class FastCollectives:
             small=channel_address, small_max=SMALL_MAX, staging=channel_address + small_area(group.size),
             chunk=CHUNK, single_copy=resolve_fast_single_copy(), test_write_stall=TEST_WRITE_STALL,
             test_read_stall=TEST_READ_STALL, staged_spread_max=OVERSUBSCRIBED_STAGED_MAX if oversubscribed else 0)
-        self._run = self._channel.allreduce
-        self._clock = time.perf_counter
-
-    def __call__(self, x, op, out, timeout):
-        if type(x) not in ARRAYS or self._run is None:
-            return None
-        if out is None:
-            out = x
-        elif type(out) not in ARRAYS:
-            return None
-        try:
-            code = OP_CODES[op]
-        except (KeyError, TypeError):
-            return None   # the interpreter names the valid ops
-        status = self._ran(self._run, (x, out, code, self._clock() + timeout, SMALL_MAX + 1), x, op, "allreduce", 0)
-        return out if status == 0 else None
-
-    def collective(self, collective, x, op, out, root, timeout):
-        """A reduce_scatter, allgather, broadcast or reduce (`collective`,
-        by name) in the loop: True once done, None to decline (the caller's
-        checks and plans then run the call). `out` None is the call without
-        one (allgather has none: the caller makes it); root an int."""
-        if type(x) not in ARRAYS or (out is not None and type(out) not in ARRAYS) or self._run is None:
-            return None
-        try:
-            code = OP_CODES[op]
-        except (KeyError, TypeError):
-            return None   # the interpreter names the valid ops
-        status = self._ran(self._channel.collective,
-                           (KINDS[collective], x, out, code, root, self._clock() + timeout), x, op, collective, root)
-        return True if status == 0 else None
+        self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, self._failed)
+        self.allreduce = self._channel.shortcut_allreduce
+        self.collective = self._channel.shortcut
 
     @property
     def channel(self):
@@ -212,19 +186,15 @@ class FastCollectives:
     def raise_failure(self, status, x, op, collective, root):
         """Raise what a failed call of the channel (its `status`) means, as
         a call through this object would, the communicator aborted first."""
-        self._ran(lambda: status, (), x, op, collective, root)
+        self._failed(status, x, op, collective, root, None)
 
-    def _ran(self, run, arguments, x, op, collective, root):
-        """run(*arguments), one of the channel's calls: 0 once done, None
-        where it declined; a failure raises (Ctrl-C while it waited too),
-        once the communicator is aborted and the fence passed."""
-        try:
-            status = run(*arguments)
-        except BaseException as error:   # a signal handler's (Ctrl-C) while the call waited
+    def _failed(self, status, x, op, collective, root, error):
+        """Raise for a failed call of the loop: `status` as the channel
+        gives it, or `error`, a signal handler's (Ctrl-C) while the call
+        waited; once the communicator is aborted and the fence passed."""
+        if error is not None:
             self._abort_and_raise(f"rank {self._group.rank} was interrupted during a {collective}: "
                                   f"{type(error).__name__}", error)
-        if status == 0 or status is None:
-            return status
         try:
             self._raise_for(status, x, op, collective, root)
         except BaseException as error:
@@ -281,8 +251,10 @@ class FastCollectives:
         return None if self._channel is None else self._channel.large_path
 
     def close(self):
-        """The channel's memory is about to be unmapped: never touch it again."""
-        self._run = None
+        """The channel's memory is about to be unmapped: never touch it
+        again (the shortcuts decline from now on)."""
+        if self._channel is not None:
+            self._channel.close()
         self._channel = None
 
 

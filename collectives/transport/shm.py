@@ -41,10 +41,12 @@ class ShmRank:
         # for the scheduler at every step, a cost of its own.
         oversubscribed = max(size, ranks_on_machine or 0) > (os.cpu_count() or 1)
         self.transport = "host-processes-oversubscribed" if oversubscribed else "host-processes"
-        # Calls with `auto` in the compiled loop (fastpath.py), allreduce's
-        # and the other four collectives'; None without it.
-        self.fast_allreduce = fastpath.make(self.group, oversubscribed)
-        self.fast_collective = None if self.fast_allreduce is None else self.fast_allreduce.collective
+        # Calls with `auto` in the compiled loop (fastpath.py); None without
+        # it. The communicator calls its shortcuts first: allreduce's, and
+        # the other four collectives'.
+        self.fast = fastpath.make(self.group, oversubscribed)
+        self.fast_allreduce = None if self.fast is None else self.fast.allreduce
+        self.fast_collective = None if self.fast is None else self.fast.collective
         # Every other plan it takes in the compiled executor; None: the interpreter runs them all.
         self.compiled = host_process.CompiledPlans(
             self.group, fastpath.SPIN_OVERSUBSCRIBED if oversubscribed else fastpath.SPIN_DEDICATED,
@@ -134,6 +136,6 @@ class ShmRank:
         self.group.abort(reason, cause)
 
     def close(self):
-        if self.fast_allreduce is not None:
-            self.fast_allreduce.close()
+        if self.fast is not None:
+            self.fast.close()
         self.group.close()
