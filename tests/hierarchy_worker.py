@@ -27,6 +27,9 @@ from collectives.plan import REDUCE_FINAL_OP, REDUCE_OP, SRC0
 from collectives.transport import segments
 
 TIMEOUT = 3.0
+# What scenario_stalled's calls wait once every rank has made one (the
+# wait is the scenario's whole cost).
+STALL_TIMEOUT = 1.0
 WORLD = MPI.COMM_WORLD
 OPENED = []   # (segment name, created here?) of every shared-memory segment this process opened
 
@@ -208,8 +211,10 @@ def scenario_stalled(comm):
     """The last rank stops calling in: everyone else raises within the timeout."""
     last = comm.size - 1
     x = np.ones(1000, np.float32)
+    comm.allreduce(x.copy())   # (in place: x stays ones)
+    comm.timeout = STALL_TIMEOUT
     if comm.rank == last:
-        time.sleep(TIMEOUT + 2)
+        time.sleep(STALL_TIMEOUT + 2)
         try:
             # Its peers' messages of this call may all have arrived before they
             # gave up: then it completes, with the right result ...
@@ -230,7 +235,7 @@ def scenario_stalled(comm):
         elapsed = time.perf_counter() - start
         assert isinstance(error, CollectiveTimeoutError) or "aborted" in str(error), error
         assert not isinstance(error, RankFailedError), error
-        assert elapsed < TIMEOUT + 1.5, f"took {elapsed:.1f}s with a {TIMEOUT}s timeout"
+        assert elapsed < STALL_TIMEOUT + 1.5, f"took {elapsed:.1f}s with a {STALL_TIMEOUT}s timeout"
         return
     raise AssertionError("allreduce completed without the last rank")
 

@@ -48,7 +48,7 @@ import collectives
 from cases import DTYPES, OPS, capacity, expect_a_different_call, expected, rank_input, run_scenario
 from collectives import CollectiveTimeoutError, RankFailedError, kernels
 from collectives.transport.layout import COUNTER
-from peer_failure_worker import FAILING, TIMEOUT, expect
+from peer_failure_worker import FAILING, STALL_TIMEOUT, TIMEOUT, expect
 
 
 DEVICE = "emulated"
@@ -300,15 +300,18 @@ def scenario_graph_stalled(comm):
     stop_on_failing_rank(comm, replay, names=[f"waiting for rank {FAILING}", "allreduce #5"])
 
 
-def stop_on_failing_rank(comm, run, names):
+def stop_on_failing_rank(comm, run, names, timeout=TIMEOUT):
     """Rank FAILING stops calling `run` (made once already by every rank):
-    every other rank's next `run` must raise CollectiveTimeoutError naming
-    `names` within the timeout and a second, and rank FAILING's the abort."""
+    every other rank's next `run`, made with `timeout`, must raise
+    CollectiveTimeoutError naming `names` within the timeout and a second,
+    and rank FAILING's the abort. (A replayed graph keeps the timeout it was
+    captured with: pass comm's.)"""
+    comm.timeout = timeout
     if comm.rank == FAILING:
-        time.sleep(TIMEOUT + 1.5)   # the others gave up by now, and aborted the communicator
+        time.sleep(timeout + 1.5)   # the others gave up by now, and aborted the communicator
         expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
         return
-    expect(CollectiveTimeoutError, run, names=names, within=TIMEOUT + 1.0)
+    expect(CollectiveTimeoutError, run, names=names, within=timeout + 1.0)
 
 
 def one_call(comm):
@@ -340,14 +343,15 @@ def collective_call(comm, x):
 def scenario_stalled(comm):
     run = one_call(comm)
     run()
+    comm.timeout = STALL_TIMEOUT
     if comm.rank == FAILING:
-        time.sleep(TIMEOUT + 1.5)   # the others gave up by now, and aborted the communicator
+        time.sleep(STALL_TIMEOUT + 1.5)   # the others gave up by now, and aborted the communicator
         expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
         return
     # A rank that reads nobody in this call (a broadcast's root, a reduce's
     # other ranks) learns of the stall in the next one (the kernel's step 1).
     expect(CollectiveTimeoutError, lambda: (run(), run()), names=[f"waiting for rank {FAILING}", COLLECTIVE],
-           within=TIMEOUT + 1.0)
+           within=STALL_TIMEOUT + 1.0)
 
 
 def scenario_mismatch(comm):

@@ -30,6 +30,10 @@ from collectives.algorithms import REGISTRY
 ALGORITHMS = tuple(REGISTRY)
 
 TIMEOUT = 3.0
+# What the stalled scenarios' calls wait, once every rank has made one
+# call of the same shape (the first may compile a kernel): the wait is
+# the scenario's whole cost.
+STALL_TIMEOUT = 1.0
 # init waits for every rank to open its device: a CUDA context takes seconds
 # when many processes make theirs at once (pytest -n on one GPU), which the
 # collectives' own TIMEOUT does not allow for. The scenarios that time how
@@ -190,8 +194,10 @@ def scenario_growth(comm):
 def scenario_stalled(comm):
     """Rank 1 stops calling in: the others time out, then the group is unusable."""
     x = on_rank(np.ones(100, np.float32))
+    comm.allreduce(x)
+    comm.timeout = STALL_TIMEOUT
     if comm.rank == 1:
-        time.sleep(TIMEOUT + 2)
+        time.sleep(STALL_TIMEOUT + 2)
         try:
             comm.allreduce(x)
         except CollectiveError as error:
@@ -204,7 +210,7 @@ def scenario_stalled(comm):
     except CollectiveTimeoutError as error:
         elapsed = time.perf_counter() - start
         assert not isinstance(error, RankFailedError), error
-        assert elapsed < TIMEOUT + 1.5, f"took {elapsed:.1f}s with a {TIMEOUT}s timeout"
+        assert elapsed < STALL_TIMEOUT + 1.5, f"took {elapsed:.1f}s with a {STALL_TIMEOUT}s timeout"
         return
     except CollectiveError as error:  # a peer timed out first and aborted the group
         assert "aborted" in str(error) and "timed out" in str(error), error
@@ -213,15 +219,17 @@ def scenario_stalled(comm):
 
 
 def scenario_stalled_barrier(comm):
+    comm.barrier()
+    comm.timeout = STALL_TIMEOUT
     if comm.rank == 1:
-        time.sleep(TIMEOUT + 2)
+        time.sleep(STALL_TIMEOUT + 2)
         return
     start = time.perf_counter()
     try:
         comm.barrier()
     except CollectiveError as error:
         assert "timed out" in str(error), error
-        assert time.perf_counter() - start < TIMEOUT + 1.5
+        assert time.perf_counter() - start < STALL_TIMEOUT + 1.5
         return
     raise AssertionError("barrier completed without rank 1")
 

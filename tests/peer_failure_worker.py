@@ -29,6 +29,10 @@ from cases import run_scenario
 from collectives import CollectiveTimeoutError, RankFailedError
 
 TIMEOUT = 2.0
+# What the calls wait once a stalled scenario's ranks have all made one
+# call (the first may load or compile what it runs): the wait is the
+# scenario's whole cost.
+STALL_TIMEOUT = 1.0
 FAILING = 1
 COUNT = 1000
 
@@ -62,8 +66,9 @@ def expect(error_class, run, *, absent_from=None, names, within):
 def scenario_stalled(comm, path):
     run, what = call(comm, path)
     run()   # one call that every rank makes: the failure comes in the middle of a run
+    comm.timeout = STALL_TIMEOUT
     if comm.rank == FAILING:
-        time.sleep(TIMEOUT + 1.5)   # a margin for a loaded machine: the others must have given up
+        time.sleep(STALL_TIMEOUT + 1.5)   # a margin for a loaded machine: the others must have given up
         # By now the others gave up and aborted: this rank's next call
         # raises at once, as a timeout too.
         expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
@@ -71,7 +76,7 @@ def scenario_stalled(comm, path):
     # Every other rank: the stalled rank is named, whether this rank waited
     # for it or for a peer that waited for it (the note of the ranks that
     # never entered the call, carried in the abort's reason).
-    expect(CollectiveTimeoutError, run, names=[f"rank {FAILING} has not entered call", what], within=TIMEOUT + 1.5)
+    expect(CollectiveTimeoutError, run, names=[f"rank {FAILING} has not entered call", what], within=STALL_TIMEOUT + 1.5)
 
 
 def scenario_killed(comm, path):

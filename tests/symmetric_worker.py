@@ -58,7 +58,7 @@ from collectives import InvalidUsageError, RankFailedError, kernels
 from collectives.transport.layout import COUNTER
 import ll_worker
 from ll_worker import stop_on_failing_rank
-from peer_failure_worker import FAILING, TIMEOUT, expect
+from peer_failure_worker import FAILING, STALL_TIMEOUT, TIMEOUT, expect
 
 DEVICE = "emulated"
 BROKEN_KERNELS = "COLLECTIVES_TEST_BROKEN_KERNELS"   # a folder of kernel sources the emulated device builds instead
@@ -400,7 +400,7 @@ def scenario_stalled(comm):
     run, memory = one_call(comm, 0)
     run()
     after_the_first = to_host(memory).copy()
-    stop_on_failing_rank(comm, run, names=[f"waiting for rank {FAILING}", "symmetric memory"])
+    stop_on_failing_rank(comm, run, names=[f"waiting for rank {FAILING}", "symmetric memory"], timeout=STALL_TIMEOUT)
     # Neither the ranks that timed out nor the one that stopped calling had their memory written.
     assert np.array_equal(to_host(memory), after_the_first), "a failed call wrote into symmetric memory"
 
