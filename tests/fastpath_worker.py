@@ -158,7 +158,7 @@ def scenario_collectives(comm, digest):
                         got = fast()
                         assert compiled.waits_made == plan_waits, f"{collective} {how}: the loop declined the call"
                         if count * itemsize > fastpath.SMALL_MAX:   # staged where it must be, and only there
-                            spread_staged = (oversubscribed and collective in ("allgather", "broadcast")
+                            spread_staged = (oversubscribed and collective == "allgather"
                                              and x.nbytes <= fastpath.OVERSUBSCRIBED_STAGED_MAX)
                             want = loop.large_path == "staged" or spread_staged
                             assert (loop._channel.staged_calls > staged) == want, (   # noqa: SLF001
@@ -440,10 +440,11 @@ def scenario_fenced(comm):
     in place (case 0) and out of place (case 2), so the output does not
     change after the call raised; a writer held longer than the fence waits
     is named in the error (case 1); and the same for a reduce to rank 0,
-    whose peers write their blocks into the root's output (case 3)."""
+    whose peers write their blocks into the root's output (case 3), and a
+    broadcast from rank 1, which writes its block into rank 0's (case 4)."""
     case = int(os.environ["FASTPATH_CASE"])
     count = (4 << 20) // 4
-    x = np.ones(count, np.float32)
+    x = np.full(count, comm.rank + 1.0, np.float32) if case == 4 else np.ones(count, np.float32)
     out = x if case in (0, 1) else np.zeros_like(x)
     if comm.rank == 0:
         comm.timeout = FENCED_TIMEOUT
@@ -453,6 +454,8 @@ def scenario_fenced(comm):
     try:
         if case == 3:
             comm.reduce(x, root=0, out=out)
+        elif case == 4:
+            comm.broadcast(x, root=1, out=out)
         else:
             comm.allreduce(x, out=out)
     except CollectiveError as error:

@@ -37,7 +37,7 @@ typedef struct {
     double test_write_stall;   /* seconds each chunk's writes wait first (tests of the fence only) */
     double test_read_stall;    /* seconds each read out of a peer's input waits first (tests of the
                                 * single copy's last wait only) */
-    size_t staged_spread_max;  /* allgather and broadcast of up to this many bytes per rank stage even
+    size_t staged_spread_max;  /* allgather of up to this many bytes per rank stages even
                                 * where the single copy was agreed (0: never; fastpath.py sets it when
                                 * the ranks outnumber the cores, where staging measured faster) */
     int64_t staged_calls;      /* large calls of the other four run through staging, for the tests */
@@ -92,11 +92,13 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
  *   broadcast       the root's, only     all of it (r != root)         all of it
  *   reduce          all but the root's   all of it (r == root)         fold, in rank order
  *
- * Two large messages take other steps, as allreduce's first form did:
- * allreduce's the pipeline below (a reduce-scatter and an all-gather), and
+ * Three large messages take other steps, as allreduce's first form did:
+ * allreduce's the pipeline below (a reduce-scatter and an all-gather),
  * reduce's single copy a reduce-scatter whose blocks are written into the
- * root's output (read_from_peers): both write into a peer's memory, and a
- * failed call of theirs waits at the fence. The other three only read. */
+ * root's output (read_from_peers), and broadcast's single copy a scatter of
+ * the root's x by block, each rank writing its block into every output
+ * (spread_from_root): all three write into a peer's memory, and a failed
+ * call of theirs waits at the fence. The other two only read. */
 
 enum { K_ALLREDUCE = 0, K_REDUCE_SCATTER = 1, K_ALLGATHER = 2, K_BROADCAST = 3, K_REDUCE = 4 };
 
@@ -512,6 +514,60 @@ static int fold_range(Channel *c, const Collective *k, size_t lo, size_t hi, cha
     return OK;
 }
 
+/* A broadcast's large message, single copy: the root's x in nranks blocks
+ * of whole cache lines; rank b moves block b, chunk by chunk: it reads the
+ * chunk out of the root's x into its own output (the root has it), then
+ * writes it from there, still in cache, into every other rank's output
+ * (the root's too, out of place). So every rank's core copies a share, the
+ * root's too, where readers that each pulled all of x left the root's
+ * idle: with 2 processes the root writes half of the reader's output while
+ * the reader reads the other half. Block b of every output is written by
+ * rank b alone, and the root's x is only read, so in place needs no other
+ * order. */
+static int spread_from_root(Channel *c, const Collective *k)
+{
+    Waits *w = &c->waits;
+    int r = w->rank, n = w->nranks, root = k->root;
+    size_t lines = (k->nbytes + 63) / 64;
+    size_t lo = lines * (size_t)r / (size_t)n * 64, hi = lines * (size_t)(r + 1) / (size_t)n * 64;
+    hi = hi < k->nbytes ? hi : k->nbytes;
+    lo = lo < hi ? lo : hi;
+    int64_t root_x = load_acquire(&w->rows[root * ROW_SLOTS + IN_ADDR]);
+    int root_apart = load_acquire(&w->rows[root * ROW_SLOTS + OUT_ADDR]) != root_x;   /* out of place */
+    int targets = n - 1 - (r != root && !root_apart);   /* outputs this rank writes into */
+    if (r != root && c->test_read_stall > 0)
+        stall(c->test_read_stall);
+    for (size_t offset = lo; offset < hi; offset += c->chunk) {
+        size_t bytes = hi - offset < c->chunk ? hi - offset : c->chunk;
+        char *here = k->out + offset;   /* the chunk in this rank's output, once there */
+        int status = OK;
+        if (r != root)
+            status = copy_with_peer(w, root, here, root_x + (int64_t)offset, bytes, 0);
+        else if (k->out != k->in)
+            memcpy(here, k->in + offset, bytes);
+        else
+            here = (char *)k->in + offset;
+        if (status != OK)
+            return status;
+        if (targets == 0)
+            continue;
+        if (!begin_writes(w)) {
+            w->failed_peer = -1;
+            return ABORTED;
+        }
+        if (c->test_write_stall > 0)
+            stall(c->test_write_stall);
+        for (int p = 0; p < n && status == OK; p++)
+            if (p != r && (p != root || root_apart))
+                status = copy_with_peer(w, p, here, load_acquire(&w->rows[p * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
+                                        bytes, 1);
+        end_writes(w);
+        if (status != OK)
+            return status;
+    }
+    return OK;
+}
+
 /* The other four collectives' large messages, single copy: rank r reads
  * what it wants of its peers' inputs straight out of their processes, into
  * its output where it copies (allgather, broadcast), through landing
@@ -537,16 +593,8 @@ static int read_from_peers(Channel *c, const Collective *k)
         }
         return OK;
     }
-    if (k->kind == K_BROADCAST) {
-        if (r != k->root && c->test_read_stall > 0)
-            stall(c->test_read_stall);
-        if (r != k->root)
-            return copy_with_peer(w, k->root, k->out, load_acquire(&w->rows[k->root * ROW_SLOTS + IN_ADDR]),
-                                  k->nbytes, 0);
-        if (k->out != k->in)
-            memcpy(k->out, k->in, k->nbytes);
-        return OK;
-    }
+    if (k->kind == K_BROADCAST)
+        return spread_from_root(c, k);
     if (k->kind == K_REDUCE_SCATTER)
         return fold_range(c, k, lo, hi, k->out, -1);
     /* reduce: as allreduce's single copy, rank r folds block r of every
@@ -610,8 +658,7 @@ static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_
     if (status != OK)
         return failure(w, status, seq);
     /* (every rank decides alike: the same agreement, call and setting) */
-    int spreads = k->kind == K_ALLGATHER || k->kind == K_BROADCAST;
-    if (c->single_copy == 2 && !(spreads && k->nbytes <= c->staged_spread_max)) {
+    if (c->single_copy == 2 && !(k->kind == K_ALLGATHER && k->nbytes <= c->staged_spread_max)) {
         status = read_from_peers(c, k);
         if (status == OK)
             status = leave_single_copy(w, base);

@@ -24,18 +24,19 @@ So the bits equal the `direct` plan's on every rank, in place and out of
 place (tests/test_fastpath.py compares them).
 
 Where it can, a large message skips staging (the single copy): readers
-pull straight from the peer's input (process_vm_readv): allgather and
-broadcast into their output, reduce_scatter through a chunk in cache that
-it folds; allreduce's ranks fold their block of every peer's input and
-write the reduced block straight into every peer's output
-(process_vm_writev), one copy where staging makes two, and reduce's ranks
-into the root's output alone. That needs every rank to be allowed to read
+pull straight from the peer's input (process_vm_readv): allgather into
+their output, reduce_scatter through a chunk in cache that it folds;
+allreduce's ranks fold their block of every peer's input and write the
+reduced block straight into every peer's output (process_vm_writev), one
+copy where staging makes two, and reduce's ranks into the root's output
+alone; broadcast's ranks each read one block of the root's x and write it
+into every other output, so the root's core copies a share too. That needs every rank to be allowed to read
 and write every other's memory (the same user;
 Yama's ptrace_scope 0, or 1 with ranks that are each other's ancestors; no
 seccomp rule against it): the ranks find out at their first large call and
 all agree, and where any may not, every message keeps to staging
-(`FastCollectives.large_path` says which). Since allreduce's and reduce's
-peers write into a rank's output, a call that fails aborts the communicator
+(`FastCollectives.large_path` says which). Since allreduce's, reduce's and
+broadcast's peers write into a rank's output, a call that fails aborts the communicator
 and then waits until no peer is writing (`_shmloop.c`'s fence) before it
 raises.
 
@@ -76,14 +77,17 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 # output (a chunk's writes take microseconds; only a stopped or long
 # starved process takes longer).
 FENCE_SECONDS = 5.0
-# Where the ranks outnumber the cores, allgather and broadcast of up to this
-# many bytes per rank take the staged pipeline even where the single copy
-# was agreed: there every reader's process_vm_readv of the same pages, and
-# the readers' wait for each other's end, cost more than staging. Measured
-# with 4 processes on the 2 cores (docs/host-ranks.md, "Oversubscribed"):
-# MPICH/ours at 128 KiB to 2 MiB, broadcast 0.77-1.06 reading in place
-# against 1.17-1.59 staged (out of place); at 8 MiB per rank and above,
-# mixed or the single copy ahead.
+# Where the ranks outnumber the cores, allgather of up to this many bytes
+# per rank takes the staged pipeline even where the single copy was agreed:
+# there every reader's process_vm_readv of the same pages, and the readers'
+# wait for each other's end, cost more than staging. Measured with 4
+# processes on the 2 cores (docs/host-ranks.md, "Oversubscribed"): MPICH/ours
+# at 128 KiB to 2 MiB, broadcast 0.77-1.06 reading in place against
+# 1.17-1.59 staged (out of place); at 8 MiB per rank and above, mixed or the
+# single copy ahead. Broadcast no longer stages: since each rank moves one
+# block of the root's x into every output (_shmloop.c, spread_from_root),
+# its single copy measured faster than staging at 256 KiB and 1 MiB too
+# (4 processes, in place 1 MiB: 0.13 ms against 0.22).
 OVERSUBSCRIBED_STAGED_MAX = 2 << 20
 # Test-only knobs, read when a communicator is made (tests/fastpath_worker.py
 # sets them): seconds a writer is held inside each chunk's writes (the
