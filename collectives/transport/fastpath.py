@@ -6,10 +6,11 @@ takes a few microseconds of Python per call. For calls with `auto`, host
 ranks take this path instead: the compiled loop (_shmloop.c) over a channel
 of shared memory at the end of the control segment (layout.py), per rank
 
-    small slots   2 x (128-byte header + SMALL_MAX bytes): a message of up to
-                  SMALL_MAX bytes is one merged step: copy in, publish, wait
-                  once, take this rank's share of every rank's slot (the
-                  header names the call, so mismatched calls are caught);
+    small slots   2 x (128 unused bytes + SMALL_MAX bytes): a message of up
+                  to SMALL_MAX bytes is one merged step: copy in, publish,
+                  wait once, take this rank's share of every rank's slot
+                  (the row's SMALL_SIG slot of the parity names the call, so
+                  mismatched calls are caught);
     staging       2 x nranks chunks of CHUNK bytes: a larger allreduce is a
                   pipelined reduce-scatter and all-gather, chunk by chunk,
                   with per-chunk counters (rows' STAGED and REDUCED slots);

@@ -9,7 +9,10 @@ place that says where, so both import it and neither imports the other.
                 the class of the abort's cause; padded to 128 bytes
     rows        per rank, ROW int64 slots (128 bytes, so no two ranks'
                 counters share a cache line): COUNTER, PID, SEQ, SIG, GEN,
-                CAP; slots 8 and 9 the fast path's chunk counters, 10 its
+                CAP; slots 6 and 7 the merged step's call (SMALL_SIG, by
+                slot parity), in COUNTER's cache line so that a peer
+                that sees the counter has it too; slots 8 and 9 the fast
+                path's chunk counters, 10 its
                 waits asleep on the row (which publish() wakes), 11 and 12
                 the single-copy path's buffers, 13 whether it may reach
                 peers, 14 raised while it writes into peers, 15 the
@@ -33,6 +36,7 @@ place that says where, so both import it and neither imports the other.
     channel     from the next page: the fast path's channel, per rank
                   small slots   2 x (SLOT_HEADER + SMALL_MAX) bytes: the
                                 merged step of messages up to SMALL_MAX
+                                (the first SLOT_HEADER bytes unused)
                   staging       2 x nranks chunks of CHUNK bytes: the
                                 pipelined step of larger messages
 """
