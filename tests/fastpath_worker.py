@@ -397,7 +397,8 @@ def scenario_collective_faults(comm):
     stalled peer is a timeout on the merged step and the large path (cases
     0, 1), a dead one is named within a second (2), and ranks that make
     different calls (another collective of the same size, another root, a
-    plan against the loop) are told so (3 to 5)."""
+    plan against the loop, a barrier against the smallest allreduce) are
+    told so (3 to 6)."""
     case = int(os.environ["FASTPATH_CASE"])
     large = np.ones(3 << 18, np.float32)   # 3 MiB: the large path (and blocks for 3 ranks)
     if case == 0:
@@ -423,6 +424,7 @@ def scenario_collective_faults(comm):
             3: lambda: comm.allgather(x) if comm.rank == 0 else comm.reduce_scatter(x),
             4: lambda: comm.broadcast(large, root=0 if comm.rank == 0 else 1),
             5: lambda: comm.allgather(x) if comm.rank == 0 else planned(comm.allgather, x),
+            6: lambda: comm.barrier() if comm.rank == 0 else comm.allreduce(np.zeros(1, np.uint8)),
         }
         expect_a_different_call(mismatched[case], f"mismatched call {case}")
 

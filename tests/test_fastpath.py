@@ -118,8 +118,8 @@ def test_arrays_that_differ_between_ranks_are_taken_alike(n):
     check_large_path(report, "single-copy")
 
 
-@pytest.mark.parametrize("case", range(6), ids=["stalled-merged", "stalled-large", "killed", "another-collective",
-                                                 "another-root", "plan-vs-loop"])
+@pytest.mark.parametrize("case", range(7), ids=["stalled-merged", "stalled-large", "killed", "another-collective",
+                                                 "another-root", "plan-vs-loop", "barrier-vs-allreduce"])
 def test_the_other_collectives_fail_as_allreduce_does(case):
     oks, report = run_worker(3, "collective_faults", env={"FASTPATH_CASE": str(case)},
                              launcher_flags=["-disable-auto-cleanup"])

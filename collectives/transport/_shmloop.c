@@ -100,7 +100,8 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
  * (spread_from_root): all three write into a peer's memory, and a failed
  * call of theirs waits at the fence. The other two only read. */
 
-enum { K_ALLREDUCE = 0, K_REDUCE_SCATTER = 1, K_ALLGATHER = 2, K_BROADCAST = 3, K_REDUCE = 4 };
+enum { K_ALLREDUCE = 0, K_REDUCE_SCATTER = 1, K_ALLGATHER = 2, K_BROADCAST = 3, K_REDUCE = 4,
+       K_BARRIER = 5 };   /* a merged step of no bytes: Channel.barrier */
 
 typedef struct {
     int kind, root, type, op;
@@ -192,7 +193,7 @@ static PyObject *run_small(Channel *c, const Collective *k, int64_t base, int64_
      * peer one more line from this core: a quarter of the step's time at
      * 1 KiB). A peer on another path sees the stale SIG, which names no
      * call of this number, and reports the mismatch. */
-    if (is_read(k, r))
+    if (is_read(k, r) && k->nbytes > 0)
         memcpy(slot + SLOT_HEADER, k->in, k->nbytes);
     mine[SMALL_SIG + odd] = signature;
     mine[SEQ] = seq;
@@ -213,7 +214,8 @@ static PyObject *run_small(Channel *c, const Collective *k, int64_t base, int64_
         }
         at[p] = p == r ? k->in : c->small + p * c->small_stride + parity + SLOT_HEADER;
     }
-    take_segment(k, r, n, at, 0, k->nbytes);
+    if (k->nbytes > 0)
+        take_segment(k, r, n, at, 0, k->nbytes);
     publish(mine, COUNTER, base + 2);
     return PyLong_FromLong(OK);
 }
@@ -955,6 +957,21 @@ static PyObject *Channel_collective(Channel *c, PyObject *const *args, Py_ssize_
     return run_collective(c, kind, args[1], args[2], op, root, deadline);
 }
 
+/* channel.barrier(deadline) -> 0 once every rank has entered it, or a
+ * failure, as run_allreduce's: a merged step that moves no bytes, its
+ * signature a barrier's: 0.84 us between 2 processes, where protocol.py's
+ * took 4.6 (MPICH's 1.7), 3.3 us between 4 on 2 cores (MPICH's 10.8). */
+static PyObject *Channel_barrier(Channel *c, PyObject *arg)
+{
+    double deadline = PyFloat_AsDouble(arg);
+    if (deadline == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (c->closed)
+        Py_RETURN_NONE;
+    Collective k = {K_BARRIER, 0, 0, 0, 1, NULL, NULL, 0};
+    return run_taken(c, &k, deadline);
+}
+
 /* ---- The shortcuts ---------------------------------------------------------
  *
  * The communicator's first try at a call (communicator.py's
@@ -1255,6 +1272,8 @@ static PyMethodDef Channel_methods[] = {
      "once done, None where declined; failures go to on_failure"},
     {"bind_shortcuts", (PyCFunction)(void (*)(void))Channel_bind_shortcuts, METH_FASTCALL,
      "bind_shortcuts(arrays, ops, kinds, on_failure): what the shortcuts take, whom they tell of failures"},
+    {"barrier", (PyCFunction)Channel_barrier, METH_O,
+     "barrier(deadline): 0 once every rank entered it, None once closed, else a failure; see _shmloop.c"},
     {"close", (PyCFunction)Channel_close, METH_NOARGS,
      "close(): decline every later call (the channel's memory is about to be unmapped)"},
     {"fence_writes", (PyCFunction)Channel_fence_writes, METH_O,

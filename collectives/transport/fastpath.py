@@ -182,6 +182,23 @@ class FastCollectives:
         self.allreduce = self._channel.shortcut_allreduce
         self.collective = self._channel.shortcut
 
+    def barrier(self, deadline):
+        """Return once every rank has entered the barrier (a merged step of
+        no bytes in the loop); a failure raises as a collective's does.
+        False where the channel is closed."""
+        channel = self._channel
+        if channel is None:
+            return False
+        try:
+            status = channel.barrier(deadline)
+        except BaseException as error:   # a signal handler's (Ctrl-C) while it waited
+            self._failed(None, None, "sum", "barrier", 0, error)
+        if status is None:   # closed meanwhile
+            return False
+        if status != 0:
+            self._failed(status, None, "sum", "barrier", 0, None)
+        return True
+
     @property
     def channel(self):
         """The loop's _shmloop.Channel, whose calls across.py's Programs
@@ -210,8 +227,9 @@ class FastCollectives:
         kind, peer, have, need, seq = status
         group = self._group
         group._seq = seq   # noqa: SLF001 - the row's SEQ, which this call advanced
-        description = (f"{collective} of {x.size} {x.dtype} (op {list(ReduceOp)[OP_CODES[op]].value}, "
-                       f"root {root}, algorithm {path_for(x.nbytes)})")
+        description = "barrier" if x is None else (
+            f"{collective} of {x.size} {x.dtype} (op {list(ReduceOp)[OP_CODES[op]].value}, "
+            f"root {root}, algorithm {path_for(x.nbytes)})")
         if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health raises the aborting rank's class, or RankFailedError
             group.check_health(peer if kind == 3 else None, f"call #{seq}, {description}")
             raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")
