@@ -37,11 +37,12 @@ another path (a node without the compiled loop) sends another, and both
 ranks name the mismatch instead of exchanging the wrong bytes.
 
 The Communicator calls `allreduce` and `collective` below first (its
-compiled shortcuts, `_fast_allreduce` and `_fast_collective`): a call whose
-shape has a Program runs it without any other check (the Program checks the
-arrays' sizes and contiguity, and declines, running nothing, where they
-differ); any other call takes the general path, which lays out the Program
-at a shape's first call.
+compiled shortcuts, `_fast_allreduce` and `_fast_collective`, which are
+_across.c's Shortcuts): a call whose shape has a Program runs it without
+any Python (the Program checks the arrays' sizes and contiguity, and
+declines, running nothing, where they differ); what C leaves comes back to
+`_slow` and `_finish`; any other call takes the general path, which lays
+out the Program at a shape's first call.
 """
 
 import ctypes
@@ -113,6 +114,12 @@ class Programs:
         self._laid = {}       # (collective, dtype, count, op, root) -> Laid, the most recently used last
         self._bytes = 0
         self._stopped = False
+        # The shortcuts run a known shape's Program from C (_across.c:
+        # Shortcuts), and hand the rest to _slow and _finish below.
+        shortcuts = _across.Shortcuts(laid=self._laid, counter=h, array_type=np.ndarray, slow=self._slow,
+                                      finish=self._finish, own_index=Laid._fields.index("own"),
+                                      health_every=HEALTH_EVERY)
+        self.allreduce, self.collective = shortcuts.allreduce, shortcuts.collective
 
     def takes_large(self, call):
         return takes_large(self._h, call)
@@ -122,9 +129,29 @@ class Programs:
         """Whether Programs can run over `link` (MPI, and the extension built)."""
         return _across is not None and hasattr(link, "repeated_exchange") and _bound(link)
 
-    # -- the Communicator's shortcuts --------------------------------------------
+    # -- the Communicator's shortcuts, where C leaves the call ----------------------
 
-    def allreduce(self, x, op, out, timeout):
+    def _slow(self, collective, x, op, out, root, timeout):
+        """What the shortcuts in C leave (a Program that needs its `own`
+        view, reduce_scatter in place): the same call through Python."""
+        if collective == ALLREDUCE:
+            return self._allreduce(x, op, out, timeout)
+        return self._collective(collective, x, op, out, root, timeout)
+
+    def _finish(self, laid, status, x, out, deadline, error):
+        """After a shortcut's run that did not end at once: resume it, or
+        raise what it says (`error`: what the run raised), the
+        communicator aborted first."""
+        try:
+            if error is not None:
+                raise error
+            self._go_on(laid, status, x, out, deadline)
+        except BaseException as failure:
+            self._h.abort(failure)
+            raise
+        return True
+
+    def _allreduce(self, x, op, out, timeout):
         """Communicator._fast_allreduce: the result, or None to decline."""
         if x.__class__ is not np.ndarray:
             return None
@@ -139,7 +166,7 @@ class Programs:
             return None
         return out if self._fast(laid, x, out, timeout) else None
 
-    def collective(self, collective, x, op, out, root, timeout):
+    def _collective(self, collective, x, op, out, root, timeout):
         """Communicator._fast_collective: True once done, None to decline."""
         if x.__class__ is not np.ndarray:
             return None
