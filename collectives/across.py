@@ -8,7 +8,7 @@ run back to back:
               allreduce's): one call of the node's compiled loop, one
               message to or from each counterpart on the other nodes, the
               partials folded in node order or the data copied into place;
-    blocks    (an allreduce above SMALL_MAX whose count G divides): the
+    blocks    (an allreduce above the merged step's limit whose count G divides): the
               loop's reduce_scatter, which leaves local rank l the node's
               partial of block l; that block to and from each counterpart
               (local rank l of every node holds the same block); the
@@ -57,7 +57,6 @@ from .errors import CollectiveError, CollectiveTimeoutError
 from .hierarchy import _in_node_op, loop_runs_nodes
 from .ops import ReduceOp
 from .transport import fastpath
-from .transport.layout import SMALL_MAX
 from .transport.protocol import description_hash
 
 try:
@@ -324,7 +323,7 @@ def lay_out(h, call):
     nodes, k_me = h.topology.nodes, h.node_index
     counterparts = [node[h.local] for node in nodes]
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
-    blocks = call.collective == ALLREDUCE and call.count * call.dtype.itemsize > SMALL_MAX
+    blocks = call.collective == ALLREDUCE and call.count * call.dtype.itemsize > h.fast_small_max
     shape = (_blocks if blocks else _SMALL[call.collective])(h, call, counterparts, others)
     exchange = shape.exchange
     program = _across.Program(
@@ -343,7 +342,7 @@ def _address(array):
 def _loop_allreduce(h, call, into):
     """The node's loop allreduces x into `into` (in-node op: avg sums)."""
     code = fastpath.OP_CODES[_in_node_op(call.op)]
-    return h.shm.fast.channel.allreduce, (None, into, code, None, SMALL_MAX + 1), 0, -1, 3, -1
+    return h.shm.fast.channel.allreduce, (None, into, code, None, h.fast_small_max + 1), 0, -1, 3, -1
 
 
 def _loop(h, collective, source, into, code, root, own_source=False):

@@ -15,7 +15,7 @@ from .algorithms.schedule import (
 )
 from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
 from .compression import wire
-from .config import resolve_timeout
+from .config import DEFAULT_FAST_SMALL_MAX, resolve_timeout
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
 from .executors.paths import PLAIN, SYMMETRIC, CallShape
@@ -160,6 +160,9 @@ class Communicator:
         # And the other four: fast(collective, x, op, out, root, timeout)
         # returns True once done, or None to decline (see _fast).
         self._fast_collective = getattr(ranks, "fast_collective", None)
+        # The loop's merged-step limit (bytes per rank; config.FastSizes):
+        # where a call naming `direct` is the loop's step, and which step it is.
+        self._fast_small_max = getattr(ranks, "fast_small_max", DEFAULT_FAST_SMALL_MAX)
 
     @property
     def timeout(self):
@@ -259,7 +262,7 @@ class Communicator:
         fast = self._fast_allreduce
         if fast is not None and compression is None and algorithm.__class__ is str and not self._closed \
                 and not self._busy and (algorithm == "auto" or algorithm == "direct" and x.__class__ in fastpath.ARRAYS
-                                        and fastpath.runs_as_direct(ALLREDUCE, x.nbytes)):
+                                        and fastpath.runs_as_direct(ALLREDUCE, x.nbytes, self._fast_small_max)):
             result = fast(x, op, out, self.timeout)
             if result is not None:
                 return result
@@ -600,11 +603,13 @@ class Communicator:
         rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
         # (the ranks' own loop: a hierarchical communicator's shortcuts run its steps, not the loop's)
         loop = getattr(self._ranks, "fast_allreduce" if collective == ALLREDUCE else "fast_collective", None)
-        if (algorithm == "auto" or algorithm == "direct" and fastpath.runs_as_direct(collective, nbytes)) \
+        if (algorithm == "auto" or algorithm == "direct"
+                and fastpath.runs_as_direct(collective, nbytes, self._fast_small_max)) \
                 and dtype is not None and loop is not None and fastpath.takes(dtype) and compression is None:
             if rooted:
                 validation.root_rank(root, self.size)   # a bad root raises, as below
-            return auto.Choice(fastpath.path_for(nbytes) if algorithm == "auto" else algorithm, "compiled_loop")
+            return auto.Choice(fastpath.path_for(nbytes, self._fast_small_max) if algorithm == "auto" else algorithm,
+                               "compiled_loop")
         if compression is not None:
             plan = self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, algorithm,
                               (WORKSPACE, True), compression)

@@ -6,6 +6,7 @@ settings once, so two communicators never share a hidden knob.
 
 import math
 import os
+from typing import NamedTuple
 
 from .errors import InvalidUsageError
 
@@ -80,12 +81,57 @@ def resolve_fast_single_copy(enabled=None):
     return _switch(enabled, "fast_single_copy", FAST_SINGLE_COPY_ENV, default=True)
 
 
+FAST_SMALL_MAX_ENV = "COLLECTIVES_FAST_SMALL_MAX"
+FAST_CHUNK_ENV = "COLLECTIVES_FAST_CHUNK"
+# bytes: the compiled loop's merged step takes messages up to small_max per
+# rank, the pipeline above moves `chunk` bytes of every block per iteration
+# (measured best from 32 KiB to 1 MiB: docs/host-ranks.md).
+DEFAULT_FAST_SMALL_MAX = 64 << 10
+DEFAULT_FAST_CHUNK = 256 << 10
+
+
+class FastSizes(NamedTuple):
+    """The compiled loop's sizes (transport/layout.py lays its channel out
+    by them): every rank of a communicator must have the same."""
+    small_max: int   # bytes per rank a merged step takes at most
+    chunk: int       # bytes of a pipeline's or a staged segment's chunk
+
+
+def resolve_fast_sizes(small_max=None, chunk=None):
+    """The compiled loop's FastSizes: the arguments, else
+    $COLLECTIVES_FAST_SMALL_MAX and $COLLECTIVES_FAST_CHUNK (bytes), else
+    64 KiB and 256 KiB. A merged step's limit is a multiple of 8 bytes, a
+    chunk of 64 (the loop's slots and chunks start on cache lines)."""
+    return FastSizes(_bytes(small_max, "small_max", FAST_SMALL_MAX_ENV, DEFAULT_FAST_SMALL_MAX, 8),
+                     _bytes(chunk, "chunk", FAST_CHUNK_ENV, DEFAULT_FAST_CHUNK, 64))
+
+
+def _bytes(value, argument, variable, default, multiple):
+    """A positive byte count, a multiple of `multiple`: `value`, else
+    $`variable`, else `default`; InvalidUsageError naming where a bad one
+    came from."""
+    source = argument
+    if value is None:
+        value = os.environ.get(variable)
+        source = f"${variable}"
+        if value is None:
+            return default
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        raise InvalidUsageError(f"{source}: expected a number of bytes, got {value!r}") from None
+    if count <= 0 or count % multiple or count > 1 << 30:
+        raise InvalidUsageError(f"{source}: expected a positive multiple of {multiple} bytes up to 1 GiB, "
+                                f"got {value!r}")
+    return count
+
+
 def check_switches():
-    """Resolve every on/off variable above once, so that a bad value raises
+    """Resolve every variable above once, so that a bad value raises
     InvalidUsageError on every rank before any exchange (init and start
     call it), not on the first rank to read it while the others wait."""
     for resolve in (resolve_one_kernel_allreduce, resolve_compiled_plans, resolve_fast_path,
-                    resolve_fast_single_copy):
+                    resolve_fast_single_copy, resolve_fast_sizes):
         resolve()
 
 

@@ -87,12 +87,12 @@ import numpy as np
 from . import bootstrap
 from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT
 from .communicator import Communicator
+from .config import resolve_fast_sizes
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
 from .ops import ReduceOp
 from .plan import INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, SRC0, WORK
 from .transport import fastpath
-from .transport.layout import SMALL_MAX
 from .transport.protocol import call_signature
 from .validation import call_arguments
 
@@ -193,6 +193,8 @@ class HierarchyRanks:
         self.local = topology.local_of(rank)
         self._scratch = {}
         self.calls = 0          # calls made: each one's number goes into its signature
+        # the small path's limit: the node loop's merged step (config.FastSizes; a node of one rank has no loop)
+        self.fast_small_max = resolve_fast_sizes().small_max if shm is None else shm.fast_small_max
         # Polls of a Program's MPI requests before it yields its core: few
         # where this machine's ranks outnumber its cores (the peer may need this one).
         on_machine = topology.machines.count(topology.machines[rank])
@@ -448,7 +450,8 @@ def barrier(h, call, x, out, deadline):
 
 # -- small messages: the node's compiled loop, then one exchange between counterparts ----------
 #
-# A message of up to SMALL_MAX bytes per rank, where every node has G ranks
+# A message of up to the loop's merged-step limit per rank (h.fast_small_max),
+# where every node has G ranks
 # and the node's compiled loop takes the dtype (fastpath.py), is one call of
 # that loop inside the node and one exchange over MPI between counterparts,
 # the ranks of one local index l on every node:
@@ -472,7 +475,7 @@ def takes_small(h, call):
     nbytes = call.count * call.dtype.itemsize
     if call.collective == ALLGATHER:
         nbytes *= len(h.node_ranks)   # what a rank sends each counterpart
-    return 0 < nbytes <= SMALL_MAX and loop_runs_nodes(h, call)
+    return 0 < nbytes <= h.fast_small_max and loop_runs_nodes(h, call)
 
 
 def loop_runs_nodes(h, call):

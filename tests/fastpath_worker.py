@@ -29,6 +29,8 @@ from collectives.errors import CollectiveError, CollectiveTimeoutError, InvalidU
 from collectives.transport import fastpath
 
 TIMEOUT = 5.0
+# The loop's sizes, as the communicators made here resolve them (config.FastSizes).
+SIZES = collectives.config.resolve_fast_sizes()
 STALL_TIMEOUT = 1.0   # what a stalled-rank scenario waits: its waiting is the test's whole cost
 LOOP = sys.argv[2:] != ["no-loop"]
 DTYPES = [np.float32, np.float64, np.int8, np.uint8, np.int16, np.int32, np.uint32, np.int64, np.uint64]
@@ -39,8 +41,8 @@ OPS = ["sum", "prod", "max", "min", "avg"]
 def sizes_to_cover(itemsize):
     """Element counts on both sides of the loop's boundaries: the merged
     step's limit, one pipeline chunk per block, ragged blocks."""
-    small = fastpath.SMALL_MAX // itemsize
-    chunk = fastpath.CHUNK // itemsize
+    small = SIZES.small_max // itemsize
+    chunk = SIZES.chunk // itemsize
     return sorted({1, 3, 1000, small - 1, small, small + 1, 2 * chunk - 1, 2 * chunk + 7, 5 * chunk + 3})
 
 
@@ -97,8 +99,8 @@ def counts_to_cover(itemsize, n, collective):
     """Elements of x on both sides of the merged step's limit, and over
     several staging segments (nranks chunks each); reduce_scatter's a
     multiple of the rank count, as it must be."""
-    small = fastpath.SMALL_MAX // itemsize
-    segment = n * fastpath.CHUNK // itemsize
+    small = SIZES.small_max // itemsize
+    segment = n * SIZES.chunk // itemsize
     counts = [1, 1000, small, small + 1, segment + 3, 2 * segment + 11]
     return [c * n for c in {c // n or 1 for c in counts}] if collective == "reduce_scatter" else counts
 
@@ -145,7 +147,7 @@ def scenario_collectives(comm, digest):
         for dtype in DTYPES:
             itemsize = np.dtype(dtype).itemsize
             for count in counts_to_cover(itemsize, n, collective):
-                if count * itemsize > fastpath.SMALL_MAX and dtype not in (np.float32, np.float64, np.int8):
+                if count * itemsize > SIZES.small_max and dtype not in (np.float32, np.float64, np.int8):
                     continue
                 ops = OPS if collective in ("reduce_scatter", "reduce") else ["sum"]
                 for op, root in zip(ops, [0, n - 1, 0, n - 1, 0]):
@@ -157,7 +159,7 @@ def scenario_collectives(comm, digest):
                         plan_waits, staged = compiled.waits_made, loop._channel.staged_calls   # noqa: SLF001
                         got = fast()
                         assert compiled.waits_made == plan_waits, f"{collective} {how}: the loop declined the call"
-                        if count * itemsize > fastpath.SMALL_MAX:   # staged where it must be, and only there
+                        if count * itemsize > SIZES.small_max:   # staged where it must be, and only there
                             spread_staged = (oversubscribed and collective == "allgather"
                                              and x.nbytes <= fastpath.OVERSUBSCRIBED_STAGED_MAX)
                             want = loop.large_path == "staged" or spread_staged
@@ -184,7 +186,7 @@ def named_direct_takes_the_loop(comm, digest, rng):
     allreduce's, whose pipeline is two_shot's traffic), with the plan's bits."""
     n, compiled = comm.size, comm._ranks.compiled   # noqa: SLF001
     small = inputs(comm.rank, 4 * n, np.float64, rng)
-    large = inputs(comm.rank, fastpath.SMALL_MAX // 8 * n + n, np.float64, rng)
+    large = inputs(comm.rank, SIZES.small_max // 8 * n + n, np.float64, rng)
     for x in (small, large):
         k = x.size // n
         calls = {
@@ -199,7 +201,7 @@ def named_direct_takes_the_loop(comm, digest, rng):
                        lambda: planned(comm.reduce, x, root=0, out=np.empty_like(x))),
         }
         for collective, (named, reference) in calls.items():
-            looped = fastpath.runs_as_direct(collective, x.nbytes)
+            looped = fastpath.runs_as_direct(collective, x.nbytes, SIZES.small_max)
             plan_waits = compiled.waits_made
             got = named()
             assert (compiled.waits_made == plan_waits) == looped, f"{collective} {x.nbytes} bytes naming direct"
@@ -225,7 +227,7 @@ def scenario_edge_arrays(comm, digest):
     - a broadcast root's read-only output is refused, as the plans refuse it."""
     import mmap
     r, n = comm.rank, comm.size
-    large = (fastpath.SMALL_MAX // 4) * 3 + n * 16   # float32 elements: past the merged step, whole blocks
+    large = (SIZES.small_max // 4) * 3 + n * 16   # float32 elements: past the merged step, whole blocks
     x = np.arange(large, dtype=np.float32) + r
     sealed = mmap.mmap(-1, x.nbytes, prot=mmap.PROT_READ)
     out = np.zeros_like(x) if r == 0 else np.frombuffer(sealed, np.float32)
@@ -309,7 +311,7 @@ def scenario_declined(comm, digest):
     loop_dtypes = DTYPES + [np.uint16]
     for dtype in loop_dtypes + DECLINED + [np.dtype(">f4"), np.complex64]:
         taken = fast is not None and fast(np.ones(10, dtype), "sum", None, TIMEOUT) is not None
-        for nbytes, step in ((40, "merged"), (fastpath.SMALL_MAX + 8, "pipelined")):
+        for nbytes, step in ((40, "merged"), (SIZES.small_max + 8, "pipelined")):
             named = comm.chosen_algorithm("allreduce", nbytes, dtype=dtype)
             assert named == step if taken else named not in fastpath.PATHS, (dtype, nbytes, named, taken)
         assert taken == (LOOP and np.dtype(dtype) in loop_dtypes), dtype
@@ -390,6 +392,29 @@ def scenario_abort(comm):
         assert time.perf_counter() - start < TIMEOUT / 2
     else:
         raise AssertionError("allreduce completed after rank 0 aborted")
+
+
+def scenario_sizes(comm):
+    """The loop's sizes as the environment set them when the communicator
+    was made (tests/test_fastpath.py sets small ones): the channel is laid
+    out by them, `chosen_algorithm` names the step they give, and calls on
+    both sides of the limit and over several chunks give the direct plan's
+    bits."""
+    assert comm._ranks.fast.sizes == SIZES != (64 << 10, 256 << 10), SIZES   # noqa: SLF001
+    for nbytes, step in ((SIZES.small_max, "merged"), (SIZES.small_max + 8, "pipelined")):
+        assert comm.chosen_algorithm("allreduce", nbytes, dtype=np.float32) == step, nbytes
+    rng = np.random.default_rng(7 + comm.rank)
+    n = comm.size
+    for count in (SIZES.small_max // 4, SIZES.small_max // 4 + n, 3 * n * SIZES.chunk // 4 + 5 * n):
+        x = inputs(comm.rank, count, np.float32, rng)
+        got, want = comm.allreduce(x, out=np.empty_like(x)), planned(comm.allreduce, x, out=np.empty_like(x))
+        assert got.tobytes() == want.tobytes(), f"allreduce of {count}"
+        for collective in ("reduce_scatter", "allgather", "broadcast", "reduce"):
+            for how, fast, reference in calls_of(comm, collective, x, n - 1, "sum"):
+                got, want = fast(), reference()
+                if collective == "reduce" and comm.rank != n - 1:
+                    continue   # only the root's output is defined
+                assert got.tobytes() == want.tobytes(), f"{collective} {how} of {count}"
 
 
 def scenario_collective_faults(comm):
@@ -510,7 +535,7 @@ def scenario_late(comm):
     counters = comm._ranks.group._counters   # noqa: SLF001
     world = MPI.COMM_WORLD
     for late in range(comm.size):
-        for count in (100, (fastpath.SMALL_MAX >> 2) * 3):    # merged, pipelined
+        for count in (100, (SIZES.small_max >> 2) * 3):    # merged, pipelined
             if comm.rank == late:
                 time.sleep(0.05)
             x = np.arange(count, dtype=np.float64) + comm.rank
@@ -537,7 +562,7 @@ def scenario_slow_reader(comm):
     moment its call returns: the results must still be the inputs' (a rank
     returns only once every peer has finished reading it)."""
     n, r = comm.size, comm.rank
-    count = n * (fastpath.SMALL_MAX // 8 + 8)   # float64: above the merged step, a multiple of n
+    count = n * (SIZES.small_max // 8 + 8)   # float64: above the merged step, a multiple of n
     inputs = [np.arange(count, dtype=np.float64) + 1000.0 * p for p in range(n)]
     total = np.sum(inputs, axis=0)
     k = count // n
@@ -563,7 +588,7 @@ def main():
     if scenario == "fenced" and MPI.COMM_WORLD.rank == 1:
         fastpath.TEST_WRITE_STALL = FENCED_STALL   # read when the communicator is made
     if scenario == "slow_reader":
-        fastpath.OVERSUBSCRIBED_STAGED_MAX = 0   # allgather and broadcast read in place too, however many cores
+        fastpath.OVERSUBSCRIBED_STAGED_MAX = 0   # allgather reads in place too, however many cores
         if MPI.COMM_WORLD.rank != 0:
             fastpath.TEST_READ_STALL = SLOW_READ
     if "FASTPATH_SPREAD_STAGED_MAX" in os.environ:   # (tests/test_fastpath.py: the single copy on every rank count)

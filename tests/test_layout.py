@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from collectives.config import FastSizes, check_switches, resolve_fast_sizes
+from collectives.errors import InvalidUsageError
 from collectives.transport import layout
 
 TRANSPORT = Path(__file__).resolve().parents[1] / "collectives" / "transport"
@@ -27,13 +29,34 @@ def test_the_protocol_and_the_fast_path_do_not_import_each_other(module, other):
     assert other not in imported_modules(module)
 
 
-def test_the_channel_starts_on_a_page_after_the_reason_and_fits_every_rank():
+@pytest.mark.parametrize("sizes", [resolve_fast_sizes(), FastSizes(small_max=8, chunk=64),
+                                   FastSizes(small_max=1 << 20, chunk=1 << 20)])
+def test_the_channel_starts_on_a_page_after_the_reason_and_fits_every_rank(sizes):
     for size in (1, 2, 3, 8, 64):
         offset = layout.channel_offset(size)
         assert offset % layout.PAGE == 0
         assert offset >= 8 * (layout.HEADER + layout.ROW * size) + layout.HANDLE_BYTES * size + layout.REASON_BYTES
-        assert layout.control_bytes(size) - offset == layout.channel_bytes(size)
-        assert layout.channel_bytes(size) >= size * 2 * (layout.SMALL_MAX + size * layout.CHUNK)
+        assert layout.control_bytes(size, sizes) - offset == layout.channel_bytes(size, sizes)
+        assert layout.channel_bytes(size, sizes) >= size * 2 * (layout.SLOT_HEADER + sizes.small_max + size * sizes.chunk)
+        assert layout.small_area(size, sizes) % layout.PAGE == 0   # (the staging starts on a page)
+
+
+def test_the_loops_sizes_come_from_the_environment_when_resolved_and_bad_ones_are_named(monkeypatch):
+    monkeypatch.delenv("COLLECTIVES_FAST_SMALL_MAX", raising=False)
+    monkeypatch.delenv("COLLECTIVES_FAST_CHUNK", raising=False)
+    assert resolve_fast_sizes() == (64 << 10, 256 << 10)
+    monkeypatch.setenv("COLLECTIVES_FAST_SMALL_MAX", "4096")
+    monkeypatch.setenv("COLLECTIVES_FAST_CHUNK", "65536")
+    assert resolve_fast_sizes() == (4096, 65536)
+    assert resolve_fast_sizes(small_max=8) == (8, 65536)
+    for variable, value in (("COLLECTIVES_FAST_SMALL_MAX", "4097"), ("COLLECTIVES_FAST_SMALL_MAX", "0"),
+                            ("COLLECTIVES_FAST_CHUNK", "100"), ("COLLECTIVES_FAST_CHUNK", "64K")):
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(InvalidUsageError, match=variable):
+            resolve_fast_sizes()
+        with pytest.raises(InvalidUsageError, match=variable):
+            check_switches()
+        monkeypatch.setenv(variable, "65536")
 
 
 def test_the_compiled_loop_agrees_on_the_row_and_header_sizes():

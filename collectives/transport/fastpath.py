@@ -6,12 +6,12 @@ takes a few microseconds of Python per call. For calls with `auto`, host
 ranks take this path instead: the compiled loop (_shmloop.c) over a channel
 of shared memory at the end of the control segment (layout.py), per rank
 
-    small slots   2 x (128 unused bytes + SMALL_MAX bytes): a message of up
-                  to SMALL_MAX bytes is one merged step: copy in, publish,
+    small slots   2 x (128 unused bytes + small_max bytes): a message of up
+                  to small_max bytes is one merged step: copy in, publish,
                   wait once, take this rank's share of every rank's slot
                   (the row's SMALL_SIG slot of the parity names the call, so
                   mismatched calls are caught);
-    staging       2 x nranks chunks of CHUNK bytes: a larger allreduce is a
+    staging       2 x nranks chunks of `chunk` bytes: a larger allreduce is a
                   pipelined reduce-scatter and all-gather, chunk by chunk,
                   with per-chunk counters (rows' STAGED and REDUCED slots);
                   the other four move a larger message segment by segment,
@@ -60,7 +60,7 @@ import numpy as np
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from ..ops import ReduceOp
 from ..config import resolve_fast_path, resolve_fast_single_copy
-from .layout import CHUNK, HEADER, ROW, SMALL_MAX, small_area
+from .layout import HEADER, ROW, small_area
 
 try:
     from . import _shmloop
@@ -133,22 +133,23 @@ def same_traffic(collective, step):
     return "two_shot" if collective == "allreduce" and step == "pipelined" else "direct"
 
 
-def runs_as_direct(collective, nbytes):
+def runs_as_direct(collective, nbytes, small_max):
     """Whether the loop's step for this call is the `direct` algorithm
     itself (each rank reads what direct reads of every peer and folds in
     rank order), so that a call naming `direct` may take the loop: the
-    merged step of every collective, and the large message's step of all
-    but allreduce, whose pipeline moves two_shot's traffic (direct's bits)."""
-    return collective != "allreduce" or nbytes <= SMALL_MAX
+    merged step of every collective (up to `small_max` bytes per rank), and
+    the large message's step of all but allreduce, whose pipeline moves
+    two_shot's traffic (direct's bits)."""
+    return collective != "allreduce" or nbytes <= small_max
 
 
 def available():
     return _shmloop is not None
 
 
-def path_for(nbytes):
+def path_for(nbytes, small_max):
     """Which of the two steps a message of `nbytes` per rank takes."""
-    return PATHS[0] if nbytes <= SMALL_MAX else PATHS[1]
+    return PATHS[0] if nbytes <= small_max else PATHS[1]
 
 
 # what the loop folds (_shmloop.c's element_type); other dtypes decline
@@ -172,11 +173,13 @@ class FastCollectives:
         assert (ROW, HEADER) == (_shmloop.ROW_SLOTS, _shmloop.HEADER_SLOTS), "protocol.py and _shmloop.c disagree"
         assert KINDS == {name: getattr(_shmloop, name.upper()) for name in KINDS}, "_shmloop.c's K_ codes"
         self._group = group
+        self.sizes = sizes = group.fast_sizes   # (config.FastSizes: the channel's layout)
         self._channel = _shmloop.Channel(
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
-            small=channel_address, small_max=SMALL_MAX, staging=channel_address + small_area(group.size),
-            chunk=CHUNK, single_copy=resolve_fast_single_copy(), test_write_stall=TEST_WRITE_STALL,
+            small=channel_address, small_max=sizes.small_max,
+            staging=channel_address + small_area(group.size, sizes),
+            chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=TEST_WRITE_STALL,
             test_read_stall=TEST_READ_STALL, staged_spread_max=OVERSUBSCRIBED_STAGED_MAX if oversubscribed else 0)
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, self._failed)
         self.allreduce = self._channel.shortcut_allreduce
@@ -229,7 +232,7 @@ class FastCollectives:
         group._seq = seq   # noqa: SLF001 - the row's SEQ, which this call advanced
         description = "barrier" if x is None else (
             f"{collective} of {x.size} {x.dtype} (op {list(ReduceOp)[OP_CODES[op]].value}, "
-            f"root {root}, algorithm {path_for(x.nbytes)})")
+            f"root {root}, algorithm {path_for(x.nbytes, self.sizes.small_max)})")
         if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health raises the aborting rank's class, or RankFailedError
             group.check_health(peer if kind == 3 else None, f"call #{seq}, {description}")
             raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")

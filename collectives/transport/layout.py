@@ -34,14 +34,14 @@ place that says where, so both import it and neither imports the other.
                 the call's number and signature; then its description), which
                 peers compare (executors/device_protocol.py: CallRecords)
     channel     from the next page: the fast path's channel, per rank
-                  small slots   2 x (SLOT_HEADER + SMALL_MAX) bytes: the
-                                merged step of messages up to SMALL_MAX
+                  small slots   2 x (SLOT_HEADER + small_max) bytes: the
+                                merged step of messages up to small_max
                                 (the first SLOT_HEADER bytes unused)
-                  staging       2 x nranks chunks of CHUNK bytes: the
+                  staging       2 x nranks chunks of `chunk` bytes: the
                                 pipelined step of larger messages
+                (small_max and chunk: the communicator's config.FastSizes)
 """
 
-import os
 
 COUNTER, PID, SEQ, SIG, GEN, CAP = range(6)
 ROW = 16
@@ -64,11 +64,9 @@ CALL_RECORDS = 64
 CALL_RECORD_BYTES = 128
 CALL_DESCRIPTION_BYTES = CALL_RECORD_BYTES - 8
 
-# bytes: the merged step up to SMALL_MAX, the pipeline above, CHUNK bytes of
-# every block per iteration. Every rank must use the same values (mpiexec
-# passes the environment to all); the defaults were measured (docs/host-ranks.md).
-SMALL_MAX = int(os.environ.get("COLLECTIVES_FAST_SMALL_MAX", 64 << 10))
-CHUNK = int(os.environ.get("COLLECTIVES_FAST_CHUNK", 256 << 10))
+# The channel's sizes are a communicator's config.FastSizes (small_max: the
+# merged step's limit; chunk: the pipeline's), resolved when it is made;
+# every rank must have the same (mpiexec passes the environment to all).
 SLOT_HEADER = 128
 
 
@@ -99,16 +97,16 @@ def channel_offset(size):
     return -(-used // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
-def small_area(size):
-    """The channel's small slots, every rank's."""
-    return _pages(size * 2 * (SLOT_HEADER + SMALL_MAX))
+def small_area(size, sizes):
+    """The channel's small slots, every rank's (sizes: config.FastSizes)."""
+    return _pages(size * 2 * (SLOT_HEADER + sizes.small_max))
 
 
-def channel_bytes(size):
+def channel_bytes(size, sizes):
     """The channel's bytes for `size` ranks."""
-    return small_area(size) + _pages(size * 2 * size * CHUNK)
+    return small_area(size, sizes) + _pages(size * 2 * size * sizes.chunk)
 
 
-def control_bytes(size):
+def control_bytes(size, sizes):
     """The whole control segment, page-aligned. Pages nobody touches cost nothing."""
-    return channel_offset(size) + channel_bytes(size)
+    return channel_offset(size) + channel_bytes(size, sizes)

@@ -61,6 +61,7 @@ import weakref
 
 import numpy as np
 
+from ..config import resolve_fast_sizes
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, class_of_kind, kind_of
 from .layout import (  # noqa: F401 (ROW and HEADER: other modules read the layout here too)
     ABORT, ABORT_KIND, ABORT_RANK, CAP, COUNTER, GEN, HANDLE_BYTES, HEADER, PID, REASON_BYTES, ROW, SEQ, SIG,
@@ -206,7 +207,10 @@ class ProcessGroup:
     def __init__(self, rank, size, prefix, memory):
         self.rank, self.size, self.prefix = rank, size, prefix
         self._memory = memory
-        self._control_segment = Segment(control_name(prefix), control_bytes(size), create=(rank == 0))
+        # the compiled loop's channel sizes, which the segment's size depends on
+        self.fast_sizes = resolve_fast_sizes()
+        self._control_segment = Segment(control_name(prefix), control_bytes(size, self.fast_sizes),
+                                        create=(rank == 0))
         buf = self._control_segment.buf
         self._header = np.ndarray((HEADER,), np.int64, buf)
         self._rows = np.ndarray((size, ROW), np.int64, buf, offset=8 * HEADER)
