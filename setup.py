@@ -19,7 +19,8 @@ def host_ranks_extension(name):
         "collectives." + name.replace("/", "."),
         sources=[f"collectives/{name}.c"],
         include_dirs=["collectives/transport", "collectives/executors"],
-        depends=["collectives/transport/shm_waits.h", "collectives/executors/host_folds.h"],
+        depends=["collectives/transport/shm_waits.h", "collectives/transport/raised.h",
+                 "collectives/executors/host_folds.h"],
         extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
         optional=True,
     )

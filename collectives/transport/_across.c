@@ -40,6 +40,7 @@
 
 #include "shm_waits.h"
 #include "host_folds.h"
+#include "raised.h"
 
 typedef int (*mpi_start_fn)(void *request);
 typedef int (*mpi_test_fn)(void *request, int *flag, void *status);
@@ -670,20 +671,7 @@ static PyObject *shortcut_call(Shortcuts *s, PyObject *collective, PyObject *x, 
             result = Py_NewRef(Py_None);
         Py_XDECREF(back);
     } else if (deadline_object != NULL) {   /* went on, failed or raised: Python resumes, aborts or raises */
-        PyObject *error = NULL;
-        if (status == NULL) {
-#if PY_VERSION_HEX >= 0x030C0000
-            error = PyErr_GetRaisedException();
-#else
-            PyObject *type, *traceback;
-            PyErr_Fetch(&type, &error, &traceback);
-            PyErr_NormalizeException(&type, &error, &traceback);
-            if (traceback != NULL && error != NULL)
-                PyException_SetTraceback(error, traceback);
-            Py_XDECREF(type);
-            Py_XDECREF(traceback);
-#endif
-        }
+        PyObject *error = status == NULL ? take_raised() : NULL;
         if (status != NULL || error != NULL) {
             PyObject *finished = PyObject_CallFunctionObjArgs(s->finish, laid, status != NULL ? status : Py_None, x,
                                                               out, deadline_object, error != NULL ? error : Py_None,

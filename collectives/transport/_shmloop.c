@@ -17,6 +17,7 @@
 
 #include "shm_waits.h"
 #include "host_folds.h"
+#include "raised.h"
 
 /* ------------------------------------------------------------------------ */
 /* The channel                                                              */
@@ -1021,17 +1022,7 @@ static PyObject *answer(Channel *c, PyObject *status, PyObject *done, PyObject *
         return status;
     PyObject *error = NULL;
     if (status == NULL) {   /* a signal handler raised while the call waited */
-#if PY_VERSION_HEX >= 0x030C0000
-        error = PyErr_GetRaisedException();
-#else
-        PyObject *type, *traceback;
-        PyErr_Fetch(&type, &error, &traceback);
-        PyErr_NormalizeException(&type, &error, &traceback);
-        if (traceback != NULL)
-            PyException_SetTraceback(error, traceback);
-        Py_XDECREF(type);
-        Py_XDECREF(traceback);
-#endif
+        error = take_raised();
         if (error == NULL)
             return NULL;
         status = Py_NewRef(Py_None);
