@@ -4,16 +4,20 @@ Where every node has as many ranks (G) and the node's compiled loop takes
 the dtype, hierarchy.py's calls across nodes are a few steps that C can
 run back to back:
 
-    small     (any collective; hierarchy.small's steps, at any size but an
-              allreduce's): one call of the node's compiled loop, one
+    small     (any collective; hierarchy.small's steps, at any size but
+              the two below): one call of the node's compiled loop, one
               message to or from each counterpart on the other nodes, the
               partials folded in node order or the data copied into place;
-    blocks    (an allreduce above the merged step's limit whose count G divides): the
-              loop's reduce_scatter, which leaves local rank l the node's
-              partial of block l; that block to and from each counterpart
-              (local rank l of every node holds the same block); the
-              block's partials folded in node order; the loop's all-gather
-              of the blocks into out.
+    blocks    (an allreduce above the merged step's limit whose count G
+              divides): the loop's reduce_scatter, which leaves local rank
+              l the node's partial of block l; that block to and from each
+              counterpart (local rank l of every node holds the same
+              block); the block's partials folded in node order; the
+              loop's all-gather of the blocks into out;
+    slices    (a broadcast above that limit whose count G divides): the
+              root's node broadcasts, its local rank l sends slice l to
+              its counterparts, and every other node's loop all-gathers
+              the slices it received into out.
 
 Driven from Python the small path cost about 20 µs a call between two
 one-process pretend nodes, where MPICH's allreduce costs 3, and the general
@@ -323,8 +327,14 @@ def lay_out(h, call):
     nodes, k_me = h.topology.nodes, h.node_index
     counterparts = [node[h.local] for node in nodes]
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
-    blocks = call.collective == ALLREDUCE and call.count * call.dtype.itemsize > h.fast_small_max
-    shape = (_blocks if blocks else _SMALL[call.collective])(h, call, counterparts, others)
+    large = call.count * call.dtype.itemsize > h.fast_small_max
+    if large and call.collective == ALLREDUCE:
+        lay = _blocks
+    elif large and call.collective == BROADCAST and h.shm is not None and call.count % len(h.node_ranks) == 0:
+        lay = _broadcast_in_slices
+    else:
+        lay = _SMALL[call.collective]
+    shape = lay(h, call, counterparts, others)
     exchange = shape.exchange
     program = _across.Program(
         first_step=shape.first_step, before=shape.before, send_headers=exchange.send_header_addresses(),
@@ -477,6 +487,29 @@ def _broadcast(h, call, counterparts, others):
     else:
         first, before = _loop(h, "broadcast", None, None, 0, h.topology.local_of(call.root)), []
     before += [((OUT, 0), (ADDRESS, _address(payload)), nbytes) for payload in exchange.send_payloads[:1]]
+    return Shape(exchange, nbytes, nbytes, first_step=first, before=before, steps=("broadcast", ""))
+
+
+def _broadcast_in_slices(h, call, counterparts, others):
+    """A large broadcast whose count the node size G divides: the root's
+    node broadcasts (the loop), and its local rank l sends slice l (a G-th
+    of the data) to its counterparts; on every other node, local rank l
+    receives slice l and the loop all-gathers the slices into out. So a node
+    receives the data once, where each of its ranks receiving all of it made
+    G times the traffic between nodes (and, on pretend nodes, G times the
+    copies through MPI)."""
+    OUT, ADDRESS = _across.OUT, _across.ADDRESS
+    nbytes = call.count * call.dtype.itemsize
+    piece = nbytes // len(h.node_ranks)
+    root_node = h.topology.node_of(call.root)
+    if h.node_index != root_node:
+        exchange = h.link.repeated_exchange([], [(counterparts[root_node], piece)])
+        mine = exchange.receive_payloads[0].view(call.dtype)
+        return Shape(exchange, nbytes, nbytes, last_step=_loop(h, "allgather", mine, None, 0, 0),
+                     steps=("", "allgather"))
+    exchange = h.link.repeated_exchange([(peer, piece) for peer in others], [], one_payload=True)
+    first = _loop(h, "broadcast", None, None, 0, h.topology.local_of(call.root))
+    before = [((OUT, h.local * piece), (ADDRESS, _address(exchange.send_payloads[0])), piece)]
     return Shape(exchange, nbytes, nbytes, first_step=first, before=before, steps=("broadcast", ""))
 
 

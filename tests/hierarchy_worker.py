@@ -338,7 +338,13 @@ def scenario_repeated(comm):
                 check(comm.allreduce(values[r].copy(), op=op), want, f"{case} in place")
                 rows = [v[:large // 4] for v in values]   # an allgather past the small path's limit
                 check(comm.allgather(rows[r]), np.concatenate(rows), f"allgather of {large // 4} {dtype} {case}")
-                calls += 3
+                # a broadcast past it: in slices where every node's size divides the count (across.py), else whole
+                for count, root in ((large, (repeat + 1) % n), (large - 1, n - 1 - repeat % n)):
+                    check(comm.broadcast(values[r][:count].copy(), root=root), values[root][:count],
+                          f"broadcast of {count} from {root} in place {case}")
+                    check(comm.broadcast(values[r][:count], root=root, out=np.zeros(count, dtype)),
+                          values[root][:count], f"broadcast of {count} from {root} {case}")
+                calls += 7
     # the general path took each shape's first calls only (the reduce and broadcast roots move between repeats)
     assert len(general) < calls / 2, f"{len(general)} of {calls} calls took the general path"
     comm.barrier()
