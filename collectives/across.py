@@ -52,6 +52,7 @@ out the Program at a shape's first call.
 import ctypes
 import os
 import time
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -119,9 +120,10 @@ class Programs:
         self._stopped = False
         # The shortcuts run a known shape's Program from C (_across.c:
         # Shortcuts), and hand the rest to _slow and _finish below.
-        shortcuts = _across.Shortcuts(laid=self._laid, counter=h, array_type=np.ndarray, slow=self._slow,
-                                      finish=self._finish, own_index=Laid._fields.index("own"),
-                                      health_every=HEALTH_EVERY)
+        # (Held weakly, as fastpath.weakly says why: h and this object hold the shortcuts.)
+        shortcuts = _across.Shortcuts(laid=self._laid, counter=weakref.proxy(h), array_type=np.ndarray,
+                                      slow=fastpath.weakly(self._slow), finish=fastpath.weakly(self._finish),
+                                      own_index=Laid._fields.index("own"), health_every=HEALTH_EVERY)
         self.allreduce, self.collective = shortcuts.allreduce, shortcuts.collective
 
     def takes_large(self, call):

@@ -9,12 +9,14 @@ same scenario runs on the NumPy interpreter alone. Each rank prints
 can be compared bit for bit.
 """
 
+import gc
 import hashlib
 import os
 import signal
 import sys
 import threading
 import time
+import weakref
 
 if len(sys.argv) > 2 and sys.argv[2] == "no-loop":
     sys.modules["collectives.transport._shmloop"] = None   # import now raises ImportError
@@ -392,6 +394,28 @@ def scenario_abort(comm):
         assert time.perf_counter() - start < TIMEOUT / 2
     else:
         raise AssertionError("allreduce completed after rank 0 aborted")
+
+
+def scenario_dropped(comm):
+    """A second communicator, used through every shortcut and dropped
+    without close(), frees its shared memory at once: nothing holds it in
+    a reference cycle (the garbage collector is off while it lives), as the
+    channel's callbacks once did."""
+    gc.disable()
+    try:
+        other = collectives.init(timeout=TIMEOUT)
+        x = np.ones(8 * other.size, np.float32)
+        other.allreduce(x)
+        for collective in ("reduce_scatter", "allgather", "broadcast", "reduce"):
+            for _, fast, reference in calls_of(other, collective, x, 0, "sum"):
+                fast()
+        other.barrier()
+        group = weakref.ref(other._ranks.group)   # noqa: SLF001
+        del other, fast, reference   # (the calls' closures hold it too)
+        assert group() is None, "a dropped communicator's process group outlived it (a reference cycle)"
+    finally:
+        gc.enable()
+    comm.barrier()
 
 
 def scenario_sizes(comm):

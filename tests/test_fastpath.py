@@ -101,6 +101,11 @@ def test_faults_on_the_pipelined_path(scenario, large_path):
     assert must_report <= {rank for rank, _ in oks}, report
 
 
+def test_a_communicator_dropped_without_close_frees_its_memory_at_once():
+    oks, report = run_worker(2, "dropped")
+    assert len(oks) == 2, report
+
+
 def test_the_loops_sizes_are_the_environments_when_a_communicator_is_made():
     oks, report = run_worker(2, "sizes", env={"COLLECTIVES_FAST_SMALL_MAX": "4096", "COLLECTIVES_FAST_CHUNK": "65536"})
     assert len(oks) == 2, report

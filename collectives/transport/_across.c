@@ -607,7 +607,7 @@ static PyObject *shortcut_call(Shortcuts *s, PyObject *collective, PyObject *x, 
         Py_XDECREF(dtype);
         return NULL;
     }
-    PyObject *laid = PyDict_GetItemWithError(s->laid, key);   /* borrowed */
+    PyObject *laid = PyDict_GetItemWithError(s->laid, key);
     Py_DECREF(key);
     if (laid == NULL) {
         Py_DECREF(dtype);
@@ -618,15 +618,16 @@ static PyObject *shortcut_call(Shortcuts *s, PyObject *collective, PyObject *x, 
         PyErr_Clear();
         Py_RETURN_NONE;
     }
+    Py_INCREF(laid);   /* (held: Python code below, a collection included, may drop it from the dict) */
+    PyObject *result = NULL, *deadline_object = NULL, *poll_object = NULL, *seq = NULL, *status = NULL;
     if (!PyTuple_Check(laid) || PyTuple_GET_SIZE(laid) <= s->own_index
         || !PyObject_TypeCheck(PyTuple_GET_ITEM(laid, 0), &ProgramType)) {
-        Py_DECREF(dtype);
         PyErr_SetString(PyExc_TypeError, "Programs._laid holds something other than a Laid");
-        return NULL;
+        goto done;
     }
     if (PyTuple_GET_ITEM(laid, s->own_index) != Py_None) {   /* a large allreduce's blocks */
-        Py_DECREF(dtype);
-        goto slow;
+        result = PyObject_CallFunctionObjArgs(s->slow, collective, x, op, out, root, timeout_object, NULL);
+        goto done;
     }
     if (out == Py_None) {
         out = x;
@@ -634,35 +635,23 @@ static PyObject *shortcut_call(Shortcuts *s, PyObject *collective, PyObject *x, 
         PyObject *out_dtype = PyObject_GetAttr(out, s->dtype_name);
         int same = out_dtype == NULL ? -1 : PyObject_RichCompareBool(out_dtype, dtype, Py_EQ);
         Py_XDECREF(out_dtype);
-        if (same < 0) {
-            Py_DECREF(dtype);
-            return NULL;
+        if (same <= 0) {   /* another dtype: declined (the checks name it) */
+            result = same < 0 ? NULL : Py_NewRef(Py_None);
+            goto done;
         }
-        if (!same) {
-            Py_DECREF(dtype);
-            Py_RETURN_NONE;
-        }
-    }
-    Py_DECREF(dtype);
-    Py_INCREF(laid);   /* (a Python callback below may drop it from the dict) */
-    PyObject *calls = PyObject_GetAttr(s->counter, s->calls_name);
-    PyObject *seq = calls == NULL ? NULL : PyNumber_Add(calls, s->one);
-    Py_XDECREF(calls);
-    if (seq == NULL || PyObject_SetAttr(s->counter, s->calls_name, seq) < 0) {
-        Py_XDECREF(seq);
-        Py_DECREF(laid);
-        return NULL;
     }
     double now = now_seconds(), deadline = now + timeout;
     double poll_until = now + s->health_every < deadline ? now + s->health_every : deadline;
-    PyObject *deadline_object = PyFloat_FromDouble(deadline), *poll_object = PyFloat_FromDouble(poll_until);
-    PyObject *status = NULL;
-    if (deadline_object != NULL && poll_object != NULL) {
-        PyObject *args[5] = {x, out, seq, deadline_object, poll_object};
-        status = Program_run((Program *)PyTuple_GET_ITEM(laid, 0), args, 5);
-    }
-    Py_XDECREF(poll_object);
-    PyObject *result = NULL;
+    deadline_object = PyFloat_FromDouble(deadline);
+    poll_object = PyFloat_FromDouble(poll_until);
+    PyObject *calls = deadline_object == NULL || poll_object == NULL ? NULL
+                    : PyObject_GetAttr(s->counter, s->calls_name);
+    seq = calls == NULL ? NULL : PyNumber_Add(calls, s->one);
+    Py_XDECREF(calls);
+    if (seq == NULL || PyObject_SetAttr(s->counter, s->calls_name, seq) < 0)   /* (nothing ran) */
+        goto done;
+    PyObject *args[5] = {x, out, seq, deadline_object, poll_object};
+    status = Program_run((Program *)PyTuple_GET_ITEM(laid, 0), args, 5);
     if (status != NULL && PyLong_CheckExact(status)) {   /* 0: done */
         result = Py_NewRef(is_allreduce ? out : Py_True);
     } else if (status == Py_None) {   /* the arrays are not the Program's: nothing ran, the checks run it */
@@ -670,7 +659,7 @@ static PyObject *shortcut_call(Shortcuts *s, PyObject *collective, PyObject *x, 
         if (back != NULL && PyObject_SetAttr(s->counter, s->calls_name, back) == 0)
             result = Py_NewRef(Py_None);
         Py_XDECREF(back);
-    } else if (deadline_object != NULL) {   /* went on, failed or raised: Python resumes, aborts or raises */
+    } else {   /* went on, failed or raised: Python resumes, aborts or raises */
         PyObject *error = status == NULL ? take_raised() : NULL;
         if (status != NULL || error != NULL) {
             PyObject *finished = PyObject_CallFunctionObjArgs(s->finish, laid, status != NULL ? status : Py_None, x,
@@ -683,9 +672,12 @@ static PyObject *shortcut_call(Shortcuts *s, PyObject *collective, PyObject *x, 
         }
         Py_XDECREF(error);
     }
+done:
     Py_XDECREF(status);
+    Py_XDECREF(seq);
+    Py_XDECREF(poll_object);
     Py_XDECREF(deadline_object);
-    Py_DECREF(seq);
+    Py_DECREF(dtype);
     Py_DECREF(laid);
     return result;
 slow:

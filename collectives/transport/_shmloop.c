@@ -990,11 +990,12 @@ static PyObject *Channel_barrier(Channel *c, PyObject *arg)
 static int op_code(Channel *c, PyObject *op)
 {
     PyObject *code = PyDict_GetItemWithError(c->ops, op);
-    if (code == NULL) {
+    long value = code == NULL ? -1 : PyLong_AsLong(code);
+    if (PyErr_Occurred()) {
         PyErr_Clear();
         return -1;
     }
-    return (int)PyLong_AsLong(code);
+    return (int)value;
 }
 
 /* The array types the shortcuts take: exactly these (a subclass may mean
@@ -1067,13 +1068,16 @@ static PyObject *Channel_shortcut(Channel *c, PyObject *const *args, Py_ssize_t 
     PyObject *x = args[1], *out = args[3];
     if (c->on_failure == NULL || !taken_array(c, x) || (out != Py_None && !taken_array(c, out)))
         Py_RETURN_NONE;
-    PyObject *kind = PyDict_GetItemWithError(c->kinds, args[0]);
+    PyObject *kind = PyDict_GetItemWithError(c->kinds, args[0]);   /* (borrowed: read before any Python runs) */
     if (kind == NULL) {
         if (PyErr_Occurred())
             return NULL;
         Py_RETURN_NONE;
     }
-    int op = op_code(c, args[2]);
+    long kind_code = PyLong_AsLong(kind);
+    if (kind_code == -1 && PyErr_Occurred())
+        return NULL;
+    int op = op_code(c, args[2]);   /* (may run an op's __hash__ and __eq__) */
     long root = PyLong_AsLong(args[4]);
     if (root == -1 && PyErr_Occurred()) {   /* no rank: the caller's checks say so */
         PyErr_Clear();
@@ -1084,7 +1088,7 @@ static PyObject *Channel_shortcut(Channel *c, PyObject *const *args, Py_ssize_t 
         return NULL;
     if (op < 0 || root < 0 || root >= c->waits.nranks)
         Py_RETURN_NONE;
-    PyObject *status = run_collective(c, (int)PyLong_AsLong(kind), x, out, op, (int)root, now_seconds() + timeout);
+    PyObject *status = run_collective(c, (int)kind_code, x, out, op, (int)root, now_seconds() + timeout);
     return answer(c, status, Py_True, x, args[2], args[0], (int)root);
 }
 

@@ -54,6 +54,7 @@ there is no fast path.
 
 import os
 import warnings
+import weakref
 
 import numpy as np
 
@@ -162,6 +163,19 @@ def takes(dtype):
     return np.dtype(dtype) in LOOP_DTYPES
 
 
+def weakly(method):
+    """`method` (a bound method) called through a weak reference to its
+    object. A C object that the method's object holds (a channel, across.py's
+    Shortcuts) keeps its callbacks so, or the two would make a cycle: a
+    communicator dropped without close() would keep its shared memory until
+    the garbage collector ran, where it is freed at once."""
+    reference = weakref.WeakMethod(method)
+
+    def call(*arguments):
+        return reference()(*arguments)
+    return call
+
+
 class FastCollectives:
     """The compiled loop of one rank: `allreduce(x, op, out, timeout)` and
     `collective(collective, x, op, out, root, timeout)` are the channel's
@@ -181,7 +195,7 @@ class FastCollectives:
             staging=channel_address + small_area(group.size, sizes),
             chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=TEST_WRITE_STALL,
             test_read_stall=TEST_READ_STALL, staged_spread_max=OVERSUBSCRIBED_STAGED_MAX if oversubscribed else 0)
-        self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, self._failed)
+        self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
         self.collective = self._channel.shortcut
 
