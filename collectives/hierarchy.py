@@ -193,8 +193,9 @@ class HierarchyRanks:
         self.local = topology.local_of(rank)
         self._scratch = {}
         self.calls = 0          # calls made: each one's number goes into its signature
-        # the small path's limit: the node loop's merged step (config.FastSizes; a node of one rank has no loop)
-        self.fast_small_max = resolve_fast_sizes().small_max if shm is None else shm.fast_small_max
+        # the small path's limit (config.FastSizes): the loop's slots, the same on every node whatever its
+        # cores (inside a node, its loop may take a message above its own merged step's limit the large way)
+        self.fast_small_max = (resolve_fast_sizes() if shm is None else shm.group.fast_sizes).small_max
         # Polls of a Program's MPI requests before it yields its core: few
         # where this machine's ranks outnumber its cores (the peer may need this one).
         on_machine = topology.machines.count(topology.machines[rank])

@@ -203,7 +203,7 @@ def named_direct_takes_the_loop(comm, digest, rng):
                        lambda: planned(comm.reduce, x, root=0, out=np.empty_like(x))),
         }
         for collective, (named, reference) in calls.items():
-            looped = fastpath.runs_as_direct(collective, x.nbytes, SIZES.small_max)
+            looped = fastpath.runs_as_direct(collective, x.nbytes, comm._ranks.fast_small_max)   # noqa: SLF001
             plan_waits = compiled.waits_made
             got = named()
             assert (compiled.waits_made == plan_waits) == looped, f"{collective} {x.nbytes} bytes naming direct"

@@ -27,7 +27,8 @@ typedef struct {
     Waits waits;
     char *small;            /* rank r's small slots: small + r * small_stride */
     size_t small_stride;    /* 2 slots of SLOT_HEADER + small_max */
-    size_t small_max;
+    size_t small_max;       /* the slots' size */
+    size_t merged_max;      /* messages of up to this many bytes take the merged step (<= small_max) */
     char *staging;          /* rank r's staging: staging + r * staging_stride */
     size_t staging_stride;  /* 2 parities of nranks chunks */
     size_t chunk;           /* bytes per chunk */
@@ -778,7 +779,7 @@ static PyObject *run_taken(Channel *c, const Collective *k, double deadline)
         w->failed_peer = -1;
         return failure(w, ABORTED, seq);
     }
-    if (k->nbytes <= c->small_max)
+    if (k->nbytes <= c->merged_max)
         return run_small(c, k, base, seq);
     if (k->kind == K_ALLREDUCE)
         return run_pipelined(c, k->in, k->out, k->nbytes, k->itemsize, k->type, k->op, base, seq);
@@ -812,7 +813,9 @@ static const char *input_to_read(const char *x, size_t nbytes, const char *out, 
 /* An allreduce of x into out (x itself: in place): 0, or None when this
  * loop does not take the call (the interpreter's path then checks it and
  * runs or refuses it), or (status, peer, have, need, seq) when it failed,
- * or NULL with an exception (a signal handler's while it waited). */
+ * or NULL with an exception (a signal handler's while it waited). A message
+ * above merged_max takes the pipeline only from `pipelined_from` bytes on
+ * (0: at every size). */
 static PyObject *run_allreduce(Channel *c, PyObject *x_object, PyObject *out_object, int op, double deadline,
                                Py_ssize_t pipelined_from)
 {
@@ -835,7 +838,7 @@ static PyObject *run_allreduce(Channel *c, PyObject *x_object, PyObject *out_obj
     size_t nbytes = (size_t)x.len;
     int takes = type >= 0 && op >= 0 && op <= OP_AVG && x.len > 0 && c->waits.nranks <= 256
                 && o->len == x.len && element_type(o) == type && o->itemsize == x.itemsize
-                && (nbytes <= c->small_max || (Py_ssize_t)nbytes >= pipelined_from);
+                && (nbytes <= c->merged_max || (Py_ssize_t)nbytes >= pipelined_from);
     char *copy = NULL;
     const char *in = takes ? input_to_read(x.buf, nbytes, o->buf, nbytes, x.buf == o->buf, &copy) : x.buf;
     if (in == NULL) {
@@ -1052,7 +1055,7 @@ static PyObject *Channel_shortcut_allreduce(Channel *c, PyObject *const *args, P
         return NULL;
     if (op < 0)
         Py_RETURN_NONE;
-    PyObject *status = run_allreduce(c, x, out, op, now_seconds() + timeout, (Py_ssize_t)c->small_max + 1);
+    PyObject *status = run_allreduce(c, x, out, op, now_seconds() + timeout, 0);
     return answer(c, status, out, x, args[1], c->allreduce_name, 0);
 }
 
@@ -1121,7 +1124,7 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", "small", "small_max",
                             "staging", "chunk", "single_copy", "test_write_stall", "test_read_stall",
-                            "staged_spread_max", NULL};
+                            "staged_spread_max", "merged_max", NULL};
     unsigned long long header, rows, small, staging;
     unsigned long long small_max, chunk;
     int rank, nranks;
@@ -1129,10 +1132,10 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     double yield_seconds;
     int single_copy = 1;
     double test_write_stall = 0, test_read_stall = 0;
-    unsigned long long staged_spread_max = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pddK", names, &header, &rows, &rank, &nranks,
+    unsigned long long staged_spread_max = 0, merged_max = ULLONG_MAX;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pddKK", names, &header, &rows, &rank, &nranks,
                                      &spin, &yield_seconds, &small, &small_max, &staging, &chunk, &single_copy,
-                                     &test_write_stall, &test_read_stall, &staged_spread_max))
+                                     &test_write_stall, &test_read_stall, &staged_spread_max, &merged_max))
         return -1;
     if (nranks < 1 || nranks > 256 || rank < 0 || rank >= nranks || chunk == 0 || chunk % 64) {
         PyErr_SetString(PyExc_ValueError, "a channel has 1 to 256 ranks and chunks of a multiple of 64 bytes");
@@ -1147,6 +1150,7 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     c->waits.yield_seconds = yield_seconds;
     c->small = (char *)(uintptr_t)small;
     c->small_max = (size_t)small_max;
+    c->merged_max = merged_max < small_max ? (size_t)merged_max : (size_t)small_max;
     c->small_stride = 2 * (SLOT_HEADER + (size_t)small_max);
     c->staging = (char *)(uintptr_t)staging;
     c->chunk = (size_t)chunk;
@@ -1240,12 +1244,18 @@ static PyObject *Channel_large_path(Channel *c, void *Py_UNUSED(closure))
     return PyUnicode_FromString(c->single_copy == 2 ? "single-copy" : c->single_copy == 1 ? "staged" : "undecided");
 }
 
+static PyObject *Channel_merged_max(Channel *c, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(c->merged_max);
+}
+
 static PyObject *Channel_staged_calls(Channel *c, void *Py_UNUSED(closure))
 {
     return PyLong_FromLongLong(c->staged_calls);
 }
 
 static PyGetSetDef Channel_getset[] = {
+    {"merged_max", (getter)Channel_merged_max, NULL, "messages of up to this many bytes take the merged step", NULL},
     {"staged_calls", (getter)Channel_staged_calls, NULL,
      "large calls of reduce_scatter, allgather, broadcast and reduce run through staging so far", NULL},
     {"large_path", (getter)Channel_large_path, NULL,

@@ -91,6 +91,13 @@ FENCE_SECONDS = 5.0
 # its single copy measured faster than staging at 256 KiB and 1 MiB too
 # (4 processes, in place 1 MiB: 0.13 ms against 0.22).
 OVERSUBSCRIBED_STAGED_MAX = 2 << 20
+# Where every rank has a core of its own, messages above this many bytes
+# per rank take the large path even below the slots' size (config.FastSizes:
+# 64 KiB): measured with 2 processes at f2eebaa (docs/host-ranks.md), the
+# large path was faster from 16 to 32 KiB on (a 64 KiB broadcast 5.3 µs
+# against 8.2 merged, an allreduce 5.8 against 8.2), while with 4 processes
+# on the 2 cores the merged step stayed faster at 32 and 64 KiB.
+MERGED_MAX_DEDICATED = 16 << 10
 # Test-only knobs, read when a communicator is made (tests/fastpath_worker.py
 # sets them): seconds a writer is held inside each chunk's writes (the
 # fence), and a reader before each read out of a peer's input (so that a
@@ -188,13 +195,17 @@ class FastCollectives:
         assert KINDS == {name: getattr(_shmloop, name.upper()) for name in KINDS}, "_shmloop.c's K_ codes"
         self._group = group
         self.sizes = sizes = group.fast_sizes   # (config.FastSizes: the channel's layout)
+        # Messages up to merged_max bytes take the merged step (the node's
+        # ranks decide alike: they share its cores).
+        self.merged_max = sizes.small_max if oversubscribed else min(sizes.small_max, MERGED_MAX_DEDICATED)
         self._channel = _shmloop.Channel(
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
             small=channel_address, small_max=sizes.small_max,
             staging=channel_address + small_area(group.size, sizes),
             chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=TEST_WRITE_STALL,
-            test_read_stall=TEST_READ_STALL, staged_spread_max=OVERSUBSCRIBED_STAGED_MAX if oversubscribed else 0)
+            test_read_stall=TEST_READ_STALL, staged_spread_max=OVERSUBSCRIBED_STAGED_MAX if oversubscribed else 0,
+            merged_max=self.merged_max)
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
         self.collective = self._channel.shortcut
@@ -246,7 +257,7 @@ class FastCollectives:
         group._seq = seq   # noqa: SLF001 - the row's SEQ, which this call advanced
         description = "barrier" if x is None else (
             f"{collective} of {x.size} {x.dtype} (op {list(ReduceOp)[OP_CODES[op]].value}, "
-            f"root {root}, algorithm {path_for(x.nbytes, self.sizes.small_max)})")
+            f"root {root}, algorithm {path_for(x.nbytes, self.merged_max)})")
         if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health raises the aborting rank's class, or RankFailedError
             group.check_health(peer if kind == 3 else None, f"call #{seq}, {description}")
             raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")

@@ -45,7 +45,8 @@ class ShmRank:
         # it. The communicator calls its shortcuts first: allreduce's, and
         # the other four collectives'.
         self.fast = fastpath.make(self.group, oversubscribed)
-        self.fast_small_max = self.group.fast_sizes.small_max   # (the loop's merged-step limit)
+        # the loop's merged-step limit (the communicator names the step by it)
+        self.fast_small_max = self.group.fast_sizes.small_max if self.fast is None else self.fast.merged_max
         self.fast_allreduce = None if self.fast is None else self.fast.allreduce
         self.fast_collective = None if self.fast is None else self.fast.collective
         # Every other plan it takes in the compiled executor; None: the interpreter runs them all.
