@@ -14,14 +14,19 @@ TIMEOUT_ENV = "COLLECTIVES_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 
 
+def _given(value, argument, variable):
+    """A setting and where it came from, as errors name it: `value` (the
+    argument `argument`) where given, else $`variable` (None when unset)."""
+    if value is not None:
+        return value, argument
+    return os.environ.get(variable), f"${variable}"
+
+
 def resolve_timeout(timeout=None):
     """The timeout in seconds: the argument, else $COLLECTIVES_TIMEOUT, else 300."""
-    source = "timeout"
+    timeout, source = _given(timeout, "timeout", TIMEOUT_ENV)
     if timeout is None:
-        timeout = os.environ.get(TIMEOUT_ENV)
-        source = f"${TIMEOUT_ENV}"
-        if timeout is None:
-            return DEFAULT_TIMEOUT_S
+        return DEFAULT_TIMEOUT_S
     try:
         value = float(timeout)
     except (TypeError, ValueError):
@@ -110,12 +115,9 @@ def _bytes(value, argument, variable, default, multiple):
     """A positive byte count, a multiple of `multiple`: `value`, else
     $`variable`, else `default`; InvalidUsageError naming where a bad one
     came from."""
-    source = argument
+    value, source = _given(value, argument, variable)
     if value is None:
-        value = os.environ.get(variable)
-        source = f"${variable}"
-        if value is None:
-            return default
+        return default
     try:
         count = int(value)
     except (TypeError, ValueError):
@@ -139,12 +141,9 @@ def _switch(enabled, argument, variable, default):
     """An on/off setting: `enabled` (a bool, or "1"/"0"), else $`variable`
     ("1" or "0"), else `default`; InvalidUsageError naming where a bad
     value came from."""
-    source = argument
+    enabled, source = _given(enabled, argument, variable)
     if enabled is None:
-        enabled = os.environ.get(variable)
-        source = f"${variable}"
-        if enabled is None:
-            return default
+        return default
     if isinstance(enabled, bool):
         return enabled
     if str(enabled) in ("0", "1"):

@@ -1177,8 +1177,9 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     return 0;
 }
 
-/* The shortcuts' on_failure is a method of the object that holds the
- * channel: a cycle, which the garbage collector sees through these. */
+/* The shortcuts' tables and callback, which the garbage collector sees
+ * through these (the callback holds its owner weakly, fastpath.weakly, so
+ * that a dropped communicator's channel goes at once, cycle or no). */
 static int Channel_traverse(Channel *c, visitproc visit, void *arg)
 {
     Py_VISIT(c->arrays);
