@@ -572,6 +572,7 @@ def scenario_late(comm):
             assert (y == late).all()
     world.Barrier()   # every rank is out of every wait
     asleep = [counters.load(r, _shmloop.SLEEPERS) for r in range(comm.size)]
+    world.Barrier()   # and none enters another (close()'s barrier may sleep) before every rank has looked
     assert asleep == [0] * comm.size, asleep
 
 
