@@ -17,7 +17,11 @@ run back to back:
     slices    (a broadcast above that limit whose count G divides): the
               root's node broadcasts, its local rank l sends slice l to
               its counterparts, and every other node's loop all-gathers
-              the slices it received into out.
+              the slices it received into out;
+    node rows (an allgather above that limit, where every node holds
+              consecutive ranks): each rank sends its row to its
+              counterparts; the loop all-gathers each node's rows straight
+              into that node's range of out, its own node's from x.
 
 Driven from Python the small path cost about 20 µs a call between two
 one-process pretend nodes, where MPICH's allreduce costs 3, and the general
@@ -26,7 +30,8 @@ shape (collective, dtype, count, op, root) are laid out once as a Program
 of transport/_across.c, and every later call of that shape is one C call:
 
     node steps    the loop's channel (fastpath.FastCollectives.channel)
-                  called back with the call's x, out and deadline;
+                  called back with the call's x, out and deadline (for node
+                  rows, through a Python function that takes out's ranges);
     messages      persistent MPI requests made once (mpi.RepeatedExchange):
                   8 bytes of signature, then the payload; receives first;
     fold          host_folds.h's fold of the partials in node order (avg
@@ -334,6 +339,8 @@ def lay_out(h, call):
         lay = _blocks
     elif large and call.collective == BROADCAST and h.shm is not None and call.count % len(h.node_ranks) == 0:
         lay = _broadcast_in_slices
+    elif large and call.collective == ALLGATHER and h.shm is not None and _nodes_consecutive(nodes):
+        lay = _allgather_by_node_rows
     else:
         lay = _SMALL[call.collective]
     shape = lay(h, call, counterparts, others)
@@ -471,6 +478,47 @@ def _allgather(h, call, counterparts, others):
              for k, node in enumerate(nodes) for local, rank in enumerate(node)]
     return Shape(exchange, row, h.topology.size * row, first_step=first, before=before, after=after,
                  steps=("allgather", ""))
+
+
+def _nodes_consecutive(nodes):
+    """Whether every node holds consecutive ranks (its rows are one range of an all-gather's out)."""
+    return all(list(node) == list(range(node[0], node[0] + len(node))) for node in nodes)
+
+
+def _allgather_by_node_rows(h, call, counterparts, others):
+    """A large allgather where every node holds consecutive ranks: each
+    rank sends its own row to its counterparts; the loop all-gathers its
+    node's rows from x straight into the node's range of out, and, once
+    the rows came, each other node's rows from what the counterparts
+    received into that node's range. A rank sends its row once per other
+    node, where sending its node's rows sent G times the bytes, and no
+    copy of out follows (the small layout copies every row into place)."""
+    X, ADDRESS = _across.X, _across.ADDRESS
+    nodes, k_me, row = h.topology.nodes, h.node_index, call.count * call.dtype.itemsize
+    exchange = h.link.repeated_exchange([(peer, row) for peer in others],
+                                        [(counterparts[k], row) for k in range(len(nodes)) if k != k_me],
+                                        one_payload=True)
+    channel, kind = h.shm.fast.channel, fastpath.KINDS["allgather"]
+    ranges = [(node[0] * call.count, (node[0] + len(node)) * call.count) for node in nodes]
+    received = [payload.view(call.dtype) for payload in exchange.receive_payloads]
+    others_ranges = [span for k, span in enumerate(ranges) if k != k_me]
+
+    def own_node(x, out, deadline):
+        start, stop = ranges[k_me]
+        return channel.collective(kind, x, out.reshape(-1)[start:stop], 0, 0, deadline)
+
+    def other_nodes(out, deadline):
+        flat = out.reshape(-1)
+        for rows, (start, stop) in zip(received, others_ranges):
+            result = channel.collective(kind, rows, flat[start:stop], 0, 0, deadline)
+            if result != 0:
+                return result
+        return 0
+
+    before = [((X, 0), (ADDRESS, _address(exchange.send_payloads[0])), row)] if exchange.send_payloads else []
+    return Shape(exchange, row, h.topology.size * row, first_step=(own_node, (None, None, None), 0, 1, 2, -1),
+                 before=before, last_step=(other_nodes, (None, None), -1, 0, 1, -1),
+                 steps=("allgather", "allgather"))
 
 
 def _broadcast(h, call, counterparts, others):

@@ -324,7 +324,7 @@ def scenario_repeated(comm):
                           values[root][:count], f"broadcast out of place from {root} {case}")
                     calls += 10
     # past the small path, an allreduce whose count every node's size divides runs in blocks (across.py),
-    # and an allgather as the small path does
+    # and an allgather past it as a Program too
     large = 12 * 5000   # 240 KB of float32, 60 KB of uint8 (still small)
     for dtype in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.uint8)):
         for op in OPS:
@@ -336,15 +336,21 @@ def scenario_repeated(comm):
                 case = f"allreduce {op} {dtype} count={large} repeat {repeat} rank {r}"
                 check(comm.allreduce(values[r], op=op, out=np.empty_like(values[r])), want, case)
                 check(comm.allreduce(values[r].copy(), op=op), want, f"{case} in place")
-                rows = [v[:large // 4] for v in values]   # an allgather past the small path's limit
-                check(comm.allgather(rows[r]), np.concatenate(rows), f"allgather of {large // 4} {dtype} {case}")
+                # an allgather past the small path's limit (uint8's rows stay small): where every node holds
+                # consecutive ranks, each node's rows are gathered by the loop straight into out (across.py)
+                rows = [v[:large // 2] for v in values]
+                check(comm.allgather(rows[r]), np.concatenate(rows), f"allgather of {large // 2} {dtype} {case}")
+                into = np.zeros(n * (large // 2), dtype)
+                into[r * (large // 2):(r + 1) * (large // 2)] = rows[r]
+                check(comm.allgather(into[r * (large // 2):(r + 1) * (large // 2)], out=into), np.concatenate(rows),
+                      f"allgather of {large // 2} {dtype} in place {case}")
                 # a broadcast past it: in slices where every node's size divides the count (across.py), else whole
                 for count, root in ((large, (repeat + 1) % n), (large - 1, n - 1 - repeat % n)):
                     check(comm.broadcast(values[r][:count].copy(), root=root), values[root][:count],
                           f"broadcast of {count} from {root} in place {case}")
                     check(comm.broadcast(values[r][:count], root=root, out=np.zeros(count, dtype)),
                           values[root][:count], f"broadcast of {count} from {root} {case}")
-                calls += 7
+                calls += 8
     # the general path took each shape's first calls only (the reduce and broadcast roots move between repeats)
     assert len(general) < calls / 2, f"{len(general)} of {calls} calls took the general path"
     comm.barrier()
@@ -420,6 +426,24 @@ def scenario_shortcut_edges(comm):
         print(f"RAISED 0 {r} {type(error).__name__}: {error}", flush=True)
     else:
         raise AssertionError(f"rank {r} made a call after a peer's abort")
+
+
+def scenario_rows(comm):
+    """Allgathers past the small path's limit, in and out of place, repeated
+    (their Programs: where every node holds consecutive ranks, each node's
+    rows gathered by the loop into its range of out, across.py): every
+    node's rows land in their place."""
+    r, n = comm.rank, comm.size
+    for dtype in (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.uint8)):
+        for count in (70000, 70001):   # (past 64 KiB in every dtype)
+            for repeat in range(3):
+                rows = [np.arange(count, dtype=dtype) * (q + repeat + 1) % 251 for q in range(n)]
+                gathered = np.concatenate(rows)
+                case = f"allgather of {count} {dtype} repeat {repeat} rank {r}"
+                check(comm.allgather(rows[r]), gathered, case)
+                into = np.zeros(n * count, dtype)
+                into[r * count:(r + 1) * count] = rows[r]
+                check(comm.allgather(into[r * count:(r + 1) * count], out=into), gathered, f"{case} in place")
 
 
 def scenario_mismatched_large(comm):

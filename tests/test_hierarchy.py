@@ -1,7 +1,8 @@
-"""Ranks on several nodes, pretended on one machine: 4 processes under
-mpiexec, split into nodes by $COLLECTIVES_PRETEND_NODES (bootstrap.py), so
-that every node boundary of the hierarchical communicator (hierarchy.py)
-is crossed here as it would be between machines.
+"""Ranks on several nodes, pretended on one machine: 4 processes (6 for
+three nodes of two) under mpiexec, split into nodes by
+$COLLECTIVES_PRETEND_NODES (bootstrap.py), so that every node boundary of
+the hierarchical communicator (hierarchy.py) is crossed here as it would
+be between machines.
 
 Each test starts one mpiexec job whose worker loops over the whole matrix
 itself (tests/hierarchy_worker.py), and has a hard time limit.
@@ -29,14 +30,16 @@ THREE_AND_ONE = "0,0,0,1"
 ONE_PER_NODE = "0,1,2,3"
 INTERLEAVED = "0,1,0,1"     # nodes need not hold consecutive ranks
 THREE_NODES = "0,1,1,2"     # uneven, and enough nodes for two_shot between them
+THREE_NODES_OF_TWO = "0,0,1,1,2,2"   # 6 ranks
 
 
 def run_ranks(scenario, layout, *launcher_flags, limit=240):
-    """Start 4 ranks of hierarchy_worker.py; their "OK" lines and a report."""
+    """Start ranks of hierarchy_worker.py, one per label of `layout` (4
+    unless it says otherwise); their "OK" lines and a report."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     env.pop(PRETEND_NODES_ENV, None)   # the worker sets it from `layout`
-    done = subprocess.run([mpiexec(), *launcher_flags, "-n", "4", sys.executable, str(WORKER), scenario, layout],
+    done = subprocess.run([mpiexec(), *launcher_flags, "-n", str(len(layout.split(","))), sys.executable, str(WORKER), scenario, layout],
                           capture_output=True, text=True, timeout=limit, env=env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report
@@ -104,6 +107,13 @@ def test_nodes_on_different_small_paths_raise_instead_of_returning_wrong_bytes()
 def test_repeated_calls_take_the_compiled_programs_with_the_same_bits(layout):
     oks, report = run_ranks("repeated", layout)
     assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_NODES_OF_TWO, INTERLEAVED])
+def test_large_allgathers_put_every_nodes_rows_in_their_place(layout):
+    oks, report = run_ranks("rows", layout)
+    assert len(oks) == len(layout.split(",")), report
 
 
 @pytest.mark.mpi
