@@ -21,7 +21,12 @@ run back to back:
     node rows (an allgather above that limit, where every node holds
               consecutive ranks): each rank sends its row to its
               counterparts; the loop all-gathers each node's rows straight
-              into that node's range of out, its own node's from x.
+              into that node's range of out, its own node's from x;
+    node blocks (a reduce_scatter above that limit, consecutive nodes):
+              the loop reduce-scatters each node's range of x's blocks,
+              which leaves local rank l the partial its counterpart on
+              that node folds, straight into the message to it; the
+              block's partials folded in node order into out.
 
 Driven from Python the small path cost about 20 µs a call between two
 one-process pretend nodes, where MPICH's allreduce costs 3, and the general
@@ -30,8 +35,8 @@ shape (collective, dtype, count, op, root) are laid out once as a Program
 of transport/_across.c, and every later call of that shape is one C call:
 
     node steps    the loop's channel (fastpath.FastCollectives.channel)
-                  called back with the call's x, out and deadline (for node
-                  rows, through a Python function that takes out's ranges);
+                  called back with the call's x, out and deadline (node
+                  rows and blocks: a Python function that takes the ranges);
     messages      persistent MPI requests made once (mpi.RepeatedExchange):
                   8 bytes of signature, then the payload; receives first;
     fold          host_folds.h's fold of the partials in node order (avg
@@ -107,8 +112,9 @@ def _buffer_bytes(h, call):
     """No fewer bytes than a Program of `call` keeps, on any rank (messages,
     scratch; the same answer on all)."""
     nodes, x_bytes = len(h.topology.nodes), call.count * call.dtype.itemsize
+    by_node_blocks = _layout(h, call) is _reduce_scatter_by_node_blocks   # (one block per node, twice)
     return {ALLREDUCE: nodes * x_bytes // len(h.node_ranks) + 16 * nodes,   # (each message's header too)
-            REDUCE_SCATTER: 3 * x_bytes + 16 * nodes,
+            REDUCE_SCATTER: (2 * nodes * x_bytes // h.topology.size if by_node_blocks else 3 * x_bytes) + 16 * nodes,
             REDUCE_TO_ROOT: nodes * x_bytes + 16 * nodes,
             ALLGATHER: h.topology.size * x_bytes + 16 * nodes,
             BROADCAST: x_bytes + 16}[call.collective]
@@ -334,16 +340,7 @@ def lay_out(h, call):
     nodes, k_me = h.topology.nodes, h.node_index
     counterparts = [node[h.local] for node in nodes]
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
-    large = call.count * call.dtype.itemsize > h.fast_small_max
-    if large and call.collective == ALLREDUCE:
-        lay = _blocks
-    elif large and call.collective == BROADCAST and h.shm is not None and call.count % len(h.node_ranks) == 0:
-        lay = _broadcast_in_slices
-    elif large and call.collective == ALLGATHER and h.shm is not None and _nodes_consecutive(nodes):
-        lay = _allgather_by_node_rows
-    else:
-        lay = _SMALL[call.collective]
-    shape = lay(h, call, counterparts, others)
+    shape = _layout(h, call)(h, call, counterparts, others)
     exchange = shape.exchange
     program = _across.Program(
         first_step=shape.first_step, before=shape.before, send_headers=exchange.send_header_addresses(),
@@ -352,6 +349,21 @@ def lay_out(h, call):
         description_hash=description_hash(f"{call.description}, compiled"), spin=h.poll_spin,
         abort_request=h.link.abort_request_address, abort_status=h.link.abort_status_address)
     return Laid(program, exchange, call.description, shape.steps, _in_node_op(call.op), exchange.nbytes, shape.own)
+
+
+def _layout(h, call):
+    """The function that lays `call` out (the same on every rank)."""
+    large = call.count * call.dtype.itemsize > h.fast_small_max
+    by_node = large and h.shm is not None and _nodes_consecutive(h.topology.nodes)
+    if large and call.collective == ALLREDUCE:
+        return _blocks
+    if large and call.collective == BROADCAST and h.shm is not None and call.count % len(h.node_ranks) == 0:
+        return _broadcast_in_slices
+    if by_node and call.collective == ALLGATHER:
+        return _allgather_by_node_rows
+    if by_node and call.collective == REDUCE_SCATTER:
+        return _reduce_scatter_by_node_blocks
+    return _SMALL[call.collective]
 
 
 def _address(array):
@@ -422,6 +434,43 @@ def _reducing(h, call, counterparts, others):
         fold = _fold(sources, (OUT, 0), call, block, size)
     step = "reduce" if call.collective == REDUCE_TO_ROOT else "allreduce"
     return Shape(exchange, x_bytes, block, first_step=first, before=before, fold=fold, steps=(step, ""))
+
+
+def _reduce_scatter_by_node_blocks(h, call, counterparts, others):
+    """A large reduce_scatter where every node holds consecutive ranks: node
+    j's ranks own one range of x's blocks, so the loop's reduce_scatter of
+    that range leaves local rank l the node's partial of block (j, l), the
+    block of its counterpart on node j; run for every node's range, straight
+    into the message to that counterpart (its own node's, into its own
+    partial). Then each rank folds its block's partials in node order into
+    out. The node reduces x once, where the small layout's allreduce left
+    every rank the node's partial of all of x."""
+    ADDRESS = _across.ADDRESS
+    nodes, k_me, size = h.topology.nodes, h.node_index, h.topology.size
+    count = call.count // size   # a block's elements
+    block = count * call.dtype.itemsize
+    exchange = h.link.repeated_exchange([(peer, block) for peer in others], [(peer, block) for peer in others])
+    own_partial = exchange.keep(np.empty(count, call.dtype))
+    partials = iter(payload.view(call.dtype) for payload in exchange.send_payloads)
+    into = [own_partial if k == k_me else next(partials) for k in range(len(nodes))]
+    ranges = [(node[0] * count, (node[0] + len(node)) * count) for node in nodes]
+    channel, kind = h.shm.fast.channel, fastpath.KINDS["reduce_scatter"]
+    code = fastpath.OP_CODES[_in_node_op(call.op)]
+
+    def every_nodes_blocks(x, deadline):
+        flat = x.reshape(-1)
+        for partial, (start, stop) in zip(into, ranges):
+            result = channel.collective(kind, flat[start:stop], partial, code, 0, deadline)
+            if result != 0:
+                return result
+        return 0
+
+    received = iter(exchange.receive_payloads)
+    sources = [(ADDRESS, _address(own_partial) if k == k_me else _address(next(received)))
+               for k in range(len(nodes))]
+    return Shape(exchange, call.count * call.dtype.itemsize, block,
+                 first_step=(every_nodes_blocks, (None, None), 0, -1, 1, -1),
+                 fold=_fold(sources, (_across.OUT, 0), call, block, size), steps=("reduce_scatter", ""))
 
 
 def _blocks(h, call, counterparts, others):

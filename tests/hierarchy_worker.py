@@ -428,12 +428,12 @@ def scenario_shortcut_edges(comm):
         raise AssertionError(f"rank {r} made a call after a peer's abort")
 
 
-def scenario_rows(comm):
-    """Allgathers past the small path's limit, in and out of place, repeated
-    (their Programs: where every node holds consecutive ranks, each node's
-    rows gathered by the loop into its range of out, across.py): every
-    node's rows land in their place."""
-    r, n = comm.rank, comm.size
+def scenario_by_node(comm):
+    """Allgathers and reduce_scatters past the small path's limit, in and
+    out of place, repeated (their Programs: where every node holds
+    consecutive ranks, laid out node by node, across.py): every node's
+    rows land in their place, every block holds the documented fold order."""
+    r, n, nodes = comm.rank, comm.size, comm.topology.nodes
     for dtype in (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.uint8)):
         for count in (70000, 70001):   # (past 64 KiB in every dtype)
             for repeat in range(3):
@@ -444,6 +444,15 @@ def scenario_rows(comm):
                 into = np.zeros(n * count, dtype)
                 into[r * count:(r + 1) * count] = rows[r]
                 check(comm.allgather(into[r * count:(r + 1) * count], out=into), gathered, f"{case} in place")
+                block = count // 8   # a reduce_scatter's x of n blocks: past the limit but in uint8
+                for op in OPS if dtype.kind == "f" else ("sum", "max"):
+                    values = [random_values(dtype, q + 100 * repeat, n * block) for q in range(n)]
+                    if dtype.kind in "iu":
+                        values = [np.arange(n * block, dtype=dtype) * (q + repeat + 1) % 7 for q in range(n)]
+                    want = reference(values, nodes, op)[r * block:(r + 1) * block]
+                    case = f"reduce_scatter {op} of {n} x {block} {dtype} repeat {repeat} rank {r}"
+                    check(comm.reduce_scatter(values[r], op=op, out=np.empty(block, dtype)), want, case)
+                    check(comm.reduce_scatter(values[r].copy(), op=op), want, f"{case} in place")
 
 
 def scenario_mismatched_large(comm):

@@ -111,8 +111,8 @@ def test_repeated_calls_take_the_compiled_programs_with_the_same_bits(layout):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_NODES_OF_TWO, INTERLEAVED])
-def test_large_allgathers_put_every_nodes_rows_in_their_place(layout):
-    oks, report = run_ranks("rows", layout)
+def test_large_allgathers_and_reduce_scatters_laid_out_node_by_node_hold_the_right_bits(layout):
+    oks, report = run_ranks("by_node", layout)
     assert len(oks) == len(layout.split(",")), report
 
 
