@@ -96,8 +96,14 @@ from .transport import fastpath
 from .transport.protocol import call_signature
 from .validation import call_arguments
 
-# Polls of a Program's MPI requests before its wait yields the core, where each rank has a core.
+# Polls of a Program's MPI requests before its wait yields the core, where each rank has a core,
 POLL_SPIN_DEDICATED = 2000
+# and where this machine's ranks outnumber its cores: none. A poll is an MPI_Test (about 0.25 µs:
+# it drives MPI's progress), and a counterpart that shares this core can answer only once it runs:
+# the loop's 64 polls (cheap reads of a flag there) cost 16 µs a wait here. On 2 pretend nodes of 2
+# (4 processes, 2 cores), 0 against 64: a 16 KiB allgather 17 µs against 33, a 64 KiB broadcast 25
+# against 36, a 64 KiB allreduce 40 against 57 (docs/across-nodes.md).
+POLL_SPIN_OVERSUBSCRIBED = 0
 
 # Buffers an op-table row or a message names, besides INPUT, OUTPUT and a rank's WORK:
 PART = 4        # this rank's partial or result (process memory, or a range of its WORK)
@@ -196,10 +202,10 @@ class HierarchyRanks:
         # the small path's limit (config.FastSizes): the loop's slots, the same on every node whatever its
         # cores (inside a node, its loop may take a message above its own merged step's limit the large way)
         self.fast_small_max = (resolve_fast_sizes() if shm is None else shm.group.fast_sizes).small_max
-        # Polls of a Program's MPI requests before it yields its core: few
+        # Polls of a Program's MPI requests before it yields its core: none
         # where this machine's ranks outnumber its cores (the peer may need this one).
         on_machine = topology.machines.count(topology.machines[rank])
-        self.poll_spin = fastpath.SPIN_OVERSUBSCRIBED if on_machine > (os.cpu_count() or 1) else POLL_SPIN_DEDICATED
+        self.poll_spin = POLL_SPIN_OVERSUBSCRIBED if on_machine > (os.cpu_count() or 1) else POLL_SPIN_DEDICATED
         # Compiled Programs (across.py), where they can run: how the small path
         # and a large allreduce of equal nodes run, and the communicator's shortcuts.
         self.programs = Programs(self) if Programs.available(link) else None
