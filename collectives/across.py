@@ -542,7 +542,7 @@ def _allgather_by_node_rows(h, call, counterparts, others):
     received into that node's range. A rank sends its row once per other
     node, where sending its node's rows sent G times the bytes, and no
     copy of out follows (the small layout copies every row into place)."""
-    X, ADDRESS = _across.X, _across.ADDRESS
+    OUT, ADDRESS = _across.OUT, _across.ADDRESS
     nodes, k_me, row = h.topology.nodes, h.node_index, call.count * call.dtype.itemsize
     exchange = h.link.repeated_exchange([(peer, row) for peer in others],
                                         [(counterparts[k], row) for k in range(len(nodes)) if k != k_me],
@@ -564,7 +564,10 @@ def _allgather_by_node_rows(h, call, counterparts, others):
                 return result
         return 0
 
-    before = [((X, 0), (ADDRESS, _address(exchange.send_payloads[0])), row)] if exchange.send_payloads else []
+    # The message is copied from out's row of this rank, which the first step filled: x may overlap
+    # out's node range (the loop then reads a private copy of x), so x may have changed by then.
+    before = [((OUT, h.rank * row), (ADDRESS, _address(exchange.send_payloads[0])), row)] if exchange.send_payloads \
+        else []
     return Shape(exchange, row, h.topology.size * row, first_step=(own_node, (None, None, None), 0, 1, 2, -1),
                  before=before, last_step=(other_nodes, (None, None), -1, 0, 1, -1),
                  steps=("allgather", "allgather"))

@@ -444,6 +444,12 @@ def scenario_by_node(comm):
                 into = np.zeros(n * count, dtype)
                 into[r * count:(r + 1) * count] = rows[r]
                 check(comm.allgather(into[r * count:(r + 1) * count], out=into), gathered, f"{case} in place")
+                # x overlapping out off its own row: what the rank sends is x's bits, not what the
+                # node's gather wrote over x
+                room = np.zeros((n + 2) * count, dtype)
+                x = room[(r + 1) * count + 1:(r + 2) * count + 1]
+                x[:] = rows[r]
+                check(comm.allgather(x, out=room[count:(n + 1) * count]), gathered, f"{case} overlapping")
                 block = count // 8   # a reduce_scatter's x of n blocks: past the limit but in uint8
                 for op in OPS if dtype.kind == "f" else ("sum", "max"):
                     values = [random_values(dtype, q + 100 * repeat, n * block) for q in range(n)]
