@@ -240,6 +240,95 @@ def scenario_stalled(comm):
     raise AssertionError("allreduce completed without the last rank")
 
 
+def scenario_stalled_by_node(comm):
+    """The last rank stops calling in at a large allgather, then (a new
+    communicator's turn: the first is aborted) at a large reduce_scatter,
+    each laid out node by node and run twice first: everyone else raises
+    within the timeout, the late rank raises too, and none hangs."""
+    last, count = comm.size - 1, 70000
+    calls = {"allgather": lambda c: c.allgather(np.full(count, c.rank, np.float32)),
+             "reduce_scatter": lambda c: c.reduce_scatter(np.ones(c.size * count // 4, np.float32),
+                                                          out=np.empty(count // 4, np.float32))}
+    for which, (name, call) in enumerate(calls.items()):
+        if which:
+            comm = collectives.init(timeout=TIMEOUT)
+        for _ in range(2):
+            call(comm)
+        comm.timeout = STALL_TIMEOUT
+        if comm.rank == last:
+            time.sleep(STALL_TIMEOUT + 2)
+            try:
+                call(comm)
+                comm.barrier()
+            except CollectiveError:
+                pass
+            else:
+                raise AssertionError(f"the late rank's {name} and barrier succeeded after the others gave up")
+        else:
+            start = time.perf_counter()
+            try:
+                call(comm)
+            except CollectiveError as error:
+                elapsed = time.perf_counter() - start
+                assert isinstance(error, CollectiveTimeoutError) or "aborted" in str(error), error
+                assert elapsed < STALL_TIMEOUT + 1.5, f"{name}: took {elapsed:.1f}s with a {STALL_TIMEOUT}s timeout"
+            else:
+                raise AssertionError(f"{name} completed without the last rank")
+        comm.close()
+
+
+class StallingChannel:
+    """The node loop's channel, but the `stall_at`-th call of `collective`
+    (counted from 1) first sleeps `seconds`: a rank stopped inside a
+    Program's node step, where no test can stop it from outside."""
+
+    def __init__(self, channel, stall_at, seconds):
+        self._channel, self._stall_at, self._seconds, self._calls = channel, stall_at, seconds, 0
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+    def collective(self, *arguments):
+        self._calls += 1
+        if self._calls == self._stall_at:
+            time.sleep(self._seconds)
+        return self._channel.collective(*arguments)
+
+
+def scenario_stalled_in_last_step(comm):
+    """The last rank stops in the last node step of its third large
+    allgather (laid out by node rows: the other node's rows gathered after
+    the messages came), having sent its row: its node-mate raises within
+    the timeout; the other node's ranks, who got every row they need, may
+    complete that call with the right rows, and then learn of the abort."""
+    last, count = comm.size - 1, 70000
+    rows = np.concatenate([np.full(count, q, np.float32) for q in range(comm.size)])
+    if comm.rank == last:   # (before the shape's first call: its Program takes the channel then)
+        fast = comm._ranks.shm.fast   # noqa: SLF001
+        fast._channel = StallingChannel(fast._channel, stall_at=6, seconds=STALL_TIMEOUT + 2)   # noqa: SLF001
+    x = np.full(count, comm.rank, np.float32)
+    for _ in range(2):   # (two node steps each)
+        check(comm.allgather(x), rows, "allgather before the stall")
+    comm.timeout = STALL_TIMEOUT
+    mate = comm.rank != last and comm.node == comm.topology.node_of(last)
+    start = time.perf_counter()
+    try:
+        got = comm.allgather(x)
+    except CollectiveError as error:
+        elapsed = time.perf_counter() - start
+        assert comm.rank == last or isinstance(error, CollectiveTimeoutError) or "aborted" in str(error), error
+        assert comm.rank == last or elapsed < STALL_TIMEOUT + 1.5, f"took {elapsed:.1f}s"
+        return
+    assert not mate and comm.rank != last, f"rank {comm.rank}'s allgather completed without the last rank"
+    check(got, rows, "the other node's allgather, every row it needed come")
+    try:
+        comm.barrier()
+    except CollectiveError as error:
+        assert "aborted" in str(error) or isinstance(error, CollectiveTimeoutError), error
+        return
+    raise AssertionError("a call into an aborted communicator succeeded")
+
+
 def scenario_mismatched(comm):
     """The nodes make different small calls: node 0 an allreduce of 100
     elements, the other nodes of 200 (the exchange between counterparts:
@@ -554,7 +643,7 @@ def no_segment_crosses_a_node(comm):
             assert not log, f"rank {rank} is alone on its node but opened {log}"
 
 
-FAILING = ("stalled", "killed", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
+FAILING = ("stalled", "stalled_by_node", "stalled_in_last_step", "killed", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
            "shortcut_edges", "mismatched_large")
 ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier", "shortcut_edges", "mismatched_large")
 

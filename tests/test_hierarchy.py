@@ -117,6 +117,18 @@ def test_large_allgathers_and_reduce_scatters_laid_out_node_by_node_hold_the_rig
 
 
 @pytest.mark.mpi
+def test_a_rank_that_stalls_in_large_calls_laid_out_node_by_node_makes_the_others_raise_in_time():
+    oks, report = run_ranks("stalled_by_node", TWO_AND_TWO)
+    assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
+def test_a_rank_stopped_in_a_programs_last_node_step_makes_its_node_mate_raise_in_time():
+    oks, report = run_ranks("stalled_in_last_step", TWO_AND_TWO)
+    assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
 def test_repeated_small_calls_that_differ_between_nodes_are_named():
     oks, report = run_ranks("repeated_mismatched", TWO_AND_TWO, "-disable-auto-cleanup")
     assert len(oks) == 4, report
