@@ -566,8 +566,7 @@ def _allgather_by_node_rows(h, call, counterparts, others):
 
     # The message is copied from out's row of this rank, which the first step filled: x may overlap
     # out's node range (the loop then reads a private copy of x), so x may have changed by then.
-    before = [((OUT, h.rank * row), (ADDRESS, _address(exchange.send_payloads[0])), row)] if exchange.send_payloads \
-        else []
+    before = [((OUT, h.rank * row), (ADDRESS, _address(exchange.send_payloads[0])), row)]
     return Shape(exchange, row, h.topology.size * row, first_step=(own_node, (None, None, None), 0, 1, 2, -1),
                  before=before, last_step=(other_nodes, (None, None), -1, 0, 1, -1),
                  steps=("allgather", "allgather"))
