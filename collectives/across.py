@@ -19,9 +19,11 @@ run back to back:
               its counterparts, and every other node's loop all-gathers
               the slices it received into out;
     node rows (an allgather above that limit, where every node holds
-              consecutive ranks): each rank sends its row to its
-              counterparts; the loop all-gathers each node's rows straight
-              into that node's range of out, its own node's from x;
+              consecutive ranks, up to hierarchy.NODE_ROWS_DIRECT rows):
+              each rank sends its row to its counterparts; the loop
+              all-gathers each node's rows straight into that node's range
+              of out, its own node's from x (larger rows take
+              hierarchy.allgather_by_node_rows, with no message buffers);
     node blocks (a reduce_scatter above that limit, consecutive nodes):
               the loop reduce-scatters each node's range of x's blocks,
               which leaves local rank l the partial its counterpart on
@@ -69,7 +71,7 @@ import numpy as np
 
 from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT
 from .errors import CollectiveError, CollectiveTimeoutError
-from .hierarchy import _in_node_op, loop_runs_nodes
+from .hierarchy import _in_node_op, loop_runs_nodes, nodes_consecutive
 from .ops import ReduceOp
 from .transport import fastpath
 from .transport.protocol import description_hash
@@ -354,7 +356,7 @@ def lay_out(h, call):
 def _layout(h, call):
     """The function that lays `call` out (the same on every rank)."""
     large = call.count * call.dtype.itemsize > h.fast_small_max
-    by_node = large and h.shm is not None and _nodes_consecutive(h.topology.nodes)
+    by_node = large and h.shm is not None and nodes_consecutive(h.topology.nodes)
     if large and call.collective == ALLREDUCE:
         return _blocks
     if large and call.collective == BROADCAST and h.shm is not None and call.count % len(h.node_ranks) == 0:
@@ -527,11 +529,6 @@ def _allgather(h, call, counterparts, others):
              for k, node in enumerate(nodes) for local, rank in enumerate(node)]
     return Shape(exchange, row, h.topology.size * row, first_step=first, before=before, after=after,
                  steps=("allgather", ""))
-
-
-def _nodes_consecutive(nodes):
-    """Whether every node holds consecutive ranks (its rows are one range of an all-gather's out)."""
-    return all(list(node) == list(range(node[0], node[0] + len(node))) for node in nodes)
 
 
 def _allgather_by_node_rows(h, call, counterparts, others):

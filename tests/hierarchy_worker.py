@@ -11,6 +11,7 @@ and fails with a traceback (non-zero exit) otherwise.
 import os
 import sys
 import time
+import types
 
 import numpy as np
 from mpi4py import MPI
@@ -246,7 +247,9 @@ def scenario_stalled_by_node(comm):
     each laid out node by node and run twice first: everyone else raises
     within the timeout, the late rank raises too, and none hangs."""
     last, count = comm.size - 1, 70000
+    direct = hierarchy.NODE_ROWS_DIRECT // 4   # (float32 rows with no message buffers)
     calls = {"allgather": lambda c: c.allgather(np.full(count, c.rank, np.float32)),
+             "allgather, direct": lambda c: c.allgather(np.full(direct, c.rank, np.float32)),
              "reduce_scatter": lambda c: c.reduce_scatter(np.ones(c.size * count // 4, np.float32),
                                                           out=np.empty(count // 4, np.float32))}
     for which, (name, call) in enumerate(calls.items()):
@@ -295,17 +298,29 @@ class StallingChannel:
         return self._channel.collective(*arguments)
 
 
+
 def scenario_stalled_in_last_step(comm):
     """The last rank stops in the last node step of its third large
     allgather (laid out by node rows: the other node's rows gathered after
     the messages came), having sent its row: its node-mate raises within
     the timeout; the other node's ranks, who got every row they need, may
-    complete that call with the right rows, and then learn of the abort."""
-    last, count = comm.size - 1, 70000
+    complete that call with the right rows, and then learn of the abort.
+    Then the same on a new communicator with rows of NODE_ROWS_DIRECT (no
+    Program: the node steps are the loop's shortcut, stalled the same way)."""
+    stalled_in_last_step(comm, 70000, program=True)
+    stalled_in_last_step(collectives.init(timeout=30.0), hierarchy.NODE_ROWS_DIRECT // 4, program=False)
+
+
+def stalled_in_last_step(comm, count, program):
+    last = comm.size - 1
     rows = np.concatenate([np.full(count, q, np.float32) for q in range(comm.size)])
     if comm.rank == last:   # (before the shape's first call: its Program takes the channel then)
-        fast = comm._ranks.shm.fast   # noqa: SLF001
-        fast._channel = StallingChannel(fast._channel, stall_at=6, seconds=STALL_TIMEOUT + 2)   # noqa: SLF001
+        shm = comm._ranks.shm   # noqa: SLF001
+        if program:
+            shm.fast._channel = StallingChannel(shm.fast._channel, stall_at=6, seconds=STALL_TIMEOUT + 2)   # noqa: SLF001
+        else:
+            shortcut = types.SimpleNamespace(collective=shm.fast_collective)   # (a ShmRank's shortcut, stalled alike)
+            shm.fast_collective = StallingChannel(shortcut, stall_at=6, seconds=STALL_TIMEOUT + 2).collective
     x = np.full(count, comm.rank, np.float32)
     for _ in range(2):   # (two node steps each)
         check(comm.allgather(x), rows, "allgather before the stall")
@@ -523,8 +538,9 @@ def scenario_by_node(comm):
     consecutive ranks, laid out node by node, across.py): every node's
     rows land in their place, every block holds the documented fold order."""
     r, n, nodes = comm.rank, comm.size, comm.topology.nodes
+    direct = hierarchy.NODE_ROWS_DIRECT   # rows from which the allgather's messages have no buffers
     for dtype in (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.uint8)):
-        for count in (70000, 70001):   # (past 64 KiB in every dtype)
+        for count in (70000, 70001, direct // dtype.itemsize + 1):   # (past 64 KiB in every dtype)
             for repeat in range(3):
                 rows = [np.arange(count, dtype=dtype) * (q + repeat + 1) % 251 for q in range(n)]
                 gathered = np.concatenate(rows)
@@ -540,7 +556,7 @@ def scenario_by_node(comm):
                 x[:] = rows[r]
                 check(comm.allgather(x, out=room[count:(n + 1) * count]), gathered, f"{case} overlapping")
                 block = count // 8   # a reduce_scatter's x of n blocks: past the limit but in uint8
-                for op in OPS if dtype.kind == "f" else ("sum", "max"):
+                for op in (OPS if dtype.kind == "f" else ("sum", "max")) if count < direct // 8 else ():
                     values = [random_values(dtype, q + 100 * repeat, n * block) for q in range(n)]
                     if dtype.kind in "iu":
                         values = [np.arange(n * block, dtype=dtype) * (q + repeat + 1) % 7 for q in range(n)]
