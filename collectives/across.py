@@ -102,9 +102,11 @@ def takes_large(h, call):
     """Whether a call above the small path's limit runs as a Program (the
     same answer on every rank): where every node has G ranks and the loop
     takes the dtype, an allreduce whose count G divides (in blocks), any
-    other collective (laid out as the small path is: measured faster than
-    the phases at every size, see docs/across-nodes.md); while its buffers
-    hold at most PROGRAM_MAX_BYTES."""
+    other collective (a broadcast in slices, an allgather or reduce_scatter
+    of consecutive nodes node by node, else as the small path: each
+    measured faster than the phases, see docs/across-nodes.md); while its
+    buffers hold at most PROGRAM_MAX_BYTES. (An allgather of rows from
+    hierarchy.NODE_ROWS_DIRECT never gets here: hierarchy.takes_node_rows.)"""
     size = len(h.node_ranks)
     return (call.count > 0 and (call.collective != ALLREDUCE or call.count % size == 0)
             and _buffer_bytes(h, call) <= PROGRAM_MAX_BYTES and loop_runs_nodes(h, call))
