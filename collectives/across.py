@@ -17,7 +17,9 @@ run back to back:
     slices    (a broadcast above that limit whose count G divides): the
               root's node broadcasts, its local rank l sends slice l to
               its counterparts, and every other node's loop all-gathers
-              the slices it received into out;
+              the slices it received into out (slices from
+              hierarchy.NODE_ROWS_DIRECT take hierarchy.broadcast_in_slices,
+              with no message buffers);
     node rows (an allgather above that limit, where every node holds
               consecutive ranks, up to hierarchy.NODE_ROWS_DIRECT rows):
               each rank sends its row to its counterparts; the loop
@@ -105,8 +107,9 @@ def takes_large(h, call):
     other collective (a broadcast in slices, an allgather or reduce_scatter
     of consecutive nodes node by node, else as the small path: each
     measured faster than the phases, see docs/across-nodes.md); while its
-    buffers hold at most PROGRAM_MAX_BYTES. (An allgather of rows from
-    hierarchy.NODE_ROWS_DIRECT never gets here: hierarchy.takes_node_rows.)"""
+    buffers hold at most PROGRAM_MAX_BYTES. (An allgather of rows, or a
+    broadcast of slices, from hierarchy.NODE_ROWS_DIRECT never gets here:
+    hierarchy.takes_node_rows, takes_slices.)"""
     size = len(h.node_ranks)
     return (call.count > 0 and (call.collective != ALLREDUCE or call.count % size == 0)
             and _buffer_bytes(h, call) <= PROGRAM_MAX_BYTES and loop_runs_nodes(h, call))

@@ -242,14 +242,17 @@ def scenario_stalled(comm):
 
 
 def scenario_stalled_by_node(comm):
-    """The last rank stops calling in at a large allgather, then (a new
-    communicator's turn: the first is aborted) at a large reduce_scatter,
-    each laid out node by node and run twice first: everyone else raises
-    within the timeout, the late rank raises too, and none hangs."""
+    """The last rank stops calling in at a large call, each on a new
+    communicator (the one before is aborted), each run twice first: an
+    allgather and a reduce_scatter laid out node by node, an allgather
+    with no message buffers, a broadcast in slices from the late rank.
+    Everyone else raises within the timeout, the late rank raises too, and
+    none hangs."""
     last, count = comm.size - 1, 70000
     direct = hierarchy.NODE_ROWS_DIRECT // 4   # (float32 rows with no message buffers)
     calls = {"allgather": lambda c: c.allgather(np.full(count, c.rank, np.float32)),
              "allgather, direct": lambda c: c.allgather(np.full(direct, c.rank, np.float32)),
+             "broadcast, in slices": lambda c: c.broadcast(np.ones(direct * 2, np.float32), root=c.size - 1),
              "reduce_scatter": lambda c: c.reduce_scatter(np.ones(c.size * count // 4, np.float32),
                                                           out=np.empty(count // 4, np.float32))}
     for which, (name, call) in enumerate(calls.items()):
@@ -564,6 +567,18 @@ def scenario_by_node(comm):
                     case = f"reduce_scatter {op} of {n} x {block} {dtype} repeat {repeat} rank {r}"
                     check(comm.reduce_scatter(values[r], op=op, out=np.empty(block, dtype)), want, case)
                     check(comm.reduce_scatter(values[r].copy(), op=op), want, f"{case} in place")
+    # broadcasts whose slices (a node size's share) reach NODE_ROWS_DIRECT: no message buffers
+    size = len(comm.topology.nodes[comm.node])
+    count = direct // 4 * size
+    for root in range(n):
+        data = np.arange(count, dtype=np.float32) * (root + 1)
+        case = f"broadcast of {count} float32 from {root} rank {r}"
+        x = data.copy() if r == root else np.zeros(count, np.float32)
+        check(comm.broadcast(x, root=root), data, f"{case} in place")
+        x = data.copy() if r == root else np.full(count, -1, np.float32)
+        kept = x.copy()
+        check(comm.broadcast(x, root=root, out=np.zeros(count, np.float32)), data, case)
+        check(x, kept, f"{case}: x")
 
 
 def scenario_mismatched_large(comm):
