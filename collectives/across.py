@@ -15,17 +15,14 @@ run back to back:
               block); the block's partials folded in node order; the
               loop's all-gather of the blocks into out;
     slices    (a broadcast above that limit whose count G divides): the
-              root's node broadcasts, its local rank l sends slice l to
-              its counterparts, and every other node's loop all-gathers
-              the slices it received into out (slices from
-              hierarchy.NODE_ROWS_DIRECT take hierarchy.broadcast_in_slices,
-              with no message buffers);
+              root's node broadcasts, its local rank l sends slice l of
+              out to its counterparts, straight into their out, and every
+              other node's loop all-gathers the slices in place;
     node rows (an allgather above that limit, where every node holds
-              consecutive ranks, up to hierarchy.NODE_ROWS_DIRECT rows):
-              each rank sends its row to its counterparts; the loop
-              all-gathers each node's rows straight into that node's range
-              of out, its own node's from x (larger rows take
-              hierarchy.allgather_by_node_rows, with no message buffers);
+              consecutive ranks): each rank's row goes from x straight
+              into its counterparts' out; the loop all-gathers each node's
+              rows into that node's range of out, its own node's from x,
+              the others' in place;
     node blocks (a reduce_scatter above that limit, consecutive nodes):
               the loop reduce-scatters each node's range of x's blocks,
               which leaves local rank l the partial its counterpart on
@@ -43,6 +40,9 @@ of transport/_across.c, and every later call of that shape is one C call:
                   rows and blocks: a Python function that takes the ranges);
     messages      persistent MPI requests made once (mpi.RepeatedExchange):
                   8 bytes of signature, then the payload; receives first;
+                  slices and node rows: the signature alone, and the
+                  payload a message of its own started per call straight
+                  from or into the call's arrays (Shape.direct);
     fold          host_folds.h's fold of the partials in node order (avg
                   divided once, at the end).
 
@@ -76,6 +76,7 @@ from .errors import CollectiveError, CollectiveTimeoutError
 from .hierarchy import _in_node_op, loop_runs_nodes, nodes_consecutive
 from .ops import ReduceOp
 from .transport import fastpath
+from .transport.mpi import DATA_TAG
 from .transport.protocol import description_hash
 
 try:
@@ -98,6 +99,7 @@ class Laid(NamedTuple):
     in_node_op: ReduceOp
     nbytes: int              # its buffers'
     own: tuple               # (start, stop): out's elements its last step reads as `own` (blocks), or None
+    peers: tuple             # the peer of each of its requests, in the Program's order (for errors)
 
 
 def takes_large(h, call):
@@ -107,19 +109,21 @@ def takes_large(h, call):
     other collective (a broadcast in slices, an allgather or reduce_scatter
     of consecutive nodes node by node, else as the small path: each
     measured faster than the phases, see docs/across-nodes.md); while its
-    buffers hold at most PROGRAM_MAX_BYTES. (An allgather of rows, or a
-    broadcast of slices, from hierarchy.NODE_ROWS_DIRECT never gets here:
-    hierarchy.takes_node_rows, takes_slices.)"""
+    buffers hold at most PROGRAM_MAX_BYTES."""
     size = len(h.node_ranks)
     return (call.count > 0 and (call.collective != ALLREDUCE or call.count % size == 0)
-            and _buffer_bytes(h, call) <= PROGRAM_MAX_BYTES and loop_runs_nodes(h, call))
+            and _buffer_bytes(h, call) <= PROGRAM_MAX_BYTES and loop_runs_nodes(h, call)
+            and call.count * call.dtype.itemsize < 1 << 31)   # (a direct message's count is an int)
 
 
 def _buffer_bytes(h, call):
     """No fewer bytes than a Program of `call` keeps, on any rank (messages,
     scratch; the same answer on all)."""
     nodes, x_bytes = len(h.topology.nodes), call.count * call.dtype.itemsize
-    by_node_blocks = _layout(h, call) is _reduce_scatter_by_node_blocks   # (one block per node, twice)
+    layout = _layout(h, call)
+    if layout in (_allgather_by_node_rows, _broadcast_in_slices):   # (signatures only)
+        return 16 * nodes
+    by_node_blocks = layout is _reduce_scatter_by_node_blocks   # (one block per node, twice)
     return {ALLREDUCE: nodes * x_bytes // len(h.node_ranks) + 16 * nodes,   # (each message's header too)
             REDUCE_SCATTER: (2 * nodes * x_bytes // h.topology.size if by_node_blocks else 3 * x_bytes) + 16 * nodes,
             REDUCE_TO_ROOT: nodes * x_bytes + 16 * nodes,
@@ -283,7 +287,7 @@ class Programs:
         exchange = laid.exchange
         if kind == _across.MPI_FAILED:
             _, request, code = status
-            raise h.link.mpi_error(code, what, (exchange.sources + exchange.targets)[request])
+            raise h.link.mpi_error(code, what, laid.peers[request])
         raise h.link.different_call(exchange.sources[status[1]], what)
 
     def _drop(self, laid):
@@ -292,12 +296,12 @@ class Programs:
             if kept is laid:
                 del self._laid[key]
                 self._bytes -= laid.nbytes
-        self._h.link.orphan(laid.exchange)
+        _orphan(self._h.link, laid)
 
     def stop(self):
         """After an abort: no Program runs again; MPI may hold their requests, so they are orphaned."""
         for laid in self._laid.values():
-            self._h.link.orphan(laid.exchange)
+            _orphan(self._h.link, laid)
         self._laid.clear()
         self._bytes = 0
         self._stopped = True
@@ -308,6 +312,13 @@ class Programs:
             laid.exchange.free()
         self._laid.clear()
         self._bytes = 0
+
+
+def _orphan(link, laid):
+    """A Program MPI may still hold requests of: its direct receives
+    cancelled, it (which holds the last call's arrays) and its exchange kept alive."""
+    laid.program.cancel()
+    link.orphan(laid.exchange, laid.program)
 
 
 def _own(out, laid):
@@ -340,6 +351,7 @@ class Shape(NamedTuple):
     after: list = []
     steps: tuple = ("", "")   # the collectives of the first and last node steps
     own: tuple = None         # (start, stop): out's elements passed to a node step as `own`
+    direct: tuple = None      # (receives, sends, sends_from_x): messages with no buffer, see Direct
 
 
 def lay_out(h, call):
@@ -349,13 +361,18 @@ def lay_out(h, call):
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
     shape = _layout(h, call)(h, call, counterparts, others)
     exchange = shape.exchange
+    receives, sends, sends_from_x = shape.direct or ([], [], False)
+    direct = None if shape.direct is None else (
+        receives, sends, h.link.comm.handle, h.link.mpi.BYTE.handle, DATA_TAG, sends_from_x)
     program = _across.Program(
         first_step=shape.first_step, before=shape.before, send_headers=exchange.send_header_addresses(),
         receive_headers=exchange.receive_header_addresses(), requests=exchange.request_addresses(), fold=shape.fold,
         last_step=shape.last_step, after=shape.after, x_bytes=shape.x_bytes, out_bytes=shape.out_bytes,
         description_hash=description_hash(f"{call.description}, compiled"), spin=h.poll_spin,
-        abort_request=h.link.abort_request_address, abort_status=h.link.abort_status_address)
-    return Laid(program, exchange, call.description, shape.steps, _in_node_op(call.op), exchange.nbytes, shape.own)
+        abort_request=h.link.abort_request_address, abort_status=h.link.abort_status_address, direct=direct)
+    peers = tuple(exchange.sources + exchange.targets + [peer for peer, _, _ in receives + sends])
+    return Laid(program, exchange, call.description, shape.steps, _in_node_op(call.op), exchange.nbytes, shape.own,
+                peers)
 
 
 def _layout(h, call):
@@ -537,22 +554,29 @@ def _allgather(h, call, counterparts, others):
 
 
 def _allgather_by_node_rows(h, call, counterparts, others):
-    """A large allgather where every node holds consecutive ranks: each
-    rank sends its own row to its counterparts; the loop all-gathers its
-    node's rows from x straight into the node's range of out, and, once
-    the rows came, each other node's rows from what the counterparts
-    received into that node's range. A rank sends its row once per other
-    node, where sending its node's rows sent G times the bytes, and no
-    copy of out follows (the small layout copies every row into place)."""
-    OUT, ADDRESS = _across.OUT, _across.ADDRESS
-    nodes, k_me, row = h.topology.nodes, h.node_index, call.count * call.dtype.itemsize
-    exchange = h.link.repeated_exchange([(peer, row) for peer in others],
-                                        [(counterparts[k], row) for k in range(len(nodes)) if k != k_me],
+    """A large allgather where every node holds consecutive ranks, with no
+    message buffers:
+
+    1. each rank's row goes straight from x into its counterparts' out, and
+       theirs into its out (started before the node step: a counterpart's
+       MPI moves them while this rank is in its loop);
+    2. the loop all-gathers the node's rows from x into the node's range of out;
+    3. once the rows came, the loop all-gathers each other node's rows in
+       place: local rank l holds that node's row l.
+
+    A rank sends its row once per other node, and no byte goes through a
+    buffer of ours (the small layout sends the node's G rows to every
+    counterpart, then copies every row into place). Where x overlaps out
+    other than as its own row, the node step may write over it: the rows
+    then go after it, from out (_across.c: x_clear_of_out). The rows'
+    signatures go before them, in 8-byte messages of their own."""
+    OUT = _across.OUT
+    nodes, k_me, count = h.topology.nodes, h.node_index, call.count
+    row = count * call.dtype.itemsize
+    exchange = h.link.repeated_exchange([(peer, 0) for peer in others], [(peer, 0) for peer in others],
                                         one_payload=True)
     channel, kind = h.shm.fast.channel, fastpath.KINDS["allgather"]
-    ranges = [(node[0] * call.count, (node[0] + len(node)) * call.count) for node in nodes]
-    received = [payload.view(call.dtype) for payload in exchange.receive_payloads]
-    others_ranges = [span for k, span in enumerate(ranges) if k != k_me]
+    ranges = [(node[0] * count, (node[0] + len(node)) * count) for node in nodes]
 
     def own_node(x, out, deadline):
         start, stop = ranges[k_me]
@@ -560,18 +584,19 @@ def _allgather_by_node_rows(h, call, counterparts, others):
 
     def other_nodes(out, deadline):
         flat = out.reshape(-1)
-        for rows, (start, stop) in zip(received, others_ranges):
-            result = channel.collective(kind, rows, flat[start:stop], 0, 0, deadline)
+        for k, (start, stop) in enumerate(ranges):
+            peer = counterparts[k]
+            result = 0 if k == k_me else channel.collective(kind, flat[peer * count:(peer + 1) * count],
+                                                            flat[start:stop], 0, 0, deadline)
             if result != 0:
                 return result
         return 0
 
-    # The message is copied from out's row of this rank, which the first step filled: x may overlap
-    # out's node range (the loop then reads a private copy of x), so x may have changed by then.
-    before = [((OUT, h.rank * row), (ADDRESS, _address(exchange.send_payloads[0])), row)]
+    direct = ([(peer, (OUT, peer * row), row) for peer in others],
+              [(peer, (OUT, h.rank * row), row) for peer in others], True)
     return Shape(exchange, row, h.topology.size * row, first_step=(own_node, (None, None, None), 0, 1, 2, -1),
-                 before=before, last_step=(other_nodes, (None, None), -1, 0, 1, -1),
-                 steps=("allgather", "allgather"))
+                 last_step=(other_nodes, (None, None), -1, 0, 1, -1), steps=("allgather", "allgather"),
+                 direct=direct)
 
 
 def _broadcast(h, call, counterparts, others):
@@ -594,26 +619,35 @@ def _broadcast(h, call, counterparts, others):
 
 
 def _broadcast_in_slices(h, call, counterparts, others):
-    """A large broadcast whose count the node size G divides: the root's
-    node broadcasts (the loop), and its local rank l sends slice l (a G-th
-    of the data) to its counterparts; on every other node, local rank l
-    receives slice l and the loop all-gathers the slices into out. So a node
-    receives the data once, where each of its ranks receiving all of it made
-    G times the traffic between nodes (and, on pretend nodes, G times the
-    copies through MPI)."""
-    OUT, ADDRESS = _across.OUT, _across.ADDRESS
+    """A large broadcast whose count the node size G divides, with no
+    message buffers: the root's node broadcasts (the loop), and its local
+    rank l sends slice l (a G-th of the data) of out to its counterparts; on
+    every other node, local rank l receives slice l straight into out, and
+    the loop all-gathers the slices in place. So a node receives the data
+    once, where each of its ranks receiving all of it made G times the
+    traffic between nodes (and, on pretend nodes, G times the copies
+    through MPI)."""
+    OUT = _across.OUT
+    local, nodes = h.local, h.topology.nodes
+    count = call.count // len(h.node_ranks)
+    piece = count * call.dtype.itemsize
     nbytes = call.count * call.dtype.itemsize
-    piece = nbytes // len(h.node_ranks)
     root_node = h.topology.node_of(call.root)
-    if h.node_index != root_node:
-        exchange = h.link.repeated_exchange([], [(counterparts[root_node], piece)])
-        mine = exchange.receive_payloads[0].view(call.dtype)
-        return Shape(exchange, nbytes, nbytes, last_step=_loop(h, "allgather", mine, None, 0, 0),
-                     steps=("", "allgather"))
-    exchange = h.link.repeated_exchange([(peer, piece) for peer in others], [], one_payload=True)
-    first = _loop(h, "broadcast", None, None, 0, h.topology.local_of(call.root))
-    before = [((OUT, h.local * piece), (ADDRESS, _address(exchange.send_payloads[0])), piece)]
-    return Shape(exchange, nbytes, nbytes, first_step=first, before=before, steps=("broadcast", ""))
+    if h.node_index == root_node:
+        exchange = h.link.repeated_exchange([(peer, 0) for peer in others], [], one_payload=True)
+        first = _loop(h, "broadcast", None, None, 0, h.topology.local_of(call.root))
+        return Shape(exchange, nbytes, nbytes, first_step=first, steps=("broadcast", ""),
+                     direct=([], [(peer, (OUT, local * piece), piece) for peer in others], False))
+    source = nodes[root_node][local]
+    exchange = h.link.repeated_exchange([], [(source, 0)])
+    channel, kind = h.shm.fast.channel, fastpath.KINDS["allgather"]
+
+    def gather_slices(out, deadline):
+        flat = out.reshape(-1)
+        return channel.collective(kind, flat[local * count:(local + 1) * count], flat, 0, 0, deadline)
+
+    return Shape(exchange, nbytes, nbytes, last_step=(gather_slices, (None, None), -1, 0, 1, -1),
+                 steps=("", "allgather"), direct=([(source, (OUT, local * piece), piece)], [], False))
 
 
 _SMALL = {ALLREDUCE: _reducing, REDUCE_SCATTER: _reducing, REDUCE_TO_ROOT: _reducing, ALLGATHER: _allgather,
@@ -628,8 +662,9 @@ def _bound(link):
         MPI = link.mpi
         try:
             library = ctypes.CDLL(MPI.__file__, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            _across.bind_mpi(ctypes.cast(library.MPI_Start, ctypes.c_void_p).value,
-                             ctypes.cast(library.MPI_Test, ctypes.c_void_p).value, MPI._sizeof(MPI.Status))   # noqa: SLF001
+            _across.bind_mpi(*(ctypes.cast(function, ctypes.c_void_p).value for function in (
+                library.MPI_Start, library.MPI_Test, library.MPI_Isend, library.MPI_Irecv, library.MPI_Cancel)),
+                MPI._sizeof(MPI.Status), MPI._sizeof(MPI.Comm))   # noqa: SLF001
             _BOUND = True
         except (OSError, AttributeError, ValueError):
             _BOUND = False

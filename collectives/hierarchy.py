@@ -105,14 +105,6 @@ POLL_SPIN_DEDICATED = 2000
 # against 36, a 64 KiB allreduce 40 against 57 (docs/across-nodes.md).
 POLL_SPIN_OVERSUBSCRIBED = 0
 
-# Rows from which an allgather across nodes runs by node rows with no message buffers
-# (allgather_by_node_rows), and slices from which a broadcast runs in slices so
-# (broadcast_in_slices). Below, across.py's Program of the same layout copies through its
-# buffers but costs less a call: on 2 pretend nodes of 2, 512 KiB rows took 0.88 to 1.0 ms
-# here against 0.77 to 0.81 there, 1 MiB rows 1.48 to 1.65 against 1.58 to 1.74, and 4 MiB
-# rows 4.6 to 4.8 against 6.6 to 7.9.
-NODE_ROWS_DIRECT = 1 << 20
-
 # Buffers an op-table row or a message names, besides INPUT, OUTPUT and a rank's WORK:
 PART = 4        # this rank's partial or result (process memory, or a range of its WORK)
 RECEIVED = 5    # partials received from other nodes, before they are folded
@@ -505,93 +497,6 @@ def nodes_consecutive(nodes):
     return all(list(node) == list(range(node[0], node[0] + len(node))) for node in nodes)
 
 
-def takes_node_rows(h, call):
-    """Whether `call` is an allgather that runs by node rows (below; the
-    same answer on every rank): rows of NODE_ROWS_DIRECT bytes or more,
-    every node of one size and holding consecutive ranks, the loop in every node."""
-    return (call.collective == ALLGATHER and call.count * call.dtype.itemsize >= NODE_ROWS_DIRECT
-            and h.shm is not None and loop_runs_nodes(h, call) and nodes_consecutive(h.topology.nodes))
-
-
-def allgather_by_node_rows(h, call, x, out, deadline):
-    """A large allgather: each node's rows gathered by its loop straight
-    into that node's range of out, and each rank's row sent to its
-    counterparts and received from them with no buffer between.
-
-    1. Each rank's row goes to its counterparts, theirs into their rows of
-       out (posted first: a counterpart's MPI moves them while this rank
-       is in its node's loop).
-    2. The loop all-gathers the node's rows from x into the node's range.
-    3. Once the rows came, the loop all-gathers every other node's rows in
-       place: local rank l already holds that node's row l.
-
-    Where x overlaps out other than as its own row, the node's gather may
-    write over x: then the rows go after it, from out. On 2 pretend nodes of
-    2, 16 MiB took 4.4 to 4.9 ms where a compiled Program copying into and
-    out of its messages took 6.5 to 7.5 (MPICH 4.1 to 5.3; docs/across-nodes.md).
-    The messages' signature names this path, so a node on another path
-    raises instead of taking bytes laid out otherwise. A failed exchange
-    cancels its receives into out, as every exchange does (MpiLink.exchange)."""
-    h.link.begin(call_signature(h.calls, f"{call.description}, by node rows"))
-    count, nodes, k_me = call.count, h.topology.nodes, h.node_index
-
-    def row(rank):
-        return out[rank * count:(rank + 1) * count]
-
-    def node_rows(node):
-        return out[node[0] * count:(node[0] + len(node)) * count]
-
-    counterparts = [(node, node[h.local]) for k, node in enumerate(nodes) if k != k_me]
-    what = f"{call.description}: between counterparts"
-    early = _same_memory(row(h.rank), x) or not np.may_share_memory(x, out)
-
-    def post():
-        return h.link.post([(peer, x if early else row(h.rank)) for _, peer in counterparts],
-                           [(peer, row(peer)) for _, peer in counterparts], what)
-
-    posted = post() if early else None
-    try:
-        _in_node(h, ALLGATHER, x, node_rows(nodes[k_me]), "sum", 0, deadline)
-    except BaseException:
-        if posted is not None:
-            h.link.abandon(posted)
-        raise
-    h.link.complete(posted or post(), deadline)
-    for node, peer in counterparts:
-        _in_node(h, ALLGATHER, row(peer), node_rows(node), "sum", 0, deadline)
-
-
-def takes_slices(h, call):
-    """Whether `call` is a broadcast that runs in slices with no message
-    buffers (below; the same answer on every rank): slices of
-    NODE_ROWS_DIRECT bytes or more, the node size dividing the count,
-    every node of one size, the loop in every node."""
-    return (call.collective == BROADCAST and h.shm is not None and call.count % len(h.node_ranks) == 0
-            and call.count // len(h.node_ranks) * call.dtype.itemsize >= NODE_ROWS_DIRECT
-            and loop_runs_nodes(h, call))
-
-
-def broadcast_in_slices(h, call, x, out, deadline):
-    """A large broadcast, its slices sent and received with no buffer
-    between (as allgather_by_node_rows does, and across.py's Program of the
-    same layout with buffers for smaller slices): the root's node
-    broadcasts with its loop, and its local rank l sends slice l of out to
-    its counterparts; on every other node local rank l receives slice l
-    straight into out, and the loop all-gathers the slices in place."""
-    h.link.begin(call_signature(h.calls, f"{call.description}, in slices"))
-    nodes, k_me = h.topology.nodes, h.node_index
-    piece = call.count // len(h.node_ranks)
-    mine = out[h.local * piece:(h.local + 1) * piece]
-    root_node = h.topology.node_of(call.root)
-    what = f"{call.description}: between counterparts"
-    if k_me == root_node:
-        _in_node(h, BROADCAST, x, out, "sum", h.topology.local_of(call.root), deadline)
-        h.link.exchange([(node[h.local], mine) for k, node in enumerate(nodes) if k != k_me], [], deadline, what)
-        return
-    h.link.exchange([], [(nodes[root_node][h.local], mine)], deadline, what)   # (out of place, x is left as it was)
-    _in_node(h, ALLGATHER, mine, out, "sum", 0, deadline)
-
-
 def _in_node(h, collective, x, out, op, root, deadline):
     """One call of the node's compiled loop (nothing when alone on the node:
     out = x). The loop takes these buffers on every rank alike; its
@@ -684,10 +589,6 @@ def _shortest(general):
     def run(h, call, x, out, deadline):
         if call.count and takes_small(h, call):
             return small(h, call, x, out, deadline)
-        if takes_node_rows(h, call):
-            return allgather_by_node_rows(h, call, x, out, deadline)
-        if takes_slices(h, call):
-            return broadcast_in_slices(h, call, x, out, deadline)
         if h.programs is not None and h.programs.takes_large(call):
             return h.programs.run(call, x, out, deadline)
         return general(h, call, x, out, deadline)

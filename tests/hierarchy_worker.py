@@ -11,7 +11,6 @@ and fails with a traceback (non-zero exit) otherwise.
 import os
 import sys
 import time
-import types
 
 import numpy as np
 from mpi4py import MPI
@@ -244,15 +243,12 @@ def scenario_stalled(comm):
 def scenario_stalled_by_node(comm):
     """The last rank stops calling in at a large call, each on a new
     communicator (the one before is aborted), each run twice first: an
-    allgather and a reduce_scatter laid out node by node, an allgather
-    with no message buffers, a broadcast in slices from the late rank.
-    Everyone else raises within the timeout, the late rank raises too, and
-    none hangs."""
+    allgather and a reduce_scatter laid out node by node, a broadcast in
+    slices from the late rank. Everyone else raises within the timeout,
+    the late rank raises too, and none hangs."""
     last, count = comm.size - 1, 70000
-    direct = hierarchy.NODE_ROWS_DIRECT // 4   # (float32 rows with no message buffers)
     calls = {"allgather": lambda c: c.allgather(np.full(count, c.rank, np.float32)),
-             "allgather, direct": lambda c: c.allgather(np.full(direct, c.rank, np.float32)),
-             "broadcast, in slices": lambda c: c.broadcast(np.ones(direct * 2, np.float32), root=c.size - 1),
+             "broadcast, in slices": lambda c: c.broadcast(np.ones(count * 2, np.float32), root=c.size - 1),
              "reduce_scatter": lambda c: c.reduce_scatter(np.ones(c.size * count // 4, np.float32),
                                                           out=np.empty(count // 4, np.float32))}
     for which, (name, call) in enumerate(calls.items()):
@@ -307,23 +303,12 @@ def scenario_stalled_in_last_step(comm):
     allgather (laid out by node rows: the other node's rows gathered after
     the messages came), having sent its row: its node-mate raises within
     the timeout; the other node's ranks, who got every row they need, may
-    complete that call with the right rows, and then learn of the abort.
-    Then the same on a new communicator with rows of NODE_ROWS_DIRECT (no
-    Program: the node steps are the loop's shortcut, stalled the same way)."""
-    stalled_in_last_step(comm, 70000, program=True)
-    stalled_in_last_step(collectives.init(timeout=30.0), hierarchy.NODE_ROWS_DIRECT // 4, program=False)
-
-
-def stalled_in_last_step(comm, count, program):
-    last = comm.size - 1
+    complete that call with the right rows, and then learn of the abort."""
+    last, count = comm.size - 1, 70000
     rows = np.concatenate([np.full(count, q, np.float32) for q in range(comm.size)])
     if comm.rank == last:   # (before the shape's first call: its Program takes the channel then)
         shm = comm._ranks.shm   # noqa: SLF001
-        if program:
-            shm.fast._channel = StallingChannel(shm.fast._channel, stall_at=6, seconds=STALL_TIMEOUT + 2)   # noqa: SLF001
-        else:
-            shortcut = types.SimpleNamespace(collective=shm.fast_collective)   # (a ShmRank's shortcut, stalled alike)
-            shm.fast_collective = StallingChannel(shortcut, stall_at=6, seconds=STALL_TIMEOUT + 2).collective
+        shm.fast._channel = StallingChannel(shm.fast._channel, stall_at=6, seconds=STALL_TIMEOUT + 2)   # noqa: SLF001
     x = np.full(count, comm.rank, np.float32)
     for _ in range(2):   # (two node steps each)
         check(comm.allgather(x), rows, "allgather before the stall")
@@ -539,11 +524,11 @@ def scenario_by_node(comm):
     """Allgathers and reduce_scatters past the small path's limit, in and
     out of place, repeated (their Programs: where every node holds
     consecutive ranks, laid out node by node, across.py): every node's
-    rows land in their place, every block holds the documented fold order."""
+    rows land in their place, every block holds the documented fold order;
+    and broadcasts in slices from every root."""
     r, n, nodes = comm.rank, comm.size, comm.topology.nodes
-    direct = hierarchy.NODE_ROWS_DIRECT   # rows from which the allgather's messages have no buffers
     for dtype in (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.uint8)):
-        for count in (70000, 70001, direct // dtype.itemsize + 1):   # (past 64 KiB in every dtype)
+        for count in (70000, 70001):   # (past 64 KiB in every dtype)
             for repeat in range(3):
                 rows = [np.arange(count, dtype=dtype) * (q + repeat + 1) % 251 for q in range(n)]
                 gathered = np.concatenate(rows)
@@ -559,7 +544,7 @@ def scenario_by_node(comm):
                 x[:] = rows[r]
                 check(comm.allgather(x, out=room[count:(n + 1) * count]), gathered, f"{case} overlapping")
                 block = count // 8   # a reduce_scatter's x of n blocks: past the limit but in uint8
-                for op in (OPS if dtype.kind == "f" else ("sum", "max")) if count < direct // 8 else ():
+                for op in OPS if dtype.kind == "f" else ("sum", "max"):
                     values = [random_values(dtype, q + 100 * repeat, n * block) for q in range(n)]
                     if dtype.kind in "iu":
                         values = [np.arange(n * block, dtype=dtype) * (q + repeat + 1) % 7 for q in range(n)]
@@ -567,9 +552,9 @@ def scenario_by_node(comm):
                     case = f"reduce_scatter {op} of {n} x {block} {dtype} repeat {repeat} rank {r}"
                     check(comm.reduce_scatter(values[r], op=op, out=np.empty(block, dtype)), want, case)
                     check(comm.reduce_scatter(values[r].copy(), op=op), want, f"{case} in place")
-    # broadcasts whose slices (a node size's share) reach NODE_ROWS_DIRECT: no message buffers
+    # broadcasts whose count the node size divides: in slices (a node size's share), with no message buffers
     size = len(comm.topology.nodes[comm.node])
-    count = direct // 4 * size
+    count = 70000 * size
     for root in range(n):
         data = np.arange(count, dtype=np.float32) * (root + 1)
         case = f"broadcast of {count} float32 from {root} rank {r}"
@@ -600,21 +585,29 @@ def scenario_mismatched_large(comm):
 def scenario_repeated_mismatched(comm):
     """After both calls ran on every rank, node 0 makes one while the other
     nodes make the other, of as many bytes: through the shortcuts, every
-    rank raises at once (the messages' signatures differ)."""
-    x = np.ones(100, np.float32)
-    for _ in range(2):
-        comm.allreduce(x.copy())
-        comm.broadcast(x.copy(), root=0)
-    WORLD.Barrier()   # (else a rank still in these calls may meet the abort of a rank already past them)
-    start = time.perf_counter()
-    try:
-        comm.allreduce(x.copy()) if comm.node == 0 else comm.broadcast(x.copy(), root=0)
-    except CollectiveError as error:
-        assert isinstance(error, InvalidUsageError) or "aborted" in str(error), error
-        print(f"RAISED 0 {comm.rank} {type(error).__name__}: {error}", flush=True)
-        assert time.perf_counter() - start < TIMEOUT, f"took {time.perf_counter() - start:.1f}s"
-    else:
-        raise AssertionError("a mismatched call completed")
+    rank raises at once (the messages' signatures differ). Small calls, an
+    allreduce and a broadcast; then, on a new communicator, large
+    allgathers of float32 and of int32 (their rows go with no message
+    buffers: the signatures alone are in messages of their own)."""
+    small = np.ones(100, np.float32)
+    pairs = ((lambda c: c.allreduce(small.copy()), lambda c: c.broadcast(small.copy(), root=0)),
+             (lambda c: c.allgather(np.ones(70000, np.float32)), lambda c: c.allgather(np.ones(70000, np.int32))))
+    for which, (one, other) in enumerate(pairs):
+        if which:
+            comm = collectives.init(timeout=TIMEOUT)
+        for _ in range(2):
+            one(comm)
+            other(comm)
+        WORLD.Barrier()   # (else a rank still in these calls may meet the abort of a rank already past them)
+        start = time.perf_counter()
+        try:
+            (one if comm.node == 0 else other)(comm)
+        except CollectiveError as error:
+            assert isinstance(error, InvalidUsageError) or "aborted" in str(error), error
+            print(f"RAISED {which} {comm.rank} {type(error).__name__}: {error}", flush=True)
+            assert time.perf_counter() - start < TIMEOUT, f"took {time.perf_counter() - start:.1f}s"
+        else:
+            raise AssertionError(f"mismatched calls completed (pair {which})")
 
 
 def scenario_repeated_stalled(comm):

@@ -201,6 +201,16 @@ def ops():
             dist.all_gather_single(flat, mine)
             check(torch.equal(flat, torch.cat(outs)), f"all_gather_single {dtype}")
 
+    # large calls, past every size at which a path across nodes changes: 1 MiB rows, a 4 MiB broadcast
+    count = (1 << 18) + 1
+    flat = torch.empty(size * count)
+    dist.all_gather_into_tensor(flat, data(rank, count, torch.float32))
+    check(torch.equal(flat, torch.cat([data(r, count, torch.float32) for r in range(size)])), "a large all_gather")
+    sent = data(0, 1 << 20, torch.float32)
+    got = sent.clone() if rank == 0 else torch.zeros(1 << 20)
+    dist.broadcast(got, src=0)
+    check(torch.equal(got, sent), "a large broadcast")
+
     # reduce_scatter: the list form, the single-tensor form; SUM and AVG
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32):
         for op in (R.SUM, R.AVG) if dtype in FLOATS else (R.SUM, R.MAX):

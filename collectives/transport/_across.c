@@ -25,11 +25,21 @@
  *      avg divided once at the end), the last node step, if any (a large
  *      allreduce's all-gather inside the node), and the `after` copies.
  *
+ * A large allgather by node rows, or broadcast in slices, moves its
+ * payload with no buffer between (Direct): each message is started per
+ * call (MPI_Isend, MPI_Irecv) straight from or into the call's arrays,
+ * after an 8-byte message of the call's signature alone on a persistent
+ * request (MPI keeps a pair's messages in order). Its receives start in
+ * step 1 and its sends of x before step 2, unless x overlaps out other
+ * than as where they are sent from: then both after it, the sends from out.
+ *
  * MPI is called through the functions of the MPI library mpi4py loaded
  * (their addresses come from bind_mpi), on the persistent requests mpi4py
  * made (their handles' addresses), so this file needs no MPI header and
- * works with either ABI: every handle is passed by address, and a status
- * is scratch space of the library's size, never read here.
+ * works with either ABI: a request or status is passed by address (a
+ * status is scratch space of the library's size, never read here), and
+ * MPI_Isend's and MPI_Irecv's datatype and communicator handles by value,
+ * as ints or pointers by the handles' size.
  *
  * A buffer is named by a base and an offset: the call's x, the call's out,
  * or an absolute address (memory the Program's owner keeps alive).
@@ -44,14 +54,29 @@
 
 typedef int (*mpi_start_fn)(void *request);
 typedef int (*mpi_test_fn)(void *request, int *flag, void *status);
+typedef int (*mpi_cancel_fn)(void *request);
+/* MPI_Isend and MPI_Irecv, whose datatype and communicator handles are
+ * ints in one ABI (MPICH's) and pointers in others: both kinds are
+ * declared, and the handles' size (bind_mpi) says which to call. */
+typedef int (*mpi_isend_int_fn)(const void *buf, int count, int datatype, int dest, int tag, int comm, void *request);
+typedef int (*mpi_irecv_int_fn)(void *buf, int count, int datatype, int source, int tag, int comm, void *request);
+typedef int (*mpi_isend_ptr_fn)(const void *buf, int count, void *datatype, int dest, int tag, void *comm,
+                                void *request);
+typedef int (*mpi_irecv_ptr_fn)(void *buf, int count, void *datatype, int source, int tag, void *comm, void *request);
 
 static mpi_start_fn mpi_start;
 static mpi_test_fn mpi_test;
-static Py_ssize_t status_size;
+static mpi_cancel_fn mpi_cancel;
+static void *mpi_isend, *mpi_irecv;
+static Py_ssize_t status_size, handle_size;
 
 enum { BASE_X = 0, BASE_OUT = 1, BASE_ADDRESS = 2 };
 typedef struct { int base; intptr_t offset; } Where;
 typedef struct { Where src, dst; size_t nbytes; } Copy;
+/* A message started per call (MPI_Isend, MPI_Irecv) straight from or into
+ * the call's arrays, with no buffer between; its call signature goes
+ * before it, in a persistent request's 8-byte message to the same peer. */
+typedef struct { int peer; Where where; int nbytes; } Direct;
 
 /* What run() and resume() return besides 0 (done). */
 enum { PENDING = 1, NODE_FAILED = 2, MPI_FAILED = 3, DIFFERENT_CALL = 4, ABORT_ARRIVED = 5 };
@@ -74,9 +99,18 @@ typedef struct {
     Py_ssize_t nbefore, nafter;
     int64_t **send_headers, **receive_headers;
     Py_ssize_t nsends, nreceives;
-    void **requests;            /* the receives' requests, then the sends' */
+    void **requests;            /* the receives' requests, then the sends' (mpi4py's, persistent), then the
+                                 * direct receives', then the direct sends' (direct_requests) */
     char *done;                 /* per request, this call */
-    Py_ssize_t nrequests;
+    Py_ssize_t npersistent, nrequests;
+    Direct *direct;             /* the direct receives, then the direct sends */
+    Py_ssize_t ndirect_receives, ndirect_sends;
+    uint64_t *direct_requests;  /* their handles (MPI_Request: 4 or 8 bytes) */
+    int64_t comm, byte_type;    /* the handles of the link's communicator and of MPI_BYTE */
+    int tag;
+    int sends_from_x;           /* the direct sends carry the call's x (see run()) */
+    PyObject *held;             /* (x, out) of the last call with direct messages, until it ends well: MPI
+                                 * may still read or write them after a failure */
     Where *fold_sources;        /* none: no fold */
     Py_ssize_t nfold;
     Where fold_into;
@@ -271,6 +305,57 @@ static PyObject *start_requests(Program *p, Py_ssize_t from, Py_ssize_t to)
     return NULL;
 }
 
+/* Start direct messages [from, to) of p->direct, the sends from `from_x`
+ * if not NULL: NULL once done, else (MPI_FAILED, request, code). */
+static PyObject *post_direct(Program *p, Py_ssize_t from, Py_ssize_t to, char *x, char *out, char *from_x)
+{
+    for (Py_ssize_t i = from; i < to; i++) {
+        const Direct *d = &p->direct[i];
+        char *buf = from_x != NULL ? from_x : resolve(d->where, x, out);
+        void *request = &p->direct_requests[i];
+        int rc;
+        if (i < p->ndirect_receives)
+            rc = handle_size == sizeof(int)
+                 ? ((mpi_irecv_int_fn)mpi_irecv)(buf, d->nbytes, (int)p->byte_type, d->peer, p->tag, (int)p->comm,
+                                                 request)
+                 : ((mpi_irecv_ptr_fn)mpi_irecv)(buf, d->nbytes, (void *)(intptr_t)p->byte_type, d->peer, p->tag,
+                                                 (void *)(intptr_t)p->comm, request);
+        else
+            rc = handle_size == sizeof(int)
+                 ? ((mpi_isend_int_fn)mpi_isend)(buf, d->nbytes, (int)p->byte_type, d->peer, p->tag, (int)p->comm,
+                                                 request)
+                 : ((mpi_isend_ptr_fn)mpi_isend)(buf, d->nbytes, (void *)(intptr_t)p->byte_type, d->peer, p->tag,
+                                                 (void *)(intptr_t)p->comm, request);
+        if (rc != 0)
+            return outcome(MPI_FAILED, (long)(p->npersistent + i), rc);
+    }
+    return NULL;
+}
+
+/* The persistent sends (call signatures) and the direct sends, from `from_x` if not NULL. */
+static PyObject *start_sends(Program *p, char *x, char *out, char *from_x)
+{
+    for (Py_ssize_t i = 0; i < p->nsends; i++)
+        *p->send_headers[i] = p->signature;
+    PyObject *failed = start_requests(p, p->nreceives, p->npersistent);
+    if (failed == NULL)
+        failed = post_direct(p, p->ndirect_receives, p->ndirect_receives + p->ndirect_sends, x, out, from_x);
+    return failed;
+}
+
+/* Whether the direct messages may start before the first node step, the
+ * sends from x where they carry x's bytes (sends_from_x): unless x
+ * overlaps out other than as where those sends go from (the first step,
+ * or a receive, may write over x then: the messages go after the first
+ * step, the sends from out). */
+static int x_clear_of_out(const Program *p, char *x, Py_ssize_t x_len, char *out, Py_ssize_t out_len)
+{
+    if (!p->sends_from_x || p->ndirect_sends == 0)
+        return 1;
+    char *from = resolve(p->direct[p->ndirect_receives].where, x, out);
+    return from == x || x + x_len <= out || out + out_len <= x;
+}
+
 static PyObject *finish_polled(Program *p, int status, Py_ssize_t failed, int code, PyObject *x_obj,
                                PyObject *out_obj, char *x, char *out);
 
@@ -284,6 +369,8 @@ static PyObject *finish(Program *p, PyObject *x_obj, PyObject *out_obj, char *x,
         return outcome(status, (long)failed, code);
     PyObject *result = finish_polled(p, status, failed, code, x_obj, out_obj, x, out);
     Py_CLEAR(p->own);   /* the call is over */
+    if (status == OK)
+        Py_CLEAR(p->held);   /* (after a failure MPI may still hold them: see cancel()) */
     return result;
 }
 
@@ -342,7 +429,21 @@ static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs
     memset(p->done, 0, (size_t)p->nrequests);
     for (Py_ssize_t i = 0; i < p->nreceives; i++)
         *p->receive_headers[i] = 0;
+    if (p->direct != NULL) {   /* (zeroed: cancel() then skips a message never started) */
+        memset(p->direct_requests, 0, (size_t)(p->ndirect_receives + p->ndirect_sends) * sizeof(uint64_t));
+        Py_XSETREF(p->held, PyTuple_Pack(2, args[0], args[1]));
+        if (p->held == NULL) {
+            release(&a);
+            return NULL;
+        }
+    }
+    int x_clear = x_clear_of_out(p, x, a.x.len, out, a.have_out ? a.out.len : a.x.len);
+    int sends_early = x_clear && p->sends_from_x;   /* (a counterpart's MPI reads x while this rank is in its node step) */
     PyObject *result = start_requests(p, 0, p->nreceives);
+    if (result == NULL && x_clear)
+        result = post_direct(p, 0, p->ndirect_receives, x, out, NULL);
+    if (result == NULL && sends_early)
+        result = start_sends(p, x, out, x);
     if (result != NULL)
         goto done;
     result = run_step(&p->first, 0, args[0], args[1], p->own, deadline);
@@ -350,9 +451,10 @@ static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs
         goto done;
     Py_CLEAR(result);
     run_copies(p->before, p->nbefore, x, out);
-    for (Py_ssize_t i = 0; i < p->nsends; i++)
-        *p->send_headers[i] = p->signature;
-    result = start_requests(p, p->nreceives, p->nrequests);
+    if (!x_clear)
+        result = post_direct(p, 0, p->ndirect_receives, x, out, NULL);
+    if (result == NULL && !sends_early)
+        result = start_sends(p, x, out, NULL);
     if (result != NULL)
         goto done;
     result = finish(p, args[0], args[1], x, out, poll_until);
@@ -381,6 +483,18 @@ static PyObject *Program_resume(Program *p, PyObject *const *args, Py_ssize_t na
     PyObject *result = finish(p, args[0], args[1], a.x.buf, a.have_out ? a.out.buf : a.x.buf, poll_until);
     release(&a);
     return result;
+}
+
+/* cancel(): after a failed call, its direct receives that have not
+ * completed are cancelled (a matched one may still write into out: MPI
+ * cannot take it back); the Program, which holds the arrays, is then
+ * kept alive and never run again (across.py orphans it). */
+static PyObject *Program_cancel(Program *p, PyObject *Py_UNUSED(ignored))
+{
+    for (Py_ssize_t i = 0; i < p->ndirect_receives; i++)
+        if (!p->done[p->npersistent + i] && p->direct_requests[i] != 0)
+            mpi_cancel(&p->direct_requests[i]);
+    Py_RETURN_NONE;
 }
 
 /* -- construction ----------------------------------------------------------- */
@@ -453,12 +567,51 @@ static int parse_step(PyObject *spec, NodeStep *step)
     return 0;
 }
 
+/* direct: None, or (receives, sends, comm handle, MPI_BYTE handle, tag,
+ * sends_from_x), each message (peer, (base, offset), nbytes). */
+static int parse_direct(PyObject *spec, Program *p)
+{
+    if (spec == Py_None)
+        return 0;
+    if (mpi_isend == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "direct messages: bind_mpi() without MPI_Isend");
+        return -1;
+    }
+    PyObject *receives, *sends;
+    unsigned long long comm, byte_type;   /* (mpi4py gives MPICH's int handles sign-extended to 64 bits) */
+    if (!PyArg_ParseTuple(spec, "O!O!KKip", &PyList_Type, &receives, &PyList_Type, &sends, &comm, &byte_type,
+                          &p->tag, &p->sends_from_x))
+        return -1;
+    p->comm = (int64_t)comm;
+    p->byte_type = (int64_t)byte_type;
+    p->ndirect_receives = PyList_GET_SIZE(receives);
+    p->ndirect_sends = PyList_GET_SIZE(sends);
+    Py_ssize_t n = p->ndirect_receives + p->ndirect_sends;
+    p->direct = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Direct));
+    p->direct_requests = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(uint64_t));
+    if (p->direct == NULL || p->direct_requests == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = i < p->ndirect_receives ? PyList_GET_ITEM(receives, i)
+                                                  : PyList_GET_ITEM(sends, i - p->ndirect_receives);
+        PyObject *where;
+        if (!PyArg_ParseTuple(item, "iOi", &p->direct[i].peer, &where, &p->direct[i].nbytes)
+            || parse_where(where, &p->direct[i].where) < 0)
+            return -1;
+        if (i < p->ndirect_receives && p->direct[i].where.base == BASE_OUT)
+            p->writes_out = 1;
+    }
+    return 0;
+}
+
 static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"first_step", "before", "send_headers", "receive_headers", "requests", "fold",
                             "last_step", "after", "x_bytes", "out_bytes", "description_hash", "spin",
-                            "abort_request", "abort_status", NULL};
-    PyObject *first, *last, *before, *send_headers, *receive_headers, *requests, *fold, *after;
+                            "abort_request", "abort_status", "direct", NULL};
+    PyObject *first, *last, *before, *send_headers, *receive_headers, *requests, *fold, *after, *direct = Py_None;
     unsigned long long description_hash;
     if (mpi_test == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "bind_mpi() first");
@@ -469,9 +622,9 @@ static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
         return -1;
     }
     unsigned long long abort_request, abort_status;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOnnKlKK", names, &first, &before, &send_headers,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOnnKlKK|O", names, &first, &before, &send_headers,
                                      &receive_headers, &requests, &fold, &last, &after, &p->x_bytes, &p->out_bytes,
-                                     &description_hash, &p->spin, &abort_request, &abort_status))
+                                     &description_hash, &p->spin, &abort_request, &abort_status, &direct))
         return -1;
     p->abort_request = (void *)(uintptr_t)abort_request;
     p->abort_status = (void *)(uintptr_t)abort_status;
@@ -481,8 +634,19 @@ static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
     if (parse_copies(before, &p->before, &p->nbefore) < 0 || parse_copies(after, &p->after, &p->nafter) < 0
         || parse_addresses(send_headers, (void ***)&p->send_headers, &p->nsends) < 0
         || parse_addresses(receive_headers, (void ***)&p->receive_headers, &p->nreceives) < 0
-        || parse_addresses(requests, &p->requests, &p->nrequests) < 0)
+        || parse_addresses(requests, &p->requests, &p->npersistent) < 0 || parse_direct(direct, p) < 0)
         return -1;
+    p->nrequests = p->npersistent + p->ndirect_receives + p->ndirect_sends;
+    if (p->nrequests > p->npersistent) {   /* the direct messages' requests after the persistent ones */
+        void **all = PyMem_Realloc(p->requests, (size_t)p->nrequests * sizeof(void *));
+        if (all == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        p->requests = all;
+        for (Py_ssize_t i = p->npersistent; i < p->nrequests; i++)
+            p->requests[i] = &p->direct_requests[i - p->npersistent];
+    }
     for (Py_ssize_t i = 0; i < p->nbefore; i++)
         p->writes_out |= writes_out_in_place(&p->before[i]);
     for (Py_ssize_t i = 0; i < p->nafter; i++)
@@ -531,6 +695,9 @@ static void Program_dealloc(Program *p)
     Py_XDECREF(p->last.call);
     Py_XDECREF(p->last.args);
     Py_XDECREF(p->own);
+    Py_XDECREF(p->held);
+    PyMem_Free(p->direct);
+    PyMem_Free(p->direct_requests);
     PyMem_Free(p->before);
     PyMem_Free(p->after);
     PyMem_Free(p->send_headers);
@@ -547,6 +714,8 @@ static PyMethodDef Program_methods[] = {
      "run(x, out, seq, deadline, poll_until): one call (see the module's doc)"},
     {"resume", (PyCFunction)(void (*)(void))Program_resume, METH_FASTCALL,
      "resume(x, out, poll_until): go on polling after run() returned PENDING"},
+    {"cancel", (PyCFunction)Program_cancel, METH_NOARGS,
+     "cancel(): a failed call's direct receives that have not completed cancelled"},
     {NULL},
 };
 
@@ -793,17 +962,22 @@ static PyTypeObject ShortcutsType = {
 
 static PyObject *py_bind_mpi(PyObject *Py_UNUSED(self), PyObject *args)
 {
-    unsigned long long start, test;
-    Py_ssize_t size;
-    if (!PyArg_ParseTuple(args, "KKn", &start, &test, &size))
+    unsigned long long start, test, isend, irecv, cancel;
+    Py_ssize_t size, handles;
+    if (!PyArg_ParseTuple(args, "KKKKKnn", &start, &test, &isend, &irecv, &cancel, &size, &handles))
         return NULL;
-    if (start == 0 || test == 0 || size <= 0) {
-        PyErr_SetString(PyExc_ValueError, "bind_mpi: two function addresses and the size of MPI_Status");
+    if (start == 0 || test == 0 || isend == 0 || irecv == 0 || cancel == 0 || size <= 0
+        || (handles != sizeof(int) && handles != sizeof(void *))) {
+        PyErr_SetString(PyExc_ValueError, "bind_mpi: five function addresses, the size of MPI_Status and of a handle");
         return NULL;
     }
     mpi_start = (mpi_start_fn)(uintptr_t)start;
     mpi_test = (mpi_test_fn)(uintptr_t)test;
+    mpi_isend = (void *)(uintptr_t)isend;
+    mpi_irecv = (void *)(uintptr_t)irecv;
+    mpi_cancel = (mpi_cancel_fn)(uintptr_t)cancel;
     status_size = size;
+    handle_size = handles;
     Py_RETURN_NONE;
 }
 
@@ -819,7 +993,8 @@ static PyObject *py_element_type(PyObject *Py_UNUSED(self), PyObject *array)
 
 static PyMethodDef module_methods[] = {
     {"bind_mpi", py_bind_mpi, METH_VARARGS,
-     "bind_mpi(MPI_Start, MPI_Test, sizeof(MPI_Status)): the loaded MPI library's functions, by address"},
+     "bind_mpi(MPI_Start, MPI_Test, MPI_Isend, MPI_Irecv, MPI_Cancel, sizeof(MPI_Status), sizeof(MPI_Comm)): the "
+     "loaded MPI library's functions, by address"},
     {"element_type", py_element_type, METH_O,
      "element_type(array): host_folds.h's code for the array's element type, -1 where the folds lack it"},
     {NULL},

@@ -31,7 +31,6 @@ import ctypes
 import itertools
 import os
 import time
-from typing import NamedTuple
 
 import numpy as np
 
@@ -124,12 +123,6 @@ class MpiLink:
         `receives`, all at once; return when all are done. Arrays are
         contiguous; between two ranks, the sender's list and the receiver's
         list name their messages in the same order."""
-        self.complete(self.post(sends, receives, what), deadline)
-
-    def post(self, sends, receives, what):
-        """exchange()'s messages started, for complete() to finish: the
-        caller may work between the two (MPI then moves what it can while a
-        peer calls into it), and must hand them to abandon() if that work fails."""
         MPI = self._mpi
         comm = self.comm
         sources = list(dict.fromkeys(peer for peer, _ in receives))
@@ -140,22 +133,14 @@ class MpiLink:
         nreceives = len(requests)
         requests += [comm.Isend([self._signature, MPI.INT64_T], peer, DATA_TAG) for peer in targets]
         requests += [comm.Isend([a.view(np.uint8), MPI.BYTE], peer, DATA_TAG) for peer, a in sends if a.size]
-        return Posted(requests, nreceives, heard, sources, (heard, sends, receives), what)
-
-    def complete(self, posted, deadline):
-        """Wait for post()'s messages; raise if a peer sent another call's signature."""
         try:
-            self._wait(posted.requests, deadline, posted.what, posted.sources)
+            self._wait(requests, deadline, what, sources)
         except BaseException:
-            self.abandon(posted)
+            self._orphan(requests, nreceives, (heard, sends, receives))
             raise
-        wrong = [peer for peer, signature in zip(posted.sources, posted.heard) if signature != self._signature[0]]
+        wrong = [peer for peer, signature in zip(sources, heard) if signature != self._signature[0]]
         if wrong:
-            raise self.different_call(wrong[0], posted.what)
-
-    def abandon(self, posted):
-        """post()'s messages of a call that failed: orphaned (_orphan)."""
-        self._orphan(posted.requests, posted.nreceives, posted.buffers)
+            raise self.different_call(wrong[0], what)
 
     def repeated_exchange(self, sends, receives, one_payload=False):
         """The RepeatedExchange of messages to each (peer, nbytes) of
@@ -164,10 +149,10 @@ class MpiLink:
         bytes, from one buffer."""
         return RepeatedExchange(self.comm, sends, receives, one_payload)
 
-    def orphan(self, exchange):
+    def orphan(self, exchange, *kept):
         """A RepeatedExchange whose requests MPI may still hold (a failed call's):
-        its receives cancelled, all kept alive with its buffers (_orphan)."""
-        self._orphan(exchange.requests, len(exchange.sources), exchange)
+        its receives cancelled, all kept alive with its buffers and `kept` (_orphan)."""
+        self._orphan(exchange.requests, len(exchange.sources), (exchange, kept))
 
     def mpi_error(self, code, what, peer):
         """The error to raise for MPI's error `code` in a message with `peer`."""
@@ -261,16 +246,6 @@ class MpiLink:
 _HELD_FOR_MPI = {}
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HELD_FOR_MPI))
 _LINK_NUMBERS = itertools.count()
-
-
-class Posted(NamedTuple):
-    """MpiLink.post's messages in flight."""
-    requests: list       # the receives first
-    nreceives: int
-    heard: np.ndarray    # the signatures received, one per source
-    sources: list
-    buffers: tuple       # (MPI may hold them until the messages end)
-    what: str
 
 
 class RepeatedExchange:
