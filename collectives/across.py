@@ -18,6 +18,10 @@ run back to back:
               root's node broadcasts, its local rank l sends slice l of
               out to its counterparts, straight into their out, and every
               other node's loop all-gathers the slices in place;
+    node ranges (an allgather of rows from NODE_RANGES_FROM up to that
+              limit, consecutive nodes): the loop all-gathers the node's
+              rows straight into its range of out, which goes whole to
+              each counterpart, straight into its out;
     node rows (an allgather above that limit, where every node holds
               consecutive ranks): each rank's row goes from x straight
               into its counterparts' out; the loop all-gathers each node's
@@ -40,7 +44,7 @@ of transport/_across.c, and every later call of that shape is one C call:
                   rows and blocks: a Python function that takes the ranges);
     messages      persistent MPI requests made once (mpi.RepeatedExchange):
                   8 bytes of signature, then the payload; receives first;
-                  slices and node rows: the signature alone, and the
+                  slices, node ranges and rows: the signature alone, and the
                   payload a message of its own started per call straight
                   from or into the call's arrays (Shape.direct);
     fold          host_folds.h's fold of the partials in node order (avg
@@ -87,6 +91,10 @@ except ImportError:   # built without a C compiler: hierarchy.py runs every step
 PROGRAMS_KEPT = 16              # call shapes whose Program is kept, the least recently used dropped first,
 PROGRAM_BYTES_KEPT = 256 << 20  # and while their buffers hold more than this
 PROGRAM_MAX_BYTES = 128 << 20   # a call whose Program's buffers would hold more takes the phases
+# Rows from which a small allgather of consecutive nodes goes by node ranges, with no message
+# buffers (_allgather_by_node_ranges): on 2 pretend nodes of 2, 64 KiB rows took 195 µs against
+# the small layout's 255 out of place, 176 against 261 in place; 32 KiB rows and less, the same.
+NODE_RANGES_FROM = 32 << 10
 HEALTH_EVERY = 0.02     # seconds a Program polls before Python looks at the deadline, the abort channel and signals
 
 
@@ -121,7 +129,7 @@ def _buffer_bytes(h, call):
     scratch; the same answer on all)."""
     nodes, x_bytes = len(h.topology.nodes), call.count * call.dtype.itemsize
     layout = _layout(h, call)
-    if layout in (_allgather_by_node_rows, _broadcast_in_slices):   # (signatures only)
+    if layout in (_allgather_by_node_rows, _allgather_by_node_ranges, _broadcast_in_slices):   # (signatures only)
         return 16 * nodes
     by_node_blocks = layout is _reduce_scatter_by_node_blocks   # (one block per node, twice)
     return {ALLREDUCE: nodes * x_bytes // len(h.node_ranks) + 16 * nodes,   # (each message's header too)
@@ -351,7 +359,7 @@ class Shape(NamedTuple):
     after: list = []
     steps: tuple = ("", "")   # the collectives of the first and last node steps
     own: tuple = None         # (start, stop): out's elements passed to a node step as `own`
-    direct: tuple = None      # (receives, sends, sends_from_x): messages with no buffer, see Direct
+    direct: tuple = None      # (receives, sends, x_home, sends_from_x): messages with no buffer (_across.c: Direct)
 
 
 def lay_out(h, call):
@@ -361,9 +369,9 @@ def lay_out(h, call):
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
     shape = _layout(h, call)(h, call, counterparts, others)
     exchange = shape.exchange
-    receives, sends, sends_from_x = shape.direct or ([], [], False)
+    receives, sends, x_home, sends_from_x = shape.direct or ([], [], None, False)
     direct = None if shape.direct is None else (
-        receives, sends, h.link.comm.handle, h.link.mpi.BYTE.handle, DATA_TAG, sends_from_x)
+        receives, sends, h.link.comm.handle, h.link.mpi.BYTE.handle, DATA_TAG, x_home, sends_from_x)
     program = _across.Program(
         first_step=shape.first_step, before=shape.before, send_headers=exchange.send_header_addresses(),
         receive_headers=exchange.receive_header_addresses(), requests=exchange.request_addresses(), fold=shape.fold,
@@ -385,6 +393,9 @@ def _layout(h, call):
         return _broadcast_in_slices
     if by_node and call.collective == ALLGATHER:
         return _allgather_by_node_rows
+    if (call.collective == ALLGATHER and h.shm is not None and nodes_consecutive(h.topology.nodes)
+            and call.count * call.dtype.itemsize >= NODE_RANGES_FROM):
+        return _allgather_by_node_ranges
     if by_node and call.collective == REDUCE_SCATTER:
         return _reduce_scatter_by_node_blocks
     return _SMALL[call.collective]
@@ -571,16 +582,10 @@ def _allgather_by_node_rows(h, call, counterparts, others):
     then go after it, from out (_across.c: x_clear_of_out). The rows'
     signatures go before them, in 8-byte messages of their own."""
     OUT = _across.OUT
-    nodes, k_me, count = h.topology.nodes, h.node_index, call.count
+    k_me, count = h.node_index, call.count
     row = count * call.dtype.itemsize
-    exchange = h.link.repeated_exchange([(peer, 0) for peer in others], [(peer, 0) for peer in others],
-                                        one_payload=True)
+    exchange, own_node, ranges = _signatures_and_own_node(h, call, others)
     channel, kind = h.shm.fast.channel, fastpath.KINDS["allgather"]
-    ranges = [(node[0] * count, (node[0] + len(node)) * count) for node in nodes]
-
-    def own_node(x, out, deadline):
-        start, stop = ranges[k_me]
-        return channel.collective(kind, x, out.reshape(-1)[start:stop], 0, 0, deadline)
 
     def other_nodes(out, deadline):
         flat = out.reshape(-1)
@@ -593,10 +598,48 @@ def _allgather_by_node_rows(h, call, counterparts, others):
         return 0
 
     direct = ([(peer, (OUT, peer * row), row) for peer in others],
-              [(peer, (OUT, h.rank * row), row) for peer in others], True)
-    return Shape(exchange, row, h.topology.size * row, first_step=(own_node, (None, None, None), 0, 1, 2, -1),
+              [(peer, (OUT, h.rank * row), row) for peer in others], (OUT, h.rank * row), True)
+    return Shape(exchange, row, h.topology.size * row, first_step=own_node,
                  last_step=(other_nodes, (None, None), -1, 0, 1, -1), steps=("allgather", "allgather"),
                  direct=direct)
+
+
+def _allgather_by_node_ranges(h, call, counterparts, others):
+    """A small allgather of rows from NODE_RANGES_FROM, where every node
+    holds consecutive ranks: the loop all-gathers the node's rows from x
+    straight into the node's range of out, which then goes whole to each
+    counterpart, straight into its out, with no message buffers; the
+    counterparts' ranges come the same way. The small layout sends as many
+    bytes, but through the messages' buffers, and copies every row into
+    place after."""
+    OUT = _across.OUT
+    itemsize, k_me = call.dtype.itemsize, h.node_index
+    exchange, own_node, ranges = _signatures_and_own_node(h, call, others)
+    others_ranges = [span for k, span in enumerate(ranges) if k != k_me]
+    direct = ([(peer, (OUT, start * itemsize), (stop - start) * itemsize)
+               for peer, (start, stop) in zip(others, others_ranges)],
+              [(peer, (OUT, ranges[k_me][0] * itemsize), (ranges[k_me][1] - ranges[k_me][0]) * itemsize)
+               for peer in others],
+              (OUT, h.rank * call.count * itemsize), False)
+    return Shape(exchange, call.count * itemsize, h.topology.size * call.count * itemsize, first_step=own_node,
+                 steps=("allgather", ""), direct=direct)
+
+
+def _signatures_and_own_node(h, call, others):
+    """What the allgathers of consecutive nodes with no message buffers
+    start from: their exchange (the call's signature alone, to and from
+    each counterpart), the node step that all-gathers the node's rows from
+    x into the node's range of out, and every node's range of out (elements)."""
+    exchange = h.link.repeated_exchange([(peer, 0) for peer in others], [(peer, 0) for peer in others],
+                                        one_payload=True)
+    channel, kind = h.shm.fast.channel, fastpath.KINDS["allgather"]
+    ranges = [(node[0] * call.count, (node[0] + len(node)) * call.count) for node in h.topology.nodes]
+    start, stop = ranges[h.node_index]
+
+    def own_node(x, out, deadline):
+        return channel.collective(kind, x, out.reshape(-1)[start:stop], 0, 0, deadline)
+
+    return exchange, (own_node, (None, None, None), 0, 1, 2, -1), ranges
 
 
 def _broadcast(h, call, counterparts, others):
@@ -637,7 +680,7 @@ def _broadcast_in_slices(h, call, counterparts, others):
         exchange = h.link.repeated_exchange([(peer, 0) for peer in others], [], one_payload=True)
         first = _loop(h, "broadcast", None, None, 0, h.topology.local_of(call.root))
         return Shape(exchange, nbytes, nbytes, first_step=first, steps=("broadcast", ""),
-                     direct=([], [(peer, (OUT, local * piece), piece) for peer in others], False))
+                     direct=([], [(peer, (OUT, local * piece), piece) for peer in others], None, False))
     source = nodes[root_node][local]
     exchange = h.link.repeated_exchange([], [(source, 0)])
     channel, kind = h.shm.fast.channel, fastpath.KINDS["allgather"]
@@ -647,7 +690,7 @@ def _broadcast_in_slices(h, call, counterparts, others):
         return channel.collective(kind, flat[local * count:(local + 1) * count], flat, 0, 0, deadline)
 
     return Shape(exchange, nbytes, nbytes, last_step=(gather_slices, (None, None), -1, 0, 1, -1),
-                 steps=("", "allgather"), direct=([(source, (OUT, local * piece), piece)], [], False))
+                 steps=("", "allgather"), direct=([(source, (OUT, local * piece), piece)], [], None, False))
 
 
 _SMALL = {ALLREDUCE: _reducing, REDUCE_SCATTER: _reducing, REDUCE_TO_ROOT: _reducing, ALLGATHER: _allgather,

@@ -15,13 +15,6 @@ REDUCED_MATRIX_ON_DEVICES = {"emulated": {(3, 4), (3, 1000), (4, 1000), (5, 6), 
                              "emulated-3": {(5, 1000)}}
 
 
-# The xdist group of the tests whose ranks are processes waiting on each
-# other (markers mpi and processes): they run one after another on one
-# worker, so that two such jobs never share the two cores of CI, where a
-# rank that is not scheduled looks stalled to its peers.
-PROCESS_GROUP = "processes"
-
-
 def mark_the_quick_tier(items):
     """`pytest -m quick`, a working loop of a minute or two: the middle case
     of every test function that is not marked slow (the middle one rather
@@ -40,15 +33,12 @@ def pytest_collection_modifyitems(config, items):
     """Drop the collective-matrix cases that cannot or need not run: an
     algorithm on a collective it does not implement, and the device
     backends' cases beyond the reduced matrix for the newer algorithms.
-    Put the tests that start processes in one xdist group, and mark the
-    quick tier among the cases that run."""
+    Mark the quick tier among the cases that run."""
     from collectives.algorithms import REGISTRY
     from collectives.algorithms.schedule import COLLECTIVES
 
     kept, dropped = [], []
     for item in items:
-        if item.get_closest_marker("mpi") or item.get_closest_marker("processes"):
-            item.add_marker(pytest.mark.xdist_group(PROCESS_GROUP))
         params = getattr(item, "callspec", None) and item.callspec.params
         collective = item.originalname[len("test_"):] if item.originalname else ""
         if not params or "algorithm" not in params or item.module.__name__ != "test_collectives":

@@ -525,10 +525,11 @@ def scenario_by_node(comm):
     out of place, repeated (their Programs: where every node holds
     consecutive ranks, laid out node by node, across.py): every node's
     rows land in their place, every block holds the documented fold order;
-    and broadcasts in slices from every root."""
+    and broadcasts in slices from every root. Rows of 36 KB too (below
+    the small path's limit, by node ranges where nodes are consecutive)."""
     r, n, nodes = comm.rank, comm.size, comm.topology.nodes
     for dtype in (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.uint8)):
-        for count in (70000, 70001):   # (past 64 KiB in every dtype)
+        for count in (36000 // dtype.itemsize + 1, 70000, 70001):   # (70000: past 64 KiB in every dtype)
             for repeat in range(3):
                 rows = [np.arange(count, dtype=dtype) * (q + repeat + 1) % 251 for q in range(n)]
                 gathered = np.concatenate(rows)
@@ -544,7 +545,7 @@ def scenario_by_node(comm):
                 x[:] = rows[r]
                 check(comm.allgather(x, out=room[count:(n + 1) * count]), gathered, f"{case} overlapping")
                 block = count // 8   # a reduce_scatter's x of n blocks: past the limit but in uint8
-                for op in OPS if dtype.kind == "f" else ("sum", "max"):
+                for op in (OPS if dtype.kind == "f" else ("sum", "max")) if count >= 70000 else ():
                     values = [random_values(dtype, q + 100 * repeat, n * block) for q in range(n)]
                     if dtype.kind in "iu":
                         values = [np.arange(n * block, dtype=dtype) * (q + repeat + 1) % 7 for q in range(n)]

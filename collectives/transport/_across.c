@@ -108,7 +108,9 @@ typedef struct {
     uint64_t *direct_requests;  /* their handles (MPI_Request: 4 or 8 bytes) */
     int64_t comm, byte_type;    /* the handles of the link's communicator and of MPI_BYTE */
     int tag;
-    int sends_from_x;           /* the direct sends carry the call's x (see run()) */
+    int has_x_home;             /* x_home is where x sits in out when the call is in place (see x_clear_of_out) */
+    Where x_home;
+    int sends_from_x;           /* the direct sends carry the call's x: from x, where clear (see run()) */
     PyObject *held;             /* (x, out) of the last call with direct messages, until it ends well: MPI
                                  * may still read or write them after a failure */
     Where *fold_sources;        /* none: no fold */
@@ -343,17 +345,16 @@ static PyObject *start_sends(Program *p, char *x, char *out, char *from_x)
     return failed;
 }
 
-/* Whether the direct messages may start before the first node step, the
- * sends from x where they carry x's bytes (sends_from_x): unless x
- * overlaps out other than as where those sends go from (the first step,
- * or a receive, may write over x then: the messages go after the first
- * step, the sends from out). */
+/* Whether the direct messages may start before the first node step (the
+ * sends from x where they carry x's bytes, sends_from_x): unless x
+ * overlaps out other than at x_home, where it sits in place (the first
+ * step, or a receive, may write over x then: the messages go after the
+ * first step, the sends from out). */
 static int x_clear_of_out(const Program *p, char *x, Py_ssize_t x_len, char *out, Py_ssize_t out_len)
 {
-    if (!p->sends_from_x || p->ndirect_sends == 0)
+    if (!p->has_x_home)
         return 1;
-    char *from = resolve(p->direct[p->ndirect_receives].where, x, out);
-    return from == x || x + x_len <= out || out + out_len <= x;
+    return x == resolve(p->x_home, x, out) || x + x_len <= out || out + out_len <= x;
 }
 
 static PyObject *finish_polled(Program *p, int status, Py_ssize_t failed, int code, PyObject *x_obj,
@@ -568,7 +569,7 @@ static int parse_step(PyObject *spec, NodeStep *step)
 }
 
 /* direct: None, or (receives, sends, comm handle, MPI_BYTE handle, tag,
- * sends_from_x), each message (peer, (base, offset), nbytes). */
+ * x_home or None, sends_from_x), each message (peer, (base, offset), nbytes). */
 static int parse_direct(PyObject *spec, Program *p)
 {
     if (spec == Py_None)
@@ -577,11 +578,18 @@ static int parse_direct(PyObject *spec, Program *p)
         PyErr_SetString(PyExc_RuntimeError, "direct messages: bind_mpi() without MPI_Isend");
         return -1;
     }
-    PyObject *receives, *sends;
+    PyObject *receives, *sends, *x_home;
     unsigned long long comm, byte_type;   /* (mpi4py gives MPICH's int handles sign-extended to 64 bits) */
-    if (!PyArg_ParseTuple(spec, "O!O!KKip", &PyList_Type, &receives, &PyList_Type, &sends, &comm, &byte_type,
-                          &p->tag, &p->sends_from_x))
+    if (!PyArg_ParseTuple(spec, "O!O!KKiOp", &PyList_Type, &receives, &PyList_Type, &sends, &comm, &byte_type,
+                          &p->tag, &x_home, &p->sends_from_x))
         return -1;
+    p->has_x_home = x_home != Py_None;
+    if (p->has_x_home && parse_where(x_home, &p->x_home) < 0)
+        return -1;
+    if (p->sends_from_x && !p->has_x_home) {
+        PyErr_SetString(PyExc_ValueError, "direct: sends of x need x's place in out");
+        return -1;
+    }
     p->comm = (int64_t)comm;
     p->byte_type = (int64_t)byte_type;
     p->ndirect_receives = PyList_GET_SIZE(receives);
