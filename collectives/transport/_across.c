@@ -31,7 +31,8 @@
  * after an 8-byte message of the call's signature alone on a persistent
  * request (MPI keeps a pair's messages in order). Its receives start in
  * step 1 and its sends of x before step 2, unless x overlaps out other
- * than as where they are sent from: then both after it, the sends from out.
+ * than at its own place there (x_home): then both after step 2, the sends
+ * from out (an allgather by node ranges sends out's node range, after step 2).
  *
  * MPI is called through the functions of the MPI library mpi4py loaded
  * (their addresses come from bind_mpi), on the persistent requests mpi4py
