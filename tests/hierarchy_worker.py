@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import DTYPES, OPS, counts_for, dtypes_for, gather_input, reduction_expected, reduction_input
+from cases import OPS, counts_for, dtypes_for, gather_input, reduction_expected, reduction_input
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.bootstrap import PRETEND_NODES_ENV
 from collectives.executors import host
