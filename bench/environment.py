@@ -34,6 +34,13 @@ def command_line(module, arguments, launcher=()):
     return " ".join([*launcher, *python, "-m", module, *arguments])
 
 
+def library_settings():
+    """The library's settings from the environment, which change what runs
+    (COLLECTIVES_ONE_KERNEL_ALLREDUCE=1, COLLECTIVES_PRETEND_NODES=0,0,1,1)."""
+    return {name: value for name, value in sorted(os.environ.items())
+            if name.startswith("COLLECTIVES_") and name not in _BENCH_VARIABLES}
+
+
 def environment(args, nranks, backends):
     """What the numbers were measured on and with."""
     torchrun = launched_by_torchrun()
@@ -53,9 +60,7 @@ def environment(args, nranks, backends):
         "ranks": nranks,
         "processes": processes,
         "backends": backends,
-        # The library's settings from the environment (COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 changes what runs).
-        "settings": {name: value for name, value in sorted(os.environ.items())
-                     if name.startswith("COLLECTIVES_") and name not in _BENCH_VARIABLES},
+        "settings": library_settings(),
         **device_environment(args.device),
     }
     if MPI_BACKEND in backends or (env["processes"] > 1 and not torchrun):

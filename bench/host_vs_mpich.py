@@ -90,7 +90,7 @@ from bench.all_gather_perf import ALLGATHER
 from bench.all_reduce_perf import ALLREDUCE
 from bench.backends import GLOO, MPI_BACKEND, OURS, make_backends
 from bench.broadcast_perf import BROADCAST
-from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment
+from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment, library_settings
 from bench.reduce_perf import REDUCE
 from bench.reduce_scatter_perf import REDUCE_SCATTER
 from bench.report_runs import size_label
@@ -217,11 +217,14 @@ def run_launch(args, world):
     affinity = world.gather(sorted(os.sched_getaffinity(0)), root=0)
     pids = world.gather(os.getpid(), root=0)
     binding = os.environ.get(BIND_TO, "as launched")
+    # the library's settings it runs under ($COLLECTIVES_PRETEND_NODES, say), as the JSON's environment records them
+    settings = "".join(f", {name}={value}" for name, value in library_settings().items())
     runs = []
     for name in args.collective_list:
         spec = SPECS[name]
         if leader:
-            print(f"# {name}, float32{f' {OP}' if spec.has_op else ''}, {world.size} processes, -bind-to {binding}: "
+            print(f"# {name}, float32{f' {OP}' if spec.has_op else ''}, {world.size} processes, -bind-to {binding}"
+                  f"{settings}: "
                   f"ours, MPICH (mpi4py), Gloo (torch.distributed), {args.rounds} rounds, alternating; "
                   f"median of rounds; CPU affinity per rank {affinity}", flush=True)
             print(HEADER, flush=True)

@@ -10,6 +10,7 @@ import re
 from bench.report_runs import (PLACES, Measurement, Part, and_join, harness_rows, markdown, our_backend, pair,
                                place_times, provenance, ratio, rows_by_size, settings_of, short_machines, size_label,
                                span)
+from collectives.bootstrap import PRETEND_NODES_ENV
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 REFERENCES = ("MPICH", "Gloo")  # the libraries host ranks are measured against
@@ -51,11 +52,27 @@ def host_vs_mpich_measurement(run, one):
                     cells = ratios.setdefault(reference_name(backend, environment), {})
                     cells.setdefault(row["size"], [None, None])[i] = ratio(timed.get("time_us"), ours)
     processes, bind_to = one.get("processes"), one.get("bind_to")
-    content = comparison(collective, ratios, "bench.host_vs_mpich", "host ranks", processes)
+    settings = settings_of(environment)
+    nodes = pretend_nodes(dict(settings))
+    where = "host ranks" if nodes is None else nodes
+    content = comparison(collective, ratios, "bench.host_vs_mpich", where, processes)
     # Runs made before broadcast and reduce took out= measured them in place only, and say so.
     content["in_place_only"] = one.get("placements") == ["in_place"]
-    return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to),
-                       f"{processes} processes, -bind-to {bind_to}", content, environment)
+    label = f"{processes} processes, -bind-to {bind_to}" + ("" if nodes is None else f", {nodes}")
+    # (a run under the library's settings, pretend nodes say, is a configuration of its own)
+    return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to, settings), label, content,
+                       environment)
+
+
+def pretend_nodes(settings):
+    """"2 pretend nodes of 2 processes" where $COLLECTIVES_PRETEND_NODES split
+    the run's ranks into nodes (bootstrap.py), else None."""
+    labels = [label.strip() for label in settings.get(PRETEND_NODES_ENV, "").split(",") if label.strip()]
+    if not labels:
+        return None
+    sizes = sorted({labels.count(label) for label in labels})
+    per_node = and_join([str(size) for size in sizes])
+    return f"{len(set(labels))} pretend nodes of {per_node} processes"
 
 
 def suite_measurement(run):
@@ -113,7 +130,7 @@ def write_against_libraries(shown, runs):
     named = [m.content["collective"] for m in shown]
     for collective in [*COLLECTIVES, *sorted(set(named) - set(COLLECTIVES))]:
         mine = sorted((m for m in shown if m.content["collective"] == collective),
-                      key=lambda m: SOURCES.index(m.content["source"]))
+                      key=lambda m: (SOURCES.index(m.content["source"]), m.content["where"] != "host ranks"))
         lines += [f"### {collective}", ""]
         if not mine:
             lines += [f"No current run measures {collective} on host ranks against another library.", ""]
@@ -147,8 +164,8 @@ def readme_against_libraries(shown, runs):
     for m in shown:
         source = SOURCES.index(m.content["source"])
         collective = m.content["collective"] if m.content["source"] == SOURCES[0] else None
-        for name in m.content["ratios"]:
-            key = (source, reference_order(name), collective_order(collective))
+        for name in m.content["ratios"]:   # (one node and pretend nodes in rows of their own)
+            key = (source, m.content["where"] != "host ranks", reference_order(name), collective_order(collective))
             groups.setdefault(key, []).append((m, name))
     rows = []
     for _, members in sorted(groups.items()):

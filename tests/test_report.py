@@ -190,6 +190,30 @@ def test_host_vs_mpich_runs_slot_in_by_their_collective(tmp_path):
             ) in table
 
 
+def test_host_vs_mpich_across_pretend_nodes_is_a_configuration_of_its_own(tmp_path):
+    """A run of bench.host_vs_mpich under $COLLECTIVES_PRETEND_NODES (the
+    environment's settings say so) shows beside the one-node run of as many
+    processes, named by its nodes, and has README rows of its own; the
+    command shown carries the setting."""
+    one_node = host_vs_mpich_run(OLD)
+    across = host_vs_mpich_run(NEW)
+    for data in (one_node, across):
+        data["runs"][0]["processes"] = 4
+    across["runs"][0]["environment"]["settings"] = {"COLLECTIVES_PRETEND_NODES": "0,0,1,1"}
+    across["runs"][0]["rows"][0]["in_place"]["mpich"]["time_us"] = 0.5
+    write(tmp_path, {"hvm.json": one_node, "hvm_nodes.json": across})
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH and Gloo")
+    allreduce = host.split("### allreduce\n", 1)[1].split("###", 1)[0]
+    assert ("| size | MPICH / ours, 4 processes, -bind-to core | MPICH / ours, 4 processes, -bind-to core, "
+            "2 pretend nodes of 2 processes |") in allreduce
+    assert "| 64 B | 2.00 · 2.00 | 2.00 · 0.50 |" in allreduce
+    assert "an older run" not in allreduce
+    assert "COLLECTIVES_PRETEND_NODES=0,0,1,1 python -m bench.host_vs_mpich --ranks 2" in allreduce
+    table = report.readme_table(report.load_runs(tmp_path), HISTORY)
+    assert "| MPICH 9.9.9 | allreduce; host ranks, 4 processes; 64 B to 64 B | 2.00x |" in table
+    assert "| MPICH 9.9.9 | allreduce; 2 pretend nodes of 2 processes; 64 B to 64 B | 0.50x to 2.00x |" in table
+
+
 def test_host_vs_mpich_gloo_beside_mpich_and_in_place_only_collectives(tmp_path):
     """bench.host_vs_mpich's runs of today: Gloo's ratio in a column beside
     MPICH's, per process count; broadcast measured in place only (runs made
