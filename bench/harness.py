@@ -381,7 +381,8 @@ def measure(backends, spec, args, nbytes, world, progress=None, seeded=None, pla
 
     Seconds: the median over --rounds rounds; in each round every backend
     runs one timed batch of -n iterations in turn, so that the machine's
-    noise hits all alike; a batch's time is its slowest rank's mean (ranks in
+    noise hits all alike, each batch right after untimed calls of its own
+    for about WARM_SECONDS (warm_up); a batch's time is its slowest rank's mean (ranks in
     other processes report through MPI). wrong: over every rank, from a run
     on fresh inputs after the timed rounds (None for compressed backends,
     whose results are approximate). maxrel: with `seeded` (--compression),
@@ -406,6 +407,7 @@ def measure(backends, spec, args, nbytes, world, progress=None, seeded=None, pla
             for backend, bufs, times in zip(backends, buffers, batches):
                 if progress is not None:
                     progress.at(backend.label)
+                warm_up(backend, bufs, world, times[-1] if times else None)
                 if seeded is not None and in_place:
                     refill(backend, spec, args, nbytes, bufs, seeded)
                 times.append(timed_batch(backend, bufs, args, world))
@@ -470,19 +472,49 @@ def refill(backend, spec, args, nbytes, buffers, seeded):
         view[...] = backend.to_device(seeded.input(r, in_count))
 
 
+# Untimed calls of a backend right before each of its timed batches, for
+# about this long: a batch runs on the machine the batch before it left, and
+# on the 2-core VM the calls after an idle spell run slow for several ms,
+# whoever makes them (after a 50 ms sleep, 20 calls of a 1 KiB allreduce
+# across 2 pretend nodes of 2 took 40-280 µs each for ours, 77-210 for
+# MPICH, against 11 and 31 once warm). Gloo's 3 ms calls block in the
+# kernel and leave the cores that idle: ours, timed right after them, took
+# 33-46 µs a call where it takes 11 beside MPICH alone.
+WARM_SECONDS = 20e-3
+
+
+def warm_up(backend, buffers, world, seconds_per_call):
+    """Untimed calls for about WARM_SECONDS, as many on every rank: from
+    `seconds_per_call` (the backend's last batch, the slowest rank's), else
+    from one call timed first; none where a call takes that long anyway."""
+    if seconds_per_call is None:
+        seconds_per_call = timed_calls(backend, buffers, 1, world)
+    if seconds_per_call >= WARM_SECONDS:
+        return
+    for _ in range(int(WARM_SECONDS / max(seconds_per_call, 1e-6)) + 1):
+        backend.run(buffers)
+
+
 def timed_batch(backend, buffers, args, world):
     """Seconds per call of -n calls, the slowest rank's."""
     if args.cudagraph and backend.device == "cuda":
         seconds = graph_timed_batch(backend, buffers, args.iters, args.cudagraph)
-    else:
-        backend.barrier()
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            backend.run(buffers)
-        backend.barrier()  # GPU work is asynchronous: the time is until it is done
-        seconds = (time.perf_counter() - start) / args.iters
-    if world is None:
-        return seconds
+        return seconds if world is None else _slowest(world, seconds)
+    return timed_calls(backend, buffers, args.iters, world)
+
+
+def timed_calls(backend, buffers, calls, world):
+    """Seconds per call of `calls` calls, the slowest rank's."""
+    backend.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        backend.run(buffers)
+    backend.barrier()  # GPU work is asynchronous: the time is until it is done
+    seconds = (time.perf_counter() - start) / calls
+    return seconds if world is None else _slowest(world, seconds)
+
+
+def _slowest(world, seconds):
     return world.allreduce(seconds, op=world.MAX if isinstance(world, TorchWorld) else _mpi_max())
 
 

@@ -24,7 +24,10 @@ Method, per collective, size and placement:
     (16 MiB a batch: 200 calls of 16 KiB, 16 of 1 MiB, 2 of 64 MiB), after
     -w untimed calls of each library;
   * rounds: --rounds rounds of (ours, MPICH, Gloo), alternating in the same
-    processes, so the machine's noise hits the three alike. A batch starts
+    processes, so the machine's noise hits the three alike; each batch
+    right after about 20 ms of untimed calls of its library
+    (harness.warm_up): Gloo's blocking calls leave the cores idle, and the
+    calls after an idle spell run slow for several ms, whoever makes them. A batch starts
     and ends with its library's barrier; its time per call is its slowest
     rank's mean. The table shows the median over rounds;
   * check: after the rounds, one call of each library on fresh inputs (the

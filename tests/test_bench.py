@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import cli, harness
+from bench import backends, cli, harness
 from bench.all_reduce_perf import ALLREDUCE
 from cases import keeps_a_workspace_copy
 
@@ -283,6 +283,35 @@ def test_several_algorithms_alternate_in_one_run(tmp_path, capsys):
     from collectives.algorithms import REGISTRY
     assert all(r["picked"] in REGISTRY for r in rows)
     assert [r["picked"] for r in rows[1:4]] == ["ring", "tree", "two_shot"]
+
+
+def test_every_timed_batch_comes_right_after_warm_calls(monkeypatch, capsys):
+    """A batch runs on the machine the batch before it left (cores another
+    library let go idle): each is preceded by untimed calls of its own
+    backend for about WARM_SECONDS, as many on every rank (from the last
+    batch's time, or one call timed first); none where a call is that long."""
+    events = []
+    per_call = {"seconds": 1e-3}
+
+    def timed_calls(backend, buffers, calls, world):
+        events.append(("timed", calls))
+        return per_call["seconds"]
+
+    def run(self, buffers):
+        events.append("run")
+
+    monkeypatch.setattr(harness, "timed_calls", timed_calls)
+    monkeypatch.setattr(backends.Ours, "run", run)
+    argv = ["--ranks", "2", "-b", "1K", "-e", "1K", "-n", "20", "-w", "0", "--rounds", "2", "-c", "0"]
+    code, out = run_bench(ALLREDUCE, argv, capsys)
+    assert code == 0, out
+    warm = ["run"] * (int(harness.WARM_SECONDS / 1e-3) + 1)
+    one_placement = [("timed", 1), *warm, ("timed", 20), *warm, ("timed", 20)]
+    assert events == one_placement * 2
+    events.clear()
+    per_call["seconds"] = harness.WARM_SECONDS
+    assert run_bench(ALLREDUCE, argv, capsys)[0] == 0
+    assert events == [("timed", 1), ("timed", 20), ("timed", 20)] * 2
 
 
 def test_the_model_reproduces_the_textbook_table(capsys):
