@@ -159,22 +159,25 @@ def reference_order(name):
 
 def readme_against_libraries(shown, runs):
     """A row per library and tool: the range of its time over ours, over every size, placement and
-    configuration; bench.host_vs_mpich's, the comparison users rerun, a row per collective too."""
+    configuration; bench.host_vs_mpich's, the comparison users rerun, a row per collective too on
+    one node (across pretend nodes, a row of its own for all of them)."""
     groups = {}
     for m in shown:
         source = SOURCES.index(m.content["source"])
-        collective = m.content["collective"] if m.content["source"] == SOURCES[0] else None
-        for name in m.content["ratios"]:   # (one node and pretend nodes in rows of their own)
-            key = (source, m.content["where"] != "host ranks", reference_order(name), collective_order(collective))
+        one_node = m.content["where"] == "host ranks"
+        collective = m.content["collective"] if m.content["source"] == SOURCES[0] and one_node else None
+        for name in m.content["ratios"]:   # (across pretend nodes: a row per library, after one node's)
+            key = (source, not one_node, reference_order(name), collective_order(collective))
             groups.setdefault(key, []).append((m, name))
     rows = []
-    for _, members in sorted(groups.items()):
+    for (source, *_), members in sorted(groups.items()):
         name = members[0][1]
         collectives = [c + (" (in place only)" if all(m.content.get("in_place_only") for m, _ in members
                                                       if m.content["collective"] == c) else "")
                        for c in COLLECTIVES if any(m.content["collective"] == c for m, _ in members)]
         sizes = sorted({s for m, n in members for s in m.content["ratios"][n]})
-        what = (f"{', '.join(collectives)}; {where_text([m.content for m, _ in members])}; "
+        tool = f" (`{SOURCES[source]}`)" if source else ""   # (the README names the first tool's command)
+        what = (f"{', '.join(collectives)}; {where_text([m.content for m, _ in members])}{tool}; "
                 f"{size_label(sizes[0])} to {size_label(sizes[-1])}")
         values = [v for m, n in members for cells in m.content["ratios"][n].values() for v in cells]
         rows.append([library_version(name, [m.machine_environment for m, _ in members]), what, span(values),
