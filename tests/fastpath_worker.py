@@ -144,7 +144,7 @@ def scenario_collectives(comm, digest):
     n = comm.size
     compiled = comm._ranks.compiled   # noqa: SLF001 - its waits tell a plan's run from the loop's
     loop = comm._ranks.fast   # noqa: SLF001 - its channel counts the large calls it staged
-    oversubscribed = comm._ranks.transport.endswith("oversubscribed")   # noqa: SLF001
+    stages_spread = fastpath.stages_spread(comm._ranks.group)   # noqa: SLF001
     for collective in ("reduce_scatter", "allgather", "broadcast", "reduce"):
         for dtype in DTYPES:
             itemsize = np.dtype(dtype).itemsize
@@ -162,7 +162,7 @@ def scenario_collectives(comm, digest):
                         got = fast()
                         assert compiled.waits_made == plan_waits, f"{collective} {how}: the loop declined the call"
                         if count * itemsize > SIZES.small_max:   # staged where it must be, and only there
-                            spread_staged = (oversubscribed and collective == "allgather"
+                            spread_staged = (stages_spread and collective == "allgather"
                                              and x.nbytes <= fastpath.OVERSUBSCRIBED_STAGED_MAX)
                             want = loop.large_path == "staged" or spread_staged
                             assert (loop._channel.staged_calls > staged) == want, (   # noqa: SLF001
