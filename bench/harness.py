@@ -489,10 +489,16 @@ def warm_up(backend, buffers, world, seconds_per_call):
     from one call timed first; none where a call takes that long anyway."""
     if seconds_per_call is None:
         seconds_per_call = timed_calls(backend, buffers, 1, world)
-    if seconds_per_call >= WARM_SECONDS:
-        return
-    for _ in range(int(WARM_SECONDS / max(seconds_per_call, 1e-6)) + 1):
+    for _ in range(warm_calls(seconds_per_call)):
         backend.run(buffers)
+
+
+def warm_calls(seconds_per_call):
+    """How many calls of `seconds_per_call` make about WARM_SECONDS: none
+    where one call takes that long anyway."""
+    if seconds_per_call >= WARM_SECONDS:
+        return 0
+    return int(WARM_SECONDS / max(seconds_per_call, 1e-6)) + 1
 
 
 def timed_batch(backend, buffers, args, world):

@@ -13,7 +13,8 @@ alternating batch by batch so that the machine's noise hits all alike:
     one-node       collectives.init() with every rank on one node: today's path
 
 A batch is -n calls (fewer for large sizes: at most --batch-bytes per batch,
-at least 2); its time is the slowest rank's mean; a row is the median over
+at least 2), right after about 20 ms of untimed calls of its backend (as
+the harness's: bench/harness.py, warm_up); its time is the slowest rank's mean; a row is the median over
 --rounds batches, out of place and in place. Every backend's result is then
 checked exactly on fresh inputs.
 
@@ -41,7 +42,7 @@ from bench import cli
 from collectives import hierarchy
 from collectives.ops import ReduceOp
 from bench.environment import LAUNCHER_COMMAND, environment
-from bench.harness import find_mpiexec
+from bench.harness import find_mpiexec, warm_calls
 from collectives.bootstrap import LAUNCHER_VARIABLES, PRETEND_NODES_ENV
 from collectives.plan import KIND, REDUCE_FINAL_OP
 
@@ -123,6 +124,11 @@ def measure(world, calls, nbytes, args):
         for _ in range(args.rounds):
             for name, call in calls.items():
                 x, y = buffers[name]
+                # untimed calls first, as the harness's batches (harness.warm_up): a batch after the
+                # machine idled would start cold (as many calls on every rank: from the slowest's time)
+                last = times[name][-1] if times[name] else timed_batch(world, call, x, y, 1)
+                for _ in range(warm_calls(last)):
+                    call(x, y)
                 x[...] = r + 1      # in place, every call multiplies by n: start each batch afresh (untimed)
                 times[name].append(timed_batch(world, call, x, y, iters))
         for name, call in calls.items():
