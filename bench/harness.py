@@ -382,8 +382,8 @@ def measure(backends, spec, args, nbytes, world, progress=None, seeded=None, pla
     Seconds: the median over --rounds rounds; in each round every backend
     runs one timed batch of -n iterations in turn, so that the machine's
     noise hits all alike, each batch right after untimed calls of its own
-    for about WARM_SECONDS (warm_up); a batch's time is its slowest rank's mean (ranks in
-    other processes report through MPI). wrong: over every rank, from a run
+    for about WARM_SECONDS (warm_up); a batch's time is its slowest rank's
+    mean (ranks in other processes report through MPI). wrong: over every rank, from a run
     on fresh inputs after the timed rounds (None for compressed backends,
     whose results are approximate). maxrel: with `seeded` (--compression),
     over every rank, from a run on fresh seeded inputs; else None. With

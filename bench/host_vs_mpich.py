@@ -27,9 +27,9 @@ Method, per collective, size and placement:
     processes, so the machine's noise hits the three alike; each batch
     right after about 20 ms of untimed calls of its library
     (harness.warm_up): Gloo's blocking calls leave the cores idle, and the
-    calls after an idle spell run slow for several ms, whoever makes them. A batch starts
-    and ends with its library's barrier; its time per call is its slowest
-    rank's mean. The table shows the median over rounds;
+    calls after an idle spell run slow for several ms, whoever makes them.
+    A batch starts and ends with its library's barrier; its time per call
+    is its slowest rank's mean. The table shows the median over rounds;
   * check: after the rounds, one call of each library on fresh inputs (the
     spec's closed form); every element of every rank's result must match it
     bit for bit, else the size is reported WRONG and the run exits 1.

@@ -79,21 +79,22 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 # output (a chunk's writes take microseconds; only a stopped or long
 # starved process takes longer).
 FENCE_SECONDS = 5.0
-# Where the loop's ranks outnumber the cores, allgather of up to this many
-# bytes per rank takes the staged pipeline even where the single copy was
-# agreed: there every reader's process_vm_readv of the same pages, and the
-# readers' wait for each other's end, cost more than staging. Not where the
-# machine alone is oversubscribed: on 2 pretend nodes of 2 (each node's loop
-# 2 ranks, a core each, shared with the other node's), a 4 MiB allgather
-# across the nodes (1 MiB rows, the node's loop gathering them) took 866 to
-# 903 µs in place reading in place, 1158 to 1330 staged (MPICH 882 to 929). Measured with 4
-# processes on the 2 cores (docs/host-ranks.md, "Oversubscribed"): MPICH/ours
-# at 128 KiB to 2 MiB, broadcast 0.77-1.06 reading in place against
-# 1.17-1.59 staged (out of place); at 8 MiB per rank and above, mixed or the
-# single copy ahead. Broadcast no longer stages: since each rank moves one
-# block of the root's x into every output (_shmloop.c, spread_from_root),
-# its single copy measured faster than staging at 256 KiB and 1 MiB too
-# (4 processes, in place 1 MiB: 0.13 ms against 0.22).
+# Where the loop's ranks outnumber the cores (stages_spread), allgather of
+# up to this many bytes per rank takes the staged pipeline even where the
+# single copy was agreed: there every reader's process_vm_readv of the same
+# pages, and the readers' wait for each other's end, cost more than staging.
+# Measured with 4 processes on the 2 cores (docs/host-ranks.md,
+# "Oversubscribed"): MPICH/ours at 128 KiB to 2 MiB, broadcast 0.77-1.06
+# reading in place against 1.17-1.59 staged (out of place); at 8 MiB per
+# rank and above, mixed or the single copy ahead. Broadcast no longer
+# stages: since each rank moves one block of the root's x into every output
+# (_shmloop.c, spread_from_root), its single copy measured faster than
+# staging at 256 KiB and 1 MiB too (4 processes, in place 1 MiB: 0.13 ms
+# against 0.22). Not where only the machine is oversubscribed: on 2 pretend
+# nodes of 2 (each node's loop 2 ranks, a core each, shared with the other
+# node's), a 4 MiB allgather across the nodes (the node's loop gathering
+# 1 MiB rows) took 866 to 903 µs in place reading in place, 1158 to 1330
+# staged (MPICH 882 to 929).
 OVERSUBSCRIBED_STAGED_MAX = 2 << 20
 # Where every rank has a core of its own, messages above this many bytes
 # per rank take the large path even below the slots' size (config.FastSizes:
@@ -208,7 +209,8 @@ class FastCollectives:
             small=channel_address, small_max=sizes.small_max,
             staging=channel_address + small_area(group.size, sizes),
             chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=TEST_WRITE_STALL,
-            test_read_stall=TEST_READ_STALL, staged_spread_max=OVERSUBSCRIBED_STAGED_MAX if stages_spread(group) else 0,
+            test_read_stall=TEST_READ_STALL,
+            staged_spread_max=OVERSUBSCRIBED_STAGED_MAX if stages_spread(group) else 0,
             merged_max=self.merged_max)
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
