@@ -14,8 +14,8 @@ alternating batch by batch so that the machine's noise hits all alike:
 
 A batch is -n calls (fewer for large sizes: at most --batch-bytes per batch,
 at least 2), right after about 20 ms of untimed calls of its backend (as
-the harness's: bench/harness.py, warm_up); its time is the slowest rank's mean; a row is the median over
---rounds batches, out of place and in place. Every backend's result is then
+the harness's: bench/harness.py, warm_up); its time is the slowest rank's
+mean; a row is the median over --rounds batches, out of place and in place. Every backend's result is then
 checked exactly on fresh inputs.
 
 Last, an untimed pass of the hierarchical allreduce at each size splits its
