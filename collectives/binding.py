@@ -61,7 +61,7 @@ Each proved by the same symbolic run. Compressed plans keep the plain plan
 
 from typing import NamedTuple, Tuple
 
-from .algorithms.schedule import ALLGATHER, REDUCE, REDUCE_SCATTER, SCRATCH, WORK
+from .algorithms.schedule import ALLGATHER, GATHER, REDUCE, REDUCE_SCATTER, SCATTER, SCRATCH, WORK
 
 INPUT = 2
 OUTPUT = 3
@@ -239,9 +239,9 @@ class _Layout:
     def __init__(self, schedule, in_place, lockstep=False):
         n, chunks = schedule.nranks, range(schedule.nchunks)
         self.inputs = {Loc(r, INPUT, c) for r in range(n)
-                       for c in ((r,) if schedule.collective == ALLGATHER else chunks)}
+                       for c in ((r,) if schedule.collective in (ALLGATHER, GATHER) else chunks)}
         self.outputs = {Loc(r, OUTPUT, c) for r in range(n)
-                        for c in ((r,) if schedule.collective == REDUCE_SCATTER else chunks)}
+                        for c in ((r,) if schedule.collective in (REDUCE_SCATTER, SCATTER) else chunks)}
         self.in_place, self.lockstep = in_place, lockstep
 
     def storage(self, loc):

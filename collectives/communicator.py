@@ -11,7 +11,8 @@ from . import arrays, auto, fusion, validation
 from . import graph as graph_capture
 from . import prepared
 from .algorithms.schedule import (
-    ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES as COLLECTIVE_NAMES, REDUCE_SCATTER, REDUCE_TO_ROOT,
+    ALL_COLLECTIVES as COLLECTIVE_NAMES, ALL_TO_ALL, ALLGATHER, ALLREDUCE, BROADCAST, EXCHANGES, GATHER,
+    REDUCE_SCATTER, REDUCE_TO_ROOT, ROOTED_COLLECTIVES, SCATTER,
 )
 from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
 from .compression import wire
@@ -385,6 +386,81 @@ class Communicator:
                     return result
         return self._collective(REDUCE_TO_ROOT, x, op, out, root, algorithm)
 
+    def gather(self, x, root=0, out=None, algorithm="auto"):
+        """The root gets all ranks' `x` concatenated in rank order.
+
+        x            the rank's array of k elements (or a list, one per local
+                     rank), the same shape and dtype on every rank; only read.
+        root         the rank that receives: an int, 0 <= root < size.
+        out          None: the root gets a new array stacked along axis 0
+                     (shape (size*x.shape[0], *x.shape[1:])), the other ranks
+                     None. Else arrays of size*k elements and x's dtype, in
+                     the form of `x`: the root's receives the blocks, the
+                     other ranks' are left as they were (MPI's receive
+                     buffer, significant at the root only); the root's `x`
+                     may be its own block of its `out`.
+        algorithm    "auto" (default) or a name that implements gather
+                     ("direct": the root reads every block; "tree": binomial).
+
+        Returns `out` (a list for a list), or, without `out`, the new array
+        at the root and None elsewhere. Raises InvalidUsageError for a bad
+        argument (nothing is written), CollectiveTimeoutError or
+        RankFailedError when a peer stalls or dies (see Communicator).
+        """
+        results = self._collective(GATHER, x, "sum", out, root, algorithm)
+        if out is not None:
+            return results
+        if isinstance(results, list):
+            return [result if rank == root else None for result, rank in zip(results, self.local_ranks)]
+        return results if self.rank == root else None
+
+    def scatter(self, x, root=0, out=None, algorithm="auto"):
+        """Rank r gets block r of the root's `x`.
+
+        x            the rank's array (or a list, one per local rank) of
+                     size*k elements, the same shape and dtype on every rank;
+                     only the root's is read. Block r is elements r*k to
+                     (r+1)*k.
+        root         the rank whose `x` is sent: an int, 0 <= root < size.
+        out          None: block r lands in the rank's own block of `x`,
+                     returned as a view (along the first axis when it divides
+                     by `size`, else flat); the other blocks of `x` are left
+                     as they were (on the root: all of them). Else arrays of
+                     k elements and x's dtype, in the form of `x`.
+        algorithm    "auto" (default) or a name that implements scatter
+                     ("direct": every rank reads its block; "tree": binomial).
+
+        Returns rank r's k elements: `out`, or the view of `x` (a list for a
+        list). Raises InvalidUsageError for a bad argument (a size that is
+        not a multiple of `size` too: nothing is written),
+        CollectiveTimeoutError or RankFailedError when a peer stalls or dies
+        (see Communicator).
+        """
+        return self._collective(SCATTER, x, "sum", out, root, algorithm)
+
+    def all_to_all(self, x, out=None, algorithm="auto"):
+        """Rank r gets block r of every rank's `x`, in rank order: block q of
+        its result is block r of rank q's `x` (MPI_Alltoall, NCCL's grouped
+        send/recv, torch's all_to_all_single with equal splits).
+
+        x            the rank's array (or a list, one per local rank) of
+                     size*k elements, the same shape and dtype on every rank.
+                     Block q is elements q*k to (q+1)*k.
+        out          None: the result overwrites `x` (in place). Else arrays
+                     of x's size and dtype, in the form of `x`; `out` may be
+                     `x` itself, and may overlap its own rank's `x`, but not
+                     another local rank's arrays.
+        algorithm    "auto" (default) or a name that implements all_to_all
+                     ("direct": one step, every rank reads a block of each;
+                     "round_robin": pairwise exchange, one peer a step).
+
+        Returns the result: `out`, or `x` in place (a list for a list).
+        Raises InvalidUsageError for a bad argument (a size that is not a
+        multiple of `size` too: nothing is written), CollectiveTimeoutError
+        or RankFailedError when a peer stalls or dies (see Communicator).
+        """
+        return self._collective(ALL_TO_ALL, x, "sum", out, 0, algorithm)
+
     def prepare(self, collective, x, **arguments):
         """A collective on fixed arrays, checked and planned now, to run as
         often as wanted with no checks (MPI-4's persistent collectives):
@@ -560,9 +636,10 @@ class Communicator:
         the cost model of this communicator's transport (or `algorithm`
         itself, when named), and the execution path that runs it.
 
-        collective  "allreduce", "reduce_scatter", "allgather", "broadcast" or "reduce".
+        collective  "allreduce", "reduce_scatter", "allgather", "broadcast",
+                    "reduce", "gather", "scatter" or "all_to_all".
         nbytes      bytes of each rank's `x`.
-        root        the call's root (broadcast and reduce; else ignored).
+        root        the call's root (broadcast, reduce, gather, scatter; else ignored).
         dtype       the dtype of `x` when it is one NumPy array: host ranks
                     in processes run such a call (any collective) in their
                     compiled loop when it takes the dtype, and the answer is
@@ -575,7 +652,7 @@ class Communicator:
                     the plan's algorithm.
         in_place    whether the call writes its result into `x` (None: as
                     the call with no `out` does: broadcast and reduce in
-                    place, the others not): ranks that share one GPU choose
+                    place, and all_to_all, the others not): ranks that share one GPU choose
                     differently in place (see docs/gpu.md); elsewhere it
                     changes nothing.
         compression the call's codec (allreduce), or None: ranks that share
@@ -600,9 +677,11 @@ class Communicator:
         if collective not in COLLECTIVE_NAMES:
             raise InvalidUsageError(
                 f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
-        rooted = collective in (BROADCAST, REDUCE_TO_ROOT)
-        # (the ranks' own loop: a hierarchical communicator's shortcuts run its steps, not the loop's)
-        loop = getattr(self._ranks, "fast_allreduce" if collective == ALLREDUCE else "fast_collective", None)
+        rooted = collective in ROOTED_COLLECTIVES
+        # (the ranks' own loop: a hierarchical communicator's shortcuts run its steps, not the loop's; it
+        # runs NCCL's five collectives, not the exchanges)
+        loop = None if collective in EXCHANGES else \
+            getattr(self._ranks, "fast_allreduce" if collective == ALLREDUCE else "fast_collective", None)
         if (algorithm == "auto" or algorithm == "direct"
                 and fastpath.runs_as_direct(collective, nbytes, self._fast_small_max)) \
                 and dtype is not None and loop is not None and fastpath.takes(dtype) and compression is None:
@@ -617,8 +696,8 @@ class Communicator:
         root = validation.root_rank(root, self.size) if rooted else 0
         if algorithm == "auto":
             itemsize = 1  # nbytes is already bytes
-            if in_place is None:   # as a call without `out`: broadcast and reduce in place
-                in_place = rooted
+            if in_place is None:   # as a call without `out`: broadcast, reduce and all_to_all in place
+                in_place = collective in (BROADCAST, REDUCE_TO_ROOT, ALL_TO_ALL)
             binding = self._in_place_binding() if in_place else OUT_OF_PLACE
             algorithm = self._auto(collective, nbytes, itemsize, root,
                                    binding if getattr(self._ranks, "addressable", False) else None)
@@ -626,7 +705,7 @@ class Communicator:
             validation.call_arguments(collective, "sum", root, algorithm, None, self.size)
         dtype = np.dtype(np.uint8) if dtype is None else np.dtype(dtype)
         elements = max(nbytes // dtype.itemsize, 0)
-        shape = CallShape(collective, algorithm, self.size, elements * self.size if collective == ALLGATHER else elements,
+        shape = CallShape(collective, algorithm, self.size, _work_elements(collective, elements, self.size),
                           dtype, root, None)
         return auto.Choice(algorithm, self._chosen_path(shape, symmetric))
 
@@ -642,7 +721,7 @@ class Communicator:
         """What `auto` runs for a call of `elements` per rank: the model asks
         about each rank's WORK buffer (all blocks, for allgather). Ranks that
         all share one GPU price bound plans, for a binding or a codec (auto.py)."""
-        count = elements * self.size if collective == ALLGATHER else elements
+        count = _work_elements(collective, elements, self.size)
         return auto.choose(collective, self.size, count * itemsize, root, self._ranks, binding, compression)
 
     def barrier(self):
@@ -855,13 +934,13 @@ class Communicator:
         validation.compressed_dtype(compression, dtype)
         validation.same_dtype_and_shape(input_infos)
 
-        if collective == REDUCE_SCATTER:
-            if elements % self.size:
-                raise InvalidUsageError(
-                    f"x: has {elements} elements, which do not split into {self.size} equal blocks; "
-                    f"reduce_scatter needs a multiple of the communicator size {self.size}")
+        if collective in (REDUCE_SCATTER, SCATTER, ALL_TO_ALL) and elements % self.size:
+            raise InvalidUsageError(
+                f"x: has {elements} elements, which do not split into {self.size} equal blocks; "
+                f"{collective} needs a multiple of the communicator size {self.size}")
+        if collective in (REDUCE_SCATTER, SCATTER):
             result_elements = elements // self.size
-        elif collective == ALLGATHER:
+        elif collective in (ALLGATHER, GATHER):
             result_elements = elements * self.size
         else:
             result_elements = elements
@@ -869,11 +948,11 @@ class Communicator:
         if out is not None:
             outputs, output_infos = validation.output_arrays(out, nlocal, result_elements, dtype, ranks)
             made = _GIVEN
-        elif collective == REDUCE_SCATTER:
+        elif collective in (REDUCE_SCATTER, SCATTER):
             outputs = [self._own_block(a, rank) for a, rank in zip(inputs, self.local_ranks)]
             output_infos = [arrays.describe(o) for o in outputs]
             made = _OWN_BLOCKS
-        elif collective == ALLGATHER:
+        elif collective in (ALLGATHER, GATHER):
             outputs = [arrays.empty_like(a, info, self._gathered_shape(info)) for a, info in zip(inputs, input_infos)]
             output_infos = [arrays.describe(o) for o in outputs]
             made = _FRESH
@@ -956,7 +1035,7 @@ class Communicator:
             key = None
         op, root = validation.call_arguments(collective, op, root, algorithm, compression, self.size)
         validation.compressed_dtype(compression, dtype)
-        count = elements * self.size if collective == ALLGATHER else elements  # each rank's WORK buffer
+        count = _work_elements(collective, elements, self.size)
         itemsize = dtype.itemsize
         if compression is not None:
             itemsize = wire.encoded_nbytes(compression, max(elements, 1)) / max(elements, 1)  # what `auto` weighs
@@ -1018,9 +1097,9 @@ class Communicator:
         through a workspace. Other ranks: through a workspace, in place
         (WORKSPACE_IN_PLACE) or not."""
         ranks = self.local_ranks
-        if collective == REDUCE_SCATTER:    # the output is the rank's block of the input
+        if collective in (REDUCE_SCATTER, SCATTER):    # the output is the rank's block of the input
             def same(i, a, b): return b.address == a.address + ranks[i] * b.nbytes and a.device == b.device
-        elif collective == ALLGATHER:       # the input is the rank's block of the output
+        elif collective in (ALLGATHER, GATHER):        # the input is the rank's block of the output
             def same(i, a, b): return a.address == b.address + ranks[i] * a.nbytes and a.device == b.device
         else:
             def same(i, a, b): return a.address == b.address and a.device == b.device
@@ -1090,8 +1169,13 @@ def _same_array(rank, a, b):
 
 def _receives(collective, rank, root, out_given):
     """Whether `rank`'s output is written by the collective."""
-    if collective == BROADCAST:
+    if collective in (BROADCAST, SCATTER):
         return rank != root or out_given
-    if collective == REDUCE_TO_ROOT:
+    if collective in (REDUCE_TO_ROOT, GATHER):
         return rank == root
     return True
+
+
+def _work_elements(collective, elements, size):
+    """Elements in each rank's WORK buffer (plan.py) for a call of `elements` per rank's `x`."""
+    return elements * size if collective in (ALLGATHER, GATHER) else elements

@@ -39,7 +39,9 @@ import numpy as np
 
 from . import binding as bindings
 from .algorithms import schedule_for
-from .algorithms.schedule import ALLGATHER, BROADCAST, REDUCE, REDUCE_SCATTER, REDUCE_TO_ROOT, SCRATCH, WORK
+from .algorithms.schedule import (
+    ALLGATHER, BLOCKED_COLLECTIVES, GATHER, REDUCE, REDUCE_SCATTER, ROOTED_COLLECTIVES, SCATTER, SCRATCH, WORK,
+)
 from .binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, WORKSPACE  # noqa: F401 (re-exported)
 from .compression import wire
 
@@ -103,7 +105,7 @@ class Plan(NamedTuple):
 def chunk_bounds(collective, nranks, nchunks, count, itemsize, align_elements=1):
     """[start, stop) of each chunk, in elements; chunks start on multiples
     of 16 bytes and of `align_elements` (a codec's block)."""
-    if collective in (REDUCE_SCATTER, ALLGATHER):
+    if collective in BLOCKED_COLLECTIVES:
         block = count // nranks  # one chunk per rank's block, by definition
         return tuple((c * block, (c + 1) * block) for c in range(nchunks))
     align = max(1, ALIGN_BYTES // itemsize, align_elements)
@@ -119,7 +121,7 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
 
     `count` is the number of elements in each rank's WORK buffer: the message
     for allreduce, broadcast and reduce; size * per-rank count for
-    reduce_scatter and allgather. `binding` says how the caller's arrays may
+    reduce_scatter, allgather, gather, scatter and all_to_all. `binding` says how the caller's arrays may
     be used (binding.py). `compression` names a codec for what peers read
     (compression/wire.py): then chunks start on codec blocks, and peers read
     only workspaces, where the wire copies are; `streamlined` lets each
@@ -151,7 +153,7 @@ def clear_cache():
 
 def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, compression, streamlined):
     """build_plan's work, uncached."""
-    schedule = schedule_for(algorithm, collective, nranks, root if collective in (BROADCAST, REDUCE_TO_ROOT) else None)
+    schedule = schedule_for(algorithm, collective, nranks, root if collective in ROOTED_COLLECTIVES else None)
     bounds = chunk_bounds(collective, nranks, schedule.nchunks, count, dtype.itemsize,
                           wire.BLOCK if compression is not None else 1)
     moves = bindings.bind(bindings.logical_phases(schedule), schedule, binding,
@@ -160,9 +162,11 @@ def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, 
 
     def element_offset(loc):
         start = bounds[loc.chunk][0]
-        # The caller's allgather input and reduce_scatter output hold only the
-        # rank's own block: chunk `rank` of the full buffer.
-        if (loc.buffer == INPUT and collective == ALLGATHER) or (loc.buffer == OUTPUT and collective == REDUCE_SCATTER):
+        # The caller's allgather and gather input and reduce_scatter and
+        # scatter output hold only the rank's own block: chunk `rank` of the
+        # full buffer.
+        if (loc.buffer == INPUT and collective in (ALLGATHER, GATHER)) \
+                or (loc.buffer == OUTPUT and collective in (REDUCE_SCATTER, SCATTER)):
             start -= bounds[loc.rank][0]
         return start
 

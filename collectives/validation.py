@@ -20,7 +20,7 @@ import numpy as np
 
 from . import arrays
 from .algorithms import REGISTRY
-from .algorithms.schedule import ALLREDUCE, BROADCAST, REDUCE_TO_ROOT, REDUCING_COLLECTIVES
+from .algorithms.schedule import ALLREDUCE, REDUCING_COLLECTIVES, ROOTED_COLLECTIVES
 from .compression import wire
 from .errors import InvalidUsageError
 from .ops import ReduceOp
@@ -87,11 +87,11 @@ def compressed_dtype(compression, dtype):
 def call_arguments(collective, op, root, algorithm, compression, size):
     """A call's own arguments, checked before its arrays: (op as a ReduceOp,
     root as an int). `op` counts for reducing collectives only, `root` for
-    broadcast and reduce only (others get SUM and 0)."""
+    broadcast, reduce, gather and scatter only (others get SUM and 0)."""
     op = reduce_op(op) if collective in REDUCING_COLLECTIVES else ReduceOp.SUM
     algorithm_name(algorithm, collective)
     compression_codec(compression, op, collective)
-    root = root_rank(root, size) if collective in (BROADCAST, REDUCE_TO_ROOT) else 0
+    root = root_rank(root, size) if collective in ROOTED_COLLECTIVES else 0
     return op, root
 
 

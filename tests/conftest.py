@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
     backends' cases beyond the reduced matrix for the newer algorithms.
     Mark the quick tier among the cases that run."""
     from collectives.algorithms import REGISTRY
-    from collectives.algorithms.schedule import COLLECTIVES
+    from collectives.algorithms.schedule import ALL_COLLECTIVES
 
     kept, dropped = [], []
     for item in items:
@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
             kept.append(item)
             continue
         algorithm, backend = params["algorithm"], params.get("backend")
-        implemented = algorithm == "auto" or collective not in COLLECTIVES \
+        implemented = algorithm == "auto" or collective not in ALL_COLLECTIVES \
             or collective in REGISTRY[algorithm].collectives
         on_device = backend in REDUCED_MATRIX_ON_DEVICES and algorithm not in FULL_MATRIX_ON_DEVICES
         if not implemented or (on_device and (params["n"], params["count"]) not in REDUCED_MATRIX_ON_DEVICES[backend]):

@@ -5,7 +5,7 @@ table, as its `costs` function) against what its schedules actually do, for
 import pytest
 
 from collectives.algorithms import REGISTRY, schedule_for
-from collectives.algorithms.schedule import BROADCAST, REDUCE_TO_ROOT
+from collectives.algorithms.schedule import ROOTED_COLLECTIVES
 
 RANKS = range(1, 17)
 
@@ -23,7 +23,7 @@ def test_closed_forms_match_the_schedules(name):
     spec = REGISTRY[name]
     for collective in spec.collectives:
         for n in RANKS:
-            roots = range(n) if collective in (BROADCAST, REDUCE_TO_ROOT) else [None]
+            roots = range(n) if collective in ROOTED_COLLECTIVES else [None]
             for root in roots:
                 schedule = schedule_for(name, collective, n, root)
                 nbytes = 720720 * schedule.nchunks  # divisible by every chunk count
@@ -39,7 +39,7 @@ def test_every_rank_at_once_equals_rank_by_rank(name):
     # auto weighs the one-pass tables; the costs above check the per-rank ones
     for collective in REGISTRY[name].collectives:
         for n in (1, 2, 3, 5, 8, 13):
-            schedule = schedule_for(name, collective, n, 0 if collective in (BROADCAST, REDUCE_TO_ROOT) else None)
+            schedule = schedule_for(name, collective, n, 0 if collective in ROOTED_COLLECTIVES else None)
             for fused in (True, False):
                 assert schedule.chunks_moved_by_rank_and_step(fused) == [
                     schedule.chunks_moved_by_step(r, fused) for r in range(n)], (name, collective, n, fused)

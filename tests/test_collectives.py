@@ -161,6 +161,99 @@ def test_reduce(backend, communicators, n, count, algorithm, in_place):
                         assert_bits_equal(backend.read(xs[r]), originals[r], f"{case}: input of rank {r} changed")
 
 
+# gather, scatter and all_to_all only copy: what a dtype changes for them is
+# its item size (the plan's offsets, the kernels' vector path and tail), so
+# one dtype of each size runs them.
+COPIED_DTYPES = ("int8", "float16", "float32", "float64")
+
+
+def copied_dtypes(backend, count):
+    return [d for d in backend.dtypes(count) if d.name in COPIED_DTYPES]
+
+
+@matrix
+@algorithms
+@placement
+def test_gather(backend, communicators, n, count, algorithm, in_place):
+    """In place is MPI's: the root's x is its own block of its out. Out of
+    place, only the root's out changes; without out, the root gets a new
+    array and the others None."""
+    comm = communicators(n)
+    for root in sorted({0, n - 1}):
+        for dtype in copied_dtypes(backend, count):
+            case = f"gather {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
+            want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
+            untouched = [gather_input(dtype, n + r, n * count) for r in range(n)]
+            if in_place:
+                outs = [backend.put(u) for u in untouched]
+                outs[root] = backend.put(np.where(np.arange(n * count) // max(count, 1) == root, want, 0).astype(dtype))
+                xs = [outs[root][root * count:(root + 1) * count] if r == root else backend.put(gather_input(dtype, r, count))
+                      for r in range(n)]
+            else:
+                xs = [backend.put(gather_input(dtype, r, count)) for r in range(n)]
+                outs = [backend.put(u) for u in untouched]
+            results = comm.gather(xs, root=root, out=outs, algorithm=algorithm)
+            for r in range(n):
+                assert results[r] is outs[r], case
+                assert_bits_equal(backend.read(results[r]), want if r == root else untouched[r], f"{case} rank {r}")
+                if r != root:
+                    assert_bits_equal(backend.read(xs[r]), gather_input(dtype, r, count), f"{case}: x of rank {r}")
+    if count == 1 and not in_place:   # without out
+        xs = [backend.put(gather_input(np.dtype(np.int32), r, 2).reshape(1, 2)) for r in range(n)]
+        results = comm.gather(xs, root=n - 1, algorithm=algorithm)
+        assert all(results[r] is None for r in range(n - 1))
+        assert_bits_equal(backend.read(results[n - 1]),
+                          np.stack([gather_input(np.dtype(np.int32), q, 2) for q in range(n)]), "gather, new array")
+
+
+@matrix
+@algorithms
+@placement
+def test_scatter(backend, communicators, n, count, algorithm, in_place):
+    """In place, rank r's block of its x receives block r of the root's x,
+    as reduce_scatter's; only the root's x is read."""
+    comm = communicators(n)
+    for root in sorted({0, n - 1}):
+        for dtype in copied_dtypes(backend, count):
+            case = f"scatter {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
+            originals = [gather_input(dtype, r, n * count) for r in range(n)]
+            xs = [backend.put(x) for x in originals]
+            outs = None if in_place else [backend.empty(count, dtype) for _ in range(n)]
+            results = comm.scatter(xs, root=root, out=outs, algorithm=algorithm)
+            for r in range(n):
+                block = slice(r * count, (r + 1) * count)
+                assert_bits_equal(backend.read(results[r]), originals[root][block], f"{case} rank {r}")
+                x = backend.read(xs[r])
+                if in_place:
+                    assert count == 0 or shares_memory(results[r], xs[r]), case
+                    others = np.ones(n * count, bool)
+                    others[block] = False
+                    assert_bits_equal(x[others], originals[r][others], f"{case}: other blocks changed")
+                else:
+                    assert results[r] is outs[r], case
+                    assert_bits_equal(x, originals[r], f"{case}: x of rank {r} changed")
+
+
+@matrix
+@algorithms
+@placement
+def test_all_to_all(backend, communicators, n, count, algorithm, in_place):
+    """Block q of rank r's result is block r of rank q's x."""
+    comm = communicators(n)
+    for dtype in copied_dtypes(backend, count):
+        case = f"all_to_all {dtype} n={n} count={count} {algorithm} on {backend}"
+        originals = [gather_input(dtype, r, n * count) for r in range(n)]
+        xs = [backend.put(x) for x in originals]
+        outs = None if in_place else [backend.empty(n * count, dtype) for _ in range(n)]
+        results = comm.all_to_all(xs, out=outs, algorithm=algorithm)
+        for r in range(n):
+            want = np.concatenate([originals[q][r * count:(r + 1) * count] for q in range(n)])
+            assert results[r] is (xs[r] if in_place else outs[r]), case
+            assert_bits_equal(backend.read(results[r]), want, f"{case} rank {r}")
+            if not in_place:
+                assert_bits_equal(backend.read(xs[r]), originals[r], f"{case}: x of rank {r} changed")
+
+
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_float_results_are_bitwise_identical_on_every_rank(n, dtype):

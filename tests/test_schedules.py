@@ -5,11 +5,10 @@ import pytest
 
 from collectives.algorithms import MODELS, REGISTRY, bytes_moved, choose, schedule_for, synchronisations
 from collectives.algorithms.schedule import (
-    ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_SCATTER, REDUCE_TO_ROOT, REDUCING_COLLECTIVES,
-    SCRATCH, WORK, Region, Schedule, ScheduleError, contributions, copy, reduce,
+    ALL_TO_ALL, ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES, GATHER, REDUCE_SCATTER, REDUCE_TO_ROOT,
+    REDUCING_COLLECTIVES, ROOTED_COLLECTIVES as ROOTED, SCATTER, SCRATCH, WORK, Region, Schedule, ScheduleError,
+    contributions, copy, reduce,
 )
-
-ROOTED = (BROADCAST, REDUCE_TO_ROOT)
 
 
 def make(algorithm, collective, n, root=0):
@@ -50,7 +49,7 @@ def test_direct_closed_form(n):
 
 @pytest.mark.parametrize("n", range(2, 9))
 def test_ring_chain_is_pipelined(n):
-    for collective in ROOTED:
+    for collective in (BROADCAST, REDUCE_TO_ROOT):
         s = make("ring", collective, n, root=n - 1)
         assert s.nsteps == 2 * n - 2
         # Each rank but the last on the chain forwards every chunk once.
@@ -72,6 +71,11 @@ def test_every_output_holds_each_rank_once_in_one_order(case):
     algorithm, collective, n, root = case
     s = make(algorithm, collective, n, root)
     trace = s.trace()
+    if collective == ALL_TO_ALL:   # each rank gets other blocks: no one expression per chunk
+        for r in range(n):
+            for chunk in s.output_chunks(r):
+                assert trace.origin[Region(r, s.result_buffer, chunk)] == Region(chunk, WORK, r)
+        return
     for chunk in range(s.nchunks):
         receivers = [r for r in range(n) if chunk in s.output_chunks(r)]
         expressions = {trace.final[Region(r, s.result_buffer, chunk)] for r in receivers}
@@ -82,10 +86,18 @@ def test_every_output_holds_each_rank_once_in_one_order(case):
             held = sorted(contributions(expression))
             if collective in REDUCING_COLLECTIVES:
                 assert held == list(range(n))
-            elif collective == ALLGATHER:
+            elif collective in (ALLGATHER, GATHER):
                 assert held == [chunk]
             else:
                 assert held == [root]
+        for r in receivers:   # and a copy of the very block that belongs there
+            origin = trace.origin.get(Region(r, s.result_buffer, chunk))
+            if collective in (ALLGATHER, GATHER):
+                assert origin == Region(chunk, WORK, chunk)
+            elif collective in (BROADCAST, SCATTER):
+                assert origin == Region(root, WORK, chunk)
+            else:
+                assert origin is None or n == 1   # a fold
 
 
 @every_schedule
@@ -127,6 +139,21 @@ def test_rules_are_enforced():
         Schedule(ALLREDUCE, 2, 1, ())  # nothing reduced
     with pytest.raises(ScheduleError, match="later source"):
         Schedule(ALLREDUCE, 3, 1, ((reduce([a, Region(2, WORK, 0), b], dst=b),),))
+
+
+def test_block_moving_rules_are_enforced():
+    # all_to_all alone may copy between chunk indices, and only the right block
+    swap = [copy(Region(q, WORK, r), dst=Region(r, SCRATCH, q)) for r in range(2) for q in range(2)]
+    Schedule(ALL_TO_ALL, 2, 2, (tuple(swap),), result_buffer=SCRATCH)
+    with pytest.raises(ScheduleError, match="between chunk"):
+        Schedule(ALLGATHER, 2, 2, ((copy(Region(0, WORK, 0), dst=Region(1, WORK, 1)),),))
+    wrong = [copy(Region(q, WORK, q), dst=Region(r, SCRATCH, q)) for r in range(2) for q in range(2)]
+    with pytest.raises(ScheduleError, match=r"rank0.SCRATCH\[1\] holds rank1.WORK\[1\], expected a copy of rank1.WORK\[0\]"):
+        Schedule(ALL_TO_ALL, 2, 2, (tuple(wrong),), result_buffer=SCRATCH)
+    with pytest.raises(ScheduleError, match="one chunk per rank"):
+        Schedule(GATHER, 2, 1, (), root=0)
+    with pytest.raises(ScheduleError, match="needs a root"):
+        Schedule(SCATTER, 2, 2, ())
 
 
 @pytest.mark.parametrize("transport", sorted(MODELS))

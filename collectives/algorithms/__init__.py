@@ -17,7 +17,7 @@ from .round_robin import ROUND_ROBIN_COLLECTIVES, round_robin, round_robin_costs
 from .star import STAR_COLLECTIVES, star, star_costs
 from .tree import TREE_COLLECTIVES, tree, tree_costs
 from .two_shot import TWO_SHOT_COLLECTIVES, two_shot, two_shot_costs
-from .schedule import COLLECTIVES, Costs, Schedule  # noqa: F401  (re-exported)
+from .schedule import ALL_COLLECTIVES, COLLECTIVES, Costs, Schedule  # noqa: F401  (re-exported)
 
 
 class Algorithm(NamedTuple):
@@ -30,7 +30,7 @@ class Algorithm(NamedTuple):
 
 REGISTRY = {
     "ring": Algorithm("ring", ring, COLLECTIVES, "bandwidth-optimal, 2(n-1) steps for allreduce", ring_costs),
-    "direct": Algorithm("direct", direct, COLLECTIVES, "one step, every rank reads its peers", direct_costs),
+    "direct": Algorithm("direct", direct, ALL_COLLECTIVES, "one step, every rank reads its peers", direct_costs),
     "star": Algorithm("star", star, STAR_COLLECTIVES, "master-worker: the master reduces, all copy back", star_costs),
     "tree": Algorithm("tree", tree, TREE_COLLECTIVES, "binomial tree, 2 ceil(log2 n) steps for allreduce", tree_costs),
     "butterfly": Algorithm("butterfly", butterfly, BUTTERFLY_COLLECTIVES,

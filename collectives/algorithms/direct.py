@@ -8,6 +8,10 @@ One step, whatever the number of ranks:
 * reduce:         the root alone reduces all ranks' buffers, in rank order.
 * allgather:      rank r copies chunk q from each rank q.
 * broadcast:      every rank copies the root's buffer.
+* gather:         the root copies block q from each rank q.
+* scatter:        rank r copies block r of the root's buffer.
+* all_to_all:     rank r copies block r of each rank q into its block q
+                  (its own block too, within its memory).
 
 It sends (n-1)/n of the data per rank for allgather and broadcast, but every
 rank reads all n buffers for allreduce: fewest steps (lowest latency), most
@@ -21,11 +25,14 @@ Costs for n ranks and N bytes (busiest rank):
     allgather        1        (n-1)/n N      2(n-1)/n N
     broadcast        1        (n-1) N        2N          (the root sends to all)
     reduce           1        N              (n+1) N     (the root reads all)
+    gather           1        N/n            2(n-1)/n N  (the root reads n-1 blocks)
+    scatter          1        (n-1)/n N      2/n N       (each rank reads its block)
+    all_to_all       1        (n-1)/n N      2N          (every rank reads n blocks)
 """
 
 from .schedule import (
-    ALLGATHER, ALLREDUCE, BROADCAST, NO_COSTS, REDUCE_SCATTER, REDUCE_TO_ROOT, SCRATCH, WORK,
-    Costs, Region, Schedule, copy, reduce,
+    ALL_TO_ALL, ALLGATHER, ALLREDUCE, BROADCAST, GATHER, NO_COSTS, REDUCE_SCATTER, REDUCE_TO_ROOT, SCATTER,
+    SCRATCH, WORK, Costs, Region, Schedule, copy, reduce,
 )
 
 
@@ -49,6 +56,15 @@ def direct(collective, nranks, root=None):
     if collective == BROADCAST:
         step = [copy(Region(root, WORK, 0), dst=Region(r, WORK, 0)) for r in every_rank if r != root]
         return Schedule(collective, n, 1, (tuple(step),), root=root)
+    if collective == GATHER:
+        step = [copy(Region(q, WORK, q), dst=Region(root, WORK, q)) for q in every_rank if q != root]
+        return Schedule(collective, n, n, (tuple(step),), root=root)
+    if collective == SCATTER:
+        step = [copy(Region(root, WORK, r), dst=Region(r, WORK, r)) for r in every_rank if r != root]
+        return Schedule(collective, n, n, (tuple(step),), root=root)
+    if collective == ALL_TO_ALL:
+        step = [copy(Region(q, WORK, r), dst=Region(r, SCRATCH, q)) for r in every_rank for q in every_rank]
+        return Schedule(collective, n, n, (tuple(step),), result_buffer=SCRATCH)
     raise ValueError(f"direct has no schedule for {collective!r}")
 
 
@@ -63,4 +79,7 @@ def direct_costs(collective, nranks, nbytes):
         ALLGATHER: Costs(1, (n - 1) / n * N, 2 * (n - 1) / n * N),
         BROADCAST: Costs(1, (n - 1) * N, 2 * N),
         REDUCE_TO_ROOT: Costs(1, N, (n + 1) * N),
+        GATHER: Costs(1, N / n, 2 * (n - 1) / n * N),
+        SCATTER: Costs(1, (n - 1) / n * N, 2 / n * N),
+        ALL_TO_ALL: Costs(1, (n - 1) / n * N, 2 * N),
     }[collective]

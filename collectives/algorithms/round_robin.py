@@ -13,6 +13,11 @@ Reduce-scatter phase, rounds k = 1 .. n-1:
 All-gather phase, rounds k = 1 .. n-1:
     rank r copies chunk (r - k) mod n from its owner, rank (r - k) mod n.
 
+All-to-all, rounds k = 0 .. n-1 (round 0 is the rank's own block):
+    rank r copies block r of rank (r - k) mod n into its block (r - k) mod n.
+    Every rank reads one block a round, from a different peer, and every
+    peer is read by one rank a round: MPI's pairwise exchange.
+
 Allreduce is both phases: 2(n-1) steps and 2(n-1)/n of the buffer sent per
 rank, like the ring, but every round pairs each rank with a new peer instead
 of relaying through neighbours: no chunk waits on a chain of hops. Every
@@ -25,15 +30,16 @@ Costs for n ranks and N bytes (every rank alike; a reduce moves 3 chunks, a copy
     allreduce        2(n-1)   2(n-1)/n N     5(n-1)/n N
     reduce_scatter   n-1      (n-1)/n N      3(n-1)/n N
     allgather        n-1      (n-1)/n N      2(n-1)/n N
+    all_to_all       n        (n-1)/n N      2N
 """
 
 from .ring import ring_costs
 from .schedule import (
-    ALLGATHER, ALLREDUCE, REDUCE_SCATTER, WORK,
-    Region, Schedule, copy, reduce,
+    ALL_TO_ALL, ALLGATHER, ALLREDUCE, REDUCE_SCATTER, SCRATCH, WORK,
+    NO_COSTS, Costs, Region, Schedule, copy, reduce,
 )
 
-ROUND_ROBIN_COLLECTIVES = (ALLREDUCE, REDUCE_SCATTER, ALLGATHER)
+ROUND_ROBIN_COLLECTIVES = (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, ALL_TO_ALL)
 
 
 def _reduce_scatter_phase(n):
@@ -60,10 +66,19 @@ def _all_gather_phase(n):
     return steps
 
 
+def _exchange_phase(n):
+    # Round k writes only blocks (r - k) mod n, which no other round writes,
+    # and reads only WORK, which no round writes.
+    return [tuple(copy(Region((r - k) % n, WORK, r), dst=Region(r, SCRATCH, (r - k) % n)) for r in range(n))
+            for k in range(n)]
+
+
 def round_robin(collective, nranks, root=None):
     n = nranks
     if n == 1:
         return Schedule(collective, 1, 1, ())
+    if collective == ALL_TO_ALL:
+        return Schedule(collective, n, n, tuple(_exchange_phase(n)), result_buffer=SCRATCH)
     if collective == ALLREDUCE:
         steps = _reduce_scatter_phase(n) + _all_gather_phase(n)
     elif collective == REDUCE_SCATTER:
@@ -80,4 +95,7 @@ def round_robin_costs(collective, nranks, nbytes):
     step does (only the peer changes), so the costs are the ring's."""
     if collective not in ROUND_ROBIN_COLLECTIVES:
         raise KeyError(collective)
+    if collective == ALL_TO_ALL:
+        n = nranks
+        return NO_COSTS if n == 1 else Costs(n, (n - 1) / n * nbytes, 2 * nbytes)
     return ring_costs(collective, nranks, nbytes)

@@ -15,11 +15,15 @@ A schedule is pure data, independent of element type, size and device:
   right, which fixes the order in which every element is reduced.
 * A transfer never moves data between chunk indices: chunk c of one rank only
   ever meets chunk c of another. This keeps an element's identity obvious.
+  The one exception is all_to_all, whose whole point is to move block j of
+  rank i to block i of rank j: its chunks are the ranks' equal blocks, it
+  only copies, and the trace follows each copy's origin (see below).
 
 `trace()` executes a schedule symbolically. It is how the plan learns where
 each reduction completes (where avg divides) and how the tests prove that
 every output element holds every rank's contribution exactly once, combined
-in the same order on every rank.
+in the same order on every rank, and, for the collectives that only move
+blocks, that every output block is the very input block it should be.
 """
 
 from dataclasses import dataclass
@@ -37,8 +41,19 @@ REDUCE_SCATTER = "reduce_scatter"
 ALLGATHER = "allgather"
 BROADCAST = "broadcast"
 REDUCE_TO_ROOT = "reduce"
+GATHER = "gather"
+SCATTER = "scatter"
+ALL_TO_ALL = "all_to_all"
+# NCCL's five collectives: every executor, fast path and tool runs these.
 COLLECTIVES = (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE_TO_ROOT)
+# The collectives that move blocks without reducing them (MPI's gather,
+# scatter and alltoall): plans of the general path run them.
+EXCHANGES = (GATHER, SCATTER, ALL_TO_ALL)
+ALL_COLLECTIVES = COLLECTIVES + EXCHANGES
 REDUCING_COLLECTIVES = (ALLREDUCE, REDUCE_SCATTER, REDUCE_TO_ROOT)
+# The buffer is one equal block per rank (nchunks == nranks).
+BLOCKED_COLLECTIVES = (REDUCE_SCATTER, ALLGATHER, GATHER, SCATTER, ALL_TO_ALL)
+ROOTED_COLLECTIVES = (BROADCAST, REDUCE_TO_ROOT, GATHER, SCATTER)
 
 
 class Region(NamedTuple):
@@ -170,9 +185,9 @@ class Schedule:
 
     def input_chunks(self, rank):
         """The WORK chunks that hold `rank`'s input before step 0."""
-        if self.collective == ALLGATHER:
+        if self.collective in (ALLGATHER, GATHER):
             return (rank,)
-        if self.collective == BROADCAST and rank != self.root:
+        if self.collective in (BROADCAST, SCATTER) and rank != self.root:
             return ()
         return tuple(range(self.nchunks))
 
@@ -180,10 +195,10 @@ class Schedule:
         """The `result_buffer` chunks that form `rank`'s output, in order.
         A broadcast's root has an output too: its own input, copied where
         the caller gives an `out` (binding.py leaves the copy out in place)."""
-        if self.collective == REDUCE_SCATTER:
+        if self.collective in (REDUCE_SCATTER, SCATTER):
             return (rank,)
-        if self.collective == REDUCE_TO_ROOT and rank != self.root:
-            return ()  # only the root receives the reduction
+        if self.collective in (REDUCE_TO_ROOT, GATHER) and rank != self.root:
+            return ()  # only the root receives the reduction, or the blocks
         return tuple(range(self.nchunks))
 
     def trace(self):
@@ -209,6 +224,9 @@ class Trace(NamedTuple):
     # contributions it holds): `contributions` without walking the
     # expression, whose depth grows with the number of ranks.
     held: dict
+    # Region -> the input region (WORK, before step 0) whose value it holds
+    # unchanged, copied there; regions holding a fold are not in it.
+    origin: dict
 
 
 def contributions(expr):
@@ -222,10 +240,12 @@ def _trace(schedule):
     n = schedule.nranks
     values = {}
     held = {}
+    origin = {}
     for rank in range(n):
         for chunk in schedule.input_chunks(rank):
             values[Region(rank, WORK, chunk)] = rank
             held[Region(rank, WORK, chunk)] = (1 << rank, 1)
+            origin[Region(rank, WORK, chunk)] = Region(rank, WORK, chunk)
     completing = set()
     for s, step in enumerate(schedule.steps):
         # All reads of a step see the state before it (validate() guarantees
@@ -238,7 +258,7 @@ def _trace(schedule):
             except KeyError as missing:
                 raise ScheduleError(f"step {s}: {t.kind} reads {missing.args[0]} before it holds data") from None
             if t.kind == COPY:
-                writes.append((t.dst, inputs[0], held[t.srcs[0]]))
+                writes.append((t.dst, inputs[0], held[t.srcs[0]], origin.get(t.srcs[0])))
                 continue
             mask, count = 0, 0
             for src in t.srcs:
@@ -247,24 +267,29 @@ def _trace(schedule):
             if count != mask.bit_count():
                 raise ScheduleError(f"step {s}: {t.dst} would hold a contribution twice: "
                                     f"{sorted(contributions(tuple(inputs)))}")
-            writes.append((t.dst, tuple(inputs), (mask, count)))
+            writes.append((t.dst, tuple(inputs), (mask, count), None))
             if count == n:
                 completing.add((s, i))
-        for dst, value, ranks_held in writes:
+        for dst, value, ranks_held, came_from in writes:
             values[dst] = value
             held[dst] = ranks_held
-    return Trace(values, frozenset(completing), held)
+            if came_from is None:
+                origin.pop(dst, None)
+            else:
+                origin[dst] = came_from
+    return Trace(values, frozenset(completing), held, origin)
 
 
 def validate(schedule):
     """Raise ScheduleError unless the schedule follows the module's rules."""
     n, nchunks = schedule.nranks, schedule.nchunks
-    if schedule.collective not in COLLECTIVES:
+    if schedule.collective not in ALL_COLLECTIVES:
         raise ScheduleError(f"unknown collective {schedule.collective!r}")
     if n < 1 or nchunks < 1:
         raise ScheduleError("a schedule needs at least one rank and one chunk")
-    if schedule.collective in (REDUCE_SCATTER, ALLGATHER) and nchunks != n:
+    if schedule.collective in BLOCKED_COLLECTIVES and nchunks != n:
         raise ScheduleError(f"{schedule.collective} splits its buffer into one chunk per rank")
+    moves_blocks = schedule.collective == ALL_TO_ALL   # (see the module doc)
     for s, step in enumerate(schedule.steps):
         written = set()
         read_by_other = set()
@@ -272,7 +297,7 @@ def validate(schedule):
             regions = (t.dst,) + t.srcs
             if any(not (0 <= r.rank < n and r.buffer in BUFFER_NAMES and 0 <= r.chunk < nchunks) for r in regions):
                 raise ScheduleError(f"step {s}: {t} addresses a region out of range")
-            if any(src.chunk != t.dst.chunk for src in t.srcs):
+            if any(src.chunk != t.dst.chunk for src in t.srcs) and not (moves_blocks and t.kind == COPY):
                 raise ScheduleError(f"step {s}: {t} moves data between chunk indices")
             if t.kind == COPY and len(t.srcs) != 1:
                 raise ScheduleError(f"step {s}: a copy has exactly one source")
@@ -291,7 +316,7 @@ def validate(schedule):
         clash = written & read_by_other
         if clash:
             raise ScheduleError(f"step {s}: {sorted(map(str, clash))} read and written in the same step")
-    if schedule.collective in (BROADCAST, REDUCE_TO_ROOT) and not (
+    if schedule.collective in ROOTED_COLLECTIVES and not (
         schedule.root is not None and 0 <= schedule.root < n
     ):
         raise ScheduleError(f"{schedule.collective} needs a root in [0, {n})")
@@ -312,9 +337,22 @@ def _check_outputs(schedule, trace):
             if reducing:
                 want, want_mask = everyone
             else:
-                source = chunk if schedule.collective == ALLGATHER else schedule.root
-                want, want_mask = [source], 1 << source
+                source = _source_block(schedule, rank, chunk)
+                if trace.origin.get(region) != source:
+                    raise ScheduleError(f"output {region} holds {trace.origin.get(region, 'a fold')}, "
+                                        f"expected a copy of {source}")
+                want, want_mask = [source.rank], 1 << source.rank
             # no rank twice (the trace refused repeats), so the mask and count say it all
             if trace.held[region] != (want_mask, len(want)):
                 got = sorted(contributions(trace.final[region]))
                 raise ScheduleError(f"output {region} holds contributions {got}, expected {want}")
+
+
+def _source_block(schedule, rank, chunk):
+    """The input region that `rank`'s output chunk `chunk` is a copy of, in
+    a collective that does not reduce."""
+    if schedule.collective in (ALLGATHER, GATHER):
+        return Region(chunk, WORK, chunk)        # block c is rank c's input
+    if schedule.collective == ALL_TO_ALL:
+        return Region(chunk, WORK, rank)         # block c of rank r: block r of rank c's input
+    return Region(schedule.root, WORK, chunk)    # broadcast, scatter: the root's
