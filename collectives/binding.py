@@ -141,11 +141,18 @@ def bind(phases, schedule, binding, rewrite_workspace_plans=True):
     if binding in (WORKSPACE, WORKSPACE_IN_PLACE):
         direct = _last_results_in_output(phases)
         candidates = [direct, phases]
+        workspace = next(c for c in candidates if c is phases or layout.run(c) == expected)
+        chosen = workspace
         if binding == WORKSPACE_IN_PLACE:
             candidates = [_without_copies_of_untouched_input(direct), _without_copies_of_untouched_input(phases),
                           *candidates]
-        chosen = next(c for c in candidates if c is phases or layout.run(c) == expected)
-        return chosen[:-1] if len(chosen) > 2 and not chosen[-1] else chosen   # no copy out left: one phase less
+            chosen = next(c for c in candidates if c is phases or layout.run(c) == expected)
+        # No copy out left: one phase less. But only where WORKSPACE has none
+        # left either: each process binds by its own arrays, so the ranks of
+        # one call may bind differently (MPI_IN_PLACE at a gather's root
+        # alone), and their counters count phases: every rank of a call must
+        # run as many. (WORKSPACE_IN_PLACE only leaves copies out.)
+        return chosen[:-1] if len(chosen) > 2 and not workspace[-1] else chosen
     for policy in POLICIES:
         candidate = _rewrite(phases, schedule, policy, layout)
         if layout.run(candidate) == expected:

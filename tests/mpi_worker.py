@@ -138,6 +138,61 @@ def scenario_collectives(comm):
     comm.barrier()
 
 
+def scenario_exchanges(comm):
+    """gather, scatter and all_to_all with every algorithm that implements
+    them, in place and out of place, a dtype of each item size (they only
+    copy: the type changes nothing else), against closed forms."""
+    r, n = comm.rank, comm.size
+    for count in counts_for(n):
+        for dtype in dtypes_for(count, [np.dtype(d) for d in ("int8", "float16", "float32", "float64")]):
+            in_place = dtype.itemsize in (1, 4)
+            mine, everyone = gather_input(dtype, r, count), np.concatenate([gather_input(dtype, q, count) for q in range(n)])
+            blocks = [gather_input(dtype, n + q, n * count) for q in range(n)]   # rank q's x of n blocks
+            for algorithm in (a for a in ALGORITHMS if "gather" in REGISTRY[a].collectives):
+                case = f"gather {algorithm} {dtype} count={count} in place={in_place} rank {r}"
+                root = (count + n - 1) % n
+                if in_place and r == root:
+                    out = on_rank(np.where(np.arange(n * count) // max(count, 1) == r, everyone, 0).astype(dtype))
+                    got = comm.gather(out[r * count:(r + 1) * count], root=root, out=out, algorithm=algorithm)
+                else:
+                    untouched = on_rank(blocks[r])
+                    got = comm.gather(on_rank(mine), root=root, out=untouched, algorithm=algorithm)
+                check(got, everyone if r == root else blocks[r], case)
+            for algorithm in (a for a in ALGORITHMS if "scatter" in REGISTRY[a].collectives):
+                case = f"scatter {algorithm} {dtype} count={count} in place={in_place} rank {r}"
+                root = count % n
+                x = on_rank(blocks[r])
+                got = comm.scatter(x, root=root, out=None if in_place else on_rank(np.zeros(count, dtype)),
+                                   algorithm=algorithm)
+                check(got, blocks[root][r * count:(r + 1) * count], case)
+                kept = blocks[root] if in_place and r == root else np.where(
+                    np.arange(n * count) // max(count, 1) == r, blocks[root], blocks[r]) if in_place else blocks[r]
+                check(x, kept.astype(dtype), f"{case}: x")
+            for algorithm in (a for a in ALGORITHMS if "all_to_all" in REGISTRY[a].collectives):
+                case = f"all_to_all {algorithm} {dtype} count={count} in place={in_place} rank {r}"
+                x = on_rank(blocks[r])
+                got = comm.all_to_all(x, out=None if in_place else on_rank(np.zeros(n * count, dtype)),
+                                      algorithm=algorithm)
+                check(got, np.concatenate([blocks[q][r * count:(r + 1) * count] for q in range(n)]), case)
+                check(x, blocks[r] if not in_place else to_host(got), f"{case}: x")
+    # MPI_IN_PLACE on some ranks only: every process binds its plan by its
+    # own arrays, and ranks must still run as many phases (binding.bind).
+    want = np.concatenate([np.full(1000, q, np.float32) for q in range(n)])
+    for algorithm in (a for a in ("auto", *ALGORITHMS) if a == "auto" or "allgather" in REGISTRY[a].collectives):
+        if r == 0:
+            out = on_rank(np.where(np.arange(n * 1000) < 1000, 0, -1).astype(np.float32))
+            comm.allgather(out[:1000], out=out, algorithm=algorithm)
+        else:
+            out = comm.allgather(on_rank(np.full(1000, r, np.float32)), out=on_rank(np.zeros(n * 1000, np.float32)),
+                                 algorithm=algorithm)
+        check(out, want, f"allgather {algorithm}, in place on rank 0 alone, rank {r}")
+    got = comm.gather(on_rank(np.arange(3) + 10 * r), root=0)   # without out: the root's new array, else None
+    assert (got is None) == (r != 0), got
+    if r == 0:
+        check(got, np.concatenate([np.arange(3) + 10 * q for q in range(n)]), "gather without out")
+    comm.barrier()
+
+
 def scenario_prepared(comm):
     """Prepared calls (comm.prepare) between processes make the plain call
     each time: the same bits as it, the same arrays returned, call after call."""

@@ -71,6 +71,12 @@ def test_every_collective_across_processes(n, device):
     assert len(oks) == n, report
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_gather_scatter_and_all_to_all_across_processes(n, device):
+    oks, report = run_ranks(n, "exchanges", device=device)
+    assert len(oks) == n, report
+
+
 def test_workspaces_grow_across_calls(device):
     oks, report = run_ranks(3, "growth", device=device)
     assert len(oks) == 3, report
