@@ -468,7 +468,8 @@ class Communicator:
             step = comm.prepare("allreduce", grads, op="avg")
             step()                  # the same as comm.allreduce(grads, op="avg")
 
-        collective  "allreduce", "reduce_scatter", "allgather", "broadcast" or "reduce".
+        collective  "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
+                    "gather", "scatter" or "all_to_all".
         x           as for that collective.
         arguments   that collective's keyword arguments (op, out, root,
                     algorithm, compression: those it takes), with its defaults.

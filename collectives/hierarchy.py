@@ -85,7 +85,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import bootstrap
-from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT
+from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, EXCHANGES, REDUCE_SCATTER, REDUCE_TO_ROOT
 from .communicator import Communicator
 from .config import resolve_fast_sizes
 from .errors import CollectiveError, InvalidUsageError
@@ -161,6 +161,10 @@ class HierarchicalCommunicator(Communicator):
 
     def _check_arguments(self, collective, op, root, algorithm, compression):
         _no_compression(compression)   # the reason, rather than "not available on these ranks"
+        if collective in EXCHANGES:
+            raise InvalidUsageError(
+                f"{collective}: not available yet when ranks span several nodes (the hierarchical "
+                "communicator); it runs on the ranks of one node (processes, one process, devices)")
         super()._check_arguments(collective, op, root, algorithm, compression)
 
     def _plan(self, collective, dtype, elements, op, root, algorithm, binding, compression=None):

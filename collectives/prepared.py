@@ -26,7 +26,7 @@ compiled loop of host ranks, the one-kernel path of GPU ranks) stay theirs.
 import inspect
 import time
 
-from .algorithms.schedule import ALLGATHER, COLLECTIVES
+from .algorithms.schedule import ALL_COLLECTIVES as COLLECTIVES, ALLGATHER, GATHER
 from .errors import InvalidUsageError
 
 
@@ -76,10 +76,17 @@ class PreparedCall:
             if bind is not None else None
         self._arrays = [*self._inputs, *self._outputs]
         self._plain = bind is None   # ranks in processes, NCCL: the plain call (module doc)
-        # A plain call that made its outputs (allgather without out) would
-        # make new ones every time: hand it the ones made here instead.
-        if self._plain and collective == ALLGATHER and arguments.get("out") is None:
+        # A plain call that made its outputs (allgather and gather without
+        # out) would make new ones every time: hand it the ones made here instead.
+        made_outputs = collective in (ALLGATHER, GATHER) and arguments.get("out") is None
+        if self._plain and made_outputs:
             self._arguments = {**arguments, "out": self._outputs if as_sequence else self._outputs[0]}
+        # What a call returns: the outputs, but where a gather made them, the
+        # root's alone (None elsewhere), as the plain call returns.
+        self._results = list(self._outputs)
+        if collective == GATHER and made_outputs:
+            root = arguments.get("root", 0)
+            self._results = [out if rank == root else None for out, rank in zip(self._outputs, comm.local_ranks)]
 
     def __repr__(self):
         return f"<PreparedCall {self._collective} ({self.algorithm})>"
@@ -101,4 +108,4 @@ class PreparedCall:
         else:   # no bound form (compressed plans): the ranks' run, with the descriptions made once
             comm._ranks.run(self._plan, self._inputs, self._outputs, self._input_infos, self._output_infos,
                             time.perf_counter() + comm.timeout)
-        return list(self._outputs) if self._as_sequence else self._outputs[0]
+        return list(self._results) if self._as_sequence else self._results[0]

@@ -2,6 +2,7 @@
 the errors, and the timeout/abort logic, all without a GPU (fake NCCL
 communicators stand in for the binding's); one test on a real GPU."""
 
+import ctypes
 import importlib.util
 import subprocess
 import sys
@@ -216,6 +217,65 @@ def test_a_communicator_hands_nccl_the_plans_counts():
     assert [c[2][2] for c in fakes.calls()] == [4] * N
     assert [c[2][:2] for c in fakes.calls()] == [(address(p), address(g)) for p, g in zip(parts, gathered)]
     assert all(event.records == 2 for device in fakes.devices for event in device.events)
+
+
+def deliver(calls, itemsize):
+    """What NCCL does with a group's point-to-point calls: the k-th send from
+    rank a to rank b meets the k-th receive on b from a, of the same count,
+    and its bytes land there (the fakes' buffers are NumPy arrays)."""
+    sends, receives = {}, {}
+    for rank, method, (address, count, _, peer, _stream) in calls:
+        assert method in ("send", "recv"), method
+        pairs = sends if method == "send" else receives
+        pairs.setdefault((rank, peer) if method == "send" else (peer, rank), []).append((address, count))
+    assert sends.keys() == receives.keys(), "a send without its receive, or a receive without its send"
+    for pair, sent in sends.items():
+        assert len(sent) == len(receives[pair]), pair
+        for (source, count), (destination, expected) in zip(sent, receives[pair]):
+            assert count == expected, pair
+            ctypes.memmove(destination, source, count * itemsize)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gather_scatter_and_all_to_all_are_grouped_sends_and_receives(n):
+    """The calls each rank makes, delivered as NCCL would, leave the results
+    our backend gives, in place (where NCCL can) and out of place."""
+    fakes = Fakes(n)
+    k = 3
+    blocks = [np.arange(n * k, dtype=np.float64) + 100 * r for r in range(n)]
+    with Communicator.local(n) as ours:
+        for root in range(n):
+            for in_place in (False, True):
+                fakes.log.clear()
+                outs = [np.full(n * k, -1.0) for _ in range(n)]
+                if in_place:   # the root's x is its own block of its out
+                    outs[root][root * k:(root + 1) * k] = blocks[root][:k]
+                xs = [outs[r][r * k:(r + 1) * k] if in_place and r == root else blocks[r][:k].copy()
+                      for r in range(n)]
+                want = ours.gather([b[:k].copy() for b in blocks], root=root)[root]
+                fakes.comm.gather(xs, root=root, out=outs)
+                assert not fakes.log or fakes.log[0] == "groupStart" and fakes.log[-1] == "groupEnd"
+                deliver(fakes.calls(), 8)
+                assert np.array_equal(outs[root], want), (root, in_place)
+                assert all((outs[r] == -1).all() for r in range(n) if r != root)
+
+                fakes.log.clear()
+                xs = [b.copy() for b in blocks]
+                outs = None if in_place else [np.zeros(k) for _ in range(n)]
+                got = fakes.comm.scatter(xs, root=root, out=outs)
+                deliver(fakes.calls(), 8)
+                assert all(np.array_equal(got[r], blocks[root][r * k:(r + 1) * k]) for r in range(n)), (root, in_place)
+        fakes.log.clear()
+        outs = [np.zeros(n * k) for _ in range(n)]
+        fakes.comm.all_to_all([b.copy() for b in blocks], out=outs)
+        deliver(fakes.calls(), 8)
+        want = ours.all_to_all([b.copy() for b in blocks])
+        assert all(np.array_equal(outs[r], want[r]) for r in range(n))
+        if n > 1:   # NCCL receives into what it sends from: refused, before any call
+            fakes.log.clear()
+            with pytest.raises(InvalidUsageError, match="overlaps its input.*backend='ours'"):
+                fakes.comm.all_to_all([b.copy() for b in blocks])
+            assert fakes.log == []
 
 
 def test_our_validation_refuses_before_nccl_is_called():

@@ -12,20 +12,23 @@ import pytest
 
 import collectives
 from collectives import InvalidUsageError
+from collectives.algorithms import REGISTRY
 
 from test_call_path import random_values
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter", "all_to_all")
 # Virtual host ranks, ranks on one emulated device, and on two.
 RANK_DEVICES = {"host": None, "emulated-1": ["emulated:0"] * 4, "emulated-2": ["emulated:0", "emulated:1"] * 2}
 
 
 def shapes(collective, n):
     """(input shape, output shape) per rank."""
-    if collective == "reduce_scatter":
+    if collective in ("reduce_scatter", "scatter"):
         return (n * 6, 3), (6, 3)
-    if collective == "allgather":
+    if collective in ("allgather", "gather"):
         return (5, 3), (n * 5, 3)
+    if collective == "all_to_all":
+        return (n * 2, 3), (n * 2, 3)
     return (7, 3), (7, 3)
 
 
@@ -36,11 +39,15 @@ def arguments(collective, outs, op, root, algorithm):
     return {name: value for name, value in given.items() if name in taken and value is not None}
 
 
+PREPARED_CASES = [
+    (collective, out_given, algorithm)
+    for collective in COLLECTIVES
+    for out_given in ((True, False) if collective not in ("broadcast", "reduce") else (False,))
+    for algorithm in ("auto", "ring", "direct") if algorithm == "auto" or collective in REGISTRY[algorithm].collectives]
+
+
 @pytest.mark.parametrize("ranks", RANK_DEVICES)
-@pytest.mark.parametrize("collective, out_given", [
-    ("allreduce", True), ("allreduce", False), ("reduce_scatter", True), ("reduce_scatter", False),
-    ("allgather", True), ("allgather", False), ("broadcast", False), ("reduce", False)])
-@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+@pytest.mark.parametrize("collective, out_given, algorithm", PREPARED_CASES)
 def test_a_prepared_call_gives_the_plain_calls_bits_call_after_call(ranks, collective, out_given, algorithm):
     n, dtype, op, root = 4, np.dtype(np.float32), "sum", 2
     rng = np.random.default_rng([COLLECTIVES.index(collective), out_given])
@@ -62,6 +69,11 @@ def test_a_prepared_call_gives_the_plain_calls_bits_call_after_call(ranks, colle
                                     op, root, algorithm))
             assert len(got) == n
             for r in range(n):
+                if want[r] is None:   # a gather's ranks but the root, without out
+                    assert got[r] is None
+                    continue
+                if collective == "gather" and r != root:   # its out, as the caller left it
+                    continue
                 assert got[r].shape == want[r].shape
                 assert np.array_equal(got[r], want[r], equal_nan=True), f"rank {r}"
             results.append(got)
@@ -71,7 +83,7 @@ def test_a_prepared_call_gives_the_plain_calls_bits_call_after_call(ranks, colle
             assert all(result[r] is results[0][r] for result in results)
             if outs is not None:
                 assert results[0][r] is outs[r]
-            elif collective in ("allreduce", "broadcast", "reduce"):
+            elif collective in ("allreduce", "broadcast", "reduce", "all_to_all"):
                 assert results[0][r] is xs[r]
 
 
@@ -109,7 +121,7 @@ def test_a_bare_array_gives_a_bare_result():
     ("allreduce", {"op": "add"}, "op: unknown reduction 'add'"),
     ("allreduce", {"algorithm": "nope"}, "algorithm"),
     ("reduce", {"root": 9}, "root"),
-    ("scatter", {}, "collective: unknown collective 'scatter'"),
+    ("alltoallv", {}, "collective: unknown collective 'alltoallv'"),
 ])
 def test_prepare_rejects_what_the_plain_call_rejects_and_writes_nothing(collective, arguments, message):
     with collectives.Communicator.local(2) as comm:

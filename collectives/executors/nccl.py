@@ -57,6 +57,12 @@ NCCL's handling of NaN and signed zeros, so results can differ from ours in
 the last bits. NCCL chooses its own algorithm: the `algorithm` argument is
 checked as for our backend but does not reach NCCL (its NCCL_ALGO variable
 does).
+
+Gather, scatter and all_to_all, which NCCL has no call for, are its
+point-to-point calls grouped, as NCCL's documentation builds them
+(`nccl_exchange_calls`): per block a send and the matching receive, a
+rank's own block sent to itself where it must move. NCCL cannot receive an
+all_to_all into the buffer it sends from, so in place is refused there.
 """
 
 import importlib
@@ -66,7 +72,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT
+from ..algorithms.schedule import (
+    ALL_TO_ALL, ALLGATHER, ALLREDUCE, BROADCAST, EXCHANGES, GATHER, REDUCE_SCATTER, REDUCE_TO_ROOT, SCATTER,
+)
 from ..devices import open_device, parse_spec
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from ..ops import BFLOAT16, ReduceOp
@@ -128,13 +136,56 @@ def nccl_call(collective, count, nranks, root, rank, datatype, op, source, resul
     return NcclCall("reduce", (send, recv, count, datatype, op, root))
 
 
-def _check_placement(collective, rank, source, result):
+def nccl_calls(collective, count, nranks, root, rank, datatype, op, source, result):
+    """Every NCCL call rank `rank` makes for the collective, in order (see
+    nccl_call and nccl_exchange_calls)."""
+    if collective in EXCHANGES:
+        return nccl_exchange_calls(collective, count, nranks, root, rank, datatype, source, result)
+    return (nccl_call(collective, count, nranks, root, rank, datatype, op, source, result),)
+
+
+def nccl_exchange_calls(collective, count, nranks, root, rank, datatype, source, result):
+    """The sends and receives rank `rank` makes, grouped, for a gather,
+    scatter or all_to_all of blocks of count/nranks elements (plan.count is
+    the whole buffer, n*k): rank q's block travels between offset q*k of the
+    side holding n blocks and the single block of the other."""
+    _check_placement(collective, rank, source, result, root)
+    block = count // nranks
+    if block == 0:
+        return ()
+    nbytes = block * source.dtype.itemsize
+
+    def send(address, peer): return NcclCall("send", (address, block, datatype, peer))
+    def recv(address, peer): return NcclCall("recv", (address, block, datatype, peer))
+
+    if collective == ALL_TO_ALL:
+        return tuple(call for q in range(nranks)
+                     for call in (send(source.address + q * nbytes, q), recv(result.address + q * nbytes, q)))
+    if collective == GATHER:
+        if rank != root:
+            return (send(source.address, root),)
+        own = result.address + root * nbytes
+        mine = () if source.address == own else (send(source.address, root), recv(own, root))
+        return mine + tuple(recv(result.address + q * nbytes, q) for q in range(nranks) if q != root)
+    assert collective == SCATTER, collective
+    if rank != root:
+        return (recv(result.address, root),)
+    own = source.address + root * nbytes
+    mine = () if result.address == own else (send(own, root), recv(result.address, root))
+    return tuple(send(source.address + q * nbytes, q) for q in range(nranks) if q != root) + mine
+
+
+def _check_placement(collective, rank, source, result, root=0):
     """NCCL runs in place only in its own arrangement; any other overlap of a
     rank's input and output is undefined there, so it is refused here."""
-    if collective == REDUCE_SCATTER:        # the output is the rank's block of the input
+    if collective in (GATHER, SCATTER) and rank != root:   # one side alone is used there
+        return
+    if collective in (REDUCE_SCATTER, SCATTER):   # the output is the rank's block of the input
         in_place = result.address == source.address + rank * result.nbytes
-    elif collective == ALLGATHER:           # the input is the rank's block of the output
+    elif collective in (ALLGATHER, GATHER):       # the input is the rank's block of the output
         in_place = source.address == result.address + rank * source.nbytes
+    elif collective == ALL_TO_ALL:                # NCCL's sends and receives of one group run at once
+        in_place = False
     else:
         in_place = result.address == source.address
     apart = source.address + source.nbytes <= result.address or result.address + result.nbytes <= source.address
@@ -267,7 +318,7 @@ class NcclRanks:
         waits, see the module doc)."""
         datatype = self._constants[nccl_type_name(plan.dtype)]
         op = self._constants[nccl_op_name(plan.op)]
-        calls = [nccl_call(plan.collective, plan.count, plan.nranks, plan.root, rank, datatype, op, source, result)
+        calls = [nccl_calls(plan.collective, plan.count, plan.nranks, plan.root, rank, datatype, op, source, result)
                  for rank, source, result in zip(self._nccl_ranks, input_infos, output_infos)]
         self._issue(plan.collective, calls)
 
@@ -275,15 +326,17 @@ class NcclRanks:
         self._check_not_aborted()
         nccl = self._nccl
         streams = [device.current_stream() for device in self.rank_devices]
-        # One thread issuing for several ranks must group the calls: alone, a
-        # rank's call may wait for peers whose calls come after it.
-        grouped = len(calls) > 1
+        # One thread issuing for several ranks, or several calls of a rank
+        # (sends and receives), must group them: alone, a call may wait for
+        # peers whose calls come after it.
+        grouped = sum(map(len, calls)) > 1
         try:
             if grouped:
                 nccl.groupStart()
             try:
-                for communicator, stream, call in zip(self._communicators, streams, calls):
-                    getattr(communicator, call.method)(*call.args, stream.ptr)
+                for communicator, stream, rank_calls in zip(self._communicators, streams, calls):
+                    for call in rank_calls:
+                        getattr(communicator, call.method)(*call.args, stream.ptr)
             finally:
                 if grouped:
                     nccl.groupEnd()
@@ -315,7 +368,7 @@ class NcclRanks:
         if self._barrier_buffers is None:
             self._barrier_buffers = [device.allocate(1) for device in self.rank_devices]
         uint8, maximum = self._constants["NCCL_UINT8"], self._constants["NCCL_MAX"]
-        self._issue("a barrier", [NcclCall("allReduce", (b.address, b.address, 1, uint8, maximum))
+        self._issue("a barrier", [(NcclCall("allReduce", (b.address, b.address, 1, uint8, maximum)),)
                                   for b in self._barrier_buffers])
         self._wait(deadline, "barrier()")
 
