@@ -222,6 +222,9 @@ def main(argv=None):
             json.dump({"benchmark": "spmd_overhead", "collective": args.collective, "bytes": args.nbytes,
                        "in_place": args.in_place, "symmetric": args.symmetric,
                        "algorithm": plan.algorithm, "phases": len(plan.phases),
+                       # the phases rank 0 runs rows in (an empty one launches nothing: a
+                       # process's plan keeps its last phase, empty or not, binding.bind)
+                       "phases_with_rows": sum(1 for phase in plan.phases if len(phase.rows_by_rank[0])),
                        "environment": environment(_harness_args(args), world.size, ["host", args.device]),
                        "median_us_per_call": {k: v * 1e6 for k, v in medians.items()},
                        "ratio_to_host": {k: v / medians["host"] for k, v in medians.items()},

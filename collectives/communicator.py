@@ -22,6 +22,7 @@ from .executors import host
 from .executors.paths import PLAIN, SYMMETRIC, CallShape
 from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
 from .transport import fastpath
+from .transport.p2p import PointToPoint
 
 
 class VirtualHostRanks:
@@ -38,6 +39,11 @@ class VirtualHostRanks:
 
     def __init__(self, nranks):
         self._workspaces = [np.empty(0, np.uint8) for _ in range(nranks)]
+
+    def point_to_point(self, timeout_of):
+        """One rank's sends and receives, to itself alone (Communicator
+        refuses several local ranks); nothing to check or abort."""
+        return PointToPoint(0, 1, None, timeout_of, lambda peer, during: None, lambda reason, cause: None)
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         """Run `plan` on the ranks' arrays (one per rank, with their ArrayInfos)."""
@@ -151,6 +157,7 @@ class Communicator:
         self._checked_arguments = set()  # (collective, op, root, its type, algorithm, compression) that passed
         self._calls = {}           # arguments and arrays' ids -> _Call that passed (see _collective)
         self._fusion = None        # fusion.Fuser, made on first use
+        self._p2p = None           # transport.p2p.PointToPoint, made at the first send or receive
         self._worker = None        # the background thread of fusion buffers on host ranks
         self._worker_thread = None
         self._busy = set()         # fusion buffers with allreduces started and not yet waited for
@@ -460,6 +467,77 @@ class Communicator:
         or RankFailedError when a peer stalls or dies (see Communicator).
         """
         return self._collective(ALL_TO_ALL, x, "sum", out, 0, algorithm)
+
+    # -- point to point (transport/p2p.py) -------------------------------------
+
+    def send(self, x, peer, tag=0):
+        """Send `x` to rank `peer`; return once `x` may be reused.
+
+        x     one C-contiguous array of a supported dtype (this process
+              owns one rank: one rank per process, under mpiexec or torchrun).
+        peer  the receiving rank; this rank itself too (the message waits
+              for this rank's receive).
+        tag   an int >= 0 that the receive names (default 0).
+
+        Messages from one rank to another arrive in the order sent; a
+        receive takes the first one with its tag (MPI's matching). A message
+        that fits the mailbox's slots (512 KiB) is copied there and the call
+        returns; a larger one returns once the receiver has taken all but its
+        last slots. Raises InvalidUsageError for a bad argument (nothing is
+        sent), CollectiveTimeoutError when the receiver does not take it
+        within the timeout, RankFailedError when it died; a failure aborts
+        the communicator, as a failed collective does.
+        """
+        self.isend(x, peer, tag).wait()
+
+    def recv(self, out, peer=None, tag=0):
+        """Receive a message into `out`; return the rank it came from.
+
+        out   one C-contiguous, writable array with exactly the message's bytes.
+        peer  the sending rank, or None for any rank (MPI_ANY_SOURCE).
+        tag   the message's tag (default 0).
+
+        Raises InvalidUsageError for a bad argument, or a message whose
+        bytes differ from `out`'s (the communicator is then aborted: the
+        sender would wait for a receive that never comes);
+        CollectiveTimeoutError or RankFailedError as `send`.
+        """
+        return self.irecv(out, peer, tag).wait()
+
+    def isend(self, x, peer, tag=0):
+        """`send` that returns at once: a transport.p2p.Request, whose
+        `wait()` returns once `x` may be reused (`test()`: whether it may).
+        Leave `x` as it is until then. Pending requests move whenever this
+        rank waits for any of them."""
+        engine = self._point_to_point("send")
+        data = validation.message_bytes(x, self._ranks, "x", written=False)
+        return engine.isend(data, validation.peer_rank(peer, self.size), validation.message_tag(tag))
+
+    def irecv(self, out, peer=None, tag=0):
+        """`recv` that returns at once: a Request whose `wait()` returns the
+        sender's rank once `out` holds the message (also its `source`)."""
+        engine = self._point_to_point("recv")
+        data = validation.message_bytes(out, self._ranks, "out", written=True)
+        peer = None if peer is None else validation.peer_rank(peer, self.size)
+        return engine.irecv(data, peer, validation.message_tag(tag))
+
+    def _point_to_point(self, what):
+        """The ranks' send/receive engine (made at the first call), or
+        InvalidUsageError where these ranks have none."""
+        self._check_open()
+        engine = self._p2p
+        if engine is None:
+            if len(self.local_ranks) != 1:
+                raise InvalidUsageError(
+                    f"{what}: this communicator owns {len(self.local_ranks)} local ranks; send and recv take "
+                    "one rank per process (collectives.init under mpiexec or torchrun)")
+            make = getattr(self._ranks, "point_to_point", None)
+            if make is None:
+                raise InvalidUsageError(
+                    f"{what}: not available yet on {type(self._ranks).__name__} ranks; host ranks in processes "
+                    "on one machine have it")
+            engine = self._p2p = make(lambda: self.timeout)
+        return engine
 
     def prepare(self, collective, x, **arguments):
         """A collective on fixed arrays, checked and planned now, to run as
@@ -819,6 +897,8 @@ class Communicator:
         except CollectiveError:
             pass
         finally:
+            if self._p2p is not None:
+                self._p2p.close()   # its views of the ranks' memory go first; its pending requests raise
             self._ranks.close()
 
     def __enter__(self):

@@ -287,6 +287,45 @@ def root_rank(root, size):
     return value
 
 
+def peer_rank(peer, size, name="peer"):
+    """A point-to-point call's peer: a rank number in [0, size)."""
+    if isinstance(peer, bool):
+        raise InvalidUsageError(f"{name}: expected a rank number (an int), got {peer!r}")
+    try:
+        value = operator.index(peer)
+    except TypeError:
+        raise InvalidUsageError(f"{name}: expected a rank number (an int), got {type(peer).__name__}") from None
+    if not 0 <= value < size:
+        raise InvalidUsageError(f"{name}: {value} is out of range; this communicator's ranks are 0 to {size - 1}")
+    return value
+
+
+# Tags travel in a slot's int64 word; MPI guarantees at least 32767.
+MAX_TAG = (1 << 62) - 1
+
+
+def message_tag(tag):
+    """A point-to-point call's tag: an int, 0 <= tag <= MAX_TAG."""
+    if isinstance(tag, bool):
+        raise InvalidUsageError(f"tag: expected an int, got {tag!r}")
+    try:
+        value = operator.index(tag)
+    except TypeError:
+        raise InvalidUsageError(f"tag: expected an int, got {type(tag).__name__}") from None
+    if not 0 <= value <= MAX_TAG:
+        raise InvalidUsageError(f"tag: {value} is out of range; tags are 0 to {MAX_TAG}")
+    return value
+
+
+def message_bytes(array, ranks, name, written):
+    """A point-to-point call's array as a flat view of its bytes: one
+    C-contiguous array of a supported dtype (writable where `written`)."""
+    objects, infos, _ = rank_arrays(array, 1, ranks, name=name)   # (describing refuses other layouts)
+    if written:
+        writable(infos, name)
+    return objects[0].reshape(-1).view(np.uint8)
+
+
 def allocation(shape, dtype):
     """Communicator.alloc's (shape as a tuple of ints, np.dtype), or
     InvalidUsageError naming the argument."""

@@ -24,7 +24,7 @@ import collectives
 import collectives.compression
 from cases import (DTYPES, OPS, counts_for, dtypes_for, expect_a_different_call, gather_input, reduction_expected,
                    reduction_input, run_scenario)
-from collectives import CollectiveError, CollectiveTimeoutError, RankFailedError
+from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.algorithms import REGISTRY
 
 ALGORITHMS = tuple(REGISTRY)
@@ -43,7 +43,8 @@ STALL_TIMEOUT = 1.0
 # while its peers wait: they get UNTIMED_TIMEOUT, which still ends a hang.
 STARTUP_TIMEOUT = 120.0
 UNTIMED_TIMEOUT = 60.0
-TIMED_SCENARIOS = ("stalled", "stalled_barrier", "killed", "mismatch", "fusion_killed")
+TIMED_SCENARIOS = ("stalled", "stalled_barrier", "killed", "mismatch", "fusion_killed", "point_to_point_failures",
+                   "point_to_point_killed")
 
 
 def on_rank(a):
@@ -193,6 +194,76 @@ def scenario_exchanges(comm):
     comm.barrier()
 
 
+def scenario_point_to_point(comm):
+    """send/recv/isend/irecv between processes: every size around the
+    mailbox's slots, tags received out of order, any source, both ways at
+    once with large messages, to oneself, and a receive of the wrong size
+    (named on both sides). GPU ranks refuse them, naming why."""
+    r, n = comm.rank, comm.size
+    if DEVICE != "host":
+        try:
+            comm.send(on_rank(np.zeros(1, np.float32)), (r + 1) % n)
+        except collectives.InvalidUsageError as error:
+            assert "not available yet" in str(error), error
+            return
+        raise AssertionError("send on device ranks was accepted")
+    right, left = (r + 1) % n, (r - 1) % n
+    slot = collectives.transport.layout.MAILBOX_SLOT_BYTES
+    slots = collectives.transport.layout.MAILBOX_SLOTS
+    for nbytes in (0, 1, 1000, slot - 1, slot, slot + 1, slots * slot, slots * slot + 3, 3 << 20):
+        def pattern(q): return ((np.arange(nbytes) * (q + 1) + nbytes) % 251).astype(np.uint8)
+        out = np.empty(nbytes, np.uint8)
+        sent = comm.isend(pattern(r), right, tag=nbytes % 5)
+        assert comm.recv(out, left, tag=nbytes % 5) == left
+        sent.wait()
+        check(out, pattern(left), f"{nbytes} bytes from rank {left}")
+    # Tags taken out of order: the later ones are read ahead, then found.
+    if r == 0:
+        for tag in (1, 2, 3):
+            comm.send(np.full(10, tag, np.int64), 1, tag=tag)
+    elif r == 1:
+        for tag in (3, 1, 2):
+            out = np.empty(10, np.int64)
+            comm.recv(out, 0, tag=tag)
+            check(out, np.full(10, tag, np.int64), f"tag {tag}")
+    # Any source: every other rank's message, whoever comes first.
+    if r == 0:
+        seen = set()
+        for _ in range(n - 1):
+            out = np.empty(4, np.float64)
+            source = comm.recv(out, None, tag=9)
+            check(out, np.full(4, source, np.float64), f"from rank {source}")
+            seen.add(source)
+        assert seen == set(range(1, n)), seen
+    else:
+        comm.send(np.full(4, r, np.float64), 0, tag=9)
+    # Both ways at once, far past the slots: the waits move each other's requests.
+    big = np.full(5 << 20, r, np.uint8)
+    out = np.empty_like(big)
+    for request in (comm.isend(big, right), comm.irecv(out, left)):
+        request.wait()
+    check(out, np.full(5 << 20, left, np.uint8), "5 MiB both ways")
+    # To oneself, then a bfloat16 array as bytes.
+    mine = np.arange(6, dtype=collectives.ops.BFLOAT16)
+    comm.send(mine, r, tag=4)
+    out = np.zeros(6, collectives.ops.BFLOAT16)
+    assert comm.recv(out, r, tag=4) == r
+    check(out, mine, "to oneself")
+    comm.barrier()
+    # A receive of the wrong size: named where it is received, and the
+    # sender's wait ends in the abort instead of its timeout.
+    if r < 2:
+        try:
+            if r == 0:
+                comm.send(np.zeros(slots * slot * 2, np.uint8), 1)
+            else:
+                comm.recv(np.zeros(3, np.uint8), 0)
+        except InvalidUsageError as error:
+            assert "bytes" in str(error), error
+        else:
+            raise AssertionError("a receive of the wrong size completed")
+
+
 def scenario_prepared(comm):
     """Prepared calls (comm.prepare) between processes make the plain call
     each time: the same bits as it, the same arrays returned, call after call."""
@@ -311,6 +382,42 @@ def scenario_killed(comm):
     assert not leftovers, leftovers
 
 
+def scenario_point_to_point_failures(comm):
+    """A receive whose sender stalls ends in CollectiveTimeoutError at the timeout."""
+    r = comm.rank
+    comm.timeout = STALL_TIMEOUT
+    if r == 1:
+        time.sleep(STALL_TIMEOUT + 0.5)   # rank 0's receive from this rank waits out its timeout
+        return
+    start = time.perf_counter()
+    try:
+        comm.recv(np.empty(8, np.uint8), 1)
+    except CollectiveTimeoutError as error:
+        assert not isinstance(error, RankFailedError) and "rank 1" in str(error), error
+        assert STALL_TIMEOUT <= time.perf_counter() - start < STALL_TIMEOUT + 1.0
+    else:
+        raise AssertionError("a receive from a stalled rank completed")
+
+
+def scenario_point_to_point_killed(comm):
+    """The sender dies mid-message (more than the slots hold): a receive
+    from any rank learns it from the pid, long before the timeout."""
+    r = comm.rank
+    comm.barrier()
+    if r == 1:
+        comm.isend(np.zeros(4 << 20, np.uint8), 0)   # the slots fill, then this rank dies
+        time.sleep(0.2)
+        os._exit(0)
+    start = time.perf_counter()
+    try:
+        comm.recv(np.empty(4 << 20, np.uint8), None)
+    except RankFailedError as error:
+        assert "rank 1" in str(error) and "died" in str(error), error
+        assert time.perf_counter() - start < 1.5, "a dead rank should be reported within a second"
+    else:
+        raise AssertionError("a receive from a dead rank completed")
+
+
 def scenario_mismatch(comm):
     """Ranks disagree on the count: one raises InvalidUsageError, none hangs."""
     count = 10 if comm.rank == 0 else 11
@@ -414,7 +521,7 @@ def main():
     comm = collectives.init(timeout=STARTUP_TIMEOUT, device=DEVICE)
     comm.timeout = TIMEOUT if scenario in TIMED_SCENARIOS else UNTIMED_TIMEOUT  # what each collective waits at most
     assert comm.size == MPI.COMM_WORLD.size and comm.rank == MPI.COMM_WORLD.rank
-    rank_died = scenario in ("killed", "fusion_killed")
+    rank_died = scenario in ("killed", "fusion_killed", "point_to_point_killed")
     run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=rank_died)
     print(f"OK {scenario} {comm.rank}", flush=True)
     if rank_died:

@@ -36,9 +36,20 @@ def test_the_channel_starts_on_a_page_after_the_reason_and_fits_every_rank(sizes
         offset = layout.channel_offset(size)
         assert offset % layout.PAGE == 0
         assert offset >= 8 * (layout.HEADER + layout.ROW * size) + layout.HANDLE_BYTES * size + layout.REASON_BYTES
-        assert layout.control_bytes(size, sizes) - offset == layout.channel_bytes(size, sizes)
+        assert layout.mailboxes_offset(size, sizes) - offset == layout.channel_bytes(size, sizes)
+        assert layout.mailboxes_offset(size, sizes) % layout.PAGE == 0
+        assert layout.control_bytes(size, sizes) - layout.mailboxes_offset(size, sizes) >= \
+            size * size * layout.mailbox_bytes()
         assert layout.channel_bytes(size, sizes) >= size * 2 * (layout.SLOT_HEADER + sizes.small_max + size * sizes.chunk)
         assert layout.small_area(size, sizes) % layout.PAGE == 0   # (the staging starts on a page)
+
+
+def test_a_mailboxs_counters_are_on_cache_lines_of_their_own_and_its_slots_aligned():
+    # the sender publishes SENT, the receiver TAKEN: no line written by both
+    assert layout.MAILBOX_TAKEN * 8 - layout.MAILBOX_SENT * 8 >= 64
+    assert layout.MAILBOX_HEADER >= 8 * (layout.MAILBOX_TAKEN + 1)
+    assert layout.MAILBOX_HEADER % 64 == 0 and layout.MAILBOX_SLOT_HEADER % 64 == 0
+    assert layout.MAILBOX_SLOT_BYTES % 64 == 0 and layout.mailbox_bytes() % 64 == 0
 
 
 def test_the_loops_sizes_come_from_the_environment_when_resolved_and_bad_ones_are_named(monkeypatch):

@@ -77,6 +77,22 @@ def test_gather_scatter_and_all_to_all_across_processes(n, device):
     assert len(oks) == n, report
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_point_to_point_across_processes(n, device):
+    oks, report = run_ranks(n, "point_to_point", device=device)
+    assert len(oks) == n, report
+
+
+def test_a_receive_from_a_stalled_rank_times_out():
+    oks, report = run_ranks(2, "point_to_point_failures")
+    assert len(oks) == 2, report
+
+
+def test_a_receive_from_a_rank_that_died_mid_message_raises_at_once():
+    oks, report = run_ranks(2, "point_to_point_killed", "-disable-auto-cleanup")
+    assert len(oks) == 1, report
+
+
 def test_workspaces_grow_across_calls(device):
     oks, report = run_ranks(3, "growth", device=device)
     assert len(oks) == 3, report

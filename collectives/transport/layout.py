@@ -40,6 +40,18 @@ place that says where, so both import it and neither imports the other.
                   staging       2 x nranks chunks of `chunk` bytes: the
                                 pipelined step of larger messages
                 (small_max and chunk: the communicator's config.FastSizes)
+    mailboxes   from the next page: point-to-point messages (p2p.py), one
+                mailbox per ordered pair of ranks (sender, receiver), at
+                index sender * size + receiver:
+                  header      MAILBOX_HEADER bytes: SENT (fragments the
+                              sender published, its cache line) and, a
+                              line further, TAKEN (fragments the receiver
+                              consumed, its own)
+                  slots       MAILBOX_SLOTS of MAILBOX_SLOT_HEADER +
+                              MAILBOX_SLOT_BYTES: fragment k in slot k %
+                              MAILBOX_SLOTS, its header the message's bytes,
+                              tag and the fragment's offset in it
+                Only the pairs that exchange messages touch their pages.
 """
 
 
@@ -107,6 +119,25 @@ def channel_bytes(size, sizes):
     return small_area(size, sizes) + _pages(size * 2 * size * sizes.chunk)
 
 
+# A mailbox (p2p.py): its header's words, and its slots.
+MAILBOX_HEADER = 128
+MAILBOX_SENT, MAILBOX_TAKEN = 0, 8         # int64 words of the header, on separate cache lines
+MAILBOX_SLOTS = 4
+MAILBOX_SLOT_HEADER = 64
+MAILBOX_SLOT_BYTES = 128 << 10
+MESSAGE_BYTES, MESSAGE_TAG, FRAGMENT_OFFSET = 0, 1, 2   # int64 words of a slot's header
+
+
+def mailbox_bytes():
+    """One mailbox's bytes: its header and slots."""
+    return MAILBOX_HEADER + MAILBOX_SLOTS * (MAILBOX_SLOT_HEADER + MAILBOX_SLOT_BYTES)
+
+
+def mailboxes_offset(size, sizes):
+    """Where the mailboxes start: the first page after the channel."""
+    return channel_offset(size) + channel_bytes(size, sizes)
+
+
 def control_bytes(size, sizes):
     """The whole control segment, page-aligned. Pages nobody touches cost nothing."""
-    return channel_offset(size) + channel_bytes(size, sizes)
+    return mailboxes_offset(size, sizes) + _pages(size * size * mailbox_bytes())

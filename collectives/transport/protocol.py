@@ -303,6 +303,18 @@ class ProcessGroup:
         """The number of the call `peer` is in (for error messages)."""
         return int(self._rows[peer, SEQ])
 
+    @property
+    def control_buffer(self):
+        """The control segment's memory (layout.py says what lies where)."""
+        return self._control_segment.buf
+
+    def check_peers(self, peer=None, during="the call"):
+        """check_health for `peer`, or for every peer where it is None."""
+        for p in (range(self.size) if peer is None else (peer,)):
+            if p != self.rank:
+                self.check_health(p, during)
+        self.check_health(None, during)
+
     def channel_addresses(self):
         """Where the header, the rows and the fast path's channel are mapped."""
         header = self._header.ctypes.data

@@ -19,6 +19,7 @@ from ..config import resolve_compiled_plans
 from ..executors import host, host_process
 from ..plan import INPUT, OUTPUT, WORK
 from . import fastpath
+from .p2p import Mailboxes, PointToPoint
 from .protocol import ProcessGroup, describe_call
 from .segments import HostMemory
 
@@ -53,6 +54,14 @@ class ShmRank:
         self.compiled = host_process.CompiledPlans(
             self.group, fastpath.SPIN_OVERSUBSCRIBED if oversubscribed else fastpath.SPIN_DEDICATED,
             fastpath.YIELD_SECONDS) if host_process.available() and resolve_compiled_plans() else None
+
+    def point_to_point(self, timeout_of):
+        """This rank's sends and receives (p2p.py), through the control
+        segment's mailboxes; `timeout_of()` gives the communicator's timeout.
+        The communicator closes it before this rank (its views go first)."""
+        group = self.group
+        return PointToPoint(self.rank, self.size, Mailboxes(group.control_buffer, self.size, group.fast_sizes),
+                            timeout_of, group.check_peers, group.abort)
 
     def use_timeout(self, seconds):
         """The communicator's timeout (Communicator.timeout passes each new

@@ -1,0 +1,312 @@
+"""Point-to-point messages: send, recv, isend, irecv between ranks.
+
+Between processes on one machine a message crosses a mailbox of the control
+segment (layout.py), one per ordered pair of ranks (sender, receiver):
+
+    the sender cuts the message into fragments of at most a slot's bytes
+    (one fragment, empty, for an empty message); fragment k goes to slot
+    k % MAILBOX_SLOTS, its header giving the message's bytes, its tag and
+    the fragment's offset; then the sender publishes SENT = k + 1.
+    The receiver, seeing SENT > k, copies fragment k out and publishes
+    TAKEN = k + 1; the sender reuses slot k % MAILBOX_SLOTS only once
+    SENT - TAKEN < MAILBOX_SLOTS.
+
+Each side writes only its own counter, on its own cache line (release
+stores, acquire loads: Counters), so the mailbox needs no lock. A message
+that fits the free slots is sent at once (a send returns with the data
+copied out of the caller's array); a larger one goes as the receiver
+drains the slots, so a send returns when its last fragment is in a slot.
+
+Matching is MPI's. Messages of one pair arrive in the order they were
+sent. A receive takes the first message from its peer (any peer, for
+`peer=None`) with its tag; receives are matched in the order they were
+posted. A message at the head of a pair that no posted receive wants is
+left in its slots, unless a posted receive waits for that pair behind it:
+then it is read ahead into this process's memory ("unexpected"), where a
+later receive finds it. A message to oneself goes there directly.
+
+Nothing moves without a call: the requests of this rank progress whenever
+it waits for one of them (and at each post), every pending one, in the
+order posted, so two ranks that each wait for their own send while the
+other's receive is pending both get through.
+
+A failure (a timeout, a peer that died, a receive whose array does not
+have the message's bytes) aborts the communicator as a failed collective
+does: the message half-sent in a mailbox leaves that pair unusable.
+"""
+
+import collections
+import time
+
+import numpy as np
+
+from ..errors import InvalidUsageError
+from .layout import (
+    FRAGMENT_OFFSET, MAILBOX_HEADER, MAILBOX_SENT, MAILBOX_SLOT_BYTES, MAILBOX_SLOT_HEADER, MAILBOX_SLOTS,
+    MAILBOX_TAKEN, MESSAGE_BYTES, MESSAGE_TAG, mailbox_bytes, mailboxes_offset,
+)
+from .protocol import Counters, Waiter
+
+ANY_SOURCE = None
+
+_SLOT_STRIDE = MAILBOX_SLOT_HEADER + MAILBOX_SLOT_BYTES
+
+
+class Request:
+    """A send or receive in flight (isend, irecv). `wait()` returns once it
+    is done: for a receive, the rank the message came from (its `source`);
+    `test()` says whether it is done, moving what can move."""
+
+    def __init__(self, engine, kind, peer, tag, data):
+        self._engine = engine
+        self.kind, self.peer, self.tag = kind, peer, tag
+        self.data = data            # the caller's bytes (a flat uint8 view)
+        self.done_bytes = 0
+        self.done = False
+        self.source = None          # a receive's sender, once matched
+        self.message_bytes = None   # a receive's message size, once matched
+
+    def __repr__(self):
+        state = "done" if self.done else "pending"
+        return f"<Request {self.kind} {'any rank' if self.peer is None else f'rank {self.peer}'} " \
+               f"tag {self.tag} ({self.data.nbytes} bytes) {state}>"
+
+    def wait(self, timeout=None):
+        """Return once done (a receive: its source rank), within `timeout`
+        seconds (None: the communicator's). Raises CollectiveTimeoutError,
+        RankFailedError, or InvalidUsageError for a message whose bytes
+        differ from the receive's array (the communicator is then aborted)."""
+        self._engine.wait(self, timeout)
+        return self.source
+
+    def test(self):
+        """Whether the request is done, after moving what can move now."""
+        if not self.done and not self._engine.closed:
+            self._engine.progress()
+        return self.done
+
+
+class _ReadAhead:
+    """A message no posted receive wants yet, copied into this process."""
+
+    def __init__(self, source, tag, nbytes):
+        self.source, self.tag = source, tag
+        self.data = np.empty(nbytes, np.uint8)
+        self.done_bytes = 0
+
+
+class PointToPoint:
+    """This rank's sends and receives; `mailboxes` None where it has no
+    peers in other processes (it can then message itself alone)."""
+
+    def __init__(self, rank, size, mailboxes, timeout_of, check_health, abort):
+        self.rank, self.size = rank, size
+        self._mailboxes = mailboxes
+        self._timeout_of = timeout_of           # () -> the communicator's timeout
+        self._check_health = check_health       # (peer or None, during) -> raises if aborted or peer died
+        self._abort = abort                     # (reason, cause)
+        self._sends = collections.defaultdict(collections.deque)   # peer -> its sends, in order
+        self._receives = []                     # posted, not done, in the order posted
+        self._reading = {}                      # peer -> the receive (or read-ahead) its head message fills
+        self._unexpected = collections.defaultdict(collections.deque)   # source -> complete _ReadAheads
+        self.closed = False
+
+    # -- posting ------------------------------------------------------------------
+
+    def isend(self, data, peer, tag):
+        request = Request(self, "send", peer, tag, data)
+        if peer == self.rank:   # to oneself: straight to where a receive looks first
+            copied = _ReadAhead(peer, tag, data.nbytes)
+            copied.data[:] = data
+            self._unexpected[peer].append(copied)
+            request.done_bytes, request.done = data.nbytes, True
+            return request
+        self._sends[peer].append(request)
+        self.progress()
+        return request
+
+    def irecv(self, data, peer, tag):
+        request = Request(self, "recv", peer, tag, data)
+        self._receives.append(request)
+        self.progress()
+        return request
+
+    # -- moving -------------------------------------------------------------------
+
+    def progress(self):
+        """Move every pending request as far as it can go now."""
+        try:
+            for peer, sends in list(self._sends.items()):
+                while sends and self._push(peer, sends[0]):
+                    sends.popleft().done = True
+            self._match_read_ahead()
+            for peer in self._peers_to_read():
+                self._pull(peer)
+        except BaseException as error:
+            self._fail(error)
+            raise
+
+    def wait(self, request, timeout):
+        if request.done:
+            return
+        if self.closed:
+            raise InvalidUsageError(f"{request!r}: its communicator was closed before the request completed")
+        limit = self._timeout_of() if timeout is None else timeout
+        waiter = Waiter(time.perf_counter() + limit)
+        who = "any rank" if request.peer is None else f"rank {request.peer}"
+
+        def describe():
+            what = f"{request.kind} of {request.data.nbytes} bytes (tag {request.tag})"
+            return f"{who} to complete a {what}: {request.done_bytes} bytes moved"
+
+        try:
+            waiter.until(lambda: self.progress() or request.done, describe,
+                         lambda: self._check_health(request.peer, f"a {request.kind} with this rank"))
+        except BaseException as error:
+            self._fail(error)
+            raise
+
+    def _fail(self, error):
+        """A failed p2p call aborts the communicator (see the module doc; the first abort wins)."""
+        self._abort(f"{type(error).__name__}: {error}", error)
+
+    def close(self):
+        """Drop the mailboxes' views (before their segment goes); pending
+        requests then raise when waited for."""
+        self._mailboxes = None
+        self.closed = True
+
+    # -- the sender's side of a mailbox ---------------------------------------------
+
+    def _push(self, peer, request):
+        """Put as many of `request`'s fragments in the mailbox to `peer` as
+        fit; True once its last one is there."""
+        box = self._mailboxes
+        pair = self.rank * self.size + peer
+        total = request.data.nbytes
+        while True:
+            sent = box.load(pair, MAILBOX_SENT)
+            if sent - box.load(pair, MAILBOX_TAKEN) >= MAILBOX_SLOTS:
+                return False
+            start = request.done_bytes
+            length = min(MAILBOX_SLOT_BYTES, total - start)
+            header, payload = box.slot(pair, sent % MAILBOX_SLOTS)
+            header[MESSAGE_BYTES], header[MESSAGE_TAG], header[FRAGMENT_OFFSET] = total, request.tag, start
+            payload[:length] = request.data[start:start + length]
+            box.publish(pair, MAILBOX_SENT, sent + 1)   # last: a receiver that sees it sees the fragment
+            request.done_bytes = start + length
+            if request.done_bytes == total:
+                return True
+
+    # -- the receiver's side -------------------------------------------------------
+
+    def _match_read_ahead(self):
+        """Give posted receives the messages already read ahead, in order."""
+        for request in list(self._receives):
+            if request.source is not None:
+                continue
+            sources = range(self.size) if request.peer is None else (request.peer,)
+            for source in sources:
+                found = next((m for m in self._unexpected.get(source, ()) if m.tag == request.tag), None)
+                if found is not None:
+                    self._unexpected[source].remove(found)
+                    self._claim(request, source, found.data.nbytes)
+                    request.data[:] = found.data
+                    self._complete(request, found.data.nbytes)
+                    break
+
+    def _peers_to_read(self):
+        """The peers whose mailbox to this rank a posted receive may want."""
+        if self._mailboxes is None:
+            return ()
+        wanted = set(self._reading)
+        for request in self._receives:
+            if request.source is None:
+                if request.peer is None:
+                    return [p for p in range(self.size) if p != self.rank]
+                wanted.add(request.peer)
+        wanted.discard(self.rank)
+        return sorted(wanted)
+
+    def _pull(self, peer):
+        """Copy out the fragments waiting in `peer`'s mailbox to this rank,
+        into the receive its message matches (or a read-ahead)."""
+        box = self._mailboxes
+        pair = peer * self.size + self.rank
+        while True:
+            taken = box.load(pair, MAILBOX_TAKEN)
+            if box.load(pair, MAILBOX_SENT) <= taken:
+                return
+            header, payload = box.slot(pair, taken % MAILBOX_SLOTS)
+            total, tag, start = int(header[MESSAGE_BYTES]), int(header[MESSAGE_TAG]), int(header[FRAGMENT_OFFSET])
+            target = self._reading.get(peer)
+            if target is None:
+                target = self._target(peer, tag, total)
+                if target is None:
+                    return   # nobody wants it yet: it waits in the slots
+                self._reading[peer] = target
+            length = min(MAILBOX_SLOT_BYTES, total - start)
+            target.data[start:start + length] = payload[:length]
+            target.done_bytes = start + length
+            box.publish(pair, MAILBOX_TAKEN, taken + 1)
+            if target.done_bytes == total:
+                del self._reading[peer]
+                if isinstance(target, _ReadAhead):
+                    self._unexpected[peer].append(target)
+                else:
+                    self._complete(target, total)
+
+    def _target(self, peer, tag, nbytes):
+        """Where the message at the head of `peer`'s mailbox goes: the first
+        posted receive that takes it, else a read-ahead if a receive waits
+        for that mailbox behind it, else None."""
+        waiting = False
+        for request in self._receives:
+            if request.source is not None or request.peer not in (peer, None):
+                continue
+            if request.tag == tag:
+                self._claim(request, peer, nbytes)
+                return request
+            waiting = True
+        return _ReadAhead(peer, tag, nbytes) if waiting else None
+
+    def _claim(self, request, source, nbytes):
+        if nbytes != request.data.nbytes:
+            raise InvalidUsageError(
+                f"out: the message from rank {source} (tag {request.tag}) has {nbytes} bytes, but the "
+                f"receive's array has {request.data.nbytes}; a receive takes a message of its own size")
+        request.source, request.message_bytes = source, nbytes
+
+    def _complete(self, request, nbytes):
+        request.done_bytes, request.done = nbytes, True
+        self._receives.remove(request)
+
+
+class Mailboxes:
+    """The control segment's mailboxes (layout.py), as counters and slot views."""
+
+    def __init__(self, buffer, size, sizes):
+        offset = mailboxes_offset(size, sizes)
+        stride = mailbox_bytes()
+        self._headers = np.ndarray((size * size, MAILBOX_HEADER // 8), np.int64, buffer, offset=offset,
+                                   strides=(stride, 8))
+        self._bytes = np.ndarray((size * size, stride), np.uint8, buffer, offset=offset)
+        self._counters = Counters(self._headers)
+        self._slots = {}
+
+    def load(self, pair, word):
+        return self._counters.load(pair, word)
+
+    def publish(self, pair, word, value):
+        self._counters.publish(pair, word, value)
+
+    def slot(self, pair, index):
+        """(header words, payload bytes) of a slot of a pair's mailbox."""
+        key = (pair, index)
+        views = self._slots.get(key)
+        if views is None:
+            start = MAILBOX_HEADER + index * _SLOT_STRIDE
+            row = self._bytes[pair]
+            views = self._slots[key] = (row[start:start + MAILBOX_SLOT_HEADER].view(np.int64),
+                                        row[start + MAILBOX_SLOT_HEADER:start + _SLOT_STRIDE])
+        return views
