@@ -11,16 +11,12 @@ import sys
 import numpy as np
 
 from bench.backends import mpi_bytes
-from bench.harness import Spec, as_users_call, main, own_block, rank_pattern
+from bench.harness import Spec, as_users_call, main, own_block, pattern_fill, rank_pattern
 
 
 def counts(nbytes, itemsize, nranks):
     sent = nbytes // itemsize // nranks
     return sent, sent * nranks
-
-
-def fill(dtype, op, nranks, rank, count, root=0):
-    return rank_pattern(dtype, rank, count)
 
 
 def expected(dtype, op, nranks, rank, count, root=0):
@@ -52,7 +48,7 @@ ALLGATHER = Spec(
     run_mpi=run_mpi,
     run_gloo=run_gloo,
     expected=expected,
-    fill=fill,
+    fill=pattern_fill,
     has_op=False,
     in_place_input=own_block,
 )

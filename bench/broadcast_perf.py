@@ -9,11 +9,7 @@ root first copies its input to its output (as ncclBroadcast does inside).
 import sys
 
 from bench.backends import mpi_bytes
-from bench.harness import Spec, as_users_call, main, rank_pattern
-
-
-def fill(dtype, op, nranks, rank, count, root=0):
-    return rank_pattern(dtype, rank, count)
+from bench.harness import Spec, as_users_call, main, pattern_fill, rank_pattern
 
 
 def expected(dtype, op, nranks, rank, count, root=0):
@@ -46,7 +42,7 @@ BROADCAST = Spec(
     run_mpi=run_mpi,
     run_gloo=run_gloo,
     expected=expected,
-    fill=fill,
+    fill=pattern_fill,
     has_op=False,
     rooted=True,
 )

@@ -101,11 +101,17 @@ def first_block(buffer, rank, nranks):
     return buffer[:len(buffer) // nranks]
 
 
-def rank_pattern(dtype, rank, count):
+def rank_pattern(dtype, rank, count, start=0):
     """Data that tells ranks and positions apart, for collectives that move
-    data without reducing it: (i + 17 r) mod 97 + 1. Under 128, so int8 and
-    bfloat16 hold every value exactly."""
-    return ((np.arange(count) + 17 * rank) % 97 + 1).astype(dtype)
+    data without reducing it: (i + 17 r) mod 97 + 1, for i from `start`
+    (a block of a longer pattern, made without the rest of it). Under 128,
+    so int8 and bfloat16 hold every value exactly."""
+    return ((np.arange(start, start + count) + 17 * rank) % 97 + 1).astype(dtype)
+
+
+def pattern_fill(dtype, op, nranks, rank, count, root=0):
+    """A Spec's fill for collectives that move data: rank_pattern(rank)."""
+    return rank_pattern(dtype, rank, count)
 
 
 @dataclass
@@ -135,10 +141,15 @@ class Spec:
     # (op, nranks, every rank's float32 input) -> the float64 result every rank
     # should approximate; set where --compression applies (allreduce).
     reference: Optional[Callable] = None
+    # (bytes, itemsize, nranks) -> the count column where it is not the
+    # smaller count (all_to_all: one block, what a rank sends each peer).
+    count_column: Optional[Callable] = None
 
     def param_count(self, nbytes, itemsize, nranks):
         """The count column, nccl-tests' count argument: elements per rank
         (for allgather what each rank sends, for reduce_scatter what it receives)."""
+        if self.count_column is not None:
+            return self.count_column(nbytes, itemsize, nranks)
         return min(self.counts(nbytes, itemsize, nranks))
 
     def bytes_moved(self, nbytes, itemsize, nranks):
