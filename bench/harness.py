@@ -174,7 +174,7 @@ def parse_args(spec, argv=None):
                    help="reduction, where the collective reduces")
     p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES), metavar="TYPE",
                    help=f"element type, nccl-tests' names or NumPy's: {', '.join(sorted(DTYPE_NAMES))}")
-    p.add_argument("-r", "--root", type=int, default=0, help="root rank of broadcast and reduce")
+    p.add_argument("-r", "--root", type=int, default=0, help="root rank of broadcast, reduce, gather and scatter")
     p.add_argument("-c", "--check", type=int, default=1, help="1: check every result against the closed form, bit for bit (outside the timed loop); 0: do not")
     p.add_argument("-G", "--cudagraph", type=int, default=0,
                    help="with --device cuda: capture the -n timed calls as a CUDA graph and launch it this "

@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every module under bench/ that is a command line (python -m bench.NAME).
 TOOLS = ["all_reduce_perf", "reduce_scatter_perf", "all_gather_perf", "broadcast_perf", "reduce_perf",
+         "alltoall_perf", "gather_perf", "scatter_perf",
          "call_overhead", "codec_speed", "compression_error", "compression_model", "fusion_perf", "gpu_check",
          "floor", "half_precision_error", "hierarchy_model", "hierarchy_perf", "host_vs_mpich", "model",
          "plan_report", "plot", "report", "spmd_overhead"]
