@@ -1,4 +1,4 @@
-"""The five nccl-tests tools on the shared harness: their sizes and counts, bus
+"""The nccl-tests tools on the shared harness: their sizes and counts, bus
 bandwidth, results checked in and out of place, the flags, the progress line,
 and the backends side by side across processes."""
 
@@ -17,14 +17,18 @@ import pytest
 from bench import backends, harness, progress
 from bench.all_gather_perf import ALLGATHER
 from bench.all_reduce_perf import ALLREDUCE
+from bench.alltoall_perf import ALL_TO_ALL
 from bench.broadcast_perf import BROADCAST
+from bench.gather_perf import GATHER
 from bench.reduce_perf import REDUCE
 from bench.reduce_scatter_perf import REDUCE_SCATTER
+from bench.scatter_perf import SCATTER
 from collectives.transport import fastpath
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = {"all_reduce_perf": ALLREDUCE, "reduce_scatter_perf": REDUCE_SCATTER, "all_gather_perf": ALLGATHER,
-         "broadcast_perf": BROADCAST, "reduce_perf": REDUCE}
+         "broadcast_perf": BROADCAST, "reduce_perf": REDUCE, "alltoall_perf": ALL_TO_ALL, "gather_perf": GATHER,
+         "scatter_perf": SCATTER}
 SMALL_SWEEP = ["-b", "8", "-e", "4K", "-f", "8", "-n", "1", "-w", "0"]
 
 
@@ -64,22 +68,27 @@ def test_every_tool_checks_exactly_in_and_out_of_place(tool, dtype, capsys, tmp_
     ("all_gather_perf", [0, 0.5, 0.75, 0.875]),
     ("broadcast_perf", [1, 1, 1, 1]),
     ("reduce_perf", [1, 1, 1, 1]),
+    ("alltoall_perf", [0, 0.5, 0.75, 0.875]),
+    ("gather_perf", [0, 0.5, 0.75, 0.875]),
+    ("scatter_perf", [0, 0.5, 0.75, 0.875]),
 ])
 def test_busbw_factors_are_nccl_tests(tool, factors):
     assert [TOOLS[tool].busbw_factor(n) for n in (1, 2, 4, 8)] == factors
 
 
 # (size, count) rows of a float sweep -b 8 -e 4K -f 8 on 3 ranks, as nccl-tests
-# prints them: allgather's size is the gathered bytes and reduce_scatter's the
-# input, their count what one rank sends or receives; a size under one
-# element per rank is left out.
+# prints them: allgather's and gather's size is the gathered bytes,
+# reduce_scatter's and scatter's the input, all_to_all's a rank's whole
+# buffer, their count one rank's block (what it sends or receives); a size
+# under one element per rank is left out.
 PER_RANK = [(60, 5), (504, 42), (4092, 341)]
 WHOLE = [(8, 2), (64, 16), (512, 128), (4096, 1024)]
 
 
 @pytest.mark.parametrize("tool, expected", [
     ("all_reduce_perf", WHOLE), ("reduce_scatter_perf", PER_RANK), ("all_gather_perf", PER_RANK),
-    ("broadcast_perf", WHOLE), ("reduce_perf", WHOLE),
+    ("broadcast_perf", WHOLE), ("reduce_perf", WHOLE), ("alltoall_perf", PER_RANK), ("gather_perf", PER_RANK),
+    ("scatter_perf", PER_RANK),
 ])
 def test_size_and_count_columns(tool, expected, capsys, tmp_path):
     code, out, report = run_tool(TOOLS[tool], ["--ranks", "3", *SMALL_SWEEP], capsys, tmp_path)
@@ -99,7 +108,7 @@ def test_every_op_where_the_collective_reduces(tool, op, capsys, tmp_path):
     assert report["rows"][0]["redop"] == op
 
 
-@pytest.mark.parametrize("tool", ["broadcast_perf", "reduce_perf"])
+@pytest.mark.parametrize("tool", ["broadcast_perf", "reduce_perf", "gather_perf", "scatter_perf"])
 def test_the_root_flag(tool, capsys, tmp_path):
     spec = TOOLS[tool]
     code, out, report = run_tool(spec, ["--ranks", "3", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0", "-r", "2"],
@@ -133,6 +142,15 @@ def test_a_wrong_allgather_is_caught(capsys, tmp_path):
     row = table(out)[0]
     assert row[8] == "1" and row[12] == "1"
     assert "# 2 WRONG elements" in out and "# Out of bounds values : 2 FAILED" in out
+
+
+def test_an_all_to_all_that_moves_nothing_is_caught(capsys, tmp_path):
+    # In place each rank keeps its own block and nothing else: on 3 ranks of
+    # 8 floats a block, the other two blocks of each rank are wrong.
+    idle = dataclasses.replace(ALL_TO_ALL, run_ours=lambda comm, x, out, args: None)
+    code, out, report = run_tool(idle, ["--ranks", "3", "-b", "96", "-e", "96", "-n", "1", "-w", "0"],
+                                 capsys, tmp_path)
+    assert code == 1 and report["rows"][0]["in_place"]["wrong"] == 3 * 2 * 8, out
 
 
 def test_ours_and_its_older_name_host(capsys, tmp_path):
@@ -311,6 +329,8 @@ def test_what_mpi_and_gloo_cannot_run_is_said():
     assert "int16" in reason("gloo", ALLGATHER, "-d", "int16")
     assert "floating-point" in reason("gloo", REDUCE_SCATTER, "-o", "avg", "-d", "int32")
     assert reason("gloo", REDUCE_SCATTER, "-o", "avg", "-d", "bfloat16") is None
+    assert "does not offer all_to_all" in reason("torch:collectives", ALL_TO_ALL)  # its process group raises
+    assert reason("torch:gloo", GATHER) is None and reason("mpi", SCATTER, "-d", "bfloat16") is None
 
 
 class FakeTerminal(io.StringIO):
@@ -398,6 +418,34 @@ def test_a_backend_without_the_op_is_skipped(tmp_path):
                                                         "-n", "1", "-w", "0", "-o", "avg", "-d", "half"], tmp_path)
     assert "# mpi skipped: MPI has no 'avg' reduction" in out
     assert [r["backend"] for r in report["rows"]] == ["ours", "gloo"]
+    assert all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in report["rows"])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tool", ["alltoall_perf", "gather_perf", "scatter_perf"])
+def test_the_exchanges_beside_mpi(tool, tmp_path):
+    """Ours in processes runs these as plans (no compiled loop), and MPI's
+    calls take MPI_IN_PLACE at the root only (gather, scatter): every rank
+    checked, a root other than 0, both placements."""
+    pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
+    out, report = run_processes(tool, ["--backend", "ours,mpi", "-b", "1K", "-e", "64K", "-f", "8", "-n", "2",
+                                       "-w", "1", "-d", "int8", "-r", "1"], tmp_path)
+    assert [r["backend"] for r in report["rows"]] == ["ours", "mpi"] * 3
+    assert all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in report["rows"])
+    assert out.count("# Out of bounds values : 0 OK") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("tool", ["alltoall_perf", "gather_perf", "scatter_perf"])
+def test_the_exchanges_in_gloo(tool, tmp_path):
+    """Gloo's all_to_all_single (in place on a copy), gather and scatter into
+    views of one buffer, checked as ours."""
+    pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
+    pytest.importorskip("torch", reason="the gloo backend needs PyTorch: pip install torch==2.13.0")
+    _, report = run_processes(tool, ["--backend", "gloo", "-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1",
+                                     "-d", "bfloat16", "-r", "1"], tmp_path)
+    assert [r["backend"] for r in report["rows"]] == ["gloo"] * 3
     assert all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in report["rows"])
 
 

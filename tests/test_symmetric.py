@@ -188,7 +188,7 @@ def test_across_processes_on_a_gpu(scenario):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("tool", ["all_reduce_perf", "reduce_scatter_perf", "all_gather_perf", "broadcast_perf",
-                                  "reduce_perf"])
+                                  "reduce_perf", "alltoall_perf", "gather_perf", "scatter_perf"])
 def test_the_benchmarks_run_on_symmetric_memory(tool, tmp_path, emulation_library_built):
     # --symmetric: every size's results checked bit for bit, in place and
     # out of place, on buffers from comm.alloc (the path itself is checked
