@@ -8,8 +8,9 @@ and prints "OK <scenario> <rank>"):
 
     init       (first only) collectives.init() under torchrun: its store, no MPI
     ops        every op, form and dtype against a NumPy reference; object
-               collectives, barrier, futures; ops we do not offer and bad
-               input raising, on every rank, with nothing written
+               collectives, barrier, futures; all_gather_coalesced on the
+               world and on groups of 3 and 2 ranks; ops we do not offer
+               and bad input raising, on every rank, with nothing written
     training   DDP on our group against DDP on a Gloo group of the same
                processes (same seed, same data), and FSDP2 (fully_shard)
                on our group against both
@@ -47,6 +48,7 @@ R = dist.ReduceOp
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the
 # *_single spellings): both are checked here, the old ones quietly
 warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated.*")
+warnings.filterwarnings("ignore", category=FutureWarning, message=".*all_gather_coalesced. will be deprecated.*")
 SABOTAGE = os.environ.get("TORCH_BACKEND_TEST_SABOTAGE") == "1"
 
 
@@ -273,6 +275,9 @@ def ops():
     work = dist.barrier(async_op=True)
     work.wait()
 
+    # all_gather_coalesced on the world; below on groups of 3 and 2 ranks
+    exchanges(pg)
+
     # what we do not offer: NotImplementedError naming it, on every rank, nothing written
     t = torch.full((4,), float(rank))
     unsupported = {
@@ -344,7 +349,12 @@ def ops():
         outs = [torch.empty(2) for _ in members]
         dist.all_gather(outs, torch.full((2,), float(rank)), group=sub)
         check([o[0].item() for o in outs] == [float(m) for m in members], f"a subgroup's all_gather: {outs}")
+        exchanges(sub)
         dist.destroy_process_group(sub)
+    pair = dist.new_group(ranks=[0, 1], backend="collectives")
+    if rank < 2:
+        exchanges(pair)
+        dist.destroy_process_group(pair)
 
     # after all that, the group still works
     t = torch.full((6,), float(rank))
@@ -352,6 +362,18 @@ def ops():
     check(torch.equal(t, torch.full((6,), float(sum(range(size))))), "the group works after the refusals")
     check("mpi4py" not in sys.modules or sys.modules["mpi4py"] is None, "mpi4py was imported")
     check(not any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")), "an MPI launcher")
+
+
+def exchanges(group):
+    """all_gather_coalesced on `group`, against every rank's data."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    # one list per rank of items of any shapes, empty ones too (torch's suite's case)
+    items = [torch.full((2, 2), float(me)), torch.ones(0), torch.full((3,), me + 1.0)]
+    outs = [[torch.full_like(item, -1) for item in items] for _ in range(size)]
+    dist.all_gather_coalesced(outs, items, group=group)
+    for q, got in enumerate(outs):
+        check(torch.equal(got[0], torch.full((2, 2), float(q))) and torch.equal(got[2], torch.full((3,), q + 1.0)),
+              f"all_gather_coalesced from rank {q}: {got}")
 
 
 # -- the training scenario ---------------------------------------------------------------------------

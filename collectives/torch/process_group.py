@@ -272,14 +272,27 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     _allgather_base = all_gather_single   # the spelling before torch 2.13
 
-    # The coalesced forms run one call per item, after checking every item
-    # (so that a bad one raises before any is written).
-
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        pairs = _pairs(output_lists, input_list, "allgather_coalesced")
-        for outputs, tensor in pairs:
-            self._check_blocks(outputs, tensor, "allgather_coalesced", "output_lists")
-        return self._each(pairs, lambda pair: self.allgather([pair[0]], [pair[1]]))
+        """dist.all_gather_coalesced: output_lists[r][i] receives rank r's
+        input_list[i] (one list per rank, as Gloo's), the items of any
+        shapes. One allgather of the items' bytes packed end to end."""
+        if len(output_lists) != self.size():
+            raise InvalidUsageError(f"allgather_coalesced: output_lists must hold {self.size()} lists, one per rank, "
+                                    f"got {len(output_lists)}")
+        for outputs in output_lists:
+            self._check_items(outputs, input_list, "allgather_coalesced", "output_lists")
+        outputs = [t for ts in output_lists for t in ts]
+
+        def run(comm):
+            packed = _packed(input_list)
+            gathered = torch.empty((self.size(), packed.numel()), dtype=torch.uint8, device=packed.device)
+            comm.allgather(rank_array(packed), out=rank_array(gathered))
+            for ts, row in zip(output_lists, gathered):
+                _unpack(row, ts)
+        return self._run([*input_list, *outputs], "allgather_coalesced", run, outputs)
+
+    # The other coalesced forms run one call per item, after checking every
+    # item (so that a bad one raises before any is written).
 
     def all_gather_single_coalesced(self, output_list, input_list, opts=None):
         pairs = _pairs(output_list, input_list, "all_gather_single_coalesced")
@@ -414,6 +427,12 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             results += work.result()
         return Work(results)
 
+    def _check_items(self, tensors, like, what, name):
+        if len(tensors) != len(like) or any(t.shape != u.shape or t.dtype != u.dtype for t, u in zip(tensors, like)):
+            raise InvalidUsageError(
+                f"{what}: each list of {name} must match the inputs, {[(tuple(u.shape), u.dtype) for u in like][:4]}; "
+                f"got {[(tuple(t.shape), t.dtype) for t in tensors][:4]}")
+
     def _check_blocks(self, blocks, like, what, name):
         if len(blocks) != self.size() or any(b.shape != like.shape or b.dtype != like.dtype for b in blocks):
             raise InvalidUsageError(
@@ -488,6 +507,28 @@ def _not_offered(what):
     return NotImplementedError(
         f"{what} is not offered by collectives' process group: it offers allreduce, broadcast, reduce, allgather, "
         "reduce_scatter (list, single-tensor and coalesced forms) and barrier")
+
+
+def _packed(tensors):
+    """The bytes of `tensors`, end to end, in one new tensor."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([_bytes(t.contiguous()) for t in tensors])
+
+
+def _unpack(packed, tensors):
+    """Copy `packed` (bytes, as _packed made them) into `tensors`."""
+    start = 0
+    for t in tensors:
+        with _contiguous(t) as flat:
+            view = _bytes(flat)
+            view.copy_(packed[start:start + view.numel()])
+            start += view.numel()
+
+
+def _bytes(tensor):
+    """A contiguous tensor's bytes, a uint8 view."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 @contextlib.contextmanager
