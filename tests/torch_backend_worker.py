@@ -8,9 +8,10 @@ and prints "OK <scenario> <rank>"):
 
     init       (first only) collectives.init() under torchrun: its store, no MPI
     ops        every op, form and dtype against a NumPy reference; object
-               collectives, barrier, futures; all_gather_coalesced on the
-               world and on groups of 3 and 2 ranks; ops we do not offer
-               and bad input raising, on every rank, with nothing written
+               collectives, barrier, futures; gather, scatter, all_to_all
+               (even and uneven) and all_gather_coalesced on the world and
+               on groups of 3 and 2 ranks; point-to-point (not offered) and
+               bad input raising, on every rank, with nothing written
     training   DDP on our group against DDP on a Gloo group of the same
                processes (same seed, same data), and FSDP2 (fully_shard)
                on our group against both
@@ -30,6 +31,7 @@ import sys
 sys.modules["mpi4py"] = None   # any `import mpi4py` now raises ImportError: the backend must not need it
 
 import datetime
+import functools
 import os
 import signal
 import time
@@ -107,6 +109,20 @@ def reference(op, xs, size):
     if op == R.MAX:
         return xs.max(0)
     raise AssertionError(op)
+
+
+def raises(what, call, *untouched, kinds=(InvalidUsageError,)):
+    """`call()` raises one of `kinds` (its message returned), having written none of `untouched`."""
+    before = [u.clone() for u in untouched]
+    try:
+        call()
+    except kinds as error:
+        message = str(error)
+    else:
+        check(False, f"{what} did not raise")
+    for u, b in zip(untouched, before):
+        check(torch.equal(u, b) or (u.isnan() == b.isnan()).all(), f"{what} wrote a tensor before raising")
+    return message
 
 
 # -- the ops scenario --------------------------------------------------------------------------------
@@ -275,42 +291,17 @@ def ops():
     work = dist.barrier(async_op=True)
     work.wait()
 
-    # all_gather_coalesced on the world; below on groups of 3 and 2 ranks
+    # gather, scatter, all_to_all and all_gather_coalesced on the world; below on groups of 3 and 2 ranks
     exchanges(pg)
 
-    # what we do not offer: NotImplementedError naming it, on every rank, nothing written
+    # what we do not offer (point-to-point): NotImplementedError naming it and why, nothing written
     t = torch.full((4,), float(rank))
-    unsupported = {
-        "send": lambda: dist.send(t, dst=(rank + 1) % size),
-        "recv": lambda: dist.recv(t, src=(rank + 1) % size),
-        "all_to_all": lambda: dist.all_to_all([t.clone() for _ in range(size)], [t.clone() for _ in range(size)]),
-        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(4 * size), torch.ones(4 * size)),
-        "gather": lambda: dist.gather(t, [torch.empty(4) for _ in range(size)] if rank == 0 else None, dst=0),
-        "scatter": lambda: dist.scatter(t, [torch.ones(4) for _ in range(size)] if rank == 0 else None, src=0),
-    }
-    for name, call in unsupported.items():
-        try:
-            call()
-        except NotImplementedError as error:
-            check(name.split("_single")[0].replace("_", "") in str(error).replace("_", ""),
-                  f"{name}'s error names it: {error}")
-        else:
-            check(False, f"{name} did not raise NotImplementedError")
-        check(torch.equal(t, torch.full((4,), float(rank))), f"{name} wrote its tensor")
+    for name, call in (("send", lambda: dist.send(t, dst=(rank + 1) % size)),
+                       ("recv", lambda: dist.recv(t, src=(rank + 1) % size))):
+        message = raises(name, call, t, kinds=(NotImplementedError,))
+        check(message.startswith(name) and "point-to-point" in message, f"{name}'s error names it and why: {message}")
 
     # bad input: a typed error before anything is written, on every rank
-    def raises(what, call, *untouched, kinds=(InvalidUsageError,)):
-        before = [u.clone() for u in untouched]
-        try:
-            call()
-        except kinds as error:
-            message = str(error)
-        else:
-            check(False, f"{what} did not raise")
-        for u, b in zip(untouched, before):
-            check(torch.equal(u, b) or (u.isnan() == b.isnan()).all(), f"{what} wrote a tensor before raising")
-        return message
-
     t = torch.full((6,), 3.0)
     raises("BAND", lambda: dist.all_reduce(t, op=R.BAND), t)
     flags = torch.tensor([True, False])
@@ -364,16 +355,101 @@ def ops():
     check(not any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")), "an MPI launcher")
 
 
+def small(q, n, step, dtype):
+    """Rank q's `n` small integers of a step, as `dtype`: exact in bfloat16 too."""
+    return data(q, n, torch.float32, step=step).to(dtype)
+
+
+def rows(p, q):
+    """The rows rank p sends rank q in the uneven all_to_all checks: 0, 1 or 2 (some blocks empty)."""
+    return (p + 2 * q) % 3
+
+
+def blocks_of(p, size, dtype):
+    """Rank p's uneven all_to_all blocks, one per rank q: rows(p, q) rows of 2."""
+    counts = [rows(p, q) for q in range(size)]
+    return list(torch.split(small(p, 2 * sum(counts), 4, dtype).reshape(-1, 2), counts))
+
+
 def exchanges(group):
-    """all_gather_coalesced on `group`, against every rank's data."""
+    """gather, scatter, all_to_all (list and single-tensor forms, even and
+    uneven splits) and all_gather_coalesced on `group`, against every rank's
+    data (each rank can compute any rank's); their bad input. Group ranks
+    throughout (group_dst, group_src)."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
-    # one list per rank of items of any shapes, empty ones too (torch's suite's case)
+    for dtype in (torch.bfloat16, torch.int64):
+        some = functools.partial(small, dtype=dtype)
+        for root in (0, size - 1):
+            blocks = [torch.full((2, 3), -1).to(dtype) for _ in range(size)] if me == root else None
+            work = dist.gather(some(me, 6, root).reshape(2, 3), blocks, group=group, group_dst=root, async_op=True)
+            check(work.wait() is True, "gather's work")
+            for q, block in enumerate(blocks or ()):
+                check(torch.equal(block.reshape(-1), some(q, 6, root)), f"gather to {root}: rank {q}'s block {dtype}")
+            out = torch.full((5,), -1).to(dtype)
+            dist.scatter(out, [some(q, 5, 10 + root) for q in range(size)] if me == root else None, group=group,
+                         group_src=root)
+            check(torch.equal(out, some(me, 5, 10 + root)), f"scatter from {root} {dtype}")
+
+        # equal splits: block q of rank p's input goes to rank q
+        x = some(me, 4 * size, 20)
+        out = torch.full_like(x, -1)
+        dist.all_to_all_single(out, x, group=group)
+        want = torch.cat([some(q, 4 * size, 20)[4 * me:4 * me + 4] for q in range(size)])
+        check(torch.equal(out, want) and torch.equal(x, some(me, 4 * size, 20)), f"all_to_all_single even {dtype}")
+
+        # uneven splits (blocks of 0, 1 and 2 rows), asynchronous: the future holds the output
+        x = torch.cat(blocks_of(me, size, dtype))
+        out = torch.full((sum(rows(q, me) for q in range(size)), 2), -1).to(dtype)
+        work = dist.all_to_all_single(out, x, [rows(q, me) for q in range(size)], [rows(me, q) for q in range(size)],
+                                      group=group, async_op=True)
+        check(work.get_future().wait()[0] is out, "all_to_all_single's future holds its output")
+        want = torch.cat([blocks_of(q, size, dtype)[me] for q in range(size)])
+        check(torch.equal(out, want), f"all_to_all_single uneven {dtype}: {out.tolist()} != {want.tolist()}")
+
+        # the list form, of the same uneven blocks, into non-contiguous outputs (transposed views)
+        outs = [torch.full((2, rows(q, me)), -1).to(dtype).t() for q in range(size)]
+        dist.all_to_all(outs, blocks_of(me, size, dtype), group=group)
+        for q, got in enumerate(outs):
+            check(torch.equal(got, blocks_of(q, size, dtype)[me]), f"all_to_all from rank {q} {dtype}")
+
+    # all_gather_coalesced: one list per rank of items of any shapes, empty ones too (torch's suite's case)
     items = [torch.full((2, 2), float(me)), torch.ones(0), torch.full((3,), me + 1.0)]
     outs = [[torch.full_like(item, -1) for item in items] for _ in range(size)]
     dist.all_gather_coalesced(outs, items, group=group)
     for q, got in enumerate(outs):
         check(torch.equal(got[0], torch.full((2, 2), float(q))) and torch.equal(got[2], torch.full((3,), q + 1.0)),
               f"all_gather_coalesced from rank {q}: {got}")
+
+    # bad input, on every rank: nothing written
+    outs = [[torch.full_like(item, -1) for item in items] for _ in range(size - 1)]
+    raises("all_gather_coalesced with a list too few", lambda: dist.all_gather_coalesced(outs, items, group=group),
+           *[t for ts in outs for t in ts])
+    t = torch.full((4,), -1.0)
+    outs = [t.clone() for _ in range(size + 1)]
+    raises("all_to_all with a tensor too many", lambda: dist.all_to_all(outs, outs, group=group), *outs)
+    raises("all_to_all of two dtypes",
+           lambda: group.alltoall([t] * size, [t.double()] * size, dist.AllToAllOptions()), t)
+    raises("all_to_all_single with splits that do not sum to dim 0",
+           lambda: dist.all_to_all_single(t, torch.ones(4), [4] + [0] * (size - 1), [3] + [0] * (size - 1),
+                                          group=group), t)
+    uneven = torch.full((4 * size + 1,), -1.0)
+    raises("all_to_all_single unsplittable", lambda: dist.all_to_all_single(uneven, uneven.clone(), group=group),
+           uneven)
+    message = raises("all_to_all_single with splits its peers do not match",
+                     lambda: dist.all_to_all_single(t, torch.ones(4), [4] + [0] * (size - 1),
+                                                    [4 if me == 0 else 0] + [0] * (size - 2) + [4 if me else 0],
+                                                    group=group, async_op=True).wait(), t)
+    check("sends" in message and "expects" in message, f"the mismatch is said: {message}")
+    # a root's own list: checked before any message, so the root alone calls here (its peers would wait)
+    if me == 0:
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        outs = [torch.full((4,), -1.0) for _ in range(size - 1)]
+        raises("gather with a gather_list too short", lambda: group.gather([outs], [t], opts), *outs)
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        message = raises("scatter of a wrong shape", lambda: group.scatter([t], [[torch.ones(5)] * size], opts), t)
+        check("input_tensors" in message, f"scatter's error names the argument: {message}")
 
 
 # -- the training scenario ---------------------------------------------------------------------------

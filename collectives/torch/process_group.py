@@ -53,9 +53,16 @@ op checks its tensors, turns them into what a Communicator takes
   copy summed), broadcast, reduce, allgather and reduce_scatter in their
   list and single-tensor forms (both spellings: 2.13's all_gather_single /
   reduce_scatter_single and the older _allgather_base /
-  _reduce_scatter_base), their coalesced forms, barrier. send, recv,
-  all_to_all, gather and scatter raise NotImplementedError naming
-  themselves; BAND, BOR and BXOR raise InvalidUsageError.
+  _reduce_scatter_base), their coalesced forms, gather, scatter,
+  all_to_all (dist.all_to_all's lists and all_to_all_single, uneven splits
+  too: padded to the call's largest block, see all_to_all_single), barrier.
+  Lists of tensors are packed into one buffer for one call. Across nodes
+  (the hierarchical communicator) and on NCCL's, which do not run gather,
+  scatter and all_to_all yet, these run as an allgather (gather,
+  all_to_all) or a broadcast (scatter) of every rank's blocks: correct, at
+  size times the bytes. send and recv raise NotImplementedError (this
+  group does not carry point-to-point yet); BAND, BOR and BXOR raise
+  InvalidUsageError.
   all_gather_object and broadcast_object_list run on allgather and
   broadcast (of bytes: collectives that only move data take any dtype,
   bool and complex included); reductions take the library's dtypes
@@ -70,6 +77,7 @@ op checks its tensors, turns them into what a Communicator takes
 """
 
 import contextlib
+import math
 import threading
 import time
 
@@ -337,6 +345,151 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
+    # gather, scatter and all_to_all: equal blocks are the Communicator's
+    # calls of the same names; uneven all_to_all pads every block to the
+    # call's largest (see all_to_all_single).
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """dist.gather: the root's gather_list[r] receives rank r's tensor
+        (torch passes a list only on the root; the others' are not read)."""
+        tensor = _one(input_tensors, "gather", "input_tensors")
+        root = _root(_opts(opts, dist.GatherOptions).rootRank, self.size(), "gather")
+        outputs = _one(output_tensors, "gather", "output_tensors") if self.rank() == root else []
+        if self.rank() == root:
+            self._check_blocks(outputs, tensor, "gather", "output_tensors")
+
+        def run(comm):
+            x = tensor.contiguous()
+            direct = _runs_exchanges(comm)
+            if self.rank() != root and direct:
+                comm.gather(byte_array(x), root=root)
+                return
+            gathered = torch.empty((self.size(), *x.shape), dtype=x.dtype, device=x.device)
+            if direct:
+                comm.gather(byte_array(x), root=root, out=byte_array(gathered))
+            else:   # across nodes: an allgather, every rank receiving what only the root keeps
+                comm.allgather(byte_array(x), out=byte_array(gathered))
+            for out, block in zip(outputs, gathered):   # the root's
+                out.copy_(block)
+        return self._run([tensor, *outputs], "gather", run, outputs)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """dist.scatter: rank r's tensor receives the root's scatter_list[r]
+        (torch passes a list only on the root; the others' are not read)."""
+        output = _one(output_tensors, "scatter", "output_tensors")
+        root = _root(_opts(opts, dist.ScatterOptions).rootRank, self.size(), "scatter")
+        inputs = _one(input_tensors, "scatter", "input_tensors") if self.rank() == root else []
+        if self.rank() == root:
+            self._check_blocks(inputs, output, "scatter", "input_tensors")
+
+        def run(comm):
+            # the Communicator takes size blocks on every rank and reads the root's only
+            stacked = torch.stack(inputs) if inputs else \
+                torch.empty((self.size(), *output.shape), dtype=output.dtype, device=output.device)
+            with _contiguous(output) as out:
+                if _runs_exchanges(comm):
+                    comm.scatter(byte_array(stacked), root=root, out=byte_array(out))
+                else:   # across nodes: a broadcast of every block, of which each rank keeps its own
+                    comm.broadcast(byte_array(stacked), root=root)
+                    out.copy_(stacked[self.rank()])
+        return self._run([output, *inputs], "scatter", run, [output])
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """dist.all_to_all_single: block q of `input` goes to rank q, and
+        block q of `output` comes from rank q, blocks along dim 0.
+
+        Without split sizes the blocks are equal: one Communicator.all_to_all
+        (then no rank may pass split sizes, as with Gloo: a rank cannot see
+        its peers'). With split sizes, even or not, the ranks first
+        allgather each rank's counts (2 x size integers a rank), which
+        checks that every rank receives what its peers send (else every rank
+        raises InvalidUsageError, nothing written) and gives the largest
+        block of the call; then one all_to_all of blocks padded to that
+        largest. That costs the small allgather, a copy of the input into
+        the padded blocks and of the blocks out, and moves size x the
+        largest block a rank, however small the others: about the even
+        case's bytes when the splits are near even, up to size times the
+        data when one block dominates."""
+        _one_dtype("all_to_all_single", [output, input])
+        if not output_split_sizes and not input_split_sizes:
+            return self._even_all_to_all(output, input)
+        sends = _splits(input, input_split_sizes, self.size(), "input_split_sizes")
+        receives = _splits(output, output_split_sizes, self.size(), "output_split_sizes")
+
+        def run(comm):
+            packed = self._padded(comm, torch.split(input.detach().reshape(-1), sends), receives, "all_to_all_single")
+            with _contiguous(output) as out:
+                for block, got, n in zip(packed, torch.split(out.reshape(-1), receives), receives):
+                    got.copy_(block[:n])
+        return self._run([output, input], "all_to_all_single", run, [output])
+
+    alltoall_base = all_to_all_single   # the spelling before torch 2.13
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """dist.all_to_all: output_tensors[q] receives rank q's
+        input_tensors[r] (r this rank), the tensors of any sizes: as
+        all_to_all_single with split sizes (a rank cannot tell whether its
+        peers' tensors are the size of its own), on blocks packed from the
+        lists."""
+        for name, tensors in (("output_tensors", output_tensors), ("input_tensors", input_tensors)):
+            if len(tensors) != self.size():
+                raise InvalidUsageError(f"all_to_all: {name} must hold {self.size()} tensors, one per rank; "
+                                        f"got {len(tensors)}")
+        _one_dtype("all_to_all", [*output_tensors, *input_tensors])
+        receives = [t.numel() for t in output_tensors]
+
+        def run(comm):
+            packed = self._padded(comm, [t.detach().reshape(-1) for t in input_tensors], receives, "all_to_all")
+            for block, out, n in zip(packed, output_tensors, receives):
+                out.copy_(block[:n].view(out.shape))
+        return self._run([*output_tensors, *input_tensors], "all_to_all", run, output_tensors)
+
+    def _even_all_to_all(self, output, input):
+        if output.numel() != input.numel() or input.numel() % self.size():
+            raise InvalidUsageError(
+                f"all_to_all_single: without split sizes, output ({output.numel()} elements) and input "
+                f"({input.numel()}) must be the same size, a multiple of the group's {self.size()}")
+
+        def run(comm):
+            with _contiguous(output) as out:
+                self._exchange(comm, input.contiguous(), out)
+        return self._run([output, input], "all_to_all_single", run, [output])
+
+    def _padded(self, comm, blocks, receives, what):
+        """An uneven all_to_all's exchange (see all_to_all_single): `blocks`
+        (flat tensors, one per rank) sent, `receives[q]` elements expected
+        from rank q. Returns the received blocks, padded: row q holds rank
+        q's block first."""
+        size, like = self.size(), blocks[0]
+        mine = torch.tensor([b.numel() for b in blocks] + list(receives), dtype=torch.int64, device=like.device)
+        counts = torch.empty((size, 2, size), dtype=torch.int64, device=like.device)
+        comm.allgather(rank_array(mine), out=rank_array(counts.reshape(-1)))
+        counts = counts.cpu()
+        sent, expected = counts[:, 0], counts[:, 1].t()   # sent[q, r]: q to r; expected[q, r]: r from q
+        wrong = (sent != expected).nonzero()
+        if len(wrong):
+            q, r = wrong[0].tolist()
+            raise InvalidUsageError(
+                f"{what}: rank {q} sends {sent[q, r]} elements to rank {r}, which expects {expected[q, r]}: every "
+                "rank's split sizes must match its peers' (nothing was written)")
+        largest = int(counts.max())
+        packed = torch.empty((size, largest), dtype=like.dtype, device=like.device)   # the padding is never read
+        for row, block in zip(packed, blocks):
+            row[:block.numel()].copy_(block)
+        received = torch.empty_like(packed)
+        self._exchange(comm, packed, received)
+        return received
+
+    def _exchange(self, comm, x, out):
+        """comm.all_to_all of `x` into `out` (contiguous, of size equal blocks)."""
+        if _runs_exchanges(comm):
+            comm.all_to_all(byte_array(x), out=byte_array(out))
+            return
+        # across nodes: every rank's whole `x`, of which each rank keeps its blocks (size times the bytes)
+        everyone = torch.empty((self.size(), x.numel()), dtype=x.dtype, device=x.device)
+        comm.allgather(byte_array(x), out=byte_array(everyone))
+        out.view(self.size(), -1).copy_(everyone.view(self.size(), self.size(), -1)[:, self.rank()])
+
     def barrier(self, opts=None):
         def run(comm):
             gpu = self._communicators.get("cuda")
@@ -348,28 +501,13 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     # -- what we do not offer: said, never a wrong result -----------------------------------------
 
     def send(self, *args, **kwargs):
-        raise _not_offered("send")
+        raise _not_offered("send", _POINT_TO_POINT)
 
     def recv(self, *args, **kwargs):
-        raise _not_offered("recv")
+        raise _not_offered("recv", _POINT_TO_POINT)
 
     def recv_anysource(self, *args, **kwargs):
-        raise _not_offered("recv_anysource")
-
-    def alltoall(self, *args, **kwargs):
-        raise _not_offered("all_to_all")
-
-    def alltoall_base(self, *args, **kwargs):
-        raise _not_offered("all_to_all_single")
-
-    def all_to_all_single(self, *args, **kwargs):
-        raise _not_offered("all_to_all_single")
-
-    def gather(self, *args, **kwargs):
-        raise _not_offered("gather")
-
-    def scatter(self, *args, **kwargs):
-        raise _not_offered("scatter")
+        raise _not_offered("recv_anysource", _POINT_TO_POINT)
 
     def monitored_barrier(self, *args, **kwargs):
         raise _not_offered("monitored_barrier")
@@ -470,6 +608,36 @@ def _check_sizes(what, whole, whole_name, block, block_name, size):
             f"{block.dtype}: the {whole_name} needs {size} x the {block_name}'s elements, of its dtype")
 
 
+def _one_dtype(what, tensors):
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise InvalidUsageError(f"{what}: tensors of several dtypes ({', '.join(sorted(map(str, dtypes)))}); "
+                                "a call's tensors must share one")
+
+
+def _splits(tensor, sizes, size, name):
+    """The elements of each rank's block of `tensor`, blocks along dim 0 of
+    `sizes` rows each (equal blocks where `sizes` is empty)."""
+    rows, *rest = tensor.shape or (1,)
+    if not sizes:
+        if rows % size:
+            raise InvalidUsageError(f"all_to_all_single: {name} is empty, so the tensor's dim 0 ({rows}) must split "
+                                    f"into {size} equal blocks, one per rank")
+        sizes = [rows // size] * size
+    if len(sizes) != size or any(s < 0 for s in sizes) or sum(sizes) != rows:
+        raise InvalidUsageError(f"all_to_all_single: {name} must hold {size} sizes, one per rank, >= 0, summing to "
+                                f"the tensor's dim 0 ({rows}); got {list(sizes)}")
+    return [s * math.prod(rest) for s in sizes]
+
+
+def _runs_exchanges(comm):
+    """Whether `comm` runs gather, scatter and all_to_all itself: our plans
+    do (host ranks of one node, our GPU ranks); the hierarchical
+    communicator (several nodes) and NCCL's run the other five collectives
+    only, so these run on them as an allgather or a broadcast (~2 us to ask)."""
+    return comm.chosen_algorithm("allreduce", 1).path not in ("hierarchical", "nccl")
+
+
 def _device_of(tensors, what):
     """The one device of the call's tensors (the CPU for a call with none)."""
     devices = {t.device for t in tensors}
@@ -503,10 +671,14 @@ def _reduce_op(op, tensor, what):
     return name, factor
 
 
-def _not_offered(what):
+_POINT_TO_POINT = "this group does not carry point-to-point (send, recv, isend, irecv, batch_isend_irecv) yet"
+
+
+def _not_offered(what, why=None):
     return NotImplementedError(
-        f"{what} is not offered by collectives' process group: it offers allreduce, broadcast, reduce, allgather, "
-        "reduce_scatter (list, single-tensor and coalesced forms) and barrier")
+        f"{what} is not offered by collectives' process group{': ' + why if why else ''}. It offers allreduce, "
+        "broadcast, reduce, allgather, reduce_scatter (list, single-tensor and coalesced forms), gather, scatter, "
+        "all_to_all (list and single-tensor forms, uneven splits too) and barrier")
 
 
 def _packed(tensors):
