@@ -1,4 +1,4 @@
-"""examples/ddp.py and examples/fsdp.py run under torchrun, with no mpiexec.
+"""examples/ddp.py, fsdp.py and moe.py run under torchrun, with no mpiexec.
 
 Gloo or our torch.distributed backend (`--backend collectives`) carries
 DDP's and FSDP's collectives; ddp.py's --compression puts our compression
@@ -61,3 +61,16 @@ def test_on_our_group_fsdp_ends_on_ddps_parameters():
         assert re.search(r"final test accuracy 0\.[5-9]\d+", stdout), report
         digests.append(re.search(r"digest ([0-9a-f]{16})", stdout).group(1))
     assert digests[0] == digests[1], digests
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["collectives", pytest.param("gloo", marks=pytest.mark.slow)])
+def test_the_mixture_of_experts_example_matches_one_process_on_the_whole_batch(backend):
+    """Tokens to their experts and back by all_to_all_single with uneven
+    splits, forward and backward, on 4 processes: every step's loss is the
+    one-process model's on the whole batch, to 1e-5."""
+    stdout, report = torchrun(4, "moe.py", "--epochs", "2", "--backend", backend)
+    difference = float(re.search(r"from one process on the whole batch: (\S+)", stdout).group(1))
+    assert difference <= 1e-5, report
+    accuracy = re.search(r"final test accuracy (\S+) \(one process: (\S+)\)", stdout)
+    assert accuracy.group(1) == accuracy.group(2), report

@@ -294,12 +294,7 @@ def ops():
     # gather, scatter, all_to_all and all_gather_coalesced on the world; below on groups of 3 and 2 ranks
     exchanges(pg)
 
-    # what we do not offer (point-to-point): NotImplementedError naming it and why, nothing written
-    t = torch.full((4,), float(rank))
-    for name, call in (("send", lambda: dist.send(t, dst=(rank + 1) % size)),
-                       ("recv", lambda: dist.recv(t, src=(rank + 1) % size))):
-        message = raises(name, call, t, kinds=(NotImplementedError,))
-        check(message.startswith(name) and "point-to-point" in message, f"{name}'s error names it and why: {message}")
+    point_to_point(pg)
 
     # bad input: a typed error before anything is written, on every rank
     t = torch.full((6,), 3.0)
@@ -341,6 +336,7 @@ def ops():
         dist.all_gather(outs, torch.full((2,), float(rank)), group=sub)
         check([o[0].item() for o in outs] == [float(m) for m in members], f"a subgroup's all_gather: {outs}")
         exchanges(sub)
+        point_to_point(sub)
         dist.destroy_process_group(sub)
     pair = dist.new_group(ranks=[0, 1], backend="collectives")
     if rank < 2:
@@ -450,6 +446,52 @@ def exchanges(group):
         opts.rootRank = 0
         message = raises("scatter of a wrong shape", lambda: group.scatter([t], [[torch.ones(5)] * size], opts), t)
         check("input_tensors" in message, f"scatter's error names the argument: {message}")
+
+
+def point_to_point(group):
+    """send, recv (from a rank and from any), isend, irecv and
+    batch_isend_irecv on `group` (group ranks): a ring of messages past the
+    mailbox's slots both ways at once, tags taken out of order, a
+    non-contiguous receive, any source naming its sender."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    right, left = (me + 1) % size, (me - 1) % size
+    if os.environ.get("COLLECTIVES_PRETEND_NODES"):   # not across nodes yet: said, nothing sent
+        t = torch.full((4,), float(me))
+        message = raises("send across nodes", lambda: dist.send(t, group=group, group_dst=right), t)
+        check("not available yet on HierarchyRanks" in message, f"send across nodes says why: {message}")
+        return
+    big = small(me, 300_000, 30, torch.float32)             # 1.2 MB: more than a mailbox holds
+    out = torch.full_like(big, -1)
+    works = [dist.isend(big, group=group, group_dst=right), dist.irecv(out, group=group, group_src=left)]
+    for work in works:
+        work.wait()
+    check(torch.equal(out, small(left, 300_000, 30, torch.float32)), "isend/irecv around the ring")
+    ops = [dist.P2POp(dist.isend, big, group=group, group_peer=right),
+           dist.P2POp(dist.irecv, out, group=group, group_peer=left)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    check(torch.equal(out, small(left, 300_000, 30, torch.float32)), "batch_isend_irecv around the ring")
+    if me == 0:     # tags 1 then 2; rank 1 takes 2 first, the second into a transposed view
+        for tag in (1, 2):
+            dist.send(torch.full((2, 3), float(tag), dtype=torch.bfloat16), group=group, group_dst=1, tag=tag)
+    elif me == 1:
+        second = torch.full((3, 2), -1, dtype=torch.bfloat16).t()
+        first = torch.full((2, 3), -1, dtype=torch.bfloat16)
+        dist.recv(second, group=group, group_src=0, tag=2)
+        dist.recv(first, group=group, group_src=0, tag=1)
+        check(torch.equal(first, torch.full((2, 3), 1.0, dtype=torch.bfloat16))
+              and torch.equal(second, torch.full((2, 3), 2.0, dtype=torch.bfloat16)), "send/recv by tag")
+    if me == 0:     # from any rank: each sender is named
+        senders = set()
+        for _ in range(size - 1):
+            got = torch.empty(3, dtype=torch.int64)
+            sender = dist.get_group_rank(group, dist.recv(got, group=group, tag=7)) if group is not None \
+                else dist.recv(got, tag=7)
+            check(torch.equal(got, torch.full((3,), sender)), f"recv from any rank: {got} from {sender}")
+            senders.add(sender)
+        check(senders == set(range(1, size)), f"recv from any rank heard {senders}")
+    else:
+        dist.send(torch.full((3,), me), group=group, group_dst=0, tag=7)
 
 
 # -- the training scenario ---------------------------------------------------------------------------

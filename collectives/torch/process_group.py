@@ -57,12 +57,15 @@ op checks its tensors, turns them into what a Communicator takes
   all_to_all (dist.all_to_all's lists and all_to_all_single, uneven splits
   too: padded to the call's largest block, see all_to_all_single), barrier.
   Lists of tensors are packed into one buffer for one call. Across nodes
-  (the hierarchical communicator) and on NCCL's, which do not run gather,
-  scatter and all_to_all yet, these run as an allgather (gather,
-  all_to_all) or a broadcast (scatter) of every rank's blocks: correct, at
-  size times the bytes. send and recv raise NotImplementedError (this
-  group does not carry point-to-point yet); BAND, BOR and BXOR raise
-  InvalidUsageError.
+  (the hierarchical communicator), which does not run gather, scatter and
+  all_to_all yet, these run as an allgather (gather, all_to_all) or a
+  broadcast (scatter) of every rank's blocks: correct, at size times the
+  bytes. send, recv (from a rank or any), isend and irecv on CPU tensors,
+  through the Communicator's isend and irecv (host ranks in processes on
+  one machine; transport/p2p.py): their Work is pending until wait(),
+  which moves every pending message of the rank; GPU tensors and groups
+  across nodes raise InvalidUsageError for them (not carried yet). BAND,
+  BOR and BXOR raise InvalidUsageError.
   all_gather_object and broadcast_object_list run on allgather and
   broadcast (of bytes: collectives that only move data take any dtype,
   bool and complex included); reductions take the library's dtypes
@@ -88,7 +91,7 @@ from .. import bootstrap, start
 from ..errors import CollectiveError, InvalidUsageError
 from .rendezvous import StoreRendezvous
 from .tensors import byte_array, host_array, on_torch_stream, rank_array, reducible
-from .work import Work
+from .work import PendingWork, Work
 
 BACKEND = "collectives"
 
@@ -500,14 +503,46 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     # -- what we do not offer: said, never a wrong result -----------------------------------------
 
-    def send(self, *args, **kwargs):
-        raise _not_offered("send", _POINT_TO_POINT)
+    # -- point to point: the Communicator's isend and irecv (host ranks in processes) ---------------
 
-    def recv(self, *args, **kwargs):
-        raise _not_offered("recv", _POINT_TO_POINT)
+    def send(self, tensors, dst, tag=0):
+        """dist.send / isend: the Work is pending until the tensor's bytes
+        are out of it (its wait() moves them, and every other pending
+        message of this rank: an isend never blocks the caller)."""
+        tensor = _one(tensors, "send")
+        data = tensor.detach().contiguous()    # a copy where not contiguous, kept until the send is done
+        return self._post("send", tensor, lambda comm: comm.isend(byte_array(data), dst, tag=tag), [tensor], data)
 
-    def recv_anysource(self, *args, **kwargs):
-        raise _not_offered("recv_anysource", _POINT_TO_POINT)
+    def recv(self, tensors, src, tag=0):
+        """dist.recv / irecv from rank `src` (its Work's wait() returns once
+        the tensor holds the message)."""
+        return self._receive(tensors, src, tag, "recv")
+
+    def recv_anysource(self, tensors, tag=0):
+        """dist.recv with no src: the message of any rank; the Work's
+        _source_rank() names it once done."""
+        return self._receive(tensors, None, tag, "recv_anysource")
+
+    def _receive(self, tensors, src, tag, what):
+        tensor = _one(tensors, what)
+        into = tensor.detach() if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+        def finish():   # a non-contiguous tensor receives through a contiguous copy
+            if into is not tensor:
+                tensor.copy_(into)
+        return self._post(what, tensor, lambda comm: comm.irecv(byte_array(into), src, tag=tag), [tensor], into,
+                          finish)
+
+    def _post(self, what, tensor, post, result, keep, finish=None):
+        """A p2p call posted under the group's lock, as a PendingWork (or a
+        failed Work: a bad argument, a point-to-point the ranks do not carry)."""
+        comm = self.communicator(_device_of([tensor], what))
+        with self._lock:
+            try:
+                request = post(comm)
+            except CollectiveError as error:
+                return Work(error=error)
+        return PendingWork(request, self._lock, result, keep, finish)
 
     def monitored_barrier(self, *args, **kwargs):
         raise _not_offered("monitored_barrier")
@@ -632,10 +667,11 @@ def _splits(tensor, sizes, size, name):
 
 def _runs_exchanges(comm):
     """Whether `comm` runs gather, scatter and all_to_all itself: our plans
-    do (host ranks of one node, our GPU ranks); the hierarchical
-    communicator (several nodes) and NCCL's run the other five collectives
-    only, so these run on them as an allgather or a broadcast (~2 us to ask)."""
-    return comm.chosen_algorithm("allreduce", 1).path not in ("hierarchical", "nccl")
+    do (host ranks of one node, our GPU ranks), and NCCL's as grouped sends
+    and receives; the hierarchical communicator (several nodes) runs the
+    other five collectives only, so these run on it as an allgather or a
+    broadcast (~2 us to ask)."""
+    return comm.chosen_algorithm("allreduce", 1).path != "hierarchical"
 
 
 def _device_of(tensors, what):
@@ -671,14 +707,11 @@ def _reduce_op(op, tensor, what):
     return name, factor
 
 
-_POINT_TO_POINT = "this group does not carry point-to-point (send, recv, isend, irecv, batch_isend_irecv) yet"
-
-
 def _not_offered(what, why=None):
     return NotImplementedError(
         f"{what} is not offered by collectives' process group{': ' + why if why else ''}. It offers allreduce, "
         "broadcast, reduce, allgather, reduce_scatter (list, single-tensor and coalesced forms), gather, scatter, "
-        "all_to_all (list and single-tensor forms, uneven splits too) and barrier")
+        "all_to_all (list and single-tensor forms, uneven splits too), send, recv and barrier")
 
 
 def _packed(tensors):

@@ -75,3 +75,45 @@ def failed_future(error):
     child = parent.then(fail)
     parent.set_result(None)
     return child
+
+
+class PendingWork(Work):
+    """A send or receive in flight (a transport.p2p.Request): wait() moves
+    it to its end under the group's `lock` (and with it every pending
+    message of this rank), then runs `finish` (a receive's copy into a
+    non-contiguous tensor). `keep` holds the memory the request reads or
+    writes until then."""
+
+    def __init__(self, request, lock, result, keep, finish=None):
+        super().__init__(result)
+        self._request, self._lock, self._keep, self._finish = request, lock, keep, finish
+
+    def wait(self, timeout=None):
+        """Return True once done, or raise its error (the group's timeout
+        applies: torch's `timeout` here is not looked at)."""
+        if self._error is None and self._keep is not None:
+            from ..errors import CollectiveError
+            with self._lock:
+                try:
+                    self._request.wait()
+                    if self._finish is not None:
+                        self._finish()
+                except CollectiveError as error:
+                    self._error = error
+            self._keep = self._finish = None
+        return super().wait()
+
+    def get_future(self):
+        """A future of the finished call: asking for it waits for the call."""
+        try:
+            self.wait()
+        except Exception:   # noqa: BLE001 - the future carries it (Work.get_future)
+            pass
+        return super().get_future()
+
+    def is_completed(self):
+        return self._keep is None or self._request.test()
+
+    def _source_rank(self):
+        """The rank a received message came from (dist.recv without src reads it)."""
+        return self._request.source
