@@ -39,9 +39,6 @@ PROCESS_BACKENDS = (MPI_BACKEND, GLOO, *TORCH_BACKENDS)   # one rank per process
 TORCH_PIN = "torch==2.13.0"
 
 MPI_OPS = ("sum", "prod", "max", "min")   # MPI has no average
-# What collectives.torch's process group does not offer (its calls raise,
-# saying so: collectives/torch/process_group.py), though the library has them.
-NOT_IN_TORCH_COLLECTIVES = ("gather", "scatter", "all_to_all")
 # What torch.distributed's Gloo backend takes (torch 2.13): no 16-bit or
 # unsigned types beyond uint8 ("Invalid scalar type"), and its average
 # divides in the tensor's type, which it refuses for integers.
@@ -58,8 +55,6 @@ def unsupported(backend, spec, args):
             return "this MPI library has no bfloat16 type to reduce (mpi4py's BFLOAT16_T is null)"
     if backend in (GLOO, TORCH_GLOO, TORCH_COLLECTIVES) and spec.run_gloo is None:
         return f"no torch.distributed call for {spec.name}"
-    if backend == TORCH_COLLECTIVES and spec.name in NOT_IN_TORCH_COLLECTIVES:
-        return f"collectives.torch's process group does not offer {spec.name} (yet)"
     if backend == TORCH_COLLECTIVES and reduces:
         from collectives.ops import SUPPORTED_DTYPES
         if args.dtype.name not in SUPPORTED_DTYPES:
