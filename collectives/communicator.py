@@ -511,14 +511,14 @@ class Communicator:
         rank waits for any of them."""
         engine = self._point_to_point("send")
         data = validation.message_bytes(x, self._ranks, "x", written=False)
-        return engine.isend(data, validation.peer_rank(peer, self.size), validation.message_tag(tag))
+        return engine.isend(data, validation.rank_number(peer, self.size, "peer"), validation.message_tag(tag))
 
     def irecv(self, out, peer=None, tag=0):
         """`recv` that returns at once: a Request whose `wait()` returns the
         sender's rank once `out` holds the message (also its `source`)."""
         engine = self._point_to_point("recv")
         data = validation.message_bytes(out, self._ranks, "out", written=True)
-        peer = None if peer is None else validation.peer_rank(peer, self.size)
+        peer = None if peer is None else validation.rank_number(peer, self.size, "peer")
         return engine.irecv(data, peer, validation.message_tag(tag))
 
     def _point_to_point(self, what):

@@ -276,28 +276,25 @@ def relation(inputs, outputs, same_chunks):
 
 
 def root_rank(root, size):
-    if isinstance(root, bool):
-        raise InvalidUsageError(f"root: expected a rank number (an int), got {root!r}")
-    try:
-        value = operator.index(root)
-    except TypeError:
-        raise InvalidUsageError(f"root: expected a rank number (an int), got {type(root).__name__}") from None
-    if not 0 <= value < size:
-        raise InvalidUsageError(f"root: {value} is out of range; this communicator's ranks are 0 to {size - 1}")
-    return value
+    return rank_number(root, size, "root")
 
 
-def peer_rank(peer, size, name="peer"):
-    """A point-to-point call's peer: a rank number in [0, size)."""
-    if isinstance(peer, bool):
-        raise InvalidUsageError(f"{name}: expected a rank number (an int), got {peer!r}")
-    try:
-        value = operator.index(peer)
-    except TypeError:
-        raise InvalidUsageError(f"{name}: expected a rank number (an int), got {type(peer).__name__}") from None
+def rank_number(rank, size, name):
+    """A rank argument (`name`: root, peer): an int in [0, size)."""
+    value = _integer(rank, name, "a rank number (an int)")
     if not 0 <= value < size:
         raise InvalidUsageError(f"{name}: {value} is out of range; this communicator's ranks are 0 to {size - 1}")
     return value
+
+
+def _integer(value, name, expected):
+    """`value` as an int (a NumPy integer too, not a bool), or InvalidUsageError naming `name`."""
+    if isinstance(value, bool):
+        raise InvalidUsageError(f"{name}: expected {expected}, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidUsageError(f"{name}: expected {expected}, got {type(value).__name__}") from None
 
 
 # Tags travel in a slot's int64 word; MPI guarantees at least 32767.
@@ -306,12 +303,7 @@ MAX_TAG = (1 << 62) - 1
 
 def message_tag(tag):
     """A point-to-point call's tag: an int, 0 <= tag <= MAX_TAG."""
-    if isinstance(tag, bool):
-        raise InvalidUsageError(f"tag: expected an int, got {tag!r}")
-    try:
-        value = operator.index(tag)
-    except TypeError:
-        raise InvalidUsageError(f"tag: expected an int, got {type(tag).__name__}") from None
+    value = _integer(tag, "tag", "an int")
     if not 0 <= value <= MAX_TAG:
         raise InvalidUsageError(f"tag: {value} is out of range; tags are 0 to {MAX_TAG}")
     return value
