@@ -47,8 +47,6 @@ from .layout import (
 )
 from .protocol import Counters, Waiter
 
-ANY_SOURCE = None
-
 _SLOT_STRIDE = MAILBOX_SLOT_HEADER + MAILBOX_SLOT_BYTES
 
 
@@ -64,7 +62,6 @@ class Request:
         self.done_bytes = 0
         self.done = False
         self.source = None          # a receive's sender, once matched
-        self.message_bytes = None   # a receive's message size, once matched
 
     def __repr__(self):
         state = "done" if self.done else "pending"
@@ -275,7 +272,7 @@ class PointToPoint:
             raise InvalidUsageError(
                 f"out: the message from rank {source} (tag {request.tag}) has {nbytes} bytes, but the "
                 f"receive's array has {request.data.nbytes}; a receive takes a message of its own size")
-        request.source, request.message_bytes = source, nbytes
+        request.source = source
 
     def _complete(self, request, nbytes):
         request.done_bytes, request.done = nbytes, True
