@@ -68,7 +68,7 @@ from .layout import (  # noqa: F401 (ROW and HEADER: other modules read the layo
     CALL_RECORD_BYTES, CALL_RECORDS, LL_REGION_BYTES, WORKSPACE_ALIGN, calls_offset, channel_offset, control_bytes,
     ll_region_offset,
 )
-from .segments import Segment
+from .segments import Segment, gone_or_going
 
 try:
     from . import _shmloop   # the compiled loop (setup.py builds it when a C compiler is there)
@@ -289,6 +289,18 @@ class ProcessGroup:
             self._header[ABORT_KIND] = kind_of(cause)
             self._header[ABORT] = 1   # last, as before: a rank that sees the flag reads the rest
 
+    def pid_of(self, rank):
+        """The process of `rank` (0 until it attached)."""
+        return int(self._rows[rank, PID])
+
+    def expect_pids(self, pids):
+        """The processes that will attach as ranks 0, 1, ... (the maker of a
+        shrunk communicator knows them): a rank that dies before it attaches
+        is then reported as failed, not waited for."""
+        for rank, pid in enumerate(pids):
+            if rank != self.rank and not self._rows[rank, PID]:
+                self._rows[rank, PID] = pid
+
     def note_call(self, seq):
         """A call made without enter_call (the compiled executor numbers its
         calls itself): its number, for this group's messages."""
@@ -449,12 +461,16 @@ def _release_all(state):
 
 def _alive(pid):
     """Whether process `pid` still runs. A zombie (dead, not yet reaped by its
-    launcher) counts as dead: kill(pid, 0) alone would call it alive."""
+    launcher) counts as dead: kill(pid, 0) alone would call it alive; so
+    does a process in the kernel's exit path (PF_EXITING: its memory may be
+    gone already, which is how the compiled loop's reads learn of a death
+    first)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
+            return not gone_or_going(stat.read())
+    except (FileNotFoundError, ProcessLookupError):
+        # ProcessLookupError (ESRCH): the read of a process being torn down,
+        # whose pid kill() below would still find (a zombie)
         return False
     except OSError:
         pass  # no /proc: ask the kernel directly

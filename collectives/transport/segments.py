@@ -168,12 +168,12 @@ def _exited(pid):
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            return _gone_or_going(stat.read())
+            return gone_or_going(stat.read())
     except OSError:
         return True
 
 
-def _gone_or_going(stat):
+def gone_or_going(stat):
     """From the text of /proc/<pid>/stat: state is field 3, flags field 9,
     counted from the first; the name in field 2 may hold anything, ")" too."""
     fields = stat.rsplit(b")", 1)[1].split()
