@@ -13,12 +13,14 @@ import time
 
 from .communicator import Communicator, resolve_backend
 from .config import check_switches, resolve_timeout
-from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from .errors import (CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankExcludedError, RankFailedError,
+                     RevokedError)
 from .ops import SUPPORTED_DTYPES, ReduceOp
 
 __all__ = [
     "Communicator", "init", "ReduceOp", "SUPPORTED_DTYPES",
-    "CollectiveError", "InvalidUsageError", "CollectiveTimeoutError", "RankFailedError",
+    "CollectiveError", "InvalidUsageError", "CollectiveTimeoutError", "RankFailedError", "RevokedError",
+    "RankExcludedError",
 ]
 __version__ = "0.1.0"
 

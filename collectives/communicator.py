@@ -17,7 +17,7 @@ from .algorithms.schedule import (
 from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
 from .compression import wire
 from .config import DEFAULT_FAST_SMALL_MAX, resolve_timeout
-from .errors import CollectiveError, InvalidUsageError
+from .errors import CollectiveError, InvalidUsageError, RevokedError
 from .executors import host
 from .executors.paths import PLAIN, SYMMETRIC, CallShape
 from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
@@ -171,6 +171,9 @@ class Communicator:
         # The loop's merged-step limit (bytes per rank; config.FastSizes):
         # where a call naming `direct` is the loop's step, and which step it is.
         self._fast_small_max = getattr(ranks, "fast_small_max", DEFAULT_FAST_SMALL_MAX)
+        # Made by shrink(): how many shrinks led here, and the rank each rank had before the last one.
+        self.epoch = 0
+        self.old_ranks = None
 
     @property
     def timeout(self):
@@ -813,6 +816,90 @@ class Communicator:
         self._check_open()
         self._check_idle()
         self._ranks.barrier(time.perf_counter() + self.timeout)
+
+    # -- going on after a failure (transport/recovery.py) ------------------------
+
+    def revoke(self):
+        """Stop this communicator's calls on every rank at once: a rank
+        waiting in a collective, a barrier or agree's peers, and every later
+        call, raise RevokedError (unless a failure aborted it first: then
+        that failure's class). The way to tell the others to shrink when
+        only this rank knows something is wrong. Calling it again, or on an
+        aborted communicator, does nothing.
+
+        Raises InvalidUsageError where the communicator is closed, or where
+        its ranks cannot recover (see shrink).
+        """
+        self._recovering("revoke").abort(f"rank {self.rank} revoked the communicator", RevokedError)
+
+    def agree(self, flag):
+        """The AND of every rank's `flag` (a bool), the same on every rank that
+        returns, also while ranks fail: a rank that died or stopped before
+        giving its flag counts as False. Works on an aborted or revoked
+        communicator too, so a training step can decide whether to commit
+        after a failure. Collective: every rank calls it, in the same order
+        among its agree calls (agree calls are counted apart from
+        collectives).
+
+        Raises InvalidUsageError for a flag that is not a bool (or 0 or 1),
+        where the communicator is closed or cannot recover (see shrink);
+        RankExcludedError on a rank that came after the others had decided
+        without it (they waited the timeout, or took it for failed).
+        """
+        if isinstance(flag, (bool, np.bool_)) or (isinstance(flag, (int, np.integer)) and flag in (0, 1)):
+            return self._recovering("agree").agree(bool(flag), time.perf_counter() + self.timeout)
+        raise InvalidUsageError(f"flag: expected a bool, got {flag!r}")
+
+    def shrink(self):
+        """A new communicator of the ranks that are left, after a collective
+        raised RankFailedError or CollectiveTimeoutError (or after a rank
+        called revoke). Every surviving rank calls it.
+
+        It revokes this communicator first, so a rank still waiting in it
+        raises at once. The survivors then agree on who is left, through
+        this communicator's shared memory (no service outside the job): the
+        ranks that joined the shrink before the others were done waiting
+        for them; a rank that is dead or stopped (SIGSTOP) is not waited
+        for; any other is waited for up to the timeout. Every member gets
+        the same membership, renumbered densely in the old order: the new
+        communicator's `old_ranks[r]` is the rank its rank r had here, and
+        its `epoch` is this one's + 1. A rank that dies while they shrink
+        is left out too (the round starts again without it).
+
+        This communicator stays aborted and is closed: its shared memory
+        goes (with the last survivor's mapping), its later calls raise
+        InvalidUsageError. What a failed collective left in its output is
+        unspecified: a rank may have written some of its result.
+
+        For host ranks in processes on one machine (collectives.init under
+        a launcher that lets survivors live: docs/api.md). Raises
+        InvalidUsageError elsewhere, or where this communicator is closed;
+        RankExcludedError on a rank the others left out;
+        CollectiveTimeoutError when the new communicator's members do not
+        meet within the timeout.
+        """
+        ranks = self._recovering("shrink")
+        self._stop_worker()
+        ranks.abort(f"rank {self.rank} revoked the communicator to shrink it", RevokedError)
+        try:
+            made, members = ranks.shrink(time.perf_counter() + self.timeout)
+        finally:
+            self._closed = True
+            if self._p2p is not None:
+                self._p2p.close()
+            ranks.close()
+        shrunk = Communicator(made, size=len(members), local_ranks=[members.index(self.rank)], timeout=self.timeout)
+        shrunk.epoch, shrunk.old_ranks = self.epoch + 1, tuple(members)
+        return shrunk
+
+    def _recovering(self, what):
+        """The ranks, where they can agree and shrink; else InvalidUsageError."""
+        self._check_open()
+        if not hasattr(self._ranks, "shrink"):
+            raise InvalidUsageError(
+                f"{what}: not available on {type(self._ranks).__name__} ranks; host ranks in processes on one "
+                "machine have it (collectives.init, one rank per process)")
+        return self._ranks
 
     def synchronize(self):
         """Wait until every collective this process issued so far has

@@ -26,6 +26,19 @@ class RankFailedError(CollectiveTimeoutError):
     """
 
 
+class RevokedError(CollectiveError):
+    """A rank revoked the communicator (`Communicator.revoke`, or `shrink`,
+    which revokes first): calls in it stop at once, on every rank. Call
+    `shrink()` to go on with the ranks that are left."""
+
+
+class RankExcludedError(CollectiveError):
+    """This rank was left out of the communicator `shrink()` made: the other
+    survivors decided without it (it came after they had waited for it, or
+    they took it for failed). It can no longer take part in the job's
+    collectives."""
+
+
 # How an abort carries the class of its cause to the other ranks, so that
 # every rank raises the same class for the same event (a program that
 # catches TimeoutError handles a stalled peer on every rank): a small code,
@@ -33,7 +46,7 @@ class RankFailedError(CollectiveTimeoutError):
 # the first byte of an MPI abort message (transport/mpi.py). After 0, a
 # plain CollectiveError, the most specific class comes first (RankFailedError
 # is a CollectiveTimeoutError).
-_CARRIED = (CollectiveError, RankFailedError, CollectiveTimeoutError, InvalidUsageError)
+_CARRIED = (CollectiveError, RankFailedError, CollectiveTimeoutError, InvalidUsageError, RevokedError)
 
 
 def kind_of(error):

@@ -44,6 +44,24 @@ def test_the_channel_starts_on_a_page_after_the_reason_and_fits_every_rank(sizes
         assert layout.small_area(size, sizes) % layout.PAGE == 0   # (the staging starts on a page)
 
 
+@pytest.mark.parametrize("size", [1, 2, 3, 64, 65, 200])
+def test_the_recovery_area_starts_on_a_page_after_the_mailboxes_and_its_parts_do_not_overlap(size):
+    sizes = resolve_fast_sizes()
+    start = layout.recovery_offset(size, sizes)
+    assert start % layout.PAGE == 0
+    assert start - layout.mailboxes_offset(size, sizes) >= size * size * layout.mailbox_bytes()
+    agreements, rows, proposals, end = layout.recovery_parts(size)
+    assert agreements >= layout.RECOVERY_ROUNDS * layout.RECOVERY_ROUND_BYTES
+    assert rows - agreements >= 8 * layout.AGREE_DECISIONS and rows % 64 == 0
+    assert proposals - rows >= size * layout.RECOVERY_ROW_BYTES
+    assert layout.RECOVERY_ROW_BYTES >= 8 * (max(layout.JOINED, layout.AGREE_SEQ, layout.AGREE_FLAG) + 1)
+    assert 64 * layout.proposal_words(size) >= size
+    assert end - proposals >= layout.RECOVERY_ROUNDS * size * 8 * layout.proposal_words(size)
+    assert layout.control_bytes(size, sizes) >= start + end
+    assert 8 * (layout.NAME_READY + 1) <= layout.RECOVERY_NAME_OFFSET
+    assert layout.RECOVERY_NAME_OFFSET + layout.RECOVERY_NAME_BYTES <= layout.RECOVERY_ROUND_BYTES
+
+
 def test_a_mailboxs_counters_are_on_cache_lines_of_their_own_and_its_slots_aligned():
     # the sender publishes SENT, the receiver TAKEN: no line written by both
     assert layout.MAILBOX_TAKEN * 8 - layout.MAILBOX_SENT * 8 >= 64

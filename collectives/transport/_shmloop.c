@@ -1333,7 +1333,45 @@ static PyObject *py_load_acquire(PyObject *Py_UNUSED(self), PyObject *arg)
     return PyLong_FromLongLong(load_acquire(p));
 }
 
+/* compare_exchange(address, expected, desired): one sequentially consistent
+   compare-and-swap of an int64 in shared memory; returns the value it found
+   (== expected when it stored). The one consensus step of the recovery area
+   (transport/recovery.py): of the ranks racing to decide, exactly one wins. */
+static PyObject *py_compare_exchange(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "compare_exchange(address, expected, desired)");
+        return NULL;
+    }
+    int64_t *p = (int64_t *)PyLong_AsVoidPtr(args[0]);
+    int64_t expected = (int64_t)PyLong_AsLongLong(args[1]);
+    int64_t desired = (int64_t)PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return PyLong_FromLongLong(expected);
+}
+
+static PyObject *py_store_release(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "store_release(address, value)");
+        return NULL;
+    }
+    int64_t *p = (int64_t *)PyLong_AsVoidPtr(args[0]);
+    int64_t v = (int64_t)PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"store_release", (PyCFunction)(void (*)(void))py_store_release, METH_FASTCALL,
+     "store_release(address, value): an int64 store with release order (no wake: see publish)"},
+    {"compare_exchange", (PyCFunction)(void (*)(void))py_compare_exchange, METH_FASTCALL,
+     "compare_exchange(address, expected, desired): an int64 compare-and-swap, sequentially consistent; "
+     "returns the value found"},
     {"publish", (PyCFunction)(void (*)(void))py_publish, METH_FASTCALL,
      "publish(row_address, slot, value): store a row's int64 slot with release order (and more), "
      "waking waits asleep on the row"},

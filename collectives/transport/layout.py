@@ -52,6 +52,20 @@ place that says where, so both import it and neither imports the other.
                               MAILBOX_SLOTS, its header the message's bytes,
                               tag and the fragment's offset in it
                 Only the pairs that exchange messages touch their pages.
+    recovery    from the next page: what the survivors of a failure agree
+                through (recovery.py), which needs no failed rank:
+                  rounds      per shrink round RECOVERY_ROUND_BYTES: DECIDED
+                              (the rank whose proposal won, + 1: the one
+                              compare-and-swap), NAME_READY, and from
+                              RECOVERY_NAME_OFFSET the new communicator's
+                              prefix
+                  agreements  AGREE_DECISIONS words: agree()'s decisions,
+                              call c's in word c % 2
+                  rows        per rank RECOVERY_ROW_BYTES: JOINED (shrink
+                              rounds entered), AGREE_SEQ and AGREE_FLAG
+                              (agree calls made, and the last one's flag)
+                  proposals   per round, per rank, the ranks it saw joined:
+                              a bitmap of proposal_words(size) int64 words
 """
 
 
@@ -138,6 +152,35 @@ def mailboxes_offset(size, sizes):
     return channel_offset(size) + channel_bytes(size, sizes)
 
 
+def recovery_offset(size, sizes):
+    """Where the recovery area starts: the first page after the mailboxes."""
+    return mailboxes_offset(size, sizes) + _pages(size * size * mailbox_bytes())
+
+
+# The recovery area (recovery.py): its rounds, agreements, rows and proposals.
+RECOVERY_ROUNDS = 4                  # shrink rounds one segment holds (a round fails only when a member dies)
+RECOVERY_ROUND_BYTES = 256
+DECIDED, NAME_READY = 0, 1           # int64 words of a round
+RECOVERY_NAME_OFFSET = 64            # bytes into a round: the new prefix, up to RECOVERY_NAME_BYTES
+RECOVERY_NAME_BYTES = RECOVERY_ROUND_BYTES - RECOVERY_NAME_OFFSET
+AGREE_DECISIONS = 2
+RECOVERY_ROW_BYTES = 128
+JOINED, AGREE_SEQ, AGREE_FLAG = 0, 1, 2   # int64 words of a rank's row
+
+
+def proposal_words(size):
+    """The int64 words of one proposal: a bit per rank."""
+    return -(-size // 64)
+
+
+def recovery_parts(size):
+    """Byte offsets into the recovery area: (agreements, rows, proposals, end)."""
+    agreements = RECOVERY_ROUNDS * RECOVERY_ROUND_BYTES
+    rows = agreements + RECOVERY_ROW_BYTES   # the two decision words, padded to their own line
+    proposals = rows + size * RECOVERY_ROW_BYTES
+    return agreements, rows, proposals, proposals + RECOVERY_ROUNDS * size * 8 * proposal_words(size)
+
+
 def control_bytes(size, sizes):
     """The whole control segment, page-aligned. Pages nobody touches cost nothing."""
-    return mailboxes_offset(size, sizes) + _pages(size * size * mailbox_bytes())
+    return recovery_offset(size, sizes) + _pages(recovery_parts(size)[3])

@@ -1,0 +1,199 @@
+"""One rank of tests/test_recovery.py: ranks fail, the others shrink and go on.
+
+    mpiexec -disable-auto-cleanup -n N sh -c 'trap "" USR1; python tests/recovery_worker.py SCENARIO ARGS...; exit $?'
+
+(the survivors' way under MPICH's mpiexec: docs/api.md, "Going on after a
+failure").
+
+Scenarios (each rank prints "OK <scenario> <rank>" when every check held):
+
+    killed PATH HOW VICTIMS SEED
+        every rank makes allreduces in a loop, checking each result; the
+        ranks VICTIMS ("1" or "1,2") die at a random moment (SEED) of the
+        loop, by HOW: "exit" (os._exit) or "sigkill" (SIGKILL from a thread
+        of their own, wherever the rank is). PATH is the allreduce: "fast"
+        (1 KiB, the compiled loop), "ring" (the ring plan, the step
+        protocol) or "large" (4 MiB, the compiled loop's pipeline). Every
+        survivor must raise RankFailedError, shrink to the same membership
+        (the ranks not in VICTIMS), and its next allreduce must be bitwise
+        right.
+    agree       agree on a healthy communicator, then after rank 1 died
+                (False: it gave no flag), then on the shrunk one.
+    revoke      rank 0 revokes while the others wait in a barrier: they
+                raise RevokedError at once (not after the timeout), and all
+                shrink to every rank.
+    twice       two failures, two shrinks: epochs 1 and 2, old ranks chained.
+    in_shrink SEED
+                rank 1 dies, then rank 2 at a random moment of its shrink:
+                the survivors shrink until a collective passes, and end on
+                the same ranks.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+import collectives
+from cases import run_scenario
+from collectives import RankFailedError, RevokedError
+
+TIMEOUT = 10.0
+COUNTS = {"fast": 256, "ring": 256, "large": 1 << 20}
+
+
+def allreduce_once(comm, path, values):
+    """One allreduce of `values` (a float per rank of `comm`) on PATH; checks the sum bitwise."""
+    x = np.full(COUNTS[path], values[comm.rank], np.float32)
+    out = comm.allreduce(x, algorithm="ring" if path == "ring" else "auto")
+    expected = np.float32(sum(values))
+    assert np.array_equal(out, np.full_like(x, expected)), (out[:4], expected)
+
+
+def die(how):
+    if how == "exit":
+        os._exit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def until_failure(comm, path, values):
+    """Allreduces until one raises; returns the error."""
+    for _ in range(1_000_000):
+        try:
+            allreduce_once(comm, path, values)
+        except collectives.CollectiveError as error:
+            return error
+    raise AssertionError("no allreduce failed, yet a rank was meant to die")
+
+
+def check_shrunk(comm, shrunk, members, epoch):
+    assert shrunk.size == len(members), (shrunk.size, members)
+    assert shrunk.old_ranks == tuple(members), (shrunk.old_ranks, members)
+    assert shrunk.old_ranks[shrunk.rank] == comm.rank
+    assert shrunk.epoch == epoch, shrunk.epoch
+    assert comm.closed
+    values = [float(old + 1) for old in shrunk.old_ranks]
+    for path in ("fast", "ring", "large"):
+        allreduce_once(shrunk, path, values)
+
+
+def scenario_killed(comm, path, how, victims, seed):
+    victims = [int(v) for v in victims.split(",")]
+    values = [float(r + 1) for r in range(comm.size)]
+    allreduce_once(comm, path, values)   # every rank past its first call (which may compile or map)
+    if comm.rank in victims:
+        rng = np.random.default_rng([int(seed), comm.rank])
+        delay = float(rng.uniform(0, 0.05))
+        if how == "exit":
+            time.sleep(delay)
+            die(how)
+        threading.Timer(delay, die, (how,)).start()
+    error = until_failure(comm, path, values)
+    if comm.rank in victims:   # another victim died first: this one must not join the shrink
+        die(how)
+    assert isinstance(error, RankFailedError), f"{type(error).__name__}: {error}"
+    start = time.perf_counter()
+    shrunk = comm.shrink()
+    took = time.perf_counter() - start
+    check_shrunk(comm, shrunk, [r for r in range(comm.size) if r not in victims], 1)
+    print(f"SHRINK {took * 1e3:.1f} ms rank {comm.rank}", flush=True)
+    shrunk.close()
+
+
+def scenario_in_shrink(comm, seed):
+    """Rank 1 dies in the loop; rank 2 at a random moment from the start of
+    its shrink (before, during or after the round). The survivors shrink
+    until a collective passes: they must end on the same ranks, 0 and 3."""
+    values = [float(r + 1) for r in range(comm.size)]
+    allreduce_once(comm, "fast", values)
+    if comm.rank == 1:
+        time.sleep(float(np.random.default_rng([int(seed), 1]).uniform(0, 0.02)))
+        die("exit")
+    assert isinstance(until_failure(comm, "fast", values), RankFailedError)
+    if comm.rank == 2:
+        threading.Timer(float(np.random.default_rng([int(seed), 2]).uniform(0, 0.01)), die, ("sigkill",)).start()
+    current, original = comm.shrink(), list(range(comm.size))   # original[r]: current rank r's rank in comm
+    original = [original[old] for old in current.old_ranks]
+    # Until every member agrees that rank 2 has had the time to die (it
+    # dies within 10 ms): each failure shrinks again.
+    stop = time.perf_counter() + 0.2
+    while True:
+        try:
+            allreduce_once(current, "fast", [float(r + 1) for r in original])
+        except RankFailedError:
+            current = current.shrink()
+            original = [original[old] for old in current.old_ranks]
+            continue
+        if current.agree(time.perf_counter() > stop):
+            break
+    print(f"MEMBERS {original} rank {comm.rank}", flush=True)
+    assert original == [0, 3], original
+    current.close()
+
+
+def scenario_agree(comm):
+    assert comm.agree(True) is True
+    assert comm.agree(comm.rank != 1) is False
+    assert comm.agree(1) is True
+    if comm.rank == 1:
+        os._exit(0)
+    assert comm.agree(True) is False    # rank 1 died before giving its flag
+    shrunk = comm.shrink()
+    assert shrunk.agree(True) is True
+    assert shrunk.agree(shrunk.rank != 0) is False
+    check_shrunk(comm, shrunk, [r for r in range(comm.size) if r != 1], 1)
+    shrunk.close()
+
+
+def scenario_revoke(comm):
+    comm.barrier()
+    if comm.rank == 0:
+        time.sleep(0.3)
+        comm.revoke()
+        comm.revoke()   # again: nothing more
+    else:
+        start = time.perf_counter()
+        try:
+            comm.barrier()
+        except RevokedError as error:
+            assert "rank 0 revoked" in str(error), error
+            assert time.perf_counter() - start < 3, "the revoke reached this rank only after its timeout"
+        else:
+            raise AssertionError("the barrier completed although rank 0 revoked the communicator")
+    shrunk = comm.shrink()
+    check_shrunk(comm, shrunk, list(range(comm.size)), 1)
+    shrunk.close()
+
+
+def scenario_twice(comm):
+    values = [float(r + 1) for r in range(comm.size)]
+    allreduce_once(comm, "fast", values)
+    if comm.rank == 1:
+        os._exit(0)
+    assert isinstance(until_failure(comm, "fast", values), RankFailedError)
+    first = comm.shrink()
+    check_shrunk(comm, first, [r for r in range(comm.size) if r != 1], 1)
+    if first.rank == 1:   # old rank 2
+        os._exit(0)
+    values = [float(old + 1) for old in first.old_ranks]
+    assert isinstance(until_failure(first, "ring", values), RankFailedError)
+    second = first.shrink()
+    check_shrunk(first, second, [r for r in range(first.size) if r != 1], 2)
+    assert [first.old_ranks[r] for r in second.old_ranks] == [r for r in range(comm.size) if r not in (1, 2)]
+    second.close()
+
+
+def main():
+    scenario, arguments = sys.argv[1], sys.argv[2:]
+    comm = collectives.init(timeout=TIMEOUT)
+    rank = comm.rank
+    run_scenario(lambda: globals()[f"scenario_{scenario}"](comm, *arguments), ranks_leave=True)
+    print(f"OK {scenario} {rank}", flush=True)
+    os._exit(0)   # MPI_Finalize would wait for the dead ranks
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Going on after a failure: revoke, agree and shrink (transport/recovery.py).
+
+Ranks in separate processes under MPICH's mpiexec, each wrapped the way
+docs/api.md tells users to (a shell that ignores hydra's SIGUSR1 and turns a
+rank's death by a signal into an exit status, so hydra lets the survivors
+live). Ranks die by os._exit or by SIGKILL from a thread of their own, at a
+seeded random moment of a loop of allreduces on each path (the compiled
+loop's merged step and pipeline, and the ring plan through the step
+protocol); every survivor must raise RankFailedError, shrink to the same
+ranks, and compute right on the new communicator. The checks of each rank
+are in tests/recovery_worker.py.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import collectives
+from collectives import InvalidUsageError
+from collectives.transport import fastpath
+from test_mpi import mpiexec
+
+WORKER = Path(__file__).with_name("recovery_worker.py")
+LIMIT = 90
+
+needs_the_loop = pytest.mark.skipif(not fastpath.available(), reason="the compiled loop (_shmloop) is not built: "
+                                    "python setup.py build_ext --inplace")
+
+
+def run_survivors(n, scenario, *arguments, survivors):
+    """Run the worker's scenario on n ranks; the ranks `survivors` must each print OK."""
+    pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+    command = " ".join(shlex.quote(part) for part in (sys.executable, str(WORKER), scenario, *arguments))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    try:
+        done = subprocess.run(
+            [mpiexec(), "-disable-auto-cleanup", "-n", str(n), "sh", "-c", f'trap "" USR1; {command}; exit $?'],
+            capture_output=True, text=True, timeout=LIMIT, env=env)
+    except subprocess.TimeoutExpired as hung:
+        printed = [o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (hung.stdout, hung.stderr)]
+        pytest.fail(f"mpiexec ran past {LIMIT} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    oks = sorted(int(rank) for rank in re.findall(rf"OK {scenario} (\d+)", done.stdout))
+    assert oks == sorted(survivors), report
+    return done.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, path, how, victims", [
+    pytest.param(3, "fast", "exit", "1", marks=needs_the_loop, id="3-ranks-compiled-loop-exit"),
+    pytest.param(4, "fast", "sigkill", "2", marks=needs_the_loop, id="4-ranks-compiled-loop-sigkill"),
+    pytest.param(3, "large", "sigkill", "0", marks=needs_the_loop, id="3-ranks-pipeline-sigkill-rank-0"),
+    pytest.param(4, "ring", "sigkill", "1,3", id="4-ranks-step-protocol-two-sigkilled"),
+])
+def test_the_survivors_of_killed_ranks_shrink_to_the_same_ranks_and_compute_right(n, path, how, victims):
+    dead = {int(v) for v in victims.split(",")}
+    printed = run_survivors(n, "killed", path, how, victims, "7", survivors=[r for r in range(n) if r not in dead])
+    assert len(re.findall(r"SHRINK [\d.]+ ms", printed)) == n - len(dead), printed
+
+
+@pytest.mark.mpi
+def test_agree_is_an_and_that_counts_a_dead_rank_as_false_and_works_after_a_shrink():
+    run_survivors(3, "agree", survivors=[0, 2])
+
+
+@pytest.mark.mpi
+def test_a_revoke_stops_a_waiting_rank_at_once_and_everyone_shrinks_to_every_rank():
+    run_survivors(3, "revoke", survivors=[0, 1, 2])
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not fastpath.available(), reason="the compiled loop (_shmloop) is not built")
+def test_two_failures_two_shrinks_chain_epochs_and_old_ranks():
+    run_survivors(4, "twice", survivors=[0, 3])
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not fastpath.available(), reason="the compiled loop (_shmloop) is not built")
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_rank_that_dies_during_the_shrink_is_left_out_by_a_later_one_on_every_survivor(seed):
+    printed = run_survivors(4, "in_shrink", str(seed), survivors=[0, 3])
+    assert sorted(re.findall(r"MEMBERS \[[\d, ]*\]", printed)) == ["MEMBERS [0, 3]"] * 2, printed
+
+
+@pytest.mark.parametrize("what", ["revoke", "agree", "shrink"])
+def test_ranks_that_cannot_recover_say_so(what):
+    with collectives.Communicator.local(2) as comm:
+        arguments = (True,) if what == "agree" else ()
+        with pytest.raises(InvalidUsageError, match=f"{what}: not available on VirtualHostRanks"):
+            getattr(comm, what)(*arguments)
+
+
+@pytest.mark.parametrize("flag", [2, "yes", None, np.ones(2, bool)])
+def test_agree_takes_a_bool(flag):
+    with collectives.Communicator.local(1) as comm:
+        with pytest.raises(InvalidUsageError, match="flag: expected a bool"):
+            comm.agree(flag)
