@@ -140,7 +140,9 @@ class Communicator:
     CollectiveTimeoutError (a TimeoutError) when a peer did not come within
     `timeout`; RankFailedError (a CollectiveTimeoutError) when a peer died;
     CollectiveError for other failures. Between processes a failed call
-    aborts the communicator: every later call raises; make a new one.
+    aborts the communicator: every later call raises; `shrink()` makes one
+    of the ranks left (host ranks on one machine; see also `agree`,
+    `revoke` and collectives.elastic).
     On GPU ranks a collective returns once its work is queued on the
     current stream (see `synchronize`); on host ranks, once it is done.
     """
@@ -846,9 +848,12 @@ class Communicator:
         RankExcludedError on a rank that came after the others had decided
         without it (they waited the timeout, or took it for failed).
         """
-        if isinstance(flag, (bool, np.bool_)) or (isinstance(flag, (int, np.integer)) and flag in (0, 1)):
-            return self._recovering("agree").agree(bool(flag), time.perf_counter() + self.timeout)
-        raise InvalidUsageError(f"flag: expected a bool, got {flag!r}")
+        if not (isinstance(flag, (bool, np.bool_)) or (isinstance(flag, (int, np.integer)) and flag in (0, 1))):
+            raise InvalidUsageError(f"flag: expected a bool, got {flag!r}")
+        if self.size == 1:   # alone: nobody to disagree with
+            self._check_open()
+            return bool(flag)
+        return self._recovering("agree").agree(bool(flag), time.perf_counter() + self.timeout)
 
     def shrink(self):
         """A new communicator of the ranks that are left, after a collective

@@ -22,21 +22,22 @@ import numpy as np
 import pytest
 
 import collectives
-from collectives import InvalidUsageError
+from collectives import InvalidUsageError, elastic
 from collectives.transport import fastpath
 from test_mpi import mpiexec
 
 WORKER = Path(__file__).with_name("recovery_worker.py")
+ELASTIC_WORKER = Path(__file__).with_name("elastic_worker.py")
 LIMIT = 90
 
 needs_the_loop = pytest.mark.skipif(not fastpath.available(), reason="the compiled loop (_shmloop) is not built: "
                                     "python setup.py build_ext --inplace")
 
 
-def run_survivors(n, scenario, *arguments, survivors):
+def run_survivors(n, scenario, *arguments, survivors, worker=WORKER):
     """Run the worker's scenario on n ranks; the ranks `survivors` must each print OK."""
     pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
-    command = " ".join(shlex.quote(part) for part in (sys.executable, str(WORKER), scenario, *arguments))
+    command = " ".join(shlex.quote(part) for part in (sys.executable, str(worker), scenario, *arguments))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     try:
@@ -89,6 +90,15 @@ def test_a_rank_that_dies_during_the_shrink_is_left_out_by_a_later_one_on_every_
     assert sorted(re.findall(r"MEMBERS \[[\d, ]*\]", printed)) == ["MEMBERS [0, 3]"] * 2, printed
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_elastic_training_loses_a_rank_and_ends_on_the_one_process_weights(kind):
+    if kind == "torch":
+        pytest.importorskip("torch")
+    printed = run_survivors(3, kind, "3", survivors=[0, 2], worker=ELASTIC_WORKER)
+    assert len(re.findall(r"KILLED at step \d+, 40 commits", printed)) == 2, printed
+
+
 @pytest.mark.parametrize("what", ["revoke", "agree", "shrink"])
 def test_ranks_that_cannot_recover_say_so(what):
     with collectives.Communicator.local(2) as comm:
@@ -102,3 +112,34 @@ def test_agree_takes_a_bool(flag):
     with collectives.Communicator.local(1) as comm:
         with pytest.raises(InvalidUsageError, match="flag: expected a bool"):
             comm.agree(flag)
+        assert comm.agree(True) is True and comm.agree(np.bool_(False)) is False   # alone, it agrees with itself
+
+
+def test_an_array_state_rolls_back_in_place_to_its_last_commit_and_run_returns_trains_result():
+    with collectives.Communicator.local(1) as comm:
+        w = np.arange(4.0)
+        state = elastic.ArrayState(comm, w=w, step=0, note="a")
+
+        def train(state):
+            state.w += 1
+            state.step += 1
+            state.commit()
+            state.w *= 10
+            state.step, state.note = 99, "b"
+            return "done"
+
+        assert elastic.run(train, state) == "done"
+        assert state.commits == 1
+        state.restore()
+        assert state.w is w and np.array_equal(w, np.arange(4.0) + 1)
+        assert (state.step, state.note) == (1, "a")
+
+
+def test_elastic_says_what_is_wrong():
+    with collectives.Communicator.local(1) as comm:
+        with pytest.raises(InvalidUsageError, match="needs at least one value"):
+            elastic.ArrayState(comm)
+        with pytest.raises(InvalidUsageError, match="C-contiguous"):
+            elastic.ArrayState(comm, w=np.zeros((4, 4))[:, 0])
+        with pytest.raises(InvalidUsageError, match="state: expected a collectives.elastic State"):
+            elastic.run(lambda state: None, {"w": 1})

@@ -116,8 +116,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.__dict__["_optimizer"] = optimizer   # first: __getattr__ reads it
         self._comm = comm
         # Checks threshold, op, compression and error_feedback before any hook exists.
-        self._buffer = comm.fusion_buffer(threshold=fusion_threshold, op=op, compression=compression,
-                                          error_feedback=error_feedback, algorithm=algorithm)
+        self._buffer_settings = dict(threshold=fusion_threshold, op=op, compression=compression,
+                                     error_feedback=error_feedback, algorithm=algorithm)
+        self._buffer = comm.fusion_buffer(**self._buffer_settings)
         if compression is not None:   # each gradient's dtype, checked now rather than in the middle of backward
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -187,6 +188,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._register(self._optimizer.param_groups[-1]["params"])
 
     # -- the training step ------------------------------------------------------------
+
+    def use_communicator(self, comm):
+        """Average over `comm` from now on (the communicator shrink() made
+        after a failure: collectives.elastic). Gradients in flight on the
+        old one are dropped, and with them what error feedback kept."""
+        if len(getattr(comm, "local_ranks", ())) != 1:
+            raise InvalidUsageError("use_communicator needs a communicator with one rank in this process")
+        buffer = comm.fusion_buffer(**self._buffer_settings)
+        with self._lock:
+            self._comm, self._buffer = comm, buffer
+            self._passes.clear()
+            self._in_flight = self._synchronized = False
+            self._copy_back.clear()
+            self._streams = set()
 
     def synchronize(self):
         """Wait until this step's gradients are averaged over all ranks.

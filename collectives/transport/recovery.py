@@ -14,7 +14,8 @@ agree(flag)   a uniform AND. Each rank writes its flag, then publishes the
               loses the race, or comes late, takes the word's value: every
               rank that returns gets the same answer. A rank that failed
               before giving its flag counts as False (a step that lost a rank
-              should not commit).
+              should not commit), and so does one that went on to shrink
+              without giving it.
 
 shrink        the members of the new communicator. In round k each survivor
               marks itself joined, then waits until every candidate has
@@ -125,7 +126,10 @@ class RecoveryArea:
             if decided >> 2 > call:
                 raise RankExcludedError(
                     f"rank {self.rank} came to agree call #{call} after the others had gone on without it")
-            missing = {q for q in missing if self._load(self._rows, q, AGREE_SEQ) < call and not self.failed(q)}
+            # A rank that went on to a shrink without giving its flag will
+            # not give it: it counts as failed, as a dead one does.
+            missing = {q for q in missing if self._load(self._rows, q, AGREE_SEQ) < call
+                       and not self._load(self._rows, q, JOINED) and not self.failed(q)}
             if not missing or time.perf_counter() >= deadline:
                 break
             time.sleep(POLL_SECONDS)

@@ -1,0 +1,117 @@
+"""One rank of tests/test_recovery.py's training runs under collectives.elastic.
+
+    mpiexec -disable-auto-cleanup -n N sh -c 'trap "" USR1; python tests/elastic_worker.py KIND SEED; exit $?'
+
+Full-batch gradient descent on a fixed least-squares problem, the batch
+sharded over the communicator's ranks (resharded by its size after each
+shrink), every step committed. The sum of the shards' gradients is the
+whole batch's whatever the number of ranks, so the run must end on the
+weights of one process doing the same steps (to rounding), however many
+ranks it lost and when. Rank VICTIM dies by SIGKILL at the start of a step
+drawn from SEED. KIND: "numpy" (ArrayState) or "torch" (TorchState with a
+DistributedOptimizer summing the gradients).
+"""
+
+import os
+import signal
+import sys
+
+import numpy as np
+
+import collectives
+from cases import run_scenario
+from collectives import elastic
+
+STEPS, LEARNING_RATE, VICTIM = 40, 0.5, 1
+
+
+def problem():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((96, 6))
+    y = x @ rng.standard_normal(6) + 0.1 * rng.standard_normal(96)
+    return x, y
+
+
+def one_process(x, y):
+    w = np.zeros(x.shape[1])
+    for _ in range(STEPS):
+        w -= LEARNING_RATE * x.T @ (x @ w - y) / len(x)
+    return w
+
+
+def shard(state, n):
+    size, rank = state.comm.size, state.comm.rank
+    return slice(rank * n // size, (rank + 1) * n // size)
+
+
+def numpy_run(comm, x, y, kill_step, original):
+    state = elastic.ArrayState(comm, w=np.zeros(x.shape[1]), step=0)
+
+    def train(state):
+        while state.step < STEPS:
+            if original == VICTIM and state.step == kill_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            part = shard(state, len(x))
+            g = x[part].T @ (x[part] @ state.w - y[part])
+            g = state.comm.allreduce(g, op="sum") / len(x)
+            state.w -= LEARNING_RATE * g
+            state.step += 1
+            state.commit()
+        return state.w
+
+    return state, train
+
+
+def torch_run(comm, x, y, kill_step, original):
+    import torch
+
+    from collectives.torch import DistributedOptimizer
+    torch.manual_seed(0)
+    model = torch.nn.Linear(x.shape[1], 1, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        model.weight.zero_()
+    optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), comm, op="sum")
+    state = elastic.TorchState(comm, model, optimizer, step=0)
+    xs, ys = torch.from_numpy(x), torch.from_numpy(y)
+
+    def train(state):
+        while state.step < STEPS:
+            if original == VICTIM and state.step == kill_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            part = shard(state, len(x))
+            optimizer.zero_grad()
+            loss = ((model(xs[part]).squeeze(1) - ys[part]) ** 2).sum() / (2 * len(x))
+            loss.backward()
+            optimizer.step()
+            state.step += 1
+            state.commit()
+        return model.weight.detach().numpy().reshape(-1).copy()
+
+    return state, train
+
+
+def main():
+    kind, seed = sys.argv[1], int(sys.argv[2])
+    comm = collectives.init(timeout=10.0)
+    original = comm.rank
+    kill_step = int(np.random.default_rng(seed).integers(2, STEPS - 2))
+    x, y = problem()
+
+    def scenario():
+        state, train = (numpy_run if kind == "numpy" else torch_run)(comm, x, y, kill_step, original)
+        sizes = []
+        state.on_reset(lambda s: sizes.append(s.comm.size))
+        w = elastic.run(train, state)
+        assert sizes == [comm.size - 1], sizes
+        assert state.step == STEPS and state.comm.epoch == 1
+        assert np.allclose(w, one_process(x, y), rtol=1e-9, atol=1e-12), (w, one_process(x, y))
+        print(f"KILLED at step {kill_step}, {state.commits} commits, rank {original}", flush=True)
+        state.comm.close()
+
+    run_scenario(scenario, ranks_leave=True)
+    print(f"OK {kind} {original}", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
