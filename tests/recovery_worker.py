@@ -5,6 +5,7 @@
 (the survivors' way under MPICH's mpiexec: docs/api.md, "Going on after a
 failure").
 
+$RECOVERY_DEVICE is what collectives.init(device=...) takes (default "host").
 Scenarios (each rank prints "OK <scenario> <rank>" when every check held):
 
     killed PATH HOW VICTIMS SEED
@@ -23,6 +24,10 @@ Scenarios (each rank prints "OK <scenario> <rank>" when every check held):
                 raise RevokedError at once (not after the timeout), and all
                 shrink to every rank.
     twice       two failures, two shrinks: epochs 1 and 2, old ranks chained.
+    stalled PATH
+                rank 1 stops (SIGSTOP): the others time out and shrink
+                without it, then continue it; its own shrink raises
+                RankExcludedError.
     in_shrink SEED
                 rank 1 dies, then rank 2 at a random moment of its shrink:
                 the survivors shrink until a collective passes, and end on
@@ -39,7 +44,7 @@ import numpy as np
 
 import collectives
 from cases import run_scenario
-from collectives import RankFailedError, RevokedError
+from collectives import CollectiveTimeoutError, RankExcludedError, RankFailedError, RevokedError
 
 TIMEOUT = 10.0
 COUNTS = {"fast": 256, "ring": 256, "large": 1 << 20}
@@ -134,6 +139,33 @@ def scenario_in_shrink(comm, seed):
     current.close()
 
 
+def scenario_stalled(comm, path):
+    """Rank 1 stops (SIGSTOP) after a first call: the others time out, shrink
+    without it (a stopped process is not waited for), and continue it; once
+    running it raises too, and its shrink says it was left out."""
+    values = [float(r + 1) for r in range(comm.size)]
+    allreduce_once(comm, path, values)
+    comm.timeout = 1.0
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        error = until_failure(comm, path, values)   # the others aborted while it was stopped
+        assert isinstance(error, CollectiveTimeoutError), f"{type(error).__name__}: {error}"
+        try:
+            comm.shrink()
+        except RankExcludedError as excluded:
+            assert "left out" in str(excluded), excluded
+            return
+        raise AssertionError("the stopped rank was let into the shrunk communicator")
+    error = until_failure(comm, path, values)
+    assert type(error) is CollectiveTimeoutError, f"{type(error).__name__}: {error}"
+    stopped = comm._ranks.group.pid_of(1)   # noqa: SLF001 - the test's way to continue it
+    shrunk = comm.shrink()
+    check_shrunk(comm, shrunk, [0, 2], 1)
+    if shrunk.rank == 0:
+        os.kill(stopped, signal.SIGCONT)
+    shrunk.close()
+
+
 def scenario_agree(comm):
     assert comm.agree(True) is True
     assert comm.agree(comm.rank != 1) is False
@@ -188,7 +220,7 @@ def scenario_twice(comm):
 
 def main():
     scenario, arguments = sys.argv[1], sys.argv[2:]
-    comm = collectives.init(timeout=TIMEOUT)
+    comm = collectives.init(timeout=TIMEOUT, device=os.environ.get("RECOVERY_DEVICE", "host"))
     rank = comm.rank
     run_scenario(lambda: globals()[f"scenario_{scenario}"](comm, *arguments), ranks_leave=True)
     print(f"OK {scenario} {rank}", flush=True)

@@ -34,12 +34,13 @@ needs_the_loop = pytest.mark.skipif(not fastpath.available(), reason="the compil
                                     "python setup.py build_ext --inplace")
 
 
-def run_survivors(n, scenario, *arguments, survivors, worker=WORKER):
+def run_survivors(n, scenario, *arguments, survivors, worker=WORKER, device="host"):
     """Run the worker's scenario on n ranks; the ranks `survivors` must each print OK."""
     pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
     command = " ".join(shlex.quote(part) for part in (sys.executable, str(worker), scenario, *arguments))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
+    env["RECOVERY_DEVICE"] = device
     try:
         done = subprocess.run(
             [mpiexec(), "-disable-auto-cleanup", "-n", str(n), "sh", "-c", f'trap "" USR1; {command}; exit $?'],
@@ -64,6 +65,20 @@ def test_the_survivors_of_killed_ranks_shrink_to_the_same_ranks_and_compute_righ
     dead = {int(v) for v in victims.split(",")}
     printed = run_survivors(n, "killed", path, how, victims, "7", survivors=[r for r in range(n) if r not in dead])
     assert len(re.findall(r"SHRINK [\d.]+ ms", printed)) == n - len(dead), printed
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("path, victims", [("fast", "2"), ("ring", "0")])
+def test_ranks_on_emulated_devices_shrink_and_compute_right(path, victims):
+    dead = {int(victims)}
+    run_survivors(3, "killed", path, "sigkill", victims, "5", survivors=[r for r in range(3) if r not in dead],
+                  device="emulated")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("path", [pytest.param("fast", marks=needs_the_loop), "ring"])
+def test_a_stopped_rank_is_left_out_and_told_so_once_it_runs_again(path):
+    run_survivors(3, "stalled", path, survivors=[0, 1, 2])
 
 
 @pytest.mark.mpi

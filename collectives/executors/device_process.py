@@ -45,6 +45,7 @@ from ..compression import kernels as codecs
 from ..compression import wire
 from ..plan import NSRC, SCRATCH, SRC0, SRC_BUF, SRC_RANK, WORK
 from ..transport.protocol import ProcessGroup, describe_call
+from ..transport.recovery import Recoverable
 from .device import grid_for
 from .device_protocol import CallRecords, DeviceProtocol, signature
 from .ll_collectives import LLPath
@@ -83,8 +84,9 @@ class DeviceMemory:
         self.device.release_shared(memory, own)
 
 
-class DeviceProcessRank:
-    """This process's rank, on `device`, of a communicator of processes."""
+class DeviceProcessRank(Recoverable):
+    """This process's rank, on `device`, of a communicator of processes
+    (agree and shrink: transport/recovery.Recoverable)."""
 
     addressable = False  # peers open only each other's workspaces
     host_only = False
@@ -205,7 +207,13 @@ class DeviceProcessRank:
         """Abort the communicator for every rank: theirs raise `cause`'s class (protocol.py)."""
         self.group.abort(reason, cause)
 
+    def remake(self, rank, size, prefix):
+        """This rank's like, for another communicator (a shrunk one): on the
+        same device, with workspaces, IPC buffers and flags of its own."""
+        return DeviceProcessRank(rank, size, prefix, self.device)
+
     def close(self):
+        self._forget_recovery()
         try:
             self.device.synchronize()
         finally:

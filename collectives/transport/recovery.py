@@ -238,6 +238,40 @@ class _RoundFailed(CollectiveError):
     member fails the round alike, and the next round starts."""
 
 
+class Recoverable:
+    """agree and shrink for the rank object of a communicator of processes
+    on one machine: it has `.group` (its protocol.ProcessGroup) and
+    `remake(rank, size, prefix)`, a rank object like itself for another
+    communicator (the shrunk one). Host ranks (shm.py) and GPU ranks
+    (executors/device_process.py) alike: the new rank builds its own
+    workspaces, IPC buffers and flags."""
+
+    _recovery_area = None   # RecoveryArea, made at the first agree or shrink
+
+    def agree(self, flag, deadline):
+        """The AND of every rank's flag, uniform among the ranks that return."""
+        return self._recovery().agree(flag, deadline)
+
+    def shrink(self, deadline):
+        """The rank object of a new communicator of the ranks that are left,
+        and their ranks here, in order. Every survivor calls it; the
+        caller revoked this communicator first."""
+        def make(rank, size, prefix, pids):
+            made = self.remake(rank, size, prefix)
+            made.group.expect_pids(pids)
+            return made
+        return self._recovery().shrink(deadline, make)
+
+    def _recovery(self):
+        if self._recovery_area is None:
+            self._recovery_area = RecoveryArea(self.group)
+        return self._recovery_area
+
+    def _forget_recovery(self):
+        """Drop the views of the control segment (before the segment goes)."""
+        self._recovery_area = None
+
+
 def _address(array, index):
     """The address of `array[index]` (an int64 word)."""
     return array.ctypes.data + int(np.ravel_multi_index(index, array.shape)) * 8

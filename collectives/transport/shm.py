@@ -21,12 +21,13 @@ from ..plan import INPUT, OUTPUT, WORK
 from . import fastpath
 from .p2p import Mailboxes, PointToPoint
 from .protocol import ProcessGroup, describe_call
-from .recovery import RecoveryArea
+from .recovery import Recoverable
 from .segments import HostMemory
 
 
-class ShmRank:
-    """This process's rank of a communicator whose ranks share one machine."""
+class ShmRank(Recoverable):
+    """This process's rank of a communicator whose ranks share one machine
+    (agree and shrink: recovery.Recoverable)."""
 
     addressable = False  # peers see only each other's workspaces: plans copy in and out
     host_only = True     # it indexes NumPy arrays
@@ -39,7 +40,6 @@ class ShmRank:
         self.group = ProcessGroup(rank, size, prefix, HostMemory)
         self.rank, self.size, self.prefix = rank, size, prefix
         self._ranks_on_machine = ranks_on_machine
-        self._recovery_area = None   # recovery.RecoveryArea, made at the first agree or shrink
         self._timeout = None   # the communicator's, which it sets at once (use_timeout)
         # Which cost model `auto` asks: ranks that outnumber the cores wait
         # for the scheduler at every step, a cost of its own.
@@ -146,31 +146,16 @@ class ShmRank:
         if self.fast is None or not self.fast.barrier(deadline):   # (the loop's: a merged step of no bytes)
             self.group.barrier(deadline)
 
-    def agree(self, flag, deadline):
-        """The AND of every rank's flag, uniform among the ranks that return (recovery.py)."""
-        return self._recovery().agree(flag, deadline)
-
-    def shrink(self, deadline):
-        """The rank of a new communicator of the ranks that are left
-        (recovery.py), and their ranks here, in order. Every survivor calls
-        it; the caller revoked this communicator first."""
-        def make(rank, size, prefix, pids):
-            made = ShmRank(rank, size, prefix, self._ranks_on_machine)
-            made.group.expect_pids(pids)
-            return made
-        return self._recovery().shrink(deadline, make)
-
-    def _recovery(self):
-        if self._recovery_area is None:
-            self._recovery_area = RecoveryArea(self.group)
-        return self._recovery_area
+    def remake(self, rank, size, prefix):
+        """This rank's like, for another communicator (a shrunk one: recovery.Recoverable)."""
+        return ShmRank(rank, size, prefix, self._ranks_on_machine)
 
     def abort(self, reason, cause=CollectiveError):
         """Abort the communicator for every rank: theirs raise `cause`'s class (protocol.py)."""
         self.group.abort(reason, cause)
 
     def close(self):
-        self._recovery_area = None   # its views of the control segment go before the segment
+        self._forget_recovery()   # its views of the control segment go before the segment
         if self.fast is not None:
             self.fast.close()
         self.group.close()
