@@ -1,0 +1,432 @@
+"""One rank of the TensorFlow and Keras tests; tests/test_tensorflow.py starts N of these under mpiexec.
+
+    mpiexec -n N python tests/tensorflow_worker.py SCENARIO [OUTPUT.json]
+
+TensorFlow's import costs seconds per process, so each scenario starts once
+and checks many things: `ops` every op's values and gradients against NumPy,
+eagerly and inside tf.function, and its errors; `training` a tape and a
+Keras fit against one process trained on the concatenated batches, then a
+rank that dies under a tf.function. Each rank prints "OK <part> <rank>" for
+every part that held and fails with a traceback otherwise. Rank 0 writes
+what it measured to OUTPUT.json when one is named.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")      # TensorFlow's start-up banners
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import collectives  # noqa: E402
+import collectives.tensorflow as ctf  # noqa: E402
+from collectives import InvalidUsageError, RankFailedError  # noqa: E402
+
+TIMEOUT = 30.0   # ranks share two cores with TensorFlow's tracing: generous, and still no hang
+
+
+def ok(part, comm):
+    print(f"OK {part} {comm.rank}", flush=True)
+
+
+def inputs(shape_of, dtype, n, seed=0):
+    """Every rank's input (each rank makes them all, to compute the references): small integers, exact in any dtype."""
+    return [np.random.default_rng(seed + r).integers(-4, 5, shape_of(r)).astype(dtype) for r in range(n)]
+
+
+def both_modes(fn, *args):
+    """fn(*args) eagerly, then as a tf.function traced once and run twice
+    (the collectives run when the graph runs: twice, not once)."""
+    graph = tf.function(fn)
+    return [fn(*args), graph(*args), graph(*args)]
+
+
+def value_and_gradient(op, x, upstream):
+    """op(x), and the gradient of sum(op(x) * upstream) with respect to x."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = op(x)
+        loss = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
+    return y, tape.gradient(loss, x)
+
+
+def check_value_and_gradient(op, x, upstream, want_y, want_grad, exact=True):
+    compare = np.testing.assert_array_equal if exact else (
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6))
+    for y, grad in both_modes(lambda t: value_and_gradient(op, t, upstream), tf.constant(x)):
+        assert y.dtype.as_numpy_dtype == want_y.dtype, (y.dtype, want_y.dtype)
+        compare(y.numpy(), want_y)
+        compare(grad.numpy(), want_grad)
+
+
+def raises(error_type, match, fn, *args):
+    """fn(*args) must raise `error_type` whose message contains `match`, eagerly and inside tf.function
+    (there through typed_errors)."""
+    for mode in ("eager", "graph"):
+        try:
+            with ctf.typed_errors():
+                (fn if mode == "eager" else tf.function(fn))(*args)
+        except error_type as error:
+            assert match in str(error), (mode, str(error))
+        else:
+            raise AssertionError(f"{mode}: no {error_type.__name__} ({match})")
+
+
+# -- ops: 3 ranks ----------------------------------------------------------------------------------
+
+
+def scenario_ops(comm, output):
+    n, r = comm.size, comm.rank
+
+    # allreduce: every op on three dtypes; sum and avg gradients.
+    for dtype in (np.float32, np.float64, np.int32):
+        xs = inputs(lambda q: (3, 4), dtype, n)
+        for op, reference in (("sum", np.sum), ("max", np.max), ("min", np.min), ("prod", np.prod)):
+            want = reference(np.stack(xs), axis=0).astype(dtype)
+            for got in both_modes(lambda t: ctf.allreduce(t, comm, op=op), tf.constant(xs[r])):
+                np.testing.assert_array_equal(got.numpy(), want, err_msg=f"{op} {dtype}")
+    xs = inputs(lambda q: (3, 4), np.float32, n)
+    upstreams = inputs(lambda q: (3, 4), np.float32, n, seed=100)
+    check_value_and_gradient(lambda t: ctf.allreduce(t, comm), xs[r], upstreams[r],
+                             np.sum(xs, axis=0), np.sum(upstreams, axis=0))
+    check_value_and_gradient(lambda t: ctf.allreduce(t, comm, op="avg"), xs[r], upstreams[r],
+                             (np.sum(xs, axis=0) / n).astype(np.float32),
+                             (np.sum(upstreams, axis=0) / n).astype(np.float32), exact=False)
+    x = tf.constant(xs[r])
+    ctf.allreduce(x, comm)
+    np.testing.assert_array_equal(x.numpy(), xs[r])   # TensorFlow's buffer was not written
+    ok("allreduce", comm)
+
+    # 16-bit floats add in float32 and round once: 1024 + 0.5 + 0.5 is 1025,
+    # where float16 additions one at a time would give 1024 (and bfloat16's
+    # 256 + 1 + 1: 258, not 256).
+    assert n == 3
+    for dtype, values, want in ((np.float16, [1024.0, 0.5, 0.5], 1025.0),
+                                (tf.bfloat16.as_numpy_dtype, [256.0, 1.0, 1.0], 258.0)):
+        x = np.full(5, values[r], dtype)
+        for got in both_modes(lambda t: ctf.allreduce(t, comm), tf.constant(x)):
+            assert got.dtype.as_numpy_dtype == dtype and (got.numpy().astype(np.float32) == want).all(), got
+        _, grad = value_and_gradient(lambda t: ctf.allreduce(t, comm), tf.constant(x), tf.ones(5))
+        assert grad.dtype.as_numpy_dtype == dtype and (grad.numpy().astype(np.float32) == n).all(), grad
+    # compression passes through (float32 only): int8's error bound, not exact
+    big = np.random.default_rng(r).standard_normal(4096).astype(np.float32)
+    got = ctf.allreduce(tf.constant(big), comm, op="avg", compression="int8").numpy()
+    want = np.mean([np.random.default_rng(q).standard_normal(4096).astype(np.float32) for q in range(n)], axis=0)
+    assert 0 < np.abs(got - want).max() < 0.05, np.abs(got - want).max()
+    ok("half_precision", comm)
+
+    # allgather: uneven rows (rank q has q + 1, then q rows: rank 0 none), even rows, any dtype.
+    for rows_of in (lambda q: q + 1, lambda q: q, lambda q: 2):
+        xs = inputs(lambda q: (rows_of(q), 2, 3), np.float32, n)
+        whole = np.concatenate(xs)
+        upstreams = inputs(lambda q: whole.shape, np.float32, n, seed=100)
+        start = sum(rows_of(q) for q in range(r))
+        check_value_and_gradient(lambda t: ctf.allgather(t, comm), xs[r], upstreams[r],
+                                 whole, np.sum(upstreams, axis=0)[start:start + rows_of(r)])
+    for dtype in (np.bool_, np.complex64, np.int64, np.uint8):
+        xs = [(np.arange(3 * (q + 1)).reshape(q + 1, 3) % 2 + 1j * q).astype(dtype)
+              if dtype == np.complex64 else (np.arange(3 * (q + 1)).reshape(q + 1, 3) % (2 + q)).astype(dtype)
+              for q in range(n)]
+        for got in both_modes(lambda t: ctf.allgather(t, comm), tf.constant(xs[r])):
+            np.testing.assert_array_equal(got.numpy(), np.concatenate(xs))
+    ok("allgather", comm)
+
+    # reduce_scatter: rank r's block of the sum (avg, max); gradients of sum and avg.
+    xs = inputs(lambda q: (2 * n, 3), np.float32, n)
+    upstreams = inputs(lambda q: (2, 3), np.float32, n, seed=100)
+    block = slice(2 * r, 2 * r + 2)
+    check_value_and_gradient(lambda t: ctf.reduce_scatter(t, comm), xs[r], upstreams[r],
+                             np.sum(xs, axis=0)[block], np.concatenate(upstreams))
+    check_value_and_gradient(lambda t: ctf.reduce_scatter(t, comm, op="avg"), xs[r], upstreams[r],
+                             (np.sum(xs, axis=0) / n).astype(np.float32)[block],
+                             (np.concatenate(upstreams) / n).astype(np.float32), exact=False)
+    for got in both_modes(lambda t: ctf.reduce_scatter(t, comm, op="max"), tf.constant(xs[r])):
+        np.testing.assert_array_equal(got.numpy(), np.max(xs, axis=0)[block])
+    ok("reduce_scatter", comm)
+
+    # broadcast from rank 1: its values everywhere; the gradient is the sum at the root, zeros elsewhere.
+    xs = inputs(lambda q: (4, 2), np.float32, n)
+    upstreams = inputs(lambda q: (4, 2), np.float32, n, seed=100)
+    check_value_and_gradient(lambda t: ctf.broadcast(t, comm, root=1), xs[r], upstreams[r],
+                             xs[1], np.sum(upstreams, axis=0) if r == 1 else np.zeros((4, 2), np.float32))
+    for dtype in (np.bool_, np.int64, np.complex128):
+        values = [np.array([q % 2, 1, 0], dtype) + (1j * q if dtype == np.complex128 else 0) for q in range(n)]
+        for got in both_modes(lambda t: ctf.broadcast(t, comm, root=2), tf.constant(values[r])):
+            np.testing.assert_array_equal(got.numpy(), values[2])
+    ok("broadcast", comm)
+
+    # grouped_allreduce: mixed dtypes and shapes (an empty one, a scalar), one fused call; its gradient.
+    shapes = [(3, 4), (5,), (0, 2), (), (2, 2)]
+    dtypes = [np.float32, np.float32, np.float32, np.float64, np.int32]
+    xs = [inputs(lambda q: shape, dtype, n, seed=10 * i) for i, (shape, dtype) in enumerate(zip(shapes, dtypes))]
+    for op, reduce in (("sum", lambda a: np.sum(a, axis=0)), ("avg", lambda a: np.sum(a, axis=0) / n)):
+        for got in both_modes(lambda *ts: ctf.grouped_allreduce(list(ts), comm, op=op, fusion_threshold=64),
+                              *[tf.constant(x[r]) for x in xs]):
+            for g, x, dtype in zip(got, xs, dtypes):
+                total = np.sum(np.stack(x), axis=0)
+                want = total if op == "sum" else np.trunc(total / n) if dtype == np.int32 else total / n
+                np.testing.assert_allclose(g.numpy(), want.astype(dtype), rtol=1e-6)   # avg of ints truncates
+    floats = [tf.constant(x[r]) for x in xs[:2]]
+    ups = [inputs(lambda q: shapes[i], np.float32, n, seed=200 + i) for i in range(2)]
+    with tf.GradientTape() as tape:
+        tape.watch(floats)
+        ys = ctf.grouped_allreduce(floats, comm, op="avg")
+        loss = sum(tf.reduce_sum(y * u[r]) for y, u in zip(ys, ups))
+    for grad, u in zip(tape.gradient(loss, floats), ups):
+        np.testing.assert_allclose(grad.numpy(), np.sum(u, axis=0) / n, rtol=1e-6)
+    ok("grouped_allreduce", comm)
+
+    # broadcast_variables: rank 1's values in every rank's variables, one broadcast.
+    variables = [tf.Variable(np.full((3, 2), r, np.float32)), tf.Variable(np.int64(10 + r)),
+                 tf.Variable([r == 1, r != 1, True]), tf.Variable(np.zeros((0,), np.float16))]
+    ctf.broadcast_variables(variables, comm, root=1)
+    assert (variables[0].numpy() == 1).all() and variables[1].numpy() == 11, variables
+    assert variables[2].numpy().tolist() == [True, False, True], variables[2]
+    graph_variables = [tf.Variable(np.full(4, r + 0.5, np.float32))]
+    tf.function(lambda: ctf.broadcast_variables(graph_variables, comm, root=2))()
+    assert (graph_variables[0].numpy() == 2.5).all(), graph_variables[0]
+    ok("broadcast_variables", comm)
+
+    # A graph traced on one rank runs against eager calls on the others:
+    # calls are numbered when they run. Independent collectives in one
+    # graph run in program order on every rank (20 runs, no mismatch).
+    def several(a, b, c):
+        return ctf.allreduce(a, comm), ctf.allgather(b, comm), ctf.broadcast(c, comm, root=0), \
+            ctf.allreduce(c, comm, op="max")
+    args = [tf.constant(np.full(3, r, np.float32)), tf.constant(np.full((1, 2), r, np.int32)),
+            tf.constant(np.full(2, r + 1.0))]
+    traced = tf.function(several)
+    for step in range(20):
+        got = traced(*args) if r == 0 or step % 2 else several(*args)
+        assert (got[0].numpy() == sum(range(n))).all() and got[1].numpy()[:, 0].tolist() == list(range(n))
+        assert (got[2].numpy() == 1).all() and (got[3].numpy() == n).all()
+    ok("order", comm)
+
+    # Errors: typed, naming the argument, on every rank alike; the communicator goes on working after them.
+    raises(InvalidUsageError, "tensor: tensors of string", lambda: ctf.allreduce(tf.constant(["a", "b"]), comm))
+    raises(InvalidUsageError, "tensor: tensors of complex64", lambda: ctf.allreduce(tf.zeros(2, tf.complex64), comm))
+    raises(InvalidUsageError, "tensor: tensors of string cannot be moved",
+           lambda: ctf.broadcast(tf.constant(["a"]), comm))
+    raises(InvalidUsageError, "op: unknown reduction", lambda: ctf.allreduce(tf.zeros(2), comm, op="mean"))
+    raises(InvalidUsageError, "root:", lambda: ctf.broadcast(tf.zeros(2), comm, root=n))
+    raises(InvalidUsageError, "compression:", lambda: ctf.allreduce(tf.zeros(2, tf.float64), comm,
+                                                                     compression="bf16"))
+    raises(InvalidUsageError, f"must be a multiple of {n}", lambda: ctf.reduce_scatter(tf.zeros((n + 1, 2)), comm))
+    raises(InvalidUsageError, "scalar", lambda: ctf.allgather(tf.zeros(()), comm))
+    # Different shapes on different ranks: all raise, and the message says every rank's shape.
+    mismatched = tf.zeros((2, r + 1))
+    raises(InvalidUsageError, "tensor: every rank must pass the same dtype and shape",
+           lambda: ctf.allreduce(mismatched, comm))
+    raises(InvalidUsageError, f"rank {r}: allreduce (op sum, compression None) of float32 (2, {r + 1})",
+           lambda: ctf.allreduce(mismatched, comm))
+    raises(InvalidUsageError, "every dimension but the first", lambda: ctf.allgather(mismatched, comm))
+    raises(InvalidUsageError, "tensor: every rank", lambda: ctf.broadcast(mismatched, comm, root=0))
+    raises(InvalidUsageError, "tensors: every rank",
+           lambda: ctf.grouped_allreduce([tf.zeros(2), mismatched], comm))
+    differently_typed = tf.zeros(3, tf.float32 if r else tf.float64)
+    raises(InvalidUsageError, "float64 (3,)", lambda: ctf.allreduce(differently_typed, comm))
+    # Inside tf.function, without typed_errors: TensorFlow's InvalidArgumentError, whose typed error we recover.
+    try:
+        tf.function(lambda: ctf.allreduce(mismatched, comm))()
+    except tf.errors.InvalidArgumentError as error:
+        assert isinstance(ctf.typed_error(error), InvalidUsageError), error
+    else:
+        raise AssertionError("mismatched shapes went through a tf.function")
+    # A reduction without a gradient says so when the gradient is asked for.
+    with tf.GradientTape() as tape:
+        t = tf.constant([1.0, 2.0])
+        tape.watch(t)
+        y = ctf.allreduce(t, comm, op="max")
+    try:
+        tape.gradient(y, t)
+    except InvalidUsageError as error:
+        assert "op: allreduce with op 'max' has no gradient" in str(error), error
+    else:
+        raise AssertionError("max's gradient was computed")
+    assert ctf.allreduce(tf.ones(2), comm).numpy().tolist() == [n, n]   # still working
+    ok("errors", comm)
+
+
+# -- training: 2 ranks ----------------------------------------------------------------------------
+
+
+def global_batches(steps, batch, seed=0):
+    """Features (batch, 8), embedding ids (batch,) and labels (batch,) of every global batch."""
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch, 8)).astype(np.float32), rng.integers(0, 10, batch),
+             rng.integers(0, 4, batch)) for _ in range(steps)]
+
+
+def tape_model(seed):
+    """A Keras-free model: an embedding table (its gradient is an IndexedSlices) and two dense layers."""
+    rng = np.random.default_rng(seed)
+    shapes = [(10, 8), (8, 16), (16,), (16, 4), (4,)]
+    return [tf.Variable(rng.standard_normal(shape).astype(np.float32) * 0.3) for shape in shapes]
+
+
+def tape_loss(params, features, ids, labels):
+    table, w1, b1, w2, b2 = params
+    hidden = tf.nn.relu((features + tf.gather(table, ids)) @ w1 + b1)
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, hidden @ w2 + b2))
+
+
+def sgd(params, grads, lr=0.1):
+    for p, g in zip(params, grads):
+        if isinstance(g, tf.IndexedSlices):
+            p.scatter_sub(tf.IndexedSlices(lr * g.values, g.indices, g.dense_shape))   # duplicate indices add
+        else:
+            p.assign_sub(lr * g)
+
+
+def flat(variables):
+    return np.concatenate([np.asarray(v).reshape(-1) for v in variables])
+
+
+def same_bits_everywhere(values):
+    everyone = MPI.COMM_WORLD.allgather(values.tobytes())
+    return all(b == everyone[0] for b in everyone)
+
+
+def scenario_training(comm, output):
+    n, r = comm.size, comm.rank
+    measured = {}
+    batches = global_batches(12, 16)
+    local = 16 // n
+
+    # The tape: rank r takes rows r*local.. of every global batch; averaged
+    # gradients must land where one process on the whole batches lands.
+    for sparse_as_dense in (False, True):
+        params = tape_model(seed=100 + r)          # different on every rank until the broadcast
+        ctf.broadcast_variables(params, comm, root=0)
+
+        @tf.function
+        def step(features, ids, labels):
+            with tf.GradientTape() as tape:
+                loss = tape_loss(params, features, ids, labels)
+            grads = ctf.DistributedGradientTape(tape, comm, sparse_as_dense=sparse_as_dense).gradient(loss, params)
+            assert isinstance(grads[0], tf.IndexedSlices) != sparse_as_dense, type(grads[0])
+            sgd(params, grads)
+
+        for features, ids, labels in batches:
+            mine = slice(r * local, (r + 1) * local)
+            step(features[mine], ids[mine], labels[mine])
+        alone = tape_model(seed=100)               # rank 0's start, trained on the whole batches
+        for features, ids, labels in batches:
+            with tf.GradientTape() as tape:
+                loss = tape_loss(alone, features, ids, labels)
+            sgd(alone, tape.gradient(loss, alone))
+        difference = float(np.abs(flat(params) - flat(alone)).max())
+        assert same_bits_everywhere(flat(params)), "ranks' parameters differ"
+        assert difference <= 1e-5, difference
+        assert np.abs(flat(alone) - flat(tape_model(seed=100))).max() > 1e-2   # training moved them
+        measured[f"tape sparse_as_dense={sparse_as_dense}"] = difference
+    ok("tape", comm)
+
+    scenario_keras(comm, measured)
+    ok("keras", comm)
+    if output and r == 0:
+        with open(output, "w") as f:
+            json.dump(measured, f)
+    scenario_killed(comm)
+
+
+def keras_model(seed):
+    import keras
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((1,), dtype="int32")
+    features = keras.Input((8,))
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(10, 8)(ids))
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([features, embedded]))
+    return keras.Model([features, ids], keras.layers.Dense(4)(hidden))
+
+
+def scenario_keras(comm, measured):
+    """Keras fit on 2 ranks (each half of every global batch) against one
+    process on the global batches: the same weights to 1e-5, and the same
+    epoch losses once averaged. Clipping is active (global_clipnorm 0.05),
+    so clipping each rank's gradients before averaging would not match."""
+    import keras
+    from collectives.keras import BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback
+
+    n, r = comm.size, comm.rank
+    batches = global_batches(8, 16, seed=1)
+    local = 16 // n
+
+    def data(rows):
+        return ([np.concatenate([b[0][rows] for b in batches]), np.concatenate([b[1][rows] for b in batches])[:, None]],
+                np.concatenate([b[2][rows] for b in batches]))
+
+    def compile_(model, optimizer):
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    model = compile_(keras_model(seed=r),
+                     DistributedOptimizer(keras.optimizers.Adam(0.01, global_clipnorm=0.05), comm))
+    x, y = data(slice(r * local, (r + 1) * local))
+    history = model.fit(x, y, batch_size=local, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[BroadcastGlobalVariablesCallback(comm, root=0), MetricAverageCallback(comm)])
+    alone = compile_(keras_model(seed=0), keras.optimizers.Adam(0.01, global_clipnorm=0.05))
+    x, y = data(slice(None))
+    reference = alone.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    weights, want = flat([w.numpy() for w in model.weights]), flat([w.numpy() for w in alone.weights])
+    difference = float(np.abs(weights - want).max())
+    assert same_bits_everywhere(weights), "ranks' Keras weights differ"
+    assert difference <= 1e-5, difference
+    assert np.abs(want - flat([w.numpy() for w in keras_model(seed=0).weights])).max() > 1e-3   # it trained
+    losses = np.array(history.history["loss"])
+    assert same_bits_everywhere(losses), "MetricAverageCallback left the ranks' losses different"
+    np.testing.assert_allclose(losses, reference.history["loss"], rtol=1e-5)
+    measured["keras fit"] = difference
+    measured["keras loss"] = float(np.abs(losses - reference.history["loss"]).max())
+
+
+def scenario_killed(comm):
+    """Rank 1 dies between steps of a tf.function; rank 0's next step raises,
+    inside the graph: TensorFlow's UnknownError naming RankFailedError,
+    which typed_errors turns back into RankFailedError, within the timeout."""
+    params = [tf.Variable(np.ones(64, np.float32))]
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(params[0] ** 2)
+        sgd(params, ctf.DistributedGradientTape(tape, comm).gradient(loss, params))
+
+    for number in range(10):
+        if number == 5 and comm.rank == 1:
+            os._exit(0)
+        start = time.perf_counter()
+        try:
+            with ctf.typed_errors():
+                step()
+        except RankFailedError as error:
+            elapsed = time.perf_counter() - start
+            assert number == 5, f"step {number} raised: {error}"
+            assert isinstance(error.__cause__, tf.errors.UnknownError), type(error.__cause__)
+            assert "RankFailedError" in str(error.__cause__), error.__cause__
+            assert elapsed < TIMEOUT, f"took {elapsed:.1f}s to notice, with a {TIMEOUT}s timeout"
+            print(f"rank {comm.rank} raised {type(error).__name__} {elapsed:.3f}s into step {number}", flush=True)
+            ok("killed", comm)
+            return
+    raise AssertionError("training went on without rank 1")
+
+
+def main():
+    scenario, output = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    tf.config.threading.set_inter_op_parallelism_threads(2)   # several ranks share the machine's cores
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    comm = collectives.init(timeout=TIMEOUT)
+    assert comm.size == MPI.COMM_WORLD.size and comm.rank == MPI.COMM_WORLD.rank
+    globals()[f"scenario_{scenario}"](comm, output)
+    if scenario == "training":
+        os._exit(0)   # rank 1 died: MPI_Finalize would wait for it
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""collectives.tensorflow and collectives.keras.
+
+In this process, on one rank: argument errors (typed, naming the argument),
+how a graph runs its collectives (in program order, each time it runs, not
+when traced), TensorFlow's errors turned back into ours, and one rank
+training exactly as without the wrappers.
+
+Under mpiexec (tests/tensorflow_worker.py is one rank): on 3 processes every
+op's values and gradients against NumPy, eagerly and inside tf.function,
+and the errors of mismatched ranks; on 2 processes a GradientTape and a
+Keras fit landing on one process's parameters trained on the concatenated
+batches (1e-5), then a peer that dies under a tf.function giving
+RankFailedError, not a hang.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+tf = pytest.importorskip("tensorflow", reason="the TensorFlow tests need TensorFlow: pip install '.[test]' "
+                                              "(or '.[tensorflow]')")
+keras = pytest.importorskip("keras", reason="the Keras tests need Keras 3, which TensorFlow >= 2.16 brings")
+
+import collectives  # noqa: E402
+import collectives.tensorflow as ctf  # noqa: E402
+from collectives import CollectiveTimeoutError, InvalidUsageError, RankFailedError  # noqa: E402
+from collectives.keras import BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback  # noqa: E402
+
+WORKER = Path(__file__).with_name("tensorflow_worker.py")
+
+
+@pytest.fixture
+def comm():
+    with collectives.Communicator.local(1) as one:
+        yield one
+
+
+# -- in this process, one rank ----------------------------------------------------------------
+
+
+def test_bad_arguments_raise_invalid_usage_naming_the_argument(comm):
+    cases = [
+        (lambda: ctf.allreduce(tf.constant(["a"]), comm), "tensor: tensors of string cannot be reduced"),
+        (lambda: ctf.allreduce(tf.zeros(2, tf.complex64), comm), "tensor: tensors of complex64 cannot be reduced"),
+        (lambda: ctf.allreduce(tf.zeros(2, tf.bool), comm), "tensor: tensors of bool cannot be reduced"),
+        (lambda: ctf.allgather(tf.constant(["a"]), comm), "tensor: tensors of string cannot be moved"),
+        (lambda: ctf.allreduce(tf.zeros(2), comm, op="mean"), "op: unknown reduction 'mean'"),
+        (lambda: ctf.allreduce(tf.zeros(2, tf.float64), comm, compression="int8"), "compression: 'int8' takes float32"),
+        (lambda: ctf.allreduce(tf.zeros(2), comm, compression="zip"), "compression: unknown codec"),
+        (lambda: ctf.broadcast(tf.zeros(2), comm, root=1), "root"),
+        (lambda: ctf.allgather(tf.zeros(()), comm), "tensor: allgather concatenates along the first dimension"),
+        (lambda: ctf.reduce_scatter(tf.zeros(()), comm), "tensor: reduce_scatter gives each"),
+        (lambda: ctf.grouped_allreduce(tf.zeros(2), comm), "tensors: expected a list"),
+        (lambda: ctf.grouped_allreduce([tf.zeros(2), tf.constant(["a"])], comm), "tensors[1]: tensors of string"),
+        (lambda: ctf.grouped_allreduce([tf.zeros(2, tf.float16)], comm, compression="bf16"), "tensors[0]: compression"),
+        (lambda: ctf.broadcast_variables([tf.zeros(2)], comm), "variables[0]: expected a tf.Variable"),
+        (lambda: ctf.allreduce(tf.IndexedSlices(tf.zeros((1, 2)), tf.constant([0])), comm), "tensor: an IndexedSlices"),
+        (lambda: ctf.DistributedGradientTape(object(), comm), "tape: expected a tf.GradientTape"),
+        (lambda: ctf.DistributedGradientTape(tf.GradientTape(), comm, op="max"), "op: gradients are averaged"),
+        (lambda: DistributedOptimizer(object(), comm), "optimizer: expected a keras.optimizers.Optimizer"),
+        (lambda: DistributedOptimizer(DistributedOptimizer(keras.optimizers.SGD(), comm), comm), "optimizer: already"),
+        (lambda: BroadcastGlobalVariablesCallback(comm, root=3), "root"),
+    ]
+    for call, message in cases:
+        with pytest.raises(InvalidUsageError) as raised:
+            call()
+        assert str(raised.value).startswith(message.split(":")[0]) and message in str(raised.value), \
+            (message, str(raised.value))
+    with collectives.Communicator.local(2) as two:
+        with pytest.raises(InvalidUsageError, match="comm: the TensorFlow ops need a communicator with one rank"):
+            ctf.allreduce(tf.zeros(2), two)
+
+
+def test_a_graphs_collectives_run_in_program_order():
+    """Every rank must run the same collectives in the same order. In a
+    tf.function, automatic control dependencies chain the py_function nodes
+    in the order the program made them; were they free, TensorFlow's
+    scheduler could run independent ones in any order, differently on
+    different ranks."""
+    with collectives.Communicator.local(1) as comm:
+        @tf.function
+        def independent(a, b, c):
+            return (ctf.allreduce(a, comm), ctf.allgather(b, comm), ctf.broadcast(c, comm),
+                    ctf.grouped_allreduce([a, c], comm))
+
+        spec = tf.TensorSpec([None], tf.float32)
+        graph = independent.get_concrete_function(spec, spec, spec).graph
+        nodes = [op for op in graph.get_operations() if op.type == "EagerPyFunc"]
+        assert [op.name.split("_")[0] for op in nodes] == [
+            "CollectivesAllreduce", "CollectivesAllgather", "CollectivesBroadcast", "CollectivesGroupedAllreduce"]
+        for before, after in zip(nodes, nodes[1:]):
+            assert before in after.control_inputs, f"{after.name} may run before {before.name}"
+
+
+class CountingCommunicator:
+    """A one-rank communicator that counts the collectives it runs."""
+
+    def __init__(self, comm):
+        self._comm, self.calls = comm, []
+
+    def __getattr__(self, name):
+        attribute = getattr(self._comm, name)
+        if name in ("allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "allreduce_many"):
+            def counted(*args, **kwargs):
+                self.calls.append(name)
+                return attribute(*args, **kwargs)
+            return counted
+        return attribute
+
+
+def test_a_traced_graph_runs_its_collectives_each_time_it_runs(comm):
+    counting = CountingCommunicator(comm)
+    traced = tf.function(lambda x: ctf.allreduce(x, counting, op="avg"))
+    for value in (1.0, 2.0, 3.0):
+        assert traced(tf.fill([4], value)).numpy().tolist() == [value] * 4
+    # one trace, three runs: each run agrees on the call (an allgather) and reduces
+    assert counting.calls == ["allgather", "allreduce"] * 3
+    assert traced.experimental_get_tracing_count() == 1
+
+
+class FailingCommunicator(CountingCommunicator):
+    """A one-rank communicator whose allreduce raises `error`, as one whose peer died would."""
+
+    def __init__(self, comm, error):
+        super().__init__(comm)
+        self.error = error
+
+    def allreduce(self, *args, **kwargs):
+        raise self.error
+
+
+def test_inside_tf_function_a_collectives_error_comes_back_typed(comm):
+    died = RankFailedError("rank 1 died (process 4242 exited) in call #3")
+    failing = FailingCommunicator(comm, died)
+    step = tf.function(lambda x: ctf.allreduce(x, failing))
+    with pytest.raises(tf.errors.UnknownError, match="RankFailedError: rank 1 died") as raised:
+        step(tf.ones(2))
+    assert ctf.typed_error(raised.value) is died               # the very object, with its traceback
+    with pytest.raises(RankFailedError) as typed:
+        with ctf.typed_errors():
+            step(tf.ones(2))
+    assert typed.value is died and isinstance(typed.value.__cause__, tf.errors.UnknownError)
+    assert isinstance(typed.value, CollectiveTimeoutError) and isinstance(typed.value, TimeoutError)
+    # When the kept error is gone (only the latest few are kept), the class and message are rebuilt.
+    ctf.ops._RAISED.clear()
+    rebuilt = ctf.typed_error(raised.value)
+    assert type(rebuilt) is RankFailedError and str(rebuilt) == str(died)
+    # An InvalidUsageError is a ValueError: TensorFlow raises InvalidArgumentError for it.
+    failing.error = InvalidUsageError("x: something wrong")
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        step(tf.ones(2))
+    assert ctf.typed_error(raised.value) is failing.error
+    # Eagerly there is no wrapping at all.
+    failing.error = died
+    with pytest.raises(RankFailedError):
+        ctf.allreduce(tf.ones(2), failing)
+    # Errors raised while tracing: autograph's StagingError, whose context is ours.
+    with pytest.raises(Exception) as staged:
+        tf.function(lambda x: ctf.allreduce(x, comm, op="nope"))(tf.ones(2))
+    assert isinstance(ctf.typed_error(staged.value), InvalidUsageError), repr(staged.value)
+    with pytest.raises(InvalidUsageError, match="op: unknown reduction 'nope'"):
+        with ctf.typed_errors():
+            tf.function(lambda x: ctf.allreduce(x, comm, op="nope"))(tf.ones(2))
+    # Errors that are not ours pass through typed_errors unchanged.
+    with pytest.raises(ZeroDivisionError):
+        with ctf.typed_errors():
+            1 / 0
+    assert ctf.typed_error(ZeroDivisionError()) is None
+
+
+def test_one_rank_trains_exactly_as_without_the_wrappers(comm):
+    """avg over one rank is the identity: every gradient (dense and
+    IndexedSlices) and every variable goes through the library and must
+    come back with the same bits."""
+    rng = np.random.default_rng(0)
+    x, ids = rng.standard_normal((32, 4)).astype(np.float32), rng.integers(0, 6, 32)
+    y = rng.integers(0, 3, 32)
+
+    def model():
+        keras.utils.set_random_seed(1)
+        features, index = keras.Input((4,)), keras.Input((1,), dtype="int32")
+        embedded = keras.layers.Flatten()(keras.layers.Embedding(6, 4)(index))
+        hidden = keras.layers.Dense(8, activation="relu")(keras.layers.Add()([features, embedded]))
+        return keras.Model([features, index], keras.layers.Dense(3)(hidden))
+
+    def fit(optimizer, callbacks):
+        m = model()
+        m.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = m.fit([x, ids[:, None]], y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        return np.concatenate([w.numpy().reshape(-1) for w in m.weights]), history.history["loss"]
+
+    wrapped = DistributedOptimizer(keras.optimizers.Adam(0.01, global_clipnorm=0.5), comm)
+    assert type(wrapped).__name__ == "Adam" and isinstance(wrapped, keras.optimizers.Adam)
+    assert wrapped.global_clipnorm == 0.5 and float(wrapped.learning_rate) == pytest.approx(0.01)
+    got = fit(wrapped, [BroadcastGlobalVariablesCallback(comm), MetricAverageCallback(comm)])
+    want = fit(keras.optimizers.Adam(0.01, global_clipnorm=0.5), [])
+    assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+
+    table = tf.Variable(rng.standard_normal((6, 4)).astype(np.float32))
+    weight = tf.Variable(rng.standard_normal((4, 3)).astype(np.float32))
+    for sparse_as_dense in (False, True):
+        with tf.GradientTape() as plain:
+            plain_loss = tf.reduce_sum((tf.gather(table, ids) + x) @ weight)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((tf.gather(table, ids) + x) @ weight)
+        want = plain.gradient(plain_loss, [table, weight])
+        got = ctf.DistributedGradientTape(tape, comm, sparse_as_dense=sparse_as_dense).gradient(loss, [table, weight])
+        assert isinstance(got[0], tf.IndexedSlices) != sparse_as_dense and isinstance(want[0], tf.IndexedSlices)
+        assert np.array_equal(tf.convert_to_tensor(got[0]).numpy(), tf.convert_to_tensor(want[0]).numpy())
+        assert np.array_equal(got[1].numpy(), want[1].numpy())
+
+
+def test_metric_average_callback_averages_numbers_and_leaves_the_rest(comm):
+    logs = {"loss": np.float32(0.5), "accuracy": 0.25, "note": "text", "flag": True}
+    MetricAverageCallback(comm).on_epoch_end(0, logs)
+    assert logs == {"loss": 0.5, "accuracy": 0.25, "note": "text", "flag": True}
+    assert type(logs["loss"]) is float
+
+
+# -- across processes -------------------------------------------------------------------------
+
+
+def mpiexec():
+    pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
+    beside_python = Path(sys.executable).with_name("mpiexec")
+    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec found (pip install '.[test]' brings MPICH's)")
+    return found
+
+
+def run_worker(n, scenario, *arguments, launcher_flags=(), limit=240):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    done = subprocess.run([mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(WORKER), scenario,
+                           *map(str, arguments)], capture_output=True, text=True, timeout=limit, env=env)
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-20000:]}"
+    oks = {}
+    for part, rank in re.findall(r"OK (\w+) (\d+)", done.stdout):   # ranks' lines can arrive glued together
+        oks.setdefault(part, set()).add(int(rank))
+    return done.returncode, oks, report
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_every_op_on_three_processes_against_numpy():
+    returncode, oks, report = run_worker(3, "ops")
+    assert returncode == 0, report
+    parts = ["allreduce", "half_precision", "allgather", "reduce_scatter", "broadcast", "grouped_allreduce",
+             "broadcast_variables", "order", "errors"]
+    assert {part: oks.get(part) for part in parts} == {part: {0, 1, 2} for part in parts}, report
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_two_processes_train_as_one_on_the_whole_batches_and_a_dead_peer_raises(tmp_path):
+    # Hydra would otherwise kill the survivor itself when rank 1 exits.
+    returncode, oks, report = run_worker(2, "training", tmp_path / "measured.json",
+                                         launcher_flags=["-disable-auto-cleanup"])
+    assert returncode == 0, report
+    assert oks.get("tape") == {0, 1} and oks.get("keras") == {0, 1}, report
+    assert oks.get("killed") == {0}, report
+    measured = json.loads((tmp_path / "measured.json").read_text())
+    assert len(measured) == 4 and all(difference <= 1e-5 for difference in measured.values()), measured
+
+
+PUBLIC = [ctf.allreduce, ctf.allgather, ctf.reduce_scatter, ctf.broadcast, ctf.broadcast_variables,
+          ctf.grouped_allreduce, ctf.reduce_gradients, ctf.typed_error, ctf.DistributedGradientTape,
+          ctf.DistributedGradientTape.gradient, DistributedOptimizer, BroadcastGlobalVariablesCallback,
+          MetricAverageCallback]
+
+
+@pytest.mark.parametrize("function", PUBLIC, ids=[f.__qualname__ for f in PUBLIC])
+def test_every_argument_and_the_errors_are_documented(function):
+    """As tests/test_docstrings.py asks of the core API: help() names each argument and says what is raised."""
+    import inspect
+    doc = inspect.getdoc(function)
+    assert doc, f"{function.__qualname__} has no docstring"
+    target = function.__init__ if inspect.isclass(function) else function
+    arguments = [name for name in inspect.signature(target).parameters if name not in ("self", "cls")]
+    missing = [name for name in arguments if not re.search(rf"(^|\W){name}(\W|$)", doc)]
+    assert not missing, f"{function.__qualname__}'s docstring does not name {missing}"
+    assert "Raises" in doc or "raises" in doc, f"{function.__qualname__}'s docstring does not say what it raises"
