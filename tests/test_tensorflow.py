@@ -27,7 +27,7 @@ import pytest
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 tf = pytest.importorskip("tensorflow", reason="the TensorFlow tests need TensorFlow: pip install '.[test]' "
                                               "(or '.[tensorflow]')")
-keras = pytest.importorskip("keras", reason="the Keras tests need Keras 3, which TensorFlow >= 2.16 brings")
+keras = pytest.importorskip("keras", reason="the Keras tests need Keras 3, which TensorFlow >= 2.17 brings")
 
 import collectives  # noqa: E402
 import collectives.tensorflow as ctf  # noqa: E402
@@ -289,3 +289,16 @@ def test_every_argument_and_the_errors_are_documented(function):
     missing = [name for name in arguments if not re.search(rf"(^|\W){name}(\W|$)", doc)]
     assert not missing, f"{function.__qualname__}'s docstring does not name {missing}"
     assert "Raises" in doc or "raises" in doc, f"{function.__qualname__}'s docstring does not say what it raises"
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_the_keras_example_runs():
+    pytest.importorskip("sklearn", reason="the digits data set comes with scikit-learn: pip install scikit-learn")
+    example = Path(__file__).resolve().parent.parent / "examples" / "keras_digits.py"
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(example), "--epochs", "2"],
+                          capture_output=True, text=True, timeout=240)
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-20000:]}"
+    assert done.returncode == 0, report
+    assert re.search(r"epoch +2 +loss \d\.\d+ +test accuracy 0\.\d+", done.stdout), report
+    assert "parameters bitwise identical on all 2 ranks: True" in done.stdout, report
