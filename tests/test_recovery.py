@@ -11,6 +11,7 @@ ranks, and compute right on the new communicator. The checks of each rank
 are in tests/recovery_worker.py.
 """
 
+import json
 import os
 import re
 import shlex
@@ -112,6 +113,42 @@ def test_elastic_training_loses_a_rank_and_ends_on_the_one_process_weights(kind)
         pytest.importorskip("torch")
     printed = run_survivors(3, kind, "3", survivors=[0, 2], worker=ELASTIC_WORKER)
     assert len(re.findall(r"KILLED at step \d+, 40 commits", printed)) == 2, printed
+
+
+@pytest.mark.mpi
+def test_the_elastic_example_loses_a_rank_and_ends_on_the_uninterrupted_runs_accuracy():
+    pytest.importorskip("sklearn")
+    example = Path(__file__).parent.parent / "examples" / "elastic.py"
+
+    def accuracy(n, *flags):
+        command = " ".join(shlex.quote(p) for p in (sys.executable, str(example), "--epochs", "8", *flags))
+        done = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", str(n), "sh", "-c",
+                               f'trap "" USR1; {command}; exit $?'], capture_output=True, text=True, timeout=LIMIT)
+        found = re.search(r"(\d) ranks finished (\d+) steps; test accuracy ([\d.]+); parameters bitwise identical: "
+                          r"True", done.stdout)
+        assert found, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+        return int(found[1]), float(found[3]), done.stdout
+
+    ranks, interrupted, printed = accuracy(4, "--kill-rank", "1", "--kill-step", "57")
+    assert ranks == 3 and "go on from the commit at step 50" in printed, printed
+    _, uninterrupted, _ = accuracy(4, "--kill-step", "-1")
+    assert abs(interrupted - uninterrupted) <= 0.005, (interrupted, uninterrupted)
+
+
+@pytest.mark.mpi
+def test_a_sample_of_the_chaos_benchmark_passes(tmp_path):
+    """bench.chaos's first trials (seeds 1-4: a SIGKILL on 2 ranks, a rank
+    dying during the shrink on 3 and 4, a stop on 2): the benchmark run
+    makes 200 (docs/api.md)."""
+    pytest.importorskip("mpi4py")
+    result = tmp_path / "chaos.json"
+    done = subprocess.run([sys.executable, "-m", "bench.chaos", "--trials", "4", "--seed", "1", "-J", str(result)],
+                          capture_output=True, text=True, timeout=4 * LIMIT, cwd=Path(__file__).parent.parent)
+    assert result.exists(), done.stdout + done.stderr
+    summary = json.loads(result.read_text())["summary"]
+    trials = json.loads(result.read_text())["trials"]
+    assert summary["trials"] == 4 and summary["failed"] == 0 and summary["hangs"] == 0, trials
+    assert set(summary["recovery_ms"]) == {"sigkill", "in_shrink", "stop"}, summary
 
 
 @pytest.mark.parametrize("what", ["revoke", "agree", "shrink"])

@@ -1,0 +1,268 @@
+"""Chaos: ranks killed or stopped at random moments; the survivors shrink and go on.
+
+    python -m bench.chaos [--trials 200] [--seed 1] [--ranks 2,3,4] [-J chaos.json]
+
+Each trial is one job of 2-4 host ranks in processes under MPICH's mpiexec,
+each rank wrapped as docs/api.md says (a shell that ignores hydra's SIGUSR1
+and turns a death by a signal into an exit status). The trial's seed picks,
+the same on every rank: a collective (any of the five) and its size (1 KiB,
+64 KiB or 4 MiB per rank: the compiled loop's merged step, single copy and
+pipeline), an event, its victims and the moment (0-30 ms into a loop of the
+collective, each result checked). Events:
+
+    sigkill       one rank SIGKILLed, from a thread of its own
+    sigkill2      two ranks at once (needs 3 or more ranks)
+    stop          one rank stopped (SIGSTOP): the others wait out the timeout
+    in_shrink     one rank SIGKILLed, then another at a random moment of its
+                  shrink (3 or more ranks)
+
+The survivors shrink (again, while a collective fails) until every member
+agrees the victims have had the time to die, and check a collective of
+every kind on the new communicator. A trial passes when every survivor
+printed the same membership, the victims are not in it, no survivor
+failed, the job ended within its limit (no hang), and no file named with
+a communicator's prefix appeared in /dev/shm. Recovery time: from the first kill (CLOCK_MONOTONIC,
+the same clock in every process) to the last survivor's first correct
+collective on the shrunk communicator (and the part of it after the first
+survivor's call raised: what detection did not cost); p50 and p99 printed
+per event, and every trial in the JSON. A trial is replayed by its seed:
+`python -m bench.chaos --trials 1 --seed S --ranks N`.
+"""
+
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from bench import cli
+from bench.harness import find_mpiexec
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+SIZES = (1 << 10, 64 << 10, 4 << 20)
+EVENTS = ("sigkill", "sigkill2", "stop", "in_shrink")
+TIMEOUT = 3.0          # the communicator's: what a stop costs the survivors
+LIMIT = 90.0           # a job running longer is a hang
+SETTLE = 0.2           # seconds the survivors go on before they agree the victims are gone
+
+
+def plan(seed, n):
+    """What trial `seed` does on `n` ranks (every rank derives the same)."""
+    rng = np.random.default_rng(seed)
+    events = [e for e in EVENTS if n >= 3 or e in ("sigkill", "stop")]
+    event = str(rng.choice(events))
+    victims = [int(v) for v in rng.choice(n, size=2 if event in ("sigkill2", "in_shrink") else 1, replace=False)]
+    return {"seed": seed, "ranks": n, "collective": str(rng.choice(COLLECTIVES)),
+            "nbytes": int(rng.choice(SIZES)), "event": event, "victims": victims,
+            "delay": float(rng.uniform(0, 0.03)), "shrink_delay": float(rng.uniform(0, 0.01))}
+
+
+# -- one rank of a trial ------------------------------------------------------------
+
+def inputs(collective, count, original, size):
+    """Rank `original`'s input: small integers in float32, so sums are exact."""
+    elements = count * size if collective == "reduce_scatter" else count
+    return (np.arange(elements) % 7 + original + 1).astype(np.float32)
+
+
+def check(comm, collective, count, members):
+    """One call of `collective` on `comm` (whose rank r is `members[r]` of the
+    job), checked bitwise against NumPy."""
+    xs = [inputs(collective, count, m, comm.size) for m in members]
+    x = xs[comm.rank].copy()
+    if collective == "allreduce":
+        got, want = comm.allreduce(x), np.sum(xs, axis=0, dtype=np.float32)
+    elif collective == "reduce_scatter":
+        got = comm.reduce_scatter(x, out=np.empty(count, np.float32))
+        want = np.sum(xs, axis=0, dtype=np.float32)[comm.rank * count:(comm.rank + 1) * count]
+    elif collective == "allgather":
+        got, want = comm.allgather(x), np.concatenate(xs)
+    elif collective == "broadcast":
+        got, want = comm.broadcast(x, root=0), xs[0]
+    else:
+        got = comm.reduce(x, root=0)
+        want = np.sum(xs, axis=0, dtype=np.float32) if comm.rank == 0 else xs[comm.rank]
+    if not np.array_equal(got, want):
+        raise AssertionError(f"{collective} of {count} float32 on ranks {members} gave wrong bits")
+
+
+def rank_main(seed, n):
+    import collectives
+    from collectives import CollectiveError
+    trial = plan(seed, n)
+    comm = collectives.init(timeout=TIMEOUT)
+    me, count = comm.rank, trial["nbytes"] // 4
+    first, second = trial["victims"][0], trial["victims"][-1]
+    members = list(range(comm.size))
+    check(comm, trial["collective"], count, members)   # every rank past its first call
+
+    def die(how):
+        print(f"KILL {time.perf_counter():.6f}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+
+    if me in trial["victims"] and not (trial["event"] == "in_shrink" and me == second):
+        threading.Timer(trial["delay"], die, ("stop" if trial["event"] == "stop" else "kill",)).start()
+    try:
+        while True:
+            check(comm, trial["collective"], count, members)
+    except CollectiveError:
+        print(f"DETECTED {time.perf_counter():.6f}", flush=True)
+    if me in trial["victims"] and trial["event"] != "in_shrink":
+        time.sleep(60)   # its signal is on the way (a stopped rank continued at the end exits here)
+        return
+    stopped = [comm._ranks.group.pid_of(v) for v in trial["victims"]] if trial["event"] == "stop" else []  # noqa: SLF001
+    if trial["event"] == "in_shrink" and me == second:
+        threading.Timer(trial["shrink_delay"], die, ("kill",)).start()
+    current, recovered, shrinks = comm, None, 0
+    stop_at = time.perf_counter() + SETTLE
+    while True:
+        try:
+            if current is comm or recovered is None:
+                current = current.shrink()
+                shrinks += 1
+                members = [members[old] for old in current.old_ranks]
+            check(current, trial["collective"], count, members)
+            if recovered is None:
+                recovered = time.perf_counter()
+            for collective in COLLECTIVES:
+                check(current, collective, 256, members)
+        except (collectives.CollectiveTimeoutError, collectives.RevokedError):
+            recovered = None
+            continue
+        if current.agree(time.perf_counter() > stop_at):
+            break
+    print(f"RECOVERED {recovered:.6f} SHRINKS {shrinks} MEMBERS {members} RANK {me}", flush=True)
+    if current.rank == 0:
+        for pid in stopped:
+            os.kill(pid, signal.SIGKILL)
+    current.close()
+
+
+# -- the trials ------------------------------------------------------------------------
+
+def run_trial(seed, n, mpiexec):
+    """Run trial `seed` on `n` ranks; its record."""
+    trial = plan(seed, n)
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    rank = " ".join(shlex.quote(p) for p in (sys.executable, "-m", "bench.chaos", "--rank-of-trial", str(seed)))
+    command = [mpiexec, "-disable-auto-cleanup", "-n", str(n), "sh", "-c", f'trap "" USR1; {rank}; exit $?']
+    start = time.perf_counter()
+    # A session of its own, so that a hung job's every process can be ended.
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True, env=dict(os.environ, CHAOS_RANKS=str(n)))
+    try:
+        out, err = job.communicate(timeout=LIMIT)
+        hung = False
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+        hung = True
+    trial["seconds"] = round(time.perf_counter() - start, 3)
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    # Ours would carry the communicator's prefix (protocol.new_prefix); the
+    # library names nothing there (memfd segments), and other programs'
+    # files (MPICH's, which its killed ranks leave) are not ours to judge.
+    ours_left = sorted(f for f in after - before if f.startswith("coll-"))
+    kills = [float(t) for t in re.findall(r"KILL ([\d.]+)", out)]
+    recovered = re.findall(r"RECOVERED ([\d.]+) SHRINKS (\d+) MEMBERS (\[[\d, ]*\]) RANK (\d+)", out)
+    survivors = sorted(set(range(n)) - set(trial["victims"]))
+    memberships = {m for _, _, m, _ in recovered}
+    problems = []
+    if hung:
+        problems.append(f"hung: past {LIMIT:g} s")
+    if sorted(int(r) for *_, r in recovered) != survivors:
+        problems.append(f"survivors that finished: {sorted(int(r) for *_, r in recovered)}, expected {survivors}")
+    if len(memberships) > 1:
+        problems.append(f"different memberships: {sorted(memberships)}")
+    elif memberships and json.loads(memberships.pop()) != survivors:
+        problems.append(f"membership is not the survivors {survivors}")
+    if ours_left:
+        problems.append(f"left in /dev/shm: {ours_left}")
+    if re.search(r"Traceback|Error", out + err) and not problems:
+        problems.append("a rank printed an error: " + (out + err)[-2000:])
+    trial["problems"] = problems
+    detected = [float(t) for t in re.findall(r"DETECTED ([\d.]+)", out)]
+    if kills and recovered and not problems:
+        trial["recovery_ms"] = round((max(float(t) for t, *_ in recovered) - min(kills)) * 1e3, 2)
+        if detected:   # the first survivor's error: what the rest of the recovery starts from
+            trial["detected_ms"] = round((min(detected) - min(kills)) * 1e3, 2)
+        trial["shrinks"] = max(int(s) for _, s, *_ in recovered)
+    return trial
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def main(argv=None):
+    p = cli.Parser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=200, help="trials, seeds --seed, --seed + 1, ...")
+    p.add_argument("--seed", type=int, default=1, help="the first trial's seed")
+    p.add_argument("--ranks", default="2,3,4", help="processes per trial, taken in turn (comma-separated)")
+    p.add_argument("--rank-of-trial", type=int, help=argparse_hidden())
+    p.add_argument("-J", "--output_file", help="write every trial and the summary as JSON here (default: no file)")
+    args = p.parse_args(argv)
+    if args.rank_of_trial is not None:
+        # Out through os._exit either way: MPI_Finalize at exit would wait for the dead ranks.
+        try:
+            rank_main(args.rank_of_trial, int(os.environ["CHAOS_RANKS"]))
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        sys.stdout.flush()
+        os._exit(0)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    if any(r < 2 for r in ranks):
+        p.error("--ranks: every trial needs 2 or more ranks")
+    mpiexec = find_mpiexec()
+    trials = []
+    for i in range(args.trials):
+        trial = run_trial(args.seed + i, ranks[i % len(ranks)], mpiexec)
+        trials.append(trial)
+        verdict = "ok" if not trial["problems"] else "FAILED: " + "; ".join(trial["problems"])
+        print(f"seed {trial['seed']:5d}  {trial['ranks']} ranks  {trial['event']:9s} {trial['collective']:14s} "
+              f"{trial['nbytes']:>8d} B  victims {trial['victims']}  "
+              f"{trial.get('recovery_ms', float('nan')):8.1f} ms  {verdict}", flush=True)
+    summary = summarize(trials)
+    print(json.dumps(summary, indent=1))
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            json.dump({"command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "timeout_s": TIMEOUT, "summary": summary, "trials": trials}, f, indent=1)
+    return 1 if summary["failed"] else 0
+
+
+def summarize(trials):
+    summary = {"trials": len(trials), "failed": sum(bool(t["problems"]) for t in trials),
+               "hangs": sum(any(p.startswith("hung") for p in t["problems"]) for t in trials), "recovery_ms": {}}
+    for event in EVENTS:
+        times = [t["recovery_ms"] for t in trials if t["event"] == event and "recovery_ms" in t]
+        if times:
+            after = [t["recovery_ms"] - t["detected_ms"] for t in trials
+                     if t["event"] == event and "recovery_ms" in t and "detected_ms" in t]
+            summary["recovery_ms"][event] = {"trials": len(times), "p50": percentile(times, 50),
+                                             "p99": percentile(times, 99), "max": max(times),
+                                             "after_detection_p50": round(percentile(after, 50), 2),
+                                             "after_detection_p99": round(percentile(after, 99), 2),
+                                             "median_shrinks": statistics.median(
+                                                 t["shrinks"] for t in trials if t["event"] == event and "shrinks" in t)}
+    return summary
+
+
+def argparse_hidden():
+    import argparse
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    sys.exit(main())
