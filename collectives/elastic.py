@@ -36,7 +36,10 @@ Host ranks in processes on one machine (where `shrink` is offered).
 """
 
 import copy
+import os
 import pickle
+import signal
+import warnings
 
 import numpy as np
 
@@ -48,9 +51,14 @@ FAILURES = (CollectiveTimeoutError, RevokedError)
 
 def run(train, state):
     """Call `train(state)` until it returns, shrinking and rolling back
-    after each failure of a peer; returns what `train` returned."""
+    after each failure of a peer; returns what `train` returned. Warns
+    (RuntimeWarning) where the launcher would end the survivors of a
+    failure (launcher_kills_survivors)."""
     if not isinstance(state, State):
         raise InvalidUsageError(f"state: expected a collectives.elastic State, got {type(state).__name__}")
+    why = launcher_kills_survivors()
+    if why:
+        warnings.warn(f"collectives.elastic: {why}", RuntimeWarning, stacklevel=2)
     state.sync()
     state.save()
     while True:
@@ -58,6 +66,41 @@ def run(train, state):
             return train(state)
         except FAILURES:
             state.reset(state.comm.shrink())
+
+
+def launcher_kills_survivors(environ=os.environ):
+    """Why the launcher of this process would end every rank when one dies
+    (a sentence with the way out), or "" where nothing says it would."""
+    parent = _process_name(os.getppid())
+    if parent == "hydra_pmi_proxy":
+        return ("this rank is a direct child of MPICH's mpiexec, which ends every rank when one dies by a signal; "
+                "start each rank through a shell that lets the others live: mpiexec -disable-auto-cleanup -n N "
+                "sh -c 'trap \"\" USR1; python ...; exit $?'")
+    if _process_name(_parent_of(os.getppid())) == "hydra_pmi_proxy" \
+            and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        return ("MPICH's mpiexec sends SIGUSR1 to every rank when one fails, and this process does not ignore it "
+                "(its default action ends the process): start the shell with trap \"\" USR1, and mpiexec with "
+                "-disable-auto-cleanup")
+    if "TORCHELASTIC_RUN_ID" in environ and int(environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        return ("torchrun's agent ends all its workers when one fails, and this agent has "
+                f"{environ['LOCAL_WORLD_SIZE']}: run one agent per rank (--nproc-per-node 1)")
+    return ""
+
+
+def _process_name(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _parent_of(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class State:

@@ -151,6 +151,23 @@ def test_a_sample_of_the_chaos_benchmark_passes(tmp_path):
     assert set(summary["recovery_ms"]) == {"sigkill", "in_shrink", "stop"}, summary
 
 
+@pytest.mark.mpi
+def test_elastic_names_a_launcher_that_would_end_the_survivors():
+    pytest.importorskip("mpi4py")
+    ask = f"{shlex.quote(sys.executable)} -c 'from collectives import elastic; print(\"[\" + elastic.launcher_kills_survivors() + \"]\")'"
+    direct = subprocess.run([mpiexec(), "-n", "1", "sh", "-c", f"exec {ask}"], capture_output=True, text=True,
+                            timeout=LIMIT)
+    assert "direct child of MPICH's mpiexec" in direct.stdout, direct.stdout + direct.stderr
+    untrapped = subprocess.run([mpiexec(), "-n", "1", "sh", "-c", f"{ask}; exit $?"], capture_output=True, text=True,
+                               timeout=LIMIT)
+    assert "does not ignore it" in untrapped.stdout, untrapped.stdout + untrapped.stderr
+    wrapped = subprocess.run([mpiexec(), "-n", "1", "sh", "-c", f'trap "" USR1; {ask}; exit $?'],
+                             capture_output=True, text=True, timeout=LIMIT)
+    assert wrapped.stdout.strip() == "[]", wrapped.stdout + wrapped.stderr
+    assert "--nproc-per-node 1" in elastic.launcher_kills_survivors({"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "4"})
+    assert elastic.launcher_kills_survivors({"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "1"}) == ""
+
+
 @pytest.mark.parametrize("what", ["revoke", "agree", "shrink"])
 def test_ranks_that_cannot_recover_say_so(what):
     with collectives.Communicator.local(2) as comm:
