@@ -238,7 +238,7 @@ def main(argv=None):
     if args.output_file:
         with open(args.output_file, "w") as f:
             json.dump({"command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "timeout_s": TIMEOUT, "summary": summary, "trials": trials}, f, indent=1)
+                       "machine": machine(), "timeout_s": TIMEOUT, "summary": summary, "trials": trials}, f, indent=1)
     return 1 if summary["failed"] else 0
 
 
@@ -257,6 +257,20 @@ def summarize(trials):
                                              "median_shrinks": statistics.median(
                                                  t["shrinks"] for t in trials if t["event"] == event and "shrinks" in t)}
     return summary
+
+
+def machine():
+    """What the trials ran on."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            **{name: installed(name) for name in ("mpich", "mpi4py", "numpy")}}
 
 
 def argparse_hidden():
