@@ -493,7 +493,9 @@ class Communicator:
         within the timeout, RankFailedError when it died; a failure aborts
         the communicator, as a failed collective does.
         """
-        self.isend(x, peer, tag).wait()
+        engine = self._point_to_point("send")
+        data = validation.message_bytes(x, self._ranks, "x", written=False)
+        engine.send(data, validation.rank_number(peer, self.size, "peer"), validation.message_tag(tag))
 
     def recv(self, out, peer=None, tag=0):
         """Receive a message into `out`; return the rank it came from.
@@ -507,7 +509,10 @@ class Communicator:
         sender would wait for a receive that never comes);
         CollectiveTimeoutError or RankFailedError as `send`.
         """
-        return self.irecv(out, peer, tag).wait()
+        engine = self._point_to_point("recv")
+        data = validation.message_bytes(out, self._ranks, "out", written=True)
+        peer = None if peer is None else validation.rank_number(peer, self.size, "peer")
+        return engine.recv(data, peer, validation.message_tag(tag))
 
     def isend(self, x, peer, tag=0):
         """`send` that returns at once: a transport.p2p.Request, whose

@@ -14,6 +14,7 @@
 #include <Python.h>
 
 #include <sys/uio.h>
+#include <time.h>
 
 #include "shm_waits.h"
 #include "host_folds.h"
@@ -1352,6 +1353,194 @@ static PyObject *py_compare_exchange(PyObject *Py_UNUSED(self), PyObject *const 
     return PyLong_FromLongLong(expected);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Point-to-point mailboxes (p2p.py: the protocol; layout.py: the bytes)    */
+/*                                                                          */
+/* The common case of send and recv without Python in the loop: a send     */
+/* whose every fragment fits the free slots now (it never waits), and a    */
+/* receive from one peer by a rank with nothing else pending, whose head   */
+/* message has the receive's tag and bytes. Anything else is declined      */
+/* (NOT_FAST, nothing consumed) and p2p.py's engine does it.                */
+
+static struct {
+    int ready;
+    long header, sent, taken;          /* header bytes; SENT and TAKEN: its int64 words */
+    long slots, slot_header, slot_bytes;
+    long bytes_word, tag_word, offset_word;   /* a slot header's int64 words */
+} box_layout;
+
+enum { NOT_FAST = 8 };
+
+static PyObject *py_mailbox_layout(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "mailbox_layout(header, sent, taken, slots, slot_header, slot_bytes, "
+                                         "bytes_word, tag_word, offset_word)");
+        return NULL;
+    }
+    long v[9];
+    for (int i = 0; i < 9; i++) {
+        v[i] = PyLong_AsLong(args[i]);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    box_layout.header = v[0], box_layout.sent = v[1], box_layout.taken = v[2], box_layout.slots = v[3];
+    box_layout.slot_header = v[4], box_layout.slot_bytes = v[5];
+    box_layout.bytes_word = v[6], box_layout.tag_word = v[7], box_layout.offset_word = v[8];
+    box_layout.ready = 1;
+    Py_RETURN_NONE;
+}
+
+static inline char *box_slot(char *box, int64_t index)
+{
+    return box + box_layout.header + (index % box_layout.slots) * (box_layout.slot_header + box_layout.slot_bytes);
+}
+
+/* mailbox_put(box, data, tag) -> True once every fragment of the message
+ * (`data`: any object with the buffer protocol, all its bytes) is in a
+ * slot and published, False (nothing written) where they do not all fit
+ * the free slots now. */
+static PyObject *py_mailbox_put(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !box_layout.ready) {
+        PyErr_SetString(PyExc_TypeError, "mailbox_put(box, data, tag), after mailbox_layout()");
+        return NULL;
+    }
+    char *box = (char *)PyLong_AsVoidPtr(args[0]);
+    long long tag = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const char *data = (const char *)view.buf;
+    long long nbytes = (long long)view.len;
+    int64_t *words = (int64_t *)box;
+    int64_t sent = load_acquire(&words[box_layout.sent]), taken = load_acquire(&words[box_layout.taken]);
+    int64_t fragments = nbytes == 0 ? 1 : (nbytes + box_layout.slot_bytes - 1) / box_layout.slot_bytes;
+    if (sent + fragments - taken > box_layout.slots) {
+        PyBuffer_Release(&view);
+        Py_RETURN_FALSE;
+    }
+    for (int64_t k = 0; k < fragments; k++) {
+        char *slot = box_slot(box, sent + k);
+        int64_t *head = (int64_t *)slot, offset = k * box_layout.slot_bytes;
+        int64_t length = nbytes - offset < box_layout.slot_bytes ? nbytes - offset : box_layout.slot_bytes;
+        head[box_layout.bytes_word] = nbytes, head[box_layout.tag_word] = tag, head[box_layout.offset_word] = offset;
+        if (length > 0)
+            memcpy(slot + box_layout.slot_header, data + offset, (size_t)length);
+    }
+    __atomic_store_n(&words[box_layout.sent], sent + fragments, __ATOMIC_RELEASE);   /* last: the fragments first */
+    PyBuffer_Release(&view);
+    Py_RETURN_TRUE;
+}
+
+/* Wait until the mailbox's SENT passes `taken`: spin, yield, then sleep,
+ * looking at the abort flag, the sender's process and the deadline. */
+static int wait_for_fragment(const int64_t *sent, int64_t taken, const int64_t *abort_flag, int64_t pid,
+                             double deadline, long spin, double yield_seconds)
+{
+    for (long i = 0; i < spin; i++)
+        if (load_acquire(sent) > taken)
+            return OK;
+    int status = OK;
+    PyThreadState *released = PyEval_SaveThread();
+    double now = now_seconds(), yield_until = now + yield_seconds, next_check = now + 0.05, nap = 1e-5;
+    while (load_acquire(sent) <= taken) {
+        now = now_seconds();
+        if (__atomic_load_n(abort_flag, __ATOMIC_ACQUIRE)) {
+            status = load_acquire(sent) > taken ? OK : ABORTED;
+            break;
+        }
+        if (now >= next_check) {
+            if (!process_alive(pid)) {
+                status = load_acquire(sent) > taken ? OK : PEER_DEAD;   /* published, then died */
+                break;
+            }
+            PyEval_RestoreThread(released);
+            int raised = PyErr_CheckSignals() < 0;
+            released = PyEval_SaveThread();
+            if (raised) {
+                status = INTERRUPTED;
+                break;
+            }
+            next_check = now + 0.05;
+        }
+        if (now >= deadline) {
+            status = TIMED_OUT;
+            break;
+        }
+        if (now < yield_until) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, (long)(nap * 1e9)};
+            nanosleep(&ts, NULL);
+            nap = nap * 2 < 1e-3 ? nap * 2 : 1e-3;
+        }
+    }
+    PyEval_RestoreThread(released);
+    return status;
+}
+
+static int take_message(char *box, char *data, int64_t nbytes, int64_t tag, double deadline,
+                        const int64_t *abort_flag, int64_t pid, long spin, double yield_seconds);
+
+/* mailbox_take(box, data, tag, deadline, abort_address, pid, spin, yield_seconds) -> status:
+ * OK once the whole message is in `data` (a writable buffer of exactly its
+ * bytes); NOT_FAST where the head message is not one of `tag` and of
+ * `data`'s bytes (nothing taken); else why it stopped
+ * (TIMED_OUT, ABORTED, PEER_DEAD, INTERRUPTED with the exception set),
+ * possibly with some fragments taken: the communicator is then aborted. */
+static PyObject *py_mailbox_take(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8 || !box_layout.ready) {
+        PyErr_SetString(PyExc_TypeError, "mailbox_take(box, data, tag, deadline, abort_address, pid, spin, "
+                                         "yield_seconds), after mailbox_layout()");
+        return NULL;
+    }
+    char *box = (char *)PyLong_AsVoidPtr(args[0]);
+    long long tag = PyLong_AsLongLong(args[2]);
+    double deadline = PyFloat_AsDouble(args[3]);
+    const int64_t *abort_flag = (const int64_t *)PyLong_AsVoidPtr(args[4]);
+    long long pid = PyLong_AsLongLong(args[5]);
+    long spin = PyLong_AsLong(args[6]);
+    double yield_seconds = PyFloat_AsDouble(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    int status = take_message(box, (char *)view.buf, (int64_t)view.len, tag, deadline, abort_flag, pid, spin,
+                              yield_seconds);
+    PyBuffer_Release(&view);
+    if (status == INTERRUPTED)
+        return NULL;
+    return PyLong_FromLong(status);
+}
+
+static int take_message(char *box, char *data, int64_t nbytes, int64_t tag, double deadline,
+                        const int64_t *abort_flag, int64_t pid, long spin, double yield_seconds)
+{
+    int64_t *words = (int64_t *)box;
+    int64_t taken = load_acquire(&words[box_layout.taken]);
+    for (int first = 1;; first = 0) {
+        int status = wait_for_fragment(&words[box_layout.sent], taken, abort_flag, pid, deadline, spin, yield_seconds);
+        if (status != OK)
+            return status;
+        const char *slot = box_slot(box, taken);
+        const int64_t *head = (const int64_t *)slot;
+        int64_t total = head[box_layout.bytes_word], offset = head[box_layout.offset_word];
+        if (first && (head[box_layout.tag_word] != tag || total != nbytes || offset != 0))
+            return NOT_FAST;
+        int64_t length = total - offset < box_layout.slot_bytes ? total - offset : box_layout.slot_bytes;
+        if (length > 0)
+            memcpy(data + offset, slot + box_layout.slot_header, (size_t)length);
+        __atomic_store_n(&words[box_layout.taken], ++taken, __ATOMIC_RELEASE);
+        if (offset + length >= total)
+            return OK;
+    }
+}
+
 static PyObject *py_store_release(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
@@ -1367,6 +1556,13 @@ static PyObject *py_store_release(PyObject *Py_UNUSED(self), PyObject *const *ar
 }
 
 static PyMethodDef module_methods[] = {
+    {"mailbox_layout", (PyCFunction)(void (*)(void))py_mailbox_layout, METH_FASTCALL,
+     "mailbox_layout(header, sent, taken, slots, slot_header, slot_bytes, bytes_word, tag_word, offset_word): "
+     "layout.py's mailbox, once"},
+    {"mailbox_put", (PyCFunction)(void (*)(void))py_mailbox_put, METH_FASTCALL,
+     "mailbox_put(box, data, tag): every fragment into the free slots and published (True), or nothing (False)"},
+    {"mailbox_take", (PyCFunction)(void (*)(void))py_mailbox_take, METH_FASTCALL,
+     "mailbox_take(box, data, tag, deadline, abort_address, pid, spin, yield_seconds): a status; see _shmloop.c"},
     {"store_release", (PyCFunction)(void (*)(void))py_store_release, METH_FASTCALL,
      "store_release(address, value): an int64 store with release order (no wake: see publish)"},
     {"compare_exchange", (PyCFunction)(void (*)(void))py_compare_exchange, METH_FASTCALL,
@@ -1403,6 +1599,10 @@ PyMODINIT_FUNC PyInit__shmloop(void)
     PyModule_AddIntConstant(m, "REDUCED", REDUCED);
     PyModule_AddIntConstant(m, "SLEEPERS", SLEEPERS);
     PyModule_AddIntConstant(m, "SLOT_HEADER", SLOT_HEADER);
+    PyModule_AddIntConstant(m, "NOT_FAST", NOT_FAST);
+    PyModule_AddIntConstant(m, "TIMED_OUT", TIMED_OUT);
+    PyModule_AddIntConstant(m, "ABORTED", ABORTED);
+    PyModule_AddIntConstant(m, "PEER_DEAD", PEER_DEAD);
     PyModule_AddIntConstant(m, "REDUCE_SCATTER", K_REDUCE_SCATTER);
     PyModule_AddIntConstant(m, "ALLGATHER", K_ALLGATHER);
     PyModule_AddIntConstant(m, "BROADCAST", K_BROADCAST);

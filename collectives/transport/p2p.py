@@ -30,6 +30,13 @@ it waits for one of them (and at each post), every pending one, in the
 order posted, so two ranks that each wait for their own send while the
 other's receive is pending both get through.
 
+The blocking send and recv skip the engine where it has nothing to do
+(_shmloop.c's mailbox_put and mailbox_take: the same slots and counters,
+one compiled call): a send whose fragments all fit the free slots, and a
+receive from a named peer by a rank with nothing pending, of the head
+message when it has the receive's tag and bytes. Otherwise the engine
+runs, and it reads the same mailboxes, so both mix.
+
 A failure (a timeout, a peer that died, a receive whose array does not
 have the message's bytes) aborts the communicator as a failed collective
 does: the message half-sent in a mailbox leaves that pair unusable.
@@ -37,10 +44,11 @@ does: the message half-sent in a mailbox leaves that pair unusable.
 
 import collections
 import time
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..errors import InvalidUsageError
+from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from .layout import (
     FRAGMENT_OFFSET, MAILBOX_HEADER, MAILBOX_SENT, MAILBOX_SLOT_BYTES, MAILBOX_SLOT_HEADER, MAILBOX_SLOTS,
     MAILBOX_TAKEN, MESSAGE_BYTES, MESSAGE_TAG, mailbox_bytes, mailboxes_offset,
@@ -48,6 +56,13 @@ from .layout import (
 from .protocol import Counters, Waiter
 
 _SLOT_STRIDE = MAILBOX_SLOT_HEADER + MAILBOX_SLOT_BYTES
+
+try:
+    from . import _shmloop   # the compiled send and receive (setup.py builds it when a C compiler is there)
+    _shmloop.mailbox_layout(MAILBOX_HEADER, MAILBOX_SENT, MAILBOX_TAKEN, MAILBOX_SLOTS, MAILBOX_SLOT_HEADER,
+                            MAILBOX_SLOT_BYTES, MESSAGE_BYTES, MESSAGE_TAG, FRAGMENT_OFFSET)
+except ImportError:
+    _shmloop = None
 
 
 class Request:
@@ -92,13 +107,26 @@ class _ReadAhead:
         self.done_bytes = 0
 
 
+class CompiledWaits(NamedTuple):
+    """What the compiled send and receive need of the ranks (shm.py):
+    where the abort flag is, each rank's process id, and how a wait spins."""
+    abort_address: int
+    pid_of: Callable[[int], int]
+    spin: int
+    yield_seconds: float
+
+
 class PointToPoint:
     """This rank's sends and receives; `mailboxes` None where it has no
-    peers in other processes (it can then message itself alone)."""
+    peers in other processes (it can then message itself alone). With
+    `compiled` (CompiledWaits) and the compiled loop built, a blocking send
+    or receive takes the compiled mailbox calls where they apply (see
+    send and recv)."""
 
-    def __init__(self, rank, size, mailboxes, timeout_of, check_health, abort):
+    def __init__(self, rank, size, mailboxes, timeout_of, check_health, abort, compiled=None):
         self.rank, self.size = rank, size
         self._mailboxes = mailboxes
+        self._compiled = compiled if _shmloop is not None and mailboxes is not None else None
         self._timeout_of = timeout_of           # () -> the communicator's timeout
         self._check_health = check_health       # (peer or None, during) -> raises if aborted or peer died
         self._abort = abort                     # (reason, cause)
@@ -127,6 +155,52 @@ class PointToPoint:
         self._receives.append(request)
         self.progress()
         return request
+
+    # -- blocking calls: the compiled mailbox where it applies ----------------------
+
+    def send(self, data, peer, tag):
+        """A blocking send. Where nothing to `peer` is pending and every
+        fragment fits the free slots, one compiled call puts them there
+        (it never waits); else isend and wait."""
+        if self._compiled is not None and peer != self.rank and not self._sends.get(peer) and \
+                _shmloop.mailbox_put(self._mailboxes.address(self.rank * self.size + peer), data, tag):
+            return
+        self.wait(self.isend(data, peer, tag), None)
+
+    def recv(self, data, peer, tag):
+        """A blocking receive; returns the source. Where this rank has
+        nothing pending (a receive waiting in C would not move it) and
+        names its peer, one compiled call waits for the message and copies
+        it out, if the head of the mailbox is a message of `tag` and of
+        `data`'s bytes; else (or for a message read ahead) irecv and wait."""
+        compiled = self._compiled
+        if compiled is not None and peer is not None and peer != self.rank and not self._receives \
+                and not self._reading and not self._unexpected.get(peer) and not any(self._sends.values()):
+            status = _shmloop.mailbox_take(
+                self._mailboxes.address(peer * self.size + self.rank), data, tag,
+                time.perf_counter() + self._timeout_of(), compiled.abort_address, compiled.pid_of(peer),
+                compiled.spin, compiled.yield_seconds)
+            if status == 0:
+                return peer
+            if status != _shmloop.NOT_FAST:
+                self._compiled_failure(status, peer, tag, data.nbytes)
+        request = self.irecv(data, peer, tag)
+        self.wait(request, None)
+        return request.source
+
+    def _compiled_failure(self, status, peer, tag, nbytes):
+        """Raise what the engine's wait raises for the compiled receive's
+        `status`, the communicator aborted first."""
+        try:
+            if status == _shmloop.TIMED_OUT:
+                raise CollectiveTimeoutError(f"timed out waiting for rank {peer} to complete a recv of {nbytes} "
+                                             f"bytes (tag {tag})")
+            self._check_health(peer, "a recv with this rank")   # ABORTED, PEER_DEAD: the class of what happened
+            raise CollectiveError(f"a recv of {nbytes} bytes from rank {peer} (tag {tag}) stopped: the "
+                                  "communicator was aborted")
+        except BaseException as error:
+            self._fail(error)
+            raise
 
     # -- moving -------------------------------------------------------------------
 
@@ -289,7 +363,12 @@ class Mailboxes:
                                    strides=(stride, 8))
         self._bytes = np.ndarray((size * size, stride), np.uint8, buffer, offset=offset)
         self._counters = Counters(self._headers)
+        self._base = self._bytes.ctypes.data
         self._slots = {}
+
+    def address(self, pair):
+        """Where a pair's mailbox starts (the compiled calls take it)."""
+        return self._base + pair * self._bytes.strides[0]
 
     def load(self, pair, word):
         return self._counters.load(pair, word)

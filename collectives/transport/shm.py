@@ -19,7 +19,8 @@ from ..config import resolve_compiled_plans
 from ..executors import host, host_process
 from ..plan import INPUT, OUTPUT, WORK
 from . import fastpath
-from .p2p import Mailboxes, PointToPoint
+from .layout import ABORT
+from .p2p import CompiledWaits, Mailboxes, PointToPoint
 from .protocol import ProcessGroup, describe_call
 from .recovery import Recoverable
 from .segments import HostMemory
@@ -63,8 +64,13 @@ class ShmRank(Recoverable):
         segment's mailboxes; `timeout_of()` gives the communicator's timeout.
         The communicator closes it before this rank (its views go first)."""
         group = self.group
+        header, _, _ = group.channel_addresses()
+        oversubscribed = self.transport.endswith("oversubscribed")
+        compiled = CompiledWaits(header + 8 * ABORT, group.pid_of,
+                                 fastpath.SPIN_OVERSUBSCRIBED if oversubscribed else fastpath.SPIN_DEDICATED,
+                                 fastpath.YIELD_SECONDS)
         return PointToPoint(self.rank, self.size, Mailboxes(group.control_buffer, self.size, group.fast_sizes),
-                            timeout_of, group.check_peers, group.abort)
+                            timeout_of, group.check_peers, group.abort, compiled)
 
     def use_timeout(self, seconds):
         """The communicator's timeout (Communicator.timeout passes each new

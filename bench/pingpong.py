@@ -1,0 +1,95 @@
+"""Point-to-point latency: send/recv ping-pong between 2 processes, ours beside MPICH's.
+
+    python -m bench.pingpong [--sizes 8,1K,64K,1M] [--batches 20] [--round-trips 500] [-J pingpong.json]
+
+Rank 0 sends a message to rank 1 and waits for it back; one way is half a
+round trip. Batches of --round-trips alternate between our
+`comm.send`/`comm.recv` and MPI's `Send`/`Recv` (mpi4py, on the same
+NumPy arrays), in the same 2 processes, after a barrier each; the median
+batch is reported, with MPI's time over ours (above 1: we are faster).
+Without a launcher it relaunches itself under mpiexec, 2 processes pinned
+one per core (-bind-to core).
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import collectives
+from bench import cli
+from bench.harness import RELAUNCHED, mpi_world, relaunch_under_mpiexec
+
+
+def parse_args(argv=None):
+    p = cli.Parser(prog="python -m bench.pingpong", description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="8,1K,64K,1M", type=cli.sizes, help="message sizes (suffixes K, M)")
+    p.add_argument("--batches", type=int, default=20, help="batches per side, alternating")
+    p.add_argument("--round-trips", type=int, default=500, help="round trips per batch")
+    p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
+    args = p.parse_args(argv)
+    args.ranks = 2
+    return args
+
+
+def one_way_seconds(send, recv, rank, round_trips):
+    """Seconds one way, from `round_trips` round trips timed on rank 0."""
+    start = time.perf_counter()
+    for _ in range(round_trips):
+        if rank == 0:
+            send()
+            recv()
+        else:
+            recv()
+            send()
+    return (time.perf_counter() - start) / round_trips / 2
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world = mpi_world()
+    if world is None or world.Get_size() == 1:
+        if os.environ.get(RELAUNCHED):
+            sys.exit("bench.pingpong needs 2 processes")
+        return relaunch_under_mpiexec(args, sys.argv[1:] if argv is None else argv, ["-bind-to", "core"])
+    if world.Get_size() != 2:
+        sys.exit("bench.pingpong runs on exactly 2 processes")
+    from mpi4py import MPI
+    comm = collectives.init(comm=world)
+    rank, peer = comm.rank, 1 - comm.rank
+    rows = []
+    for nbytes in [cli.parse_size(s) for s in args.sizes.split(",") if s.strip()]:
+        message = np.arange(nbytes, dtype=np.uint8)
+        back = np.empty(nbytes, np.uint8)
+        sides = {
+            "ours": (lambda: comm.send(message, peer), lambda: comm.recv(back, peer)),
+            "mpi": (lambda: world.Send([message, MPI.BYTE], peer), lambda: world.Recv([back, MPI.BYTE], peer)),
+        }
+        times = {name: [] for name in sides}
+        for name, (send, recv) in sides.items():   # a warm-up batch each (first calls map and compile)
+            one_way_seconds(send, recv, rank, 10)
+        for _ in range(args.batches):
+            for name, (send, recv) in sides.items():
+                world.Barrier()
+                times[name].append(one_way_seconds(send, recv, rank, args.round_trips))
+        assert np.array_equal(back, message), "the message came back changed"
+        row = {"bytes": nbytes, **{f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()}}
+        row["mpi_over_ours"] = row["mpi_us"] / row["ours_us"]
+        rows.append(row)
+        if rank == 0:
+            print(f"{nbytes:>10d} B   ours {row['ours_us']:8.2f} us   MPICH {row['mpi_us']:8.2f} us   "
+                  f"MPICH/ours {row['mpi_over_ours']:5.2f}", flush=True)
+    if rank == 0 and args.output_file:
+        from bench.environment import environment
+        with open(args.output_file, "w") as f:
+            json.dump({"command": "python -m bench.pingpong " + " ".join(sys.argv[1:] if argv is None else argv),
+                       "environment": environment(args, 2, ["ours", "mpi"]), "one_way": rows}, f, indent=1)
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
