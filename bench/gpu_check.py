@@ -18,10 +18,10 @@
    says which mode was measured ("mps" or "time-sliced");
 5. ours against NCCL, side by side, one rank per visible GPU (NCCL takes
    one rank per GPU); skipped, with the reason, on emulated devices;
-6. writes everything to one JSON (-J; by default gpu_check_<device>.json in
-   the current directory) with the device, driver, CUDA, CuPy and NCCL
-   versions and the exact command; the runs worth keeping are committed
-   under bench/results/.
+6. writes everything to one JSON where -J says (no file without it: the
+   verdict is printed either way) with the device, driver, CUDA, CuPy and
+   NCCL versions and the exact command; the runs worth keeping are
+   committed under bench/results/.
 
 `--device emulated` runs the same steps on the CPU (our kernels compiled for
 it): CI does, so that on a GPU only the CuPy adapter is new.
@@ -64,16 +64,15 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=20, help="timed launches per measurement")
     p.add_argument("--processes", type=int, default=2, help="processes for the one-rank-per-process runs")
     p.add_argument("--skip-tests", action="store_true", help="do not run the gpu tests")
-    p.add_argument("-J", "--output_file", default=None,
-                   help="JSON path (default gpu_check_<device>.json in the current directory)")
+    p.add_argument("-J", "--output_file", default=None, help="write the report as JSON here (default: no file)")
     args = p.parse_args(argv)
     emulated = args.device == "emulated"
     args.nbytes = cli.parse_size(args.bytes or ("1M" if emulated else "256M"))
     args.maxbytes = args.maxbytes or ("1M" if emulated else "256M")
     args.variants = [(None, None)] if emulated else [
         (int(m), int(u)) for m in args.min_blocks.split(",") for u in args.unroll.split(",")]
-    # Absolute: the steps run in the checkout's root, and their JSON goes beside this one.
-    args.output_file = os.path.abspath(args.output_file or f"gpu_check_{args.device}.json")
+    # Absolute: the steps run in the checkout's root.
+    args.output_file = os.path.abspath(args.output_file) if args.output_file else None
     return args
 
 
@@ -292,14 +291,14 @@ def main(argv=None):
         del buffers
 
     print(f"# 3. allreduce on {args.ranks} ranks of one device", flush=True)
-    table = Path(args.output_file).with_suffix(".allreduce.json")
-    bench_argv = ["--device", args.device, "--ranks", str(args.ranks), "-b", "8", "-e", args.maxbytes, "-f", "4",
-                  "-n", "20" if args.device == "cuda" else "3", "-w", "5" if args.device == "cuda" else "1",
-                  "-J", str(table)]
-    report["allreduce_command"] = command_line("bench.all_reduce_perf", bench_argv)
-    code = harness.main(all_reduce_perf.ALLREDUCE, bench_argv)
-    report["allreduce"] = json.loads(table.read_text())["rows"]
-    table.unlink()
+    with tempfile.TemporaryDirectory() as scratch:   # the tool's table, read back: no file left anywhere
+        table = Path(scratch) / "allreduce.json"
+        bench_argv = ["--device", args.device, "--ranks", str(args.ranks), "-b", "8", "-e", args.maxbytes, "-f", "4",
+                      "-n", "20" if args.device == "cuda" else "3", "-w", "5" if args.device == "cuda" else "1",
+                      "-J", str(table)]
+        code = harness.main(all_reduce_perf.ALLREDUCE, bench_argv)
+        report["allreduce"] = json.loads(table.read_text())["rows"]
+    report["allreduce_command"] = command_line("bench.all_reduce_perf", bench_argv[:-2])
 
     print(f"# 3b. allreduce on {args.ranks} ranks of one device against its floor (an empty launch, a copy)",
           flush=True)
@@ -318,9 +317,10 @@ def main(argv=None):
     print("# 5. ours against NCCL", flush=True)
     report["ours_vs_nccl"] = ours_against_nccl(args)
 
-    Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output_file).write_text(json.dumps(report, indent=1))
-    print(f"# wrote {args.output_file}")
+    if args.output_file:
+        Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_file).write_text(json.dumps(report, indent=1))
+        print(f"# wrote {args.output_file}")
     failed = (report.get("gpu_tests", {}).get("returncode", 0) not in (0, 5)) or code != 0 \
         or any(run["returncode"] != 0 for run in report["processes"].values()) \
         or report["ours_vs_nccl"].get("returncode", 0) != 0 or "error" in report["against_floor"]
