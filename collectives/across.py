@@ -77,11 +77,17 @@ import numpy as np
 
 from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, REDUCE_TO_ROOT
 from .errors import CollectiveError, CollectiveTimeoutError
-from .hierarchy import _in_node_op, loop_runs_nodes, nodes_consecutive
-from .ops import ReduceOp
+from .ops import ReduceOp, partial_op
 from .transport import fastpath
 from .transport.mpi import DATA_TAG
 from .transport.protocol import description_hash
+
+def loop_runs_nodes(h, call):
+    """Whether every node has as many ranks and its compiled loop takes
+    `call`'s dtype: what hierarchy.py's small path and the Programs need."""
+    return (len({len(node) for node in h.topology.nodes}) == 1 and fastpath.available()
+            and fastpath.takes(call.dtype) and (h.shm is None or h.shm.fast_allreduce is not None))
+
 
 try:
     from .transport import _across
@@ -379,21 +385,21 @@ def lay_out(h, call):
         description_hash=description_hash(f"{call.description}, compiled"), spin=h.poll_spin,
         abort_request=h.link.abort_request_address, abort_status=h.link.abort_status_address, direct=direct)
     peers = tuple(exchange.sources + exchange.targets + [peer for peer, _, _ in receives + sends])
-    return Laid(program, exchange, call.description, shape.steps, _in_node_op(call.op), exchange.nbytes, shape.own,
+    return Laid(program, exchange, call.description, shape.steps, partial_op(call.op), exchange.nbytes, shape.own,
                 peers)
 
 
 def _layout(h, call):
     """The function that lays `call` out (the same on every rank)."""
     large = call.count * call.dtype.itemsize > h.fast_small_max
-    by_node = large and h.shm is not None and nodes_consecutive(h.topology.nodes)
+    by_node = large and h.shm is not None and h.topology.consecutive
     if large and call.collective == ALLREDUCE:
         return _blocks
     if large and call.collective == BROADCAST and h.shm is not None and call.count % len(h.node_ranks) == 0:
         return _broadcast_in_slices
     if by_node and call.collective == ALLGATHER:
         return _allgather_by_node_rows
-    if (call.collective == ALLGATHER and h.shm is not None and nodes_consecutive(h.topology.nodes)
+    if (call.collective == ALLGATHER and h.shm is not None and h.topology.consecutive
             and call.count * call.dtype.itemsize >= NODE_RANGES_FROM):
         return _allgather_by_node_ranges
     if by_node and call.collective == REDUCE_SCATTER:
@@ -407,7 +413,7 @@ def _address(array):
 
 def _loop_allreduce(h, call, into):
     """The node's loop allreduces x into `into` (in-node op: avg sums)."""
-    code = fastpath.OP_CODES[_in_node_op(call.op)]
+    code = fastpath.OP_CODES[partial_op(call.op)]
     return h.shm.fast.channel.allreduce, (None, into, code, None, 0), 0, -1, 3, -1   # (0: the loop takes any size)
 
 
@@ -454,7 +460,7 @@ def _reducing(h, call, counterparts, others):
     if h.shm is None:
         before.append(((X, 0), (ADDRESS, _address(part)), x_bytes))
     elif call.collective == REDUCE_TO_ROOT:
-        first = _loop(h, "reduce", None, part, fastpath.OP_CODES[_in_node_op(call.op)], h.topology.local_of(call.root))
+        first = _loop(h, "reduce", None, part, fastpath.OP_CODES[partial_op(call.op)], h.topology.local_of(call.root))
     else:
         first = _loop_allreduce(h, call, part)
     for peer, payload in zip(senders, exchange.send_payloads):
@@ -490,7 +496,7 @@ def _reduce_scatter_by_node_blocks(h, call, counterparts, others):
     into = [own_partial if k == k_me else next(partials) for k in range(len(nodes))]
     ranges = [(node[0] * count, (node[0] + len(node)) * count) for node in nodes]
     channel, kind = h.shm.fast.channel, fastpath.KINDS["reduce_scatter"]
-    code = fastpath.OP_CODES[_in_node_op(call.op)]
+    code = fastpath.OP_CODES[partial_op(call.op)]
 
     def every_nodes_blocks(x, deadline):
         flat = x.reshape(-1)
@@ -525,7 +531,7 @@ def _blocks(h, call, counterparts, others):
         result = (OUT, 0)
     else:   # the fold into out's block of this rank, which the all-gather then reads in place
         before = []
-        first = _loop(h, "reduce_scatter", None, part, fastpath.OP_CODES[_in_node_op(call.op)], 0)
+        first = _loop(h, "reduce_scatter", None, part, fastpath.OP_CODES[partial_op(call.op)], 0)
         last = _loop(h, "allgather", None, None, 0, 0, own_source=True)
         count = call.count // size
         own = (h.local * count, (h.local + 1) * count)

@@ -136,6 +136,11 @@ class Topology(NamedTuple):
         """`rank`'s index among the ranks of its node."""
         return _placement(self)[rank][1]
 
+    @property
+    def consecutive(self):
+        """Whether every node holds consecutive ranks (its rows are one range of an all-gather's out)."""
+        return all(list(node) == list(range(node[0], node[0] + len(node))) for node in self.nodes)
+
     def machine_rank(self, rank):
         """`rank`'s index among the ranks on its machine (pretend nodes ignored):
         which GPU of the machine a rank takes."""

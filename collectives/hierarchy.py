@@ -90,7 +90,8 @@ from .communicator import Communicator
 from .config import resolve_fast_sizes
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
-from .ops import ReduceOp
+from .across import Programs, loop_runs_nodes
+from .ops import ReduceOp, partial_op
 from .plan import INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, SRC0, WORK
 from .transport import fastpath
 from .transport.protocol import call_signature
@@ -195,7 +196,6 @@ class HierarchyRanks:
     path = "hierarchical"   # what runs every call (Communicator.chosen_algorithm): hierarchy.py's plans
 
     def __init__(self, topology, rank, shm, link):
-        from .across import Programs
 
         self.topology, self.rank, self.shm, self.link = topology, rank, shm, link
         self.node_index = topology.node_of(rank)
@@ -338,7 +338,7 @@ def allreduce(h, call, x, out, deadline, root_node=None):
             mine[:start], mine[stop:] = x[:start], x[stop:]
         elif p == 1:     # 1. the node's partial on this rank's range; 2. across nodes
             h.fold(plan.node_fold, {INPUT: x, **{(r, WORK): work(r) for r in range(len(h.node_ranks))}},
-                   _in_node_op(call.op))
+                   partial_op(call.op))
             across_nodes(h, call, plan, mine[start:stop], deadline)
         elif result is not None:   # 3. every range into the result
             for rank, (a, z) in enumerate(plan.ranges):
@@ -382,7 +382,7 @@ def reduce_scatter(h, call, x, out, deadline):
                 mine[a:z] = x[a:z]
         else:
             h.fold(plan.node_folds, {**buffers, **{(r, WORK): work(r) for r in range(len(h.node_ranks))}},
-                   _in_node_op(call.op))
+                   partial_op(call.op))
             h.exchange(plan.to_owners, buffers, deadline, f"{call.description}: partials to their owners")
             h.fold(plan.owner_fold, buffers, call.op)
 
@@ -489,18 +489,6 @@ def takes_small(h, call):
     return 0 < nbytes <= h.fast_small_max and loop_runs_nodes(h, call)
 
 
-def loop_runs_nodes(h, call):
-    """Whether every node has as many ranks and its compiled loop takes
-    `call`'s dtype: what the small path and across.py's Programs need."""
-    return (len({len(node) for node in h.topology.nodes}) == 1 and fastpath.available()
-            and fastpath.takes(call.dtype) and (h.shm is None or h.shm.fast_allreduce is not None))
-
-
-def nodes_consecutive(nodes):
-    """Whether every node holds consecutive ranks (its rows are one range of an all-gather's out)."""
-    return all(list(node) == list(range(node[0], node[0] + len(node))) for node in nodes)
-
-
 def _in_node(h, collective, x, out, op, root, deadline):
     """One call of the node's compiled loop (nothing when alone on the node:
     out = x). The loop takes these buffers on every rank alike; its
@@ -539,7 +527,7 @@ def small(h, call, x, out, deadline):
     counterparts = [node[h.local] for node in nodes]
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
     count, what = call.count, f"{call.description}: between counterparts"
-    in_node_op = _in_node_op(call.op).value
+    in_node_op = partial_op(call.op).value
     if call.collective in (ALLREDUCE, REDUCE_SCATTER):
         part = h.scratch("part", call.dtype, count)
         _in_node(h, ALLREDUCE, x, part, in_node_op, 0, deadline)
@@ -603,11 +591,6 @@ def _shortest(general):
 RUN = {collective: _shortest(general) for collective, general in (
     (ALLREDUCE, allreduce), (REDUCE_TO_ROOT, reduce), (REDUCE_SCATTER, reduce_scatter), (ALLGATHER, allgather),
     (BROADCAST, broadcast))}
-
-
-def _in_node_op(op):
-    """Inside a node avg sums; it divides where the fold across nodes completes."""
-    return ReduceOp.SUM if op is ReduceOp.AVG else op
 
 
 def _same_memory(a, b):

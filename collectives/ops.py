@@ -54,3 +54,9 @@ def as_reduce_op(op):
             pass
     valid = ", ".join(repr(o.value) for o in ReduceOp)
     raise InvalidUsageError(f"unknown reduction op {op!r}; expected one of {valid}")
+
+
+def partial_op(op):
+    """The op of a partial fold (inside a node, before the fold across nodes):
+    avg sums; it divides once, where the last fold completes."""
+    return ReduceOp.SUM if op is ReduceOp.AVG else op

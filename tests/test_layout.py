@@ -29,6 +29,15 @@ def test_the_protocol_and_the_fast_path_do_not_import_each_other(module, other):
     assert other not in imported_modules(module)
 
 
+def test_the_programs_across_nodes_do_not_import_the_hierarchy_that_runs_them():
+    """across.py's Programs are what hierarchy.py runs: the import goes one way."""
+    tree = ast.parse((TRANSPORT.parent / "across.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "hierarchy" not in imported and "across" in {
+        node.module for node in ast.walk(ast.parse((TRANSPORT.parent / "hierarchy.py").read_text()))
+        if isinstance(node, ast.ImportFrom)}
+
+
 @pytest.mark.parametrize("sizes", [resolve_fast_sizes(), FastSizes(small_max=8, chunk=64),
                                    FastSizes(small_max=1 << 20, chunk=1 << 20)])
 def test_the_channel_starts_on_a_page_after_the_reason_and_fits_every_rank(sizes):
