@@ -20,7 +20,7 @@ TOOLS = ["all_reduce_perf", "reduce_scatter_perf", "all_gather_perf", "broadcast
          "alltoall_perf", "gather_perf", "scatter_perf",
          "call_overhead", "codec_speed", "compression_error", "compression_model", "fusion_perf", "gpu_check",
          "floor", "half_precision_error", "hierarchy_model", "hierarchy_perf", "host_vs_mpich", "model",
-         "plan_report", "plot", "report", "spmd_overhead"]
+         "plan_report", "plot", "report", "spmd_overhead", "chaos", "pingpong"]
 
 
 def test_every_command_line_is_listed():
@@ -178,9 +178,10 @@ def test_no_tool_writes_a_file_unless_told(tool, monkeypatch):
     assert all(value is None for value in writes.values()), writes
 
 
-def test_gpu_check_writes_its_report_in_the_current_directory(tmp_path, monkeypatch):
-    """gpu_check's report is its product, so it has a default file, in the
-    current directory (absolute: its steps run in the checkout's root)."""
+def test_gpu_check_writes_its_report_only_where_told(tmp_path, monkeypatch):
+    """Like every tool, gpu_check writes a file only where -J says (issue 50),
+    made absolute: its steps run in the checkout's root."""
     from bench import gpu_check
     monkeypatch.chdir(tmp_path)
-    assert gpu_check.parse_args(["--device", "emulated"]).output_file == str(tmp_path / "gpu_check_emulated.json")
+    assert gpu_check.parse_args(["--device", "emulated"]).output_file is None
+    assert gpu_check.parse_args(["--device", "emulated", "-J", "r.json"]).output_file == str(tmp_path / "r.json")
