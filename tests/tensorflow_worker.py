@@ -233,8 +233,8 @@ def scenario_ops(comm, output):
     raises(InvalidUsageError, "tensor: every rank", lambda: ctf.broadcast(mismatched, comm, root=0))
     raises(InvalidUsageError, "tensors: every rank",
            lambda: ctf.grouped_allreduce([tf.zeros(2), mismatched], comm))
-    differently_typed = tf.zeros(3, tf.float32 if r else tf.float64)
-    raises(InvalidUsageError, "float64 (3,)", lambda: ctf.allreduce(differently_typed, comm))
+    differently_typed = tf.zeros(7, tf.float32 if r else tf.float64)   # (7,): no rank agreed on it before
+    raises(InvalidUsageError, "float64 (7,)", lambda: ctf.allreduce(differently_typed, comm))
     # Inside tf.function, without typed_errors: TensorFlow's InvalidArgumentError, whose typed error we recover.
     try:
         tf.function(lambda: ctf.allreduce(mismatched, comm))()
@@ -255,6 +255,24 @@ def scenario_ops(comm, output):
         raise AssertionError("max's gradient was computed")
     assert ctf.allreduce(tf.ones(2), comm).numpy().tolist() == [n, n]   # still working
     ok("errors", comm)
+
+    # Calls agreed on once are not agreed on again (ops.py, _agree_once).
+    # Two shapes of one dtype and size, each agreed on before, pass unseen:
+    # the flat elements are reduced (the documented limit of the cache).
+    for shape in ((2, 3), (3, 2)):
+        ctf.allreduce(tf.ones(shape), comm)
+    got = ctf.allreduce(tf.reshape(tf.range(6.0), (2, 3) if r == 0 else (3, 2)), comm)
+    assert got.shape == ((2, 3) if r == 0 else (3, 2)) and got.numpy().reshape(-1).tolist() == [n * v for v in range(6)]
+    # A rank with a call it agreed on against ranks with one they did not:
+    # the agreement's allgather meets the allreduce, which the communicator
+    # itself catches on every rank (and aborts the communicator: last here).
+    try:
+        ctf.allreduce(tf.ones((2, 3)) if r == 0 else tf.ones(4), comm)
+    except InvalidUsageError as error:
+        assert "a different call" in str(error), error
+    else:
+        raise AssertionError("an agreed call against an unagreed one went through")
+    ok("cached", comm)
 
 
 # -- training: 2 ranks ----------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_bad_arguments_raise_invalid_usage_naming_the_argument(comm):
 
 def test_a_graphs_collectives_run_in_program_order():
     """Every rank must run the same collectives in the same order. In a
-    tf.function, automatic control dependencies chain the py_function nodes
+    tf.function, automatic control dependencies chain the numpy_function nodes
     in the order the program made them; were they free, TensorFlow's
     scheduler could run independent ones in any order, differently on
     different ranks."""
@@ -93,7 +93,7 @@ def test_a_graphs_collectives_run_in_program_order():
 
         spec = tf.TensorSpec([None], tf.float32)
         graph = independent.get_concrete_function(spec, spec, spec).graph
-        nodes = [op for op in graph.get_operations() if op.type == "EagerPyFunc"]
+        nodes = [op for op in graph.get_operations() if op.type == "PyFunc"]
         assert [op.name.split("_")[0] for op in nodes] == [
             "CollectivesAllreduce", "CollectivesAllgather", "CollectivesBroadcast", "CollectivesGroupedAllreduce"]
         for before, after in zip(nodes, nodes[1:]):
@@ -121,9 +121,50 @@ def test_a_traced_graph_runs_its_collectives_each_time_it_runs(comm):
     traced = tf.function(lambda x: ctf.allreduce(x, counting, op="avg"))
     for value in (1.0, 2.0, 3.0):
         assert traced(tf.fill([4], value)).numpy().tolist() == [value] * 4
-    # one trace, three runs: each run agrees on the call (an allgather) and reduces
-    assert counting.calls == ["allgather", "allreduce"] * 3
+    # one trace, three runs: the first agrees on the call (an allgather) and
+    # reduces; the others reduce alone (the ranks agreed on that call already)
+    assert counting.calls == ["allgather", "allreduce"] + ["allreduce"] * 2
     assert traced.experimental_get_tracing_count() == 1
+    # a shape not agreed on yet is agreed on once, eagerly as in the graph
+    counting.calls.clear()
+    for _ in range(2):
+        assert ctf.allreduce(tf.ones([2, 3]), counting).numpy().tolist() == [[1.0] * 3] * 2
+        assert traced(tf.ones([5])).numpy().tolist() == [1.0] * 5
+    assert counting.calls == ["allgather", "allreduce", "allgather", "allreduce", "allreduce", "allreduce"]
+
+
+def test_results_are_new_tensors_that_later_calls_never_write(comm):
+    """Results come from reused buffers once TensorFlow lets go of them
+    (from 64 KiB): a result still alive must keep its values while later
+    calls run, and no result shares memory with its input."""
+    big = [tf.fill([1 << 15], float(i)) for i in range(4)]          # 128 KiB each
+    kept = [ctf.allreduce(t, comm) for t in big]                     # alive: their buffers are not free
+    graph = tf.function(lambda t: ctf.allreduce(t, comm, op="max"))
+    kept += [graph(t) for t in big]
+    for _ in range(3):                                               # released at once: reused
+        ctf.allreduce(big[0], comm)
+        graph(big[1])
+    for i, result in enumerate(kept):
+        assert (result.numpy() == i % 4).all(), i
+    pointers = {np.asarray(t).ctypes.data for t in kept + big}
+    assert len(pointers) == len(kept) + len(big), "two live tensors share a buffer"
+    assert ctf.ops._BUFFERS._kept[1 << 17], "no buffer was kept for reuse"
+    x = tf.constant(np.arange(6, dtype=np.float32))
+    y = ctf.allreduce(x, comm)
+    assert not np.shares_memory(np.asarray(x), np.asarray(y)) and x.numpy().tolist() == list(range(6))
+
+
+def test_the_gradient_bookkeeping_is_skipped_only_where_no_tape_records():
+    assert ctf.ops._untaped()
+    with tf.GradientTape() as tape:
+        assert not ctf.ops._untaped()
+        with tape.stop_recording():
+            assert ctf.ops._untaped()
+    with tf.autodiff.ForwardAccumulator(tf.constant(1.0), tf.constant(1.0)):
+        assert not ctf.ops._untaped()
+    traced = []
+    tf.function(lambda: traced.append(ctf.ops._untaped()))()   # tracing a graph: the gradient is recorded
+    assert traced == [False]
 
 
 class FailingCommunicator(CountingCommunicator):
@@ -255,7 +296,7 @@ def test_every_op_on_three_processes_against_numpy():
     returncode, oks, report = run_worker(3, "ops")
     assert returncode == 0, report
     parts = ["allreduce", "half_precision", "allgather", "reduce_scatter", "broadcast", "grouped_allreduce",
-             "broadcast_variables", "order", "errors"]
+             "broadcast_variables", "order", "errors", "cached"]
     assert {part: oks.get(part) for part in parts} == {part: {0, 1, 2} for part in parts}, report
 
 

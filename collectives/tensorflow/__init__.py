@@ -2,7 +2,7 @@
 
     ops.py    allreduce, allgather, reduce_scatter, broadcast,
               broadcast_variables, grouped_allreduce: eagerly and inside
-              tf.function (as py_function nodes that run when the graph
+              tf.function (as numpy_function nodes that run when the graph
               runs), each with its gradient; typed_error / typed_errors to
               get the library's typed error back from TensorFlow's
     tape.py   DistributedGradientTape: gradients averaged over the ranks in

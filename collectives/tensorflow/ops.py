@@ -4,25 +4,30 @@
     comm = collectives.init()                        # under mpiexec -n N
     y = ctf.allreduce(x, comm, op="avg")             # x: a tf.Tensor; y: a new one
 
-How a call runs. Every op takes its tensors out of TensorFlow with
-`.numpy()`, a copy (TensorFlow's buffers are never written), runs the
-communicator's collective on that copy in place, and hands the result back
-as a new tensor. Eagerly the op calls the communicator at once. Inside
-tf.function it is a `tf.py_function` node, so the collective runs when the
-graph runs, not when it is traced: the communicator numbers its calls as
-they happen, and the same traced graph may run any number of times.
-tf.function's automatic control dependencies chain stateful nodes (a
-py_function is one) in the order the program made them, so every rank runs
-a graph's collectives in program order, never in an order TensorFlow's
-scheduler picked (tests/test_tensorflow.py checks the chain).
+How a call runs. Every op reads its tensors where TensorFlow keeps them
+(np.asarray of an eager tensor, or what a numpy_function is handed: views,
+never written), runs the communicator's collective out of place into a new
+array aligned to 64 bytes, and hands that array to TensorFlow without a
+copy (DLPack eagerly; a numpy_function's aligned output in a graph). From
+64 KiB the new arrays are buffers TensorFlow has let go of, kept for reuse
+(_Buffers: fresh pages cost more than the collective at 1 MiB). Eagerly the
+op calls the communicator at once, through tf.custom_gradient only while a
+GradientTape (or ForwardAccumulator) records. Inside tf.function it is a
+`tf.numpy_function` node, so the collective runs when the graph runs, not
+when it is traced: the communicator numbers its calls as they happen, and
+the same traced graph may run any number of times. tf.function's automatic
+control dependencies chain stateful nodes (this one is) in the order the
+program made them, so every rank runs a graph's collectives in program
+order, never in an order TensorFlow's scheduler picked
+(tests/test_tensorflow.py checks the chain).
 
-Before it moves any data, each op exchanges a small description of its call
-(which op, reduction, root, dtype and shape) with one allgather of 12
-integers, so that ranks passing different shapes or dtypes all raise the
-same InvalidUsageError, naming the argument and every rank's shape, rather
-than reducing mismatched bytes (the communicator alone catches only calls of
-a different size). allgather needs that exchange anyway: ranks may pass
-different numbers of rows.
+The first time a rank makes a call of a given description (which op,
+reduction, root, dtype and shape), the ranks exchange it with one
+allgather of 12 integers, so that ranks passing different shapes or dtypes
+all raise the same InvalidUsageError, naming the argument and every rank's
+shape, rather than reducing mismatched bytes; later calls of that
+description skip the exchange (see _agree_once for what is still caught).
+allgather exchanges every time: ranks may pass different numbers of rows.
 
 Gradients (tf.custom_gradient): allreduce's is an allreduce of the upstream
 gradient with the same op (sum or avg; max, min and prod have none here);
@@ -36,7 +41,7 @@ rounds once per transfer (docs/api.md), so these ops pass them as they are.
 
 Errors. Eagerly a failed collective raises the library's typed error
 (InvalidUsageError, CollectiveTimeoutError, RankFailedError). Inside
-tf.function TensorFlow turns any exception raised in a py_function into one
+tf.function TensorFlow turns any exception raised in a numpy_function into one
 of its own: InvalidUsageError (a ValueError) arrives as
 tf.errors.InvalidArgumentError, the others as tf.errors.UnknownError, with
 the typed error's class and message in the text. `typed_error(e)` returns
@@ -53,8 +58,11 @@ import collections
 import contextlib
 import hashlib
 import itertools
+import math
 import re
+import sys
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -89,6 +97,8 @@ def check_communicator(comm, name="comm"):
 
 
 def _as_tensor(tensor, name):
+    if isinstance(tensor, tf.Tensor):   # already one (the common case): no conversion to pay for
+        return tensor
     if isinstance(tensor, tf.IndexedSlices):
         raise InvalidUsageError(
             f"{name}: an IndexedSlices; densify it (tf.convert_to_tensor) or allgather its values and indices")
@@ -105,12 +115,19 @@ def _numpy_name(dtype):
         return None
 
 
+# The dtypes found reducible, so that a call pays for the test once per dtype, not each time.
+_REDUCIBLE = set()
+
+
 def check_reducible(dtype, name, op):
     """Collectives reduce the NumPy dtypes of ops.SUPPORTED_DTYPES (bfloat16 is ml_dtypes', TensorFlow's own)."""
+    if dtype in _REDUCIBLE:
+        return
     if dtype.is_quantized or _numpy_name(dtype) not in SUPPORTED_DTYPES:
         raise InvalidUsageError(
             f"{name}: tensors of {dtype.name} cannot be reduced by collectives (op {op.value}); it reduces "
             f"{', '.join(SUPPORTED_DTYPES)} (for bool, reduce a uint8 copy)")
+    _REDUCIBLE.add(dtype)
 
 
 def _check_movable(dtype, name):
@@ -130,34 +147,131 @@ def _gradient_op(op, collective):
 
 # -- how a call runs ----------------------------------------------------------------------
 
+# TensorFlow's (Eigen's) alignment: an array that starts on it becomes a
+# tensor without a copy (DLPack eagerly; a numpy_function's output in a graph).
+_ALIGN = 64
 
-def _owned(tensor):
-    """A NumPy copy of `tensor` that the collective may write (never TensorFlow's buffer)."""
-    array = tensor.numpy()   # a copy for every dtype TensorFlow hands to NumPy
-    if not isinstance(array, np.ndarray):
-        return np.array(array)   # a 0-d tensor gives a NumPy scalar
-    if not array.flags.writeable or not array.flags.c_contiguous:
-        return np.array(array, order="C")
-    return array
+try:   # whether a GradientTape or ForwardAccumulator is recording on this thread (TensorFlow's own test)
+    from tensorflow.python.eager.record import could_possibly_record as _could_record
+except ImportError:   # a TensorFlow without it: always take the path that records (correct, slower)
+    def _could_record():
+        return True
+
+
+def _untaped():
+    """Eager, and no tape or accumulator recording: nothing can ask for a
+    gradient of this call, so tf.custom_gradient's eager bookkeeping (the
+    largest part of an eager call's cost) is skipped. In a graph being traced
+    the custom gradient is recorded once, at tracing, and costs nothing per run."""
+    return tf.executing_eagerly() and not _could_record()
+
+
+class _Buffers:
+    """Output buffers kept for reuse once TensorFlow has let go of them.
+
+    A new array's pages fault in on first write: at 1 MiB that cost more
+    than the collective itself here (~250 of ~380 us). TensorFlow holds a
+    reference to the array behind every tensor made from it (DLPack's
+    capsule, a numpy_function's output), and any view of a buffer holds the
+    buffer, so a buffer whose only references are ours is free: nothing of
+    TensorFlow's reads it any more, and it is handed out again, its pages
+    already mapped. (A reference TensorFlow drops late only delays reuse.)
+    Only buffers of at least MIN bytes are kept (smaller ones come from
+    malloc's free lists at no page cost), and at most LIMIT bytes in all;
+    beyond that buffers are plain new arrays."""
+
+    MIN = 64 << 10
+    LIMIT = 512 << 20
+
+    def __init__(self):
+        self._kept = {}        # nbytes -> [raw uint8 arrays of nbytes + _ALIGN]
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes):
+        """A uint8 array of nbytes + _ALIGN bytes that nothing else references."""
+        if nbytes < self.MIN:
+            return np.empty(nbytes + _ALIGN, np.uint8)
+        with self._lock:
+            kept = self._kept.setdefault(nbytes, [])
+            for raw in kept:
+                if sys.getrefcount(raw) <= _FREE_REFS:
+                    return raw
+            raw = np.empty(nbytes + _ALIGN, np.uint8)
+            if self._total + raw.nbytes <= self.LIMIT:
+                kept.append(raw)
+                self._total += raw.nbytes
+            return raw
+
+
+# References to a kept buffer that nothing else holds: the list's, the for
+# loop's, getrefcount's argument.
+_FREE_REFS = 3
+_BUFFERS = _Buffers()
+
+
+def _fresh(shape, dtype):
+    """An array of `shape` and `dtype` that nothing else uses, whose data
+    starts on _ALIGN bytes (NumPy aligns to 16) so that TensorFlow takes it
+    without a copy; from 64 KiB a buffer TensorFlow let go of (_Buffers)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = _BUFFERS.take(nbytes)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _copy(a):
+    """A copy of `a` that a collective may write in place (never TensorFlow's buffer)."""
+    out = _fresh(a.shape, a.dtype)
+    np.copyto(out, a)
+    return out
+
+
+# DLPack takes NumPy's integers, floats, complex and bool (bfloat16, ml_dtypes',
+# it refuses): those dtypes become eager tensors without a copy.
+_DLPACK_KINDS = frozenset("biufc")
+_from_dlpack = tf.experimental.dlpack.from_dlpack
+
+
+def _tensor(a):
+    """An eager tensor of the NumPy array `a`, sharing its memory where
+    DLPack can (the array is ours and nothing else writes it), else a copy
+    (tf.convert_to_tensor: ~2 ms per 16 MiB here, and ~10 us even at 1 KiB)."""
+    if a.dtype.kind in _DLPACK_KINDS and a.size:
+        try:
+            return _from_dlpack(a.__dlpack__())
+        except (BufferError, TypeError, ValueError):   # an older NumPy without this dtype in DLPack
+            pass
+    return tf.convert_to_tensor(a)
 
 
 def _run(name, body, inputs, output_dtypes):
     """`body` (NumPy arrays in, NumPy arrays out) on `inputs`' values: at
-    once when eager, as a py_function node of the graph being traced otherwise."""
-    if tf.executing_eagerly():
-        return [tf.convert_to_tensor(out) for out in body(*[_owned(t) for t in inputs])]
+    once when eager, as a numpy_function node of the graph being traced otherwise.
 
-    @tf.autograph.experimental.do_not_convert   # plain Python, run as it is (autograph would rewrite it)
-    def in_graph(*tensors):
-        try:
-            return body(*[_owned(t) for t in tensors])
+    `body` reads its inputs and never writes them: they are views of
+    TensorFlow's buffers (np.asarray of an eager tensor, and what a
+    numpy_function is handed, share memory with the tensor). Its outputs
+    are new arrays that TensorFlow takes as they are (_fresh, _tensor).
+    numpy_function rather than py_function: py_function wraps its inputs
+    and outputs in eager tensors, which copies both (5 ms against 1.2 ms for
+    a 16 MiB call here) and costs tens of microseconds more per call.
+    stateful=True keeps the node in tf.function's chain of automatic
+    control dependencies (program order, on every rank)."""
+    if tf.executing_eagerly():
+        return [_tensor(out) for out in body(*[np.asarray(t) for t in inputs])]
+
+    def in_graph(*arrays):
+        try:   # a 0-d tensor arrives as a NumPy scalar
+            return body(*[np.asarray(a) for a in arrays])
         except CollectiveError as error:
             raise _carried(error) from error
 
-    return tf.py_function(in_graph, list(inputs), list(output_dtypes), name=name)
+    return tf.numpy_function(in_graph, list(inputs), list(output_dtypes), stateful=True, name=name)
 
 
-# Errors raised inside a py_function, kept so that typed_error can return
+# Errors raised inside a numpy_function, kept so that typed_error can return
 # them: TensorFlow keeps only their text. A handful is plenty (a training
 # loop stops at its first), and bounding it keeps their tracebacks' frames
 # from living forever.
@@ -280,11 +394,15 @@ def _row(kind, op, extra, dtype, shape):
     return row
 
 
-def _group_row(kind, op, extra, arrays):
-    """A row for a list of arrays: its length and a hash of their dtypes and shapes."""
+def _layout(arrays):
+    """The dtypes and shapes of a list of arrays, as _group_row and _agree_once take them."""
+    return tuple((a.dtype.name, a.shape) for a in arrays)
+
+
+def _group_row(kind, op, extra, layout):
+    """A row for a list of arrays: its length and a hash of their dtypes and shapes (`layout`)."""
     row = np.full(_ROW, -1, np.int64)
-    row[:6] = (_KINDS.index(kind), _OP_CODES[op], extra, -1, len(arrays),
-               _hash63(repr([(a.dtype.name, a.shape) for a in arrays])))
+    row[:6] = (_KINDS.index(kind), _OP_CODES[op], extra, -1, len(layout), _hash63(repr(list(layout))))
     return row
 
 
@@ -322,6 +440,44 @@ def _agree(comm, row, argument, free_first_dim=False):
     return table
 
 
+# Calls every rank already agreed on, per communicator: (kind, op, extra,
+# dtype, shape). A call seen before skips the agreement allgather, which
+# cost a round trip per call (more than the collective itself at 1 KiB).
+# Every rank making the same calls holds the same set, so they skip alike.
+# What is still caught: any call whose description this rank has not agreed
+# before runs the agreement, and a peer that skips it meanwhile makes a
+# different call, which the communicator itself catches (its call signature
+# holds the collective, op, root, dtype and byte count: InvalidUsageError on
+# every rank, and the communicator is aborted); a different element count or
+# dtype is always caught by that signature. What is no longer caught: ranks
+# passing two different shapes of the same dtype and element count that
+# were each agreed on before, e.g. (2, 3) on one rank and (3, 2) on another
+# after both were used alike (the flat elements are reduced). Bounded: a
+# program with ever new shapes clears it (on every rank at the same call).
+_AGREED = weakref.WeakKeyDictionary()
+_AGREED_KEPT = 4096
+
+
+def _agree_once(comm, kind, op, extra, dtype, shape, argument):
+    """_agree on this call's description unless every rank agreed on it before."""
+    try:
+        seen = _AGREED.get(comm)
+        if seen is None:
+            seen = _AGREED[comm] = set()
+    except TypeError:   # a communicator that takes no weak reference: agree every time
+        seen = set()
+    key = (kind, op, extra, dtype.as_datatype_enum if hasattr(dtype, "as_datatype_enum") else dtype, shape)
+    if key in seen:
+        return
+    if kind == "grouped_allreduce":
+        _agree(comm, _group_row(kind, op, extra, shape), argument)
+    else:
+        _agree(comm, _row(kind, op, extra, dtype, shape), argument)
+    if len(seen) >= _AGREED_KEPT:
+        seen.clear()
+    seen.add(key)
+
+
 # -- the ops --------------------------------------------------------------------------------
 
 
@@ -357,10 +513,15 @@ def _allreduce(tensor, comm, op, compression):
     dtype, code = tensor.dtype, _COMPRESSIONS.index(compression)
 
     def body(a):
-        _agree(comm, _row("allreduce", op, code, dtype, a.shape), "tensor")
-        if a.size:   # every rank has the same shape (just checked): all skip an empty one alike
-            comm.allreduce(a.reshape(-1), op=op.value, compression=compression)
-        return [a]
+        _agree_once(comm, "allreduce", op, code, dtype, a.shape, "tensor")
+        out = _fresh(a.shape, a.dtype)
+        if a.size:   # every rank has the same shape (agreed): all skip an empty one alike
+            # out of place: reads TensorFlow's buffer, writes ours (no copy before the call)
+            comm.allreduce(a.reshape(-1), op=op.value, out=out.reshape(-1), compression=compression)
+        return [out]
+
+    if _untaped():
+        return _tensor(body(np.asarray(tensor))[0])
 
     @tf.custom_gradient
     def forward(x):
@@ -414,12 +575,16 @@ def _allgather(tensor, comm):
     dtype = tensor.dtype
 
     def body(a):
+        # Always exchanged: the ranks' first dimensions may change from call to call.
         table = _agree(comm, _row("allgather", ReduceOp.SUM, 0, dtype, a.shape), "tensor", free_first_dim=True)
         if a.ndim == 0:   # every rank's tensor is 0-d (the rows agree on ndim): all raise alike
             raise InvalidUsageError("tensor: allgather concatenates along the first dimension, and a scalar has "
                                     "none; reshape it to [1]")
         rows = table[:, _FIRST_DIM].copy()
         return [_gather_rows(comm, a, rows), rows]
+
+    if _untaped():
+        return _tensor(body(np.asarray(tensor))[0])
 
     @tf.custom_gradient
     def forward(x):
@@ -444,14 +609,16 @@ def _gather_rows(comm, a, rows):
     if most * row_bytes == 0:
         return np.zeros((total, *a.shape[1:]), a.dtype)
     mine = a.reshape(a.shape[0], row_elements).view(np.uint8)   # (rows, row_bytes)
+    gathered = _fresh((total, *a.shape[1:]), a.dtype)
     if (rows == most).all():
-        gathered = comm.allgather(mine)
+        comm.allgather(mine, out=gathered.reshape(total, row_elements).view(np.uint8))
     else:
         padded = np.zeros((most, row_bytes), np.uint8)
         padded[:len(mine)] = mine
         blocks = comm.allgather(padded).reshape(comm.size, most, row_bytes)
-        gathered = np.concatenate([blocks[rank, :count] for rank, count in enumerate(rows)])
-    return gathered.view(a.dtype).reshape(total, *a.shape[1:])
+        np.concatenate([blocks[rank, :count] for rank, count in enumerate(rows)],
+                       out=gathered.reshape(total, row_elements).view(np.uint8))
+    return gathered
 
 
 def _allgather_gradient(upstream, rows, comm):
@@ -460,12 +627,17 @@ def _allgather_gradient(upstream, rows, comm):
     def body(g, counts):
         counts = counts.astype(np.int64)
         start, mine = int(counts[:comm.rank].sum()), int(counts[comm.rank])
+        out = _fresh((mine, *g.shape[1:]), g.dtype)
         if g.size == 0:
-            return [np.zeros((mine, *g.shape[1:]), g.dtype)]
+            out[...] = 0
+            return [out]
         if (counts == counts[0]).all():   # rank r's rows are block r: a reduce_scatter along the first axis
-            return [comm.reduce_scatter(g, op="sum").copy()]
-        comm.allreduce(g.reshape(-1), op="sum")
-        return [g[start:start + mine].copy()]
+            comm.reduce_scatter(g.reshape(-1), op="sum", out=out.reshape(-1))
+            return [out]
+        total = _fresh(g.shape, g.dtype)
+        comm.allreduce(g.reshape(-1), op="sum", out=total.reshape(-1))
+        np.copyto(out, total[start:start + mine])
+        return [out]
 
     grad, = _run("CollectivesAllgatherGrad", body, [upstream, rows], [upstream.dtype])
     grad.set_shape(tf.TensorShape([None]).concatenate(upstream.shape[1:]))
@@ -508,12 +680,16 @@ def _reduce_scatter(tensor, comm, op):
     dtype, size = tensor.dtype, comm.size
 
     def body(a):
-        _agree(comm, _row("reduce_scatter", op, 0, dtype, a.shape), "tensor")
+        _agree_once(comm, "reduce_scatter", op, 0, dtype, a.shape, "tensor")
         if a.ndim == 0 or a.shape[0] % size:   # the same shape on every rank: all raise alike
             raise InvalidUsageError(_indivisible(a.shape, size))
-        if a.size == 0:
-            return [np.zeros((a.shape[0] // size, *a.shape[1:]), a.dtype)]
-        return [comm.reduce_scatter(a, op=op.value).copy()]   # this rank's block, along the first axis
+        out = _fresh((a.shape[0] // size, *a.shape[1:]), a.dtype)
+        if a.size:   # block r of the flat elements is block r along the first axis
+            comm.reduce_scatter(a.reshape(-1), op=op.value, out=out.reshape(-1))
+        return [out]
+
+    if _untaped():
+        return _tensor(body(np.asarray(tensor))[0])
 
     @tf.custom_gradient
     def forward(x):
@@ -557,15 +733,22 @@ def _broadcast(tensor, comm, root):
     dtype = tensor.dtype
 
     def body(a):
-        _agree(comm, _row("broadcast", ReduceOp.SUM, root, dtype, a.shape), "tensor")
-        if a.size:
-            comm.broadcast(a.reshape(-1).view(np.uint8), root=root)   # in place: the bytes of our copy
-        return [a]
+        _agree_once(comm, "broadcast", ReduceOp.SUM, root, dtype, a.shape, "tensor")
+        out = _fresh(a.shape, a.dtype)
+        if a.size:   # the bytes, out of place: only the root's input is read
+            comm.broadcast(a.reshape(-1).view(np.uint8), root=root, out=out.reshape(-1).view(np.uint8))
+        return [out]
 
     def reduce_to_root(g):
+        out = _fresh(g.shape, g.dtype)
         if g.size:
-            comm.reduce(g.reshape(-1), root=root, op="sum")   # the root's copy becomes the sum
-        return [g if comm.rank == root else np.zeros_like(g)]
+            comm.reduce(g.reshape(-1), root=root, op="sum", out=out.reshape(-1))   # written at the root only
+        if comm.rank != root or not g.size:
+            out[...] = 0
+        return [out]
+
+    if _untaped():
+        return _tensor(body(np.asarray(tensor))[0])
 
     @tf.custom_gradient
     def forward(x):
@@ -614,14 +797,14 @@ def broadcast_variables(variables, comm, root=0):
         return None
 
     def body(*arrays):
-        _agree(comm, _group_row("broadcast_variables", ReduceOp.SUM, root, arrays), "variables")
+        _agree(comm, _group_row("broadcast_variables", ReduceOp.SUM, root, _layout(arrays)), "variables")
         offsets, total = [], 0
-        for a in arrays:   # each on a 16-byte boundary, as the torch adapter packs them
+        for a in arrays:   # each on _ALIGN bytes: TensorFlow takes its part of the buffer without a copy
             offsets.append(total)
-            total += -(-a.nbytes // 16) * 16
+            total += -(-a.nbytes // _ALIGN) * _ALIGN
         if total == 0:
-            return list(arrays)
-        flat = np.empty(total, np.uint8)
+            return [_copy(a) for a in arrays]
+        flat = _fresh((total,), np.uint8)
         for a, offset in zip(arrays, offsets):
             flat[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
         comm.broadcast(flat, root=root)
@@ -630,7 +813,7 @@ def broadcast_variables(variables, comm, root=0):
 
     received = _run("CollectivesBroadcastVariables", body, values, [v.dtype for v in values])
     for variable, value, old in zip(variables, received, values):
-        variable.assign(tf.reshape(value, tf.shape(old)))   # the shape a py_function's output lost
+        variable.assign(tf.reshape(value, tf.shape(old)))   # the shape a numpy_function's output lost
 
 
 @_plain
@@ -675,11 +858,15 @@ def _grouped_allreduce(tensors, comm, op, compression, threshold):
     dtypes = [t.dtype for t in tensors]
 
     def body(*arrays):
-        _agree(comm, _group_row("grouped_allreduce", op, code, arrays), "tensors")
-        filled = [a.reshape(-1) for a in arrays if a.size]   # views: reduced in place, in our copies
+        _agree_once(comm, "grouped_allreduce", op, code, None, _layout(arrays), "tensors")
+        owned = [_copy(a) for a in arrays]   # allreduce_many reduces in place: in our copies
+        filled = [a.reshape(-1) for a in owned if a.size]
         if filled:
             comm.allreduce_many(filled, op=op.value, fusion_threshold=threshold, compression=compression)
-        return list(arrays)
+        return owned
+
+    if _untaped():
+        return [_tensor(a) for a in body(*[np.asarray(t) for t in tensors])]
 
     @tf.custom_gradient
     def forward(*xs):

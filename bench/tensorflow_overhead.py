@@ -1,0 +1,130 @@
+"""Per-call cost of collectives.tensorflow's allreduce against the library's own, one rank per process.
+
+    python -m bench.tensorflow_overhead [--ranks 2] [--sizes 1K,1M,16M] [--batches 15] [--calls 50]
+
+Each process makes one host communicator (collectives.init) and, for each
+size (float32, op max: the values stay what they
+are however many calls run in place), times batches of calls of three kinds in turn,
+alternating batch by batch so that the machine's noise hits all alike:
+
+    ours    comm.allreduce(x) on a NumPy array, in place (the API's
+            cheapest form; the TensorFlow op makes a new tensor)
+    eager   collectives.tensorflow.allreduce(t, comm) on a tf.Tensor
+    graph   the same inside a tf.function (traced once, run each call)
+    graph8  8 such allreduces in one tf.function, each on the last's
+            result: the time per allreduce, with the function's call cost
+            shared by 8
+    empty   a tf.function of one tf.identity: TensorFlow's own cost of
+            calling a function, which no op inside it can remove
+
+It prints the median over batches of the time per call of each, and each
+TensorFlow kind's difference from ours (µs) and ratio to it (the goal
+docs/training.md states: at most 30 µs more than ours at 1 KiB and at most
+1.3x from 1 MiB, inside tf.function on 2 processes). Without a launcher it relaunches itself
+under mpiexec with --ranks processes, pinned one per core (-bind-to core).
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import collectives
+from bench import cli
+from bench.harness import RELAUNCHED, mpi_world, relaunch_under_mpiexec
+
+KINDS = ("ours", "eager", "graph", "graph8", "empty")
+CHAIN = 8   # allreduces in one tf.function for graph8
+
+
+def parse_args(argv=None):
+    p = cli.Parser(prog="python -m bench.tensorflow_overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, help="processes, when not already under mpiexec")
+    p.add_argument("--sizes", default="1K,1M,16M", type=cli.sizes, help="bytes per call, comma-separated (K, M)")
+    p.add_argument("--batches", type=int, default=15, help="batches per kind and size, alternating kinds")
+    p.add_argument("--calls", type=int, default=50, help="calls per batch (fewer from 1 MiB: at least 3)")
+    p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
+    args = p.parse_args(argv)
+    args.nbytes = [cli.parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    return args
+
+
+def timed(call, calls):
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    world = mpi_world()
+    if world is None:
+        if os.environ.get(RELAUNCHED):
+            sys.exit("the relaunched benchmark found no MPI launcher")
+        return relaunch_under_mpiexec(args, argv, ["-bind-to", "core"])
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    import collectives.tensorflow as ctf
+
+    tf.config.threading.set_inter_op_parallelism_threads(2)   # the ranks share the machine's cores
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    comm = collectives.init(comm=world)
+    rows = []
+    for nbytes in args.nbytes:
+        x = np.random.default_rng(comm.rank).standard_normal(max(1, nbytes // 4)).astype(np.float32)
+        t = tf.constant(x)
+        graph = tf.function(lambda v: ctf.allreduce(v, comm, op="max"))
+
+        @tf.function
+        def graph8(v):
+            for _ in range(CHAIN):
+                v = ctf.allreduce(v, comm, op="max")
+            return v
+
+        empty = tf.function(tf.identity)
+        want = comm.allreduce(x.copy(), op="max")
+        calls = {"ours": lambda: comm.allreduce(x, op="max"), "eager": lambda: ctf.allreduce(t, comm, op="max"),
+                 "graph": lambda: graph(t),
+                 "graph8": lambda: graph8(t), "empty": lambda: empty(t)}
+        empty(t)
+        for kind in ("eager", "graph", "graph8"):   # warm-up (the trace), and a check that it reduces
+            np.testing.assert_array_equal(calls[kind]().numpy(), want)
+        per_batch = max(3, args.calls if nbytes < (1 << 20) else args.calls // 10)
+        times = {kind: [] for kind in KINDS}
+        for _ in range(args.batches):
+            for kind in KINDS:
+                # ranks start each batch together: a peer still in its last
+                # batch would otherwise be charged to this one
+                comm.barrier()
+                times[kind].append(timed(calls[kind], per_batch) / (CHAIN if kind == "graph8" else 1))
+        median = {kind: statistics.median(values) * 1e6 for kind, values in times.items()}
+        rows.append({"bytes": nbytes, "calls_per_batch": per_batch, "batches": args.batches,
+                     **{f"{kind}_us": median[kind] for kind in KINDS}})
+    if comm.rank == 0:
+        load = os.getloadavg()[0]
+        print(f"# {comm.size} processes, float32 max, median of {args.batches} batches; load average {load:.1f}")
+        print(f"# ours: comm.allreduce in place; graph8: per allreduce of {CHAIN} in one tf.function; "
+              "empty: a tf.function of tf.identity")
+        print(f"{'bytes':>10} {'ours us':>9} {'eager us':>9} {'graph us':>9} {'graph8 us':>9} {'empty us':>9} "
+              f"{'eager-ours':>10} {'graph-ours':>10} {'g8-ours':>9} {'eager/ours':>10} {'graph/ours':>10} "
+              f"{'g8/ours':>8}")
+        for row in rows:
+            ours, eager, graph, graph8, empty = (row[f"{kind}_us"] for kind in KINDS)
+            print(f"{row['bytes']:>10} {ours:>9.1f} {eager:>9.1f} {graph:>9.1f} {graph8:>9.1f} {empty:>9.1f} "
+                  f"{eager - ours:>10.1f} {graph - ours:>10.1f} {graph8 - ours:>9.1f} {eager / ours:>10.2f} "
+                  f"{graph / ours:>10.2f} {graph8 / ours:>8.2f}")
+        if args.output_file:
+            with open(args.output_file, "w") as f:
+                json.dump({"ranks": comm.size, "load_average": load, "rows": rows}, f, indent=1)
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
