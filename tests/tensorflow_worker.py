@@ -439,8 +439,230 @@ def scenario_killed(comm):
     raise AssertionError("training went on without rank 1")
 
 
+# -- mirrored: 2 processes of 4 logical CPU devices each ------------------------------------------
+
+REPLICAS = 4
+
+
+def per_replica(strategy, make):
+    """A PerReplica value: make(replica) on each replica's device."""
+    return strategy.experimental_distribute_values_from_function(lambda ctx: make(ctx.replica_id_in_sync_group))
+
+
+def local_results(strategy, value):
+    return [tf.convert_to_tensor(v).numpy() for v in strategy.experimental_local_results(value)]
+
+
+def close(a, b, what, tolerance=1e-6):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=tolerance,
+                               atol=tolerance, err_msg=what)
+
+
+def sparse_gradient(ids_of):
+    """In a replica: the gradient of a gather from a table, an IndexedSlices, all-reduced with `op`."""
+    def step(op, table):
+        replica = tf.distribute.get_replica_context()
+        ids = tf.stack([tf.cast(i, tf.int32) for i in ids_of(replica.replica_id_in_sync_group)])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table, ids) * tf.cast(tf.reshape(ids, (-1, 1)) + 1, tf.float32))
+        grad = tape.gradient(loss, table)
+        assert isinstance(grad, tf.IndexedSlices), type(grad)
+        return replica.all_reduce(op, grad)
+    return step
+
+
+def scenario_mirrored(comm, output):
+    """CrossDeviceOps against ReductionToOneDevice on 4 logical CPU devices
+    in each process (comm=None), then with comm over the 2 processes'
+    8 replicas against NumPy, eagerly and in tf.function; a Keras fit under
+    MirroredStrategy with ours against ReductionToOneDevice."""
+    import keras
+    n, r = comm.size, comm.rank
+    devices = [f"/cpu:{i}" for i in range(REPLICAS)]
+    assert len(tf.config.list_logical_devices("CPU")) == REPLICAS
+    SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
+    ours_ops = ctf.CrossDeviceOps()
+    ours = tf.distribute.MirroredStrategy(devices, cross_device_ops=ours_ops)
+    ref = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    rng = np.random.default_rng(7)
+    data = {dtype: rng.standard_normal((REPLICAS, 3, 5)).astype(dtype) * (1 if dtype != np.int32 else 100)
+            for dtype in (np.float32, np.float64, np.int32)}
+
+    # The ops' reduce (MirroredStrategy itself sends strategy.reduce and
+    # extended.reduce_to to CPU destinations, and int32 values, to its own
+    # ReductionToOneDevice: only batch_reduce_to, what a replica's all_reduce
+    # and Keras' gradients take, and gather come to the CrossDeviceOps).
+    theirs_ops = tf.distribute.ReductionToOneDevice()
+    for dtype, values in data.items():
+        for op in ((SUM, MEAN) if dtype != np.int32 else (SUM,)):
+            mine, theirs = (per_replica(s, lambda i: tf.constant(values[i])) for s in (ours, ref))
+            got = local_results(ours, ours_ops.reduce(op, mine, destinations=mine))
+            want = local_results(ref, theirs_ops.reduce(op, theirs, destinations=theirs))
+            assert len(got) == REPLICAS and got[0].dtype == want[0].dtype, (len(got), got[0].dtype, want[0].dtype)
+            for a, b in zip(got, want):
+                close(a, b, f"reduce {op} {dtype}")
+            close(got[0], values.sum(0) / (REPLICAS if op == MEAN else 1), f"reduce {op} {dtype} against NumPy")
+    values = [per_replica(s, lambda i: tf.constant(data[np.float32][i])) for s in (ours, ref)]
+    others = [per_replica(s, lambda i: tf.constant(data[np.float64][i, 0])) for s in (ours, ref)]
+    for op in (SUM, MEAN):
+        got = ours.extended.batch_reduce_to(op, [(values[0], values[0]), (others[0], others[0])])
+        want = ref.extended.batch_reduce_to(op, [(values[1], values[1]), (others[1], others[1])])
+        for g, w in zip(got, want):
+            mine, theirs = local_results(ours, g), local_results(ref, w)
+            assert len(mine) == REPLICAS
+            for a, b in zip(mine, theirs):
+                close(a, b, f"batch_reduce {op}")
+        one, = ours.experimental_local_results(ours_ops.reduce(op, values[0], destinations="/cpu:2"))
+        assert one.device.endswith("CPU:2"), one.device
+        close(one.numpy(), local_results(ref, theirs_ops.reduce(op, values[1], destinations="/cpu:2"))[0],
+              "reduce to one device")
+    # In a graph (strategy.run inside tf.function: the replicas' all_reduce
+    # goes through merge_call to batch_reduce), run twice.
+    for strategy, results in ((ours, []), (ref, [])):
+        with strategy.scope():
+            scale = tf.Variable(1.0)
+        @tf.function
+        def step():
+            def replica_fn():
+                ctx = tf.distribute.get_replica_context()
+                x = tf.cast(tf.fill([4], ctx.replica_id_in_sync_group + 1), tf.float32) * scale
+                return ctx.all_reduce(SUM, x), ctx.all_reduce(MEAN, [x, 2 * x])
+            return strategy.run(replica_fn)
+        for _ in range(2):
+            summed, (m1, m2) = step()
+            results.append([local_results(strategy, v) for v in (summed, m1, m2)])
+        if strategy is ours:
+            got = results
+        else:
+            for a, b in zip(got, results):
+                for x, y in zip(a, b):
+                    close(x, y, "all_reduce in tf.function")
+            close(got[0][0][0], np.full(4, 10.0), "all_reduce SUM in tf.function against 1 + 2 + 3 + 4")
+    # IndexedSlices stay sparse, as ReductionToOneDevice keeps them.
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    step = sparse_gradient(lambda replica: [replica, replica + 1, 0])
+    for op in (SUM, MEAN):
+        grads = []
+        for strategy in (ours, ref):
+            with strategy.scope():
+                variable = tf.Variable(table)
+            for run in (lambda f: f(), lambda f: tf.function(f)()):
+                grad = run(lambda: strategy.run(step, args=(op, variable)))
+                locals_ = strategy.experimental_local_results(grad)
+                assert all(isinstance(g, tf.IndexedSlices) for g in locals_), [type(g) for g in locals_]
+                grads.append([tf.convert_to_tensor(g).numpy() for g in locals_])
+        for g in grads[1:]:
+            for a, b in zip(grads[0], g):
+                close(a, b, f"IndexedSlices {op}")
+    # strategy.gather along two axes.
+    for axis in (0, 1):
+        got = ours.gather(values[0], axis=axis).numpy()
+        close(got, ref.gather(values[1], axis=axis).numpy(), f"gather axis {axis}")
+        assert got.shape == ((REPLICAS * 3, 5) if axis == 0 else (3, REPLICAS * 5)), got.shape
+    # Errors: typed, naming the argument.
+    for call, message in (
+            (lambda: ours_ops.reduce(SUM, per_replica(ours, lambda i: tf.constant([True])), "/cpu:0"),
+             "per_replica_value (value 0): tensors of bool cannot be reduced"),
+            (lambda: ours_ops.reduce_implementation("max", values[0], values[0], None), "reduce_op:"),
+            (lambda: ctf.CrossDeviceOps(fusion_threshold=0), "fusion_threshold"),
+            (lambda: ctf.CrossDeviceOps(collectives.Communicator.local(2)), "comm: the TensorFlow ops need")):
+        try:
+            call()
+        except InvalidUsageError as error:
+            assert message in str(error), (message, str(error))
+        else:
+            raise AssertionError(f"no InvalidUsageError: {message}")
+    ok("mirrored_local", comm)
+
+    # Keras fit under MirroredStrategy: ours against ReductionToOneDevice, the same weights.
+    calls = []
+    batch_reduce = ours_ops.batch_reduce_implementation
+    ours_ops.batch_reduce_implementation = lambda *a, **k: calls.append(1) or batch_reduce(*a, **k)
+    weights = []
+    for strategy in (ours, ref):
+        with strategy.scope():
+            model = keras_model(seed=3)
+            model.compile(optimizer=keras.optimizers.Adam(0.01),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        batches = global_batches(6, 16, seed=5)
+        x = [np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])[:, None]]
+        y = np.concatenate([b[2] for b in batches])
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        weights.append(flat([w.numpy() for w in model.weights]))
+    start = flat([w.numpy() for w in keras_model(seed=3).weights])
+    assert np.abs(weights[1] - start).max() > 1e-3, "Keras did not train"
+    difference = float(np.abs(weights[0] - weights[1]).max())
+    assert calls, "Keras' gradients did not come to our CrossDeviceOps"   # else the comparison proves nothing
+    assert difference <= 1e-6, difference
+    print(f"rank {r}: Keras fit, ours against ReductionToOneDevice: {difference:.2e}", flush=True)
+    ok("mirrored_keras", comm)
+
+    # With comm: the 8 replicas of both processes, against NumPy.
+    across_ops = ctf.CrossDeviceOps(comm, fusion_threshold=256)
+    across = tf.distribute.MirroredStrategy(devices, cross_device_ops=across_ops)
+    everyone = np.random.default_rng(11).standard_normal((n, REPLICAS, 6, 3)).astype(np.float32)
+    mine = everyone[r]
+    for op, want in ((SUM, everyone.sum((0, 1))), (MEAN, everyone.mean((0, 1)))):
+        value = per_replica(across, lambda i: tf.constant(mine[i]))
+        for got in local_results(across, across_ops.reduce(op, value, destinations=value)):
+            close(got, want, f"across {op}", 1e-5)
+    # batch_reduce: several values, one fused allreduce across processes; int64 too
+    # (MirroredStrategy sends int32 to its ReductionToOneDevice, and will not mix it in a batch)
+    small = [per_replica(across, lambda i, k=k: tf.constant(mine[i, k])) for k in range(6)]
+    got = across.extended.batch_reduce_to(SUM, [(v, v) for v in small])
+    for k, value in enumerate(got):
+        for local in local_results(across, value):
+            close(local, everyone[:, :, k].sum((0, 1)), f"across batch_reduce {k}", 1e-5)
+    ints = per_replica(across, lambda i: tf.constant([r * 10 + i], tf.int64))
+    got, = across.extended.batch_reduce_to(SUM, [(ints, ints)])
+    assert all(v.tolist() == [sum(q * 10 + i for q in range(n) for i in range(REPLICAS))]
+               for v in local_results(across, got)), local_results(across, got)
+    # in tf.function, run 3 times: the collectives run each time
+    counter = tf.Variable(0.0)
+    @tf.function
+    def graph_step():
+        counter.assign_add(1.0)
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            return ctx.all_reduce(MEAN, tf.fill([3], counter * (r * REPLICAS + tf.cast(ctx.replica_id_in_sync_group,
+                                                                                            tf.float32))))
+        return across.run(replica_fn)
+    for run in range(1, 4):
+        for local in local_results(across, graph_step()):
+            close(local, np.full(3, run * np.arange(n * REPLICAS).mean()), f"across in tf.function, run {run}")
+    # IndexedSlices across processes: allgathered, still sparse.
+    step = sparse_gradient(lambda replica: [r * REPLICAS + replica, 9])
+    with across.scope():
+        variable = tf.Variable(table)
+    want = np.zeros_like(table)
+    for q in range(n * REPLICAS):
+        for i in (q, 9):
+            want[i] += i + 1
+    for op, divisor in ((SUM, 1), (MEAN, n * REPLICAS)):
+        for local in across.experimental_local_results(across.run(step, args=(op, variable))):
+            assert isinstance(local, tf.IndexedSlices), type(local)
+            close(tf.convert_to_tensor(local).numpy(), want / divisor, f"across IndexedSlices {op}")
+    gathered = across.gather(per_replica(across, lambda i: tf.constant([[r * REPLICAS + i]], tf.int64)), axis=1).numpy()
+    assert gathered.tolist() == [list(range(n * REPLICAS))], gathered
+    # Processes passing different shapes: every process raises, naming them.
+    try:
+        value = per_replica(across, lambda i: tf.zeros(13 + r))   # shapes no process agreed on before
+        across.extended.batch_reduce_to(SUM, [(value, value)])
+    except InvalidUsageError as error:
+        assert "per_replica_value: every rank must pass the same dtype and shape" in str(error), error
+        assert "(op sum, 4 replicas) of float32 (14,)" in str(error), error
+    else:
+        raise AssertionError("processes with different shapes went through")
+    ours_ops.close()
+    across_ops.close()
+    ok("mirrored_across", comm)
+
+
 def main():
     scenario, output = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    if scenario == "mirrored":   # before TensorFlow's runtime starts: it fixes the devices then
+        cpu, = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
     tf.config.threading.set_inter_op_parallelism_threads(2)   # several ranks share the machine's cores
     tf.config.threading.set_intra_op_parallelism_threads(1)
     comm = collectives.init(timeout=TIMEOUT)

@@ -68,6 +68,7 @@ def test_bad_arguments_raise_invalid_usage_naming_the_argument(comm):
         (lambda: DistributedOptimizer(object(), comm), "optimizer: expected a keras.optimizers.Optimizer"),
         (lambda: DistributedOptimizer(DistributedOptimizer(keras.optimizers.SGD(), comm), comm), "optimizer: already"),
         (lambda: BroadcastGlobalVariablesCallback(comm, root=3), "root"),
+        (lambda: ctf.CrossDeviceOps(fusion_threshold=0), "fusion_threshold"),
     ]
     for call, message in cases:
         with pytest.raises(InvalidUsageError) as raised:
@@ -77,6 +78,8 @@ def test_bad_arguments_raise_invalid_usage_naming_the_argument(comm):
     with collectives.Communicator.local(2) as two:
         with pytest.raises(InvalidUsageError, match="comm: the TensorFlow ops need a communicator with one rank"):
             ctf.allreduce(tf.zeros(2), two)
+        with pytest.raises(InvalidUsageError, match="comm: the TensorFlow ops need a communicator with one rank"):
+            ctf.CrossDeviceOps(two)
 
 
 def test_a_graphs_collectives_run_in_program_order():
@@ -302,6 +305,20 @@ def test_every_op_on_three_processes_against_numpy():
 
 @pytest.mark.slow
 @pytest.mark.mpi
+def test_cross_device_ops_match_reduction_to_one_device_and_reduce_across_processes():
+    """tests/tensorflow_worker.py's `mirrored`: 2 processes of 4 logical CPU
+    devices each; CrossDeviceOps() against ReductionToOneDevice (reduce,
+    batch_reduce_to, IndexedSlices, gather, in tf.function, a Keras fit's
+    weights, to 1e-6), then CrossDeviceOps(comm) over the 8 replicas against
+    NumPy, and processes with different shapes raising."""
+    returncode, oks, report = run_worker(2, "mirrored")
+    assert returncode == 0, report
+    parts = ["mirrored_local", "mirrored_keras", "mirrored_across"]
+    assert {part: oks.get(part) for part in parts} == {part: {0, 1} for part in parts}, report
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_two_processes_train_as_one_on_the_whole_batches_and_a_dead_peer_raises(tmp_path):
     # Hydra would otherwise kill the survivor itself when rank 1 exits.
     returncode, oks, report = run_worker(2, "training", tmp_path / "measured.json",
@@ -316,7 +333,8 @@ def test_two_processes_train_as_one_on_the_whole_batches_and_a_dead_peer_raises(
 PUBLIC = [ctf.allreduce, ctf.allgather, ctf.reduce_scatter, ctf.broadcast, ctf.broadcast_variables,
           ctf.grouped_allreduce, ctf.reduce_gradients, ctf.typed_error, ctf.DistributedGradientTape,
           ctf.DistributedGradientTape.gradient, DistributedOptimizer, BroadcastGlobalVariablesCallback,
-          MetricAverageCallback]
+          MetricAverageCallback, ctf.CrossDeviceOps, ctf.CrossDeviceOps.reduce_implementation,
+          ctf.CrossDeviceOps.batch_reduce_implementation]
 
 
 @pytest.mark.parametrize("function", PUBLIC, ids=[f.__qualname__ for f in PUBLIC])

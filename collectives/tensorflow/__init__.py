@@ -7,6 +7,9 @@
               get the library's typed error back from TensorFlow's
     tape.py   DistributedGradientTape: gradients averaged over the ranks in
               one fused call (IndexedSlices allgathered, or densified)
+    distribute.py  CrossDeviceOps for tf.distribute.MirroredStrategy: its
+              replicas reduced on host ranks of this process, and over the
+              processes with a communicator
 
 Every op takes a communicator with one rank in this process, as
 collectives.init() gives under mpiexec, as collectives.torch does. Keras 3
@@ -20,6 +23,7 @@ not import this package.
 from .ops import (allgather, allreduce, broadcast, broadcast_variables, grouped_allreduce, reduce_scatter,
                   typed_error, typed_errors)
 from .tape import DistributedGradientTape, reduce_gradients
+from .distribute import CrossDeviceOps
 
 __all__ = ["allreduce", "allgather", "reduce_scatter", "broadcast", "broadcast_variables", "grouped_allreduce",
-           "DistributedGradientTape", "reduce_gradients", "typed_error", "typed_errors"]
+           "DistributedGradientTape", "reduce_gradients", "typed_error", "typed_errors", "CrossDeviceOps"]

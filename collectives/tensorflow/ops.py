@@ -368,13 +368,15 @@ def typed_errors():
 # -- every rank's description of its call --------------------------------------------------
 #
 # One row of 12 int64 per rank: [kind, op, extra, dtype, ndim, d0 .. d6]
-# (extra: the compression's index for allreduce, the root for broadcast).
+# (extra: the compression's index for allreduce, the root for broadcast,
+# the replica count for CrossDeviceOps' reductions).
 # Shapes of more than 7 dimensions keep d0..d5 and, in the last slot, a hash
 # of every dimension but the first (allgather compares all but d0).
 
 _ROW = 12
 _FIRST_DIM = 5
-_KINDS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "grouped_allreduce", "broadcast_variables")
+_KINDS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "grouped_allreduce", "broadcast_variables",
+          "cross_device_reduce")
 _OP_CODES = {op: code for code, op in enumerate(ReduceOp)}
 _COMPRESSIONS = (None, *wire.CODECS)
 
@@ -410,7 +412,9 @@ def _describe(row):
     kind, op, extra, dtype, ndim = (int(v) for v in row[:5])
     name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"call {kind}"
     what = name
-    if name in ("allreduce", "reduce_scatter", "grouped_allreduce"):
+    if name == "cross_device_reduce":
+        what += f" (op {list(ReduceOp)[op].value}, {extra} replicas)"
+    elif name in ("allreduce", "reduce_scatter", "grouped_allreduce"):
         what += f" (op {list(ReduceOp)[op].value}"
         what += f", compression {_COMPRESSIONS[extra]})" if name != "reduce_scatter" else ")"
     elif name in ("broadcast", "broadcast_variables"):
