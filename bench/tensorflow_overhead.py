@@ -3,9 +3,9 @@
     python -m bench.tensorflow_overhead [--ranks 2] [--sizes 1K,1M,16M] [--batches 15] [--calls 50]
 
 Each process makes one host communicator (collectives.init) and, for each
-size (float32, op max: the values stay what they
-are however many calls run in place), times batches of calls of three kinds in turn,
-alternating batch by batch so that the machine's noise hits all alike:
+size (float32, op max: the values stay what they are however many calls
+run in place), times batches of calls of each kind in turn, alternating
+batch by batch so that the machine's noise hits all alike:
 
     ours    comm.allreduce(x) on a NumPy array, in place (the API's
             cheapest form; the TensorFlow op makes a new tensor)
@@ -16,6 +16,10 @@ alternating batch by batch so that the machine's noise hits all alike:
             shared by 8
     empty   a tf.function of one tf.identity: TensorFlow's own cost of
             calling a function, which no op inside it can remove
+    mwms    with --mwms: TensorFlow's own collectives for comparison, a
+            tf.function of MultiWorkerMirroredStrategy.run whose replica
+            all_reduces the tensor (op sum: it has no max), the strategy
+            started from our ranks (collectives.tensorflow.cluster_resolver)
 
 It prints the median over batches of the time per call of each, and each
 TensorFlow kind's difference from ours (µs) and ratio to it (the goal
@@ -46,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--sizes", default="1K,1M,16M", type=cli.sizes, help="bytes per call, comma-separated (K, M)")
     p.add_argument("--batches", type=int, default=15, help="batches per kind and size, alternating kinds")
     p.add_argument("--calls", type=int, default=50, help="calls per batch (fewer from 1 MiB: at least 3)")
+    p.add_argument("--mwms", action="store_true",
+                   help="time MultiWorkerMirroredStrategy's all_reduce too (TensorFlow's collectives over gRPC)")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     args.nbytes = [cli.parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -75,6 +81,10 @@ def main(argv=None):
     tf.config.threading.set_inter_op_parallelism_threads(2)   # the ranks share the machine's cores
     tf.config.threading.set_intra_op_parallelism_threads(1)
     comm = collectives.init(comm=world)
+    kinds = KINDS + (("mwms",) if args.mwms else ())
+    strategy = None
+    if args.mwms:   # before any other TensorFlow op: the strategy wants to start the runtime itself
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=ctf.cluster_resolver(comm))
     rows = []
     for nbytes in args.nbytes:
         x = np.random.default_rng(comm.rank).standard_normal(max(1, nbytes // 4)).astype(np.float32)
@@ -93,19 +103,27 @@ def main(argv=None):
                  "graph": lambda: graph(t),
                  "graph8": lambda: graph8(t), "empty": lambda: empty(t)}
         empty(t)
+        if strategy is not None:
+            @tf.function
+            def mwms(v):
+                return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("sum", tf.identity(v)))
+
+            calls["mwms"] = lambda: mwms(t)
+            np.testing.assert_allclose(strategy.experimental_local_results(mwms(t))[0].numpy(),
+                                       comm.allreduce(x.copy(), op="sum"), rtol=1e-5)
         for kind in ("eager", "graph", "graph8"):   # warm-up (the trace), and a check that it reduces
             np.testing.assert_array_equal(calls[kind]().numpy(), want)
         per_batch = max(3, args.calls if nbytes < (1 << 20) else args.calls // 10)
-        times = {kind: [] for kind in KINDS}
+        times = {kind: [] for kind in kinds}
         for _ in range(args.batches):
-            for kind in KINDS:
+            for kind in kinds:
                 # ranks start each batch together: a peer still in its last
                 # batch would otherwise be charged to this one
                 comm.barrier()
                 times[kind].append(timed(calls[kind], per_batch) / (CHAIN if kind == "graph8" else 1))
         median = {kind: statistics.median(values) * 1e6 for kind, values in times.items()}
         rows.append({"bytes": nbytes, "calls_per_batch": per_batch, "batches": args.batches,
-                     **{f"{kind}_us": median[kind] for kind in KINDS}})
+                     **{f"{kind}_us": median[kind] for kind in kinds}})
     if comm.rank == 0:
         load = os.getloadavg()[0]
         print(f"# {comm.size} processes, float32 max, median of {args.batches} batches; load average {load:.1f}")
@@ -113,12 +131,13 @@ def main(argv=None):
               "empty: a tf.function of tf.identity")
         print(f"{'bytes':>10} {'ours us':>9} {'eager us':>9} {'graph us':>9} {'graph8 us':>9} {'empty us':>9} "
               f"{'eager-ours':>10} {'graph-ours':>10} {'g8-ours':>9} {'eager/ours':>10} {'graph/ours':>10} "
-              f"{'g8/ours':>8}")
+              f"{'g8/ours':>8}" + (f" {'mwms us':>9} {'mwms/ours':>9}" if args.mwms else ""))
         for row in rows:
             ours, eager, graph, graph8, empty = (row[f"{kind}_us"] for kind in KINDS)
             print(f"{row['bytes']:>10} {ours:>9.1f} {eager:>9.1f} {graph:>9.1f} {graph8:>9.1f} {empty:>9.1f} "
                   f"{eager - ours:>10.1f} {graph - ours:>10.1f} {graph8 - ours:>9.1f} {eager / ours:>10.2f} "
-                  f"{graph / ours:>10.2f} {graph8 / ours:>8.2f}")
+                  f"{graph / ours:>10.2f} {graph8 / ours:>8.2f}"
+                  + (f" {row['mwms_us']:>9.1f} {row['mwms_us'] / ours:>9.2f}" if args.mwms else ""))
         if args.output_file:
             with open(args.output_file, "w") as f:
                 json.dump({"ranks": comm.size, "load_average": load, "rows": rows}, f, indent=1)

@@ -658,6 +658,51 @@ def scenario_mirrored(comm, output):
     ok("mirrored_across", comm)
 
 
+# -- mwms: MultiWorkerMirroredStrategy started from our ranks -------------------------------------
+
+
+def scenario_mwms(comm, output):
+    """cluster_resolver gives every rank the same cluster, rank r as worker
+    r; MultiWorkerMirroredStrategy starts from it (before any other
+    TensorFlow op, as it must) and its all_reduce agrees with ours."""
+    import json as json_
+    n, r = comm.size, comm.rank
+    resolver = ctf.cluster_resolver(comm)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    workers = resolver.cluster_spec().as_dict()["worker"]
+    assert len(workers) == n and len(set(workers)) == n, workers
+    assert all(w.startswith("localhost:") for w in workers), workers   # one machine: localhost
+    assert resolver.task_type == "worker" and resolver.task_id == r, (resolver.task_type, resolver.task_id)
+    assert MPI.COMM_WORLD.allgather(workers) == [workers] * n, "ranks got different clusters"
+    assert strategy.num_replicas_in_sync == n, strategy.num_replicas_in_sync
+
+    @tf.function
+    def step(x):
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            mine = tf.identity(x)   # on the replica's device (a captured input has none: "destinations empty")
+            return ctx.all_reduce("sum", mine), ctx.all_reduce("mean", mine)
+        return strategy.run(replica_fn)
+
+    x = tf.constant(np.arange(6, dtype=np.float32) * (r + 1))
+    for _ in range(2):
+        summed, mean = (strategy.experimental_local_results(v)[0] for v in step(x))
+        theirs = summed.numpy()
+        np.testing.assert_array_equal(theirs, ctf.allreduce(x, comm).numpy())
+        np.testing.assert_allclose(mean.numpy(), ctf.allreduce(x, comm, op="avg").numpy(), rtol=1e-6)
+    assert theirs.tolist() == [v * sum(range(1, n + 1)) for v in range(6)], theirs
+    config = json_.loads(ctf.tf_config(comm))
+    assert config["task"] == {"type": "worker", "index": r} and len(config["cluster"]["worker"]) == n, config
+    for host, message in ((":1", "host: expected None or a host name without a port"), ("", "host:")):
+        try:
+            ctf.cluster_resolver(comm, host=host)
+        except InvalidUsageError as error:
+            assert message in str(error), error
+        else:
+            raise AssertionError(f"host={host!r} went through")
+    ok("mwms", comm)
+
+
 def main():
     scenario, output = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     if scenario == "mirrored":   # before TensorFlow's runtime starts: it fixes the devices then

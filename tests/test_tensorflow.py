@@ -319,6 +319,16 @@ def test_cross_device_ops_match_reduction_to_one_device_and_reduce_across_proces
 
 @pytest.mark.slow
 @pytest.mark.mpi
+def test_multi_worker_mirrored_strategy_starts_from_our_ranks():
+    """tests/tensorflow_worker.py's `mwms`: cluster_resolver on 2 processes,
+    the strategy's all_reduce (SUM, MEAN, in tf.function) against ours."""
+    returncode, oks, report = run_worker(2, "mwms")
+    assert returncode == 0, report
+    assert oks.get("mwms") == {0, 1}, report
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_two_processes_train_as_one_on_the_whole_batches_and_a_dead_peer_raises(tmp_path):
     # Hydra would otherwise kill the survivor itself when rank 1 exits.
     returncode, oks, report = run_worker(2, "training", tmp_path / "measured.json",
@@ -334,7 +344,7 @@ PUBLIC = [ctf.allreduce, ctf.allgather, ctf.reduce_scatter, ctf.broadcast, ctf.b
           ctf.grouped_allreduce, ctf.reduce_gradients, ctf.typed_error, ctf.DistributedGradientTape,
           ctf.DistributedGradientTape.gradient, DistributedOptimizer, BroadcastGlobalVariablesCallback,
           MetricAverageCallback, ctf.CrossDeviceOps, ctf.CrossDeviceOps.reduce_implementation,
-          ctf.CrossDeviceOps.batch_reduce_implementation]
+          ctf.CrossDeviceOps.batch_reduce_implementation, ctf.cluster_resolver, ctf.tf_config]
 
 
 @pytest.mark.parametrize("function", PUBLIC, ids=[f.__qualname__ for f in PUBLIC])

@@ -10,6 +10,9 @@
     distribute.py  CrossDeviceOps for tf.distribute.MirroredStrategy: its
               replicas reduced on host ranks of this process, and over the
               processes with a communicator
+    cluster.py  cluster_resolver / tf_config: MultiWorkerMirroredStrategy
+              started from our ranks (worker r = rank r, ports exchanged
+              through the communicator)
 
 Every op takes a communicator with one rank in this process, as
 collectives.init() gives under mpiexec, as collectives.torch does. Keras 3
@@ -24,6 +27,8 @@ from .ops import (allgather, allreduce, broadcast, broadcast_variables, grouped_
                   typed_error, typed_errors)
 from .tape import DistributedGradientTape, reduce_gradients
 from .distribute import CrossDeviceOps
+from .cluster import cluster_resolver, tf_config
 
 __all__ = ["allreduce", "allgather", "reduce_scatter", "broadcast", "broadcast_variables", "grouped_allreduce",
-           "DistributedGradientTape", "reduce_gradients", "typed_error", "typed_errors", "CrossDeviceOps"]
+           "DistributedGradientTape", "reduce_gradients", "typed_error", "typed_errors", "CrossDeviceOps",
+           "cluster_resolver", "tf_config"]
