@@ -582,7 +582,7 @@ def scenario_mirrored(comm, output):
     for strategy in (ours, ref):
         with strategy.scope():
             model = keras_model(seed=3)
-            model.compile(optimizer=keras.optimizers.Adam(0.01),
+            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         batches = global_batches(6, 16, seed=5)
         x = [np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])[:, None]]
@@ -653,9 +653,36 @@ def scenario_mirrored(comm, output):
         assert "(op sum, 4 replicas) of float32 (14,)" in str(error), error
     else:
         raise AssertionError("processes with different shapes went through")
-    ours_ops.close()
-    across_ops.close()
     ok("mirrored_across", comm)
+
+    # Keras fit across the processes (sum_across="mean"), each on its half
+    # of every global batch, against one process's fit on the global batches
+    # (the ReductionToOneDevice run above: weights[1]). SGD, not Adam: Adam
+    # would hide gradients off by a constant factor (sum_across="sum" here).
+    keras_ops = ctf.CrossDeviceOps(comm, sum_across="mean")
+    keras_calls = []
+    keras_reduce = keras_ops.batch_reduce_implementation
+    keras_ops.batch_reduce_implementation = lambda *a, **k: keras_calls.append(1) or keras_reduce(*a, **k)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=keras_ops)
+    with strategy.scope():
+        model = keras_model(seed=3)
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    share = slice(r * 16 // n, (r + 1) * 16 // n)
+    batches = global_batches(6, 16, seed=5)
+    x = [np.concatenate([b[0][share] for b in batches]), np.concatenate([b[1][share] for b in batches])[:, None]]
+    y = np.concatenate([b[2][share] for b in batches])
+    model.fit(x, y, batch_size=16 // n, epochs=2, shuffle=False, verbose=0)
+    got = flat([w.numpy() for w in model.weights])
+    difference = float(np.abs(got - weights[1]).max())
+    assert keras_calls, "Keras' gradients did not come to our CrossDeviceOps"
+    assert same_bits_everywhere(got), "the processes' Keras weights differ"
+    assert difference <= 1e-5, difference
+    print(f"rank {r}: Keras fit on 2 processes x {REPLICAS} replicas against one process: {difference:.2e}",
+          flush=True)
+    for ops_ in (ours_ops, across_ops, keras_ops):
+        ops_.close()
+    ok("mirrored_keras_across", comm)
 
 
 # -- mwms: MultiWorkerMirroredStrategy started from our ranks -------------------------------------

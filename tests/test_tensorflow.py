@@ -69,6 +69,7 @@ def test_bad_arguments_raise_invalid_usage_naming_the_argument(comm):
         (lambda: DistributedOptimizer(DistributedOptimizer(keras.optimizers.SGD(), comm), comm), "optimizer: already"),
         (lambda: BroadcastGlobalVariablesCallback(comm, root=3), "root"),
         (lambda: ctf.CrossDeviceOps(fusion_threshold=0), "fusion_threshold"),
+        (lambda: ctf.CrossDeviceOps(sum_across="avg"), "sum_across: expected 'sum' or 'mean'"),
     ]
     for call, message in cases:
         with pytest.raises(InvalidUsageError) as raised:
@@ -310,10 +311,12 @@ def test_cross_device_ops_match_reduction_to_one_device_and_reduce_across_proces
     devices each; CrossDeviceOps() against ReductionToOneDevice (reduce,
     batch_reduce_to, IndexedSlices, gather, in tf.function, a Keras fit's
     weights, to 1e-6), then CrossDeviceOps(comm) over the 8 replicas against
-    NumPy, and processes with different shapes raising."""
+    NumPy, processes with different shapes raising, and a Keras fit over
+    both processes' 8 replicas (sum_across="mean") landing on one process's
+    weights trained on the global batches (1e-5)."""
     returncode, oks, report = run_worker(2, "mirrored")
     assert returncode == 0, report
-    parts = ["mirrored_local", "mirrored_keras", "mirrored_across"]
+    parts = ["mirrored_local", "mirrored_keras", "mirrored_across", "mirrored_keras_across"]
     assert {part: oks.get(part) for part in parts} == {part: {0, 1} for part in parts}, report
 
 

@@ -29,13 +29,13 @@ concatenation of the replicas' tensors, allgathered over the processes with
 
 With `comm`, every process must run the same reductions in the same order
 (one MirroredStrategy per process, the same program on each): the
-communicator numbers its calls. Keras: a `fit` under such a strategy sums
-the gradients of every process's replicas, while Keras scales each
-replica's loss by the strategy's replica count in its own process only, so
-gradients come out `comm.size` times the mean; divide the learning rate by
-`comm.size` (or use collectives.keras.DistributedOptimizer without a
-strategy). In one process (comm=None) Keras fit trains as with
-ReductionToOneDevice (tests/test_tensorflow.py compares the weights).
+communicator numbers its calls. Keras: Keras scales each replica's loss by
+the strategy's replica count, which counts this process's replicas only;
+summed over every process's replicas, the gradients would come out
+`comm.size` times the mean. With sum_across="mean" a SUM is averaged over
+the processes instead, and a fit on each process's share of every global
+batch trains as one process on the global batches (tests/test_tensorflow.py
+compares the weights; in one process, ours against ReductionToOneDevice).
 """
 
 import threading
@@ -71,6 +71,14 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
                       replicas' result is then reduced over the processes too
     fusion_threshold  bytes per fusion buffer of the fused allreduce over
                       the processes (batch_reduce)
+    sum_across        with `comm`, what a SUM does over the processes: "sum"
+                      (default: the sum over every replica of every
+                      process) or "mean" (summed over this process's
+                      replicas, averaged over the processes: what Keras fit
+                      needs, since it scales each replica's loss by the
+                      replica count of its own process; then its gradients
+                      are the mean over the global batch). MEAN is the mean
+                      over every replica either way.
 
     Pass it to tf.distribute.MirroredStrategy(devices, cross_device_ops=...).
     Call close() (or use it as a context manager) to free the host ranks it
@@ -80,12 +88,18 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
     processes with different replica counts or shapes).
     """
 
-    def __init__(self, comm=None, fusion_threshold=DEFAULT_THRESHOLD):
+    def __init__(self, comm=None, fusion_threshold=DEFAULT_THRESHOLD, sum_across="sum"):
         super().__init__()
         if comm is not None:
             check_communicator(comm, "comm")
         check_threshold(fusion_threshold, "fusion_threshold")
+        if sum_across not in ("sum", "mean"):
+            raise InvalidUsageError(f"sum_across: expected 'sum' or 'mean', got {sum_across!r}")
         self._comm = comm
+        # What a SUM does over the processes: a strategy (and Keras) sees
+        # only this process's replicas, and scales losses by their count.
+        self._across = {ReduceOp.SUM: ReduceOp.SUM if sum_across == "sum" else ReduceOp.AVG,
+                        ReduceOp.AVG: ReduceOp.AVG}
         self._threshold = fusion_threshold
         self._replicas = {}   # replica count -> Communicator.local(count)
         self._lock = threading.Lock()
@@ -209,7 +223,7 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
     def _body(self, op, count, k):
         """The NumPy side: k tensors of `count` replicas each, flat in `arrays`
         (tensor by tensor); returns the k reduced arrays."""
-        local, comm, threshold = self._local(count), self._comm, self._threshold
+        local, comm, threshold, across = self._local(count), self._comm, self._threshold, self._across[op]
 
         def body(*arrays):
             results = []
@@ -229,7 +243,7 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
             if comm is not None and filled:
                 # avg of the processes' avgs is the mean over every replica:
                 # every process has `count` replicas (agreed above)
-                comm.allreduce_many(filled, op=op.value, fusion_threshold=threshold)
+                comm.allreduce_many(filled, op=across.value, fusion_threshold=threshold)
             return results
 
         return body
@@ -242,13 +256,14 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         with tf.device(values[0].device):
             merged_values = tf.concat([s.values for s in slices], 0)
             indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], 0)
-            replicas = len(values)
+            divisor = len(values) if op is ReduceOp.AVG else 1
             if self._comm is not None:
                 merged_values = allgather(merged_values, self._comm)
                 indices = allgather(indices, self._comm)
-                replicas *= self._comm.size
-            if op is ReduceOp.AVG:
-                merged_values = merged_values / tf.cast(replicas, merged_values.dtype)
+                if self._across[op] is ReduceOp.AVG:   # MEAN, or SUM with sum_across="mean"
+                    divisor *= self._comm.size
+            if divisor > 1:
+                merged_values = merged_values / tf.cast(divisor, merged_values.dtype)
         return tf.IndexedSlices(merged_values, indices, slices[0].dense_shape)
 
 
