@@ -18,7 +18,10 @@ numpy_function node per call, so it runs each time the graph runs.
 
 Reductions: SUM and MEAN (the mean over every replica of every process:
 each process must have the same number of replicas, which the first call
-of each description checks). Dtypes: those collectives reduces.
+of each description checks). Dtypes: those collectives reduces; a MEAN of
+integers is the library's avg, truncated in the input's dtype, where
+ReductionToOneDevice divides into float64 (MirroredStrategy sends int32 to
+its own ReductionToOneDevice anyway).
 IndexedSlices (embedding gradients) stay sparse, as ReductionToOneDevice
 keeps them: the replicas' values and indices are concatenated (the sum of
 IndexedSlices is their concatenation: duplicates add where applied), and
