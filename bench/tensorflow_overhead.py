@@ -16,6 +16,10 @@ batch by batch so that the machine's noise hits all alike:
             shared by 8
     empty   a tf.function of one tf.identity: TensorFlow's own cost of
             calling a function, which no op inside it can remove
+    floor   a tf.function of one bare tf.numpy_function calling
+            comm.allreduce(a, out=np.empty_like(a)): the least any Python
+            collective in a graph costs, without the adapter's checks,
+            agreement, gradient and aligned buffers
     mwms    with --mwms: TensorFlow's own collectives for comparison, a
             tf.function of MultiWorkerMirroredStrategy.run whose replica
             all_reduces the tensor (op sum: it has no max), the strategy
@@ -40,7 +44,7 @@ import collectives
 from bench import cli
 from bench.harness import RELAUNCHED, mpi_world, relaunch_under_mpiexec
 
-KINDS = ("ours", "eager", "graph", "graph8", "empty")
+KINDS = ("ours", "eager", "graph", "graph8", "empty", "floor")
 CHAIN = 8   # allreduces in one tf.function for graph8
 
 
@@ -98,10 +102,12 @@ def main(argv=None):
             return v
 
         empty = tf.function(tf.identity)
+        floor = tf.function(lambda v: tf.numpy_function(lambda a: comm.allreduce(a, op="max", out=np.empty_like(a)),
+                                                        [v], tf.float32, stateful=True))
         want = comm.allreduce(x.copy(), op="max")
         calls = {"ours": lambda: comm.allreduce(x, op="max"), "eager": lambda: ctf.allreduce(t, comm, op="max"),
                  "graph": lambda: graph(t),
-                 "graph8": lambda: graph8(t), "empty": lambda: empty(t)}
+                 "graph8": lambda: graph8(t), "empty": lambda: empty(t), "floor": lambda: floor(t)}
         empty(t)
         if strategy is not None:
             @tf.function
@@ -111,7 +117,7 @@ def main(argv=None):
             calls["mwms"] = lambda: mwms(t)
             np.testing.assert_allclose(strategy.experimental_local_results(mwms(t))[0].numpy(),
                                        comm.allreduce(x.copy(), op="sum"), rtol=1e-5)
-        for kind in ("eager", "graph", "graph8"):   # warm-up (the trace), and a check that it reduces
+        for kind in ("eager", "graph", "graph8", "floor"):   # warm-up (the trace), and a check that it reduces
             np.testing.assert_array_equal(calls[kind]().numpy(), want)
         per_batch = max(3, args.calls if nbytes < (1 << 20) else args.calls // 10)
         times = {kind: [] for kind in kinds}
@@ -130,11 +136,13 @@ def main(argv=None):
         print(f"# ours: comm.allreduce in place; graph8: per allreduce of {CHAIN} in one tf.function; "
               "empty: a tf.function of tf.identity")
         print(f"{'bytes':>10} {'ours us':>9} {'eager us':>9} {'graph us':>9} {'graph8 us':>9} {'empty us':>9} "
+              f"{'floor us':>9} "
               f"{'eager-ours':>10} {'graph-ours':>10} {'g8-ours':>9} {'eager/ours':>10} {'graph/ours':>10} "
               f"{'g8/ours':>8}" + (f" {'mwms us':>9} {'mwms/ours':>9}" if args.mwms else ""))
         for row in rows:
-            ours, eager, graph, graph8, empty = (row[f"{kind}_us"] for kind in KINDS)
+            ours, eager, graph, graph8, empty, floor = (row[f"{kind}_us"] for kind in KINDS)
             print(f"{row['bytes']:>10} {ours:>9.1f} {eager:>9.1f} {graph:>9.1f} {graph8:>9.1f} {empty:>9.1f} "
+                  f"{floor:>9.1f} "
                   f"{eager - ours:>10.1f} {graph - ours:>10.1f} {graph8 - ours:>9.1f} {eager / ours:>10.2f} "
                   f"{graph / ours:>10.2f} {graph8 / ours:>8.2f}"
                   + (f" {row['mwms_us']:>9.1f} {row['mwms_us'] / ours:>9.2f}" if args.mwms else ""))
