@@ -179,7 +179,7 @@ def test_no_tool_writes_a_file_unless_told(tool, monkeypatch):
 
 
 def test_gpu_check_writes_its_report_only_where_told(tmp_path, monkeypatch):
-    """Like every tool, gpu_check writes a file only where -J says (issue 50),
+    """Like every tool, gpu_check writes a file only where -J says,
     made absolute: its steps run in the checkout's root."""
     from bench import gpu_check
     monkeypatch.chdir(tmp_path)
