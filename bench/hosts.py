@@ -1,0 +1,248 @@
+"""Hosts on one machine: H network hosts that share nothing but the kernel.
+
+    python -m bench.hosts up H --dir DIR [--link 10gbit] [--subnet 10.99.0]
+    python -m bench.hosts mpiexec --dir DIR -- [mpiexec args] program...
+    python -m bench.hosts exec --dir DIR HOST command...
+    python -m bench.hosts down --dir DIR
+
+`up` makes H hosts h0..h{H-1}, each a process (PID 1 of its own PID
+namespace) with its own network, UTS, IPC, PID and mount namespaces: its
+hostname, a private /dev/shm (tmpfs), an /etc/hosts naming every host, and
+one link, eth0, a veth to a bridge of its own, at SUBNET.10+i/24, its
+egress shaped by `tc ... tbf` to --link. Two ranks on different hosts can
+then meet only over that link: without the PID and IPC namespaces MPICH
+(its UCX netmod) reached the other "host" through cross-memory attach and
+SysV shared memory, and the link's shaping never applied (issue 47).
+
+Everything `up` makes is named in DIR/state.json, and `down` removes it all
+(the hosts' processes, which takes their network namespaces and veths with
+them, and the bridge), also after a rank or a host died. Nothing is written
+outside DIR: no /run/netns entries (the namespaces live as long as their
+PID 1), no change to the machine's /etc/hosts.
+
+`mpiexec` runs MPICH's mpiexec (beside this Python) on the machine, as on a
+login node, with `-launcher ssh -launcher-exec DIR/launch -localhost
+SUBNET.1` (the bridge's address): hydra "sshes" to each host through that
+script, which enters the host's namespaces with nsenter, and each host's
+proxy connects back over the bridge. No rank runs outside the hosts. Run
+under it, `-hosts h0:2,h1:2` puts ranks 0,1 on h0 and 2,3 on h1, as on two
+machines. Needs root and iproute2; `python -m bench.hosts check` says why
+hosts cannot be made here.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STATE = "state.json"
+
+
+def _run(*argv, check=True):
+    return subprocess.run(argv, check=check, capture_output=True, text=True)
+
+
+def _in_host(pid, *argv, check=True):
+    """argv in host `pid`'s network namespace (iproute2, tc)."""
+    return _run("nsenter", "-t", str(pid), "-n", *argv, check=check)
+
+
+def why_not():
+    """Why hosts cannot be made here (None: they can)."""
+    if os.geteuid() != 0:
+        return "making namespaces needs root"
+    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter") if shutil.which(tool) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (iproute2, util-linux)"
+    return None
+
+
+def _burst(rate):
+    """tbf's bucket: at least one timer tick of the rate (HZ 250 assumed, twice), at least 64 KiB."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            bits_per_second = float(rate[:-len(unit)]) * scale
+            return max(64 << 10, int(bits_per_second / 8 / 250 * 2))
+    raise SystemExit(f"--link: a rate such as 10gbit, 1gbit, 100mbit (got {rate!r})")
+
+
+def up(count, directory, link="10gbit", subnet="10.99.0"):
+    reason = why_not()
+    if reason:
+        raise SystemExit(f"cannot make hosts: {reason}")
+    directory = Path(directory).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / STATE).exists():
+        raise SystemExit(f"{directory / STATE} exists: `down` those hosts first")
+    tag = f"{os.getpid() % 100000:05d}"           # names unique on the machine (interface names <= 15 chars)
+    state = {"bridge": f"clbr{tag}", "link": link, "hosts": [], "dir": str(directory)}
+    names = [f"h{i}" for i in range(count)]
+    addresses = [f"{subnet}.{10 + i}" for i in range(count)]
+    (directory / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
+        f"{address} {name}\n" for name, address in zip(names, addresses)))
+    _save(directory, state)   # first, so that `down` finds whatever exists if the rest fails
+    try:
+        _run("ip", "link", "add", state["bridge"], "type", "bridge")
+        # The machine itself is on the hosts' network as SUBNET.1, where mpiexec runs (a host's
+        # /proc shows only its own processes, so a launcher run inside one could not enter another)
+        # and its proxies connect back to (mpiexec -localhost).
+        _run("ip", "addr", "add", f"{subnet}.1/24", "dev", state["bridge"])
+        _run("ip", "link", "set", state["bridge"], "up")
+        state["launching_address"] = f"{subnet}.1"
+        for i, (name, address) in enumerate(zip(names, addresses)):
+            pid = _start_host(name, directory)
+            veth = f"clv{tag}h{i}"
+            state["hosts"].append({"name": name, "pid": pid, "address": address, "veth": veth})
+            _save(directory, state)
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(pid))
+            _run("ip", "link", "set", veth, "master", state["bridge"], "up")
+            _in_host(pid, "ip", "link", "set", "lo", "up")
+            _in_host(pid, "ip", "addr", "add", f"{address}/24", "dev", "eth0")
+            _in_host(pid, "ip", "link", "set", "eth0", "up")
+            _in_host(pid, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", link,
+                     "burst", str(_burst(link)), "latency", "50ms")
+        _write_launcher(directory, state)
+    except BaseException:
+        down(directory)
+        raise
+    return state
+
+
+def _start_host(name, directory):
+    """A host's PID 1: sets its hostname, /dev/shm and /etc/hosts in its own
+    namespaces, then sleeps until `down` kills it (which ends every process
+    of its PID namespace, and with the last, its network namespace)."""
+    setup = (f"hostname {name} && mount -t tmpfs tmpfs /dev/shm && "
+             f"mount --bind {shlex.quote(str(directory / 'hosts'))} /etc/hosts && "
+             f"touch {shlex.quote(str(directory / (name + '.ready')))} && exec sleep infinity")
+    holder = subprocess.Popen(["unshare", "--net", "--uts", "--ipc", "--mount", "--pid", "--fork", "--mount-proc",
+                               "--propagation", "private", "--kill-child", "sh", "-c", setup],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=(directory / f"{name}.log").open("w"), start_new_session=True)
+    ready = directory / f"{name}.ready"
+    until = time.monotonic() + 10
+    while not ready.exists():
+        if holder.poll() is not None or time.monotonic() > until:
+            raise RuntimeError(f"host {name} did not start (unshare exited {holder.poll()}): "
+                               f"{(directory / (name + '.log')).read_text().strip()}")
+        time.sleep(0.01)
+    ready.unlink()
+    children = Path(f"/proc/{holder.pid}/task/{holder.pid}/children").read_text().split()
+    return int(children[0])   # the forked child: PID 1 inside, this number outside
+
+
+def _write_launcher(directory, state):
+    """DIR/launch: hydra's ssh launcher calls it as `launch [ssh options] HOST COMMAND...`."""
+    cases = "".join(f"    {h['name']}) pid={h['pid']} ;;\n" for h in state["hosts"])
+    script = f"""#!/bin/sh
+# hydra's -launcher ssh -launcher-exec: [ssh options] HOST COMMAND... run inside HOST's namespaces
+while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
+host=$1; shift
+case "$host" in
+{cases}    *) echo "launch: no host $host" >&2; exit 255 ;;
+esac
+exec nsenter -t "$pid" -a sh -c "$*"
+"""
+    launcher = directory / "launch"
+    launcher.write_text(script)
+    launcher.chmod(0o755)
+
+
+def down(directory):
+    directory = Path(directory).resolve()
+    path = directory / STATE
+    if not path.exists():
+        return
+    state = json.loads(path.read_text())
+    for host in state["hosts"]:
+        try:
+            os.kill(host["pid"], signal.SIGKILL)   # PID 1 of its namespace: every process in it goes too
+        except ProcessLookupError:
+            pass
+    until = time.monotonic() + 10
+    while any(Path(f"/proc/{h['pid']}").exists() for h in state["hosts"]) and time.monotonic() < until:
+        time.sleep(0.02)
+    for host in state["hosts"]:   # gone with the namespace; deleted in case it was not
+        _run("ip", "link", "del", host["veth"], check=False)
+    _run("ip", "link", "del", state["bridge"], check=False)
+    made = [f"h{i}.{what}" for i in range(len(state["hosts"]) + 1) for what in ("ready", "log")]
+    for name in (STATE, "hosts", "launch", *made):
+        (directory / name).unlink(missing_ok=True)
+    try:
+        directory.rmdir()   # only where it is now empty: never what someone else put there
+    except OSError:
+        pass
+
+
+def _save(directory, state):
+    (directory / STATE).write_text(json.dumps(state, indent=1))
+
+
+def _state(directory):
+    path = Path(directory).resolve() / STATE
+    if not path.exists():
+        raise SystemExit(f"no hosts in {path.parent} (python -m bench.hosts up H --dir {directory})")
+    return json.loads(path.read_text())
+
+
+def mpiexec_command(directory, args):
+    """MPICH's mpiexec on the machine, launching through DIR/launch; its
+    proxies (one per host) connect back to the bridge's address."""
+    state = _state(directory)
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    return [str(mpiexec), "-launcher", "ssh", "-launcher-exec", str(Path(state["dir"]) / "launch"),
+            "-localhost", state["launching_address"], *args]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.hosts", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    sub = p.add_subparsers(dest="what", required=True)
+    u = sub.add_parser("up", help="make H hosts")
+    u.add_argument("count", type=int)
+    u.add_argument("--link", default="10gbit", help="each host's egress rate (tc tbf): 10gbit, 1gbit, ...")
+    u.add_argument("--subnet", default="10.99.0", help="the hosts' /24: host i is SUBNET.(10+i)")
+    for name in ("down", "mpiexec", "exec", "check"):
+        sub.add_parser(name)
+    for s in sub.choices.values():
+        s.add_argument("--dir", required=s.prog.split()[-1] != "check",
+                       help="where the hosts' state, /etc/hosts and launcher are kept (nothing is written elsewhere)")
+    sub.choices["mpiexec"].add_argument("rest", nargs=argparse.REMAINDER, help="mpiexec's arguments")
+    sub.choices["exec"].add_argument("host")
+    sub.choices["exec"].add_argument("rest", nargs=argparse.REMAINDER, help="the command")
+    args = p.parse_args(argv)
+    if args.what == "check":
+        print(why_not() or "hosts can be made here")
+        return 0
+    if args.what == "up":
+        if args.count < 1:
+            p.error("H: at least 1")
+        state = up(args.count, args.dir, args.link, args.subnet)
+        hosts = ",".join(f"{h['name']}:2" for h in state["hosts"])
+        print(f"# {args.count} hosts ({', '.join(h['name'] + ' ' + h['address'] for h in state['hosts'])}), "
+              f"each link {args.link}; launch with:\n"
+              f"python -m bench.hosts mpiexec --dir {args.dir} -- -hosts {hosts} {sys.executable} program.py\n"
+              f"# remove them with: python -m bench.hosts down --dir {args.dir}")
+        return 0
+    if args.what == "down":
+        down(args.dir)
+        return 0
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    if args.what == "mpiexec":
+        return subprocess.call(mpiexec_command(args.dir, rest))
+    host = next((h for h in _state(args.dir)["hosts"] if h["name"] == args.host), None)
+    if host is None:
+        raise SystemExit(f"no host {args.host}")
+    return subprocess.call(["nsenter", "-t", str(host["pid"]), "-a", "--wd=" + os.getcwd(), *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""bench.hosts: hosts made of namespaces on this machine, for runs across a
+real network link (issue 47). Needs root and iproute2; skipped, saying why,
+elsewhere. Each test makes its hosts under tmp_path and removes them."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bench import hosts
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+pytest.importorskip("mpi4py", reason="the hosts' ranks need mpi4py: pip install '.[test]'")
+
+PROBE = textwrap.dedent("""
+    import os, socket
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    name = socket.gethostname()
+    open(f"/dev/shm/hosts-test-{world.rank}", "w").close()
+    world.Barrier()
+    seen = sorted(entry for entry in os.listdir("/dev/shm") if entry.startswith("hosts-test-"))
+    peer = socket.gethostbyname("h1" if name == "h0" else "h0")
+    rows = world.gather(f"RANK {world.rank} {name} {','.join(seen)} {peer}")   # one writer: no interleaved lines
+    if world.rank == 0:
+        print(*rows, sep=chr(10), flush=True)
+""")
+
+
+@pytest.fixture
+def made(tmp_path):
+    reason = hosts.why_not()
+    if reason:
+        pytest.skip(f"cannot make hosts here: {reason}")
+    directory = tmp_path / "hosts"
+    state = hosts.up(2, directory, link="1gbit", subnet="10.99.7")
+    try:
+        yield directory, state
+    finally:
+        hosts.down(directory)
+
+
+def leftovers(state):
+    """What of `state`'s hosts still exists on the machine."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    names = [state["bridge"], *(h["veth"] for h in state["hosts"])]
+    return ([name for name in names if f" {name}:" in links or f" {name}@" in links]
+            + [h["pid"] for h in state["hosts"] if Path(f"/proc/{h['pid']}").exists()])
+
+
+def test_ranks_on_two_hosts_have_their_own_names_shm_and_addresses_and_nothing_is_left(made, tmp_path):
+    directory, state = made
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    done = subprocess.run(hosts.mpiexec_command(directory, ["-hosts", "h0:1,h1:1", "-n", "2",
+                                                            sys.executable, str(script)]),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = sorted(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RANK"))
+    # each rank on its host, which sees only its own rank's /dev/shm file, and resolves the other host
+    assert rows == [["0", "h0", "hosts-test-0", "10.99.7.11"], ["1", "h1", "hosts-test-1", "10.99.7.10"]], done.stdout
+    assert not list(Path("/dev/shm").glob("hosts-test-*"))
+    # each host's only link is shaped as asked
+    qdisc = subprocess.run(["nsenter", "-t", str(state["hosts"][1]["pid"]), "-n", "tc", "qdisc", "show", "dev", "eth0"],
+                           capture_output=True, text=True, check=True).stdout
+    assert "tbf" in qdisc and "1Gbit" in qdisc, qdisc
+    hosts.down(directory)
+    assert not leftovers(state) and not directory.exists()
+
+
+def test_down_removes_everything_after_a_host_died(made):
+    directory, state = made
+    assert len(leftovers(state)) == 1 + 2 + 2   # the bridge, two veths, two hosts
+    os.kill(state["hosts"][0]["pid"], 9)
+    hosts.down(directory)
+    assert not leftovers(state) and not directory.exists()
