@@ -368,23 +368,36 @@ def launched_by_torchrun(environ=os.environ):
 def default_group(world):
     """Make torch.distributed's default group (Gloo) unless one exists; True
     when this made it. Under mpiexec Gloo meets its peers through a TCP
-    store: rank 0 picks a free port and MPI tells the others."""
+    store: rank 0 picks a free port and MPI tells the others, with the
+    address they reach rank 0 at: 127.0.0.1 where every rank runs on rank
+    0's host, else the address rank 0's host name resolves to (ranks on
+    other hosts, bench.hosts' included, cannot reach its loopback)."""
     import torch.distributed as dist
     if dist.is_initialized():
         return False
     rank, size = (world.rank, world.size) if world is not None else (0, 1)
-    port = free_port() if rank == 0 else None
+    host = socket.gethostname()
+    where = (host, free_port()) if rank == 0 else None
     if world is not None:
-        port = world.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        where = world.bcast(where, root=0)
+        one_host = world.allreduce(int(host == where[0]), op=_mpi_min()) == 1
+    else:
+        one_host = True
+    address = "127.0.0.1" if one_host else socket.gethostbyname(where[0])
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{where[1]}", rank=rank, world_size=size)
     return True
 
 
 def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    """A TCP port that nothing listens on now (on any address: the store may listen on every one)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _mpi_min():
+    from mpi4py import MPI
+    return MPI.MIN
 
 
 def make_backends(names, spec, args, world):

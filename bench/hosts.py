@@ -73,7 +73,7 @@ def _burst(rate):
     raise SystemExit(f"--link: a rate such as 10gbit, 1gbit, 100mbit (got {rate!r})")
 
 
-def up(count, directory, link="10gbit", subnet="10.99.0"):
+def up(count, directory, link="10gbit", subnet="10.99.0", cpus=None):
     reason = why_not()
     if reason:
         raise SystemExit(f"cannot make hosts: {reason}")
@@ -82,7 +82,9 @@ def up(count, directory, link="10gbit", subnet="10.99.0"):
     if (directory / STATE).exists():
         raise SystemExit(f"{directory / STATE} exists: `down` those hosts first")
     tag = f"{os.getpid() % 100000:05d}"           # names unique on the machine (interface names <= 15 chars)
-    state = {"bridge": f"clbr{tag}", "link": link, "hosts": [], "dir": str(directory)}
+    if cpus is not None and len(cpus) != count:
+        raise SystemExit(f"--cpus: one CPU list per host, '/'-separated ({count} hosts, got {len(cpus)})")
+    state = {"bridge": f"clbr{tag}", "link": link, "hosts": [], "dir": str(directory), "cpus": cpus}
     names = [f"h{i}" for i in range(count)]
     addresses = [f"{subnet}.{10 + i}" for i in range(count)]
     (directory / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
@@ -140,7 +142,8 @@ def _start_host(name, directory):
 
 def _write_launcher(directory, state):
     """DIR/launch: hydra's ssh launcher calls it as `launch [ssh options] HOST COMMAND...`."""
-    cases = "".join(f"    {h['name']}) pid={h['pid']} ;;\n" for h in state["hosts"])
+    cpus = state.get("cpus") or [None] * len(state["hosts"])
+    cases = "".join(f"    {h['name']}) pid={h['pid']}; cpus={c or ''} ;;\n" for h, c in zip(state["hosts"], cpus))
     script = f"""#!/bin/sh
 # hydra's -launcher ssh -launcher-exec: [ssh options] HOST COMMAND... run inside HOST's namespaces
 while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
@@ -148,6 +151,7 @@ host=$1; shift
 case "$host" in
 {cases}    *) echo "launch: no host $host" >&2; exit 255 ;;
 esac
+[ -n "$cpus" ] && exec nsenter -t "$pid" -a taskset -c "$cpus" sh -c "$*"
 exec nsenter -t "$pid" -a sh -c "$*"
 """
     launcher = directory / "launch"
@@ -210,6 +214,9 @@ def main(argv=None):
     u.add_argument("count", type=int)
     u.add_argument("--link", default="10gbit", help="each host's egress rate (tc tbf): 10gbit, 1gbit, ...")
     u.add_argument("--subnet", default="10.99.0", help="the hosts' /24: host i is SUBNET.(10+i)")
+    u.add_argument("--cpus", default=None,
+                   help="each host's own CPUs, '/'-separated, taskset's syntax (0/1: h0 on CPU 0, h1 on CPU 1); "
+                        "default: every host shares all of the machine's")
     for name in ("down", "mpiexec", "exec", "check"):
         sub.add_parser(name)
     for s in sub.choices.values():
@@ -225,7 +232,7 @@ def main(argv=None):
     if args.what == "up":
         if args.count < 1:
             p.error("H: at least 1")
-        state = up(args.count, args.dir, args.link, args.subnet)
+        state = up(args.count, args.dir, args.link, args.subnet, None if args.cpus is None else args.cpus.split("/"))
         hosts = ",".join(f"{h['name']}:2" for h in state["hosts"])
         print(f"# {args.count} hosts ({', '.join(h['name'] + ' ' + h['address'] for h in state['hosts'])}), "
               f"each link {args.link}; launch with:\n"
