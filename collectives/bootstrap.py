@@ -141,6 +141,21 @@ class Topology(NamedTuple):
         """Whether every node holds consecutive ranks (its rows are one range of an all-gather's out)."""
         return all(list(node) == list(range(node[0], node[0] + len(node))) for node in self.nodes)
 
+    def sharing_cores(self, rank):
+        """How many ranks run on `rank`'s kernel, and so share its cores:
+        those with its boot id, whatever their host names. Containers or
+        namespaces with host names of their own are nodes of their own (their
+        own /dev/shm) but not cores of their own: counted by host name, 2
+        such hosts of 2 ranks on a 2-core machine each looked like 2 ranks
+        with a core each, and every wait spun hundreds of µs on the core
+        that the rank it waited for needed (issue 47). Two machines never
+        share a boot id; without one, the host name alone counts."""
+        def kernel(machine):
+            name, _, boot = machine.rpartition("/")
+            return boot or machine
+        mine = kernel(self.machines[rank])
+        return sum(kernel(machine) == mine for machine in self.machines)
+
     def machine_rank(self, rank):
         """`rank`'s index among the ranks on its machine (pretend nodes ignored):
         which GPU of the machine a rank takes."""
@@ -246,14 +261,15 @@ def process_rank(rendezvous, deadline, make_rank):
 def node_process_rank(rendezvous, deadline, make_rank, found):
     """process_rank for every node at once: this process's rank object among
     the ranks of its node, `make_rank(local rank, node size, prefix,
-    ranks_on_machine)`, or None when it is alone on its node (pretend nodes
-    share a machine: its ranks all compete for its cores). Each node's first rank makes the
+    ranks_on_machine)`, or None when it is alone on its node (pretend nodes,
+    and hosts that are containers or namespaces of one kernel, share a
+    machine: its ranks all compete for its cores, Topology.sharing_cores). Each node's first rank makes the
     control segment; the others attach to their own node's, and never to
     another node's (they could not map it). Every rank calls this."""
     rank = rendezvous.rank
     node = found.nodes[found.node_of(rank)]
     local, leader = node.index(rank), node[0]
-    on_machine = found.machines.count(found.machines[rank])
+    on_machine = found.sharing_cores(rank)
     made, prefix = None, ""
     if len(node) > 1 and rank == leader:
         prefix = new_prefix()

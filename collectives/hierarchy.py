@@ -207,8 +207,9 @@ class HierarchyRanks:
         # cores (inside a node, its loop may take a message above its own merged step's limit the large way)
         self.fast_small_max = (resolve_fast_sizes() if shm is None else shm.group.fast_sizes).small_max
         # Polls of a Program's MPI requests before it yields its core: none
-        # where this machine's ranks outnumber its cores (the peer may need this one).
-        on_machine = topology.machines.count(topology.machines[rank])
+        # where this machine's ranks outnumber its cores (the peer may need this one): the ranks of
+        # every node on this kernel, whatever their host names (Topology.sharing_cores).
+        on_machine = topology.sharing_cores(rank)
         self.poll_spin = POLL_SPIN_OVERSUBSCRIBED if on_machine > (os.cpu_count() or 1) else POLL_SPIN_DEDICATED
         # Compiled Programs (across.py), where they can run: how the small path
         # and a large allreduce of equal nodes run, and the communicator's shortcuts.

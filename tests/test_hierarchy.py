@@ -237,3 +237,21 @@ def test_pretend_nodes_take_one_label_per_rank():
     for bad in ("0,0,1", "0,,1,1", "0,0,1,1,1"):
         with pytest.raises(InvalidUsageError, match=PRETEND_NODES_ENV):
             pretend_label(0, 4, {PRETEND_NODES_ENV: bad})
+
+
+def test_ranks_of_hosts_on_one_kernel_share_its_cores():
+    """Hosts made of containers or namespaces on one machine have host names
+    of their own (so nodes of their own) but one boot id: their ranks share
+    its cores, and the waits must know it (issue 47)."""
+    found = Topology(((0, 1), (2, 3), (4,), (5,)), ("h0/boot-a", "h0/boot-a", "h1/boot-a", "h1/boot-a",
+                                                     "other/boot-b", "nameonly/"))
+    assert [found.sharing_cores(r) for r in range(6)] == [4, 4, 4, 4, 1, 1]
+
+
+@pytest.mark.parametrize("cores, spin", [(2, hierarchy.POLL_SPIN_OVERSUBSCRIBED), (4, hierarchy.POLL_SPIN_DEDICATED)])
+def test_programs_poll_without_spinning_where_hosts_of_one_kernel_outnumber_its_cores(monkeypatch, cores, spin):
+    """2 hosts of 2 ranks on one kernel: 4 ranks on 2 cores yield at once, on 4 cores they spin."""
+    monkeypatch.setattr(hierarchy.os, "cpu_count", lambda: cores)
+    found = Topology(((0, 1), (2, 3)), ("h0/boot", "h0/boot", "h1/boot", "h1/boot"))
+    assert hierarchy.POLL_SPIN_OVERSUBSCRIBED != hierarchy.POLL_SPIN_DEDICATED
+    assert hierarchy.HierarchyRanks(found, 0, None, object()).poll_spin == spin
