@@ -12,7 +12,7 @@ one link, eth0, a veth to a bridge of its own, at SUBNET.10+i/24, its
 egress shaped by `tc ... tbf` to --link. Two ranks on different hosts can
 then meet only over that link: without the PID and IPC namespaces MPICH
 (its UCX netmod) reached the other "host" through cross-memory attach and
-SysV shared memory, and the link's shaping never applied (issue 47).
+SysV shared memory, and the link's shaping never applied.
 
 Everything `up` makes is named in DIR/state.json, and `down` removes it all
 (the hosts' processes, which takes their network namespaces and veths with

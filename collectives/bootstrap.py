@@ -148,7 +148,7 @@ class Topology(NamedTuple):
         own /dev/shm) but not cores of their own: counted by host name, 2
         such hosts of 2 ranks on a 2-core machine each looked like 2 ranks
         with a core each, and every wait spun hundreds of µs on the core
-        that the rank it waited for needed (issue 47). Two machines never
+        that the rank it waited for needed. Two machines never
         share a boot id; without one, the host name alone counts."""
         def kernel(machine):
             name, _, boot = machine.rpartition("/")

@@ -242,7 +242,7 @@ def test_pretend_nodes_take_one_label_per_rank():
 def test_ranks_of_hosts_on_one_kernel_share_its_cores():
     """Hosts made of containers or namespaces on one machine have host names
     of their own (so nodes of their own) but one boot id: their ranks share
-    its cores, and the waits must know it (issue 47)."""
+    its cores, and the waits must know it."""
     found = Topology(((0, 1), (2, 3), (4,), (5,)), ("h0/boot-a", "h0/boot-a", "h1/boot-a", "h1/boot-a",
                                                      "other/boot-b", "nameonly/"))
     assert [found.sharing_cores(r) for r in range(6)] == [4, 4, 4, 4, 1, 1]

@@ -1,5 +1,5 @@
 """bench.hosts: hosts made of namespaces on this machine, for runs across a
-real network link (issue 47). Needs root and iproute2; skipped, saying why,
+real network link. Needs root and iproute2; skipped, saying why,
 elsewhere. Each test makes its hosts under tmp_path and removes them."""
 
 import os
