@@ -28,12 +28,32 @@ def mark_the_quick_tier(items):
             middle.add_marker(pytest.mark.quick)
 
 
+# Markers of tests that take seconds each: ranks started as processes, or a
+# case marked slow.
+LONG_TEST_MARKERS = ("mpi", "processes", "slow")
+
+
+def long_modules_first(items):
+    """Run the modules that have a test marked mpi, processes or slow before
+    the others, each module's tests in their own order (a module's fixtures
+    are still set up once). Under `--dist worksteal` (pyproject.toml) a
+    worker that runs out takes the second half of what another has left:
+    the many quick tests at the end then split evenly, where a process test
+    or a build left last would keep one worker busy while the other idles."""
+    def module(item):
+        return str(item.path)
+
+    long = {module(item) for item in items if any(item.get_closest_marker(m) for m in LONG_TEST_MARKERS)}
+    items.sort(key=lambda item: module(item) not in long)   # stable: the order within each group is kept
+
+
 @pytest.hookimpl(tryfirst=True)   # before -m selects: the quick marker must be there
 def pytest_collection_modifyitems(config, items):
     """Drop the collective-matrix cases that cannot or need not run: an
     algorithm on a collective it does not implement, and the device
     backends' cases beyond the reduced matrix for the newer algorithms.
-    Mark the quick tier among the cases that run."""
+    Mark the quick tier among the cases that run, and put the modules of
+    long tests first."""
     from collectives.algorithms import REGISTRY
     from collectives.algorithms.schedule import ALL_COLLECTIVES
 
@@ -56,6 +76,7 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
     mark_the_quick_tier(items)
+    long_modules_first(items)
     config.stash[MATRIX_DESELECTED] = len(dropped)
     if hasattr(config, "workeroutput"):   # an xdist worker: the controller, which collects nothing, reports it
         config.workeroutput[MATRIX_DESELECTED_KEY] = len(dropped)
