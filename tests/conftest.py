@@ -31,20 +31,29 @@ def mark_the_quick_tier(items):
 # Markers of tests that take seconds each: ranks started as processes, or a
 # case marked slow.
 LONG_TEST_MARKERS = ("mpi", "processes", "slow")
+# The modules whose tests take 10 s to a minute each (torchrun jobs, training
+# runs, the nvcc build, bench.gpu_check: `pytest --durations`), first of all.
+LONGEST_MODULES = ("test_torch_examples.py", "test_torch_backend.py", "test_training.py", "test_torch_hook.py",
+                   "test_kernels.py", "test_bench.py")
 
 
 def long_modules_first(items):
-    """Run the modules that have a test marked mpi, processes or slow before
-    the others, each module's tests in their own order (a module's fixtures
-    are still set up once). Under `--dist worksteal` (pyproject.toml) a
-    worker that runs out takes the second half of what another has left:
-    the many quick tests at the end then split evenly, where a process test
-    or a build left last would keep one worker busy while the other idles."""
-    def module(item):
-        return str(item.path)
+    """Run the modules of LONGEST_MODULES first, then those that have a test
+    marked mpi, processes or slow, then the others; each module's tests in
+    their own order (a module's fixtures are still set up once). Under
+    `--dist worksteal` (pyproject.toml) a worker that runs out takes the
+    second half of what another has left, so the tests left at the very end
+    are those in the middle of this order: short ones, where a torchrun job
+    or a build left last kept one worker busy for a minute while the other
+    idled. (Only the time the run takes depends on this order.)"""
+    long = {item.path.name for item in items if any(item.get_closest_marker(m) for m in LONG_TEST_MARKERS)}
 
-    long = {module(item) for item in items if any(item.get_closest_marker(m) for m in LONG_TEST_MARKERS)}
-    items.sort(key=lambda item: module(item) not in long)   # stable: the order within each group is kept
+    def rank(item):
+        name = item.path.name
+        return LONGEST_MODULES.index(name) if name in LONGEST_MODULES else \
+            len(LONGEST_MODULES) + (name not in long)
+
+    items.sort(key=rank)   # stable: the order within each module is kept
 
 
 @pytest.hookimpl(tryfirst=True)   # before -m selects: the quick marker must be there
