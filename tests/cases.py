@@ -63,18 +63,19 @@ def _sign(dtype):
 def reduction_input(op, dtype, n, r, count):
     if op in ("sum", "avg"):
         values = _sign(dtype) * (_residues(5, count) + (r + 1))
-    elif op == "prod":
-        values = np.where(_residues(n, count) == (-r) % n, 2, 1)  # exactly one rank contributes 2
-    else:
-        values = (_residues(n, count) + r) % n + (0 if dtype.kind == "u" else -3)
+    elif op == "prod":   # exactly one rank contributes 2
+        values = np.where(_residues(n, count) == (-r) % n, np.int8(2), np.int8(1))
+    else:   # (i + r) % n
+        values = _residues(n, count + n)[r % n:r % n + count] + (0 if dtype.kind == "u" else -3)
     return values.astype(dtype)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=32)
 def _residues(modulus, count):
     """i % modulus for i < count, read-only: the matrix asks for the same few
     thousand times (every dtype, op, rank, algorithm and backend), and at
-    65537 elements computing it anew was most of a test's time."""
+    65537 elements computing it anew was most of a test's time. (Rank r's
+    inputs are slices of it at offset r, not a modulo of their own.)"""
     residues = (np.arange(count) % modulus).astype(np.int16)
     residues.flags.writeable = False
     return residues
@@ -95,7 +96,9 @@ def reduction_expected(op, dtype, n, count):
 
 
 def gather_input(dtype, r, count):
-    return ((r * 7 + np.arange(count)) % 100).astype(dtype)
+    """(r * 7 + i) % 100: a slice of the cached residues, from r * 7 % 100."""
+    start = r * 7 % 100
+    return _residues(100, count + 100)[start:start + count].astype(dtype)
 
 
 def keeps_a_workspace_copy(collective, algorithm, binding, n):

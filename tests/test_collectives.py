@@ -122,12 +122,13 @@ def test_broadcast(backend, communicators, n, count, algorithm, in_place):
     """Out of place, every rank's out receives the root's x (the root's
     too), and every x is left as it was."""
     comm = communicators(n)
-    for root in sorted({0, n // 2, n - 1}):
-        for dtype in backend.dtypes(count):
+    for dtype in backend.dtypes(count):
+        originals = [gather_input(dtype, r, count) for r in range(n)]
+        untouched = [gather_input(dtype, n + r, count) for r in range(n)]
+        for root in sorted({0, n // 2, n - 1}):
             case = f"broadcast {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
-            originals = [gather_input(dtype, r, count) for r in range(n)]
             xs = [backend.put(x) for x in originals]
-            outs = None if in_place else [backend.put(gather_input(dtype, n + r, count)) for r in range(n)]
+            outs = None if in_place else [backend.put(u) for u in untouched]
             results = comm.broadcast(xs, root=root, out=outs, algorithm=algorithm)
             for r in range(n):
                 assert results[r] is (xs[r] if in_place else outs[r]), case
@@ -143,19 +144,19 @@ def test_reduce(backend, communicators, n, count, algorithm, in_place):
     """Out of place, the root's out receives the reduction, the other
     ranks' out are left as they were, and so is every x."""
     comm = communicators(n)
-    for root in sorted({0, n - 1}):
-        for dtype in backend.dtypes(count):
-            for op in OPS:
+    for dtype in backend.dtypes(count):
+        untouched = [gather_input(dtype, n + r, count) for r in range(n)]
+        for op in OPS:
+            originals = [reduction_input(op, dtype, n, r, count) for r in range(n)]
+            reduced = reduction_expected(op, dtype, n, count)
+            for root in sorted({0, n - 1}):
                 case = f"reduce {op} {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
-                originals = [reduction_input(op, dtype, n, r, count) for r in range(n)]
-                untouched = [gather_input(dtype, n + r, count) for r in range(n)]
                 xs = [backend.put(x) for x in originals]
                 outs = None if in_place else [backend.put(u) for u in untouched]
                 results = comm.reduce(xs, root=root, op=op, out=outs, algorithm=algorithm)
                 for r in range(n):
                     assert results[r] is (xs[r] if in_place else outs[r]), case
-                    want = reduction_expected(op, dtype, n, count) if r == root else \
-                        originals[r] if in_place else untouched[r]
+                    want = reduced if r == root else originals[r] if in_place else untouched[r]
                     assert_bits_equal(backend.read(results[r]), want, f"{case} rank {r}")
                     if not in_place:
                         assert_bits_equal(backend.read(xs[r]), originals[r], f"{case}: input of rank {r} changed")
@@ -179,11 +180,11 @@ def test_gather(backend, communicators, n, count, algorithm, in_place):
     place, only the root's out changes; without out, the root gets a new
     array and the others None."""
     comm = communicators(n)
-    for root in sorted({0, n - 1}):
-        for dtype in copied_dtypes(backend, count):
+    for dtype in copied_dtypes(backend, count):
+        want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
+        untouched = [gather_input(dtype, n + r, n * count) for r in range(n)]
+        for root in sorted({0, n - 1}):
             case = f"gather {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
-            want = np.concatenate([gather_input(dtype, q, count) for q in range(n)])
-            untouched = [gather_input(dtype, n + r, n * count) for r in range(n)]
             if in_place:
                 outs = [backend.put(u) for u in untouched]
                 outs[root] = backend.put(np.where(np.arange(n * count) // max(count, 1) == root, want, 0).astype(dtype))
@@ -213,10 +214,10 @@ def test_scatter(backend, communicators, n, count, algorithm, in_place):
     """In place, rank r's block of its x receives block r of the root's x,
     as reduce_scatter's; only the root's x is read."""
     comm = communicators(n)
-    for root in sorted({0, n - 1}):
-        for dtype in copied_dtypes(backend, count):
+    for dtype in copied_dtypes(backend, count):
+        originals = [gather_input(dtype, r, n * count) for r in range(n)]
+        for root in sorted({0, n - 1}):
             case = f"scatter {dtype} n={n} count={count} root={root} {algorithm} on {backend}"
-            originals = [gather_input(dtype, r, n * count) for r in range(n)]
             xs = [backend.put(x) for x in originals]
             outs = None if in_place else [backend.empty(count, dtype) for _ in range(n)]
             results = comm.scatter(xs, root=root, out=outs, algorithm=algorithm)
