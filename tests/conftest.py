@@ -33,8 +33,8 @@ def mark_the_quick_tier(items):
 LONG_TEST_MARKERS = ("mpi", "processes", "slow")
 # The modules whose tests take 10 s to a minute each (torchrun jobs, training
 # runs, the nvcc build, bench.gpu_check: `pytest --durations`), first of all.
-LONGEST_MODULES = ("test_torch_examples.py", "test_torch_backend.py", "test_training.py", "test_torch_hook.py",
-                   "test_kernels.py", "test_bench.py")
+LONGEST_MODULES = ("test_torch_examples.py", "test_tensorflow.py", "test_torch_backend.py", "test_training.py",
+                   "test_torch_hook.py", "test_kernels.py", "test_bench.py", "test_recovery.py")
 
 
 def long_modules_first(items):
