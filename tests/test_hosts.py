@@ -12,7 +12,6 @@ import pytest
 
 from bench import hosts
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 pytest.importorskip("mpi4py", reason="the hosts' ranks need mpi4py: pip install '.[test]'")
 
 PROBE = textwrap.dedent("""
@@ -51,6 +50,14 @@ def leftovers(state):
             + [h["pid"] for h in state["hosts"] if Path(f"/proc/{h['pid']}").exists()])
 
 
+def test_check_says_whether_hosts_can_be_made_here_and_why_not(capsys):
+    assert hosts.main(["check"]) == 0
+    said = capsys.readouterr().out.strip()
+    assert said == (hosts.why_not() or "hosts can be made here"), said
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_ranks_on_two_hosts_have_their_own_names_shm_and_addresses_and_nothing_is_left(made, tmp_path):
     directory, state = made
     script = tmp_path / "probe.py"
@@ -71,6 +78,8 @@ def test_ranks_on_two_hosts_have_their_own_names_shm_and_addresses_and_nothing_i
     assert not leftovers(state) and not directory.exists()
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_down_removes_everything_after_a_host_died(made):
     directory, state = made
     assert len(leftovers(state)) == 1 + 2 + 2   # the bridge, two veths, two hosts
