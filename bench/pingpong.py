@@ -31,7 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--round-trips", type=int, default=500, help="round trips per batch")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
-    args.ranks = 2
+    args.ranks, args.device = 2, "host"
     return args
 
 
@@ -58,7 +58,19 @@ def main(argv=None):
     if world.Get_size() != 2:
         sys.exit("bench.pingpong runs on exactly 2 processes")
     from mpi4py import MPI
-    comm = collectives.init(comm=world)
+    # A failure on one rank aborts the communicator (the with block), so the other raises at once.
+    with collectives.init(comm=world) as comm:
+        rows = measure(args, world, comm, MPI)
+        if comm.rank == 0 and args.output_file:
+            from bench.environment import environment
+            with open(args.output_file, "w") as f:
+                json.dump({"command": "python -m bench.pingpong " + " ".join(sys.argv[1:] if argv is None else argv),
+                           "environment": environment(args, 2, ["ours", "mpi"]), "one_way": rows}, f, indent=1)
+    return 0
+
+
+def measure(args, world, comm, MPI):
+    """The rows: per size, the median one-way time of each side."""
     rank, peer = comm.rank, 1 - comm.rank
     rows = []
     for nbytes in [cli.parse_size(s) for s in args.sizes.split(",") if s.strip()]:
@@ -82,13 +94,7 @@ def main(argv=None):
         if rank == 0:
             print(f"{nbytes:>10d} B   ours {row['ours_us']:8.2f} us   MPICH {row['mpi_us']:8.2f} us   "
                   f"MPICH/ours {row['mpi_over_ours']:5.2f}", flush=True)
-    if rank == 0 and args.output_file:
-        from bench.environment import environment
-        with open(args.output_file, "w") as f:
-            json.dump({"command": "python -m bench.pingpong " + " ".join(sys.argv[1:] if argv is None else argv),
-                       "environment": environment(args, 2, ["ours", "mpi"]), "one_way": rows}, f, indent=1)
-    comm.close()
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
