@@ -29,6 +29,7 @@ per event, and every trial in the JSON. A trial is replayed by its seed:
 `python -m bench.chaos --trials 1 --seed S --ranks N`.
 """
 
+import argparse
 import json
 import os
 import re
@@ -212,7 +213,7 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=TIMEOUT,
                    help="the ranks' communicator timeout in seconds: what a stop costs, and how long a survivor "
                         "waits for a slow one before it leaves it out")
-    p.add_argument("--rank-of-trial", type=int, help=argparse_hidden())
+    p.add_argument("--rank-of-trial", type=int, help=argparse.SUPPRESS)
     p.add_argument("-J", "--output_file", help="write every trial and the summary as JSON here (default: no file)")
     args = p.parse_args(argv)
     if args.rank_of_trial is not None:
@@ -275,11 +276,6 @@ def machine():
             return None
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
             **{name: installed(name) for name in ("mpich", "mpi4py", "numpy")}}
-
-
-def argparse_hidden():
-    import argparse
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

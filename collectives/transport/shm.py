@@ -50,13 +50,15 @@ class ShmRank(Recoverable):
         # it. The communicator calls its shortcuts first: allreduce's, and
         # the other four collectives'.
         self.fast = fastpath.make(self.group, oversubscribed)
+        # polls before a wait yields its core (the compiled executor's and send/recv's)
+        self._spin = fastpath.SPIN_OVERSUBSCRIBED if oversubscribed else fastpath.SPIN_DEDICATED
         # the loop's merged-step limit (the communicator names the step by it)
         self.fast_small_max = self.group.fast_sizes.small_max if self.fast is None else self.fast.merged_max
         self.fast_allreduce = None if self.fast is None else self.fast.allreduce
         self.fast_collective = None if self.fast is None else self.fast.collective
         # Every other plan it takes in the compiled executor; None: the interpreter runs them all.
         self.compiled = host_process.CompiledPlans(
-            self.group, fastpath.SPIN_OVERSUBSCRIBED if oversubscribed else fastpath.SPIN_DEDICATED,
+            self.group, self._spin,
             fastpath.YIELD_SECONDS) if host_process.available() and resolve_compiled_plans() else None
 
     def point_to_point(self, timeout_of):
@@ -65,10 +67,7 @@ class ShmRank(Recoverable):
         The communicator closes it before this rank (its views go first)."""
         group = self.group
         header, _, _ = group.channel_addresses()
-        oversubscribed = self.transport.endswith("oversubscribed")
-        compiled = CompiledWaits(header + 8 * ABORT, group.pid_of,
-                                 fastpath.SPIN_OVERSUBSCRIBED if oversubscribed else fastpath.SPIN_DEDICATED,
-                                 fastpath.YIELD_SECONDS)
+        compiled = CompiledWaits(header + 8 * ABORT, group.pid_of, self._spin, fastpath.YIELD_SECONDS)
         return PointToPoint(self.rank, self.size, Mailboxes(group.control_buffer, self.size, group.fast_sizes),
                             timeout_of, group.check_peers, group.abort, compiled)
 
