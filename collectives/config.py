@@ -128,12 +128,82 @@ def _bytes(value, argument, variable, default, multiple):
     return count
 
 
+# The compiled loop's settings other than its layout (FastSizes), read once
+# when a communicator is made: every rank may have its own.
+FENCE_SECONDS_ENV = "COLLECTIVES_FENCE_SECONDS"
+# How long a failed call waits for a peer still writing into its output (a
+# chunk's writes take microseconds; only a stopped or long starved process
+# takes longer), before it raises naming that peer.
+DEFAULT_FENCE_SECONDS = 5.0
+SPREAD_STAGED_MAX_ENV = "COLLECTIVES_SPREAD_STAGED_MAX"
+# Where the loop's ranks outnumber the cores (fastpath.stages_spread),
+# allgather of up to this many bytes per rank takes the staged pipeline even
+# where the single copy was agreed: there every reader's process_vm_readv of
+# the same pages, and the readers' wait for each other's end, cost more than
+# staging. Measured with 4 processes on the 2 cores (docs/host-ranks.md,
+# "Oversubscribed"): MPICH/ours at 128 KiB to 2 MiB, broadcast 0.77-1.06
+# reading in place against 1.17-1.59 staged (out of place); at 8 MiB per
+# rank and above, mixed or the single copy ahead. Broadcast no longer
+# stages: since each rank moves one block of the root's x into every output
+# (_shmloop.c, spread_from_root), its single copy measured faster than
+# staging at 256 KiB and 1 MiB too (4 processes, in place 1 MiB: 0.13 ms
+# against 0.22). Not where only the machine is oversubscribed: on 2 pretend
+# nodes of 2 (each node's loop 2 ranks, a core each, shared with the other
+# node's), a 4 MiB allgather across the nodes (the node's loop gathering
+# 1 MiB rows) took 866 to 903 us in place reading in place, 1158 to 1330
+# staged (MPICH 882 to 929).
+DEFAULT_SPREAD_STAGED_MAX = 2 << 20
+# For tests only: seconds a writer is held inside each chunk's writes (so
+# that the fence has something to wait for), and a reader before each read
+# out of a peer's input (so that a peer which returned before every reader
+# was done with its input would be caught).
+TEST_WRITE_STALL_ENV = "COLLECTIVES_TEST_WRITE_STALL"
+TEST_READ_STALL_ENV = "COLLECTIVES_TEST_READ_STALL"
+
+
+class LoopTunables(NamedTuple):
+    """The compiled loop's tunables (transport/fastpath.py), one rank's."""
+    fence_seconds: float
+    spread_staged_max: int   # bytes per rank; 0: allgather reads in place however many cores
+    test_write_stall: float
+    test_read_stall: float
+
+
+def resolve_loop_tunables(fence_seconds=None, spread_staged_max=None, test_write_stall=None, test_read_stall=None):
+    """The compiled loop's LoopTunables: each argument, else its variable
+    ($COLLECTIVES_FENCE_SECONDS, $COLLECTIVES_SPREAD_STAGED_MAX, and the
+    tests' $COLLECTIVES_TEST_WRITE_STALL, $COLLECTIVES_TEST_READ_STALL), else
+    the default above (no stall)."""
+    return LoopTunables(_number(fence_seconds, "fence_seconds", FENCE_SECONDS_ENV, DEFAULT_FENCE_SECONDS, float),
+                        _number(spread_staged_max, "spread_staged_max", SPREAD_STAGED_MAX_ENV,
+                                DEFAULT_SPREAD_STAGED_MAX, int),
+                        _number(test_write_stall, "test_write_stall", TEST_WRITE_STALL_ENV, 0.0, float),
+                        _number(test_read_stall, "test_read_stall", TEST_READ_STALL_ENV, 0.0, float))
+
+
+def _number(value, argument, variable, default, kind):
+    """A finite number >= 0 of `kind` (int or float): `value`, else
+    $`variable`, else `default`; InvalidUsageError naming where a bad one
+    came from."""
+    value, source = _given(value, argument, variable)
+    if value is None:
+        return default
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise InvalidUsageError(f"{source}: expected {'an integer' if kind is int else 'a number'}, "
+                                f"got {value!r}") from None
+    if not (number >= 0 and math.isfinite(number)):
+        raise InvalidUsageError(f"{source}: expected a finite number >= 0, got {value!r}")
+    return number
+
+
 def check_switches():
     """Resolve every variable above once, so that a bad value raises
     InvalidUsageError on every rank before any exchange (init and start
     call it), not on the first rank to read it while the others wait."""
     for resolve in (resolve_one_kernel_allreduce, resolve_compiled_plans, resolve_fast_path,
-                    resolve_fast_single_copy, resolve_fast_sizes):
+                    resolve_fast_single_copy, resolve_fast_sizes, resolve_loop_tunables):
         resolve()
 
 

@@ -163,7 +163,7 @@ def scenario_collectives(comm, digest):
                         assert compiled.waits_made == plan_waits, f"{collective} {how}: the loop declined the call"
                         if count * itemsize > SIZES.small_max:   # staged where it must be, and only there
                             spread_staged = (stages_spread and collective == "allgather"
-                                             and x.nbytes <= fastpath.OVERSUBSCRIBED_STAGED_MAX)
+                                             and x.nbytes <= loop.tunables.spread_staged_max)
                             want = loop.large_path == "staged" or spread_staged
                             assert (loop._channel.staged_calls > staged) == want, (   # noqa: SLF001
                                 f"{collective} {how} {x.nbytes} bytes: staged {not want}, expected {want}")
@@ -479,7 +479,7 @@ def scenario_collective_faults(comm):
 
 
 # The fenced scenario: rank 1 holds each chunk's writes into rank 0 this
-# long (fastpath.TEST_WRITE_STALL); rank 0 gives up after FENCED_TIMEOUT,
+# long ($COLLECTIVES_TEST_WRITE_STALL); rank 0 gives up after FENCED_TIMEOUT,
 # by when rank 1 is inside its first chunk's writes.
 FENCED_STALL = 3.0
 FENCED_TIMEOUT = 1.0
@@ -499,8 +499,6 @@ def scenario_fenced(comm):
     out = x if case in (0, 1) else np.zeros_like(x)
     if comm.rank == 0:
         comm.timeout = FENCED_TIMEOUT
-        if case == 1:
-            fastpath.FENCE_SECONDS = 0.2
     MPI.COMM_WORLD.Barrier()
     try:
         if case == 3:
@@ -610,14 +608,15 @@ def scenario_slow_reader(comm):
 
 def main():
     scenario = sys.argv[1]
+    # The loop's tunables (config.LoopTunables), read when the communicator is made.
     if scenario == "fenced" and MPI.COMM_WORLD.rank == 1:
-        fastpath.TEST_WRITE_STALL = FENCED_STALL   # read when the communicator is made
+        os.environ["COLLECTIVES_TEST_WRITE_STALL"] = str(FENCED_STALL)
+    if scenario == "fenced" and MPI.COMM_WORLD.rank == 0 and os.environ["FASTPATH_CASE"] == "1":
+        os.environ["COLLECTIVES_FENCE_SECONDS"] = "0.2"   # the writer is held longer than the fence waits
     if scenario == "slow_reader":
-        fastpath.OVERSUBSCRIBED_STAGED_MAX = 0   # allgather reads in place too, however many cores
+        os.environ["COLLECTIVES_SPREAD_STAGED_MAX"] = "0"   # allgather reads in place too, however many cores
         if MPI.COMM_WORLD.rank != 0:
-            fastpath.TEST_READ_STALL = SLOW_READ
-    if "FASTPATH_SPREAD_STAGED_MAX" in os.environ:   # (tests/test_fastpath.py: the single copy on every rank count)
-        fastpath.OVERSUBSCRIBED_STAGED_MAX = int(os.environ["FASTPATH_SPREAD_STAGED_MAX"])
+            os.environ["COLLECTIVES_TEST_READ_STALL"] = str(SLOW_READ)
     comm = collectives.init(timeout=TIMEOUT)
     assert LOOP == (comm._ranks.fast_allreduce is not None), "the loop runs exactly when not hidden"   # noqa: SLF001
     digest = hashlib.blake2b()

@@ -81,10 +81,10 @@ def test_the_other_collectives_equal_the_direct_plan(n, large_path):
     """reduce_scatter, allgather, broadcast and reduce in the loop: the
     worker compares every result with the `direct` plan's, in the same run,
     and checks which large calls were staged (where the ranks outnumber the
-    cores, allgather and broadcast up to fastpath.OVERSUBSCRIBED_STAGED_MAX
+    cores, allgather and broadcast up to LoopTunables.spread_staged_max
     are, even on the single copy; the third case turns that off, so that
     they read in place with 3 ranks on any machine)."""
-    env = LARGE_PATHS.get(large_path, {**LARGE_PATHS["single-copy"], "FASTPATH_SPREAD_STAGED_MAX": "0"})
+    env = LARGE_PATHS.get(large_path, {**LARGE_PATHS["single-copy"], "COLLECTIVES_SPREAD_STAGED_MAX": "0"})
     oks, report = run_worker(n, "collectives", env=env)
     assert len(oks) == n, report
     check_large_path(report, large_path.split(",")[0])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from collectives.config import FastSizes, check_switches, resolve_fast_sizes
+from collectives.config import FastSizes, check_switches, resolve_fast_sizes, resolve_loop_tunables
 from collectives.errors import InvalidUsageError
 from collectives.transport import layout
 
@@ -96,6 +96,26 @@ def test_the_loops_sizes_come_from_the_environment_when_resolved_and_bad_ones_ar
             check_switches()
         monkeypatch.setenv(variable, "65536")
 
+
+
+def test_the_loops_tunables_come_from_the_environment_when_resolved_and_bad_ones_are_named(monkeypatch):
+    for variable in ("COLLECTIVES_FENCE_SECONDS", "COLLECTIVES_SPREAD_STAGED_MAX", "COLLECTIVES_TEST_WRITE_STALL",
+                     "COLLECTIVES_TEST_READ_STALL"):
+        monkeypatch.delenv(variable, raising=False)
+    assert resolve_loop_tunables() == (5.0, 2 << 20, 0.0, 0.0)
+    monkeypatch.setenv("COLLECTIVES_FENCE_SECONDS", "0.2")
+    monkeypatch.setenv("COLLECTIVES_SPREAD_STAGED_MAX", "0")
+    monkeypatch.setenv("COLLECTIVES_TEST_READ_STALL", "1.5")
+    assert resolve_loop_tunables() == (0.2, 0, 0.0, 1.5)
+    assert resolve_loop_tunables(fence_seconds=1) == (1.0, 0, 0.0, 1.5)
+    for variable, value in (("COLLECTIVES_FENCE_SECONDS", "-1"), ("COLLECTIVES_FENCE_SECONDS", "inf"),
+                            ("COLLECTIVES_SPREAD_STAGED_MAX", "2.5"), ("COLLECTIVES_TEST_WRITE_STALL", "soon")):
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(InvalidUsageError, match=variable):
+            resolve_loop_tunables()
+        with pytest.raises(InvalidUsageError, match=variable):
+            check_switches()
+        monkeypatch.setenv(variable, "0")
 
 def test_the_compiled_loop_agrees_on_the_row_and_header_sizes():
     _shmloop = pytest.importorskip("collectives.transport._shmloop", reason="built without a C compiler")

@@ -114,8 +114,7 @@ class _Engine:
     def __init__(self):
         self.streams = []
         self.lock = threading.Lock()
-        seed = os.environ.get("COLLECTIVES_EMULATED_SEED")
-        self.random = random.Random(int(seed) if seed else None)
+        self.random = None   # the drain order's generator, made at the first drain (not at import)
 
     def drain(self):
         with self.lock:
@@ -158,6 +157,9 @@ class _Engine:
                 while work and _ready(work[0]):
                     self._run(work.popleft())
                 continue
+            if self.random is None:
+                seed = os.environ.get("COLLECTIVES_EMULATED_SEED")
+                self.random = random.Random(int(seed) if seed else None)
             stream = self.random.choice(ready)
             if stream.queue[0][0] == SPIN:
                 running[stream] = thread = threading.Thread(

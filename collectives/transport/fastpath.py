@@ -60,7 +60,7 @@ import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from ..ops import ReduceOp
-from ..config import resolve_fast_path, resolve_fast_single_copy
+from ..config import resolve_fast_path, resolve_fast_single_copy, resolve_loop_tunables
 from .layout import HEADER, ROW, small_area
 
 try:
@@ -75,27 +75,11 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 # 1.05x-1.25x faster above. COLLECTIVES_FAST_SINGLE_COPY=0 keeps every
 # message on the staged pipeline (config.resolve_fast_single_copy, read
 # when a communicator is made).
-# seconds: how long a failed call waits for a peer still writing into its
-# output (a chunk's writes take microseconds; only a stopped or long
-# starved process takes longer).
-FENCE_SECONDS = 5.0
-# Where the loop's ranks outnumber the cores (stages_spread), allgather of
-# up to this many bytes per rank takes the staged pipeline even where the
-# single copy was agreed: there every reader's process_vm_readv of the same
-# pages, and the readers' wait for each other's end, cost more than staging.
-# Measured with 4 processes on the 2 cores (docs/host-ranks.md,
-# "Oversubscribed"): MPICH/ours at 128 KiB to 2 MiB, broadcast 0.77-1.06
-# reading in place against 1.17-1.59 staged (out of place); at 8 MiB per
-# rank and above, mixed or the single copy ahead. Broadcast no longer
-# stages: since each rank moves one block of the root's x into every output
-# (_shmloop.c, spread_from_root), its single copy measured faster than
-# staging at 256 KiB and 1 MiB too (4 processes, in place 1 MiB: 0.13 ms
-# against 0.22). Not where only the machine is oversubscribed: on 2 pretend
-# nodes of 2 (each node's loop 2 ranks, a core each, shared with the other
-# node's), a 4 MiB allgather across the nodes (the node's loop gathering
-# 1 MiB rows) took 866 to 903 µs in place reading in place, 1158 to 1330
-# staged (MPICH 882 to 929).
-OVERSUBSCRIBED_STAGED_MAX = 2 << 20
+#
+# How long a failed call waits for peers still writing into its output
+# (the fence), and where ranks that outnumber the cores stage their
+# allgathers: config.LoopTunables, resolved when a communicator is made.
+#
 # Where every rank has a core of its own, messages above this many bytes
 # per rank take the large path even below the slots' size (config.FastSizes:
 # 64 KiB): measured with 2 processes at f2eebaa (docs/host-ranks.md), the
@@ -103,14 +87,6 @@ OVERSUBSCRIBED_STAGED_MAX = 2 << 20
 # against 8.2 merged, an allreduce 5.8 against 8.2), while with 4 processes
 # on the 2 cores the merged step stayed faster at 32 and 64 KiB.
 MERGED_MAX_DEDICATED = 16 << 10
-# Test-only knobs, read when a communicator is made (tests/fastpath_worker.py
-# sets them): seconds a writer is held inside each chunk's writes (the
-# fence), and a reader before each read out of a peer's input (so that a
-# peer which returned before every reader was done with its input would be
-# caught: the slow_reader scenario).
-TEST_WRITE_STALL = 0.0
-TEST_READ_STALL = 0.0
-
 # Polls before a wait yields its core. Ranks that have a core each spin
 # longer (a peer is running and about to publish); ranks that outnumber
 # the cores yield almost at once (the peer may need this core).
@@ -203,14 +179,15 @@ class FastCollectives:
         # Messages up to merged_max bytes take the merged step (the node's
         # ranks decide alike: they share its cores).
         self.merged_max = sizes.small_max if oversubscribed else min(sizes.small_max, MERGED_MAX_DEDICATED)
+        self.tunables = tunables = resolve_loop_tunables()
         self._channel = _shmloop.Channel(
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
             small=channel_address, small_max=sizes.small_max,
             staging=channel_address + small_area(group.size, sizes),
-            chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=TEST_WRITE_STALL,
-            test_read_stall=TEST_READ_STALL,
-            staged_spread_max=OVERSUBSCRIBED_STAGED_MAX if stages_spread(group) else 0,
+            chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=tunables.test_write_stall,
+            test_read_stall=tunables.test_read_stall,
+            staged_spread_max=tunables.spread_staged_max if stages_spread(group) else 0,
             merged_max=self.merged_max)
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
@@ -288,11 +265,12 @@ class FastCollectives:
             self._group.abort(reason, error)   # peers raise error's class too
         finally:
             if self._channel is not None:
-                writer = self._channel.fence_writes(FENCE_SECONDS)
+                writer = self._channel.fence_writes(self.tunables.fence_seconds)
         if writer < 0:
             raise error
-        note = (f"rank {writer} was still writing into peers' outputs {FENCE_SECONDS:g} s after this call failed "
-                "(a stopped process?): this rank's output may still change until that process runs on or ends")
+        note = (f"rank {writer} was still writing into peers' outputs {self.tunables.fence_seconds:g} s after this "
+                "call failed (a stopped process?): this rank's output may still change until that process runs on "
+                "or ends")
         if not isinstance(error, CollectiveError):   # Ctrl-C stays a KeyboardInterrupt
             warnings.warn(note, RuntimeWarning, stacklevel=3)
             raise error
@@ -316,7 +294,7 @@ class FastCollectives:
 
 
 def stages_spread(group):
-    """Whether `group`'s allgathers up to OVERSUBSCRIBED_STAGED_MAX per rank
+    """Whether `group`'s allgathers up to LoopTunables.spread_staged_max per rank
     take the staged pipeline: where its own ranks outnumber the cores."""
     return group.size > (os.cpu_count() or 1)
 
