@@ -79,6 +79,7 @@ from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER
 from .errors import CollectiveError, CollectiveTimeoutError
 from .ops import ReduceOp, partial_op
 from .transport import fastpath
+from .transport.failures import ABORT_ARRIVED, MPI_FAILED, NODE_FAILED, PENDING
 from .transport.mpi import DATA_TAG
 from .transport.protocol import description_hash
 
@@ -273,10 +274,10 @@ class Programs:
         and in time (the abort channel and signals looked at in between),
         raise what a failure says."""
         while status != 0:
-            if status[0] == _across.ABORT_ARRIVED:
+            if status[0] == ABORT_ARRIVED:
                 self._h.link.check_health()   # raises the aborting rank's error
                 raise CollectiveError(f"{laid.description}: MPI failed on the abort channel")
-            if status[0] != _across.PENDING:
+            if status[0] != PENDING:
                 self._fail(laid, status, x)
             self._h.link.check_health()
             now = time.perf_counter()
@@ -292,17 +293,17 @@ class Programs:
         """Raise what `status` (a failed run's) says."""
         h, what = self._h, f"{laid.description}: between counterparts"
         kind = status[0]
-        if kind == _across.NODE_FAILED:
+        if kind == NODE_FAILED:
             _, result, which = status
             if result is None:
                 raise CollectiveError(f"the node's compiled loop declined a step of {laid.description}")
             h.shm.fast.raise_failure(result, x, laid.in_node_op, laid.steps[which], 0)
         self._drop(laid)
         exchange = laid.exchange
-        if kind == _across.MPI_FAILED:
+        if kind == MPI_FAILED:
             _, request, code = status
             raise h.link.mpi_error(code, what, laid.peers[request])
-        raise h.link.different_call(exchange.sources[status[1]], what)
+        raise h.link.different_call(exchange.sources[status[1]], what)   # MISMATCH
 
     def _drop(self, laid):
         """A failed call's Program: MPI may still hold its requests, so they are orphaned, never reused."""

@@ -122,6 +122,17 @@ def test_the_compiled_loop_agrees_on_the_row_and_header_sizes():
     assert (layout.ROW, layout.HEADER) == (_shmloop.ROW_SLOTS, _shmloop.HEADER_SLOTS)
 
 
+
+@pytest.mark.parametrize("module", ["collectives.transport._shmloop", "collectives.executors._host_plan",
+                                    "collectives.transport._across"])
+def test_every_c_module_exports_the_one_table_of_statuses(module):
+    """statuses.h is the C side's one table; failures.py repeats it for
+    Python, which translates the statuses of all three engines."""
+    from collectives.transport import failures
+    built = pytest.importorskip(module, reason="built without a C compiler")
+    assert {name: getattr(built, name, None) for name in failures.NAMES} == failures.NAMES
+    assert len(set(failures.NAMES.values())) == len(failures.NAMES) == 16
+
 def test_the_ll_region_lies_between_the_reason_and_the_channel_and_gpus_map_all_of_it():
     for size in (1, 2, 3, 8, 64):
         start = layout.ll_region_offset(size)

@@ -40,8 +40,6 @@ enum { GEN = 4, CAP = 5 };                                  /* row slots (protoc
 enum { WORK = 0, SCRATCH = 1, INPUT = 2, OUTPUT = 3 };      /* buffer ids (plan.py) */
 enum { COPY_OP = 0, REDUCE_OP = 1, REDUCE_FINAL_OP = 2 };   /* row kinds (binding.py) */
 enum { RANK = 0, KIND = 1, COUNT = 2, DST_BUF = 3, DST_OFF = 4, NSRC = 5, SRC0 = 6 };   /* row columns */
-/* Returned beside the waits' statuses (shm_waits.h). */
-enum { NEED_OPEN = 8, NEED_GROW = 9, BAD_PLAN = 10 };
 enum { MAX_SOURCES = 256 };
 
 typedef struct {
@@ -365,10 +363,11 @@ PyMODINIT_FUNC PyInit__host_plan(void)
     }
     /* host_folds.h's element types, in their T_ order; the Python side maps dtypes by these names */
     PyModule_AddStringConstant(m, "TYPES", "float32 float64 int8 uint8 int16 uint16 int32 uint32 int64 uint64");
-    PyModule_AddIntConstant(m, "NEED_OPEN", NEED_OPEN);
-    PyModule_AddIntConstant(m, "NEED_GROW", NEED_GROW);
-    PyModule_AddIntConstant(m, "BAD_PLAN", BAD_PLAN);
     PyModule_AddIntConstant(m, "GEN", GEN);
     PyModule_AddIntConstant(m, "CAP", CAP);
+    if (add_status_constants(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

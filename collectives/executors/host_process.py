@@ -24,8 +24,9 @@ import time
 
 import numpy as np
 
-from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
+from ..errors import CollectiveError
 from ..ops import ReduceOp
+from ..transport.failures import BAD_PLAN, NEED_GROW, NEED_OPEN, raise_wait_failure
 from ..transport.layout import CAP, GEN
 from ..transport.protocol import describe_call, description_hash
 
@@ -34,8 +35,6 @@ try:
 except ImportError:   # built without a C compiler: the interpreter runs every plan
     _host_plan = None
 
-# Statuses of a run that failed (transport/shm_waits.h, _host_plan.c).
-TIMED_OUT, ABORTED, PEER_DEAD, MISMATCH = 1, 2, 3, 4
 
 _OPS = {op: code for code, op in enumerate(ReduceOp)}
 assert [op.value for op in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "host_folds.h's OP_ codes"
@@ -90,10 +89,10 @@ class CompiledPlans:
                     return
                 status, peer, have, need, seq, start = result
                 group.note_call(seq)
-                if status == _host_plan.NEED_GROW:
+                if status == NEED_GROW:
                     group.ensure_capacity(plan.workspace_bytes)
                     self._refresh(rank)
-                elif status == _host_plan.NEED_OPEN:
+                elif status == NEED_OPEN:
                     self._refresh(peer)
                 else:
                     self._raise_for(status, peer, have, need, description)
@@ -144,19 +143,10 @@ class CompiledPlans:
     def _raise_for(self, status, peer, have, need, description):
         """Raise what the interpreter's waits raise for the same failure."""
         group, seq = self._group, self._group.seq
-        if status in (ABORTED, PEER_DEAD):   # check_health raises the aborting rank's class, or RankFailedError
-            group.check_health(peer if status == PEER_DEAD else None, f"call #{seq}, {description}")
-            raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")
-        if status == TIMED_OUT:
-            raise CollectiveTimeoutError(
-                f"timed out waiting for rank {peer} in call #{seq}, {description} (it has completed {have} "
-                f"phases, this rank needs {need}){group.absent_note(seq)}")
-        if status == MISMATCH:
-            raise InvalidUsageError(
-                f"rank {peer} is in its call #{group.peer_seq(peer)}, a different call from rank {group.rank}'s "
-                f"call #{seq}, {description}; every rank must make the same calls in the same order")
-        raise CollectiveError(f"the compiled executor cannot run call #{seq}, {description} (status {status}): "
-                              "its plan names memory of another rank than its workspace")
+        if status == BAD_PLAN:
+            raise CollectiveError(f"the compiled executor cannot run call #{seq}, {description}: its plan names "
+                                  "memory of another rank than its workspace")
+        raise_wait_failure(group, status, peer, have, need, seq, description, progress="it has completed")
 
 
 class BoundPlan:

@@ -79,8 +79,9 @@ typedef struct { Where src, dst; size_t nbytes; } Copy;
  * before it, in a persistent request's 8-byte message to the same peer. */
 typedef struct { int peer; Where where; int nbytes; } Direct;
 
-/* What run() and resume() return besides 0 (done). */
-enum { PENDING = 1, NODE_FAILED = 2, MPI_FAILED = 3, DIFFERENT_CALL = 4, ABORT_ARRIVED = 5 };
+/* What run() and resume() return besides 0 (done): PENDING, NODE_FAILED,
+ * MPI_FAILED, MISMATCH (a counterpart in a different call) or
+ * ABORT_ARRIVED, each with what it carries (statuses.h). */
 
 /* A call of the node's loop: call(*args), the call's x, out, deadline and
  * `own` (what run() was given last, if anything: a view of out's block of
@@ -384,7 +385,7 @@ static PyObject *finish_polled(Program *p, int status, Py_ssize_t failed, int co
         return outcome(abort_arrived(p, 1) ? ABORT_ARRIVED : status, (long)failed, code);
     for (Py_ssize_t i = 0; i < p->nreceives; i++)
         if (*p->receive_headers[i] != p->signature)
-            return outcome(abort_arrived(p, 1) ? ABORT_ARRIVED : DIFFERENT_CALL, (long)i, 0);
+            return outcome(abort_arrived(p, 1) ? ABORT_ARRIVED : MISMATCH, (long)i, 0);
     if (p->nfold > 0) {
         const char *sources[p->nfold];
         for (Py_ssize_t i = 0; i < p->nfold; i++)
@@ -404,7 +405,7 @@ static PyObject *finish_polled(Program *p, int status, Py_ssize_t failed, int co
  * hierarchy's count, which makes its signature); 0 once done, else
  * (PENDING, 0, 0): resume; (NODE_FAILED, result, 0 or 1): the first or
  * last node step returned `result`; (MPI_FAILED, request, code);
- * (DIFFERENT_CALL, receive, 0); (ABORT_ARRIVED, 0, 0): a peer's abort
+ * (MISMATCH, receive, 0); (ABORT_ARRIVED, 0, 0): a peer's abort
  * message is there (nothing ran); None: the arrays are not this Program's
  * (nothing ran). */
 static PyObject *Program_run(Program *p, PyObject *const *args, Py_ssize_t nargs)
@@ -1036,10 +1037,9 @@ PyMODINIT_FUNC PyInit__across(void)
     PyModule_AddIntConstant(m, "X", BASE_X);
     PyModule_AddIntConstant(m, "OUT", BASE_OUT);
     PyModule_AddIntConstant(m, "ADDRESS", BASE_ADDRESS);
-    PyModule_AddIntConstant(m, "PENDING", PENDING);
-    PyModule_AddIntConstant(m, "NODE_FAILED", NODE_FAILED);
-    PyModule_AddIntConstant(m, "MPI_FAILED", MPI_FAILED);
-    PyModule_AddIntConstant(m, "DIFFERENT_CALL", DIFFERENT_CALL);
-    PyModule_AddIntConstant(m, "ABORT_ARRIVED", ABORT_ARRIVED);
+    if (add_status_constants(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

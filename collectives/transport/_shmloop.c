@@ -1369,7 +1369,7 @@ static struct {
     long bytes_word, tag_word, offset_word;   /* a slot header's int64 words */
 } box_layout;
 
-enum { NOT_FAST = 8 };
+enum { NOT_FAST = DECLINED };
 
 static PyObject *py_mailbox_layout(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1600,12 +1600,13 @@ PyMODINIT_FUNC PyInit__shmloop(void)
     PyModule_AddIntConstant(m, "SLEEPERS", SLEEPERS);
     PyModule_AddIntConstant(m, "SLOT_HEADER", SLOT_HEADER);
     PyModule_AddIntConstant(m, "NOT_FAST", NOT_FAST);
-    PyModule_AddIntConstant(m, "TIMED_OUT", TIMED_OUT);
-    PyModule_AddIntConstant(m, "ABORTED", ABORTED);
-    PyModule_AddIntConstant(m, "PEER_DEAD", PEER_DEAD);
     PyModule_AddIntConstant(m, "REDUCE_SCATTER", K_REDUCE_SCATTER);
     PyModule_AddIntConstant(m, "ALLGATHER", K_ALLGATHER);
     PyModule_AddIntConstant(m, "BROADCAST", K_BROADCAST);
     PyModule_AddIntConstant(m, "REDUCE", K_REDUCE);
+    if (add_status_constants(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

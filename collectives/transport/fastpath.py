@@ -58,9 +58,10 @@ import weakref
 
 import numpy as np
 
-from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
+from ..errors import CollectiveError
 from ..ops import ReduceOp
 from ..config import resolve_fast_path, resolve_fast_single_copy, resolve_loop_tunables
+from .failures import raise_wait_failure
 from .layout import HEADER, ROW, small_area
 
 try:
@@ -241,19 +242,7 @@ class FastCollectives:
         description = "barrier" if x is None else (
             f"{collective} of {x.size} {x.dtype} (op {list(ReduceOp)[OP_CODES[op]].value}, "
             f"root {root}, algorithm {path_for(x.nbytes, self.merged_max)})")
-        if kind in (2, 3):   # ABORTED, PEER_DEAD: check_health raises the aborting rank's class, or RankFailedError
-            group.check_health(peer if kind == 3 else None, f"call #{seq}, {description}")
-            raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")
-        if kind == 1:
-            raise CollectiveTimeoutError(
-                f"timed out waiting for rank {peer} in call #{seq}, {description} (its counter is at {have}, "
-                f"this rank needs {need}){group.absent_note(seq)}")
-        if kind in (5, 7):   # READ_FAILED, WRITE_FAILED: `have` is the errno
-            raise CollectiveError(f"{'reading' if kind == 5 else 'writing into'} rank {peer}'s buffer failed in "
-                                  f"call #{seq}, {description}: {os.strerror(have) if have else 'nothing copied'}")
-        raise InvalidUsageError(
-            f"rank {peer} is in its call #{group.peer_seq(peer)}, a different call from rank {group.rank}'s "
-            f"call #{seq}, {description}; every rank must make the same calls in the same order")
+        raise_wait_failure(group, kind, peer, have, need, seq, description)
 
     def _abort_and_raise(self, reason, error):
         """Abort the communicator for every rank, wait until no peer writes

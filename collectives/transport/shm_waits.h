@@ -74,10 +74,8 @@ enum { COUNTER = 0, PID = 1, SEQ = 2, SIG = 3,      /* row slots (protocol.py) *
        SCRATCH_ADDR = 15 };                         /* the compiled loop's private scratch (the reach probe's) */
 enum { SLOT_HEADER = 128 };                         /* a small slot's first bytes, unused: the data starts a line pair on */
 
-/* Statuses returned to Python (fastpath.py turns them into exceptions). */
-enum { OK = 0, TIMED_OUT = 1, ABORTED = 2, PEER_DEAD = 3, MISMATCH = 4, READ_FAILED = 5,
-       INTERRUPTED = 6,     /* a signal handler raised (Ctrl-C): the exception is set */
-       WRITE_FAILED = 7 };
+/* What waits return to Python: statuses.h, the C side's one table. */
+#include "statuses.h"
 
 static inline int64_t load_acquire(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
