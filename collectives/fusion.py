@@ -29,6 +29,7 @@ unpacks it:
 
 import bisect
 import concurrent.futures
+import contextlib
 import operator
 from typing import NamedTuple, Tuple
 
@@ -197,16 +198,17 @@ class Fuser:
         if not group.packed:
             (slot,) = group.slots
             targets = [rank_arrays[slot.index] for rank_arrays in per_rank]
-            if before_allreduce is not None:
-                before_allreduce(group, [t.reshape(-1) for t in targets])
-            comm._collective(ALLREDUCE, targets, op=op, compression=compression, algorithm=algorithm)
+            feedback = before_allreduce and before_allreduce(group, [t.reshape(-1) for t in targets])
+            with feedback or contextlib.nullcontext():
+                comm._collective(ALLREDUCE, targets, op=op, compression=compression, algorithm=algorithm)
             return
         first = group.slots[0].index
         buffers = [self._buffer(rank, group, per_rank[rank][first], infos[rank][first]) for rank in range(len(per_rank))]
         self._copy(group, per_rank, infos, buffers, True, compression is not None, table_key and (*table_key, True))
-        if before_allreduce is not None:
-            before_allreduce(group, buffers)
-        comm._collective(ALLREDUCE, buffers, op=op, compression=compression, algorithm=algorithm)
+        # (error feedback: None, or a context the allreduce runs in, where the ranks keep the residual themselves)
+        feedback = before_allreduce and before_allreduce(group, buffers)
+        with feedback or contextlib.nullcontext():
+            comm._collective(ALLREDUCE, buffers, op=op, compression=compression, algorithm=algorithm)
         self._copy(group, per_rank, infos, buffers, False, False, table_key and (*table_key, False))
 
     def finished(self):
@@ -483,8 +485,18 @@ class FusionBuffer:
 
     def _feed_back(self, number, group, buffers):
         """Add last step's residual to each rank's contribution; keep what
-        encoding this one loses (what the codec's round trip changes)."""
+        encoding this one loses (what the codec's round trip changes).
+        Across nodes (ranks that feed back partials, hierarchy.py) what is
+        encoded is the node's partial on the range a rank holds: the ranks
+        keep the residual there, and this returns the context to run the
+        allreduce in."""
         key = (number, group.dtype, tuple(slot.size for slot in group.slots))
+        if getattr(self.comm._ranks, "feeds_back_partials", False):
+            (buffer,) = buffers   # (one rank per process)
+            residual = self._residuals.get(key)
+            if residual is None:
+                residual = self._residuals[key] = [np.zeros(buffer.size, np.float32)]
+            return self.comm._ranks.feeding_back(residual[0])
         if not self.comm._ranks.host_only:
             # The pack is queued on the device streams: let it land before the host
             # arithmetic below (CuPy's would be stream-ordered; an emulated device's NumPy is not).

@@ -73,10 +73,19 @@ rank, inside its node through the control segment and across nodes through
 MPI, so no one waits out the timeout for a rank that is gone; a whole node
 that stops is noticed at the timeout. `algorithm=` is checked but not used:
 inside a node every collective runs the phases above, folding as the direct
-algorithm does. Compression is refused (InvalidUsageError); allreduce_many
-and fusion_buffer work, through allreduce.
+algorithm does. allreduce_many and fusion_buffer work, through allreduce.
+
+allreduce(compression=codec) (compressed_allreduce) runs allreduce's steps
+with ranges and pieces on codec blocks: the node's reduce-scatter and
+all-gather stay float32 over shared memory; between nodes each holder sends
+its node's partial encoded (the codec's bytes, as on one node), and every
+rank that folds a piece folds the decodings of the same bytes in node
+order, its own partial replaced by the decoding of what it sent: the same
+bits everywhere. Error feedback (feeding_back) keeps, on the rank that
+encodes a partial, what its encoding lost.
 """
 
+import contextlib
 import functools
 import os
 import time
@@ -92,10 +101,12 @@ from .errors import CollectiveError, InvalidUsageError
 from .executors import host
 from .across import Programs, loop_runs_nodes
 from .ops import ReduceOp, partial_op
-from .plan import INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, SRC0, WORK
+from .compression import kernels as codec_kernels
+from .compression.kernels import BLOCK
+from .plan import COUNT, DST_OFF, INPUT, NSRC, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, SRC0, WORK
 from .transport import fastpath
 from .transport.protocol import call_signature
-from .validation import call_arguments
+from .validation import call_arguments, compressed_dtype
 
 # Polls of a Program's MPI requests before its wait yields the core, where each rank has a core,
 POLL_SPIN_DEDICATED = 2000
@@ -119,6 +130,9 @@ class Call(NamedTuple):
     op: ReduceOp
     root: int
     description: str
+    compression: str = None   # the codec of what crosses nodes (allreduce of float32), or None
+
+    algorithm = "hierarchical"   # what Communicator.chosen_algorithm names (every call runs this module's steps)
 
 
 class HierarchicalCommunicator(Communicator):
@@ -149,19 +163,10 @@ class HierarchicalCommunicator(Communicator):
         nodes = len(self.topology.nodes)
         return super().__repr__().replace("<Communicator", f"<HierarchicalCommunicator nodes={nodes}")
 
-    def allreduce_many(self, arrays, op="sum", fusion_threshold=64 << 20, compression=None, algorithm="auto"):
-        _no_compression(compression)
-        return super().allreduce_many(arrays, op, fusion_threshold, None, algorithm)
-
-    def fusion_buffer(self, threshold=64 << 20, op="sum", compression=None, error_feedback=False, algorithm="auto"):
-        _no_compression(compression)
-        return super().fusion_buffer(threshold, op, None, error_feedback, algorithm)
-
     def _auto(self, collective, elements, itemsize, root, binding=None, compression=None):
         return "hierarchical"
 
     def _check_arguments(self, collective, op, root, algorithm, compression):
-        _no_compression(compression)   # the reason, rather than "not available on these ranks"
         if collective in EXCHANGES:
             raise InvalidUsageError(
                 f"{collective}: not available yet when ranks span several nodes (the hierarchical "
@@ -170,17 +175,12 @@ class HierarchicalCommunicator(Communicator):
 
     def _plan(self, collective, dtype, elements, op, root, algorithm, binding, compression=None):
         """The checked Call: everything Communicator checks before it plans."""
-        _no_compression(compression)
-        op, root = call_arguments(collective, op, root, algorithm, None, self.size)
-        description = f"{collective} of {elements} {dtype} (op {op.value}, root {root})"
-        return Call(collective, dtype, elements, op, root, description)
-
-
-def _no_compression(compression):
-    if compression is not None:
-        raise InvalidUsageError(
-            f"compression: {compression!r} is not available when ranks span several nodes (the hierarchical "
-            "communicator); call without compression")
+        op, root = call_arguments(collective, op, root, algorithm, compression, self.size)
+        compressed_dtype(compression, dtype)
+        # (the codec in the signature: a rank whose call differs only in it is named, not misread)
+        codec = "" if compression is None else f", {compression} between nodes"
+        description = f"{collective} of {elements} {dtype} (op {op.value}, root {root}{codec})"
+        return Call(collective, dtype, elements, op, root, description, compression)
 
 
 class HierarchyRanks:
@@ -191,7 +191,7 @@ class HierarchyRanks:
     addressable = False   # no plan binds the caller's arrays
     host_only = True      # NumPy arrays
     locations = None
-    compresses = False
+    compresses = True     # allreduce(compression=): what crosses nodes is encoded (compressed_allreduce)
     transport = "host-hierarchical"
     path = "hierarchical"   # what runs every call (Communicator.chosen_algorithm): hierarchy.py's plans
 
@@ -202,6 +202,7 @@ class HierarchyRanks:
         self.node_ranks = topology.nodes[self.node_index]
         self.local = topology.local_of(rank)
         self._scratch = {}
+        self.residual = None    # error feedback for the next compressed call (feeding_back)
         self.calls = 0          # calls made: each one's number goes into its signature
         # the small path's limit (config.FastSizes): the loop's slots, the same on every node whatever its
         # cores (inside a node, its loop may take a message above its own merged step's limit the large way)
@@ -225,7 +226,35 @@ class HierarchyRanks:
         """Communicator._collective's last step: `call` is what _plan returned."""
         x = inputs[0].reshape(-1)
         out = x if outputs[0] is inputs[0] else outputs[0].reshape(-1)
+        if call.compression is not None:
+            residual = self.residual
+            if residual is not None:   # (direct between nodes, told apart from a call without feedback)
+                if residual.shape != (call.count,) or residual.dtype != np.float32:
+                    raise InvalidUsageError(f"error feedback: a residual of {residual.size} {residual.dtype} "
+                                            f"for an allreduce of {call.count} float32")
+                call = call._replace(description=call.description + " with error feedback")
+            self._guarded(compressed_allreduce, call, x, out, deadline)
+            return
         self._guarded(RUN[call.collective], call, x, out, deadline)
+
+    # The fusion buffer and the torch hook keep error feedback here (feeding_back), not on the rank's own
+    # contribution: what is encoded across nodes is the node's partial, by the rank that holds its range.
+    feeds_back_partials = True
+
+    @contextlib.contextmanager
+    def feeding_back(self, residual):
+        """Error feedback for the compressed allreduces inside: `residual`, a
+        float32 array of the call's count (zeros at first, kept by the caller
+        from call to call), is added to the node's partial on this rank's
+        range before it is encoded, and receives there what the encoding
+        lost (elsewhere it stays zero). Between nodes the partials then go
+        direct (each encoded once and nothing else is), so the residual is
+        all that was lost."""
+        self.residual = residual
+        try:
+            yield
+        finally:
+            self.residual = None
 
     def barrier(self, deadline):
         if self._compiled_barrier is None:
@@ -320,16 +349,26 @@ class HierarchyRanks:
 def allreduce(h, call, x, out, deadline, root_node=None):
     """Reduce-scatter in the node, direct or two_shot across nodes, all-gather
     in the node. reduce() is this with `root_node`: only that node gathers,
-    into the root's output."""
+    into the root's output. Compressed (call.compression), the ranges and
+    pieces start on codec blocks, and what crosses nodes is encoded
+    (compressed_across_nodes)."""
     if call.count == 0:
         return
-    plan = range_plan(h.topology, call.count, call.dtype.itemsize, h.rank, root_node)
+    if call.compression is None:
+        plan = range_plan(h.topology, call.count, call.dtype.itemsize, h.rank, root_node)
+        across = across_nodes
+    else:
+        plan = range_plan(h.topology, call.count, call.dtype.itemsize, h.rank, root_node, BLOCK,
+                          h.residual is not None)
+        start, stop = plan.ranges[h.local]
+        residual = None if h.residual is None else h.residual[start:stop]
+        across = functools.partial(compressed_across_nodes, residual=residual)
     result = out if call.collective == ALLREDUCE or h.rank == call.root else None
     if h.shm is None:        # alone on its node: its range is everything, its input the partial
         part = result if result is not None else h.scratch("part", call.dtype, call.count)
         if part is not x:
             np.copyto(part, x)
-        across_nodes(h, call, plan, part, deadline)
+        across(h, call, plan, part, deadline)
         return
     start, stop = plan.ranges[h.local]
 
@@ -340,7 +379,7 @@ def allreduce(h, call, x, out, deadline, root_node=None):
         elif p == 1:     # 1. the node's partial on this rank's range; 2. across nodes
             h.fold(plan.node_fold, {INPUT: x, **{(r, WORK): work(r) for r in range(len(h.node_ranks))}},
                    partial_op(call.op))
-            across_nodes(h, call, plan, mine[start:stop], deadline)
+            across(h, call, plan, mine[start:stop], deadline)
         elif result is not None:   # 3. every range into the result
             for rank, (a, z) in enumerate(plan.ranges):
                 result[a:z] = work(rank)[a:z]
@@ -357,6 +396,98 @@ def across_nodes(h, call, plan, part, deadline):
     h.fold(plan.folds, buffers, call.op)
     if plan.gather.sends or plan.gather.receives:
         h.exchange(plan.gather, buffers, deadline, f"{call.description}: results from their owners")
+
+
+def compressed_allreduce(h, call, x, out, deadline):
+    """allreduce(compression=codec) across nodes: the node's reduce-scatter
+    in float32 (its partial P_k on each rank's range), each range's partial
+    encoded once by the rank that holds it and sent as the codec's bytes,
+    the K partials decoded and folded in node order in float32, the node's
+    all-gather of the float32 result. Every rank folding a piece folds the
+    decodings of the same bytes (its own partial replaced by the decoding of
+    what it sent), so all hold the same bits; with two_shot the owner's
+    result is encoded for the others and replaced by its decoding too."""
+    allreduce(h, call, x, out, deadline)
+
+
+def compressed_across_nodes(h, call, plan, part, deadline, residual=None):
+    """across_nodes with encoded partials: `part` (this rank's range, which
+    starts on a codec block, as every piece in it does) is encoded once,
+    in place of its values the decoding (cpu_encode's round_x). The wire
+    form is one node's: a piece of c elements at element o of the range is
+    payload[o:o + c] and scales[o // BLOCK:] (ceil(c / BLOCK) bytes; none
+    for bf16), sent as two messages. With `residual` (error feedback), it is
+    added to the partial first and receives what the encoding lost."""
+    codec, n = call.compression, part.size
+    payload = h.scratch("payload", np.dtype(codec_kernels.payload_dtype(codec)), n)
+    scales = h.scratch("scales", np.dtype(np.uint8), codec_kernels.wire_nbytes(codec, n)[1])
+    if residual is not None:
+        part += residual
+        np.copyto(residual, part)
+    codec_kernels.cpu_encode(codec, part, payload, scales, round_x=True)
+    if residual is not None:
+        residual -= part
+    # What comes from other nodes: pieces one after another, each at its element offset in RECEIVED
+    # (payload) and at the running count of its blocks (scales: a piece may end inside a block).
+    received_payload = h.scratch("received_payload", payload.dtype, plan.received)
+    scale_offsets, blocks = {}, 0
+    for _, _, offset, count in plan.reduce.receives:
+        scale_offsets[offset] = blocks
+        blocks += -(-count // BLOCK)
+    received_scales = h.scratch("received_scales", np.dtype(np.uint8),
+                                blocks if codec_kernels.has_scales(codec) else 0)
+
+    def wire(buffer, offset, count):
+        nblocks = -(-count // BLOCK) if codec_kernels.has_scales(codec) else 0
+        if buffer == PART:
+            return payload[offset:offset + count], scales[offset // BLOCK:offset // BLOCK + nblocks]
+        first = scale_offsets[offset]
+        return received_payload[offset:offset + count], received_scales[first:first + nblocks]
+
+    def messages(listed):   # each message of the plan as its payload, then its scales
+        return [(peer, array) for peer, *where in listed for array in wire(*where)]
+
+    what = f"{call.description}: encoded partials to their owners"
+    h.link.exchange(messages(plan.reduce.sends), messages(plan.reduce.receives), deadline, what)
+    divisor = h.topology.size if call.op is ReduceOp.AVG else 0
+    for row in plan.folds:
+        count, offset = int(row[COUNT]), int(row[DST_OFF])
+        sources = [part[off:off + count] if buffer == PART else wire(buffer, off, count)
+                   for _, buffer, off in (row[SRC0 + 3 * i:SRC0 + 3 * i + 3] for i in range(int(row[NSRC])))]
+        _fold_decoded(codec, part[offset:offset + count], sources, divisor, h.scratch("temp", call.dtype, count))
+    if plan.gather.sends or plan.gather.receives:   # two_shot: the owners' results, encoded, to the holders
+        for offset, count in dict.fromkeys((offset, count) for _, _, offset, count in plan.gather.sends):
+            codec_kernels.cpu_encode(codec, part[offset:offset + count], *wire(PART, offset, count), round_x=True)
+        h.link.exchange(messages(plan.gather.sends), messages(plan.gather.receives), deadline,
+                        f"{call.description}: encoded results from their owners")
+        for _, _, offset, count in plan.gather.receives:
+            codec_kernels.cpu_decode(codec, *wire(PART, offset, count), part[offset:offset + count])
+
+
+def _fold_decoded(codec, dst, sources, divisor, temp):
+    """dst = ((s_0 + s_1) + s_2) ... [/ divisor] in float32, each source a
+    float32 array (this node's partial, already the decoding of what it
+    sent; it may be dst itself) or (payload, scales), decoded on the way.
+    Addition commutes bit for bit, so either of the first two may be the
+    one decoded into the other; more than two accumulate in `temp`, since
+    this node's partial (dst) may come later."""
+    def add(out, a, b, divisor):   # a: float32; b either form
+        if isinstance(b, tuple):
+            codec_kernels.cpu_decode_add(codec, a, *b, out, divisor)
+        else:
+            codec_kernels.cpu_add(codec, a, b, out, divisor)
+
+    first, second, rest = sources[0], sources[1], sources[2:]
+    acc = dst if not rest else temp
+    if isinstance(first, tuple) and isinstance(second, tuple):
+        codec_kernels.cpu_decode(codec, *first, acc)
+        first = acc
+    elif isinstance(first, tuple):
+        first, second = second, first
+    add(acc, first, second, 0 if rest else divisor)
+    for i, source in enumerate(rest):
+        last = i == len(rest) - 1
+        add(dst if last else acc, acc, source, divisor if last else 0)
 
 
 def reduce(h, call, x, out, deadline):
@@ -638,12 +769,14 @@ def _fold_row(dst_rank, kind, count, dst, offset, sources):
     return (dst_rank, kind, count, dst, offset, len(sources), *(v for source in sources for v in source))
 
 
-def _cut(start, stop, parts):
-    """[start, stop) cut into `parts` pieces, as even as can be."""
-    size, extra = divmod(stop - start, parts)
-    edges = [start]
+def _cut(start, stop, parts, align=1):
+    """[start, stop) cut into `parts` pieces, as even as can be, each but
+    the last starting `align` elements after another piece's start."""
+    size, extra = divmod(-(-(stop - start) // align), parts)
+    edges, units = [start], 0
     for j in range(parts):
-        edges.append(edges[-1] + size + (j < extra))
+        units += size + (j < extra)
+        edges.append(min(start + units * align, stop))
     return list(zip(edges, edges[1:]))
 
 
@@ -670,31 +803,45 @@ def uses_two_shot(nodes, range_bytes):
     return range_bytes * (nodes - 1) * (nodes - 2) > nodes * ROUND_BYTES
 
 
+def encodings(topology, count, error_feedback=False):
+    """How many times a compressed allreduce of `count` float32 across nodes
+    encodes an element on its way to the result (the q of the error bound,
+    docs/compression.md): once, its node's partial by the rank holding it;
+    twice with two_shot between nodes, where the owner's result travels
+    encoded too. With error feedback the partials always go direct."""
+    blocks = max(-(-count // (len(node) * BLOCK)) * BLOCK for node in topology.nodes)
+    return 1 if error_feedback or not uses_two_shot(len(topology.nodes), blocks * 4) else 2
+
+
 @functools.lru_cache(maxsize=256)
-def range_plan(topology, count, itemsize, me, root_node=None):
+def range_plan(topology, count, itemsize, me, root_node=None, align=1, direct_only=False):
     """allreduce (and reduce, which gathers on `root_node` only).
 
     Every node's ranges together cut [0, count) into segments, each held by
     one rank on every node. two_shot cuts a segment into K pieces, piece j
     owned (folded) by its holder on node j; direct leaves it whole, owned by
-    its holder on every node that gathers."""
+    its holder on every node that gathers (always, with `direct_only`).
+    Ranges and pieces start at multiples of `align` elements (a codec block
+    where what crosses nodes is encoded, so that its blocks are the ones a
+    whole array's encoding has)."""
     nodes = topology.nodes
     k_me, local = topology.node_of(me), topology.local_of(me)
-    blocks = [-(-count // len(node)) for node in nodes]
+    blocks = [-(-count // (len(node) * align)) * align for node in nodes]
     ranges = tuple((min(l * blocks[k_me], count), min((l + 1) * blocks[k_me], count)) for l in range(len(nodes[k_me])))
     start, stop = ranges[local]
     inputs = [(r, INPUT if r == local else WORK, start) for r in range(len(ranges))]
     node_fold = [_fold_row(local, REDUCE_OP, stop - start, WORK, start, inputs)] if stop > start else []
     edges = sorted({0, count, *(min(l * b, count) for b, node in zip(blocks, nodes) for l in range(len(node)))})
     gatherers = tuple(range(len(nodes))) if root_node is None else (root_node,)
-    two_shot = uses_two_shot(len(nodes), max(blocks) * itemsize)
+    two_shot = not direct_only and uses_two_shot(len(nodes), max(blocks) * itemsize)
     reduce_sends, reduce_receives, gather_sends, gather_receives, folds = [], [], [], [], []
     received = 0
     for a, z in zip(edges, edges[1:]):
         holders = [node[a // b] for b, node in zip(blocks, nodes)]
         if holders[k_me] != me:
             continue
-        pieces = [(cut, (j,)) for j, cut in enumerate(_cut(a, z, len(nodes)))] if two_shot else [((a, z), gatherers)]
+        pieces = [(cut, (j,)) for j, cut in enumerate(_cut(a, z, len(nodes), align))] if two_shot else \
+            [((a, z), gatherers)]
         for (p, q), owners in pieces:
             if q == p:
                 continue

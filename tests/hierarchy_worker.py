@@ -19,6 +19,7 @@ import collectives
 from cases import OPS, counts_for, dtypes_for, gather_input, reduction_expected, reduction_input
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.bootstrap import PRETEND_NODES_ENV
+from collectives.compression import wire
 from collectives.executors import host
 from collectives import hierarchy
 from collectives.hierarchy import HierarchicalCommunicator
@@ -187,9 +188,10 @@ def scenario_order(comm):
 def scenario_refusals(comm):
     """Rejected calls raise InvalidUsageError and modify nothing."""
     x = np.arange(8, dtype=np.float32)
-    for call in (lambda: comm.allreduce(x, compression="bf16"),
-                 lambda: comm.allreduce_many([x], compression="fp16"),
-                 lambda: comm.fusion_buffer(compression="int8"),
+    for call in (lambda: comm.allreduce(x, op="max", compression="bf16"),
+                 lambda: comm.allreduce(x.view(np.int32), compression="bf16"),
+                 lambda: comm.allreduce_many([x], compression="fp8"),
+                 lambda: comm.fusion_buffer(op="prod", compression="int8"),
                  lambda: comm.allreduce(x, algorithm="no_such_algorithm"),
                  lambda: comm.reduce_scatter(x, algorithm="star"),
                  lambda: comm.allreduce(x, op="xor"),
@@ -209,6 +211,133 @@ def scenario_refusals(comm):
     check(comm.allreduce(np.ones(3, np.int32)), np.full(3, comm.size, np.int32), "still usable")
     chosen = comm.chosen_algorithm("allreduce", 1024)   # what runs every call here: the hierarchical plan
     assert (chosen, chosen.path) == ("hierarchical", "hierarchical"), repr(chosen)
+
+
+# -- compression between nodes ----------------------------------------------------------------
+
+def compressed_reference(inputs, nodes, op, codec, encodings):
+    """The documented compressed fold: each node's partial (its inputs
+    folded in rank order, float32) replaced by the decoding of its encoding,
+    the partials folded in node order (avg divides once, across), and with
+    two_shot (2 encodings) the result's round trip too."""
+    n = len(inputs)
+    partials = [fold([inputs[r] for r in node], "sum", False, n) for node in nodes]
+    for partial in partials:
+        wire.round_trip(codec, partial)
+    result = fold(partials, op, True, n)
+    if encodings == 2:
+        wire.round_trip(codec, result)
+    return result
+
+
+def gradients(rank, count, magnitude):
+    """Standard normal float32 times `magnitude`, or times 1e-8 to 1e5 element by element ("mixed")."""
+    g = np.random.default_rng([rank, count, len(magnitude)])
+    scale = 10.0 ** g.integers(-8, 6, count) if magnitude == "mixed" else float(magnitude)
+    return (g.standard_normal(count) * scale).astype(np.float32)
+
+
+def check_compressed(comm, got, inputs, op, codec, encodings, case):
+    """The reference's bits (so every rank holds the same), within docs/compression.md's bound."""
+    check(got, compressed_reference(inputs, comm.topology.nodes, op, codec, encodings), case)
+    exact = np.sum(np.array(inputs, np.float64), axis=0) / (len(inputs) if op == "avg" else 1)
+    bound = wire.error_bound(inputs, codec, encodings, op)
+    worst = np.max(np.abs(got - exact) / bound) if got.size else 0.0
+    assert worst <= 1.0, f"{case}: error {worst:.3g} of the bound"
+    return worst
+
+
+def scenario_compressed(comm):
+    """allreduce(compression=) across nodes, every codec, sum and avg, in and
+    out of place, counts from 1 to past two_shot's threshold (100003 where
+    there are 3 nodes or more): the reference's bits and the bound; then
+    specials, a call that differs only in compression, fusion, and error
+    feedback (2 nodes)."""
+    r, n = comm.rank, comm.size
+    nodes = comm.topology.nodes
+    counts = (0, 1, 33, 1000, 4099) + ((100003,) if len(nodes) > 2 else ())
+    worst, encoded = 0.0, set()
+    for codec in wire.CODECS:
+        for i, count in enumerate(counts):
+            q = hierarchy.encodings(comm.topology, count)
+            encoded.add(q)
+            for j, op in enumerate(("sum", "avg")):
+                magnitude = ("1", "mixed", "1e-8", "1e5")[(i + j) % 4]
+                inputs = [gradients(p, count, magnitude) for p in range(n)]
+                case = f"{codec} {op} count={count} magnitude {magnitude} rank {r} nodes {nodes}"
+                x = inputs[r].copy()
+                got = comm.allreduce(x, op=op, compression=codec) if j else \
+                    comm.allreduce(x, op=op, compression=codec, out=np.empty_like(x))
+                if not j:
+                    check(x, inputs[r], f"x out of place {case}")
+                if count:
+                    worst = max(worst, check_compressed(comm, got, inputs, op, codec, q, case))
+    assert encoded == ({1, 2} if len(nodes) > 2 else {1}), encoded   # (two_shot reached where it can be)
+    print(f"worst error / bound rank {r}: {worst:.3f}", flush=True)
+    # A block holding inf or NaN decodes to NaN (the codecs' rule): every rank the same bits.
+    x = np.ones(100, np.float32)
+    x[37] = np.inf if r == 0 else 1.0
+    got = comm.allreduce(x, compression="int8")
+    assert np.isnan(got[32:64]).all() and np.all(got[:32] == n) and np.all(got[64:] == n), got
+    everyone = WORLD.allgather(got.tobytes())
+    assert all(b == everyone[0] for b in everyone), "ranks disagree on a NaN block"
+    if len(nodes) == 2:
+        compressed_fusion(comm)
+        compressed_feedback(comm)
+
+
+def compressed_fusion(comm):
+    """allreduce_many and fusion_buffer with a codec: the same bits (the same
+    buffers), on every rank, each array within the bound."""
+    r, n = comm.rank, comm.size
+    sizes = [5, 300, 64, 4097, 33]
+    arrays = [[gradients(100 * i + p, size, "1") for p in range(n)] for i, size in enumerate(sizes)]
+    mine = [a[r].copy() for a in arrays]
+    comm.allreduce_many(mine, op="avg", fusion_threshold=8192, compression="fp16")
+    for inputs, got in zip(arrays, mine):
+        bound = wire.error_bound(inputs, "fp16", 1, "avg")
+        assert np.all(np.abs(got - np.mean(np.array(inputs, np.float64), axis=0)) <= bound), "allreduce_many"
+    everyone = WORLD.allgather(b"".join(a.tobytes() for a in mine))
+    assert all(b == everyone[0] for b in everyone), "ranks disagree after allreduce_many"
+    buffer = comm.fusion_buffer(threshold=8192, op="avg", compression="fp16")
+    queued = [a[r].copy() for a in arrays]
+    for a in queued:
+        buffer.add(a)
+    buffer.wait()
+    for got, want in zip(queued, mine):
+        check(got, want, "fusion_buffer against allreduce_many")
+
+
+def compressed_feedback(comm):
+    """Error feedback across nodes, int8, as tests/test_fusion.py's on one
+    node: each holder's residual of its node's partial. With it, the sum of
+    the results stays within the residuals of the gradients' sum (and
+    differs from it by exactly the residuals, up to float32 sums); without,
+    it drifts past that."""
+    r, n, count, steps = comm.rank, comm.size, 256, 200
+    unit = 2 / 255
+    drift = {}
+    for feedback in (False, True):
+        rng = np.random.default_rng(11)
+        base = rng.uniform(0.001, 0.003, size=(n, count)).astype(np.float32)
+        base[:, ::32] = 1.0   # every block's maximum: its small values round alike every step
+        buffer = comm.fusion_buffer(compression="int8", error_feedback=feedback)
+        applied, exact = np.zeros(count), np.zeros(count)
+        for _ in range(steps):
+            grads = [(base[q] + rng.normal(0, 1e-4, count)).astype(np.float32) for q in range(n)]
+            exact += np.sum(np.array(grads, np.float64), axis=0)
+            mine = grads[r].copy()
+            buffer.add(mine)
+            buffer.wait()
+            applied += mine
+        drift[feedback] = np.max(np.abs(applied - exact))
+        if feedback:
+            (residual,) = next(iter(buffer._residuals.values()))
+            kept = WORLD.allreduce(residual.astype(np.float64))   # every holder's, each on its own range
+            lost = np.max(np.abs(exact - applied - kept))
+            assert lost <= steps * n * 2.0 ** -24 * 4, f"the residuals are not what was lost: {lost}"
+    bound = n * unit * 1.0005 * 1.01 + steps * n * 2.0 ** -24 * 4
+    assert drift[True] <= bound and drift[False] > 2 * bound, (drift, bound)
 
 
 def scenario_stalled(comm):

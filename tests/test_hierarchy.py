@@ -19,6 +19,7 @@ import pytest
 
 from collectives import InvalidUsageError, hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV, Topology, pretend_label
+from collectives.compression.kernels import BLOCK
 from test_mpi import mpiexec
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
@@ -59,6 +60,17 @@ def test_every_collective_dtype_and_op_across_nodes(layout):
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE, ONE_PER_NODE, THREE_NODES, INTERLEAVED])
 def test_every_rank_holds_the_bits_of_the_documented_fold_order(layout):
     oks, report = run_ranks("order", layout)
+    assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_NODES])
+def test_compressed_allreduces_encode_each_nodes_partial_once_and_agree_bit_for_bit(layout):
+    """Every codec, sum and avg: the bits of the documented compressed fold
+    on every rank, within docs/compression.md's bound (two_shot's second
+    encoding reached on 3 nodes); on 2 nodes also allreduce_many,
+    fusion_buffer and error feedback, whose residuals are what was lost."""
+    oks, report = run_ranks("compressed", layout)
     assert len(oks) == 4, report
 
 
@@ -229,6 +241,31 @@ def test_every_message_a_rank_sends_is_one_its_peer_receives(labels):
             for exchange in ("scatter", "allgather"):
                 sent, received = messages(plans, exchange)
                 assert sent == received, (labels, root, exchange)
+
+
+@pytest.mark.parametrize("labels", layouts(), ids=lambda labels: ",".join(map(str, labels)))
+def test_compressed_plans_cut_on_codec_blocks_and_agree(labels):
+    """Compressed (ranges and pieces on codec blocks, direct only with error
+    feedback): every message is one its peer receives, every piece starts
+    on a block of the whole array (so its encoding is the one a whole
+    array's has), and hierarchy.encodings says when two_shot re-encodes."""
+    found = topology_of(labels)
+    n, nodes = found.size, len(found.nodes)
+    for count in (1, 33, 1000, 100003):
+        for feedback in (False, True):
+            plans = {r: hierarchy.range_plan(found, count, 4, r, None, BLOCK, feedback) for r in range(n)}
+            for exchange in ("reduce", "gather"):
+                sent, received = messages(plans, exchange)
+                assert sent == received, (labels, count, exchange)
+            for plan in plans.values():
+                assert all(start % BLOCK == 0 for start, stop in plan.ranges if stop > start), plan.ranges
+                # (offsets within this rank's range, itself on a block)
+                pieces = [(offset, size) for exchange in (plan.reduce, plan.gather) for _, buffer, offset, size
+                          in exchange.sends + exchange.receives if buffer == hierarchy.PART]
+                assert all(offset % BLOCK == 0 for offset, _ in pieces), (labels, count, pieces)
+            two_shot = any(plan.gather.sends for plan in plans.values())
+            assert hierarchy.encodings(found, count, feedback) == (2 if two_shot else 1), (labels, count)
+            assert not (feedback and two_shot)
 
 
 def test_pretend_nodes_take_one_label_per_rank():

@@ -50,8 +50,8 @@ def test_unknown_codecs_and_arguments_are_refused_at_once():
 
 
 def test_a_communicator_that_does_not_compress_is_refused(monkeypatch):
-    """Across nodes (HierarchicalCommunicator) and on NCCL our codecs do not
-    run: the hook says so when it is made, not in the middle of backward."""
+    """On NCCL our codecs do not run: the hook says so when it is made, not
+    in the middle of backward."""
     comm = collectives.init()
 
     class Ranks:

@@ -49,8 +49,11 @@ its buckets after the first step; a bucket whose size changed starts again
 from a zero residual.
 
 Compression runs where the communicator compresses: host ranks and GPU
-ranks of one node. A communicator across nodes (HierarchicalCommunicator)
-or on backend="nccl" does not, and the hook refuses it.
+ranks of one node, and host ranks across nodes (HierarchicalCommunicator:
+the node's reduction in float32 over shared memory, only what crosses
+nodes encoded; with error feedback the residual is kept by the rank that
+encodes its node's partial, hierarchy.py). A communicator on
+backend="nccl" does not, and the hook refuses it.
 
 Needs PyTorch; `import collectives` does not import this module.
 """
@@ -188,6 +191,12 @@ class CompressionState:
                 if residual is None or residual.shape != array.shape or type(residual) is not type(array):
                     residual = self._residuals[index] = array.copy()
                     residual[...] = 0
+            if getattr(comm._ranks, "feeds_back_partials", False):
+                # Across nodes the codec encodes the node's partial, on the rank holding its range:
+                # the residual is kept there (hierarchy.py), not on this rank's contribution.
+                with comm._ranks.feeding_back(residual.reshape(-1)):
+                    comm.allreduce(array, op="avg", compression=self.compression, algorithm=self.algorithm)
+                return
             array += residual
             rounded = array.copy()
             wire.round_trip(self.compression, rounded)
@@ -207,4 +216,4 @@ def _check_communicator(comm):
                                 "(collectives.init() under torchrun or mpiexec)")
     if not getattr(comm._ranks, "compresses", False):
         raise InvalidUsageError(f"compression_hook: compression is not available on {type(comm._ranks).__name__} "
-                                "ranks (communicators across nodes and backend='nccl' do not compress)")
+                                "ranks (backend='nccl' does not compress)")
