@@ -54,9 +54,12 @@ def test_every_op_and_training_against_numpy_and_gloo():
 def test_pretend_nodes_run_on_the_hierarchy_with_gloo_between_nodes():
     """The same checks on two pretend nodes of two ranks: shared memory
     inside each, Gloo between them (the worker checks the communicator is
-    the hierarchical one)."""
-    oks, code, report = torchrun("init,ops,training", COLLECTIVES_PRETEND_NODES="0,0,1,1")
-    assert code == 0 and oks == {"init": [0, 1, 2, 3], "ops": [0, 1, 2, 3], "training": [0, 1, 2, 3]}, report
+    the hierarchical one); and compression_hook and DistributedOptimizer
+    compressed across them, on our group and beside Gloo."""
+    oks, code, report = torchrun("init,ops,training,compressed", COLLECTIVES_PRETEND_NODES="0,0,1,1")
+    everyone = [0, 1, 2, 3]
+    assert code == 0 and oks == {"init": everyone, "ops": everyone, "training": everyone,
+                                 "compressed": everyone}, report
 
 
 @pytest.mark.processes

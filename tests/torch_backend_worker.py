@@ -15,12 +15,15 @@ and prints "OK <scenario> <rank>"):
     training   DDP on our group against DDP on a Gloo group of the same
                processes (same seed, same data), and FSDP2 (fully_shard)
                on our group against both
+    compressed compression_hook on our group's communicator (on DDP on our
+               group, and on DDP on Gloo) and DistributedOptimizer with a
+               codec, against DDP on Gloo uncompressed
     failure    the group's timeout is ours; a stalled rank, ranks that
                disagree on a shape, and a killed rank make the others raise
                our typed errors through work.wait() and DDP's backward
 
-With $COLLECTIVES_PRETEND_NODES set (tests), "ops" and "training" run on
-the hierarchical communicator: Gloo between the pretend nodes.
+With $COLLECTIVES_PRETEND_NODES set (tests), "ops", "training" and
+"compressed" run on the hierarchical communicator: Gloo between the pretend nodes.
 
 $TORCH_BACKEND_TEST_SABOTAGE=1 makes the reference wrong (allreduce's SUM
 reference gains 1), so that the test that runs it shows the checks fail.
@@ -595,6 +598,65 @@ def training():
     say(f"FSDP2 PREMUL_SUM rank {rank}: max |fsdp2 - ddp| = {difference:.3g}")
 
 
+# -- the compressed scenario -------------------------------------------------------------------------
+
+# How far compressed training may land from uncompressed DDP on Gloo after
+# STEPS steps, as a fraction of how far training moved the parameters: each
+# step's averaged gradient errs by about 2^-8 (bf16) or 1/128 (int8) of its
+# block's magnitude, and momentum SGD carries that into the parameters. A
+# wrong average (a sum, a dropped rank) moves them by the whole step or more.
+COMPRESSED_TOLERANCE = 0.02
+
+
+def compressed():
+    """compression_hook on our group's communicator (across nodes, with
+    $COLLECTIVES_PRETEND_NODES, the hierarchical one): on DDP on our group
+    (bf16), and beside Gloo on DDP on a Gloo group (int8, error feedback);
+    DistributedOptimizer with int8 and error feedback. Each near DDP on
+    Gloo uncompressed, every rank the same parameters."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from collectives.torch import DistributedOptimizer, compression_hook
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    comm = dist.group.WORLD.communicator()
+    check(isinstance(comm, HierarchicalCommunicator) == bool(os.environ.get("COLLECTIVES_PRETEND_NODES")),
+          "pretend nodes give the hierarchy")
+    gloo = dist.new_group(backend="gloo")
+    plain = DDP(model(buffers=False), bucket_cap_mb=0.01, process_group=gloo)
+    train(plain)
+    reference = flat_params(plain.module)
+    moved = (reference - flat_params(model(buffers=False))).abs().max().item()
+
+    def same_everywhere_and_near(net, what):
+        got = flat_params(net)
+        everyone = [torch.empty_like(got) for _ in range(size)]
+        dist.all_gather(everyone, got, group=gloo)
+        check(all(torch.equal(x, got) for x in everyone), f"{what}: every rank holds the same parameters")
+        difference = (got - reference).abs().max().item()
+        check(difference <= COMPRESSED_TOLERANCE * moved, f"{what}: {difference} from uncompressed (moved {moved})")
+        say(f"{what} rank {rank}: max |compressed - gloo| = {difference:.3g} (moved {moved:.3g})")
+
+    for codec, group, feedback in (("bf16", None, False), ("int8", gloo, True)):
+        net = DDP(model(buffers=False), bucket_cap_mb=0.01, process_group=group)
+        hook = compression_hook(codec, error_feedback=feedback)
+        net.register_comm_hook(dist.group.WORLD, hook)
+        train(net)
+        same_everywhere_and_near(net.module, f"{codec} hook on DDP on {'Gloo' if group else 'collectives'}")
+        if feedback:
+            residual = hook.residual(0)
+            check(residual is not None and np.any(residual != 0), "error feedback kept a residual")
+
+    net = model(buffers=False)
+    optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), comm,
+                                     compression="int8", error_feedback=True)
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        optimizer.step()
+    same_everywhere_and_near(net, "int8 DistributedOptimizer")
+
+
 # -- the failure scenario ----------------------------------------------------------------------------
 
 def failure():
@@ -683,7 +745,7 @@ def init():
         same(torch.from_numpy(x), np.arange(10) * sum(range(1, size + 1)), "init's allreduce")
 
 
-SCENARIOS = {"init": init, "ops": ops, "training": training, "failure": failure}
+SCENARIOS = {"init": init, "ops": ops, "training": training, "compressed": compressed, "failure": failure}
 
 
 def main():
