@@ -598,12 +598,16 @@ def picked_algorithm(backend, spec, args, in_count):
 def wire_bytes_per_rank(backend, spec, args, in_count):
     """Bytes one call makes a rank read from its peers (its plan's wire_bytes
     over the ranks; for the compiled loop's steps, the plan's that moves as
-    much); None for backends other than ours (no plan to ask)."""
+    much); None for backends other than ours (no plan to ask), and for a
+    communicator across nodes, whose steps are no registered algorithm's plan."""
     if backend.algorithm is None:
         return None
+    from collectives.algorithms import REGISTRY
     from collectives.plan import build_plan
     from collectives.transport.fastpath import PATHS, same_traffic
     algorithm = picked_algorithm(backend, spec, args, in_count)
+    if algorithm not in REGISTRY and algorithm not in PATHS:   # ("hierarchical")
+        return None
     if algorithm in PATHS:
         algorithm = same_traffic(spec.name, algorithm)
     plan = build_plan(spec.name, algorithm, backend.nranks, in_count,

@@ -406,8 +406,32 @@ def compressed_allreduce(h, call, x, out, deadline):
     all-gather of the float32 result. Every rank folding a piece folds the
     decodings of the same bytes (its own partial replaced by the decoding of
     what it sent), so all hold the same bits; with two_shot the owner's
-    result is encoded for the others and replaced by its decoding too."""
-    allreduce(h, call, x, out, deadline)
+    result is encoded for the others and replaced by its decoding too.
+
+    Where the node's compiled loop runs (every node of G ranks) and G codec
+    blocks divide the count, the node's steps are the loop's reduce_scatter
+    and allgather (in_blocks); else the phases. Both fold the node's inputs
+    in local rank order and cut the same ranges, so they send the same
+    messages and give the same bits."""
+    if call.count and h.shm is not None and call.count % (len(h.node_ranks) * BLOCK) == 0 \
+            and loop_runs_nodes(h, call):
+        compressed_in_blocks(h, call, x, out, deadline)
+    else:
+        allreduce(h, call, x, out, deadline)
+
+
+def compressed_in_blocks(h, call, x, out, deadline):
+    """compressed_allreduce with the node's compiled loop: its reduce_scatter
+    leaves local rank l the node's partial of block l (its range), which
+    crosses nodes encoded; its allgather gives every rank every block."""
+    k = call.count // len(h.node_ranks)
+    plan = range_plan(h.topology, call.count, call.dtype.itemsize, h.rank, None, BLOCK, h.residual is not None)
+    start, stop = plan.ranges[h.local]
+    assert (start, stop) == (h.local * k, (h.local + 1) * k), (plan.ranges, k)
+    part = h.scratch("block", call.dtype, k)
+    _in_node(h, REDUCE_SCATTER, x, part, partial_op(call.op).value, 0, deadline)
+    compressed_across_nodes(h, call, plan, part, deadline, None if h.residual is None else h.residual[start:stop])
+    _in_node(h, ALLGATHER, part, out, "sum", 0, deadline)
 
 
 def compressed_across_nodes(h, call, plan, part, deadline, residual=None):

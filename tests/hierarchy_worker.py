@@ -255,7 +255,11 @@ def scenario_compressed(comm):
     feedback (2 nodes)."""
     r, n = comm.rank, comm.size
     nodes = comm.topology.nodes
-    counts = (0, 1, 33, 1000, 4099) + ((100003,) if len(nodes) > 2 else ())
+    # (4096 and 131072: in blocks where the node's loop runs, below and above its merged step)
+    counts = (0, 1, 33, 1000, 4096, 4099, 131072) + ((100003,) if len(nodes) > 2 else ())
+    in_blocks = []
+    compressed_in_blocks = hierarchy.compressed_in_blocks
+    hierarchy.compressed_in_blocks = lambda *arguments: (in_blocks.append(1), compressed_in_blocks(*arguments))[1]
     worst, encoded = 0.0, set()
     for codec in wire.CODECS:
         for i, count in enumerate(counts):
@@ -272,7 +276,10 @@ def scenario_compressed(comm):
                     check(x, inputs[r], f"x out of place {case}")
                 if count:
                     worst = max(worst, check_compressed(comm, got, inputs, op, codec, q, case))
+    hierarchy.compressed_in_blocks = compressed_in_blocks
     assert encoded == ({1, 2} if len(nodes) > 2 else {1}), encoded   # (two_shot reached where it can be)
+    equal_nodes = len({len(node) for node in nodes}) == 1 and len(nodes[0]) > 1
+    assert len(in_blocks) == (3 * 2 * 2 if equal_nodes else 0), len(in_blocks)   # codecs x ops x (4096, 131072)
     print(f"worst error / bound rank {r}: {worst:.3f}", flush=True)
     # A block holding inf or NaN decodes to NaN (the codecs' rule): every rank the same bits.
     x = np.ones(100, np.float32)
