@@ -321,7 +321,7 @@ def compressed_feedback(comm):
     the results stays within the residuals of the gradients' sum (and
     differs from it by exactly the residuals, up to float32 sums); without,
     it drifts past that."""
-    r, n, count, steps = comm.rank, comm.size, 256, 200
+    r, n, count, steps = comm.rank, comm.size, 256, 100
     unit = 2 / 255
     drift = {}
     for feedback in (False, True):
