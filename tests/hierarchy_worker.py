@@ -477,11 +477,13 @@ def scenario_mismatched(comm):
     elements, the other nodes of 200 (the exchange between counterparts:
     a message longer than its buffer on one side, another call's signature
     on the other), then every node an allreduce, some node a
-    reduce_scatter of as many elements (another call's signature alone).
+    reduce_scatter of as many elements (another call's signature alone),
+    then node 0 a compressed allreduce in int8, the others in bf16.
     Every rank raises, none waits out its timeout."""
-    for case, call in enumerate((
-            lambda: comm.allreduce(np.ones(100 if comm.node == 0 else 200, np.float32)),
-            lambda: (comm.allreduce if comm.node == 0 else comm.reduce_scatter)(np.ones(8 * comm.size, np.int32)))):
+    calls = (lambda: comm.allreduce(np.ones(100 if comm.node == 0 else 200, np.float32)),
+             lambda: (comm.allreduce if comm.node == 0 else comm.reduce_scatter)(np.ones(8 * comm.size, np.int32)),
+             lambda: comm.allreduce(np.ones(1000, np.float32), compression="int8" if comm.node == 0 else "bf16"))
+    for case, call in enumerate(calls):
         start = time.perf_counter()
         try:
             call()
@@ -491,7 +493,7 @@ def scenario_mismatched(comm):
             assert time.perf_counter() - start < TIMEOUT, f"case {case} took {time.perf_counter() - start:.1f}s"
         else:
             raise AssertionError(f"case {case}: a mismatched call completed")
-        if case == 0:   # the first failure aborted this communicator: the next case needs another
+        if case < len(calls) - 1:   # the failure aborted this communicator: the next case needs another
             WORLD.Barrier()
             comm = collectives.init(timeout=TIMEOUT)
 
