@@ -40,6 +40,10 @@ def run_gloo(dist, x, out, args):
     all_gather(out, x)
 
 
+def run_mwms(replica, x, args):
+    return replica.all_gather(x, axis=0)
+
+
 ALLGATHER = Spec(
     name="allgather",
     busbw_factor=lambda n: (n - 1) / n,
@@ -47,6 +51,7 @@ ALLGATHER = Spec(
     run_ours=run_ours,
     run_mpi=run_mpi,
     run_gloo=run_gloo,
+    run_mwms=run_mwms,
     expected=expected,
     fill=pattern_fill,
     has_op=False,

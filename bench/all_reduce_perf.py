@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from bench.backends import gloo_op, mpi_buffer, mpi_op
+from bench.backends import MWMS_OPS, gloo_op, mpi_buffer, mpi_op
 from bench.harness import Spec, as_users_call, main
 from collectives.ops import is_floating
 
@@ -72,6 +72,10 @@ def run_gloo(dist, x, out, args):
     dist.all_reduce(out, op=gloo_op(dist, args.op))
 
 
+def run_mwms(replica, x, args):
+    return replica.all_reduce(MWMS_OPS[args.op], x)
+
+
 ALLREDUCE = Spec(
     name="allreduce",
     busbw_factor=lambda n: 2 * (n - 1) / n,
@@ -79,6 +83,7 @@ ALLREDUCE = Spec(
     run_ours=run_ours,
     run_mpi=run_mpi,
     run_gloo=run_gloo,
+    run_mwms=run_mwms,
     expected=expected,
     fill=fill,
     reference=reference,

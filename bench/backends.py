@@ -1,8 +1,9 @@
 """The backends a benchmark runs side by side: this library (`ours`), MPI
-(mpi4py over MPICH), Gloo (torch.distributed), and torch.distributed's
+(mpi4py over MPICH), Gloo (torch.distributed), torch.distributed's
 process groups by backend name (`torch:collectives`, this library through
-torch.distributed; `torch:gloo`), each behind one small class that runs a
-spec's call on its ranks' buffers, and what each cannot do (so that the
+torch.distributed; `torch:gloo`), and TensorFlow's MultiWorkerMirroredStrategy
+(`mwms`), each behind one small class that runs a spec's call on its ranks'
+buffers, and what each cannot do (so that the
 harness skips it with a reason instead of failing).
 
 Ranks in processes meet through a *world* (the harness's bookkeeping: the
@@ -21,6 +22,9 @@ import collectives
 from collectives.ops import BFLOAT16, is_floating
 
 OURS, MPI_BACKEND, GLOO, NCCL = "ours", "mpi", "gloo", "nccl"
+# TensorFlow's MultiWorkerMirroredStrategy: its collectives (CollectiveReduceV2,
+# a ring over gRPC between the workers on CPUs), one worker per process.
+MWMS = "mwms"
 # torch.distributed process groups of a registered backend, one rank per
 # process: "torch:collectives" is this library behind torch.distributed (what
 # its layer costs, beside `ours` in the same run), "torch:gloo" is Gloo's group
@@ -33,16 +37,22 @@ NO_COMPRESSION = "none"
 # rows keep the name the command used (older results files say `host`).
 OLD_OURS = "host"
 DEFAULT_BACKEND = OURS
-BACKENDS = (OURS, OLD_OURS, MPI_BACKEND, GLOO, NCCL, *TORCH_BACKENDS)
+BACKENDS = (OURS, OLD_OURS, MPI_BACKEND, GLOO, NCCL, *TORCH_BACKENDS, MWMS)
 COMPRESSING_BACKENDS = (OURS, OLD_OURS)  # --compression applies to these; the others run uncompressed
-PROCESS_BACKENDS = (MPI_BACKEND, GLOO, *TORCH_BACKENDS)   # one rank per process
+PROCESS_BACKENDS = (MPI_BACKEND, GLOO, *TORCH_BACKENDS, MWMS)   # one rank per process
 TORCH_PIN = "torch==2.13.0"
+TENSORFLOW_INSTALL = "pip install -e '.[tensorflow]'"
 
 MPI_OPS = ("sum", "prod", "max", "min")   # MPI has no average
 # What torch.distributed's Gloo backend takes (torch 2.13): no 16-bit or
 # unsigned types beyond uint8 ("Invalid scalar type"), and its average
 # divides in the tensor's type, which it refuses for integers.
 GLOO_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+# What MultiWorkerMirroredStrategy's replica context reduces (TensorFlow 2.21:
+# 8-bit types raise TypeError), with its two reductions; its MEAN of integers
+# comes back as floats, where ours divides in the integer type.
+MWMS_DTYPES = ("int32", "int64", "float16", "bfloat16", "float32", "float64")
+MWMS_OPS = {"sum": "sum", "avg": "mean"}
 
 
 def unsupported(backend, spec, args):
@@ -59,6 +69,15 @@ def unsupported(backend, spec, args):
         from collectives.ops import SUPPORTED_DTYPES
         if args.dtype.name not in SUPPORTED_DTYPES:
             return f"collectives reduces {', '.join(SUPPORTED_DTYPES)}, not {args.dtype.name}"
+    if backend == MWMS:
+        if spec.run_mwms is None:
+            return f"MultiWorkerMirroredStrategy's replica context has no {spec.name}"
+        if args.dtype.name not in MWMS_DTYPES:
+            return f"MultiWorkerMirroredStrategy has no {args.dtype.name} (it takes {', '.join(MWMS_DTYPES)})"
+        if reduces and args.op not in MWMS_OPS:
+            return f"MultiWorkerMirroredStrategy has no {args.op!r} reduction (it has {', '.join(MWMS_OPS)})"
+        if reduces and args.op == "avg" and not is_floating(args.dtype):
+            return "MultiWorkerMirroredStrategy's mean of integers is a float, not the integer average"
     if backend in (GLOO, TORCH_GLOO):
         if spec.run_gloo is None:
             return f"no gloo call for {spec.name}"
@@ -324,6 +343,82 @@ class GroupCalls:
         return found
 
 
+# The process's MultiWorkerMirroredStrategy, once made: TensorFlow's runtime
+# joins one cluster per process, so every mwms backend of a process shares it.
+_STRATEGIES = []
+
+
+class Mwms(Backend):
+    """TensorFlow's tf.distribute.MultiWorkerMirroredStrategy, one worker per
+    process, started from our ranks (collectives.tensorflow.cluster_resolver:
+    the workers' addresses go round through a communicator of ours, used
+    for nothing else; the process's first mwms backend makes the strategy,
+    any later one shares it). A call is what a training step runs: one tf.function
+    of strategy.run whose replica makes the spec's call (run_mwms) on the
+    rank's tf.Tensor, traced once per shape. TensorFlow's tensors are
+    immutable: every call returns a new tensor, in place or not (both
+    columns time the same call), and the check reads the last call's."""
+
+    def __init__(self, name, spec, args, world, comm=None):
+        super().__init__(name, spec, args)
+        if world is None or isinstance(world, TorchWorld):
+            raise SystemExit("the mwms backend runs one worker per process: run under mpiexec")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # TensorFlow's start-up banners
+        try:
+            import tensorflow as tf
+            import collectives.tensorflow as ctf
+        except ImportError as error:
+            raise SystemExit(f"--backend mwms needs TensorFlow: {TENSORFLOW_INSTALL} ({error})") from None
+        self.tf, self.world = tf, world
+        if not _STRATEGIES:
+            # As bench.tensorflow_overhead: the ranks share the machine's cores. Both
+            # settings, and the strategy itself, must come before TensorFlow's first op.
+            tf.config.threading.set_inter_op_parallelism_threads(2)
+            tf.config.threading.set_intra_op_parallelism_threads(1)
+            # (our backend's communicator where it runs too, else one of its own)
+            self.owns_comm = comm is None
+            self.comm = collectives.init(comm=world, timeout=args.timeout) if comm is None else comm
+            resolver = ctf.cluster_resolver(self.comm)
+            _STRATEGIES.append(tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver))
+        else:
+            self.owns_comm, self.comm = False, None
+        self.strategy = _STRATEGIES[0]
+        self.local_ranks, self.nranks = [world.rank], world.size
+        call, call_args, strategy = spec.run_mwms, self.args, self.strategy
+
+        @tf.function
+        def step(x):
+            # tf.identity puts the input on the replica's device (a captured
+            # tensor has none, and the strategy refuses it: "destinations empty")
+            return strategy.run(lambda: call(tf.distribute.get_replica_context(), tf.identity(x), call_args))
+
+        self.step = step
+        self.last = (None, None)   # (the Buffers of the last call, its result)
+
+    def run(self, buffers):
+        result = self.step(buffers.inputs[0])
+        self.last = (buffers, self.strategy.experimental_local_results(result)[0])
+
+    def results(self, buffers):
+        ran, result = self.last
+        if ran is not buffers:
+            raise RuntimeError("results() of buffers the mwms backend did not run last")
+        return [result]
+
+    def barrier(self):
+        self.world.Barrier()   # a call returns when its result is made: nothing is left in flight
+
+    def to_device(self, array):
+        return self.tf.constant(array)
+
+    def to_host(self, tensor):
+        return tensor.numpy()
+
+    def close(self):
+        if self.owns_comm:   # (the strategy keeps the addresses it was given: the communicator is done)
+            self.comm.close()
+
+
 class TorchWorld:
     """The harness's world under torchrun (no MPI): mpi4py's few calls it
     makes (rank, size, allreduce, allgather, bcast), on torch.distributed's
@@ -415,6 +510,9 @@ def make_backends(names, spec, args, world):
             backends.append(Mpi(name, spec, args, world))
         elif name in TORCH_BACKENDS:
             backends.append(TorchGroup(name, spec, args, world))
+        elif name == MWMS:
+            ours = next((b.comm for b in backends if isinstance(b, Ours) and b.device == "host"), None)
+            backends.append(Mwms(name, spec, args, world, comm=ours))
         else:
             backends.append(Gloo(name, spec, args, world))
     return backends

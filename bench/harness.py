@@ -16,15 +16,18 @@ identical inputs in one invocation, alternating size by size:
     torch:collectives  this library through torch.distributed: a process
                        group of the backend collectives.torch registers
     torch:gloo         a Gloo process group made the same way
+    mwms   TensorFlow's MultiWorkerMirroredStrategy (allreduce sum and avg,
+           allgather): a tf.function of strategy.run per call, its
+           collectives a ring over gRPC; started from our ranks' addresses
 
-mpi, gloo and torch:* run one rank per process. Under torchrun (no MPI),
+mpi, gloo, torch:* and mwms run one rank per process. Under torchrun (no MPI),
 the ranks' bookkeeping runs on a Gloo group (backends.TorchWorld), `ours`
 starts from torchrun's store (collectives.init) and `gloo` is torch:gloo's
-group; `mpi` needs mpiexec. Asking for torch:* without a launcher
+group; `mpi` and `mwms` need mpiexec. Asking for torch:* without a launcher
 relaunches the benchmark under torchrun with `--ranks` processes (under
-mpiexec when mpi is asked for too); asking for mpi or gloo without a
-launcher relaunches it under MPICH's mpiexec with `--ranks` processes,
-pinned one per core (`--bind-to core`: rank r on core r mod cores; `none`
+mpiexec when mpi or mwms is asked for too); asking for mpi, gloo or mwms
+without a launcher relaunches it under MPICH's mpiexec with `--ranks`
+processes, pinned one per core (`--bind-to core`: rank r on core r mod cores; `none`
 leaves placement to the kernel; `auto` is core up to one process per core and
 none beyond, which bench/host_vs_mpich.py found best for both libraries). A
 backend that cannot run the chosen op or type (MPI has no average, Gloo no
@@ -55,8 +58,9 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.backends import (
-    BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, MPI_BACKEND, NCCL, NO_COMPRESSION, PROCESS_BACKENDS,
-    TORCH_BACKENDS, TORCH_PIN, Buffers, TorchWorld, launched_by_torchrun, make_backends, unsupported,
+    BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, MPI_BACKEND, MWMS, NCCL, NO_COMPRESSION,
+    PROCESS_BACKENDS, TENSORFLOW_INSTALL, TORCH_BACKENDS, TORCH_PIN, Buffers, TorchWorld, launched_by_torchrun,
+    make_backends, unsupported,
 )
 from bench.environment import LAUNCHER_COMMAND, environment, module_name
 from bench.progress import Progress
@@ -130,6 +134,9 @@ class Spec:
     expected: Callable             # (dtype, op, nranks, rank, output count, root) -> output of `rank`; None: unchecked
     fill: Callable                 # (dtype, op, nranks, rank, input count, root) -> input of `rank`
     run_gloo: Optional[Callable] = None
+    #   run_mwms(replica_context, x, args) -> the result: inside MultiWorkerMirroredStrategy.run
+    #     (a tf.function), x the rank's input tf.Tensor; None where its replica context has no such call.
+    run_mwms: Optional[Callable] = None
     has_op: bool = True            # whether -o applies (the redop column says none otherwise)
     rooted: bool = False           # whether -r applies (the root column says -1 otherwise)
     # In place every rank has one buffer of max(input, output) elements; these
@@ -192,7 +199,8 @@ def parse_args(spec, argv=None):
                         f"gloo (torch.distributed with Gloo; needs {TORCH_PIN}), nccl (NCCL through this "
                         "library's backend='nccl'; --device cuda, one rank per GPU), torch:collectives (this "
                         "library through torch.distributed, under torchrun), torch:gloo (a Gloo group made the "
-                        "same way)")
+                        "same way), mwms (TensorFlow's MultiWorkerMirroredStrategy: allreduce with sum or avg, "
+                        "allgather; under mpiexec; needs TensorFlow)")
     p.add_argument("--algorithm", default="auto",
                    help="our algorithm, or several comma-separated (each runs as a backend of its own, "
                         "alternating per size): auto or a registered name (python -m bench.model lists them)")
@@ -251,14 +259,18 @@ def parse_args(spec, argv=None):
     # run on host arrays beside ours wherever ours run (an emulated device's
     # arrays are host arrays too).
     if args.device == "cuda" and any(b in PROCESS_BACKENDS for b in args.backends):
-        p.error("--backend mpi and gloo run on host arrays; with --device cuda compare ours with nccl on a GPU")
+        p.error("--backend mpi, gloo and mwms run on host arrays; with --device cuda compare ours with nccl on a GPU")
     if NCCL in args.backends and args.device != "cuda":
         p.error("--backend nccl runs on GPUs: add --device cuda")
     torch_backends = [b for b in args.backends if b in (GLOO, *TORCH_BACKENDS)]
     if torch_backends and importlib.util.find_spec("torch") is None:
         p.error(f"--backend {','.join(torch_backends)} needs PyTorch (torch.distributed): pip install {TORCH_PIN}")
-    if MPI_BACKEND in args.backends and launched_by_torchrun():
-        p.error("--backend mpi needs mpiexec: under torchrun compare ours, gloo, torch:collectives, torch:gloo")
+    if MWMS in args.backends and importlib.util.find_spec("tensorflow") is None:
+        p.error(f"--backend mwms needs TensorFlow: {TENSORFLOW_INSTALL}")
+    for needs_mpiexec in (MPI_BACKEND, MWMS):
+        if needs_mpiexec in args.backends and launched_by_torchrun():
+            p.error(f"--backend {needs_mpiexec} needs mpiexec: under torchrun compare ours, gloo, torch:collectives, "
+                    "torch:gloo")
     return args
 
 
@@ -683,7 +695,7 @@ def main(spec, argv=None):
     world = mpi_world()
     if world is None and args.ranks > 1 and any(b in PROCESS_BACKENDS for b in args.backends) \
             and not os.environ.get(RELAUNCHED):
-        if any(b in TORCH_BACKENDS for b in args.backends) and MPI_BACKEND not in args.backends:
+        if any(b in TORCH_BACKENDS for b in args.backends) and not {MPI_BACKEND, MWMS} & set(args.backends):
             return relaunch_under_torchrun(args, argv)
         return relaunch_under_mpiexec(args, argv, ("-bind-to", bind_to(args.bind_to, args.ranks)))
     leader = world is None or world.rank == 0

@@ -691,11 +691,26 @@ def scenario_mirrored(comm, output):
 def scenario_mwms(comm, output):
     """cluster_resolver gives every rank the same cluster, rank r as worker
     r; MultiWorkerMirroredStrategy starts from it (before any other
-    TensorFlow op, as it must) and its all_reduce agrees with ours."""
+    TensorFlow op, as it must) and its all_reduce agrees with ours. The
+    strategy is the benchmarks' (`--backend mwms`, bench/backends.py), which
+    made it: their allreduce and allgather checked as the harness checks
+    every backend, in and out of place."""
     import json as json_
+    from bench import harness
+    from bench.all_gather_perf import ALLGATHER
+    from bench.all_reduce_perf import ALLREDUCE
+    from bench.backends import Mwms
     n, r = comm.size, comm.rank
-    resolver = ctf.cluster_resolver(comm)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    checked = {}
+    for spec, flags, nbytes in ((ALLREDUCE, ["-o", "avg"], 4096), (ALLREDUCE, ["-d", "bfloat16"], 1024),
+                                (ALLGATHER, ["-d", "int32"], 4104)):
+        args = harness.parse_args(spec, ["-n", "2", "-w", "1", *flags])
+        backend = Mwms("mwms", spec, args, MPI.COMM_WORLD, comm=comm)
+        placements = harness.measure([backend], spec, args, nbytes, MPI.COMM_WORLD)[0]
+        checked[spec.name, args.dtype.name] = [(m["wrong"], m["seconds"] > 0) for m in placements]
+    assert all(v == [(0, True), (0, True)] for v in checked.values()), checked
+    strategy = backend.strategy
+    resolver = strategy.cluster_resolver
     workers = resolver.cluster_spec().as_dict()["worker"]
     assert len(workers) == n and len(set(workers)) == n, workers
     assert all(w.startswith("localhost:") for w in workers), workers   # one machine: localhost

@@ -331,6 +331,12 @@ def test_what_mpi_and_gloo_cannot_run_is_said():
     assert reason("gloo", REDUCE_SCATTER, "-o", "avg", "-d", "bfloat16") is None
     assert reason("torch:collectives", ALL_TO_ALL) is None   # its process group runs it
     assert reason("torch:gloo", GATHER) is None and reason("mpi", SCATTER, "-d", "bfloat16") is None
+    # MultiWorkerMirroredStrategy's replica context: all_reduce (SUM, MEAN) and all_gather, no 8-bit types
+    assert reason("mwms", ALLREDUCE, "-o", "avg") is None and reason("mwms", ALLGATHER, "-d", "bfloat16") is None
+    assert "no 'max'" in reason("mwms", ALLREDUCE, "-o", "max")
+    assert "no int8" in reason("mwms", ALLGATHER, "-d", "int8")
+    assert "integer average" in reason("mwms", ALLREDUCE, "-o", "avg", "-d", "int32")
+    assert "no reduce_scatter" in reason("mwms", REDUCE_SCATTER) and "no broadcast" in reason("mwms", BROADCAST)
 
 
 class FakeTerminal(io.StringIO):

@@ -283,7 +283,9 @@ def mpiexec():
 
 
 def run_worker(n, scenario, *arguments, launcher_flags=(), limit=240):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    # (the repository's root too: the `mwms` scenario runs bench's MultiWorkerMirroredStrategy backend)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), str(WORKER.parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     done = subprocess.run([mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(WORKER), scenario,
                            *map(str, arguments)], capture_output=True, text=True, timeout=limit, env=env)
@@ -324,7 +326,8 @@ def test_cross_device_ops_match_reduction_to_one_device_and_reduce_across_proces
 @pytest.mark.mpi
 def test_multi_worker_mirrored_strategy_starts_from_our_ranks():
     """tests/tensorflow_worker.py's `mwms`: cluster_resolver on 2 processes,
-    the strategy's all_reduce (SUM, MEAN, in tf.function) against ours."""
+    the strategy's all_reduce (SUM, MEAN, in tf.function) against ours, and
+    the benchmarks' mwms backend (which starts the strategy) checked."""
     returncode, oks, report = run_worker(2, "mwms")
     assert returncode == 0, report
     assert oks.get("mwms") == {0, 1}, report
