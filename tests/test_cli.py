@@ -21,7 +21,7 @@ TOOLS = ["all_reduce_perf", "reduce_scatter_perf", "all_gather_perf", "broadcast
          "call_overhead", "codec_speed", "compression_error", "compression_model", "fusion_perf", "gpu_check",
          "floor", "half_precision_error", "hierarchy_model", "hierarchy_perf", "host_vs_mpich", "model",
          "plan_report", "plot", "report", "spmd_overhead", "chaos", "pingpong", "tensorflow_overhead",
-         "call_percentiles"]
+         "call_percentiles", "keras_fit"]
 
 
 def test_every_command_line_is_listed():
