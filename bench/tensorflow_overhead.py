@@ -26,7 +26,8 @@ batch by batch so that the machine's noise hits all alike:
             started from our ranks (collectives.tensorflow.cluster_resolver)
 
 It prints the median over batches of the time per call of each, and each
-TensorFlow kind's difference from ours (µs) and ratio to it (the goal
+TensorFlow kind's difference from ours (µs) and ratio to it (with --mwms
+also MWMS's ratio to `graph`: both inside a tf.function) (the goal
 docs/training.md states: at most 30 µs more than ours at 1 KiB and at most
 1.3x from 1 MiB, inside tf.function on 2 processes). Without a launcher it relaunches itself
 under mpiexec with --ranks processes, pinned one per core (-bind-to core).
@@ -42,6 +43,7 @@ import numpy as np
 
 import collectives
 from bench import cli
+from bench.environment import environment
 from bench.harness import RELAUNCHED, mpi_world, relaunch_under_mpiexec
 
 KINDS = ("ours", "eager", "graph", "graph8", "empty", "floor")
@@ -59,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     args.nbytes = [cli.parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    args.device = "host"   # (for bench.environment's record)
     return args
 
 
@@ -138,17 +141,19 @@ def main(argv=None):
         print(f"{'bytes':>10} {'ours us':>9} {'eager us':>9} {'graph us':>9} {'graph8 us':>9} {'empty us':>9} "
               f"{'floor us':>9} "
               f"{'eager-ours':>10} {'graph-ours':>10} {'g8-ours':>9} {'eager/ours':>10} {'graph/ours':>10} "
-              f"{'g8/ours':>8}" + (f" {'mwms us':>9} {'mwms/ours':>9}" if args.mwms else ""))
+              f"{'g8/ours':>8}" + (f" {'mwms us':>9} {'mwms/ours':>9} {'mwms/graph':>10}" if args.mwms else ""))
         for row in rows:
             ours, eager, graph, graph8, empty, floor = (row[f"{kind}_us"] for kind in KINDS)
             print(f"{row['bytes']:>10} {ours:>9.1f} {eager:>9.1f} {graph:>9.1f} {graph8:>9.1f} {empty:>9.1f} "
                   f"{floor:>9.1f} "
                   f"{eager - ours:>10.1f} {graph - ours:>10.1f} {graph8 - ours:>9.1f} {eager / ours:>10.2f} "
                   f"{graph / ours:>10.2f} {graph8 / ours:>8.2f}"
-                  + (f" {row['mwms_us']:>9.1f} {row['mwms_us'] / ours:>9.2f}" if args.mwms else ""))
+                  + (f" {row['mwms_us']:>9.1f} {row['mwms_us'] / ours:>9.2f} {row['mwms_us'] / graph:>10.2f}"
+                     if args.mwms else ""))
         if args.output_file:
             with open(args.output_file, "w") as f:
-                json.dump({"ranks": comm.size, "load_average": load, "rows": rows}, f, indent=1)
+                json.dump({"environment": environment(args, comm.size, ["ours", *(["mwms"] if args.mwms else [])]),
+                           "ranks": comm.size, "load_average": load, "rows": rows}, f, indent=1)
     comm.close()
     return 0
 
