@@ -3,6 +3,7 @@ and the results table of README.md from the same runs.
 
 The page answers the questions a user asks, in that order: how host ranks
 compare with MPICH and Gloo, collective by collective (bench/report_host.py);
+a Keras training step against TensorFlow's own strategy (bench/report_training.py);
 GPU ranks with the memory floor and NCCL (bench/report_gpu.py); what
 compression costs and how much error it adds, and what a call costs the host
 (bench/report_costs.py). Each shows the latest run of each configuration
@@ -28,6 +29,7 @@ from bench import cli
 from bench.report_costs import COMPRESSION_PARTS, HOST_COST_PARTS
 from bench.report_gpu import GPU_PARTS
 from bench.report_host import HOST_PARTS
+from bench.report_training import TRAINING_PARTS
 from bench.report_runs import (NOTES, ROOT, Question, latest, load_runs, markdown, repository_history,  # noqa: F401
                                run_environment, shown_command)  # NOTES, run_environment: for tests/test_report.py
 
@@ -44,6 +46,11 @@ QUESTIONS = (
              "faster. Host ranks are NumPy arrays, one rank per process; each library ran on the same processes, "
              "alternating with ours.",
              HOST_PARTS),
+    Question("Training steps against TensorFlow's own strategy",
+             "The same Keras model, data and optimizer trained with collectives.keras and under "
+             "MultiWorkerMirroredStrategy (TensorFlow's collectives, a ring over gRPC), in the same processes, "
+             "epoch by epoch in turn.",
+             TRAINING_PARTS),
     Question("GPU ranks against the memory floor and NCCL",
              "A large call cannot beat one device copy of what it must move; NCCL is the library to beat between "
              "GPUs.",

@@ -1,9 +1,9 @@
 """bench.report's first question: how do host ranks compare with MPICH and
-Gloo, collective by collective? From bench.host_vs_mpich's runs (one per
-process count and collective; broadcast and reduce in place only before
-they took out=), the suite's
-runs on host ranks with an mpi or gloo backend (bench/harness.py), and
-bench.hierarchy_perf's across pretend nodes."""
+Gloo (and TensorFlow's MultiWorkerMirroredStrategy), collective by
+collective? From bench.host_vs_mpich's runs (one per process count and
+collective; broadcast and reduce in place only before they took out=), the
+suite's runs on host ranks with an mpi, gloo or mwms backend
+(bench/harness.py), and bench.hierarchy_perf's across pretend nodes."""
 
 import re
 
@@ -13,7 +13,10 @@ from bench.report_runs import (PLACES, Measurement, Part, and_join, harness_rows
 from collectives.bootstrap import PRETEND_NODES_ENV
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
-REFERENCES = ("MPICH", "Gloo")  # the libraries host ranks are measured against
+REFERENCES = ("MPICH", "Gloo")  # the libraries host ranks are measured against, every collective
+# TensorFlow's strategy is measured where it has the collective (allreduce, allgather), after those two.
+MWMS_NAME = "TensorFlow MWMS"
+HARNESS_REFERENCES = {"mpi": "MPICH", "gloo": "Gloo", "mwms": MWMS_NAME}   # harness backends -> library
 SOURCES = ("bench.host_vs_mpich", "the suite", "bench.hierarchy_perf")  # the order of their columns and README rows
 
 
@@ -81,7 +84,7 @@ def suite_measurement(run):
     by_size = rows_by_size(rows)
     backends = sorted({r["backend"] for r in rows})
     ours = our_backend(backends)
-    references = [b for b in backends if b in ("mpi", "gloo")]
+    references = [b for b in backends if b in HARNESS_REFERENCES]
     if not ours or not references:
         return None
     ratios = {}
@@ -117,11 +120,12 @@ def comparison(collective, ratios, source, where, processes):
 
 
 def reference_name(backend, environment):
-    """"MPICH" for the mpi backend over MPICH (another MPI by its own name), "Gloo" for gloo."""
+    """"MPICH" for the mpi backend over MPICH (another MPI by its own name), "Gloo" for gloo,
+    MWMS_NAME for mwms."""
     if backend in ("mpi", "mpich"):
         library = " ".join(str(environment.get("mpi_library", "")).split())
         return "MPICH" if not library or library.startswith("MPICH") else library.split(",")[0]
-    return {"gloo": "Gloo"}.get(backend, backend)
+    return HARNESS_REFERENCES.get(backend, backend)
 
 
 def write_against_libraries(shown, runs):
@@ -179,6 +183,8 @@ def readme_against_libraries(shown, runs):
         tool = f" (`{SOURCES[source]}`)" if source else ""   # (the README names the first tool's command)
         what = (f"{', '.join(collectives)}; {where_text([m.content for m, _ in members])}{tool}; "
                 f"{size_label(sizes[0])} to {size_label(sizes[-1])}")
+        if name == MWMS_NAME:   # (what a TensorFlow user calls: the tf.function is its cost, not ours)
+            what += "; theirs a tf.function of strategy.run per call, ours the NumPy API"
         values = [v for m, n in members for cells in m.content["ratios"][n].values() for v in cells]
         rows.append([library_version(name, [m.machine_environment for m, _ in members]), what, span(values),
                      short_machines([m for m, _ in members])])
@@ -202,13 +208,17 @@ def where_text(contents):
 
 
 def library_version(name, environments):
-    """"MPICH 5.0.2", "Gloo (torch 2.13.0)": the versions the runs recorded."""
+    """"MPICH 5.0.2", "Gloo (torch 2.13.0)", "TensorFlow 2.21.0 MultiWorkerMirroredStrategy": the
+    versions the runs recorded."""
     if name == "MPICH":
         found = (re.search(r"\d+(\.\d+)+", str(e.get("mpi_library", ""))) for e in environments)
         return " ".join(["MPICH", *sorted({version[0] for version in found if version})])
     if name == "Gloo":
         versions = sorted({str(e["torch"]).split("+")[0] for e in environments if e.get("torch")})
         return f"Gloo (torch {', '.join(versions)})" if versions else "Gloo"
+    if name == MWMS_NAME:
+        versions = sorted({str(e["tensorflow"]) for e in environments if e.get("tensorflow")})
+        return " ".join(["TensorFlow", *([", ".join(versions)] if versions else []), "MultiWorkerMirroredStrategy"])
     return name
 
 

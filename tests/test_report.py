@@ -118,6 +118,41 @@ def section(page, title):
     return page.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
+def keras_fit_run(commit, ours_ms, mwms_ms):
+    """bench.keras_fit's shape: each kind's step median and test accuracy."""
+    kind = {"step_ms_median": ours_ms, "test_accuracy": 0.9633, "ranks_bitwise_identical": True}
+    return {"environment": {"command": "mpiexec -bind-to core -n 4 python -m bench.keras_fit -J x.json",
+                            "cpu": "Test CPU", "cores": 2, "device": "host (no GPU)", "processes": 4,
+                            "git_commit": commit, "tensorflow": "9.9.9"},
+            "ranks": 4, "epochs": 20, "global_batch": 64,
+            "max_weight_difference": {"ours_loop_vs_mwms_loop": 0.0, "ours_fit_vs_ours_loop": 1e-6},
+            "ours_fit": dict(kind, step_ms_median=2 * ours_ms), "ours_loop": kind,
+            "mwms_loop": dict(kind, step_ms_median=mwms_ms, test_accuracy=0.96)}
+
+
+def test_tensorflows_strategy_beside_mpich_and_its_keras_step(tmp_path):
+    """A harness run with an mwms backend is a column of the host table and
+    a README row; bench.keras_fit's run is the training question's table."""
+    run = suite_run(NEW, 2.0, collective="allreduce")
+    run["environment"]["tensorflow"] = "9.9.9"
+    run["rows"] += [dict(r, backend="mwms", out_of_place={"time_us": 400.0}, in_place={"time_us": 200.0})
+                    for r in run["rows"] if r["backend"] == "ours"]
+    write(tmp_path, {"suite.json": run, "keras.json": keras_fit_run(NEW, 4.0, 10.0)})
+    page = report.render(tmp_path, HISTORY)
+    host = section(page, "Host ranks against MPICH and Gloo")
+    assert "| size | MPICH / ours, 2 processes | TensorFlow MWMS / ours, 2 processes |" in host
+    assert "| 1 KiB | 2.00 · 2.00 | 40.00 · 40.00 |" in host
+    training = section(page, "Training steps against TensorFlow's own strategy")
+    assert "| 4 processes, global batch 64, 20 epochs | MWMS, custom loop | 10 | 2.5 | 96.00% | True |" in training
+    assert "| 4 processes, global batch 64, 20 epochs | ours, Keras fit | 8 | - | 96.33% | True |" in training
+    assert "ours' loop and MWMS' 0, ours' fit and loop 1e-06." in training
+    table = report.readme_table(report.load_runs(tmp_path), HISTORY)
+    assert "| TensorFlow 9.9.9 MultiWorkerMirroredStrategy | allreduce; host ranks, 2 processes (`the suite`); " \
+           "1 KiB to 4 KiB; theirs a tf.function of strategy.run per call, ours the NumPy API | 40.00x |" in table, table
+    assert ("| TensorFlow 9.9.9 MultiWorkerMirroredStrategy | a Keras training step, custom loop (`bench.keras_fit`), "
+            "4 processes; test accuracy 96.33% ours, 96.00% theirs | 2.50x |") in table, table
+
+
 def test_the_latest_run_of_a_configuration_shows_and_the_older_is_linked(tmp_path):
     # The older run sorts last by name, so a pick by path would take it.
     write(tmp_path, {"a_new.json": suite_run(NEW, 3.0), "z_old.json": suite_run(OLD, 2.0)})
