@@ -6,7 +6,7 @@ TensorFlow's MultiWorkerMirroredStrategy (the same custom loop: Keras 3's fit
 cannot run under it), in the same processes, epochs alternating."""
 
 from bench.report_host import MWMS_NAME, library_version
-from bench.report_runs import Measurement, Part, cell, markdown, provenance, short_machines, span
+from bench.report_runs import Measurement, Part, and_join, cell, markdown, provenance, short_machines, span
 
 KERAS_FIT = "bench.keras_fit"
 KINDS = {"ours_fit": "ours, Keras fit", "ours_loop": "ours, custom loop", "mwms_loop": "MWMS, custom loop"}
@@ -49,14 +49,18 @@ def ratio_of(content):
 
 
 def readme_keras_fit(shown, runs):
-    rows = []
-    for m in shown:
-        ours, theirs = m.content["ours_loop"], m.content["mwms_loop"]
-        rows.append([library_version(MWMS_NAME, [m.machine_environment]),
-                     f"a Keras training step, custom loop (`bench.keras_fit`), {m.content['ranks']} processes; "
-                     f"test accuracy {100 * ours['test_accuracy']:.2f}% ours, {100 * theirs['test_accuracy']:.2f}% "
-                     "theirs", span([ratio_of(m.content)]), short_machines([m])])
-    return rows
+    """One row for every configuration shown: the range of the ratios, the process counts, the accuracies."""
+    if not shown:
+        return []
+
+    def accuracies(kind):
+        return and_join(sorted({f"{100 * m.content[kind]['test_accuracy']:.2f}%" for m in shown}))
+
+    processes = and_join([str(n) for n in sorted({m.content["ranks"] for m in shown})])
+    return [[library_version(MWMS_NAME, [m.machine_environment for m in shown]),
+             f"a Keras training step, custom loop (`bench.keras_fit`), {processes} processes; test accuracy "
+             f"{accuracies('ours_loop')} ours, {accuracies('mwms_loop')} theirs",
+             span([ratio_of(m.content) for m in shown]), short_machines(shown)]]
 
 
 TRAINING_PARTS = (Part("", keras_fit, write_keras_fit, "No current run trains against a framework's own "
