@@ -11,13 +11,14 @@ from . import arrays, auto, fusion, validation
 from . import graph as graph_capture
 from . import prepared
 from .algorithms.schedule import (
-    ALL_COLLECTIVES as COLLECTIVE_NAMES, ALL_TO_ALL, ALLGATHER, ALLREDUCE, BROADCAST, EXCHANGES, GATHER,
+    ALL_COLLECTIVES as COLLECTIVE_NAMES, ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BROADCAST, EXCHANGES, GATHER,
     REDUCE_SCATTER, REDUCE_TO_ROOT, ROOTED_COLLECTIVES, SCATTER,
 )
 from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
 from .compression import wire
 from .config import DEFAULT_FAST_SMALL_MAX, resolve_timeout
 from .errors import CollectiveError, InvalidUsageError, RevokedError
+from .ops import ReduceOp
 from .executors import host
 from .executors.paths import PLAIN, SYMMETRIC, CallShape
 from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
@@ -473,6 +474,113 @@ class Communicator:
         """
         return self._collective(ALL_TO_ALL, x, "sum", out, 0, algorithm)
 
+    def all_to_all_v(self, x, send_counts, out=None, recv_counts=None, algorithm="auto"):
+        """all_to_all with blocks of any sizes (MPI_Alltoallv with the blocks
+        in rank order, torch's all_to_all_single with split sizes): rank r
+        sends block q of its `x`, send_counts[q] elements, to rank q; block
+        q of its result is the block rank q sent it.
+
+        x            the rank's array (or a list, one per local rank) of
+                     sum(send_counts) elements, read flat; the ranks' sizes
+                     may differ, their dtype may not. Block q starts
+                     send_counts[0] + ... + send_counts[q-1] elements in.
+        send_counts  `size` ints >= 0 (with a list `x`, a list of such, one
+                     per local rank).
+        out          None: a new flat array per rank, of the library of
+                     `x`. Else arrays of x's dtype, as many elements as the
+                     rank receives, in the form of `x`; `out` may overlap
+                     its own rank's `x` (the call then goes through a
+                     workspace), but not another local rank's arrays.
+        recv_counts  None: the peers' send_counts say what each rank
+                     receives. Else `size` ints per local rank, as
+                     send_counts, that must be what each peer sends.
+        algorithm    "auto" (default) or a name that implements all_to_all
+                     ("direct", "round_robin"): the same schedules, whose
+                     blocks here have a size of their own (plan.BlockLayout).
+
+        Every rank needs every rank's counts to build the one plan they
+        all run: ranks of one process have them from the arguments; a rank
+        of several processes first allgathers its row (2 size + 1 int64:
+        what it sends, what it expects or -1, how many elements its `out`
+        holds or -1), so that a mismatch raises the same InvalidUsageError
+        on every rank, nothing written. Then each block crosses once, as
+        all_to_all's: a rank moves its blocks' bytes, not size x the largest.
+
+        Returns the result: `out`, or the new arrays (a list for a list).
+        Raises InvalidUsageError for a bad argument (nothing is written),
+        CollectiveTimeoutError or RankFailedError when a peer stalls or dies
+        (see Communicator).
+        """
+        self._check_open()
+        self._check_idle()
+        self._check_arguments(ALL_TO_ALL_V, "sum", 0, algorithm, None)
+        ranks = self._ranks
+        if getattr(ranks, "path", None) == "nccl":
+            raise InvalidUsageError("all_to_all_v: not available yet with backend='nccl'; our backend runs it")
+        nlocal, size = len(self.local_ranks), self.size
+        inputs, input_infos, as_sequence = validation.rank_arrays(x, nlocal, ranks)
+        dtype = input_infos[0].dtype
+        for i, info in enumerate(input_infos):
+            if info.dtype != dtype:
+                raise InvalidUsageError(f"x[{i}] has dtype {info.dtype}, expected {dtype} like x[0]")
+        sends = validation.block_counts(send_counts, nlocal, size, as_sequence, "send_counts")
+        for i, (row, info) in enumerate(zip(sends, input_infos)):
+            if sum(row) != info.size:
+                raise InvalidUsageError(f"{validation.rank_name('send_counts', i, as_sequence)}: sums to {sum(row)}, "
+                                        f"but x{f'[{i}]' if as_sequence else ''} has {info.size} elements")
+        expects = None if recv_counts is None else \
+            validation.block_counts(recv_counts, nlocal, size, as_sequence, "recv_counts")
+        if out is not None:
+            outputs, output_infos, _ = validation.rank_arrays(out, nlocal, ranks, name="out")
+            for i, info in enumerate(output_infos):
+                if info.dtype != dtype:
+                    raise InvalidUsageError(f"out[{i}] has dtype {info.dtype}, expected {dtype} like the input")
+        if nlocal == size:
+            matrix = tuple(sends)
+            validation.received_counts(matrix, expects, None if out is None else [info.size for info in output_infos],
+                                       as_sequence)
+        elif nlocal == 1:
+            matrix = self._counts_of_every_rank(sends[0], None if expects is None else expects[0],
+                                                None if out is None else output_infos[0].size)
+        else:
+            raise InvalidUsageError(f"all_to_all_v: this communicator owns {nlocal} of {size} ranks; it takes "
+                                    "every rank in one process, or one rank per process")
+        receives = [sum(matrix[q][r] for q in range(size)) for r in self.local_ranks]
+        if out is None:
+            outputs = [arrays.empty_like(a, info, (n,)) for a, info, n in zip(inputs, input_infos, receives)]
+            output_infos = [arrays.describe(o) for o in outputs]
+        validation.writable(output_infos, "out")
+        validation.ranks_own_their_memory(input_infos, output_infos, out is not None, inputs_written=False,
+                                          objects={"x": inputs, "out": outputs})
+        apart = validation.relation(input_infos, output_infos, lambda i, a, b: False) == validation.DISJOINT
+        binding = OUT_OF_PLACE if apart and ranks.addressable else WORKSPACE
+        if algorithm == "auto":   # priced as an all_to_all of the most a rank sends
+            algorithm = self._auto(ALL_TO_ALL, max(map(sum, matrix)), dtype.itemsize, 0,
+                                   binding if ranks.addressable else None)
+        plan = build_plan(ALL_TO_ALL_V, algorithm, size, 0, dtype, ReduceOp.SUM, 0, binding, block_counts=matrix)
+        ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
+        return outputs if as_sequence else outputs[0]
+
+    def _counts_of_every_rank(self, sends, expects, out_elements):
+        """all_to_all_v's counts between processes: this rank's row
+        allgathered, then checked alike on every rank (validation.received_counts)."""
+        size = self.size
+        row = np.array([*sends, *(expects if expects is not None else [-1] * size),
+                        -1 if out_elements is None else out_elements], np.int64)
+        devices = getattr(self._ranks, "rank_devices", None)
+        if devices:   # GPU ranks take arrays of their device (an emulated device's are NumPy's)
+            rows = devices[0].to_host(self.allgather(devices[0].from_host(row)))
+        else:
+            rows = self.allgather(row)
+        rows = np.asarray(rows).reshape(size, 2 * size + 1)
+        matrix = tuple(tuple(int(c) for c in rows[q, :size]) for q in range(size))
+        given = [rows[r, size:2 * size] for r in range(size)]
+        validation.received_counts(matrix,
+                                   [None if given[r][0] < 0 else tuple(int(c) for c in given[r]) for r in range(size)],
+                                   [None if rows[r, -1] < 0 else int(rows[r, -1]) for r in range(size)],
+                                   as_sequence=False, every_rank=True)
+        return matrix
+
     # -- point to point (transport/p2p.py) -------------------------------------
 
     def send(self, x, peer, tag=0):
@@ -726,8 +834,9 @@ class Communicator:
         itself, when named), and the execution path that runs it.
 
         collective  "allreduce", "reduce_scatter", "allgather", "broadcast",
-                    "reduce", "gather", "scatter" or "all_to_all".
-        nbytes      bytes of each rank's `x`.
+                    "reduce", "gather", "scatter", "all_to_all" or
+                    "all_to_all_v" (all_to_all's answer, out of place).
+        nbytes      bytes of each rank's `x` (all_to_all_v: the most a rank sends).
         root        the call's root (broadcast, reduce, gather, scatter; else ignored).
         dtype       the dtype of `x` when it is one NumPy array: host ranks
                     in processes run such a call (any collective) in their
@@ -763,9 +872,12 @@ class Communicator:
         Raises InvalidUsageError for an unknown collective or algorithm, or
         a bad root.
         """
+        if collective == ALL_TO_ALL_V:   # all_to_all's schedules and paths; out of place or through a workspace
+            return self.chosen_algorithm(ALL_TO_ALL, nbytes, dtype=dtype, in_place=False, algorithm=algorithm)
         if collective not in COLLECTIVE_NAMES:
             raise InvalidUsageError(
-                f"collective: unknown collective {collective!r}; expected one of {', '.join(COLLECTIVE_NAMES)}")
+                f"collective: unknown collective {collective!r}; expected one of "
+                f"{', '.join((*COLLECTIVE_NAMES, ALL_TO_ALL_V))}")
         rooted = collective in ROOTED_COLLECTIVES
         # (the ranks' own loop: a hierarchical communicator's shortcuts run its steps, not the loop's; it
         # runs NCCL's five collectives, not the exchanges)

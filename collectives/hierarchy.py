@@ -94,7 +94,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import bootstrap
-from .algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, EXCHANGES, REDUCE_SCATTER, REDUCE_TO_ROOT
+from .algorithms.schedule import (
+    ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BROADCAST, EXCHANGES, REDUCE_SCATTER, REDUCE_TO_ROOT,
+)
 from .communicator import Communicator
 from .config import resolve_fast_sizes
 from .errors import CollectiveError, InvalidUsageError
@@ -167,7 +169,7 @@ class HierarchicalCommunicator(Communicator):
         return "hierarchical"
 
     def _check_arguments(self, collective, op, root, algorithm, compression):
-        if collective in EXCHANGES:
+        if collective in EXCHANGES or collective == ALL_TO_ALL_V:
             raise InvalidUsageError(
                 f"{collective}: not available yet when ranks span several nodes (the hierarchical "
                 "communicator); it runs on the ranks of one node (processes, one process, devices)")

@@ -40,7 +40,8 @@ import numpy as np
 from . import binding as bindings
 from .algorithms import schedule_for
 from .algorithms.schedule import (
-    ALLGATHER, BLOCKED_COLLECTIVES, GATHER, REDUCE, REDUCE_SCATTER, ROOTED_COLLECTIVES, SCATTER, SCRATCH, WORK,
+    ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BLOCKED_COLLECTIVES, GATHER, REDUCE, REDUCE_SCATTER, ROOTED_COLLECTIVES,
+    SCATTER, SCRATCH, WORK,
 )
 from .binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, WORKSPACE  # noqa: F401 (re-exported)
 from .compression import wire
@@ -100,6 +101,57 @@ class Plan(NamedTuple):
     # moves of their group read, which an executor must run as fan-out
     # groups in lockstep (binding.py).
     lockstep_phases: frozenset = frozenset()
+    # all_to_all_v only: block_counts[q][r], the elements rank q sends rank
+    # r (see BlockLayout); chunk_bounds is then empty, since a chunk's
+    # bounds differ from rank to rank.
+    block_counts: Optional[Tuple[Tuple[int, ...], ...]] = None
+
+
+class BlockLayout:
+    """Where all_to_all_v's blocks lie. all_to_all's schedules name chunk
+    c of WORK as the block a rank sends rank c and chunk c of SCRATCH as
+    the block it receives from rank c, and only copy WORK chunk r of rank
+    q to SCRATCH chunk q of rank r; so the same schedules, proved by the
+    trace, move blocks of any sizes once a chunk's bounds depend on its
+    rank and side: on the sending side (INPUT, WORK) rank q's chunk c is
+    block_counts[q][c] elements after its blocks 0..c-1; on the receiving
+    side (SCRATCH, OUTPUT) rank r's chunk c is block_counts[c][r] elements
+    after its blocks from ranks 0..c-1. A copy's source and destination
+    are then the same length by construction."""
+
+    def __init__(self, block_counts):
+        self.counts = block_counts
+        n = len(block_counts)
+        self.sent = tuple(_starts(block_counts[q]) for q in range(n))
+        self.received = tuple(_starts([block_counts[q][r] for q in range(n)]) for r in range(n))
+
+    def start(self, loc):
+        if loc.buffer in (INPUT, WORK):
+            return self.sent[loc.rank][loc.chunk]
+        return self.received[loc.rank][loc.chunk]
+
+    def length(self, loc):
+        if loc.buffer in (INPUT, WORK):
+            return self.counts[loc.rank][loc.chunk]
+        return self.counts[loc.chunk][loc.rank]
+
+    @property
+    def work_elements(self):
+        """The most elements a rank sends: every rank's WORK holds that many."""
+        return max(self.sent[q][-1] for q in range(len(self.counts)))
+
+    @property
+    def scratch_elements(self):
+        """The most elements a rank receives: every rank's SCRATCH holds that many."""
+        return max(self.received[r][-1] for r in range(len(self.counts)))
+
+
+def _starts(counts):
+    """Each block's first element, and the total last."""
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    return tuple(starts)
 
 
 def chunk_bounds(collective, nranks, nchunks, count, itemsize, align_elements=1):
@@ -116,7 +168,7 @@ def chunk_bounds(collective, nranks, nchunks, count, itemsize, align_elements=1)
 
 @functools.lru_cache(maxsize=256)
 def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=WORKSPACE, compression=None,
-               streamlined=True):
+               streamlined=True, block_counts=None):
     """The plan for one call shape; cached, so a repeated call plans nothing.
 
     `count` is the number of elements in each rank's WORK buffer: the message
@@ -127,6 +179,10 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
     only workspaces, where the wire copies are; `streamlined` lets each
     rank skip float32 passes (compression/streamline.py), which is valid
     when its input and output are one array or disjoint ones.
+
+    all_to_all_v takes `block_counts` (a tuple of nranks tuples of nranks
+    ints: block_counts[q][r] elements go from rank q to rank r; see
+    BlockLayout) and ignores `count`, uncompressed only.
     """
     dtype = np.dtype(dtype)
     if compression is not None:
@@ -135,32 +191,47 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
     # Without compression a plan depends on the element's size only: one
     # build serves every dtype and op of that size (its tables, waits and
     # traffic are read-only), which a first call of a new dtype or op finds.
-    shape = _uncompressed_plan(collective, algorithm, nranks, count, dtype.itemsize, root, binding)
+    shape = _uncompressed_plan(collective, algorithm, nranks, count, dtype.itemsize, root, binding, block_counts)
     return shape._replace(dtype=dtype, op=op)
 
 
 @functools.lru_cache(maxsize=256)
-def _uncompressed_plan(collective, algorithm, nranks, count, itemsize, root, binding):
+def _uncompressed_plan(collective, algorithm, nranks, count, itemsize, root, binding, block_counts=None):
     """The uncompressed plan for elements of `itemsize` bytes (its dtype and op stand-ins, replaced by the caller's)."""
-    return _build_plan(collective, algorithm, nranks, count, np.dtype(f"V{itemsize}"), None, root, binding, None, False)
+    return _build_plan(collective, algorithm, nranks, count, np.dtype(f"V{itemsize}"), None, root, binding, None, False,
+                       block_counts)
 
 
 def clear_cache():
     """Forget every plan built (for tests that change how plans are made)."""
     build_plan.cache_clear()
     _uncompressed_plan.cache_clear()
+    _bound_phases.cache_clear()
 
 
-def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, compression, streamlined):
+def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, compression, streamlined,
+                block_counts=None):
     """build_plan's work, uncached."""
-    schedule = schedule_for(algorithm, collective, nranks, root if collective in ROOTED_COLLECTIVES else None)
-    bounds = chunk_bounds(collective, nranks, schedule.nchunks, count, dtype.itemsize,
-                          wire.BLOCK if compression is not None else 1)
-    moves = bindings.bind(bindings.logical_phases(schedule), schedule, binding,
-                          rewrite_workspace_plans=compression is None)
+    blocks = None
+    if collective == ALL_TO_ALL_V:
+        if block_counts is None or compression is not None or len(block_counts) != nranks:
+            raise ValueError("all_to_all_v plans take block_counts, one row of nranks counts per rank, uncompressed")
+        if binding not in (WORKSPACE, bindings.OUT_OF_PLACE):
+            # the in-place bindings take an output chunk to be the input
+            # chunk of the same number, which blocks of other sizes are not
+            raise ValueError(f"all_to_all_v plans bind {WORKSPACE} or {bindings.OUT_OF_PLACE}, not {binding}")
+        blocks = BlockLayout(block_counts)
+        count = blocks.work_elements
+    schedule = schedule_for(algorithm, ALL_TO_ALL if blocks else collective, nranks,
+                            root if collective in ROOTED_COLLECTIVES else None)
+    bounds = () if blocks else chunk_bounds(collective, nranks, schedule.nchunks, count, dtype.itemsize,
+                                            wire.BLOCK if compression is not None else 1)
+    moves, phase_access, waits = _bound_phases(schedule, binding, compression is None)
     encoded = wire.encoded_writes(moves) if compression is not None else None
 
     def element_offset(loc):
+        if blocks:
+            return blocks.start(loc)
         start = bounds[loc.chunk][0]
         # The caller's allgather and gather input and reduce_scatter and
         # scatter output hold only the rank's own block: chunk `rank` of the
@@ -171,6 +242,8 @@ def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, 
         return start
 
     def length(loc):
+        if blocks:
+            return blocks.length(loc)
         return bounds[loc.chunk][1] - bounds[loc.chunk][0]
 
     phase_rows = [
@@ -181,13 +254,7 @@ def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, 
         ])
         for p, phase in enumerate(moves)
     ]
-    memory = bindings.storage(schedule, binding)
-    phase_access = [
-        ({memory(m.dst) for m in phase}, {(m.rank, memory(s)) for m in phase for s in m.srcs if s.rank != m.rank})
-        for phase in moves
-    ]
     max_sources = max([len(row[5]) for rows in phase_rows for row in rows] + [1])
-    waits = derive_waits(nranks, phase_access)
     phases = tuple(_make_phase(rows, nranks, max_sources, w) for rows, w in zip(phase_rows, waits))
     if compression is not None:
         phases = tuple(phase._replace(wire_ops_by_rank=ops)
@@ -195,7 +262,7 @@ def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, 
 
     used = {loc.buffer for phase in moves for m in phase for loc in (m.dst, *m.srcs)}
     work_bytes = count * dtype.itemsize if WORK in used else 0
-    scratch_elements = count if SCRATCH in used else 0
+    scratch_elements = (blocks.scratch_elements if blocks else count) if SCRATCH in used else 0
     scratch_offset = -(-work_bytes // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
     workspace_bytes = scratch_offset + scratch_elements * dtype.itemsize if used & {WORK, SCRATCH} else 0
     layout = wire.WireLayout.after(workspace_bytes, count, scratch_elements, compression) if compression else None
@@ -210,7 +277,26 @@ def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, 
         wire_bytes=_wire_bytes(phases, dtype.itemsize, compression),
         lockstep_phases=bindings.lockstep_phases(moves, schedule) if binding == bindings.IN_PLACE_LOCKSTEP
         else frozenset(),
+        block_counts=block_counts if blocks else None,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _bound_phases(schedule, binding, rewrite_workspace_plans):
+    """A schedule's moves for `binding` (binding.bind, proved by its symbolic
+    run), each phase's (regions written, peer regions read), and the waits
+    derived from them: what a plan's sizes do not change, so made once for
+    every count (all_to_all_v meets a new matrix of counts at most calls).
+    Read-only. (The waits cover moves of no elements too, which make no rows.)"""
+    moves = bindings.bind(bindings.logical_phases(schedule), schedule, binding,
+                          rewrite_workspace_plans=rewrite_workspace_plans)
+    moves = tuple(tuple(phase) for phase in moves)
+    memory = bindings.storage(schedule, binding)
+    phase_access = [
+        ({memory(m.dst) for m in phase}, {(m.rank, memory(s)) for m in phase for s in m.srcs if s.rank != m.rank})
+        for phase in moves
+    ]
+    return moves, phase_access, derive_waits(schedule.nranks, phase_access)
 
 
 def _merge_rows(rows):

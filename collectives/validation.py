@@ -20,7 +20,7 @@ import numpy as np
 
 from . import arrays
 from .algorithms import REGISTRY
-from .algorithms.schedule import ALLREDUCE, REDUCING_COLLECTIVES, ROOTED_COLLECTIVES
+from .algorithms.schedule import ALL_TO_ALL, ALL_TO_ALL_V, ALLREDUCE, REDUCING_COLLECTIVES, ROOTED_COLLECTIVES
 from .compression import wire
 from .errors import InvalidUsageError
 from .ops import ReduceOp
@@ -89,7 +89,7 @@ def call_arguments(collective, op, root, algorithm, compression, size):
     root as an int). `op` counts for reducing collectives only, `root` for
     broadcast, reduce, gather and scatter only (others get SUM and 0)."""
     op = reduce_op(op) if collective in REDUCING_COLLECTIVES else ReduceOp.SUM
-    algorithm_name(algorithm, collective)
+    algorithm_name(algorithm, ALL_TO_ALL if collective == ALL_TO_ALL_V else collective)   # (its schedules)
     compression_codec(compression, op, collective)
     root = root_rank(root, size) if collective in ROOTED_COLLECTIVES else 0
     return op, root
@@ -273,6 +273,51 @@ def relation(inputs, outputs, same_chunks):
         else:
             kinds.add(DISJOINT)
     return kinds.pop() if len(kinds) == 1 else OVERLAPPING
+
+
+def rank_name(name, rank, as_sequence):
+    """`name`, or `name[rank]` where the argument is a list, one per local rank."""
+    return _name(name, rank, as_sequence)
+
+
+def block_counts(counts, nlocal, size, as_sequence, name):
+    """all_to_all_v's `send_counts` or `recv_counts`: per local rank a tuple
+    of `size` ints >= 0 (a list of such where `x` is a list)."""
+    rows = counts if as_sequence else [counts]
+    if as_sequence and (not isinstance(counts, (list, tuple)) or len(counts) != nlocal):
+        raise InvalidUsageError(f"{name}: expected a list of {nlocal} rows (one per local rank) of {size} counts, "
+                                f"got {counts!r}")
+    checked = []
+    for i, row in enumerate(rows):
+        label = _name(name, i, as_sequence)
+        try:
+            values = [operator.index(c) for c in row]
+        except TypeError:
+            raise InvalidUsageError(f"{label}: expected {size} ints >= 0, one per rank, got {row!r}") from None
+        if len(values) != size or any(c < 0 for c in values):
+            raise InvalidUsageError(f"{label}: expected {size} ints >= 0, one per rank, got {list(values)}")
+        checked.append(tuple(values))
+    return checked
+
+
+def received_counts(matrix, expects, out_sizes, as_sequence, every_rank=False):
+    """all_to_all_v's counts against each other: `matrix[q][r]` elements go
+    from rank q to rank r; rank r's recv_counts (`expects[r]`, None where
+    not given) must be column r, and its `out` (`out_sizes[r]` elements,
+    None where not given) their sum. `every_rank`: the rows of every rank,
+    exchanged, which every rank checks alike and so raises alike."""
+    for r, expected in enumerate(expects or ()):
+        column = tuple(row[r] for row in matrix)
+        if expected is not None and tuple(expected) != column:
+            q = next(q for q in range(len(matrix)) if expected[q] != column[q])
+            label = f"rank {r}'s recv_counts" if every_rank else _name("recv_counts", r, as_sequence)
+            raise InvalidUsageError(f"{label}: expects {expected[q]} elements from rank {q}, which sends "
+                                    f"{column[q]}; every rank's counts must match its peers' (nothing was written)")
+    for r, elements in enumerate(out_sizes or ()):
+        receives = sum(row[r] for row in matrix)
+        if elements is not None and elements != receives:
+            label = f"rank {r}'s out" if every_rank else _name("out", r, as_sequence)
+            raise InvalidUsageError(f"{label}: has {elements} elements, but the rank receives {receives}")
 
 
 def root_rank(root, size):

@@ -176,6 +176,7 @@ def scenario_exchanges(comm):
                                       algorithm=algorithm)
                 check(got, np.concatenate([blocks[q][r * count:(r + 1) * count] for q in range(n)]), case)
                 check(x, blocks[r] if not in_place else to_host(got), f"{case}: x")
+    all_to_all_v_across_processes(comm)
     # MPI_IN_PLACE on some ranks only: every process binds its plan by its
     # own arrays, and ranks must still run as many phases (binding.bind).
     want = np.concatenate([np.full(1000, q, np.float32) for q in range(n)])
@@ -192,6 +193,45 @@ def scenario_exchanges(comm):
     if r == 0:
         check(got, np.concatenate([np.arange(3) + 10 * q for q in range(n)]), "gather without out")
     comm.barrier()
+
+
+def all_to_all_v_across_processes(comm):
+    """all_to_all_v: blocks of their own sizes (some empty), every
+    algorithm of all_to_all, counts learnt from the peers or given, a new
+    out or the caller's, an out over its own x on rank 0 (through the
+    workspace); counts that disagree raise InvalidUsageError on every rank
+    alike, and the next call runs."""
+    r, n = comm.rank, comm.size
+    for count in (1, 65537):   # blocks of 0 to 3 elements, and of tens of KiB
+        blocks = [[(q * 3 + p * 5 + 1) % 4 * count // 2 for p in range(n)] for q in range(n)]   # q to p
+        receives = [blocks[q][r] for q in range(n)]
+        for dtype in (np.dtype(np.int8), np.dtype(np.float64)):
+            originals = [gather_input(dtype, q, sum(blocks[q])) for q in range(n)]
+            want = np.concatenate([np.split(originals[q], np.cumsum(blocks[q])[:-1])[r] for q in range(n)])
+            for algorithm in (a for a in ("auto", *ALGORITHMS) if a == "auto" or "all_to_all" in REGISTRY[a].collectives):
+                case = f"all_to_all_v {algorithm} {dtype} count={count} rank {r}"
+                x = on_rank(originals[r])
+                got = comm.all_to_all_v(x, blocks[r], algorithm=algorithm,
+                                        recv_counts=receives if algorithm == "direct" else None)
+                check(got, want, case)
+                check(x, originals[r], f"{case}: x")
+                if r == 0:   # out over x: one buffer, x at its start, out from its second element
+                    both = on_rank(np.zeros(max(sum(blocks[0]), sum(receives)) + 1, dtype))
+                    both[:sum(blocks[0])] = on_rank(originals[0])
+                    x, out = both[:sum(blocks[0])], both[1:1 + sum(receives)]
+                else:
+                    x, out = on_rank(originals[r]), on_rank(np.zeros(sum(receives), dtype))
+                check(comm.all_to_all_v(x, blocks[r], out=out, algorithm=algorithm), want, f"{case}, out given")
+    sends = [1] * n
+    expects = [2 if r == n - 1 and q == 0 else 1 for q in range(n)]   # the last rank expects too much from rank 0
+    try:
+        comm.all_to_all_v(on_rank(np.ones(n, np.float32)), sends, recv_counts=expects)
+    except InvalidUsageError as error:
+        assert f"rank {n - 1}'s recv_counts: expects 2 elements from rank 0, which sends 1" in str(error), error
+    else:
+        raise AssertionError("mismatched recv_counts passed")
+    check(comm.all_to_all_v(on_rank(np.full(n, r, np.float32)), sends), np.arange(n, dtype=np.float32),
+          "all_to_all_v after a mismatch")
 
 
 def scenario_point_to_point(comm):

@@ -12,7 +12,7 @@ import pytest
 
 import collectives
 from backends import GPU_DEVICE, Backend, backend_params, require_gpu, shares_memory
-from cases import OPS, RANK_COUNTS, counts_for, gather_input, reduction_expected, reduction_input
+from cases import LARGEST_COUNT, OPS, RANK_COUNTS, counts_for, gather_input, reduction_expected, reduction_input
 from collectives.algorithms import REGISTRY
 
 # Every registered algorithm, on the collectives it implements (the rest are
@@ -253,6 +253,37 @@ def test_all_to_all(backend, communicators, n, count, algorithm, in_place):
             assert_bits_equal(backend.read(results[r]), want, f"{case} rank {r}")
             if not in_place:
                 assert_bits_equal(backend.read(xs[r]), originals[r], f"{case}: x of rank {r} changed")
+
+
+def uneven_blocks(n, count):
+    """blocks[q][r]: the elements rank q sends rank r in the all_to_all_v
+    cases, 0 to 1.5 x count, some blocks empty, no two rows alike."""
+    return tuple(tuple((q * 3 + r * 5 + 1) % 4 * count // 2 for r in range(n)) for q in range(n))
+
+
+# all_to_all_v runs all_to_all's plans with other offsets: the matrix's
+# counts but the largest, which all_to_all runs on the same executors.
+@pytest.mark.parametrize("n,count", [(n, c) for n in RANK_COUNTS for c in counts_for(n) if c != LARGEST_COUNT])
+@pytest.mark.parametrize("algorithm", ("auto", "direct", "round_robin"))   # those of all_to_all
+def test_all_to_all_v(backend, communicators, n, count, algorithm):
+    """Block q of rank r's result is the block rank q sends rank r, of
+    its own size; x is left as it was. Without out (count 1), new arrays."""
+    comm = communicators(n)
+    blocks = uneven_blocks(n, count)
+    out_given = count != 1
+    for dtype in copied_dtypes(backend, count):
+        case = f"all_to_all_v {dtype} n={n} count={count} {algorithm} on {backend}"
+        originals = [gather_input(dtype, q, sum(blocks[q])) for q in range(n)]
+        pieces = [np.split(x, np.cumsum(row)[:-1]) for x, row in zip(originals, blocks)]   # pieces[q][r]: q to r
+        xs = [backend.put(x) for x in originals]
+        outs = [backend.empty(sum(blocks[q][r] for q in range(n)), dtype) for r in range(n)] if out_given else None
+        results = comm.all_to_all_v(xs, list(blocks), out=outs, algorithm=algorithm)
+        for r in range(n):
+            want = np.concatenate([pieces[q][r] for q in range(n)])
+            if out_given:
+                assert results[r] is outs[r], case
+            assert_bits_equal(backend.read(results[r]), want, f"{case} rank {r}")
+            assert_bits_equal(backend.read(xs[r]), originals[r], f"{case}: x of rank {r} changed")
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])

@@ -110,6 +110,41 @@ def test_out_of_wrong_size_or_dtype(comm):
     rejected(lambda: comm.reduce_scatter(xs, out=scattered), "expected 2", *xs, *scattered)
 
 
+def test_all_to_all_v_checks_its_counts_before_writing(comm):
+    """Counts that are not size ints >= 0, that do not sum to x's size, or
+    that do not match the peers' (recv_counts, out's size): nothing written."""
+    sends = [[1, 2, 3], [0, 0, 6], [2, 2, 2]]           # rank r receives column r: 3, 4, 11 elements
+    xs = arrays()
+    outs = [np.zeros(k, np.float32) for k in (3, 4, 11)]
+    rejected(lambda: comm.all_to_all_v(xs, sends[:2], out=outs), r"^send_counts: expected a list of 3 rows", *xs, *outs)
+    rejected(lambda: comm.all_to_all_v(xs, [[1, 2, 3], [0, 6], [2, 2, 2]], out=outs),
+             r"^send_counts\[1\]: expected 3 ints >= 0", *xs, *outs)
+    rejected(lambda: comm.all_to_all_v(xs, [[1, 2, 3], [-1, 1, 6], [2, 2, 2]], out=outs),
+             r"^send_counts\[1\]: expected 3 ints >= 0", *xs, *outs)
+    rejected(lambda: comm.all_to_all_v(xs, [[1, 2, 3], [0, 1, 6], [2, 2, 2]], out=outs),
+             r"^send_counts\[1\]: sums to 7, but x\[1\] has 6 elements", *xs, *outs)
+    rejected(lambda: comm.all_to_all_v(xs, sends, out=outs, recv_counts=[[1, 0, 2], [2, 0, 2], [3, 6, 1]]),
+             r"^recv_counts\[2\]: expects 1 elements from rank 2, which sends 2", *xs, *outs)
+    short = [np.zeros(k, np.float32) for k in (3, 4, 10)]
+    rejected(lambda: comm.all_to_all_v(xs, sends, out=short), r"^out\[2\]: has 10 elements, but the rank receives 11",
+             *xs, *short)
+    rejected(lambda: comm.all_to_all_v(xs, sends, algorithm="ring"), "does not implement all_to_all", *xs)
+    got = comm.all_to_all_v(xs, sends, out=outs, recv_counts=[[1, 0, 2], [2, 0, 2], [3, 6, 2]])
+    assert [o.tolist() for o in got] == [[1, 3, 3], [1, 1, 3, 3], [1, 1, 1] + [2] * 6 + [3, 3]]
+
+
+def test_all_to_all_v_out_may_overlap_its_own_x(comm):
+    """Through a workspace, as all_to_all's overlapping out: each rank's
+    result lands over its own input, the blocks as sent."""
+    sends = [[2, 1, 0], [1, 1, 1], [0, 3, 3]]
+    buffers = [np.arange(8, dtype=np.int32) + 10 * r for r in range(3)]
+    xs = [b[:sum(row)] for b, row in zip(buffers, sends)]
+    outs = [b[1:1 + sum(row[r] for row in sends)] for r, b in enumerate(buffers)]
+    comm.all_to_all_v(xs, sends, out=outs)
+    assert [o.tolist() for o in outs] == [[0, 1, 10], [2, 11, 20, 21, 22], [12, 23, 24, 25]]
+    assert comm.chosen_algorithm("all_to_all_v", 64) == comm.chosen_algorithm("all_to_all", 64, in_place=False)
+
+
 def test_read_only_output(comm):
     xs = arrays()
     xs[1].setflags(write=False)

@@ -30,6 +30,7 @@ def test_the_api_snippet_runs_and_its_comments_hold():
     assert all(g.shape == (1000,) and (g == 24.0).all() for g in gathered)
     assert isinstance(y, np.ndarray) and (y == 1.0).all()
     assert names["step"].algorithm is not None
+    assert [u.size for u in names["uneven"]] == [400, 800, 1200, 1600]
 
 
 def test_the_training_snippet_runs():

@@ -44,6 +44,10 @@ REDUCE_TO_ROOT = "reduce"
 GATHER = "gather"
 SCATTER = "scatter"
 ALL_TO_ALL = "all_to_all"
+# all_to_all with a block of its own size for every (sender, receiver):
+# all_to_all's schedules, whose chunks are blocks, made concrete by plan.py
+# with a count per block (no schedule has this name).
+ALL_TO_ALL_V = "all_to_all_v"
 # NCCL's five collectives: every executor, fast path and tool runs these.
 COLLECTIVES = (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE_TO_ROOT)
 # The collectives that move blocks without reducing them (MPI's gather,

@@ -441,6 +441,8 @@ class DeviceRanks:
         program = Program(plan, instance, divisor, tuple(steps), events,
                           tuple(sum(1 for (_, k) in launches if k == i) for i in range(ndevices)),
                           record, blocks, [None])
+        if len(self._programs) >= 1024:   # as device_process's: all_to_all_v makes a plan per matrix of counts
+            self._programs.clear()
         self._programs[id(plan)] = program
         return program
 

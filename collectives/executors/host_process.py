@@ -37,6 +37,9 @@ except ImportError:   # built without a C compiler: the interpreter runs every p
 
 
 _OPS = {op: code for code, op in enumerate(ReduceOp)}
+# Plans prepared and kept (CompiledPlans._prepare): more than a program makes
+# of fixed shapes, bounded for the plans of all_to_all_v's changing counts.
+_PREPARED_KEPT = 1024
 assert [op.value for op in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "host_folds.h's OP_ codes"
 
 
@@ -123,6 +126,8 @@ class CompiledPlans:
         entry = (plan, (rows, row_starts, pairs, wait_starts), description,
                  (plan.scratch_offset, plan.workspace_bytes),
                  (self._types[plan.dtype], _OPS[ReduceOp(plan.op)], plan.nranks), description_hash(description))
+        if len(self._prepared) >= _PREPARED_KEPT:   # all_to_all_v makes a plan per matrix of counts
+            self._prepared.clear()
         self._prepared[id(plan)] = entry
         return entry
 
