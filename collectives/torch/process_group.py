@@ -55,7 +55,7 @@ op checks its tensors, turns them into what a Communicator takes
   reduce_scatter_single and the older _allgather_base /
   _reduce_scatter_base), their coalesced forms, gather, scatter,
   all_to_all (dist.all_to_all's lists and all_to_all_single, uneven splits
-  too: padded to the call's largest block, see all_to_all_single), barrier.
+  too: Communicator.all_to_all_v, see all_to_all_single), barrier.
   Lists of tensors are packed into one buffer for one call. Across nodes
   (the hierarchical communicator), which does not run gather, scatter and
   all_to_all yet, these run as an allgather (gather, all_to_all) or a
@@ -90,7 +90,7 @@ import torch.distributed as dist
 from .. import bootstrap, start
 from ..errors import CollectiveError, InvalidUsageError
 from .rendezvous import StoreRendezvous
-from .tensors import byte_array, host_array, on_torch_stream, rank_array, reducible
+from .tensors import byte_array, host_array, on_torch_stream, rank_array, reducible, word_array
 from .work import PendingWork, Work
 
 BACKEND = "collectives"
@@ -349,8 +349,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # gather, scatter and all_to_all: equal blocks are the Communicator's
-    # calls of the same names; uneven all_to_all pads every block to the
-    # call's largest (see all_to_all_single).
+    # calls of the same names; uneven all_to_all is its all_to_all_v (see
+    # all_to_all_single).
 
     def gather(self, output_tensors, input_tensors, opts=None):
         """dist.gather: the root's gather_list[r] receives rank r's tensor
@@ -403,16 +403,14 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
         Without split sizes the blocks are equal: one Communicator.all_to_all
         (then no rank may pass split sizes, as with Gloo: a rank cannot see
-        its peers'). With split sizes, even or not, the ranks first
-        allgather each rank's counts (2 x size integers a rank), which
-        checks that every rank receives what its peers send (else every rank
-        raises InvalidUsageError, nothing written) and gives the largest
-        block of the call; then one all_to_all of blocks padded to that
-        largest. That costs the small allgather, a copy of the input into
-        the padded blocks and of the blocks out, and moves size x the
-        largest block a rank, however small the others: about the even
-        case's bytes when the splits are near even, up to size times the
-        data when one block dominates."""
+        its peers'). With split sizes, even or not, one
+        Communicator.all_to_all_v: the ranks allgather each rank's counts
+        (2 x size + 1 integers a rank), which checks that every rank
+        receives what its peers send (else every rank raises
+        InvalidUsageError, nothing written), then each block crosses once,
+        straight from `input` into `output`. Across nodes, where
+        all_to_all_v does not run yet, the blocks are padded to the call's
+        largest and exchanged by an allgather (`_padded`)."""
         _one_dtype("all_to_all_single", [output, input])
         if not output_split_sizes and not input_split_sizes:
             return self._even_all_to_all(output, input)
@@ -420,8 +418,12 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         receives = _splits(output, output_split_sizes, self.size(), "output_split_sizes")
 
         def run(comm):
-            packed = self._padded(comm, torch.split(input.detach().reshape(-1), sends), receives, "all_to_all_single")
             with _contiguous(output) as out:
+                if _runs_all_to_all_v(comm):
+                    _all_to_all_v(comm, input.contiguous(), sends, out, receives, "all_to_all_single")
+                    return
+                packed = self._padded(comm, torch.split(input.detach().reshape(-1), sends), receives,
+                                      "all_to_all_single")
                 for block, got, n in zip(packed, torch.split(out.reshape(-1), receives), receives):
                     got.copy_(block[:n])
         return self._run([output, input], "all_to_all_single", run, [output])
@@ -432,8 +434,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         """dist.all_to_all: output_tensors[q] receives rank q's
         input_tensors[r] (r this rank), the tensors of any sizes: as
         all_to_all_single with split sizes (a rank cannot tell whether its
-        peers' tensors are the size of its own), on blocks packed from the
-        lists."""
+        peers' tensors are the size of its own), the lists packed into one
+        tensor each way."""
         for name, tensors in (("output_tensors", output_tensors), ("input_tensors", input_tensors)):
             if len(tensors) != self.size():
                 raise InvalidUsageError(f"all_to_all: {name} must hold {self.size()} tensors, one per rank; "
@@ -442,7 +444,14 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         receives = [t.numel() for t in output_tensors]
 
         def run(comm):
-            packed = self._padded(comm, [t.detach().reshape(-1) for t in input_tensors], receives, "all_to_all")
+            blocks = [t.detach().reshape(-1) for t in input_tensors]
+            if _runs_all_to_all_v(comm):
+                like = output_tensors[0]
+                received = torch.empty(sum(receives), dtype=like.dtype, device=like.device)
+                _all_to_all_v(comm, torch.cat(blocks), [b.numel() for b in blocks], received, receives, "all_to_all")
+                packed = torch.split(received, receives)
+            else:
+                packed = self._padded(comm, blocks, receives, "all_to_all")
             for block, out, n in zip(packed, output_tensors, receives):
                 out.copy_(block[:n].view(out.shape))
         return self._run([*output_tensors, *input_tensors], "all_to_all", run, output_tensors)
@@ -459,7 +468,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return self._run([output, input], "all_to_all_single", run, [output])
 
     def _padded(self, comm, blocks, receives, what):
-        """An uneven all_to_all's exchange (see all_to_all_single): `blocks`
+        """An uneven all_to_all's exchange across nodes (see all_to_all_single): `blocks`
         (flat tensors, one per rank) sent, `receives[q]` elements expected
         from rank q. Returns the received blocks, padded: row q holds rank
         q's block first."""
@@ -663,6 +672,25 @@ def _splits(tensor, sizes, size, name):
         raise InvalidUsageError(f"all_to_all_single: {name} must hold {size} sizes, one per rank, >= 0, summing to "
                                 f"the tensor's dim 0 ({rows}); got {list(sizes)}")
     return [s * math.prod(rest) for s in sizes]
+
+
+def _all_to_all_v(comm, x, sends, out, receives, what):
+    """comm.all_to_all_v of `x` (contiguous) into `out` (contiguous), the
+    counts in elements of their dtype; a mismatch of the ranks' split sizes
+    is said in them, on every rank."""
+    array, words = word_array(x)
+    try:
+        comm.all_to_all_v(array, [n * words for n in sends], out=word_array(out)[0],
+                          recv_counts=[n * words for n in receives])
+    except InvalidUsageError as error:
+        unit = "" if words == 1 else f" (in units of {words} per element)"
+        raise InvalidUsageError(f"{what}: the split sizes of the ranks do not match{unit}: {error}") from None
+
+
+def _runs_all_to_all_v(comm):
+    """Whether `comm` runs all_to_all_v: our communicators of one node do;
+    NCCL's and the hierarchical one (several nodes) do not yet."""
+    return comm.chosen_algorithm("allreduce", 1).path not in ("hierarchical", "nccl")
 
 
 def _runs_exchanges(comm):

@@ -36,6 +36,24 @@ def byte_array(tensor):
     return rank_array(flat)
 
 
+# Integer types of 1, 2, 4 and 8 bytes: a tensor of any dtype of such a size
+# viewed as one of them is counted in its own elements.
+_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def word_array(tensor):
+    """`tensor` (contiguous) as the communicator's array of the integer type
+    of its element's size, for collectives that move blocks counted in
+    elements (all_to_all_v): (the array, its elements per tensor element),
+    1 but for elements of other sizes (complex128: 2 int64s each)."""
+    flat = tensor.detach().reshape(-1)
+    size = flat.element_size()
+    word = 8 if size % 8 == 0 else 4 if size % 4 == 0 else 2 if size % 2 == 0 else 1
+    if flat.dtype != _WORDS[word]:
+        flat = flat.view(_WORDS[word]) if flat.numel() else torch.empty(0, dtype=_WORDS[word], device=flat.device)
+    return rank_array(flat), size // word
+
+
 class on_torch_stream:
     """Make PyTorch's stream CuPy's current one (and its device current), so
     that the library's kernels queue behind the kernels that produced the
