@@ -3,7 +3,8 @@
     python -m bench.pingpong [--sizes 8,1K,64K,1M] [--batches 20] [--round-trips 500] [-J pingpong.json]
 
 Rank 0 sends a message to rank 1 and waits for it back; one way is half a
-round trip. Batches of --round-trips alternate between our
+round trip. Batches of --round-trips (fewer for large messages: a batch
+moves at most --batch-bytes each way, and makes at least 3) alternate between our
 `comm.send`/`comm.recv` and MPI's `Send`/`Recv` (mpi4py, on the same
 NumPy arrays), in the same 2 processes, after a barrier each; the median
 batch is reported, with MPI's time over ours (above 1: we are faster).
@@ -29,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--sizes", default="8,1K,64K,1M", type=cli.sizes, help="message sizes (suffixes K, M)")
     p.add_argument("--batches", type=int, default=20, help="batches per side, alternating")
     p.add_argument("--round-trips", type=int, default=500, help="round trips per batch")
+    p.add_argument("--batch-bytes", default="256M", type=cli.parse_size,
+                   help="fewer round trips for large messages: a batch moves at most this each way (at least 3 "
+                        "round trips)")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     args.ranks, args.device = 2, "host"
@@ -81,14 +85,16 @@ def measure(args, world, comm, MPI):
             "mpi": (lambda: world.Send([message, MPI.BYTE], peer), lambda: world.Recv([back, MPI.BYTE], peer)),
         }
         times = {name: [] for name in sides}
+        round_trips = max(3, min(args.round_trips, args.batch_bytes // max(nbytes, 1)))
         for name, (send, recv) in sides.items():   # a warm-up batch each (first calls map and compile)
-            one_way_seconds(send, recv, rank, 10)
+            one_way_seconds(send, recv, rank, min(10, round_trips))
         for _ in range(args.batches):
             for name, (send, recv) in sides.items():
                 world.Barrier()
-                times[name].append(one_way_seconds(send, recv, rank, args.round_trips))
+                times[name].append(one_way_seconds(send, recv, rank, round_trips))
         assert np.array_equal(back, message), "the message came back changed"
-        row = {"bytes": nbytes, **{f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()}}
+        row = {"bytes": nbytes, "round_trips": round_trips,
+               **{f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()}}
         row["mpi_over_ours"] = row["mpi_us"] / row["ours_us"]
         rows.append(row)
         if rank == 0:

@@ -3,11 +3,13 @@ Gloo (and TensorFlow's MultiWorkerMirroredStrategy), collective by
 collective? From bench.host_vs_mpich's runs (one per process count and
 collective; broadcast and reduce in place only before they took out=), the
 suite's runs on host ranks with an mpi, gloo or mwms backend
-(bench/harness.py), and bench.hierarchy_perf's across pretend nodes."""
+(bench/harness.py: the exchanges' tools, alltoall_perf, gather_perf and
+scatter_perf, too), and bench.hierarchy_perf's across pretend nodes; and
+point to point, from bench.pingpong's runs."""
 
 import re
 
-from bench.report_runs import (PLACES, Measurement, Part, and_join, harness_rows, markdown, our_backend, pair,
+from bench.report_runs import (PLACES, Measurement, Part, and_join, cell, harness_rows, markdown, our_backend, pair,
                                place_times, provenance, ratio, rows_by_size, settings_of, short_machines, size_label,
                                span)
 from collectives.bootstrap import PRETEND_NODES_ENV
@@ -176,11 +178,14 @@ def readme_against_libraries(shown, runs):
     rows = []
     for (source, *_), members in sorted(groups.items()):
         name = members[0][1]
+        named = {m.content["collective"] for m, _ in members}
         collectives = [c + (" (in place only)" if all(m.content.get("in_place_only") for m, _ in members
                                                       if m.content["collective"] == c) else "")
-                       for c in COLLECTIVES if any(m.content["collective"] == c for m, _ in members)]
+                       for c in sorted(named, key=collective_order)]
         sizes = sorted({s for m, n in members for s in m.content["ratios"][n]})
-        tool = f" (`{SOURCES[source]}`)" if source else ""   # (the README names the first tool's command)
+        # (the README names the first tool's command; the suite's rows name their tools)
+        tools = sorted({m.run.tool for m, _ in members if m.run.tool}) if SOURCES[source] == "the suite" else []
+        tool = f" ({', '.join(f'`{t}`' for t in tools)})" if tools else f" (`{SOURCES[source]}`)" if source else ""
         what = (f"{', '.join(collectives)}; {where_text([m.content for m, _ in members])}{tool}; "
                 f"{size_label(sizes[0])} to {size_label(sizes[-1])}")
         if name == MWMS_NAME:   # (what a TensorFlow user calls: the tf.function is its cost, not ours)
@@ -222,5 +227,40 @@ def library_version(name, environments):
     return name
 
 
+# -- point to point against MPICH -------------------------------------------------------
+
+
+def pingpong(run):
+    """bench.pingpong: one-way times of our send/recv and MPICH's, per message size."""
+    rows = run.data.get("one_way")
+    if not isinstance(rows, list) or not rows or "mpi_over_ours" not in rows[0]:
+        return []
+    processes = run.environment.get("processes", 2)
+    return [Measurement(run, ("bench.pingpong", processes, settings_of(run.environment)), f"{processes} processes",
+                        rows)]
+
+
+def write_pingpong(shown, runs):
+    lines = []
+    for m in shown:
+        body = [[size_label(r["bytes"]), cell(r["ours_us"]), cell(r["mpi_us"]), f"{r['mpi_over_ours']:.2f}"]
+                for r in m.content]
+        lines += [*markdown(["message", "ours, µs one way", "MPICH, µs one way", "MPICH / ours"], body), ""]
+    return lines + provenance(shown)
+
+
+def readme_pingpong(shown, runs):
+    rows = []
+    for m in shown:
+        sizes = [r["bytes"] for r in m.content]
+        rows.append([library_version("MPICH", [m.machine_environment]),
+                     f"send/recv one way; host ranks, {m.label} (`bench.pingpong`); "
+                     f"{size_label(min(sizes))} to {size_label(max(sizes))}",
+                     span([r["mpi_over_ours"] for r in m.content]), short_machines([m])])
+    return rows
+
+
 HOST_PARTS = (Part("", against_libraries, write_against_libraries,
-                   "No current run measures host ranks against another library.", readme_against_libraries),)
+                   "No current run measures host ranks against another library.", readme_against_libraries),
+              Part("Point to point: send and recv against MPICH", pingpong, write_pingpong,
+                   "No current run of `bench.pingpong`.", readme_pingpong))
