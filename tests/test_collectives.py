@@ -14,6 +14,8 @@ import collectives
 from backends import GPU_DEVICE, Backend, backend_params, require_gpu, shares_memory
 from cases import LARGEST_COUNT, OPS, RANK_COUNTS, counts_for, gather_input, reduction_expected, reduction_input
 from collectives.algorithms import REGISTRY
+from collectives.binding import OUT_OF_PLACE, WORKSPACE
+from collectives.plan import build_plan
 
 # Every registered algorithm, on the collectives it implements (the rest are
 # deselected in conftest.py, as is the reduced matrix of device backends).
@@ -284,6 +286,17 @@ def test_all_to_all_v(backend, communicators, n, count, algorithm):
                 assert results[r] is outs[r], case
             assert_bits_equal(backend.read(results[r]), want, f"{case} rank {r}")
             assert_bits_equal(backend.read(xs[r]), originals[r], f"{case}: x of rank {r} changed")
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "round_robin"])
+@pytest.mark.parametrize("binding", [WORKSPACE, OUT_OF_PLACE])
+def test_all_to_all_v_plans_read_each_block_once(algorithm, binding):
+    """What peers read is the blocks between ranks, each once (a rank's
+    own block stays home), not every block padded to the largest."""
+    blocks = uneven_blocks(5, 7)
+    plan = build_plan("all_to_all_v", algorithm, 5, 0, np.dtype(np.float64), "sum", 0, binding, block_counts=blocks)
+    between = sum(c for q, row in enumerate(blocks) for r, c in enumerate(row) if q != r)
+    assert plan.wire_bytes == 8 * between < 8 * 5 * 4 * max(map(max, blocks))
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
