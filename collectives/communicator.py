@@ -595,8 +595,10 @@ class Communicator:
         Messages from one rank to another arrive in the order sent; a
         receive takes the first one with its tag (MPI's matching). A message
         that fits the mailbox's slots (512 KiB) is copied there and the call
-        returns; a larger one returns once the receiver has taken all but its
-        last slots. Raises InvalidUsageError for a bad argument (nothing is
+        returns; a larger one is read by the receiver straight out of `x`
+        (one copy) and the call returns once it has been (where the receiver
+        may not read this process's memory, it goes through the slots and
+        returns once the receiver has taken all but the last ones). Raises InvalidUsageError for a bad argument (nothing is
         sent), CollectiveTimeoutError when the receiver does not take it
         within the timeout, RankFailedError when it died; a failure aborts
         the communicator, as a failed collective does.

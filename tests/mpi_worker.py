@@ -283,6 +283,29 @@ def scenario_point_to_point(comm):
     for request in (comm.isend(big, right), comm.irecv(out, left)):
         request.wait()
     check(out, np.full(5 << 20, left, np.uint8), "5 MiB both ways")
+    # Those larger than the slots were read straight out of their sender, in
+    # one copy: no receiver refused. Then receivers that refuse (as where a
+    # process may not read its peers' memory): the message goes as
+    # fragments after all, refused by the compiled receive (rank 1) and by
+    # the engine's (rank 0), and the sender sends fragments from then on.
+    assert not comm._p2p._refused, f"rank {r}: a large message did not go in one copy"   # noqa: SLF001
+    if r < 2:
+        from collectives.transport import _shmloop
+        _shmloop.mailbox_test_refuse(True)
+        comm.barrier()
+        big = ((np.arange(3 << 20) * (r + 1)) % 251).astype(np.uint8)
+        out = np.empty_like(big)
+        if r == 0:
+            comm.send(big, 1)
+            comm.irecv(out, 1).wait()
+        else:
+            comm.recv(out, 0)
+            comm.send(big, 0)
+        check(out, ((np.arange(3 << 20) * (2 - r)) % 251).astype(np.uint8), f"refused, as fragments, rank {r}")
+        assert comm._p2p._refused == {1 - r}, comm._p2p._refused   # noqa: SLF001
+        _shmloop.mailbox_test_refuse(False)
+    else:
+        comm.barrier()
     # To oneself, then a bfloat16 array as bytes.
     mine = np.arange(6, dtype=collectives.ops.BFLOAT16)
     comm.send(mine, r, tag=4)
@@ -440,14 +463,15 @@ def scenario_point_to_point_failures(comm):
 
 
 def scenario_point_to_point_killed(comm):
-    """The sender dies mid-message (more than the slots hold): a receive
-    from any rank learns it from the pid, long before the timeout."""
+    """The sender dies mid-message (more than the slots hold: its
+    descriptor posted, its bytes not read yet): a receive from any rank
+    learns it from the pid, long before the timeout."""
     r = comm.rank
     comm.barrier()
     if r == 1:
-        comm.isend(np.zeros(4 << 20, np.uint8), 0)   # the slots fill, then this rank dies
-        time.sleep(0.2)
+        comm.isend(np.zeros(4 << 20, np.uint8), 0)   # the descriptor is posted, then this rank dies
         os._exit(0)
+    time.sleep(0.3)   # (rank 1 gone before the receive reads its memory)
     start = time.perf_counter()
     try:
         comm.recv(np.empty(4 << 20, np.uint8), None)

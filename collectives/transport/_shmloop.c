@@ -1361,25 +1361,35 @@ static PyObject *py_compare_exchange(PyObject *Py_UNUSED(self), PyObject *const 
 /* receive from one peer by a rank with nothing else pending, whose head   */
 /* message has the receive's tag and bytes. Anything else is declined      */
 /* (NOT_FAST, nothing consumed) and p2p.py's engine does it.                */
+/*                                                                          */
+/* A message larger than the slots goes in one copy (p2p.py's module doc):  */
+/* its one fragment is a descriptor (FRAGMENT_OFFSET SINGLE_COPY, the       */
+/* sender's pid and the address of its bytes), which the receiver reads     */
+/* straight out of the sender's process (process_vm_readv) before it        */
+/* publishes TAKEN; the sender returns once TAKEN passes the descriptor. A  */
+/* receiver that cannot read the sender's memory raises the slot's REFUSED  */
+/* word instead, and the sender then sends the message as fragments.        */
 
 static struct {
     int ready;
     long header, sent, taken;          /* header bytes; SENT and TAKEN: its int64 words */
     long slots, slot_header, slot_bytes;
     long bytes_word, tag_word, offset_word;   /* a slot header's int64 words */
+    long pid_word, address_word, refused_word;   /* and a descriptor's (single copy) */
 } box_layout;
 
-enum { NOT_FAST = DECLINED };
+enum { NOT_FAST = DECLINED };   /* and REFUSED: statuses.h */
+enum { SINGLE_COPY = -1 };   /* FRAGMENT_OFFSET of a descriptor */
 
 static PyObject *py_mailbox_layout(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 9) {
+    if (nargs != 12) {
         PyErr_SetString(PyExc_TypeError, "mailbox_layout(header, sent, taken, slots, slot_header, slot_bytes, "
-                                         "bytes_word, tag_word, offset_word)");
+                                         "bytes_word, tag_word, offset_word, pid_word, address_word, refused_word)");
         return NULL;
     }
-    long v[9];
-    for (int i = 0; i < 9; i++) {
+    long v[12];
+    for (int i = 0; i < 12; i++) {
         v[i] = PyLong_AsLong(args[i]);
         if (PyErr_Occurred())
             return NULL;
@@ -1387,6 +1397,7 @@ static PyObject *py_mailbox_layout(PyObject *Py_UNUSED(self), PyObject *const *a
     box_layout.header = v[0], box_layout.sent = v[1], box_layout.taken = v[2], box_layout.slots = v[3];
     box_layout.slot_header = v[4], box_layout.slot_bytes = v[5];
     box_layout.bytes_word = v[6], box_layout.tag_word = v[7], box_layout.offset_word = v[8];
+    box_layout.pid_word = v[9], box_layout.address_word = v[10], box_layout.refused_word = v[11];
     box_layout.ready = 1;
     Py_RETURN_NONE;
 }
@@ -1435,8 +1446,9 @@ static PyObject *py_mailbox_put(PyObject *Py_UNUSED(self), PyObject *const *args
     Py_RETURN_TRUE;
 }
 
-/* Wait until the mailbox's SENT passes `taken`: spin, yield, then sleep,
- * looking at the abort flag, the sender's process and the deadline. */
+/* Wait until the mailbox's counter `sent` passes `taken`: spin, yield, then
+ * sleep, looking at the abort flag, the peer's process and the deadline.
+ * (The single-copy sender waits so on TAKEN, for the receiver.) */
 static int wait_for_fragment(const int64_t *sent, int64_t taken, const int64_t *abort_flag, int64_t pid,
                              double deadline, long spin, double yield_seconds)
 {
@@ -1485,6 +1497,110 @@ static int wait_for_fragment(const int64_t *sent, int64_t taken, const int64_t *
 static int take_message(char *box, char *data, int64_t nbytes, int64_t tag, double deadline,
                         const int64_t *abort_flag, int64_t pid, long spin, double yield_seconds);
 
+/* Set by the tests alone (mailbox_test_refuse): this process reads no
+ * sender's memory, as where it may not, so that the fragments after a
+ * refusal run where it may. */
+static int refuse_for_tests;
+
+/* Read `nbytes` at `address` in process `pid` into `data`: OK, PEER_DEAD
+ * (gone), or REFUSED (no permission: another user, a ptrace restriction,
+ * a seccomp filter). */
+static int read_sender(int64_t pid, int64_t address, char *data, int64_t nbytes)
+{
+    if (refuse_for_tests)
+        return REFUSED;
+    while (nbytes > 0) {
+        struct iovec here = {data, (size_t)nbytes}, there = {(void *)(uintptr_t)address, (size_t)nbytes};
+        ssize_t got = process_vm_readv((pid_t)pid, &here, 1, &there, 1, 0);
+        if (got <= 0) {
+            if (got < 0 && errno == EINTR)
+                continue;
+            return (got < 0 && errno == ESRCH) || !process_alive((pid_t)pid) ? PEER_DEAD : REFUSED;
+        }
+        data += got, address += got, nbytes -= got;
+    }
+    return OK;
+}
+
+static PyObject *py_mailbox_test_refuse(PyObject *Py_UNUSED(self), PyObject *arg)
+{
+    int refuse = PyObject_IsTrue(arg);
+    if (refuse < 0)
+        return NULL;
+    refuse_for_tests = refuse;
+    Py_RETURN_NONE;
+}
+
+/* read_process(pid, address, data) -> OK, PEER_DEAD or REFUSED: a
+ * descriptor's bytes into `data` (a writable buffer of exactly their
+ * size), for p2p.py's engine. */
+static PyObject *py_read_process(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "read_process(pid, address, data)");
+        return NULL;
+    }
+    long long pid = PyLong_AsLongLong(args[0]), address = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[2], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = read_sender(pid, address, (char *)view.buf, (int64_t)view.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(status);
+}
+
+/* mailbox_send_single_copy(box, data, tag, deadline, abort_address, pid, spin, yield_seconds) -> status:
+ * the message `data` (its bytes, which stay put until this returns) as a
+ * descriptor in the mailbox: OK once the receiver (process `pid`) has read
+ * it; REFUSED once the receiver said it cannot (then send it as fragments,
+ * which it now expects); NOT_FAST where no slot is free (nothing written);
+ * else why it stopped (TIMED_OUT, ABORTED, PEER_DEAD, INTERRUPTED with the
+ * exception set), the descriptor left in its slot: the communicator is
+ * then aborted. */
+static PyObject *py_mailbox_send_single_copy(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8 || !box_layout.ready) {
+        PyErr_SetString(PyExc_TypeError, "mailbox_send_single_copy(box, data, tag, deadline, abort_address, pid, "
+                                         "spin, yield_seconds), after mailbox_layout()");
+        return NULL;
+    }
+    char *box = (char *)PyLong_AsVoidPtr(args[0]);
+    long long tag = PyLong_AsLongLong(args[2]);
+    double deadline = PyFloat_AsDouble(args[3]);
+    const int64_t *abort_flag = (const int64_t *)PyLong_AsVoidPtr(args[4]);
+    long long pid = PyLong_AsLongLong(args[5]);
+    long spin = PyLong_AsLong(args[6]);
+    double yield_seconds = PyFloat_AsDouble(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int64_t *words = (int64_t *)box;
+    int64_t sent = load_acquire(&words[box_layout.sent]);
+    if (sent - load_acquire(&words[box_layout.taken]) >= box_layout.slots) {
+        PyBuffer_Release(&view);
+        return PyLong_FromLong(NOT_FAST);
+    }
+    int64_t *head = (int64_t *)box_slot(box, sent);
+    head[box_layout.bytes_word] = (int64_t)view.len, head[box_layout.tag_word] = tag;
+    head[box_layout.offset_word] = SINGLE_COPY, head[box_layout.pid_word] = (int64_t)getpid();
+    head[box_layout.address_word] = (int64_t)(uintptr_t)view.buf, head[box_layout.refused_word] = 0;
+    __atomic_store_n(&words[box_layout.sent], sent + 1, __ATOMIC_RELEASE);   /* last: the descriptor first */
+    int status = wait_for_fragment(&words[box_layout.taken], sent, abort_flag, pid, deadline, spin, yield_seconds);
+    if (status == OK && __atomic_load_n(&head[box_layout.refused_word], __ATOMIC_ACQUIRE))
+        status = REFUSED;
+    PyBuffer_Release(&view);
+    if (status == INTERRUPTED)
+        return NULL;
+    return PyLong_FromLong(status);
+}
+
 /* mailbox_take(box, data, tag, deadline, abort_address, pid, spin, yield_seconds) -> status:
  * OK once the whole message is in `data` (a writable buffer of exactly its
  * bytes); NOT_FAST where the head message is not one of `tag` and of
@@ -1528,10 +1644,21 @@ static int take_message(char *box, char *data, int64_t nbytes, int64_t tag, doub
         if (status != OK)
             return status;
         const char *slot = box_slot(box, taken);
-        const int64_t *head = (const int64_t *)slot;
+        int64_t *head = (int64_t *)slot;
         int64_t total = head[box_layout.bytes_word], offset = head[box_layout.offset_word];
-        if (first && (head[box_layout.tag_word] != tag || total != nbytes || offset != 0))
+        if (first && (head[box_layout.tag_word] != tag || total != nbytes || (offset != 0 && offset != SINGLE_COPY)))
             return NOT_FAST;
+        if (offset == SINGLE_COPY) {   /* a descriptor: the bytes are read out of the sender */
+            int read = read_sender(head[box_layout.pid_word], head[box_layout.address_word], data, total);
+            if (read == PEER_DEAD)
+                return PEER_DEAD;
+            if (read == REFUSED)   /* the sender sends fragments next, from offset 0 */
+                __atomic_store_n(&head[box_layout.refused_word], 1, __ATOMIC_RELAXED);   /* (TAKEN releases it) */
+            __atomic_store_n(&words[box_layout.taken], ++taken, __ATOMIC_RELEASE);
+            if (read == OK)
+                return OK;
+            continue;
+        }
         int64_t length = total - offset < box_layout.slot_bytes ? total - offset : box_layout.slot_bytes;
         if (length > 0)
             memcpy(data + offset, slot + box_layout.slot_header, (size_t)length);
@@ -1561,6 +1688,13 @@ static PyMethodDef module_methods[] = {
      "layout.py's mailbox, once"},
     {"mailbox_put", (PyCFunction)(void (*)(void))py_mailbox_put, METH_FASTCALL,
      "mailbox_put(box, data, tag): every fragment into the free slots and published (True), or nothing (False)"},
+    {"mailbox_send_single_copy", (PyCFunction)(void (*)(void))py_mailbox_send_single_copy, METH_FASTCALL,
+     "mailbox_send_single_copy(box, data, tag, deadline, abort_address, pid, spin, yield_seconds): a status; "
+     "see _shmloop.c"},
+    {"mailbox_test_refuse", py_mailbox_test_refuse, METH_O,
+     "mailbox_test_refuse(flag): for the tests, this process refuses every single-copy message (or no longer)"},
+    {"read_process", (PyCFunction)(void (*)(void))py_read_process, METH_FASTCALL,
+     "read_process(pid, address, data): a descriptor's bytes into data; OK, PEER_DEAD or REFUSED"},
     {"mailbox_take", (PyCFunction)(void (*)(void))py_mailbox_take, METH_FASTCALL,
      "mailbox_take(box, data, tag, deadline, abort_address, pid, spin, yield_seconds): a status; see _shmloop.c"},
     {"store_release", (PyCFunction)(void (*)(void))py_store_release, METH_FASTCALL,
@@ -1600,6 +1734,7 @@ PyMODINIT_FUNC PyInit__shmloop(void)
     PyModule_AddIntConstant(m, "SLEEPERS", SLEEPERS);
     PyModule_AddIntConstant(m, "SLOT_HEADER", SLOT_HEADER);
     PyModule_AddIntConstant(m, "NOT_FAST", NOT_FAST);
+    PyModule_AddIntConstant(m, "SINGLE_COPY", SINGLE_COPY);
     PyModule_AddIntConstant(m, "REDUCE_SCATTER", K_REDUCE_SCATTER);
     PyModule_AddIntConstant(m, "ALLGATHER", K_ALLGATHER);
     PyModule_AddIntConstant(m, "BROADCAST", K_BROADCAST);

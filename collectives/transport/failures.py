@@ -11,7 +11,7 @@ import os
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 
 (OK, TIMED_OUT, ABORTED, PEER_DEAD, MISMATCH, READ_FAILED, INTERRUPTED, WRITE_FAILED,
- DECLINED, NEED_OPEN, NEED_GROW, BAD_PLAN, PENDING, NODE_FAILED, MPI_FAILED, ABORT_ARRIVED) = range(16)
+ DECLINED, NEED_OPEN, NEED_GROW, BAD_PLAN, PENDING, NODE_FAILED, MPI_FAILED, ABORT_ARRIVED, REFUSED) = range(17)
 
 # Every status by name, as the C modules export them.
 NAMES = {name: value for name, value in globals().items() if name.isupper() and isinstance(value, int)}

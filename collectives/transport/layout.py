@@ -140,6 +140,12 @@ MAILBOX_SLOTS = 4
 MAILBOX_SLOT_HEADER = 64
 MAILBOX_SLOT_BYTES = 128 << 10
 MESSAGE_BYTES, MESSAGE_TAG, FRAGMENT_OFFSET = 0, 1, 2   # int64 words of a slot's header
+# A message larger than the slots goes in one copy (p2p.py): its one
+# fragment, FRAGMENT_OFFSET SINGLE_COPY, is a descriptor whose header also
+# gives the sender's pid and the address of its bytes, and a word the
+# receiver raises where it cannot read them.
+SINGLE_COPY = -1
+DESCRIPTOR_PID, DESCRIPTOR_ADDRESS, DESCRIPTOR_REFUSED = 3, 4, 5
 
 
 def mailbox_bytes():

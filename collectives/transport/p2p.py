@@ -14,8 +14,21 @@ segment (layout.py), one per ordered pair of ranks (sender, receiver):
 Each side writes only its own counter, on its own cache line (release
 stores, acquire loads: Counters), so the mailbox needs no lock. A message
 that fits the free slots is sent at once (a send returns with the data
-copied out of the caller's array); a larger one goes as the receiver
-drains the slots, so a send returns when its last fragment is in a slot.
+copied out of the caller's array).
+
+A message larger than the slots (SINGLE_COPY_MIN), which would wait for
+the receiver to drain them anyway, is copied once instead of twice: its
+one fragment is a descriptor (FRAGMENT_OFFSET SINGLE_COPY, the sender's
+pid and the address of its bytes), and the receiver reads the bytes
+straight out of the sender's process into its array (process_vm_readv,
+as the compiled loop's large collectives do), then publishes TAKEN; the
+send completes once TAKEN passes the descriptor, and the sender's array
+is read in place until then (an isend's, until its wait). A receiver that
+cannot read the sender's memory (another user, a ptrace restriction, a
+seccomp filter, or no compiled loop) raises the descriptor's REFUSED word
+before TAKEN: the sender then sends that message, and every later one to
+that rank, as fragments, which the receiver goes on reading into the same
+array.
 
 Matching is MPI's. Messages of one pair arrive in the order they were
 sent. A receive takes the first message from its peer (any peer, for
@@ -43,6 +56,7 @@ does: the message half-sent in a mailbox leaves that pair unusable.
 """
 
 import collections
+import os
 import time
 from typing import Callable, NamedTuple
 
@@ -50,17 +64,23 @@ import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from .layout import (
-    FRAGMENT_OFFSET, MAILBOX_HEADER, MAILBOX_SENT, MAILBOX_SLOT_BYTES, MAILBOX_SLOT_HEADER, MAILBOX_SLOTS,
-    MAILBOX_TAKEN, MESSAGE_BYTES, MESSAGE_TAG, mailbox_bytes, mailboxes_offset,
+    DESCRIPTOR_ADDRESS, DESCRIPTOR_PID, DESCRIPTOR_REFUSED, FRAGMENT_OFFSET, MAILBOX_HEADER, MAILBOX_SENT,
+    MAILBOX_SLOT_BYTES, MAILBOX_SLOT_HEADER, MAILBOX_SLOTS, MAILBOX_TAKEN, MESSAGE_BYTES, MESSAGE_TAG, SINGLE_COPY,
+    mailbox_bytes, mailboxes_offset,
 )
 from .protocol import Counters, Waiter
 
 _SLOT_STRIDE = MAILBOX_SLOT_HEADER + MAILBOX_SLOT_BYTES
+# Messages of more bytes than this go in one copy (see the module doc):
+# those larger than the slots, whose send waits for the receiver anyway.
+SINGLE_COPY_MIN = MAILBOX_SLOTS * MAILBOX_SLOT_BYTES
 
 try:
     from . import _shmloop   # the compiled send and receive (setup.py builds it when a C compiler is there)
     _shmloop.mailbox_layout(MAILBOX_HEADER, MAILBOX_SENT, MAILBOX_TAKEN, MAILBOX_SLOTS, MAILBOX_SLOT_HEADER,
-                            MAILBOX_SLOT_BYTES, MESSAGE_BYTES, MESSAGE_TAG, FRAGMENT_OFFSET)
+                            MAILBOX_SLOT_BYTES, MESSAGE_BYTES, MESSAGE_TAG, FRAGMENT_OFFSET, DESCRIPTOR_PID,
+                            DESCRIPTOR_ADDRESS, DESCRIPTOR_REFUSED)
+    assert _shmloop.SINGLE_COPY == SINGLE_COPY, "_shmloop.c's descriptor offset"
 except ImportError:
     _shmloop = None
 
@@ -77,6 +97,7 @@ class Request:
         self.done_bytes = 0
         self.done = False
         self.source = None          # a receive's sender, once matched
+        self.descriptor_at = None   # a single-copy send's: the SENT index of its descriptor, once posted
 
     def __repr__(self):
         state = "done" if self.done else "pending"
@@ -134,6 +155,7 @@ class PointToPoint:
         self._receives = []                     # posted, not done, in the order posted
         self._reading = {}                      # peer -> the receive (or read-ahead) its head message fills
         self._unexpected = collections.defaultdict(collections.deque)   # source -> complete _ReadAheads
+        self._refused = set()                   # peers that cannot read this process's memory (module doc)
         self.closed = False
 
     # -- posting ------------------------------------------------------------------
@@ -159,12 +181,25 @@ class PointToPoint:
     # -- blocking calls: the compiled mailbox where it applies ----------------------
 
     def send(self, data, peer, tag):
-        """A blocking send. Where nothing to `peer` is pending and every
-        fragment fits the free slots, one compiled call puts them there
-        (it never waits); else isend and wait."""
-        if self._compiled is not None and peer != self.rank and not self._sends.get(peer) and \
-                _shmloop.mailbox_put(self._mailboxes.address(self.rank * self.size + peer), data, tag):
-            return
+        """A blocking send. Where nothing to `peer` is pending, one compiled
+        call: every fragment put in the free slots (it never waits), or a
+        message larger than the slots sent in one copy (it waits for the
+        receiver to read it); else isend and wait."""
+        compiled = self._compiled
+        if compiled is not None and peer != self.rank and not self._sends.get(peer):
+            box = self._mailboxes.address(self.rank * self.size + peer)
+            if data.nbytes > SINGLE_COPY_MIN and peer not in self._refused:
+                status = _shmloop.mailbox_send_single_copy(
+                    box, data, tag, time.perf_counter() + self._timeout_of(), compiled.abort_address,
+                    compiled.pid_of(peer), compiled.spin, compiled.yield_seconds)
+                if status == 0:
+                    return
+                if status == _shmloop.REFUSED:   # the receiver now expects the message as fragments
+                    self._refused.add(peer)
+                elif status != _shmloop.NOT_FAST:
+                    self._compiled_failure(status, peer, tag, data.nbytes, "send")
+            elif _shmloop.mailbox_put(box, data, tag):
+                return
         self.wait(self.isend(data, peer, tag), None)
 
     def recv(self, data, peer, tag):
@@ -183,20 +218,20 @@ class PointToPoint:
             if status == 0:
                 return peer
             if status != _shmloop.NOT_FAST:
-                self._compiled_failure(status, peer, tag, data.nbytes)
+                self._compiled_failure(status, peer, tag, data.nbytes, "recv")
         request = self.irecv(data, peer, tag)
         self.wait(request, None)
         return request.source
 
-    def _compiled_failure(self, status, peer, tag, nbytes):
-        """Raise what the engine's wait raises for the compiled receive's
-        `status`, the communicator aborted first."""
+    def _compiled_failure(self, status, peer, tag, nbytes, kind):
+        """Raise what the engine's wait raises for the compiled send's or
+        receive's (`kind`) `status`, the communicator aborted first."""
         try:
             if status == _shmloop.TIMED_OUT:
-                raise CollectiveTimeoutError(f"timed out waiting for rank {peer} to complete a recv of {nbytes} "
+                raise CollectiveTimeoutError(f"timed out waiting for rank {peer} to complete a {kind} of {nbytes} "
                                              f"bytes (tag {tag})")
-            self._check_health(peer, "a recv with this rank")   # ABORTED, PEER_DEAD: the class of what happened
-            raise CollectiveError(f"a recv of {nbytes} bytes from rank {peer} (tag {tag}) stopped: the "
+            self._check_health(peer, f"a {kind} with this rank")   # ABORTED, PEER_DEAD: the class of what happened
+            raise CollectiveError(f"a {kind} of {nbytes} bytes with rank {peer} (tag {tag}) stopped: the "
                                   "communicator was aborted")
         except BaseException as error:
             self._fail(error)
@@ -255,6 +290,8 @@ class PointToPoint:
         box = self._mailboxes
         pair = self.rank * self.size + peer
         total = request.data.nbytes
+        if total > SINGLE_COPY_MIN and peer not in self._refused:
+            return self._push_descriptor(box, pair, peer, request)
         while True:
             sent = box.load(pair, MAILBOX_SENT)
             if sent - box.load(pair, MAILBOX_TAKEN) >= MAILBOX_SLOTS:
@@ -268,6 +305,30 @@ class PointToPoint:
             request.done_bytes = start + length
             if request.done_bytes == total:
                 return True
+
+    def _push_descriptor(self, box, pair, peer, request):
+        """A single-copy send (module doc): its descriptor posted once a slot
+        is free; True once the receiver has read the bytes. If it refused,
+        the message goes as fragments from here on."""
+        if request.descriptor_at is None:
+            sent = box.load(pair, MAILBOX_SENT)
+            if sent - box.load(pair, MAILBOX_TAKEN) >= MAILBOX_SLOTS:
+                return False
+            header, _ = box.slot(pair, sent % MAILBOX_SLOTS)
+            header[MESSAGE_BYTES], header[MESSAGE_TAG], header[FRAGMENT_OFFSET] = \
+                request.data.nbytes, request.tag, SINGLE_COPY
+            header[DESCRIPTOR_PID], header[DESCRIPTOR_ADDRESS] = os.getpid(), request.data.ctypes.data
+            header[DESCRIPTOR_REFUSED] = 0
+            box.publish(pair, MAILBOX_SENT, sent + 1)   # last: a receiver that sees it sees the descriptor
+            request.descriptor_at = sent
+        if box.load(pair, MAILBOX_TAKEN) <= request.descriptor_at:
+            return False
+        header, _ = box.slot(pair, request.descriptor_at % MAILBOX_SLOTS)   # (read after TAKEN's acquire)
+        if header[DESCRIPTOR_REFUSED]:
+            self._refused.add(peer)
+            return self._push(peer, request)
+        request.done_bytes = request.data.nbytes
+        return True
 
     # -- the receiver's side -------------------------------------------------------
 
@@ -316,9 +377,16 @@ class PointToPoint:
                 if target is None:
                     return   # nobody wants it yet: it waits in the slots
                 self._reading[peer] = target
-            length = min(MAILBOX_SLOT_BYTES, total - start)
-            target.data[start:start + length] = payload[:length]
-            target.done_bytes = start + length
+            if start == SINGLE_COPY:
+                if not self._read_descriptor(peer, header, target.data):
+                    header[DESCRIPTOR_REFUSED] = 1   # the fragments follow, into the same target
+                    box.publish(pair, MAILBOX_TAKEN, taken + 1)
+                    continue
+                target.done_bytes = total
+            else:
+                length = min(MAILBOX_SLOT_BYTES, total - start)
+                target.data[start:start + length] = payload[:length]
+                target.done_bytes = start + length
             box.publish(pair, MAILBOX_TAKEN, taken + 1)
             if target.done_bytes == total:
                 del self._reading[peer]
@@ -326,6 +394,18 @@ class PointToPoint:
                     self._unexpected[peer].append(target)
                 else:
                     self._complete(target, total)
+
+    def _read_descriptor(self, peer, header, into):
+        """A single-copy message's bytes read out of its sender into `into`:
+        True; False where this process cannot read them (the sender is then
+        told so, and sends fragments). Raises where the sender died."""
+        if _shmloop is None:
+            return False
+        status = _shmloop.read_process(int(header[DESCRIPTOR_PID]), int(header[DESCRIPTOR_ADDRESS]), into)
+        if status == _shmloop.PEER_DEAD:
+            self._check_health(peer, "a recv with this rank")
+            raise CollectiveError(f"rank {peer}'s process was gone while this rank read its message")
+        return status == 0
 
     def _target(self, peer, tag, nbytes):
         """Where the message at the head of `peer`'s mailbox goes: the first

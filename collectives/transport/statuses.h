@@ -7,7 +7,7 @@
  * 0 is done. The failures of a wait (shm_waits.h) and of a copy come first:
  * failures.raise_wait_failure translates them. Then the outcomes that are
  * not failures but ask Python to act (a declined call, a workspace to open
- * or grow, a Program still pending), and the across-node Program's own
+ * or grow, a Program still pending, a single copy refused), and the across-node Program's own
  * failures, which carry more than a wait's status (across.py). */
 
 #ifndef COLLECTIVES_STATUSES_H
@@ -30,6 +30,7 @@ enum {
     NODE_FAILED = 13,    /* a node step failed: its own status is carried */
     MPI_FAILED = 14,     /* an MPI request failed: its error code is carried */
     ABORT_ARRIVED = 15,  /* an abort message came on the between-node channel */
+    REFUSED = 16,        /* a single-copy read of a peer was not allowed: send as fragments instead */
 };
 
 #ifdef Py_PYTHON_H
@@ -40,7 +41,7 @@ static int add_status_constants(PyObject *m) {
         {"MISMATCH", MISMATCH}, {"READ_FAILED", READ_FAILED}, {"INTERRUPTED", INTERRUPTED},
         {"WRITE_FAILED", WRITE_FAILED}, {"DECLINED", DECLINED}, {"NEED_OPEN", NEED_OPEN},
         {"NEED_GROW", NEED_GROW}, {"BAD_PLAN", BAD_PLAN}, {"PENDING", PENDING}, {"NODE_FAILED", NODE_FAILED},
-        {"MPI_FAILED", MPI_FAILED}, {"ABORT_ARRIVED", ABORT_ARRIVED},
+        {"MPI_FAILED", MPI_FAILED}, {"ABORT_ARRIVED", ABORT_ARRIVED}, {"REFUSED", REFUSED},
     };
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
         if (PyModule_AddIntConstant(m, table[i].name, table[i].value) < 0)
