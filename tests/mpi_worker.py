@@ -44,7 +44,7 @@ STALL_TIMEOUT = 1.0
 STARTUP_TIMEOUT = 120.0
 UNTIMED_TIMEOUT = 60.0
 TIMED_SCENARIOS = ("stalled", "stalled_barrier", "killed", "mismatch", "fusion_killed", "point_to_point_failures",
-                   "point_to_point_killed")
+                   "point_to_point_killed", "point_to_point_late_receiver")
 
 
 def on_rank(a):
@@ -460,6 +460,34 @@ def scenario_point_to_point_failures(comm):
         assert STALL_TIMEOUT <= time.perf_counter() - start < STALL_TIMEOUT + 1.0
     else:
         raise AssertionError("a receive from a stalled rank completed")
+
+
+def scenario_point_to_point_late_receiver(comm):
+    """A send larger than the slots whose receiver comes after the send's
+    timeout: the send raises CollectiveTimeoutError, and the late receive
+    raises too, the communicator aborted, rather than read the array the
+    sender's caller has had back (and changed) since."""
+    r = comm.rank
+    comm.timeout = STALL_TIMEOUT
+    message = np.ones(1 << 20, np.uint8)
+    if r == 0:
+        try:
+            comm.send(message, 1)
+        except CollectiveTimeoutError as error:
+            assert "rank 1" in str(error), error
+        else:
+            raise AssertionError("a send to a stalled receiver completed")
+        message[:] = 2
+        time.sleep(STALL_TIMEOUT)   # alive while rank 1 receives: its read would succeed
+        return
+    time.sleep(STALL_TIMEOUT + 0.5)
+    out = np.zeros_like(message)
+    try:
+        comm.recv(out, 0)
+    except CollectiveError as error:
+        assert "aborted" in str(error), error
+    else:
+        raise AssertionError(f"a receive completed after its send had failed: {out[:4]}")
 
 
 def scenario_point_to_point_killed(comm):

@@ -88,6 +88,11 @@ def test_a_receive_from_a_stalled_rank_times_out():
     assert len(oks) == 2, report
 
 
+def test_a_receive_that_comes_after_its_sends_timeout_raises():
+    oks, report = run_ranks(2, "point_to_point_late_receiver")
+    assert len(oks) == 2, report
+
+
 def test_a_receive_from_a_rank_that_died_mid_message_raises_at_once():
     oks, report = run_ranks(2, "point_to_point_killed", "-disable-auto-cleanup")
     assert len(oks) == 1, report

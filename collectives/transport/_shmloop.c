@@ -1531,16 +1531,18 @@ static PyObject *py_mailbox_test_refuse(PyObject *Py_UNUSED(self), PyObject *arg
     Py_RETURN_NONE;
 }
 
-/* read_process(pid, address, data) -> OK, PEER_DEAD or REFUSED: a
- * descriptor's bytes into `data` (a writable buffer of exactly their
- * size), for p2p.py's engine. */
+/* read_process(pid, address, data, abort_address) -> OK, PEER_DEAD,
+ * REFUSED or ABORTED: a descriptor's bytes into `data` (a writable buffer
+ * of exactly their size), for p2p.py's engine; ABORTED where the abort
+ * flag was up once they were read (see take_message). */
 static PyObject *py_read_process(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "read_process(pid, address, data)");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "read_process(pid, address, data, abort_address)");
         return NULL;
     }
     long long pid = PyLong_AsLongLong(args[0]), address = PyLong_AsLongLong(args[1]);
+    const int64_t *abort_flag = (const int64_t *)PyLong_AsVoidPtr(args[3]);
     if (PyErr_Occurred())
         return NULL;
     Py_buffer view;
@@ -1549,6 +1551,8 @@ static PyObject *py_read_process(PyObject *Py_UNUSED(self), PyObject *const *arg
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = read_sender(pid, address, (char *)view.buf, (int64_t)view.len);
+    if (status == OK && __atomic_load_n(abort_flag, __ATOMIC_SEQ_CST))
+        status = ABORTED;
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     return PyLong_FromLong(status);
@@ -1652,6 +1656,11 @@ static int take_message(char *box, char *data, int64_t nbytes, int64_t tag, doub
             int read = read_sender(head[box_layout.pid_word], head[box_layout.address_word], data, total);
             if (read == PEER_DEAD)
                 return PEER_DEAD;
+            /* A sender whose send failed (its timeout) aborts the communicator
+             * before its caller may change the array: a read that overlapped
+             * such a change sees the abort here, and the receive fails. */
+            if (__atomic_load_n(abort_flag, __ATOMIC_SEQ_CST))
+                return ABORTED;
             if (read == REFUSED)   /* the sender sends fragments next, from offset 0 */
                 __atomic_store_n(&head[box_layout.refused_word], 1, __ATOMIC_RELAXED);   /* (TAKEN releases it) */
             __atomic_store_n(&words[box_layout.taken], ++taken, __ATOMIC_RELEASE);
@@ -1694,7 +1703,8 @@ static PyMethodDef module_methods[] = {
     {"mailbox_test_refuse", py_mailbox_test_refuse, METH_O,
      "mailbox_test_refuse(flag): for the tests, this process refuses every single-copy message (or no longer)"},
     {"read_process", (PyCFunction)(void (*)(void))py_read_process, METH_FASTCALL,
-     "read_process(pid, address, data): a descriptor's bytes into data; OK, PEER_DEAD or REFUSED"},
+     "read_process(pid, address, data, abort_address): a descriptor's bytes into data; OK, PEER_DEAD, REFUSED "
+     "or ABORTED"},
     {"mailbox_take", (PyCFunction)(void (*)(void))py_mailbox_take, METH_FASTCALL,
      "mailbox_take(box, data, tag, deadline, abort_address, pid, spin, yield_seconds): a status; see _shmloop.c"},
     {"store_release", (PyCFunction)(void (*)(void))py_store_release, METH_FASTCALL,

@@ -399,12 +399,14 @@ class PointToPoint:
         """A single-copy message's bytes read out of its sender into `into`:
         True; False where this process cannot read them (the sender is then
         told so, and sends fragments). Raises where the sender died."""
-        if _shmloop is None:
+        if self._compiled is None:   # (no compiled loop, nothing to read with)
             return False
-        status = _shmloop.read_process(int(header[DESCRIPTOR_PID]), int(header[DESCRIPTOR_ADDRESS]), into)
-        if status == _shmloop.PEER_DEAD:
+        status = _shmloop.read_process(int(header[DESCRIPTOR_PID]), int(header[DESCRIPTOR_ADDRESS]), into,
+                                       self._compiled.abort_address)
+        if status in (_shmloop.PEER_DEAD, _shmloop.ABORTED):   # (aborted: see take_message in _shmloop.c)
             self._check_health(peer, "a recv with this rank")
-            raise CollectiveError(f"rank {peer}'s process was gone while this rank read its message")
+            raise CollectiveError(f"rank {peer}'s message could not be read: its process is gone, or the "
+                                  "communicator was aborted")
         return status == 0
 
     def _target(self, peer, tag, nbytes):
