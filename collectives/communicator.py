@@ -500,10 +500,13 @@ class Communicator:
 
         Every rank needs every rank's counts to build the one plan they
         all run: ranks of one process have them from the arguments; a rank
-        of several processes first allgathers its row (2 size + 1 int64:
-        what it sends, what it expects or -1, how many elements its `out`
-        holds or -1), so that a mismatch raises the same InvalidUsageError
-        on every rank, nothing written. Then each block crosses once, as
+        of several processes first allgathers its row (2 size + 2 int64:
+        a mark of the exchange, what it sends, what it expects or -1, how
+        many elements its `out` holds or -1), so that a mismatch raises the
+        same InvalidUsageError on every rank, nothing written. A rank whose
+        peer made another call of those bytes there (a row without the
+        mark) raises InvalidUsageError and aborts the communicator, so that
+        the peer's next call raises too. Then each block crosses once, as
         all_to_all's: a rank moves its blocks' bytes, not size x the largest.
 
         Returns the result: `out`, or the new arrays (a list for a list).
@@ -565,14 +568,21 @@ class Communicator:
         """all_to_all_v's counts between processes: this rank's row
         allgathered, then checked alike on every rank (validation.received_counts)."""
         size = self.size
-        row = np.array([*sends, *(expects if expects is not None else [-1] * size),
+        row = np.array([_COUNTS_MARK, *sends, *(expects if expects is not None else [-1] * size),
                         -1 if out_elements is None else out_elements], np.int64)
         devices = getattr(self._ranks, "rank_devices", None)
         if devices:   # GPU ranks take arrays of their device (an emulated device's are NumPy's)
             rows = devices[0].to_host(self.allgather(devices[0].from_host(row)))
         else:
             rows = self.allgather(row)
-        rows = np.asarray(rows).reshape(size, 2 * size + 1)
+        rows = np.asarray(rows).reshape(size, 2 * size + 2)
+        other = next((q for q in range(size) if rows[q, 0] != _COUNTS_MARK), None)
+        if other is not None:   # the loop matched an allgather of the same bytes: name it, on both ranks
+            reason = (f"all_to_all_v: rank {other} made a different call (an allgather of {row.nbytes} bytes?) "
+                      f"where rank {self.rank} exchanged its all_to_all_v counts")
+            self._ranks.abort(reason, InvalidUsageError)
+            raise InvalidUsageError(reason)
+        rows = rows[:, 1:]
         matrix = tuple(tuple(int(c) for c in rows[q, :size]) for q in range(size))
         given = [rows[r, size:2 * size] for r in range(size)]
         validation.received_counts(matrix,
@@ -1422,6 +1432,10 @@ class Communicator:
 # (allgather without `out`).
 _GIVEN, _IN_PLACE, _OWN_BLOCKS, _FRESH = "given", "in place", "own blocks", "fresh"
 
+
+# The first word of each rank's row in all_to_all_v's exchange of counts
+# ("a2av-cnt"): a row without it is another call's data.
+_COUNTS_MARK = int.from_bytes(b"a2av-cnt", "little")
 
 # Calls a communicator recognises: enough for one allreduce per gradient of a model.
 _CALLS_KEPT = 1024

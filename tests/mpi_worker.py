@@ -44,7 +44,7 @@ STALL_TIMEOUT = 1.0
 STARTUP_TIMEOUT = 120.0
 UNTIMED_TIMEOUT = 60.0
 TIMED_SCENARIOS = ("stalled", "stalled_barrier", "killed", "mismatch", "fusion_killed", "point_to_point_failures",
-                   "point_to_point_killed", "point_to_point_late_receiver")
+                   "point_to_point_killed", "point_to_point_late_receiver", "all_to_all_v_mismatch")
 
 
 def on_rank(a):
@@ -232,6 +232,19 @@ def all_to_all_v_across_processes(comm):
         raise AssertionError("mismatched recv_counts passed")
     check(comm.all_to_all_v(on_rank(np.full(n, r, np.float32)), sends), np.arange(n, dtype=np.float32),
           "all_to_all_v after a mismatch")
+
+
+def scenario_all_to_all_v_mismatch(comm):
+    """A rank's all_to_all_v meets another rank's allgather of the bytes of
+    its exchange of counts: the first raises naming it, and the other's next
+    call raises through the abort."""
+    n = comm.size
+    if comm.rank == 0:
+        expect_a_different_call(lambda: comm.all_to_all_v(on_rank(np.ones(n, np.float32)), [1] * n),
+                                "all_to_all_v against an allgather")
+    else:
+        expect_a_different_call(lambda: (comm.allgather(on_rank(np.zeros(2 * n + 2, np.int64))), comm.barrier()),
+                                "an allgather against all_to_all_v")
 
 
 def scenario_point_to_point(comm):

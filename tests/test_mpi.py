@@ -88,6 +88,11 @@ def test_a_receive_from_a_stalled_rank_times_out():
     assert len(oks) == 2, report
 
 
+def test_an_all_to_all_v_that_meets_an_allgather_is_named_on_both_ranks():
+    oks, report = run_ranks(2, "all_to_all_v_mismatch")
+    assert len(oks) == 2, report
+
+
 def test_a_receive_that_comes_after_its_sends_timeout_raises():
     oks, report = run_ranks(2, "point_to_point_late_receiver")
     assert len(oks) == 2, report

@@ -405,7 +405,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         (then no rank may pass split sizes, as with Gloo: a rank cannot see
         its peers'). With split sizes, even or not, one
         Communicator.all_to_all_v: the ranks allgather each rank's counts
-        (2 x size + 1 integers a rank), which checks that every rank
+        (2 x size + 2 integers a rank), which checks that every rank
         receives what its peers send (else every rank raises
         InvalidUsageError, nothing written), then each block crosses once,
         straight from `input` into `output`. Across nodes, where
