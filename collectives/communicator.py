@@ -533,11 +533,14 @@ class Communicator:
                                         f"but x{f'[{i}]' if as_sequence else ''} has {info.size} elements")
         expects = None if recv_counts is None else \
             validation.block_counts(recv_counts, nlocal, size, as_sequence, "recv_counts")
-        if out is not None:
+        if out is not None:   # (checked before the counts are exchanged: a rank that raises later strands its peers)
             outputs, output_infos, _ = validation.rank_arrays(out, nlocal, ranks, name="out")
             for i, info in enumerate(output_infos):
                 if info.dtype != dtype:
                     raise InvalidUsageError(f"out[{i}] has dtype {info.dtype}, expected {dtype} like the input")
+            validation.writable(output_infos, "out")
+            validation.ranks_own_their_memory(input_infos, output_infos, True, inputs_written=False,
+                                              objects={"x": inputs, "out": outputs})
         if nlocal == size:
             matrix = tuple(sends)
             validation.received_counts(matrix, expects, None if out is None else [info.size for info in output_infos],
@@ -552,9 +555,6 @@ class Communicator:
         if out is None:
             outputs = [arrays.empty_like(a, info, (n,)) for a, info, n in zip(inputs, input_infos, receives)]
             output_infos = [arrays.describe(o) for o in outputs]
-        validation.writable(output_infos, "out")
-        validation.ranks_own_their_memory(input_infos, output_infos, out is not None, inputs_written=False,
-                                          objects={"x": inputs, "out": outputs})
         apart = validation.relation(input_infos, output_infos, lambda i, a, b: False) == validation.DISJOINT
         binding = OUT_OF_PLACE if apart and ranks.addressable else WORKSPACE
         if algorithm == "auto":   # priced as an all_to_all of the most a rank sends

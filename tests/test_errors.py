@@ -129,6 +129,9 @@ def test_all_to_all_v_checks_its_counts_before_writing(comm):
     rejected(lambda: comm.all_to_all_v(xs, sends, out=short), r"^out\[2\]: has 10 elements, but the rank receives 11",
              *xs, *short)
     rejected(lambda: comm.all_to_all_v(xs, sends, algorithm="ring"), "does not implement all_to_all", *xs)
+    frozen = [o.copy() for o in outs]
+    frozen[1].setflags(write=False)
+    rejected(lambda: comm.all_to_all_v(xs, sends, out=frozen), r"^out\[1\] is read-only", *xs, *frozen)
     got = comm.all_to_all_v(xs, sends, out=outs, recv_counts=[[1, 0, 2], [2, 0, 2], [3, 6, 2]])
     assert [o.tolist() for o in got] == [[1, 3, 3], [1, 1, 3, 3], [1, 1, 1] + [2] * 6 + [3, 3]]
 
