@@ -129,7 +129,8 @@ def _bytes(value, argument, variable, default, multiple):
 
 
 # The compiled loop's settings other than its layout (FastSizes), read once
-# when a communicator is made: every rank may have its own.
+# when a communicator is made: the fence's wait and the stalls are a rank's own; the
+# staging limit must be the same on every rank (the loop names a rank whose differs).
 FENCE_SECONDS_ENV = "COLLECTIVES_FENCE_SECONDS"
 # How long a failed call waits for a peer still writing into its output (a
 # chunk's writes take microseconds; only a stopped or long starved process

@@ -377,6 +377,16 @@ def scenario_mismatch(comm):
     expect_a_different_call(cases[case], f"mismatched allreduce {case}")
 
 
+
+def scenario_spread_mismatch(comm):
+    """Rank 0 reads allgathers in place where its peers would stage them
+    ($COLLECTIVES_SPREAD_STAGED_MAX differs, main): named as a different
+    call, not waited out until the timeout."""
+    start = time.perf_counter()
+    expect_a_different_call(lambda: comm.allgather(np.ones(64 << 10, np.float32)), "an allgather staged on some ranks")
+    assert time.perf_counter() - start < TIMEOUT / 2, f"named after {time.perf_counter() - start:.1f} s"
+
+
 def scenario_abort(comm):
     """Rank 0 leaves a `with` block by an exception: the others, in a fast
     allreduce, see the abort at once instead of waiting out the timeout."""
@@ -613,6 +623,8 @@ def main():
         os.environ["COLLECTIVES_TEST_WRITE_STALL"] = str(FENCED_STALL)
     if scenario == "fenced" and MPI.COMM_WORLD.rank == 0 and os.environ["FASTPATH_CASE"] == "1":
         os.environ["COLLECTIVES_FENCE_SECONDS"] = "0.2"   # the writer is held longer than the fence waits
+    if scenario == "spread_mismatch" and MPI.COMM_WORLD.rank == 0:
+        os.environ["COLLECTIVES_SPREAD_STAGED_MAX"] = "0"
     if scenario == "slow_reader":
         os.environ["COLLECTIVES_SPREAD_STAGED_MAX"] = "0"   # allgather reads in place too, however many cores
         if MPI.COMM_WORLD.rank != 0:
@@ -620,7 +632,7 @@ def main():
     comm = collectives.init(timeout=TIMEOUT)
     assert LOOP == (comm._ranks.fast_allreduce is not None), "the loop runs exactly when not hidden"   # noqa: SLF001
     digest = hashlib.blake2b()
-    ranks_leave = scenario in ("killed_large", "abort", "stalled_large", "mismatch", "interrupted", "fenced",
+    ranks_leave = scenario in ("killed_large", "abort", "stalled_large", "mismatch", "spread_mismatch", "interrupted", "fenced",
                                "collective_faults", "edge_arrays")
 
     def run():

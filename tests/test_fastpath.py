@@ -65,6 +65,14 @@ def interpreter_digests(n):
     return {digest for _, digest in without_loop}
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) >= 3, reason="3 ranks must outnumber the cores for the allgathers' "
+                    "staging limit to apply (COLLECTIVES_SPREAD_STAGED_MAX)")
+def test_ranks_that_disagree_on_the_staging_limit_are_named_at_once():
+    oks, report = run_worker(3, "spread_mismatch", env=LARGE_PATHS["single-copy"],
+                             launcher_flags=["-disable-auto-cleanup"])
+    assert len(oks) == 3, report
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("large_path", LARGE_PATHS)
 @pytest.mark.parametrize("n", [2, 3])
@@ -140,7 +148,7 @@ def test_the_other_collectives_fail_as_allreduce_does(case):
 
 def test_a_rank_returns_only_once_its_readers_are_done_with_its_input():
     """The single copy's last wait: rank 0's readers are held before every
-    read (fastpath.TEST_READ_STALL), rank 0 overwrites its input as soon as
+    read ($COLLECTIVES_TEST_READ_STALL), rank 0 overwrites its input as soon as
     its call returns, and every rank's result must still be the inputs'.
     Without that wait in _shmloop.c (leave_single_copy), the calls give
     wrong results."""

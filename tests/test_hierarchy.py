@@ -97,8 +97,11 @@ def test_a_rank_that_stalls_on_the_other_node_makes_the_others_raise_in_time(lay
 
 
 @pytest.mark.mpi
-def test_small_calls_that_differ_between_nodes_are_named():
-    oks, report = run_ranks("mismatched", TWO_AND_TWO, "-disable-auto-cleanup")
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_NODES])
+def test_small_calls_that_differ_between_nodes_are_named(layout):
+    # (three nodes: MPI reports requests not yet done as pending before the truncated receive that names the
+    # mismatch)
+    oks, report = run_ranks("mismatched", layout, "-disable-auto-cleanup")
     assert len(oks) == 4, report
     for case in (0, 1, 2):   # some rank saw the mismatch itself and named it (the others were told)
         named = re.findall(rf"RAISED {case} \d InvalidUsageError: .*(different call|more bytes)", report)

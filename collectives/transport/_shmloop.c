@@ -660,14 +660,17 @@ static int run_staged_segments(Channel *c, const Collective *k)
 static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_t seq)
 {
     Waits *w = &c->waits;
-    /* a rank that may not take the single copy makes another call (path 2) */
-    int64_t signature = collective_signature(k, seq, c->may_single_copy ? 3 : 2);
+    /* a rank that may not take the single copy makes another call (path 2), and so does one that would
+     * stage this allgather where it may (path 4): a rank whose staged_spread_max differs from its peers'
+     * is named at once, where the two sides would wait for each other until the timeout */
+    int stages_spread = k->kind == K_ALLGATHER && k->nbytes <= c->staged_spread_max;
+    int64_t signature = collective_signature(k, seq, !c->may_single_copy ? 2 : stages_spread ? 4 : 3);
     int status = enter_large(c, k->in, k->out, k->nbytes < k->itemsize ? k->nbytes : k->itemsize, base, seq,
                              signature);
     if (status != OK)
         return failure(w, status, seq);
     /* (every rank decides alike: the same agreement, call and setting) */
-    if (c->single_copy == 2 && !(k->kind == K_ALLGATHER && k->nbytes <= c->staged_spread_max)) {
+    if (c->single_copy == 2 && !stages_spread) {
         status = read_from_peers(c, k);
         if (status == OK)
             status = leave_single_copy(w, base);

@@ -184,9 +184,18 @@ class MpiLink:
         except self._mpi.Exception as error:
             error_class = error.Get_error_class()
             if error_class == self._mpi.ERR_IN_STATUS:   # the failed request's own class
-                error_class = next((self._mpi.Get_error_class(status.Get_error()) for status in statuses
-                                    if status.Get_error() != self._mpi.SUCCESS), error_class)
+                error_class = self._failed_request_class(statuses, error_class)
             raise self._error_of_class(error_class, error, what, None) from error
+
+    def _failed_request_class(self, statuses, default):
+        """The error class of the request that failed, among a Testall's
+        statuses: the first that is neither SUCCESS nor ERR_PENDING (the
+        requests MPI had not completed when another failed: one of them
+        comes before the truncated receive that says a peer made a
+        different call, on three nodes and more)."""
+        MPI = self._mpi
+        classes = (MPI.Get_error_class(status.Get_error()) for status in statuses)
+        return next((c for c in classes if c not in (MPI.SUCCESS, MPI.ERR_PENDING)), default)
 
     def _error_of_class(self, error_class, error, what, peer):
         """What an MPI error of `error_class` during `what` is to the caller."""
