@@ -152,8 +152,10 @@ def main(argv=None):
                      if args.mwms else ""))
         if args.output_file:
             with open(args.output_file, "w") as f:
-                json.dump({"environment": environment(args, comm.size, ["ours", *(["mwms"] if args.mwms else [])]),
-                           "ranks": comm.size, "load_average": load, "rows": rows}, f, indent=1)
+                measured = environment(args, comm.size, ["ours", *(["mwms"] if args.mwms else [])])
+                measured["tensorflow"] = tf.__version__   # every row is TensorFlow's, with or without --mwms
+                json.dump({"environment": measured, "ranks": comm.size, "load_average": load, "rows": rows}, f,
+                          indent=1)
     comm.close()
     return 0
 
