@@ -762,17 +762,24 @@ def scenario_repeated_stalled(comm):
     scenario_stalled(comm)
 
 
-def scenario_killed(comm):
+def scenario_killed(comm, compressed=False):
     """The last rank dies: everyone else raises within the timeout (within a
-    second when a node-mate sees it die and tells the other nodes)."""
+    second when a node-mate sees it die and tells the other nodes).
+    `compressed`: it dies inside a compressed allreduce, once its node's
+    reduce-scatter is done, as its encoded partial is due across nodes."""
     last = comm.size - 1
     comm.barrier()
     if comm.rank == last:
-        os._exit(0)
+        if not compressed:
+            os._exit(0)
+        hierarchy.compressed_across_nodes = lambda *arguments, **keywords: os._exit(0)
     has_mate = len(comm.topology.nodes[comm.topology.node_of(last)]) > 1
     start = time.perf_counter()
     try:
-        comm.allreduce(np.ones(1000, np.float64))
+        if compressed:
+            comm.allreduce(np.ones(4096, np.float32), compression="int8")
+        else:
+            comm.allreduce(np.ones(1000, np.float64))
     except CollectiveError as error:
         elapsed = time.perf_counter() - start
         if has_mate:
@@ -786,6 +793,10 @@ def scenario_killed(comm):
     start = time.perf_counter()
     comm.close()
     assert time.perf_counter() - start < TIMEOUT + 1.5, "close() waited out more than its timeout"
+
+
+def scenario_killed_compressed(comm):
+    scenario_killed(comm, compressed=True)
 
 
 def scenario_one_node(comm):
@@ -811,7 +822,7 @@ def no_segment_crosses_a_node(comm):
             assert not log, f"rank {rank} is alone on its node but opened {log}"
 
 
-FAILING = ("stalled", "stalled_by_node", "stalled_in_last_step", "killed", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
+FAILING = ("stalled", "stalled_by_node", "stalled_in_last_step", "killed", "killed_compressed", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
            "shortcut_edges", "mismatched_large")
 ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier", "shortcut_edges", "mismatched_large")
 
@@ -830,7 +841,7 @@ def main():
     if scenario not in ABORTED:   # (an aborted communicator closes with the process)
         comm.close()
     print(f"OK {scenario} {comm.rank}", flush=True)
-    if scenario == "killed":
+    if scenario in ("killed", "killed_compressed"):
         os._exit(0)   # MPI_Finalize would wait for the dead rank
 
 

@@ -191,6 +191,13 @@ def test_a_rank_that_dies_on_the_other_node_makes_the_others_raise_in_time(layou
     assert len(oks) == 3, report
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_rank_that_dies_inside_a_compressed_allreduce_makes_the_others_raise_in_time():
+    oks, report = run_ranks("killed_compressed", TWO_AND_TWO, "-disable-auto-cleanup")
+    assert len(oks) == 3, report
+
+
 # -- without processes: the plans every rank makes agree with each other ------------------
 
 def layouts(max_ranks=8):
