@@ -250,14 +250,16 @@ def check_compressed(comm, got, inputs, op, codec, encodings, case):
 
 def scenario_compressed(comm):
     """allreduce(compression=) across nodes, every codec, sum and avg, in and
-    out of place, counts from 1 to past two_shot's threshold (100003 where
-    there are 3 nodes or more): the reference's bits and the bound; then
+    out of place, counts from 1 to past two_shot's threshold (where there
+    are 3 nodes or more): the reference's bits and the bound; then
     specials, a call that differs only in compression, fusion, and error
     feedback (2 nodes)."""
     r, n = comm.rank, comm.size
     nodes = comm.topology.nodes
-    # (4096 and 131072: in blocks where the node's loop runs, below and above its merged step)
-    counts = (0, 1, 33, 1000, 4096, 4099, 131072) + ((100003,) if len(nodes) > 2 else ())
+    # (4096 and 131072: in blocks where the node's loop runs, below and above its merged step; on 3 nodes,
+    # ranges of 100003 elements on the smallest node's ranks, past two_shot's threshold)
+    counts = (0, 1, 33, 1000, 4096, 4099, 131072) + \
+        ((100003 * min(len(node) for node in nodes),) if len(nodes) > 2 else ())
     in_blocks = []
     compressed_in_blocks = hierarchy.compressed_in_blocks
     hierarchy.compressed_in_blocks = lambda *arguments: (in_blocks.append(1), compressed_in_blocks(*arguments))[1]

@@ -65,15 +65,17 @@ def test_every_rank_holds_the_bits_of_the_documented_fold_order(layout):
 
 @pytest.mark.slow
 @pytest.mark.mpi
-@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_NODES])
+@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_NODES, THREE_NODES_OF_TWO])
 def test_compressed_allreduces_encode_each_nodes_partial_once_and_agree_bit_for_bit(layout):
     """Every codec, sum and avg: the bits of the documented compressed fold
     on every rank, within docs/compression.md's bound (two_shot's second
     encoding reached on 3 nodes); on 2 nodes also allreduce_many,
     fusion_buffer and error feedback, whose residuals are what was lost.
-    (Slow: seconds each; the plans' test below is the quick one.)"""
+    On 3 nodes of 2 the node's steps run in blocks and two_shot re-encodes,
+    both in one call. (Slow: seconds each; the plans' test below is the
+    quick one.)"""
     oks, report = run_ranks("compressed", layout)
-    assert len(oks) == 4, report
+    assert len(oks) == len(layout.split(",")), report
 
 
 @pytest.mark.mpi
