@@ -25,6 +25,9 @@ OURS, MPI_BACKEND, GLOO, NCCL = "ours", "mpi", "gloo", "nccl"
 # TensorFlow's MultiWorkerMirroredStrategy: its collectives (CollectiveReduceV2,
 # a ring over gRPC between the workers on CPUs), one worker per process.
 MWMS = "mwms"
+# Not a library: the memory-copy floor of a collective whose result each rank
+# copies once (bench.host_vs_mpich's allgathers and broadcasts), see CopyFloor.
+COPY_FLOOR = "floor"
 # torch.distributed process groups of a registered backend, one rank per
 # process: "torch:collectives" is this library behind torch.distributed (what
 # its layer costs, beside `ours` in the same run), "torch:gloo" is Gloo's group
@@ -305,6 +308,49 @@ class Gloo(Backend):
             self.dist.destroy_process_group()
 
 
+class CopyFloor(Backend):
+    """The memory-copy floor of a collective that moves bytes without
+    reducing them (allgather, broadcast), one rank per process: each call,
+    every rank copies into its result, once, the bytes the collective must
+    bring it (allgather: every block but its own in place, all of them out
+    of place; broadcast: the whole message, except at the root in place),
+    from a private array that holds them, every rank at the same time. An
+    implementation that copies each byte once, straight from a peer's
+    array, moves the same bytes through the same memory, so its time over
+    this one says how near it comes to the floor (the check holds this
+    backend to the collective's result too: it copies the right bytes)."""
+
+    def __init__(self, name, spec, args, world):
+        super().__init__(name, spec, args)
+        if spec.name not in ("allgather", "broadcast"):
+            raise ValueError(f"the copy floor is an allgather's or a broadcast's, not {spec.name}'s")
+        self.comm = world
+        self.local_ranks, self.nranks = [world.rank], world.size
+        self._prepared = (None, [])
+
+    def _copies(self, buffers):
+        """(destination, source) pairs for these buffers, made on their first call (untimed: warm-up)."""
+        if self._prepared[0] is not buffers:
+            rank, n, args = self.local_ranks[0], self.nranks, self.args
+            result = self.results(buffers)[0]
+            wanted = self.spec.expected(args.dtype, args.op, n, rank, len(result), args.root)
+            in_place = buffers.in_place is not None
+            if self.spec.name == "broadcast":
+                pieces = [] if in_place and rank == args.root else [slice(0, len(result))]
+            else:
+                block = len(result) // n
+                pieces = [slice(r * block, (r + 1) * block) for r in range(n) if not (in_place and r == rank)]
+            self._prepared = (buffers, [(result[p], np.array(wanted[p])) for p in pieces])
+        return self._prepared[1]
+
+    def run(self, buffers):
+        for destination, source in self._copies(buffers):
+            np.copyto(destination, source)
+
+    def barrier(self):
+        self.comm.Barrier()
+
+
 class TorchGroup(Gloo):
     """A torch.distributed process group of a registered backend
     (`torch:collectives`: this library's, collectives.torch; `torch:gloo`),
@@ -508,6 +554,8 @@ def make_backends(names, spec, args, world):
             backends.append(Ours(name, spec, args, world, "auto"))
         elif name == MPI_BACKEND:
             backends.append(Mpi(name, spec, args, world))
+        elif name == COPY_FLOOR:
+            backends.append(CopyFloor(name, spec, args, world))
         elif name in TORCH_BACKENDS:
             backends.append(TorchGroup(name, spec, args, world))
         elif name == MWMS:

