@@ -16,8 +16,8 @@ from bench.backends import GLOO, MPI_BACKEND, MWMS, TORCH_BACKENDS, launched_by_
 LAUNCHER_COMMAND = "COLLECTIVES_BENCH_LAUNCHER"
 # The -bind-to a relaunching benchmark passed mpiexec, for its ranks' record.
 BIND_TO = "COLLECTIVES_BENCH_BIND_TO"
-# The benchmarks' own variables, not the library's settings.
-_BENCH_VARIABLES = frozenset({LAUNCHER_COMMAND, BIND_TO, "COLLECTIVES_BENCH_RELAUNCHED"})
+# The benchmarks' own variables (COLLECTIVES_BENCH_*: these and bench/mpis.py's), not the library's settings.
+_BENCH_PREFIX = "COLLECTIVES_BENCH_"
 
 
 def module_name():
@@ -38,7 +38,7 @@ def library_settings():
     """The library's settings from the environment, which change what runs
     (COLLECTIVES_ONE_KERNEL_ALLREDUCE=1, COLLECTIVES_PRETEND_NODES=0,0,1,1)."""
     return {name: value for name, value in sorted(os.environ.items())
-            if name.startswith("COLLECTIVES_") and name not in _BENCH_VARIABLES}
+            if name.startswith("COLLECTIVES_") and not name.startswith(_BENCH_PREFIX)}
 
 
 def environment(args, nranks, backends):

