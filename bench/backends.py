@@ -1,5 +1,5 @@
 """The backends a benchmark runs side by side: this library (`ours`), MPI
-(mpi4py over MPICH), Gloo (torch.distributed), torch.distributed's
+(mpi4py over MPICH, or Open MPI: `mpich`, `openmpi`), Gloo (torch.distributed), and torch.distributed's
 process groups by backend name (`torch:collectives`, this library through
 torch.distributed; `torch:gloo`), and TensorFlow's MultiWorkerMirroredStrategy
 (`mwms`), each behind one small class that runs a spec's call on its ranks'
@@ -28,6 +28,12 @@ MWMS = "mwms"
 # Not a library: the memory-copy floor of a collective whose result each rank
 # copies once (bench.host_vs_mpich's allgathers and broadcasts), see CopyFloor.
 COPY_FLOOR = "floor"
+# `mpi` is whichever MPI library the launch loaded (MPICH where the benchmark
+# relaunches itself); `mpich` and `openmpi` name one, and a relaunch starts
+# that library's launcher and Python (bench/mpis.py). One process loads one
+# MPI library: a run takes one of them.
+MPICH_BACKEND, OPENMPI_BACKEND = "mpich", "openmpi"
+MPI_BACKENDS = (MPI_BACKEND, MPICH_BACKEND, OPENMPI_BACKEND)
 # torch.distributed process groups of a registered backend, one rank per
 # process: "torch:collectives" is this library behind torch.distributed (what
 # its layer costs, beside `ours` in the same run), "torch:gloo" is Gloo's group
@@ -40,9 +46,9 @@ NO_COMPRESSION = "none"
 # rows keep the name the command used (older results files say `host`).
 OLD_OURS = "host"
 DEFAULT_BACKEND = OURS
-BACKENDS = (OURS, OLD_OURS, MPI_BACKEND, GLOO, NCCL, *TORCH_BACKENDS, MWMS)
+BACKENDS = (OURS, OLD_OURS, *MPI_BACKENDS, GLOO, NCCL, *TORCH_BACKENDS, MWMS)
 COMPRESSING_BACKENDS = (OURS, OLD_OURS)  # --compression applies to these; the others run uncompressed
-PROCESS_BACKENDS = (MPI_BACKEND, GLOO, *TORCH_BACKENDS, MWMS)   # one rank per process
+PROCESS_BACKENDS = (*MPI_BACKENDS, GLOO, *TORCH_BACKENDS, MWMS)   # one rank per process
 TORCH_PIN = "torch==2.13.0"
 TENSORFLOW_INSTALL = "pip install -e '.[tensorflow]'"
 
@@ -61,7 +67,7 @@ MWMS_OPS = {"sum": "sum", "avg": "mean"}
 def unsupported(backend, spec, args):
     """Why `backend` cannot run this spec with these flags, or None."""
     reduces = spec.has_op
-    if backend == MPI_BACKEND:
+    if backend in MPI_BACKENDS:
         if reduces and args.op not in MPI_OPS:
             return f"MPI has no {args.op!r} reduction (it has {', '.join(MPI_OPS)})"
         if reduces and args.dtype == BFLOAT16 and _mpi_bfloat16() is None:
@@ -242,12 +248,16 @@ class Ours(Backend):
 
 
 class Mpi(Backend):
-    """mpi4py over MPICH, one rank per process."""
+    """mpi4py over the MPI library this process loaded (MPICH or Open MPI), one rank per process."""
 
     def __init__(self, name, spec, args, world):
         super().__init__(name, spec, args)
         if (world is None and args.ranks != 1) or isinstance(world, TorchWorld):
-            raise SystemExit("the mpi backend runs one rank per process: run under mpiexec")
+            raise SystemExit(f"the {name} backend runs one rank per process: run under mpiexec")
+        from bench.mpis import loaded_mpi
+        if name != MPI_BACKEND and loaded_mpi() != name:
+            raise SystemExit(f"--backend {name}: this process's mpi4py loaded {loaded_mpi()}, not {name} "
+                             "(run without a launcher: the benchmark starts the right one)")
         from mpi4py import MPI
         self.comm = world if world is not None else MPI.COMM_WORLD
         self.local_ranks, self.nranks = [self.comm.rank], self.comm.size
@@ -552,7 +562,7 @@ def make_backends(names, spec, args, world):
                     shared = backends[-1].comm
         elif name == NCCL:
             backends.append(Ours(name, spec, args, world, "auto"))
-        elif name == MPI_BACKEND:
+        elif name in MPI_BACKENDS:
             backends.append(Mpi(name, spec, args, world))
         elif name == COPY_FLOOR:
             backends.append(CopyFloor(name, spec, args, world))

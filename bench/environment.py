@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 import collectives
-from bench.backends import GLOO, MPI_BACKEND, MWMS, TORCH_BACKENDS, launched_by_torchrun
+from bench.backends import GLOO, MPI_BACKENDS, MWMS, TORCH_BACKENDS, launched_by_torchrun
 
 # The launcher and its flags, as the relaunching process ran them (the
 # ranks themselves cannot see `-bind-to core`, say).
@@ -44,7 +44,9 @@ def library_settings():
 def environment(args, nranks, backends):
     """What the numbers were measured on and with."""
     torchrun = launched_by_torchrun()
-    processes = int(os.environ.get("WORLD_SIZE" if torchrun else "PMI_SIZE", "1"))
+    # (MPICH's hydra says PMI_SIZE, Open MPI's mpirun OMPI_COMM_WORLD_SIZE)
+    processes = int(os.environ.get("WORLD_SIZE", "1") if torchrun else
+                    os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or "1")
     default_launcher = f"torchrun --nproc-per-node {processes}" if torchrun else f"mpiexec -n {processes}"
     launcher = [os.environ.get(LAUNCHER_COMMAND, default_launcher)] if processes > 1 else []
     env = {
@@ -63,7 +65,7 @@ def environment(args, nranks, backends):
         "settings": library_settings(),
         **device_environment(args.device),
     }
-    if MPI_BACKEND in backends or (env["processes"] > 1 and not torchrun):
+    if set(MPI_BACKENDS) & set(backends) or (env["processes"] > 1 and not torchrun):
         from mpi4py import MPI
         import mpi4py
         env["mpi4py"] = mpi4py.__version__

@@ -9,7 +9,9 @@ virtual ranks in this process. `--backend` may list several backends, run on
 identical inputs in one invocation, alternating size by size:
 
     ours   this library, on --device (`host` is its older name, still accepted)
-    mpi    mpi4py over MPICH, on host arrays
+    mpi    mpi4py over MPICH, on host arrays (under a launcher: its MPI)
+    mpich, openmpi  mpi4py over that MPI library; openmpi relaunches under
+           Open MPI's mpirun in its own environment (bench/mpis.py)
     gloo   torch.distributed with the Gloo backend, on host arrays
     nccl   NCCL, through this library's backend="nccl" (--device cuda)
 
@@ -58,9 +60,9 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.backends import (
-    BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, MPI_BACKEND, MWMS, NCCL, NO_COMPRESSION,
-    PROCESS_BACKENDS, TENSORFLOW_INSTALL, TORCH_BACKENDS, TORCH_PIN, Buffers, TorchWorld, launched_by_torchrun,
-    make_backends, unsupported,
+    BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, MPI_BACKEND, MPI_BACKENDS, MWMS, NCCL, NO_COMPRESSION,
+    OPENMPI_BACKEND, PROCESS_BACKENDS, TENSORFLOW_INSTALL, TORCH_BACKENDS, TORCH_PIN, Buffers, TorchWorld,
+    launched_by_torchrun, make_backends, unsupported,
 )
 from bench.environment import LAUNCHER_COMMAND, environment, module_name
 from bench.progress import Progress
@@ -195,7 +197,8 @@ def parse_args(spec, argv=None):
                         "cuda (virtual ranks: every rank on GPU 0; under mpiexec: GPU local rank modulo the GPUs)")
     p.add_argument("--backend", default=DEFAULT_BACKEND,
                    help="comma-separated: ours (this library, on --device; the default; `host` is its older "
-                        "name), mpi (mpi4py over MPICH), "
+                        "name), mpi (mpi4py over MPICH), mpich, openmpi (mpi4py over Open MPI, in its own "
+                        "environment, bench/mpis.py; one MPI a run), "
                         f"gloo (torch.distributed with Gloo; needs {TORCH_PIN}), nccl (NCCL through this "
                         "library's backend='nccl'; --device cuda, one rank per GPU), torch:collectives (this "
                         "library through torch.distributed, under torchrun), torch:gloo (a Gloo group made the "
@@ -267,7 +270,11 @@ def parse_args(spec, argv=None):
         p.error(f"--backend {','.join(torch_backends)} needs PyTorch (torch.distributed): pip install {TORCH_PIN}")
     if MWMS in args.backends and importlib.util.find_spec("tensorflow") is None:
         p.error(f"--backend mwms needs TensorFlow: {TENSORFLOW_INSTALL}")
-    for needs_mpiexec in (MPI_BACKEND, MWMS):
+    mpi_backends = [b for b in args.backends if b in MPI_BACKENDS]
+    if OPENMPI_BACKEND in mpi_backends and len(mpi_backends) > 1:
+        p.error(f"--backend {','.join(mpi_backends)}: one process loads one MPI library; run once per MPI, "
+                "or python -m bench.host_vs_mpich --mpi mpich,openmpi, which does")
+    for needs_mpiexec in (*mpi_backends, MWMS):
         if needs_mpiexec in args.backends and launched_by_torchrun():
             p.error(f"--backend {needs_mpiexec} needs mpiexec: under torchrun compare ours, gloo, torch:collectives, "
                     "torch:gloo")
@@ -327,12 +334,18 @@ def relaunch_under_torchrun(args, argv):
 
 
 def relaunch_under_mpiexec(args, argv, launcher_flags=()):
-    """Run this same benchmark as `--ranks` processes; return its exit code."""
-    mpiexec = find_mpiexec()
-    command = [mpiexec, *launcher_flags, "-n", str(args.ranks), sys.executable, "-m", module_name(), *argv]
+    """Run this same benchmark as `--ranks` processes under MPICH's mpiexec,
+    or under Open MPI's mpirun with its environment's Python for --backend
+    openmpi (`launcher_flags` in hydra's syntax, translated: bench/mpis.py);
+    return its exit code."""
+    from bench import mpis
+    install = mpis.find(mpis.OPEN_MPI if OPENMPI_BACKEND in getattr(args, "backends", ()) else mpis.MPICH)
+    launcher = [install.mpiexec, *mpis.translate_hydra_flags(install.name, args.ranks, launcher_flags),
+                "-n", str(args.ranks)]
+    command = [*launcher, install.python, "-m", module_name(), *argv]
     print(f"# relaunching as {args.ranks} processes: {' '.join(command)}", flush=True)
-    env = dict(os.environ, **{RELAUNCHED: "1", LAUNCHER_COMMAND: " ".join(["mpiexec", *launcher_flags,
-                                                                          "-n", str(args.ranks)])})
+    env = dict(os.environ, **{RELAUNCHED: "1", LAUNCHER_COMMAND: " ".join([os.path.basename(launcher[0]),
+                                                                          *launcher[1:]])})
     if not getattr(args, "quiet", True) and sys.stderr.isatty():
         env[SHOW_PROGRESS] = "1"
     return subprocess.call(command, env=env)
@@ -695,7 +708,7 @@ def main(spec, argv=None):
     world = mpi_world()
     if world is None and args.ranks > 1 and any(b in PROCESS_BACKENDS for b in args.backends) \
             and not os.environ.get(RELAUNCHED):
-        if any(b in TORCH_BACKENDS for b in args.backends) and not {MPI_BACKEND, MWMS} & set(args.backends):
+        if any(b in TORCH_BACKENDS for b in args.backends) and not {*MPI_BACKENDS, MWMS} & set(args.backends):
             return relaunch_under_torchrun(args, argv)
         return relaunch_under_mpiexec(args, argv, ("-bind-to", bind_to(args.bind_to, args.ranks)))
     leader = world is None or world.rank == 0

