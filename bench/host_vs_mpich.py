@@ -16,7 +16,7 @@ the libraries of its launch on its own buffers:
     Gloo      torch.distributed with the gloo backend on CPU tensors, its
               TCP store on 127.0.0.1 at a port rank 0 picks and MPI
               broadcasts (in the first MPI's launches only: --mpi's first)
-    floor     allgather and broadcast from 1 MiB: the memory-copy floor,
+    floor     allgather and broadcast from --floor-from (1 MiB): the memory-copy floor,
               every rank copying the bytes its result needs once from a
               private array, all at once (backends.CopyFloor); where
               ours and the MPI copy each byte once too, floor/ours is how
@@ -116,7 +116,7 @@ SPECS = {spec.name: spec for spec in (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROA
 # The names the JSON (and bench.report) gives the libraries, and the tables.
 NAMES = {"ours": "ours", mpis.MPICH: "MPICH", mpis.OPEN_MPI: "Open MPI", "gloo": "Gloo", "floor": "floor"}
 FLOORED = ("allgather", "broadcast")   # collectives whose every byte can be copied once: their floor is a copy
-FLOOR_FROM = 1 << 20                   # measured from this size (below it a call's fixed cost dominates)
+FLOOR_FROM = "1M"                      # measured from this size (below it a call's fixed cost dominates)
 PLACEMENTS = ("out_of_place", "in_place")
 SIZES = "1K,16K,256K,1M,4M,16M,64M"
 QUICK_SIZES = "1K,64K"
@@ -156,6 +156,8 @@ def parse_args(argv=None):
     p.add_argument("-w", "--warmup", type=int, default=None,
                    help=f"untimed calls of each library per size and placement first (default "
                         f"{DEFAULTS['warmup']}; --quick {QUICK['warmup']})")
+    p.add_argument("--floor-from", default=FLOOR_FROM, type=cli.size,
+                   help="time the memory-copy floor beside allgathers and broadcasts of this size and larger")
     p.add_argument("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 2 rounds of a few calls")
     p.add_argument("-J", "--output_file", default=None, help="write the JSON report here (default: no file)")
     p.add_argument("--timeout", type=float, default=None, help="our communicator's timeout in seconds")
@@ -168,6 +170,7 @@ def parse_args(argv=None):
     if args.sizes is None:
         args.sizes = QUICK_SIZES if args.quick else SIZES
     args.batch_bytes = cli.parse_size(args.batch_bytes)
+    args.floor_from = cli.parse_size(args.floor_from)
     try:
         args.size_list = [cli.parse_size(s) for s in args.sizes.split(",") if s.strip()]
         args.rank_list = [int(r) for r in args.ranks.split(",") if r.strip()]
@@ -228,7 +231,7 @@ def measure_collective(spec, args, world, mpi):
             if spec.param_count(nbytes, itemsize, nranks) == 0:
                 continue   # less than one element per rank
             hargs.iters = calls_per_batch(nbytes, args)
-            timed = [b for b in backends if b.name != COPY_FLOOR or nbytes >= FLOOR_FROM]
+            timed = [b for b in backends if b.name != COPY_FLOOR or nbytes >= args.floor_from]
             measured = harness.measure(timed, spec, hargs, nbytes, world,
                                        placements=[place == "in_place" for place in places])
             in_count, _ = spec.counts(nbytes, itemsize, nranks)
@@ -265,10 +268,10 @@ def run_launch(args, world):
         if leader:
             print(f"# {name}, float32{f' {OP}' if spec.has_op else ''}, {world.size} processes, -bind-to {binding}"
                   f"{settings}: ours, {NAMES[mpi]} (mpi4py)" + ("" if args.no_gloo else ", Gloo (torch.distributed)")
-                  + (f", the copy floor from {size_label(FLOOR_FROM)}" if name in FLOORED else "")
+                  + (f", the copy floor from {size_label(args.floor_from)}" if name in FLOORED else "")
                   + f", {args.rounds} rounds, alternating; median of rounds; CPU affinity per rank {affinity}",
                   flush=True)
-            print(header(others), flush=True)
+            print(header(others, args.floor_from), flush=True)
         load_before = os.getloadavg()
         cpu_before = cpu_ticks(pids) if leader else None
         rows = measure_collective(spec, args, world, mpi)
@@ -284,12 +287,12 @@ def run_launch(args, world):
     return runs if leader else None
 
 
-def header(others):
+def header(others, floor_from):
     """The table's two header lines for the libraries beside ours (format_row's cells)."""
     names = [NAMES[lib].replace(" ", "") for lib in others]
     columns = "".join(f"{n + ' µs':>12s}" for n in ["ours", *names]) + "".join(f"{n + '/ours':>14s}" for n in names)
     return (f"#{'':9s}{' out of place ':-^{len(columns)}s}{' in place ':-^{len(columns)}s}\n#     size{columns}"
-            f"{columns}   (from {size_label(FLOOR_FROM)}, allgather and broadcast: | floor µs, floor/ours, per placement)")
+            f"{columns}   (from {size_label(floor_from)}, allgather and broadcast: | floor µs, floor/ours, per placement)")
 
 
 def libraries_of(row):
@@ -380,8 +383,7 @@ def summary_lines(run):
                                     else f"ours faster than {name} at every size"))
     floors = [ratio(r, p, "floor") for r in run["rows"] for p in run["placements"] if ratio(r, p, "floor")]
     if floors:
-        lines.append(f"{where} ours at {min(floors):.2f} to {max(floors):.2f} of the copy floor's speed "
-                     f"(floor/ours, from {size_label(FLOOR_FROM)})")
+        lines.append(f"{where} ours at {min(floors):.2f} to {max(floors):.2f} of the copy floor's speed (floor/ours)")
     count = {1: "two", 2: "three"}.get(len(others), str(len(others) + 1))
     lines.append(f"{where} " + (f"WRONG results at {', '.join(wrong)}" if wrong else
                                 f"every element of every result as expected ({count} libraries)"))
@@ -403,7 +405,7 @@ def write_report(args, runs, command):
         "method": {"collectives": args.collective_list, "sizes": args.size_list, "rounds": args.rounds,
                    "batch_bytes": args.batch_bytes, "min_iters": args.min_iters, "max_iters": args.max_iters,
                    "warmup": args.warmup, "bind_to": args.bind_to, "mpi": args.mpi_list,
-                   "floor": f"allgather and broadcast from {FLOOR_FROM} B: every rank copies the bytes its result "
+                   "floor": f"allgather and broadcast from {args.floor_from} B: every rank copies the bytes its result "
                             "needs once, from a private array, all ranks at once (bench/backends.py CopyFloor); "
                             "floor/ours is ours' fraction of that speed",
                    "time_us": "median over rounds of the batch's time per call: its slowest rank's time for the "
@@ -442,7 +444,7 @@ def worker_argv(args):
     """The options every launch's ranks run with (explicit, so the JSON says what ran)."""
     argv = ["--collectives", ",".join(args.collective_list), "--sizes", ",".join(str(s) for s in args.size_list),
             "--rounds", str(args.rounds), "--batch-bytes", str(args.batch_bytes), "--min-iters", str(args.min_iters),
-            "--max-iters", str(args.max_iters), "-w", str(args.warmup)]
+            "--max-iters", str(args.max_iters), "-w", str(args.warmup), "--floor-from", str(args.floor_from)]
     if args.timeout is not None:
         argv += ["--timeout", repr(args.timeout)]
     return argv
