@@ -1,11 +1,13 @@
-"""bench.report's first question: how do host ranks compare with MPICH and
-Gloo (and TensorFlow's MultiWorkerMirroredStrategy), collective by
-collective? From bench.host_vs_mpich's runs (one per process count and
-collective; broadcast and reduce in place only before they took out=), the
-suite's runs on host ranks with an mpi, gloo or mwms backend
-(bench/harness.py: the exchanges' tools, alltoall_perf, gather_perf and
-scatter_perf, too), and bench.hierarchy_perf's across pretend nodes; and
-point to point, from bench.pingpong's runs."""
+"""bench.report's first question: how do host ranks compare with MPICH,
+Open MPI and Gloo (and TensorFlow's MultiWorkerMirroredStrategy), collective
+by collective, and, for large allgathers and broadcasts, with a memory copy
+of the same bytes? From bench.host_vs_mpich's runs (one per MPI, process
+count and collective; broadcast and reduce in place only before they took
+out=; the copy floor since --mpi), the suite's runs on host ranks with an
+mpi, mpich, openmpi, gloo or mwms backend (bench/harness.py: the exchanges'
+tools, alltoall_perf, gather_perf and scatter_perf, too), and
+bench.hierarchy_perf's across pretend nodes; and point to point, from
+bench.pingpong's runs."""
 
 import re
 
@@ -15,10 +17,14 @@ from bench.report_runs import (PLACES, Measurement, Part, and_join, cell, harnes
 from collectives.bootstrap import PRETEND_NODES_ENV
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
-REFERENCES = ("MPICH", "Gloo")  # the libraries host ranks are measured against, every collective
-# TensorFlow's strategy is measured where it has the collective (allreduce, allgather), after those two.
+REFERENCES = ("MPICH", "Open MPI", "Gloo")  # the libraries host ranks are measured against, every collective
+# TensorFlow's strategy is measured where it has the collective (allreduce, allgather), after those.
 MWMS_NAME = "TensorFlow MWMS"
-HARNESS_REFERENCES = {"mpi": "MPICH", "gloo": "Gloo", "mwms": MWMS_NAME}   # harness backends -> library
+# Not a library: bench.host_vs_mpich's memory-copy floor (its "floor" cells), whose time over ours
+# is the fraction of a copy's speed ours reaches; its column and README row come after the libraries'.
+COPY_FLOOR = "the copy floor"
+# harness backends -> library (an MPI backend is named by the library its run loaded: reference_name)
+HARNESS_REFERENCES = {"mpi": "MPICH", "mpich": "MPICH", "openmpi": "Open MPI", "gloo": "Gloo", "mwms": MWMS_NAME}
 SOURCES = ("bench.host_vs_mpich", "the suite", "bench.hierarchy_perf")  # the order of their columns and README rows
 
 
@@ -53,10 +59,11 @@ def host_vs_mpich_measurement(run, one):
             times = row.get(place, {})
             ours = times.get("ours", {}).get("time_us")
             for backend, timed in times.items():
-                if backend != "ours":
+                if backend != "ours":   # (the floor too: its time over ours, as the libraries')
                     cells = ratios.setdefault(reference_name(backend, environment), {})
                     cells.setdefault(row["size"], [None, None])[i] = ratio(timed.get("time_us"), ours)
     processes, bind_to = one.get("processes"), one.get("bind_to")
+    mpi = one.get("mpi", "mpich")   # each MPI in launches of its own; the runs before --mpi were MPICH's
     settings = settings_of(environment)
     nodes = pretend_nodes(dict(settings))
     where = "host ranks" if nodes is None else nodes
@@ -65,8 +72,8 @@ def host_vs_mpich_measurement(run, one):
     content["in_place_only"] = one.get("placements") == ["in_place"]
     label = f"{processes} processes, -bind-to {bind_to}" + ("" if nodes is None else f", {nodes}")
     # (a run under the library's settings, pretend nodes say, is a configuration of its own)
-    return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to, settings), label, content,
-                       environment)
+    return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to, settings, mpi), label,
+                       content, environment)
 
 
 def pretend_nodes(settings):
@@ -134,12 +141,14 @@ def comparison(collective, ratios, source, where, processes):
 
 
 def reference_name(backend, environment):
-    """"MPICH" for the mpi backend over MPICH (another MPI by its own name), "Gloo" for gloo,
+    """"MPICH" or "Open MPI" for the mpi backend over either (another MPI by its own name), "Gloo" for gloo,
     MWMS_NAME for mwms."""
-    if backend in ("mpi", "mpich"):
+    if backend in ("mpi", "mpich", "openmpi"):
         library = " ".join(str(environment.get("mpi_library", "")).split())
+        if library.startswith("Open MPI") or (not library and backend == "openmpi"):
+            return "Open MPI"
         return "MPICH" if not library or library.startswith("MPICH") else library.split(",")[0]
-    return HARNESS_REFERENCES.get(backend, backend)
+    return {**HARNESS_REFERENCES, "floor": COPY_FLOOR}.get(backend, backend)
 
 
 def write_against_libraries(shown, runs):
@@ -172,7 +181,7 @@ def write_against_libraries(shown, runs):
 
 
 def reference_order(name):
-    return (REFERENCES.index(name) if name in REFERENCES else len(REFERENCES), name)
+    return (REFERENCES.index(name) if name in REFERENCES else len(REFERENCES) + (name == COPY_FLOOR), name)
 
 
 def readme_against_libraries(shown, runs):
@@ -227,9 +236,12 @@ def where_text(contents):
 def library_version(name, environments):
     """"MPICH 5.0.2", "Gloo (torch 2.13.0)", "TensorFlow 2.21.0 MultiWorkerMirroredStrategy": the
     versions the runs recorded."""
-    if name == "MPICH":
-        found = (re.search(r"\d+(\.\d+)+", str(e.get("mpi_library", ""))) for e in environments)
-        return " ".join(["MPICH", *sorted({version[0] for version in found if version})])
+    if name in ("MPICH", "Open MPI"):
+        found = (re.search(r"\d+(\.\d+)+", str(e.get("mpi_library", ""))) for e in environments
+                 if str(e.get("mpi_library", "")).startswith(name))
+        return " ".join([name, *sorted({version[0] for version in found if version})])
+    if name == COPY_FLOOR:
+        return "a memory copy (the same processes)"
     if name == "Gloo":
         versions = sorted({str(e["torch"]).split("+")[0] for e in environments if e.get("torch")})
         return f"Gloo (torch {', '.join(versions)})" if versions else "Gloo"

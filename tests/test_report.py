@@ -157,7 +157,7 @@ def test_the_latest_run_of_a_configuration_shows_and_the_older_is_linked(tmp_pat
     # The older run sorts last by name, so a pick by path would take it.
     write(tmp_path, {"a_new.json": suite_run(NEW, 3.0), "z_old.json": suite_run(OLD, 2.0)})
     page = report.render(tmp_path, HISTORY)
-    host = section(page, "Host ranks against MPICH and Gloo")
+    host = section(page, "Host ranks against MPICH, Open MPI and Gloo")
     assert "| 1 KiB | 3.00 · 3.00 |" in host and "2.00 · 2.00" not in host
     assert "- 2 processes: [`a_new.json`](../bench/results/a_new.json), commit `bbbbbbbbbb`" in host
     assert ("- [`z_old.json`](../bench/results/z_old.json): an older run of what "
@@ -166,14 +166,14 @@ def test_the_latest_run_of_a_configuration_shows_and_the_older_is_linked(tmp_pat
     assert "`mpiexec -n 2 python -m bench.reduce_scatter_perf --backend ours,mpi -J bench/results/a_new.json`" in host
     assert "Machine: Test CPU, 2 cores; no GPU; MPICH Version: 9.9.9." in host
     # The same files with the commits' order reversed: the other run is the latest.
-    flipped = section(report.render(tmp_path, {OLD: 3000, NEW: 2000}), "Host ranks against MPICH and Gloo")
+    flipped = section(report.render(tmp_path, {OLD: 3000, NEW: 2000}), "Host ranks against MPICH, Open MPI and Gloo")
     assert "| 1 KiB | 2.00 · 2.00 |" in flipped and "3.00 · 3.00" not in flipped
     assert page == report.render(tmp_path, HISTORY)
 
 
 def test_different_configurations_both_show(tmp_path):
     write(tmp_path, {"two.json": suite_run(OLD, 2.0, processes=2), "four.json": suite_run(NEW, 3.0, processes=4)})
-    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH and Gloo")
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH, Open MPI and Gloo")
     assert "| size | MPICH / ours, 2 processes | MPICH / ours, 4 processes |" in host
     assert "| 1 KiB | 2.00 · 2.00 | 3.00 · 3.00 |" in host
     assert "Other runs of this question" not in host
@@ -182,14 +182,14 @@ def test_different_configurations_both_show(tmp_path):
 def test_a_stale_run_is_linked_not_shown(tmp_path):
     write(tmp_path, {"new.json": suite_run(NEW, 3.0), "old.json": suite_run(OLD, 2.0)},
           notes={"new.json": {"stale": "measured code that is gone"}})
-    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH and Gloo")
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH, Open MPI and Gloo")
     assert "| 1 KiB | 2.00 · 2.00 |" in host and "3.00" not in host
     assert "- [`new.json`](../bench/results/new.json): no longer describes the code: measured code that is gone" in host
 
 
 def test_a_configuration_with_only_stale_runs_shows_none(tmp_path):
     write(tmp_path, {"old.json": suite_run(OLD, 2.0)}, notes={"old.json": {"stale": "gone"}})
-    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH and Gloo")
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH, Open MPI and Gloo")
     assert "No current run measures host ranks against another library." in host
     assert "- [`old.json`](../bench/results/old.json): no longer describes the code: gone" in host
 
@@ -197,7 +197,7 @@ def test_a_configuration_with_only_stale_runs_shows_none(tmp_path):
 def test_questions_with_no_data_say_so(tmp_path):
     write(tmp_path, {"a.json": suite_run(NEW, 2.0, collective="allgather")})
     page = report.render(tmp_path, HISTORY)
-    host = section(page, "Host ranks against MPICH and Gloo")
+    host = section(page, "Host ranks against MPICH, Open MPI and Gloo")
     assert "No current run measures reduce_scatter on host ranks against another library." in host
     assert "No current run against Gloo." in host
     assert "`bench.host_vs_mpich` has not measured allgather yet." in host
@@ -213,7 +213,7 @@ def test_host_vs_mpich_runs_slot_in_by_their_collective(tmp_path):
     those that do not are allreduce, as its "benchmark" line says."""
     write(tmp_path, {"hvm.json": host_vs_mpich_run(NEW), "hvm_rs.json": host_vs_mpich_run(NEW, "reduce_scatter")})
     page = report.render(tmp_path, HISTORY)
-    host = section(page, "Host ranks against MPICH and Gloo")
+    host = section(page, "Host ranks against MPICH, Open MPI and Gloo")
     for collective in ("allreduce", "reduce_scatter"):
         table = host.split(f"### {collective}\n", 1)[1].split("###", 1)[0]
         assert "| 64 B | 2.00 · 2.00 |" in table, collective
@@ -237,7 +237,7 @@ def test_host_vs_mpich_across_pretend_nodes_is_a_configuration_of_its_own(tmp_pa
     across["runs"][0]["environment"]["settings"] = {"COLLECTIVES_PRETEND_NODES": "0,0,1,1"}
     across["runs"][0]["rows"][0]["in_place"]["mpich"]["time_us"] = 0.5
     write(tmp_path, {"hvm.json": one_node, "hvm_nodes.json": across})
-    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH and Gloo")
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH, Open MPI and Gloo")
     allreduce = host.split("### allreduce\n", 1)[1].split("###", 1)[0]
     assert ("| size | MPICH / ours, 4 processes, -bind-to core | MPICH / ours, 4 processes, -bind-to core, "
             "2 pretend nodes of 2 processes |") in allreduce
@@ -266,12 +266,13 @@ def test_host_vs_mpich_gloo_beside_mpich_and_in_place_only_collectives(tmp_path)
                                                             "gloo": {"time_us": 50.0}} for place in places}}]})
     write(tmp_path, {"host_vs_mpich.json": {"command": "python -m bench.host_vs_mpich --ranks 2,4",
                                             "machine": runs[0]["environment"], "runs": runs}})
-    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH and Gloo")
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH, Open MPI and Gloo")
     allgather = host.split("### allgather\n", 1)[1].split("###", 1)[0]
     assert ("| size | MPICH / ours, 2 processes, -bind-to core | Gloo / ours, 2 processes, -bind-to core "
             "| MPICH / ours, 4 processes, -bind-to core | Gloo / ours, 4 processes, -bind-to core |") in allgather
     assert "| 1 KiB | 3.00 · 3.00 | 25.00 · 25.00 | 6.00 · 6.00 | 25.00 · 25.00 |" in allgather
-    assert "in place only" not in allgather and "No current run against" not in allgather
+    assert "in place only" not in allgather
+    assert "No current run against MPICH" not in allgather and "No current run against Gloo" not in allgather
     broadcast = host.split("### broadcast\n", 1)[1].split("###", 1)[0]
     assert "| 1 KiB | - · 3.00 | - · 25.00 | - · 6.00 | - · 25.00 |" in broadcast
     assert ("`bench.host_vs_mpich` measured broadcast in place only (before our `broadcast` took `out=`): its "
@@ -283,6 +284,35 @@ def test_host_vs_mpich_gloo_beside_mpich_and_in_place_only_collectives(tmp_path)
             "| MPICH 9.9.9 | broadcast (in place only); host ranks, 2 and 4 processes; 1 KiB to 1 KiB | 3.00x to 6.00x "
             "| 2-core CPU, no GPU |\n"
             "| Gloo (torch 2.13.0) | allgather; host ranks, 2 and 4 processes; 1 KiB to 1 KiB | 25.00x ") in table
+
+
+def test_host_vs_mpich_open_mpi_beside_mpich_and_the_copy_floor(tmp_path):
+    """bench.host_vs_mpich --mpi mpich,openmpi: each MPI's runs (launches of
+    their own) are configurations of their own, their columns side by side
+    named by the library each run loaded; the copy floor's time over ours
+    is a column and a README row of its own, after the libraries'."""
+    runs = []
+    for mpi, library, slower in (("mpich", "MPICH Version: 9.9.9", 3.0), ("openmpi", "Open MPI v8.8.8, package: x", 1.5)):
+        environment = {"git_commit": NEW, "device": "host (no GPU)", "cores": 2, "cpu": "Test CPU",
+                       "mpi_library": library}
+        cells = {"ours": {"time_us": 2.0}, mpi: {"time_us": 2.0 * slower}, "floor": {"time_us": 1.9}}
+        runs.append({"collective": "allgather", "mpi": mpi, "processes": 2, "bind_to": "core",
+                     "placements": ["out_of_place", "in_place"], "environment": environment,
+                     "rows": [{"size": 1 << 20, "out_of_place": cells, "in_place": cells}]})
+    write(tmp_path, {"host_vs_mpi.json": {"command": "python -m bench.host_vs_mpich --ranks 2 --mpi mpich,openmpi",
+                                          "machine": runs[0]["environment"], "runs": runs}})
+    host = section(report.render(tmp_path, HISTORY), "Host ranks against MPICH, Open MPI and Gloo")
+    allgather = host.split("### allgather\n", 1)[1].split("###", 1)[0]
+    assert ("| size | MPICH / ours, 2 processes, -bind-to core | the copy floor / ours, 2 processes, -bind-to core "
+            "| Open MPI / ours, 2 processes, -bind-to core | the copy floor / ours, 2 processes, -bind-to core |"
+            ) in allgather
+    assert "| 1 MiB | 3.00 · 3.00 | 0.95 · 0.95 | 1.50 · 1.50 | 0.95 · 0.95 |" in allgather
+    assert "No current run against MPICH" not in allgather and "No current run against Open MPI" not in allgather
+    table = report.readme_table(report.load_runs(tmp_path), HISTORY)
+    assert "| MPICH 9.9.9 | allgather; host ranks, 2 processes; 1 MiB to 1 MiB | 3.00x |" in table
+    assert "| Open MPI 8.8.8 | allgather; host ranks, 2 processes; 1 MiB to 1 MiB | 1.50x |" in table
+    assert "| a memory copy (the same processes) | allgather; host ranks, 2 processes; 1 MiB to 1 MiB | 0.95x |" in table
+    assert table.index("| MPICH 9.9.9 |") < table.index("| Open MPI 8.8.8 |") < table.index("| a memory copy")
 
 
 def test_the_gpu_floor_is_one_copy_of_what_the_call_moves(tmp_path):
