@@ -104,12 +104,13 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     pytest.importorskip("torch", reason="needs PyTorch for Gloo: pip install torch")
     path = tmp_path / "host_vs_mpich.json"
     command = [sys.executable, "-m", "bench.host_vs_mpich", "--quick", "--ranks", "2", "--sizes", "1K,4K",
-               "--collectives", "reduce_scatter,broadcast", "--rounds", "3", "-J", str(path)]
+               "--collectives", "reduce_scatter,broadcast", "--rounds", "3", "--floor-from", "4K", "-J", str(path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     table = [line for line in done.stdout.splitlines() if line.strip() and not line.startswith("#")]
     assert [line.split()[:2] for line in table] == [["1", "KiB"], ["4", "KiB"]] * 2
-    assert [len(line.split()) for line in table] == [12] * 4   # size (2), 5 cells per placement
+    # size (2), 5 cells per placement; a broadcast of 4 KiB also the copy floor: "|", time and ratio per placement
+    assert [len(line.split()) for line in table] == [12, 12, 12, 17]
     assert done.stdout.count("every element of every result as expected (three libraries)") == 2
     report = json.loads(path.read_text())
     assert report["command"] == "python -m bench.host_vs_mpich " + " ".join(command[3:])
@@ -119,8 +120,8 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     assert not any(name.startswith("COLLECTIVES_BENCH") for name in machine["settings"])  # the tool's, not ours
     assert report["method"]["sizes"] == [1024, 4096] and report["method"]["rounds"] == 3
     binding = "core" if (os.cpu_count() or 1) >= 2 else "none"   # --bind-to auto: a core each, else unpinned
-    assert [(r["collective"], r["processes"], r["bind_to"]) for r in report["runs"]] == [
-        ("reduce_scatter", 2, binding), ("broadcast", 2, binding)]
+    assert [(r["collective"], r["mpi"], r["processes"], r["bind_to"]) for r in report["runs"]] == [
+        ("reduce_scatter", "mpich", 2, binding), ("broadcast", "mpich", 2, binding)]
     for run in report["runs"]:
         assert len(run["affinity"]) == 2 and run["other_processes_cores"] >= 0
         assert run["launch"].startswith(f"mpiexec -bind-to {binding} -n 2 ") and "--worker-output" not in run["launch"]
@@ -130,8 +131,9 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
         for row in run["rows"]:
             assert [p for p in ("out_of_place", "in_place") if p in row] == places
             assert row["iters"] >= 1 and row["algorithm"]
+            floored = run["collective"] == "broadcast" and row["size"] >= 4096
             for place in places:
-                assert sorted(row[place]) == ["gloo", "mpich", "ours"]
+                assert sorted(row[place]) == ["gloo", "mpich", "ours"] + (["floor"] if floored else [])
                 for m in row[place].values():
                     assert m["wrong"] == 0 and len(m["rounds_us"]) == 3 and min(m["rounds_us"]) > 0
                     assert m["time_us"] == pytest.approx(statistics.median(m["rounds_us"]))
@@ -140,8 +142,39 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     from bench.report_runs import Run
     measured = report_host.against_libraries(Run("host_vs_mpich.json", report, {}))
     assert [(m.content["collective"], sorted(m.content["ratios"]), m.content["in_place_only"])
-            for m in measured] == [("reduce_scatter", ["Gloo", "MPICH"], False), ("broadcast", ["Gloo", "MPICH"], False)]
+            for m in measured] == [("reduce_scatter", ["Gloo", "MPICH"], False),
+                                   ("broadcast", ["Gloo", "MPICH", "the copy floor"], False)]
     assert all(cells[0] > 0 and cells[1] > 0 for cells in measured[1].content["ratios"]["MPICH"].values())
+
+
+def test_each_mpi_launches_with_the_same_placement_in_its_own_syntax(monkeypatch):
+    """bench/mpis.py: hydra's flags, as the tests and tools write them, pass
+    to MPICH unchanged and reach Open MPI's mpirun translated: rank r on
+    core r mod cores (oversubscribed where the ranks outnumber the cores,
+    which Open MPI refuses otherwise), survivors kept when a rank dies,
+    variables per block of an MPMD launch."""
+    from bench import mpis
+    monkeypatch.setattr(mpis.os, "geteuid", lambda: 1000)   # as root Open MPI also needs --allow-run-as-root
+    hydra = ["-disable-auto-cleanup", "-bind-to", "core"]
+    assert mpis.translate_hydra_flags(mpis.MPICH, 4, hydra) == hydra
+    assert mpis.launcher_flags(mpis.OPEN_MPI, 2, "core", cores=2) == [
+        "--map-by", "core", "--rank-by", "span", "--bind-to", "core"]
+    assert mpis.translate_hydra_flags(mpis.OPEN_MPI, 4, hydra) == mpis.launcher_flags(mpis.OPEN_MPI, 4, "core") + [
+        "--enable-recovery"]
+    assert mpis.launcher_flags(mpis.OPEN_MPI, 4, "core", cores=2) == [
+        "--map-by", "core:oversubscribe", "--rank-by", "span", "--bind-to", "core:overload-allowed"]
+    assert mpis.launcher_flags(mpis.OPEN_MPI, 4, "none", cores=2) == ["--oversubscribe", "--bind-to", "none"]
+    assert mpis.launcher_flags(mpis.OPEN_MPI, 3, None, cores=2) == ["--oversubscribe"]
+    assert mpis.translate_hydra_flags(mpis.OPEN_MPI, 1, ["-env", "A", "1"], whole_launch=False) == ["-x", "A=1"]
+    monkeypatch.setattr(mpis.os, "geteuid", lambda: 0)
+    assert mpis.launcher_flags(mpis.OPEN_MPI, 2, "none", cores=2)[0] == "--allow-run-as-root"
+    with pytest.raises(ValueError, match="hydra's"):
+        mpis.launcher_flags(mpis.OPEN_MPI, 4, "user:0,0,1,1")
+    # The tests' launcher is read at each call, not at import.
+    monkeypatch.setenv(mpis.TEST_MPI_VARIABLE, "openmpi")
+    assert mpis.chosen_for_tests() == mpis.OPEN_MPI
+    monkeypatch.delenv(mpis.TEST_MPI_VARIABLE)
+    assert mpis.chosen_for_tests() == mpis.MPICH
 
 
 def test_the_gpu_path_on_emulated_devices(capsys):

@@ -21,7 +21,7 @@ TOOLS = ["all_reduce_perf", "reduce_scatter_perf", "all_gather_perf", "broadcast
          "call_overhead", "codec_speed", "compression_error", "compression_model", "fusion_perf", "gpu_check",
          "floor", "half_precision_error", "hierarchy_model", "hierarchy_perf", "host_vs_mpich", "model",
          "plan_report", "plot", "report", "spmd_overhead", "chaos", "pingpong", "tensorflow_overhead",
-         "call_percentiles", "keras_fit"]
+         "call_percentiles", "keras_fit", "mpis"]
 
 
 def test_every_command_line_is_listed():
@@ -87,6 +87,15 @@ def test_a_bad_size_gives_one_line(tool, argv, monkeypatch, capsys):
     assert run_tool(monkeypatch, tool, argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'lots' is not a size" in err, err
+
+
+@pytest.mark.parametrize("tool, argv, said", [
+    ("host_vs_mpich", ["--mpi", "mpich,lam"], "--mpi: comma-separated, from mpich, openmpi"),
+    ("all_reduce_perf", ["--backend", "ours,mpich,openmpi"], "one process loads one MPI library")])
+def test_two_mpi_libraries_or_an_unknown_one_give_one_line(tool, argv, said, monkeypatch, capsys):
+    assert run_tool(monkeypatch, tool, argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
 
 
 def test_host_vs_mpich_rejects_an_unknown_collective_in_one_line(monkeypatch, capsys):
@@ -155,9 +164,10 @@ def test_the_library_names_both_installs_when_headers_are_missing(monkeypatch):
 # The tools that write a file whatever they are told: bench.report's job is
 # to write docs/benchmarks.md and README.md's results table (test_report.py
 # checks both), and bench.plot requires -o. The models print and write
-# nothing.
+# nothing; bench.mpis prints where each MPI is, and makes Open MPI's
+# environment (.venv-openmpi, git-ignored) only when --make says so.
 WRITERS_BY_DESIGN = {"report", "plot"}
-PRINT_ONLY = {"model", "hierarchy_model"}
+PRINT_ONLY = {"model", "hierarchy_model", "mpis"}
 
 
 @pytest.mark.parametrize("tool", sorted(set(TOOLS) - WRITERS_BY_DESIGN))

@@ -7,12 +7,11 @@ import functools
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_mpi import mpiexec
+from test_mpi import mpi_launch
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi
@@ -24,7 +23,7 @@ def run_worker(n, scenario, *extra, env=None, limit=300, launcher_flags=()):
     env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join([str(WORKER.parent),
                                                                        os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
-    done = subprocess.run([mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(WORKER), scenario, *extra],
+    done = subprocess.run([*mpi_launch(n, *launcher_flags), str(WORKER), scenario, *extra],
                           capture_output=True, text=True, timeout=limit, env=env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report

@@ -12,7 +12,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import pytest
 from collectives import InvalidUsageError, hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV, Topology, pretend_label
 from collectives.compression.kernels import BLOCK
-from test_mpi import mpiexec
+from test_mpi import mpi_launch
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 
@@ -40,7 +39,7 @@ def run_ranks(scenario, layout, *launcher_flags, limit=240):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     env.pop(PRETEND_NODES_ENV, None)   # the worker sets it from `layout`
-    done = subprocess.run([mpiexec(), *launcher_flags, "-n", str(len(layout.split(","))), sys.executable, str(WORKER), scenario, layout],
+    done = subprocess.run([*mpi_launch(len(layout.split(",")), *launcher_flags), str(WORKER), scenario, layout],
                           capture_output=True, text=True, timeout=limit, env=env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report

@@ -7,13 +7,12 @@ missing wait) caught by those same checks."""
 import os
 import re
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from test_mpi import mpiexec
+from test_mpi import launcher_flags, mpiexec, worker_python
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 host_process = pytest.importorskip("collectives.executors.host_process")
@@ -31,14 +30,14 @@ def run(ranks, scenario, *arguments, environments=None, limit=180):
     (MPMD: one program block per rank). Returns (exit code, output)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_COMPILED_PLANS", None)
-    command = [mpiexec()]
+    command = [mpiexec(), *launcher_flags(ranks)]
     for rank in range(ranks):
         if rank:
             command.append(":")
         command += ["-n", "1"]
         for name, value in (environments or {}).get(rank, {}).items():
-            command += ["-env", name, value]
-        command += [sys.executable, str(WORKER), scenario, *arguments]
+            command += launcher_flags(1, "-env", name, value, whole_launch=False)
+        command += [worker_python(), str(WORKER), scenario, *arguments]
     done = subprocess.run(command, capture_output=True, text=True, timeout=limit, env=env)
     return done.returncode, done.stdout + done.stderr
 

@@ -7,14 +7,13 @@ Each test has a hard time limit: a hang fails the test instead of CI.
 
 import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from backends import gpu_unavailable_reason
+from mpi_launch import launcher_flags, mpi_launch, mpich_mpiexec, mpiexec, worker_python  # noqa: F401 (the other modules import them from here)
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi
@@ -30,14 +29,6 @@ def device(request):
     return request.param
 
 
-def mpiexec():
-    beside_python = Path(sys.executable).with_name("mpiexec")
-    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("no mpiexec found (pip install '.[test]' brings MPICH's)")
-    return found
-
-
 def run_worker(worker, n, scenario, *arguments, launcher_flags=(), limit=240, environment=None):
     """Run `worker scenario *arguments` on n ranks under mpiexec (the tests'
     folder importable, no inherited COLLECTIVES_TIMEOUT); it must exit 0.
@@ -47,7 +38,7 @@ def run_worker(worker, n, scenario, *arguments, launcher_flags=(), limit=240, en
     env.pop("COLLECTIVES_TIMEOUT", None)
     try:
         done = subprocess.run(
-            [mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(worker), scenario, *arguments],
+            [*mpi_launch(n, *launcher_flags), str(worker), scenario, *arguments],
             capture_output=True, text=True, timeout=limit, env=env,
         )
     except subprocess.TimeoutExpired as hung:   # say what the ranks had printed, whole

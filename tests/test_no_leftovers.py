@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+import mpi_launch
+
 THIS = Path(__file__).resolve()
 SHM = "/dev/shm"
 
@@ -60,8 +62,11 @@ def worker(scenario, device):
 
 
 def mpiexec():
-    beside_python = Path(sys.executable).with_name("mpiexec")
-    return str(beside_python) if beside_python.exists() else None
+    """The chosen launcher (tests/mpi_launch.py), None where there is none."""
+    try:
+        return mpi_launch.mpiexec()
+    except pytest.skip.Exception:
+        return None
 
 
 def library_names(pids, names=None):
@@ -79,7 +84,7 @@ def run_job(n, scenario, device, limit=180):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(THIS.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     # -disable-auto-cleanup: each rank dies by its own SIGKILL, not by Hydra's hand.
-    done = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", str(n), sys.executable, str(THIS),
+    done = subprocess.run([*mpi_launch.mpi_launch(n, "-disable-auto-cleanup"), str(THIS),
                            scenario, device], capture_output=True, text=True, timeout=limit, env=env)
     ranks = {int(r): (int(pid), prefix) for r, pid, prefix in
              re.findall(r"RANK (\d+) (\d+) (coll-\d+-[0-9a-f]+)", done.stdout)}

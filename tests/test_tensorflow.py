@@ -16,13 +16,13 @@ RankFailedError, not a hang.
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+import mpi_launch
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 tf = pytest.importorskip("tensorflow", reason="the TensorFlow tests need TensorFlow: pip install '.[test]' "
@@ -275,11 +275,7 @@ def test_metric_average_callback_averages_numbers_and_leaves_the_rest(comm):
 
 def mpiexec():
     pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
-    beside_python = Path(sys.executable).with_name("mpiexec")
-    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("no mpiexec found (pip install '.[test]' brings MPICH's)")
-    return found
+    return mpi_launch.mpiexec()
 
 
 def run_worker(n, scenario, *arguments, launcher_flags=(), limit=240):
@@ -287,7 +283,7 @@ def run_worker(n, scenario, *arguments, launcher_flags=(), limit=240):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), str(WORKER.parents[1]),
                                                        os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
-    done = subprocess.run([mpiexec(), *launcher_flags, "-n", str(n), sys.executable, str(WORKER), scenario,
+    done = subprocess.run([*mpi_launch.mpi_launch(n, *launcher_flags), str(WORKER), scenario,
                            *map(str, arguments)], capture_output=True, text=True, timeout=limit, env=env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-20000:]}"
     oks = {}
@@ -371,7 +367,7 @@ def test_every_argument_and_the_errors_are_documented(function):
 def test_the_keras_example_runs():
     pytest.importorskip("sklearn", reason="the digits data set comes with scikit-learn: pip install scikit-learn")
     example = Path(__file__).resolve().parent.parent / "examples" / "keras_digits.py"
-    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(example), "--epochs", "2"],
+    done = subprocess.run([*mpi_launch.mpi_launch(2), str(example), "--epochs", "2"],
                           capture_output=True, text=True, timeout=240)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-20000:]}"
     assert done.returncode == 0, report

@@ -16,13 +16,13 @@ the others raise within the timeout. And both examples run.
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+import mpi_launch
 
 torch = pytest.importorskip("torch", reason="the training tests need PyTorch: pip install '.[test]' (or '.[torch]')")
 
@@ -182,17 +182,13 @@ def test_host_array_shares_the_tensors_memory():
 
 def mpiexec():
     pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
-    beside_python = Path(sys.executable).with_name("mpiexec")
-    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("no mpiexec found (pip install '.[test]' brings MPICH's)")
-    return found
+    return mpi_launch.mpiexec()
 
 
 def run(n, command, *launcher_flags, limit=120):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
-    done = subprocess.run([mpiexec(), *launcher_flags, "-n", str(n), sys.executable, *command],
+    done = subprocess.run([*mpi_launch.mpi_launch(n, *launcher_flags), *command],
                           capture_output=True, text=True, timeout=limit, env=env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report

