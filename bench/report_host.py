@@ -212,7 +212,8 @@ def readme_against_libraries(shown, runs):
         if name == MWMS_NAME:   # (what a TensorFlow user calls: the tf.function is its cost, not ours)
             what += "; theirs a tf.function of strategy.run per call, ours the NumPy API"
         values = [v for m, n in members for cells in m.content["ratios"][n].values() for v in cells]
-        rows.append([library_version(name, [m.machine_environment for m, _ in members]), what, span(values),
+        result = span(values) + (" of its speed" if name == COPY_FLOOR else "")
+        rows.append([library_version(name, [m.machine_environment for m, _ in members]), what, result,
                      short_machines([m for m, _ in members])])
     return rows
 
