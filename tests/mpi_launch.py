@@ -10,6 +10,7 @@ chosen launcher's syntax."""
 
 import atexit
 import functools
+import shlex
 import shutil
 import sys
 import tempfile
@@ -67,6 +68,28 @@ def openmpi_backing_directory():
     folder = tempfile.mkdtemp(prefix="collectives-tests-openmpi-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
+
+
+def killed_ranks_fail_the_launch():
+    """Whether the launcher's exit status is nonzero when ranks die by a
+    signal under -disable-auto-cleanup: hydra's is (the signal's number);
+    Open MPI's mpirun with --enable-recovery, its translation, exits 0."""
+    return mpis.chosen_for_tests() == mpis.MPICH
+
+
+def survivable_launch(n, arguments):
+    """What starts n ranks of `python arguments...` whose survivors go on
+    when some die: under hydra each rank in `sh -c 'trap "" USR1; ...'`
+    with -disable-auto-cleanup (hydra signals the survivors SIGUSR1, which
+    would end them: docs/api.md, "Going on after a failure"); under Open
+    MPI the rank itself with --enable-recovery (PRRTE sends no signal, and
+    ends the job once two ranks exit nonzero, which a shell's `exit 137`
+    is, where ranks killed by a signal leave the others running)."""
+    if mpis.chosen_for_tests() == mpis.OPEN_MPI:
+        return [*mpi_launch(n, "-disable-auto-cleanup"), *arguments]
+    command = " ".join(shlex.quote(part) for part in (worker_python(), *arguments))
+    return [mpiexec(), *launcher_flags(n, "-disable-auto-cleanup"), "-n", str(n), "sh", "-c",
+            f'trap "" USR1; {command}; exit $?']
 
 
 def mpi_launch(n, *flags):

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from backends import gpu_unavailable_reason
-from mpi_launch import launcher_flags, mpi_launch, mpich_mpiexec, mpiexec, worker_python  # noqa: F401 (the other modules import them from here)
+from mpi_launch import (  # noqa: F401 (the other modules import them from here)
+    launcher_flags, mpi_launch, mpich_mpiexec, mpiexec, survivable_launch, worker_python)
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi

@@ -25,7 +25,7 @@ import pytest
 import collectives
 from collectives import InvalidUsageError, elastic
 from collectives.transport import fastpath
-from test_mpi import launcher_flags, mpich_mpiexec, mpiexec, worker_python
+from test_mpi import mpich_mpiexec, survivable_launch
 
 WORKER = Path(__file__).with_name("recovery_worker.py")
 ELASTIC_WORKER = Path(__file__).with_name("elastic_worker.py")
@@ -38,15 +38,12 @@ needs_the_loop = pytest.mark.skipif(not fastpath.available(), reason="the compil
 def run_survivors(n, scenario, *arguments, survivors, worker=WORKER, device="host"):
     """Run the worker's scenario on n ranks; the ranks `survivors` must each print OK."""
     pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
-    command = " ".join(shlex.quote(part) for part in (worker_python(), str(worker), scenario, *arguments))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     env["RECOVERY_DEVICE"] = device
     try:
-        done = subprocess.run(
-            [mpiexec(), *launcher_flags(n, "-disable-auto-cleanup"), "-n", str(n), "sh", "-c",
-             f'trap "" USR1; {command}; exit $?'],
-            capture_output=True, text=True, timeout=LIMIT, env=env)
+        done = subprocess.run(survivable_launch(n, [str(worker), scenario, *arguments]),
+                              capture_output=True, text=True, timeout=LIMIT, env=env)
     except subprocess.TimeoutExpired as hung:
         printed = [o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (hung.stdout, hung.stderr)]
         pytest.fail(f"mpiexec ran past {LIMIT} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
@@ -122,9 +119,8 @@ def test_the_elastic_example_loses_a_rank_and_ends_on_the_uninterrupted_runs_acc
     example = Path(__file__).parent.parent / "examples" / "elastic.py"
 
     def accuracy(n, *flags):
-        command = " ".join(shlex.quote(p) for p in (worker_python(), str(example), "--epochs", "8", *flags))
-        done = subprocess.run([mpiexec(), *launcher_flags(n, "-disable-auto-cleanup"), "-n", str(n), "sh", "-c",
-                               f'trap "" USR1; {command}; exit $?'], capture_output=True, text=True, timeout=LIMIT)
+        done = subprocess.run(survivable_launch(n, [str(example), "--epochs", "8", *flags]),
+                              capture_output=True, text=True, timeout=LIMIT)
         found = re.search(r"(\d) ranks finished (\d+) steps; test accuracy ([\d.]+); parameters bitwise identical: "
                           r"True", done.stdout)
         assert found, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
