@@ -69,7 +69,7 @@ def environment(args, nranks, backends):
         from mpi4py import MPI
         import mpi4py
         env["mpi4py"] = mpi4py.__version__
-        env["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+        env["mpi_library"] = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()   # (Open MPI's ends in a NUL)
     if GLOO in backends or any(b in TORCH_BACKENDS for b in backends):
         import torch
         env["torch"] = torch.__version__

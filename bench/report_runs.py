@@ -218,7 +218,7 @@ def machine(environment):
     for key, label in (("mpi_library", ""), ("mpi4py", "mpi4py "), ("torch", "torch "), ("python", "Python "),
                        ("numpy", "NumPy ")):
         if environment.get(key):
-            parts.append(label + " ".join(str(environment[key]).split()))
+            parts.append(label + " ".join(str(environment[key]).replace("\x00", " ").split()))   # (NUL: Open MPI's)
     return "; ".join(parts) or "not recorded"
 
 

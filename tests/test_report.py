@@ -139,7 +139,7 @@ def test_tensorflows_strategy_beside_mpich_and_its_keras_step(tmp_path):
                     for r in run["rows"] if r["backend"] == "ours"]
     write(tmp_path, {"suite.json": run, "keras.json": keras_fit_run(NEW, 4.0, 10.0)})
     page = report.render(tmp_path, HISTORY)
-    host = section(page, "Host ranks against MPICH and Gloo")
+    host = section(page, "Host ranks against MPICH, Open MPI and Gloo")
     assert "| size | MPICH / ours, 2 processes | TensorFlow MWMS / ours, 2 processes |" in host
     assert "| 1 KiB | 2.00 · 2.00 | 40.00 · - |" in host, host   # (MWMS has no in-place call: bench/backends.py)
     training = section(page, "Training steps against TensorFlow's own strategy")
