@@ -69,7 +69,8 @@ def environment(args, nranks, backends):
         from mpi4py import MPI
         import mpi4py
         env["mpi4py"] = mpi4py.__version__
-        env["mpi_library"] = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()   # (Open MPI's ends in a NUL)
+        # (Open MPI's version string ends in a NUL)
+        env["mpi_library"] = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
     if GLOO in backends or any(b in TORCH_BACKENDS for b in backends):
         import torch
         env["torch"] = torch.__version__

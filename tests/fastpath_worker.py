@@ -632,8 +632,8 @@ def main():
     comm = collectives.init(timeout=TIMEOUT)
     assert LOOP == (comm._ranks.fast_allreduce is not None), "the loop runs exactly when not hidden"   # noqa: SLF001
     digest = hashlib.blake2b()
-    ranks_leave = scenario in ("killed_large", "abort", "stalled_large", "mismatch", "spread_mismatch", "interrupted", "fenced",
-                               "collective_faults", "edge_arrays")
+    ranks_leave = scenario in ("killed_large", "abort", "stalled_large", "mismatch", "spread_mismatch", "interrupted",
+                               "fenced", "collective_faults", "edge_arrays")
 
     def run():
         if scenario == "bits":

@@ -33,8 +33,9 @@ def raise_wait_failure(group, status, peer, have, need, seq, description, progre
             f"timed out waiting for rank {peer} in call #{seq}, {description} ({progress} {have}, "
             f"this rank needs {need}){group.absent_note(seq)}")
     if status in (READ_FAILED, WRITE_FAILED):   # `have` is the errno
+        reason = os.strerror(have) if have else "nothing copied"
         raise CollectiveError(f"{'reading' if status == READ_FAILED else 'writing into'} rank {peer}'s buffer "
-                              f"failed in call #{seq}, {description}: {os.strerror(have) if have else 'nothing copied'}")
+                              f"failed in call #{seq}, {description}: {reason}")
     if status == MISMATCH:
         raise InvalidUsageError(
             f"rank {peer} is in its call #{group.peer_seq(peer)}, a different call from rank {group.rank}'s "
