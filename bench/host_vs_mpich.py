@@ -1,6 +1,7 @@
 """Every collective on host ranks, one rank per process: ours against MPICH, Open MPI and Gloo.
 
     python -m bench.host_vs_mpich --ranks 2,4 [--mpi mpich,openmpi] [-J FILE]
+    python -m bench.host_vs_mpich --hosts 2 --link 1gbit --ranks 4 [--compression bf16,int8] [-J FILE]
 
 For each MPI in --mpi and each process count in --ranks this makes one
 launch, with that MPI's launcher and `-bind-to BIND -n N` in its syntax
@@ -86,6 +87,19 @@ small call costs milliseconds, for MPICH as for ours. Unpinned, the kernel
 runs whichever rank is ready on whichever core is free. Each run records
 every rank's CPU affinity.
 
+Across hosts (--hosts H, root): the tool makes H hosts on this machine
+(bench/hosts.py: each its own network, UTS, IPC, PID and mount namespaces,
+a private /dev/shm, one link to a bridge shaped by tc tbf to --link), runs
+each launch with MPICH's mpiexec through them, as many ranks on each host,
+unpinned unless --bind-to says otherwise (the hosts share this machine's
+cores), and removes them afterwards, also when killed. Before each launch
+one TCP stream from h0 to h1 measures the link; the table adds the link
+floor per size: the bytes the busiest host must send (LINK_BYTES below)
+over that rate, and link/ours, how near ours comes to it. --compression
+adds ours compressed beside the allreduce (seeded normal inputs for every
+library then, the codec's maxrel in the JSON; ours/compressed in the
+table is the codec's speed-up).
+
 Under mpiexec already (`mpiexec -n 4 python -m bench.host_vs_mpich`) it runs
 once on those processes and rank 0 prints and writes the same report.
 """
@@ -93,6 +107,8 @@ once on those processes and rank 0 prints and writes the same report.
 import argparse
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -102,10 +118,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import cli, harness, mpis
+from bench import cli, harness, hosts, mpis
 from bench.all_gather_perf import ALLGATHER
 from bench.all_reduce_perf import ALLREDUCE
-from bench.backends import COPY_FLOOR, GLOO, MPI_BACKEND, OURS, make_backends
+from bench.backends import COPY_FLOOR, GLOO, MPI_BACKEND, NO_COMPRESSION, OURS, make_backends
 from bench.broadcast_perf import BROADCAST
 from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment, library_settings
 from bench.reduce_perf import REDUCE
@@ -114,7 +130,9 @@ from bench.report_runs import size_label
 
 SPECS = {spec.name: spec for spec in (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE)}
 # The names the JSON (and bench.report) gives the libraries, and the tables.
-NAMES = {"ours": "ours", mpis.MPICH: "MPICH", mpis.OPEN_MPI: "Open MPI", "gloo": "Gloo", "floor": "floor"}
+NAMES = {"ours": "ours", mpis.MPICH: "MPICH", mpis.OPEN_MPI: "Open MPI", "gloo": "Gloo", "floor": "floor",
+         "link": "link"}
+NOT_LIBRARIES = ("ours", "floor", "link")   # a row's entries that are no library beside ours
 FLOORED = ("allgather", "broadcast")   # collectives whose every byte can be copied once: their floor is a copy
 FLOOR_FROM = "1M"                      # measured from this size (below it a call's fixed cost dominates)
 PLACEMENTS = ("out_of_place", "in_place")
@@ -156,6 +174,15 @@ def parse_args(argv=None):
     p.add_argument("-w", "--warmup", type=int, default=None,
                    help=f"untimed calls of each library per size and placement first (default "
                         f"{DEFAULTS['warmup']}; --quick {QUICK['warmup']})")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="run across this many hosts made on this machine (bench/hosts.py: network namespaces, "
+                        "each host's link shaped to --link; needs root), the processes spread evenly; "
+                        "the table adds the link floor (default 0: every process on this machine)")
+    p.add_argument("--link", default="10gbit",
+                   help="with --hosts: each host's link rate, tc's words (10gbit, 1gbit, 100mbit)")
+    p.add_argument("--compression", default=NO_COMPRESSION,
+                   help="comma-separated codecs (bf16, fp16, int8) our allreduce also runs with, beside the "
+                        "uncompressed call; its results are checked against the codec's error bound")
     p.add_argument("--floor-from", default=FLOOR_FROM, type=cli.size,
                    help="time the memory-copy floor beside allgathers and broadcasts of this size and larger")
     p.add_argument("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 2 rounds of a few calls")
@@ -163,6 +190,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=None, help="our communicator's timeout in seconds")
     p.add_argument("--worker-output", default=None, help=argparse.SUPPRESS)  # a launch's rank 0 writes its run here
     p.add_argument("--no-gloo", action="store_true", help=argparse.SUPPRESS)  # launches after the first MPI's
+    p.add_argument("--link-rate", type=float, default=None, help=argparse.SUPPRESS)  # bytes/s, measured before
     args = p.parse_args(argv)
     for name, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, name) is None:
@@ -187,9 +215,48 @@ def parse_args(argv=None):
         p.error("--sizes: each a positive multiple of 4 B (float32)")
     if not args.rank_list or any(r < 2 for r in args.rank_list):
         p.error("--ranks: process counts of at least 2")
+    args.compression_list = [c.strip() for c in args.compression.split(",") if c.strip() != NO_COMPRESSION]
+    unknown = sorted(set(args.compression_list) - set(harness.COMPRESSIONS))
+    if unknown or not args.compression_list and args.compression.strip() != NO_COMPRESSION:
+        p.error(f"--compression: unknown {unknown}; choose from {', '.join(harness.COMPRESSIONS)}")
+    if args.hosts:
+        if args.hosts < 2:
+            p.error("--hosts: at least 2 (0: one machine)")
+        if args.mpi_list != [mpis.MPICH]:
+            p.error("--hosts: MPICH only (its mpiexec launches through the hosts' launcher; Open MPI's mpirun "
+                    "does not here)")
+        if any(r % args.hosts for r in args.rank_list):
+            p.error(f"--ranks: with --hosts {args.hosts}, multiples of {args.hosts} (as many processes per host)")
+        try:
+            hosts.link_bits_per_second(args.link)   # its words are checked before anything is made
+        except ValueError as error:
+            p.error(str(error))
     if args.rounds < 1 or args.batch_bytes < 1 or args.warmup < 0 or not 1 <= args.min_iters <= args.max_iters:
         p.error("need --rounds >= 1, --batch-bytes >= 1, -w >= 0 and 1 <= --min-iters <= --max-iters")
     return args
+
+
+# The link floor across H hosts: the bytes the busiest host must send over
+# its link, at least, for a collective of `size` bytes (the size column),
+# when nothing is reduced in the network. Summed over hosts, what they send
+# is what they receive; every host must receive what it lacks:
+#   allreduce       2 (H-1)/H size  (each host's share of the sum in, every sum out: Patarasuk and Yuan)
+#   reduce_scatter    (H-1)/H size  (the partials of the other hosts' ranges)
+#   allgather         (H-1)/H size  (the other hosts' rows)
+#   broadcast             size      (the root's host sends every byte once)
+#   reduce          size / (H-1)    (the root's host receives a partial of every byte)
+LINK_BYTES = {
+    "allreduce": lambda size, h: 2 * size * (h - 1) / h,
+    "reduce_scatter": lambda size, h: size * (h - 1) / h,
+    "allgather": lambda size, h: size * (h - 1) / h,
+    "broadcast": lambda size, h: size,
+    "reduce": lambda size, h: size / (h - 1),
+}
+
+
+def link_floor_us(collective, size, host_count, bytes_per_second):
+    """The link floor's time in µs (see LINK_BYTES)."""
+    return LINK_BYTES[collective](size, host_count) / bytes_per_second * 1e6
 
 
 def calls_per_batch(nbytes, args):
@@ -201,15 +268,20 @@ def libraries(args):
     return [OURS, MPI_BACKEND] + ([] if args.no_gloo else [GLOO])
 
 
-def json_names(mpi):
-    """The harness's backends as the JSON names them: the mpi backend by its library."""
-    return {OURS: "ours", MPI_BACKEND: mpi, GLOO: "gloo", COPY_FLOOR: "floor"}
+def json_name(backend, mpi):
+    """A harness backend as the JSON names it: the mpi backend by its library,
+    ours compressed by its codec (ours:int8)."""
+    if backend.name == OURS and backend.compression is not None:
+        return f"ours:{backend.compression}"
+    return {OURS: "ours", MPI_BACKEND: mpi, GLOO: "gloo", COPY_FLOOR: "floor"}[backend.name]
 
 
 def harness_args(spec, args):
     """The harness's own flags for this spec (its parser fills every default)."""
     argv = ["--backend", ",".join(libraries(args)), "-d", DTYPE, "-o", OP, "-r", str(ROOT), "-w", str(args.warmup),
             "--rounds", str(args.rounds), "-e", str(max(args.size_list)), "-q"]
+    if args.compression_list and spec.name == "allreduce":
+        argv += ["--compression", ",".join([NO_COMPRESSION, *args.compression_list])]
     if args.timeout is not None:
         argv += ["--timeout", repr(args.timeout)]
     return harness.parse_args(spec, argv)
@@ -222,27 +294,32 @@ def measure_collective(spec, args, world, mpi):
     hargs = harness_args(spec, args)
     floored = spec.name in FLOORED
     backends = make_backends(libraries(args) + ([COPY_FLOOR] if floored else []), spec, hargs, world)
-    names = json_names(mpi)
     ours = backends[0]
     places = PLACEMENTS
     nranks, itemsize, rows = world.size, hargs.dtype.itemsize, []
+    # compressed: every library's timed calls on seeded normal floats, ours compressed judged by maxrel
+    seeded = harness.SeededInputs(spec, OP, nranks) if hargs.compressed else None
     try:
         for nbytes in args.size_list:
             if spec.param_count(nbytes, itemsize, nranks) == 0:
                 continue   # less than one element per rank
             hargs.iters = calls_per_batch(nbytes, args)
             timed = [b for b in backends if b.name != COPY_FLOOR or nbytes >= args.floor_from]
-            measured = harness.measure(timed, spec, hargs, nbytes, world,
+            measured = harness.measure(timed, spec, hargs, nbytes, world, seeded=seeded,
                                        placements=[place == "in_place" for place in places])
             in_count, _ = spec.counts(nbytes, itemsize, nranks)
             picked = harness.picked_algorithm(ours, spec, hargs, in_count)
-            row = {"size": spec.bytes_moved(nbytes, itemsize, nranks),
+            size = spec.bytes_moved(nbytes, itemsize, nranks)
+            row = {"size": size,
                    "count": spec.param_count(nbytes, itemsize, nranks),
                    "iters": hargs.iters, "algorithm": picked.algorithm, "path": picked.path}
             for i, place in enumerate(places):
-                row[place] = {names[b.name]: {"time_us": m[i]["seconds"] * 1e6, "wrong": m[i]["wrong"],
-                                              "rounds_us": [s * 1e6 for s in m[i]["rounds"]]}
+                row[place] = {json_name(b, mpi): {"time_us": m[i]["seconds"] * 1e6, "wrong": m[i]["wrong"],
+                                                  "rounds_us": [s * 1e6 for s in m[i]["rounds"]],
+                                                  **({"maxrel": m[i]["maxrel"]} if b.compression else {})}
                               for b, m in zip(timed, measured)}
+                if args.link_rate:
+                    row[place]["link"] = {"time_us": link_floor_us(spec.name, size, args.hosts, args.link_rate)}
             rows.append(row)
             if world.rank == 0:
                 print(format_row(row), flush=True)
@@ -257,6 +334,7 @@ def run_launch(args, world):
     leader = world.rank == 0
     affinity = world.gather(sorted(os.sched_getaffinity(0)), root=0)
     pids = world.gather(os.getpid(), root=0)
+    hostnames = world.gather(socket.gethostname(), root=0)
     binding = os.environ.get(BIND_TO, "as launched")
     # the library's settings it runs under ($COLLECTIVES_PRETEND_NODES, say), as the JSON's environment records them
     settings = "".join(f", {name}={value}" for name, value in library_settings().items())
@@ -269,9 +347,14 @@ def run_launch(args, world):
             print(f"# {name}, float32{f' {OP}' if spec.has_op else ''}, {world.size} processes, -bind-to {binding}"
                   f"{settings}: ours, {NAMES[mpi]} (mpi4py)" + ("" if args.no_gloo else ", Gloo (torch.distributed)")
                   + (f", the copy floor from {size_label(args.floor_from)}" if name in FLOORED else "")
+                  + (f", ours with {','.join(args.compression_list)}"
+                     if args.compression_list and name == "allreduce" else "")
+                  + (f"; {args.hosts} hosts, each link {args.link} ({args.link_rate * 8 / 1e9:.2f} Gbit/s measured), "
+                     "the link floor" if args.link_rate else "")
                   + f", {args.rounds} rounds, alternating; median of rounds; CPU affinity per rank {affinity}",
                   flush=True)
-            print(header(others, args.floor_from), flush=True)
+            print(header(others, args.floor_from, bool(args.link_rate),
+                         args.compression_list if name == "allreduce" else ()), flush=True)
         load_before = os.getloadavg()
         cpu_before = cpu_ticks(pids) if leader else None
         rows = measure_collective(spec, args, world, mpi)
@@ -280,24 +363,38 @@ def run_launch(args, world):
             continue
         env = environment(argparse.Namespace(device="host"), world.size, libraries(args))
         launch = env.pop("command").split(" --worker-output ")[0]  # the report's own temporary file
+        across = ({"hosts": {"count": args.hosts, "link": args.link, "measured_bytes_per_second": args.link_rate,
+                             "hostnames": sorted(set(hostnames))}}
+                  if args.link_rate else {})
         runs.append({"collective": name, "mpi": mpi, "processes": world.size, "bind_to": binding, "affinity": affinity,
+                     **across,
                      "placements": list(PLACEMENTS), "launch": launch, "environment": env,
                      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
                      "other_processes_cores": other_processes_cores(cpu_before, cpu_after), "rows": rows})
     return runs if leader else None
 
 
-def header(others, floor_from):
+def header(others, floor_from, link=False, codecs=()):
     """The table's two header lines for the libraries beside ours (format_row's cells)."""
     names = [NAMES[lib].replace(" ", "") for lib in others]
     columns = "".join(f"{n + ' µs':>12s}" for n in ["ours", *names]) + "".join(f"{n + '/ours':>14s}" for n in names)
+    after = [f"from {size_label(floor_from)}, allgather and broadcast: | floor µs, floor/ours"]
+    if link:
+        after.append("| link: the link floor µs, link/ours")
+    if codecs:
+        after.append(f"| {'/'.join(codecs)}: ours compressed µs, ours/compressed")
     return (f"#{'':9s}{' out of place ':-^{len(columns)}s}{' in place ':-^{len(columns)}s}\n#     size{columns}"
-            f"{columns}   (from {size_label(floor_from)}, allgather and broadcast: | floor µs, floor/ours, per placement)")
+            f"{columns}   ({'; '.join(after)}; per placement)")
 
 
 def libraries_of(row):
-    """The libraries a row timed beside ours (not the floor), in the JSON's names."""
-    return [lib for lib in row[PLACEMENTS[0]] if lib not in ("ours", "floor")]
+    """The libraries a row timed beside ours (not ours compressed, nor a floor), in the JSON's names."""
+    return [lib for lib in row[PLACEMENTS[0]] if lib not in NOT_LIBRARIES and not lib.startswith("ours:")]
+
+
+def codecs_of(row):
+    """The codecs ours also ran with in this row (ours:int8 -> int8)."""
+    return [lib.split(":", 1)[1] for lib in row[PLACEMENTS[0]] if lib.startswith("ours:")]
 
 
 def ratio(row, placement, other):
@@ -315,10 +412,14 @@ def format_row(row):
         times = row[placement]
         cells += "".join(f"  {times[lib]['time_us']:10.1f}" for lib in ("ours", *others))
         cells += "".join(f"  {ratio(row, placement, lib):11.2f}x" for lib in others)
-    if "floor" in row[PLACEMENTS[0]]:
-        cells += "  |" + "".join(f"  {row[p]['floor']['time_us']:8.1f}  {ratio(row, p, 'floor'):5.2f}"
-                                 for p in PLACEMENTS)
-    wrong = any(m["wrong"] for p in PLACEMENTS for m in row.get(p, {}).values())
+    for floor in ("floor", "link"):
+        if floor in row[PLACEMENTS[0]]:
+            cells += f"  | {floor}" + "".join(f"  {row[p][floor]['time_us']:8.1f}  {ratio(row, p, floor):5.2f}"
+                                              for p in PLACEMENTS)
+    for codec in codecs_of(row):   # ours uncompressed over ours compressed: the codec's speed-up
+        cells += f"  | {codec}" + "".join(f"  {row[p]['ours:' + codec]['time_us']:8.1f}  "
+                                          f"{1 / ratio(row, p, 'ours:' + codec):5.2f}x" for p in PLACEMENTS)
+    wrong = any(m.get("wrong") for p in PLACEMENTS for m in row.get(p, {}).values())
     return cells + ("  WRONG" if wrong else "")
 
 
@@ -357,7 +458,7 @@ def verdict(run):
     slower = {(lib, p): [size_label(r["size"]) for r in run["rows"] if p in r and ratio(r, p, lib) <= 1]
               for lib in run_libraries(run) for p in run["placements"]}
     wrong = [size_label(r["size"]) for r in run["rows"]
-             if any(m["wrong"] for p in run["placements"] for m in r[p].values())]
+             if any(m.get("wrong") for p in run["placements"] for m in r[p].values())]
     return slower, wrong
 
 
@@ -381,9 +482,18 @@ def summary_lines(run):
         name = NAMES[lib]
         lines.append(f"{where} " + (f"{name} as fast or faster at {'; '.join(lost)}" if lost
                                     else f"ours faster than {name} at every size"))
-    floors = [ratio(r, p, "floor") for r in run["rows"] for p in run["placements"] if ratio(r, p, "floor")]
-    if floors:
-        lines.append(f"{where} ours at {min(floors):.2f} to {max(floors):.2f} of the copy floor's speed (floor/ours)")
+    for floor, what in (("floor", "the copy floor's"), ("link", "the link floor's")):
+        floors = [ratio(r, p, floor) for r in run["rows"] for p in run["placements"] if ratio(r, p, floor)]
+        if floors:
+            lines.append(f"{where} ours at {min(floors):.2f} to {max(floors):.2f} of {what} speed ({floor}/ours)")
+    for codec in dict.fromkeys(c for r in run["rows"] for c in codecs_of(r)):
+        speedups = [1 / ratio(r, p, "ours:" + codec) for r in run["rows"] for p in run["placements"]
+                    if ratio(r, p, "ours:" + codec)]
+        errors = [r[p]["ours:" + codec].get("maxrel") for r in run["rows"] for p in run["placements"]
+                  if "ours:" + codec in r[p]]
+        worst = harness.worst_error(errors)
+        lines.append(f"{where} ours with {codec}: {min(speedups):.2f} to {max(speedups):.2f}x the uncompressed "
+                     f"call's speed, maxrel at most {worst if worst is None else format(worst, '.1e')}")
     count = {1: "two", 2: "three"}.get(len(others), str(len(others) + 1))
     lines.append(f"{where} " + (f"WRONG results at {', '.join(wrong)}" if wrong else
                                 f"every element of every result as expected ({count} libraries)"))
@@ -405,6 +515,13 @@ def write_report(args, runs, command):
         "method": {"collectives": args.collective_list, "sizes": args.size_list, "rounds": args.rounds,
                    "batch_bytes": args.batch_bytes, "min_iters": args.min_iters, "max_iters": args.max_iters,
                    "warmup": args.warmup, "bind_to": args.bind_to, "mpi": args.mpi_list,
+                   "compression": args.compression_list,
+                   **({"hosts": f"{args.hosts} hosts made on this machine by bench/hosts.py (network, UTS, IPC, PID "
+                                f"and mount namespaces, a private /dev/shm), each link shaped to {args.link} by tc "
+                                "tbf; the processes spread evenly, MPICH's mpiexec launching through them",
+                       "link_floor": "the bytes the busiest host must send (LINK_BYTES in bench/host_vs_mpich.py) "
+                                     "over the link's rate, one TCP stream measured before each launch; "
+                                     "link/ours is ours' fraction of that speed"} if args.hosts else {}),
                    "floor": f"allgather and broadcast from {args.floor_from} B: every rank copies the bytes its result "
                             "needs once, from a private array, all ranks at once (bench/backends.py CopyFloor); "
                             "floor/ours is ours' fraction of that speed",
@@ -420,10 +537,17 @@ def write_report(args, runs, command):
     print(f"# wrote {path}", flush=True)
 
 
-def launch(install, args, nranks, argv_run):
-    """Run one launch of `nranks` processes with `install`'s MPI (bench.mpis); its runs, or None if it failed."""
-    binding = harness.bind_to(args.bind_to, nranks)
+def launch(install, args, nranks, argv_run, made_hosts=None):
+    """Run one launch of `nranks` processes with `install`'s MPI (bench.mpis), on
+    `made_hosts` (bench.hosts' state) if given; its runs, or None if it failed."""
+    # hosts made on this machine share its cores, which each host's mpiexec proxy would bind
+    # its ranks to from core 0 again: auto leaves them to the kernel there
+    binding = "none" if made_hosts is not None and args.bind_to == "auto" else harness.bind_to(args.bind_to, nranks)
     launcher = mpis.launcher_command(install, nranks, binding)
+    if made_hosts is not None:   # MPICH's mpiexec, through the hosts' launcher, as many ranks on each
+        per_host = nranks // len(made_hosts["hosts"])
+        placement = ",".join(f"{h['name']}:{per_host}" for h in made_hosts["hosts"])
+        launcher = hosts.mpiexec_command(made_hosts["dir"], ["-hosts", placement, *launcher[1:]])
     fd, out = tempfile.mkstemp(prefix="host_vs_mpich_", suffix=".json")
     os.close(fd)
     command = [*launcher, install.python, "-m", MODULE, *argv_run, "--worker-output", out]
@@ -447,7 +571,30 @@ def worker_argv(args):
             "--max-iters", str(args.max_iters), "-w", str(args.warmup), "--floor-from", str(args.floor_from)]
     if args.timeout is not None:
         argv += ["--timeout", repr(args.timeout)]
+    if args.compression_list:
+        argv += ["--compression", ",".join(args.compression_list)]
+    if args.hosts:
+        argv += ["--hosts", str(args.hosts), "--link", args.link]
     return argv
+
+
+def run_launches(args, installs, made_hosts=None):
+    """Every launch (MPI by process count); the runs, or None if one failed."""
+    runs = []
+    for first, install in enumerate(installs):
+        for nranks in args.rank_list:
+            argv = worker_argv(args) + ["--ranks", str(nranks)] + (["--no-gloo"] if first else [])
+            if made_hosts is not None:   # measured before each launch: the floor of the calls that follow
+                rate = hosts.measure_link(made_hosts["dir"])
+                print(f"# the link h0 -> h1: {rate * 8 / 1e9:.2f} Gbit/s, one TCP stream for 1 s", flush=True)
+                argv += ["--link-rate", repr(rate)]
+            # Gloo beside the first MPI only: its ratio does not depend on which MPI started the processes
+            launched = launch(install, args, nranks, argv, made_hosts)
+            if launched is None:
+                return None
+            runs += launched
+            print(flush=True)
+    return runs
 
 
 def main(argv=None):
@@ -476,15 +623,16 @@ def main(argv=None):
         installs = [mpis.find(mpi) for mpi in args.mpi_list]
         for install in installs:
             print(f"# {install.how}", flush=True)
-        runs = []
-        for first, install in enumerate(installs):
-            for nranks in args.rank_list:
-                # Gloo beside the first MPI only: its ratio does not depend on which MPI started the processes
-                launched = launch(install, args, nranks, worker_argv(args) + (["--no-gloo"] if first else []))
-                if launched is None:
-                    return 2
-                runs += launched
-                print(flush=True)
+        if args.hosts:
+            # killed (timeout, CI), the hosts still go: SystemExit unwinds through their `with`
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+            with hosts.Hosts(args.hosts, args.link) as made:
+                print(f"# {args.hosts} hosts made on this machine (bench/hosts.py), each link {args.link}", flush=True)
+                runs = run_launches(args, installs, made)
+        else:
+            runs = run_launches(args, installs)
+        if runs is None:
+            return 2
     for run in runs:
         for line in summary_lines(run):
             print(line)

@@ -3,6 +3,7 @@
     python -m bench.hosts up H --dir DIR [--link 10gbit] [--subnet 10.99.0]
     python -m bench.hosts mpiexec --dir DIR -- [mpiexec args] program...
     python -m bench.hosts exec --dir DIR HOST command...
+    python -m bench.hosts link --dir DIR       # what one TCP stream carries from h0 to h1
     python -m bench.hosts down --dir DIR
 
 `up` makes H hosts h0..h{H-1}, each a process (PID 1 of its own PID
@@ -38,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,14 +65,27 @@ def why_not():
     return None
 
 
-def _burst(rate):
-    """tbf's bucket: at least one timer tick of the rate (HZ 250 assumed, twice), at least 64 KiB."""
+def link_bits_per_second(rate):
+    """tc's words for a rate (10gbit, 1gbit, 100mbit) in bits per second; ValueError if they are not."""
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1}
     for unit, scale in units.items():
         if rate.endswith(unit):
-            bits_per_second = float(rate[:-len(unit)]) * scale
-            return max(64 << 10, int(bits_per_second / 8 / 250 * 2))
-    raise SystemExit(f"--link: a rate such as 10gbit, 1gbit, 100mbit (got {rate!r})")
+            try:
+                value = float(rate[:-len(unit)]) * scale
+            except ValueError:
+                break
+            if value > 0:
+                return value
+    raise ValueError(f"--link: a rate such as 10gbit, 1gbit, 100mbit (got {rate!r})")
+
+
+def _burst(rate):
+    """tbf's bucket: at least one timer tick of the rate (HZ 250 assumed, twice), at least 64 KiB."""
+    try:
+        bits_per_second = link_bits_per_second(rate)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    return max(64 << 10, int(bits_per_second / 8 / 250 * 2))
 
 
 def up(count, directory, link="10gbit", subnet="10.99.0", cpus=None):
@@ -84,6 +99,10 @@ def up(count, directory, link="10gbit", subnet="10.99.0", cpus=None):
     tag = f"{os.getpid() % 100000:05d}"           # names unique on the machine (interface names <= 15 chars)
     if cpus is not None and len(cpus) != count:
         raise SystemExit(f"--cpus: one CPU list per host, '/'-separated ({count} hosts, got {len(cpus)})")
+    taken = _run("ip", "-o", "-4", "addr", "show").stdout
+    if f" {subnet}." in taken:   # a second bridge on the same /24 would take half of the hosts' traffic
+        raise SystemExit(f"the subnet {subnet}.0/24 is in use on this machine (other hosts? `down` them, "
+                         "or pass another --subnet)")
     state = {"bridge": f"clbr{tag}", "link": link, "hosts": [], "dir": str(directory), "cpus": cpus}
     names = [f"h{i}" for i in range(count)]
     addresses = [f"{subnet}.{10 + i}" for i in range(count)]
@@ -196,6 +215,71 @@ def _state(directory):
     return json.loads(path.read_text())
 
 
+class Hosts:
+    """`with Hosts(count, link) as state:` hosts made in a temporary
+    directory of their own, removed on the way out, whatever happened."""
+
+    def __init__(self, count, link="10gbit", subnet="10.99.0"):
+        self.count, self.link, self.subnet = count, link, subnet
+        self.directory = None
+
+    def __enter__(self):
+        self.directory = tempfile.mkdtemp(prefix="collectives-hosts-")
+        try:
+            return up(self.count, self.directory, self.link, self.subnet)
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+
+    def __exit__(self, *exc):
+        down(self.directory)
+        shutil.rmtree(self.directory, ignore_errors=True)
+        return False
+
+
+# The link's rate, as an application sees it: one TCP stream from host 0 to
+# host 1 for a second, its bytes over the time from the first byte to the last,
+# at the receiver (tbf lets a burst through at once: a second outweighs it).
+_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); got = 0; first = last = None
+while True:
+    data = c.recv(1 << 20)
+    if not data:
+        break
+    last = time.perf_counter(); first = first or last; got += len(data)
+print(got, last - first, flush=True)
+"""
+_SOURCE = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); block = bytes(1 << 20)
+until = time.perf_counter() + float(sys.argv[3])
+while time.perf_counter() < until:
+    c.sendall(block)
+c.close()
+"""
+
+
+def measure_link(directory, seconds=1.0, source=0, sink=1):
+    """Bytes per second one TCP stream carries from host `source` to host `sink`."""
+    hosts = _state(directory)["hosts"]
+    src, dst = hosts[source], hosts[sink]
+    enter = ["nsenter", "-a", "-t"]
+    receiver = subprocess.Popen([*enter, str(dst["pid"]), sys.executable, "-c", _SINK, dst["address"]],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        port = receiver.stdout.readline().strip()
+        _run(*enter, str(src["pid"]), sys.executable, "-c", _SOURCE, dst["address"], port, str(seconds))
+        got, elapsed = receiver.stdout.readline().split()
+        receiver.wait(timeout=10)
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+    return int(got) / float(elapsed)
+
+
 def mpiexec_command(directory, args):
     """MPICH's mpiexec on the machine, launching through DIR/launch; its
     proxies (one per host) connect back to the bridge's address."""
@@ -217,7 +301,7 @@ def main(argv=None):
     u.add_argument("--cpus", default=None,
                    help="each host's own CPUs, '/'-separated, taskset's syntax (0/1: h0 on CPU 0, h1 on CPU 1); "
                         "default: every host shares all of the machine's")
-    for name in ("down", "mpiexec", "exec", "check"):
+    for name in ("down", "mpiexec", "exec", "check", "link"):
         sub.add_parser(name)
     for s in sub.choices.values():
         s.add_argument("--dir", required=s.prog.split()[-1] != "check",
@@ -241,6 +325,10 @@ def main(argv=None):
         return 0
     if args.what == "down":
         down(args.dir)
+        return 0
+    if args.what == "link":
+        rate = measure_link(args.dir)
+        print(f"h0 -> h1: {rate * 8 / 1e9:.2f} Gbit/s ({rate / 1e6:.0f} MB/s), one TCP stream for 1 s")
         return 0
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     if args.what == "mpiexec":

@@ -23,6 +23,8 @@ MWMS_NAME = "TensorFlow MWMS"
 # Not a library: bench.host_vs_mpich's memory-copy floor (its "floor" cells), whose time over ours
 # is the fraction of a copy's speed ours reaches; its column and README row come after the libraries'.
 COPY_FLOOR = "the copy floor"
+LINK_FLOOR = "the link floor"   # across hosts: the bytes the busiest host must send, over the measured link rate
+FLOORS = (COPY_FLOOR, LINK_FLOOR)
 # harness backends -> library (an MPI backend is named by the library its run loaded: reference_name)
 HARNESS_REFERENCES = {"mpi": "MPICH", "mpich": "MPICH", "openmpi": "Open MPI", "gloo": "Gloo", "mwms": MWMS_NAME}
 SOURCES = ("bench.host_vs_mpich", "the suite", "bench.hierarchy_perf")  # the order of their columns and README rows
@@ -65,15 +67,23 @@ def host_vs_mpich_measurement(run, one):
     processes, bind_to = one.get("processes"), one.get("bind_to")
     mpi = one.get("mpi", "mpich")   # each MPI in launches of its own; the runs before --mpi were MPICH's
     settings = settings_of(environment)
-    nodes = pretend_nodes(dict(settings))
+    nodes = pretend_nodes(dict(settings)) or across_hosts(one.get("hosts"), processes)
     where = "host ranks" if nodes is None else nodes
     content = comparison(collective, ratios, "bench.host_vs_mpich", where, processes)
     # Runs made before broadcast and reduce took out= measured them in place only, and say so.
     content["in_place_only"] = one.get("placements") == ["in_place"]
     label = f"{processes} processes, -bind-to {bind_to}" + ("" if nodes is None else f", {nodes}")
-    # (a run under the library's settings, pretend nodes say, is a configuration of its own)
-    return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to, settings, mpi), label,
+    # (a run under the library's settings, pretend nodes say, or across hosts, is a configuration of its own)
+    return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to, settings, mpi, nodes), label,
                        content, environment)
+
+
+def across_hosts(hosts, processes):
+    """"2 hosts of 2 processes, 10gbit links" for a run across hosts (--hosts), else None."""
+    if not hosts:
+        return None
+    count = hosts.get("count") or 1
+    return f"{count} hosts of {processes // count} processes, {hosts.get('link')} links"
 
 
 def pretend_nodes(settings):
@@ -148,7 +158,9 @@ def reference_name(backend, environment):
         if library.startswith("Open MPI") or (not library and backend == "openmpi"):
             return "Open MPI"
         return "MPICH" if not library or library.startswith("MPICH") else library.split(",")[0]
-    return {**HARNESS_REFERENCES, "floor": COPY_FLOOR}.get(backend, backend)
+    if backend.startswith("ours:"):
+        return f"ours with {backend.split(':', 1)[1]}"
+    return {**HARNESS_REFERENCES, "floor": COPY_FLOOR, "link": LINK_FLOOR}.get(backend, backend)
 
 
 def write_against_libraries(shown, runs):
@@ -181,7 +193,7 @@ def write_against_libraries(shown, runs):
 
 
 def reference_order(name):
-    return (REFERENCES.index(name) if name in REFERENCES else len(REFERENCES) + (name == COPY_FLOOR), name)
+    return (REFERENCES.index(name) if name in REFERENCES else len(REFERENCES) + (name in FLOORS), name)
 
 
 def readme_against_libraries(shown, runs):
@@ -194,7 +206,8 @@ def readme_against_libraries(shown, runs):
         one_node = m.content["where"] == "host ranks"
         collective = m.content["collective"] if m.content["source"] == SOURCES[0] and one_node else None
         for name in m.content["ratios"]:   # (across pretend nodes: a row per library, after one node's)
-            key = (source, not one_node, reference_order(name), collective_order(collective))
+            key = (source, not one_node, m.content["where"] if not one_node and "hosts of" in m.content["where"]
+                   else "", reference_order(name), collective_order(collective))
             groups.setdefault(key, []).append((m, name))
     rows = []
     for (source, *_), members in sorted(groups.items()):
@@ -212,7 +225,7 @@ def readme_against_libraries(shown, runs):
         if name == MWMS_NAME:   # (what a TensorFlow user calls: the tf.function is its cost, not ours)
             what += "; theirs a tf.function of strategy.run per call, ours the NumPy API"
         values = [v for m, n in members for cells in m.content["ratios"][n].values() for v in cells]
-        result = span(values) + (" of its speed" if name == COPY_FLOOR else "")
+        result = span(values) + (" of its speed" if name in FLOORS else "")
         rows.append([library_version(name, [m.machine_environment for m, _ in members]), what, result,
                      short_machines([m for m, _ in members])])
     return rows
@@ -243,6 +256,8 @@ def library_version(name, environments):
         return " ".join([name, *sorted({version[0] for version in found if version})])
     if name == COPY_FLOOR:
         return "a memory copy (the same processes)"
+    if name == LINK_FLOOR:
+        return "the link (its rate measured in the same run)"
     if name == "Gloo":
         versions = sorted({str(e["torch"]).split("+")[0] for e in environments if e.get("torch")})
         return f"Gloo (torch {', '.join(versions)})" if versions else "Gloo"

@@ -98,6 +98,18 @@ def test_two_mpi_libraries_or_an_unknown_one_give_one_line(tool, argv, said, mon
     assert err.count("\n") == 1 and said in err, err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--hosts", "1"], "--hosts: at least 2"),
+    (["--hosts", "2", "--mpi", "openmpi"], "--hosts: MPICH only"),
+    (["--hosts", "2", "--ranks", "2,3"], "--ranks: with --hosts 2, multiples of 2"),
+    (["--hosts", "2", "--link", "fast"], "--link: a rate such as 10gbit"),
+    (["--compression", "int8,zip"], "--compression: unknown ['zip']")])
+def test_host_vs_mpich_across_hosts_and_compressed_refuses_what_it_cannot_run(argv, said, monkeypatch, capsys):
+    assert run_tool(monkeypatch, "host_vs_mpich", argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+
+
 def test_host_vs_mpich_rejects_an_unknown_collective_in_one_line(monkeypatch, capsys):
     assert run_tool(monkeypatch, "host_vs_mpich", ["--collectives", "allreduce,alltoall"]) == 2
     err = capsys.readouterr().err

@@ -2,6 +2,7 @@
 real network link. Needs root and iproute2; skipped, saying why,
 elsewhere. Each test makes its hosts under tmp_path and removes them."""
 
+import json
 import os
 import subprocess
 import sys
@@ -86,3 +87,45 @@ def test_down_removes_everything_after_a_host_died(made):
     os.kill(state["hosts"][0]["pid"], 9)
     hosts.down(directory)
     assert not leftovers(state) and not directory.exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_host_vs_mpich_across_two_hosts_times_the_link_floor_and_ours_compressed(tmp_path):
+    """python -m bench.host_vs_mpich --hosts 2: its own hosts, the ranks spread
+    over them, the link measured before each launch and its floor beside every
+    size, ours compressed beside the allreduce; every host removed after."""
+    reason = hosts.why_not()
+    if reason:
+        pytest.skip(f"cannot make hosts here: {reason}")
+    pytest.importorskip("torch", reason="needs PyTorch for Gloo: pip install torch")
+    bridges = set(subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True,
+                                 text=True, check=True).stdout.split())
+    path = tmp_path / "across.json"
+    command = [sys.executable, "-m", "bench.host_vs_mpich", "--hosts", "2", "--link", "1gbit", "--ranks", "2",
+               "--quick", "--sizes", "64K", "--collectives", "allreduce,reduce", "--compression", "int8",
+               "--timeout", "60", "-J", str(path)]
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(path.read_text())
+    assert [r["collective"] for r in report["runs"]] == ["allreduce", "reduce"]
+    for run in report["runs"]:
+        across = run["hosts"]
+        assert across["count"] == 2 and across["link"] == "1gbit" and across["hostnames"] == ["h0", "h1"]
+        rate = across["measured_bytes_per_second"]
+        assert 0.05e9 / 8 < rate <= 1.1e9 / 8, rate   # tbf holds one TCP stream to the link's rate
+        assert "-hosts h0:1,h1:1" in run["launch"]
+        (row,) = run["rows"]
+        must_send = {"allreduce": 65536, "reduce": 65536}[run["collective"]]   # 2 hosts: each byte once
+        for place in ("out_of_place", "in_place"):
+            timed = row[place]
+            assert timed["link"]["time_us"] == pytest.approx(must_send / rate * 1e6)
+            assert all(timed[lib]["wrong"] == 0 for lib in ("ours", "mpich", "gloo"))
+            if run["collective"] == "allreduce":
+                assert 0 < timed["ours:int8"]["maxrel"] < 0.05 and timed["ours:int8"]["time_us"] > 0
+            else:
+                assert "ours:int8" not in timed
+    left = set(subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True,
+                              text=True, check=True).stdout.split())
+    assert not {w for w in left - bridges if w.startswith("clbr")}, left - bridges

@@ -400,3 +400,24 @@ def test_the_command_writes_the_page_and_the_readme_table(tmp_path):
     printed = subprocess.run([*command[:-1], "-"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert printed.returncode == 0, printed.stderr
     assert printed.stdout == report.render(results)
+
+
+def test_host_vs_mpich_across_hosts_is_a_configuration_of_its_own_with_its_floors_named():
+    """A run across hosts (--hosts) is told apart from one machine's, and its link
+    floor and compressed calls are named as what they are."""
+    from bench import report_host
+    from bench.report_runs import Run
+    data = host_vs_mpich_run(NEW, "allreduce")
+    one_machine = report_host.against_libraries(Run("one.json", data, {}))[0]
+    across = json.loads(json.dumps(data))
+    run = across["runs"][0]
+    run["processes"] = 4
+    run["hosts"] = {"count": 2, "link": "1gbit", "measured_bytes_per_second": 1.2e8, "hostnames": ["h0", "h1"]}
+    for place in ("out_of_place", "in_place"):
+        run["rows"][0][place].update({"link": {"time_us": 0.5}, "ours:int8": {"time_us": 0.25, "maxrel": 0.004}})
+    measured = report_host.against_libraries(Run("across.json", across, {}))[0]
+    assert measured.content["where"] == "2 hosts of 2 processes, 1gbit links"
+    assert measured.configuration != one_machine.configuration
+    assert measured.content["ratios"]["the link floor"] == {64: [0.5, 0.5]}
+    assert measured.content["ratios"]["ours with int8"] == {64: [0.25, 0.25]}
+    assert measured.content["ratios"]["MPICH"] == {64: [2.0, 2.0]}
