@@ -4,6 +4,7 @@
     python -m bench.hosts mpiexec --dir DIR -- [mpiexec args] program...
     python -m bench.hosts exec --dir DIR HOST command...
     python -m bench.hosts link --dir DIR       # what one TCP stream carries from h0 to h1
+    python -m bench.hosts torchrun --dir DIR [--nproc-per-node P] -- program.py args...
     python -m bench.hosts down --dir DIR
 
 `up` makes H hosts h0..h{H-1}, each a process (PID 1 of its own PID
@@ -20,6 +21,11 @@ Everything `up` makes is named in DIR/state.json, and `down` removes it all
 them, and the bridge), also after a rank or a host died. Nothing is written
 outside DIR: no /run/netns entries (the namespaces live as long as their
 PID 1), no change to the machine's /etc/hosts.
+
+`torchrun` starts torchrun on every host at once, as on H machines:
+`--nnodes H --node-rank i --nproc-per-node P`, its static rendezvous at
+h0's address (`--master-addr`, a free port), and waits for all of them;
+its exit code is the worst of theirs.
 
 `mpiexec` runs MPICH's mpiexec (beside this Python) on the machine, as on a
 login node, with `-launcher ssh -launcher-exec DIR/launch -localhost
@@ -280,6 +286,29 @@ def measure_link(directory, seconds=1.0, source=0, sink=1):
     return int(got) / float(elapsed)
 
 
+def torchrun_commands(directory, nproc_per_node, program, port=29512):
+    """One command per host: torchrun there, node i of H, rendezvous at h0."""
+    state = _state(directory)
+    count = len(state["hosts"])
+    return [["nsenter", "-t", str(h["pid"]), "-a", "--wd=" + os.getcwd(), sys.executable, "-m",
+             "torch.distributed.run", "--nnodes", str(count), "--node-rank", str(i),
+             "--nproc-per-node", str(nproc_per_node), "--master-addr", state["hosts"][0]["address"],
+             "--master-port", str(port), *program]
+            for i, h in enumerate(state["hosts"])]
+
+
+def torchrun(directory, nproc_per_node, program, port=29512):
+    """Run torchrun on every host (torchrun_commands); the worst exit code."""
+    started = [subprocess.Popen(command) for command in torchrun_commands(directory, nproc_per_node, program, port)]
+    try:
+        codes = [p.wait() for p in started]
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+    return max(codes, key=abs)
+
+
 def mpiexec_command(directory, args):
     """MPICH's mpiexec on the machine, launching through DIR/launch; its
     proxies (one per host) connect back to the bridge's address."""
@@ -301,12 +330,15 @@ def main(argv=None):
     u.add_argument("--cpus", default=None,
                    help="each host's own CPUs, '/'-separated, taskset's syntax (0/1: h0 on CPU 0, h1 on CPU 1); "
                         "default: every host shares all of the machine's")
-    for name in ("down", "mpiexec", "exec", "check", "link"):
+    for name in ("down", "mpiexec", "exec", "check", "link", "torchrun"):
         sub.add_parser(name)
     for s in sub.choices.values():
         s.add_argument("--dir", required=s.prog.split()[-1] != "check",
                        help="where the hosts' state, /etc/hosts and launcher are kept (nothing is written elsewhere)")
     sub.choices["mpiexec"].add_argument("rest", nargs=argparse.REMAINDER, help="mpiexec's arguments")
+    sub.choices["torchrun"].add_argument("--nproc-per-node", type=int, default=1, help="ranks on each host")
+    sub.choices["torchrun"].add_argument("--port", type=int, default=29512, help="the rendezvous port on h0")
+    sub.choices["torchrun"].add_argument("rest", nargs=argparse.REMAINDER, help="the program and its arguments")
     sub.choices["exec"].add_argument("host")
     sub.choices["exec"].add_argument("rest", nargs=argparse.REMAINDER, help="the command")
     args = p.parse_args(argv)
@@ -333,6 +365,8 @@ def main(argv=None):
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     if args.what == "mpiexec":
         return subprocess.call(mpiexec_command(args.dir, rest))
+    if args.what == "torchrun":
+        return torchrun(args.dir, args.nproc_per_node, rest, args.port)
     host = next((h for h in _state(args.dir)["hosts"] if h["name"] == args.host), None)
     if host is None:
         raise SystemExit(f"no host {args.host}")

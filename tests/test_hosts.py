@@ -129,3 +129,39 @@ def test_host_vs_mpich_across_two_hosts_times_the_link_floor_and_ours_compressed
     left = set(subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True,
                               text=True, check=True).stdout.split())
     assert not {w for w in left - bridges if w.startswith("clbr")}, left - bridges
+
+
+TORCH_PROBE = textwrap.dedent("""
+    import socket, torch, torch.distributed as dist
+    import collectives.torch   # registers the "collectives" backend
+    dist.init_process_group("collectives")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(x)
+    names = [None] * size
+    dist.all_gather_object(names, socket.gethostname())
+    if rank == 0:
+        print("RESULT", float(x[0]), float(x[-1]), ",".join(names), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_torchrun_on_every_host_meets_at_h0_and_our_backend_reduces_across_them(made, tmp_path):
+    pytest.importorskip("torch", reason="needs PyTorch: pip install torch")
+    directory, _ = made
+    script = tmp_path / "probe.py"
+    script.write_text(TORCH_PROBE)
+    commands = hosts.torchrun_commands(directory, 2, [str(script)], port=29613)
+    assert [c[c.index("--node-rank") + 1] for c in commands] == ["0", "1"]
+    assert all(c[c.index("--master-addr") + 1] == "10.99.7.10" for c in commands)
+    started = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
+    try:
+        outputs = [p.communicate(timeout=200)[0] for p in started]
+    finally:
+        for p in started:
+            p.kill()
+    assert [p.returncode for p in started] == [0, 0], outputs
+    (line,) = [line for line in outputs[0].splitlines() if line.startswith("RESULT")]
+    assert line.split()[1:] == ["10.0", "10.0", "h0,h0,h1,h1"], line
