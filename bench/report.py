@@ -48,10 +48,10 @@ QUESTIONS = (
              "and broadcasts) are its time over ours: the fraction of a memory copy's speed ours reached, every "
              "rank copying the bytes its result needs once, in the same processes.",
              HOST_PARTS),
-    Question("Training steps against TensorFlow's own strategy",
+    Question("Training steps against a framework's own collectives",
              "The same Keras model, data and optimizer trained with collectives.keras and under "
              "MultiWorkerMirroredStrategy (TensorFlow's collectives, a ring over gRPC), in the same processes, "
-             "epoch by epoch in turn.",
+             "epoch by epoch in turn; and PyTorch's DDP on our process group against Gloo's, run by run in turn.",
              TRAINING_PARTS),
     Question("GPU ranks against the memory floor and NCCL",
              "A large call cannot beat one device copy of what it must move; NCCL is the library to beat between "

@@ -3,7 +3,9 @@ collectives compare with the same step under a framework's own? From
 bench.keras_fit's runs: examples/keras_digits.py's model, data and optimizer,
 trained with collectives.keras (Keras fit, and a custom loop) and with
 TensorFlow's MultiWorkerMirroredStrategy (the same custom loop: Keras 3's fit
-cannot run under it), in the same processes, epochs alternating."""
+cannot run under it), in the same processes, epochs alternating; and from
+bench.ddp_step's runs: examples/ddp.py under torchrun, DDP on our process
+group against Gloo's, with and without our compression hook."""
 
 from bench.report_host import MWMS_NAME, library_version
 from bench.report_runs import Measurement, Part, and_join, cell, markdown, provenance, short_machines, span
@@ -63,5 +65,51 @@ def readme_keras_fit(shown, runs):
              span([ratio_of(m.content) for m in shown]), short_machines(shown)]]
 
 
-TRAINING_PARTS = (Part("", keras_fit, write_keras_fit, "No current run trains against a framework's own "
-                       "collectives.", readme_keras_fit),)
+DDP_STEP = "bench.ddp_step"
+
+
+def ddp_step(run):
+    data = run.data
+    if run.tool != DDP_STEP or not isinstance(data.get("runs"), list):
+        return []
+    hosts = data.get("hosts")
+    where = (f"{hosts['count']} hosts of {data['processes'] // hosts['count']} processes, {hosts['link']} links"
+             if hosts else f"{data.get('processes')} processes on one machine")
+    configuration = (DDP_STEP, data.get("processes"), where, data.get("hidden"), data.get("epochs"))
+    return [Measurement(run, configuration, f"{where}, hidden {data.get('hidden')}", data)]
+
+
+def ddp_ratio(content, run="collectives"):
+    """Gloo's step over `run`'s (above 1: `run` is faster), None if either is missing."""
+    steps = {r["run"]: r["step_ms_median"] for r in content["runs"]}
+    return steps["gloo"] / steps[run] if "gloo" in steps and run in steps else None
+
+
+def write_ddp_step(shown, runs):
+    lines = ["Step time: rank 0's median over the rounds of examples/ddp.py's own clock per step (zero_grad, "
+             "forward, backward, step); Gloo / run is Gloo's step over the run's (above 1: the run is faster). "
+             "A run named BACKEND+CODEC sends DDP's buckets through collectives.torch.compression_hook.", ""]
+    header = ["configuration", "run", "step (ms)", "Gloo / run", "test accuracy", "ranks bitwise equal"]
+    body = [[m.label, r["run"], cell(r["step_ms_median"]), cell(ddp_ratio(m.content, r["run"])),
+             and_join(sorted({f"{100 * a:.2f}%" for a in r["test_accuracy"]})), str(r["ranks_bitwise_identical"])]
+            for m in shown for r in m.content["runs"]]
+    return [*lines, *markdown(header, body, text_columns=2), "", *provenance(shown)]
+
+
+def readme_ddp_step(shown, runs):
+    rows = []
+    for m in shown:
+        ratios = [ddp_ratio(m.content, r["run"]) for r in m.content["runs"] if r["run"] != "gloo"]
+        named = [r["run"] for r in m.content["runs"] if r["run"] != "gloo"]
+        if not any(ratios):
+            continue
+        rows.append([library_version("Gloo", [m.machine_environment]),
+                     f"a DDP training step (`bench.ddp_step`), {m.label}: {', '.join(named)}",
+                     span([r for r in ratios if r]), short_machines([m])])
+    return rows
+
+
+TRAINING_PARTS = (Part("Keras against MultiWorkerMirroredStrategy", keras_fit, write_keras_fit, "No current run trains against a framework's own "
+                       "collectives.", readme_keras_fit),
+                  Part("DDP against Gloo", ddp_step, write_ddp_step, "No current run times DDP's step.",
+                       readme_ddp_step))

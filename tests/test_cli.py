@@ -21,7 +21,7 @@ TOOLS = ["all_reduce_perf", "reduce_scatter_perf", "all_gather_perf", "broadcast
          "call_overhead", "codec_speed", "compression_error", "compression_model", "fusion_perf", "gpu_check",
          "floor", "half_precision_error", "hierarchy_model", "hierarchy_perf", "host_vs_mpich", "model",
          "plan_report", "plot", "report", "spmd_overhead", "chaos", "pingpong", "tensorflow_overhead",
-         "call_percentiles", "keras_fit", "mpis"]
+         "call_percentiles", "keras_fit", "mpis", "ddp_step"]
 
 
 def test_every_command_line_is_listed():
@@ -106,6 +106,17 @@ def test_two_mpi_libraries_or_an_unknown_one_give_one_line(tool, argv, said, mon
     (["--compression", "int8,zip"], "--compression: unknown ['zip']")])
 def test_host_vs_mpich_across_hosts_and_compressed_refuses_what_it_cannot_run(argv, said, monkeypatch, capsys):
     assert run_tool(monkeypatch, "host_vs_mpich", argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--runs", "gloo,mpi"], "--runs: 'mpi' is not BACKEND or BACKEND+CODEC"),
+    (["--runs", "collectives+zip"], "--runs: 'collectives+zip' is not BACKEND"),
+    (["--nproc-per-node", "3"], "the global batch, 64, must split evenly"),
+    (["--hosts", "1"], "--hosts: at least 2")])
+def test_ddp_step_refuses_runs_it_cannot_make_in_one_line(argv, said, monkeypatch, capsys):
+    assert run_tool(monkeypatch, "ddp_step", argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and said in err, err
 

@@ -142,7 +142,7 @@ def test_tensorflows_strategy_beside_mpich_and_its_keras_step(tmp_path):
     host = section(page, "Host ranks against MPICH, Open MPI and Gloo")
     assert "| size | MPICH / ours, 2 processes | TensorFlow MWMS / ours, 2 processes |" in host
     assert "| 1 KiB | 2.00 · 2.00 | 40.00 · - |" in host, host   # (MWMS has no in-place call: bench/backends.py)
-    training = section(page, "Training steps against TensorFlow's own strategy")
+    training = section(page, "Training steps against a framework's own collectives")
     assert "| 4 processes, global batch 64, 20 epochs | MWMS, custom loop | 10 | 2.5 | 96.00% | True |" in training
     assert "| 4 processes, global batch 64, 20 epochs | ours, Keras fit | 8 | - | 96.33% | True |" in training
     assert "ours' loop and MWMS' 0, ours' fit and loop 1e-06." in training
@@ -421,3 +421,26 @@ def test_host_vs_mpich_across_hosts_is_a_configuration_of_its_own_with_its_floor
     assert measured.content["ratios"]["the link floor"] == {64: [0.5, 0.5]}
     assert measured.content["ratios"]["ours with int8"] == {64: [0.25, 0.25]}
     assert measured.content["ratios"]["MPICH"] == {64: [2.0, 2.0]}
+
+
+def ddp_step_run(commit, gloo_ms, ours_ms, hosts=None):
+    """bench.ddp_step's shape: one row per run, Gloo first."""
+    runs = [{"run": name, "step_ms_median": ms, "step_ms": [ms], "over_first": ms / gloo_ms,
+             "test_accuracy": [0.9567], "ranks_bitwise_identical": True, "steps": 90}
+            for name, ms in (("gloo", gloo_ms), ("collectives", ours_ms), ("collectives+int8", ours_ms / 2))]
+    return {"environment": {"command": "python -m bench.ddp_step --hidden 4096", "cpu": "Test CPU", "cores": 2,
+                            "device": "host (no GPU)", "git_commit": commit, "torch": "9.9.9+cpu"},
+            "processes": 4, "hidden": 4096, "epochs": 5, "rounds": 3, "hosts": hosts, "runs": runs}
+
+
+def test_ddp_step_runs_are_the_training_questions_second_table_and_a_readme_row(tmp_path):
+    across = {"count": 2, "link": "1gbit", "measured_bytes_per_second": 1.2e8}
+    write(tmp_path, {"ddp.json": ddp_step_run(NEW, 20.0, 10.0), "ddp_hosts.json": ddp_step_run(NEW, 30.0, 60.0, across)})
+    page = report.render(tmp_path, HISTORY)
+    training = section(page, "Training steps against a framework's own collectives")
+    assert "| 4 processes on one machine, hidden 4096 | collectives | 10 | 2 | 95.67% | True |" in training, training
+    assert "| 2 hosts of 2 processes, 1gbit links, hidden 4096 | collectives+int8 | 30 | 1 | 95.67% | True |" \
+        in training, training
+    table = report.readme_table(report.load_runs(tmp_path), HISTORY)
+    assert ("| Gloo (torch 9.9.9) | a DDP training step (`bench.ddp_step`), 2 hosts of 2 processes, 1gbit links, "
+            "hidden 4096: collectives, collectives+int8 | 0.50x to 1.00x |") in table, table

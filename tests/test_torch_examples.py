@@ -8,6 +8,7 @@ through torchrun's store. Two epochs on 2 processes: each run ends with
 the test accuracy and, for DDP, every rank holding the same parameters.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -74,3 +75,39 @@ def test_the_mixture_of_experts_example_matches_one_process_on_the_whole_batch(b
     assert difference <= 1e-5, report
     accuracy = re.search(r"final test accuracy (\S+) \(one process: (\S+)\)", stdout)
     assert accuracy.group(1) == accuracy.group(2), report
+
+
+FAKE_DDP = """
+import argparse, os
+p = argparse.ArgumentParser()
+for flag in ("--backend", "--compression", "--epochs", "--hidden"):
+    p.add_argument(flag)
+args = p.parse_args()
+if os.environ.get("RANK") == "0":
+    ms = 2.0 if args.backend == "gloo" else 1.0
+    print(f"final test accuracy 0.9{args.hidden}, test loss 0.1", flush=True)
+    print(f"{ms:.2f} ms per step (rank 0, 18 steps)", flush=True)
+    print("parameters bitwise identical on all 2 ranks: True; their digest 0a1b", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_ddp_step_times_each_run_in_turn_and_reads_rank_0s_figures(tmp_path, monkeypatch, capsys):
+    """python -m bench.ddp_step: one torchrun job per run and round, the runs in
+    turn, rank 0's figures read off its output into the JSON (a stand-in for
+    examples/ddp.py that prints what the example prints: the real example's
+    training is tested above)."""
+    from bench import ddp_step
+    fake = tmp_path / "ddp.py"
+    fake.write_text(FAKE_DDP)
+    monkeypatch.setattr(ddp_step, "EXAMPLE", fake)
+    path = tmp_path / "ddp.json"
+    assert ddp_step.main(["--nproc-per-node", "1", "--epochs", "1", "--rounds", "1", "--hidden", "64",
+                          "--runs", "gloo,collectives+int8", "-J", str(path)]) == 0
+    said = capsys.readouterr().out
+    assert said.count("# round ") == 2 and said.index("round 1: gloo") < said.index("round 1: collectives+int8"), said
+    report = json.loads(path.read_text())
+    assert report["processes"] == 1 and report["hidden"] == 64 and report["hosts"] is None
+    assert [(r["run"], r["step_ms"], r["over_first"], r["test_accuracy"], r["steps"]) for r in report["runs"]] == [
+        ("gloo", [2.0], 1.0, [0.964], 18), ("collectives+int8", [1.0], 0.5, [0.964], 18)]
