@@ -38,6 +38,7 @@ hosts cannot be made here.
 """
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -50,6 +51,7 @@ import time
 from pathlib import Path
 
 STATE = "state.json"
+_SETS = itertools.count()   # host sets made by this process
 
 
 def _run(*argv, check=True):
@@ -102,7 +104,8 @@ def up(count, directory, link="10gbit", subnet="10.99.0", cpus=None):
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / STATE).exists():
         raise SystemExit(f"{directory / STATE} exists: `down` those hosts first")
-    tag = f"{os.getpid() % 100000:05d}"           # names unique on the machine (interface names <= 15 chars)
+    # names unique on the machine (interface names <= 15 chars), also for several sets of one process
+    tag = f"{os.getpid() % 10000:04d}{next(_SETS) % 10}"
     if cpus is not None and len(cpus) != count:
         raise SystemExit(f"--cpus: one CPU list per host, '/'-separated ({count} hosts, got {len(cpus)})")
     taken = _run("ip", "-o", "-4", "addr", "show").stdout

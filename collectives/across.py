@@ -80,7 +80,7 @@ from .errors import CollectiveError, CollectiveTimeoutError
 from .ops import ReduceOp, partial_op
 from .transport import fastpath
 from .transport.failures import ABORT_ARRIVED, MPI_FAILED, NODE_FAILED, PENDING
-from .transport.mpi import DATA_TAG
+from .transport.mpi import DATA_TAG, timed_out_waiting
 from .transport.protocol import description_hash
 
 def loop_runs_nodes(h, call):
@@ -283,10 +283,8 @@ class Programs:
             now = time.perf_counter()
             if now >= deadline:
                 self._drop(laid)
-                peers = laid.exchange.sources or laid.exchange.targets
-                raise CollectiveTimeoutError(
-                    f"timed out waiting for rank(s) {', '.join(map(str, peers)) or '-'} on other nodes in "
-                    f"{laid.description}: between counterparts (is every rank making the same calls?)")
+                raise timed_out_waiting(laid.exchange.sources or laid.exchange.targets,
+                                        f"{laid.description}: between counterparts")
             status = laid.program.resume(x, out, min(deadline, now + HEALTH_EVERY))
 
     def _fail(self, laid, status, x):

@@ -288,7 +288,14 @@ class HierarchyRanks:
             self.programs.stop()   # every later call meets the abort on the general path
         if self.shm is not None:
             self.shm.abort(f"{type(error).__name__} on rank {self.rank}: {error}", error)
-        self.link.abort(error)
+        self.link.abort(error, self.out_of_reach(error))
+
+    def out_of_reach(self, error):
+        """The ranks an abort for `error` must not be sent to: every rank of
+        the other nodes this rank waited for when it timed out (a machine may
+        have died, or its link been cut; its surviving ranks time out too)."""
+        nodes = {self.topology.node_of(peer) for peer in getattr(error, "awaited", ())} - {self.node_index}
+        return {rank for node in nodes for rank in self.topology.nodes[node]}
 
     def close(self):
         """After Communicator.close's barrier: no peer reads this rank's memory any more."""

@@ -3,12 +3,15 @@ starts 4 of these under mpiexec, split into pretend nodes.
 
     mpiexec -n 4 python tests/hierarchy_worker.py SCENARIO LAYOUT
 
-LAYOUT is $COLLECTIVES_PRETEND_NODES: one node label per rank ("0,0,1,1").
+LAYOUT is $COLLECTIVES_PRETEND_NODES: one node label per rank ("0,0,1,1"),
+or "hosts" for ranks started on hosts of their own (tests/test_hosts.py:
+bench/hosts.py's network namespaces), whose nodes are found, not told.
 Each rank prints "OK <scenario> <rank>" when everything it checked held,
 and fails with a traceback (non-zero exit) otherwise.
 """
 
 import os
+import subprocess
 import sys
 import time
 
@@ -656,10 +659,15 @@ def scenario_shortcut_edges(comm):
             pass
         return
     time.sleep(2.0)   # the abort message has arrived
+    # A rank that timed out sends no abort to the nodes it waited for (a lost machine's ranks, to
+    # which MPICH may crash sending: HierarchyRanks.out_of_reach); a node-mate of it relays the
+    # abort it got through shared memory. Alone on its node, its message of a different call is
+    # what the others meet first.
+    alone = len(comm.topology.nodes[comm.topology.node_of(n - 1)]) == 1
     try:
         comm.allreduce(values.copy())   # a known shape: the shortcut
     except CollectiveError as error:
-        assert "aborted" in str(error), error
+        assert "aborted" in str(error) or alone and f"rank {n - 1} is in a different call" in str(error), error
         print(f"RAISED 0 {r} {type(error).__name__}: {error}", flush=True)
     else:
         raise AssertionError(f"rank {r} made a call after a peer's abort")
@@ -801,6 +809,44 @@ def scenario_killed_compressed(comm):
     scenario_killed(comm, compressed=True)
 
 
+def raises_in_time(comm, what):
+    """The next allreduce raises our typed error within the timeout (and a
+    second and a half); then close() returns within the timeout too."""
+    start = time.perf_counter()
+    try:
+        comm.allreduce(np.ones(1000, np.float64))
+    except CollectiveError as error:
+        elapsed = time.perf_counter() - start
+        assert elapsed < TIMEOUT + 1.5, f"{what}: took {elapsed:.1f}s with a {TIMEOUT}s timeout ({error})"
+    else:
+        raise AssertionError(f"allreduce completed after {what}")
+    start = time.perf_counter()
+    comm.close()
+    assert time.perf_counter() - start < TIMEOUT + 1.5, "close() waited out more than its timeout"
+
+
+def scenario_host_died(comm):
+    """Every rank of the last rank's node exits at once (a machine lost): the
+    ranks of the other nodes raise within the timeout."""
+    lost = comm.topology.nodes[comm.topology.node_of(comm.size - 1)]
+    comm.barrier()
+    if comm.rank in lost:
+        os._exit(0)
+    raises_in_time(comm, "the last node died")
+
+
+def scenario_link_cut(comm):
+    """The last rank takes its host's only link down (`ip link set eth0
+    down`, in the host's own network namespace): every rank, on either side
+    of the cut, raises within the timeout."""
+    comm.barrier()
+    time.sleep(0.5)   # (the barrier's last messages arrive before the cut, on every rank)
+    if comm.rank == comm.size - 1:
+        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+    time.sleep(0.5)   # (the link is down before any rank's allreduce sends a byte across it)
+    raises_in_time(comm, "the link was cut")
+
+
 def scenario_one_node(comm):
     """Every rank on one pretend node: today's communicator, unchanged."""
     assert type(comm) is collectives.Communicator, type(comm)
@@ -824,14 +870,20 @@ def no_segment_crosses_a_node(comm):
             assert not log, f"rank {rank} is alone on its node but opened {log}"
 
 
+HOSTS = "hosts"   # LAYOUT for ranks on hosts of their own: no pretend nodes
+OK_FILES = "HIERARCHY_WORKER_OK_FILES"   # a folder where each rank also writes its OK line
+
+
 FAILING = ("stalled", "stalled_by_node", "stalled_in_last_step", "killed", "killed_compressed", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
-           "shortcut_edges", "mismatched_large")
-ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier", "shortcut_edges", "mismatched_large")
+           "shortcut_edges", "mismatched_large", "host_died", "link_cut")
+ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier", "shortcut_edges", "mismatched_large",
+           "host_died", "link_cut")
 
 
 def main():
     scenario, layout = sys.argv[1], sys.argv[2]
-    os.environ[PRETEND_NODES_ENV] = layout
+    if layout != HOSTS:   # on hosts (bench/hosts.py) the nodes are the machines the ranks find
+        os.environ[PRETEND_NODES_ENV] = layout
     if scenario == "mixed_paths" and layout.split(",")[WORLD.rank] != layout.split(",")[0]:
         os.environ["COLLECTIVES_FAST_PATH"] = "0"   # (read when the communicator is made)
     record_segments()
@@ -843,9 +895,19 @@ def main():
     if scenario not in ABORTED:   # (an aborted communicator closes with the process)
         comm.close()
     print(f"OK {scenario} {comm.rank}", flush=True)
-    if scenario in ("killed", "killed_compressed"):
-        os._exit(0)   # MPI_Finalize would wait for the dead rank
+    if os.environ.get(OK_FILES):   # (on hosts: a rank's stdout crosses its host's link, which may be cut)
+        with open(os.path.join(os.environ[OK_FILES], f"ok-{comm.rank}"), "w") as f:
+            f.write(f"OK {scenario} {comm.rank}\n")
+    if scenario in ("killed", "killed_compressed", "host_died", "link_cut"):
+        os._exit(0)   # MPI_Finalize would wait for the dead rank (or one across the cut link)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        if os.environ.get(OK_FILES):   # the traceback too, where stderr may not arrive
+            import traceback
+            with open(os.path.join(os.environ[OK_FILES], f"failed-{WORLD.rank}"), "w") as f:
+                traceback.print_exc(file=f)
+        raise

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,115 @@ def test_torchrun_on_every_host_meets_at_h0_and_our_backend_reduces_across_them(
     assert [p.returncode for p in started] == [0, 0], outputs
     (line,) = [line for line in outputs[0].splitlines() if line.startswith("RESULT")]
     assert line.split()[1:] == ["10.0", "10.0", "h0,h0,h1,h1"], line
+
+
+# -- the across-node path between hosts: tests/hierarchy_worker.py's scenarios, nodes found by hostname --
+
+WORKER = Path(__file__).with_name("hierarchy_worker.py")
+OK_FILES = "HIERARCHY_WORKER_OK_FILES"
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    reason = hosts.why_not()
+    if reason:
+        pytest.skip(f"cannot make hosts here: {reason}")
+    directory = tmp_path_factory.mktemp("across") / "hosts"
+    state = hosts.up(2, directory, link="10gbit", subnet="10.99.9")
+    try:
+        yield directory, state
+    finally:
+        hosts.down(directory)
+
+
+def our_shared_memory(state):
+    """Our segments (coll-*) left in each host's own /dev/shm (MPICH's files are its own)."""
+    return {h["name"]: [name for name in subprocess.run(["nsenter", "-t", str(h["pid"]), "-m", "ls", "/dev/shm"],
+                                                       capture_output=True, text=True, check=True).stdout.split()
+                        if name.startswith("coll-")]
+            for h in state["hosts"]}
+
+
+def scenario_on_hosts(directory, state, scenario, per_host, tmp_path, *flags, cut_host=None, limit=200):
+    """hierarchy_worker.py's `scenario` with `per_host` ranks on each host; the
+    ranks that printed OK, and a report. Each rank also writes its OK line (or
+    its traceback) to a file: output from a host whose link was cut never
+    reaches mpiexec. With `cut_host`, its link is put back once every rank
+    wrote, and mpiexec (which waits for that host's proxy) is stopped."""
+    written = tmp_path / f"{scenario}-{per_host}"
+    written.mkdir()
+    ranks = per_host * len(state["hosts"])
+    placement = ",".join(f"{h['name']}:{per_host}" for h in state["hosts"])
+    command = hosts.mpiexec_command(directory, [*flags, "-genv", OK_FILES, str(written), "-hosts", placement,
+                                                "-n", str(ranks), sys.executable, str(WORKER), scenario, "hosts"])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    launched = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+    try:
+        if cut_host is None:
+            output = launched.communicate(timeout=limit)[0]
+        else:
+            until = time.monotonic() + limit
+            while len(list(written.iterdir())) < ranks and time.monotonic() < until:
+                time.sleep(0.2)
+            subprocess.run(["nsenter", "-t", str(cut_host["pid"]), "-n", "ip", "link", "set", "eth0", "up"],
+                           check=True)
+            os.killpg(launched.pid, 9)
+            output = launched.communicate()[0]
+    finally:
+        if launched.poll() is None:
+            os.killpg(launched.pid, 9)
+            launched.wait()
+    files = {path.name: path.read_text() for path in written.iterdir()}
+    report = f"exit {launched.returncode}\n--- output\n{output[-4000:]}\n--- files\n{files}"
+    oks = sorted(text.strip() for name, text in files.items() if name.startswith("ok-"))
+    assert not [name for name in files if name.startswith("failed-")], report
+    return oks, report
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("per_host", [1, 2, 3])
+def test_every_collective_across_two_hosts_holds_the_interpreters_bits(two_hosts, tmp_path, per_host):
+    """Every collective, dtype and op, in and out of place, between hosts
+    whose ranks meet only over their link: nodes found by hostname, no
+    pretend nodes; nothing of ours left in either host's /dev/shm."""
+    directory, state = two_hosts
+    oks, report = scenario_on_hosts(directory, state, "matrix", per_host, tmp_path)
+    assert len(oks) == 2 * per_host, report
+    assert our_shared_memory(state) == {"h0": [], "h1": []}
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_every_rank_across_two_hosts_holds_the_documented_fold_orders_bits(two_hosts, tmp_path):
+    directory, state = two_hosts
+    oks, report = scenario_on_hosts(directory, state, "order", 2, tmp_path)
+    assert len(oks) == 4, report
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario, survivors", [("stalled", 4), ("killed", 3)])
+def test_a_rank_that_stalls_or_dies_on_the_other_host_makes_the_others_raise_in_time(two_hosts, tmp_path,
+                                                                                      scenario, survivors):
+    """The worker asserts each rank's typed error and its time (the timeout
+    and 1.5 s; a dead rank's node-mate tells the other host within 1.5 s)."""
+    directory, state = two_hosts
+    oks, report = scenario_on_hosts(directory, state, scenario, 2, tmp_path, "-disable-auto-cleanup")
+    assert len(oks) == survivors, report
+    assert our_shared_memory(state) == {"h0": [], "h1": []}
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_cut_link_makes_every_rank_on_either_side_raise_in_time(made, tmp_path):
+    """The last rank takes its host's link down (the hosts of `made`, not the
+    module's: this one's link goes down): every rank, on both sides, raises
+    within the timeout and closes; none crashes sending its abort across."""
+    directory, state = made
+    oks, report = scenario_on_hosts(directory, state, "link_cut", 2, tmp_path, "-disable-auto-cleanup",
+                                    cut_host=state["hosts"][1], limit=60)
+    assert len(oks) == 4, report
+    assert our_shared_memory(state) == {"h0": [], "h1": []}

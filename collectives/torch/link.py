@@ -97,7 +97,7 @@ class TorchLink:
             kind, message = self._aborted
             raise kind(message)
 
-    def abort(self, error):
+    def abort(self, error, unreachable=()):   # (the store reaches every rank that is left: no one is skipped)
         """Tell every other rank that this communicator cannot go on: the
         first abort record in the store stays (a later one, caused by it, would
         hide the reason)."""

@@ -45,6 +45,16 @@ SEND_ABORT_SECONDS = 0.05
 _KIND_DIGITS = "0123456789"
 
 
+def timed_out_waiting(peers, what):
+    """The CollectiveTimeoutError of a wait for `peers` on other nodes, which
+    says whom it waited for (`awaited`): they may be dead or out of reach,
+    and an abort is not sent there (MpiLink.abort)."""
+    error = CollectiveTimeoutError(f"timed out waiting for rank(s) {', '.join(map(str, peers)) or '-'} on other "
+                                   f"nodes in {what} (is every rank making the same calls?)")
+    error.awaited = tuple(peers)
+    return error
+
+
 class MpiLink:
     """This rank's end of the messages between nodes: `comm` is a private
     duplicate (MpiRendezvous.link, bootstrap.py) of the communicator the ranks started from."""
@@ -95,11 +105,13 @@ class MpiLink:
             kind, message, _ = self._aborted
             raise kind(message)
 
-    def abort(self, error):
+    def abort(self, error, unreachable=()):
         """Tell every other rank that this communicator cannot go on, unless
         the abort came from another rank (which told everyone). Sent once, and
         pushed out for at most SEND_ABORT_SECONDS, never waited for: a dead
-        peer never receives it."""
+        peer never receives it. Nothing is sent to the ranks `unreachable`:
+        MPICH crashes (a segfault in MPI_Isend) sending to a rank of another
+        machine that died, or that a cut link hides."""
         if self._aborted is not None:
             return
         self._aborted = (class_of_kind(kind_of(error)),
@@ -107,7 +119,7 @@ class MpiLink:
         message = np.frombuffer(f"{kind_of(error)}{type(error).__name__} on rank {self.rank}: {error}"
                                 .encode()[:REASON_BYTES], np.uint8).copy()
         sends = [self.comm.Isend([message, self._mpi.BYTE], peer, ABORT_TAG)
-                 for peer in range(self.size) if peer != self.rank]
+                 for peer in range(self.size) if peer != self.rank and peer not in unreachable]
         self._hold((sends, message))
         until = time.perf_counter() + SEND_ABORT_SECONDS
         try:
@@ -177,9 +189,7 @@ class MpiLink:
                     self.check_health()
                     next_health = now + HEALTH_EVERY
                 if now >= deadline:
-                    raise CollectiveTimeoutError(
-                        f"timed out waiting for rank(s) {', '.join(map(str, sources)) or '-'} on other nodes in "
-                        f"{what} (is every rank making the same calls?)")
+                    raise timed_out_waiting(sources, what)
                 os.sched_yield()
         except self._mpi.Exception as error:
             error_class = error.Get_error_class()
