@@ -557,12 +557,16 @@ class Communicator:
             output_infos = [arrays.describe(o) for o in outputs]
         apart = validation.relation(input_infos, output_infos, lambda i, a, b: False) == validation.DISJOINT
         binding = OUT_OF_PLACE if apart and ranks.addressable else WORKSPACE
-        if algorithm == "auto":   # priced as an all_to_all of the most a rank sends
-            algorithm = self._auto(ALL_TO_ALL, max(map(sum, matrix)), dtype.itemsize, 0,
-                                   binding if ranks.addressable else None)
-        plan = build_plan(ALL_TO_ALL_V, algorithm, size, 0, dtype, ReduceOp.SUM, 0, binding, block_counts=matrix)
+        plan = self._plan_v(dtype, matrix, algorithm, binding)
         ranks.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + self.timeout)
         return outputs if as_sequence else outputs[0]
+
+    def _plan_v(self, dtype, matrix, algorithm, binding):
+        """all_to_all_v's plan for the checked counts `matrix` (matrix[q][r]: what rank q sends rank r)."""
+        if algorithm == "auto":   # priced as an all_to_all of the most a rank sends
+            algorithm = self._auto(ALL_TO_ALL, max(map(sum, matrix)), dtype.itemsize, 0,
+                                   binding if self._ranks.addressable else None)
+        return build_plan(ALL_TO_ALL_V, algorithm, self.size, 0, dtype, ReduceOp.SUM, 0, binding, block_counts=matrix)
 
     def _counts_of_every_rank(self, sends, expects, out_elements):
         """all_to_all_v's counts between processes: this rank's row

@@ -55,6 +55,16 @@ The other collectives, in the same shape:
     barrier         every rank of a node arrives; the node leaders hear from
                     each other (dissemination over MPI); the node's ranks leave.
 
+The exchanges (all_to_all, all_to_all_v, gather, scatter) fold nothing: each
+block moves once, straight from the rank that has it to the rank that needs
+it (exchange(), exchange_plan()). A block between ranks of one node goes
+through the node's shared memory (its sender copies it into its WORK in
+phase 0, its receiver out of there in phase 1); a block between ranks of
+different nodes is one MPI message from the sender's x into the receiver's
+out, as MPI_Alltoall and NCCL's grouped send/recv move it, never through a
+leader. Nodes that exchange nothing inside skip the phases (every node but
+the root's for gather and scatter).
+
 Small messages take a shorter way where every node has as many ranks: one
 call of the node's compiled loop and one exchange between counterparts
 (see "small messages" below), with the same bits. Where the loop takes the
@@ -93,9 +103,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import bootstrap
+from . import auto, bootstrap
 from .algorithms.schedule import (
-    ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BROADCAST, EXCHANGES, REDUCE_SCATTER, REDUCE_TO_ROOT,
+    ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BROADCAST, GATHER, REDUCE_SCATTER, REDUCE_TO_ROOT, SCATTER,
 )
 from .communicator import Communicator
 from .config import resolve_fast_sizes
@@ -133,6 +143,7 @@ class Call(NamedTuple):
     root: int
     description: str
     compression: str = None   # the codec of what crosses nodes (allreduce of float32), or None
+    counts: tuple = None      # all_to_all_v: counts[q][r], the elements rank q sends rank r
 
     algorithm = "hierarchical"   # what Communicator.chosen_algorithm names (every call runs this module's steps)
 
@@ -168,12 +179,19 @@ class HierarchicalCommunicator(Communicator):
     def _auto(self, collective, elements, itemsize, root, binding=None, compression=None):
         return "hierarchical"
 
-    def _check_arguments(self, collective, op, root, algorithm, compression):
-        if collective in EXCHANGES or collective == ALL_TO_ALL_V:
-            raise InvalidUsageError(
-                f"{collective}: not available yet when ranks span several nodes (the hierarchical "
-                "communicator); it runs on the ranks of one node (processes, one process, devices)")
-        super()._check_arguments(collective, op, root, algorithm, compression)
+    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=None, compression=None,
+                         algorithm="auto", symmetric=False):
+        """Communicator.chosen_algorithm's checks; the answer is always
+        "hierarchical" on the path "hierarchical": every call runs this
+        module's steps (a named algorithm is checked, not used)."""
+        super().chosen_algorithm(collective, nbytes, root, dtype, in_place, compression, algorithm, symmetric)
+        return auto.Choice(Call.algorithm, HierarchyRanks.path)
+
+    def _plan_v(self, dtype, matrix, algorithm, binding):
+        """all_to_all_v's Call (its counts checked alike on every rank by Communicator.all_to_all_v)."""
+        total = sum(map(sum, matrix))
+        return Call(ALL_TO_ALL_V, dtype, total, ReduceOp.SUM, 0, f"all_to_all_v of {total} {dtype} in all",
+                    counts=matrix)
 
     def _plan(self, collective, dtype, elements, op, root, algorithm, binding, compression=None):
         """The checked Call: everything Communicator checks before it plans."""
@@ -624,6 +642,63 @@ def barrier(h, call, x, out, deadline):
     h.in_node(call, 3, 0, lambda p, work: between_leaders() if p == 1 else None, deadline)
 
 
+def exchange(h, call, x, out, deadline):
+    """all_to_all, all_to_all_v, gather and scatter: each block moves once,
+    straight from the rank that has it to the rank that needs it. A block
+    between ranks of one node goes through the node's shared memory: in
+    phase 0 each rank copies the blocks for its node-mates into its WORK,
+    in phase 1 each copies its blocks out of theirs. A block between ranks
+    of different nodes crosses the link, from x into out, in phase 1 (so
+    that the node-mates read this rank's WORK meanwhile). A node that
+    exchanges nothing inside (every node but the root's for gather and
+    scatter, nodes of one rank) skips the phases. Where out lies on memory
+    of x that the call still reads (all_to_all in place), x is copied first."""
+    plan = exchange_plan(h.topology, call.collective, call.count, call.root, call.counts, h.rank)
+    if plan.reads_x and _writes_what_it_reads(plan, x, out):
+        staged = h.scratch("sent", call.dtype, x.size)
+        staged[...] = x
+        x = staged
+    buffers = {INPUT: x, OUTPUT: out}
+    what = f"{call.description}: blocks between nodes"
+
+    def across_and_own():
+        h.exchange(plan.link, buffers, deadline, what)
+        if plan.own:
+            a, b, count = plan.own
+            if not _same_memory(out[b:b + count], x[a:a + count]):
+                out[b:b + count] = x[a:a + count]
+
+    if h.shm is None or not plan.in_node:
+        across_and_own()
+        return
+
+    def phase(p, work):
+        if p == 0:
+            mine = work(h.local)
+            for a, w, count in plan.staged:
+                mine[w:w + count] = x[a:a + count]
+        else:
+            across_and_own()
+            for local, w, b, count in plan.reads:
+                out[b:b + count] = work(local)[w:w + count]
+
+    h.in_node(call, 2, plan.workspace, phase, deadline)
+
+
+def _writes_what_it_reads(plan, x, out):
+    """Whether a block the call writes into `out` lies on memory of `x` that
+    it reads (a block copied onto itself aside)."""
+    x_at, out_at, size = x.__array_interface__["data"][0], out.__array_interface__["data"][0], x.itemsize
+    read = [(x_at + a * size, x_at + (a + count) * size) for a, count in plan.x_spans]
+    low, high = min(a for a, _ in read), max(z for _, z in read)
+    written = [(out_at + b * size, out_at + (b + count) * size) for b, count in plan.out_spans]
+    if plan.own:
+        a, b, count = plan.own
+        if x_at + a * size != out_at + b * size:
+            written.append((out_at + b * size, out_at + (b + count) * size))
+    return any(a < high and low < z for a, z in written)
+
+
 # -- small messages: the node's compiled loop, then one exchange between counterparts ----------
 #
 # A message of up to the loop's merged-step limit per rank (h.fast_small_max),
@@ -756,6 +831,7 @@ def _shortest(general):
 RUN = {collective: _shortest(general) for collective, general in (
     (ALLREDUCE, allreduce), (REDUCE_TO_ROOT, reduce), (REDUCE_SCATTER, reduce_scatter), (ALLGATHER, allgather),
     (BROADCAST, broadcast))}
+RUN.update(dict.fromkeys((ALL_TO_ALL, ALL_TO_ALL_V, GATHER, SCATTER), exchange))
 
 
 def _same_memory(a, b):
@@ -996,3 +1072,77 @@ def barrier_plan(topology, k_me):
                                ((leaders[(k_me - d) % len(leaders)], PART, 0, 0),)))
         d *= 2
     return tuple(rounds)
+
+
+class ExchangePlan(NamedTuple):
+    """One rank's blocks in an exchange (exchange()), offsets and counts in elements."""
+    link: Exchange      # blocks from INPUT to ranks of other nodes, into OUTPUT from them
+    staged: tuple       # (x offset, WORK offset, count): the blocks for node-mates, into this rank's WORK
+    reads: tuple        # (local rank, its WORK offset, out offset, count): the blocks from node-mates
+    own: tuple          # (x offset, out offset, count) of this rank's block to itself, or ()
+    workspace: int      # elements of WORK on every rank of the node
+    in_node: bool       # whether the node's ranks exchange anything among themselves (the phases run)
+    x_spans: tuple      # (offset, count) of x that the call reads, own block included (_writes_what_it_reads)
+    out_spans: tuple    # (offset, count) of out that it writes, own block aside
+
+    @property
+    def reads_x(self):
+        return bool(self.x_spans)
+
+
+def exchange_counts(collective, count, root, size):
+    """counts[q][r], the elements rank q sends rank r, in an exchange whose
+    ranks' x hold `count` elements (all_to_all and scatter: `size` blocks)."""
+    if collective == ALL_TO_ALL:
+        return ((count // size,) * size,) * size
+    if collective == GATHER:
+        row = tuple(count if r == root else 0 for r in range(size))
+        return (row,) * size
+    zeros = (0,) * size    # SCATTER
+    return tuple((count // size,) * size if q == root else zeros for q in range(size))
+
+
+@functools.lru_cache(maxsize=256)
+def exchange_plan(topology, collective, count, root, counts, me):
+    """all_to_all, all_to_all_v (`counts`, the matrix of what each rank
+    sends each), gather and scatter: blocks in rank order in x (the blocks
+    rank q sends) and in out (the blocks rank r receives). A rank's WORK
+    holds its blocks for its node-mates one after another in local order."""
+    n = topology.size
+    if counts is None:
+        counts = exchange_counts(collective, count, root, n)
+    node = topology.nodes[topology.node_of(me)]
+
+    def sent_at(q, r):      # where block r starts in rank q's x
+        return sum(counts[q][:r])
+
+    def received_at(r, q):  # where the block from q starts in rank r's out
+        return sum(counts[p][r] for p in range(q))
+
+    def staged_at(q, r):    # where q's block for its node-mate r starts in q's WORK
+        return sum(counts[q][p] for p in node[:node.index(r)] if p != q)
+
+    sends = tuple((r, INPUT, sent_at(me, r), counts[me][r]) for r in range(n) if r not in node and counts[me][r])
+    receives = tuple((q, OUTPUT, received_at(me, q), counts[q][me]) for q in range(n)
+                     if q not in node and counts[q][me])
+    staged = _merged_copies([(sent_at(me, r), staged_at(me, r), counts[me][r]) for r in node
+                             if r != me and counts[me][r]])
+    reads = tuple((node.index(q), staged_at(q, me), received_at(me, q), counts[q][me]) for q in node
+                  if q != me and counts[q][me])
+    own = (sent_at(me, me), received_at(me, me), counts[me][me]) if counts[me][me] else ()
+    workspace = max(sum(counts[q][r] for r in node if r != q) for q in node)
+    x_spans = tuple((a, c) for _, _, a, c in sends) + tuple((a, c) for a, _, c in staged) + \
+        (((own[0], own[2]),) if own else ())
+    out_spans = tuple((b, c) for _, _, b, c in receives) + tuple((b, c) for _, _, b, c in reads)
+    return ExchangePlan(Exchange(sends, receives), staged, reads, own, workspace, workspace > 0, x_spans, out_spans)
+
+
+def _merged_copies(copies):
+    """(source offset, destination offset, count) copies, those that continue each other merged."""
+    merged = []
+    for a, w, count in copies:
+        if merged and merged[-1][0] + merged[-1][2] == a and merged[-1][1] + merged[-1][2] == w:
+            merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + count)
+        else:
+            merged.append((a, w, count))
+    return tuple(merged)

@@ -200,15 +200,12 @@ def scenario_refusals(comm):
                  lambda: comm.allreduce(x, op="xor"),
                  lambda: comm.broadcast(x, root=comm.size),
                  lambda: comm.reduce_scatter(np.ones(comm.size + 1, np.float32)),
-                 lambda: comm.gather(x, root=0),     # not across nodes yet: named, nothing written
-                 lambda: comm.scatter(x, root=0),
-                 lambda: comm.all_to_all(x),
-                 lambda: comm.all_to_all_v(x, [8] + [0] * (comm.size - 1))):
+                 lambda: comm.gather(x, root=-1),     # (the exchanges' own: tests/test_exchanges_across_nodes.py)
+                 lambda: comm.all_to_all(x[:7])):
         try:
             call()
         except InvalidUsageError as error:   # its message starts with the argument's name
-            assert str(error).split(":")[0] in ("compression", "algorithm", "op", "root", "x", "gather", "scatter",
-                                                "all_to_all", "all_to_all_v"), error
+            assert str(error).split(":")[0] in ("compression", "algorithm", "op", "root", "x"), error
         else:
             raise AssertionError("a bad call was accepted")
         assert np.array_equal(x, np.arange(8, dtype=np.float32)), "a rejected call modified its input"
