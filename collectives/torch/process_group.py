@@ -57,10 +57,8 @@ op checks its tensors, turns them into what a Communicator takes
   all_to_all (dist.all_to_all's lists and all_to_all_single, uneven splits
   too: Communicator.all_to_all_v, see all_to_all_single), barrier.
   Lists of tensors are packed into one buffer for one call. Across nodes
-  (the hierarchical communicator), which does not run gather, scatter and
-  all_to_all yet, these run as an allgather (gather, all_to_all) or a
-  broadcast (scatter) of every rank's blocks: correct, at size times the
-  bytes. send, recv (from a rank or any), isend and irecv on CPU tensors,
+  (the hierarchical communicator) gather, scatter and all_to_all run as
+  its exchanges: each block crosses once. send, recv (from a rank or any), isend and irecv on CPU tensors,
   through the Communicator's isend and irecv (host ranks in processes on
   one machine; transport/p2p.py): their Work is pending until wait(),
   which moves every pending message of the rank; GPU tensors and groups
@@ -363,15 +361,11 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
         def run(comm):
             x = tensor.contiguous()
-            direct = _runs_exchanges(comm)
-            if self.rank() != root and direct:
+            if self.rank() != root:
                 comm.gather(byte_array(x), root=root)
                 return
             gathered = torch.empty((self.size(), *x.shape), dtype=x.dtype, device=x.device)
-            if direct:
-                comm.gather(byte_array(x), root=root, out=byte_array(gathered))
-            else:   # across nodes: an allgather, every rank receiving what only the root keeps
-                comm.allgather(byte_array(x), out=byte_array(gathered))
+            comm.gather(byte_array(x), root=root, out=byte_array(gathered))
             for out, block in zip(outputs, gathered):   # the root's
                 out.copy_(block)
         return self._run([tensor, *outputs], "gather", run, outputs)
@@ -390,11 +384,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             stacked = torch.stack(inputs) if inputs else \
                 torch.empty((self.size(), *output.shape), dtype=output.dtype, device=output.device)
             with _contiguous(output) as out:
-                if _runs_exchanges(comm):
-                    comm.scatter(byte_array(stacked), root=root, out=byte_array(out))
-                else:   # across nodes: a broadcast of every block, of which each rank keeps its own
-                    comm.broadcast(byte_array(stacked), root=root)
-                    out.copy_(stacked[self.rank()])
+                comm.scatter(byte_array(stacked), root=root, out=byte_array(out))
         return self._run([output, *inputs], "scatter", run, [output])
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -408,9 +398,9 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         (2 x size + 2 integers a rank), which checks that every rank
         receives what its peers send (else every rank raises
         InvalidUsageError, nothing written), then each block crosses once,
-        straight from `input` into `output`. Across nodes, where
+        straight from `input` into `output`. With backend="nccl", where
         all_to_all_v does not run yet, the blocks are padded to the call's
-        largest and exchanged by an allgather (`_padded`)."""
+        largest and exchanged by an all_to_all (`_padded`)."""
         _one_dtype("all_to_all_single", [output, input])
         if not output_split_sizes and not input_split_sizes:
             return self._even_all_to_all(output, input)
@@ -468,7 +458,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return self._run([output, input], "all_to_all_single", run, [output])
 
     def _padded(self, comm, blocks, receives, what):
-        """An uneven all_to_all's exchange across nodes (see all_to_all_single): `blocks`
+        """An uneven all_to_all's exchange on NCCL (see all_to_all_single): `blocks`
         (flat tensors, one per rank) sent, `receives[q]` elements expected
         from rank q. Returns the received blocks, padded: row q holds rank
         q's block first."""
@@ -494,13 +484,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     def _exchange(self, comm, x, out):
         """comm.all_to_all of `x` into `out` (contiguous, of size equal blocks)."""
-        if _runs_exchanges(comm):
-            comm.all_to_all(byte_array(x), out=byte_array(out))
-            return
-        # across nodes: every rank's whole `x`, of which each rank keeps its blocks (size times the bytes)
-        everyone = torch.empty((self.size(), x.numel()), dtype=x.dtype, device=x.device)
-        comm.allgather(byte_array(x), out=byte_array(everyone))
-        out.view(self.size(), -1).copy_(everyone.view(self.size(), self.size(), -1)[:, self.rank()])
+        comm.all_to_all(byte_array(x), out=byte_array(out))
 
     def barrier(self, opts=None):
         def run(comm):
@@ -688,18 +672,8 @@ def _all_to_all_v(comm, x, sends, out, receives, what):
 
 
 def _runs_all_to_all_v(comm):
-    """Whether `comm` runs all_to_all_v: our communicators of one node do;
-    NCCL's and the hierarchical one (several nodes) do not yet."""
-    return comm.chosen_algorithm("allreduce", 1).path not in ("hierarchical", "nccl")
-
-
-def _runs_exchanges(comm):
-    """Whether `comm` runs gather, scatter and all_to_all itself: our plans
-    do (host ranks of one node, our GPU ranks), and NCCL's as grouped sends
-    and receives; the hierarchical communicator (several nodes) runs the
-    other five collectives only, so these run on it as an allgather or a
-    broadcast (~2 us to ask)."""
-    return comm.chosen_algorithm("allreduce", 1).path != "hierarchical"
+    """Whether `comm` runs all_to_all_v: ours do (one node or several); NCCL's does not yet."""
+    return comm.chosen_algorithm("allreduce", 1).path != "nccl"
 
 
 def _device_of(tensors, what):
