@@ -939,6 +939,9 @@ class Communicator:
         about each rank's WORK buffer (all blocks, for allgather). Ranks that
         all share one GPU price bound plans, for a binding or a codec (auto.py)."""
         count = _work_elements(collective, elements, self.size)
+        single_copy = getattr(self._ranks, "single_copy_takes", None)
+        if compression is None and single_copy is not None and single_copy(collective, count * itemsize):
+            return "direct"   # host ranks in processes: the exchange reads peers' inputs in place (shm.py)
         return auto.choose(collective, self.size, count * itemsize, root, self._ranks, binding, compression)
 
     def barrier(self):

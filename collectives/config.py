@@ -128,6 +128,23 @@ def _bytes(value, argument, variable, default, multiple):
     return count
 
 
+# From how many bytes of a call's blocks (all of them: each rank's x for
+# all_to_all and scatter, the gathered array for gather, the most a rank
+# sends for all_to_all_v) host ranks in processes run all_to_all,
+# all_to_all_v, gather and scatter as single-copy plans, reading peers'
+# inputs in place (plan.single_copy_plan), where
+# $COLLECTIVES_FAST_SINGLE_COPY allows it; the same on every rank.
+EXCHANGE_SINGLE_COPY_MIN_ENV = "COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN"
+DEFAULT_EXCHANGE_SINGLE_COPY_MIN = 256 << 10
+
+
+def resolve_exchange_single_copy_min(min_bytes=None):
+    """The exchanges' single-copy threshold in bytes: the argument, else
+    $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN, else the default above."""
+    return _number(min_bytes, "exchange_single_copy_min", EXCHANGE_SINGLE_COPY_MIN_ENV,
+                   DEFAULT_EXCHANGE_SINGLE_COPY_MIN, int)
+
+
 # The compiled loop's settings other than its layout (FastSizes), read once
 # when a communicator is made: the fence's wait and the stalls are a rank's own; the
 # staging limit must be the same on every rank (the loop names a rank whose differs).
@@ -204,7 +221,8 @@ def check_switches():
     InvalidUsageError on every rank before any exchange (init and start
     call it), not on the first rank to read it while the others wait."""
     for resolve in (resolve_one_kernel_allreduce, resolve_compiled_plans, resolve_fast_path,
-                    resolve_fast_single_copy, resolve_fast_sizes, resolve_loop_tunables):
+                    resolve_fast_single_copy, resolve_fast_sizes, resolve_loop_tunables,
+                    resolve_exchange_single_copy_min):
         resolve()
 
 

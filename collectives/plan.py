@@ -105,6 +105,9 @@ class Plan(NamedTuple):
     # r (see BlockLayout); chunk_bounds is then empty, since a chunk's
     # bounds differ from rank to rank.
     block_counts: Optional[Tuple[Tuple[int, ...], ...]] = None
+    # single_copy_plan's plans: ranks in separate processes read peers'
+    # INPUT in place (the compiled executor, _host_plan.c).
+    single_copy: bool = False
 
 
 class BlockLayout:
@@ -350,6 +353,88 @@ def _wire_bytes(phases, itemsize, compression):
             total += sum(size(int(row[COUNT])) for i in range(int(row[NSRC]))
                          if row[SRC0 + 3 * i + SRC_RANK] != row[RANK])
     return total
+
+
+# The collectives single_copy_plan serves: those that only move blocks.
+SINGLE_COPY_COLLECTIVES = (GATHER, SCATTER, ALL_TO_ALL, ALL_TO_ALL_V)
+
+
+@functools.lru_cache(maxsize=256)
+def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=False, block_counts=None):
+    """The `direct` plan of an exchange (SINGLE_COPY_COLLECTIVES) for ranks
+    in separate processes that read each other's arrays in place: each
+    rank reads its blocks straight out of its peers' INPUT into its OUTPUT
+    (in place, into its SCRATCH first), one copy where the WORKSPACE plan
+    makes two. Its moves are the OUT_OF_PLACE or IN_PLACE binding of
+    direct's schedule, proved by binding.py's symbolic run, in three phases:
+
+        0  nothing to copy: the executor publishes the rank's input address
+        1  the reads of peers' INPUT (and a rank's own blocks)
+        2  local copies only (in place: SCRATCH over the input)
+
+    and waits of their own, beside those derived from the moves: phase 1
+    reads a peer's INPUT once the peer completed phase 0 (its address is
+    this call's), and phase 2 starts once every peer completed phase 1, so
+    that no reader is left in a rank's input when it overwrites it or
+    returns (docs/host-ranks.md, "The exchanges: one copy"). Every rank
+    runs three phases whichever binding its own arrays take (the ranks of
+    one call may differ), and every binding's phase 1 reads the same
+    INPUT regions, which no binding's phase 1 writes (checked here).
+    ValueError where the binding does not give that form."""
+    if collective not in SINGLE_COPY_COLLECTIVES:
+        raise ValueError(f"single_copy_plan serves {SINGLE_COPY_COLLECTIVES}, not {collective!r}")
+    dtype = np.dtype(dtype)
+    bindings_tried = (bindings.OUT_OF_PLACE,) if collective == ALL_TO_ALL_V else (bindings.OUT_OF_PLACE,
+                                                                                  bindings.IN_PLACE)
+    plans = {b: build_plan(collective, "direct", nranks, count, dtype, op, root, b, block_counts=block_counts)
+             for b in bindings_tried}
+    binding = bindings.IN_PLACE if in_place else bindings.OUT_OF_PLACE
+    if binding not in plans:
+        raise ValueError(f"single_copy_plan: {collective} has no in-place single copy")
+    peer_reads = set()
+    for b, plan in plans.items():
+        if len(plan.phases) != 3 or len(plan.phases[0].table):
+            raise ValueError(f"single_copy_plan: {collective}'s {b} plan is not of three phases, the first empty")
+        for p, phase in enumerate(plan.phases):
+            for row in phase.table:
+                for s in range(int(row[NSRC])):
+                    src_rank, src_buf, src_off = (int(v) for v in row[SRC0 + 3 * s: SRC0 + 3 * s + 3])
+                    if src_rank == row[RANK]:
+                        continue
+                    if p != 1 or src_buf != INPUT or row[KIND] != COPY_OP:
+                        raise ValueError(f"single_copy_plan: {collective}'s {b} plan reads a peer's "
+                                         f"{bindings.BUFFER_NAMES[src_buf]} in phase {p}")
+                    peer_reads.add((src_rank, src_off, src_off + int(row[COUNT])))
+    if in_place:   # a phase-1 write into a rank's input must miss what its peers read there
+        block = count // nranks
+        shift = {ALL_TO_ALL: 0, GATHER: -1, SCATTER: 1}[collective]
+        for row in plans[binding].phases[1].table:
+            if row[DST_BUF] not in (INPUT, OUTPUT):
+                continue
+            rank, start = int(row[RANK]), int(row[DST_OFF])
+            if row[DST_BUF] == OUTPUT:
+                start += shift * rank * block
+            stop = start + int(row[COUNT])
+            if any(q == rank and a < stop and start < b for q, a, b in peer_reads):
+                raise ValueError(f"single_copy_plan: {collective} in place overwrites in phase 1 what a peer reads")
+    plan = plans[binding]
+    reads = [set() for _ in range(nranks)]
+    for row in plan.phases[1].table:
+        reads[int(row[RANK])].update(int(row[SRC0 + 3 * s]) for s in range(int(row[NSRC])))
+    phases = list(plan.phases)
+    waits1 = tuple(_at_least(phases[1].waits[r], {q: 1 for q in reads[r] if q != r}) for r in range(nranks))
+    waits2 = tuple(_at_least(phases[2].waits[r], {q: 2 for q in range(nranks) if q != r}) for r in range(nranks))
+    phases[1] = phases[1]._replace(waits=waits1)
+    phases[2] = phases[2]._replace(waits=waits2)
+    return plan._replace(phases=tuple(phases), single_copy=True)
+
+
+def _at_least(waits, need):
+    """`waits` ((peer, phases done) pairs) raised to `need` (peer -> phases done)."""
+    merged = dict(waits)
+    for peer, done in need.items():
+        merged[peer] = max(merged.get(peer, 0), done)
+    return tuple(sorted(merged.items()))
 
 
 def derive_waits(nranks, phase_access, after_previous_call=True):

@@ -33,6 +33,8 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <sys/uio.h>
+
 #include "shm_waits.h"
 #include "host_folds.h"
 
@@ -58,8 +60,69 @@ typedef struct {
     char *input, *output;
     int64_t scratch_offset, workspace_bytes;
     int type, op, nranks;
+    int single_copy;            /* a plan that reads peers' inputs in place (see "Single copy" below) */
     size_t itemsize;
 } Call;
+
+/* ---- Single copy ------------------------------------------------------------
+ *
+ * The exchanges' single-copy plans (plan.single_copy_plan) read peers'
+ * INPUT straight out of their processes (process_vm_readv) into this
+ * rank's own memory; every row still writes only its own rank's memory.
+ * They have three phases, and the executor adds to each:
+ *
+ *   0  publish this call's input address (the row's IN_ADDR) and "not
+ *      refused" (OUT_ADDR 0) with the counter;
+ *   1  the reads: a peer's INPUT is read once the peer has completed
+ *      phase 0 (its address is this call's). A read the kernel refuses
+ *      (EPERM: another user, a ptrace restriction, a seccomp rule)
+ *      raises OUT_ADDR to 1 and ends the phase's rows;
+ *   2  every rank waits for every peer to have completed phase 1 (no
+ *      reader is left in its input, which it may then overwrite or hand
+ *      back to its caller), then looks at every rank's OUT_ADDR: one
+ *      raised, and every rank returns REFUSED before any row of phase 2
+ *      (nothing of the input overwritten), and Python runs the call
+ *      again on the staged plan. Else this phase's local rows (in place:
+ *      the blocks read into SCRATCH copied over the input).
+ *
+ * (IN_ADDR and OUT_ADDR are the compiled loop's slots too: a call of either
+ * engine sets them before any peer reads them.) */
+static int refuse_for_tests;   /* set by the tests alone (test_refuse_reads): every read is refused */
+
+/* Copy `nbytes` out of peer `peer`'s process at `remote` into `local`:
+ * OK, REFUSED, PEER_DEAD, ABORTED (a peer that aborted may have handed its
+ * input back), or READ_FAILED with the errno. */
+static int read_peer(Waits *w, int peer, char *local, int64_t remote, size_t nbytes)
+{
+    if (refuse_for_tests && nbytes > 0) {
+        w->failed_peer = peer;
+        return REFUSED;
+    }
+    pid_t pid = (pid_t)load_acquire(&w->rows[peer * ROW_SLOTS + PID]);
+    while (nbytes > 0) {
+        struct iovec here = {local, nbytes}, there = {(void *)(uintptr_t)remote, nbytes};
+        ssize_t got = process_vm_readv(pid, &here, 1, &there, 1, 0);
+        if (got <= 0) {
+            int error = got < 0 ? errno : 0;
+            if (error == EINTR)
+                continue;
+            w->failed_peer = peer;
+            w->failed_have = error;
+            w->failed_need = (int64_t)nbytes;
+            if (error == ESRCH || !process_alive(pid))
+                return PEER_DEAD;
+            if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
+                w->failed_peer = -1;
+                return ABORTED;
+            }
+            return error == EPERM || error == ENOSYS ? REFUSED : READ_FAILED;
+        }
+        local += got;
+        remote += got;
+        nbytes -= (size_t)got;
+    }
+    return OK;
+}
 
 static char *address(const Call *call, int me, int64_t rank, int64_t buffer, int64_t offset)
 {
@@ -74,9 +137,9 @@ static char *address(const Call *call, int me, int64_t rank, int64_t buffer, int
 }
 
 /* Run rows [first, last) of the table. BAD_PLAN where a row names memory
- * this rank cannot address (a peer's INPUT: plans for ranks in separate
- * processes never do) or has more sources than the loop takes. */
-static int run_rows(const Call *call, int me, int64_t first, int64_t last)
+ * this rank cannot address (a peer's INPUT, but for a single-copy plan's
+ * copy) or has more sources than the loop takes. */
+static int run_rows(Waits *w, const Call *call, int me, int64_t first, int64_t last)
 {
     const char *srcs[MAX_SOURCES];
     for (int64_t i = first; i < last; i++) {
@@ -86,6 +149,16 @@ static int run_rows(const Call *call, int me, int64_t first, int64_t last)
         char *dst = address(call, me, row[RANK], row[DST_BUF], row[DST_OFF]);
         if (dst == NULL || nsrc < 1 || nsrc > MAX_SOURCES || SRC0 + 3 * nsrc > call->width)
             return BAD_PLAN;
+        int64_t peer = row[SRC0];
+        if (call->single_copy && row[KIND] == COPY_OP && row[SRC0 + 1] == INPUT && peer != me) {
+            if (peer < 0 || peer >= call->nranks)
+                return BAD_PLAN;
+            int64_t there = load_acquire(&w->rows[peer * ROW_SLOTS + IN_ADDR]);
+            int status = read_peer(w, (int)peer, dst, there + row[SRC0 + 2] * (int64_t)call->itemsize, nbytes);
+            if (status != OK)
+                return status;
+            continue;
+        }
         for (int64_t s = 0; s < nsrc; s++) {
             const int64_t *src = row + SRC0 + 3 * s;
             if ((srcs[s] = address(call, me, src[0], src[1], src[2])) == NULL)
@@ -147,12 +220,25 @@ static int run_phases(Waits *w, const Call *call, int64_t start_phase, int64_t b
                 return NEED_GROW;
             mine[SEQ] = seq;
             mine[SIG] = signature;
+            if (call->single_copy) {   /* published with the counter below */
+                mine[IN_ADDR] = (int64_t)(uintptr_t)call->input;
+                mine[OUT_ADDR] = 0;
+            }
+        }
+        if (call->single_copy && p == 2) {   /* every peer is done reading: the verdict */
+            for (int q = 0; q < call->nranks; q++)
+                if (load_acquire(&w->rows[q * ROW_SLOTS + OUT_ADDR]) != 0) {
+                    w->failed_peer = q;
+                    return REFUSED;
+                }
         }
         int64_t first = call->row_starts[p], last = call->row_starts[p + 1];
         int status = check_generations(w, call, first, last);
         if (status == OK)
-            status = run_rows(call, me, first, last);
-        if (status != OK)
+            status = run_rows(w, call, me, first, last);
+        if (status == REFUSED && call->single_copy && p == 1)
+            __atomic_store_n(&mine[OUT_ADDR], 1, __ATOMIC_RELEASE);   /* published with the counter */
+        else if (status != OK)
             return status;
         publish(mine, COUNTER, base + p + 1);
     }
@@ -187,7 +273,7 @@ static const int64_t *int64s(PyObject *object, Py_buffer *view, Py_ssize_t at_le
 
 /* runner.run(rows, row_starts, waits, wait_starts, bases, generations, input, output,
  *            scratch_offset, workspace_bytes, start_phase, type, op, nranks, description_hash,
- *            deadline)
+ *            deadline, single_copy)
  * -> 0 once the rank's phases ran, else (status, peer, have, need, seq, phase):
  * a wait's failure (shm_waits.h), MISMATCH, NEED_GROW or NEED_OPEN at
  * `phase` (call again from there), or BAD_PLAN. rows: the rank's rows of
@@ -196,11 +282,12 @@ static const int64_t *int64s(PyObject *object, Py_buffer *view, Py_ssize_t at_le
  * output are addresses (0 where the plan names no such buffer). A call
  * from phase 0 is a new call: its number (the row's SEQ + 1), counter base
  * (the row's COUNTER) and signature are taken then, and kept for the calls
- * that resume it. */
+ * that resume it. single_copy: the plan is a single-copy plan (see "Single
+ * copy"); then REFUSED means run the call again on the staged plan. */
 static PyObject *Runner_run(Runner *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 16) {
-        PyErr_SetString(PyExc_TypeError, "run() takes 16 arguments: see _host_plan.c");
+    if (nargs != 17) {
+        PyErr_SetString(PyExc_TypeError, "run() takes 17 arguments: see _host_plan.c");
         return NULL;
     }
     Call call;
@@ -209,7 +296,8 @@ static PyObject *Runner_run(Runner *self, PyObject *const *args, Py_ssize_t narg
         values[i] = PyLong_AsLongLong(args[6 + i]);
     uint64_t description_hash = PyLong_AsUnsignedLongLong(args[14]);
     double deadline = PyFloat_AsDouble(args[15]);
-    if (PyErr_Occurred())
+    int single_copy = PyObject_IsTrue(args[16]);
+    if (single_copy < 0 || PyErr_Occurred())
         return NULL;
     call.input = (char *)(uintptr_t)values[0];
     call.output = (char *)(uintptr_t)values[1];
@@ -219,6 +307,7 @@ static PyObject *Runner_run(Runner *self, PyObject *const *args, Py_ssize_t narg
     call.type = (int)values[5];
     call.op = (int)values[6];
     call.nranks = (int)values[7];
+    call.single_copy = single_copy;
     if (call.type < 0 || call.type >= NTYPES || call.op < 0 || call.op > OP_AVG
         || call.nranks != self->waits.nranks) {
         PyErr_SetString(PyExc_ValueError, "run(): an element type, op or rank count this runner does not take");
@@ -317,10 +406,25 @@ static int Runner_init(Runner *self, PyObject *args, PyObject *kwargs)
     return 0;
 }
 
+static PyObject *py_test_refuse_reads(PyObject *Py_UNUSED(self), PyObject *arg)
+{
+    int refuse = PyObject_IsTrue(arg);
+    if (refuse < 0)
+        return NULL;
+    refuse_for_tests = refuse;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_functions[] = {
+    {"test_refuse_reads", py_test_refuse_reads, METH_O,
+     "test_refuse_reads(flag): for the tests, this process's single-copy reads are refused (or no longer)"},
+    {NULL},
+};
+
 static PyMethodDef Runner_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Runner_run, METH_FASTCALL,
      "run(rows, row_starts, waits, wait_starts, bases, generations, input, output, scratch_offset, "
-     "workspace_bytes, start_phase, type, op, nranks, description_hash, deadline): see _host_plan.c"},
+     "workspace_bytes, start_phase, type, op, nranks, description_hash, deadline, single_copy): see _host_plan.c"},
     {"call", (PyCFunction)Runner_call, METH_NOARGS,
      "call() -> (seq, base, signature) of the call running, or last run"},
     {NULL},
@@ -345,7 +449,7 @@ static PyTypeObject RunnerType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_host_plan",
-    "The compiled plan executor of host ranks in separate processes (see _host_plan.c).", -1, NULL,
+    "The compiled plan executor of host ranks in separate processes (see _host_plan.c).", -1, module_functions,
 };
 
 PyMODINIT_FUNC PyInit__host_plan(void)

@@ -13,6 +13,13 @@ run:
     NEED_OPEN   a peer's workspace is of a generation not yet opened here:
                 opened before any row of the phase that reads it runs.
 
+A single-copy plan (plan.single_copy_plan: the exchanges' rows that read
+peers' inputs straight out of their processes) runs here alone, the
+interpreter having no such reads; where a rank may not read a peer's
+memory, every rank's run returns REFUSED with nothing of its input
+overwritten, and the caller runs the call again on the staged plan
+(transport/shm.py).
+
 The NumPy interpreter (executors/host.py) stays the reference meaning of a
 plan and runs what the compiled executor does not take: compressed plans,
 float16 and bfloat16 (which accumulate in float32: the interpreter's rule),
@@ -26,7 +33,7 @@ import numpy as np
 
 from ..errors import CollectiveError
 from ..ops import ReduceOp
-from ..transport.failures import BAD_PLAN, NEED_GROW, NEED_OPEN, raise_wait_failure
+from ..transport.failures import BAD_PLAN, NEED_GROW, NEED_OPEN, REFUSED, raise_wait_failure
 from ..transport.layout import CAP, GEN
 from ..transport.protocol import describe_call, description_hash
 
@@ -74,7 +81,9 @@ class CompiledPlans:
     def run(self, plan, x_address, out_address, deadline):
         """Run this rank's part of `plan` on its arrays, C-contiguous NumPy
         arrays at `x_address` and `out_address` (the bytes the interpreter's
-        flat views of them are)."""
+        flat views of them are). Returns None, or REFUSED where a
+        single-copy plan's read was refused on some rank (every rank's run
+        returns it, in the same call: run the call again staged)."""
         entry = self._prepared.get(id(plan))
         if entry is None or entry[0] is not plan:
             entry = self._prepare(plan)
@@ -87,11 +96,13 @@ class CompiledPlans:
             start = 0
             while True:
                 result = self._runner.run(*arrays, self._bases, self._generations, x_address, out_address, *sizes,
-                                          start, *codes, hashed, deadline)
+                                          start, *codes, hashed, deadline, plan.single_copy)
                 if result == 0:
-                    return
+                    return None
                 status, peer, have, need, seq, start = result
                 group.note_call(seq)
+                if status == REFUSED and plan.single_copy:
+                    return REFUSED
                 if status == NEED_GROW:
                     group.ensure_capacity(plan.workspace_bytes)
                     self._refresh(rank)

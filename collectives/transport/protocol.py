@@ -94,7 +94,7 @@ def control_name(prefix):
 
 def describe_call(plan):
     return (f"{plan.collective} of {plan.count} {plan.dtype} (op {plan.op}, root {plan.root}, "
-            f"algorithm {plan.algorithm})")
+            f"algorithm {plan.algorithm}{', one copy' if getattr(plan, 'single_copy', False) else ''})")
 
 
 def call_signature(seq, description):

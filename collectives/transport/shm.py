@@ -10,14 +10,16 @@ mapped workspaces.
 """
 
 import os
+import time
 
 import numpy as np
 
 from ..compression import wire
 from ..errors import CollectiveError
-from ..config import resolve_compiled_plans
+from ..config import resolve_compiled_plans, resolve_exchange_single_copy_min, resolve_fast_single_copy
 from ..executors import host, host_process
-from ..plan import INPUT, OUTPUT, WORK
+from ..plan import INPUT, OUTPUT, SINGLE_COPY_COLLECTIVES, WORK, single_copy_plan
+from ..binding import WORKSPACE_IN_PLACE
 from . import fastpath
 from .layout import ABORT
 from .p2p import CompiledWaits, Mailboxes, PointToPoint
@@ -57,9 +59,17 @@ class ShmRank(Recoverable):
         self.fast_allreduce = None if self.fast is None else self.fast.allreduce
         self.fast_collective = None if self.fast is None else self.fast.collective
         # Every other plan it takes in the compiled executor; None: the interpreter runs them all.
-        self.compiled = host_process.CompiledPlans(
-            self.group, self._spin,
-            fastpath.YIELD_SECONDS) if host_process.available() and resolve_compiled_plans() else None
+        executor = host_process.CompiledPlans(self.group, self._spin, fastpath.YIELD_SECONDS) \
+            if host_process.available() else None
+        self.compiled = executor if resolve_compiled_plans() else None
+        # The exchanges from this many bytes read peers' inputs in place, in
+        # the compiled executor whatever runs the other plans (the
+        # interpreter has no such reads); None: never. Once a call found a
+        # read refused, on every rank alike, they stage (`_refused`).
+        self.single_copy_min = resolve_exchange_single_copy_min() \
+            if executor is not None and size > 1 and resolve_fast_single_copy() else None
+        self._single = executor
+        self._refused = False
 
     def point_to_point(self, timeout_of):
         """This rank's sends and receives (p2p.py), through the control
@@ -76,25 +86,75 @@ class ShmRank(Recoverable):
         value on): what a bound call waits at most."""
         self._timeout = seconds
 
+    def single_copy_takes(self, collective, nbytes):
+        """Whether an exchange whose blocks are `nbytes` in all runs
+        reading peers' inputs in place (so `auto` names `direct` for it)."""
+        return self.single_copy_min is not None and not self._refused and collective in SINGLE_COPY_COLLECTIVES \
+            and nbytes >= self.single_copy_min
+
+    def _single_copy_of(self, plan):
+        """Whether `plan` (a Plan or a paths.CallShape) runs as a single-copy plan."""
+        return plan.algorithm == "direct" and getattr(plan, "compression", None) is None \
+            and self.single_copy_takes(plan.collective, plan.count * plan.dtype.itemsize) \
+            and self._single.takes(plan)
+
+    def _single_plan(self, plan, in_place):
+        return single_copy_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
+                                plan.block_counts)
+
+    def _run_single_copy(self, plan, inputs, outputs, input_infos, output_infos, deadline):
+        """Run `plan` (a `direct` exchange) as its single-copy plan: True,
+        or False where a read was refused (on every rank alike: then run
+        it staged). Arrays that are not contiguous, or that overlap without
+        being the same memory, are read through a private copy."""
+        x, out = inputs[0], outputs[0]
+        xi, oi = input_infos[0], output_infos[0]
+        in_place = plan.binding == WORKSPACE_IN_PLACE and xi.contiguous and oi.contiguous
+        overlap = xi.address < oi.address + oi.nbytes and oi.address < xi.address + xi.nbytes
+        if in_place or (xi.contiguous and oi.contiguous and not overlap):
+            return self._run_single_plan(self._single_plan(plan, in_place), xi.address, oi.address, deadline)
+        own_x = np.ascontiguousarray(x).reshape(-1).copy()
+        own_out = np.empty(oi.size, oi.dtype)
+        if not self._run_single_plan(self._single_plan(plan, False), own_x.ctypes.data, own_out.ctypes.data,
+                                     deadline):
+            return False
+        out[...] = own_out.reshape(out.shape)
+        return True
+
+    def _run_single_plan(self, single, x_address, out_address, deadline):
+        if self._single.run(single, x_address, out_address, deadline) is None:
+            return True
+        self._refused = True
+        return False
+
     def bind(self, plan, inputs, outputs, input_infos, output_infos):
         """A repeated call of `plan` on these very arrays, bound
         (Communicator._repeat): `bound.run(arrays)` runs it in the compiled
         executor with nothing looked up again. None where the compiled
         executor does not take the call (or its outputs are new each call):
         `run` runs it then."""
-        if self.compiled is None or not self.compiled.takes(plan) or output_infos is None \
-                or not (input_infos[0].contiguous and output_infos[0].contiguous):
+        if output_infos is None or not (input_infos[0].contiguous and output_infos[0].contiguous):
+            return None
+        if self._single is not None and self._single_copy_of(plan):
+            return _BoundExchange(self, plan, inputs, outputs, input_infos, output_infos)
+        if self.compiled is None or not self.compiled.takes(plan):
             return None
         return self.compiled.bind(plan, input_infos[0].address, output_infos[0].address, lambda: self._timeout)
 
     def chosen_path(self, plan, kind=None):
         """What runs a call of `plan` (a Plan or a paths.CallShape):
-        "compiled_plan" (executors/host_process.py) or "step" (the
-        interpreter, phase by phase)."""
+        "single_copy" (an exchange's plan reading peers' inputs in place,
+        in the compiled executor), "compiled_plan" (executors/host_process.py)
+        or "step" (the interpreter, phase by phase)."""
+        if self._single is not None and self._single_copy_of(plan):
+            return "single_copy"
         return "compiled_plan" if self.compiled is not None and self.compiled.takes(plan) else "step"
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         """Execute this rank's part of `plan`; the lists hold this rank's arrays."""
+        if self._single is not None and self._single_copy_of(plan) \
+                and self._run_single_copy(plan, inputs, outputs, input_infos, output_infos, deadline):
+            return None
         if self.compiled is not None and self.compiled.takes(plan) and input_infos[0].contiguous \
                 and output_infos[0].contiguous:
             return self.compiled.run(plan, input_infos[0].address, output_infos[0].address, deadline)
@@ -164,3 +224,19 @@ class ShmRank(Recoverable):
         if self.fast is not None:
             self.fast.close()
         self.group.close()
+
+
+class _BoundExchange:
+    """An exchange bound to one pair of arrays (ShmRank.bind): its
+    single-copy plan, the staged plan where a read was refused."""
+
+    __slots__ = ("_rank", "_plan", "_args")
+
+    def __init__(self, rank, plan, inputs, outputs, input_infos, output_infos):
+        self._rank, self._plan, self._args = rank, plan, (input_infos, output_infos)
+
+    def run(self, arrays):
+        rank, plan = self._rank, self._plan
+        input_infos, output_infos = self._args
+        inputs, outputs = list(arrays[:1]), list(arrays[-1:])
+        rank.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + rank._timeout)
