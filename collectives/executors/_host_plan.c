@@ -87,7 +87,11 @@ typedef struct {
  *
  * (IN_ADDR and OUT_ADDR are the compiled loop's slots too: a call of either
  * engine sets them before any peer reads them.) */
-static int refuse_for_tests;   /* set by the tests alone (test_refuse_reads): every read is refused */
+/* Set by the tests alone: every read is refused (test_refuse_reads), or
+ * held this long before it starts (test_stall_reads: a rank that returned
+ * before its readers were done would have its input overwritten under them). */
+static int refuse_for_tests;
+static double read_stall_for_tests;
 
 /* Copy `nbytes` out of peer `peer`'s process at `remote` into `local`:
  * OK, REFUSED, PEER_DEAD, ABORTED (a peer that aborted may have handed its
@@ -97,6 +101,12 @@ static int read_peer(Waits *w, int peer, char *local, int64_t remote, size_t nby
     if (refuse_for_tests && nbytes > 0) {
         w->failed_peer = peer;
         return REFUSED;
+    }
+    if (read_stall_for_tests > 0) {
+        struct timespec ts = {(time_t)read_stall_for_tests,
+                              (long)((read_stall_for_tests - (double)(time_t)read_stall_for_tests) * 1e9)};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+            ;
     }
     pid_t pid = (pid_t)load_acquire(&w->rows[peer * ROW_SLOTS + PID]);
     while (nbytes > 0) {
@@ -228,6 +238,9 @@ static int run_phases(Waits *w, const Call *call, int64_t start_phase, int64_t b
         if (call->single_copy && p == 2) {   /* every peer is done reading: the verdict */
             for (int q = 0; q < call->nranks; q++)
                 if (load_acquire(&w->rows[q * ROW_SLOTS + OUT_ADDR]) != 0) {
+                    /* the call ends here, its rows unrun: counted whole, so that the staged call
+                     * that follows waits until every peer has looked at the verdict (and at SIGs) */
+                    publish(mine, COUNTER, base + call->phases);
                     w->failed_peer = q;
                     return REFUSED;
                 }
@@ -415,7 +428,18 @@ static PyObject *py_test_refuse_reads(PyObject *Py_UNUSED(self), PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_test_stall_reads(PyObject *Py_UNUSED(self), PyObject *arg)
+{
+    double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred())
+        return NULL;
+    read_stall_for_tests = seconds;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_functions[] = {
+    {"test_stall_reads", py_test_stall_reads, METH_O,
+     "test_stall_reads(seconds): for the tests, each single-copy read of this process waits so long first"},
     {"test_refuse_reads", py_test_refuse_reads, METH_O,
      "test_refuse_reads(flag): for the tests, this process's single-copy reads are refused (or no longer)"},
     {NULL},

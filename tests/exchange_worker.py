@@ -1,0 +1,204 @@
+"""One rank of tests/test_exchange_single_copy.py: the exchanges between host
+processes in one copy (plan.single_copy_plan, run by _host_plan.c).
+
+    mpiexec -n N python tests/exchange_worker.py SCENARIO
+
+The test sets COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN low, so that small
+calls take the single copy too. Each rank prints "OK <scenario> <rank>"
+when what it checked held.
+"""
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+import collectives
+from cases import run_scenario
+from collectives import CollectiveTimeoutError, RankFailedError
+from collectives.executors import _host_plan
+from collectives.transport import shm
+
+TIMEOUT = 30.0
+DTYPES = (np.float32, np.int8, np.float64, np.uint16)
+
+
+def data(seed, rank, dtype, count):
+    rng = np.random.default_rng([seed, rank, count])
+    return rng.integers(0, 256, count * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
+
+
+def same_bits(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.shape, want.shape)
+    assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)), \
+        f"{what}: {got.reshape(-1)[:6]} {want.reshape(-1)[:6]}"
+
+
+def counting_single_copies():
+    """A list that grows by one at each single-copy run of this rank."""
+    runs = []
+    run = shm.ShmRank._run_single_plan
+
+    def counted(self, *args):
+        runs.append(1)
+        return run(self, *args)
+    shm.ShmRank._run_single_plan = counted
+    return runs
+
+
+def calls(comm, reference, seed):
+    """Every exchange, in and out of place, against the one-process
+    interpreter; yields (what, this rank's result, the reference's)."""
+    r, n = comm.rank, comm.size
+    rng = np.random.default_rng(seed)
+    for dtype in DTYPES:
+        k = int(rng.integers(2000, 9000))
+        xs = [data(seed, q, dtype, n * k) for q in range(n)]
+        want = reference.all_to_all([x.copy() for x in xs], out=[np.empty_like(x) for x in xs])
+        yield "all_to_all out of place", comm.all_to_all(xs[r].copy(), out=np.empty_like(xs[r])), want[r]
+        for _ in range(2):   # the second a repeat: the bound call
+            x = xs[r].copy()
+            yield "all_to_all in place", comm.all_to_all(x), want[r]
+        x = xs[r].copy()
+        yield "all_to_all out=x", comm.all_to_all(x, out=x), want[r]
+        for root in range(n):
+            wants = reference.gather([x[:k].copy() for x in xs], root=root)
+            got = comm.gather(xs[r][:k].copy(), root=root)
+            if r == root:
+                yield f"gather root {root}", got, wants[root]
+            out = np.zeros(n * k, dtype)
+            out[r * k:(r + 1) * k] = xs[r][:k]
+            comm.gather(out[r * k:(r + 1) * k], root=root, out=out)   # the root's x is its block of out
+            if r == root:
+                yield f"gather root {root} in place", out, wants[root]
+            wants = reference.scatter([x.copy() for x in xs], root=root, out=[np.empty(k, dtype) for _ in xs])
+            yield f"scatter root {root}", comm.scatter(xs[r].copy(), root=root, out=np.empty(k, dtype)), wants[r]
+            yield f"scatter root {root} in place", comm.scatter(xs[r].copy(), root=root).copy(), wants[r]
+        # all_to_all_v: uneven blocks, some of them empty, a rank that sends nothing
+        matrix = [[0 if (q + c + seed) % 3 == 0 else int(rng.integers(1, 3 * k)) for c in range(n)] for q in range(n)]
+        matrix[n - 1] = [0] * n
+        vs = [data(seed + 1, q, dtype, sum(matrix[q])) for q in range(n)]
+        wants = reference.all_to_all_v([v.copy() for v in vs], matrix)
+        yield "all_to_all_v", comm.all_to_all_v(vs[r].copy(), matrix[r]), wants[r]
+        receives = sum(matrix[q][r] for q in range(n))
+        yield "all_to_all_v out", comm.all_to_all_v(vs[r].copy(), matrix[r], out=np.empty(receives, dtype)), wants[r]
+        both = np.empty(max(receives, len(vs[r])), dtype)   # out overlapping x: read through a private copy
+        both[:len(vs[r])] = vs[r]
+        yield "all_to_all_v overlapping", comm.all_to_all_v(both[:len(vs[r])], matrix[r], out=both[:receives]), \
+            wants[r]
+
+
+def scenario_bits(comm):
+    """The interpreter's bits, in one copy."""
+    runs = counting_single_copies()
+    assert comm.chosen_algorithm("all_to_all", 1 << 20, dtype=np.float32).path == "single_copy"
+    assert comm.chosen_algorithm("gather", 1 << 20, dtype=np.float16).path == "step"   # float16: staged, interpreted
+    with collectives.Communicator.local(comm.size) as reference:
+        for seed in range(2):
+            for what, got, want in calls(comm, reference, seed):
+                same_bits(got, want, what)
+    assert len(runs) > 50, len(runs)
+
+
+def scenario_refused(comm):
+    """Rank 1 may not read its peers: the first call (in place, so that an
+    input overwritten before the verdict would show) falls back to the
+    staged plan on every rank, and every later call stages."""
+    runs = counting_single_copies()
+    r, n = comm.rank, comm.size
+    if r == 1:
+        _host_plan.test_refuse_reads(True)
+    k = 5000
+    xs = [data(3, q, np.float32, n * k) for q in range(n)]
+    with collectives.Communicator.local(n) as reference:
+        want = reference.all_to_all([x.copy() for x in xs], out=[np.empty_like(x) for x in xs])
+        x = xs[r].copy()
+        same_bits(comm.all_to_all(x), want[r], "the refused all_to_all, in place")
+        assert len(runs) == 1 and comm._ranks._refused, (len(runs), comm._ranks._refused)   # noqa: SLF001
+        choice = comm.chosen_algorithm("all_to_all", n * k * 4, dtype=np.float32)
+        assert choice.path == "compiled_plan", (choice, choice.path)
+        for what, got, want in calls(comm, reference, 5):
+            same_bits(got, want, f"{what} after the refusal")
+        assert len(runs) == 1, len(runs)
+
+
+def scenario_slow_readers(comm):
+    """Every reader but rank 0 is held before each read, and rank 0
+    scribbles over its input as soon as its call returns: it must not
+    return before they are done reading it."""
+    r, n = comm.rank, comm.size
+    if r != 0:
+        _host_plan.test_stall_reads(0.02)
+    k = 4000
+    with collectives.Communicator.local(n) as reference:
+        for seed in range(3):
+            xs = [data(seed, q, np.int32, n * k) for q in range(n)]
+            want = reference.all_to_all([x.copy() for x in xs], out=[np.empty_like(x) for x in xs])
+            x = xs[r].copy()
+            got = comm.all_to_all(x, out=np.empty_like(x))
+            x[:] = -1
+            same_bits(got, want[r], f"all_to_all {seed}")
+            x = xs[0].copy()
+            got = comm.scatter(x, root=0, out=np.empty(k, np.int32))
+            x[:] = -1
+            same_bits(got, xs[0][r * k:(r + 1) * k], f"scatter {seed}")
+
+
+def expect(error_class, run, within, names):
+    start = time.perf_counter()
+    try:
+        run()
+    except Exception as error:   # noqa: BLE001 - the class is what is checked
+        elapsed = time.perf_counter() - start
+        message = f"{type(error).__name__}: {error}"
+        assert type(error) is error_class, message
+        assert all(name in str(error) for name in names), (names, message)
+        assert elapsed < within, f"raised after {elapsed:.1f} s: {message}"
+        return
+    raise AssertionError("the call completed although rank 1 failed")
+
+
+def scenario_killed(comm):
+    """Rank 1 dies in the middle of an all_to_all (held in its reads): the
+    others raise RankFailedError naming it, long before the timeout."""
+    r, n = comm.rank, comm.size
+    x = data(0, r, np.float32, n * 100000)
+    comm.all_to_all(x, out=np.empty_like(x))
+    if r == 1:
+        _host_plan.test_stall_reads(1.0)
+        threading.Timer(0.2, os._exit, (0,)).start()
+    expect(RankFailedError, lambda: comm.all_to_all(x, out=np.empty_like(x)), 3.0, ["rank 1 (pid", "died"])
+
+
+def scenario_stalled(comm):
+    """Rank 1 is held in its reads past the timeout: the others raise
+    CollectiveTimeoutError naming it, within the timeout and a margin."""
+    r, n = comm.rank, comm.size
+    x = data(0, r, np.float32, n * 100000)
+    comm.all_to_all(x, out=np.empty_like(x))
+    comm.timeout = 1.0
+    if r == 1:
+        _host_plan.test_stall_reads(3.0)
+        try:
+            comm.all_to_all(x, out=np.empty_like(x))
+        except CollectiveTimeoutError:
+            return
+        raise AssertionError("the stalled rank's call completed")
+    expect(CollectiveTimeoutError, lambda: comm.all_to_all(x, out=np.empty_like(x)), 3.0, ["rank 1"])
+
+
+def main():
+    scenario = sys.argv[1]
+    comm = collectives.init(timeout=TIMEOUT)
+    leaves = scenario == "killed"
+    run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=leaves)
+    print(f"OK {scenario} {comm.rank}", flush=True)
+    if leaves:
+        os._exit(0)   # MPI_Finalize would wait for the dead rank
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""all_to_all, all_to_all_v, gather and scatter between host processes in
+one copy: the compiled plan executor reads peers' inputs in place
+(plan.single_copy_plan, _host_plan.c). The interpreter's bits on 2, 3 and 4
+processes, in and out of place, uneven all_to_all_v blocks with empty ones;
+a refused read falling back to the staged plan on every rank; a rank that
+returns before its readers are done caught; a killed and a stalled rank
+raising the typed error on the others. The checks of each rank are in
+tests/exchange_worker.py; the plans' form is checked here."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collectives import plan as plans
+from collectives.executors import host_process
+from test_mpi import run_worker
+
+WORKER = Path(__file__).with_name("exchange_worker.py")
+SMALL = {"COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN": "4096"}   # small calls take the single copy too
+
+needs_the_executor = pytest.mark.skipif(not host_process.available(), reason="the compiled executor is not built")
+
+
+def run(n, scenario, environment=SMALL, flags=(), limit=240):
+    oks, report = run_worker(WORKER, n, scenario, launcher_flags=flags, environment=environment, limit=limit)
+    return oks, report
+
+
+@pytest.mark.parametrize("collective", ["gather", "scatter", "all_to_all"])
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_single_copy_plans_read_peers_inputs_in_phase_1_only_and_wait_for_the_verdict(collective, n):
+    for root in range(n) if collective != "all_to_all" else [0]:
+        for in_place in (False, True):
+            plan = plans.single_copy_plan(collective, n, 8 * n, np.dtype(np.float32), "sum", root, in_place)
+            assert plan.single_copy and len(plan.phases) == 3 and not len(plan.phases[0].table)
+            for p, phase in enumerate(plan.phases):
+                for row in phase.table:
+                    peer = row[plans.SRC0 + plans.SRC_RANK]
+                    if peer != row[plans.RANK]:
+                        assert p == 1 and row[plans.SRC0 + plans.SRC_BUF] == plans.INPUT
+                        assert (peer, 1) in phase.waits[row[plans.RANK]]
+            for rank in range(n):   # every peer past its reads before any rank writes its input or returns
+                assert {peer for peer, done in plan.phases[2].waits[rank] if done >= 2} == set(range(n)) - {rank}
+
+
+def test_all_to_all_v_single_copy_plans_skip_empty_blocks():
+    matrix = ((0, 3, 0), (2, 0, 5), (0, 0, 0))
+    plan = plans.single_copy_plan("all_to_all_v", 3, 0, np.dtype(np.int8), "sum", 0, False, matrix)
+    moved = sorted((int(r[plans.RANK]), int(r[plans.SRC0]), int(r[plans.COUNT])) for r in plan.phases[1].table)
+    assert moved == [(0, 1, 2), (1, 0, 3), (2, 1, 5)]
+
+
+@pytest.mark.mpi
+@needs_the_executor
+@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+def test_exchanges_in_one_copy_give_the_interpreters_bits(n):
+    oks, report = run(n, "bits")
+    assert len(oks) == n, report
+
+
+@pytest.mark.mpi
+@needs_the_executor
+def test_a_refused_read_falls_back_to_the_staged_plan_on_every_rank():
+    oks, report = run(3, "refused")
+    assert len(oks) == 3, report
+
+
+@pytest.mark.mpi
+@needs_the_executor
+def test_a_rank_returns_only_once_its_readers_are_done():
+    oks, report = run(3, "slow_readers")
+    assert len(oks) == 3, report
+
+
+@pytest.mark.mpi
+@needs_the_executor
+@pytest.mark.parametrize("event", ["killed", "stalled"])
+def test_a_killed_or_stalled_rank_raises_the_typed_error_on_the_others(event):
+    # Hydra would otherwise kill the survivors itself when one rank exits.
+    oks, report = run(3, event, environment=None, flags=["-disable-auto-cleanup"], limit=120)
+    assert len(oks) == (2 if event == "killed" else 3), report
