@@ -154,8 +154,10 @@ def bind(phases, schedule, binding, rewrite_workspace_plans=True):
         # run as many. (WORKSPACE_IN_PLACE only leaves copies out.)
         return chosen[:-1] if len(chosen) > 2 and not workspace[-1] else chosen
     for policy in POLICIES:
-        candidate = _rewrite(phases, schedule, policy, layout)
-        if layout.run(candidate) == expected:
+        rewritten = _rewrite(phases, schedule, policy, layout)
+        candidate = next((c for c in (_without_round_trips(rewritten, layout), rewritten)
+                          if layout.run(c) == expected), None)
+        if candidate is not None:
             # The copies left at the end (allgather's own block, say) often
             # conflict with nothing in the last step: then they join it, and
             # the plan has one launch less.
@@ -213,6 +215,23 @@ def _without_copies_of_untouched_input(phases):
         src = m.srcs[0]
         return src not in written and loaded_from.get(src) == Loc(m.dst.rank, INPUT, m.dst.chunk)
     return [copy_in, *steps, [m for m in copy_out if not untouched_input(m)]]
+
+
+def _without_round_trips(phases, layout):
+    """`phases` less each chunk's round trip: a step's copy of a chunk into
+    the workspace whose copy out goes back into the very memory it came
+    from (in place: all_to_all's own block, which RESULT_IN_WORKSPACE
+    sends through SCRATCH and back). Kept only where the symbolic run
+    finds the same result (the chunk unchanged in between, the workspace
+    copy read by nothing else)."""
+    *steps, final = phases
+    copied_in = {m.dst: m for step in steps for m in step if m.kind == COPY_OP}
+    trips = [(copied_in[m.srcs[0]], m) for m in final if m.kind == COPY_OP and m.srcs[0] in copied_in
+             and layout.storage(copied_in[m.srcs[0]].srcs[0]) == layout.storage(m.dst)]
+    if not trips:
+        return phases
+    dropped = {id(m) for trip in trips for m in trip}
+    return [[m for m in phase if id(m) not in dropped] for phase in phases]
 
 
 def _rewrite(phases, schedule, policy, layout):
