@@ -134,8 +134,15 @@ def _bytes(value, argument, variable, default, multiple):
 # all_to_all_v, gather and scatter as single-copy plans, reading peers'
 # inputs in place (plan.single_copy_plan), where
 # $COLLECTIVES_FAST_SINGLE_COPY allows it; the same on every rank.
+# Measured with 2 processes pinned (bench.<collective>_perf --backend ours,
+# this variable at 0 against $COLLECTIVES_FAST_SINGLE_COPY=0, two runs of
+# 3 rounds each, 16 KiB to 1 MiB, under other jobs' load): below 64 KiB the
+# staged plans are faster (16 KiB: 5-6 us against 8.5-10: the single copy's
+# three rounds and a system call a block), at 64 KiB even, from 128 KiB
+# the single copy ahead (131072: 10-17 us against 13-19), by 2-4x from
+# 1 MiB (docs/host-ranks.md, "The exchanges: one copy").
 EXCHANGE_SINGLE_COPY_MIN_ENV = "COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN"
-DEFAULT_EXCHANGE_SINGLE_COPY_MIN = 256 << 10
+DEFAULT_EXCHANGE_SINGLE_COPY_MIN = 128 << 10
 
 
 def resolve_exchange_single_copy_min(min_bytes=None):
