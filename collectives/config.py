@@ -139,8 +139,8 @@ def _bytes(value, argument, variable, default, multiple):
 # 3 rounds each, 16 KiB to 1 MiB, under other jobs' load): below 64 KiB the
 # staged plans are faster (16 KiB: 5-6 us against 8.5-10: the single copy's
 # three rounds and a system call a block), at 64 KiB even, from 128 KiB
-# the single copy ahead (131072: 10-17 us against 13-19), by 2-4x from
-# 1 MiB (docs/host-ranks.md, "The exchanges: one copy").
+# the single copy ahead (131072: 10-17 us against 13-19), and about twice
+# as fast from 1 MiB (docs/host-ranks.md, "The exchanges: one copy").
 EXCHANGE_SINGLE_COPY_MIN_ENV = "COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN"
 DEFAULT_EXCHANGE_SINGLE_COPY_MIN = 128 << 10
 
