@@ -169,7 +169,7 @@ def test_the_shortcuts_take_read_only_inputs_refuse_wrong_calls_and_stop_after_a
     assert len(oks) == 4, report
     # Rank 3 times out: its abort goes through its node-mate, never over MPI to the nodes it waited
     # for (which may be gone); alone on its node, the first to meet its different call names it.
-    named = r"rank 3 aborted" if layout == TWO_AND_TWO else r".*rank 3 (aborted|is in a different call)"
+    named = r"rank 3 aborted" if layout == TWO_AND_TWO else r".*?rank 3 (aborted|is in a different call)"
     assert len(re.findall(rf"RAISED 0 \d \w*Error: {named}", report)) == 3, report
 
 
