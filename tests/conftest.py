@@ -2,6 +2,8 @@
 which collective-matrix cases run, which tests share an xdist worker, and
 the skips grouped by reason."""
 
+import gc
+
 import pytest
 
 # The algorithms whose schedules the emulated backends run on the whole
@@ -89,6 +91,20 @@ def pytest_collection_modifyitems(config, items):
     config.stash[MATRIX_DESELECTED] = len(dropped)
     if hasattr(config, "workeroutput"):   # an xdist worker: the controller, which collects nothing, reports it
         config.workeroutput[MATRIX_DESELECTED_KEY] = len(dropped)
+
+
+def pytest_collection_finish(session):
+    """Take what collection left (tens of thousands of test items, every
+    imported module: torch and TensorFlow among them, a million objects in
+    all) out of the cyclic garbage collector's reach: they live until the
+    run ends, and each full collection walked all of them again. The
+    collective matrix keeps thousands of prepared plans alive (a
+    communicator's caches), so full collections came every few tests and
+    took about a second each on the 2-core machine: a third of the CPU time
+    of the emulated-3 matrix. Objects made by the tests themselves are
+    collected as before (tests/test_call_path.py's gc.collect() checks)."""
+    gc.collect()
+    gc.freeze()
 
 
 # How many collective-matrix cases pytest_collection_modifyitems dropped, for the report.
