@@ -205,6 +205,7 @@ class DeviceRanks:
         self._workspaces = [None] * len(devices)
         self._retired = []      # outgrown workspaces: in-flight work may still use them
         self._programs = {}     # id(plan) -> Program
+        self._layouts = {}      # id(plan.phases) -> (phases, _layout's): what the programs of one shape share
         self._codec_records = {}   # id(program) -> CodecRecord
         self._last_addresses = None
         # Counts the times a rank's workspace was replaced by a bigger one: an
@@ -418,6 +419,34 @@ class DeviceRanks:
         instance = kernels.step_instance(plan.dtype, ReduceOp(plan.op), plan.collective in REDUCING_COLLECTIVES)
         divisor = kernels.step_divisor(ReduceOp(plan.op), plan.nranks)
         ndevices = len(self.devices)
+        launches, steps, recorded, events = self._layout(plan)
+        blocks = tuple(getattr(d, "buffer_block", AddressBlock)() for d in self.devices)
+        record = () if plan.compression is not None else \
+            tuple(self._issuer(step, instance, divisor, events, blocks) for step in steps)
+        program = Program(plan, instance, divisor, tuple(steps), events,
+                          tuple(sum(1 for (_, k) in launches if k == i) for i in range(ndevices)),
+                          record, blocks, [None])
+        if len(self._programs) >= 1024:   # as device_process's: all_to_all_v makes a plan per matrix of counts
+            self._programs.clear()
+        self._programs[id(plan)] = program
+        return program
+
+    def _layout(self, plan):
+        """(launches, steps, recorded, events) of `plan`: its launches'
+        tables on the devices, their order and the events between devices.
+        None of it depends on the dtype or op: an uncompressed plan's phases
+        are those of every plan of its shape (plan.build_plan builds them
+        once per element size), so the first plan of a shape lays it out
+        and the others of that shape (another dtype of the same size,
+        another op) take it as it is, tables, order and events alike: two
+        programs sharing events are ordered on each device's stream as two
+        calls of one program are. Only the launch record, which holds the
+        kernel instance and the divisor, is each program's own (_prepare).
+        Compressed plans are laid out each on its own."""
+        if plan.compression is None:
+            shared = self._layouts.get(id(plan.phases))
+            if shared is not None and shared[0] is plan.phases:
+                return shared[1]
         launches = {}  # (phase, device) -> Launch, or a compressed plan's codec operations
         for p, phase in enumerate(plan.phases):
             for k, ranks in enumerate(self.ranks_of_device):
@@ -435,16 +464,12 @@ class DeviceRanks:
                     launches[p, k] = Launch(self.devices[k].upload(rows), rows.shape[1], grid, fanout, rows)
         steps, recorded = self._order(plan, launches)
         events = {key: self.devices[key[0]].new_event() for key in recorded}
-        blocks = tuple(getattr(d, "buffer_block", AddressBlock)() for d in self.devices)
-        record = () if plan.compression is not None else \
-            tuple(self._issuer(step, instance, divisor, events, blocks) for step in steps)
-        program = Program(plan, instance, divisor, tuple(steps), events,
-                          tuple(sum(1 for (_, k) in launches if k == i) for i in range(ndevices)),
-                          record, blocks, [None])
-        if len(self._programs) >= 1024:   # as device_process's: all_to_all_v makes a plan per matrix of counts
-            self._programs.clear()
-        self._programs[id(plan)] = program
-        return program
+        layout = (launches, steps, recorded, events)
+        if plan.compression is None:
+            if len(self._layouts) >= 1024:
+                self._layouts.clear()
+            self._layouts[id(plan.phases)] = (plan.phases, layout)   # the phases held: their id stays theirs
+        return layout
 
     def _issuer(self, step, instance, divisor, events, blocks):
         """(device index, issue(stream)) of one step of a program."""
@@ -589,6 +614,7 @@ class DeviceRanks:
         self._workspaces_replaced += 1   # no bound program keeps a freed workspace's address
         self._retired.clear()
         self._programs.clear()
+        self._layouts.clear()
         self._codec_records.clear()
 
 
