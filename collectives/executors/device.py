@@ -121,10 +121,14 @@ def step_launcher(device, instance, launch, divisor, block):
     prepared = getattr(device, "step_launcher", None)
     if prepared is not None:
         return prepared(instance, launch.grid, launch.table, launch.width, divisor, block, launch.fanout)
-    grid, table, width, fanout = launch.grid, launch.table, launch.width, launch.fanout
 
-    def issue(stream):
-        device.launch_step(stream, instance, grid, table, width, block.addresses, divisor, fanout)
+    # Its values as defaults, not closed over: a function, a tuple and a
+    # bound method, where a closure is a function, a cell per value and a
+    # tuple of them. A communicator keeps up to 1024 programs of a few dozen
+    # steps each, all of it walked by every full garbage collection.
+    def issue(stream, launch_step=device.launch_step, instance=instance, grid=launch.grid, table=launch.table,
+              width=launch.width, block=block, divisor=divisor, fanout=launch.fanout):
+        launch_step(stream, instance, grid, table, width, block.addresses, divisor, fanout)
     return issue
 
 
@@ -478,9 +482,9 @@ class DeviceRanks:
         if kind is LAUNCH:
             return k, step_launcher(device, instance, what, divisor, blocks[k])
         event = events[what]
-        if kind is RECORD:
-            return k, lambda stream: device.record(event, stream)
-        return k, lambda stream: device.wait(stream, event)
+        if kind is RECORD:   # defaults rather than cells, as step_launcher's
+            return k, lambda stream, record=device.record, event=event: record(event, stream)
+        return k, lambda stream, wait=device.wait, event=event: wait(stream, event)
 
     def _order(self, plan, launches):
         """The program's steps: launches with the records and waits between
