@@ -551,8 +551,11 @@ def launch(install, args, nranks, argv_run, made_hosts=None):
     fd, out = tempfile.mkstemp(prefix="host_vs_mpich_", suffix=".json")
     os.close(fd)
     command = [*launcher, install.python, "-m", MODULE, *argv_run, "--worker-output", out]
-    env = dict(os.environ, **{BIND_TO: binding,
-                              LAUNCHER_COMMAND: " ".join([os.path.basename(launcher[0]), *launcher[1:]])})
+    # (the record names the launch as a user types it: across hosts, bench.hosts' mpiexec, whose
+    # launcher lies in a temporary folder that is gone once the hosts are)
+    shown = (["python", "-m", "bench.hosts", "mpiexec", "--", *launcher[launcher.index("-hosts"):]]
+             if made_hosts is not None else [os.path.basename(launcher[0]), *launcher[1:]])
+    env = dict(os.environ, **{BIND_TO: binding, LAUNCHER_COMMAND: " ".join(shown)})
     try:
         code = subprocess.call(command, env=env, cwd=mpis.REPOSITORY)   # (the other MPI's Python imports bench from here)
         if code != 0:
