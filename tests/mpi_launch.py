@@ -10,8 +10,11 @@ chosen launcher's syntax."""
 
 import atexit
 import functools
+import os
+import re
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -95,3 +98,17 @@ def survivable_launch(n, arguments):
 def mpi_launch(n, *flags):
     """[launcher, flags, -n, n, python]: what starts n ranks of a worker script (its path and arguments follow)."""
     return [mpiexec(), *launcher_flags(n, *flags), "-n", str(n), worker_python()]
+
+
+def run_nodes_worker(worker, scenario, layout, *flags, limit=240):
+    """Start ranks of `worker` (a script taking SCENARIO LAYOUT), one per node
+    label of `layout` ($COLLECTIVES_PRETEND_NODES, which the worker sets);
+    their "OK <scenario> <rank>" lines and a report. Fails on a nonzero exit."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(worker).parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    env.pop("COLLECTIVES_PRETEND_NODES", None)   # the worker sets it from `layout`
+    done = subprocess.run([*mpi_launch(len(layout.split(",")), *flags), str(worker), scenario, layout],
+                          capture_output=True, text=True, timeout=limit, env=env)
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert done.returncode == 0, report
+    return re.findall(rf"OK {scenario} \d+", done.stdout), report

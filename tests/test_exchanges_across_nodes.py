@@ -6,16 +6,14 @@ cases itself. The plans (hierarchy.exchange_plan) are checked here too,
 without processes: each block sent once, where its receiver expects it.
 """
 
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from collectives import hierarchy
-from collectives.bootstrap import PRETEND_NODES_ENV, Topology
-from mpi_launch import mpi_launch
+from collectives.bootstrap import Topology
+from mpi_launch import run_nodes_worker
 
 WORKER = Path(__file__).with_name("exchanges_across_worker.py")
 TWO_AND_TWO = "0,0,1,1"
@@ -25,16 +23,9 @@ THREE_NODES = "0,1,1,2"     # uneven
 
 
 def run_ranks(scenario, layout, *launcher_flags, limit=240):
-    """Start ranks of the worker, one per label of `layout`; their "OK" lines and a report."""
+    """Ranks of this module's worker, one per label of `layout`: their "OK" lines and a report."""
     pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
-    env.pop("COLLECTIVES_TIMEOUT", None)
-    env.pop(PRETEND_NODES_ENV, None)   # the worker sets it from `layout`
-    done = subprocess.run([*mpi_launch(len(layout.split(",")), *launcher_flags), str(WORKER), scenario, layout],
-                          capture_output=True, text=True, timeout=limit, env=env)
-    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
-    assert done.returncode == 0, report
-    return re.findall(rf"OK {scenario} \d+", done.stdout), report
+    return run_nodes_worker(WORKER, scenario, layout, *launcher_flags, limit=limit)
 
 
 @pytest.mark.mpi

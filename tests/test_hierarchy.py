@@ -8,10 +8,8 @@ Each test starts one mpiexec job whose worker loops over the whole matrix
 itself (tests/hierarchy_worker.py), and has a hard time limit.
 """
 
-import os
 import random
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import pytest
 from collectives import InvalidUsageError, hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV, Topology, pretend_label
 from collectives.compression.kernels import BLOCK
-from test_mpi import mpi_launch
+from mpi_launch import run_nodes_worker
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 
@@ -34,16 +32,8 @@ THREE_NODES_OF_TWO = "0,0,1,1,2,2"   # 6 ranks
 
 
 def run_ranks(scenario, layout, *launcher_flags, limit=240):
-    """Start ranks of hierarchy_worker.py, one per label of `layout` (4
-    unless it says otherwise); their "OK" lines and a report."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
-    env.pop("COLLECTIVES_TIMEOUT", None)
-    env.pop(PRETEND_NODES_ENV, None)   # the worker sets it from `layout`
-    done = subprocess.run([*mpi_launch(len(layout.split(",")), *launcher_flags), str(WORKER), scenario, layout],
-                          capture_output=True, text=True, timeout=limit, env=env)
-    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
-    assert done.returncode == 0, report
-    return re.findall(rf"OK {scenario} \d+", done.stdout), report
+    """Ranks of this module's worker, one per label of `layout`: their "OK" lines and a report."""
+    return run_nodes_worker(WORKER, scenario, layout, *launcher_flags, limit=limit)
 
 
 @pytest.mark.slow
