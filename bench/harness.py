@@ -613,10 +613,8 @@ def picked_algorithm(backend, spec, args, in_count):
     algorithm, its own or what auto picks, a str with the execution path
     that ran it in `.path` (symmetric memory where --symmetric asks for it)."""
     nbytes = in_count * args.dtype.itemsize   # (with a compression, chosen_algorithm weighs the encoded size)
-    # one rank per process passes its arrays themselves (as_users_call), uncompressed: say so
-    one_array = len(backend.local_ranks) == 1 and backend.compression is None
     return backend.comm.chosen_algorithm(spec.name, nbytes, root=args.root if spec.rooted else 0,
-                                         dtype=args.dtype if one_array else None, compression=backend.compression,
+                                         dtype=args.dtype, compression=backend.compression,
                                          algorithm=backend.algorithm, symmetric=getattr(args, "symmetric", False))
 
 
@@ -629,12 +627,9 @@ def wire_bytes_per_rank(backend, spec, args, in_count):
         return None
     from collectives.algorithms import REGISTRY
     from collectives.plan import build_plan
-    from collectives.transport.fastpath import PATHS, same_traffic
     algorithm = picked_algorithm(backend, spec, args, in_count)
-    if algorithm not in REGISTRY and algorithm not in PATHS:   # ("hierarchical")
+    if algorithm not in REGISTRY:   # ("hierarchical")
         return None
-    if algorithm in PATHS:
-        algorithm = same_traffic(spec.name, algorithm)
     plan = build_plan(spec.name, algorithm, backend.nranks, in_count,
                       args.dtype, collectives.ReduceOp(args.op), compression=backend.compression)
     per_rank = plan.wire_bytes / backend.nranks

@@ -92,14 +92,17 @@ def one_device_choice(collective, nranks, nbytes, root, binding, transport):
 class Choice(str):
     """What a call runs (Communicator.chosen_algorithm): the algorithm's
     name, which it is (it compares, hashes, prints and serializes as that
-    str, so code that took the name goes on working), and the execution
-    path that runs it in `path` (executors/paths.py: "ll", "symmetric",
+    str, so code that took the name goes on working), the execution path
+    that runs it in `path` (executors/paths.py: "ll", "symmetric",
     "staged", "step", "peer_ll", "events"; for other ranks "interpreter",
-    "step", "compiled_loop", "compiled_plan", "nccl")."""
+    "step", "compiled_loop", "compiled_plan", "single_copy", "nccl"), and
+    for the compiled loop its step in `step` ("merged", "single_copy" or
+    "staged": transport/fastpath.py; None on the other paths)."""
 
-    def __new__(cls, algorithm, path):
+    def __new__(cls, algorithm, path, step=None):
         choice = super().__new__(cls, algorithm)
         choice.path = path
+        choice.step = step
         return choice
 
     @property
@@ -108,7 +111,8 @@ class Choice(str):
         return str.__str__(self)
 
     def __repr__(self):
-        return f"Choice({self.algorithm!r}, path={self.path!r})"
+        step = "" if self.step is None else f", step={self.step!r}"
+        return f"Choice({self.algorithm!r}, path={self.path!r}{step})"
 
     def __reduce__(self):
-        return Choice, (self.algorithm, self.path)
+        return Choice, (self.algorithm, self.path, self.step)

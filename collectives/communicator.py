@@ -275,8 +275,8 @@ class Communicator:
         """
         fast = self._fast_allreduce
         if fast is not None and compression is None and algorithm.__class__ is str and not self._closed \
-                and not self._busy and (algorithm == "auto" or algorithm == "direct" and x.__class__ in fastpath.ARRAYS
-                                        and fastpath.runs_as_direct(ALLREDUCE, x.nbytes, self._fast_small_max)):
+                and not self._busy and (algorithm == "auto" or x.__class__ in fastpath.ARRAYS
+                                        and fastpath.runs_as(ALLREDUCE, algorithm, x.nbytes, self._fast_small_max)):
             result = fast(x, op, out, self.timeout)
             if result is not None:
                 return result
@@ -854,16 +854,13 @@ class Communicator:
                     "all_to_all_v" (all_to_all's answer, out of place).
         nbytes      bytes of each rank's `x` (all_to_all_v: the most a rank sends).
         root        the call's root (broadcast, reduce, gather, scatter; else ignored).
-        dtype       the dtype of `x` when it is one NumPy array: host ranks
-                    in processes run such a call (any collective) in their
-                    compiled loop when it takes the dtype, and the answer is
-                    then its step, "merged" or "pipelined" (the large
-                    message's step: allreduce's pipeline, the others'
-                    single copy or staged segments); a call naming
-                    "direct" runs there too where the step is direct's
-                    (fastpath.runs_as_direct), and the answer is "direct".
-                    Without it (a list of arrays, which the loop declines),
-                    the plan's algorithm.
+        dtype       the dtype of `x` (None: one the call's path takes, as
+                    float32): host ranks in processes run a call on one
+                    NumPy array of a dtype their compiled loop folds
+                    (fastpath.LOOP_DTYPES; float16 and bfloat16 not) in
+                    the loop, with `auto` or naming the algorithm its step
+                    is (fastpath.runs_as): "direct", or "two_shot" for
+                    a large allreduce.
         in_place    whether the call writes its result into `x` (None: as
                     the call with no `out` does: broadcast and reduce in
                     place, and all_to_all, the others not): ranks that share one GPU choose
@@ -877,13 +874,19 @@ class Communicator:
                     GPU ranks in processes run such calls on another path.
 
         Returns a Choice (collectives/auto.py): a str, the algorithm's
-        name, with the path in `.path`: for GPU ranks "ll", "symmetric",
-        "staged" or "step" in processes, "peer_ll" or "events" in one
-        process (docs/design.md, "Execution paths"); "interpreter" for host
-        ranks in one process; for host ranks in processes "compiled_loop"
-        (`auto` or `direct` calls on one array), "compiled_plan" (the compiled plan executor) or
-        "step" (the interpreter: compressed, float16 and bfloat16 calls);
-        "nccl" for backend="nccl".
+        name (always one of collectives.algorithms.REGISTRY, but
+        "hierarchical" across nodes), with the path in `.path`: for GPU
+        ranks "ll", "symmetric", "staged" or "step" in processes, "peer_ll"
+        or "events" in one process (docs/design.md, "Execution paths");
+        "interpreter" for host ranks in one process; for host ranks in
+        processes "compiled_loop" (with its step in `.step`: "merged",
+        "single_copy" or "staged"; before the ranks' first large call, the
+        single copy where this rank may take it: they agree at that call),
+        "single_copy" (an exchange reading peers' inputs in place),
+        "compiled_plan" (the compiled plan executor) or "step" (the
+        interpreter: compressed, float16 and bfloat16 calls); "nccl" for
+        backend="nccl". ShmRank.what_ran and the loop's `last_step` say
+        what ran (tests/test_routes.py holds each answer against it).
 
         Raises InvalidUsageError for an unknown collective or algorithm, or
         a bad root.
@@ -899,13 +902,12 @@ class Communicator:
         # runs NCCL's five collectives, not the exchanges)
         loop = None if collective in EXCHANGES else \
             getattr(self._ranks, "fast_allreduce" if collective == ALLREDUCE else "fast_collective", None)
-        if (algorithm == "auto" or algorithm == "direct"
-                and fastpath.runs_as_direct(collective, nbytes, self._fast_small_max)) \
-                and dtype is not None and loop is not None and fastpath.takes(dtype) and compression is None:
+        if loop is not None and compression is None and nbytes > 0 and (dtype is None or fastpath.takes(dtype)) \
+                and (algorithm == "auto" or fastpath.runs_as(collective, algorithm, nbytes, self._fast_small_max)):
             if rooted:
                 validation.root_rank(root, self.size)   # a bad root raises, as below
-            return auto.Choice(fastpath.path_for(nbytes, self._fast_small_max) if algorithm == "auto" else algorithm,
-                               "compiled_loop")
+            step = self._loop_step(collective, nbytes)
+            return auto.Choice(fastpath.step_algorithm(collective, step), "compiled_loop", step)
         if compression is not None:
             plan = self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, algorithm,
                               (WORKSPACE, True), compression)
@@ -925,6 +927,13 @@ class Communicator:
         shape = CallShape(collective, algorithm, self.size, _work_elements(collective, elements, self.size),
                           dtype, root, None)
         return auto.Choice(algorithm, self._chosen_path(shape, symmetric))
+
+    def _loop_step(self, collective, nbytes):
+        """The compiled loop's step for a call it takes (fastpath.STEPS)."""
+        loop = getattr(self._ranks, "fast", None)
+        if loop is not None:
+            return loop.step_for(collective, nbytes)
+        return fastpath.MERGED if nbytes <= self._fast_small_max else fastpath.STAGED
 
     def _chosen_path(self, plan, symmetric=False):
         """The execution path of a call of `plan` (or a paths.CallShape): the
@@ -1165,7 +1174,7 @@ class Communicator:
 
     def _fast(self, collective, x, op, out, root, algorithm):
         """A reduce_scatter, allgather, broadcast or reduce with `auto` (or
-        naming `direct`, which the loop runs: fastpath.runs_as_direct) run by
+        naming `direct`, which the loop runs: fastpath.runs_as) run by
         the ranks' compiled loop (host ranks in processes: fastpath.py),
         which checks the arrays itself: the result, or None where the loop
         declines the call and the checks and plans of _collective run it

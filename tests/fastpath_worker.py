@@ -93,7 +93,7 @@ def scenario_bits(comm, digest):
 def planned(method, x, out=None, **arguments):
     """`method` (a Communicator's collective) run by the `direct` plan, the
     loop's reference: the arrays as lists of one, which the loop declines
-    (a single array naming `direct` takes the loop: fastpath.runs_as_direct)."""
+    (a single array naming `direct` takes the loop: fastpath.runs_as)."""
     return method([x], out=None if out is None else [out], algorithm="direct", **arguments)[0]
 
 
@@ -203,7 +203,7 @@ def named_direct_takes_the_loop(comm, digest, rng):
                        lambda: planned(comm.reduce, x, root=0, out=np.empty_like(x))),
         }
         for collective, (named, reference) in calls.items():
-            looped = fastpath.runs_as_direct(collective, x.nbytes, comm._ranks.fast_small_max)   # noqa: SLF001
+            looped = fastpath.runs_as(collective, "direct", x.nbytes, comm._ranks.fast_small_max)   # noqa: SLF001
             plan_waits = compiled.waits_made
             got = named()
             assert (compiled.waits_made == plan_waits) == looped, f"{collective} {x.nbytes} bytes naming direct"
@@ -313,11 +313,14 @@ def scenario_declined(comm, digest):
     loop_dtypes = DTYPES + [np.uint16]
     for dtype in loop_dtypes + DECLINED + [np.dtype(">f4"), np.complex64]:
         taken = fast is not None and fast(np.ones(10, dtype), "sum", None, TIMEOUT) is not None
-        for nbytes, step in ((40, "merged"), (SIZES.small_max + 8, "pipelined")):
+        for nbytes, steps in ((40, {fastpath.MERGED}), (SIZES.small_max + 8, {fastpath.SINGLE_COPY, fastpath.STAGED})):
             named = comm.chosen_algorithm("allreduce", nbytes, dtype=dtype)
-            assert named == step if taken else named not in fastpath.PATHS, (dtype, nbytes, named, taken)
+            looped = (named.path, named.step in steps, named) == ("compiled_loop", True,
+                                                                  fastpath.step_algorithm("allreduce", named.step))
+            assert looped == taken, (dtype, nbytes, named, taken)
         assert taken == (LOOP and np.dtype(dtype) in loop_dtypes), dtype
-    assert comm.chosen_algorithm("allreduce", 40) not in fastpath.PATHS   # a list of arrays: the loop declines
+    # no dtype: one the path takes
+    assert (comm.chosen_algorithm("allreduce", 40).path == "compiled_loop") == LOOP
     for dtype in DECLINED:
         y = comm.allreduce(np.full(100, comm.rank + 0.5, dtype), algorithm="direct")
         assert float(y[0]) == sum(r + 0.5 for r in range(comm.size))
@@ -346,7 +349,7 @@ def without_rank_1(comm, call, named):
 
 def scenario_stalled_large(comm):
     """Rank 1 stops calling in during a pipelined allreduce: a timeout, not a hang."""
-    without_rank_1(comm, lambda: comm.allreduce(np.ones(1 << 20, np.float32)), "pipelined")
+    without_rank_1(comm, lambda: comm.allreduce(np.ones(1 << 20, np.float32)), "algorithm two_shot")
 
 
 def scenario_killed_large(comm):
@@ -435,8 +438,9 @@ def scenario_sizes(comm):
     both sides of the limit and over several chunks give the direct plan's
     bits."""
     assert comm._ranks.fast.sizes == SIZES != (64 << 10, 256 << 10), SIZES   # noqa: SLF001
-    for nbytes, step in ((SIZES.small_max, "merged"), (SIZES.small_max + 8, "pipelined")):
-        assert comm.chosen_algorithm("allreduce", nbytes, dtype=np.float32) == step, nbytes
+    for nbytes, algorithm, merged in ((SIZES.small_max, "direct", True), (SIZES.small_max + 8, "two_shot", False)):
+        chosen = comm.chosen_algorithm("allreduce", nbytes, dtype=np.float32)
+        assert (chosen, chosen.step == fastpath.MERGED) == (algorithm, merged), (nbytes, chosen)
     rng = np.random.default_rng(7 + comm.rank)
     n = comm.size
     for count in (SIZES.small_max // 4, SIZES.small_max // 4 + n, 3 * n * SIZES.chunk // 4 + 5 * n):

@@ -426,14 +426,17 @@ def test_fast_allreduce_is_asked_first_and_may_decline():
 
 def test_chosen_algorithm_names_the_loop_only_for_the_collectives_it_has():
     """Ranks with a compiled allreduce and no loop for the other four: only
-    allreduce is named `merged`, the others name their plan's algorithm."""
+    allreduce is named the loop's (path compiled_loop, its merged step), the
+    others name their plan's algorithm and path."""
     ranks = HookedRanks(2, answer=None)
     comm = collectives.Communicator(ranks, size=2, local_ranks=range(2), timeout=5.0)
-    assert comm.chosen_algorithm("allreduce", 40, dtype=np.float32) == "merged"
+    chosen = comm.chosen_algorithm("allreduce", 40, dtype=np.float32)
+    assert (chosen, chosen.path, chosen.step) == ("direct", "compiled_loop", "merged")
     for collective in ("reduce_scatter", "allgather", "broadcast", "reduce"):
-        assert comm.chosen_algorithm(collective, 40, dtype=np.float32) not in ("merged", "pipelined"), collective
+        assert comm.chosen_algorithm(collective, 40, dtype=np.float32).path != "compiled_loop", collective
     ranks.fast_collective = lambda *arguments: None
     comm = collectives.Communicator(ranks, size=2, local_ranks=range(2), timeout=5.0)
-    assert comm.chosen_algorithm("broadcast", 40, root=1, dtype=np.float32) == "merged"
+    chosen = comm.chosen_algorithm("broadcast", 40, root=1, dtype=np.float32)
+    assert (chosen, chosen.path, chosen.step) == ("direct", "compiled_loop", "merged")
     with pytest.raises(InvalidUsageError, match="root"):
         comm.chosen_algorithm("broadcast", 40, root=2, dtype=np.float32)

@@ -474,7 +474,7 @@ def test_codecs_across_processes_beside_uncompressed_mpi(tmp_path):
         # one array per process, as users call it: the compiled loop where it is built, its merged step up to
         # its limit (a core per rank: fastpath.MERGED_MAX_DEDICATED; else the slots' size, 64 KiB)
         merged_max = fastpath.MERGED_MAX_DEDICATED if (os.cpu_count() or 1) >= 2 else 64 << 10
-        step = "merged" if plain["size"] <= merged_max else "pipelined"
+        step = "direct" if plain["size"] <= merged_max else "two_shot"   # (the large step moves two_shot's bytes)
         assert plain["picked"] == (step if fastpath.available() else "direct"), plain
         assert plain["wire_bytes"] == plain["size"], plain   # 2 ranks: each reads its peer's message once
 

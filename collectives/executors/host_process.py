@@ -68,6 +68,7 @@ class CompiledPlans:
         self._bases = np.zeros(group.size, np.int64)
         self._generations = np.full(group.size, -1, np.int64)
         self._prepared = {}   # id(plan) -> (plan, its arrays): the plan held, so that its id stays its own
+        self.last_plan = None  # the plan of the last call run (ShmRank.what_ran)
 
     @property
     def waits_made(self):
@@ -84,6 +85,7 @@ class CompiledPlans:
         flat views of them are). Returns None, or REFUSED where a
         single-copy plan's read was refused on some rank (every rank's run
         returns it, in the same call: run the call again staged)."""
+        self.last_plan = plan
         entry = self._prepared.get(id(plan))
         if entry is None or entry[0] is not plan:
             entry = self._prepare(plan)

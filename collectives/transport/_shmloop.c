@@ -23,6 +23,9 @@
 /* ------------------------------------------------------------------------ */
 /* The channel                                                              */
 
+/* The steps a taken call runs (Channel.last_step names them, as fastpath.STEPS does) */
+enum { STEP_NONE, STEP_MERGED, STEP_SINGLE_COPY, STEP_STAGED };
+
 typedef struct {
     PyObject_HEAD
     Waits waits;
@@ -44,6 +47,8 @@ typedef struct {
                                 * where the single copy was agreed (0: never; fastpath.py sets it when
                                 * the ranks outnumber the cores, where staging measured faster) */
     int64_t staged_calls;      /* large calls of the other four run through staging, for the tests */
+    int64_t steps_taken;       /* calls this channel took (what ran: Communicator.chosen_algorithm's check) */
+    int last_step;             /* the step of the last one taken: STEP_MERGED, STEP_SINGLE_COPY or STEP_STAGED */
     char *scratch;          /* the single-copy path's landing space: a chunk per rank */
     /* The shortcuts' (bind_shortcuts): the communicator calls them with its
      * own arguments, so a call that succeeds runs no Python at all. */
@@ -670,6 +675,7 @@ static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_
     if (status != OK)
         return failure(w, status, seq);
     /* (every rank decides alike: the same agreement, call and setting) */
+    c->last_step = c->single_copy == 2 && !stages_spread ? STEP_SINGLE_COPY : STEP_STAGED;
     if (c->single_copy == 2 && !stages_spread) {
         status = read_from_peers(c, k);
         if (status == OK)
@@ -714,6 +720,7 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     int status = enter_large(c, in, out, nbytes, base, seq, signature);
     if (status != OK)
         return failure(w, status, seq);
+    c->last_step = c->single_copy == 2 ? STEP_SINGLE_COPY : STEP_STAGED;
     if (c->single_copy == 2) {
         status = run_single_copy(c, in, out, itemsize, type, op, block_start);
         /* the peers' reads of this rank's input and writes into its output
@@ -779,12 +786,16 @@ static PyObject *run_taken(Channel *c, const Collective *k, double deadline)
     const int64_t *mine = &w->rows[w->rank * ROW_SLOTS];
     int64_t base = mine[COUNTER], seq = mine[SEQ] + 1;
     w->deadline = deadline;
+    c->steps_taken++;
+    c->last_step = STEP_NONE;   /* until the step is known (a large call's, once the ranks agreed) */
     if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
         w->failed_peer = -1;
         return failure(w, ABORTED, seq);
     }
-    if (k->nbytes <= c->merged_max)
+    if (k->nbytes <= c->merged_max) {
+        c->last_step = STEP_MERGED;
         return run_small(c, k, base, seq);
+    }
     if (k->kind == K_ALLREDUCE)
         return run_pipelined(c, k->in, k->out, k->nbytes, k->itemsize, k->type, k->op, base, seq);
     return run_large(c, k, base, seq);
@@ -1259,7 +1270,23 @@ static PyObject *Channel_staged_calls(Channel *c, void *Py_UNUSED(closure))
     return PyLong_FromLongLong(c->staged_calls);
 }
 
+static PyObject *Channel_steps_taken(Channel *c, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLongLong(c->steps_taken);
+}
+
+static PyObject *Channel_last_step(Channel *c, void *Py_UNUSED(closure))
+{
+    static const char *const names[] = {NULL, "merged", "single_copy", "staged"};
+    if (c->last_step == STEP_NONE)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(names[c->last_step]);
+}
+
 static PyGetSetDef Channel_getset[] = {
+    {"steps_taken", (getter)Channel_steps_taken, NULL, "calls this channel took so far", NULL},
+    {"last_step", (getter)Channel_last_step, NULL,
+     "the step of the last call taken: merged, single_copy or staged (None: none, or it failed first)", NULL},
     {"merged_max", (getter)Channel_merged_max, NULL, "messages of up to this many bytes take the merged step", NULL},
     {"staged_calls", (getter)Channel_staged_calls, NULL,
      "large calls of reduce_scatter, allgather, broadcast and reduce run through staging so far", NULL},

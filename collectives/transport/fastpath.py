@@ -45,7 +45,7 @@ Calls advance COUNTER by 2 and SEQ by 1 like any other call
 (protocol.py), so loop and plan calls mix freely. The loop takes
 float32/float64 and 8- to 64-bit integers, C-contiguous NumPy arrays, any
 op (an output that partly overlaps its input is taken too: the loop reads
-a private copy of x), with `auto` or naming `direct` (runs_as_direct);
+a private copy of x), with `auto` or naming the algorithm its step is (runs_as);
 everything else (float16, bfloat16, lists, another algorithm) declines
 to the checks and the plans, which the
 compiled plan executor or the interpreter runs. Without the compiled loop
@@ -102,9 +102,11 @@ YIELD_SECONDS = 300e-6
 OP_CODES = {**{o: i for i, o in enumerate(ReduceOp)}, **{o.value: i for i, o in enumerate(ReduceOp)}}
 assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the loop's OP_ codes"
 
-# What `chosen_algorithm` reports for the two steps: the merged step, and
-# a large message's (allreduce's pipeline; the others' single copy or staged segments).
-PATHS = ("merged", "pipelined")
+# The loop's steps (_shmloop.c's STEP_ codes; `Channel.last_step` names the
+# last one taken): the merged step, and a large message's, which reads and
+# writes peers' arrays in place (the single copy) or moves through staging.
+MERGED, SINGLE_COPY, STAGED = "merged", "single_copy", "staged"
+STEPS = (MERGED, SINGLE_COPY, STAGED)
 
 
 # The arrays the loop takes: NumPy's, and its memory-mapped ones (a rank
@@ -116,30 +118,24 @@ KINDS = {"reduce_scatter": 1, "allgather": 2, "broadcast": 3, "reduce": 4}
 COLLECTIVES = ("allreduce", *KINDS)
 
 
-def same_traffic(collective, step):
-    """The plan that moves as many bytes between ranks per call as the
-    loop's `step` does for `collective` (each rank reads what `direct`
-    reads of every peer; allreduce's pipeline moves what `two_shot` does)."""
-    return "two_shot" if collective == "allreduce" and step == "pipelined" else "direct"
+def step_algorithm(collective, step):
+    """The registered algorithm that the loop's `step` of `collective` is:
+    the one whose plan moves as many bytes between ranks and gives the same
+    bits. Each rank reads what `direct` reads of every peer and folds in
+    rank order, but for a large allreduce, whose ranks each fold one block
+    of every peer's and copy the folded blocks out: `two_shot` (whose bits
+    are direct's too: executors/paths.same_bits_as_direct)."""
+    return "two_shot" if collective == "allreduce" and step != MERGED else "direct"
 
 
-def runs_as_direct(collective, nbytes, small_max):
-    """Whether the loop's step for this call is the `direct` algorithm
-    itself (each rank reads what direct reads of every peer and folds in
-    rank order), so that a call naming `direct` may take the loop: the
-    merged step of every collective (up to `small_max` bytes per rank), and
-    the large message's step of all but allreduce, whose pipeline moves
-    two_shot's traffic (direct's bits)."""
-    return collective != "allreduce" or nbytes <= small_max
+def runs_as(collective, algorithm, nbytes, merged_max):
+    """Whether a call naming `algorithm` may take the loop: where the loop's
+    step for a message of `nbytes` per rank is that algorithm."""
+    return algorithm == step_algorithm(collective, MERGED if nbytes <= merged_max else STAGED)
 
 
 def available():
     return _shmloop is not None
-
-
-def path_for(nbytes, small_max):
-    """Which of the two steps a message of `nbytes` per rank takes."""
-    return PATHS[0] if nbytes <= small_max else PATHS[1]
 
 
 # what the loop folds (_shmloop.c's element_type); other dtypes decline
@@ -181,14 +177,15 @@ class FastCollectives:
         # ranks decide alike: they share its cores).
         self.merged_max = sizes.small_max if oversubscribed else min(sizes.small_max, MERGED_MAX_DEDICATED)
         self.tunables = tunables = resolve_loop_tunables()
+        self._may_single_copy = resolve_fast_single_copy()
+        self._staged_spread_max = tunables.spread_staged_max if stages_spread(group) else 0
         self._channel = _shmloop.Channel(
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
             small=channel_address, small_max=sizes.small_max,
             staging=channel_address + small_area(group.size, sizes),
-            chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=tunables.test_write_stall,
-            test_read_stall=tunables.test_read_stall,
-            staged_spread_max=tunables.spread_staged_max if stages_spread(group) else 0,
+            chunk=sizes.chunk, single_copy=self._may_single_copy, test_write_stall=tunables.test_write_stall,
+            test_read_stall=tunables.test_read_stall, staged_spread_max=self._staged_spread_max,
             merged_max=self.merged_max)
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
@@ -241,7 +238,7 @@ class FastCollectives:
         group._seq = seq   # noqa: SLF001 - the row's SEQ, which this call advanced
         description = "barrier" if x is None else (
             f"{collective} of {x.size} {x.dtype} (op {list(ReduceOp)[OP_CODES[op]].value}, "
-            f"root {root}, algorithm {path_for(x.nbytes, self.merged_max)})")
+            f"root {root}, algorithm {self.algorithm_of(collective, x.nbytes)})")
         raise_wait_failure(group, kind, peer, have, need, seq, description)
 
     def _abort_and_raise(self, reason, error):
@@ -264,6 +261,34 @@ class FastCollectives:
             warnings.warn(note, RuntimeWarning, stacklevel=3)
             raise error
         raise type(error)(f"{error}; {note}") from error
+
+    def step_for(self, collective, nbytes):
+        """The step a call of `collective` with `nbytes` per rank takes in
+        the loop: merged up to merged_max, else the large message's as the
+        ranks agreed at their first (`large_path`), or before that, as
+        this rank would propose: the single copy where it may take it."""
+        if nbytes <= self.merged_max:
+            return MERGED
+        if collective == "allgather" and nbytes <= self._staged_spread_max:
+            return STAGED
+        agreed = self.large_path
+        if agreed == "undecided":
+            return SINGLE_COPY if self._may_single_copy else STAGED
+        return SINGLE_COPY if agreed == "single-copy" else STAGED
+
+    def algorithm_of(self, collective, nbytes):
+        """The registered algorithm a call the loop takes runs (step_algorithm)."""
+        return step_algorithm(collective, MERGED if nbytes <= self.merged_max else STAGED)
+
+    @property
+    def steps_taken(self):
+        """Calls the loop took so far (None once closed): with `last_step`, what ran."""
+        return None if self._channel is None else self._channel.steps_taken
+
+    @property
+    def last_step(self):
+        """The step of the last call the loop took (STEPS), or None."""
+        return None if self._channel is None else self._channel.last_step
 
     @property
     def large_path(self):

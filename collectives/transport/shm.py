@@ -70,6 +70,7 @@ class ShmRank(Recoverable):
             if executor is not None and size > 1 and resolve_fast_single_copy() else None
         self._single = executor
         self._refused = False
+        self._interpreted = None   # the last plan the interpreter ran (what_ran)
 
     def point_to_point(self, timeout_of):
         """This rank's sends and receives (p2p.py), through the control
@@ -141,23 +142,50 @@ class ShmRank(Recoverable):
             return None
         return self.compiled.bind(plan, input_infos[0].address, output_infos[0].address, lambda: self._timeout)
 
-    def chosen_path(self, plan, kind=None):
-        """What runs a call of `plan` (a Plan or a paths.CallShape):
-        "single_copy" (an exchange's plan reading peers' inputs in place,
-        in the compiled executor), "compiled_plan" (executors/host_process.py)
-        or "step" (the interpreter, phase by phase)."""
+    def route(self, plan, contiguous=True):
+        """How this rank runs a call of `plan` (a Plan or a paths.CallShape)
+        that reached the plans (the loop declined it), the one place that
+        decides it: "single_copy" (an exchange's plan reading peers' inputs
+        in place, in the compiled executor; arrays that are not contiguous
+        are read through a private copy), "compiled_plan"
+        (executors/host_process.py; C-contiguous arrays only) or "step"
+        (the interpreter, phase by phase: compressed plans, dtypes the
+        executor does not fold, other arrays). A single copy whose read was
+        refused runs on the next of the three."""
         if self._single is not None and self._single_copy_of(plan):
             return "single_copy"
-        return "compiled_plan" if self.compiled is not None and self.compiled.takes(plan) else "step"
+        return "compiled_plan" if contiguous and self.compiled is not None and self.compiled.takes(plan) else "step"
+
+    def chosen_path(self, plan, kind=None):
+        """What runs a call of `plan` on C-contiguous arrays (`route`)."""
+        return self.route(plan)
+
+    def what_ran(self):
+        """What ran this rank's calls that reached the plans since
+        `forget_what_ran`, as Communicator.chosen_algorithm names it: (the
+        algorithm, the path) of the last, or None."""
+        if self._interpreted is not None:
+            return self._interpreted.algorithm, "step"
+        ran = None if self._single is None else self._single.last_plan   # (the compiled executor, which runs both)
+        if ran is None:
+            return None
+        return ran.algorithm, "single_copy" if ran.single_copy else "compiled_plan"
+
+    def forget_what_ran(self):
+        if self._single is not None:
+            self._single.last_plan = None
+        self._interpreted = None
 
     def run(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         """Execute this rank's part of `plan`; the lists hold this rank's arrays."""
-        if self._single is not None and self._single_copy_of(plan) \
-                and self._run_single_copy(plan, inputs, outputs, input_infos, output_infos, deadline):
-            return None
-        if self.compiled is not None and self.compiled.takes(plan) and input_infos[0].contiguous \
-                and output_infos[0].contiguous:
+        path = self.route(plan, input_infos[0].contiguous and output_infos[0].contiguous)
+        if path == "single_copy":
+            if self._run_single_copy(plan, inputs, outputs, input_infos, output_infos, deadline):
+                return None
+            path = self.route(plan, input_infos[0].contiguous and output_infos[0].contiguous)   # refused: staged
+        if path == "compiled_plan":
             return self.compiled.run(plan, input_infos[0].address, output_infos[0].address, deadline)
+        self._interpreted = plan
         views = {}
         group = self.group
 

@@ -1,0 +1,112 @@
+"""One rank of tests/test_routes.py: host ranks in separate processes ask
+`chosen_algorithm` about a call, make it, and hold the answer against what
+ran (the compiled loop's step, or the plan and path of ShmRank.what_ran).
+
+    mpiexec -n N python tests/routes_worker.py
+
+Each rank prints "OK routes <rank> <cases>" when every answer was what ran,
+or raises naming the first call whose answer was not.
+"""
+
+import numpy as np
+
+import collectives
+from collectives.algorithms import REGISTRY
+from collectives.transport import fastpath
+
+TIMEOUT = 30.0
+ALGORITHMS = ("auto", "direct", "two_shot", "ring", "tree")
+DTYPES = (np.float32, np.int32, np.float16)
+
+
+def what_ran(comm, call):
+    """Make `call` and say what ran it: (algorithm, path, step)."""
+    rank = comm._ranks   # noqa: SLF001
+    loop = rank.fast
+    rank.forget_what_ran()
+    before = None if loop is None else loop.steps_taken
+    call()
+    plan = rank.what_ran()   # (the plans ran it: an all_to_all_v's counts may also go through the loop first)
+    if plan is not None:
+        return (*plan, None)
+    assert loop is not None and loop.steps_taken == before + 1, "neither the loop nor a plan ran the call"
+    step = loop.last_step
+    return fastpath.step_algorithm(call.collective, step), "compiled_loop", step
+
+
+class Call:
+    """One call of the walk: `collective` on this rank's fresh arrays."""
+
+    def __init__(self, comm, collective, count, dtype, algorithm, in_place, compression):
+        self.comm, self.collective, self.algorithm, self.compression = comm, collective, algorithm, compression
+        self.in_place = in_place
+        n = comm.size
+        self.x = (np.arange(count) % 7 + comm.rank).astype(dtype)
+        gathered = collective in ("allgather", "gather")
+        split = collective in ("reduce_scatter", "scatter")
+        self.out = None if in_place else np.empty(count * n if gathered else count // n if split else count, dtype)
+        self.root = n - 1 if collective in ("broadcast", "reduce", "gather", "scatter") else 0
+
+    def __call__(self):
+        comm, collective, x, out = self.comm, self.collective, self.x, self.out
+        keywords = {"algorithm": self.algorithm}
+        if self.compression is not None:
+            keywords["compression"] = self.compression
+        if collective in ("broadcast", "reduce", "gather", "scatter"):
+            keywords["root"] = self.root
+        if collective == "all_to_all_v":
+            return comm.all_to_all_v(x, [x.size // comm.size] * comm.size, out=out, **keywords)
+        return getattr(comm, collective)(x, out=out, **keywords)
+
+    def chosen(self):
+        return self.comm.chosen_algorithm(self.collective, self.x.nbytes, root=self.root, dtype=self.x.dtype,
+                                          in_place=self.in_place, compression=self.compression,
+                                          algorithm=self.algorithm)
+
+    def __str__(self):
+        placement = "in place" if self.in_place else "out of place"
+        return (f"{self.collective} of {self.x.size} {self.x.dtype} {placement}, algorithm {self.algorithm}, "
+                f"compression {self.compression}")
+
+
+def calls(comm):
+    """Every collective over sizes on both sides of the loop's merged-step
+    limit and the exchanges' single-copy limit, loop dtypes and float16,
+    named algorithms and auto, in and out of place, compressed allreduces."""
+    n = comm.size
+    merged_max = comm._ranks.fast_small_max   # noqa: SLF001
+    counts = sorted({n * 4, n * (merged_max // 4 // n), n * (merged_max // 4 // n + 1), n * (1 << 16)})
+    for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter",
+                       "all_to_all", "all_to_all_v"):
+        for algorithm in ALGORITHMS:
+            if algorithm != "auto" and collective not in REGISTRY[algorithm].collectives \
+                    and not (collective == "all_to_all_v" and "all_to_all" in REGISTRY[algorithm].collectives):
+                continue
+            for dtype in DTYPES:
+                for count in counts:
+                    for in_place in (False, True):
+                        if in_place and collective in ("allgather", "gather", "scatter", "all_to_all_v"):
+                            continue   # (no in-place form)
+                        yield Call(comm, collective, count, dtype, algorithm, in_place, None)
+    for compression in ("bf16", "int8"):
+        for count in counts:
+            yield Call(comm, "allreduce", count, np.float32, "auto", False, compression)
+
+
+def main():
+    comm = collectives.init(timeout=TIMEOUT)
+    cases = 0
+    for call in calls(comm):
+        chosen = call.chosen()
+        for time in ("first", "repeated"):   # (a repeat is recognised, bound, and may run elsewhere)
+            ran = what_ran(comm, call)
+            assert (chosen.algorithm, chosen.path, chosen.step) == ran, \
+                f"{call}, {time} call: chosen_algorithm said {chosen!r}, but {ran} ran"
+            cases += 1
+    comm.barrier()
+    print(f"OK routes {comm.rank} {cases}", flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
