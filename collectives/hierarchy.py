@@ -105,7 +105,8 @@ import numpy as np
 
 from . import auto, bootstrap
 from .algorithms.schedule import (
-    ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BROADCAST, GATHER, REDUCE_SCATTER, REDUCE_TO_ROOT, SCATTER,
+    ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BROADCAST, GATHER, REDUCE_SCATTER, REDUCE_TO_ROOT,
+    ROOTED_COLLECTIVES, SCATTER,
 )
 from .communicator import Communicator
 from .config import resolve_fast_sizes
@@ -119,6 +120,13 @@ from .plan import COUNT, DST_OFF, INPUT, NSRC, OUTPUT, REDUCE_FINAL_OP, REDUCE_O
 from .transport import fastpath
 from .transport.protocol import call_signature
 from .validation import call_arguments, compressed_dtype
+
+# The paths a call takes (`route`, at the end, decides; HierarchicalCommunicator.chosen_algorithm answers them)
+PROGRAM = "program"            # a compiled Program (across.py): the small path, or a larger call it takes
+COUNTERPARTS = "counterparts"  # the small path's steps (`small`), where no Program can run
+PHASES = "hierarchical"        # the phases: node, between nodes, node (allreduce, reduce, ... below)
+COMPRESSED = "compressed"      # allreduce(compression=): the codec between nodes (compressed_allreduce)
+EXCHANGE = "exchange"          # all_to_all, all_to_all_v, gather, scatter (`exchange`)
 
 # Polls of a Program's MPI requests before its wait yields the core, where each rank has a core,
 POLL_SPIN_DEDICATED = 2000
@@ -182,10 +190,18 @@ class HierarchicalCommunicator(Communicator):
     def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=None, compression=None,
                          algorithm="auto", symmetric=False):
         """Communicator.chosen_algorithm's checks; the answer is always
-        "hierarchical" on the path "hierarchical": every call runs this
-        module's steps (a named algorithm is checked, not used)."""
+        "hierarchical" (every call runs this module's steps; a named
+        algorithm is checked, not used), on the path `route` takes: "program"
+        (a compiled Program, across.py), "counterparts" (the small path's
+        steps, where no Program can run), "hierarchical" (the phases),
+        "compressed" (allreduce's codec between nodes) or "exchange"."""
         super().chosen_algorithm(collective, nbytes, root, dtype, in_place, compression, algorithm, symmetric)
-        return auto.Choice(Call.algorithm, HierarchyRanks.path)
+        if collective == ALL_TO_ALL_V:
+            collective = ALL_TO_ALL
+        dtype = np.dtype(np.float32 if dtype is None else dtype)
+        root = root if collective in ROOTED_COLLECTIVES else 0
+        call = self._plan(collective, dtype, nbytes // dtype.itemsize, "sum", root, algorithm, None, compression)
+        return auto.Choice(Call.algorithm, route(self._ranks, call))
 
     def _plan_v(self, dtype, matrix, algorithm, binding):
         """all_to_all_v's Call (its counts checked alike on every rank by Communicator.all_to_all_v)."""
@@ -213,7 +229,7 @@ class HierarchyRanks:
     locations = None
     compresses = True     # allreduce(compression=): what crosses nodes is encoded (compressed_allreduce)
     transport = "host-hierarchical"
-    path = "hierarchical"   # what runs every call (Communicator.chosen_algorithm): hierarchy.py's plans
+    path = PHASES   # (the general path's name; `route` says which path a call takes)
 
     def __init__(self, topology, rank, shm, link):
 
@@ -224,6 +240,7 @@ class HierarchyRanks:
         self._scratch = {}
         self.residual = None    # error feedback for the next compressed call (feeding_back)
         self.calls = 0          # calls made: each one's number goes into its signature
+        self.last_path = None   # the path `route` gave the last call the general path's way in ran
         # the small path's limit (config.FastSizes): the loop's slots, the same on every node whatever its
         # cores (inside a node, its loop may take a message above its own merged step's limit the large way)
         self.fast_small_max = (resolve_fast_sizes() if shm is None else shm.group.fast_sizes).small_max
@@ -246,7 +263,8 @@ class HierarchyRanks:
         """Communicator._collective's last step: `call` is what _plan returned."""
         x = inputs[0].reshape(-1)
         out = x if outputs[0] is inputs[0] else outputs[0].reshape(-1)
-        if call.compression is not None:
+        path = self.last_path = route(self, call)
+        if path == COMPRESSED:
             residual = self.residual
             if residual is not None:   # (direct between nodes, told apart from a call without feedback)
                 if residual.shape != (call.count,) or residual.dtype != np.float32:
@@ -255,7 +273,7 @@ class HierarchyRanks:
                 call = call._replace(description=call.description + " with error feedback")
             self._guarded(compressed_allreduce, call, x, out, deadline)
             return
-        self._guarded(RUN[call.collective], call, x, out, deadline)
+        self._guarded(RUN[path] if path in RUN else GENERAL[call.collective], call, x, out, deadline)
 
     # The fusion buffer and the torch hook keep error feedback here (feeding_back), not on the rank's own
     # contribution: what is encoded across nodes is the node's partial, by the rank that holds its range.
@@ -759,10 +777,8 @@ def _fold_partials(h, call, count, part, part_offset, received, out):
 
 
 def small(h, call, x, out, deadline):
-    """The small path (above) for any collective: its compiled Program
-    (across.py) where one can run, else these steps, the same bits."""
-    if h.programs is not None:
-        return h.programs.run(call, x, out, deadline)
+    """The small path (above) for any collective, where no compiled Program
+    (across.py) can run it: the Program's bits."""
     nodes, me, k_me = h.topology.nodes, h.rank, h.node_index
     counterparts = [node[h.local] for node in nodes]
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
@@ -815,23 +831,32 @@ def small(h, call, x, out, deadline):
             h.link.exchange([], [(counterparts[root_node], out)], deadline, what)
 
 
-def _shortest(general):
-    """`general`, or the small path where it takes the call, or a compiled
-    Program where one runs a larger one (across.takes_large)."""
-    def run(h, call, x, out, deadline):
-        if call.count and takes_small(h, call):
-            return small(h, call, x, out, deadline)
-        if h.programs is not None and h.programs.takes_large(call):
-            return h.programs.run(call, x, out, deadline)
-        return general(h, call, x, out, deadline)
-    run.__name__, run.__doc__ = general.__name__, general.__doc__
-    return run
+# -- the one decision: which path a call across nodes takes --------------------------
+
+def route(h, call):
+    """The path `call` (a Call) takes, the same on every rank: the one
+    place that decides it, for the general path's way in and for
+    chosen_algorithm. (The Communicator's shortcuts run a shape's Program
+    from C once it is laid out: the same path.)"""
+    if call.compression is not None:
+        return COMPRESSED
+    if call.collective in EXCHANGE_COLLECTIVES:
+        return EXCHANGE
+    if call.count and takes_small(h, call):
+        return PROGRAM if h.programs is not None else COUNTERPARTS
+    if h.programs is not None and h.programs.takes_large(call):
+        return PROGRAM
+    return PHASES
 
 
-RUN = {collective: _shortest(general) for collective, general in (
-    (ALLREDUCE, allreduce), (REDUCE_TO_ROOT, reduce), (REDUCE_SCATTER, reduce_scatter), (ALLGATHER, allgather),
-    (BROADCAST, broadcast))}
-RUN.update(dict.fromkeys((ALL_TO_ALL, ALL_TO_ALL_V, GATHER, SCATTER), exchange))
+def _program(h, call, x, out, deadline):
+    h.programs.run(call, x, out, deadline)
+
+
+GENERAL = {ALLREDUCE: allreduce, REDUCE_TO_ROOT: reduce, REDUCE_SCATTER: reduce_scatter, ALLGATHER: allgather,
+           BROADCAST: broadcast}
+RUN = {PROGRAM: _program, COUNTERPARTS: small, EXCHANGE: exchange}   # (PHASES: GENERAL's; COMPRESSED: run's own)
+EXCHANGE_COLLECTIVES = frozenset({ALL_TO_ALL, ALL_TO_ALL_V, GATHER, SCATTER})
 
 
 def _same_memory(a, b):

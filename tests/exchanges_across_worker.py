@@ -108,7 +108,7 @@ def scenario_exchanges(comm):
     all_to_all_v(comm)
     chosen = [comm.chosen_algorithm(c, 4096, root=n - 1) for c in ("all_to_all", "all_to_all_v", "gather", "scatter")]
     chosen.append(comm.chosen_algorithm("all_to_all", 4096, algorithm="round_robin"))   # checked, not used
-    assert all((c, c.path) == ("hierarchical", "hierarchical") for c in chosen), [(c, c.path) for c in chosen]
+    assert all((c, c.path) == ("hierarchical", "exchange") for c in chosen), [(c, c.path) for c in chosen]
 
 
 def counts_matrix(n, seed):

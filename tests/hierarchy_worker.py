@@ -21,6 +21,7 @@ from mpi4py import MPI
 import collectives
 from cases import OPS, counts_for, dtypes_for, gather_input, reduction_expected, reduction_input
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from collectives import hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV
 from collectives.compression import wire
 from collectives.executors import host
@@ -153,8 +154,8 @@ def scenario_order(comm):
     # Count the calls that take the small path (one node-loop call, one exchange):
     # its bits are checked below with the phases' (count 7 takes it where nodes are of one size).
     taken = []
-    small = hierarchy.small
-    hierarchy.small = lambda *arguments: (taken.append(1), small(*arguments))[1]
+    takes_small = hierarchy.takes_small   # (what hierarchy.route asks of each call)
+    hierarchy.takes_small = lambda *arguments: (taken.append(1) or True) if takes_small(*arguments) else False
     for dtype in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16, np.dtype(np.float64)):
         for op in OPS:
             # 40000 per rank: ranges large enough for two_shot across 3 or more nodes (hierarchy.uses_two_shot).
@@ -171,7 +172,7 @@ def scenario_order(comm):
                 got = comm.reduce(inputs[r].copy(), root=n - 1, op=op)
                 if r == n - 1:
                     check(got, want, f"reduce {case}")
-    hierarchy.small = small
+    hierarchy.takes_small = takes_small
     assert bool(taken) == (len({len(node) for node in nodes}) == 1), (len(taken), nodes)
     # Fused allreduces go through allreduce: the same bits, array by array.
     arrays = [random_values(np.dtype(np.float32), q * 100 + i, 1000 + 37 * i) for i in range(6) for q in range(n)]
@@ -210,8 +211,9 @@ def scenario_refusals(comm):
             raise AssertionError("a bad call was accepted")
         assert np.array_equal(x, np.arange(8, dtype=np.float32)), "a rejected call modified its input"
     check(comm.allreduce(np.ones(3, np.int32)), np.full(3, comm.size, np.int32), "still usable")
-    chosen = comm.chosen_algorithm("allreduce", 1024)   # what runs every call here: the hierarchical plan
-    assert (chosen, chosen.path) == ("hierarchical", "hierarchical"), repr(chosen)
+    chosen = comm.chosen_algorithm("allreduce", 1024)   # (tests/test_routes.py holds the paths against what ran)
+    assert (chosen, chosen.path) == ("hierarchical", hierarchy.route(comm._ranks, comm._plan(   # noqa: SLF001
+        "allreduce", np.dtype(np.float32), 256, "sum", 0, "auto", None))), repr(chosen)
 
 
 # -- compression between nodes ----------------------------------------------------------------

@@ -2,15 +2,24 @@
 `chosen_algorithm` about a call, make it, and hold the answer against what
 ran (the compiled loop's step, or the plan and path of ShmRank.what_ran).
 
-    mpiexec -n N python tests/routes_worker.py
+    mpiexec -n N python tests/routes_worker.py [routes LAYOUT]
 
-Each rank prints "OK routes <rank> <cases>" when every answer was what ran,
-or raises naming the first call whose answer was not.
+With LAYOUT (one node label per rank, $COLLECTIVES_PRETEND_NODES), the
+ranks form pretend nodes and ask a HierarchicalCommunicator, whose paths
+hierarchy.route decides (what ran: HierarchyRanks.last_path, or a
+shortcut's Program). Each rank prints "OK routes <rank> <cases>" when
+every answer was what ran, or raises naming the first call whose answer
+was not.
 """
 
+import os
+import sys
+
 import numpy as np
+from mpi4py import MPI
 
 import collectives
+from collectives import hierarchy
 from collectives.algorithms import REGISTRY
 from collectives.transport import fastpath
 
@@ -22,6 +31,13 @@ DTYPES = (np.float32, np.int32, np.float16)
 def what_ran(comm, call):
     """Make `call` and say what ran it: (algorithm, path, step)."""
     rank = comm._ranks   # noqa: SLF001
+    if hasattr(rank, "topology"):   # across nodes
+        rank.last_path, calls = None, rank.calls
+        call()
+        if rank.last_path is None:   # the shortcuts ran the shape's Program from C
+            assert rank.calls == calls + 1, "no path ran the call"
+            return "hierarchical", hierarchy.PROGRAM, None
+        return "hierarchical", rank.last_path, None
     loop = rank.fast
     rank.forget_what_ran()
     before = None if loop is None else loop.steps_taken
@@ -74,8 +90,11 @@ def calls(comm):
     limit and the exchanges' single-copy limit, loop dtypes and float16,
     named algorithms and auto, in and out of place, compressed allreduces."""
     n = comm.size
-    merged_max = comm._ranks.fast_small_max   # noqa: SLF001
-    counts = sorted({n * 4, n * (merged_max // 4 // n), n * (merged_max // 4 // n + 1), n * (1 << 16)})
+    merged_max = MPI.COMM_WORLD.bcast(comm._ranks.fast_small_max)   # noqa: SLF001 - rank 0's: the same calls
+    counts = {n * 4, n * (merged_max // 4 // n), n * (merged_max // 4 // n + 1), n * (1 << 16)}
+    if hasattr(comm._ranks, "topology"):   # noqa: SLF001 - across nodes: an allgather sends a node's blocks
+        counts.add(n * max(1, merged_max // 4 // n // MPI.COMM_WORLD.bcast(len(comm._ranks.node_ranks))))
+    counts = sorted(counts)
     for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter",
                        "all_to_all", "all_to_all_v"):
         for algorithm in ALGORITHMS:
@@ -94,7 +113,10 @@ def calls(comm):
 
 
 def main():
+    if len(sys.argv) > 2:   # routes LAYOUT
+        os.environ["COLLECTIVES_PRETEND_NODES"] = sys.argv[2]
     comm = collectives.init(timeout=TIMEOUT)
+    assert (len(sys.argv) > 2) == isinstance(comm, hierarchy.HierarchicalCommunicator), type(comm)
     cases = 0
     for call in calls(comm):
         chosen = call.chosen()

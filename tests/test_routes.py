@@ -2,7 +2,10 @@
 walk every collective over the loop's steps and the plans' paths (tests/
 routes_worker.py) and hold each answer, a registered algorithm with its
 path and the loop's step, against what ran the call, its first time and
-its repeat, under each setting that moves calls between paths."""
+its repeat, under each setting that moves calls between paths; and ranks
+on pretend nodes, whose HierarchicalCommunicator answers the path
+hierarchy.route takes (a compiled Program, the phases, the codec between
+nodes, the exchanges)."""
 
 import re
 import subprocess
@@ -10,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_launch import mpi_launch
+from mpi_launch import mpi_launch, run_nodes_worker
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi
@@ -36,3 +39,11 @@ def test_chosen_algorithm_names_what_ran_every_call(launch):
     oks = re.findall(r"OK routes \d+ (\d+)", done.stdout)
     assert done.returncode == 0 and len(oks) == ranks, report
     assert len(set(oks)) == 1 and int(oks[0]) > 1000, report   # every rank walked the same calls, and many
+
+
+@pytest.mark.parametrize("layout", ["a,a,b,b", "a,a,b", "a,b"])
+def test_across_nodes_chosen_algorithm_names_the_path_that_ran(layout):
+    oks, report = run_nodes_worker(WORKER, "routes", layout)
+    assert len(oks) == len(layout.split(",")), report
+    walked = re.findall(r"OK routes \d+ (\d+)", report)
+    assert len(set(walked)) == 1 and int(walked[0]) > 1000, report

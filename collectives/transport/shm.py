@@ -136,11 +136,12 @@ class ShmRank(Recoverable):
         `run` runs it then."""
         if output_infos is None or not (input_infos[0].contiguous and output_infos[0].contiguous):
             return None
-        if self._single is not None and self._single_copy_of(plan):
+        path = self.route(plan)
+        if path == "single_copy":
             return _BoundExchange(self, plan, inputs, outputs, input_infos, output_infos)
-        if self.compiled is None or not self.compiled.takes(plan):
-            return None
-        return self.compiled.bind(plan, input_infos[0].address, output_infos[0].address, lambda: self._timeout)
+        if path == "compiled_plan":
+            return self.compiled.bind(plan, input_infos[0].address, output_infos[0].address, lambda: self._timeout)
+        return None
 
     def route(self, plan, contiguous=True):
         """How this rank runs a call of `plan` (a Plan or a paths.CallShape)
