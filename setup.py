@@ -20,7 +20,7 @@ def host_ranks_extension(name):
         sources=[f"collectives/{name}.c"],
         include_dirs=["collectives/transport", "collectives/executors"],
         depends=["collectives/transport/shm_waits.h", "collectives/transport/statuses.h",
-                 "collectives/transport/raised.h",
+                 "collectives/transport/raised.h", "collectives/transport/signatures.h",
                  "collectives/executors/host_folds.h"],
         extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
         optional=True,

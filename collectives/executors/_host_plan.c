@@ -37,6 +37,7 @@
 
 #include "shm_waits.h"
 #include "host_folds.h"
+#include "signatures.h"
 
 enum { GEN = 4, CAP = 5 };                                  /* row slots (protocol.py) */
 enum { WORK = 0, SCRATCH = 1, INPUT = 2, OUTPUT = 3 };      /* buffer ids (plan.py) */
@@ -256,16 +257,6 @@ static int run_phases(Waits *w, const Call *call, int64_t start_phase, int64_t b
         publish(mine, COUNTER, base + p + 1);
     }
     return OK;
-}
-
-/* protocol.py's call_signature: the call's description hash (blake2b,
- * computed once per description in Python) mixed with its number. */
-static int64_t call_signature(uint64_t description_hash, int64_t seq)
-{
-    uint64_t mixed = description_hash ^ ((uint64_t)seq * 0x9E3779B97F4A7C15ULL);
-    mixed = (mixed ^ (mixed >> 31)) * 0xBF58476D1CE4E5B9ULL;
-    mixed ^= mixed >> 29;
-    return (int64_t)mixed;
 }
 
 /* A C-contiguous int64 array's data, or NULL with an exception set. */

@@ -51,6 +51,7 @@
 
 #include "shm_waits.h"
 #include "host_folds.h"
+#include "signatures.h"
 #include "raised.h"
 
 typedef int (*mpi_start_fn)(void *request);
@@ -132,15 +133,6 @@ typedef struct {
 } Program;
 
 static const double ABORT_TEST_EVERY = 1e-3;   /* seconds */
-
-/* protocol.call_signature(seq, description), from the description's hash. */
-static int64_t call_signature(uint64_t description_hash, int64_t seq)
-{
-    uint64_t mixed = description_hash ^ ((uint64_t)seq * 0x9E3779B97F4A7C15ULL);
-    mixed = (mixed ^ (mixed >> 31)) * 0xBF58476D1CE4E5B9ULL;
-    mixed ^= mixed >> 29;
-    return (int64_t)mixed;
-}
 
 static char *resolve(Where w, char *x, char *out)
 {

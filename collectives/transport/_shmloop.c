@@ -19,6 +19,7 @@
 #include "shm_waits.h"
 #include "host_folds.h"
 #include "raised.h"
+#include "signatures.h"
 
 /* ------------------------------------------------------------------------ */
 /* The channel                                                              */
@@ -59,22 +60,6 @@ typedef struct {
     PyObject *allreduce_name;   /* "allreduce", what on_failure is told */
     int closed;             /* close() was called: the memory is about to go, decline every call */
 } Channel;
-
-static uint64_t mix64(uint64_t x)
-{
-    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
-}
-
-/* 64 bits that differ when two ranks make different calls (protocol.py's
- * SIG): the call's number, element type, op, size and path. */
-static int64_t call_signature(int64_t seq, int type, int op, size_t nbytes, int path)
-{
-    uint64_t h = mix64((uint64_t)seq * 0x9e3779b97f4a7c15ULL ^ mix64(nbytes) ^ ((uint64_t)type << 8 | (uint64_t)op << 4 | (uint64_t)path));
-    return (int64_t)h;
-}
 
 static PyObject *failure(Waits *w, int status, int64_t seq)
 {
@@ -168,14 +153,11 @@ static void take_segment(const Collective *k, int r, int n, const char *const *a
     }
 }
 
-/* 64 bits that differ when two ranks make different calls: allreduce's
- * are call_signature's, the others mix in the collective and the root. */
+/* The call's signature (signatures.h): its number and its shape (a
+ * Collective's root is 0 where the collective has none). */
 static int64_t collective_signature(const Collective *k, int64_t seq, int path)
 {
-    int64_t signature = call_signature(seq, k->type, k->op, k->nbytes, path);
-    if (k->kind == K_ALLREDUCE)
-        return signature;
-    return (int64_t)mix64((uint64_t)signature ^ mix64((uint64_t)k->kind << 32 | (uint64_t)(k->root + 1)));
+    return call_signature(loop_shape_hash(k->kind, k->type, k->op, k->nbytes, k->root, path), seq);
 }
 
 /* Small messages, one merged step: copy into this rank's slot of this
@@ -704,7 +686,8 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     int r = w->rank, n = w->nranks;
     int64_t *mine = &w->rows[r * ROW_SLOTS];
     /* a rank that may not take the single copy makes another call (path 2) */
-    int64_t signature = call_signature(seq, type, op, nbytes, c->may_single_copy ? 3 : 2);
+    int64_t signature = call_signature(loop_shape_hash(K_ALLREDUCE, type, op, nbytes, 0, c->may_single_copy ? 3 : 2),
+                                       seq);
     size_t count = nbytes / itemsize;
     size_t chunk_items = c->chunk / itemsize;
     size_t block_start[257];
