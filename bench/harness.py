@@ -220,11 +220,18 @@ def parse_args(spec, argv=None):
                         "arrays with no workspace copies (docs/device-protocol.md); elsewhere plain arrays")
     p.add_argument("--timeout", type=float, default=None,
                    help="communicator timeout in seconds (default: the library's, 300 or $COLLECTIVES_TIMEOUT)")
+    p.add_argument("--compute-between", type=float, default=0.0, metavar="MS",
+                   help="MS milliseconds of compute before each timed call (a pass over a buffer larger than the "
+                        "cache, as a training step's compute leaves it), the call alone timed, and no warm-up "
+                        "calls before a batch: what a training step's collective costs (default 0: calls back "
+                        "to back after about 20 ms of warm-up calls)")
     p.add_argument("--bind-to", default="core",
                    help="when the mpi or gloo backend relaunches the benchmark as processes: mpiexec's -bind-to "
                         "(core: rank r on core r mod cores; none; hwthread; hydra's user:C0,C1,...; "
                         "or auto: core while the processes have a core each, none beyond)")
     args = p.parse_args(argv)
+    if args.compute_between < 0:
+        p.error("--compute-between must be >= 0")
     args.minbytes, args.maxbytes = cli.parse_size(args.minbytes), cli.parse_size(args.maxbytes)
     name = DTYPE_NAMES[args.datatype]
     args.dtype = BFLOAT16 if name == "bfloat16" else np.dtype(name)
@@ -443,7 +450,8 @@ def measure(backends, spec, args, nbytes, world, progress=None, seeded=None, pla
             for backend, bufs, times in zip(backends, buffers, batches):
                 if progress is not None:
                     progress.at(backend.label)
-                warm_up(backend, bufs, world, times[-1] if times else None)
+                if not args.compute_between:   # (after compute, calls come cold: that is what is timed)
+                    warm_up(backend, bufs, world, times[-1] if times else None)
                 if seeded is not None and in_place:
                     refill(backend, spec, args, nbytes, bufs, seeded)
                 times.append(timed_batch(backend, bufs, args, world))
@@ -542,6 +550,8 @@ def timed_batch(backend, buffers, args, world):
     if args.cudagraph and backend.device == "cuda":
         seconds = graph_timed_batch(backend, buffers, args.iters, args.cudagraph)
         return seconds if world is None else _slowest(world, seconds)
+    if args.compute_between:
+        return timed_after_compute(backend, buffers, args.iters, world, args.compute_between / 1e3)
     return timed_calls(backend, buffers, args.iters, world)
 
 
@@ -554,6 +564,43 @@ def timed_calls(backend, buffers, calls, world):
     backend.barrier()  # GPU work is asynchronous: the time is until it is done
     seconds = (time.perf_counter() - start) / calls
     return seconds if world is None else _slowest(world, seconds)
+
+
+def timed_after_compute(backend, buffers, calls, world, compute_seconds):
+    """Seconds per call of `calls` calls, each after `compute_seconds` of
+    compute on every rank (compute), the calls alone timed; the slowest
+    rank's. No barrier before a call: as in a training step, ranks come
+    from their compute when they are done with it."""
+    backend.barrier()
+    seconds = 0.0
+    for _ in range(calls):
+        compute(compute_seconds)
+        start = time.perf_counter()
+        backend.run(buffers)
+        seconds += time.perf_counter() - start
+    backend.barrier()
+    seconds /= calls
+    return seconds if world is None else _slowest(world, seconds)
+
+
+COMPUTE_BYTES = 64 << 20   # larger than the caches: what compute leaves in them is its own data
+_COMPUTE_SLICE = 1 << 20   # elements of float32 a step of compute (4 MiB): about 1 ms or less here
+_compute_buffer = None
+
+
+def compute(seconds):
+    """Busy this core for `seconds`, streaming through a private buffer of
+    COMPUTE_BYTES (a scaled add, slice by slice), as a training step's
+    compute would: the collective after it finds the caches full of other data."""
+    global _compute_buffer
+    if _compute_buffer is None:
+        _compute_buffer = np.ones(COMPUTE_BYTES // 4, np.float32)
+    end = time.perf_counter() + seconds
+    at = 0
+    while time.perf_counter() < end:
+        part = _compute_buffer[at:at + _COMPUTE_SLICE]
+        np.multiply(part, np.float32(1.0000001), out=part)
+        at = (at + _COMPUTE_SLICE) % _compute_buffer.size
 
 
 def _slowest(world, seconds):

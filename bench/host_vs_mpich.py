@@ -183,6 +183,10 @@ def parse_args(argv=None):
     p.add_argument("--compression", default=NO_COMPRESSION,
                    help="comma-separated codecs (bf16, fp16, int8) our allreduce also runs with, beside the "
                         "uncompressed call; its results are checked against the codec's error bound")
+    p.add_argument("--compute-between", type=float, default=0.0, metavar="MS",
+                   help="MS milliseconds of compute before each timed call on every rank, the call alone timed, "
+                        "no warm-up calls before a batch: a training step's collective, which comes after "
+                        "compute (bench/harness.py; default 0: calls back to back after 20 ms of warm-up calls)")
     p.add_argument("--floor-from", default=FLOOR_FROM, type=cli.size,
                    help="time the memory-copy floor beside allgathers and broadcasts of this size and larger")
     p.add_argument("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 2 rounds of a few calls")
@@ -215,6 +219,8 @@ def parse_args(argv=None):
         p.error("--sizes: each a positive multiple of 4 B (float32)")
     if not args.rank_list or any(r < 2 for r in args.rank_list):
         p.error("--ranks: process counts of at least 2")
+    if args.compute_between < 0:
+        p.error("--compute-between must be >= 0")
     args.compression_list = [c.strip() for c in args.compression.split(",") if c.strip() != NO_COMPRESSION]
     unknown = sorted(set(args.compression_list) - set(harness.COMPRESSIONS))
     if unknown or not args.compression_list and args.compression.strip() != NO_COMPRESSION:
@@ -284,6 +290,8 @@ def harness_args(spec, args):
         argv += ["--compression", ",".join([NO_COMPRESSION, *args.compression_list])]
     if args.timeout is not None:
         argv += ["--timeout", repr(args.timeout)]
+    if args.compute_between:
+        argv += ["--compute-between", repr(args.compute_between)]
     return harness.parse_args(spec, argv)
 
 
@@ -514,7 +522,7 @@ def write_report(args, runs, command):
         "machine": machine,
         "method": {"collectives": args.collective_list, "sizes": args.size_list, "rounds": args.rounds,
                    "batch_bytes": args.batch_bytes, "min_iters": args.min_iters, "max_iters": args.max_iters,
-                   "warmup": args.warmup, "bind_to": args.bind_to, "mpi": args.mpi_list,
+                   "warmup": args.warmup, "compute_between_ms": args.compute_between, "bind_to": args.bind_to, "mpi": args.mpi_list,
                    "compression": args.compression_list,
                    **({"hosts": f"{args.hosts} hosts made on this machine by bench/hosts.py (network, UTS, IPC, PID "
                                 f"and mount namespaces, a private /dev/shm), each link shaped to {args.link} by tc "
@@ -574,6 +582,8 @@ def worker_argv(args):
             "--max-iters", str(args.max_iters), "-w", str(args.warmup), "--floor-from", str(args.floor_from)]
     if args.timeout is not None:
         argv += ["--timeout", repr(args.timeout)]
+    if args.compute_between:
+        argv += ["--compute-between", repr(args.compute_between)]
     if args.compression_list:
         argv += ["--compression", ",".join(args.compression_list)]
     if args.hosts:

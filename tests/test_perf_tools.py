@@ -560,3 +560,24 @@ def test_codec_speed_times_what_a_four_rank_compressed_call_launches(tmp_path):
     assert all(r["codec_GBps"] > 0 and r["copy_GBps"] > 0 for r in rows.values())
     with pytest.raises(SystemExit):
         codec_speed.main(["--ops", "round_sum4"])
+
+
+def test_compute_between_puts_compute_before_each_timed_call_and_no_warm_up(monkeypatch, capsys, tmp_path):
+    """--compute-between MS: every timed call comes after MS of compute, and
+    no warm-up batch runs before a round (what a training step's call meets)."""
+    events = []
+    monkeypatch.setattr(harness, "compute", lambda seconds: events.append(("compute", seconds)))
+    monkeypatch.setattr(harness, "warm_up", lambda *arguments: events.append(("warm_up",)))
+    run = harness.timed_after_compute
+
+    def counted(backend, buffers, calls, world, seconds):
+        events.append(("batch", calls))
+        return run(backend, buffers, calls, world, seconds)
+    monkeypatch.setattr(harness, "timed_after_compute", counted)
+    code, out, report = run_tool(ALLREDUCE, ["--ranks", "2", "-b", "1K", "-e", "4K", "-f", "4", "-n", "3", "-w", "0",
+                                             "--rounds", "2", "--compute-between", "1.5"], capsys, tmp_path)
+    assert code == 0 and report["rows"], out
+    assert ("warm_up",) not in events
+    batches = [e for e in events if e[0] == "batch"]
+    assert len(batches) == 2 * 2 * 2 and all(calls == 3 for _, calls in batches)   # sizes x placements x rounds
+    assert events.count(("compute", 1.5e-3)) == 3 * len(batches) == len(events) - len(batches)
