@@ -617,6 +617,9 @@ class Communicator:
         within the timeout, RankFailedError when it died; a failure aborts
         the communicator, as a failed collective does.
         """
+        engine = self._p2p
+        if engine is not None and not self._closed and engine.sent_at_once(x, peer, tag):   # (the common case)
+            return
         engine = self._point_to_point("send")
         data = validation.message_bytes(x, self._ranks, "x", written=False)
         engine.send(data, validation.rank_number(peer, self.size, "peer"), validation.message_tag(tag))
@@ -633,6 +636,11 @@ class Communicator:
         sender would wait for a receive that never comes);
         CollectiveTimeoutError or RankFailedError as `send`.
         """
+        engine = self._p2p
+        if engine is not None and not self._closed:   # (the common case)
+            source = engine.received_at_once(out, peer, tag)
+            if source is not None:
+                return source
         engine = self._point_to_point("recv")
         data = validation.message_bytes(out, self._ranks, "out", written=True)
         peer = None if peer is None else validation.rank_number(peer, self.size, "peer")

@@ -357,7 +357,7 @@ def message_tag(tag):
 def message_bytes(array, ranks, name, written):
     """A point-to-point call's array as a flat view of its bytes: one
     C-contiguous array of a supported dtype (writable where `written`)."""
-    if array.__class__ is np.ndarray and ranks.host_only and array.dtype in _MESSAGE_DTYPES:
+    if array.__class__ is np.ndarray and ranks.host_only and array.dtype in MESSAGE_DTYPES:
         flags = array.flags   # the common case, decided without describing the array
         if flags.c_contiguous and (flags.writeable or not written):
             return array.reshape(-1).view(np.uint8)
@@ -373,7 +373,7 @@ def _message_dtypes():
     return frozenset(BFLOAT16 if name == "bfloat16" else np.dtype(name) for name in SUPPORTED_DTYPES)
 
 
-_MESSAGE_DTYPES = _message_dtypes()
+MESSAGE_DTYPES = _message_dtypes()
 
 
 def allocation(shape, dtype):

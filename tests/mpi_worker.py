@@ -14,6 +14,7 @@ runs differ from the emulated ones, which CI runs, in those two functions only.
 """
 
 import os
+import re
 import sys
 import time
 
@@ -319,6 +320,27 @@ def scenario_point_to_point(comm):
         _shmloop.mailbox_test_refuse(False)
     else:
         comm.barrier()
+    # Bad arguments where the compiled calls are live (send_at_once, received_at_once):
+    # refused by the checks, naming them, and nothing sent.
+    read_only = np.zeros(2)
+    read_only.setflags(write=False)
+    bad = [lambda: comm.send(np.zeros(2), n), lambda: comm.send(np.zeros(2), True),
+           lambda: comm.send(np.zeros(2), right, tag=-1), lambda: comm.send(np.zeros(2), right, tag=1 << 62),
+           lambda: comm.send(np.zeros(2), right, tag=True), lambda: comm.send(np.zeros((4, 4))[:, 1], right),
+           lambda: comm.send(np.zeros(2, object), right), lambda: comm.recv(read_only, left),
+           lambda: comm.recv(np.zeros(2), n), lambda: comm.recv(np.zeros(2), left, tag=-1),
+           lambda: comm.recv(np.zeros(2, object), left)]
+    for i, call in enumerate(bad):
+        try:
+            call()
+        except InvalidUsageError as error:
+            assert re.match(r"(peer|tag|x|out)\b", str(error)), error
+        else:
+            raise AssertionError(f"bad call {i} was accepted")
+    comm.send(np.full(2, 7.0 + r), right)
+    out = np.zeros(2)
+    comm.recv(out, left)
+    check(out, np.full(2, 7.0 + left), "the first message after the refused calls")
     # To oneself, then a bfloat16 array as bytes.
     mine = np.arange(6, dtype=collectives.ops.BFLOAT16)
     comm.send(mine, r, tag=4)

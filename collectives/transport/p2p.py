@@ -63,6 +63,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
+from ..validation import MAX_TAG, MESSAGE_DTYPES
 from .layout import (
     DESCRIPTOR_ADDRESS, DESCRIPTOR_PID, DESCRIPTOR_REFUSED, FRAGMENT_OFFSET, MAILBOX_HEADER, MAILBOX_SENT,
     MAILBOX_SLOT_BYTES, MAILBOX_SLOT_HEADER, MAILBOX_SLOTS, MAILBOX_TAKEN, MESSAGE_BYTES, MESSAGE_TAG, SINGLE_COPY,
@@ -157,6 +158,53 @@ class PointToPoint:
         self._unexpected = collections.defaultdict(collections.deque)   # source -> complete _ReadAheads
         self._refused = set()                   # peers that cannot read this process's memory (module doc)
         self.closed = False
+        # Each peer's mailbox from this rank and to it (the compiled calls take their addresses).
+        self._outboxes = self._inboxes = None
+        self._pids = [0] * size   # each peer's process, once it attached (it stays for the communicator's life)
+        if mailboxes is not None:
+            self._outboxes = [mailboxes.address(rank * size + peer) for peer in range(size)]
+            self._inboxes = [mailboxes.address(peer * size + rank) for peer in range(size)]
+
+    # -- the common case in one frame (Communicator.send and recv ask these first) --
+
+    def sent_at_once(self, x, peer, tag):
+        """A blocking send of `x`, one C-contiguous NumPy array of a
+        supported dtype and at most the slots' bytes, to another rank (an
+        int, as the tag) with no send to it pending: one compiled call that
+        puts every fragment in the free slots. True once sent; False where
+        any of that does not hold or the fragments do not fit now (nothing
+        sent: `send` checks the arguments and sends it)."""
+        if x.__class__ is not np.ndarray or peer.__class__ is not int or tag.__class__ is not int \
+                or self._outboxes is None or self._compiled is None or not 0 <= peer < self.size \
+                or peer == self.rank or not 0 <= tag <= MAX_TAG or self._sends.get(peer) \
+                or x.dtype not in MESSAGE_DTYPES or not x.flags.c_contiguous or x.nbytes > SINGLE_COPY_MIN:
+            return False
+        return _shmloop.mailbox_put(self._outboxes[peer], x, tag)
+
+    def received_at_once(self, out, peer, tag):
+        """A blocking receive into `out`, one C-contiguous writable NumPy
+        array of a supported dtype, from a named rank (an int, as the tag),
+        with nothing pending on this rank: one compiled call that waits for
+        the message and copies it out. The source once done; None where any
+        of that does not hold, or the head message is not of this tag and
+        size (nothing taken: `recv` checks and receives it)."""
+        if out.__class__ is not np.ndarray or peer.__class__ is not int or tag.__class__ is not int \
+                or self._inboxes is None or self._compiled is None or not 0 <= peer < self.size \
+                or peer == self.rank or not 0 <= tag <= MAX_TAG or out.dtype not in MESSAGE_DTYPES \
+                or self._receives or self._reading or self._unexpected.get(peer) or any(self._sends.values()):
+            return None
+        flags = out.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return None
+        compiled = self._compiled
+        pid = self._pids[peer] or self._pid_of(peer)
+        status = _shmloop.mailbox_take(self._inboxes[peer], out, tag, time.perf_counter() + self._timeout_of(),
+                                       compiled.abort_address, pid, compiled.spin, compiled.yield_seconds)
+        if status == 0:
+            return peer
+        if status != _shmloop.NOT_FAST:
+            self._compiled_failure(status, peer, tag, out.nbytes, "recv")
+        return None
 
     # -- posting ------------------------------------------------------------------
 
@@ -177,6 +225,10 @@ class PointToPoint:
         self._receives.append(request)
         self.progress()
         return request
+
+    def _pid_of(self, peer):
+        pid = self._pids[peer] = self._compiled.pid_of(peer)   # (0 until it attached: asked again next time)
+        return pid
 
     # -- blocking calls: the compiled mailbox where it applies ----------------------
 
