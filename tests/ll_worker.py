@@ -47,12 +47,15 @@ from mpi4py import MPI
 import collectives
 from cases import DTYPES, OPS, capacity, expect_a_different_call, expected, rank_input, run_scenario
 from collectives import CollectiveTimeoutError, RankFailedError, kernels
+from collectives.executors.paths import ONE_PASS_COLLECTIVES
 from collectives.transport.layout import COUNTER
 from peer_failure_worker import FAILING, STALL_TIMEOUT, TIMEOUT, expect
 
 
 DEVICE = "emulated"
 COLLECTIVE = "allreduce"
+EVERY = "every"   # COLLECTIVE: each of ONE_PASS in turn, in one launch (scenario_bits)
+ONE_PASS = sorted(ONE_PASS_COLLECTIVES, key=lambda name: (name != "allreduce", name))
 
 
 def on_device(array):
@@ -90,7 +93,7 @@ class Checker:
     def __init__(self, comm, reference):
         self.comm, self.reference = comm, reference
         self.ll = comm._ranks.protocol   # the device protocol, whose generation() counts the LL calls
-        self.calls = 0              # calls that take the path: the LL's generations
+        self.calls = self.ll.generation()   # calls that take the path: the LL's generation (from earlier ones on)
         self.seed = 0
 
     def call(self, collective, dtype, op, count, in_place, algorithm="auto", root=0):
@@ -145,8 +148,17 @@ class Checker:
 
 
 def scenario_bits(comm):
+    """COLLECTIVE's calls (every collective of the path, one after another,
+    where it is "every": one launch for all) give the interpreter's bits."""
+    for collective in ONE_PASS if COLLECTIVE == EVERY else (COLLECTIVE,):
+        bits(comm, collective)
+
+
+def bits(comm, collective_on_the_path):
+    COLLECTIVE = collective_on_the_path   # noqa: N806 - (what the scenario's checks below call it)
     group = comm._ranks.group   # noqa: SLF001
     counter = int(group._rows[comm.rank, COUNTER])   # noqa: SLF001
+    generation = comm._ranks.protocol.generation()   # noqa: SLF001 - (the LL calls of earlier collectives)
     n = comm.size
     # `auto`, as users call: for 2 ranks it picks ring for allgather and
     # reduce_scatter, whose bits are direct's there, and which the path takes.
@@ -161,7 +173,7 @@ def scenario_bits(comm):
                     in_place = not in_place
                     check.call(COLLECTIVE, dtype, op, count, in_place, algorithm, root=count % n)
         assert int(group._rows[comm.rank, COUNTER]) == counter, "a call took the step protocol"   # noqa: SLF001
-        assert check.calls == check.ll.generation() > 0
+        assert check.calls == check.ll.generation() > generation
         rng = np.random.default_rng(7)   # the same on every rank
         for i in range(150):
             collective = COLLECTIVE if rng.random() < 0.7 else "allreduce"   # another kind of LL call between
