@@ -129,7 +129,11 @@ def test_a_choice_is_the_algorithms_name_with_the_path_beside_it():
     assert {"direct": 1}[choice] == 1 and json.dumps({"picked": choice}) == '{"picked": "direct"}'
     assert repr(choice) == "Choice('direct', path='ll')" and choice.algorithm.__class__ is str
     again = pickle.loads(pickle.dumps(choice))
-    assert (again, again.path) == ("direct", "ll")
+    assert (again, again.path, again.step) == ("direct", "ll", None)
+    looped = Choice("two_shot", "compiled_loop", "single_copy")   # the compiled loop's step beside them
+    assert repr(looped) == "Choice('two_shot', path='compiled_loop', step='single_copy')"
+    again = pickle.loads(pickle.dumps(looped))
+    assert (again, again.path, again.step) == ("two_shot", "compiled_loop", "single_copy")
 
 
 def test_host_ranks_in_one_process_run_the_interpreter():
