@@ -810,6 +810,8 @@ def main(spec, argv=None):
                 picked = picked_algorithm(backend, spec, args, in_count)
                 row["algorithm"] = backend.algorithm
                 row["picked"], row["path"] = picked.algorithm, picked.path
+                if picked.step is not None:   # (the compiled loop's)
+                    row["step"] = picked.step
             factor = spec.busbw_factor(nranks)
             for place, m in zip(("out_of_place", "in_place"), placements):
                 seconds = m["seconds"]

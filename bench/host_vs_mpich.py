@@ -320,7 +320,8 @@ def measure_collective(spec, args, world, mpi):
             size = spec.bytes_moved(nbytes, itemsize, nranks)
             row = {"size": size,
                    "count": spec.param_count(nbytes, itemsize, nranks),
-                   "iters": hargs.iters, "algorithm": picked.algorithm, "path": picked.path}
+                   "iters": hargs.iters, "algorithm": picked.algorithm, "path": picked.path,
+                   **({"step": picked.step} if picked.step else {})}
             for i, place in enumerate(places):
                 row[place] = {json_name(b, mpi): {"time_us": m[i]["seconds"] * 1e6, "wrong": m[i]["wrong"],
                                                   "rounds_us": [s * 1e6 for s in m[i]["rounds"]],
