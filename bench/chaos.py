@@ -16,7 +16,8 @@ collective, each result checked). Events:
     in_shrink     one rank SIGKILLed, then another at a random moment of its
                   shrink (3 or more ranks)
 
-The survivors shrink (again, while a collective fails) until every member
+The survivors shrink (again, while a collective or the shrink itself
+times out or fails: a shrink that timed out is called again) until every member
 agrees the victims have had the time to die, and check a collective of
 every kind on the new communicator. A trial passes when every survivor
 printed the same membership, the victims are not in it, no survivor
@@ -127,6 +128,8 @@ def rank_main(seed, n):
     while True:
         try:
             if current is comm or recovered is None:
+                # A shrink that raised CollectiveTimeoutError leaves `current`
+                # open (aborted): calling it again goes on with a new round.
                 current = current.shrink()
                 shrinks += 1
                 members = [members[old] for old in current.old_ranks]

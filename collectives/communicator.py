@@ -17,7 +17,7 @@ from .algorithms.schedule import (
 from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
 from .compression import wire
 from .config import DEFAULT_FAST_SMALL_MAX, resolve_timeout
-from .errors import CollectiveError, InvalidUsageError, RevokedError
+from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, RevokedError
 from .ops import ReduceOp
 from .executors import host
 from .executors.paths import PLAIN, SYMMETRIC, CallShape
@@ -1024,28 +1024,41 @@ class Communicator:
         its `epoch` is this one's + 1. A rank that dies while they shrink
         is left out too (the round starts again without it).
 
-        This communicator stays aborted and is closed: its shared memory
-        goes (with the last survivor's mapping), its later calls raise
-        InvalidUsageError. What a failed collective left in its output is
+        Once it returns, this communicator stays aborted and is closed: its
+        shared memory goes (with the last survivor's mapping), its later
+        calls raise InvalidUsageError. What a failed collective left in its output is
         unspecified: a rank may have written some of its result.
 
         For host ranks in processes on one machine (collectives.init under
         a launcher that lets survivors live: docs/api.md). Raises
         InvalidUsageError elsewhere, or where this communicator is closed;
-        RankExcludedError on a rank the others left out;
-        CollectiveTimeoutError when the new communicator's members do not
-        meet within the timeout.
+        RankExcludedError on a rank the others left out (it is closed
+        then); CollectiveTimeoutError when the new communicator's members
+        do not meet within the timeout: this communicator then stays open
+        (aborted), and calling shrink() again goes on with a new round
+        (the other members that timed out do the same; one that went on
+        without this rank makes it raise RankExcludedError). A shrink has
+        4 rounds in all (RankFailedError, and the communicator closed,
+        once every one failed).
         """
         ranks = self._recovering("shrink")
         self._stop_worker()
         ranks.abort(f"rank {self.rank} revoked the communicator to shrink it", RevokedError)
+        retry = False
         try:
             made, members = ranks.shrink(time.perf_counter() + self.timeout)
+        except CollectiveTimeoutError as error:
+            # The members did not meet in time: this communicator stays
+            # (aborted) for shrink() to go on with the next round. A
+            # RankFailedError here says every round was used: nothing to go on with.
+            retry = not isinstance(error, RankFailedError)
+            raise
         finally:
-            self._closed = True
-            if self._p2p is not None:
-                self._p2p.close()
-            ranks.close()
+            if not retry:
+                self._closed = True
+                if self._p2p is not None:
+                    self._p2p.close()
+                ranks.close()
         shrunk = Communicator(made, size=len(members), local_ranks=[members.index(self.rank)], timeout=self.timeout)
         shrunk.epoch, shrunk.old_ranks = self.epoch + 1, tuple(members)
         return shrunk

@@ -243,14 +243,20 @@ class ProcessGroup:
             if pid and not _alive(pid):
                 raise RankFailedError(f"rank {peer} (pid {pid}) died before completing {during}")
 
-    def _wait_for(self, peer, phases_done, waiter, description):
-        """Wait until `peer` has completed `phases_done` phases in all."""
+    def _wait_for(self, peer, phases_done, waiter, description, check=None):
+        """Wait until `peer` has completed `phases_done` phases in all;
+        `check()`, if given, is asked with the peer's health (it raises to stop)."""
         completed = self._counters.loader(peer, COUNTER)
+
+        def healthy():
+            self.check_health(peer, f"call #{self._seq}, {description}")
+            if check is not None:
+                check()
         waiter.until(
             lambda: completed() >= phases_done,
             lambda: f"rank {peer} in call #{self._seq}, {description} (it has completed "
                     f"{completed()} phases, this rank needs {phases_done}){self.absent_note(self._seq)}",
-            lambda: self.check_health(peer, f"call #{self._seq}, {description}"),
+            healthy,
         )
 
     def absent_note(self, seq):
@@ -413,24 +419,27 @@ class ProcessGroup:
             self.abort(f"{type(error).__name__}: {error}", error)
             raise
 
-    def barrier(self, deadline):
+    def barrier(self, deadline, check=None):
         """Return once every rank has entered the barrier.
 
         Two phases, like a plan: phase 0 waits for every peer to leave the
         previous call before this rank's signature overwrites its last one;
-        phase 1 waits for every peer to enter.
+        phase 1 waits for every peer to enter. `check()`, if given, is asked
+        now and then while it waits, as the peers' health is: what it raises
+        aborts the barrier (a shrink's round asks whether a member left it
+        without being able to say so here: recovery.py).
         """
         signature, base = self.enter_call("barrier")
         waiter = Waiter(deadline)
         peers = [peer for peer in range(self.size) if peer != self.rank]
         try:
             for peer in peers:
-                self._wait_for(peer, base, waiter, "barrier")
+                self._wait_for(peer, base, waiter, "barrier", check)
             self._mine[SEQ] = self._seq
             self._mine[SIG] = signature
             self._counters.publish(self.rank, COUNTER, base + 1)
             for peer in peers:
-                self._wait_for(peer, base + 1, waiter, "barrier")
+                self._wait_for(peer, base + 1, waiter, "barrier", check)
                 self._check_same_call(peer, signature, "barrier")
             self._counters.publish(self.rank, COUNTER, base + 2)
         except BaseException as error:

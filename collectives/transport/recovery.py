@@ -29,8 +29,16 @@ shrink        the members of the new communicator. In round k each survivor
               dies during the round (the maker before publishing, anyone
               before the barrier) fails the round on every member alike
               (the barrier cannot complete without it), and round k + 1
-              starts from the round's members. Every wait is bounded by the
-              deadline and notices a member that died.
+              starts from the round's members. A member that fails the
+              round before it could map the new communicator (the maker
+              died before it mapped, and its segment went with it) cannot
+              abort it: it tells the others by joining round k + 1, which
+              they see in its row here while they wait in round k (for the
+              maker or in the barrier), and leave for round k + 1 too.
+              Every wait is bounded by the deadline and notices a member
+              that died. A shrink that raised CollectiveTimeoutError (the
+              members did not meet in time) can be called again: it goes
+              on with the next round, from the members of the last one.
 
 Layout (where each word is): layout.py, "recovery". A segment sees at most
 one shrink: the new communicator has its own segment, where the next
@@ -90,6 +98,9 @@ class RecoveryArea:
         self._proposals = np.ndarray((RECOVERY_ROUNDS, self.size, proposal_words(self.size)), np.int64, buf,
                                      offset=base + proposals)
         self._agreements = int(self._rows[self.rank, AGREE_SEQ])
+        # The shrink's next round and its candidates: a shrink that timed
+        # out and is called again goes on from there.
+        self._next_round, self._candidates = 0, tuple(range(self.size))
 
     # -- the words, with release stores and acquire loads -------------------------
 
@@ -154,16 +165,21 @@ class RecoveryArea:
         """The new communicator's rank object and members (old ranks, in
         order), round after round until one completes: `make_rank(rank,
         size, prefix, pids)` makes (the first member) or maps (the others)
-        the new communicator's rank; its `.group` is a ProcessGroup."""
-        candidates = tuple(range(self.size))
-        for round_ in range(RECOVERY_ROUNDS):
-            members = self._decide(round_, candidates, deadline)
+        the new communicator's rank; its `.group` is a ProcessGroup.
+        Raises CollectiveTimeoutError where the round's members did not meet
+        by `deadline`: calling it again goes on with the next round."""
+        while self._next_round < RECOVERY_ROUNDS:
+            round_ = self._next_round
+            self._next_round += 1
+            members = self._decide(round_, self._candidates, deadline)
+            # The next round (after a member died, or this call timed out) starts from the rest.
+            self._candidates = members
             try:
                 return self._build(round_, members, deadline, make_rank), members
             except _RoundFailed:
-                candidates = members   # a member died during the round: the next round starts from the rest
-        raise RankFailedError(f"ranks kept failing while the survivors shrank the communicator: "
-                              f"{RECOVERY_ROUNDS} rounds failed")
+                continue
+        raise RankFailedError(f"ranks kept failing (or timing out) while the survivors shrank the communicator: "
+                              f"all {RECOVERY_ROUNDS} rounds its shared memory holds failed")
 
     def _decide(self, round_, candidates, deadline):
         """Round `round_`'s members: the first proposal stored."""
@@ -209,6 +225,7 @@ class RecoveryArea:
                     if self._load(self._rounds, round_, NAME_READY):
                         break
                     raise _RoundFailed(f"rank {leader} died while it made the shrunk communicator")
+                self._check_left(round_, members)
                 if time.perf_counter() >= deadline:
                     raise CollectiveTimeoutError(
                         f"timed out waiting for rank {leader} to make the shrunk communicator")
@@ -223,7 +240,7 @@ class RecoveryArea:
             except CollectiveError as error:   # the maker released it: the round failed on its side
                 raise _RoundFailed(str(error)) from error
         try:
-            made.group.barrier(deadline)
+            made.group.barrier(deadline, lambda: self._check_left(round_, members))
         except BaseException as error:
             made.close()
             if isinstance(error, CollectiveError) and (isinstance(error, RankFailedError)
@@ -231,6 +248,16 @@ class RecoveryArea:
                 raise _RoundFailed(str(error)) from error   # a member died, or a peer's abort says so
             raise
         return made
+
+
+    def _check_left(self, round_, members):
+        """Raise _RoundFailed where a member of round `round_` has joined a
+        later round: it failed this one, and will not come to its barrier.
+        (One that failed it after mapping the new communicator aborted it
+        too; one that could not map it has only this way to say so.)"""
+        for q in members:
+            if q != self.rank and self._load(self._rows, q, JOINED) > round_ + 1:
+                raise _RoundFailed(f"rank {q} left shrink round {round_} for a later one: the round failed there")
 
 
 class _RoundFailed(CollectiveError):
