@@ -24,6 +24,11 @@ Scenarios (each rank prints "OK <scenario> <rank>" when every check held):
                 raise RevokedError at once (not after the timeout), and all
                 shrink to every rank.
     twice       two failures, two shrinks: epochs 1 and 2, old ranks chained.
+    shrink_again
+                3 ranks shrink; rank 0 makes the shrunk communicator only
+                once rank 1's shrink timed out (1 s) and it called it
+                again: that second call goes on with a new round, rank 2
+                (10 s) follows it there, and all end on [0, 1, 2].
     stalled PATH
                 rank 1 stops (SIGSTOP): the others time out and shrink
                 without it, then continue it; its own shrink raises
@@ -32,6 +37,12 @@ Scenarios (each rank prints "OK <scenario> <rank>" when every check held):
                 rank 1 dies, then rank 2 at a random moment of its shrink:
                 the survivors shrink until a collective passes, and end on
                 the same ranks.
+    maker_dies_in_barrier
+                3 ranks shrink; rank 0, the maker of the shrunk
+                communicator, dies once it and rank 1 are in the round's
+                barrier, and rank 2 maps it only after that (so it fails
+                the round before entering the barrier): ranks 1 and 2 must
+                both go on to the next round and end on [1, 2] at once.
 """
 
 import os
@@ -137,6 +148,87 @@ def scenario_in_shrink(comm, seed):
     print(f"MEMBERS {original} rank {comm.rank}", flush=True)
     assert original == [0, 3], original
     current.close()
+
+
+def gone(pid):
+    """Whether process `pid` has exited (a zombie, or reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
+def scenario_maker_dies_in_barrier(comm):
+    """The interleaving of a chaos trial that once ended a survivor (forced
+    here, in each rank's process): rank 1 waited in the round's barrier for
+    rank 2, which was alive but had left the round (it could not map the
+    dead maker's segment), until the timeout; rank 2 waited for rank 1 in
+    the next round as long, and went on alone."""
+    from collectives.transport import protocol
+    comm.barrier()
+    old = comm._ranks   # noqa: SLF001 - the test steers this rank's part of the round
+    if comm.rank == 0:
+        wait_for = protocol.ProcessGroup._wait_for
+
+        def wait_then_die(group, peer, phases_done, waiter, *rest):
+            # In the new communicator's barrier, after publishing its entry:
+            # once rank 1 has entered too, die.
+            if group is not old.group and phases_done >= 1:
+                wait_for(group, 1, phases_done, waiter, *rest)
+                die("sigkill")
+            return wait_for(group, peer, phases_done, waiter, *rest)
+        protocol.ProcessGroup._wait_for = wait_then_die
+    elif comm.rank == 2:
+        remake = old.remake
+
+        def remake_after_the_maker_died(*arguments):
+            # Until rank 0 is a zombie or reaped: an exiting process still
+            # holds its descriptors for a moment, and a peer could map.
+            end = time.perf_counter() + comm.timeout
+            while not gone(old.group.pid_of(0)) and time.perf_counter() < end:
+                time.sleep(1e-3)
+            return remake(*arguments)
+        old.remake = remake_after_the_maker_died
+    comm.timeout = 5.0   # what the old code's ranks waited out before rank 1 raised and rank 2 went on alone
+    shrunk = comm.shrink()
+    check_shrunk(comm, shrunk, [1, 2], 1)
+    shrunk.close()
+
+
+def scenario_shrink_again(comm):
+    """A shrink that timed out leaves the communicator open: shrink() again
+    goes on with the next round, with the ranks that are still there. (Only
+    rank 1 times out: had rank 2 too, it could come to the next round with
+    its deadline spent, and decide without rank 0 at once.)"""
+    from collectives.transport.layout import JOINED
+    comm.barrier()
+    old = comm._ranks   # noqa: SLF001 - the test steers this rank's part of the round
+    if comm.rank == 0:
+        remake, rows = old.remake, old._recovery()._rows   # noqa: SLF001
+
+        def remake_once_the_others_came_again(*arguments):
+            # Until ranks 1 and 2 joined round 1: rank 1 timed out waiting
+            # for this rank's communicator of round 0 and called shrink()
+            # again; rank 2 saw it leave the round, and followed.
+            end = time.perf_counter() + 8
+            while min(int(rows[q, JOINED]) for q in (1, 2)) < 2 and time.perf_counter() < end:
+                time.sleep(1e-3)
+            old.remake = remake
+            return remake(*arguments)
+        old.remake = remake_once_the_others_came_again
+    elif comm.rank == 1:
+        comm.timeout = 1.0
+        try:
+            comm.shrink()
+        except CollectiveTimeoutError as error:
+            assert not isinstance(error, RankFailedError) and not comm.closed, error
+        else:
+            raise AssertionError("the shrink met without rank 0's communicator")
+        comm.timeout = TIMEOUT
+    shrunk = comm.shrink()
+    check_shrunk(comm, shrunk, [0, 1, 2], 1)
+    shrunk.close()
 
 
 def scenario_stalled(comm, path):

@@ -105,6 +105,16 @@ def test_a_rank_that_dies_during_the_shrink_is_left_out_by_a_later_one_on_every_
 
 
 @pytest.mark.mpi
+def test_a_member_that_left_a_failed_round_before_its_barrier_fails_the_round_for_the_others():
+    run_survivors(3, "maker_dies_in_barrier", survivors=[1, 2])
+
+
+@pytest.mark.mpi
+def test_a_shrink_that_timed_out_goes_on_when_called_again():
+    run_survivors(3, "shrink_again", survivors=[0, 1, 2])
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_elastic_training_loses_a_rank_and_ends_on_the_one_process_weights(kind):
     if kind == "torch":
