@@ -584,7 +584,10 @@ def timed_after_compute(backend, buffers, calls, world, compute_seconds):
 
 
 COMPUTE_BYTES = 64 << 20   # larger than the caches: what compute leaves in them is its own data
-_COMPUTE_SLICE = 1 << 20   # elements of float32 a step of compute (4 MiB): about 1 ms or less here
+# Elements of float32 a step of compute (16 KiB: a few µs), so that every rank's compute ends within
+# microseconds of its deadline: with 4 MiB steps (about 1 ms each) the ranks came out up to a step
+# apart, and a call's time was mostly its wait for the later peer (130 µs for a 1 KiB allreduce).
+_COMPUTE_SLICE = 1 << 12
 _compute_buffer = None
 
 
