@@ -534,8 +534,11 @@ def write_report(args, runs, command):
                    "floor": f"allgather and broadcast from {args.floor_from} B: every rank copies the bytes its result "
                             "needs once, from a private array, all ranks at once (bench/backends.py CopyFloor); "
                             "floor/ours is ours' fraction of that speed",
-                   "time_us": "median over rounds of the batch's time per call: its slowest rank's time for the "
-                              "batch (barriers at both ends included) over its calls",
+                   "time_us": ("median over rounds of the batch's time per call: its slowest rank's time for the "
+                               "batch (barriers at both ends included) over its calls") if not args.compute_between
+                              else (f"median over rounds of the batch's time per call: its slowest rank's mean of "
+                                    f"its calls' own times, each call after {args.compute_between:g} ms of compute "
+                                    "(bench/harness.py timed_after_compute)"),
                    "placements": "out of place and in place",
                    "data": "the <collective>_perf specs' closed-form inputs, checked bit for bit after the rounds"},
         "runs": runs,

@@ -69,13 +69,21 @@ def host_vs_mpich_measurement(run, one):
     settings = settings_of(environment)
     nodes = pretend_nodes(dict(settings)) or across_hosts(one.get("hosts"), processes)
     where = "host ranks" if nodes is None else nodes
+    # (--compute-between: each call after compute, as a training step's; a comparison of its own)
+    compute = (run.data.get("method") or {}).get("compute_between_ms")
+    after = f"each call after {compute:g} ms of compute" if compute else None
+    if after is not None:
+        where = f"{where}, {processes} processes, {after}" if nodes is None else f"{where}, {after}"
     content = comparison(collective, ratios, "bench.host_vs_mpich", where, processes)
+    content["own_row"] = after is not None or across_hosts(one.get("hosts"), processes) is not None
     # Runs made before broadcast and reduce took out= measured them in place only, and say so.
     content["in_place_only"] = one.get("placements") == ["in_place"]
-    label = f"{processes} processes, -bind-to {bind_to}" + ("" if nodes is None else f", {nodes}")
-    # (a run under the library's settings, pretend nodes say, or across hosts, is a configuration of its own)
-    return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to, settings, mpi, nodes), label,
-                       content, environment)
+    label = f"{processes} processes, -bind-to {bind_to}" + ("" if nodes is None else f", {nodes}") \
+        + ("" if after is None else f", {after}")
+    # (a run under the library's settings, pretend nodes say, or across hosts, or after compute, is a
+    # configuration of its own)
+    return Measurement(run, ("bench.host_vs_mpich", collective, processes, bind_to, settings, mpi, nodes, after),
+                       label, content, environment)
 
 
 def across_hosts(hosts, processes):
@@ -206,8 +214,8 @@ def readme_against_libraries(shown, runs):
         one_node = m.content["where"] == "host ranks"
         collective = m.content["collective"] if m.content["source"] == SOURCES[0] and one_node else None
         for name in m.content["ratios"]:   # (across pretend nodes: a row per library, after one node's)
-            key = (source, not one_node, m.content["where"] if not one_node and "hosts of" in m.content["where"]
-                   else "", reference_order(name), collective_order(collective))
+            key = (source, not one_node, m.content["where"] if m.content.get("own_row") else "",
+                   reference_order(name), collective_order(collective))
             groups.setdefault(key, []).append((m, name))
     rows = []
     for (source, *_), members in sorted(groups.items()):
