@@ -186,12 +186,13 @@ def same_dtype_and_shape(infos, name="x"):
             raise InvalidUsageError(f"{_name(name, i, True)} has shape {a.shape} but {first} has {shape}")
 
 
-def writable(infos, name, written=None):
-    """Every array the collective writes is writable: `infos` (one per local
-    rank), those whose index `written` says when not all."""
+def writable(infos, name, written=None, writer="the collective"):
+    """Every array the call (`writer`, as the message names it) writes is
+    writable: `infos` (one per local rank), those whose index `written`
+    says when not all."""
     for i, a in enumerate(infos):
         if not a.writable and (written is None or written(i)):
-            raise InvalidUsageError(f"{_name(name, i, True)} is read-only, but the collective writes it")
+            raise InvalidUsageError(f"{_name(name, i, True)} is read-only, but {writer} writes it")
 
 
 def output_arrays(out, nlocal, count, dtype, ranks):
@@ -363,7 +364,7 @@ def message_bytes(array, ranks, name, written):
             return array.reshape(-1).view(np.uint8)
     objects, infos, _ = rank_arrays(array, 1, ranks, name=name)   # (describing refuses other layouts)
     if written:
-        writable(infos, name)
+        writable(infos, name, writer="the receive")
     return objects[0].reshape(-1).view(np.uint8)
 
 

@@ -54,7 +54,7 @@ def test_bad_arguments_are_refused_naming_them_and_nothing_is_sent(comm, call, m
 def test_a_read_only_receive_array_is_refused(comm):
     out = np.zeros(2)
     out.setflags(write=False)
-    with pytest.raises(InvalidUsageError, match="out.* is read-only"):
+    with pytest.raises(InvalidUsageError, match="out.* is read-only, but the receive writes it"):
         comm.recv(out, 0)
 
 
