@@ -648,22 +648,37 @@ def _signatures_and_own_node(h, call, others):
 
 
 def _broadcast(h, call, counterparts, others):
-    """The root's node broadcasts (the loop), each of its ranks sends out to
-    its counterparts; a rank elsewhere copies what it receives into out."""
+    """The root sends its data once to each other node, to the rank of the
+    root's local index there (its counterpart), which broadcasts it in its
+    node (the loop, from the received message into out); the root's node
+    broadcasts once the root's messages are sent. One message per other node: a message from each rank
+    of the root's node to each counterpart made G times the traffic and
+    the work between nodes. Alone on its node (no loop), a rank sends from
+    x or copies what it receives into out."""
     X, OUT, ADDRESS = _across.X, _across.OUT, _across.ADDRESS
     nbytes = call.count * call.dtype.itemsize
-    root_node = h.topology.node_of(call.root)
-    if h.node_index != root_node:   # (out of place, x is left as it was)
+    root_node, root_local = h.topology.node_of(call.root), h.topology.local_of(call.root)
+    in_root_node = h.node_index == root_node
+    if h.shm is not None and h.local != root_local:   # the node's broadcast alone (out of place, x as it was)
+        exchange = h.link.repeated_exchange([], [])
+        step = _loop(h, "broadcast", None, None, 0, root_local)
+        if in_root_node:
+            return Shape(exchange, nbytes, nbytes, first_step=step, steps=("broadcast", ""))
+        return Shape(exchange, nbytes, nbytes, last_step=step, steps=("", "broadcast"))
+    if not in_root_node:
         exchange = h.link.repeated_exchange([], [(counterparts[root_node], nbytes)])
-        return Shape(exchange, nbytes, nbytes,
-                     after=[((ADDRESS, _address(exchange.receive_payloads[0])), (OUT, 0), nbytes)])
+        received = exchange.receive_payloads[0]
+        if h.shm is None:
+            return Shape(exchange, nbytes, nbytes, after=[((ADDRESS, _address(received)), (OUT, 0), nbytes)])
+        step = _loop(h, "broadcast", received.view(call.dtype), None, 0, root_local)
+        return Shape(exchange, nbytes, nbytes, last_step=step, steps=("", "broadcast"))
+    # The root: its message leaves first, then its node broadcasts (from x into out).
     exchange = h.link.repeated_exchange([(peer, nbytes) for peer in others], [], one_payload=True)
+    before = [((X, 0), (ADDRESS, _address(payload)), nbytes) for payload in exchange.send_payloads[:1]]
     if h.shm is None:
-        first, before = None, [((X, 0), (OUT, 0), nbytes)]
-    else:
-        first, before = _loop(h, "broadcast", None, None, 0, h.topology.local_of(call.root)), []
-    before += [((OUT, 0), (ADDRESS, _address(payload)), nbytes) for payload in exchange.send_payloads[:1]]
-    return Shape(exchange, nbytes, nbytes, first_step=first, before=before, steps=("broadcast", ""))
+        return Shape(exchange, nbytes, nbytes, before=before, after=[((X, 0), (OUT, 0), nbytes)])
+    return Shape(exchange, nbytes, nbytes, before=before, last_step=_loop(h, "broadcast", None, None, 0, root_local),
+                 steps=("", "broadcast"))
 
 
 def _broadcast_in_slices(h, call, counterparts, others):
