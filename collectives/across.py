@@ -239,16 +239,19 @@ class Programs:
 
     # -- the general path's way in -------------------------------------------------
 
-    def run(self, call, x, out, deadline):
+    def run(self, call, x, out, deadline, layout=None):
         """Run `call` (hierarchy.Call, which the small path or takes_large
         takes) through its shape's Program, laid out first if need be; x and
-        out flat."""
+        out flat. `layout`: the function that lays it out, where the caller
+        has its own (a compressed allreduce: hierarchy.compressed_program)."""
         if self._stopped:
             self._h.link.check_health()   # raises: the communicator was aborted
         key = (call.collective, call.dtype, call.count, call.op, call.root)
+        if call.compression is not None:   # (a key of 6: never one the shortcuts look up)
+            key += (call.compression,)
         laid = self._laid.pop(key, None)
         if laid is None:
-            laid = lay_out(self._h, call)
+            laid = lay_out(self._h, call, layout)
             self._bytes += laid.nbytes
             while self._laid and (len(self._laid) >= PROGRAMS_KEPT or self._bytes > PROGRAM_BYTES_KEPT):
                 dropped = self._laid.pop(next(iter(self._laid)))
@@ -367,12 +370,13 @@ class Shape(NamedTuple):
     direct: tuple = None      # (receives, sends, x_home, sends_from_x): messages with no buffer (_across.c: Direct)
 
 
-def lay_out(h, call):
-    """The Program of `call`'s shape on rank h.rank (see the module's doc)."""
+def lay_out(h, call, layout=None):
+    """The Program of `call`'s shape on rank h.rank (see the module's doc),
+    laid out by `layout` if given, else by the collective's own."""
     nodes, k_me = h.topology.nodes, h.node_index
     counterparts = [node[h.local] for node in nodes]
     others = [peer for k, peer in enumerate(counterparts) if k != k_me]
-    shape = _layout(h, call)(h, call, counterparts, others)
+    shape = (layout or _layout(h, call))(h, call, counterparts, others)
     exchange = shape.exchange
     receives, sends, x_home, sends_from_x = shape.direct or ([], [], None, False)
     direct = None if shape.direct is None else (

@@ -112,7 +112,7 @@ from .communicator import Communicator
 from .config import resolve_fast_sizes
 from .errors import CollectiveError, InvalidUsageError
 from .executors import host
-from .across import Programs, loop_runs_nodes
+from .across import PROGRAM_MAX_BYTES, Programs, Shape, loop_runs_nodes
 from .ops import ReduceOp, partial_op
 from .compression import kernels as codec_kernels
 from .compression.kernels import BLOCK
@@ -460,9 +460,87 @@ def compressed_allreduce(h, call, x, out, deadline):
     messages and give the same bits."""
     if call.count and h.shm is not None and call.count % (len(h.node_ranks) * BLOCK) == 0 \
             and loop_runs_nodes(h, call):
-        compressed_in_blocks(h, call, x, out, deadline)
+        if takes_compressed_program(h, call):
+            h.programs.run(call, x, out, deadline, compressed_program)
+        else:
+            compressed_in_blocks(h, call, x, out, deadline)
     else:
         allreduce(h, call, x, out, deadline)
+
+
+def takes_compressed_program(h, call):
+    """Whether compressed_in_blocks runs as a compiled Program (the same
+    answer on every rank; its caller checked the blocks): where Programs
+    run, direct between nodes (two_shot's second exchange is not in a
+    Program), without error feedback, its buffers within PROGRAM_MAX_BYTES."""
+    k = call.count // len(h.node_ranks)
+    nodes = len(h.topology.nodes)
+    return (h.programs is not None and h.residual is None and not uses_two_shot(nodes, k * call.dtype.itemsize)
+            and nodes * (2 * k * call.dtype.itemsize + 16) <= PROGRAM_MAX_BYTES)
+
+
+def compressed_program(h, call, counterparts, others):
+    """compressed_in_blocks as a Program's Shape (across.py), the same
+    steps and bits: its first node step the loop's reduce_scatter into this
+    rank's block and the block's encoding (rounded: the block becomes its
+    decoding) straight into the message to every counterpart, payload then
+    scales; its messages; its last step the K partials decoded and folded
+    in node order (_fold_decoded, as compressed_across_nodes folds them)
+    and the loop's all-gather of the blocks. Where MPI and the loop run in
+    C, the Python left is the codec's calls, a few per call."""
+    codec, payload_dtype = call.compression, np.dtype(codec_kernels.payload_dtype(call.compression))
+    k = call.count // len(h.node_ranks)
+    plan = range_plan(h.topology, call.count, call.dtype.itemsize, h.rank, None, BLOCK, False)
+    assert not plan.gather.sends and not plan.gather.receives, "two_shot: takes_compressed_program declines it"
+    assert plan.reduce.sends and {(offset, count) for _, _, offset, count in plan.reduce.sends} == {(0, k)}, \
+        plan.reduce.sends
+
+    def wire_bytes(count):
+        return count * payload_dtype.itemsize + (-(-count // BLOCK) if codec_kernels.has_scales(codec) else 0)
+
+    def wire(message, count):   # (payload, scales) of `count` elements at the start of `message`
+        at = count * payload_dtype.itemsize
+        return message[:at].view(payload_dtype), message[at:wire_bytes(count)]
+
+    exchange = h.link.repeated_exchange([(peer, wire_bytes(k)) for peer, *_ in plan.reduce.sends],
+                                        [(peer, wire_bytes(count)) for peer, _, _, count in plan.reduce.receives],
+                                        one_payload=True)
+    part = exchange.keep(np.empty(k, np.float32))
+    temp = exchange.keep(np.empty(k if len(h.topology.nodes) > 2 else 0, np.float32))   # (3 partials and more)
+    sent = wire(exchange.send_payloads[0], k)
+    received = {offset: (message, count) for (_, _, offset, count), message
+                in zip(plan.reduce.receives, exchange.receive_payloads)}
+    steps = []   # (the fold's loops, bound to their arrays)
+    divisor = h.topology.size if call.op is ReduceOp.AVG else 0
+    for row in plan.folds:
+        count, offset = int(row[COUNT]), int(row[DST_OFF])
+        sources = []
+        for _, buffer, at in (row[SRC0 + 3 * i:SRC0 + 3 * i + 3] for i in range(int(row[NSRC]))):
+            if buffer == PART:
+                sources.append(part[at:at + count])
+            else:
+                message, held = received[at]
+                assert count <= held, (count, held)
+                sources.append(wire(message, count))
+        steps += _fold_decoded_steps(codec, part[offset:offset + count], sources, divisor, temp[:count])
+    collective, kinds = h.shm.fast.channel.collective, fastpath.KINDS
+    reduce_code = fastpath.OP_CODES[partial_op(call.op)]
+    encode = codec_kernels.bound_encode(codec, part, *sent, round_x=True)
+
+    def reduce_scatter_and_encode(x, deadline):
+        result = collective(kinds[REDUCE_SCATTER], x, part, reduce_code, 0, deadline)
+        if result == 0:
+            encode()
+        return result
+
+    def fold_and_gather(out, deadline):
+        for step in steps:
+            step()
+        return collective(kinds[ALLGATHER], part, out, 0, 0, deadline)
+
+    x_bytes = call.count * call.dtype.itemsize
+    return Shape(exchange, x_bytes, x_bytes, first_step=(reduce_scatter_and_encode, (None, None), 0, -1, 1, -1),
+                 last_step=(fold_and_gather, (None, None), -1, 0, 1, -1), steps=(REDUCE_SCATTER, ALLGATHER))
 
 
 def compressed_in_blocks(h, call, x, out, deadline):
@@ -536,27 +614,34 @@ def compressed_across_nodes(h, call, plan, part, deadline, residual=None):
 def _fold_decoded(codec, dst, sources, divisor, temp):
     """dst = ((s_0 + s_1) + s_2) ... [/ divisor] in float32, each source a
     float32 array (this node's partial, already the decoding of what it
-    sent; it may be dst itself) or (payload, scales), decoded on the way.
-    Addition commutes bit for bit, so either of the first two may be the
-    one decoded into the other; more than two accumulate in `temp`, since
-    this node's partial (dst) may come later."""
+    sent; it may be dst itself) or (payload, scales), decoded on the way."""
+    for step in _fold_decoded_steps(codec, dst, sources, divisor, temp):
+        step()
+
+
+def _fold_decoded_steps(codec, dst, sources, divisor, temp):
+    """_fold_decoded's loops, bound to their arrays (codec_kernels.bound_*),
+    in order. Addition commutes bit for bit, so either of the first two
+    sources may be the one decoded into the other; more than two accumulate
+    in `temp`, since this node's partial (dst) may come later."""
     def add(out, a, b, divisor):   # a: float32; b either form
         if isinstance(b, tuple):
-            codec_kernels.cpu_decode_add(codec, a, *b, out, divisor)
-        else:
-            codec_kernels.cpu_add(codec, a, b, out, divisor)
+            return codec_kernels.bound_decode_add(codec, a, *b, out, divisor)
+        return codec_kernels.bound_add(codec, a, b, out, divisor)
 
+    steps = []
     first, second, rest = sources[0], sources[1], sources[2:]
     acc = dst if not rest else temp
     if isinstance(first, tuple) and isinstance(second, tuple):
-        codec_kernels.cpu_decode(codec, *first, acc)
+        steps.append(codec_kernels.bound_decode(codec, *first, acc))
         first = acc
     elif isinstance(first, tuple):
         first, second = second, first
-    add(acc, first, second, 0 if rest else divisor)
+    steps.append(add(acc, first, second, 0 if rest else divisor))
     for i, source in enumerate(rest):
         last = i == len(rest) - 1
-        add(dst if last else acc, acc, source, divisor if last else 0)
+        steps.append(add(dst if last else acc, acc, source, divisor if last else 0))
+    return steps
 
 
 def reduce(h, call, x, out, deadline):

@@ -262,9 +262,16 @@ def scenario_compressed(comm):
     # ranges of 100003 elements on the smallest node's ranks, past two_shot's threshold)
     counts = (0, 1, 33, 1000, 4096, 4099, 131072) + \
         ((100003 * min(len(node) for node in nodes),) if len(nodes) > 2 else ())
-    in_blocks = []
-    compressed_in_blocks = hierarchy.compressed_in_blocks
+    in_blocks, as_programs = [], []   # the calls in blocks: through Python, and as compiled Programs
+    compressed_in_blocks, takes_program = hierarchy.compressed_in_blocks, hierarchy.takes_compressed_program
     hierarchy.compressed_in_blocks = lambda *arguments: (in_blocks.append(1), compressed_in_blocks(*arguments))[1]
+
+    def counted_takes_program(*arguments):
+        answer = takes_program(*arguments)
+        as_programs.append(answer)
+        return answer
+
+    hierarchy.takes_compressed_program = counted_takes_program
     worst, encoded = 0.0, set()
     for codec in wire.CODECS:
         for i, count in enumerate(counts):
@@ -281,10 +288,13 @@ def scenario_compressed(comm):
                     check(x, inputs[r], f"x out of place {case}")
                 if count:
                     worst = max(worst, check_compressed(comm, got, inputs, op, codec, q, case))
-    hierarchy.compressed_in_blocks = compressed_in_blocks
+    hierarchy.compressed_in_blocks, hierarchy.takes_compressed_program = compressed_in_blocks, takes_program
     assert encoded == ({1, 2} if len(nodes) > 2 else {1}), encoded   # (two_shot reached where it can be)
     equal_nodes = len({len(node) for node in nodes}) == 1 and len(nodes[0]) > 1
-    assert len(in_blocks) == (3 * 2 * 2 if equal_nodes else 0), len(in_blocks)   # codecs x ops x (4096, 131072)
+    programs = as_programs.count(True)
+    assert len(in_blocks) + programs == (3 * 2 * 2 if equal_nodes else 0), (in_blocks, as_programs)   # codecs x ops x (4096, 131072)
+    if equal_nodes and len(nodes) == 2:   # (direct between 2 nodes: every call in blocks a Program)
+        assert programs == 3 * 2 * 2 and not in_blocks, (in_blocks, as_programs)
     print(f"worst error / bound rank {r}: {worst:.3f}", flush=True)
     # A block holding inf or NaN decodes to NaN (the codecs' rule): every rank the same bits.
     x = np.ones(100, np.float32)
@@ -795,7 +805,8 @@ def scenario_killed(comm, compressed=False, awaited=False):
             os._exit(0)
         if not compressed:
             os._exit(0)
-        hierarchy.compressed_across_nodes = lambda *arguments, **keywords: os._exit(0)
+        # (the encoding, compiled Program or not: bound first, run once the node's reduce-scatter is done)
+        hierarchy.codec_kernels.bound_encode = lambda *arguments, **keywords: lambda: os._exit(0)
     has_mate = len(comm.topology.nodes[comm.topology.node_of(last)]) > 1
     start = time.perf_counter()
     try:

@@ -140,16 +140,12 @@ def cpu_encode(name, x, payload, scales, round_x=False):
     """Encode float32 x into payload (and scales); with round_x, also replace
     x by decode(encode(x)). x starts on a block boundary; payload and scales
     are views at the same element (and element // BLOCK)."""
-    _check(name, "x", x, np.float32)
-    codec, payload, scales = _check_wire(name, x.size, payload, scales)
-    _host_loops().encode(codec, _address(x), _address(payload), _address(scales), x.size, bool(round_x))
+    bound_encode(name, x, payload, scales, round_x)()
 
 
 def cpu_decode(name, payload, scales, out):
     """out = decode(payload, scales) for out.size elements."""
-    _check(name, "out", out, np.float32)
-    codec, payload, scales = _check_wire(name, out.size, payload, scales)
-    _host_loops().decode(codec, _address(payload), _address(scales), _address(out), out.size)
+    bound_decode(name, payload, scales, out)()
 
 
 def cpu_decode_add(name, acc, payload, scales, out, divisor=0, out_payload=None, out_scales=None, write_out=True):
@@ -158,24 +154,52 @@ def cpu_decode_add(name, acc, payload, scales, out, divisor=0, out_payload=None,
     set out to its decoding. out may be acc. With write_out False (only with
     out_payload), out is left alone: only the encoding is written (out
     still gives the element count)."""
-    _check(name, "out", out, np.float32)
-    _check(name, "acc", acc, np.float32, out.size)
-    codec, payload, scales = _check_wire(name, out.size, payload, scales)
-    _, out_payload, out_scales, encode_out = _out_wire(name, out.size, out_payload, out_scales)
-    _host_loops().decode_add(codec, _address(acc), _address(payload), _address(scales), _address(out), out.size,
-                             _divisor(divisor), _address(out_payload), _address(out_scales), encode_out,
-                             _write_out(write_out, encode_out))
+    bound_decode_add(name, acc, payload, scales, out, divisor, out_payload, out_scales, write_out)()
 
 
 def cpu_add(name, acc, b, out, divisor=0, out_payload=None, out_scales=None, write_out=True):
     """cpu_decode_add with a float32 b in place of a decoded payload; out may
     be acc or b."""
+    bound_add(name, acc, b, out, divisor, out_payload, out_scales, write_out)()
+
+
+# The same four, checked once and bound to their arrays' addresses: a call
+# of no arguments that runs the loop, for a caller that runs it call after
+# call on the same arrays (hierarchy.compressed_program), which must keep
+# the arrays alive.
+
+def bound_encode(name, x, payload, scales, round_x=False):
+    _check(name, "x", x, np.float32)
+    codec, payload, scales = _check_wire(name, x.size, payload, scales)
+    return functools.partial(_host_loops().encode, codec, _address(x), _address(payload), _address(scales), x.size,
+                             bool(round_x))
+
+
+def bound_decode(name, payload, scales, out):
+    _check(name, "out", out, np.float32)
+    codec, payload, scales = _check_wire(name, out.size, payload, scales)
+    return functools.partial(_host_loops().decode, codec, _address(payload), _address(scales), _address(out),
+                             out.size)
+
+
+def bound_decode_add(name, acc, payload, scales, out, divisor=0, out_payload=None, out_scales=None, write_out=True):
+    _check(name, "out", out, np.float32)
+    _check(name, "acc", acc, np.float32, out.size)
+    codec, payload, scales = _check_wire(name, out.size, payload, scales)
+    _, out_payload, out_scales, encode_out = _out_wire(name, out.size, out_payload, out_scales)
+    return functools.partial(_host_loops().decode_add, codec, _address(acc), _address(payload), _address(scales),
+                             _address(out), out.size, _divisor(divisor), _address(out_payload), _address(out_scales),
+                             encode_out, _write_out(write_out, encode_out))
+
+
+def bound_add(name, acc, b, out, divisor=0, out_payload=None, out_scales=None, write_out=True):
     _check(name, "out", out, np.float32)
     _check(name, "acc", acc, np.float32, out.size)
     _check(name, "b", b, np.float32, out.size)
     codec, out_payload, out_scales, encode_out = _out_wire(name, out.size, out_payload, out_scales)
-    _host_loops().add(codec, _address(acc), _address(b), _address(out), out.size, _divisor(divisor),
-                      _address(out_payload), _address(out_scales), encode_out, _write_out(write_out, encode_out))
+    return functools.partial(_host_loops().add, codec, _address(acc), _address(b), _address(out), out.size,
+                             _divisor(divisor), _address(out_payload), _address(out_scales), encode_out,
+                             _write_out(write_out, encode_out))
 
 
 # -- devices: one kernel of kernels/codec.cu per operation ------------------------
