@@ -18,12 +18,8 @@ run back to back:
               root's node broadcasts, its local rank l sends slice l of
               out to its counterparts, straight into their out, and every
               other node's loop all-gathers the slices in place;
-    node ranges (an allgather of rows from NODE_RANGES_FROM up to that
-              limit, consecutive nodes): the loop all-gathers the node's
-              rows straight into its range of out, which goes whole to
-              each counterpart, straight into its out;
-    node rows (an allgather above that limit, where every node holds
-              consecutive ranks): each rank's row goes from x straight
+    node rows (an allgather of rows from NODE_ROWS_FROM, where every
+              node holds consecutive ranks): each rank's row goes from x straight
               into its counterparts' out; the loop all-gathers each node's
               rows into that node's range of out, its own node's from x,
               the others' in place;
@@ -44,7 +40,7 @@ of transport/_across.c, and every later call of that shape is one C call:
                   rows and blocks: a Python function that takes the ranges);
     messages      persistent MPI requests made once (mpi.RepeatedExchange):
                   8 bytes of signature, then the payload; receives first;
-                  slices, node ranges and rows: the signature alone, and the
+                  slices and node rows: the signature alone, and the
                   payload a message of its own started per call straight
                   from or into the call's arrays (Shape.direct);
     fold          host_folds.h's fold of the partials in node order (avg
@@ -98,10 +94,12 @@ except ImportError:   # built without a C compiler: hierarchy.py runs every step
 PROGRAMS_KEPT = 16              # call shapes whose Program is kept, the least recently used dropped first,
 PROGRAM_BYTES_KEPT = 256 << 20  # and while their buffers hold more than this
 PROGRAM_MAX_BYTES = 128 << 20   # a call whose Program's buffers would hold more takes the phases
-# Rows from which a small allgather of consecutive nodes goes by node ranges, with no message
-# buffers (_allgather_by_node_ranges): on 2 pretend nodes of 2, 64 KiB rows took 195 µs against
-# the small layout's 255 out of place, 176 against 261 in place; 32 KiB rows and less, the same.
-NODE_RANGES_FROM = 32 << 10
+# Rows from which an allgather of consecutive nodes goes by node rows (_allgather_by_node_rows), below
+# the small path's limit too: between 2 hosts of 2 ranks (10gbit), 32 KiB rows took 77-99 µs where the
+# whole node range to each counterpart (G times the bytes: by node ranges, as it was) took 257-281, and
+# 64 KiB rows the same either way; 16 KiB rows and less keep the small layout (by node rows: 61-112 µs
+# against 34-69, one more node step and two messages a peer).
+NODE_ROWS_FROM = 32 << 10
 HEALTH_EVERY = 0.02     # seconds a Program polls before Python looks at the deadline, the abort channel and signals
 
 
@@ -136,7 +134,7 @@ def _buffer_bytes(h, call):
     scratch; the same answer on all)."""
     nodes, x_bytes = len(h.topology.nodes), call.count * call.dtype.itemsize
     layout = _layout(h, call)
-    if layout in (_allgather_by_node_rows, _allgather_by_node_ranges, _broadcast_in_slices):   # (signatures only)
+    if layout in (_allgather_by_node_rows, _broadcast_in_slices):   # (signatures only)
         return 16 * nodes
     by_node_blocks = layout is _reduce_scatter_by_node_blocks   # (one block per node, twice)
     return {ALLREDUCE: nodes * x_bytes // len(h.node_ranks) + 16 * nodes,   # (each message's header too)
@@ -394,18 +392,16 @@ def lay_out(h, call, layout=None):
 
 def _layout(h, call):
     """The function that lays `call` out (the same on every rank)."""
-    large = call.count * call.dtype.itemsize > h.fast_small_max
-    by_node = large and h.shm is not None and h.topology.consecutive
+    nbytes = call.count * call.dtype.itemsize
+    large = nbytes > h.fast_small_max
+    consecutive = h.shm is not None and h.topology.consecutive
     if large and call.collective == ALLREDUCE:
         return _blocks
     if large and call.collective == BROADCAST and h.shm is not None and call.count % len(h.node_ranks) == 0:
         return _broadcast_in_slices
-    if by_node and call.collective == ALLGATHER:
+    if consecutive and call.collective == ALLGATHER and nbytes >= NODE_ROWS_FROM:
         return _allgather_by_node_rows
-    if (call.collective == ALLGATHER and h.shm is not None and h.topology.consecutive
-            and call.count * call.dtype.itemsize >= NODE_RANGES_FROM):
-        return _allgather_by_node_ranges
-    if by_node and call.collective == REDUCE_SCATTER:
+    if large and consecutive and call.collective == REDUCE_SCATTER:
         return _reduce_scatter_by_node_blocks
     return _SMALL[call.collective]
 
@@ -574,8 +570,8 @@ def _allgather(h, call, counterparts, others):
 
 
 def _allgather_by_node_rows(h, call, counterparts, others):
-    """A large allgather where every node holds consecutive ranks, with no
-    message buffers:
+    """An allgather of rows from NODE_ROWS_FROM, where every node holds
+    consecutive ranks, with no message buffers:
 
     1. each rank's row goes straight from x into its counterparts' out, and
        theirs into its out (started before the node step: a counterpart's
@@ -611,27 +607,6 @@ def _allgather_by_node_rows(h, call, counterparts, others):
     return Shape(exchange, row, h.topology.size * row, first_step=own_node,
                  last_step=(other_nodes, (None, None), -1, 0, 1, -1), steps=("allgather", "allgather"),
                  direct=direct)
-
-
-def _allgather_by_node_ranges(h, call, counterparts, others):
-    """A small allgather of rows from NODE_RANGES_FROM, where every node
-    holds consecutive ranks: the loop all-gathers the node's rows from x
-    straight into the node's range of out, which then goes whole to each
-    counterpart, straight into its out, with no message buffers; the
-    counterparts' ranges come the same way. The small layout sends as many
-    bytes, but through the messages' buffers, and copies every row into
-    place after."""
-    OUT = _across.OUT
-    itemsize, k_me = call.dtype.itemsize, h.node_index
-    exchange, own_node, ranges = _signatures_and_own_node(h, call, others)
-    others_ranges = [span for k, span in enumerate(ranges) if k != k_me]
-    direct = ([(peer, (OUT, start * itemsize), (stop - start) * itemsize)
-               for peer, (start, stop) in zip(others, others_ranges)],
-              [(peer, (OUT, ranges[k_me][0] * itemsize), (ranges[k_me][1] - ranges[k_me][0]) * itemsize)
-               for peer in others],
-              (OUT, h.rank * call.count * itemsize), False)
-    return Shape(exchange, call.count * itemsize, h.topology.size * call.count * itemsize, first_step=own_node,
-                 steps=("allgather", ""), direct=direct)
 
 
 def _signatures_and_own_node(h, call, others):

@@ -688,7 +688,7 @@ def scenario_by_node(comm):
     consecutive ranks, laid out node by node, across.py): every node's
     rows land in their place, every block holds the documented fold order;
     and broadcasts in slices from every root. Rows of 36 KB too (below
-    the small path's limit, by node ranges where nodes are consecutive)."""
+    the small path's limit, by node rows where nodes are consecutive)."""
     r, n, nodes = comm.rank, comm.size, comm.topology.nodes
     for dtype in (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.uint8)):
         for count in (36000 // dtype.itemsize + 1, 70000, 70001):   # (70000: past 64 KiB in every dtype)
