@@ -245,8 +245,8 @@ class Programs:
         if self._stopped:
             self._h.link.check_health()   # raises: the communicator was aborted
         key = (call.collective, call.dtype, call.count, call.op, call.root)
-        if call.compression is not None:   # (a key of 6: never one the shortcuts look up)
-            key += (call.compression,)
+        if call.compression is not None:   # (a longer key: never one the shortcuts look up; the
+            key += (call.compression, call.description)   # description tells error feedback apart)
         laid = self._laid.pop(key, None)
         if laid is None:
             laid = lay_out(self._h, call, layout)

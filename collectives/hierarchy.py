@@ -99,6 +99,7 @@ import contextlib
 import functools
 import os
 import time
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -472,11 +473,12 @@ def takes_compressed_program(h, call):
     """Whether compressed_in_blocks runs as a compiled Program (the same
     answer on every rank; its caller checked the blocks): where Programs
     run, direct between nodes (two_shot's second exchange is not in a
-    Program), without error feedback, its buffers within PROGRAM_MAX_BYTES."""
+    Program; with error feedback always direct), its buffers within
+    PROGRAM_MAX_BYTES."""
     k = call.count // len(h.node_ranks)
     nodes = len(h.topology.nodes)
-    return (h.programs is not None and h.residual is None and not uses_two_shot(nodes, k * call.dtype.itemsize)
-            and nodes * (2 * k * call.dtype.itemsize + 16) <= PROGRAM_MAX_BYTES)
+    direct = h.residual is not None or not uses_two_shot(nodes, k * call.dtype.itemsize)
+    return h.programs is not None and direct and nodes * (2 * k * call.dtype.itemsize + 16) <= PROGRAM_MAX_BYTES
 
 
 def compressed_program(h, call, counterparts, others):
@@ -487,10 +489,14 @@ def compressed_program(h, call, counterparts, others):
     scales; its messages; its last step the K partials decoded and folded
     in node order (_fold_decoded, as compressed_across_nodes folds them)
     and the loop's all-gather of the blocks. Where MPI and the loop run in
-    C, the Python left is the codec's calls, a few per call."""
+    C, the Python left is the codec's calls, a few per call. With error
+    feedback (a call described so, laid out apart), the encoding takes the
+    residual that h.residual holds at each call, as compressed_across_nodes
+    does."""
     codec, payload_dtype = call.compression, np.dtype(codec_kernels.payload_dtype(call.compression))
     k = call.count // len(h.node_ranks)
-    plan = range_plan(h.topology, call.count, call.dtype.itemsize, h.rank, None, BLOCK, False)
+    feedback = h.residual is not None
+    plan = range_plan(h.topology, call.count, call.dtype.itemsize, h.rank, None, BLOCK, feedback)
     assert not plan.gather.sends and not plan.gather.receives, "two_shot: takes_compressed_program declines it"
     assert plan.reduce.sends and {(offset, count) for _, _, offset, count in plan.reduce.sends} == {(0, k)}, \
         plan.reduce.sends
@@ -526,12 +532,22 @@ def compressed_program(h, call, counterparts, others):
     collective, kinds = h.shm.fast.channel.collective, fastpath.KINDS
     reduce_code = fastpath.OP_CODES[partial_op(call.op)]
     encode = codec_kernels.bound_encode(codec, part, *sent, round_x=True)
+    start, stop = plan.ranges[h.local]
+    ranks = weakref.proxy(h)   # (h holds this Program: no cycle through it)
 
     def reduce_scatter_and_encode(x, deadline):
         result = collective(kinds[REDUCE_SCATTER], x, part, reduce_code, 0, deadline)
-        if result == 0:
+        if result != 0:
+            return result
+        if feedback:   # the residual is added first and receives what the encoding lost
+            residual = ranks.residual[start:stop]
+            np.add(part, residual, out=part)
+            np.copyto(residual, part)
             encode()
-        return result
+            residual -= part
+        else:
+            encode()
+        return 0
 
     def fold_and_gather(out, deadline):
         for step in steps:

@@ -354,6 +354,9 @@ def compressed_feedback(comm):
             applied += mine
         drift[feedback] = np.max(np.abs(applied - exact))
         if feedback:
+            programs = comm._ranks.programs   # noqa: SLF001 - where Programs run, the feedback calls took one
+            assert programs is None or any("error feedback" in str(key) for key in programs._laid), \
+                list(programs._laid)   # noqa: SLF001
             (residual,) = next(iter(buffer._residuals.values()))
             kept = WORLD.allreduce(residual.astype(np.float64))   # every holder's, each on its own range
             lost = np.max(np.abs(exact - applied - kept))
