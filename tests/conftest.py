@@ -1,10 +1,13 @@
 """Test configuration (the rest is pyproject.toml's [tool.pytest.ini_options]):
-which collective-matrix cases run, which tests share an xdist worker, and
-the skips grouped by reason."""
+which collective-matrix cases run, which tests share an xdist worker, the
+skips grouped by reason, and MPICH's files that killed ranks left behind."""
 
 import gc
+import time
 
 import pytest
+
+from mpi_launch import remove_orphaned_mpich_segments
 
 # The algorithms whose schedules the emulated backends run on the whole
 # collective matrix; the others run it whole on host ranks, and on emulated
@@ -151,3 +154,18 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section("skips by reason", sep="-")
         for reason, count in sorted(reasons.items(), key=lambda item: (-item[1], item[0])):
             terminalreporter.write_line(f"{count:6d}  {reason}")
+
+
+SESSION_STARTED = pytest.StashKey[float]()
+
+
+def pytest_sessionstart(session):
+    session.config.stash[SESSION_STARTED] = time.time()
+
+
+def pytest_sessionfinish(session):
+    """Once every test is done (on the xdist controller, after its workers,
+    or in the one process): MPICH's shared-memory files that the run's
+    killed ranks left in /dev/shm, which nothing else would ever free."""
+    if not hasattr(session.config, "workerinput"):
+        remove_orphaned_mpich_segments(session.config.stash.get(SESSION_STARTED, time.time()))

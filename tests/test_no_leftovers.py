@@ -127,6 +127,29 @@ def test_a_closed_job_leaves_no_file_and_made_none(device):
     assert_nothing_left(before, ranks, report)
 
 
+@pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm")
+def test_mpichs_files_that_no_process_maps_are_removed_and_mapped_ones_kept():
+    """What the session's end does (conftest.py): MPICH's files that killed
+    ranks left behind go; one a live process maps, and one older than the
+    run, stay."""
+    import mmap
+
+    since = time.time() - 1
+    names = [f"mpich_shm_collectives_test_{os.getpid()}_{what}" for what in ("orphan", "mapped", "older")]
+    paths = [Path(SHM) / name for name in names]
+    for path in paths:
+        path.write_bytes(b"\0" * 4096)
+    os.utime(paths[2], (since - 60, since - 60))
+    try:
+        with open(paths[1], "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            removed = mpi_launch.remove_orphaned_mpich_segments(since)
+        assert names[0] in removed and names[1] not in removed and names[2] not in removed, removed
+        assert [path.exists() for path in paths] == [False, True, True]
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+
+
 # -- a holder that died: in this process, against a child ------------------------------------------
 
 CHILD = r"""
