@@ -37,6 +37,14 @@ def test_the_kernel_sources_ship_with_the_package():
     assert kernels.source_dir() == ROOT / "kernels"
 
 
+def test_the_tensorflow_op_source_ships_with_the_package():
+    """collectives/tensorflow/native.py builds its op from a source beside
+    it at first use: an installed package must carry it."""
+    source = ROOT / "collectives" / "tensorflow" / "_call_op.cc"
+    patterns = SETUPTOOLS["package-data"].get("collectives.tensorflow", [])
+    assert source.is_file() and any(fnmatch.fnmatch(source.name, pattern) for pattern in patterns)
+
+
 def test_numpy_is_a_build_requirement_not_a_setup_requires():
     """_arraystate.c includes NumPy's headers: pyproject.toml's build-system
     brings NumPy; setup_requires (deprecated, warned about on every build)

@@ -31,6 +31,7 @@ keras = pytest.importorskip("keras", reason="the Keras tests need Keras 3, which
 
 import collectives  # noqa: E402
 import collectives.tensorflow as ctf  # noqa: E402
+from collectives.tensorflow import native  # noqa: E402
 from collectives import CollectiveTimeoutError, InvalidUsageError, RankFailedError  # noqa: E402
 from collectives.keras import BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback  # noqa: E402
 
@@ -83,9 +84,20 @@ def test_bad_arguments_raise_invalid_usage_naming_the_argument(comm):
             ctf.CrossDeviceOps(two)
 
 
-def test_a_graphs_collectives_run_in_program_order():
+@pytest.fixture(params=["native", "numpy_function"])
+def graph_node(request, monkeypatch):
+    """The node type our ops make in a graph: native.py's op (the default),
+    or, where it cannot be built, tf.numpy_function's PyFunc."""
+    if request.param == "numpy_function":
+        monkeypatch.setattr(native, "_loaded", False)
+        return "PyFunc"
+    assert native.op() is not None, "the graph op did not build here"
+    return native.OP_NAME
+
+
+def test_a_graphs_collectives_run_in_program_order(graph_node):
     """Every rank must run the same collectives in the same order. In a
-    tf.function, automatic control dependencies chain the numpy_function nodes
+    tf.function, automatic control dependencies chain our stateful nodes
     in the order the program made them; were they free, TensorFlow's
     scheduler could run independent ones in any order, differently on
     different ranks."""
@@ -97,11 +109,56 @@ def test_a_graphs_collectives_run_in_program_order():
 
         spec = tf.TensorSpec([None], tf.float32)
         graph = independent.get_concrete_function(spec, spec, spec).graph
-        nodes = [op for op in graph.get_operations() if op.type == "PyFunc"]
+        nodes = [op for op in graph.get_operations() if op.type == graph_node]
         assert [op.name.split("_")[0] for op in nodes] == [
             "CollectivesAllreduce", "CollectivesAllgather", "CollectivesBroadcast", "CollectivesGroupedAllreduce"]
         for before, after in zip(nodes, nodes[1:]):
             assert before in after.control_inputs, f"{after.name} may run before {before.name}"
+
+
+def test_the_graph_op_is_built_once_into_the_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    built = native.build()
+    assert Path(built).parent == tmp_path and Path(built).is_file()
+    made = Path(built).stat().st_mtime_ns
+    assert native.build() == built and Path(built).stat().st_mtime_ns == made   # found, not built again
+    changed = tmp_path / "changed" / "_call_op.cc"                             # another source: another name
+    changed.parent.mkdir()
+    changed.write_text(Path(native.SOURCE).read_text() + "\n// changed\n")
+    monkeypatch.setattr(native, "SOURCE", str(changed))
+    assert native.library_path() != built
+    assert sorted(p.suffix for p in tmp_path.iterdir() if p.is_file()) == [".lock", ".so"]   # nothing half-written
+
+
+def test_without_a_compiler_graph_nodes_fall_back_to_numpy_function_with_one_warning(tmp_path, monkeypatch, comm):
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native.sysconfig, "get_config_var", lambda name: str(tmp_path / "no-such-compiler"))
+    traced = tf.function(lambda x: ctf.allreduce(x, comm))
+    with pytest.warns(RuntimeWarning, match="graph nodes are tf.numpy_function") as warned:
+        assert traced(tf.ones(3)).numpy().tolist() == [1.0] * 3
+        assert tf.function(lambda x: ctf.allgather(x, comm))(tf.ones(2)).numpy().tolist() == [1.0] * 2
+    assert len(warned) == 1
+    graph = traced.get_concrete_function(tf.TensorSpec([3], tf.float32)).graph
+    assert "PyFunc" in {op.type for op in graph.get_operations()}
+    assert not list(tmp_path.glob("*.so")), "a failed build left a library"
+
+
+def test_a_graph_nodes_other_errors_reach_tensorflow_named(graph_node):
+    """What a body raises that is not ours (a bug) fails the node with its
+    class and message; a body answering another dtype than the node's fails too."""
+    def broken(a):
+        raise ZeroDivisionError("division by zero in the body")
+
+    def other_dtype(a):
+        return [np.zeros(a.shape, np.float64)]
+
+    for body, error, message in ((broken, tf.errors.UnknownError, "ZeroDivisionError: division by zero"),
+                                 (other_dtype, tf.errors.OpError, "float64|double")):
+        traced = tf.function(tf.autograph.experimental.do_not_convert(
+            lambda x, body=body: ctf.ops._run("Broken", body, [x], [tf.float32])[0]))
+        with pytest.raises(error, match=message):
+            traced(tf.ones(2))
 
 
 class CountingCommunicator:
@@ -120,7 +177,7 @@ class CountingCommunicator:
         return attribute
 
 
-def test_a_traced_graph_runs_its_collectives_each_time_it_runs(comm):
+def test_a_traced_graph_runs_its_collectives_each_time_it_runs(comm, graph_node):
     counting = CountingCommunicator(comm)
     traced = tf.function(lambda x: ctf.allreduce(x, counting, op="avg"))
     for value in (1.0, 2.0, 3.0):
@@ -137,7 +194,7 @@ def test_a_traced_graph_runs_its_collectives_each_time_it_runs(comm):
     assert counting.calls == ["allgather", "allreduce", "allgather", "allreduce", "allreduce", "allreduce"]
 
 
-def test_results_are_new_tensors_that_later_calls_never_write(comm):
+def test_results_are_new_tensors_that_later_calls_never_write(comm, graph_node):
     """Results come from reused buffers once TensorFlow lets go of them
     (from 64 KiB): a result still alive must keep its values while later
     calls run, and no result shares memory with its input."""
@@ -182,7 +239,7 @@ class FailingCommunicator(CountingCommunicator):
         raise self.error
 
 
-def test_inside_tf_function_a_collectives_error_comes_back_typed(comm):
+def test_inside_tf_function_a_collectives_error_comes_back_typed(comm, graph_node):
     died = RankFailedError("rank 1 died (process 4242 exited) in call #3")
     failing = FailingCommunicator(comm, died)
     step = tf.function(lambda x: ctf.allreduce(x, failing))

@@ -2,9 +2,12 @@
 
     ops.py    allreduce, allgather, reduce_scatter, broadcast,
               broadcast_variables, grouped_allreduce: eagerly and inside
-              tf.function (as numpy_function nodes that run when the graph
-              runs), each with its gradient; typed_error / typed_errors to
-              get the library's typed error back from TensorFlow's
+              tf.function (nodes of our own op that run when the graph
+              runs), each with its gradient; typed_error / typed_errors
+              to get the library's typed error back from TensorFlow's
+    native.py the graph op: a small C op, built at first use, whose
+              kernel runs an op's Python body (numpy_function's job at a
+              tenth of its cost)
     tape.py   DistributedGradientTape: gradients averaged over the ranks in
               one fused call (IndexedSlices allgathered, or densified)
     distribute.py  CrossDeviceOps for tf.distribute.MirroredStrategy: its

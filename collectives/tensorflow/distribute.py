@@ -14,7 +14,7 @@ of one batch_reduce in one fused allreduce_many), and the result is copied
 to every destination device (the base class's broadcast, as
 ReductionToOneDevice does). Eagerly that runs at once; in a graph (what
 strategy.run inside tf.function, and Keras fit, trace) it is one
-numpy_function node per call, so it runs each time the graph runs.
+graph node per call (ops._run), so it runs each time the graph runs.
 
 Reductions: SUM and MEAN (the mean over every replica of every process:
 each process must have the same number of replicas, which the first call

@@ -5,16 +5,17 @@
     y = ctf.allreduce(x, comm, op="avg")             # x: a tf.Tensor; y: a new one
 
 How a call runs. Every op reads its tensors where TensorFlow keeps them
-(np.asarray of an eager tensor, or what a numpy_function is handed: views,
+(np.asarray of an eager tensor, or what a graph node is handed: views,
 never written), runs the communicator's collective out of place into a new
 array aligned to 64 bytes, and hands that array to TensorFlow without a
-copy (DLPack eagerly; a numpy_function's aligned output in a graph). From
+copy (DLPack eagerly; a graph node's output in a graph). From
 64 KiB the new arrays are buffers TensorFlow has let go of, kept for reuse
 (_Buffers: fresh pages cost more than the collective at 1 MiB). Eagerly the
 op calls the communicator at once, through tf.custom_gradient only while a
 GradientTape (or ForwardAccumulator) records. Inside tf.function it is a
-`tf.numpy_function` node, so the collective runs when the graph runs, not
-when it is traced: the communicator numbers its calls as they happen, and
+node of our own op (native.py: a few microseconds a call, where a
+`tf.numpy_function` node, the fallback where the op cannot be built, costs
+80-200), so the collective runs when the graph runs, not when it is traced: the communicator numbers its calls as they happen, and
 the same traced graph may run any number of times. tf.function's automatic
 control dependencies chain stateful nodes (this one is) in the order the
 program made them, so every rank runs a graph's collectives in program
@@ -41,8 +42,8 @@ rounds once per transfer (docs/api.md), so these ops pass them as they are.
 
 Errors. Eagerly a failed collective raises the library's typed error
 (InvalidUsageError, CollectiveTimeoutError, RankFailedError). Inside
-tf.function TensorFlow turns any exception raised in a numpy_function into one
-of its own: InvalidUsageError (a ValueError) arrives as
+tf.function a graph node's failure is one of TensorFlow's errors (our node
+gives the codes a numpy_function's would): InvalidUsageError (a ValueError) arrives as
 tf.errors.InvalidArgumentError, the others as tf.errors.UnknownError, with
 the typed error's class and message in the text. `typed_error(e)` returns
 the original error behind such a TensorFlow error, and `with
@@ -68,6 +69,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import validation
+from . import native
 from ..compression import wire
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from ..fusion import DEFAULT_THRESHOLD
@@ -148,7 +150,7 @@ def _gradient_op(op, collective):
 # -- how a call runs ----------------------------------------------------------------------
 
 # TensorFlow's (Eigen's) alignment: an array that starts on it becomes a
-# tensor without a copy (DLPack eagerly; a numpy_function's output in a graph).
+# tensor without a copy (DLPack eagerly; a graph node's output in a graph).
 _ALIGN = 64
 
 try:   # whether a GradientTape or ForwardAccumulator is recording on this thread (TensorFlow's own test)
@@ -172,7 +174,7 @@ class _Buffers:
     A new array's pages fault in on first write: at 1 MiB that cost more
     than the collective itself here (~250 of ~380 us). TensorFlow holds a
     reference to the array behind every tensor made from it (DLPack's
-    capsule, a numpy_function's output), and any view of a buffer holds the
+    capsule, a graph node's output), and any view of a buffer holds the
     buffer, so a buffer whose only references are ours is free: nothing of
     TensorFlow's reads it any more, and it is handed out again, its pages
     already mapped. (A reference TensorFlow drops late only delays reuse.)
@@ -256,19 +258,24 @@ def _tensor(a):
 
 def _run(name, body, inputs, output_dtypes):
     """`body` (NumPy arrays in, NumPy arrays out) on `inputs`' values: at
-    once when eager, as a numpy_function node of the graph being traced otherwise.
+    once when eager, as a node of the graph being traced otherwise: our
+    op's (native.py), or where it cannot be built a numpy_function's.
 
     `body` reads its inputs and never writes them: they are views of
-    TensorFlow's buffers (np.asarray of an eager tensor, and what a
-    numpy_function is handed, share memory with the tensor). Its outputs
-    are new arrays that TensorFlow takes as they are (_fresh, _tensor).
+    TensorFlow's buffers (np.asarray of an eager tensor, and what a graph
+    node is handed, share memory with the tensor). Its outputs are new
+    arrays that TensorFlow takes as they are (_fresh, _tensor). Both nodes
+    are stateful, which keeps them in tf.function's chain of automatic
+    control dependencies (program order, on every rank). The fallback is
     numpy_function rather than py_function: py_function wraps its inputs
-    and outputs in eager tensors, which copies both (5 ms against 1.2 ms for
-    a 16 MiB call here) and costs tens of microseconds more per call.
-    stateful=True keeps the node in tf.function's chain of automatic
-    control dependencies (program order, on every rank)."""
+    and outputs in eager tensors, which copies both (5 ms against 1.2 ms
+    for a 16 MiB call here) and costs tens of microseconds more per call."""
     if tf.executing_eagerly():
         return [_tensor(out) for out in body(*[np.asarray(t) for t in inputs])]
+
+    node = native.call(body, inputs, output_dtypes, name)
+    if node is not None:
+        return node
 
     def in_graph(*arrays):
         try:   # a 0-d tensor arrives as a NumPy scalar
@@ -306,6 +313,17 @@ def _carried(error):
         return type(error)(f"{error} [collectives error {token}]")
     except TypeError:   # a subclass whose constructor takes other arguments
         return CollectiveError(f"{type(error).__name__}: {error} [collectives error {token}]")
+
+
+def describe_failure(error):
+    """(TensorFlow's error code, message) for `error`, raised by a body in
+    our graph op (native.py): a collectives error carried as _carried makes
+    it, so that typed_error finds it; the code numpy_function would give
+    (INVALID_ARGUMENT for a ValueError or TypeError, else UNKNOWN)."""
+    if isinstance(error, CollectiveError):
+        error = _carried(error)
+    code = native.INVALID_ARGUMENT if isinstance(error, (ValueError, TypeError)) else native.UNKNOWN
+    return code, f"{type(error).__name__}: {error}"
 
 
 def typed_error(error):
