@@ -13,7 +13,9 @@ batch by batch so that the machine's noise hits all alike:
     graph   the same inside a tf.function (traced once, run each call)
     graph8  8 such allreduces in one tf.function, each on the last's
             result: the time per allreduce, with the function's call cost
-            shared by 8
+            shared by 8 (each a node of our graph op, native.py)
+    npf8    graph8 with tf.numpy_function nodes instead (the fallback
+            where our op cannot be built, and what every node was before it)
     empty   a tf.function of one tf.identity: TensorFlow's own cost of
             calling a function, which no op inside it can remove
     floor   a tf.function of one bare tf.numpy_function calling
@@ -46,7 +48,7 @@ from bench import cli
 from bench.environment import environment
 from bench.harness import RELAUNCHED, mpi_world, relaunch_under_mpiexec
 
-KINDS = ("ours", "eager", "graph", "graph8", "empty", "floor")
+KINDS = ("ours", "eager", "graph", "graph8", "empty", "floor", "npf8")
 CHAIN = 8   # allreduces in one tf.function for graph8
 
 
@@ -84,6 +86,7 @@ def main(argv=None):
     import tensorflow as tf
 
     import collectives.tensorflow as ctf
+    from collectives.tensorflow import native
 
     tf.config.threading.set_inter_op_parallelism_threads(2)   # the ranks share the machine's cores
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -104,13 +107,18 @@ def main(argv=None):
                 v = ctf.allreduce(v, comm, op="max")
             return v
 
+        npf8 = tf.function(graph8.python_function)
+        native_op, native._loaded = native.op(), False   # npf8's trace: numpy_function nodes
+        npf8.get_concrete_function(t)
+        native._loaded = native_op or False
         empty = tf.function(tf.identity)
         floor = tf.function(lambda v: tf.numpy_function(lambda a: comm.allreduce(a, op="max", out=np.empty_like(a)),
                                                         [v], tf.float32, stateful=True))
         want = comm.allreduce(x.copy(), op="max")
         calls = {"ours": lambda: comm.allreduce(x, op="max"), "eager": lambda: ctf.allreduce(t, comm, op="max"),
                  "graph": lambda: graph(t),
-                 "graph8": lambda: graph8(t), "empty": lambda: empty(t), "floor": lambda: floor(t)}
+                 "graph8": lambda: graph8(t), "empty": lambda: empty(t), "floor": lambda: floor(t),
+                 "npf8": lambda: npf8(t)}
         empty(t)
         if strategy is not None:
             @tf.function
@@ -120,7 +128,7 @@ def main(argv=None):
             calls["mwms"] = lambda: mwms(t)
             np.testing.assert_allclose(strategy.experimental_local_results(mwms(t))[0].numpy(),
                                        comm.allreduce(x.copy(), op="sum"), rtol=1e-5)
-        for kind in ("eager", "graph", "graph8", "floor"):   # warm-up (the trace), and a check that it reduces
+        for kind in ("eager", "graph", "graph8", "floor", "npf8"):   # warm-up (the trace), and a check that it reduces
             np.testing.assert_array_equal(calls[kind]().numpy(), want)
         per_batch = max(3, args.calls if nbytes < (1 << 20) else args.calls // 10)
         times = {kind: [] for kind in kinds}
@@ -129,23 +137,24 @@ def main(argv=None):
                 # ranks start each batch together: a peer still in its last
                 # batch would otherwise be charged to this one
                 comm.barrier()
-                times[kind].append(timed(calls[kind], per_batch) / (CHAIN if kind == "graph8" else 1))
+                times[kind].append(timed(calls[kind], per_batch) / (CHAIN if kind in ("graph8", "npf8") else 1))
         median = {kind: statistics.median(values) * 1e6 for kind, values in times.items()}
         rows.append({"bytes": nbytes, "calls_per_batch": per_batch, "batches": args.batches,
                      **{f"{kind}_us": median[kind] for kind in kinds}})
     if comm.rank == 0:
         load = os.getloadavg()[0]
         print(f"# {comm.size} processes, float32 max, median of {args.batches} batches; load average {load:.1f}")
-        print(f"# ours: comm.allreduce in place; graph8: per allreduce of {CHAIN} in one tf.function; "
-              "empty: a tf.function of tf.identity")
+        print(f"# ours: comm.allreduce in place; graph8: per allreduce of {CHAIN} in one tf.function "
+              f"({'our op' if native.op() else 'numpy_function: our op did not build'}); npf8: the same as "
+              "numpy_function nodes; empty: a tf.function of tf.identity")
         print(f"{'bytes':>10} {'ours us':>9} {'eager us':>9} {'graph us':>9} {'graph8 us':>9} {'empty us':>9} "
-              f"{'floor us':>9} "
+              f"{'floor us':>9} {'npf8 us':>9} "
               f"{'eager-ours':>10} {'graph-ours':>10} {'g8-ours':>9} {'eager/ours':>10} {'graph/ours':>10} "
               f"{'g8/ours':>8}" + (f" {'mwms us':>9} {'mwms/ours':>9} {'mwms/graph':>10}" if args.mwms else ""))
         for row in rows:
-            ours, eager, graph, graph8, empty, floor = (row[f"{kind}_us"] for kind in KINDS)
+            ours, eager, graph, graph8, empty, floor, npf8 = (row[f"{kind}_us"] for kind in KINDS)
             print(f"{row['bytes']:>10} {ours:>9.1f} {eager:>9.1f} {graph:>9.1f} {graph8:>9.1f} {empty:>9.1f} "
-                  f"{floor:>9.1f} "
+                  f"{floor:>9.1f} {npf8:>9.1f} "
                   f"{eager - ours:>10.1f} {graph - ours:>10.1f} {graph8 - ours:>9.1f} {eager / ours:>10.2f} "
                   f"{graph / ours:>10.2f} {graph8 / ours:>8.2f}"
                   + (f" {row['mwms_us']:>9.1f} {row['mwms_us'] / ours:>9.2f} {row['mwms_us'] / graph:>10.2f}"
@@ -154,6 +163,7 @@ def main(argv=None):
             with open(args.output_file, "w") as f:
                 measured = environment(args, comm.size, ["ours", *(["mwms"] if args.mwms else [])])
                 measured["tensorflow"] = tf.__version__   # every row is TensorFlow's, with or without --mwms
+                measured["graph_node"] = native.OP_NAME if native.op() else "PyFunc"
                 json.dump({"environment": measured, "ranks": comm.size, "load_average": load, "rows": rows}, f,
                           indent=1)
     comm.close()
