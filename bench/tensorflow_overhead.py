@@ -127,7 +127,7 @@ def main(argv=None):
 
             calls["mwms"] = lambda: mwms(t)
             np.testing.assert_allclose(strategy.experimental_local_results(mwms(t))[0].numpy(),
-                                       comm.allreduce(x.copy(), op="sum"), rtol=1e-5)
+                                       comm.allreduce(x.copy(), op="sum"), rtol=1e-5, atol=1e-5)   # sums near 0: another order
         for kind in ("eager", "graph", "graph8", "floor", "npf8"):   # warm-up (the trace), and a check that it reduces
             np.testing.assert_array_equal(calls[kind]().numpy(), want)
         per_batch = max(3, args.calls if nbytes < (1 << 20) else args.calls // 10)
