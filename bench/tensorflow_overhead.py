@@ -28,7 +28,9 @@ batch by batch so that the machine's noise hits all alike:
             started from our ranks (collectives.tensorflow.cluster_resolver)
 
 It prints the median over batches of the time per call of each, and each
-TensorFlow kind's difference from ours (µs) and ratio to it (with --mwms
+TensorFlow kind's difference from ours (µs) and ratio to it, and `node`:
+graph8 less its share of the function's call (empty / 8), what one
+allreduce costs inside a tf.function (with --mwms
 also MWMS's ratio to `graph`: both inside a tf.function) (the goal
 docs/training.md states: at most 30 µs more than ours at 1 KiB and at most
 1.3x from 1 MiB, inside tf.function on 2 processes). Without a launcher it relaunches itself
@@ -65,6 +67,12 @@ def parse_args(argv=None):
     args.nbytes = [cli.parse_size(s) for s in args.sizes.split(",") if s.strip()]
     args.device = "host"   # (for bench.environment's record)
     return args
+
+
+def node_cost(row):
+    """One allreduce's time inside a tf.function (µs): graph8's per-call
+    time less its share of calling the function, which no op removes."""
+    return row["graph8_us"] - row["empty_us"] / CHAIN
 
 
 def timed(call, calls):
@@ -150,13 +158,14 @@ def main(argv=None):
         print(f"{'bytes':>10} {'ours us':>9} {'eager us':>9} {'graph us':>9} {'graph8 us':>9} {'empty us':>9} "
               f"{'floor us':>9} {'npf8 us':>9} "
               f"{'eager-ours':>10} {'graph-ours':>10} {'g8-ours':>9} {'eager/ours':>10} {'graph/ours':>10} "
-              f"{'g8/ours':>8}" + (f" {'mwms us':>9} {'mwms/ours':>9} {'mwms/graph':>10}" if args.mwms else ""))
+              f"{'g8/ours':>8} {'node us':>8} {'node-ours':>9} {'node/ours':>9}" + (f" {'mwms us':>9} {'mwms/ours':>9} {'mwms/graph':>10}" if args.mwms else ""))
         for row in rows:
             ours, eager, graph, graph8, empty, floor, npf8 = (row[f"{kind}_us"] for kind in KINDS)
             print(f"{row['bytes']:>10} {ours:>9.1f} {eager:>9.1f} {graph:>9.1f} {graph8:>9.1f} {empty:>9.1f} "
                   f"{floor:>9.1f} {npf8:>9.1f} "
                   f"{eager - ours:>10.1f} {graph - ours:>10.1f} {graph8 - ours:>9.1f} {eager / ours:>10.2f} "
-                  f"{graph / ours:>10.2f} {graph8 / ours:>8.2f}"
+                  f"{graph / ours:>10.2f} {graph8 / ours:>8.2f} {node_cost(row):>8.1f} {node_cost(row) - ours:>9.1f} "
+                  f"{node_cost(row) / ours:>9.2f}"
                   + (f" {row['mwms_us']:>9.1f} {row['mwms_us'] / ours:>9.2f} {row['mwms_us'] / graph:>10.2f}"
                      if args.mwms else ""))
         if args.output_file:

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
@@ -248,6 +249,15 @@ def copy_launch_grid(table, rows, grid, resident_blocks):
 # Every float operation exactly as written and IEEE: no FMA contraction, no
 # flushing of subnormals, correctly rounded division.
 NVRTC_OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
+
+
+def cxx_compiler(why):
+    """The C++ compiler that builds what the library builds at first use:
+    $CXX, else g++, else c++ (its path); CollectiveError(`why`) without one."""
+    found = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if found is None:
+        raise CollectiveError(why)
+    return found
 
 
 def cache_dir():

@@ -134,7 +134,8 @@ def test_the_graph_op_is_built_once_into_the_cache_folder(tmp_path, monkeypatch)
 def test_without_a_compiler_graph_nodes_fall_back_to_numpy_function_with_one_warning(tmp_path, monkeypatch, comm):
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native.sysconfig, "get_config_var", lambda name: str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PATH", str(tmp_path))   # (nor g++ nor c++ to be found)
     traced = tf.function(lambda x: ctf.allreduce(x, comm))
     with pytest.warns(RuntimeWarning, match="graph nodes are tf.numpy_function") as warned:
         assert traced(tf.ones(3)).numpy().tolist() == [1.0] * 3

@@ -28,7 +28,6 @@ import hashlib
 import os
 import queue
 import random
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -479,10 +478,7 @@ def library(source=None):
 
 
 def compiler():
-    found = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if found is None:
-        raise CollectiveError("the emulated device needs a C++ compiler (g++ or $CXX) to build its kernels")
-    return found
+    return kernels.cxx_compiler("the emulated device needs a C++ compiler (g++ or $CXX) to build its kernels")
 
 
 # The two translation units of the library: the thread-independent kernels

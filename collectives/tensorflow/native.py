@@ -9,8 +9,8 @@ during the call) and returns a list of new C-contiguous arrays, which
 become the node's outputs without a copy. The node is stateful, as
 numpy_function(stateful=True) is: tf.function chains it in program order.
 
-The op is built at first use by the C++ compiler Python was built with
-(`sysconfig`'s CXX), against the installed TensorFlow's C API headers
+The op is built at first use by the C++ compiler the emulated device uses
+($CXX, else g++, else c++: kernels.cxx_compiler), against the installed TensorFlow's C API headers
 (tensorflow/c: declarations only, a second to build, where TensorFlow's
 C++ headers take 40). It is kept where the emulated device keeps its
 kernels (kernels.cache_dir: $COLLECTIVES_CACHE_DIR, else
@@ -37,7 +37,6 @@ import fcntl
 import hashlib
 import itertools
 import os
-import shlex
 import subprocess
 import sys
 import sysconfig
@@ -49,6 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import kernels
+from ..errors import CollectiveError
 
 SOURCE = os.path.join(os.path.dirname(__file__), "_call_op.cc")
 OP_NAME = "CollectivesCall"
@@ -67,10 +67,10 @@ _dtypes = {}                  # TensorFlow's dtype enum -> NumPy dtype
 
 def build_command(output):
     """The compiler's command line that builds the op into `output`."""
-    compiler = shlex.split(sysconfig.get_config_var("CXX") or "c++")
+    compiler = kernels.cxx_compiler("the TensorFlow graph op needs a C++ compiler (g++ or $CXX)")
     tf_include = tf.sysconfig.get_include()
     tf_lib = tf.sysconfig.get_lib()
-    return [*compiler, "-O2", "-shared", "-fPIC", "-std=c++17", "-o", output, SOURCE,
+    return [compiler, "-O2", "-shared", "-fPIC", "-std=c++17", "-o", output, SOURCE,
             "-I" + tf_include, "-I" + sysconfig.get_paths()["include"],
             "-L" + tf_lib, "-l:libtensorflow_framework.so.2", "-Wl,-rpath," + tf_lib]
 
@@ -79,7 +79,7 @@ def library_path():
     """The built op's path in the cache: its name hashes what makes it."""
     with open(SOURCE, "rb") as source:
         digest = hashlib.sha256(source.read())
-    digest.update(f"{tf.__version__} {sys.version} {sysconfig.get_config_var('CXX')}".encode())
+    digest.update(f"{tf.__version__} {sys.version} {os.environ.get('CXX', '')}".encode())
     return os.path.join(kernels.cache_dir(), f"tf_call_op-{digest.hexdigest()[:16]}.so")
 
 
@@ -122,7 +122,8 @@ def _load():
     try:
         module = tf.load_op_library(build())
         return getattr(module, "collectives_call")
-    except (OSError, RuntimeError, AttributeError, tf.errors.NotFoundError, subprocess.SubprocessError) as error:
+    except (OSError, RuntimeError, AttributeError, CollectiveError, tf.errors.NotFoundError,
+            subprocess.SubprocessError) as error:
         warnings.warn(f"collectives.tensorflow: the graph op could not be built or loaded, so graph nodes are "
                       f"tf.numpy_function (80-200 us more a call): {error}", RuntimeWarning, stacklevel=4)
         return False
