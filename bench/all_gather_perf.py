@@ -44,6 +44,10 @@ def run_mwms(replica, x, args):
     return replica.all_gather(x, axis=0)
 
 
+def run_tf(ctf, comm, x, args):
+    return ctf.allgather(x, comm)
+
+
 ALLGATHER = Spec(
     name="allgather",
     busbw_factor=lambda n: (n - 1) / n,
@@ -52,6 +56,7 @@ ALLGATHER = Spec(
     run_mpi=run_mpi,
     run_gloo=run_gloo,
     run_mwms=run_mwms,
+    run_tf=run_tf,
     expected=expected,
     fill=pattern_fill,
     has_op=False,

@@ -76,6 +76,10 @@ def run_mwms(replica, x, args):
     return replica.all_reduce(MWMS_OPS[args.op], x)
 
 
+def run_tf(ctf, comm, x, args):
+    return ctf.allreduce(x, comm, op=args.op)
+
+
 ALLREDUCE = Spec(
     name="allreduce",
     busbw_factor=lambda n: 2 * (n - 1) / n,
@@ -84,6 +88,7 @@ ALLREDUCE = Spec(
     run_mpi=run_mpi,
     run_gloo=run_gloo,
     run_mwms=run_mwms,
+    run_tf=run_tf,
     expected=expected,
     fill=fill,
     reference=reference,

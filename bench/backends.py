@@ -1,8 +1,9 @@
 """The backends a benchmark runs side by side: this library (`ours`), MPI
 (mpi4py over MPICH, or Open MPI: `mpich`, `openmpi`), Gloo (torch.distributed), and torch.distributed's
 process groups by backend name (`torch:collectives`, this library through
-torch.distributed; `torch:gloo`), and TensorFlow's MultiWorkerMirroredStrategy
-(`mwms`), each behind one small class that runs a spec's call on its ranks'
+torch.distributed; `torch:gloo`), TensorFlow's MultiWorkerMirroredStrategy
+(`mwms`, also `tf:mwms`) and this library's TensorFlow ops in the same form
+(`tf:collectives`), each behind one small class that runs a spec's call on its ranks'
 buffers, and what each cannot do (so that the
 harness skips it with a reason instead of failing).
 
@@ -25,6 +26,11 @@ OURS, MPI_BACKEND, GLOO, NCCL = "ours", "mpi", "gloo", "nccl"
 # TensorFlow's MultiWorkerMirroredStrategy: its collectives (CollectiveReduceV2,
 # a ring over gRPC between the workers on CPUs), one worker per process.
 MWMS = "mwms"
+# This library's TensorFlow ops (collectives.tensorflow) called the way mwms
+# is: a tf.function per call on the rank's tf.Tensor, so the two compare like
+# for like. `tf:mwms` names mwms beside it.
+TF_COLLECTIVES, TF_MWMS = "tf:collectives", "tf:mwms"
+TENSORFLOW_BACKENDS = (MWMS, TF_MWMS, TF_COLLECTIVES)
 # Not a library: the memory-copy floor of a collective whose result each rank
 # copies once (bench.host_vs_mpich's allgathers and broadcasts), see CopyFloor.
 COPY_FLOOR = "floor"
@@ -46,9 +52,9 @@ NO_COMPRESSION = "none"
 # rows keep the name the command used (older results files say `host`).
 OLD_OURS = "host"
 DEFAULT_BACKEND = OURS
-BACKENDS = (OURS, OLD_OURS, *MPI_BACKENDS, GLOO, NCCL, *TORCH_BACKENDS, MWMS)
+BACKENDS = (OURS, OLD_OURS, *MPI_BACKENDS, GLOO, NCCL, *TORCH_BACKENDS, *TENSORFLOW_BACKENDS)
 COMPRESSING_BACKENDS = (OURS, OLD_OURS)  # --compression applies to these; the others run uncompressed
-PROCESS_BACKENDS = (*MPI_BACKENDS, GLOO, *TORCH_BACKENDS, MWMS)   # one rank per process
+PROCESS_BACKENDS = (*MPI_BACKENDS, GLOO, *TORCH_BACKENDS, *TENSORFLOW_BACKENDS)   # one rank per process
 TORCH_PIN = "torch==2.13.0"
 TENSORFLOW_INSTALL = "pip install -e '.[tensorflow]'"
 
@@ -78,7 +84,13 @@ def unsupported(backend, spec, args):
         from collectives.ops import SUPPORTED_DTYPES
         if args.dtype.name not in SUPPORTED_DTYPES:
             return f"collectives reduces {', '.join(SUPPORTED_DTYPES)}, not {args.dtype.name}"
-    if backend == MWMS:
+    if backend == TF_COLLECTIVES:
+        from collectives.ops import SUPPORTED_DTYPES
+        if spec.run_tf is None:
+            return f"collectives.tensorflow has no {spec.name}"
+        if reduces and args.dtype.name not in SUPPORTED_DTYPES:
+            return f"collectives reduces {', '.join(SUPPORTED_DTYPES)}, not {args.dtype.name}"
+    if backend in (MWMS, TF_MWMS):
         if spec.run_mwms is None:
             return f"MultiWorkerMirroredStrategy's replica context has no {spec.name}"
         if args.dtype.name not in MWMS_DTYPES:
@@ -404,6 +416,25 @@ class GroupCalls:
 _STRATEGIES = []
 
 
+def _tensorflow(backend):
+    """TensorFlow, set up once per process for the ranks' shared cores (as
+    bench.tensorflow_overhead); `backend` names who asked, for the error."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # TensorFlow's start-up banners
+    try:
+        import tensorflow as tf
+    except ImportError as error:
+        raise SystemExit(f"--backend {backend} needs TensorFlow: {TENSORFLOW_INSTALL} ({error})") from None
+    if not _TENSORFLOW_SET:
+        # Both settings, and MWMS's strategy, must come before TensorFlow's first op.
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        _TENSORFLOW_SET.append(True)
+    return tf
+
+
+_TENSORFLOW_SET = []
+
+
 class Mwms(Backend):
     """TensorFlow's tf.distribute.MultiWorkerMirroredStrategy, one worker per
     process, started from our ranks (collectives.tensorflow.cluster_resolver:
@@ -419,18 +450,10 @@ class Mwms(Backend):
         super().__init__(name, spec, args)
         if world is None or isinstance(world, TorchWorld):
             raise SystemExit("the mwms backend runs one worker per process: run under mpiexec")
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # TensorFlow's start-up banners
-        try:
-            import tensorflow as tf
-            import collectives.tensorflow as ctf
-        except ImportError as error:
-            raise SystemExit(f"--backend mwms needs TensorFlow: {TENSORFLOW_INSTALL} ({error})") from None
+        tf = _tensorflow(name)
+        import collectives.tensorflow as ctf
         self.tf, self.world = tf, world
         if not _STRATEGIES:
-            # As bench.tensorflow_overhead: the ranks share the machine's cores. Both
-            # settings, and the strategy itself, must come before TensorFlow's first op.
-            tf.config.threading.set_inter_op_parallelism_threads(2)
-            tf.config.threading.set_intra_op_parallelism_threads(1)
             # (our backend's communicator where it runs too, else one of its own)
             self.owns_comm = comm is None
             self.comm = collectives.init(comm=world, timeout=args.timeout) if comm is None else comm
@@ -472,6 +495,52 @@ class Mwms(Backend):
 
     def close(self):
         if self.owns_comm:   # (the strategy keeps the addresses it was given: the communicator is done)
+            self.comm.close()
+
+
+class TfCollectives(Backend):
+    """This library's TensorFlow ops (collectives.tensorflow), one rank per
+    process, called as the mwms backend calls MultiWorkerMirroredStrategy:
+    one tf.function per call, traced once per shape, whose body is the
+    spec's op (run_tf) on the rank's tf.Tensor: a node of our graph op. On
+    our backend's communicator where it runs too, else one of its own. As
+    for mwms, every call returns a new tensor: in place and out of place
+    time the same call, and the check reads the last call's."""
+
+    def __init__(self, name, spec, args, world, comm=None):
+        super().__init__(name, spec, args)
+        if world is None or isinstance(world, TorchWorld):
+            raise SystemExit(f"the {name} backend runs one rank per process: run under mpiexec")
+        tf = _tensorflow(name)
+        import collectives.tensorflow as ctf
+        self.tf, self.world, self.device = tf, world, "host"
+        self.owns_comm = comm is None
+        self.comm = collectives.init(comm=world, timeout=args.timeout) if comm is None else comm
+        self.local_ranks, self.nranks = [world.rank], world.size
+        call, call_args, comm = spec.run_tf, self.args, self.comm
+        self.step = tf.function(lambda x: call(ctf, comm, x, call_args))
+        self.last = (None, None)   # (the Buffers of the last call, its result)
+
+    def run(self, buffers):
+        self.last = (buffers, self.step(buffers.inputs[0]))
+
+    def results(self, buffers):
+        ran, result = self.last
+        if ran is not buffers:
+            raise RuntimeError(f"results() of buffers the {self.name} backend did not run last")
+        return [result]
+
+    def barrier(self):
+        self.world.Barrier()   # a call returns when its result is made: nothing is left in flight
+
+    def to_device(self, array):
+        return self.tf.constant(array)
+
+    def to_host(self, tensor):
+        return tensor.numpy()
+
+    def close(self):
+        if self.owns_comm:
             self.comm.close()
 
 
@@ -568,9 +637,10 @@ def make_backends(names, spec, args, world):
             backends.append(CopyFloor(name, spec, args, world))
         elif name in TORCH_BACKENDS:
             backends.append(TorchGroup(name, spec, args, world))
-        elif name == MWMS:
-            ours = next((b.comm for b in backends if isinstance(b, Ours) and b.device == "host"), None)
-            backends.append(Mwms(name, spec, args, world, comm=ours))
+        elif name in TENSORFLOW_BACKENDS:
+            ours = next((b.comm for b in backends if isinstance(b, (Ours, TfCollectives)) and b.device == "host"),
+                        None)
+            backends.append((TfCollectives if name == TF_COLLECTIVES else Mwms)(name, spec, args, world, comm=ours))
         else:
             backends.append(Gloo(name, spec, args, world))
     return backends

@@ -34,6 +34,10 @@ def run_gloo(dist, x, out, args):
     dist.broadcast(out, src=args.root)
 
 
+def run_tf(ctf, comm, x, args):
+    return ctf.broadcast(x, comm, root=args.root)
+
+
 BROADCAST = Spec(
     name="broadcast",
     busbw_factor=lambda n: 1,
@@ -41,6 +45,7 @@ BROADCAST = Spec(
     run_ours=run_ours,
     run_mpi=run_mpi,
     run_gloo=run_gloo,
+    run_tf=run_tf,
     expected=expected,
     fill=pattern_fill,
     has_op=False,

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 import collectives
-from bench.backends import GLOO, MPI_BACKENDS, MWMS, TORCH_BACKENDS, launched_by_torchrun
+from bench.backends import GLOO, MPI_BACKENDS, TENSORFLOW_BACKENDS, TORCH_BACKENDS, launched_by_torchrun
 
 # The launcher and its flags, as the relaunching process ran them (the
 # ranks themselves cannot see `-bind-to core`, say).
@@ -74,7 +74,7 @@ def environment(args, nranks, backends):
     if GLOO in backends or any(b in TORCH_BACKENDS for b in backends):
         import torch
         env["torch"] = torch.__version__
-    if MWMS in backends:
+    if any(b in TENSORFLOW_BACKENDS for b in backends):
         import tensorflow as tf
         env["tensorflow"] = tf.__version__
     return env

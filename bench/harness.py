@@ -21,11 +21,15 @@ identical inputs in one invocation, alternating size by size:
     mwms   TensorFlow's MultiWorkerMirroredStrategy (allreduce sum and avg,
            allgather): a tf.function of strategy.run per call, its
            collectives a ring over gRPC; started from our ranks' addresses
+           (also named tf:mwms)
+    tf:collectives  this library's TensorFlow ops the same way: a
+           tf.function per call on tf.Tensors (allreduce, allgather,
+           reduce_scatter, broadcast), a node of our graph op each
 
-mpi, gloo, torch:* and mwms run one rank per process. Under torchrun (no MPI),
+mpi, gloo, torch:*, mwms and tf:collectives run one rank per process. Under torchrun (no MPI),
 the ranks' bookkeeping runs on a Gloo group (backends.TorchWorld), `ours`
 starts from torchrun's store (collectives.init) and `gloo` is torch:gloo's
-group; `mpi` and `mwms` need mpiexec. Asking for torch:* without a launcher
+group; `mpi`, `mwms` and `tf:collectives` need mpiexec. Asking for torch:* without a launcher
 relaunches the benchmark under torchrun with `--ranks` processes (under
 mpiexec when mpi or mwms is asked for too); asking for mpi, gloo or mwms
 without a launcher relaunches it under MPICH's mpiexec with `--ranks`
@@ -61,7 +65,7 @@ import collectives
 from bench import cli
 from bench.backends import (
     BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, MPI_BACKEND, MPI_BACKENDS, MWMS, NCCL, NO_COMPRESSION,
-    OPENMPI_BACKEND, PROCESS_BACKENDS, TENSORFLOW_INSTALL, TORCH_BACKENDS, TORCH_PIN, Buffers, TorchWorld,
+    OPENMPI_BACKEND, PROCESS_BACKENDS, TENSORFLOW_BACKENDS, TENSORFLOW_INSTALL, TORCH_BACKENDS, TORCH_PIN, Buffers, TorchWorld,
     launched_by_torchrun, make_backends, unsupported,
 )
 from bench.environment import LAUNCHER_COMMAND, environment, module_name
@@ -139,6 +143,9 @@ class Spec:
     #   run_mwms(replica_context, x, args) -> the result: inside MultiWorkerMirroredStrategy.run
     #     (a tf.function), x the rank's input tf.Tensor; None where its replica context has no such call.
     run_mwms: Optional[Callable] = None
+    #   run_tf(collectives.tensorflow, comm, x, args) -> the result: inside a tf.function, x the
+    #     rank's input tf.Tensor, comm the rank's communicator; None where collectives.tensorflow has no such op.
+    run_tf: Optional[Callable] = None
     has_op: bool = True            # whether -o applies (the redop column says none otherwise)
     rooted: bool = False           # whether -r applies (the root column says -1 otherwise)
     # In place every rank has one buffer of max(input, output) elements; these
@@ -202,8 +209,10 @@ def parse_args(spec, argv=None):
                         f"gloo (torch.distributed with Gloo; needs {TORCH_PIN}), nccl (NCCL through this "
                         "library's backend='nccl'; --device cuda, one rank per GPU), torch:collectives (this "
                         "library through torch.distributed, under torchrun), torch:gloo (a Gloo group made the "
-                        "same way), mwms (TensorFlow's MultiWorkerMirroredStrategy: allreduce with sum or avg, "
-                        "allgather; under mpiexec; needs TensorFlow)")
+                        "same way), mwms or tf:mwms (TensorFlow's MultiWorkerMirroredStrategy: allreduce with "
+                        "sum or avg, "
+                        "allgather; under mpiexec; needs TensorFlow), tf:collectives (this library's TensorFlow "
+                        "ops, a tf.function per call as mwms; under mpiexec; needs TensorFlow)")
     p.add_argument("--algorithm", default="auto",
                    help="our algorithm, or several comma-separated (each runs as a backend of its own, "
                         "alternating per size): auto or a registered name (python -m bench.model lists them)")
@@ -269,19 +278,21 @@ def parse_args(spec, argv=None):
     # run on host arrays beside ours wherever ours run (an emulated device's
     # arrays are host arrays too).
     if args.device == "cuda" and any(b in PROCESS_BACKENDS for b in args.backends):
-        p.error("--backend mpi, gloo and mwms run on host arrays; with --device cuda compare ours with nccl on a GPU")
+        p.error("--backend mpi, gloo, mwms and tf:collectives run on host arrays; with --device cuda compare ours "
+                "with nccl on a GPU")
     if NCCL in args.backends and args.device != "cuda":
         p.error("--backend nccl runs on GPUs: add --device cuda")
     torch_backends = [b for b in args.backends if b in (GLOO, *TORCH_BACKENDS)]
     if torch_backends and importlib.util.find_spec("torch") is None:
         p.error(f"--backend {','.join(torch_backends)} needs PyTorch (torch.distributed): pip install {TORCH_PIN}")
-    if MWMS in args.backends and importlib.util.find_spec("tensorflow") is None:
-        p.error(f"--backend mwms needs TensorFlow: {TENSORFLOW_INSTALL}")
+    tensorflow_backends = [b for b in args.backends if b in TENSORFLOW_BACKENDS]
+    if tensorflow_backends and importlib.util.find_spec("tensorflow") is None:
+        p.error(f"--backend {','.join(tensorflow_backends)} needs TensorFlow: {TENSORFLOW_INSTALL}")
     mpi_backends = [b for b in args.backends if b in MPI_BACKENDS]
     if OPENMPI_BACKEND in mpi_backends and len(mpi_backends) > 1:
         p.error(f"--backend {','.join(mpi_backends)}: one process loads one MPI library; run once per MPI, "
                 "or python -m bench.host_vs_mpich --mpi mpich,openmpi, which does")
-    for needs_mpiexec in (*mpi_backends, MWMS):
+    for needs_mpiexec in (*mpi_backends, *tensorflow_backends):
         if needs_mpiexec in args.backends and launched_by_torchrun():
             p.error(f"--backend {needs_mpiexec} needs mpiexec: under torchrun compare ours, gloo, torch:collectives, "
                     "torch:gloo")
@@ -753,7 +764,8 @@ def main(spec, argv=None):
     world = mpi_world()
     if world is None and args.ranks > 1 and any(b in PROCESS_BACKENDS for b in args.backends) \
             and not os.environ.get(RELAUNCHED):
-        if any(b in TORCH_BACKENDS for b in args.backends) and not {*MPI_BACKENDS, MWMS} & set(args.backends):
+        if any(b in TORCH_BACKENDS for b in args.backends) \
+                and not {*MPI_BACKENDS, *TENSORFLOW_BACKENDS} & set(args.backends):
             return relaunch_under_torchrun(args, argv)
         return relaunch_under_mpiexec(args, argv, ("-bind-to", bind_to(args.bind_to, args.ranks)))
     leader = world is None or world.rank == 0

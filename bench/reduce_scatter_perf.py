@@ -44,6 +44,10 @@ def run_gloo(dist, x, out, args):
     reduce_scatter(out, x, op=gloo_op(dist, args.op))
 
 
+def run_tf(ctf, comm, x, args):
+    return ctf.reduce_scatter(x, comm, op=args.op)
+
+
 REDUCE_SCATTER = Spec(
     name="reduce_scatter",
     busbw_factor=lambda n: (n - 1) / n,
@@ -51,6 +55,7 @@ REDUCE_SCATTER = Spec(
     run_ours=run_ours,
     run_mpi=run_mpi,
     run_gloo=run_gloo,
+    run_tf=run_tf,
     expected=expected,
     fill=all_reduce_perf.fill,
     in_place_result=own_block,

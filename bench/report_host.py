@@ -26,7 +26,8 @@ COPY_FLOOR = "the copy floor"
 LINK_FLOOR = "the link floor"   # across hosts: the bytes the busiest host must send, over the measured link rate
 FLOORS = (COPY_FLOOR, LINK_FLOOR)
 # harness backends -> library (an MPI backend is named by the library its run loaded: reference_name)
-HARNESS_REFERENCES = {"mpi": "MPICH", "mpich": "MPICH", "openmpi": "Open MPI", "gloo": "Gloo", "mwms": MWMS_NAME}
+HARNESS_REFERENCES = {"mpi": "MPICH", "mpich": "MPICH", "openmpi": "Open MPI", "gloo": "Gloo", "mwms": MWMS_NAME,
+                      "tf:mwms": MWMS_NAME}
 SOURCES = ("bench.host_vs_mpich", "the suite", "bench.hierarchy_perf")  # the order of their columns and README rows
 
 
@@ -131,7 +132,7 @@ def suite_measurement(run):
 # Harness backends whose in-place column times their out-of-place call again
 # (bench/backends.py: Mwms.run takes a tf.Tensor and returns a new one):
 # only their out-of-place figure is a comparison.
-OUT_OF_PLACE_ONLY = {"mwms"}
+OUT_OF_PLACE_ONLY = {"mwms", "tf:mwms"}
 
 
 def reference_times(backend, row):

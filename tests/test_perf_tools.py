@@ -337,6 +337,11 @@ def test_what_mpi_and_gloo_cannot_run_is_said():
     assert "no int8" in reason("mwms", ALLGATHER, "-d", "int8")
     assert "integer average" in reason("mwms", ALLREDUCE, "-o", "avg", "-d", "int32")
     assert "no reduce_scatter" in reason("mwms", REDUCE_SCATTER) and "no broadcast" in reason("mwms", BROADCAST)
+    assert reason("tf:mwms", ALLREDUCE, "-o", "max") == reason("mwms", ALLREDUCE, "-o", "max")   # the same backend
+    # our TensorFlow ops: the four collectives.tensorflow has, our reductions' dtypes
+    assert all(reason("tf:collectives", spec, "-o", "max") is None
+               for spec in (ALLREDUCE, ALLGATHER, REDUCE_SCATTER, BROADCAST))
+    assert "no reduce" in reason("tf:collectives", REDUCE) and "no all_to_all" in reason("tf:collectives", ALL_TO_ALL)
 
 
 class FakeTerminal(io.StringIO):

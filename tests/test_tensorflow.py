@@ -13,6 +13,7 @@ batches (1e-5), then a peer that dies under a tf.function giving
 RankFailedError, not a hang.
 """
 
+import functools
 import json
 import os
 import re
@@ -181,6 +182,22 @@ def test_a_graph_nodes_other_errors_reach_tensorflow_named(graph_node):
             lambda x, body=body: ctf.ops._run("Broken", body, [x], [tf.float32])[0]))
         with pytest.raises(error, match=message):
             traced(tf.ones(2))
+
+
+def test_the_benchmark_tools_tensorflow_calls_give_their_expected_results(comm):
+    """What `--backend tf:collectives` runs for each tool (its spec's
+    run_tf, in a tf.function), on one rank: the tool's own expected output."""
+    from bench.all_gather_perf import ALLGATHER
+    from bench.all_reduce_perf import ALLREDUCE
+    from bench.broadcast_perf import BROADCAST
+    from bench.reduce_scatter_perf import REDUCE_SCATTER
+    for spec in (ALLREDUCE, ALLGATHER, REDUCE_SCATTER, BROADCAST):
+        args = type("Args", (), {"op": "sum", "root": 0})()
+        count, out_count = spec.counts(64, 4, 1)
+        x = spec.fill(np.dtype(np.float32), "sum", 1, 0, count, 0)
+        step = tf.function(functools.partial(spec.run_tf, ctf, comm, args=args))
+        got = step(tf.constant(x)).numpy()
+        np.testing.assert_array_equal(got, spec.expected(np.dtype(np.float32), "sum", 1, 0, out_count, 0), spec.name)
 
 
 class CountingCommunicator:
