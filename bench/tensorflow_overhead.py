@@ -9,6 +9,9 @@ batch by batch so that the machine's noise hits all alike:
 
     ours    comm.allreduce(x) on a NumPy array, in place (the API's
             cheapest form; the TensorFlow op makes a new tensor)
+    oop     comm.allreduce(x, out=y) into another array: the form of the
+            TensorFlow op's call (from 1 MiB slower than in place here: the
+            result is written into lines that are not in cache)
     eager   collectives.tensorflow.allreduce(t, comm) on a tf.Tensor
     graph   the same inside a tf.function (traced once, run each call)
     graph8  8 such allreduces in one tf.function, each on the last's
@@ -50,7 +53,7 @@ from bench import cli
 from bench.environment import environment
 from bench.harness import RELAUNCHED, mpi_world, relaunch_under_mpiexec
 
-KINDS = ("ours", "eager", "graph", "graph8", "empty", "floor", "npf8")
+KINDS = ("ours", "eager", "graph", "graph8", "empty", "floor", "npf8", "oop")
 CHAIN = 8   # allreduces in one tf.function for graph8
 
 
@@ -123,10 +126,11 @@ def main(argv=None):
         floor = tf.function(lambda v: tf.numpy_function(lambda a: comm.allreduce(a, op="max", out=np.empty_like(a)),
                                                         [v], tf.float32, stateful=True))
         want = comm.allreduce(x.copy(), op="max")
+        y = np.empty_like(x)
         calls = {"ours": lambda: comm.allreduce(x, op="max"), "eager": lambda: ctf.allreduce(t, comm, op="max"),
                  "graph": lambda: graph(t),
                  "graph8": lambda: graph8(t), "empty": lambda: empty(t), "floor": lambda: floor(t),
-                 "npf8": lambda: npf8(t)}
+                 "npf8": lambda: npf8(t), "oop": lambda: comm.allreduce(x, op="max", out=y)}
         empty(t)
         if strategy is not None:
             @tf.function
@@ -158,14 +162,14 @@ def main(argv=None):
         print(f"{'bytes':>10} {'ours us':>9} {'eager us':>9} {'graph us':>9} {'graph8 us':>9} {'empty us':>9} "
               f"{'floor us':>9} {'npf8 us':>9} "
               f"{'eager-ours':>10} {'graph-ours':>10} {'g8-ours':>9} {'eager/ours':>10} {'graph/ours':>10} "
-              f"{'g8/ours':>8} {'node us':>8} {'node-ours':>9} {'node/ours':>9}" + (f" {'mwms us':>9} {'mwms/ours':>9} {'mwms/graph':>10}" if args.mwms else ""))
+              f"{'g8/ours':>8} {'node us':>8} {'node-ours':>9} {'node/ours':>9} {'oop us':>8} {'node/oop':>8}" + (f" {'mwms us':>9} {'mwms/ours':>9} {'mwms/graph':>10}" if args.mwms else ""))
         for row in rows:
-            ours, eager, graph, graph8, empty, floor, npf8 = (row[f"{kind}_us"] for kind in KINDS)
+            ours, eager, graph, graph8, empty, floor, npf8, oop = (row[f"{kind}_us"] for kind in KINDS)
             print(f"{row['bytes']:>10} {ours:>9.1f} {eager:>9.1f} {graph:>9.1f} {graph8:>9.1f} {empty:>9.1f} "
                   f"{floor:>9.1f} {npf8:>9.1f} "
                   f"{eager - ours:>10.1f} {graph - ours:>10.1f} {graph8 - ours:>9.1f} {eager / ours:>10.2f} "
                   f"{graph / ours:>10.2f} {graph8 / ours:>8.2f} {node_cost(row):>8.1f} {node_cost(row) - ours:>9.1f} "
-                  f"{node_cost(row) / ours:>9.2f}"
+                  f"{node_cost(row) / ours:>9.2f} {oop:>8.1f} {node_cost(row) / oop:>8.2f}"
                   + (f" {row['mwms_us']:>9.1f} {row['mwms_us'] / ours:>9.2f} {row['mwms_us'] / graph:>10.2f}"
                      if args.mwms else ""))
         if args.output_file:
