@@ -9,7 +9,10 @@ whole batch's whatever the number of ranks, so the run must end on the
 weights of one process doing the same steps (to rounding), however many
 ranks it lost and when. Rank VICTIM dies by SIGKILL at the start of a step
 drawn from SEED. KIND: "numpy" (ArrayState) or "torch" (TorchState with a
-DistributedOptimizer summing the gradients).
+DistributedOptimizer summing the gradients), or "torch_group": the same
+steps on torch.distributed's default group of our backend (made from a
+FileStore at STORE, a third argument), which a failed all_reduce shrinks
+(collectives.torch.shrink_default_group) before the step is taken again.
 """
 
 import os
@@ -90,8 +93,50 @@ def torch_run(comm, x, y, kill_step, original):
     return state, train
 
 
+def torch_group_run(x, y, kill_step, store_path):
+    """The steps on torch.distributed's default group; a failed step shrinks
+    it and is taken again (the weights are only changed after the all_reduce)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import collectives.torch
+    rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+    dist.init_process_group("collectives", store=dist.FileStore(store_path, size), rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=10))
+    xs, ys = torch.from_numpy(x), torch.from_numpy(y)
+    w, step, shrinks = torch.zeros(x.shape[1], dtype=torch.float64), 0, []
+    while step < STEPS:
+        if rank == VICTIM and step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        n, r = dist.get_world_size(), dist.get_rank()
+        part = slice(r * len(x) // n, (r + 1) * len(x) // n)
+        g = xs[part].T @ (xs[part] @ w - ys[part])
+        try:
+            dist.all_reduce(g)
+        except collectives.CollectiveTimeoutError:   # RankFailedError too
+            shrinks.append(collectives.torch.shrink_default_group())
+            continue
+        w -= LEARNING_RATE * g / len(x)
+        step += 1
+    assert shrinks == [tuple(q for q in range(size) if q != VICTIM)], shrinks
+    assert dist.get_world_size() == size - 1 and dist.get_rank() == shrinks[0].index(rank)
+    assert np.allclose(w.numpy(), one_process(x, y), rtol=1e-9, atol=1e-12), (w, one_process(x, y))
+    print(f"KILLED at step {kill_step}, rank {rank} is rank {dist.get_rank()} of {dist.get_world_size()}", flush=True)
+    dist.destroy_process_group()
+    return rank
+
+
 def main():
     kind, seed = sys.argv[1], int(sys.argv[2])
+    if kind == "torch_group":   # no communicator of ours but the group's
+        kill_step = int(np.random.default_rng(seed).integers(2, STEPS - 2))
+        holder = {}
+        run_scenario(lambda: holder.setdefault("rank", torch_group_run(*problem(), kill_step, sys.argv[3])),
+                     ranks_leave=True)
+        print(f"OK {kind} {holder['rank']}", flush=True)
+        os._exit(0)
     comm = collectives.init(timeout=10.0)
     original = comm.rank
     kill_step = int(np.random.default_rng(seed).integers(2, STEPS - 2))

@@ -124,6 +124,16 @@ def test_elastic_training_loses_a_rank_and_ends_on_the_one_process_weights(kind)
 
 
 @pytest.mark.mpi
+def test_torch_distributeds_default_group_shrinks_and_its_training_goes_on(tmp_path):
+    """A rank of torch.distributed's default group (ours, from a FileStore)
+    dies; the survivors' all_reduce raises, shrink_default_group makes the
+    default group theirs, and the steps end on one process's weights."""
+    pytest.importorskip("torch")
+    printed = run_survivors(3, "torch_group", "3", str(tmp_path / "store"), survivors=[0, 2], worker=ELASTIC_WORKER)
+    assert sorted(re.findall(r"rank (\d) is rank (\d) of 2", printed)) == [("0", "0"), ("2", "1")], printed
+
+
+@pytest.mark.mpi
 def test_the_elastic_example_loses_a_rank_and_ends_on_the_uninterrupted_runs_accuracy():
     pytest.importorskip("sklearn")
     example = Path(__file__).parent.parent / "examples" / "elastic.py"

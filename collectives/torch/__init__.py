@@ -7,7 +7,9 @@
                           import collectives.torch
                           torch.distributed.init_process_group("collectives")
                       (under torchrun: no mpiexec, no mpi4py); DDP, FSDP2
-                      and torch.distributed's calls run on it unchanged
+                      and torch.distributed's calls run on it unchanged;
+                      shrink_default_group() goes on with the ranks left
+                      after one failed
     hooks.py          compression_hook: our compressed allreduce (float32
                       sums) as a DDP communication hook
     rendezvous.py,    start-up through a c10d store, and the messages
@@ -21,10 +23,11 @@ import torch.distributed as _dist
 
 from .hooks import compression_hook
 from .optimizer import DistributedOptimizer, broadcast_parameters, host_array
-from .process_group import BACKEND, ProcessGroupCollectives, create_process_group, create_process_group_extended
+from .process_group import (BACKEND, ProcessGroupCollectives, create_process_group, create_process_group_extended,
+                            shrink_default_group)
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "host_array", "ProcessGroupCollectives", "BACKEND",
-           "compression_hook"]
+           "compression_hook", "shrink_default_group"]
 
 
 def _register():

@@ -101,7 +101,7 @@ _OFFERED = "SUM, AVG, PRODUCT, MIN, MAX and PREMUL_SUM"
 
 def create_process_group(store, rank, size, timeout):
     """The creator torch.distributed calls (Backend.register_backend)."""
-    return ProcessGroupCollectives(store, rank, size, timeout)
+    return ProcessGroupCollectives(store, rank, size, timeout, adopted=_take_adopted(rank, size))
 
 
 def create_process_group_extended(options, backend_options=None):
@@ -110,14 +110,73 @@ def create_process_group_extended(options, backend_options=None):
     empty for the default group), for $COLLECTIVES_PRETEND_NODES."""
     world_ranks = list(options.global_ranks_in_group) or None
     return ProcessGroupCollectives(options.store, options.group_rank, options.group_size, options.timeout,
-                                   world_ranks=world_ranks)
+                                   world_ranks=world_ranks,
+                                   adopted=_take_adopted(options.group_rank, options.group_size))
+
+
+# -- going on after a failure ---------------------------------------------------------------------
+
+# The communicator shrink_default_group made, for the creator that its own
+# init_process_group calls next, on this thread, to take instead of a new one.
+_adopting = threading.local()
+
+
+def _take_adopted(rank, size):
+    comm = getattr(_adopting, "comm", None)
+    _adopting.comm = None
+    if comm is not None and (comm.rank, comm.size) != (rank, size):
+        raise InvalidUsageError(f"the shrunk communicator is rank {comm.rank} of {comm.size}; torch.distributed "
+                                f"asked for rank {rank} of {size}")
+    return comm
+
+
+def shrink_default_group():
+    """After a call on torch.distributed's default group (ours) raised
+    RankFailedError or CollectiveTimeoutError (or RevokedError): every
+    surviving rank calls this, and the default group becomes one of the
+    ranks that are left, the same processes, renumbered densely in the old
+    order (Communicator.shrink: the survivors agree on who is left through
+    the old group's shared memory; no store round, no new process).
+    dist.get_rank() and get_world_size() then answer for the new group.
+
+    Returns the old ranks of the new group's ranks (new rank r was
+    `old_ranks[r]`). Groups made from the old one (new_group, a
+    DeviceMesh) are gone with it, and so is what holds the old group:
+    wrap the model in DistributedDataParallel again. Host ranks (CPU
+    tensors) in processes on one machine, as Communicator.shrink; raises
+    InvalidUsageError elsewhere (a default group that is not ours, or one
+    that ran CUDA tensors), RankExcludedError on a rank the others left out.
+    """
+    if not dist.is_initialized():
+        raise InvalidUsageError("shrink_default_group: torch.distributed has no default group")
+    group = dist.distributed_c10d._get_default_group()
+    if not isinstance(group, ProcessGroupCollectives):
+        raise InvalidUsageError(f"shrink_default_group: the default group is {group.name()}'s, not collectives'")
+    if "cuda" in group._communicators:
+        raise InvalidUsageError("shrink_default_group: a group that ran CUDA tensors cannot shrink yet (host "
+                                "ranks only)")
+    store = dist.distributed_c10d._get_default_store()   # (torch keeps it; no public way to it)
+    shrunk = group.communicator("cpu").shrink()
+    dist.destroy_process_group()
+    _adopting.comm = shrunk
+    try:
+        dist.init_process_group(BACKEND, store=dist.PrefixStore(f"collectives-shrunk-{shrunk.epoch}", store),
+                                rank=shrunk.rank, world_size=shrunk.size, timeout=_timedelta(group._timeout))
+    finally:
+        _adopting.comm = None
+    return shrunk.old_ranks
+
+
+def _timedelta(seconds):
+    import datetime
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
 class ProcessGroupCollectives(dist.ProcessGroup):
     """torch.distributed's view of our communicators: one for CPU tensors
     (host ranks), one for CUDA tensors (GPU ranks, made at the first CUDA call)."""
 
-    def __init__(self, store, rank, size, timeout, world_ranks=None):
+    def __init__(self, store, rank, size, timeout, world_ranks=None, adopted=None):
         super().__init__(rank, size)
         self._store = store
         # this rank's place in the job (a group of some ranks: its global ranks, in group order)
@@ -126,7 +185,9 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         self._timeout = timeout.total_seconds() if timeout is not None else None
         self._lock = threading.RLock()
         self._group_name = self._group_desc = ""
-        self._communicators = {"cpu": start(self._rendezvous("cpu/"), "host", timeout=self._timeout)}
+        # (adopted: the communicator shrink_default_group made, for the group it makes)
+        self._communicators = {"cpu": adopted if adopted is not None else
+                               start(self._rendezvous("cpu/"), "host", timeout=self._timeout)}
 
     def getBackendName(self):
         return BACKEND
