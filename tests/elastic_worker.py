@@ -102,7 +102,9 @@ def torch_group_run(x, y, kill_step, store_path):
     import torch.distributed as dist
 
     import collectives.torch
-    rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+    env = os.environ   # (hydra's variables, or Open MPI's)
+    rank = int(env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK", -1)))
+    size = int(env.get("PMI_SIZE", env.get("OMPI_COMM_WORLD_SIZE", -1)))
     dist.init_process_group("collectives", store=dist.FileStore(store_path, size), rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=10))
     xs, ys = torch.from_numpy(x), torch.from_numpy(y)
