@@ -435,7 +435,32 @@ def _tensorflow(backend):
 _TENSORFLOW_SET = []
 
 
-class Mwms(Backend):
+class TensorFlowBackend(Backend):
+    """What the TensorFlow backends share: a rank per process on the world,
+    tf.Tensors in and out, and the last call's result kept for the check
+    (TensorFlow's tensors are immutable: every call returns a new one)."""
+
+    def results(self, buffers):
+        ran, result = self.last
+        if ran is not buffers:
+            raise RuntimeError(f"results() of buffers the {self.name} backend did not run last")
+        return [result]
+
+    def barrier(self):
+        self.world.Barrier()   # a call returns when its result is made: nothing is left in flight
+
+    def to_device(self, array):
+        return self.tf.constant(array)
+
+    def to_host(self, tensor):
+        return tensor.numpy()
+
+    def close(self):
+        if self.owns_comm:
+            self.comm.close()
+
+
+class Mwms(TensorFlowBackend):
     """TensorFlow's tf.distribute.MultiWorkerMirroredStrategy, one worker per
     process, started from our ranks (collectives.tensorflow.cluster_resolver:
     the workers' addresses go round through a communicator of ours, used
@@ -478,27 +503,8 @@ class Mwms(Backend):
         result = self.step(buffers.inputs[0])
         self.last = (buffers, self.strategy.experimental_local_results(result)[0])
 
-    def results(self, buffers):
-        ran, result = self.last
-        if ran is not buffers:
-            raise RuntimeError("results() of buffers the mwms backend did not run last")
-        return [result]
 
-    def barrier(self):
-        self.world.Barrier()   # a call returns when its result is made: nothing is left in flight
-
-    def to_device(self, array):
-        return self.tf.constant(array)
-
-    def to_host(self, tensor):
-        return tensor.numpy()
-
-    def close(self):
-        if self.owns_comm:   # (the strategy keeps the addresses it was given: the communicator is done)
-            self.comm.close()
-
-
-class TfCollectives(Backend):
+class TfCollectives(TensorFlowBackend):
     """This library's TensorFlow ops (collectives.tensorflow), one rank per
     process, called as the mwms backend calls MultiWorkerMirroredStrategy:
     one tf.function per call, traced once per shape, whose body is the
@@ -523,25 +529,6 @@ class TfCollectives(Backend):
 
     def run(self, buffers):
         self.last = (buffers, self.step(buffers.inputs[0]))
-
-    def results(self, buffers):
-        ran, result = self.last
-        if ran is not buffers:
-            raise RuntimeError(f"results() of buffers the {self.name} backend did not run last")
-        return [result]
-
-    def barrier(self):
-        self.world.Barrier()   # a call returns when its result is made: nothing is left in flight
-
-    def to_device(self, array):
-        return self.tf.constant(array)
-
-    def to_host(self, tensor):
-        return tensor.numpy()
-
-    def close(self):
-        if self.owns_comm:
-            self.comm.close()
 
 
 class TorchWorld:
