@@ -79,13 +79,24 @@ static PyGILState_STATE take_gil(void)
     return PyGILState_Ensure();
 }
 
+/* Whether the interpreter is ending: a thread that then takes the GIL is
+ * ended where it stands (Python's rule), which would be one of TensorFlow's. */
+static int interpreter_ending(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return !Py_IsInitialized() || Py_IsFinalizing();
+#else
+    return !Py_IsInitialized() || _Py_IsFinalizing();
+#endif
+}
+
 /* The output's NumPy array, released once TensorFlow lets go of its buffer
- * (from any thread; after the interpreter ended there is nothing to release). */
+ * (from any thread; while the interpreter ends, left to it). */
 static void release_array(void *data, size_t len, void *array)
 {
     (void)data;
     (void)len;
-    if (!Py_IsInitialized())
+    if (interpreter_ending())
         return;
     PyGILState_STATE gil = take_gil();
     Py_DECREF((PyObject *)array);
