@@ -41,7 +41,8 @@ op checks its tensors, turns them into what a Communicator takes
   with RankFailedError at once (the peers see its process gone). Both are
   raised by work.wait() (by dist.* itself for a blocking call) and, in
   DDP's backward, as a RuntimeError that names them. After such an error
-  the group's communicator is aborted: make a new group.
+  the group's communicator is aborted: make a new group, or on the
+  default group call shrink_default_group() on every survivor (below).
 - Execution: every call runs to completion in the caller's thread before it
   returns (host ranks), or is queued on the caller's current CUDA stream (GPU
   ranks), under one lock, so calls from several threads (DDP's autograd
