@@ -6,8 +6,8 @@
               runs), each with its gradient; typed_error / typed_errors
               to get the library's typed error back from TensorFlow's
     native.py the graph op: a small C op, built at first use, whose
-              kernel runs an op's Python body (numpy_function's job at a
-              tenth of its cost)
+              kernel runs an op's Python body (numpy_function's job,
+              without its machinery)
     tape.py   DistributedGradientTape: gradients averaged over the ranks in
               one fused call (IndexedSlices allgathered, or densified)
     distribute.py  CrossDeviceOps for tf.distribute.MirroredStrategy: its

@@ -1,7 +1,7 @@
 /* CollectivesCall: a TensorFlow op whose kernel runs one of this package's
  * Python bodies on the node's input tensors, without tf.numpy_function's
  * machinery (its function registry, eager-tensor wrapping and per-call
- * bookkeeping: 60-80 us a node here, where this kernel takes 10-25).
+ * bookkeeping: 30-70 us more a node here, docs/training.md).
  *
  * Built at first use against the installed TensorFlow's C API (kernels.h,
  * ops.h: declarations only, so the build takes a second, where TensorFlow's

@@ -1,6 +1,6 @@
 """The graph node of our TensorFlow ops: a small C++ op (_call_op.cc) whose
 kernel runs a Python body with the GIL, where tf.numpy_function's machinery
-costs 60-80 us more a node.
+costs 30-70 us more a node here (docs/training.md).
 
     node = native.call(body, inputs, output_dtypes, name)   # in a graph being traced
 
@@ -125,7 +125,7 @@ def _load():
     except (OSError, RuntimeError, AttributeError, CollectiveError, tf.errors.NotFoundError,
             subprocess.SubprocessError) as error:
         warnings.warn(f"collectives.tensorflow: the graph op could not be built or loaded, so graph nodes are "
-                      f"tf.numpy_function (80-200 us more a call): {error}", RuntimeWarning, stacklevel=4)
+                      f"tf.numpy_function (30-70 us more a call): {error}", RuntimeWarning, stacklevel=4)
         return False
 
 

@@ -13,9 +13,8 @@ copy (DLPack eagerly; a graph node's output in a graph). From
 (_Buffers: fresh pages cost more than the collective at 1 MiB). Eagerly the
 op calls the communicator at once, through tf.custom_gradient only while a
 GradientTape (or ForwardAccumulator) records. Inside tf.function it is a
-node of our own op (native.py: a few microseconds a call, where a
-`tf.numpy_function` node, the fallback where the op cannot be built, costs
-80-200), so the collective runs when the graph runs, not when it is traced: the communicator numbers its calls as they happen, and
+node of our own op (native.py; a `tf.numpy_function` node, the fallback
+where the op cannot be built, costs 30-70 µs more a call here), so the collective runs when the graph runs, not when it is traced: the communicator numbers its calls as they happen, and
 the same traced graph may run any number of times. tf.function's automatic
 control dependencies chain stateful nodes (this one is) in the order the
 program made them, so every rank runs a graph's collectives in program
