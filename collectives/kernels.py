@@ -14,7 +14,9 @@ results (an H100 showed it against NumPy); and CuPy's cache key covers the
 source it is given, not the headers that source includes.
 """
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import json
@@ -258,6 +260,19 @@ def cxx_compiler(why):
     if found is None:
         raise CollectiveError(why)
     return found
+
+
+@contextlib.contextmanager
+def build_lock(target):
+    """An exclusive lock on `target`'s lock file for the block (the file
+    stays: removing it would race): one build of what the cache keeps, for
+    the processes that ask at once."""
+    with open(f"{target}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def cache_dir():

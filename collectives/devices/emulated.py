@@ -21,9 +21,7 @@ kernel that waits for another kernel's writes (the one-kernel collectives)
 runs on a thread of its own meanwhile, as kernels of two GPUs run at once.
 """
 
-import contextlib
 import ctypes
-import fcntl
 import hashlib
 import os
 import queue
@@ -505,7 +503,7 @@ def _build(source):
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target), tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+    with kernels.build_lock(target), tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         if target.exists():   # built by another process while this one waited for the lock
             return target
         objects = [_unit_object(source, unit, compiler_version, Path(scratch)) for unit in UNITS]
@@ -536,17 +534,6 @@ def _compile(command, source):
         raise CollectiveError("building the emulated kernels failed:\n"
                               + kernels.describe_compile_error(result.stderr, source))
     return result.stdout
-
-
-@contextlib.contextmanager
-def _locked(target):
-    """An exclusive lock on `target`'s lock file for the block (the file stays: removing it would race)."""
-    with open(target.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _load(path):

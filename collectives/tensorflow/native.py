@@ -33,7 +33,6 @@ error: InvalidUsageError (a ValueError) as INVALID_ARGUMENT and the
 others as UNKNOWN, as numpy_function does.
 """
 
-import fcntl
 import hashlib
 import itertools
 import os
@@ -89,9 +88,8 @@ def build():
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)   # one build for the processes that start together
-        if not os.path.exists(path):
+    with kernels.build_lock(path):
+        if not os.path.exists(path):   # (built by another process while this one waited)
             made, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
             os.close(made)
             try:

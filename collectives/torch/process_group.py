@@ -79,6 +79,7 @@ op checks its tensors, turns them into what a Communicator takes
 """
 
 import contextlib
+import datetime
 import math
 import threading
 import time
@@ -169,7 +170,6 @@ def shrink_default_group():
 
 
 def _timedelta(seconds):
-    import datetime
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
