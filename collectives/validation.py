@@ -321,6 +321,29 @@ def received_counts(matrix, expects, out_sizes, as_sequence, every_rank=False):
             raise InvalidUsageError(f"{label}: has {elements} elements, but the rank receives {receives}")
 
 
+# The ops whose gradient is the same collective again (frameworks' gradients).
+GRADIENT_OPS = (ReduceOp.SUM, ReduceOp.AVG)
+
+
+def gradient_op(op):
+    """`op` checked for gradients: avg (the mean over ranks) or sum."""
+    op = reduce_op(op)
+    if op not in GRADIENT_OPS:
+        raise InvalidUsageError(f"op: gradients are averaged ('avg') or summed ('sum'), got {op.value!r}")
+    return op
+
+
+def one_rank_in_this_process(comm, name, needed_by):
+    """`comm`, a communicator with one rank in this process (what a
+    framework's helpers take: collectives.init() under mpiexec, or
+    Communicator.local(1)); `needed_by` names them in the error."""
+    if len(getattr(comm, "local_ranks", ())) != 1 or not hasattr(comm, "allgather"):
+        raise InvalidUsageError(
+            f"{name}: {needed_by} need a communicator with one rank in this process: "
+            "collectives.init() (under mpiexec, one process per rank) or Communicator.local(1)")
+    return comm
+
+
 def root_rank(root, size):
     return rank_number(root, size, "root")
 

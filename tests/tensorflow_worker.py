@@ -6,7 +6,8 @@ TensorFlow's import costs seconds per process, so each scenario starts once
 and checks many things: `ops` every op's values and gradients against NumPy,
 eagerly and inside tf.function, and its errors; `training` a tape and a
 Keras fit against one process trained on the concatenated batches, then a
-rank that dies under a tf.function. Each rank prints "OK <part> <rank>" for
+rank that dies under a tf.function; `keras_torch` the same Keras fit on
+Keras' torch backend (the test launches it with KERAS_BACKEND=torch). Each rank prints "OK <part> <rank>" for
 every part that held and fails with a traceback otherwise. Rank 0 writes
 what it measured to OUTPUT.json when one is named.
 """
@@ -406,6 +407,18 @@ def scenario_keras(comm, measured):
     np.testing.assert_allclose(losses, reference.history["loss"], rtol=1e-5)
     measured["keras fit"] = difference
     measured["keras loss"] = float(np.abs(losses - reference.history["loss"]).max())
+
+
+def scenario_keras_torch(comm, output):
+    """scenario_keras's fit on Keras' torch backend: collectives.keras
+    reduces the torch gradients (CPU tensors, in place, one fused call)."""
+    import keras
+    assert keras.backend.backend() == "torch", keras.backend.backend()
+    measured = {}
+    scenario_keras(comm, measured)
+    ok("keras_torch", comm)
+    if output and comm.rank == 0:
+        json.dump(measured, open(output, "w"))
 
 
 def scenario_killed(comm):

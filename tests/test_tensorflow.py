@@ -85,6 +85,31 @@ def test_bad_arguments_raise_invalid_usage_naming_the_argument(comm):
             ctf.CrossDeviceOps(two)
 
 
+def test_keras_helpers_refuse_a_backend_and_gradients_they_cannot_reduce(comm, monkeypatch):
+    """JAX is refused by name; on the torch backend a gradient not on the CPU
+    or not dense is named before anything is reduced, and None stays None."""
+    import torch
+    from collectives.keras import _backend
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(InvalidUsageError, match="optimizer: collectives.keras runs on Keras' TensorFlow or PyTorch "
+                                                "backend, not 'jax'"):
+        DistributedOptimizer(keras.optimizers.SGD(), comm)
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    kept = torch.arange(4, dtype=torch.float32)
+    for bad, message in [(torch.zeros(2, device="meta"), "gradients[1]: on meta"),
+                         (torch.zeros(2).to_sparse(), "gradients[1]: expected a dense torch.Tensor")]:
+        with pytest.raises(InvalidUsageError, match=re.escape(message)):
+            _backend.reduce_gradients([kept, bad], comm, "avg", None, False, 1 << 20)
+        assert kept.tolist() == [0, 1, 2, 3]
+    with collectives.Communicator.local(2) as two:
+        with pytest.raises(InvalidUsageError, match="comm: collectives.keras' optimizer and callbacks need a "
+                                                    "communicator with one rank"):
+            DistributedOptimizer(keras.optimizers.SGD(), two)
+    reduced = _backend.reduce_gradients([None, kept], comm, "sum", None, False, 1 << 20)
+    assert reduced[0] is None and reduced[1].data_ptr() == kept.data_ptr()   # in place, one rank: the same values
+    assert kept.tolist() == [0, 1, 2, 3]
+
+
 @pytest.fixture(params=["native", "numpy_function"])
 def graph_node(request, monkeypatch):
     """The node type our ops make in a graph: native.py's op (the default),
@@ -364,10 +389,10 @@ def mpiexec():
     return mpi_launch.mpiexec()
 
 
-def run_worker(n, scenario, *arguments, launcher_flags=(), limit=240):
+def run_worker(n, scenario, *arguments, launcher_flags=(), limit=240, environment=None):
     # (the repository's root too: the `mwms` scenario runs bench's MultiWorkerMirroredStrategy backend)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), str(WORKER.parents[1]),
-                                                       os.environ.get("PYTHONPATH", "")]))
+                                                       os.environ.get("PYTHONPATH", "")]), **(environment or {}))
     env.pop("COLLECTIVES_TIMEOUT", None)
     done = subprocess.run([*mpi_launch.mpi_launch(n, *launcher_flags), str(WORKER), scenario,
                            *map(str, arguments)], capture_output=True, text=True, timeout=limit, env=env)
@@ -426,6 +451,20 @@ def test_two_processes_train_as_one_on_the_whole_batches_and_a_dead_peer_raises(
     assert oks.get("killed") == {0}, report
     measured = json.loads((tmp_path / "measured.json").read_text())
     assert len(measured) == 4 and all(difference <= 1e-5 for difference in measured.values()), measured
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_keras_fit_on_the_torch_backend_trains_as_one_process_on_the_whole_batches(tmp_path):
+    """The Keras fit of the `training` scenario with KERAS_BACKEND=torch: 2
+    ranks land on one process's weights to 1e-5 (clipping on: averaged
+    gradients), the same on every rank, losses averaged."""
+    returncode, oks, report = run_worker(2, "keras_torch", tmp_path / "measured.json",
+                                         environment={"KERAS_BACKEND": "torch"})
+    assert returncode == 0, report
+    assert oks.get("keras_torch") == {0, 1}, report
+    measured = json.loads((tmp_path / "measured.json").read_text())
+    assert measured["keras fit"] <= 1e-5, measured
 
 
 PUBLIC = [ctf.allreduce, ctf.allgather, ctf.reduce_scatter, ctf.broadcast, ctf.broadcast_variables,

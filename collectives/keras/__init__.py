@@ -1,4 +1,4 @@
-"""Keras 3 (TensorFlow backend) on collectives, in the spirit of Horovod's Keras API.
+"""Keras 3 (TensorFlow or PyTorch backend) on collectives, in the spirit of Horovod's Keras API.
 
     import keras, collectives
     from collectives.keras import (DistributedOptimizer, BroadcastGlobalVariablesCallback,
@@ -21,8 +21,9 @@
   mean over the ranks; put it before the callbacks that read them
   (checkpoints, early stopping, learning-rate schedules on a metric).
 
-Needs Keras 3 on TensorFlow (`pip install '.[tensorflow]'`); `import
-collectives` does not import this package.
+Needs Keras 3 on TensorFlow (`pip install '.[tensorflow]'`) or on PyTorch
+(`KERAS_BACKEND=torch`: CPU tensors; TensorFlow is then not imported);
+JAX is refused. `import collectives` does not import this package.
 """
 
 from .callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback

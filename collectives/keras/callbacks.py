@@ -6,8 +6,7 @@ import keras
 import numpy as np
 
 from .. import validation
-from ..errors import InvalidUsageError
-from ..tensorflow.ops import _hash63, broadcast_variables, check_communicator
+from ._backend import agree, broadcast_variables, check_communicator
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback"]
 
@@ -67,13 +66,10 @@ class MetricAverageCallback(keras.callbacks.Callback):
         if logs is None:
             return
         names = sorted(name for name, value in logs.items() if _is_number(value))
-        # The names' hash travels with the values, so ranks logging different
-        # metrics raise instead of averaging one metric with another.
-        signature = np.array([len(names), _hash63(repr(names))], np.int64)
-        everyone = self._comm.allgather(signature).reshape(self._comm.size, 2)
-        if (everyone != everyone[0]).any():
-            raise InvalidUsageError(f"logs: ranks log different metrics at the end of epoch {epoch}; "
-                                    f"this rank ({self._comm.rank}) logs {names}")
+        # The names travel (hashed) before the values, so ranks logging
+        # different metrics raise instead of averaging one metric with another.
+        agree(self._comm, repr(names), f"logs: ranks log different metrics at the end of epoch {epoch}; "
+                                       f"this rank ({self._comm.rank}) logs {names}")
         values = np.array([float(logs[name]) for name in names], np.float64)
         if values.size:
             self._comm.allreduce(values, op="avg")

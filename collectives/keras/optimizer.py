@@ -1,12 +1,11 @@
-"""DistributedOptimizer for Keras 3: gradients averaged over the ranks before the update."""
+"""DistributedOptimizer for Keras 3 (TensorFlow or PyTorch backend): gradients averaged over the ranks before the update."""
 
 import keras
 
+from .. import validation
 from ..errors import InvalidUsageError
 from ..fusion import DEFAULT_THRESHOLD
-from ..tensorflow.ops import check_communicator
-from ..tensorflow.tape import gradient_op, reduce_gradients
-from .. import validation
+from . import _backend
 
 __all__ = ["DistributedOptimizer"]
 
@@ -25,25 +24,28 @@ def DistributedOptimizer(optimizer, comm, compression=None, *, op="avg", sparse_
     compression       None, or "bf16", "fp16", "int8" (float32 gradients)
     op                "avg" (default) or "sum"
     sparse_as_dense   reduce IndexedSlices gradients (embeddings) as dense
-                      tensors (default: allgather their values and indices)
+                      tensors (default: allgather their values and indices;
+                      TensorFlow's only: the torch backend's are dense)
     fusion_threshold  bytes per fusion buffer of the grouped allreduce
 
     Its `apply` (which `apply_gradients` and model.fit's train step call)
     reduces the gradients, then runs the wrapped class's `apply`: clipping,
     weight decay and the update see averaged gradients. Every rank must
-    compute gradients for the same variables. Returns the new optimizer.
+    compute gradients for the same variables. On Keras' TensorFlow backend
+    the reduction is collectives.tensorflow's (a graph node inside
+    tf.function); on its torch backend, the CPU gradient tensors are
+    reduced in place, in one fused call. Returns the new optimizer.
     Raises InvalidUsageError for a bad argument (not a Keras optimizer, a
-    backend other than TensorFlow).
+    backend other than TensorFlow and PyTorch; at the update, a gradient
+    on a GPU on the torch backend).
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise InvalidUsageError(f"optimizer: expected a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
     if getattr(optimizer, "_collectives_comm", None) is not None:
         raise InvalidUsageError("optimizer: already a collectives DistributedOptimizer")
-    if keras.backend.backend() != "tensorflow":
-        raise InvalidUsageError(f"optimizer: collectives.keras runs on Keras' TensorFlow backend, not "
-                                f"{keras.backend.backend()!r} (set KERAS_BACKEND=tensorflow)")
-    check_communicator(comm)
-    op = gradient_op(op)
+    _backend.current("optimizer")
+    _backend.check_communicator(comm)
+    op = validation.gradient_op(op)
     validation.compression_codec(compression, op)
     from ..fusion import check_threshold
     check_threshold(fusion_threshold, "fusion_threshold")
@@ -55,7 +57,7 @@ def DistributedOptimizer(optimizer, comm, compression=None, *, op="avg", sparse_
         # Reduced before the base class's apply, which filters missing
         # gradients, unscales a loss scale, clips and decays: all of them on
         # the averaged gradients, as in one process on the global batch.
-        return base.apply(self, reduce_gradients(list(grads), comm, **options), trainable_variables)
+        return base.apply(self, _backend.reduce_gradients(list(grads), comm, **options), trainable_variables)
 
     # The same class name as the wrapped optimizer's, so that a saved model
     # names a class Keras knows (it loads with the plain optimizer).

@@ -56,7 +56,6 @@ our error: typed_error and typed_errors find it there too.
 
 import collections
 import contextlib
-import hashlib
 import itertools
 import math
 import re
@@ -73,6 +72,7 @@ from ..compression import wire
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from ..fusion import DEFAULT_THRESHOLD
 from ..ops import SUPPORTED_DTYPES, ReduceOp
+from ..transport.protocol import description_hash
 
 __all__ = ["allreduce", "allgather", "reduce_scatter", "broadcast", "broadcast_variables", "grouped_allreduce",
            "typed_error", "typed_errors"]
@@ -81,20 +81,12 @@ __all__ = ["allreduce", "allgather", "reduce_scatter", "broadcast", "broadcast_v
 # would rewrite them (and their checks) into graph control flow for nothing.
 _plain = tf.autograph.experimental.do_not_convert
 
-# The reductions whose gradient is the same reduction of the upstream gradient.
-_DIFFERENTIABLE_OPS = (ReduceOp.SUM, ReduceOp.AVG)
-
-
 # -- arguments ----------------------------------------------------------------------------
 
 
 def check_communicator(comm, name="comm"):
     """The TensorFlow ops run one rank per process, as collectives.init() gives."""
-    if len(getattr(comm, "local_ranks", ())) != 1 or not hasattr(comm, "allgather"):
-        raise InvalidUsageError(
-            f"{name}: the TensorFlow ops need a communicator with one rank in this process: "
-            "collectives.init() (under mpiexec, one process per rank) or Communicator.local(1)")
-    return comm
+    return validation.one_rank_in_this_process(comm, name, "the TensorFlow ops")
 
 
 def _as_tensor(tensor, name):
@@ -140,7 +132,7 @@ def _check_movable(dtype, name):
 
 
 def _gradient_op(op, collective):
-    if op not in _DIFFERENTIABLE_OPS:
+    if op not in validation.GRADIENT_OPS:
         raise InvalidUsageError(
             f"op: {collective} with op {op.value!r} has no gradient here (sum and avg have); "
             "wrap its input in tf.stop_gradient, or reduce with op 'sum' or 'avg'")
@@ -407,7 +399,7 @@ _COMPRESSIONS = (None, *wire.CODECS)
 
 
 def _hash63(text):
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    return description_hash(text) >> 1   # an int64 that is never negative
 
 
 def _row(kind, op, extra, dtype, shape):

@@ -20,17 +20,9 @@ from .. import validation
 from ..errors import InvalidUsageError
 from ..fusion import DEFAULT_THRESHOLD
 from ..ops import ReduceOp
-from .ops import _DIFFERENTIABLE_OPS, allgather, check_communicator, grouped_allreduce
+from .ops import allgather, check_communicator, grouped_allreduce
 
 __all__ = ["DistributedGradientTape", "reduce_gradients"]
-
-
-def gradient_op(op):
-    """`op` checked for gradients: avg (the mean over ranks) or sum."""
-    op = validation.reduce_op(op)
-    if op not in _DIFFERENTIABLE_OPS:
-        raise InvalidUsageError(f"op: gradients are averaged ('avg') or summed ('sum'), got {op.value!r}")
-    return op
 
 
 def reduce_gradients(gradients, comm, op="avg", compression=None, sparse_as_dense=False,
@@ -42,7 +34,7 @@ def reduce_gradients(gradients, comm, op="avg", compression=None, sparse_as_dens
     left as None. Every rank must pass the same structure. Returns the list
     in the same order. Raises InvalidUsageError for a bad argument,
     CollectiveTimeoutError or RankFailedError when a peer stalls or dies."""
-    op = gradient_op(op)
+    op = validation.gradient_op(op)
     out = list(gradients)
     dense, sparse = [], []
     for i, g in enumerate(out):
@@ -95,7 +87,7 @@ class DistributedGradientTape:
         if not isinstance(tape, tf.GradientTape):
             raise InvalidUsageError(f"tape: expected a tf.GradientTape, got {type(tape).__name__}")
         check_communicator(comm)
-        op = gradient_op(op)
+        op = validation.gradient_op(op)
         validation.compression_codec(compression, op)
         from ..fusion import check_threshold
         check_threshold(fusion_threshold, "fusion_threshold")
