@@ -896,9 +896,10 @@ class Communicator:
         backend="nccl". ShmRank.what_ran and the loop's `last_step` say
         what ran (tests/test_routes.py holds each answer against it).
 
-        Raises InvalidUsageError for an unknown collective or algorithm, or
-        a bad root.
+        Raises InvalidUsageError for an unknown collective or algorithm, a
+        bad root, or `nbytes` not an int >= 0.
         """
+        nbytes = validation.byte_count(nbytes)
         if collective == ALL_TO_ALL_V:   # all_to_all's schedules and paths; out of place or through a workspace
             return self.chosen_algorithm(ALL_TO_ALL, nbytes, dtype=dtype, in_place=False, algorithm=algorithm)
         if collective not in COLLECTIVE_NAMES:

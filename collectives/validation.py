@@ -366,6 +366,14 @@ def _integer(value, name, expected):
         raise InvalidUsageError(f"{name}: expected {expected}, got {type(value).__name__}") from None
 
 
+def byte_count(nbytes, name="nbytes"):
+    """A size in bytes: an int >= 0."""
+    value = _integer(nbytes, name, "a number of bytes (an int)")
+    if value < 0:
+        raise InvalidUsageError(f"{name}: {value} is negative")
+    return value
+
+
 # Tags travel in a slot's int64 word; MPI guarantees at least 32767.
 MAX_TAG = (1 << 62) - 1
 
