@@ -24,7 +24,6 @@ import numpy as np
 from .algorithms import MODELS, REGISTRY
 from .algorithms import choose as choose_by_schedule
 from .binding import IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE
-from .executors.device import fan_out, groups_traffic
 from .plan import build_plan
 
 
@@ -58,6 +57,9 @@ def bound_plan_costs(collective, nranks, root, binding):
     bytes of traffic per byte of a rank's WORK buffer) of its bound plan,
     fan-out groups reading their sources once. Traffic scales with the
     message, so one plan of whole chunks prices every size."""
+    # (imported here: ranks that never share a device, host ranks in a
+    # process of their own among them, need not load the device executor)
+    from .executors.device import fan_out, groups_traffic
     itemsize, count = 4, nranks * nranks * 64
     costs = {}
     for name, spec in REGISTRY.items():
