@@ -3,6 +3,7 @@
     pip install -e '.[mpi,tensorflow]' scikit-learn
     mpiexec -n 4 python examples/keras_digits.py
     mpiexec -n 4 python examples/keras_digits.py --compression int8
+    KERAS_BACKEND=torch mpiexec -n 4 python examples/keras_digits.py   # Keras on PyTorch's CPU tensors
 
 The model and data of torch_mlp.py (a 64-32-10 MLP on scikit-learn's
 digits, global batch 64, SGD), trained with `model.fit`:
@@ -23,7 +24,7 @@ It ends by checking that every rank's weights are bitwise identical.
 import argparse
 import os
 
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")   # collectives.keras runs on Keras' TensorFlow backend
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")   # or torch: collectives.keras runs on either
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")      # TensorFlow's start-up banners
 
 import keras  # noqa: E402
