@@ -161,6 +161,28 @@ def ops():
     dist.all_reduce(t, op=R.AVG)
     same(t, xs.sum(0) // size, "allreduce AVG int32")
 
+    # a sparse COO tensor (embedding gradients): summed, as Gloo sums them; ranks with different entries,
+    # duplicates, one rank with none; the result replaces the tensor's contents on every rank
+    def sparse_of(r):
+        entries = 0 if r == size - 1 else 4 + r
+        g = torch.Generator().manual_seed(r)
+        return torch.sparse_coo_tensor(torch.randint(0, 5, (2, entries), generator=g),
+                                       torch.randn(entries, 3, generator=g), (5, 5, 3), check_invariants=True)
+    t = sparse_of(rank)
+    dist.all_reduce(t)
+    check(t.layout == torch.sparse_coo and t.is_coalesced(), "a sparse allreduce leaves a coalesced sparse tensor")
+    want = sum(sparse_of(r).to_dense().double() for r in range(size))
+    check(torch.allclose(t.to_dense().double(), want, atol=1e-5), "sparse allreduce: the sum of every rank's entries")
+    dense = t.to_dense()
+    gathered = [torch.empty_like(dense) for _ in range(size)]
+    dist.all_gather(gathered, dense)
+    check(all(torch.equal(x, gathered[0]) for x in gathered), "sparse allreduce: the same bits on every rank")
+    raises("a sparse allreduce with MAX", lambda: dist.all_reduce(sparse_of(rank), op=R.MAX), kinds=(NotImplementedError,))
+    other = torch.sparse_coo_tensor(torch.zeros((2, 1), dtype=torch.int64), torch.ones(1, 3 + (rank == 0)),
+                                    (5, 5, 3 + (rank == 0)))
+    message = raises("sparse tensors of different shapes", lambda: dist.all_reduce(other))
+    check("sparse tensors differ in shape" in message, message)
+
     # PREMUL_SUM (FSDP2 with a divide factor): sum of factor * x
     if hasattr(dist, "_make_nccl_premul_sum"):
         xs = everyone(n, torch.float32)

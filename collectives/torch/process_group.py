@@ -89,6 +89,7 @@ import torch.distributed as dist
 
 from .. import bootstrap, start
 from ..errors import CollectiveError, InvalidUsageError
+from ..transport.protocol import description_hash
 from .rendezvous import StoreRendezvous
 from .tensors import byte_array, host_array, on_torch_stream, rank_array, reducible, word_array
 from .work import PendingWork, Work
@@ -260,6 +261,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         tensor = _one(tensors, "allreduce")
+        if tensor.layout == torch.sparse_coo:
+            return self._sparse_allreduce(tensor, _opts(opts, dist.AllreduceOptions).reduceOp)
         op, factor = _reduce_op(_opts(opts, dist.AllreduceOptions).reduceOp, tensor, "allreduce")
         cpu = self._communicators.get("cpu")
         if factor is None and cpu is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
@@ -278,6 +281,42 @@ class ProcessGroupCollectives(dist.ProcessGroup):
                     comm.allreduce(rank_array(t), op=op)
                 else:
                     comm.allreduce(rank_array(t * factor), op=op, out=rank_array(t))
+        return self._run([tensor], "allreduce", run)
+
+    def _sparse_allreduce(self, tensor, reduce_op):
+        """A sparse COO tensor summed over the ranks, as Gloo sums them: each
+        rank's coalesced indices and values go to every rank (one allgather
+        of their counts, one of each part padded to the largest count), and
+        every rank adds the same rows in rank order and coalesces them, so
+        all get the same bits. The sum replaces `tensor`'s contents (its
+        number of entries may grow). ReduceOp.SUM, CPU tensors."""
+        if reduce_op != dist.ReduceOp.SUM:
+            raise _not_offered(f"allreduce of a sparse tensor with {reduce_op}", "sparse tensors are summed "
+                               "(ReduceOp.SUM), as Gloo sums them")
+        if tensor.device.type != "cpu":
+            raise _not_offered(f"allreduce of a sparse tensor on {tensor.device}", "sparse tensors on the CPU")
+
+        def run(comm):
+            mine = tensor.detach().coalesce()
+            rows = [mine.indices().t().contiguous(), mine.values().contiguous()]   # one row per entry, each part
+            # each rank's count of entries, with its tensor's kind: ranks whose tensors differ raise alike
+            kind = description_hash(repr((tuple(mine.shape), mine.sparse_dim(), str(mine.dtype)))) >> 1
+            told = comm.allgather(host_array(torch.tensor([rows[0].shape[0], kind], dtype=torch.int64)))
+            counts, kinds = told[0::2].tolist(), set(told[1::2].tolist())
+            if len(kinds) != 1:
+                raise InvalidUsageError(f"allreduce: the ranks' sparse tensors differ in shape, sparse dimensions or "
+                                        f"dtype (this rank, {self.rank()}: {tuple(mine.shape)}, "
+                                        f"{mine.sparse_dim()} sparse, {mine.dtype})")
+            most = max(counts)
+            everyone = []
+            for part in rows:
+                padded = part.new_zeros((most, *part.shape[1:]))
+                padded[:part.shape[0]] = part
+                gathered = torch.from_numpy(comm.allgather(byte_array(padded))).view(part.dtype)
+                gathered = gathered.reshape(len(counts), most, *part.shape[1:])
+                everyone.append(torch.cat([gathered[r, :count] for r, count in enumerate(counts)]))
+            indices, values = everyone
+            tensor.copy_(torch.sparse_coo_tensor(indices.t(), values, mine.shape, check_invariants=True).coalesce())
         return self._run([tensor], "allreduce", run)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -773,7 +812,8 @@ def _reduce_op(op, tensor, what):
 
 def _not_offered(what, why=None):
     return NotImplementedError(
-        f"{what} is not offered by collectives' process group{': ' + why if why else ''}. It offers allreduce, "
+        f"{what} is not offered by collectives' process group{': ' + why if why else ''}. It offers allreduce "
+        "(sparse tensors too: SUM, on the CPU), "
         "broadcast, reduce, allgather, reduce_scatter (list, single-tensor and coalesced forms), gather, scatter, "
         "all_to_all (list and single-tensor forms, uneven splits too), send, recv and barrier")
 
