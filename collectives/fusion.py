@@ -35,7 +35,7 @@ from typing import NamedTuple, Tuple
 
 import numpy as np
 
-from . import arrays, kernels, validation
+from . import arrays, validation
 from .algorithms.schedule import ALLREDUCE
 from .binding import WORKSPACE
 from .compression import wire
@@ -266,6 +266,7 @@ class Fuser:
 
     def _upload_copies(self, devices, group, infos, addresses, pack, zero_gaps):
         """[(device, uploaded table, rows, grid)]: every copy of a pack or an unpack."""
+        from . import kernels   # (the kernel sources' module: device ranks only, so not loaded at import)
         itemsize = group.dtype.itemsize
         rows_of = {}
         for rank, device in enumerate(devices):

@@ -274,16 +274,16 @@ class CodecRow(ctypes.Structure):
     _fields_ = [("args", CodecArgs), ("op", ctypes.c_int32), ("unused", ctypes.c_int32)]
 
 
-def _batch_type():
+@functools.cache
+def codec_batch_type():
+    """codec.cu's CodecBatch, the by-value argument of codec_batch (made at
+    first use: its row count is the kernel sources', which host ranks never
+    load)."""
     from .. import kernels as sources
 
     class CodecBatch(ctypes.Structure):
-        """codec.cu's CodecBatch: the by-value argument of codec_batch."""
         _fields_ = [("rows", CodecRow * sources.CODEC_BATCH_ROWS)]
     return CodecBatch
-
-
-CodecBatch = _batch_type()
 
 
 def device_row(kernel, name, regions, divisor):
@@ -367,7 +367,7 @@ def batch_grid(rows, resident_blocks):
 
 def batch_arguments(rows):
     """A CodecBatch holding `rows` (the rest zero: rows no block runs)."""
-    batch = CodecBatch()
+    batch = codec_batch_type()()
     for i, row in enumerate(rows):
         batch.rows[i] = row
     return batch

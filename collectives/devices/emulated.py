@@ -559,7 +559,7 @@ def _load(path):
             lib.collectives_emulated_copy_columns(), lib.collectives_emulated_codec_args_size(),
             lib.collectives_emulated_codec_batch_size(), lib.collectives_emulated_codec_sum_args_size()) != \
             (kernels.MAX_RANKS, kernels.BUFFERS, kernels.COPY_COLUMNS, ctypes.sizeof(codecs.CodecArgs),
-             ctypes.sizeof(codecs.CodecBatch), ctypes.sizeof(codecs.CodecSumArgs)):
+             ctypes.sizeof(codecs.codec_batch_type()), ctypes.sizeof(codecs.CodecSumArgs)):
         raise CollectiveError(f"{path} was built from other kernel sources; delete it and try again")
     lib.collectives_emulated_ll_layout.restype = ctypes.c_longlong
     lib.collectives_emulated_ll_layout.argtypes = [ctypes.c_int]
