@@ -3,11 +3,19 @@ which collective-matrix cases run, which tests share an xdist worker, the
 skips grouped by reason, and MPICH's files that killed ranks left behind."""
 
 import gc
+import os
 import time
 
 import pytest
 
 from mpi_launch import remove_orphaned_mpich_segments
+
+# Every process the tests start (ranks under mpiexec and torchrun, the tools)
+# inherits this. OpenBLAS starts a thread per core when NumPy is imported,
+# and their start spins: `import numpy` took 0.15-0.19 CPU-s with them on
+# the 2-core machine, 0.09 without, in a suite that starts thousands of
+# ranks (docs/testing.md). No test gives BLAS enough work to want threads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # The algorithms whose schedules the emulated backends run on the whole
 # collective matrix; the others run it whole on host ranks, and on emulated
