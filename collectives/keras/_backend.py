@@ -53,8 +53,9 @@ def _reduce_torch_gradients(gradients, comm, op, compression, fusion_threshold):
         if gradient is None:
             continue
         if not isinstance(gradient, torch.Tensor) or gradient.layout != torch.strided:
-            raise InvalidUsageError(f"gradients[{i}]: expected a dense torch.Tensor, got "
-                                    f"{type(gradient).__name__}{'' if not hasattr(gradient, 'layout') else f' ({gradient.layout})'}")
+            got = f"{type(gradient).__name__} ({gradient.layout})" if isinstance(gradient, torch.Tensor) else \
+                type(gradient).__name__
+            raise InvalidUsageError(f"gradients[{i}]: expected a dense torch.Tensor, got {got}")
         if gradient.device.type != "cpu":
             raise InvalidUsageError(f"gradients[{i}]: on {gradient.device}; on Keras' torch backend "
                                     "collectives.keras reduces CPU tensors")
@@ -75,7 +76,8 @@ def broadcast_variables(variables, comm, root):
     layout = [(a.dtype.str, a.shape) for a in values]
     agree(comm, f"broadcast_variables {root} {layout}",
           f"variables: ranks broadcast different lists of variables (this rank, {comm.rank}: {layout})")
-    flat = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in values]) if values else np.empty(0, np.uint8)
+    flat = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in values] or
+                          [np.empty(0, np.uint8)])
     if flat.size:
         comm.broadcast(flat, root=root)
     offset = 0
