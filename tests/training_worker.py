@@ -138,7 +138,7 @@ def scenario_compression(comm, output):
     Rank 0 writes the table; the test compares."""
     collectives.compression.warm_up()   # compiling the codecs may take longer than TIMEOUT
     comm.barrier()
-    epochs, batch, lr = 25, 64, 0.2
+    epochs, batch, lr = 10, 64, 0.2
     x_train, y_train, x_test, y_test = digits()
     batches = global_batches(len(y_train), batch, epochs * (len(y_train) // batch))
     results, uncompressed = [], None
