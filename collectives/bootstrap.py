@@ -222,6 +222,15 @@ def topology(rendezvous, deadline, environ=os.environ):
                     tuple(machine for _, machine, _ in answers))
 
 
+def processes(rendezvous, deadline):
+    """Every rank's (process id, rank in the job's world), in rank order:
+    how the survivors of a failure across nodes tell the dead (by pid, on
+    one machine) and which pretend node each was on (by world rank)."""
+    world_rank = getattr(rendezvous, "world_rank", rendezvous.rank)
+    texts = _allgather_text(rendezvous, f"{os.getpid()} {world_rank}", 64, deadline, "every rank's process id")
+    return tuple(tuple(int(word) for word in text.split()) for text in texts)
+
+
 def local_rank(rendezvous, deadline):
     """This rank's index among the ranks on its machine (which GPU it takes),
     and the Topology."""

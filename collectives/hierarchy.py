@@ -111,7 +111,7 @@ from .algorithms.schedule import (
 )
 from .communicator import Communicator
 from .config import resolve_fast_sizes
-from .errors import CollectiveError, InvalidUsageError
+from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, RevokedError
 from .executors import host
 from .across import PROGRAM_MAX_BYTES, Programs, Shape, loop_runs_nodes
 from .ops import ReduceOp, partial_op
@@ -119,6 +119,7 @@ from .compression import kernels as codec_kernels
 from .compression.kernels import BLOCK
 from .plan import COUNT, DST_OFF, INPUT, NSRC, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, SRC0, WORK
 from .transport import fastpath
+from .transport.mpi import MpiLink
 from .transport.protocol import call_signature
 from .validation import call_arguments, compressed_dtype
 
@@ -172,6 +173,8 @@ class HierarchicalCommunicator(Communicator):
         shm = bootstrap.node_process_rank(rendezvous, deadline, ShmRank, found)
         link = rendezvous.link(deadline)
         ranks = HierarchyRanks(found, rendezvous.rank, shm, link)
+        ranks.processes = bootstrap.processes(rendezvous, deadline)
+        ranks.world_size = getattr(rendezvous, "world_size", rendezvous.size)
         return cls(ranks, size=rendezvous.size, local_ranks=[rendezvous.rank], timeout=timeout)
 
     def __init__(self, ranks, *, size, local_ranks, timeout):
@@ -187,6 +190,86 @@ class HierarchicalCommunicator(Communicator):
 
     def _auto(self, collective, elements, itemsize, root, binding=None, compression=None):
         return "hierarchical"
+
+    # -- going on after a failure (transport/mpi_recovery.py) ---------------------
+
+    def revoke(self):
+        """Communicator.revoke across nodes: every rank's calls raise
+        RevokedError, on this node through its shared memory, on the others
+        through MPI."""
+        self._recovering("revoke").abort(RevokedError(f"rank {self.rank} revoked the communicator"))
+
+    def agree(self, flag):
+        """Not offered across nodes: raises InvalidUsageError."""
+        raise InvalidUsageError("agree: not available on a communicator across nodes (shrink is, where every "
+                                "rank is on one machine)")
+
+    def shrink(self):
+        """Communicator.shrink across nodes, where every rank is on one
+        machine (pretend nodes). The survivors agree by MPI messages
+        (transport/mpi_recovery.py: a coordinator, the lowest live rank,
+        collects who joined and tells them), then MPI makes a communicator
+        of them alone (MPI_Comm_create_group), where the shrunk communicator
+        starts as collectives.init starts one: a HierarchicalCommunicator
+        where they still span nodes, else a Communicator of one node (or of
+        one rank). `old_ranks` and `epoch` as Communicator.shrink's.
+
+        Raises InvalidUsageError where ranks are on several machines (no
+        rank can tell a dead peer there from a slow one) or the link between
+        nodes is not MPI's; RankExcludedError on a rank the coordinator
+        left out; CollectiveTimeoutError where no decision came within the
+        timeout (this communicator stays, aborted: shrink() again goes on);
+        RankFailedError where a member failed while MPI made their
+        communicator (that has no way back: MPI may hold this process's
+        thread there).
+        """
+        from . import _start
+        from .transport.mpi_recovery import Agreement, create_group
+
+        h = self._recovering("shrink")
+        self._stop_worker()
+        h.abort(RevokedError(f"rank {self.rank} revoked the communicator to shrink it"))
+        deadline = time.perf_counter() + self.timeout
+        if h.agreement is None:
+            h.agreement = Agreement(h.link, [pid for pid, _ in h.processes])
+        try:
+            members = h.agreement.members(h.candidates, deadline)
+        except CollectiveTimeoutError as error:
+            if isinstance(error, RankFailedError):
+                self._close_failed(h)
+            raise   # (a timeout: this communicator stays for shrink() to go on)
+        except BaseException:
+            self._close_failed(h)
+            raise
+        h.candidates = members
+        try:
+            comm = create_group(h.link, members, [pid for pid, _ in h.processes], deadline)
+            rendezvous = bootstrap.MpiRendezvous(comm)
+            rendezvous.world_rank, rendezvous.world_size = h.processes[self.rank][1], h.world_size
+            shrunk = _start(rendezvous, "host", "ours", None, self.timeout, deadline)
+        finally:
+            self._close_failed(h)
+        shrunk.epoch, shrunk.old_ranks = self.epoch + 1, tuple(members)
+        return shrunk
+
+    def _recovering(self, what):
+        """The ranks, where the survivors can shrink; else InvalidUsageError."""
+        self._check_open()
+        h = self._ranks
+        machines = set(h.topology.machines)
+        if h.processes is None or not isinstance(h.link, MpiLink) or len(machines) > 1:
+            raise InvalidUsageError(
+                f"{what}: not available on this communicator across nodes: it needs every rank on one machine "
+                f"(these are on {len(machines)}) and MPI between the nodes")
+        return h
+
+    def _close_failed(self, h):
+        """Close this communicator after a shrink, with no barrier: its peers may be dead."""
+        if not self._closed:
+            self._closed = True
+            if self._p2p is not None:
+                self._p2p.close()
+            h.close()
 
     def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=None, compression=None,
                          algorithm="auto", symmetric=False):
@@ -231,6 +314,11 @@ class HierarchyRanks:
     compresses = True     # allreduce(compression=): what crosses nodes is encoded (compressed_allreduce)
     transport = "host-hierarchical"
     path = PHASES   # (the general path's name; `route` says which path a call takes)
+    # (HierarchicalCommunicator.start's: every rank's (pid, rank in the job's world), and the world's
+    # size, for shrink; the ranks a shrink still counts on, and its agreement, once one began)
+    processes = world_size = None
+    candidates = None
+    agreement = None
 
     def __init__(self, topology, rank, shm, link):
 
@@ -241,6 +329,7 @@ class HierarchyRanks:
         self._scratch = {}
         self.residual = None    # error feedback for the next compressed call (feeding_back)
         self.calls = 0          # calls made: each one's number goes into its signature
+        self.candidates = tuple(range(topology.size))   # who a shrink counts on (HierarchicalCommunicator.shrink)
         self.last_path = None   # the path `route` gave the last call the general path's way in ran
         # the small path's limit (config.FastSizes): the loop's slots, the same on every node whatever its
         # cores (inside a node, its loop may take a message above its own merged step's limit the large way)

@@ -878,6 +878,69 @@ def scenario_link_cut(comm):
     raises_in_time(comm, "the link was cut")
 
 
+def scenario_shrink(comm):
+    """On 0,0,1,1: rank 1 dies by SIGKILL before an allreduce; the others
+    raise, shrink to old ranks 0 | 2 3 (still two nodes) and run every
+    collective there. Then rank 0 of that one (old 0, the coordinator of the
+    next agreement) dies too: old ranks 2 and 3 shrink to one node, a plain
+    Communicator, and go on. Only they print OK."""
+    import signal
+
+    def shrink_after_a_death(c, victim):
+        """`victim` dies by SIGKILL; the others' next allreduce raises, and they shrink."""
+        c.barrier()
+        if c.rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = time.perf_counter()
+        try:
+            c.allreduce(np.ones(1000, np.float64))
+            raise AssertionError("an allreduce with a dead rank returned")
+        except CollectiveError:
+            raised = time.perf_counter()
+        shrunk = c.shrink()
+        print(f"SHRUNK {shrunk.epoch} rank {comm.rank}: raised after {1e3 * (raised - start):.1f} ms, "
+              f"shrank in {1e3 * (time.perf_counter() - raised):.1f} ms", flush=True)
+        return shrunk
+
+    def every_collective(c, what):
+        n, r = c.size, c.rank
+        mine = np.full(6, r + 1, np.float64)
+        check(c.allreduce(mine.copy()), np.full(6, n * (n + 1) / 2), f"{what}: allreduce")
+        check(c.allgather(mine), np.repeat(np.arange(1, n + 1, dtype=np.float64), 6), f"{what}: allgather")
+        check(c.reduce_scatter(np.full(6 * n, r + 1, np.float64)), np.full(6, n * (n + 1) / 2),
+              f"{what}: reduce_scatter")
+        check(c.broadcast(mine.copy(), root=n - 1), np.full(6, float(n)), f"{what}: broadcast")
+        got = c.reduce(mine.copy(), root=0, op="max")
+        if r == 0:
+            check(got, np.full(6, float(n)), f"{what}: reduce")
+        c.barrier()
+
+    assert comm.topology.nodes == ((0, 1), (2, 3)), comm.topology.nodes
+    try:
+        comm.agree(True)
+        raise AssertionError("agree ran across nodes")
+    except InvalidUsageError as error:
+        assert "agree: not available on a communicator across nodes" in str(error), error
+    every_collective(comm, "before")   # (the shapes' Programs exist: the shortcuts meet the death)
+    shrunk = shrink_after_a_death(comm, victim=1)
+    assert isinstance(shrunk, HierarchicalCommunicator), type(shrunk)
+    assert (shrunk.old_ranks, shrunk.epoch, shrunk.size) == ((0, 2, 3), 1, 3), (shrunk.old_ranks, shrunk.epoch)
+    assert shrunk.rank == shrunk.old_ranks.index(comm.rank) and shrunk.topology.nodes == ((0,), (1, 2)), \
+        (shrunk.rank, shrunk.topology.nodes)
+    try:
+        comm.allreduce(np.ones(4))
+        raise AssertionError("the communicator shrunk from went on")
+    except InvalidUsageError:
+        pass
+    every_collective(shrunk, "shrunk once")
+
+    again = shrink_after_a_death(shrunk, victim=0)   # (alone on its node: the others' timeout tells them)
+    assert type(again) is collectives.Communicator, type(again)
+    assert (again.old_ranks, again.epoch, again.size) == ((1, 2), 2, 2), (again.old_ranks, again.epoch)
+    every_collective(again, "shrunk twice")
+    again.close()
+
+
 def scenario_one_node(comm):
     """Every rank on one pretend node: today's communicator, unchanged."""
     assert type(comm) is collectives.Communicator, type(comm)
@@ -906,9 +969,9 @@ OK_FILES = "HIERARCHY_WORKER_OK_FILES"   # a folder where each rank also writes 
 
 
 FAILING = ("stalled", "stalled_by_node", "stalled_in_last_step", "killed", "killed_compressed", "killed_awaited", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
-           "shortcut_edges", "mismatched_large", "host_died", "link_cut")
+           "shortcut_edges", "mismatched_large", "host_died", "link_cut", "shrink")
 ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier", "shortcut_edges", "mismatched_large",
-           "host_died", "link_cut")
+           "host_died", "link_cut", "shrink")
 
 
 def main():
@@ -929,7 +992,7 @@ def main():
     if os.environ.get(OK_FILES):   # (on hosts: a rank's stdout crosses its host's link, which may be cut)
         with open(os.path.join(os.environ[OK_FILES], f"ok-{comm.rank}"), "w") as f:
             f.write(f"OK {scenario} {comm.rank}\n")
-    if scenario in ("killed", "killed_compressed", "killed_awaited", "host_died", "link_cut"):
+    if scenario in ("killed", "killed_compressed", "killed_awaited", "host_died", "link_cut", "shrink"):
         os._exit(0)   # MPI_Finalize would wait for the dead rank (or one across the cut link)
 
 

@@ -8,8 +8,10 @@ Each test starts one mpiexec job whose worker loops over the whole matrix
 itself (tests/hierarchy_worker.py), and has a hard time limit.
 """
 
+import os
 import random
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import pytest
 from collectives import InvalidUsageError, hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV, Topology, pretend_label
 from collectives.compression.kernels import BLOCK
-from mpi_launch import run_nodes_worker
+from mpi_launch import run_nodes_worker, survivable_launch
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 
@@ -183,6 +185,20 @@ def test_a_rank_that_dies_on_the_other_node_makes_the_others_raise_in_time(layou
     # Hydra would otherwise kill the survivors itself when one rank exits.
     oks, report = run_ranks("killed", layout, "-disable-auto-cleanup")
     assert len(oks) == 3, report
+
+
+@pytest.mark.mpi
+def test_survivors_of_two_sigkills_shrink_across_nodes_then_to_one_node_and_go_on():
+    """tests/hierarchy_worker.py's `shrink` on 0,0,1,1, under a launch that
+    lets survivors live: ranks 1, then 0, die by SIGKILL; the last two
+    print OK (they checked every shrink and collective on the way)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    env.pop("COLLECTIVES_PRETEND_NODES", None)
+    done = subprocess.run(survivable_launch(4, [str(WORKER), "shrink", TWO_AND_TWO]),
+                          capture_output=True, text=True, timeout=120, env=env)
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert sorted(re.findall(r"OK shrink (\d+)", done.stdout)) == ["2", "3"], report
 
 
 @pytest.mark.slow

@@ -120,7 +120,7 @@ class MpiLink:
                                 .encode()[:REASON_BYTES], np.uint8).copy()
         sends = [self.comm.Isend([message, self._mpi.BYTE], peer, ABORT_TAG)
                  for peer in range(self.size) if peer != self.rank and peer not in unreachable]
-        self._hold((sends, message))
+        self.hold((sends, message))
         until = time.perf_counter() + SEND_ABORT_SECONDS
         try:
             while not self._mpi.Request.Testall(sends) and time.perf_counter() < until:
@@ -230,9 +230,9 @@ class MpiLink:
                     request.Cancel()
             except self._mpi.Exception:
                 pass
-        self._hold((requests, buffers))
+        self.hold((requests, buffers))
 
-    def _hold(self, requests_and_buffers):
+    def hold(self, requests_and_buffers):
         """Requests MPI may still complete, and their buffers: kept alive (_HELD_FOR_MPI)."""
         self._orphans.append(requests_and_buffers)
         _HELD_FOR_MPI[self._held].append(requests_and_buffers)

@@ -1,0 +1,195 @@
+"""Going on after a failure across nodes: the survivors agree over MPI.
+
+recovery.py's agreement needs a segment that every survivor maps; ranks on
+different nodes share none. Their MPI communicator (the link's, mpi.py)
+still carries messages between survivors after a rank died, and
+MPI_Comm_create_group makes a communicator of a group with only the
+group's members taking part, the dead ones not (MPICH 5.0.2: 3 survivors
+of 4 after a SIGKILL, 2-14 ms, on one machine and between hosts of
+namespaces). So the survivors agree on who is left by messages, then ask
+MPI for a communicator of themselves, where the shrunk communicator starts
+as any other does (hierarchy.py, HierarchicalCommunicator.shrink).
+
+The agreement, one coordinator at a time:
+
+    the coordinator is the lowest candidate that has not failed;
+    every other candidate sends it JOIN;
+    it waits until every candidate joined or failed (or the deadline),
+    and sends every candidate it did not see fail the DECISION: the
+    members, those that joined, in rank order (itself first);
+    a candidate whose coordinator failed before the decision came, or
+    whose decision names a member that failed since, drops the failed
+    ones and goes on with the next coordinator.
+
+Every message to coordinator c, and every decision from it, carries tag
+TAG_BASE + c: the ranks that take c for their coordinator meet on that tag
+whatever each went through before. A candidate that did not join in time
+is told it was left out (RankExcludedError).
+
+Which ranks failed is read from /proc (recovery.process_failed), so every
+rank must be on this machine (pretend nodes). Across machines a rank
+cannot tell a dead peer from a slow one, and MPICH crashes a sender whose
+peer on another machine died (mpi.py, MpiLink.abort): not offered there.
+"""
+
+import threading
+import time
+
+import numpy as np
+
+from ..errors import CollectiveTimeoutError, RankExcludedError, RankFailedError
+from .recovery import POLL_SECONDS, process_failed
+
+TAG_BASE = 1 << 14   # + the coordinator's rank (mpi.py's ABORT_TAG and DATA_TAG are 1 and 2)
+JOIN = 1
+
+
+class Agreement:
+    """The survivors' agreement on `link` (an MpiLink, aborted or not):
+    `pids[q]` is rank q's process id, all on this machine."""
+
+    def __init__(self, link, pids):
+        self.link, self.pids = link, tuple(pids)
+        self.rank, self.size = link.rank, link.size
+
+    def failed(self, rank):
+        return rank != self.rank and process_failed(self.pids[rank])
+
+    def members(self, candidates, deadline):
+        """The members every survivor that returns agrees on (this rank
+        among them), in rank order. Raises RankExcludedError where the
+        coordinator left this rank out, CollectiveTimeoutError where no
+        decision came by `deadline`."""
+        candidates = [q for q in candidates if not self.failed(q)]
+        while True:
+            coordinator = candidates[0]
+            if coordinator == self.rank:
+                members = self._coordinate(candidates, deadline)
+            else:
+                members = self._follow(coordinator, deadline)
+            if members is None:                       # the coordinator failed first
+                candidates = [q for q in candidates if q != coordinator and not self.failed(q)]
+                continue
+            if self.rank not in members:
+                raise RankExcludedError(
+                    f"rank {self.rank} was left out of the shrunk communicator: rank {coordinator} decided on "
+                    f"ranks {', '.join(map(str, members))} before it joined")
+            if any(self.failed(q) for q in members):  # a member failed since: the next coordinator decides
+                candidates = [q for q in members if not self.failed(q)]
+                continue
+            return members
+
+    def _coordinate(self, candidates, deadline):
+        comm, mpi = self.link.comm, self.link.mpi
+        tag = TAG_BASE + self.rank
+        waiting = {q: (np.zeros(1, np.int64), None) for q in candidates if q != self.rank}
+        waiting = {q: (b, comm.Irecv([b, mpi.INT64_T], q, tag)) for q, (b, _) in waiting.items()}
+        joined = {self.rank}
+        while waiting and time.perf_counter() < deadline:
+            for q, (buffer, request) in list(waiting.items()):
+                if request.Test():
+                    joined.add(q)
+                    del waiting[q]
+                elif self.failed(q):
+                    self._abandon(request, buffer)
+                    del waiting[q]
+            if waiting:
+                time.sleep(POLL_SECONDS)
+        for q, (buffer, request) in waiting.items():   # late: left out, and told so
+            self._abandon(request, buffer)
+        members = sorted(joined)
+        decision = _bits(members, self.size)
+        told = [q for q in candidates if q != self.rank and not self.failed(q)]
+        sends = [comm.Isend([decision, mpi.INT64_T], q, tag) for q in told]
+        self._finish_sends(sends, decision, told, deadline)
+        return members
+
+    def _follow(self, coordinator, deadline):
+        """The coordinator's decision, or None once it failed without one."""
+        comm, mpi = self.link.comm, self.link.mpi
+        tag = TAG_BASE + coordinator
+        join = np.full(1, JOIN, np.int64)
+        decision = np.zeros(_words(self.size), np.int64)
+        sent = comm.Isend([join, mpi.INT64_T], coordinator, tag)
+        received = comm.Irecv([decision, mpi.INT64_T], coordinator, tag)
+        while not received.Test():
+            if self.failed(coordinator):
+                if received.Test():
+                    break
+                self._abandon(received, decision)
+                self.link.hold(([sent], join))
+                return None
+            if time.perf_counter() >= deadline:
+                self._abandon(received, decision)
+                self.link.hold(([sent], join))
+                raise CollectiveTimeoutError(f"timed out waiting for rank {coordinator} to decide who is left "
+                                             "after the failure (it coordinates the shrink)")
+            time.sleep(POLL_SECONDS)
+        if not sent.Test():   # it decided, so it took the JOIN; MPI may still hold it for a moment
+            self.link.hold(([sent], join))
+        return _members(decision, self.size)
+
+    def _finish_sends(self, sends, buffer, peers, deadline):
+        """Wait (bounded) for the decisions to leave; a peer that failed never takes its own."""
+        pending = list(zip(sends, peers))
+        until = min(deadline, time.perf_counter() + 1.0)
+        while pending and time.perf_counter() < until:
+            pending = [(s, q) for s, q in pending if not s.Test() and not self.failed(q)]
+            if pending:
+                time.sleep(POLL_SECONDS)
+        if pending:   # (sends are never cancelled: cancelling a started send crashed MPICH, mpi.py)
+            self.link.hold(([s for s, _ in pending], buffer))
+
+    def _abandon(self, receive, buffer):
+        """A receive no message will complete: cancelled, and kept from MPI's reach until the link's end."""
+        try:
+            receive.Cancel()
+        except self.link.mpi.Exception:
+            pass
+        self.link.hold(([receive], buffer))
+
+
+def create_group(link, members, pids, deadline):
+    """MPI's communicator of `members` (ranks of the link's communicator),
+    made by the members alone (MPI_Comm_create_group). It has no
+    nonblocking form: it runs on a thread of its own, and a member that
+    dies during it leaves that thread blocked in MPI; this rank raises
+    RankFailedError at the deadline or when it sees a member fail."""
+    group = link.comm.Get_group().Incl(list(members))
+    made, errors = [], []
+
+    def create():
+        try:
+            made.append(link.comm.Create_group(group, TAG_BASE - 1))
+        except BaseException as error:   # noqa: BLE001 - reported on the caller's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=create, name="collectives-create-group", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        failed = [q for q in members if q != link.rank and process_failed(pids[q])]
+        if failed or time.perf_counter() >= deadline:
+            what = (f"rank(s) {', '.join(map(str, failed))} failed" if failed
+                    else "the members did not all come within the timeout")
+            raise RankFailedError(f"making MPI's communicator of the shrunk communicator's ranks failed: {what}")
+        thread.join(POLL_SECONDS)
+    group.Free()
+    if errors:
+        raise RankFailedError(f"making MPI's communicator of the shrunk communicator's ranks failed: {errors[0]}")
+    return made[0]
+
+
+def _words(size):
+    return (size + 63) // 64
+
+
+def _bits(members, size):
+    words = np.zeros(_words(size), np.uint64)
+    for q in members:
+        words[q // 64] |= np.uint64(1) << np.uint64(q % 64)
+    return words.view(np.int64)
+
+
+def _members(decision, size):
+    words = decision.view(np.uint64)
+    return [q for q in range(size) if int(words[q // 64]) >> (q % 64) & 1]
