@@ -81,7 +81,7 @@ have read this rank's workspace). Nodes of one rank skip them.
 Every wait has the call's deadline. A rank that fails tells every other
 rank, inside its node through the control segment and across nodes through
 MPI, so no one waits out the timeout for a rank that is gone; a whole node
-that stops is noticed at the timeout. `algorithm=` is checked but not used:
+that stops is noticed at the timeout (on one machine, sooner: MpiLink.watch). `algorithm=` is checked but not used:
 inside a node every collective runs the phases above, folding as the direct
 algorithm does. allreduce_many and fusion_buffer work, through allreduce.
 
@@ -175,6 +175,10 @@ class HierarchicalCommunicator(Communicator):
         ranks = HierarchyRanks(found, rendezvous.rank, shm, link)
         ranks.processes = bootstrap.processes(rendezvous, deadline)
         ranks.world_size = getattr(rendezvous, "world_size", rendezvous.size)
+        if isinstance(link, MpiLink):   # a rank of another node on this machine that dies: raise, not time out
+            me = rendezvous.rank
+            link.watch({q: ranks.processes[q][0] for q in range(rendezvous.size)
+                        if found.machines[q] == found.machines[me] and found.node_of(q) != found.node_of(me)})
         return cls(ranks, size=rendezvous.size, local_ranks=[rendezvous.rank], timeout=timeout)
 
     def __init__(self, ranks, *, size, local_ranks, timeout):

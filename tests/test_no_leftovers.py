@@ -245,7 +245,7 @@ def test_a_segment_whose_holder_died_before_it_was_opened_raises_rank_failed(chi
 def test_a_holder_in_the_kernels_exit_path_counts_as_exited():
     # Between closing its descriptors and turning into a zombie, a dying
     # process is still "R" or "D"; only its PF_EXITING flag says it is going.
-    from collectives.transport.segments import PF_EXITING, _exited, gone_or_going
+    from collectives.transport.segments import PF_EXITING, exited, gone_or_going
 
     def stat(state, flags, name=b"python3"):
         return b"4242 (" + name + b") " + state + b" 1 4242 4242 0 -1 " + str(flags).encode() + b" 0 0 0 0"
@@ -255,7 +255,7 @@ def test_a_holder_in_the_kernels_exit_path_counts_as_exited():
     assert gone_or_going(stat(b"D", PF_EXITING, name=b"a) R 1 2 (odd"))
     assert not gone_or_going(stat(b"S", 0x400000, name=b"x) Z 1 (y"))
     assert gone_or_going(stat(b"Z", 0))
-    assert not _exited(os.getpid())
+    assert not exited(os.getpid())
 
 
 def test_rank_0_dead_before_a_peer_attached_raises_rank_failed(child):

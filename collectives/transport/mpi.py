@@ -24,7 +24,8 @@ tests from C.
 A rank that fails in a collective sends every other rank an abort message
 (tag ABORT_TAG; each rank keeps one receive posted for it from anyone).
 Every wait checks it, so the others raise within moments instead of waiting
-out their timeout; a whole node that dies is noticed at the timeout.
+out their timeout; a whole node that dies is noticed at the timeout, unless
+its processes are on this rank's machine (pretend nodes: `watch`).
 """
 
 import ctypes
@@ -35,10 +36,12 @@ import time
 import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, class_of_kind, kind_of
+from .segments import exited
 
 ABORT_TAG, DATA_TAG = 1, 2
 REASON_BYTES = 1024
 HEALTH_EVERY = 0.02     # seconds between looks at the abort channel while waiting
+WATCH_EVERY = 0.05      # seconds between looks at the watched processes (MpiLink.watch)
 SEND_ABORT_SECONDS = 0.05
 # An abort message starts with the class of its failure, one digit
 # (errors.kind_of), so the receivers raise the same class.
@@ -74,6 +77,7 @@ class MpiLink:
         self._held = next(_LINK_NUMBERS)
         _HELD_FOR_MPI[self._held] = [(self._abort_request, self._abort_buffer)]
         self._orphans = []                # requests (and their buffers) of failed exchanges
+        self._watched, self._next_look = {}, 0.0   # (watch)
 
     # -- health ------------------------------------------------------------------
 
@@ -104,6 +108,27 @@ class MpiLink:
         if self._aborted is not None:
             kind, message, _ = self._aborted
             raise kind(message)
+        if self._watched:
+            self._look_at_the_watched()
+
+    def watch(self, pids):
+        """Ranks of other nodes whose processes this rank can see, {rank:
+        pid}: those on its own machine (pretend nodes). One that dies is
+        then a RankFailedError at this rank's next look at its health
+        (every HEALTH_EVERY while it waits, at most every WATCH_EVERY),
+        where before only the timeout told: a rank alone on its node has
+        no node-mate to see it die and abort."""
+        self._watched = dict(pids)
+
+    def _look_at_the_watched(self):
+        now = time.perf_counter()
+        if now < self._next_look:
+            return
+        self._next_look = now + WATCH_EVERY
+        dead = [rank for rank, pid in self._watched.items() if exited(pid)]
+        if dead:
+            raise RankFailedError(f"rank(s) {', '.join(map(str, dead))} of another node died (process "
+                                  f"{', '.join(str(self._watched[rank]) for rank in dead)} on this machine)")
 
     def abort(self, error, unreachable=()):
         """Tell every other rank that this communicator cannot go on, unless

@@ -136,7 +136,7 @@ def _open_held(name, pid):
             raise RankFailedError(f"process {pid}, which held shared memory {name}, has exited") from None
         raise CollectiveError(f"cannot map shared memory {name}: this machine has no /proc to find it in") from None
     except PermissionError as error:
-        if _exited(pid):
+        if exited(pid):
             raise RankFailedError(f"process {pid}, which held shared memory {name}, has exited") from None
         raise CollectiveError(
             f"cannot map shared memory {name}: /proc/{pid}/fd is not readable here ({error}); the ranks of a "
@@ -148,7 +148,7 @@ def _open_held(name, pid):
                 return os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue  # closed meanwhile, or not ours to read
-    if _exited(pid):
+    if exited(pid):
         raise RankFailedError(f"process {pid}, which held shared memory {name}, has exited")
     raise CollectiveError(f"process {pid} holds no shared memory named {name}: it released it, or never made it")
 
@@ -156,7 +156,7 @@ def _open_held(name, pid):
 PF_EXITING = 0x4   # linux/sched.h: the task has begun do_exit()
 
 
-def _exited(pid):
+def exited(pid):
     """Whether process `pid` is gone or going, and so holds nothing.
 
     A zombie (dead, not reaped yet) has exited too. So has a process that
