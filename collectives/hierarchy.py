@@ -203,14 +203,9 @@ class HierarchicalCommunicator(Communicator):
         through MPI."""
         self._recovering("revoke").abort(RevokedError(f"rank {self.rank} revoked the communicator"))
 
-    def agree(self, flag):
-        """Not offered across nodes: raises InvalidUsageError."""
-        raise InvalidUsageError("agree: not available on a communicator across nodes (shrink is, where every "
-                                "rank is on one machine)")
-
     def shrink(self):
         """Communicator.shrink across nodes, where every rank is on one
-        machine (pretend nodes). The survivors agree by MPI messages
+        machine (pretend nodes); `agree` and `revoke` work there too. The survivors agree by MPI messages
         (transport/mpi_recovery.py: a coordinator, the lowest live rank,
         collects who joined and tells them), then MPI makes a communicator
         of them alone (MPI_Comm_create_group), where the shrunk communicator
@@ -228,16 +223,14 @@ class HierarchicalCommunicator(Communicator):
         thread there).
         """
         from . import _start
-        from .transport.mpi_recovery import Agreement, create_group
+        from .transport.mpi_recovery import create_group
 
         h = self._recovering("shrink")
         self._stop_worker()
         h.abort(RevokedError(f"rank {self.rank} revoked the communicator to shrink it"))
         deadline = time.perf_counter() + self.timeout
-        if h.agreement is None:
-            h.agreement = Agreement(h.link, [pid for pid, _ in h.processes])
         try:
-            members = h.agreement.members(h.candidates, deadline)
+            members = h.recovery().members(h.candidates, deadline)
         except CollectiveTimeoutError as error:
             if isinstance(error, RankFailedError):
                 self._close_failed(h)
@@ -419,6 +412,18 @@ class HierarchyRanks:
         if self.shm is not None:
             self.shm.abort(f"{type(error).__name__} on rank {self.rank}: {error}", error)
         self.link.abort(error, self.out_of_reach(error))
+
+    def recovery(self):
+        """The survivors' agreement over the link (transport/mpi_recovery.py), made at the first agree or shrink."""
+        if self.agreement is None:
+            from .transport.mpi_recovery import Agreement
+            self.agreement = Agreement(self.link, [pid for pid, _ in self.processes])
+        return self.agreement
+
+    def agree(self, flag, deadline):
+        """Communicator.agree across nodes: the AND of every rank's flag, uniform among those that return."""
+        from .transport.mpi_recovery import agree
+        return agree(self.recovery(), flag, self.candidates, deadline)
 
     def out_of_reach(self, error):
         """The ranks an abort for `error` must not be sent to: every rank of

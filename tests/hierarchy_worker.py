@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import OPS, counts_for, dtypes_for, gather_input, reduction_expected, reduction_input
+from cases import OPS, counts_for, dtypes_for, gather_input, reduction_expected, reduction_input, run_scenario
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives import hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV
@@ -881,15 +881,17 @@ def scenario_link_cut(comm):
 
 
 def scenario_shrink(comm):
-    """On 0,0,1,1: rank 1 dies by SIGKILL before an allreduce; the others
-    raise, shrink to old ranks 0 | 2 3 (still two nodes) and run every
-    collective there. Then rank 0 of that one (old 0, the coordinator of the
+    """On 0,0,1,1: agree's AND; rank 1 dies by SIGKILL before an allreduce;
+    the others raise, agree (False: the dead counts so), shrink to old ranks
+    0 | 2 3 (still two nodes) and run every collective and an agree there. Then rank 0 of that one (old 0, the coordinator of the
     next agreement) dies too: old ranks 2 and 3 shrink to one node, a plain
     Communicator, and go on. Only they print OK."""
     import signal
 
-    def shrink_after_a_death(c, victim):
-        """`victim` dies by SIGKILL; the others' next allreduce raises, and they shrink."""
+    def shrink_after_a_death(c, victim, agree_first=False):
+        """`victim` dies by SIGKILL; the others' next allreduce raises, and
+        they shrink (`agree_first`: after an agree on the aborted
+        communicator, where the dead rank counts as False)."""
         c.barrier()
         if c.rank == victim:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -899,6 +901,8 @@ def scenario_shrink(comm):
             raise AssertionError("an allreduce with a dead rank returned")
         except CollectiveError:
             raised = time.perf_counter()
+        if agree_first:
+            assert c.agree(True) is False, "an agree counted a dead rank's flag as True"
         shrunk = c.shrink()
         print(f"SHRUNK {shrunk.epoch} rank {comm.rank}: raised after {1e3 * (raised - start):.1f} ms, "
               f"shrank in {1e3 * (time.perf_counter() - raised):.1f} ms", flush=True)
@@ -918,13 +922,9 @@ def scenario_shrink(comm):
         c.barrier()
 
     assert comm.topology.nodes == ((0, 1), (2, 3)), comm.topology.nodes
-    try:
-        comm.agree(True)
-        raise AssertionError("agree ran across nodes")
-    except InvalidUsageError as error:
-        assert "agree: not available on a communicator across nodes" in str(error), error
+    assert [comm.agree(True), comm.agree(comm.rank != 2), comm.agree(True)] == [True, False, True]
     every_collective(comm, "before")   # (the shapes' Programs exist: the shortcuts meet the death)
-    shrunk = shrink_after_a_death(comm, victim=1)
+    shrunk = shrink_after_a_death(comm, victim=1, agree_first=True)
     assert isinstance(shrunk, HierarchicalCommunicator), type(shrunk)
     assert (shrunk.old_ranks, shrunk.epoch, shrunk.size) == ((0, 2, 3), 1, 3), (shrunk.old_ranks, shrunk.epoch)
     assert shrunk.rank == shrunk.old_ranks.index(comm.rank) and shrunk.topology.nodes == ((0,), (1, 2)), \
@@ -935,6 +935,7 @@ def scenario_shrink(comm):
     except InvalidUsageError:
         pass
     every_collective(shrunk, "shrunk once")
+    assert shrunk.agree(True) is True
 
     again = shrink_after_a_death(shrunk, victim=0)   # (alone on its node: the others' links watch it)
     assert type(again) is collectives.Communicator, type(again)
@@ -970,6 +971,7 @@ HOSTS = "hosts"   # LAYOUT for ranks on hosts of their own: no pretend nodes
 OK_FILES = "HIERARCHY_WORKER_OK_FILES"   # a folder where each rank also writes its OK line
 
 
+RANKS_DIE = ("killed", "killed_compressed", "killed_awaited", "host_died", "link_cut", "shrink")
 FAILING = ("stalled", "stalled_by_node", "stalled_in_last_step", "killed", "killed_compressed", "killed_awaited", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
            "shortcut_edges", "mismatched_large", "host_died", "link_cut", "shrink")
 ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier", "shortcut_edges", "mismatched_large",
@@ -985,7 +987,8 @@ def main():
     record_segments()
     comm = collectives.init(timeout=TIMEOUT if scenario in FAILING else 30.0)
     assert comm.size == WORLD.size and comm.rank == WORLD.rank
-    globals()[f"scenario_{scenario}"](comm)
+    # (where ranks die, a failed check exits at once: MPI_Finalize would wait for the dead)
+    run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=scenario in RANKS_DIE)
     if scenario in ("matrix", "order", "one_node"):
         no_segment_crosses_a_node(comm)
     if scenario not in ABORTED:   # (an aborted communicator closes with the process)
@@ -994,7 +997,7 @@ def main():
     if os.environ.get(OK_FILES):   # (on hosts: a rank's stdout crosses its host's link, which may be cut)
         with open(os.path.join(os.environ[OK_FILES], f"ok-{comm.rank}"), "w") as f:
             f.write(f"OK {scenario} {comm.rank}\n")
-    if scenario in ("killed", "killed_compressed", "killed_awaited", "host_died", "link_cut", "shrink"):
+    if scenario in RANKS_DIE:
         os._exit(0)   # MPI_Finalize would wait for the dead rank (or one across the cut link)
 
 

@@ -24,6 +24,7 @@ import pytest
 
 import collectives
 from collectives import InvalidUsageError, elastic
+from collectives.bootstrap import PRETEND_NODES_ENV
 from collectives.transport import fastpath
 from test_mpi import mpich_mpiexec, survivable_launch
 
@@ -134,22 +135,27 @@ def test_torch_distributeds_default_group_shrinks_and_its_training_goes_on(tmp_p
 
 
 @pytest.mark.mpi
-def test_the_elastic_example_loses_a_rank_and_ends_on_the_uninterrupted_runs_accuracy():
+def test_the_elastic_example_loses_a_rank_and_ends_on_the_uninterrupted_runs_accuracy_on_one_node_and_across_two():
     pytest.importorskip("sklearn")
     example = Path(__file__).parent.parent / "examples" / "elastic.py"
 
-    def accuracy(n, *flags):
+    def accuracy(n, *flags, pretend_nodes=None):
+        env = {name: value for name, value in os.environ.items() if name != PRETEND_NODES_ENV}
+        if pretend_nodes:
+            env[PRETEND_NODES_ENV] = pretend_nodes
         done = subprocess.run(survivable_launch(n, [str(example), "--epochs", "8", *flags]),
-                              capture_output=True, text=True, timeout=LIMIT)
+                              capture_output=True, text=True, timeout=LIMIT, env=env)
         found = re.search(r"(\d) ranks finished (\d+) steps; test accuracy ([\d.]+); parameters bitwise identical: "
                           r"True", done.stdout)
         assert found, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
         return int(found[1]), float(found[3]), done.stdout
 
-    ranks, interrupted, printed = accuracy(4, "--kill-rank", "1", "--kill-step", "57")
-    assert ranks == 3 and "go on from the commit at step 50" in printed, printed
     _, uninterrupted, _ = accuracy(4, "--kill-step", "-1")
-    assert abs(interrupted - uninterrupted) <= 0.005, (interrupted, uninterrupted)
+    # on one machine, and across two pretend nodes (the survivors agree and shrink over MPI there)
+    for nodes in (None, "0,0,1,1"):
+        ranks, interrupted, printed = accuracy(4, "--kill-rank", "1", "--kill-step", "57", pretend_nodes=nodes)
+        assert ranks == 3 and "go on from the commit at step 50" in printed, printed
+        assert abs(interrupted - uninterrupted) <= 0.005, (nodes, interrupted, uninterrupted)
 
 
 @pytest.mark.mpi

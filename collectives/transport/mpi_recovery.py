@@ -41,6 +41,9 @@ from ..errors import CollectiveTimeoutError, RankExcludedError, RankFailedError
 from .recovery import POLL_SECONDS, process_failed
 
 TAG_BASE = 1 << 14   # + the coordinator's rank (mpi.py's ABORT_TAG and DATA_TAG are 1 and 2)
+AGREE_TAG_BASE = TAG_BASE + (1 << 13)   # + the coordinator's rank: agree's flags and decisions
+RELAY_TAG = TAG_BASE - 2                # agree's decisions, passed on by each rank that got one
+GROUP_TAG = TAG_BASE - 1                # MPI_Comm_create_group's
 JOIN = 1
 
 
@@ -51,6 +54,7 @@ class Agreement:
     def __init__(self, link, pids):
         self.link, self.pids = link, tuple(pids)
         self.rank, self.size = link.rank, link.size
+        self.agreements = 0   # agree calls made: each message of one carries its number
 
     def failed(self, rank):
         return rank != self.rank and process_failed(self.pids[rank])
@@ -149,6 +153,125 @@ class Agreement:
         self.link.hold(([receive], buffer))
 
 
+class _Agree:
+    """One agree call's messages: (call number, value), int64 each."""
+
+    def __init__(self, agreement, call):
+        self.a, self.call = agreement, call
+        self.comm, self.mpi = agreement.link.comm, agreement.link.mpi
+
+    def message(self, value):
+        return np.array([self.call, value], np.int64)
+
+    def receive(self, source, tag):
+        buffer = np.zeros(2, np.int64)
+        return buffer, self.comm.Irecv([buffer, self.mpi.INT64_T], source, tag)
+
+    def taken(self, buffer, request, source, tag):
+        """(buffer, request) of this call: a completed receive of an earlier
+        call's message (stale: its sender went on without an answer) is
+        posted again; None while nothing of this call came."""
+        while request.Test():
+            if buffer[0] == self.call:
+                return True
+            request = self.comm.Irecv([buffer, self.mpi.INT64_T], source, tag)
+        return request
+
+    def send_all(self, value, peers, deadline):
+        message = self.message(value)
+        self.a._finish_sends([self.comm.Isend([message, self.mpi.INT64_T], q, RELAY_TAG) for q in peers],
+                             message, peers, deadline)
+
+
+def agree(agreement, flag, candidates, deadline):
+    """The AND of every candidate's `flag`, the same on every rank that
+    returns while ranks fail: agreement.members's coordinator collects the
+    flags (a candidate that fails first counts as False, one that comes
+    after the deadline too) and sends the AND; a rank passes the decision to
+    every other candidate before it returns (RELAY_TAG), so that once one
+    rank returned a value, a rank whose coordinator then died finds it
+    waiting rather than deciding anew."""
+    a = agreement
+    a.agreements += 1
+    call = _Agree(a, a.agreements)
+    relayed, relay = call.receive(a.link.mpi.ANY_SOURCE, RELAY_TAG)
+    everyone, candidates = candidates, [q for q in candidates if not a.failed(q)]
+    try:
+        while True:
+            coordinator = candidates[0]
+            tag = AGREE_TAG_BASE + coordinator
+            if coordinator == a.rank:
+                value = _collect(call, flag and len(candidates) == len(everyone), candidates, tag, deadline)
+                call.send_all(value, [q for q in candidates if q != a.rank and not a.failed(q)], deadline)
+                return bool(value)
+            mine = call.message(int(flag))
+            sent = a.link.comm.Isend([mine, a.link.mpi.INT64_T], coordinator, tag)
+            decided, decision = call.receive(coordinator, tag)
+            while True:
+                if (decision := call.taken(decided, decision, coordinator, tag)) is True:
+                    value = int(decided[1])
+                    break
+                if (relay := call.taken(relayed, relay, a.link.mpi.ANY_SOURCE, RELAY_TAG)) is True:
+                    a._abandon(decision, decided)
+                    _let_go(a, sent, mine)
+                    return bool(relayed[1])   # (its sender passed it on to every candidate already)
+                if a.failed(coordinator):
+                    a._abandon(decision, decided)
+                    _let_go(a, sent, mine)
+                    value = None
+                    break
+                if time.perf_counter() >= deadline:
+                    a._abandon(decision, decided)
+                    _let_go(a, sent, mine)
+                    raise CollectiveTimeoutError(f"timed out waiting for rank {coordinator} to decide agree "
+                                                 f"call #{call.call} (it coordinates it)")
+                time.sleep(POLL_SECONDS)
+            if value is None:   # (the next coordinator counts the failed one as False)
+                candidates = [q for q in candidates if q != coordinator and not a.failed(q)]
+                continue
+            _let_go(a, sent, mine)
+            call.send_all(value, [q for q in candidates if q not in (a.rank, coordinator) and not a.failed(q)],
+                          deadline)
+            return bool(value)
+    finally:
+        if relay is not True:
+            a._abandon(relay, relayed)
+
+
+def _let_go(agreement, sent, buffer):
+    """A small send is done at once (MPI sends it eagerly); one that is not is kept from MPI's reach."""
+    if not sent.Test():
+        agreement.link.hold(([sent], buffer))
+
+
+def _collect(call, flag, candidates, tag, deadline):
+    """The coordinator's AND: its own flag and every candidate's that came in time."""
+    a, value = call.a, bool(flag)
+    waiting = {}
+    for q in candidates:
+        if q != a.rank:
+            buffer, request = call.receive(q, tag)
+            waiting[q] = (buffer, request)
+    while waiting and time.perf_counter() < deadline:
+        for q, (buffer, request) in list(waiting.items()):
+            request = call.taken(buffer, request, q, tag)
+            if request is True:
+                value = value and bool(buffer[1])
+                del waiting[q]
+            elif a.failed(q):
+                a._abandon(request, buffer)
+                value = False
+                del waiting[q]
+            else:
+                waiting[q] = (buffer, request)
+        if waiting:
+            time.sleep(POLL_SECONDS)
+    for q, (buffer, request) in waiting.items():   # late: counted False
+        a._abandon(request, buffer)
+        value = False
+    return int(value)
+
+
 def create_group(link, members, pids, deadline):
     """MPI's communicator of `members` (ranks of the link's communicator),
     made by the members alone (MPI_Comm_create_group). It has no
@@ -160,7 +283,7 @@ def create_group(link, members, pids, deadline):
 
     def create():
         try:
-            made.append(link.comm.Create_group(group, TAG_BASE - 1))
+            made.append(link.comm.Create_group(group, GROUP_TAG))
         except BaseException as error:   # noqa: BLE001 - reported on the caller's thread
             errors.append(error)
 
