@@ -1,8 +1,9 @@
 """Chaos: ranks killed or stopped at random moments; the survivors shrink and go on.
 
-    python -m bench.chaos [--trials 200] [--seed 1] [--ranks 2,3,4] [-J chaos.json]
+    python -m bench.chaos [--trials 200] [--seed 1] [--ranks 2,3,4] [--nodes 1] [-J chaos.json]
 
-Each trial is one job of 2-4 host ranks in processes under MPICH's mpiexec,
+Each trial is one job of 2-4 host ranks in processes under MPICH's mpiexec
+(split into pretend nodes with --nodes: then a HierarchicalCommunicator's),
 each rank wrapped as docs/api.md says (a shell that ignores hydra's SIGUSR1
 and turns a death by a signal into an exit status). The trial's seed picks,
 the same on every rank: a collective (any of the five) and its size (1 KiB,
@@ -120,7 +121,7 @@ def rank_main(seed, n):
     if me in trial["victims"] and trial["event"] != "in_shrink":
         time.sleep(60)   # its signal is on the way (a stopped rank continued at the end exits here)
         return
-    stopped = [comm._ranks.group.pid_of(v) for v in trial["victims"]] if trial["event"] == "stop" else []  # noqa: SLF001
+    stopped = [pid_of(comm, v) for v in trial["victims"]] if trial["event"] == "stop" else []
     if trial["event"] == "in_shrink" and me == second:
         threading.Timer(trial["shrink_delay"], die, ("kill",)).start()
     current, recovered, shrinks = comm, None, 0
@@ -150,11 +151,24 @@ def rank_main(seed, n):
     current.close()
 
 
+def pid_of(comm, rank):
+    """The process id of `rank` of `comm` (on this machine)."""
+    ranks = comm._ranks   # noqa: SLF001
+    processes = getattr(ranks, "processes", None)   # across (pretend) nodes: hierarchy.HierarchyRanks
+    return processes[rank][0] if processes is not None else ranks.group.pid_of(rank)
+
+
 # -- the trials ------------------------------------------------------------------------
 
-def run_trial(seed, n, mpiexec, timeout=TIMEOUT):
-    """Run trial `seed` on `n` ranks, their communicator's `timeout`; its record."""
+def pretend_nodes(n, nodes):
+    """$COLLECTIVES_PRETEND_NODES for `n` ranks in `nodes` nodes of consecutive ranks ("" for one)."""
+    return "" if nodes <= 1 else ",".join(str(r * nodes // n) for r in range(n))
+
+
+def run_trial(seed, n, mpiexec, timeout=TIMEOUT, nodes=1):
+    """Run trial `seed` on `n` ranks in `nodes` pretend nodes, their communicator's `timeout`; its record."""
     trial = plan(seed, n)
+    trial["nodes"] = pretend_nodes(n, nodes) or None
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     rank = " ".join(shlex.quote(p) for p in (sys.executable, "-m", "bench.chaos", "--rank-of-trial", str(seed)))
     command = [mpiexec, "-disable-auto-cleanup", "-n", str(n), "sh", "-c", f'trap "" USR1; {rank}; exit $?']
@@ -162,7 +176,8 @@ def run_trial(seed, n, mpiexec, timeout=TIMEOUT):
     # A session of its own, so that a hung job's every process can be ended.
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True,
-                           env=dict(os.environ, CHAOS_RANKS=str(n), CHAOS_TIMEOUT=str(timeout)))
+                           env=dict(os.environ, CHAOS_RANKS=str(n), CHAOS_TIMEOUT=str(timeout),
+                                    COLLECTIVES_PRETEND_NODES=pretend_nodes(n, nodes)))
     try:
         out, err = job.communicate(timeout=LIMIT)
         hung = False
@@ -216,6 +231,9 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=TIMEOUT,
                    help="the ranks' communicator timeout in seconds: what a stop costs, and how long a survivor "
                         "waits for a slow one before it leaves it out")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="pretend nodes each trial's ranks are split into (consecutive ranks; at most one per rank): "
+                        "the survivors shrink across nodes (default: 1, one node)")
     p.add_argument("--rank-of-trial", type=int, help=argparse.SUPPRESS)
     p.add_argument("-J", "--output_file", help="write every trial and the summary as JSON here (default: no file)")
     args = p.parse_args(argv)
@@ -232,10 +250,12 @@ def main(argv=None):
     ranks = [int(r) for r in args.ranks.split(",")]
     if any(r < 2 for r in ranks):
         p.error("--ranks: every trial needs 2 or more ranks")
+    if args.nodes < 1 or any(args.nodes > r for r in ranks):
+        p.error(f"--nodes: between 1 and the fewest ranks of a trial ({min(ranks)}), got {args.nodes}")
     mpiexec = find_mpiexec()
     trials = []
     for i in range(args.trials):
-        trial = run_trial(args.seed + i, ranks[i % len(ranks)], mpiexec, args.timeout)
+        trial = run_trial(args.seed + i, ranks[i % len(ranks)], mpiexec, args.timeout, args.nodes)
         trials.append(trial)
         verdict = "ok" if not trial["problems"] else "FAILED: " + "; ".join(trial["problems"])
         print(f"seed {trial['seed']:5d}  {trial['ranks']} ranks  {trial['event']:9s} {trial['collective']:14s} "
