@@ -213,17 +213,24 @@ class HierarchicalCommunicator(Communicator):
         where they still span nodes, else a Communicator of one node (or of
         one rank). `old_ranks` and `epoch` as Communicator.shrink's.
 
+        Where the members are on one node (or one rank is left), the new
+        communicator starts on messages between them over this one's MPI
+        communicator (mpi_recovery.SurvivorsRendezvous), with no MPI
+        collective.
+
         Raises InvalidUsageError where ranks are on several machines (no
         rank can tell a dead peer there from a slow one) or the link between
         nodes is not MPI's; RankExcludedError on a rank the coordinator
         left out; CollectiveTimeoutError where no decision came within the
-        timeout (this communicator stays, aborted: shrink() again goes on);
-        RankFailedError where a member failed while MPI made their
-        communicator (that has no way back: MPI may hold this process's
-        thread there).
+        timeout, RankFailedError where a member died while the new
+        communicator started: this communicator stays (aborted), and
+        shrink() again goes on without the dead. (One that died inside
+        MPI_Comm_create_group leaves a thread of this process blocked there
+        for good, and MPI's next one may block behind it, until the
+        deadline: going on works where the members left are on one node.)
         """
         from . import _start
-        from .transport.mpi_recovery import create_group
+        from .transport.mpi_recovery import SurvivorsRendezvous, create_group
 
         h = self._recovering("shrink")
         self._stop_worker()
@@ -239,13 +246,24 @@ class HierarchicalCommunicator(Communicator):
             self._close_failed(h)
             raise
         h.candidates = members
+        h.shrinks += 1
+        world_rank = h.processes[self.rank][1]
         try:
-            comm = create_group(h.link, members, [pid for pid, _ in h.processes], deadline)
-            rendezvous = bootstrap.MpiRendezvous(comm)
-            rendezvous.world_rank, rendezvous.world_size = h.processes[self.rank][1], h.world_size
+            if len({h.topology.node_of(q) for q in members}) == 1:
+                # One node (or one rank) left: it starts on messages between the members, with no MPI
+                # collective, which a member that died during it would leave blocked for good.
+                rendezvous = SurvivorsRendezvous(h.recovery(), members, h.shrinks, world_rank, h.world_size)
+            else:
+                rendezvous = bootstrap.MpiRendezvous(
+                    create_group(h.link, members, [pid for pid, _ in h.processes], deadline))
+                rendezvous.world_rank, rendezvous.world_size = world_rank, h.world_size
             shrunk = _start(rendezvous, "host", "ours", None, self.timeout, deadline)
-        finally:
+        except CollectiveTimeoutError:
+            raise   # (a member died or was late: this communicator stays for shrink() to go on without it)
+        except BaseException:
             self._close_failed(h)
+            raise
+        self._close_failed(h)
         shrunk.epoch, shrunk.old_ranks = self.epoch + 1, tuple(members)
         return shrunk
 
@@ -316,6 +334,7 @@ class HierarchyRanks:
     processes = world_size = None
     candidates = None
     agreement = None
+    shrinks = 0   # shrink attempts that got as far as starting the new communicator
 
     def __init__(self, topology, rank, shm, link):
 

@@ -37,13 +37,14 @@ import time
 
 import numpy as np
 
-from ..errors import CollectiveTimeoutError, RankExcludedError, RankFailedError
+from ..errors import CollectiveError, CollectiveTimeoutError, RankExcludedError, RankFailedError
 from .recovery import POLL_SECONDS, process_failed
 
 TAG_BASE = 1 << 14   # + the coordinator's rank (mpi.py's ABORT_TAG and DATA_TAG are 1 and 2)
 AGREE_TAG_BASE = TAG_BASE + (1 << 13)   # + the coordinator's rank: agree's flags and decisions
 RELAY_TAG = TAG_BASE - 2                # agree's decisions, passed on by each rank that got one
 GROUP_TAG = TAG_BASE - 1                # MPI_Comm_create_group's
+RENDEZVOUS_TAG = TAG_BASE - 3           # SurvivorsRendezvous's
 JOIN = 1
 
 
@@ -270,6 +271,67 @@ def _collect(call, flag, candidates, tag, deadline):
         a._abandon(request, buffer)
         value = False
     return int(value)
+
+
+class SurvivorsRendezvous:
+    """bootstrap.py's rendezvous among `members` (ranks of the link's
+    communicator), by messages on the link's communicator: where the
+    shrunk communicator needs no MPI communicator of its own (its ranks on
+    one node), it starts with no MPI collective, which a member that dies
+    would leave blocked. Every message carries `attempt` and its exchange's
+    number: one left over from an attempt a member died in is passed over."""
+
+    def __init__(self, agreement, members, attempt, world_rank, world_size):
+        self.a, self.members, self.attempt = agreement, tuple(members), attempt
+        self.rank, self.size = self.members.index(agreement.rank), len(self.members)
+        self.world_rank, self.world_size = world_rank, world_size
+        self._exchanges = 0
+
+    def allgather(self, data, nbytes, deadline, what):
+        comm, mpi = self.a.link.comm, self.a.link.mpi
+        self._exchanges += 1
+        stamp = np.array([self.attempt, self._exchanges], np.int64).view(np.uint8)
+        mine = np.zeros(16 + nbytes, np.uint8)
+        mine[:16] = stamp
+        mine[16:16 + len(data[:nbytes])] = np.frombuffer(data[:nbytes], np.uint8)
+        everyone = {self.rank: mine}
+        sends = [comm.Isend([mine, mpi.BYTE], q, RENDEZVOUS_TAG) for q in self.members if q != self.a.rank]
+        pending = {}
+        for r, q in enumerate(self.members):
+            if q != self.a.rank:
+                buffer = np.zeros(16 + nbytes, np.uint8)
+                pending[r] = (q, buffer, comm.Irecv([buffer, mpi.BYTE], q, RENDEZVOUS_TAG))
+        try:
+            while pending:
+                for r, (q, buffer, request) in list(pending.items()):
+                    while request is not None and request.Test():
+                        if bytes(buffer[:16]) == bytes(stamp):
+                            everyone[r] = buffer
+                            del pending[r]
+                            request = None
+                        else:   # an earlier attempt's
+                            request = comm.Irecv([buffer, mpi.BYTE], q, RENDEZVOUS_TAG)
+                    if request is not None:
+                        if self.a.failed(q):
+                            raise RankFailedError(f"rank {q} died while the shrunk communicator started ({what})")
+                        pending[r] = (q, buffer, request)
+                if pending:
+                    if time.perf_counter() >= deadline:
+                        raise CollectiveTimeoutError(f"timed out while the shrunk communicator started, waiting for "
+                                                     f"{what}")
+                    time.sleep(POLL_SECONDS)
+        finally:
+            for q, buffer, request in pending.values():
+                self.a._abandon(request, buffer)
+            self.a._finish_sends(sends, mine, [q for q in self.members if q != self.a.rank], deadline)
+        return [bytes(everyone[r][16:]) for r in range(self.size)]
+
+    def barrier(self, deadline, what):
+        self.allgather(b"", 1, deadline, what)
+
+    def link(self, deadline):
+        raise CollectiveError("the survivors of a failure across nodes start a communicator on one node only "
+                              "without MPI's communicator of their own")
 
 
 def create_group(link, members, pids, deadline):
