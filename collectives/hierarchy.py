@@ -119,6 +119,7 @@ from .compression import kernels as codec_kernels
 from .compression.kernels import BLOCK
 from .plan import COUNT, DST_OFF, INPUT, NSRC, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, SRC0, WORK
 from .transport import fastpath
+from .transport.layout import RECOVERY_ROUNDS
 from .transport.mpi import MpiLink
 from .transport.protocol import call_signature
 from .validation import call_arguments, compressed_dtype
@@ -224,7 +225,8 @@ class HierarchicalCommunicator(Communicator):
         left out; CollectiveTimeoutError where no decision came within the
         timeout, RankFailedError where a member died while the new
         communicator started: this communicator stays (aborted), and
-        shrink() again goes on without the dead. (One that died inside
+        shrink() again goes on without the dead (RECOVERY_ROUNDS calls in
+        all, as on one machine; then RankFailedError, and it is closed). (One that died inside
         MPI_Comm_create_group leaves a thread of this process blocked there
         for good, and MPI's next one may block behind it, until the
         deadline: going on works where the members left are on one node.)
@@ -236,6 +238,11 @@ class HierarchicalCommunicator(Communicator):
         self._stop_worker()
         h.abort(RevokedError(f"rank {self.rank} revoked the communicator to shrink it"))
         deadline = time.perf_counter() + self.timeout
+        h.shrink_calls += 1
+        if h.shrink_calls > RECOVERY_ROUNDS:   # as on one machine: a bounded number of tries, then an end
+            self._close_failed(h)
+            raise RankFailedError(f"ranks kept failing (or timing out) while the survivors shrank the communicator "
+                                  f"across nodes: all {RECOVERY_ROUNDS} tries failed")
         try:
             members = h.recovery().members(h.candidates, deadline)
         except CollectiveTimeoutError as error:
@@ -334,7 +341,8 @@ class HierarchyRanks:
     processes = world_size = None
     candidates = None
     agreement = None
-    shrinks = 0   # shrink attempts that got as far as starting the new communicator
+    shrinks = 0        # shrink attempts that got as far as starting the new communicator
+    shrink_calls = 0   # shrink() calls (at most RECOVERY_ROUNDS)
 
     def __init__(self, topology, rank, shm, link):
 
