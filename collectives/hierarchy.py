@@ -244,7 +244,7 @@ class HierarchicalCommunicator(Communicator):
             raise RankFailedError(f"ranks kept failing (or timing out) while the survivors shrank the communicator "
                                   f"across nodes: all {RECOVERY_ROUNDS} tries failed")
         try:
-            members = h.recovery().members(h.candidates, deadline)
+            members, decision = h.recovery().members(h.candidates, deadline)
         except CollectiveTimeoutError as error:
             if isinstance(error, RankFailedError):
                 self._close_failed(h)
@@ -253,13 +253,12 @@ class HierarchicalCommunicator(Communicator):
             self._close_failed(h)
             raise
         h.candidates = members
-        h.shrinks += 1
         world_rank = h.processes[self.rank][1]
         try:
             if len({h.topology.node_of(q) for q in members}) == 1:
                 # One node (or one rank) left: it starts on messages between the members, with no MPI
                 # collective, which a member that died during it would leave blocked for good.
-                rendezvous = SurvivorsRendezvous(h.recovery(), members, h.shrinks, world_rank, h.world_size)
+                rendezvous = SurvivorsRendezvous(h.recovery(), members, decision, world_rank, h.world_size)
             else:
                 rendezvous = bootstrap.MpiRendezvous(
                     create_group(h.link, members, [pid for pid, _ in h.processes], deadline))
@@ -341,7 +340,6 @@ class HierarchyRanks:
     processes = world_size = None
     candidates = None
     agreement = None
-    shrinks = 0        # shrink attempts that got as far as starting the new communicator
     shrink_calls = 0   # shrink() calls (at most RECOVERY_ROUNDS)
 
     def __init__(self, topology, rank, shm, link):

@@ -81,7 +81,10 @@ def run_job(n, scenario, device, limit=180):
     if mpiexec() is None:
         pytest.skip("no mpiexec beside this Python (pip install '.[test]' brings MPICH's)")
     pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(THIS.parent), os.environ.get("PYTHONPATH", "")]))
+    # (the repository's root too: this module, the ranks' script, imports mpi_launch, which imports bench; an
+    # empty PYTHONPATH entry gave them the current folder, and a PYTHONPATH of the caller's did not)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(THIS.parent), str(THIS.parent.parent),
+                                                       os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     # -disable-auto-cleanup: each rank dies by its own SIGKILL, not by Hydra's hand.
     done = subprocess.run([*mpi_launch.mpi_launch(n, "-disable-auto-cleanup"), str(THIS),

@@ -56,22 +56,25 @@ class Agreement:
         self.link, self.pids = link, tuple(pids)
         self.rank, self.size = link.rank, link.size
         self.agreements = 0   # agree calls made: each message of one carries its number
+        self.decisions = 0    # shrink decisions this rank made as coordinator: each has a number of its own
 
     def failed(self, rank):
         return rank != self.rank and process_failed(self.pids[rank])
 
     def members(self, candidates, deadline):
         """The members every survivor that returns agrees on (this rank
-        among them), in rank order. Raises RankExcludedError where the
-        coordinator left this rank out, CollectiveTimeoutError where no
-        decision came by `deadline`."""
+        among them), in rank order, and the decision's number (the same on
+        every member, another for every decision: what the new
+        communicator's start-up messages carry). Raises RankExcludedError
+        where the coordinator left this rank out, CollectiveTimeoutError
+        where no decision came by `deadline`."""
         candidates = [q for q in candidates if not self.failed(q)]
         while True:
             coordinator = candidates[0]
             if coordinator == self.rank:
-                members = self._coordinate(candidates, deadline)
+                members, number = self._coordinate(candidates, deadline)
             else:
-                members = self._follow(coordinator, deadline)
+                members, number = self._follow(coordinator, deadline)
             if members is None:                       # the coordinator failed first
                 candidates = [q for q in candidates if q != coordinator and not self.failed(q)]
                 continue
@@ -82,7 +85,7 @@ class Agreement:
             if any(self.failed(q) for q in members):  # a member failed since: the next coordinator decides
                 candidates = [q for q in members if not self.failed(q)]
                 continue
-            return members
+            return members, number
 
     def _coordinate(self, candidates, deadline):
         comm, mpi = self.link.comm, self.link.mpi
@@ -103,18 +106,20 @@ class Agreement:
         for q, (buffer, request) in waiting.items():   # late: left out, and told so
             self._abandon(request, buffer)
         members = sorted(joined)
-        decision = _bits(members, self.size)
+        self.decisions += 1
+        number = (self.rank + 1) << 32 | self.decisions
+        decision = np.append(_bits(members, self.size), np.int64(number))
         told = [q for q in candidates if q != self.rank and not self.failed(q)]
         sends = [comm.Isend([decision, mpi.INT64_T], q, tag) for q in told]
         self._finish_sends(sends, decision, told, deadline)
-        return members
+        return members, number
 
     def _follow(self, coordinator, deadline):
-        """The coordinator's decision, or None once it failed without one."""
+        """The coordinator's decision and its number, or (None, None) once it failed without one."""
         comm, mpi = self.link.comm, self.link.mpi
         tag = TAG_BASE + coordinator
         join = np.full(1, JOIN, np.int64)
-        decision = np.zeros(_words(self.size), np.int64)
+        decision = np.zeros(_words(self.size) + 1, np.int64)
         sent = comm.Isend([join, mpi.INT64_T], coordinator, tag)
         received = comm.Irecv([decision, mpi.INT64_T], coordinator, tag)
         while not received.Test():
@@ -123,7 +128,7 @@ class Agreement:
                     break
                 self._abandon(received, decision)
                 self.link.hold(([sent], join))
-                return None
+                return None, None
             if time.perf_counter() >= deadline:
                 self._abandon(received, decision)
                 self.link.hold(([sent], join))
@@ -132,7 +137,7 @@ class Agreement:
             time.sleep(POLL_SECONDS)
         if not sent.Test():   # it decided, so it took the JOIN; MPI may still hold it for a moment
             self.link.hold(([sent], join))
-        return _members(decision, self.size)
+        return _members(decision[:-1], self.size), int(decision[-1])
 
     def _finish_sends(self, sends, buffer, peers, deadline):
         """Wait (bounded) for the decisions to leave; a peer that failed never takes its own."""
@@ -278,8 +283,9 @@ class SurvivorsRendezvous:
     communicator), by messages on the link's communicator: where the
     shrunk communicator needs no MPI communicator of its own (its ranks on
     one node), it starts with no MPI collective, which a member that dies
-    would leave blocked. Every message carries `attempt` and its exchange's
-    number: one left over from an attempt a member died in is passed over."""
+    would leave blocked. Every message carries `attempt` (the decision's
+    number, Agreement.members) and its exchange's number: one left over
+    from an attempt a member died in is passed over."""
 
     def __init__(self, agreement, members, attempt, world_rank, world_size):
         self.a, self.members, self.attempt = agreement, tuple(members), attempt
