@@ -55,6 +55,7 @@ EVENTS = ("sigkill", "sigkill2", "stop", "in_shrink")
 TIMEOUT = 3.0          # the communicator's: what a stop costs the survivors
 LIMIT = 90.0           # a job running longer is a hang
 SETTLE = 0.2           # seconds the survivors go on before they agree the victims are gone
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plan(seed, n):
@@ -207,7 +208,8 @@ def run_trial(seed, n, mpiexec, timeout=TIMEOUT, nodes=1):
     if ours_left:
         problems.append(f"left in /dev/shm: {ours_left}")
     if "Traceback" in out + err:   # what a survivor raised, for the record (a victim prints none)
-        problems.append("a rank raised: " + err[err.find("Traceback"):][-2000:])
+        # (its files named from the repository's root: a record names no path of the machine it ran on)
+        problems.append("a rank raised: " + err[err.find("Traceback"):][-2000:].replace(f"{REPOSITORY}{os.sep}", ""))
     trial["problems"] = problems
     detected = [float(t) for t in re.findall(r"DETECTED ([\d.]+)", out)]
     if kills and recovered and not problems:
