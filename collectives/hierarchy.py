@@ -81,9 +81,10 @@ have read this rank's workspace). Nodes of one rank skip them.
 Every wait has the call's deadline. A rank that fails tells every other
 rank, inside its node through the control segment and across nodes through
 MPI, so no one waits out the timeout for a rank that is gone; a whole node
-that stops is noticed at the timeout (on one machine, sooner: MpiLink.watch). `algorithm=` is checked but not used:
-inside a node every collective runs the phases above, folding as the direct
-algorithm does. allreduce_many and fusion_buffer work, through allreduce.
+that stops is noticed at the timeout (on one machine, sooner:
+MpiLink.watch). `algorithm=` is checked but not used: inside a node every
+collective runs the phases above, folding as the direct algorithm does.
+allreduce_many and fusion_buffer work, through allreduce.
 
 allreduce(compression=codec) (compressed_allreduce) runs allreduce's steps
 with ranges and pieces on codec blocks: the node's reduce-scatter and
@@ -206,30 +207,30 @@ class HierarchicalCommunicator(Communicator):
 
     def shrink(self):
         """Communicator.shrink across nodes, where every rank is on one
-        machine (pretend nodes); `agree` and `revoke` work there too. The survivors agree by MPI messages
-        (transport/mpi_recovery.py: a coordinator, the lowest live rank,
-        collects who joined and tells them), then MPI makes a communicator
-        of them alone (MPI_Comm_create_group), where the shrunk communicator
-        starts as collectives.init starts one: a HierarchicalCommunicator
-        where they still span nodes, else a Communicator of one node (or of
-        one rank). `old_ranks` and `epoch` as Communicator.shrink's.
+        machine (pretend nodes); `agree` and `revoke` work there too.
 
-        Where the members are on one node (or one rank is left), the new
-        communicator starts on messages between them over this one's MPI
-        communicator (mpi_recovery.SurvivorsRendezvous), with no MPI
-        collective.
+        The survivors agree by MPI messages (transport/mpi_recovery.py: the
+        lowest live rank coordinates, collects who joined and tells them).
+        Where the members still span nodes, MPI makes a communicator of them
+        alone (MPI_Comm_create_group) and the shrunk communicator starts on
+        it as collectives.init starts one (a HierarchicalCommunicator);
+        where they are on one node, or one rank is left, it starts on
+        messages between them over this one's MPI communicator
+        (mpi_recovery.SurvivorsRendezvous: no MPI collective). `old_ranks`
+        and `epoch` as Communicator.shrink's.
 
         Raises InvalidUsageError where ranks are on several machines (no
         rank can tell a dead peer there from a slow one) or the link between
         nodes is not MPI's; RankExcludedError on a rank the coordinator
         left out; CollectiveTimeoutError where no decision came within the
         timeout, RankFailedError where a member died while the new
-        communicator started: this communicator stays (aborted), and
-        shrink() again goes on without the dead (RECOVERY_ROUNDS calls in
-        all, as on one machine; then RankFailedError, and it is closed). (One that died inside
-        MPI_Comm_create_group leaves a thread of this process blocked there
-        for good, and MPI's next one may block behind it, until the
-        deadline: going on works where the members left are on one node.)
+        communicator started: this communicator then stays (aborted), and
+        shrink() again goes on without the dead, RECOVERY_ROUNDS calls in
+        all as on one machine (then RankFailedError, and it is closed). A
+        member that died inside MPI_Comm_create_group leaves a thread of
+        this process blocked there for good, and MPI's next such call may
+        wait behind it until the deadline: going on works where the members
+        left are on one node.
         """
         from . import _start
         from .transport.mpi_recovery import SurvivorsRendezvous, create_group

@@ -151,9 +151,12 @@ class Agreement:
             self.link.hold(([s for s, _ in pending], buffer))
 
     def _abandon(self, receive, buffer):
-        """A receive no message will complete: cancelled, and kept from MPI's reach until the link's end."""
+        """A receive no message will complete: cancelled, and kept from MPI's reach until the link's end
+        unless MPI is done with it at once (every agree call abandons one: they would pile up)."""
         try:
             receive.Cancel()
+            if receive.Test():
+                return
         except self.link.mpi.Exception:
             pass
         self.link.hold(([receive], buffer))
@@ -174,9 +177,10 @@ class _Agree:
         return buffer, self.comm.Irecv([buffer, self.mpi.INT64_T], source, tag)
 
     def taken(self, buffer, request, source, tag):
-        """(buffer, request) of this call: a completed receive of an earlier
-        call's message (stale: its sender went on without an answer) is
-        posted again; None while nothing of this call came."""
+        """True once `request` took this call's message into `buffer`; else
+        the request to look at next time (one that took an earlier call's
+        message, stale: its sender went on without an answer, is posted
+        again)."""
         while request.Test():
             if buffer[0] == self.call:
                 return True
