@@ -246,27 +246,19 @@ class HierarchicalCommunicator(Communicator):
                                   f"across nodes: all {RECOVERY_ROUNDS} tries failed")
         try:
             members, decision = h.recovery().members(h.candidates, deadline)
-        except CollectiveTimeoutError as error:
-            if isinstance(error, RankFailedError):
-                self._close_failed(h)
-            raise   # (a timeout: this communicator stays for shrink() to go on)
-        except BaseException:
-            self._close_failed(h)
-            raise
-        h.candidates = members
-        world_rank = h.processes[self.rank][1]
-        try:
+            h.candidates = members
+            world_rank = h.processes[self.rank][1]
             if len({h.topology.node_of(q) for q in members}) == 1:
                 # One node (or one rank) left: it starts on messages between the members, with no MPI
                 # collective, which a member that died during it would leave blocked for good.
                 rendezvous = SurvivorsRendezvous(h.recovery(), members, decision, world_rank, h.world_size)
             else:
                 rendezvous = bootstrap.MpiRendezvous(
-                    create_group(h.link, members, [pid for pid, _ in h.processes], deadline))
+                    create_group(h.link, members, h.recovery().pids, deadline))
                 rendezvous.world_rank, rendezvous.world_size = world_rank, h.world_size
             shrunk = _start(rendezvous, "host", "ours", None, self.timeout, deadline)
         except CollectiveTimeoutError:
-            raise   # (a member died or was late: this communicator stays for shrink() to go on without it)
+            raise   # (no decision in time, or a member died or was late: this communicator stays for shrink())
         except BaseException:
             self._close_failed(h)
             raise
