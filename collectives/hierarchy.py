@@ -173,6 +173,8 @@ class HierarchicalCommunicator(Communicator):
         from .transport.shm import ShmRank
 
         shm = bootstrap.node_process_rank(rendezvous, deadline, ShmRank, found)
+        if shm is not None:   # (its errors name the ranks as the user numbers them)
+            shm.group.name_ranks(found.nodes[found.node_of(rendezvous.rank)])
         link = rendezvous.link(deadline)
         ranks = HierarchyRanks(found, rendezvous.rank, shm, link)
         ranks.processes = bootstrap.processes(rendezvous, deadline)
@@ -414,8 +416,8 @@ class HierarchyRanks:
 
     def _guarded(self, algorithm, call, x, out, deadline):
         self.calls += 1
-        self.link.begin(call_signature(self.calls, call.description))
-        try:
+        try:   # (begin too: it raises where a watched rank died, and the node must hear of it)
+            self.link.begin(call_signature(self.calls, call.description))
             algorithm(self, call, x, out, deadline)
         except BaseException as error:
             self.abort(error)

@@ -11,6 +11,7 @@ and fails with a traceback (non-zero exit) otherwise.
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -823,6 +824,8 @@ def scenario_killed(comm, compressed=False, awaited=False):
         elapsed = time.perf_counter() - start
         if has_mate:
             assert isinstance(error, RankFailedError) or "died" in str(error), error
+            # the dead rank by its number in the communicator (a node's group numbers its ranks from 0)
+            assert set(re.findall(r"rank (\d+) \(pid", str(error))) <= {str(last)}, error
             assert elapsed < 1.5, f"a dead rank with a node-mate or on this machine took {elapsed:.1f}s to report"
         else:
             assert isinstance(error, CollectiveTimeoutError) or "aborted" in str(error), error

@@ -30,15 +30,16 @@ def raise_wait_failure(group, status, peer, have, need, seq, description, progre
         raise CollectiveError(f"the communicator was aborted during call #{seq}, {description}")
     if status == TIMED_OUT:
         raise CollectiveTimeoutError(
-            f"timed out waiting for rank {peer} in call #{seq}, {description} ({progress} {have}, "
+            f"timed out waiting for rank {group.names[peer]} in call #{seq}, {description} ({progress} {have}, "
             f"this rank needs {need}){group.absent_note(seq)}")
     if status in (READ_FAILED, WRITE_FAILED):   # `have` is the errno
         reason = os.strerror(have) if have else "nothing copied"
-        raise CollectiveError(f"{'reading' if status == READ_FAILED else 'writing into'} rank {peer}'s buffer "
-                              f"failed in call #{seq}, {description}: {reason}")
+        raise CollectiveError(f"{'reading' if status == READ_FAILED else 'writing into'} rank {group.names[peer]}'s "
+                              f"buffer failed in call #{seq}, {description}: {reason}")
     if status == MISMATCH:
         raise InvalidUsageError(
-            f"rank {peer} is in its call #{group.peer_seq(peer)}, a different call from rank {group.rank}'s "
-            f"call #{seq}, {description}; every rank must make the same calls in the same order")
+            f"rank {group.names[peer]} is in its call #{group.peer_seq(peer)}, a different call from "
+            f"rank {group.names[group.rank]}'s call #{seq}, {description}; every rank must make the same calls in "
+            "the same order")
     raise CollectiveError(f"call #{seq}, {description}, failed with status {status} "
                           f"({next((n for n, v in NAMES.items() if v == status), 'unknown')})")

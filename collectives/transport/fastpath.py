@@ -224,7 +224,7 @@ class FastCollectives:
         gives it, or `error`, a signal handler's (Ctrl-C) while the call
         waited; once the communicator is aborted and the fence passed."""
         if error is not None:
-            self._abort_and_raise(f"rank {self._group.rank} was interrupted during a {collective}: "
+            self._abort_and_raise(f"rank {self._group.names[self._group.rank]} was interrupted during a {collective}: "
                                   f"{type(error).__name__}", error)
         try:
             self._raise_for(status, x, op, collective, root)
@@ -254,7 +254,7 @@ class FastCollectives:
                 writer = self._channel.fence_writes(self.tunables.fence_seconds)
         if writer < 0:
             raise error
-        note = (f"rank {writer} was still writing into peers' outputs {self.tunables.fence_seconds:g} s after this "
+        note = (f"rank {self._group.names[writer]} was still writing into peers' outputs {self.tunables.fence_seconds:g} s after this "
                 "call failed (a stopped process?): this rank's output may still change until that process runs on "
                 "or ends")
         if not isinstance(error, CollectiveError):   # Ctrl-C stays a KeyboardInterrupt

@@ -219,6 +219,9 @@ class ProcessGroup:
                                   offset=8 * (HEADER + ROW * size) + HANDLE_BYTES * size)
         self._mine = self._rows[rank]
         self._mine[PID] = os.getpid()
+        # How errors name each rank: the communicator's numbers, which a
+        # hierarchy's node group (local ranks 0..size-1) is told (name_ranks).
+        self.names = tuple(range(size))
         self._counters = Counters(self._rows)
         self._seq = 0
         # Released by close(), or at exit/collection if the caller forgot
@@ -226,6 +229,13 @@ class ProcessGroup:
         self._state = {"control": self._control_segment, "prefix": prefix, "memory": memory,
                        "own": None, "peers": {}}   # peers: rank -> (generation, memory)
         self._finalizer = weakref.finalize(self, _release_all, self._state)
+
+    def name_ranks(self, names):
+        """Name this group's ranks in errors by `names` (the communicator's
+        number of each local rank) rather than by their local numbers."""
+        if len(names) != self.size:
+            raise ValueError(f"{len(names)} names for a group of {self.size} ranks")
+        self.names = tuple(names)
 
     # -- waiting ------------------------------------------------------------
 
@@ -236,12 +246,12 @@ class ProcessGroup:
         if self._header[ABORT]:
             who = int(self._header[ABORT_RANK]) - 1
             reason = bytes(self._reason).rstrip(b"\0").decode(errors="replace")
-            by = f"rank {who}" if who >= 0 else "a rank"   # the compiled loop's fence may set the flag alone
+            by = f"rank {self.names[who]}" if who >= 0 else "a rank"   # the compiled loop's fence may set the flag alone
             raise class_of_kind(int(self._header[ABORT_KIND]))(f"{by} aborted the communicator: {reason}")
         if peer is not None:
             pid = int(self._rows[peer, PID])
             if pid and not _alive(pid):
-                raise RankFailedError(f"rank {peer} (pid {pid}) died before completing {during}")
+                raise RankFailedError(f"rank {self.names[peer]} (pid {pid}) died before completing {during}")
 
     def _wait_for(self, peer, phases_done, waiter, description, check=None):
         """Wait until `peer` has completed `phases_done` phases in all;
@@ -254,7 +264,7 @@ class ProcessGroup:
                 check()
         waiter.until(
             lambda: completed() >= phases_done,
-            lambda: f"rank {peer} in call #{self._seq}, {description} (it has completed "
+            lambda: f"rank {self.names[peer]} in call #{self._seq}, {description} (it has completed "
                     f"{completed()} phases, this rank needs {phases_done}){self.absent_note(self._seq)}",
             healthy,
         )
@@ -263,7 +273,7 @@ class ProcessGroup:
         """What a timeout adds: the peers that never entered call #`seq`, which
         every wait of the call ends up waiting for (a peer's row names its
         call once the peer is past the call's first waits)."""
-        absent = [peer for peer in range(self.size) if peer != self.rank and int(self._rows[peer, SEQ]) < seq]
+        absent = [self.names[peer] for peer in range(self.size) if peer != self.rank and int(self._rows[peer, SEQ]) < seq]
         if not absent:
             return "; is every rank making the same calls?"
         who = f"rank {absent[0]} has" if len(absent) == 1 else f"ranks {', '.join(map(str, absent))} have"
@@ -273,8 +283,8 @@ class ProcessGroup:
         """Once `peer` is past phase 0 of this call, its SIG names this call."""
         if self._rows[peer, SIG] != signature:
             raise InvalidUsageError(
-                f"rank {peer} is in its call #{int(self._rows[peer, SEQ])}, a different call from "
-                f"rank {self.rank}'s call #{self._seq}, {description}; every rank must make the same "
+                f"rank {self.names[peer]} is in its call #{int(self._rows[peer, SEQ])}, a different call from "
+                f"rank {self.names[self.rank]}'s call #{self._seq}, {description}; every rank must make the same "
                 "calls in the same order")
 
     def enter_call(self, description):
