@@ -76,7 +76,7 @@ from .errors import CollectiveError, CollectiveTimeoutError
 from .ops import ReduceOp, partial_op
 from .transport import fastpath
 from .transport.failures import ABORT_ARRIVED, MPI_FAILED, NODE_FAILED, PENDING
-from .transport.mpi import DATA_TAG, timed_out_waiting
+from .transport.mpi import CONFIRM_EVERY, DATA_TAG, timed_out_waiting
 from .transport.protocol import description_hash
 
 def loop_runs_nodes(h, call):
@@ -384,7 +384,9 @@ def lay_out(h, call, layout=None):
         receive_headers=exchange.receive_header_addresses(), requests=exchange.request_addresses(), fold=shape.fold,
         last_step=shape.last_step, after=shape.after, x_bytes=shape.x_bytes, out_bytes=shape.out_bytes,
         description_hash=description_hash(f"{call.description}, compiled"), spin=h.poll_spin,
-        abort_request=h.link.abort_request_address, abort_status=h.link.abort_status_address, direct=direct)
+        abort_request=h.link.abort_request_address, abort_status=h.link.abort_status_address, direct=direct,
+        confirm=(exchange.synchronous_send_addresses(), exchange.confirmed_peers(),
+                 h.link.unconfirmed_sends.ctypes.data, CONFIRM_EVERY))
     peers = tuple(exchange.sources + exchange.targets + [peer for peer, _, _ in receives + sends])
     return Laid(program, exchange, call.description, shape.steps, partial_op(call.op), exchange.nbytes, shape.own,
                 peers)

@@ -794,6 +794,28 @@ def scenario_repeated_stalled(comm):
 AWAITED_DEATH_DELAY = 0.3
 
 
+def scenario_bounded_lead(comm):
+    """A broadcast's root runs at most mpi.CONFIRM_EVERY calls ahead of a
+    receiver that is late: its sends would otherwise pile up unmatched in
+    MPI's buffers (a dead receiver's hold MPICH's send cells for good)."""
+    from collectives.transport.mpi import CONFIRM_EVERY
+    late, x = 1.0, np.arange(256, dtype=np.float32)
+    comm.broadcast(x.copy(), root=0)   # (its Program laid out on both ranks)
+    comm.barrier()
+    start = time.perf_counter()
+    if comm.rank != 0:
+        time.sleep(late)
+    done_at = []
+    for _ in range(3 * CONFIRM_EVERY):
+        y = x.copy() if comm.rank == 0 else np.zeros_like(x)
+        comm.broadcast(y, root=0)
+        done_at.append(time.perf_counter() - start)
+        assert np.array_equal(y, x), "a broadcast gave wrong bits"
+    ahead = sum(t < late / 2 for t in done_at)
+    assert comm.rank != 0 or ahead <= CONFIRM_EVERY, \
+        f"the root finished {ahead} broadcasts before the receiver came (at most {CONFIRM_EVERY} may be)"
+
+
 def scenario_killed(comm, compressed=False, awaited=False):
     """The last rank dies: everyone else raises within the timeout (within a
     second when a node-mate sees it die and tells the other nodes, or when

@@ -178,6 +178,12 @@ def test_a_rank_that_stalls_after_repeated_small_calls_makes_the_others_raise_in
     assert len(oks) == 4, report
 
 
+@pytest.mark.mpi
+def test_a_broadcasts_root_runs_only_a_few_calls_ahead_of_a_late_receiver():
+    oks, report = run_ranks("bounded_lead", "0,1")
+    assert len(oks) == 2, report
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE])

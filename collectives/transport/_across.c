@@ -130,6 +130,14 @@ typedef struct {
     void *abort_request;        /* the link's receive of abort messages (mpi4py's handle), */
     void *abort_status;         /* and the status it fills (mpi4py's): see abort_arrived */
     double next_abort_test;     /* (abort_arrived) */
+    /* Every confirm_every-th send to a peer goes synchronous (mpi.py's
+     * CONFIRM_EVERY says why): the sends' requests as made, their
+     * synchronous twins, each send's peer, and the link's count per peer of
+     * the sends since its last synchronous one (NULL: never synchronous). */
+    void **eager_sends, **synchronous_sends;
+    int *send_peers;
+    int64_t *unconfirmed;
+    long confirm_every;
 } Program;
 
 static const double ABORT_TEST_EVERY = 1e-3;   /* seconds */
@@ -328,11 +336,30 @@ static PyObject *post_direct(Program *p, Py_ssize_t from, Py_ssize_t to, char *x
     return NULL;
 }
 
+/* Which request each persistent send starts this call: its synchronous
+ * twin where this is the confirm_every-th send to its peer since the last
+ * synchronous one. poll() then tests the one started. */
+static void choose_send_requests(Program *p)
+{
+    if (p->unconfirmed == NULL)
+        return;
+    for (Py_ssize_t i = 0; i < p->npersistent - p->nreceives; i++) {
+        if (p->send_peers[i] < 0)   /* a message MPI sends only once the peer takes it */
+            continue;
+        int64_t *count = &p->unconfirmed[p->send_peers[i]];
+        int confirm = ++*count >= p->confirm_every;
+        if (confirm)
+            *count = 0;
+        p->requests[p->nreceives + i] = confirm ? p->synchronous_sends[i] : p->eager_sends[i];
+    }
+}
+
 /* The persistent sends (call signatures) and the direct sends, from `from_x` if not NULL. */
 static PyObject *start_sends(Program *p, char *x, char *out, char *from_x)
 {
     for (Py_ssize_t i = 0; i < p->nsends; i++)
         *p->send_headers[i] = p->signature;
+    choose_send_requests(p);
     PyObject *failed = start_requests(p, p->nreceives, p->npersistent);
     if (failed == NULL)
         failed = post_direct(p, p->ndirect_receives, p->ndirect_receives + p->ndirect_sends, x, out, from_x);
@@ -608,12 +635,53 @@ static int parse_direct(PyObject *spec, Program *p)
     return 0;
 }
 
+/* confirm: None, or (synchronous send addresses, each send's peer (-1:
+ * never synchronous), the address of the link's int64 count per peer,
+ * every), the first two in the order of the sends' requests. */
+static int parse_confirm(PyObject *spec, Program *p)
+{
+    if (spec == Py_None)
+        return 0;
+    PyObject *synchronous, *peers;
+    unsigned long long counts;
+    if (!PyArg_ParseTuple(spec, "OOKl", &synchronous, &peers, &counts, &p->confirm_every))
+        return -1;
+    Py_ssize_t nsync, nsend_requests = p->npersistent - p->nreceives;
+    if (parse_addresses(synchronous, &p->synchronous_sends, &nsync) < 0)
+        return -1;
+    PyObject *seq = PySequence_Fast(peers, "confirm: a list of peers");
+    if (seq == NULL)
+        return -1;
+    int ok = nsync == nsend_requests && PySequence_Fast_GET_SIZE(seq) == nsend_requests && p->confirm_every >= 1;
+    p->send_peers = PyMem_Calloc(nsend_requests > 0 ? (size_t)nsend_requests : 1, sizeof(int));
+    p->eager_sends = PyMem_Calloc(nsend_requests > 0 ? (size_t)nsend_requests : 1, sizeof(void *));
+    if (p->send_peers == NULL || p->eager_sends == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; ok && i < nsend_requests; i++) {
+        p->send_peers[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        ok = !PyErr_Occurred() && p->send_peers[i] >= -1;
+        p->eager_sends[i] = p->requests[p->nreceives + i];
+    }
+    Py_DECREF(seq);
+    if (!ok) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "confirm: a synchronous send and a peer (or -1) per send, every >= 1");
+        return -1;
+    }
+    p->unconfirmed = (int64_t *)(uintptr_t)counts;
+    return 0;
+}
+
 static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"first_step", "before", "send_headers", "receive_headers", "requests", "fold",
                             "last_step", "after", "x_bytes", "out_bytes", "description_hash", "spin",
-                            "abort_request", "abort_status", "direct", NULL};
-    PyObject *first, *last, *before, *send_headers, *receive_headers, *requests, *fold, *after, *direct = Py_None;
+                            "abort_request", "abort_status", "direct", "confirm", NULL};
+    PyObject *first, *last, *before, *send_headers, *receive_headers, *requests, *fold, *after, *direct = Py_None,
+             *confirm = Py_None;
     unsigned long long description_hash;
     if (mpi_test == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "bind_mpi() first");
@@ -624,9 +692,9 @@ static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
         return -1;
     }
     unsigned long long abort_request, abort_status;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOnnKlKK|O", names, &first, &before, &send_headers,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOnnKlKK|OO", names, &first, &before, &send_headers,
                                      &receive_headers, &requests, &fold, &last, &after, &p->x_bytes, &p->out_bytes,
-                                     &description_hash, &p->spin, &abort_request, &abort_status, &direct))
+                                     &description_hash, &p->spin, &abort_request, &abort_status, &direct, &confirm))
         return -1;
     p->abort_request = (void *)(uintptr_t)abort_request;
     p->abort_status = (void *)(uintptr_t)abort_status;
@@ -636,7 +704,8 @@ static int Program_init(Program *p, PyObject *args, PyObject *kwargs)
     if (parse_copies(before, &p->before, &p->nbefore) < 0 || parse_copies(after, &p->after, &p->nafter) < 0
         || parse_addresses(send_headers, (void ***)&p->send_headers, &p->nsends) < 0
         || parse_addresses(receive_headers, (void ***)&p->receive_headers, &p->nreceives) < 0
-        || parse_addresses(requests, &p->requests, &p->npersistent) < 0 || parse_direct(direct, p) < 0)
+        || parse_addresses(requests, &p->requests, &p->npersistent) < 0 || parse_direct(direct, p) < 0
+        || parse_confirm(confirm, p) < 0)
         return -1;
     p->nrequests = p->npersistent + p->ndirect_receives + p->ndirect_sends;
     if (p->nrequests > p->npersistent) {   /* the direct messages' requests after the persistent ones */
@@ -705,6 +774,9 @@ static void Program_dealloc(Program *p)
     PyMem_Free(p->send_headers);
     PyMem_Free(p->receive_headers);
     PyMem_Free(p->requests);
+    PyMem_Free(p->eager_sends);
+    PyMem_Free(p->synchronous_sends);
+    PyMem_Free(p->send_peers);
     PyMem_Free(p->done);
     PyMem_Free(p->fold_sources);
     PyMem_Free(p->status);
