@@ -218,12 +218,8 @@ class HierarchicalCommunicator(Communicator):
         it as collectives.init starts one (a HierarchicalCommunicator);
         where they are on one node, or one rank is left, it starts on
         messages between them over this one's MPI communicator
-        (mpi_recovery.SurvivorsRendezvous: no MPI collective). Where every
-        live rank is on this rank's node, its node's ranks shrink through
-        their shared memory as Communicator.shrink does, with no MPI at all:
-        a rank that kept sending to a dead node (a broadcast's root) may
-        have filled MPICH's send cells for good, and its later messages
-        would never leave. `old_ranks` and `epoch` as Communicator.shrink's.
+        (mpi_recovery.SurvivorsRendezvous: no MPI collective). `old_ranks`
+        and `epoch` as Communicator.shrink's.
 
         Raises InvalidUsageError where ranks are on several machines (no
         rank can tell a dead peer there from a slow one) or the link between
@@ -250,9 +246,6 @@ class HierarchicalCommunicator(Communicator):
             self._close_failed(h)
             raise RankFailedError(f"ranks kept failing (or timing out) while the survivors shrank the communicator "
                                   f"across nodes: all {RECOVERY_ROUNDS} tries failed")
-        node = h.topology.nodes[h.node_index]
-        if h.shm is not None and all(q in node or h.recovery().failed(q) for q in h.candidates):
-            return self._shrink_within_node(h, node, deadline)
         try:
             members, decision = h.recovery().members(h.candidates, deadline)
             h.candidates = members
@@ -272,25 +265,6 @@ class HierarchicalCommunicator(Communicator):
             self._close_failed(h)
             raise
         self._close_failed(h)
-        shrunk.epoch, shrunk.old_ranks = self.epoch + 1, tuple(members)
-        return shrunk
-
-    def _shrink_within_node(self, h, node, deadline):
-        """shrink() where the live ranks are all on this node (`node`, its
-        ranks here): the node's shared-memory agreement (recovery.py) makes
-        a communicator of processes on one machine."""
-        try:
-            made, local_members = h.shm.shrink(deadline)
-        except CollectiveTimeoutError as error:
-            if isinstance(error, RankFailedError):   # every round of the node's agreement failed
-                self._close_failed(h)
-            raise   # (else this communicator stays for shrink(), as the node's would)
-        except BaseException:
-            self._close_failed(h)
-            raise
-        self._close_failed(h)
-        members = [node[local] for local in local_members]
-        shrunk = Communicator(made, size=len(members), local_ranks=[members.index(self.rank)], timeout=self.timeout)
         shrunk.epoch, shrunk.old_ranks = self.epoch + 1, tuple(members)
         return shrunk
 

@@ -169,9 +169,9 @@ def test_a_sample_of_the_chaos_benchmark_passes(tmp_path, nodes, first, trials, 
     dying during the shrink on 3 and 4, a stop on 2); across two pretend
     nodes seed 6 (two SIGKILLs at once on 4 ranks, one on each node: the
     survivors still span both), and seed 198 (both ranks of node 1 killed
-    while rank 0 broadcasts 1 KiB to them: its MPI sends to the dead filled
-    MPICH's send cells, so the survivors, both on node 0, must shrink
-    without MPI; they timed out in every round before). The benchmark run makes 200 (docs/api.md;
+    while rank 0 broadcasts 1 KiB to them: its one-way sends to the dead
+    filled MPICH's send cells, and its shrink messages never left, until
+    every 8th became synchronous: mpi.CONFIRM_EVERY). The benchmark run makes 200 (docs/api.md;
     across nodes a rank dying during the shrink fails it where MPI was
     making the survivors' communicator, so the sample leaves that out). With a 10 s timeout: in one run beside the
     rest of the suite on 2 cores, with the benchmark's 3 s, one survivor of
