@@ -800,10 +800,10 @@ def scenario_bounded_lead(comm):
     MPI's buffers (a dead receiver's hold MPICH's send cells for good)."""
     from collectives.transport.mpi import CONFIRM_EVERY
     late, x = 1.0, np.arange(256, dtype=np.float32)
-    comm.broadcast(x.copy(), root=0)   # (its Program laid out on both ranks)
+    comm.broadcast(x.copy(), root=0)   # (its Program laid out on every rank)
     comm.barrier()
     start = time.perf_counter()
-    if comm.rank != 0:
+    if comm.rank == comm.size - 1:   # (alone on its node: the root's node-mates keep up)
         time.sleep(late)
     done_at = []
     for _ in range(3 * CONFIRM_EVERY):

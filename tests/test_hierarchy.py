@@ -179,9 +179,10 @@ def test_a_rank_that_stalls_after_repeated_small_calls_makes_the_others_raise_in
 
 
 @pytest.mark.mpi
-def test_a_broadcasts_root_runs_only_a_few_calls_ahead_of_a_late_receiver():
-    oks, report = run_ranks("bounded_lead", "0,1")
-    assert len(oks) == 2, report
+@pytest.mark.parametrize("layout", ["0,1", "0,0,1"], ids=["a Program", "exchange() (uneven nodes)"])
+def test_a_broadcasts_root_runs_only_a_few_calls_ahead_of_a_late_receiver(layout):
+    oks, report = run_ranks("bounded_lead", layout)
+    assert len(oks) == len(layout.split(",")), report
 
 
 @pytest.mark.slow

@@ -163,7 +163,9 @@ def test_the_elastic_example_loses_a_rank_and_ends_on_the_uninterrupted_runs_acc
     (1, 1, 4, "2,3,4", {"sigkill", "in_shrink", "stop"}),
     (2, 6, 1, "4", {"sigkill2"}),
     (2, 198, 1, "4", {"sigkill2"}),
-], ids=["one node", "two pretend nodes", "a whole node dies under a broadcast's root"])
+    (2, 176, 1, "3", {"sigkill"}),
+], ids=["one node", "two pretend nodes", "a whole node dies under a broadcast's root",
+        "the same, through exchange()"])
 def test_a_sample_of_the_chaos_benchmark_passes(tmp_path, nodes, first, trials, ranks, events):
     """bench.chaos's first trials (seeds 1-4: a SIGKILL on 2 ranks, a rank
     dying during the shrink on 3 and 4, a stop on 2); across two pretend
@@ -171,7 +173,9 @@ def test_a_sample_of_the_chaos_benchmark_passes(tmp_path, nodes, first, trials, 
     survivors still span both), and seed 198 (both ranks of node 1 killed
     while rank 0 broadcasts 1 KiB to them: its one-way sends to the dead
     filled MPICH's send cells, and its shrink messages never left, until
-    every 8th became synchronous: mpi.CONFIRM_EVERY). The benchmark run makes 200 (docs/api.md;
+    every 8th became synchronous: mpi.CONFIRM_EVERY), and seed 176, the
+    same on nodes of 2 and 1 ranks (MpiLink.exchange's sends, not a
+    Program's). The benchmark run makes 200 (docs/api.md;
     across nodes a rank dying during the shrink fails it where MPI was
     making the survivors' communicator, so the sample leaves that out). With a 10 s timeout: in one run beside the
     rest of the suite on 2 cores, with the benchmark's 3 s, one survivor of

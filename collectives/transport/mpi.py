@@ -43,9 +43,10 @@ REASON_BYTES = 1024
 HEALTH_EVERY = 0.02     # seconds between looks at the abort channel while waiting
 WATCH_EVERY = 0.05      # seconds between looks at the watched processes (MpiLink.watch)
 SEND_ABORT_SECONDS = 0.05
-# A Program's send to a peer is synchronous (it completes once the peer
-# matched it) every CONFIRM_EVERY sends to that peer, so no more of this
-# rank's messages than that wait unmatched for one peer. A dead peer never
+# A send between nodes (a Program's, or exchange()'s) is synchronous (it
+# completes once the peer matched it) every CONFIRM_EVERY sends to that
+# peer, so no more of this rank's messages than that wait unmatched for
+# one peer. A dead peer never
 # takes its messages: MPICH's eager messages between processes of one
 # machine sit in the sender's 64 shared-memory cells, and once they are
 # full every later send, to any rank, waits for good (a broadcast's root
@@ -186,8 +187,8 @@ class MpiLink:
         requests = [comm.Irecv([heard[i:i + 1], MPI.INT64_T], peer, DATA_TAG) for i, peer in enumerate(sources)]
         requests += [comm.Irecv([a.view(np.uint8), MPI.BYTE], peer, DATA_TAG) for peer, a in receives if a.size]
         nreceives = len(requests)
-        requests += [comm.Isend([self._signature, MPI.INT64_T], peer, DATA_TAG) for peer in targets]
-        requests += [comm.Isend([a.view(np.uint8), MPI.BYTE], peer, DATA_TAG) for peer, a in sends if a.size]
+        requests += [self._send([self._signature, MPI.INT64_T], 8, peer) for peer in targets]
+        requests += [self._send([a.view(np.uint8), MPI.BYTE], a.nbytes, peer) for peer, a in sends if a.size]
         try:
             self._wait(requests, deadline, what, sources)
         except BaseException:
@@ -196,6 +197,16 @@ class MpiLink:
         wrong = [peer for peer, signature in zip(sources, heard) if signature != self._signature[0]]
         if wrong:
             raise self.different_call(wrong[0], what)
+
+    def _send(self, buffer, nbytes, peer):
+        """MPI_Isend of `buffer` (`nbytes`) to `peer`, synchronous where it
+        is the CONFIRM_EVERY-th eager send to that peer (as a Program's)."""
+        if nbytes <= EAGER_BYTES:
+            self.unconfirmed_sends[peer] += 1
+            if self.unconfirmed_sends[peer] >= CONFIRM_EVERY:
+                self.unconfirmed_sends[peer] = 0
+                return self.comm.Issend(buffer, peer, DATA_TAG)
+        return self.comm.Isend(buffer, peer, DATA_TAG)
 
     def repeated_exchange(self, sends, receives, one_payload=False):
         """The RepeatedExchange of messages to each (peer, nbytes) of
