@@ -385,7 +385,7 @@ def lay_out(h, call, layout=None):
         last_step=shape.last_step, after=shape.after, x_bytes=shape.x_bytes, out_bytes=shape.out_bytes,
         description_hash=description_hash(f"{call.description}, compiled"), spin=h.poll_spin,
         abort_request=h.link.abort_request_address, abort_status=h.link.abort_status_address, direct=direct,
-        confirm=(exchange.synchronous_send_addresses(), exchange.confirmed_peers(),
+        confirm=(exchange.synchronous_send_addresses(), exchange.confirmed_peers(h.link.confirms),
                  h.link.unconfirmed_sends.ctypes.data, CONFIRM_EVERY))
     peers = tuple(exchange.sources + exchange.targets + [peer for peer, _, _ in receives + sends])
     return Laid(program, exchange, call.description, shape.steps, partial_op(call.op), exchange.nbytes, shape.own,

@@ -43,21 +43,21 @@ REASON_BYTES = 1024
 HEALTH_EVERY = 0.02     # seconds between looks at the abort channel while waiting
 WATCH_EVERY = 0.05      # seconds between looks at the watched processes (MpiLink.watch)
 SEND_ABORT_SECONDS = 0.05
-# A send between nodes (a Program's, or exchange()'s) is synchronous (it
-# completes once the peer matched it) every CONFIRM_EVERY sends to that
-# peer, so no more of this rank's messages than that wait unmatched for
-# one peer. A dead peer never
-# takes its messages: MPICH's eager messages between processes of one
-# machine sit in the sender's 64 shared-memory cells, and once they are
-# full every later send, to any rank, waits for good (a broadcast's root
-# that sent on to a dead node until it noticed: it could not take part
-# in the shrink). 8 peers' worth still leave cells free. Only messages of
-# up to EAGER_BYTES go so: MPICH sends a longer one once the peer matched
-# it (a sleeping receiver: 64 sends of 8,100 bytes completed, none of
-# 8,150). The cost is the wait for the receiver every 8th call: a 1 KiB
-# broadcast across 2 pretend nodes of 2 ranks on 2 cores, in place, went
-# from 0.74-0.78x MPICH's time to 0.89x; with a core per rank no change
-# showed (2 ranks, 1-64 KiB).
+# A send to another node's rank on this machine (a Program's, or
+# exchange()'s) is synchronous (it completes once the peer matched it)
+# every CONFIRM_EVERY sends to that peer, so no more of this rank's
+# messages than that wait unmatched for one peer. A dead peer never takes
+# its messages: MPICH's eager messages between processes of one machine
+# sit in the sender's 64 shared-memory cells, and once they are full
+# every later send, to any rank, waits for good (a broadcast's root that
+# sent on to a dead node until it noticed: it could not take part in the
+# shrink). 8 peers' worth still leave cells free. Only messages of up to
+# EAGER_BYTES go so: MPICH sends a longer one once the peer matched it (a
+# sleeping receiver: 64 sends of 8,100 bytes completed, none of 8,150).
+# The cost is the wait for the receiver every 8th call: a 1 KiB broadcast
+# across 2 pretend nodes of 2 ranks on 2 cores, in place, went from
+# 0.74-0.78x MPICH's time to 0.89x; with a core per rank no change showed
+# (2 ranks, 1-64 KiB).
 CONFIRM_EVERY = 8
 EAGER_BYTES = 8192   # MPICH's shared-memory cell (MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE)
 # An abort message starts with the class of its failure, one digit
@@ -95,6 +95,7 @@ class MpiLink:
         _HELD_FOR_MPI[self._held] = [(self._abort_request, self._abort_buffer)]
         self._orphans = []                # requests (and their buffers) of failed exchanges
         self._watched, self._next_look = {}, 0.0   # (watch)
+        self._on_this_machine = frozenset()        # the ranks of other nodes on this machine (watch)
         # per peer, the Programs' sends to it since the last synchronous one (CONFIRM_EVERY)
         self.unconfirmed_sends = np.zeros(self.size, np.int64)
 
@@ -136,8 +137,18 @@ class MpiLink:
         then a RankFailedError at this rank's next look at its health
         (every HEALTH_EVERY while it waits, at most every WATCH_EVERY),
         where before only the timeout told: a rank alone on its node has
-        no node-mate to see it die and abort."""
+        no node-mate to see it die and abort. Sends to them count toward
+        CONFIRM_EVERY (confirms)."""
         self._watched = dict(pids)
+        self._on_this_machine = frozenset(self._watched)
+
+    def confirms(self, peer, nbytes):
+        """Whether a send of `nbytes` to `peer` counts toward CONFIRM_EVERY:
+        an eager one to a rank on this machine, which MPICH's shared-memory
+        cells hold. Between machines no rank goes on after a death (shrink
+        needs one machine), and a synchronous send there would cost a
+        round trip of the network every 8th call."""
+        return nbytes <= EAGER_BYTES and peer in self._on_this_machine
 
     def _look_at_the_watched(self):
         now = time.perf_counter()
@@ -201,7 +212,7 @@ class MpiLink:
     def _send(self, buffer, nbytes, peer):
         """MPI_Isend of `buffer` (`nbytes`) to `peer`, synchronous where it
         is the CONFIRM_EVERY-th eager send to that peer (as a Program's)."""
-        if nbytes <= EAGER_BYTES:
+        if self.confirms(peer, nbytes):
             self.unconfirmed_sends[peer] += 1
             if self.unconfirmed_sends[peer] >= CONFIRM_EVERY:
                 self.unconfirmed_sends[peer] = 0
@@ -374,10 +385,10 @@ class RepeatedExchange:
         """The synchronous sends' handles, in the order of the sends' requests."""
         return [self._addressof(request) for request in self.synchronous_sends]
 
-    def confirmed_peers(self):
-        """Each send's peer where its message may go eagerly (a Program then
-        sends it synchronously at times: CONFIRM_EVERY), else -1."""
-        return [peer if message.nbytes <= EAGER_BYTES else -1 for peer, message in zip(self.targets, self._sent)]
+    def confirmed_peers(self, confirms):
+        """Each send's peer where `confirms(peer, nbytes)` (MpiLink.confirms:
+        a Program then sends it synchronously at times), else -1."""
+        return [peer if confirms(peer, message.nbytes) else -1 for peer, message in zip(self.targets, self._sent)]
 
     def free(self):
         for request in self.requests + self.synchronous_sends:
