@@ -27,7 +27,7 @@ import socket
 import time
 from typing import NamedTuple, Tuple
 
-from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
+from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from .transport.protocol import new_prefix
 
 # Set by common launchers in every process they start.
@@ -75,20 +75,38 @@ def mpi_world(comm=None):
     return comm if comm is not None else MPI.COMM_WORLD
 
 
-def _wait(request, deadline, what):
+WATCH_SECONDS = 0.005   # between looks at the watched processes while a start-up exchange waits
+
+
+def _wait(request, deadline, what, watched=None):
+    """Poll `request` until done; CollectiveTimeoutError at the deadline,
+    RankFailedError once a process of `watched` ({rank: pid}) has exited."""
+    from .transport.segments import exited
+    next_look = 0.0
     while not request.Test():
-        if time.perf_counter() >= deadline:
+        now = time.perf_counter()
+        if now >= deadline:
             raise CollectiveTimeoutError(f"timed out at start-up waiting for {what}")
+        if watched and now >= next_look:
+            next_look = now + WATCH_SECONDS
+            dead = [rank for rank, pid in watched.items() if exited(pid)]
+            if dead:
+                raise RankFailedError(f"rank(s) {', '.join(map(str, dead))} died at start-up, while this rank "
+                                      f"waited for {what}")
         time.sleep(1e-4)
 
 
 class MpiRendezvous:
     """Start-up exchanges over an mpi4py communicator, every call nonblocking
-    and polled against the deadline."""
+    and polled against the deadline. `watched`: {rank: pid} of ranks on this
+    machine whose death ends a wait at once (a shrink's members: one that
+    dies while the shrunk communicator starts would otherwise cost the
+    others the whole timeout)."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, watched=None):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._watched = dict(watched or {})
 
     def allgather(self, data, nbytes, deadline, what):
         """Every rank's `data` (at most `nbytes` bytes), in rank order, each
@@ -97,11 +115,11 @@ class MpiRendezvous:
         mine = bytearray(nbytes)
         mine[:len(data[:nbytes])] = data[:nbytes]
         everyone = bytearray(nbytes * self.size)
-        _wait(self.comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE]), deadline, what)
+        _wait(self.comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE]), deadline, what, self._watched)
         return [bytes(everyone[i:i + nbytes]) for i in range(0, len(everyone), nbytes)]
 
     def barrier(self, deadline, what):
-        _wait(self.comm.Ibarrier(), deadline, what)
+        _wait(self.comm.Ibarrier(), deadline, what, self._watched)
 
     def link(self, deadline):
         """hierarchy.py's messages between nodes: MPI point-to-point on a
@@ -109,7 +127,7 @@ class MpiRendezvous:
         messages never match the program's own."""
         from .transport.mpi import MpiLink
         copy, request = self.comm.Idup()
-        _wait(request, deadline, "every rank to duplicate the MPI communicator")
+        _wait(request, deadline, "every rank to duplicate the MPI communicator", self._watched)
         return MpiLink(copy)
 
 

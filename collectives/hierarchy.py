@@ -255,8 +255,10 @@ class HierarchicalCommunicator(Communicator):
                 # collective, which a member that died during it would leave blocked for good.
                 rendezvous = SurvivorsRendezvous(h.recovery(), members, decision, world_rank, h.world_size)
             else:
-                rendezvous = bootstrap.MpiRendezvous(
-                    create_group(h.link, members, h.recovery().pids, deadline))
+                pids = h.recovery().pids
+                rendezvous = bootstrap.MpiRendezvous(create_group(h.link, members, pids, deadline),
+                                                     watched={new: pids[old] for new, old in enumerate(members)
+                                                              if old != self.rank})
                 rendezvous.world_rank, rendezvous.world_size = world_rank, h.world_size
             shrunk = _start(rendezvous, "host", "ours", None, self.timeout, deadline)
         except CollectiveTimeoutError:

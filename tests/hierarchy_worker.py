@@ -969,6 +969,40 @@ def scenario_shrink(comm):
     again.close()
 
 
+def scenario_shrink_start_death(comm):
+    """On 0,0,1,1: rank 1 dies; the others shrink to 0 | 2 3, and rank 3
+    dies as that communicator starts (after MPI made the members'
+    communicator). Ranks 0 and 2 raise at once rather than at the
+    timeout, shrink again, to 0 | 2, and go on. Only they print OK."""
+    import signal
+    from collectives import bootstrap
+
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.allreduce(np.ones(1000, np.float64))
+        raise AssertionError("an allreduce with a dead rank returned")
+    except CollectiveError:
+        pass
+    if comm.rank == 3:   # inside the shrunk communicator's start
+        bootstrap.topology = lambda *arguments: os.kill(os.getpid(), signal.SIGKILL)
+    start = time.perf_counter()
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            shrunk = comm.shrink()
+            break
+        except CollectiveTimeoutError as error:   # (RankFailedError too: the member that died is left out next)
+            assert tries < 4, f"shrink failed {tries} times: {error}"
+    elapsed = time.perf_counter() - start
+    assert shrunk.old_ranks == (0, 2) and tries == 2, (shrunk.old_ranks, tries)
+    assert elapsed < TIMEOUT / 2, f"a member that died at the start cost {elapsed:.2f} s (timeout {TIMEOUT:g} s)"
+    check(shrunk.allreduce(np.full(4, comm.rank + 1.0)), np.full(4, 4.0), "after the second shrink")
+    shrunk.close()
+
+
 def scenario_one_node(comm):
     """Every rank on one pretend node: today's communicator, unchanged."""
     assert type(comm) is collectives.Communicator, type(comm)
@@ -996,11 +1030,11 @@ HOSTS = "hosts"   # LAYOUT for ranks on hosts of their own: no pretend nodes
 OK_FILES = "HIERARCHY_WORKER_OK_FILES"   # a folder where each rank also writes its OK line
 
 
-RANKS_DIE = ("killed", "killed_compressed", "killed_awaited", "host_died", "link_cut", "shrink")
+RANKS_DIE = ("killed", "killed_compressed", "killed_awaited", "host_died", "link_cut", "shrink", "shrink_start_death")
 FAILING = ("stalled", "stalled_by_node", "stalled_in_last_step", "killed", "killed_compressed", "killed_awaited", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
-           "shortcut_edges", "mismatched_large", "host_died", "link_cut", "shrink")
+           "shortcut_edges", "mismatched_large", "host_died", "link_cut", "shrink", "shrink_start_death")
 ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier", "shortcut_edges", "mismatched_large",
-           "host_died", "link_cut", "shrink")
+           "host_died", "link_cut", "shrink", "shrink_start_death")
 
 
 def main():

@@ -208,6 +208,20 @@ def test_survivors_of_two_sigkills_shrink_across_nodes_then_to_one_node_and_go_o
     assert sorted(re.findall(r"OK shrink (\d+)", done.stdout)) == ["2", "3"], report
 
 
+@pytest.mark.mpi
+def test_a_member_that_dies_as_the_shrunk_communicator_starts_costs_the_others_no_timeout():
+    """tests/hierarchy_worker.py's `shrink_start_death` on 0,0,1,1 (rank 1,
+    then rank 3 inside the shrunk communicator's start-up): ranks 0 and 2
+    print OK, having shrunk twice within half the timeout."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    env.pop("COLLECTIVES_PRETEND_NODES", None)
+    done = subprocess.run(survivable_launch(4, [str(WORKER), "shrink_start_death", TWO_AND_TWO]),
+                          capture_output=True, text=True, timeout=120, env=env)
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert sorted(re.findall(r"OK shrink_start_death (\d+)", done.stdout)) == ["0", "2"], report
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_a_rank_that_dies_inside_a_compressed_allreduce_makes_the_others_raise_in_time():
