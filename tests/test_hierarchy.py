@@ -38,6 +38,18 @@ def run_ranks(scenario, layout, *launcher_flags, limit=240):
     return run_nodes_worker(WORKER, scenario, layout, *launcher_flags, limit=limit)
 
 
+def run_survivors(scenario, layout):
+    """The worker's `scenario` under a launch that lets survivors live
+    (ranks die in it): the ranks that printed OK, sorted, and a report."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLLECTIVES_TIMEOUT", None)
+    env.pop("COLLECTIVES_PRETEND_NODES", None)
+    done = subprocess.run(survivable_launch(len(layout.split(",")), [str(WORKER), scenario, layout]),
+                          capture_output=True, text=True, timeout=120, env=env)
+    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    return sorted(int(rank) for rank in re.findall(rf"OK {scenario} (\d+)", done.stdout)), report
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE, ONE_PER_NODE])
@@ -199,13 +211,8 @@ def test_survivors_of_two_sigkills_shrink_across_nodes_then_to_one_node_and_go_o
     """tests/hierarchy_worker.py's `shrink` on 0,0,1,1, under a launch that
     lets survivors live: ranks 1, then 0, die by SIGKILL; the last two
     print OK (they checked every shrink and collective on the way)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
-    env.pop("COLLECTIVES_TIMEOUT", None)
-    env.pop("COLLECTIVES_PRETEND_NODES", None)
-    done = subprocess.run(survivable_launch(4, [str(WORKER), "shrink", TWO_AND_TWO]),
-                          capture_output=True, text=True, timeout=120, env=env)
-    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
-    assert sorted(re.findall(r"OK shrink (\d+)", done.stdout)) == ["2", "3"], report
+    oks, report = run_survivors("shrink", TWO_AND_TWO)
+    assert oks == [2, 3], report
 
 
 @pytest.mark.mpi
@@ -213,13 +220,8 @@ def test_a_member_that_dies_as_the_shrunk_communicator_starts_costs_the_others_n
     """tests/hierarchy_worker.py's `shrink_start_death` on 0,0,1,1 (rank 1,
     then rank 3 inside the shrunk communicator's start-up): ranks 0 and 2
     print OK, having shrunk twice within half the timeout."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
-    env.pop("COLLECTIVES_TIMEOUT", None)
-    env.pop("COLLECTIVES_PRETEND_NODES", None)
-    done = subprocess.run(survivable_launch(4, [str(WORKER), "shrink_start_death", TWO_AND_TWO]),
-                          capture_output=True, text=True, timeout=120, env=env)
-    report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
-    assert sorted(re.findall(r"OK shrink_start_death (\d+)", done.stdout)) == ["0", "2"], report
+    oks, report = run_survivors("shrink_start_death", TWO_AND_TWO)
+    assert oks == [0, 2], report
 
 
 @pytest.mark.slow
