@@ -106,7 +106,11 @@ def rank_main(seed, n):
     me, count = comm.rank, trial["nbytes"] // 4
     first, second = trial["victims"][0], trial["victims"][-1]
     members = list(range(comm.size))
-    check(comm, trial["collective"], count, members)   # every rank past its first call
+    check(comm, trial["collective"], count, members)
+    # Every rank past its first call before a victim's timer starts: a rank
+    # done with its own part (a reduce's non-root) may be ahead of the others
+    # (seed 33 across nodes: a kill inside the others' first call, 1 in 20).
+    comm.barrier()
 
     def die(how):
         print(f"KILL {time.perf_counter():.6f}", flush=True)
