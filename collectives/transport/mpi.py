@@ -95,8 +95,7 @@ class MpiLink:
         _HELD_FOR_MPI[self._held] = [(self._abort_request, self._abort_buffer)]
         self._orphans = []                # requests (and their buffers) of failed exchanges
         self._watched, self._next_look = {}, 0.0   # (watch)
-        self._on_this_machine = frozenset()        # the ranks of other nodes on this machine (watch)
-        # per peer, the Programs' sends to it since the last synchronous one (CONFIRM_EVERY)
+        # per peer, the sends to it (Programs' and exchange()'s) since the last synchronous one (CONFIRM_EVERY)
         self.unconfirmed_sends = np.zeros(self.size, np.int64)
 
     # -- health ------------------------------------------------------------------
@@ -140,7 +139,6 @@ class MpiLink:
         no node-mate to see it die and abort. Sends to them count toward
         CONFIRM_EVERY (confirms)."""
         self._watched = dict(pids)
-        self._on_this_machine = frozenset(self._watched)
 
     def confirms(self, peer, nbytes):
         """Whether a send of `nbytes` to `peer` counts toward CONFIRM_EVERY:
@@ -148,7 +146,7 @@ class MpiLink:
         cells hold. Between machines no rank goes on after a death (shrink
         needs one machine), and a synchronous send there would cost a
         round trip of the network every 8th call."""
-        return nbytes <= EAGER_BYTES and peer in self._on_this_machine
+        return nbytes <= EAGER_BYTES and peer in self._watched
 
     def _look_at_the_watched(self):
         now = time.perf_counter()
