@@ -24,6 +24,7 @@ MPI_Comm_split_type, a blocking collective with no nonblocking form.)
 import functools
 import os
 import socket
+import sys
 import time
 from typing import NamedTuple, Tuple
 
@@ -59,9 +60,20 @@ def rendezvous(comm=None, deadline=None, environ=os.environ):
     return None if world is None else MpiRendezvous(world)
 
 
+# MPICH's MPI_Finalize waits, in a barrier of its launcher's (PMI), for
+# every process of the job to finalize too, so once a rank has died every
+# survivor that leaves normally waits there forever (mpi4py finalizes at the
+# interpreter's end). With this set, a process finalizes alone. MPICH reads
+# it at MPI_Init, which importing mpi4py's MPI does: set here, before our
+# first import of it, unless the user set it or MPI is already running.
+NO_COLLECTIVE_FINALIZE = "MPIR_CVAR_NO_COLLECTIVE_FINALIZE"
+
+
 def mpi_world(comm=None):
     """The MPI communicator to bootstrap from, or None when running alone
     without mpi4py. Under a launcher, mpi4py is required."""
+    if "mpi4py.MPI" not in sys.modules:
+        os.environ.setdefault(NO_COLLECTIVE_FINALIZE, "1")
     try:
         from mpi4py import MPI
     except ImportError:
