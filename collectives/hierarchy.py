@@ -230,9 +230,8 @@ class HierarchicalCommunicator(Communicator):
         shrink() again goes on without the dead, RECOVERY_ROUNDS calls in
         all as on one machine (then RankFailedError, and it is closed). A
         member that died inside MPI_Comm_create_group leaves a thread of
-        this process blocked there for good, and MPI's next such call may
-        wait behind it until the deadline: going on works where the members
-        left are on one node.
+        this process blocked there for good, on that decision's tag, apart
+        from the next decision's call (mpi_recovery.group_tag).
         """
         from . import _start
         from .transport.mpi_recovery import SurvivorsRendezvous, create_group
@@ -256,7 +255,7 @@ class HierarchicalCommunicator(Communicator):
                 rendezvous = SurvivorsRendezvous(h.recovery(), members, decision, world_rank, h.world_size)
             else:
                 pids = h.recovery().pids
-                rendezvous = bootstrap.MpiRendezvous(create_group(h.link, members, pids, deadline),
+                rendezvous = bootstrap.MpiRendezvous(create_group(h.link, members, decision, pids, deadline),
                                                      watched={new: pids[old] for new, old in enumerate(members)
                                                               if old != self.rank})
                 rendezvous.world_rank, rendezvous.world_size = world_rank, h.world_size

@@ -216,11 +216,15 @@ def test_survivors_of_two_sigkills_shrink_across_nodes_then_to_one_node_and_go_o
 
 
 @pytest.mark.mpi
-def test_a_member_that_dies_as_the_shrunk_communicator_starts_costs_the_others_no_timeout():
+@pytest.mark.parametrize("scenario", ["shrink_start_death", "shrink_group_death"])
+def test_a_member_that_dies_as_the_shrunk_communicator_starts_costs_the_others_no_timeout(scenario):
     """tests/hierarchy_worker.py's `shrink_start_death` on 0,0,1,1 (rank 1,
-    then rank 3 inside the shrunk communicator's start-up): ranks 0 and 2
-    print OK, having shrunk twice within half the timeout."""
-    oks, report = run_survivors("shrink_start_death", TWO_AND_TWO)
+    then rank 3 inside the shrunk communicator's start-up), and
+    `shrink_group_death` (rank 3 dying where the others make MPI's
+    communicator of the members, whose threads then stay blocked in
+    MPI_Comm_create_group): ranks 0 and 2 print OK, having shrunk within
+    half the timeout."""
+    oks, report = run_survivors(scenario, TWO_AND_TWO)
     assert oks == [0, 2], report
 
 

@@ -43,7 +43,14 @@ from .recovery import POLL_SECONDS, process_failed
 TAG_BASE = 1 << 14   # + the coordinator's rank (mpi.py's ABORT_TAG and DATA_TAG are 1 and 2)
 AGREE_TAG_BASE = TAG_BASE + (1 << 13)   # + the coordinator's rank: agree's flags and decisions
 RELAY_TAG = TAG_BASE - 2                # agree's decisions, passed on by each rank that got one
-GROUP_TAG = TAG_BASE - 1                # MPI_Comm_create_group's
+# MPI_Comm_create_group's, one per decision (group_tag): a member that died
+# inside the call leaves the others' threads blocked in it for good, still
+# receiving on its tag, and the next decision's call on the same tag lost
+# its messages to them (survivors on two nodes then timed out in every
+# later shrink). Within the 32767 that every MPI allows (so agree's tags
+# above leave room for coordinators below rank 4096).
+GROUP_TAG_BASE = AGREE_TAG_BASE + (1 << 12)
+GROUP_TAGS = (1 << 15) - GROUP_TAG_BASE
 RENDEZVOUS_TAG = TAG_BASE - 3           # SurvivorsRendezvous's
 JOIN = 1
 
@@ -344,18 +351,26 @@ class SurvivorsRendezvous:
                               "without MPI's communicator of their own")
 
 
-def create_group(link, members, pids, deadline):
+def group_tag(decision):
+    """The tag of MPI_Comm_create_group for decision number `decision`
+    (Agreement.members'): another for each decision of a recovery."""
+    coordinator, number = decision >> 32, decision & 0xFFFFFFFF
+    return GROUP_TAG_BASE + (coordinator * 64 + number) % GROUP_TAGS
+
+
+def create_group(link, members, decision, pids, deadline):
     """MPI's communicator of `members` (ranks of the link's communicator),
-    made by the members alone (MPI_Comm_create_group). It has no
-    nonblocking form: it runs on a thread of its own, and a member that
-    dies during it leaves that thread blocked in MPI; this rank raises
+    made by the members alone (MPI_Comm_create_group), for decision number
+    `decision`. It has no nonblocking form: it runs on a thread of its
+    own, and a member that dies during it leaves that thread blocked in
+    MPI (on its decision's tag: group_tag); this rank raises
     RankFailedError at the deadline or when it sees a member fail."""
     group = link.comm.Get_group().Incl(list(members))
     made, errors = [], []
 
     def create():
         try:
-            made.append(link.comm.Create_group(group, GROUP_TAG))
+            made.append(link.comm.Create_group(group, group_tag(decision)))
         except BaseException as error:   # noqa: BLE001 - reported on the caller's thread
             errors.append(error)
 
