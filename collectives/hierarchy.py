@@ -231,7 +231,9 @@ class HierarchicalCommunicator(Communicator):
         all as on one machine (then RankFailedError, and it is closed). A
         member that died inside MPI_Comm_create_group leaves a thread of
         this process blocked there for good, on that decision's tag, apart
-        from the next decision's call (mpi_recovery.group_tag).
+        from the next decision's call (mpi_recovery.group_tag) under MPICH;
+        under Open MPI the next call waits behind it, so going on works
+        there where the members left are on one node.
         """
         from . import _start
         from .transport.mpi_recovery import SurvivorsRendezvous, create_group

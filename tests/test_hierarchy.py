@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import mpis
 from collectives import InvalidUsageError, hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV, Topology, pretend_label
 from collectives.compression.kernels import BLOCK
@@ -224,6 +225,9 @@ def test_a_member_that_dies_as_the_shrunk_communicator_starts_costs_the_others_n
     communicator of the members, whose threads then stay blocked in
     MPI_Comm_create_group): ranks 0 and 2 print OK, having shrunk within
     half the timeout."""
+    if scenario == "shrink_group_death" and mpis.chosen_for_tests() == mpis.OPEN_MPI:
+        pytest.skip("Open MPI 5.0.11's MPI_Comm_create_group waits behind one blocked by a dead member, whatever "
+                    "its tag (docs/api.md, Going on after a failure): the survivors time out in every later shrink")
     oks, report = run_survivors(scenario, TWO_AND_TWO)
     assert oks == [0, 2], report
 

@@ -47,7 +47,8 @@ RELAY_TAG = TAG_BASE - 2                # agree's decisions, passed on by each r
 # inside the call leaves the others' threads blocked in it for good, still
 # receiving on its tag, and the next decision's call on the same tag lost
 # its messages to them (survivors on two nodes then timed out in every
-# later shrink). Within the 32767 that every MPI allows (so agree's tags
+# later shrink; Open MPI 5.0.11's next call waits behind the blocked one
+# whatever its tag). Within the 32767 that every MPI allows (so agree's tags
 # above leave room for coordinators below rank 4096).
 GROUP_TAG_BASE = AGREE_TAG_BASE + (1 << 12)
 GROUP_TAGS = (1 << 15) - GROUP_TAG_BASE
