@@ -13,6 +13,8 @@ import pytest
 
 from mpi_launch import remove_orphaned_mpich_segments
 
+pytest_plugins = ("cpu_times",)   # pytest --cpu-times=PATH: where the suite's CPU goes
+
 # Every process the tests start (ranks under mpiexec and torchrun, the tools)
 # inherits this. OpenBLAS starts a thread per core when NumPy is imported,
 # and their start spins: `import numpy` took 0.15-0.19 CPU-s with them on
