@@ -180,7 +180,10 @@ def test_the_shortcuts_take_read_only_inputs_refuse_wrong_calls_and_stop_after_a
 
 @pytest.mark.mpi
 def test_large_calls_that_differ_between_nodes_are_named_without_a_crash():
-    oks, report = run_ranks("mismatched_large", TWO_AND_TWO, "-disable-auto-cleanup")
+    # (Open MPI 5.0.11's single copy, smsc/cma, writes a message longer than its receive whole, past the
+    # buffer, from 4 KiB: rank 0's heap was corrupted in 2 of 3 runs; its other path reports the truncation
+    # alone, as MPICH does. docs/testing.md, "Under Open MPI". MPICH ignores the variable.)
+    oks, report = run_ranks("mismatched_large", TWO_AND_TWO, "-disable-auto-cleanup", "-env", "OMPI_MCA_smsc", "^cma")
     assert len(oks) == 4, report
     assert re.findall(r"RAISED 0 \d InvalidUsageError: .*(different call|more bytes)", report), report
 
