@@ -48,7 +48,8 @@ def pytest_runtest_protocol(item, nextitem):
     own, children, wall = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN), time.monotonic()
     yield
     own, children = _cpu(resource.RUSAGE_SELF) - own, _cpu(resource.RUSAGE_CHILDREN) - children
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    # (from the config, not $PYTEST_XDIST_WORKER, which a pytest started by a test inherits)
+    worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
     with open(f"{path}.{worker}", "a") as f:
         f.write(f"{item.nodeid}\t{time.monotonic() - wall:.3f}\t{own:.3f}\t{children:.3f}\n")
 

@@ -379,12 +379,13 @@ def scenario_stalled(comm):
             # gave up: then it completes, with the right result ...
             check(comm.allreduce(x), np.full(1000, comm.size, np.float32), "the late rank's allreduce")
         except CollectiveError as error:
-            assert "aborted" in str(error), error
+            # (or it sees that they exited, having given up: ranks of other nodes on this machine are watched)
+            assert "aborted" in str(error) or isinstance(error, RankFailedError), error
             return
         try:   # ... and its next call learns that the others have aborted.
             comm.barrier()
         except CollectiveError as error:
-            assert "aborted" in str(error) or isinstance(error, CollectiveTimeoutError), error
+            assert "aborted" in str(error) or isinstance(error, (CollectiveTimeoutError, RankFailedError)), error
             return
         raise AssertionError("a call into an aborted communicator succeeded")
     start = time.perf_counter()
@@ -485,8 +486,8 @@ def scenario_stalled_in_last_step(comm):
     check(got, rows, "the other node's allgather, every row it needed come")
     try:
         comm.barrier()
-    except CollectiveError as error:
-        assert "aborted" in str(error) or isinstance(error, CollectiveTimeoutError), error
+    except CollectiveError as error:   # (RankFailedError: the ranks that gave up may have exited by now)
+        assert "aborted" in str(error) or isinstance(error, (CollectiveTimeoutError, RankFailedError)), error
         return
     raise AssertionError("a call into an aborted communicator succeeded")
 
