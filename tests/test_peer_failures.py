@@ -58,3 +58,35 @@ def test_a_stalled_peer_in_a_barrier_is_a_timeout_on_every_rank():
 @pytest.mark.parametrize("device, path", PATHS)
 def test_every_rank_waiting_on_a_killed_peer_raises_rank_failed_naming_it(n, device, path):
     run_failure(n, "killed", device, path)
+
+
+def test_a_peer_that_aborted_then_died_while_this_rank_looked_is_reported_as_its_abort(monkeypatch):
+    """check_health looks at the abort flag, then at the peer's process: a
+    peer that aborts and exits between the two looks (a rank preempted
+    there, on a loaded machine) did abort first, and its abort is what the
+    others must raise, not its death."""
+    from collectives.errors import CollectiveTimeoutError, RankFailedError
+    from collectives.transport import protocol
+    from collectives.transport.segments import HostMemory
+
+    group = protocol.ProcessGroup(0, 2, protocol.new_prefix(), HostMemory)
+    try:
+        group._rows[1, protocol.PID] = 2 ** 22 + 7     # the peer's process, as its row names it
+
+        def peer_aborts_then_exits(pid):
+            group.abort("CollectiveTimeoutError on rank 1: waiting for rank 2", CollectiveTimeoutError)
+            return False
+        monkeypatch.setattr(protocol, "_alive", peer_aborts_then_exits)
+        with pytest.raises(CollectiveTimeoutError, match="aborted the communicator: CollectiveTimeoutError on rank 1"):
+            group.check_health(1, "call #1")
+
+        monkeypatch.setattr(protocol, "_alive", lambda pid: False)   # and a peer that died without aborting
+        fresh = protocol.ProcessGroup(0, 2, protocol.new_prefix(), HostMemory)
+        try:
+            fresh._rows[1, protocol.PID] = 2 ** 22 + 7
+            with pytest.raises(RankFailedError, match=r"rank 1 \(pid 4194311\) died before completing call #1"):
+                fresh.check_health(1, "call #1")
+        finally:
+            fresh.close()
+    finally:
+        group.close()

@@ -243,15 +243,21 @@ class ProcessGroup:
         """Raise if the communicator was aborted (the class of the aborting
         rank's failure, see abort) or `peer` died (RankFailedError, naming
         the call it did not complete: `during`)."""
+        self._raise_if_aborted()
+        if peer is not None:
+            pid = int(self._rows[peer, PID])
+            if pid and not _alive(pid):
+                # A peer that aborted, then left, between the look above and
+                # this one: its abort is what happened (it wrote the flag first).
+                self._raise_if_aborted()
+                raise RankFailedError(f"rank {self.names[peer]} (pid {pid}) died before completing {during}")
+
+    def _raise_if_aborted(self):
         if self._header[ABORT]:
             who = int(self._header[ABORT_RANK]) - 1
             reason = bytes(self._reason).rstrip(b"\0").decode(errors="replace")
             by = f"rank {self.names[who]}" if who >= 0 else "a rank"   # the compiled loop's fence may set the flag alone
             raise class_of_kind(int(self._header[ABORT_KIND]))(f"{by} aborted the communicator: {reason}")
-        if peer is not None:
-            pid = int(self._rows[peer, PID])
-            if pid and not _alive(pid):
-                raise RankFailedError(f"rank {self.names[peer]} (pid {pid}) died before completing {during}")
 
     def _wait_for(self, peer, phases_done, waiter, description, check=None):
         """Wait until `peer` has completed `phases_done` phases in all;
