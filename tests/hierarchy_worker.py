@@ -862,6 +862,38 @@ def scenario_killed(comm, compressed=False, awaited=False):
     assert time.perf_counter() - start < TIMEOUT + 1.5, "close() waited out more than its timeout"
 
 
+def scenario_watched_abort_then_exit(comm):
+    """Rank 1 (on the other pretend node, on this machine: the link watches
+    its process) aborts the communicator and exits between rank 0's look at
+    the abort channel and its look at the watched processes: rank 0 raises
+    rank 1's abort (its class and reason), not a death."""
+    from collectives.transport import mpi as mpi_transport
+    link = comm._ranks.link
+    if comm.rank == 1:
+        WORLD.recv(source=0, tag=77)
+        link.abort(CollectiveTimeoutError("timed out waiting for rank 9"))
+        os._exit(0)
+    pid = link._watched[1]
+    looks = []
+
+    def exited_once_it_aborted_and_left(p):
+        if not looks:   # the first look: rank 1 aborts and exits now, after the abort channel was looked at
+            WORLD.send(b"go", dest=1, tag=77)
+            while not segments.exited(pid):
+                time.sleep(0.001)
+        looks.append(p)
+        return segments.exited(p)
+
+    mpi_transport.exited, link._next_look = exited_once_it_aborted_and_left, 0.0
+    try:
+        link.check_health()
+    except CollectiveTimeoutError as error:
+        assert "rank 1 aborted the communicator" in str(error) and "waiting for rank 9" in str(error), error
+    else:
+        raise AssertionError("check_health passed with rank 1 gone")
+    assert looks, "the watched process was never looked at"
+
+
 def scenario_killed_compressed(comm):
     scenario_killed(comm, compressed=True)
 
@@ -1042,14 +1074,14 @@ HOSTS = "hosts"   # LAYOUT for ranks on hosts of their own: no pretend nodes
 OK_FILES = "HIERARCHY_WORKER_OK_FILES"   # a folder where each rank also writes its OK line
 
 
-RANKS_DIE = ("killed", "killed_compressed", "killed_awaited", "host_died", "link_cut", "shrink", "shrink_start_death",
+RANKS_DIE = ("killed", "watched_abort_then_exit", "killed_compressed", "killed_awaited", "host_died", "link_cut", "shrink", "shrink_start_death",
              "shrink_group_death")
 FAILING = ("stalled", "stalled_by_node", "stalled_in_last_step", "killed", "killed_compressed", "killed_awaited", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
            "shortcut_edges", "mismatched_large", "host_died", "link_cut", "shrink", "shrink_start_death",
              "shrink_group_death")
 ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier", "shortcut_edges", "mismatched_large",
            "host_died", "link_cut", "shrink", "shrink_start_death",
-             "shrink_group_death")
+             "shrink_group_death", "watched_abort_then_exit")
 
 
 def main():

@@ -211,6 +211,13 @@ def test_a_rank_that_dies_on_the_other_node_makes_the_others_raise_in_time(layou
 
 
 @pytest.mark.mpi
+def test_a_watched_rank_that_aborts_then_exits_is_reported_by_its_abort():
+    # Hydra would otherwise kill rank 0 when rank 1 exits first.
+    oks, report = run_ranks("watched_abort_then_exit", "0,1", "-disable-auto-cleanup")
+    assert oks == ["OK watched_abort_then_exit 0"], report
+
+
+@pytest.mark.mpi
 def test_survivors_of_two_sigkills_shrink_across_nodes_then_to_one_node_and_go_on():
     """tests/hierarchy_worker.py's `shrink` on 0,0,1,1, under a launch that
     lets survivors live: ranks 1, then 0, die by SIGKILL; the last two

@@ -118,6 +118,17 @@ class MpiLink:
 
     def check_health(self):
         """Raise if this communicator was aborted, here or by another rank."""
+        self._raise_if_aborted()
+        if self._watched:
+            try:
+                self._look_at_the_watched()
+            except RankFailedError:
+                # A watched rank that aborted, then exited, since the look
+                # above: its abort (sent before it left) is what happened.
+                self._raise_if_aborted()
+                raise
+
+    def _raise_if_aborted(self):
         if self._aborted is None and (self._abort_request == self._mpi.REQUEST_NULL   # (a Program's MPI_Test took it)
                                       or self._abort_request.Test(self._abort_status)):
             who = self._abort_status.Get_source()
@@ -127,8 +138,6 @@ class MpiLink:
         if self._aborted is not None:
             kind, message, _ = self._aborted
             raise kind(message)
-        if self._watched:
-            self._look_at_the_watched()
 
     def watch(self, pids):
         """Ranks of other nodes whose processes this rank can see, {rank:
