@@ -79,6 +79,43 @@ def test_a_mailboxs_counters_are_on_cache_lines_of_their_own_and_its_slots_align
     assert layout.MAILBOX_SLOT_BYTES % 64 == 0 and layout.mailbox_bytes() % 64 == 0
 
 
+def test_a_mailbox_fragment_is_a_fourth_of_its_message_between_the_least_and_a_slot_in_whole_lines():
+    assert layout.MESSAGE_BYTES < layout.MESSAGE_TAG < layout.FRAGMENT_OFFSET < layout.DESCRIPTOR_PID \
+        < layout.DESCRIPTOR_ADDRESS < layout.DESCRIPTOR_REFUSED < layout.FRAGMENT_BYTES < layout.MAILBOX_SLOT_HEADER // 8
+    assert layout.fragment_bytes(0) == layout.fragment_bytes(1) == layout.MAILBOX_FRAGMENT_MIN
+    assert layout.fragment_bytes(64 << 10) == 16 << 10
+    assert layout.fragment_bytes(100_001) == 25_024          # a fourth, 25,000.25, up to a whole line
+    assert layout.fragment_bytes(layout.MAILBOX_SLOTS * layout.MAILBOX_SLOT_BYTES) == layout.MAILBOX_SLOT_BYTES
+    assert layout.fragment_bytes(64 << 20) == layout.MAILBOX_SLOT_BYTES
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 8 << 10, (8 << 10) + 1, 40_000, 64 << 10, 100_001, 512 << 10])
+def test_the_compiled_send_cuts_and_the_compiled_receive_joins_the_fragments_layout_py_names(nbytes):
+    """_shmloop.c's mailbox_put writes fragments of layout.fragment_bytes,
+    each with its bytes in its header (what p2p.py's engine reads too), and
+    mailbox_take puts them back together."""
+    import os
+
+    import numpy as np
+
+    from collectives.transport import p2p
+    if p2p._shmloop is None:
+        pytest.skip("the compiled loop (_shmloop) is not built")
+    box = np.zeros(layout.mailbox_bytes() // 8, np.int64)
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, np.uint8)
+    assert p2p._shmloop.mailbox_put(box.ctypes.data, data, 7)
+    fragment, slot_words = layout.fragment_bytes(nbytes), (layout.MAILBOX_SLOT_HEADER + layout.MAILBOX_SLOT_BYTES) // 8
+    count = max(1, -(-nbytes // fragment))
+    assert box[layout.MAILBOX_SENT] == count
+    for k in range(count):
+        head = box[(layout.MAILBOX_HEADER // 8) + k * slot_words:][:layout.MAILBOX_SLOT_HEADER // 8]
+        assert (head[layout.MESSAGE_BYTES], head[layout.MESSAGE_TAG], head[layout.FRAGMENT_OFFSET],
+                head[layout.FRAGMENT_BYTES]) == (nbytes, 7, k * fragment, min(fragment, nbytes - k * fragment))
+    out, abort = np.zeros(nbytes, np.uint8), np.zeros(1, np.int64)
+    assert p2p._shmloop.mailbox_take(box.ctypes.data, out, 7, 1e18, abort.ctypes.data, os.getpid(), 10, 0.0) == 0
+    assert box[layout.MAILBOX_TAKEN] == count and np.array_equal(out, data)
+
+
 def test_the_loops_sizes_come_from_the_environment_when_resolved_and_bad_ones_are_named(monkeypatch):
     monkeypatch.delenv("COLLECTIVES_FAST_SMALL_MAX", raising=False)
     monkeypatch.delenv("COLLECTIVES_FAST_CHUNK", raising=False)

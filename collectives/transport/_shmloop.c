@@ -1387,8 +1387,9 @@ static struct {
     int ready;
     long header, sent, taken;          /* header bytes; SENT and TAKEN: its int64 words */
     long slots, slot_header, slot_bytes;
-    long bytes_word, tag_word, offset_word;   /* a slot header's int64 words */
+    long bytes_word, tag_word, offset_word, fragment_word;   /* a slot header's int64 words */
     long pid_word, address_word, refused_word;   /* and a descriptor's (single copy) */
+    long fragment_min;                 /* layout.fragment_bytes's least fragment */
 } box_layout;
 
 enum { NOT_FAST = DECLINED };   /* and REFUSED: statuses.h */
@@ -1396,13 +1397,14 @@ enum { SINGLE_COPY = -1 };   /* FRAGMENT_OFFSET of a descriptor */
 
 static PyObject *py_mailbox_layout(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 12) {
+    if (nargs != 14) {
         PyErr_SetString(PyExc_TypeError, "mailbox_layout(header, sent, taken, slots, slot_header, slot_bytes, "
-                                         "bytes_word, tag_word, offset_word, pid_word, address_word, refused_word)");
+                                         "bytes_word, tag_word, offset_word, pid_word, address_word, refused_word, "
+                                         "fragment_word, fragment_min)");
         return NULL;
     }
-    long v[12];
-    for (int i = 0; i < 12; i++) {
+    long v[14];
+    for (int i = 0; i < 14; i++) {
         v[i] = PyLong_AsLong(args[i]);
         if (PyErr_Occurred())
             return NULL;
@@ -1411,6 +1413,7 @@ static PyObject *py_mailbox_layout(PyObject *Py_UNUSED(self), PyObject *const *a
     box_layout.slot_header = v[4], box_layout.slot_bytes = v[5];
     box_layout.bytes_word = v[6], box_layout.tag_word = v[7], box_layout.offset_word = v[8];
     box_layout.pid_word = v[9], box_layout.address_word = v[10], box_layout.refused_word = v[11];
+    box_layout.fragment_word = v[12], box_layout.fragment_min = v[13];
     box_layout.ready = 1;
     Py_RETURN_NONE;
 }
@@ -1420,10 +1423,20 @@ static inline char *box_slot(char *box, int64_t index)
     return box + box_layout.header + (index % box_layout.slots) * (box_layout.slot_header + box_layout.slot_bytes);
 }
 
+/* layout.fragment_bytes: a fourth of the message, between fragment_min and a slot, in whole cache lines */
+static inline int64_t fragment_bytes(int64_t total)
+{
+    int64_t quarter = (total + box_layout.slots - 1) / box_layout.slots;
+    int64_t lines = (quarter + 63) / 64 * 64;
+    int64_t bytes = lines > box_layout.fragment_min ? lines : box_layout.fragment_min;
+    return bytes < box_layout.slot_bytes ? bytes : box_layout.slot_bytes;
+}
+
 /* mailbox_put(box, data, tag) -> True once every fragment of the message
  * (`data`: any object with the buffer protocol, all its bytes) is in a
  * slot and published, False (nothing written) where they do not all fit
- * the free slots now. */
+ * the free slots now. Each fragment is published as soon as it is copied
+ * in: a waiting receiver copies it out while this copies the next. */
 static PyObject *py_mailbox_put(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3 || !box_layout.ready) {
@@ -1441,20 +1454,22 @@ static PyObject *py_mailbox_put(PyObject *Py_UNUSED(self), PyObject *const *args
     long long nbytes = (long long)view.len;
     int64_t *words = (int64_t *)box;
     int64_t sent = load_acquire(&words[box_layout.sent]), taken = load_acquire(&words[box_layout.taken]);
-    int64_t fragments = nbytes == 0 ? 1 : (nbytes + box_layout.slot_bytes - 1) / box_layout.slot_bytes;
+    int64_t fragment = fragment_bytes(nbytes);
+    int64_t fragments = nbytes == 0 ? 1 : (nbytes + fragment - 1) / fragment;
     if (sent + fragments - taken > box_layout.slots) {
         PyBuffer_Release(&view);
         Py_RETURN_FALSE;
     }
     for (int64_t k = 0; k < fragments; k++) {
         char *slot = box_slot(box, sent + k);
-        int64_t *head = (int64_t *)slot, offset = k * box_layout.slot_bytes;
-        int64_t length = nbytes - offset < box_layout.slot_bytes ? nbytes - offset : box_layout.slot_bytes;
+        int64_t *head = (int64_t *)slot, offset = k * fragment;
+        int64_t length = nbytes - offset < fragment ? nbytes - offset : fragment;
         head[box_layout.bytes_word] = nbytes, head[box_layout.tag_word] = tag, head[box_layout.offset_word] = offset;
+        head[box_layout.fragment_word] = length;
         if (length > 0)
             memcpy(slot + box_layout.slot_header, data + offset, (size_t)length);
+        __atomic_store_n(&words[box_layout.sent], sent + k + 1, __ATOMIC_RELEASE);   /* after its fragment */
     }
-    __atomic_store_n(&words[box_layout.sent], sent + fragments, __ATOMIC_RELEASE);   /* last: the fragments first */
     PyBuffer_Release(&view);
     Py_RETURN_TRUE;
 }
@@ -1681,7 +1696,9 @@ static int take_message(char *box, char *data, int64_t nbytes, int64_t tag, doub
                 return OK;
             continue;
         }
-        int64_t length = total - offset < box_layout.slot_bytes ? total - offset : box_layout.slot_bytes;
+        int64_t length = head[box_layout.fragment_word];
+        if (offset < 0 || length < 0 || length > box_layout.slot_bytes || length > total - offset)
+            return MISMATCH;   /* a fragment outside its message: never written so by a sender */
         if (length > 0)
             memcpy(data + offset, slot + box_layout.slot_header, (size_t)length);
         __atomic_store_n(&words[box_layout.taken], ++taken, __ATOMIC_RELEASE);
@@ -1706,7 +1723,8 @@ static PyObject *py_store_release(PyObject *Py_UNUSED(self), PyObject *const *ar
 
 static PyMethodDef module_methods[] = {
     {"mailbox_layout", (PyCFunction)(void (*)(void))py_mailbox_layout, METH_FASTCALL,
-     "mailbox_layout(header, sent, taken, slots, slot_header, slot_bytes, bytes_word, tag_word, offset_word): "
+     "mailbox_layout(header, sent, taken, slots, slot_header, slot_bytes, bytes_word, tag_word, offset_word, "
+     "pid_word, address_word, refused_word, fragment_word, fragment_min): "
      "layout.py's mailbox, once"},
     {"mailbox_put", (PyCFunction)(void (*)(void))py_mailbox_put, METH_FASTCALL,
      "mailbox_put(box, data, tag): every fragment into the free slots and published (True), or nothing (False)"},

@@ -50,7 +50,7 @@ place that says where, so both import it and neither imports the other.
                   slots       MAILBOX_SLOTS of MAILBOX_SLOT_HEADER +
                               MAILBOX_SLOT_BYTES: fragment k in slot k %
                               MAILBOX_SLOTS, its header the message's bytes,
-                              tag and the fragment's offset in it
+                              tag, the fragment's offset in it and its bytes
                 Only the pairs that exchange messages touch their pages.
     recovery    from the next page: what the survivors of a failure agree
                 through (recovery.py), which needs no failed rank:
@@ -140,12 +140,26 @@ MAILBOX_SLOTS = 4
 MAILBOX_SLOT_HEADER = 64
 MAILBOX_SLOT_BYTES = 128 << 10
 MESSAGE_BYTES, MESSAGE_TAG, FRAGMENT_OFFSET = 0, 1, 2   # int64 words of a slot's header
+FRAGMENT_BYTES = 6                                       # and the fragment's own bytes
+# A message that fits the slots is cut into up to MAILBOX_SLOTS fragments of
+# at least MAILBOX_FRAGMENT_MIN bytes, each published once copied in: the
+# receiver copies one out while the sender copies the next in, so the
+# message costs about one copy and a fragment rather than two copies.
+MAILBOX_FRAGMENT_MIN = 8 << 10
 # A message larger than the slots goes in one copy (p2p.py): its one
 # fragment, FRAGMENT_OFFSET SINGLE_COPY, is a descriptor whose header also
 # gives the sender's pid and the address of its bytes, and a word the
 # receiver raises where it cannot read them.
 SINGLE_COPY = -1
 DESCRIPTOR_PID, DESCRIPTOR_ADDRESS, DESCRIPTOR_REFUSED = 3, 4, 5
+
+
+def fragment_bytes(total):
+    """The bytes of each fragment (the last may be shorter) of a message of
+    `total` bytes sent through the slots: a fourth of it, between
+    MAILBOX_FRAGMENT_MIN and a slot, in whole cache lines."""
+    quarter = -(-total // MAILBOX_SLOTS)
+    return min(MAILBOX_SLOT_BYTES, max(MAILBOX_FRAGMENT_MIN, -(-quarter // 64) * 64))
 
 
 def mailbox_bytes():

@@ -4,9 +4,12 @@ Between processes on one machine a message crosses a mailbox of the control
 segment (layout.py), one per ordered pair of ranks (sender, receiver):
 
     the sender cuts the message into fragments of at most a slot's bytes
-    (one fragment, empty, for an empty message); fragment k goes to slot
-    k % MAILBOX_SLOTS, its header giving the message's bytes, its tag and
-    the fragment's offset; then the sender publishes SENT = k + 1.
+    (layout.fragment_bytes: up to MAILBOX_SLOTS of them where it fits; one
+    fragment, empty, for an empty message); fragment k goes to slot
+    k % MAILBOX_SLOTS, its header giving the message's bytes, its tag, the
+    fragment's offset and its bytes; then the sender publishes SENT = k + 1,
+    before it copies the next (the receiver copies one fragment out while
+    the sender copies the next in).
     The receiver, seeing SENT > k, copies fragment k out and publishes
     TAKEN = k + 1; the sender reuses slot k % MAILBOX_SLOTS only once
     SENT - TAKEN < MAILBOX_SLOTS.
@@ -65,9 +68,9 @@ import numpy as np
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from ..validation import MAX_TAG, MESSAGE_DTYPES
 from .layout import (
-    DESCRIPTOR_ADDRESS, DESCRIPTOR_PID, DESCRIPTOR_REFUSED, FRAGMENT_OFFSET, MAILBOX_HEADER, MAILBOX_SENT,
-    MAILBOX_SLOT_BYTES, MAILBOX_SLOT_HEADER, MAILBOX_SLOTS, MAILBOX_TAKEN, MESSAGE_BYTES, MESSAGE_TAG, SINGLE_COPY,
-    mailbox_bytes, mailboxes_offset,
+    DESCRIPTOR_ADDRESS, DESCRIPTOR_PID, DESCRIPTOR_REFUSED, FRAGMENT_BYTES, FRAGMENT_OFFSET, MAILBOX_FRAGMENT_MIN,
+    MAILBOX_HEADER, MAILBOX_SENT, MAILBOX_SLOT_BYTES, MAILBOX_SLOT_HEADER, MAILBOX_SLOTS, MAILBOX_TAKEN,
+    MESSAGE_BYTES, MESSAGE_TAG, SINGLE_COPY, fragment_bytes, mailbox_bytes, mailboxes_offset,
 )
 from .protocol import Counters, Waiter
 
@@ -80,7 +83,7 @@ try:
     from . import _shmloop   # the compiled send and receive (setup.py builds it when a C compiler is there)
     _shmloop.mailbox_layout(MAILBOX_HEADER, MAILBOX_SENT, MAILBOX_TAKEN, MAILBOX_SLOTS, MAILBOX_SLOT_HEADER,
                             MAILBOX_SLOT_BYTES, MESSAGE_BYTES, MESSAGE_TAG, FRAGMENT_OFFSET, DESCRIPTOR_PID,
-                            DESCRIPTOR_ADDRESS, DESCRIPTOR_REFUSED)
+                            DESCRIPTOR_ADDRESS, DESCRIPTOR_REFUSED, FRAGMENT_BYTES, MAILBOX_FRAGMENT_MIN)
     assert _shmloop.SINGLE_COPY == SINGLE_COPY, "_shmloop.c's descriptor offset"
 except ImportError:
     _shmloop = None
@@ -282,6 +285,9 @@ class PointToPoint:
             if status == _shmloop.TIMED_OUT:
                 raise CollectiveTimeoutError(f"timed out waiting for rank {peer} to complete a {kind} of {nbytes} "
                                              f"bytes (tag {tag})")
+            if status == _shmloop.MISMATCH:
+                raise CollectiveError(f"a {kind} of {nbytes} bytes with rank {peer} (tag {tag}): a fragment in the "
+                                      "mailbox lies outside its message (the control segment was overwritten)")
             self._check_health(peer, f"a {kind} with this rank")   # ABORTED, PEER_DEAD: the class of what happened
             raise CollectiveError(f"a {kind} of {nbytes} bytes with rank {peer} (tag {tag}) stopped: the "
                                   "communicator was aborted")
@@ -349,9 +355,10 @@ class PointToPoint:
             if sent - box.load(pair, MAILBOX_TAKEN) >= MAILBOX_SLOTS:
                 return False
             start = request.done_bytes
-            length = min(MAILBOX_SLOT_BYTES, total - start)
+            length = min(fragment_bytes(total), total - start)
             header, payload = box.slot(pair, sent % MAILBOX_SLOTS)
             header[MESSAGE_BYTES], header[MESSAGE_TAG], header[FRAGMENT_OFFSET] = total, request.tag, start
+            header[FRAGMENT_BYTES] = length
             payload[:length] = request.data[start:start + length]
             box.publish(pair, MAILBOX_SENT, sent + 1)   # last: a receiver that sees it sees the fragment
             request.done_bytes = start + length
@@ -436,7 +443,7 @@ class PointToPoint:
                     continue
                 target.done_bytes = total
             else:
-                length = min(MAILBOX_SLOT_BYTES, total - start)
+                length = int(header[FRAGMENT_BYTES])
                 target.data[start:start + length] = payload[:length]
                 target.done_bytes = start + length
             box.publish(pair, MAILBOX_TAKEN, taken + 1)
