@@ -1074,8 +1074,8 @@ HOSTS = "hosts"   # LAYOUT for ranks on hosts of their own: no pretend nodes
 OK_FILES = "HIERARCHY_WORKER_OK_FILES"   # a folder where each rank also writes its OK line
 
 
-RANKS_DIE = ("killed", "watched_abort_then_exit", "killed_compressed", "killed_awaited", "host_died", "link_cut", "shrink", "shrink_start_death",
-             "shrink_group_death")
+RANKS_DIE = ("killed", "watched_abort_then_exit", "killed_compressed", "killed_awaited", "host_died", "link_cut",
+             "shrink", "shrink_start_death", "shrink_group_death")
 FAILING = ("stalled", "stalled_by_node", "stalled_in_last_step", "killed", "killed_compressed", "killed_awaited", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
            "shortcut_edges", "mismatched_large", "host_died", "link_cut", "shrink", "shrink_start_death",
              "shrink_group_death")
