@@ -50,6 +50,11 @@ typedef struct {
     Waits waits;
     int64_t base, seq, signature;   /* of the call running, or last run */
     long long waits_made;           /* peer waits over the runner's life (bench.spmd_overhead counts them) */
+    /* Per rank, held for the runner's life (Python writes them, between calls):
+     * the address of the rank's workspace as mapped here (0: not opened) and
+     * the generation that is. */
+    Py_buffer bases_view, generations_view;
+    const int64_t *bases, *generations;
 } Runner;
 
 /* The arrays and numbers of one call (see Runner_run). */
@@ -275,84 +280,145 @@ static const int64_t *int64s(PyObject *object, Py_buffer *view, Py_ssize_t at_le
     return view->buf;
 }
 
-/* runner.run(rows, row_starts, waits, wait_starts, bases, generations, input, output,
- *            scratch_offset, workspace_bytes, start_phase, type, op, nranks, description_hash,
- *            deadline, single_copy)
- * -> 0 once the rank's phases ran, else (status, peer, have, need, seq, phase):
- * a wait's failure (shm_waits.h), MISMATCH, NEED_GROW or NEED_OPEN at
- * `phase` (call again from there), or BAD_PLAN. rows: the rank's rows of
- * every phase, one table; row_starts: phases + 1 row indexes; waits:
- * (peer, phases done) pairs, wait_starts their phases' starts. input and
- * output are addresses (0 where the plan names no such buffer). A call
- * from phase 0 is a new call: its number (the row's SEQ + 1), counter base
- * (the row's COUNTER) and signature are taken then, and kept for the calls
- * that resume it. single_copy: the plan is a single-copy plan (see "Single
- * copy"); then REFUSED means run the call again on the staged plan. */
-static PyObject *Runner_run(Runner *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 17) {
-        PyErr_SetString(PyExc_TypeError, "run() takes 17 arguments: see _host_plan.c");
-        return NULL;
-    }
-    Call call;
-    int64_t values[8];   /* input ... nranks: the integers after the six arrays */
-    for (int i = 0; i < 8; i++)
-        values[i] = PyLong_AsLongLong(args[6 + i]);
-    uint64_t description_hash = PyLong_AsUnsignedLongLong(args[14]);
-    double deadline = PyFloat_AsDouble(args[15]);
-    int single_copy = PyObject_IsTrue(args[16]);
-    if (single_copy < 0 || PyErr_Occurred())
-        return NULL;
-    call.input = (char *)(uintptr_t)values[0];
-    call.output = (char *)(uintptr_t)values[1];
-    call.scratch_offset = values[2];
-    call.workspace_bytes = values[3];
-    int64_t start_phase = values[4];
-    call.type = (int)values[5];
-    call.op = (int)values[6];
-    call.nranks = (int)values[7];
-    call.single_copy = single_copy;
-    if (call.type < 0 || call.type >= NTYPES || call.op < 0 || call.op > OP_AVG
-        || call.nranks != self->waits.nranks) {
-        PyErr_SetString(PyExc_ValueError, "run(): an element type, op or rank count this runner does not take");
-        return NULL;
-    }
-    static const size_t itemsizes[NTYPES] = {4, 8, 1, 1, 2, 2, 4, 4, 8, 8};   /* host_folds.h's T_ order */
-    call.itemsize = itemsizes[call.type];
+/* ---- A plan, prepared once ---------------------------------------------------
+ *
+ * Plan(rows, row_starts, waits, wait_starts, scratch_offset, workspace_bytes,
+ *      type, op, nranks, description_hash, single_copy)
+ *
+ * One rank's part of a plan, checked and copied into memory of its own
+ * once, so that a call passes only what changes between calls (the arrays'
+ * addresses, the phase to start from, the deadline): rows, the rank's rows
+ * of every phase in one table; row_starts, phases + 1 row indexes; waits,
+ * (peer, phases done) pairs, wait_starts their phases' starts;
+ * single_copy, a plan that reads peers' inputs in place (see "Single
+ * copy"). */
+typedef struct {
+    PyObject_HEAD
+    int64_t *data;              /* rows, row_starts, waits, wait_starts, one allocation */
+    Call call;                  /* all but the arrays' addresses (input, output) and the runner's bases */
+    uint64_t description_hash;
+} Plan;
 
-    Py_buffer views[6];
-    int held = 0;
-    PyObject *result = NULL;
-    const int64_t *row_starts = NULL, *wait_starts = NULL;
-    const int64_t *arrays[6];
-    for (; held < 6; held++) {
-        if ((arrays[held] = int64s(args[held], &views[held], 0)) == NULL)
-            goto done;
+static void Plan_dealloc(Plan *self)
+{
+    PyMem_Free(self->data);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Plan_init(Plan *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"rows", "row_starts", "waits", "wait_starts", "scratch_offset", "workspace_bytes",
+                            "type", "op", "nranks", "description_hash", "single_copy", NULL};
+    PyObject *objects[4];
+    long long scratch_offset, workspace_bytes;
+    int type, op, nranks, single_copy;
+    unsigned long long description_hash;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLLiiiKp", names, &objects[0], &objects[1], &objects[2],
+                                     &objects[3], &scratch_offset, &workspace_bytes, &type, &op, &nranks,
+                                     &description_hash, &single_copy))
+        return -1;
+    if (type < 0 || type >= NTYPES || op < 0 || op > OP_AVG || nranks < 1 || nranks > MAX_SOURCES) {
+        PyErr_SetString(PyExc_ValueError, "Plan(): an element type, op or rank count no runner takes");
+        return -1;
     }
-    row_starts = arrays[1];
-    wait_starts = arrays[3];
-    call.phases = views[1].len / 8 - 1;
-    call.rows = arrays[0];
-    call.row_starts = row_starts;
-    call.waits = arrays[2];
-    call.wait_starts = wait_starts;
-    call.bases = arrays[4];
-    call.generations = arrays[5];
-    call.width = views[0].ndim == 2 ? views[0].shape[1] : SRC0;
-    if (call.phases < 0 || views[3].len / 8 != call.phases + 1 || views[4].len / 8 < call.nranks
-        || views[5].len / 8 < call.nranks || start_phase < 0 || start_phase > call.phases
-        || (call.phases > 0 && (row_starts[call.phases] * call.width * 8 > views[0].len
-                                || wait_starts[call.phases] * 16 > views[2].len))) {
-        PyErr_SetString(PyExc_ValueError, "run(): the plan's arrays do not fit together");
+    Py_buffer views[4];
+    const int64_t *arrays[4];
+    int held = 0, failed = -1;
+    for (; held < 4; held++)
+        if ((arrays[held] = int64s(objects[held], &views[held], 0)) == NULL)
+            goto done;
+    Py_ssize_t lengths[4] = {views[0].len / 8, views[1].len / 8, views[2].len / 8, views[3].len / 8};
+    int64_t phases = lengths[1] - 1, width = views[0].ndim == 2 ? views[0].shape[1] : SRC0;
+    if (phases < 0 || lengths[3] != phases + 1 || width < SRC0
+        || (phases > 0 && (arrays[1][phases] * width > lengths[0] || arrays[3][phases] * 2 > lengths[2]))) {
+        PyErr_SetString(PyExc_ValueError, "Plan(): the plan's arrays do not fit together");
         goto done;
     }
+    PyMem_Free(self->data);
+    self->data = PyMem_Malloc(8 * (size_t)(lengths[0] + lengths[1] + lengths[2] + lengths[3]) + 8);
+    if (self->data == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *at = self->data, *copies[4];
+    for (int i = 0; i < 4; i++) {
+        copies[i] = at;
+        memcpy(at, arrays[i], 8 * (size_t)lengths[i]);
+        at += lengths[i];
+    }
+    static const size_t itemsizes[NTYPES] = {4, 8, 1, 1, 2, 2, 4, 4, 8, 8};   /* host_folds.h's T_ order */
+    memset(&self->call, 0, sizeof self->call);
+    self->call.rows = copies[0];
+    self->call.row_starts = copies[1];
+    self->call.waits = copies[2];
+    self->call.wait_starts = copies[3];
+    self->call.phases = phases;
+    self->call.width = width;
+    self->call.scratch_offset = scratch_offset;
+    self->call.workspace_bytes = workspace_bytes;
+    self->call.type = type;
+    self->call.op = op;
+    self->call.nranks = nranks;
+    self->call.single_copy = single_copy;
+    self->call.itemsize = itemsizes[type];
+    self->description_hash = description_hash;
+    failed = 0;
+done:
+    while (held > 0)
+        PyBuffer_Release(&views[--held]);
+    return failed;
+}
+
+static PyTypeObject PlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "collectives.executors._host_plan.Plan",
+    .tp_basicsize = sizeof(Plan),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Plan_init,
+    .tp_dealloc = (destructor)Plan_dealloc,
+    .tp_doc = "One rank's part of a plan, prepared for a Runner (see _host_plan.c).",
+};
+
+/* runner.run(plan, input, output, start_phase, deadline)
+ * -> 0 once the rank's phases of `plan` (a Plan) ran, else (status, peer,
+ * have, need, seq, phase): a wait's failure (shm_waits.h), MISMATCH,
+ * NEED_GROW or NEED_OPEN at `phase` (call again from there), or BAD_PLAN.
+ * input and output are addresses (0 where the plan names no such buffer).
+ * A call from phase 0 is a new call: its number (the row's SEQ + 1),
+ * counter base (the row's COUNTER) and signature are taken then, and kept
+ * for the calls that resume it; it first finds this rank's workspace of
+ * the generation opened (else NEED_OPEN naming this rank). For a
+ * single-copy plan, REFUSED means run the call again on the staged plan. */
+static PyObject *Runner_run(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyObject_TypeCheck(args[0], &PlanType)) {
+        PyErr_SetString(PyExc_TypeError, "run(plan, input, output, start_phase, deadline): see _host_plan.c");
+        return NULL;
+    }
+    Plan *plan = (Plan *)args[0];
+    Call call = plan->call;
+    call.input = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(args[1]);
+    call.output = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(args[2]);
+    int64_t start_phase = PyLong_AsLongLong(args[3]);
+    double deadline = PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (call.nranks != self->waits.nranks || start_phase < 0 || start_phase > call.phases) {
+        PyErr_SetString(PyExc_ValueError, "run(): a plan of another rank count, or a phase it does not have");
+        return NULL;
+    }
+    call.bases = self->bases;
+    call.generations = self->generations;
 
     Waits *w = &self->waits;
     if (start_phase == 0) {   /* a new call */
         const int64_t *mine = &w->rows[w->rank * ROW_SLOTS];
+        if (load_acquire(&mine[GEN]) != call.generations[w->rank])   /* grown since: Python opens it */
+            return Py_BuildValue("(iiLLLL)", NEED_OPEN, w->rank, 0LL, 0LL, (long long)(mine[SEQ] + 1), 0LL);
         self->base = mine[COUNTER];
         self->seq = mine[SEQ] + 1;
-        self->signature = call_signature(description_hash, self->seq);
+        self->signature = call_signature(plan->description_hash, self->seq);
     }
     int64_t base = self->base, seq = self->seq, signature = self->signature;
     w->deadline = deadline;
@@ -367,16 +433,11 @@ static PyObject *Runner_run(Runner *self, PyObject *const *args, Py_ssize_t narg
         status = run_phases(w, &call, start_phase, base, seq, signature, &stopped_at, &self->waits_made, &released);
     PyEval_RestoreThread(released);
     if (status == INTERRUPTED)
-        goto done;   /* the signal handler's exception */
+        return NULL;   /* the signal handler's exception */
     if (status == OK)
-        result = PyLong_FromLong(OK);
-    else
-        result = Py_BuildValue("(iiLLLL)", status, w->failed_peer, (long long)w->failed_have,
-                               (long long)w->failed_need, (long long)seq, (long long)stopped_at);
-done:
-    while (held > 0)
-        PyBuffer_Release(&views[--held]);
-    return result;
+        return PyLong_FromLong(OK);
+    return Py_BuildValue("(iiLLLL)", status, w->failed_peer, (long long)w->failed_have, (long long)w->failed_need,
+                         (long long)seq, (long long)stopped_at);
 }
 
 static PyObject *Runner_call(Runner *self, PyObject *Py_UNUSED(ignored))
@@ -384,18 +445,42 @@ static PyObject *Runner_call(Runner *self, PyObject *Py_UNUSED(ignored))
     return Py_BuildValue("(LLL)", (long long)self->seq, (long long)self->base, (long long)self->signature);
 }
 
+static void Runner_release_arrays(Runner *self)
+{
+    if (self->bases != NULL)
+        PyBuffer_Release(&self->bases_view);
+    if (self->generations != NULL)
+        PyBuffer_Release(&self->generations_view);
+    self->bases = self->generations = NULL;
+}
+
+static void Runner_dealloc(Runner *self)
+{
+    Runner_release_arrays(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
 static int Runner_init(Runner *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", NULL};
+    static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", "bases", "generations",
+                            NULL};
     unsigned long long header, rows;
     int rank, nranks;
     long spin;
     double yield_seconds;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiild", names, &header, &rows, &rank, &nranks, &spin,
-                                     &yield_seconds))
+    PyObject *bases, *generations;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildOO", names, &header, &rows, &rank, &nranks, &spin,
+                                     &yield_seconds, &bases, &generations))
         return -1;
     if (nranks < 1 || nranks > MAX_SOURCES || rank < 0 || rank >= nranks) {
         PyErr_SetString(PyExc_ValueError, "a runner has 1 to 256 ranks");
+        return -1;
+    }
+    Runner_release_arrays(self);
+    if ((self->bases = int64s(bases, &self->bases_view, nranks)) == NULL)
+        return -1;
+    if ((self->generations = int64s(generations, &self->generations_view, nranks)) == NULL) {
+        Runner_release_arrays(self);
         return -1;
     }
     memset(&self->waits, 0, sizeof self->waits);
@@ -438,8 +523,7 @@ static PyMethodDef module_functions[] = {
 
 static PyMethodDef Runner_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Runner_run, METH_FASTCALL,
-     "run(rows, row_starts, waits, wait_starts, bases, generations, input, output, scratch_offset, "
-     "workspace_bytes, start_phase, type, op, nranks, description_hash, deadline, single_copy): see _host_plan.c"},
+     "run(plan, input, output, start_phase, deadline): see _host_plan.c"},
     {"call", (PyCFunction)Runner_call, METH_NOARGS,
      "call() -> (seq, base, signature) of the call running, or last run"},
     {NULL},
@@ -457,6 +541,7 @@ static PyTypeObject RunnerType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Runner_init,
+    .tp_dealloc = (destructor)Runner_dealloc,
     .tp_methods = Runner_methods,
     .tp_members = Runner_members,
     .tp_doc = "This rank's compiled plan executor over the control segment (addresses into mapped memory).",
@@ -469,7 +554,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__host_plan(void)
 {
-    if (PyType_Ready(&RunnerType) < 0)
+    if (PyType_Ready(&RunnerType) < 0 || PyType_Ready(&PlanType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -477,6 +562,12 @@ PyMODINIT_FUNC PyInit__host_plan(void)
     Py_INCREF(&RunnerType);
     if (PyModule_AddObject(m, "Runner", (PyObject *)&RunnerType) < 0) {
         Py_DECREF(&RunnerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&PlanType);
+    if (PyModule_AddObject(m, "Plan", (PyObject *)&PlanType) < 0) {
+        Py_DECREF(&PlanType);
         Py_DECREF(m);
         return NULL;
     }

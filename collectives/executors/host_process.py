@@ -11,7 +11,9 @@ run:
                 after phase 0's waits (no peer reads it then), as the
                 interpreter grows it;
     NEED_OPEN   a peer's workspace is of a generation not yet opened here:
-                opened before any row of the phase that reads it runs.
+                opened before any row of the phase that reads it runs (and
+                this rank's own, grown since the last call: noted before the
+                call starts).
 
 A single-copy plan (plan.single_copy_plan: the exchanges' rows that read
 peers' inputs straight out of their processes) runs here alone, the
@@ -61,13 +63,16 @@ class CompiledPlans:
         assert (_host_plan.GEN, _host_plan.CAP) == (GEN, CAP), "layout.py and _host_plan.c disagree"
         header, rows, _ = group.channel_addresses()
         self._group = group
-        self._runner = _host_plan.Runner(header=header, rows=rows, rank=group.rank, nranks=group.size, spin=spin,
-                                         yield_seconds=yield_seconds)
-        self._types = {np.dtype(name): code for code, name in enumerate(_host_plan.TYPES.split())}
-        # Per rank: the address of its workspace as mapped here, and the generation that is.
+        # Per rank: the address of its workspace as mapped here, and the
+        # generation that is; the runner reads them (it holds them), this
+        # writes them (_refresh), between calls.
         self._bases = np.zeros(group.size, np.int64)
         self._generations = np.full(group.size, -1, np.int64)
-        self._prepared = {}   # id(plan) -> (plan, its arrays): the plan held, so that its id stays its own
+        self._runner = _host_plan.Runner(header=header, rows=rows, rank=group.rank, nranks=group.size, spin=spin,
+                                         yield_seconds=yield_seconds, bases=self._bases,
+                                         generations=self._generations)
+        self._types = {np.dtype(name): code for code, name in enumerate(_host_plan.TYPES.split())}
+        self._prepared = {}   # id(plan) -> (plan, the runner's Plan, ...): the plan held, so its id stays its own
         self.last_plan = None  # the plan of the last call run (ShmRank.what_ran)
 
     @property
@@ -89,16 +94,12 @@ class CompiledPlans:
         entry = self._prepared.get(id(plan))
         if entry is None or entry[0] is not plan:
             entry = self._prepare(plan)
-        _, arrays, description, sizes, codes, hashed = entry
+        _, prepared, description = entry
         group = self._group
-        rank = group.rank
         try:
-            if self._generations[rank] != group.generation(rank):
-                self._refresh(rank)
             start = 0
             while True:
-                result = self._runner.run(*arrays, self._bases, self._generations, x_address, out_address, *sizes,
-                                          start, *codes, hashed, deadline, plan.single_copy)
+                result = self._runner.run(prepared, x_address, out_address, start, deadline)
                 if result == 0:
                     return None
                 status, peer, have, need, seq, start = result
@@ -107,7 +108,7 @@ class CompiledPlans:
                     return REFUSED
                 if status == NEED_GROW:
                     group.ensure_capacity(plan.workspace_bytes)
-                    self._refresh(rank)
+                    self._refresh(group.rank)
                 elif status == NEED_OPEN:
                     self._refresh(peer)
                 else:
@@ -136,9 +137,10 @@ class CompiledPlans:
         pairs = np.array([pair for phase_waits in waits for pair in phase_waits], np.int64).reshape(-1, 2)
         wait_starts = np.cumsum([0] + [len(w) for w in waits], dtype=np.int64)
         description = describe_call(plan)
-        entry = (plan, (rows, row_starts, pairs, wait_starts), description,
-                 (plan.scratch_offset, plan.workspace_bytes),
-                 (self._types[plan.dtype], _OPS[ReduceOp(plan.op)], plan.nranks), description_hash(description))
+        prepared = _host_plan.Plan(rows, row_starts, pairs, wait_starts, plan.scratch_offset, plan.workspace_bytes,
+                                   self._types[plan.dtype], _OPS[ReduceOp(plan.op)], plan.nranks,
+                                   description_hash(description), plan.single_copy)
+        entry = (plan, prepared, description)
         if len(self._prepared) >= _PREPARED_KEPT:   # all_to_all_v makes a plan per matrix of counts
             self._prepared.clear()
         self._prepared[id(plan)] = entry
@@ -152,8 +154,8 @@ class CompiledPlans:
         if generation == self._generations[rank] and self._bases[rank]:
             return
         memory = group.workspace(rank)
-        if memory is None:   # this rank's, before its first workspace
-            self._bases[rank], self._generations[rank] = 0, -1
+        if memory is None:   # this rank's, before its first workspace: none opened, at the generation it is
+            self._bases[rank], self._generations[rank] = 0, generation
             return
         self._bases[rank] = np.frombuffer(memory.buf, np.uint8).ctypes.data
         self._generations[rank] = generation
