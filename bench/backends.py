@@ -32,8 +32,12 @@ MWMS = "mwms"
 TF_COLLECTIVES, TF_MWMS = "tf:collectives", "tf:mwms"
 TENSORFLOW_BACKENDS = (MWMS, TF_MWMS, TF_COLLECTIVES)
 # Not a library: the memory-copy floor of a collective whose result each rank
-# copies once (bench.host_vs_mpich's allgathers and broadcasts), see CopyFloor.
+# copies once (bench.host_vs_mpich's), see CopyFloor.
 COPY_FLOOR = "floor"
+# The collectives that have that floor, and the pieces of a rank's result it
+# copies: the whole of it, from one rank, or a block from each rank.
+WHOLE, BLOCKS = "whole", "blocks"
+FLOOR_PIECES = {"allgather": BLOCKS, "broadcast": WHOLE, "gather": BLOCKS, "scatter": WHOLE, "all_to_all": BLOCKS}
 # `mpi` is whichever MPI library the launch loaded (MPICH where the benchmark
 # relaunches itself); `mpich` and `openmpi` name one, and a relaunch starts
 # that library's launcher and Python (bench/mpis.py). One process loads one
@@ -332,20 +336,22 @@ class Gloo(Backend):
 
 class CopyFloor(Backend):
     """The memory-copy floor of a collective that moves bytes without
-    reducing them (allgather, broadcast), one rank per process: each call,
-    every rank copies into its result, once, the bytes the collective must
-    bring it (allgather: every block but its own in place, all of them out
-    of place; broadcast: the whole message, except at the root in place),
-    from a private array that holds them, every rank at the same time. An
-    implementation that copies each byte once, straight from a peer's
-    array, moves the same bytes through the same memory, so its time over
-    this one says how near it comes to the floor (the check holds this
-    backend to the collective's result too: it copies the right bytes)."""
+    reducing them, one rank per process: each call, every rank copies into
+    its result, once, the bytes the collective must bring it, from a private
+    array that holds them, every rank at the same time. The result is one
+    piece from one rank (broadcast, scatter: all of it, but at the root in
+    place, where it is there already) or a block from every rank (allgather,
+    all_to_all, and gather at the root: every block but its own in place,
+    all of them out of place; a gather's other ranks receive nothing). An
+    implementation that copies each byte once, straight from a peer's array,
+    moves the same bytes through the same memory, so its time over this one
+    says how near it comes to the floor (the check holds this backend to
+    the collective's result too: it copies the right bytes)."""
 
     def __init__(self, name, spec, args, world):
         super().__init__(name, spec, args)
-        if spec.name not in ("allgather", "broadcast"):
-            raise ValueError(f"the copy floor is an allgather's or a broadcast's, not {spec.name}'s")
+        if spec.name not in FLOOR_PIECES:
+            raise ValueError(f"the copy floor is of {', '.join(FLOOR_PIECES)}, not of {spec.name}")
         self.comm = world
         self.local_ranks, self.nranks = [world.rank], world.size
         self._prepared = (None, [])
@@ -357,7 +363,9 @@ class CopyFloor(Backend):
             result = self.results(buffers)[0]
             wanted = self.spec.expected(args.dtype, args.op, n, rank, len(result), args.root)
             in_place = buffers.in_place is not None
-            if self.spec.name == "broadcast":
+            if wanted is None:   # a rank whose output the collective leaves alone (gather's non-roots)
+                pieces = []
+            elif FLOOR_PIECES[self.spec.name] == WHOLE:
                 pieces = [] if in_place and rank == args.root else [slice(0, len(result))]
             else:
                 block = len(result) // n

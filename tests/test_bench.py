@@ -104,13 +104,13 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     pytest.importorskip("torch", reason="needs PyTorch for Gloo: pip install torch")
     path = tmp_path / "host_vs_mpich.json"
     command = [sys.executable, "-m", "bench.host_vs_mpich", "--quick", "--ranks", "2", "--sizes", "1K,4K",
-               "--collectives", "reduce_scatter,broadcast", "--rounds", "3", "--floor-from", "4K", "-J", str(path)]
+               "--collectives", "all_to_all,broadcast", "--rounds", "3", "--floor-from", "4K", "-J", str(path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     table = [line for line in done.stdout.splitlines() if line.strip() and not line.startswith("#")]
     assert [line.split()[:2] for line in table] == [["1", "KiB"], ["4", "KiB"]] * 2
-    # size (2), 5 cells per placement; a broadcast of 4 KiB also the copy floor: "| floor", time and ratio per placement
-    assert [len(line.split()) for line in table] == [12, 12, 12, 18]
+    # size (2), 5 cells per placement; calls of 4 KiB also the copy floor: "| floor", time and ratio per placement
+    assert [len(line.split()) for line in table] == [12, 18, 12, 18]
     assert done.stdout.count("every element of every result as expected (three libraries)") == 2
     report = json.loads(path.read_text())
     assert report["command"] == "python -m bench.host_vs_mpich " + " ".join(command[3:])
@@ -121,7 +121,7 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     assert report["method"]["sizes"] == [1024, 4096] and report["method"]["rounds"] == 3
     binding = "core" if (os.cpu_count() or 1) >= 2 else "none"   # --bind-to auto: a core each, else unpinned
     assert [(r["collective"], r["mpi"], r["processes"], r["bind_to"]) for r in report["runs"]] == [
-        ("reduce_scatter", "mpich", 2, binding), ("broadcast", "mpich", 2, binding)]
+        ("all_to_all", "mpich", 2, binding), ("broadcast", "mpich", 2, binding)]
     for run in report["runs"]:
         assert len(run["affinity"]) == 2 and run["other_processes_cores"] >= 0
         assert run["launch"].startswith(f"mpiexec -bind-to {binding} -n 2 ") and "--worker-output" not in run["launch"]
@@ -131,7 +131,7 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
         for row in run["rows"]:
             assert [p for p in ("out_of_place", "in_place") if p in row] == places
             assert row["iters"] >= 1 and row["algorithm"]
-            floored = run["collective"] == "broadcast" and row["size"] >= 4096
+            floored = row["size"] >= 4096   # both collectives only move bytes
             for place in places:
                 assert sorted(row[place]) == sorted(["gloo", "mpich", "ours"] + (["floor"] if floored else []))
                 for m in row[place].values():
@@ -142,7 +142,7 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     from bench.report_runs import Run
     measured = report_host.against_libraries(Run("host_vs_mpich.json", report, {}))
     assert [(m.content["collective"], sorted(m.content["ratios"]), m.content["in_place_only"])
-            for m in measured] == [("reduce_scatter", ["Gloo", "MPICH"], False),
+            for m in measured] == [("all_to_all", ["Gloo", "MPICH", "the copy floor"], False),
                                    ("broadcast", ["Gloo", "MPICH", "the copy floor"], False)]
     assert all(cells[0] > 0 and cells[1] > 0 for cells in measured[1].content["ratios"]["MPICH"].values())
 

@@ -129,14 +129,18 @@ def test_host_vs_mpich_rejects_an_unknown_collective_in_one_line(monkeypatch, ca
 
 def test_host_vs_mpich_is_the_harness_specs_and_their_placements():
     """The tool times the per-collective tools' own specs on the harness, all
-    five, in both placements."""
+    eight, in both placements."""
     from bench import host_vs_mpich as tool
     from bench.all_gather_perf import ALLGATHER
     from bench.all_reduce_perf import ALLREDUCE
+    from bench.alltoall_perf import ALL_TO_ALL
     from bench.broadcast_perf import BROADCAST
+    from bench.gather_perf import GATHER
     from bench.reduce_perf import REDUCE
     from bench.reduce_scatter_perf import REDUCE_SCATTER
-    assert list(tool.SPECS.values()) == [ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE]
+    from bench.scatter_perf import SCATTER
+    assert list(tool.SPECS.values()) == [ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE, ALL_TO_ALL, GATHER,
+                                         SCATTER]
     assert tool.PLACEMENTS == ("out_of_place", "in_place")
     args = tool.parse_args(["--batch-bytes", "1M", "--min-iters", "2", "--max-iters", "100"])
     assert [tool.calls_per_batch(n, args) for n in (1 << 10, 16 << 10, 1 << 20, 64 << 20)] == [100, 64, 2, 2]
