@@ -1239,10 +1239,17 @@ class Communicator:
         key = None
         if root.__class__ is int:   # (1.0 and True equal 1 as keys, but only 1 is a rank)
             try:
-                outs = () if out is None else tuple(out) if isinstance(out, (list, tuple)) else (out,)
-                objects = xs + outs
-                key = (collective, op, root, algorithm, compression, as_sequence, out is None, len(xs),
-                       *map(id, objects))
+                if as_sequence or isinstance(out, (list, tuple)):
+                    outs = () if out is None else tuple(out) if isinstance(out, (list, tuple)) else (out,)
+                    objects = xs + outs
+                    key = (collective, op, root, algorithm, compression, as_sequence, out is None, len(xs),
+                           *map(id, objects))
+                elif out is None:   # (the same keys, spelt out: a rank's one array is the commonest call)
+                    objects = xs
+                    key = (collective, op, root, algorithm, compression, False, True, 1, id(x))
+                else:
+                    objects = (x, out)
+                    key = (collective, op, root, algorithm, compression, False, False, 1, id(x), id(out))
                 call = self._calls.get(key)
             except (TypeError, ValueError):  # not arrays, or unhashable: the checks below say what is wrong
                 key = None

@@ -91,17 +91,28 @@ class CompiledPlans:
         single-copy plan's read was refused on some rank (every rank's run
         returns it, in the same call: run the call again staged)."""
         self.last_plan = plan
+        entry = self._entry(plan)
+        try:
+            result = self._runner.run(entry[1], x_address, out_address, 0, deadline)
+        except BaseException as error:
+            self._abort_for(error)
+            raise
+        return None if result == 0 else self._run_on(entry, x_address, out_address, deadline, result)
+
+    def _entry(self, plan):
+        """What `_prepare` made of `plan`: (plan, the runner's Plan, the call's description)."""
         entry = self._prepared.get(id(plan))
-        if entry is None or entry[0] is not plan:
-            entry = self._prepare(plan)
-        _, prepared, description = entry
+        return entry if entry is not None and entry[0] is plan else self._prepare(plan)
+
+    def _run_on(self, entry, x_address, out_address, deadline, result):
+        """The rest of a call whose run stopped with `result` (the runner's
+        tuple): grow this rank's workspace or open a peer's and run on from
+        the phase it names, until it ends (None), is REFUSED (a single-copy
+        plan), or fails (raised, the communicator aborted)."""
+        plan, prepared, description = entry
         group = self._group
         try:
-            start = 0
-            while True:
-                result = self._runner.run(prepared, x_address, out_address, start, deadline)
-                if result == 0:
-                    return None
+            while result != 0:
                 status, peer, have, need, seq, start = result
                 group.note_call(seq)
                 if status == REFUSED and plan.single_copy:
@@ -113,10 +124,17 @@ class CompiledPlans:
                     self._refresh(peer)
                 else:
                     self._raise_for(status, peer, have, need, description)
+                result = self._runner.run(prepared, x_address, out_address, start, deadline)
+            return None
         except BaseException as error:
-            group.note_call(self._runner.call()[0])
-            group.abort(f"{type(error).__name__}: {error}", error)
+            self._abort_for(error)
             raise
+
+    def _abort_for(self, error):
+        """A call that raised `error` aborts the communicator for every rank."""
+        group = self._group
+        group.note_call(self._runner.call()[0])
+        group.abort(f"{type(error).__name__}: {error}", error)
 
     def bind(self, plan, x_address, out_address, timeout):
         """`run` for one plan and pair of arrays, ready to repeat:
@@ -170,13 +188,24 @@ class CompiledPlans:
 
 
 class BoundPlan:
-    """A plan bound to one pair of arrays (CompiledPlans.bind)."""
+    """A plan bound to one pair of arrays (CompiledPlans.bind): `run`,
+    with the plan prepared and looked up once."""
 
-    __slots__ = ("_run", "_plan", "_x", "_out", "_timeout")
+    __slots__ = ("_compiled", "_entry", "_x", "_out", "_timeout")
 
     def __init__(self, compiled, plan, x_address, out_address, timeout):
-        self._run, self._plan, self._x, self._out, self._timeout = compiled.run, plan, x_address, out_address, timeout
+        self._compiled, self._entry = compiled, compiled._entry(plan)
+        self._x, self._out, self._timeout = x_address, out_address, timeout
 
     def run(self, arrays):
         """Run the call (`arrays`, the call's, are what keeps the addresses valid)."""
-        self._run(self._plan, self._x, self._out, time.perf_counter() + self._timeout())
+        compiled, entry = self._compiled, self._entry
+        compiled.last_plan = entry[0]
+        deadline = time.perf_counter() + self._timeout()
+        try:
+            result = compiled._runner.run(entry[1], self._x, self._out, 0, deadline)
+        except BaseException as error:
+            compiled._abort_for(error)
+            raise
+        if result != 0:
+            compiled._run_on(entry, self._x, self._out, deadline, result)
