@@ -1485,7 +1485,7 @@ static int wait_for_fragment(const int64_t *sent, int64_t taken, const int64_t *
             return OK;
     int status = OK;
     PyThreadState *released = PyEval_SaveThread();
-    double now = now_seconds(), yield_until = now + yield_seconds, next_check = now + 0.05, nap = 1e-5;
+    double now = now_seconds(), yield_until = now + yield_seconds, next_check = now + LIVENESS_SECONDS, nap = 1e-5;
     while (load_acquire(sent) <= taken) {
         now = now_seconds();
         if (__atomic_load_n(abort_flag, __ATOMIC_ACQUIRE)) {
@@ -1504,7 +1504,7 @@ static int wait_for_fragment(const int64_t *sent, int64_t taken, const int64_t *
                 status = INTERRUPTED;
                 break;
             }
-            next_check = now + 0.05;
+            next_check = now + LIVENESS_SECONDS;
         }
         if (now >= deadline) {
             status = TIMED_OUT;

@@ -40,9 +40,14 @@ from .segments import exited
 
 ABORT_TAG, DATA_TAG = 1, 2
 REASON_BYTES = 1024
-HEALTH_EVERY = 0.02     # seconds between looks at the abort channel while waiting
-WATCH_EVERY = 0.05      # seconds between looks at the watched processes (MpiLink.watch)
+HEALTH_EVERY = 0.01     # seconds between looks at the abort channel while waiting (shm_waits.h LIVENESS_SECONDS)
+WATCH_EVERY = 0.01      # seconds between looks at the watched processes (MpiLink.watch)
 SEND_ABORT_SECONDS = 0.05
+# How long a rank that finds a watched process gone keeps driving MPI for
+# an abort that process (or its node-mate, which saw it die) may have sent
+# (behind the call's own messages in MPI's queues): the abort's class is
+# then what it raises. As long as an aborting rank pushes its abort out.
+ABORT_IN_FLIGHT_SECONDS = SEND_ABORT_SECONDS
 # A send to another node's rank on this machine (a Program's, or
 # exchange()'s) is synchronous (it completes once the peer matched it)
 # every CONFIRM_EVERY sends to that peer, so no more of this rank's
@@ -125,6 +130,10 @@ class MpiLink:
             except RankFailedError:
                 # A watched rank that aborted, then exited, since the look
                 # above: its abort (sent before it left) is what happened.
+                until = time.perf_counter() + ABORT_IN_FLIGHT_SECONDS
+                while time.perf_counter() < until:
+                    self._raise_if_aborted()
+                    os.sched_yield()
                 self._raise_if_aborted()
                 raise
 

@@ -127,7 +127,7 @@ class Waiter:
     SPIN = 200
     YIELD_SECONDS = 2e-3
     MAX_SLEEP = 1e-3
-    LIVENESS_EVERY = 0.05
+    LIVENESS_EVERY = 0.01   # as the compiled waits (shm_waits.h LIVENESS_SECONDS)
 
     def __init__(self, deadline):
         self.deadline = deadline

@@ -57,6 +57,13 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
+/* How often a sleeping wait reads its peer's process (/proc: 10-30 us) and
+ * lets Python's signal handlers run: a peer that died shows within this
+ * long of the wait's sleep, which is most of what a survivor's recovery
+ * costs (bench.chaos: 50 ms made a SIGKILL's recovery take 63 ms at the
+ * median). protocol.py's Waiter and mpi.py's watch use the same period. */
+#define LIVENESS_SECONDS 0.01
+
 /* ------------------------------------------------------------------------ */
 /* The layout shared with protocol.py and fastpath.py (FastAllreduce        */
 /* asserts ROW and HEADER against the Python constants; the slots are the  */
@@ -156,7 +163,7 @@ static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need,
         sched_yield();
     int64_t *sleepers = &w->rows[peer * ROW_SLOTS + SLEEPERS];
     __atomic_fetch_add(sleepers, 1, __ATOMIC_SEQ_CST);
-    double next_check = now_seconds() + 0.05;   /* a peer that died shows within 50 ms */
+    double next_check = now_seconds() + LIVENESS_SECONDS;
     for (;;) {
         int64_t have = __atomic_load_n(counter, __ATOMIC_SEQ_CST);
         if (have >= need)
@@ -180,7 +187,7 @@ static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need,
                 status = INTERRUPTED;
                 break;
             }
-            next_check = now + 0.05;
+            next_check = now + LIVENESS_SECONDS;
         }
         if (now >= w->deadline) {
             status = TIMED_OUT;
