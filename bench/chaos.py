@@ -47,6 +47,7 @@ import traceback
 import numpy as np
 
 from bench import cli
+from bench.environment import git_commit
 from bench.harness import find_mpiexec
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -304,7 +305,7 @@ def machine():
         except PackageNotFoundError:
             return None
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            **{name: installed(name) for name in ("mpich", "mpi4py", "numpy")}}
+            **{name: installed(name) for name in ("mpich", "mpi4py", "numpy")}, "git_commit": git_commit()}
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import time
 from typing import NamedTuple, Tuple
 
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from .transport import segments
 from .transport.protocol import new_prefix
 
 # Set by common launchers in every process they start.
@@ -291,7 +292,7 @@ def process_rank(rendezvous, deadline, make_rank):
         made = make_rank(0, size, prefix)
     names = _allgather_text(rendezvous, prefix, _NAME_BYTES, deadline, "rank 0 to share the communicator's name")
     if rank != 0:
-        made = make_rank(rank, size, names[0])
+        made = _attach(make_rank, (rank, size, names[0]), 0)
     # Nobody returns (and could close) before every rank has mapped the control segment.
     rendezvous.barrier(deadline, "every rank to attach")
     return made
@@ -315,6 +316,20 @@ def node_process_rank(rendezvous, deadline, make_rank, found):
         made = make_rank(0, len(node), prefix, on_machine)
     names = _allgather_text(rendezvous, prefix, _NAME_BYTES, deadline, "each node's first rank to share its name")
     if len(node) > 1 and rank != leader:
-        made = make_rank(local, len(node), names[leader], on_machine)
+        made = _attach(make_rank, (local, len(node), names[leader], on_machine), leader)
     rendezvous.barrier(deadline, "every rank to attach")
     return made
+
+
+def _attach(make_rank, arguments, leader):
+    """make_rank(*arguments) for a rank that maps the control segment of
+    rank `leader`. A leader that released it before this rank mapped it
+    gave up this start, the name already sent: a rank it waited for died or
+    was late, and it raised for that (RankFailedError or the timeout). This
+    rank raises CollectiveTimeoutError too, so that a shrink goes on with a
+    new round on both, not closed on one (hierarchy.py's shrink)."""
+    try:
+        return make_rank(*arguments)
+    except segments.Released as error:
+        raise CollectiveTimeoutError(f"rank {leader}, which makes this communicator's shared memory, gave up "
+                                     f"starting it before this rank attached ({error})") from error

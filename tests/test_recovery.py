@@ -223,6 +223,44 @@ def test_ranks_that_cannot_recover_say_so(what):
             getattr(comm, what)(*arguments)
 
 
+class _NamesGiven:
+    """A rendezvous of `size` ranks, this one `rank`, whose exchanges have
+    already happened: every allgather returns `names`."""
+
+    def __init__(self, rank, size, names):
+        self.rank, self.size, self._names = rank, size, names
+
+    def allgather(self, data, nbytes, deadline, what):
+        return [name.encode() for name in self._names]
+
+    def barrier(self, deadline, what):
+        pass
+
+
+@pytest.mark.parametrize("start", ["process_rank", "node_process_rank"])
+def test_a_rank_whose_leader_gave_up_the_start_raises_a_timeout_that_shrink_goes_on_from(start):
+    """The leader made the control segment and sent its name, then gave up
+    (a member it waited for died) and released it: the rank that attaches
+    after that raises CollectiveTimeoutError, as the leader did, so a
+    shrink keeps its communicator for another round on both, where this
+    rank had raised CollectiveError and closed it (bench.chaos --nodes 2,
+    seed 93)."""
+    from collectives import bootstrap
+    from collectives.errors import CollectiveTimeoutError
+    from collectives.transport.protocol import new_prefix
+    from collectives.transport.shm import ShmRank
+    prefix = new_prefix()
+    ShmRank(0, 2, prefix).close()   # made, named, released
+    rendezvous = _NamesGiven(1, 2, [prefix, ""])
+    with pytest.raises(CollectiveTimeoutError, match="rank 0, which makes this communicator's shared memory, gave "
+                                                     "up starting it before this rank attached"):
+        if start == "process_rank":
+            bootstrap.process_rank(rendezvous, float("inf"), ShmRank)
+        else:
+            one_node = bootstrap.Topology(nodes=((0, 1),), machines=("m", "m"))
+            bootstrap.node_process_rank(rendezvous, float("inf"), lambda *a: ShmRank(*a), one_node)
+
+
 @pytest.mark.parametrize("flag", [2, "yes", None, np.ones(2, bool)])
 def test_agree_takes_a_bool(flag):
     with collectives.Communicator.local(1) as comm:

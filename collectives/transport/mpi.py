@@ -171,10 +171,17 @@ class MpiLink:
         if now < self._next_look:
             return
         self._next_look = now + WATCH_EVERY
-        dead = [rank for rank, pid in self._watched.items() if exited(pid)]
+        dead = self._dead_watched()
         if dead:
-            raise RankFailedError(f"rank(s) {', '.join(map(str, dead))} of another node died (process "
-                                  f"{', '.join(str(self._watched[rank]) for rank in dead)} on this machine)")
+            raise self._died(dead)
+
+    def _dead_watched(self):
+        """The watched ranks whose processes are gone, in rank order."""
+        return [rank for rank, pid in sorted(self._watched.items()) if exited(pid)]
+
+    def _died(self, dead, during=""):
+        return RankFailedError(f"rank(s) {', '.join(map(str, dead))} of another node died (process "
+                               f"{', '.join(str(self._watched[rank]) for rank in dead)} on this machine){during}")
 
     def abort(self, error, unreachable=()):
         """Tell every other rank that this communicator cannot go on, unless
@@ -297,6 +304,9 @@ class MpiLink:
             return InvalidUsageError(
                 f"{'a rank' if peer is None else f'rank {peer}'} on another node sent more bytes than {what} "
                 "expects; every rank must make the same calls in the same order")
+        dead = self._dead_watched()   # MPICH fails a message to a dead process with an error of no class of its own
+        if dead:
+            return self._died(dead, f" during {what} (MPI: {error})")
         return CollectiveError(f"MPI failed during {what}: {error}")
 
     def _orphan(self, requests, nreceives, buffers):

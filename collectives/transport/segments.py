@@ -117,6 +117,11 @@ class Segment:
             self._fd = None
 
 
+class Released(CollectiveError):
+    """The process that made a segment is alive but holds it no more: it
+    released it (a communicator it gave up on), or never made it."""
+
+
 def _memfd(name):
     if not hasattr(os, "memfd_create"):
         raise CollectiveError(
@@ -150,7 +155,7 @@ def _open_held(name, pid):
             continue  # closed meanwhile, or not ours to read
     if exited(pid):
         raise RankFailedError(f"process {pid}, which held shared memory {name}, has exited")
-    raise CollectiveError(f"process {pid} holds no shared memory named {name}: it released it, or never made it")
+    raise Released(f"process {pid} holds no shared memory named {name}: it released it, or never made it")
 
 
 PF_EXITING = 0x4   # linux/sched.h: the task has begun do_exit()
