@@ -198,6 +198,25 @@ def test_a_sample_of_the_chaos_benchmark_passes(tmp_path, nodes, first, trials, 
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"])
+def test_the_chaos_checks_closed_form_is_numpys_sum_of_the_inputs_bit_for_bit(collective):
+    """bench.chaos checks each call against a closed form made once per
+    membership (so the time between its calls is the library's): it must be
+    what NumPy makes of the ranks' inputs, for any membership after a shrink."""
+    from bench import chaos
+    count = 1000
+    for members in ([0, 1], [1, 3], [0, 2, 3], [0, 1, 2, 3]):
+        n = len(members)
+        xs = [chaos.inputs(collective, count, m, n) for m in members]
+        total = np.sum(xs, axis=0, dtype=np.float32)
+        for r in range(n):
+            want = {"allreduce": total, "reduce_scatter": total[r * count:(r + 1) * count],
+                    "allgather": np.concatenate(xs), "broadcast": xs[0],
+                    "reduce": total if r == 0 else xs[r]}[collective]
+            got = chaos.expected(collective, count, members, r)
+            assert got.dtype == np.float32 and got.tobytes() == want.tobytes(), (members, r)
+
+
 def test_elastic_names_a_launcher_that_would_end_the_survivors():
     pytest.importorskip("mpi4py")
     mpiexec = mpich_mpiexec   # what elastic says of hydra's mpiexec, whichever MPI the other tests launch
