@@ -100,7 +100,7 @@ PROGRAM_MAX_BYTES = 128 << 20   # a call whose Program's buffers would hold more
 # 64 KiB rows the same either way; 16 KiB rows and less keep the small layout (by node rows: 61-112 µs
 # against 34-69, one more node step and two messages a peer).
 NODE_ROWS_FROM = 32 << 10
-HEALTH_EVERY = 0.01     # seconds a Program polls before Python looks at the deadline, the abort channel and signals
+HEALTH_EVERY = 0.02     # seconds a Program polls before Python looks at the deadline, the abort channel and signals
 
 
 class Laid(NamedTuple):

@@ -40,8 +40,8 @@ from .segments import exited
 
 ABORT_TAG, DATA_TAG = 1, 2
 REASON_BYTES = 1024
-HEALTH_EVERY = 0.01     # seconds between looks at the abort channel while waiting (shm_waits.h LIVENESS_SECONDS)
-WATCH_EVERY = 0.01      # seconds between looks at the watched processes (MpiLink.watch)
+HEALTH_EVERY = 0.02     # seconds between looks at the abort channel while waiting
+WATCH_EVERY = 0.05      # seconds between looks at the watched processes (MpiLink.watch)
 SEND_ABORT_SECONDS = 0.05
 # How long a rank that finds a watched process gone keeps driving MPI for
 # an abort that process (or its node-mate, which saw it die) may have sent
