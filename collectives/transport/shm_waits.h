@@ -61,7 +61,9 @@
  * lets Python's signal handlers run: a peer that died shows within this
  * long of the wait's sleep, which is most of what a survivor's recovery
  * costs (bench.chaos: 50 ms made a SIGKILL's recovery take 63 ms at the
- * median). protocol.py's Waiter and mpi.py's watch use the same period. */
+ * median). protocol.py's Waiter uses the same period. MPI is looked at
+ * less often (transport/mpi.py HEALTH_EVERY, WATCH_EVERY): at 10 ms a
+ * survivor across pretend nodes hung inside MPICH's MPI_Test. */
 #define LIVENESS_SECONDS 0.01
 
 /* ------------------------------------------------------------------------ */
