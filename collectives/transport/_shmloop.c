@@ -1221,6 +1221,7 @@ static PyObject *Channel_fence_writes(Channel *c, PyObject *arg)
     if (!__atomic_load_n(&w->header[ABORT], __ATOMIC_SEQ_CST))
         __atomic_store_n(&w->header[ABORT], 1, __ATOMIC_SEQ_CST);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* the abort flag's store before the loads below */
+    wake_every_sleeper(w->rows, w->nranks);
     double give_up = now_seconds() + seconds;
     for (int p = 0; p < w->nranks && still_writing < 0; p++) {
         const int64_t *writing = &w->rows[p * ROW_SLOTS + WRITING];
@@ -1336,6 +1337,20 @@ static PyObject *py_publish(PyObject *Py_UNUSED(self), PyObject *const *args, Py
         return NULL;
     }
     publish(row, (int)slot, (int64_t)v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_wake_sleepers(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "wake_sleepers(rows_address, nranks)");
+        return NULL;
+    }
+    int64_t *rows = (int64_t *)PyLong_AsVoidPtr(args[0]);
+    long nranks = PyLong_AsLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    wake_every_sleeper(rows, (int)nranks);
     Py_RETURN_NONE;
 }
 
@@ -1485,7 +1500,7 @@ static int wait_for_fragment(const int64_t *sent, int64_t taken, const int64_t *
             return OK;
     int status = OK;
     PyThreadState *released = PyEval_SaveThread();
-    double now = now_seconds(), yield_until = now + yield_seconds, next_check = now + LIVENESS_SECONDS, nap = 1e-5;
+    double now = now_seconds(), yield_until = now + yield_seconds, next_check = now + FIRST_LOOK_SECONDS, nap = 1e-5;
     while (load_acquire(sent) <= taken) {
         now = now_seconds();
         if (__atomic_load_n(abort_flag, __ATOMIC_ACQUIRE)) {
@@ -1746,6 +1761,8 @@ static PyMethodDef module_methods[] = {
     {"publish", (PyCFunction)(void (*)(void))py_publish, METH_FASTCALL,
      "publish(row_address, slot, value): store a row's int64 slot with release order (and more), "
      "waking waits asleep on the row"},
+    {"wake_sleepers", (PyCFunction)(void (*)(void))py_wake_sleepers, METH_FASTCALL,
+     "wake_sleepers(rows_address, nranks): wake every wait asleep on the rows (after an abort)"},
     {"load_acquire", py_load_acquire, METH_O, "load_acquire(address): an int64 load with acquire order"},
     {NULL},
 };

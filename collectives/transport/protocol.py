@@ -310,6 +310,8 @@ class ProcessGroup:
             self._header[ABORT_RANK] = self.rank + 1
             self._header[ABORT_KIND] = kind_of(cause)
             self._header[ABORT] = 1   # last, as before: a rank that sees the flag reads the rest
+            if _shmloop is not None:   # the compiled waits asleep on a live peer see it now, not at their nap's end
+                _shmloop.wake_sleepers(self._rows.ctypes.data, self.size)
 
     def pid_of(self, rank):
         """The process of `rank` (0 until it attached)."""

@@ -65,6 +65,11 @@
  * less often (transport/mpi.py HEALTH_EVERY, WATCH_EVERY): at 10 ms a
  * survivor across pretend nodes hung inside MPICH's MPI_Test. */
 #define LIVENESS_SECONDS 0.01
+/* A wait's first look comes sooner: a survivor usually starts waiting on
+ * its dead peer after the death, and with the first look a whole period
+ * in, every death cost at least 10 ms to see. A wait that lasted this long
+ * is long enough that a look (10-30 us) costs it little. */
+#define FIRST_LOOK_SECONDS 0.002
 
 /* ------------------------------------------------------------------------ */
 /* The layout shared with protocol.py and fastpath.py (FastAllreduce        */
@@ -107,6 +112,24 @@ static inline void publish(int64_t *row, int slot, int64_t v)
     __atomic_store_n(&row[slot], v, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&row[SLEEPERS], __ATOMIC_SEQ_CST) != 0)
         syscall(SYS_futex, futex_word(&row[slot]), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Wake every wait asleep on any rank's row, whatever slot it waits on. An
+ * abort wakes no one by itself: a rank asleep on a live peer saw it only
+ * when its nap ended, up to 10 ms after the rank that saw a death aborted,
+ * and each rank of a chain of waits (a ring) added its own. A wake that
+ * reaches a sleeper between its look at the flag and its sleep is lost,
+ * and it learns at the nap's end, as before. */
+static inline void wake_every_sleeper(int64_t *rows, int nranks)
+{
+    for (int r = 0; r < nranks; r++) {
+        int64_t *row = &rows[r * ROW_SLOTS];
+        if (__atomic_load_n(&row[SLEEPERS], __ATOMIC_SEQ_CST) == 0)
+            continue;
+        for (int slot = 0; slot < ROW_SLOTS; slot++)
+            if (slot != SLEEPERS)
+                syscall(SYS_futex, futex_word(&row[slot]), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
 }
 
 static double now_seconds(void)
@@ -165,7 +188,7 @@ static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need,
         sched_yield();
     int64_t *sleepers = &w->rows[peer * ROW_SLOTS + SLEEPERS];
     __atomic_fetch_add(sleepers, 1, __ATOMIC_SEQ_CST);
-    double next_check = now_seconds() + LIVENESS_SECONDS;
+    double next_check = now_seconds() + FIRST_LOOK_SECONDS;
     for (;;) {
         int64_t have = __atomic_load_n(counter, __ATOMIC_SEQ_CST);
         if (have >= need)
@@ -196,6 +219,8 @@ static int wait_slowly(Waits *w, int peer, const int64_t *counter, int64_t need,
             break;
         }
         double nap = w->deadline - now < 0.01 ? w->deadline - now : 0.01;
+        if (next_check - now < nap)   /* (positive: a look just past moved next_check on) */
+            nap = next_check - now;
         struct timespec ts = {0, (long)(nap * 1e9) + 1};
         syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, (uint32_t)have, &ts, NULL, 0);
     }
