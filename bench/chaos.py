@@ -90,27 +90,43 @@ def _elements(collective, count, size):
     return count * size if collective == "reduce_scatter" else count
 
 
-def inputs(collective, count, original, size):
+def inputs(collective, count, original, size, out=None):
     """Rank `original`'s input: small integers in float32, so sums are exact."""
-    return _pattern(_elements(collective, count, size)) + np.float32(original + 1)
+    return np.add(_pattern(_elements(collective, count, size)), np.float32(original + 1), out=out)
 
 
-def expected(collective, count, members, rank):
+def expected(collective, count, members, rank, out=None):
     """What rank `rank` of a communicator whose rank r is `members[r]` gets
     from one call of `collective`. The inputs are small integers, so their
     sum in any order is the same float32: len(members) times the pattern
     plus the offsets, the bits NumPy's sum of the inputs gives."""
     size = len(members)
-    total = _pattern(_elements(collective, count, size)) * np.float32(size) + np.float32(sum(m + 1 for m in members))
-    if collective == "allreduce":
-        return total
-    if collective == "reduce_scatter":
-        return total[rank * count:(rank + 1) * count]
     if collective == "allgather":
-        return np.concatenate([inputs(collective, count, m, size) for m in members])
-    if collective == "broadcast":
-        return inputs(collective, count, members[0], size)
-    return total if rank == 0 else inputs(collective, count, members[rank], size)   # reduce: root 0's
+        out = np.empty(size * count, np.float32) if out is None else out
+        for i, m in enumerate(members):
+            inputs(collective, count, m, size, out=out[i * count:(i + 1) * count])
+        return out
+    if collective == "broadcast" or (collective == "reduce" and rank != 0):   # reduce: root 0's
+        return inputs(collective, count, members[0 if collective == "broadcast" else rank], size, out=out)
+    pattern = _pattern(_elements(collective, count, size))
+    if collective == "reduce_scatter":
+        pattern = pattern[rank * count:(rank + 1) * count]
+    total = np.multiply(pattern, np.float32(size), out=out)
+    return np.add(total, np.float32(sum(m + 1 for m in members)), out=total)
+
+
+# Memory the checks reuse from call to call and membership to membership,
+# made at the whole job's sizes (the largest) by the first call. Arrays made
+# anew for the survivors cost their page faults, which on this VM came to
+# most of a slow recovery (perf, seed 183: clear_page under NumPy's add and
+# multiply, and under the copy of the input, 200-300 ms of one survivor's).
+_REUSED = {}
+
+
+def _reused(name, elements):
+    if name not in _REUSED or len(_REUSED[name]) < elements:
+        _REUSED[name] = np.zeros(elements, np.float32)   # (its pages touched now, at the job's start)
+    return _REUSED[name][:elements]
 
 
 # The last communicator's input and expected result (checking made them once
@@ -122,16 +138,20 @@ def check(comm, collective, count, members):
     """One call of `collective` on `comm` (whose rank r is `members[r]` of the
     job), checked bitwise against the closed form (`expected`)."""
     key = (collective, count, tuple(members), comm.rank)
+    elements = _elements(collective, count, comm.size)
     if key not in _CHECKED:
         _CHECKED.clear()
-        _CHECKED[key] = (inputs(collective, count, members[comm.rank], comm.size),
-                         expected(collective, count, members, comm.rank))
+        _CHECKED[key] = (
+            inputs(collective, count, members[comm.rank], comm.size, out=_reused("input", elements)),
+            expected(collective, count, members, comm.rank,
+                     out=_reused("expected", count * comm.size if collective == "allgather" else count)))
     source, want = _CHECKED[key]
-    x = source.copy()
+    x = _reused("x", elements)
+    np.copyto(x, source)
     if collective == "allreduce":
         got = comm.allreduce(x)
     elif collective == "reduce_scatter":
-        got = comm.reduce_scatter(x, out=np.empty(count, np.float32))
+        got = comm.reduce_scatter(x, out=_reused("out", count))
     elif collective == "allgather":
         got = comm.allgather(x)
     elif collective == "broadcast":
