@@ -236,7 +236,7 @@ class HierarchicalCommunicator(Communicator):
         there where the members left are on one node.
         """
         from . import _start
-        from .transport.mpi_recovery import SurvivorsRendezvous, create_group
+        from .transport.mpi_recovery import SurvivorsRendezvous, agree, create_group
 
         h = self._recovering("shrink")
         self._stop_worker()
@@ -261,7 +261,7 @@ class HierarchicalCommunicator(Communicator):
                                                      watched={new: pids[old] for new, old in enumerate(members)
                                                               if old != self.rank})
                 rendezvous.world_rank, rendezvous.world_size = world_rank, h.world_size
-            shrunk = _start(rendezvous, "host", "ours", None, self.timeout, deadline)
+            shrunk = self._start_on_every_member(h, rendezvous, members, decision, deadline, _start, agree)
         except CollectiveTimeoutError:
             raise   # (no decision in time, or a member died or was late: this communicator stays for shrink())
         except BaseException:
@@ -270,6 +270,35 @@ class HierarchicalCommunicator(Communicator):
         self._close_failed(h)
         shrunk.epoch, shrunk.old_ranks = self.epoch + 1, tuple(members)
         return shrunk
+
+    def _start_on_every_member(self, h, rendezvous, members, decision, deadline, start, agree):
+        """The shrunk communicator, once every member's start returned: the
+        members agree on it (this communicator's agreement, the decision's
+        number) and each returns it or none does. A member that died as it
+        started, after some members' start had returned and before the
+        others' did, left the first in the new communicator and the rest in
+        this one, each side shrinking its own: the survivors ended apart
+        (chaos across pretend nodes, seed 171). On False every member
+        abandons what it started (no barrier: a member is dead) and raises,
+        and shrink() again goes on here without the dead."""
+        shrunk = failed = None
+        try:
+            shrunk = start(rendezvous, "host", "ours", None, self.timeout, deadline)
+        except CollectiveTimeoutError as error:   # (RankFailedError among them: a member died)
+            failed = error
+        try:
+            everyone = agree(h.recovery(), failed is None, members, deadline, call=decision)
+        except BaseException as error:
+            if shrunk is not None:
+                shrunk.__exit__(type(error), error, None)   # abort and close it, without a barrier
+            raise
+        if everyone:
+            return shrunk
+        failed = failed or RankFailedError(
+            f"a member of ranks {', '.join(map(str, members))} failed as the shrunk communicator started")
+        if shrunk is not None:
+            shrunk.__exit__(type(failed), failed, None)
+        raise failed
 
     def _recovering(self, what):
         """The ranks, where the survivors can shrink; else InvalidUsageError."""

@@ -1047,6 +1047,46 @@ def scenario_shrink_group_death(comm):
     scenario_shrink_start_death(comm, in_group=True)
 
 
+def scenario_shrink_confirm_death(comm):
+    """On 0,0,1,1: rank 1 dies; the others shrink to 0 | 2 3, and rank 3
+    dies once its own start of that communicator returned, where ranks 0
+    and 2 may have returned theirs too. No member keeps a communicator
+    that a member never confirmed: ranks 0 and 2 raise, shrink again, to
+    0 | 2, and go on (before, a rank whose start had returned went on with
+    rank 3 in its communicator, apart from any whose start had failed).
+    Only they print OK."""
+    import signal
+    from collectives import bootstrap
+
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.allreduce(np.ones(1000, np.float64))
+        raise AssertionError("an allreduce with a dead rank returned")
+    except CollectiveError:
+        pass
+    if comm.rank == 3:   # the last step of its start: it took part in every exchange, then dies
+        processes = bootstrap.processes
+
+        def take_part_then_die(*arguments):
+            processes(*arguments)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        bootstrap.processes = take_part_then_die
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            shrunk = comm.shrink()
+            break
+        except CollectiveTimeoutError as error:   # (RankFailedError too)
+            assert tries < 4, f"shrink failed {tries} times: {error}"
+    assert shrunk.old_ranks == (0, 2) and tries == 2, (shrunk.old_ranks, tries)
+    check(shrunk.allreduce(np.full(4, comm.rank + 1.0)), np.full(4, 4.0), "after the second shrink")
+    shrunk.close()
+
+
 def scenario_one_node(comm):
     """Every rank on one pretend node: today's communicator, unchanged."""
     assert type(comm) is collectives.Communicator, type(comm)
@@ -1075,10 +1115,10 @@ OK_FILES = "HIERARCHY_WORKER_OK_FILES"   # a folder where each rank also writes 
 
 
 RANKS_DIE = ("killed", "watched_abort_then_exit", "killed_compressed", "killed_awaited", "host_died", "link_cut",
-             "shrink", "shrink_start_death", "shrink_group_death")
+             "shrink", "shrink_start_death", "shrink_group_death", "shrink_confirm_death")
 FAILING = ("stalled", "stalled_by_node", "stalled_in_last_step", "killed", "killed_compressed", "killed_awaited", "mismatched", "mixed_paths", "repeated_mismatched", "repeated_stalled", "barrier",
            "shortcut_edges", "mismatched_large", "host_died", "link_cut", "shrink", "shrink_start_death",
-             "shrink_group_death")
+             "shrink_group_death", "shrink_confirm_death")
 ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier", "shortcut_edges", "mismatched_large",
            "host_died", "link_cut", "shrink", "shrink_start_death",
              "shrink_group_death", "watched_abort_then_exit")

@@ -242,6 +242,16 @@ def test_a_member_that_dies_as_the_shrunk_communicator_starts_costs_the_others_n
     assert oks == [0, 2], report
 
 
+@pytest.mark.mpi
+def test_no_survivor_keeps_a_shrunk_communicator_a_member_died_before_confirming():
+    """tests/hierarchy_worker.py's `shrink_confirm_death` on 0,0,1,1 (rank
+    1, then rank 3 right after its own start of the shrunk communicator
+    returned): ranks 0 and 2 do not go on with it, but shrink again, to
+    0 | 2, and print OK."""
+    oks, report = run_survivors("shrink_confirm_death", TWO_AND_TWO)
+    assert oks == [0, 2], report
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_a_rank_that_dies_inside_a_compressed_allreduce_makes_the_others_raise_in_time():

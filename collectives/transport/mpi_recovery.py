@@ -201,17 +201,22 @@ class _Agree:
                              message, peers, deadline)
 
 
-def agree(agreement, flag, candidates, deadline):
+def agree(agreement, flag, candidates, deadline, call=None):
     """The AND of every candidate's `flag`, the same on every rank that
     returns while ranks fail: agreement.members's coordinator collects the
     flags (a candidate that fails first counts as False, one that comes
     after the deadline too) and sends the AND; a rank passes the decision to
     every other candidate before it returns (RELAY_TAG), so that once one
     rank returned a value, a rank whose coordinator then died finds it
-    waiting rather than deciding anew."""
+    waiting rather than deciding anew. Its messages carry the call's
+    number: the agreement's count of agree calls, or `call` where the
+    candidates share another (a shrink decision's, which is larger than
+    any count, for the members' confirmation of their start)."""
     a = agreement
-    a.agreements += 1
-    call = _Agree(a, a.agreements)
+    if call is None:
+        a.agreements += 1
+        call = a.agreements
+    call = _Agree(a, call)
     relayed, relay = call.receive(a.link.mpi.ANY_SOURCE, RELAY_TAG)
     everyone, candidates = candidates, [q for q in candidates if not a.failed(q)]
     try:
