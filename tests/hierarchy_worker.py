@@ -1004,6 +1004,38 @@ def scenario_shrink(comm):
     again.close()
 
 
+def _rank_1_dies(comm):
+    """Rank 1 is killed; the others' next allreduce raises."""
+    import signal
+
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.allreduce(np.ones(1000, np.float64))
+        raise AssertionError("an allreduce with a dead rank returned")
+    except CollectiveError:
+        pass
+
+
+def _shrink_until_it_returns(comm):
+    """comm.shrink() again after each CollectiveTimeoutError (RankFailedError
+    too: the member that died is left out next), 3 tries at most; the shrunk
+    communicator and the tries it took."""
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return comm.shrink(), tries
+        except CollectiveTimeoutError as error:
+            assert tries < 4, f"shrink failed {tries} times: {error}"
+
+
+def _then_0_and_2_go_on(shrunk, rank):
+    check(shrunk.allreduce(np.full(4, rank + 1.0)), np.full(4, 4.0), "after the second shrink")
+    shrunk.close()
+
+
 def scenario_shrink_start_death(comm, in_group=False):
     """On 0,0,1,1: rank 1 dies; the others shrink to 0 | 2 3, and rank 3
     dies as that communicator starts (after MPI made the members'
@@ -1014,33 +1046,18 @@ def scenario_shrink_start_death(comm, in_group=False):
     from collectives import bootstrap
     from collectives.transport import mpi_recovery
 
-    comm.barrier()
-    if comm.rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        comm.allreduce(np.ones(1000, np.float64))
-        raise AssertionError("an allreduce with a dead rank returned")
-    except CollectiveError:
-        pass
+    _rank_1_dies(comm)
     if comm.rank == 3 and in_group:   # where the others make MPI's communicator of the members
         mpi_recovery.create_group = lambda *arguments: os.kill(os.getpid(), signal.SIGKILL)
     elif comm.rank == 3:   # inside the shrunk communicator's start
         bootstrap.topology = lambda *arguments: os.kill(os.getpid(), signal.SIGKILL)
     start = time.perf_counter()
-    tries = 0
-    while True:
-        tries += 1
-        try:
-            shrunk = comm.shrink()
-            break
-        except CollectiveTimeoutError as error:   # (RankFailedError too: the member that died is left out next)
-            assert tries < 4, f"shrink failed {tries} times: {error}"
+    shrunk, tries = _shrink_until_it_returns(comm)
     elapsed = time.perf_counter() - start
     # (in_group: one try where the others see rank 3 dead before their call; it is left out at once)
     assert shrunk.old_ranks == (0, 2) and (tries == 2 or in_group and tries == 1), (shrunk.old_ranks, tries)
     assert elapsed < TIMEOUT / 2, f"a member that died at the start cost {elapsed:.2f} s (timeout {TIMEOUT:g} s)"
-    check(shrunk.allreduce(np.full(4, comm.rank + 1.0)), np.full(4, 4.0), "after the second shrink")
-    shrunk.close()
+    _then_0_and_2_go_on(shrunk, comm.rank)
 
 
 def scenario_shrink_group_death(comm):
@@ -1058,14 +1075,7 @@ def scenario_shrink_confirm_death(comm):
     import signal
     from collectives import bootstrap
 
-    comm.barrier()
-    if comm.rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        comm.allreduce(np.ones(1000, np.float64))
-        raise AssertionError("an allreduce with a dead rank returned")
-    except CollectiveError:
-        pass
+    _rank_1_dies(comm)
     if comm.rank == 3:   # the last step of its start: it took part in every exchange, then dies
         processes = bootstrap.processes
 
@@ -1074,17 +1084,9 @@ def scenario_shrink_confirm_death(comm):
             os.kill(os.getpid(), signal.SIGKILL)
 
         bootstrap.processes = take_part_then_die
-    tries = 0
-    while True:
-        tries += 1
-        try:
-            shrunk = comm.shrink()
-            break
-        except CollectiveTimeoutError as error:   # (RankFailedError too)
-            assert tries < 4, f"shrink failed {tries} times: {error}"
+    shrunk, tries = _shrink_until_it_returns(comm)
     assert shrunk.old_ranks == (0, 2) and tries == 2, (shrunk.old_ranks, tries)
-    check(shrunk.allreduce(np.full(4, comm.rank + 1.0)), np.full(4, 4.0), "after the second shrink")
-    shrunk.close()
+    _then_0_and_2_go_on(shrunk, comm.rank)
 
 
 def scenario_one_node(comm):
