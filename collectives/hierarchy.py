@@ -235,8 +235,7 @@ class HierarchicalCommunicator(Communicator):
         under Open MPI the next call waits behind it, so going on works
         there where the members left are on one node.
         """
-        from . import _start
-        from .transport.mpi_recovery import SurvivorsRendezvous, agree, create_group
+        from .transport.mpi_recovery import SurvivorsRendezvous, create_group
 
         h = self._recovering("shrink")
         self._stop_worker()
@@ -261,7 +260,7 @@ class HierarchicalCommunicator(Communicator):
                                                      watched={new: pids[old] for new, old in enumerate(members)
                                                               if old != self.rank})
                 rendezvous.world_rank, rendezvous.world_size = world_rank, h.world_size
-            shrunk = self._start_on_every_member(h, rendezvous, members, decision, deadline, _start, agree)
+            shrunk = self._start_on_every_member(h, rendezvous, members, decision, deadline)
         except CollectiveTimeoutError:
             raise   # (no decision in time, or a member died or was late: this communicator stays for shrink())
         except BaseException:
@@ -271,33 +270,33 @@ class HierarchicalCommunicator(Communicator):
         shrunk.epoch, shrunk.old_ranks = self.epoch + 1, tuple(members)
         return shrunk
 
-    def _start_on_every_member(self, h, rendezvous, members, decision, deadline, start, agree):
+    def _start_on_every_member(self, h, rendezvous, members, decision, deadline):
         """The shrunk communicator, once every member's start returned: the
         members agree on it (this communicator's agreement, the decision's
         number) and each returns it or none does. A member that died as it
         started, after some members' start had returned and before the
         others' did, left the first in the new communicator and the rest in
         this one, each side shrinking its own: the survivors ended apart
-        (chaos across pretend nodes, seed 171). On False every member
+        (chaos across pretend nodes, seed 171). Otherwise every member
         abandons what it started (no barrier: a member is dead) and raises,
         and shrink() again goes on here without the dead."""
+        from . import _start
+        from .transport.mpi_recovery import agree
+
         shrunk = failed = None
         try:
-            shrunk = start(rendezvous, "host", "ours", None, self.timeout, deadline)
+            shrunk = _start(rendezvous, "host", "ours", None, self.timeout, deadline)
         except CollectiveTimeoutError as error:   # (RankFailedError among them: a member died)
             failed = error
         try:
-            everyone = agree(h.recovery(), failed is None, members, deadline, call=decision)
+            if agree(h.recovery(), failed is None, members, deadline, call=decision):
+                return shrunk
+            failed = failed or RankFailedError(
+                f"a member of ranks {', '.join(map(str, members))} failed as the shrunk communicator started")
         except BaseException as error:
-            if shrunk is not None:
-                shrunk.__exit__(type(error), error, None)   # abort and close it, without a barrier
-            raise
-        if everyone:
-            return shrunk
-        failed = failed or RankFailedError(
-            f"a member of ranks {', '.join(map(str, members))} failed as the shrunk communicator started")
+            failed = error
         if shrunk is not None:
-            shrunk.__exit__(type(failed), failed, None)
+            shrunk.__exit__(type(failed), failed, None)   # abort and close it, without a barrier
         raise failed
 
     def _recovering(self, what):
