@@ -5,6 +5,9 @@ is in pyproject.toml, which also names NumPy as a build requirement: the
 _arraystate extension includes NumPy's headers.
 """
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -46,11 +49,15 @@ ACROSS = host_ranks_extension("transport/_across")
 # -ffp-contract=off: no FMA, so every float32 step rounds as on the GPU;
 # -fno-trapping-math lets the per-element selects (and avg's division) be
 # vectorized; it changes no result, only assumes no one traps on FP flags.
+# Three units, the loops for each instruction set (baseline, AVX2, AVX-512),
+# compiled side by side (BuildExt).
 CODEC = Extension(
     "collectives.compression._codec",
-    sources=["collectives/compression/_codec.cpp"],
+    sources=["collectives/compression/_codec.cpp", "collectives/compression/_codec_avx2.cpp",
+             "collectives/compression/_codec_avx512.cpp"],
     include_dirs=["kernels"],
-    depends=["collectives/compression/_codec_loops.h", "kernels/codec.cuh", "kernels/emulation/host_math.h"],
+    depends=["collectives/compression/_codec_loops.h", "collectives/compression/_codec_loops_table.h",
+             "kernels/codec.cuh", "kernels/emulation/host_math.h"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math"],
     optional=True,
@@ -70,9 +77,22 @@ ARRAYSTATE = Extension(
 )
 
 
-class BuildExtWithNumpy(build_ext):
+def compiling_side_by_side(compile_one_by_one):
+    """A compiler's compile(sources, ...) that compiles each source in a
+    thread of its own (each runs the compiler as a process): the codec's
+    three units are most of an install's build, about 20 CPU-s each."""
+    def compile(sources, *arguments, **options):
+        with ThreadPoolExecutor(max(len(sources), 1)) as pool:
+            compiled = pool.map(lambda source: compile_one_by_one([source], *arguments, **options), sources)
+            return [obj for objects in compiled for obj in objects]
+    return compile
+
+
+class BuildExt(build_ext):
     """build_ext, with NumPy's headers for _arraystate, looked up when the
-    build runs (the build environment has NumPy by then)."""
+    build runs (the build environment has NumPy by then), and on every core:
+    the extensions side by side (build_ext's own -j), and the sources of
+    each."""
 
     def finalize_options(self):
         super().finalize_options()
@@ -80,7 +100,13 @@ class BuildExtWithNumpy(build_ext):
         for extension in self.extensions:
             if extension.name == ARRAYSTATE.name:
                 extension.include_dirs.append(numpy.get_include())
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
+
+    def build_extensions(self):
+        self.compiler.compile = compiling_side_by_side(self.compiler.compile)
+        super().build_extensions()
 
 
 # The extensions, and build_ext with NumPy's headers: everything else is in pyproject.toml.
-setup(ext_modules=[SHMLOOP, HOST_PLAN, ACROSS, CODEC, ARRAYSTATE], cmdclass={"build_ext": BuildExtWithNumpy})
+setup(ext_modules=[SHMLOOP, HOST_PLAN, ACROSS, CODEC, ARRAYSTATE], cmdclass={"build_ext": BuildExt})

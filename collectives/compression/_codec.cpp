@@ -24,65 +24,28 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <cstddef>
-#include <cstdint>
-
-#include "emulation/host_math.h"
-#include "codec.cuh"
-
-// Every pass inlined into its loop over blocks, where a whole block's
-// bound is the constant 32: the vector loops then need no remainder code.
-#if defined(__GNUC__)
-#define COLLECTIVES_INLINE inline __attribute__((always_inline))
-#else
-#define COLLECTIVES_INLINE inline
-#endif
+#include "_codec_loops_table.h"
 
 namespace {
 
 using namespace collectives::codec;
+using collectives_codec::Loops;
 
-// The loops, compiled for the baseline instruction set and, on x86-64 with
-// GCC, also for AVX2 and AVX-512 (wider vectors; the same IEEE operations, so
-// the same bits: -ffp-contract=off keeps FMA out whatever the target); the
-// module picks the widest the CPU has when it loads (loops).
+// The loops, compiled here for the baseline instruction set and, on x86-64
+// with GCC, in units of their own for AVX2 and AVX-512 (_codec_avx2.cpp,
+// _codec_avx512.cpp: wider vectors, the same bits); the module picks the
+// widest the CPU has when it loads (loops).
 namespace baseline {
 #include "_codec_loops.h"
 }  // namespace baseline
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define COLLECTIVES_CODEC_MULTIVERSION 1
-#pragma GCC push_options
-#pragma GCC target("avx2")
-namespace avx2 {
-#include "_codec_loops.h"
-}  // namespace avx2
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
-namespace avx512 {
-#include "_codec_loops.h"
-}  // namespace avx512
-#pragma GCC pop_options
-#endif
-
-struct Loops {
-    const char* target;
-    decltype(&baseline::encode_any) encode;
-    decltype(&baseline::decode_any) decode;
-    decltype(&baseline::decode_add_any) decode_add;
-    decltype(&baseline::add_any) add;
-};
-
-#define COLLECTIVES_LOOPS(ns) Loops{#ns, ns::encode_any, ns::decode_any, ns::decode_add_any, ns::add_any}
 
 Loops choose_loops() {
 #ifdef COLLECTIVES_CODEC_MULTIVERSION
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        return COLLECTIVES_LOOPS(avx512);
-    if (__builtin_cpu_supports("avx2")) return COLLECTIVES_LOOPS(avx2);
+        return collectives_codec::avx512_loops();
+    if (__builtin_cpu_supports("avx2")) return collectives_codec::avx2_loops();
 #endif
     return COLLECTIVES_LOOPS(baseline);
 }

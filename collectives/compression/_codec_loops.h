@@ -1,6 +1,7 @@
-// The compression codecs' CPU loops over blocks: included by _codec.cpp once
-// per instruction set it builds them for (inside a namespace of its own, under
-// #pragma GCC target), so no include guard. See _codec.cpp.
+// The compression codecs' CPU loops over blocks: included once per
+// instruction set they are built for, inside a namespace of its own (by
+// _codec.cpp, and under #pragma GCC target by _codec_avx2.cpp and
+// _codec_avx512.cpp), so no include guard. See _codec.cpp.
 
 // The payload's storage: float16/bfloat16 bits, or int8's byte.
 template <int C> struct Payload { using type = std::uint16_t; };
