@@ -134,15 +134,23 @@ def _bytes(value, argument, variable, default, multiple):
 # all_to_all_v, gather and scatter as single-copy plans, reading peers'
 # inputs in place (plan.single_copy_plan), where
 # $COLLECTIVES_FAST_SINGLE_COPY allows it; the same on every rank.
-# Measured with 2 processes pinned (bench.<collective>_perf --backend ours,
-# this variable at 0 against $COLLECTIVES_FAST_SINGLE_COPY=0, two runs of
-# 3 rounds each, 16 KiB to 1 MiB, under other jobs' load): below 64 KiB the
-# staged plans are faster (16 KiB: 5-6 us against 8.5-10: the single copy's
-# three rounds and a system call a block), at 64 KiB even, from 128 KiB
-# the single copy ahead (131072: 10-17 us against 13-19), and about twice
-# as fast from 1 MiB (docs/host-ranks.md, "The exchanges: one copy").
+# Below it the staged plans run: each block through the sender's workspace,
+# two copies, but both ranks copying at once through cache-sized slices,
+# where the single copy pays a process_vm_readv (page pinning) per block and
+# three rounds. Measured on a quiet 2-core machine, this variable at 128 KiB
+# (the single copy) against 1 GiB (staged), MPICH 5.0.2, 2 processes pinned
+# (bench.host_vs_mpich, 3 rounds; bench.alltoall_perf -n 20 -w 5 --rounds 3
+# agreeing): staged faster at 128 KiB to 2 MiB in all three exchanges
+# (all_to_all out of place 12.9 against 21.4 us at 128 KiB, 68.6 against
+# 105.4 at 1 MiB, in place 63.3 against 159.0; gather 46.8 against 100.8
+# at 1 MiB), from 4 MiB the single copy ahead or even (all_to_all at 8 MiB
+# 433 against 1189 us); with 4 processes on the 2 cores the same up to
+# 1 MiB, mixed at 2 and 4 MiB (docs/host-ranks.md, "The exchanges: one
+# copy"). An earlier measurement under heavy load (load average 4 to 18)
+# had the single copy ahead from 128 KiB: a staged pipeline suffers most
+# from a descheduled peer.
 EXCHANGE_SINGLE_COPY_MIN_ENV = "COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN"
-DEFAULT_EXCHANGE_SINGLE_COPY_MIN = 128 << 10
+DEFAULT_EXCHANGE_SINGLE_COPY_MIN = 4 << 20
 
 
 def resolve_exchange_single_copy_min(min_bytes=None):
