@@ -78,5 +78,5 @@ def test_a_rank_returns_only_once_its_readers_are_done():
 @pytest.mark.parametrize("event", ["killed", "stalled"])
 def test_a_killed_or_stalled_rank_raises_the_typed_error_on_the_others(event):
     # Hydra would otherwise kill the survivors itself when one rank exits.
-    oks, report = run(3, event, environment=None, flags=["-disable-auto-cleanup"], limit=120)
+    oks, report = run(3, event, flags=["-disable-auto-cleanup"], limit=120)
     assert len(oks) == (2 if event == "killed" else 3), report
