@@ -186,6 +186,25 @@ SPREAD_STAGED_MAX_ENV = "COLLECTIVES_SPREAD_STAGED_MAX"
 # 1 MiB rows) took 866 to 903 us in place reading in place, 1158 to 1330
 # staged (MPICH 882 to 929).
 DEFAULT_SPREAD_STAGED_MAX = 2 << 20
+STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
+# A large message of up to this many bytes per rank takes the loop's staged
+# pipeline even where the single copy was agreed (every collective, however
+# many cores). Two copies through slices that stay in cache, both ranks
+# copying at once, against one process_vm_readv per block, which pins the
+# pages it reads: on this 2-core machine (2026-11-30) a 1 MiB
+# process_vm_readv took 129 us where a memcpy took 52 (256 KiB: 44 against
+# 16; 16 MiB: 1947 against 1575). Measured with bench.host_vs_mpich, 2
+# processes pinned, 3 rounds, this variable at 0 (the single copy) against
+# COLLECTIVES_FAST_SINGLE_COPY=0 (staged), our us out of place: allreduce
+# 512 KiB 75 -> 39, 2 MiB 273 -> 146, 8 MiB 1235 -> 1163, 16 MiB 3049 ->
+# 6417; broadcast 2 MiB 220 -> 123, 8 MiB 667 -> 824; reduce 8 MiB 1363 ->
+# 667; allgather 8 MiB (4 MiB a rank) 694 -> 590, 16 MiB 3174 -> 3989. So
+# staged up to 4 MiB a rank, the single copy above. With 4 processes on the
+# 2 cores staged was ahead up to 2 MiB and mostly behind at 8 MiB. An
+# earlier day's measurement on this machine had the single copy ahead from
+# 128 KiB (docs/host-ranks.md): how fast process_vm_readv is against memcpy
+# is the machine's, and so is this limit.
+DEFAULT_STAGED_MAX = 4 << 20
 # For tests only: seconds a writer is held inside each chunk's writes (so
 # that the fence has something to wait for), and a reader before each read
 # out of a peer's input (so that a peer which returned before every reader
@@ -198,18 +217,22 @@ class LoopTunables(NamedTuple):
     """The compiled loop's tunables (transport/fastpath.py), one rank's."""
     fence_seconds: float
     spread_staged_max: int   # bytes per rank; 0: allgather reads in place however many cores
+    staged_max: int          # bytes per rank; 0: every large message takes the single copy where agreed
     test_write_stall: float
     test_read_stall: float
 
 
-def resolve_loop_tunables(fence_seconds=None, spread_staged_max=None, test_write_stall=None, test_read_stall=None):
+def resolve_loop_tunables(fence_seconds=None, spread_staged_max=None, test_write_stall=None, test_read_stall=None,
+                          staged_max=None):
     """The compiled loop's LoopTunables: each argument, else its variable
-    ($COLLECTIVES_FENCE_SECONDS, $COLLECTIVES_SPREAD_STAGED_MAX, and the
+    ($COLLECTIVES_FENCE_SECONDS, $COLLECTIVES_SPREAD_STAGED_MAX,
+    $COLLECTIVES_STAGED_MAX, and the
     tests' $COLLECTIVES_TEST_WRITE_STALL, $COLLECTIVES_TEST_READ_STALL), else
     the default above (no stall)."""
     return LoopTunables(_number(fence_seconds, "fence_seconds", FENCE_SECONDS_ENV, DEFAULT_FENCE_SECONDS, float),
                         _number(spread_staged_max, "spread_staged_max", SPREAD_STAGED_MAX_ENV,
                                 DEFAULT_SPREAD_STAGED_MAX, int),
+                        _number(staged_max, "staged_max", STAGED_MAX_ENV, DEFAULT_STAGED_MAX, int),
                         _number(test_write_stall, "test_write_stall", TEST_WRITE_STALL_ENV, 0.0, float),
                         _number(test_read_stall, "test_read_stall", TEST_READ_STALL_ENV, 0.0, float))
 

@@ -40,8 +40,11 @@ def test_the_compiled_loop_was_built():
 # The two ways to move a large message (fastpath.py): through staging
 # slots, or straight out of and into peers' buffers (process_vm_readv and
 # writev). Each test below runs every pipelined size through one of them.
+# (the single copy at every large size: messages up to
+# COLLECTIVES_STAGED_MAX, 4 MiB a rank by default, stage even where the
+# ranks agreed on the single copy)
 LARGE_PATHS = {
-    "single-copy": {"COLLECTIVES_FAST_SINGLE_COPY": "1"},
+    "single-copy": {"COLLECTIVES_FAST_SINGLE_COPY": "1", "COLLECTIVES_STAGED_MAX": "0"},
     "staged": {"COLLECTIVES_FAST_SINGLE_COPY": "0"},
 }
 
@@ -130,7 +133,7 @@ def test_arrays_that_differ_between_ranks_are_taken_alike(n):
     integer roots, read-only outputs the call does not write: the worker
     checks the results; here, that the first large call (a reduce into
     read-only outputs on the other ranks) still found the single copy."""
-    oks, report = run_worker(n, "edge_arrays", launcher_flags=["-disable-auto-cleanup"])
+    oks, report = run_worker(n, "edge_arrays", env=LARGE_PATHS["single-copy"], launcher_flags=["-disable-auto-cleanup"])
     assert len(oks) == n, report
     check_large_path(report, "single-copy")
 

@@ -136,17 +136,19 @@ def test_the_loops_sizes_come_from_the_environment_when_resolved_and_bad_ones_ar
 
 
 def test_the_loops_tunables_come_from_the_environment_when_resolved_and_bad_ones_are_named(monkeypatch):
-    for variable in ("COLLECTIVES_FENCE_SECONDS", "COLLECTIVES_SPREAD_STAGED_MAX", "COLLECTIVES_TEST_WRITE_STALL",
-                     "COLLECTIVES_TEST_READ_STALL"):
+    for variable in ("COLLECTIVES_FENCE_SECONDS", "COLLECTIVES_SPREAD_STAGED_MAX", "COLLECTIVES_STAGED_MAX",
+                     "COLLECTIVES_TEST_WRITE_STALL", "COLLECTIVES_TEST_READ_STALL"):
         monkeypatch.delenv(variable, raising=False)
-    assert resolve_loop_tunables() == (5.0, 2 << 20, 0.0, 0.0)
+    assert resolve_loop_tunables() == (5.0, 2 << 20, 4 << 20, 0.0, 0.0)
     monkeypatch.setenv("COLLECTIVES_FENCE_SECONDS", "0.2")
     monkeypatch.setenv("COLLECTIVES_SPREAD_STAGED_MAX", "0")
+    monkeypatch.setenv("COLLECTIVES_STAGED_MAX", "65536")
     monkeypatch.setenv("COLLECTIVES_TEST_READ_STALL", "1.5")
-    assert resolve_loop_tunables() == (0.2, 0, 0.0, 1.5)
-    assert resolve_loop_tunables(fence_seconds=1) == (1.0, 0, 0.0, 1.5)
+    assert resolve_loop_tunables() == (0.2, 0, 65536, 0.0, 1.5)
+    assert resolve_loop_tunables(fence_seconds=1, staged_max=0) == (1.0, 0, 0, 0.0, 1.5)
     for variable, value in (("COLLECTIVES_FENCE_SECONDS", "-1"), ("COLLECTIVES_FENCE_SECONDS", "inf"),
-                            ("COLLECTIVES_SPREAD_STAGED_MAX", "2.5"), ("COLLECTIVES_TEST_WRITE_STALL", "soon")):
+                            ("COLLECTIVES_SPREAD_STAGED_MAX", "2.5"), ("COLLECTIVES_STAGED_MAX", "big"),
+                            ("COLLECTIVES_TEST_WRITE_STALL", "soon")):
         monkeypatch.setenv(variable, value)
         with pytest.raises(InvalidUsageError, match=variable):
             resolve_loop_tunables()

@@ -21,10 +21,12 @@ pytestmark = pytest.mark.mpi
 WORKER = Path(__file__).with_name("routes_worker.py")
 
 # ranks, and the settings of the launch: every path the answer can name
-# (the exchanges' single-copy limit, 4 MiB by default, lowered where the
-# walk's largest calls, 512 KiB of float32 on 2 ranks, must cross it)
+# (the loop's and the exchanges' single-copy limits, 4 MiB by default,
+# lowered where the walk's largest calls, 512 KiB of float32 on 2 ranks,
+# must cross them)
+CROSSED_LIMITS = {"COLLECTIVES_STAGED_MAX": str(256 << 10), "COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN": str(256 << 10)}
 LAUNCHES = {
-    "2 ranks": (2, {"COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN": str(256 << 10)}),   # dedicated cores: the single copy
+    "2 ranks": (2, CROSSED_LIMITS),                                       # dedicated cores: the single copy
     "3 ranks, oversubscribed": (3, {}),                                   # staged small allgathers
     "staged large messages": (3, {"COLLECTIVES_FAST_SINGLE_COPY": "0"}),  # no single copy, loop or exchanges
     "no compiled plans": (2, {"COLLECTIVES_COMPILED_PLANS": "0"}),        # the interpreter runs the plans

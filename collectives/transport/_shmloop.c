@@ -44,6 +44,9 @@ typedef struct {
     double test_write_stall;   /* seconds each chunk's writes wait first (tests of the fence only) */
     double test_read_stall;    /* seconds each read out of a peer's input waits first (tests of the
                                 * single copy's last wait only) */
+    size_t staged_max;         /* a large message of up to this many bytes per rank stages even where
+                                * the single copy was agreed (0: never; config.LoopTunables.staged_max,
+                                * where two copies through cache beat a process_vm_readv per block) */
     size_t staged_spread_max;  /* allgather of up to this many bytes per rank stages even
                                 * where the single copy was agreed (0: never; fastpath.py sets it when
                                 * the ranks outnumber the cores, where staging measured faster) */
@@ -648,17 +651,17 @@ static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_
 {
     Waits *w = &c->waits;
     /* a rank that may not take the single copy makes another call (path 2), and so does one that would
-     * stage this allgather where it may (path 4): a rank whose staged_spread_max differs from its peers'
-     * is named at once, where the two sides would wait for each other until the timeout */
-    int stages_spread = k->kind == K_ALLGATHER && k->nbytes <= c->staged_spread_max;
-    int64_t signature = collective_signature(k, seq, !c->may_single_copy ? 2 : stages_spread ? 4 : 3);
+     * stage this message where it may (path 4): a rank whose staged_max or staged_spread_max differs
+     * from its peers' is named at once, where the two sides would wait for each other until the timeout */
+    int stages = k->nbytes <= c->staged_max || (k->kind == K_ALLGATHER && k->nbytes <= c->staged_spread_max);
+    int64_t signature = collective_signature(k, seq, !c->may_single_copy ? 2 : stages ? 4 : 3);
     int status = enter_large(c, k->in, k->out, k->nbytes < k->itemsize ? k->nbytes : k->itemsize, base, seq,
                              signature);
     if (status != OK)
         return failure(w, status, seq);
     /* (every rank decides alike: the same agreement, call and setting) */
-    c->last_step = c->single_copy == 2 && !stages_spread ? STEP_SINGLE_COPY : STEP_STAGED;
-    if (c->single_copy == 2 && !stages_spread) {
+    c->last_step = c->single_copy == 2 && !stages ? STEP_SINGLE_COPY : STEP_STAGED;
+    if (c->single_copy == 2 && !stages) {
         status = read_from_peers(c, k);
         if (status == OK)
             status = leave_single_copy(w, base);
@@ -685,9 +688,11 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     Waits *w = &c->waits;
     int r = w->rank, n = w->nranks;
     int64_t *mine = &w->rows[r * ROW_SLOTS];
-    /* a rank that may not take the single copy makes another call (path 2) */
-    int64_t signature = call_signature(loop_shape_hash(K_ALLREDUCE, type, op, nbytes, 0, c->may_single_copy ? 3 : 2),
-                                       seq);
+    /* a rank that may not take the single copy makes another call (path 2), and so does one that would
+     * stage this message where it may (path 4), as in run_large */
+    int stages = nbytes <= c->staged_max;
+    int64_t signature = call_signature(
+        loop_shape_hash(K_ALLREDUCE, type, op, nbytes, 0, !c->may_single_copy ? 2 : stages ? 4 : 3), seq);
     size_t count = nbytes / itemsize;
     size_t chunk_items = c->chunk / itemsize;
     size_t block_start[257];
@@ -703,8 +708,8 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     int status = enter_large(c, in, out, nbytes, base, seq, signature);
     if (status != OK)
         return failure(w, status, seq);
-    c->last_step = c->single_copy == 2 ? STEP_SINGLE_COPY : STEP_STAGED;
-    if (c->single_copy == 2) {
+    c->last_step = c->single_copy == 2 && !stages ? STEP_SINGLE_COPY : STEP_STAGED;
+    if (c->single_copy == 2 && !stages) {
         status = run_single_copy(c, in, out, itemsize, type, op, block_start);
         /* the peers' reads of this rank's input and writes into its output
          * are over once they all end */
@@ -1122,7 +1127,7 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", "small", "small_max",
                             "staging", "chunk", "single_copy", "test_write_stall", "test_read_stall",
-                            "staged_spread_max", "merged_max", NULL};
+                            "staged_spread_max", "merged_max", "staged_max", NULL};
     unsigned long long header, rows, small, staging;
     unsigned long long small_max, chunk;
     int rank, nranks;
@@ -1130,10 +1135,11 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     double yield_seconds;
     int single_copy = 1;
     double test_write_stall = 0, test_read_stall = 0;
-    unsigned long long staged_spread_max = 0, merged_max = ULLONG_MAX;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pddKK", names, &header, &rows, &rank, &nranks,
+    unsigned long long staged_spread_max = 0, merged_max = ULLONG_MAX, staged_max = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pddKKK", names, &header, &rows, &rank, &nranks,
                                      &spin, &yield_seconds, &small, &small_max, &staging, &chunk, &single_copy,
-                                     &test_write_stall, &test_read_stall, &staged_spread_max, &merged_max))
+                                     &test_write_stall, &test_read_stall, &staged_spread_max, &merged_max,
+                                     &staged_max))
         return -1;
     if (nranks < 1 || nranks > 256 || rank < 0 || rank >= nranks || chunk == 0 || chunk % 64) {
         PyErr_SetString(PyExc_ValueError, "a channel has 1 to 256 ranks and chunks of a multiple of 64 bytes");
@@ -1161,6 +1167,7 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     c->test_write_stall = test_write_stall;
     c->test_read_stall = test_read_stall;
     c->staged_spread_max = (size_t)staged_spread_max;
+    c->staged_max = (size_t)staged_max;
     c->staged_calls = 0;
     Py_XSETREF(c->allreduce_name, PyUnicode_InternFromString("allreduce"));
     if (c->allreduce_name == NULL)

@@ -69,13 +69,14 @@ try:
 except ImportError:   # installed without a C compiler: the interpreter runs every call
     _shmloop = None
 
-# Large messages take the single copy where every rank can reach every
-# other's memory. Measured with 2 processes (README): faster than the staged
-# pipeline from 128 KiB to 64 MiB, 1.5x-1.9x in place and 1.1x (64 MiB out
-# of place) to 1.8x; with 4 processes on 2 cores, as fast at 256 KiB and
-# 1.05x-1.25x faster above. COLLECTIVES_FAST_SINGLE_COPY=0 keeps every
-# message on the staged pipeline (config.resolve_fast_single_copy, read
-# when a communicator is made).
+# Large messages above config.LoopTunables.staged_max per rank (4 MiB) take
+# the single copy where every rank can reach every other's memory; below
+# it, and everywhere with COLLECTIVES_FAST_SINGLE_COPY=0
+# (config.resolve_fast_single_copy, read when a communicator is made), the
+# staged pipeline. Which is faster depends on how fast the machine's
+# process_vm_readv is against memcpy (config.py, DEFAULT_STAGED_MAX: on
+# 2026-11-30 staged up to 4 MiB a rank was up to twice as fast; an
+# earlier day's run had the single copy ahead from 128 KiB).
 #
 # How long a failed call waits for peers still writing into its output
 # (the fence), and where ranks that outnumber the cores stage their
@@ -179,6 +180,7 @@ class FastCollectives:
         self.tunables = tunables = resolve_loop_tunables()
         self._may_single_copy = resolve_fast_single_copy()
         self._staged_spread_max = tunables.spread_staged_max if stages_spread(group) else 0
+        self._staged_max = tunables.staged_max
         self._channel = _shmloop.Channel(
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
@@ -186,7 +188,7 @@ class FastCollectives:
             staging=channel_address + small_area(group.size, sizes),
             chunk=sizes.chunk, single_copy=self._may_single_copy, test_write_stall=tunables.test_write_stall,
             test_read_stall=tunables.test_read_stall, staged_spread_max=self._staged_spread_max,
-            merged_max=self.merged_max)
+            merged_max=self.merged_max, staged_max=self._staged_max)
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
         self.collective = self._channel.shortcut
@@ -269,7 +271,7 @@ class FastCollectives:
         this rank would propose: the single copy where it may take it."""
         if nbytes <= self.merged_max:
             return MERGED
-        if collective == "allgather" and nbytes <= self._staged_spread_max:
+        if nbytes <= self._staged_max or collective == "allgather" and nbytes <= self._staged_spread_max:
             return STAGED
         agreed = self.large_path
         if agreed == "undecided":
