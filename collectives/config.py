@@ -187,23 +187,21 @@ SPREAD_STAGED_MAX_ENV = "COLLECTIVES_SPREAD_STAGED_MAX"
 # staged (MPICH 882 to 929).
 DEFAULT_SPREAD_STAGED_MAX = 2 << 20
 STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
-# A large message of up to this many bytes per rank takes the loop's staged
-# pipeline even where the single copy was agreed (every collective, however
-# many cores). Two copies through slices that stay in cache, both ranks
-# copying at once, against one process_vm_readv per block, which pins the
-# pages it reads: on this 2-core machine (2026-11-30) a 1 MiB
-# process_vm_readv took 129 us where a memcpy took 52 (256 KiB: 44 against
-# 16; 16 MiB: 1947 against 1575). Measured with bench.host_vs_mpich, 2
-# processes pinned, 3 rounds, this variable at 0 (the single copy) against
-# COLLECTIVES_FAST_SINGLE_COPY=0 (staged), our us out of place: allreduce
-# 512 KiB 75 -> 39, 2 MiB 273 -> 146, 8 MiB 1235 -> 1163, 16 MiB 3049 ->
-# 6417; broadcast 2 MiB 220 -> 123, 8 MiB 667 -> 824; reduce 8 MiB 1363 ->
-# 667; allgather 8 MiB (4 MiB a rank) 694 -> 590, 16 MiB 3174 -> 3989. So
-# staged up to 4 MiB a rank, the single copy above. With 4 processes on the
-# 2 cores staged was ahead up to 2 MiB and mostly behind at 8 MiB. An
-# earlier day's measurement on this machine had the single copy ahead from
-# 128 KiB (docs/host-ranks.md): how fast process_vm_readv is against memcpy
-# is the machine's, and so is this limit.
+# A large allreduce, reduce_scatter or reduce of up to this many bytes per
+# rank takes the loop's staged pipeline even where the single copy was
+# agreed: the fold from slices that stay in cache, both ranks copying at
+# once, against a fold of what one process_vm_readv per block brings in
+# (it pins the pages it reads: on this 2-core machine, 2026-11-30, a 1 MiB
+# process_vm_readv took 129 us where a memcpy took 52; 16 MiB 1947
+# against 1575). Measured with bench.host_vs_mpich --ranks 2 --bind-to
+# core, 3 rounds, this variable at 0 against 4 MiB, alternating, two runs
+# each: our time with the single copy over staged, 256 KiB to 4 MiB,
+# allreduce 1.95-3.38, reduce 1.72-3.48, reduce_scatter 1.02-2.31; at
+# 16 MiB 0.95-1.21 (even). allgather and broadcast, which only copy, keep
+# the single copy: staged they were faster in one run and 2 to 4 times
+# slower in the other. An earlier day's measurement on this machine had the
+# single copy ahead at every size (docs/host-ranks.md): how process_vm_readv
+# compares with memcpy is the machine's, and so is this limit.
 DEFAULT_STAGED_MAX = 4 << 20
 # For tests only: seconds a writer is held inside each chunk's writes (so
 # that the fence has something to wait for), and a reader before each read
@@ -217,7 +215,7 @@ class LoopTunables(NamedTuple):
     """The compiled loop's tunables (transport/fastpath.py), one rank's."""
     fence_seconds: float
     spread_staged_max: int   # bytes per rank; 0: allgather reads in place however many cores
-    staged_max: int          # bytes per rank; 0: every large message takes the single copy where agreed
+    staged_max: int          # bytes per rank; 0: large folds take the single copy where agreed
     test_write_stall: float
     test_read_stall: float
 

@@ -44,9 +44,10 @@ typedef struct {
     double test_write_stall;   /* seconds each chunk's writes wait first (tests of the fence only) */
     double test_read_stall;    /* seconds each read out of a peer's input waits first (tests of the
                                 * single copy's last wait only) */
-    size_t staged_max;         /* a large message of up to this many bytes per rank stages even where
-                                * the single copy was agreed (0: never; config.LoopTunables.staged_max,
-                                * where two copies through cache beat a process_vm_readv per block) */
+    size_t staged_max;         /* a large allreduce, reduce_scatter or reduce of up to this many bytes
+                                * per rank stages even where the single copy was agreed (0: never;
+                                * config.LoopTunables.staged_max: folding from cache beat folding what
+                                * a process_vm_readv per block brought in) */
     size_t staged_spread_max;  /* allgather of up to this many bytes per rank stages even
                                 * where the single copy was agreed (0: never; fastpath.py sets it when
                                 * the ranks outnumber the cores, where staging measured faster) */
@@ -653,7 +654,9 @@ static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_
     /* a rank that may not take the single copy makes another call (path 2), and so does one that would
      * stage this message where it may (path 4): a rank whose staged_max or staged_spread_max differs
      * from its peers' is named at once, where the two sides would wait for each other until the timeout */
-    int stages = k->nbytes <= c->staged_max || (k->kind == K_ALLGATHER && k->nbytes <= c->staged_spread_max);
+    int folds = k->kind == K_REDUCE_SCATTER || k->kind == K_REDUCE;
+    int stages = (folds && k->nbytes <= c->staged_max)
+                 || (k->kind == K_ALLGATHER && k->nbytes <= c->staged_spread_max);
     int64_t signature = collective_signature(k, seq, !c->may_single_copy ? 2 : stages ? 4 : 3);
     int status = enter_large(c, k->in, k->out, k->nbytes < k->itemsize ? k->nbytes : k->itemsize, base, seq,
                              signature);

@@ -69,14 +69,15 @@ try:
 except ImportError:   # installed without a C compiler: the interpreter runs every call
     _shmloop = None
 
-# Large messages above config.LoopTunables.staged_max per rank (4 MiB) take
-# the single copy where every rank can reach every other's memory; below
-# it, and everywhere with COLLECTIVES_FAST_SINGLE_COPY=0
-# (config.resolve_fast_single_copy, read when a communicator is made), the
-# staged pipeline. Which is faster depends on how fast the machine's
-# process_vm_readv is against memcpy (config.py, DEFAULT_STAGED_MAX: on
-# 2026-11-30 staged up to 4 MiB a rank was up to twice as fast; an
-# earlier day's run had the single copy ahead from 128 KiB).
+# Large messages take the single copy where every rank can reach every
+# other's memory, but for the folding collectives (FOLDS) up to
+# config.LoopTunables.staged_max per rank (4 MiB), and everything with
+# COLLECTIVES_FAST_SINGLE_COPY=0 (config.resolve_fast_single_copy, read
+# when a communicator is made): those take the staged pipeline. Which is
+# faster depends on how fast the machine's process_vm_readv is against
+# memcpy (config.py, DEFAULT_STAGED_MAX: on 2026-11-30 the staged folds
+# were 1.5x to 3.5x as fast up to 4 MiB a rank; an earlier day's run had
+# the single copy ahead from 128 KiB).
 #
 # How long a failed call waits for peers still writing into its output
 # (the fence), and where ranks that outnumber the cores stage their
@@ -107,6 +108,8 @@ assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the
 # last one taken): the merged step, and a large message's, which reads and
 # writes peers' arrays in place (the single copy) or moves through staging.
 MERGED, SINGLE_COPY, STAGED = "merged", "single_copy", "staged"
+# The collectives whose large messages fold (config.LoopTunables.staged_max).
+FOLDS = ("allreduce", "reduce_scatter", "reduce")
 STEPS = (MERGED, SINGLE_COPY, STAGED)
 
 
@@ -271,7 +274,8 @@ class FastCollectives:
         this rank would propose: the single copy where it may take it."""
         if nbytes <= self.merged_max:
             return MERGED
-        if nbytes <= self._staged_max or collective == "allgather" and nbytes <= self._staged_spread_max:
+        if collective in FOLDS and nbytes <= self._staged_max \
+                or collective == "allgather" and nbytes <= self._staged_spread_max:
             return STAGED
         agreed = self.large_path
         if agreed == "undecided":
