@@ -269,9 +269,11 @@ class FastCollectives:
 
     def step_for(self, collective, nbytes):
         """The step a call of `collective` with `nbytes` per rank takes in
-        the loop: merged up to merged_max, else the large message's as the
-        ranks agreed at their first (`large_path`), or before that, as
-        this rank would propose: the single copy where it may take it."""
+        the loop: merged up to merged_max; staged for a fold up to
+        staged_max, and for an oversubscribed allgather up to its limit;
+        else the large message's as the ranks agreed at their first
+        (`large_path`), or before that, as this rank would propose: the
+        single copy where it may take it."""
         if nbytes <= self.merged_max:
             return MERGED
         if collective in FOLDS and nbytes <= self._staged_max \
