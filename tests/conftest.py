@@ -1,11 +1,14 @@
 """Test configuration (the rest is pyproject.toml's [tool.pytest.ini_options]):
 which collective-matrix cases run, which tests share an xdist worker, the
-skips grouped by reason, and MPICH's files that killed ranks left behind."""
+skips grouped by reason, a temporary folder of the run's own, and MPICH's
+files that killed ranks left behind."""
 
 import compileall
 import gc
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -171,6 +174,34 @@ def pytest_terminal_summary(terminalreporter, config):
 
 SESSION_STARTED = pytest.StashKey[float]()
 ROOT = Path(__file__).resolve().parent.parent
+
+
+RUN_TEMP_FOLDER = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """On the controller (or the one process), before any worker or rank
+    starts: every process of the run makes its temporary files in a folder
+    of the run's own ($TMPDIR, which xdist's workers, the ranks and the tools
+    inherit), removed at the end. TensorFlow's autograph leaves a
+    `__autograph_generated_file*.py` there for every function it converts,
+    and torchrun a `torchelastic_*` folder per job: a run of the suite left
+    hundreds in /tmp. pytest's own `tmp_path` folders stay where they were
+    (PYTEST_DEBUG_TEMPROOT, which pytest reads for that), kept for a look
+    after a failure."""
+    if hasattr(config, "workerinput"):
+        return
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    folder = tempfile.mkdtemp(prefix="collectives-tests-")
+    config.stash[RUN_TEMP_FOLDER] = folder
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = None   # gettempdir() reads $TMPDIR again
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(RUN_TEMP_FOLDER, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_sessionstart(session):
