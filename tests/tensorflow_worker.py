@@ -19,6 +19,12 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")      # TensorFlow's start-up banners
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# Keras imports scikit-learn (its estimator wrappers) and matplotlib.pyplot
+# (its image gallery) when they are installed, as the test install has them:
+# 1.5 of the 7 CPU-s `import tensorflow` costs each rank. Both imports are
+# optional to Keras (an ImportError leaves the wrapper or the plot without
+# them), and no scenario uses either: None in sys.modules is that ImportError.
+sys.modules.update(sklearn=None, matplotlib=None)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
