@@ -1,11 +1,14 @@
 """One rank of a data-parallel training test; tests/test_training.py starts N of these under mpiexec.
 
-    mpiexec -n N python tests/training_worker.py SCENARIO [OUTPUT.json]
+    mpiexec -n N python tests/training_worker.py SCENARIO[,SCENARIO...] [OUTPUT_FOLDER]
 
 Each rank trains a small MLP with collectives.torch.DistributedOptimizer on
-host ranks, prints "OK <scenario> <rank>" when everything it checked held,
-and fails with a traceback (non-zero exit) otherwise. Rank 0 writes what it
-measured to OUTPUT.json when one is named.
+host ranks, runs the scenarios in turn on one communicator, prints "OK
+<scenario> <rank>" after each one whose every check held, and fails with a
+traceback (non-zero exit) otherwise. Rank 0 writes what a scenario measured
+to OUTPUT_FOLDER/<scenario>.json when a folder is named. (One launch for
+several scenarios: each rank's start, PyTorch's import above all, costs
+about 2.5 CPU-s.) `killed` ends the ranks, so it comes last.
 """
 
 import json
@@ -123,8 +126,9 @@ def scenario_sync(comm, output):
     assert difference <= tolerance, f"largest difference {difference:.3g} > tolerance {tolerance:.3g}"
     assert not np.array_equal(flat_parameters(mlp(seed=0)), got), "training did not move the parameters"
     if output and comm.rank == 0:
-        json.dump({"steps": steps, "difference": difference, "tolerance": tolerance,
-                   "difference_in_eps": difference / EPS32 / float(np.abs(want).max())}, open(output, "w"))
+        with open(output, "w") as f:
+            json.dump({"steps": steps, "difference": difference, "tolerance": tolerance,
+                       "difference_in_eps": difference / EPS32 / float(np.abs(want).max())}, f)
 
 
 # (compression, error feedback) of the accuracy comparison, the uncompressed run first.
@@ -159,7 +163,8 @@ def scenario_compression(comm, output):
                         "parameter_difference": float(np.linalg.norm(parameters - uncompressed) / np.linalg.norm(uncompressed)),
                         "seconds": time.perf_counter() - start})
     if output and comm.rank == 0:
-        json.dump(results, open(output, "w"))
+        with open(output, "w") as f:
+            json.dump(results, f)
 
 
 def scenario_killed(comm, output):
@@ -196,14 +201,16 @@ def scenario_killed(comm, output):
 
 
 def main():
-    scenario = sys.argv[1]
-    output = sys.argv[2] if len(sys.argv) > 2 else None
+    scenarios = sys.argv[1].split(",")
+    folder = sys.argv[2] if len(sys.argv) > 2 else None
+    assert "killed" not in scenarios[:-1], "the killed scenario ends the ranks: it comes last"
     torch.set_num_threads(1)    # several ranks share the machine's cores
     comm = collectives.init(timeout=TIMEOUT)
     assert comm.size == MPI.COMM_WORLD.size and comm.rank == MPI.COMM_WORLD.rank
-    globals()[f"scenario_{scenario}"](comm, output)
-    print(f"OK {scenario} {comm.rank}", flush=True)
-    if scenario == "killed":
+    for scenario in scenarios:
+        globals()[f"scenario_{scenario}"](comm, folder and os.path.join(folder, f"{scenario}.json"))
+        print(f"OK {scenario} {comm.rank}", flush=True)
+    if scenarios[-1] == "killed":
         os._exit(0)  # MPI_Finalize would wait for the dead rank
     comm.close()
 
