@@ -50,29 +50,39 @@ def test_every_op_and_training_against_numpy_and_gloo():
     assert "max |ours - gloo|" in report and "max |fsdp2 - ddp|" in report, report
 
 
+@pytest.fixture(scope="module")
+def on_pretend_nodes():
+    """One torchrun job on two pretend nodes of two ranks for both tests
+    there (each job's start costs about 15 CPU-s): every op, training and
+    compression, then the failures, which end it. (On one node the failures
+    run apart: the first job ends by destroying the process group, which
+    its test checks and a dead rank would prevent.)"""
+    return torchrun("init,ops,training,compressed,failure", COLLECTIVES_PRETEND_NODES="0,0,1,1")
+
+
 @pytest.mark.processes
-def test_pretend_nodes_run_on_the_hierarchy_with_gloo_between_nodes():
+def test_pretend_nodes_run_on_the_hierarchy_with_gloo_between_nodes(on_pretend_nodes):
     """The same checks on two pretend nodes of two ranks: shared memory
     inside each, Gloo between them (the worker checks the communicator is
     the hierarchical one); and compression_hook and DistributedOptimizer
     compressed across them, on our group and beside Gloo."""
-    oks, code, report = torchrun("init,ops,training,compressed", COLLECTIVES_PRETEND_NODES="0,0,1,1")
+    oks, code, report = on_pretend_nodes
     everyone = [0, 1, 2, 3]
-    assert code == 0 and oks == {"init": everyone, "ops": everyone, "training": everyone,
-                                 "compressed": everyone}, report
+    assert {s: oks[s] for s in ("init", "ops", "training", "compressed")} == {
+        "init": everyone, "ops": everyone, "training": everyone, "compressed": everyone}, report
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("nodes", [None, "0,0,1,1"], ids=["one-node", "pretend-nodes"])
-def test_stalled_mismatched_and_killed_ranks_raise_typed_errors(nodes):
+def test_stalled_mismatched_and_killed_ranks_raise_typed_errors(nodes, request):
     """The last rank stalls, then ranks disagree on a shape, then the last
     rank is killed: the others raise CollectiveTimeoutError,
     InvalidUsageError and RankFailedError (through work.wait() and DDP's
     backward) within the group's timeout. The killed rank fails the job;
     the others must each say OK. On pretend nodes the failures cross the
     Gloo link too (a dead peer's closed connection is RankFailedError)."""
-    oks, code, report = torchrun("failure", **({"COLLECTIVES_PRETEND_NODES": nodes} if nodes else {}))
-    assert oks == {"failure": [0, 1, 2]}, report
+    oks, code, report = request.getfixturevalue("on_pretend_nodes") if nodes else torchrun("failure")
+    assert oks["failure"] == [0, 1, 2], report
     assert code != 0, report   # torchrun reports the killed rank
     assert report.count("CollectiveTimeoutError after") == RANKS, report
     assert len(re.findall(r"killed rank, DDP rank \d: RuntimeError", report)) == RANKS - 1, report
