@@ -1,13 +1,14 @@
 """One rank of a multi-node test on one machine; tests/test_hierarchy.py
 starts 4 of these under mpiexec, split into pretend nodes.
 
-    mpiexec -n 4 python tests/hierarchy_worker.py SCENARIO LAYOUT
+    mpiexec -n 4 python tests/hierarchy_worker.py SCENARIO[,SCENARIO...] LAYOUT
 
 LAYOUT is $COLLECTIVES_PRETEND_NODES: one node label per rank ("0,0,1,1"),
 or "hosts" for ranks started on hosts of their own (tests/test_hosts.py:
 bench/hosts.py's network namespaces), whose nodes are found, not told.
 Each rank prints "OK <scenario> <rank>" when everything it checked held,
-and fails with a traceback (non-zero exit) otherwise.
+and fails with a traceback (non-zero exit) otherwise. Several scenarios
+that leave every rank alive run in turn in one launch (`main`).
 """
 
 import os
@@ -1127,12 +1128,24 @@ ABORTED = ("mismatched", "mixed_paths", "repeated_mismatched", "barrier", "short
 
 
 def main():
-    scenario, layout = sys.argv[1], sys.argv[2]
+    """One scenario, or several that leave every rank alive (comma-separated):
+    one launch for them, each on a communicator of its own, made and closed
+    in turn (a rank's start costs about 0.36 CPU-s, as much as a short
+    scenario's calls)."""
+    scenarios, layout = sys.argv[1].split(","), sys.argv[2]
+    assert len(scenarios) == 1 or not set(scenarios) & {*FAILING, *RANKS_DIE, *ABORTED}, \
+        f"only scenarios that leave every rank alive share a launch: {scenarios}"
     if layout != HOSTS:   # on hosts (bench/hosts.py) the nodes are the machines the ranks find
         os.environ[PRETEND_NODES_ENV] = layout
+    record_segments()
+    for scenario in scenarios:
+        run_one(scenario, layout)
+
+
+def run_one(scenario, layout):
     if scenario == "mixed_paths" and layout.split(",")[WORLD.rank] != layout.split(",")[0]:
         os.environ["COLLECTIVES_FAST_PATH"] = "0"   # (read when the communicator is made)
-    record_segments()
+    OPENED.clear()
     comm = collectives.init(timeout=TIMEOUT if scenario in FAILING else 30.0)
     assert comm.size == WORLD.size and comm.rank == WORLD.rank
     # (where ranks die, a failed check exits at once: MPI_Finalize would wait for the dead)

@@ -130,7 +130,8 @@ def mpi_launch(n, *flags):
 def run_nodes_worker(worker, scenario, layout, *flags, limit=240):
     """Start ranks of `worker` (a script taking SCENARIO LAYOUT), one per node
     label of `layout` ($COLLECTIVES_PRETEND_NODES, which the worker sets);
-    their "OK <scenario> <rank>" lines and a report. Fails on a nonzero exit."""
+    their "OK <scenario> <rank>" lines (of each scenario, where `scenario`
+    names several, comma-separated) and a report. Fails on a nonzero exit."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(worker).parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     env.pop("COLLECTIVES_PRETEND_NODES", None)   # the worker sets it from `layout`
@@ -138,4 +139,5 @@ def run_nodes_worker(worker, scenario, layout, *flags, limit=240):
                           capture_output=True, text=True, timeout=limit, env=env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report
-    return re.findall(rf"OK {scenario} \d+", done.stdout), report
+    names = "|".join(map(re.escape, scenario.split(",")))
+    return re.findall(rf"OK (?:{names}) \d+", done.stdout), report

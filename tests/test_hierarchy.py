@@ -5,7 +5,8 @@ the hierarchical communicator (hierarchy.py) is crossed here as it would
 be between machines.
 
 Each test starts one mpiexec job whose worker loops over the whole matrix
-itself (tests/hierarchy_worker.py), and has a hard time limit.
+itself (tests/hierarchy_worker.py), and has a hard time limit; the
+scenarios that leave every rank alive share one job per layout.
 """
 
 import os
@@ -51,41 +52,42 @@ def run_survivors(scenario, layout):
     return sorted(int(rank) for rank in re.findall(rf"OK {scenario} (\d+)", done.stdout)), report
 
 
-@pytest.mark.slow
-@pytest.mark.mpi
-@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE, ONE_PER_NODE])
-def test_every_collective_dtype_and_op_across_nodes(layout):
-    oks, report = run_ranks("matrix", layout)
-    assert len(oks) == 4, report
+# What each scenario of tests/hierarchy_worker.py that leaves every rank
+# alive checks, and the layouts each runs on. Those of one layout run in
+# one launch, in turn, each on a communicator of its own: a rank's start
+# costs about 0.36 CPU-s, as much as a short scenario's calls.
+CHECKED_BY = {
+    "matrix": "every collective, dtype and op across nodes",
+    "order": "every rank holds the bits of the documented fold order",
+    "compressed": "every codec, sum and avg: the bits of the documented compressed fold on every rank, within "
+                  "docs/compression.md's bound (two_shot's second encoding reached on 3 nodes); on 2 nodes also "
+                  "allreduce_many, fusion_buffer and error feedback, whose residuals are what was lost; on 3 "
+                  "nodes of 2 the node's steps run in blocks and two_shot re-encodes, both in one call",
+    "refusals": "rejected calls across nodes modify nothing",
+    "repeated": "repeated calls take the compiled programs with the same bits",
+    "by_node": "large allgathers and reduce_scatters laid out node by node hold the right bits",
+}
+SCENARIOS_ON = {
+    TWO_AND_TWO: ("matrix", "order", "compressed", "repeated", "by_node"),
+    THREE_AND_ONE: ("matrix", "order", "refusals"),
+    ONE_PER_NODE: ("matrix", "order", "repeated"),
+    THREE_NODES: ("order", "compressed"),
+    INTERLEAVED: ("order", "repeated", "by_node"),
+    THREE_NODES_OF_TWO: ("compressed", "by_node"),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.mpi
-@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_AND_ONE, ONE_PER_NODE, THREE_NODES, INTERLEAVED])
-def test_every_rank_holds_the_bits_of_the_documented_fold_order(layout):
-    oks, report = run_ranks("order", layout)
-    assert len(oks) == 4, report
-
-
-@pytest.mark.slow
-@pytest.mark.mpi
-@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_NODES, THREE_NODES_OF_TWO])
-def test_compressed_allreduces_encode_each_nodes_partial_once_and_agree_bit_for_bit(layout):
-    """Every codec, sum and avg: the bits of the documented compressed fold
-    on every rank, within docs/compression.md's bound (two_shot's second
-    encoding reached on 3 nodes); on 2 nodes also allreduce_many,
-    fusion_buffer and error feedback, whose residuals are what was lost.
-    On 3 nodes of 2 the node's steps run in blocks and two_shot re-encodes,
-    both in one call. (Slow: seconds each; the plans' test below is the
-    quick one.)"""
-    oks, report = run_ranks("compressed", layout)
-    assert len(oks) == len(layout.split(",")), report
-
-
-@pytest.mark.mpi
-def test_rejected_calls_across_nodes_modify_nothing():
-    oks, report = run_ranks("refusals", THREE_AND_ONE)
-    assert len(oks) == 4, report
+@pytest.mark.parametrize("layout", list(SCENARIOS_ON))
+def test_every_scenario_that_leaves_the_ranks_alive_holds_on_its_layouts(layout):
+    """CHECKED_BY's scenarios of this layout, in one launch: every rank says OK to each."""
+    scenarios = SCENARIOS_ON[layout]
+    oks, report = run_ranks(",".join(scenarios), layout)
+    ranks = len(layout.split(","))
+    failed = [f"{scenario} ({CHECKED_BY[scenario]})" for scenario in scenarios
+              if sum(line.startswith(f"OK {scenario} ") for line in oks) != ranks]
+    assert not failed, f"did not hold on every rank: {failed}\n{report}"
 
 
 @pytest.mark.mpi
@@ -123,20 +125,6 @@ def test_nodes_on_different_small_paths_raise_instead_of_returning_wrong_bytes()
     oks, report = run_ranks("mixed_paths", TWO_AND_TWO, "-disable-auto-cleanup")
     assert len(oks) == 4, report
     assert re.findall(r"RAISED 0 \d InvalidUsageError: .*(different call|more bytes)", report), report
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("layout", [TWO_AND_TWO, ONE_PER_NODE, INTERLEAVED])
-def test_repeated_calls_take_the_compiled_programs_with_the_same_bits(layout):
-    oks, report = run_ranks("repeated", layout)
-    assert len(oks) == 4, report
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("layout", [TWO_AND_TWO, THREE_NODES_OF_TWO, INTERLEAVED])
-def test_large_allgathers_and_reduce_scatters_laid_out_node_by_node_hold_the_right_bits(layout):
-    oks, report = run_ranks("by_node", layout)
-    assert len(oks) == len(layout.split(",")), report
 
 
 @pytest.mark.mpi
