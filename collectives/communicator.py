@@ -58,8 +58,8 @@ class VirtualHostRanks:
                 workspace = self._workspace(rank, plan.workspace_bytes)
                 views[rank, WORK] = workspace[:plan.count * plan.dtype.itemsize].view(plan.dtype)
                 views[rank, SCRATCH] = workspace[plan.scratch_offset:plan.workspace_bytes].view(plan.dtype)
-        for phase in plan.phases:
-            host.execute(phase.table, lambda rank, buffer_id: views[rank, buffer_id], plan.op, plan.nranks)
+        host.execute_phases([phase.table for phase in plan.phases], lambda rank, buffer_id: views[rank, buffer_id],
+                            plan.op, plan.nranks)
 
     def bind(self, plan, inputs, outputs, input_infos=None, output_infos=None):
         """`plan` bound to these arrays (host.BoundTables): a callable that

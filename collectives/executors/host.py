@@ -69,8 +69,16 @@ def divide_by_ranks(values, nranks):
 
 def execute(rows, buffer, op, nranks):
     """Run op table `rows`; `buffer(rank, buffer_id)` gives a flat array."""
+    execute_phases((rows,), buffer, op, nranks)
+
+
+def execute_phases(tables, buffer, op, nranks):
+    """Run op tables one after another (a plan's phases), as `execute` runs
+    each, with NumPy's error state set once for them all (entering it costs
+    about as much as a small table's rows)."""
     with np.errstate(all="ignore"):  # inf - inf is NaN by IEEE 754, not a user error
-        _execute(rows, buffer, op, nranks)
+        for rows in tables:
+            _execute(rows, buffer, op, nranks)
 
 
 def _execute(rows, buffer, op, nranks):
