@@ -139,5 +139,19 @@ def run_nodes_worker(worker, scenario, layout, *flags, limit=240):
                           capture_output=True, text=True, timeout=limit, env=env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report
+    return ok_lines(done.stdout, scenario), report
+
+
+def ok_lines(stdout, scenario):
+    """The ranks' "OK <scenario> <rank>" lines in `stdout`, of each scenario
+    where `scenario` names several, comma-separated (ranks' lines can reach
+    mpiexec's stdout glued together: matched, not split)."""
     names = "|".join(map(re.escape, scenario.split(",")))
-    return re.findall(rf"OK (?:{names}) \d+", done.stdout), report
+    return re.findall(rf"OK (?:{names}) \d+", stdout)
+
+
+def scenarios_not_held(oks, scenarios, ranks, checked_by):
+    """Of `scenarios` run in one launch, those not every one of `ranks`
+    ranks said OK to (`oks`: ok_lines), each with what it checks."""
+    return [f"{scenario} ({checked_by[scenario]})" for scenario in scenarios
+            if sum(line.startswith(f"OK {scenario} ") for line in oks) != ranks]

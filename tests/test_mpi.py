@@ -6,7 +6,6 @@ Each test has a hard time limit: a hang fails the test instead of CI.
 """
 
 import os
-import re
 import subprocess
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from backends import gpu_unavailable_reason
 from mpi_launch import (  # noqa: F401 (the other modules import them from here)
-    launcher_flags, mpi_launch, mpich_mpiexec, mpiexec, survivable_launch, worker_python)
+    launcher_flags, mpi_launch, mpich_mpiexec, mpiexec, ok_lines, scenarios_not_held, survivable_launch, worker_python)
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi
@@ -47,11 +46,7 @@ def run_worker(worker, n, scenario, *arguments, launcher_flags=(), limit=240, en
         pytest.fail(f"mpiexec ran past {limit} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report
-    # Ranks' lines can reach mpiexec's stdout glued together. (Several
-    # scenarios, comma-separated: the lines of each.)
-    names = "|".join(map(re.escape, scenario.split(",")))
-    oks = re.findall(rf"OK (?:{names}) \d+", done.stdout)
-    return oks, report
+    return ok_lines(done.stdout, scenario), report
 
 
 def run_ranks(n, scenario, *launcher_flags, device="host", limit=240):
@@ -83,8 +78,7 @@ def test_every_scenario_that_leaves_the_ranks_alive_holds_across_processes(n, de
     """CHECKED_BY's scenarios on n ranks, in one launch: every rank says OK to each."""
     scenarios = SCENARIOS_ON[n]
     oks, report = run_ranks(n, ",".join(scenarios), device=device)
-    failed = [f"{scenario} ({CHECKED_BY[scenario]})" for scenario in scenarios
-              if sum(line.startswith(f"OK {scenario} ") for line in oks) != n]
+    failed = scenarios_not_held(oks, scenarios, n, CHECKED_BY)
     assert not failed, f"did not hold on every rank: {failed}\n{report}"
 
 
