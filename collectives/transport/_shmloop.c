@@ -648,23 +648,47 @@ static int run_staged_segments(Channel *c, const Collective *k)
     return OK;
 }
 
+/* Whether a large message of `kind` stages even where the ranks agreed on
+ * the single copy: a fold up to staged_max, an allgather up to
+ * staged_spread_max (such a call enters under another signature). */
+static int stages_anyway(const Channel *c, int kind, size_t nbytes)
+{
+    int folds = kind == K_ALLREDUCE || kind == K_REDUCE_SCATTER || kind == K_REDUCE;
+    return (folds && nbytes <= c->staged_max) || (kind == K_ALLGATHER && nbytes <= c->staged_spread_max);
+}
+
+/* The step a call of `kind` with `nbytes` per rank takes: the one place
+ * that decides it, which run_taken follows and Channel.step_for reports
+ * (Communicator.chosen_algorithm). Up to merged_max the merged step; a
+ * larger message stages where stages_anyway says so, else it reads and
+ * writes peers' arrays in place once the ranks agreed that all may
+ * (single_copy 2). Before their first large call (single_copy 0) it
+ * answers what this rank proposes. */
+static int step_for(const Channel *c, int kind, size_t nbytes)
+{
+    if (nbytes <= c->merged_max)
+        return STEP_MERGED;
+    if (stages_anyway(c, kind, nbytes))
+        return STEP_STAGED;
+    int single_copy = c->single_copy == 0 ? c->may_single_copy : c->single_copy == 2;
+    return single_copy ? STEP_SINGLE_COPY : STEP_STAGED;
+}
+
 static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_t seq)
 {
     Waits *w = &c->waits;
     /* a rank that may not take the single copy makes another call (path 2), and so does one that would
      * stage this message where it may (path 4): a rank whose staged_max or staged_spread_max differs
      * from its peers' is named at once, where the two sides would wait for each other until the timeout */
-    int folds = k->kind == K_REDUCE_SCATTER || k->kind == K_REDUCE;
-    int stages = (folds && k->nbytes <= c->staged_max)
-                 || (k->kind == K_ALLGATHER && k->nbytes <= c->staged_spread_max);
+    int stages = stages_anyway(c, k->kind, k->nbytes);
     int64_t signature = collective_signature(k, seq, !c->may_single_copy ? 2 : stages ? 4 : 3);
     int status = enter_large(c, k->in, k->out, k->nbytes < k->itemsize ? k->nbytes : k->itemsize, base, seq,
                              signature);
     if (status != OK)
         return failure(w, status, seq);
     /* (every rank decides alike: the same agreement, call and setting) */
-    c->last_step = c->single_copy == 2 && !stages ? STEP_SINGLE_COPY : STEP_STAGED;
-    if (c->single_copy == 2 && !stages) {
+    c->last_step = step_for(c, k->kind, k->nbytes);
+    if (c->last_step == STEP_SINGLE_COPY) {
         status = read_from_peers(c, k);
         if (status == OK)
             status = leave_single_copy(w, base);
@@ -693,7 +717,7 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     int64_t *mine = &w->rows[r * ROW_SLOTS];
     /* a rank that may not take the single copy makes another call (path 2), and so does one that would
      * stage this message where it may (path 4), as in run_large */
-    int stages = nbytes <= c->staged_max;
+    int stages = stages_anyway(c, K_ALLREDUCE, nbytes);
     int64_t signature = call_signature(
         loop_shape_hash(K_ALLREDUCE, type, op, nbytes, 0, !c->may_single_copy ? 2 : stages ? 4 : 3), seq);
     size_t count = nbytes / itemsize;
@@ -711,8 +735,8 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     int status = enter_large(c, in, out, nbytes, base, seq, signature);
     if (status != OK)
         return failure(w, status, seq);
-    c->last_step = c->single_copy == 2 && !stages ? STEP_SINGLE_COPY : STEP_STAGED;
-    if (c->single_copy == 2 && !stages) {
+    c->last_step = step_for(c, K_ALLREDUCE, nbytes);
+    if (c->last_step == STEP_SINGLE_COPY) {
         status = run_single_copy(c, in, out, itemsize, type, op, block_start);
         /* the peers' reads of this rank's input and writes into its output
          * are over once they all end */
@@ -783,7 +807,7 @@ static PyObject *run_taken(Channel *c, const Collective *k, double deadline)
         w->failed_peer = -1;
         return failure(w, ABORTED, seq);
     }
-    if (k->nbytes <= c->merged_max) {
+    if (step_for(c, k->kind, k->nbytes) == STEP_MERGED) {
         c->last_step = STEP_MERGED;
         return run_small(c, k, base, seq);
     }
@@ -1249,6 +1273,26 @@ static PyObject *Channel_fence_writes(Channel *c, PyObject *arg)
     return PyLong_FromLong(still_writing);
 }
 
+static const char *const step_names[] = {NULL, "merged", "single_copy", "staged"};
+
+/* channel.step_for(kind, nbytes) -> the step's name (step_for) */
+static PyObject *Channel_step_for(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "step_for(kind, nbytes)");
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[0]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (kind < K_ALLREDUCE || kind > K_REDUCE || nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "step_for: kind is a K_ code of the five collectives, nbytes >= 0");
+        return NULL;
+    }
+    return PyUnicode_FromString(step_names[step_for(c, (int)kind, (size_t)nbytes)]);
+}
+
 static PyObject *Channel_large_path(Channel *c, void *Py_UNUSED(closure))
 {
     return PyUnicode_FromString(c->single_copy == 2 ? "single-copy" : c->single_copy == 1 ? "staged" : "undecided");
@@ -1271,10 +1315,9 @@ static PyObject *Channel_steps_taken(Channel *c, void *Py_UNUSED(closure))
 
 static PyObject *Channel_last_step(Channel *c, void *Py_UNUSED(closure))
 {
-    static const char *const names[] = {NULL, "merged", "single_copy", "staged"};
     if (c->last_step == STEP_NONE)
         Py_RETURN_NONE;
-    return PyUnicode_FromString(names[c->last_step]);
+    return PyUnicode_FromString(step_names[c->last_step]);
 }
 
 static PyGetSetDef Channel_getset[] = {
@@ -1303,6 +1346,8 @@ static PyMethodDef Channel_methods[] = {
      "once done, None where declined; failures go to on_failure"},
     {"bind_shortcuts", (PyCFunction)(void (*)(void))Channel_bind_shortcuts, METH_FASTCALL,
      "bind_shortcuts(arrays, ops, kinds, on_failure): what the shortcuts take, whom they tell of failures"},
+    {"step_for", (PyCFunction)(void (*)(void))Channel_step_for, METH_FASTCALL,
+     "step_for(kind, nbytes): the step ('merged', 'single_copy', 'staged') such a call takes; see _shmloop.c"},
     {"barrier", (PyCFunction)Channel_barrier, METH_O,
      "barrier(deadline): 0 once every rank entered it, None once closed, else a failure; see _shmloop.c"},
     {"close", (PyCFunction)Channel_close, METH_NOARGS,

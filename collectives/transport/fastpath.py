@@ -119,6 +119,7 @@ ARRAYS = (np.ndarray, np.memmap)
 
 # The collectives the loop runs besides allreduce (_shmloop.c's K_ codes).
 KINDS = {"reduce_scatter": 1, "allgather": 2, "broadcast": 3, "reduce": 4}
+ALLREDUCE_KIND = 0
 COLLECTIVES = ("allreduce", *KINDS)
 
 
@@ -181,17 +182,16 @@ class FastCollectives:
         # ranks decide alike: they share its cores).
         self.merged_max = sizes.small_max if oversubscribed else min(sizes.small_max, MERGED_MAX_DEDICATED)
         self.tunables = tunables = resolve_loop_tunables()
-        self._may_single_copy = resolve_fast_single_copy()
-        self._staged_spread_max = tunables.spread_staged_max if stages_spread(group) else 0
-        self._staged_max = tunables.staged_max
+        # (the channel decides each call's step from these: step_for)
+        staged_spread_max = tunables.spread_staged_max if stages_spread(group) else 0
         self._channel = _shmloop.Channel(
             header=header_address, rows=rows_address, rank=group.rank, nranks=group.size,
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
             small=channel_address, small_max=sizes.small_max,
             staging=channel_address + small_area(group.size, sizes),
-            chunk=sizes.chunk, single_copy=self._may_single_copy, test_write_stall=tunables.test_write_stall,
-            test_read_stall=tunables.test_read_stall, staged_spread_max=self._staged_spread_max,
-            merged_max=self.merged_max, staged_max=self._staged_max)
+            chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=tunables.test_write_stall,
+            test_read_stall=tunables.test_read_stall, staged_spread_max=staged_spread_max,
+            merged_max=self.merged_max, staged_max=tunables.staged_max)
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
         self.collective = self._channel.shortcut
@@ -269,20 +269,14 @@ class FastCollectives:
 
     def step_for(self, collective, nbytes):
         """The step a call of `collective` with `nbytes` per rank takes in
-        the loop: merged up to merged_max; staged for a fold up to
-        staged_max, and for an oversubscribed allgather up to its limit;
-        else the large message's as the ranks agreed at their first
-        (`large_path`), or before that, as this rank would propose: the
-        single copy where it may take it."""
-        if nbytes <= self.merged_max:
-            return MERGED
-        if collective in FOLDS and nbytes <= self._staged_max \
-                or collective == "allgather" and nbytes <= self._staged_spread_max:
-            return STAGED
-        agreed = self.large_path
-        if agreed == "undecided":
-            return SINGLE_COPY if self._may_single_copy else STAGED
-        return SINGLE_COPY if agreed == "single-copy" else STAGED
+        the loop, as the loop itself decides it (_shmloop.c's step_for):
+        merged up to merged_max; staged for a fold up to staged_max, and
+        for an oversubscribed allgather up to its limit; else the large
+        message's as the ranks agreed at their first (`large_path`), or
+        before that, as this rank would propose: the single copy where it
+        may take it. None once closed."""
+        channel = self._channel
+        return None if channel is None else channel.step_for(KINDS.get(collective, ALLREDUCE_KIND), nbytes)
 
     def algorithm_of(self, collective, nbytes):
         """The registered algorithm a call the loop takes runs (step_algorithm)."""
