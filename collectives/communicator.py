@@ -7,12 +7,12 @@ import weakref
 
 import numpy as np
 
-from . import arrays, auto, fusion, validation
+from . import arrays, auto, fusion, router, validation
 from . import graph as graph_capture
 from . import prepared
 from .algorithms.schedule import (
-    ALL_COLLECTIVES as COLLECTIVE_NAMES, ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BROADCAST, EXCHANGES, GATHER,
-    REDUCE_SCATTER, REDUCE_TO_ROOT, ROOTED_COLLECTIVES, SCATTER,
+    ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BROADCAST, GATHER, REDUCE_SCATTER, REDUCE_TO_ROOT,
+    ROOTED_COLLECTIVES, SCATTER,
 )
 from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
 from .compression import wire
@@ -20,7 +20,7 @@ from .config import DEFAULT_FAST_SMALL_MAX, resolve_timeout
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, RevokedError
 from .ops import ReduceOp
 from .executors import host
-from .executors.paths import PLAIN, SYMMETRIC, CallShape
+from .executors.paths import CallShape
 from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
 from .transport import fastpath
 from .transport.p2p import PointToPoint
@@ -883,74 +883,49 @@ class Communicator:
 
         Returns a Choice (collectives/auto.py): a str, the algorithm's
         name (always one of collectives.algorithms.REGISTRY, but
-        "hierarchical" across nodes), with the path in `.path`: for GPU
-        ranks "ll", "symmetric", "staged" or "step" in processes, "peer_ll"
-        or "events" in one process (docs/design.md, "Execution paths");
-        "interpreter" for host ranks in one process; for host ranks in
-        processes "compiled_loop" (with its step in `.step`: "merged",
-        "single_copy" or "staged"; before the ranks' first large call, the
-        single copy where this rank may take it: they agree at that call),
-        "single_copy" (an exchange reading peers' inputs in place),
-        "compiled_plan" (the compiled plan executor) or "step" (the
-        interpreter: compressed, float16 and bfloat16 calls); "nccl" for
-        backend="nccl". ShmRank.what_ran and the loop's `last_step` say
-        what ran (tests/test_routes.py holds each answer against it).
+        "hierarchical" across nodes), with the path in `.path` and, on the
+        compiled loop's path, its step in `.step` ("merged", "single_copy"
+        or "staged"; before the ranks' first large call, the single copy
+        where this rank may take it: they agree at that call). The paths,
+        and which call takes which, are collectives/router.py's table, the
+        one decision: for GPU ranks "ll", "symmetric", "staged" or "step"
+        in processes, "peer_ll" or "events" in one process (docs/design.md,
+        "Execution paths"); "interpreter" for host ranks in one process;
+        for host ranks in processes "compiled_loop", "single_copy" (an
+        exchange reading peers' inputs in place), "compiled_plan" (the
+        compiled plan executor) or "step" (the interpreter: compressed,
+        float16 and bfloat16 calls); across nodes "program",
+        "counterparts", "hierarchical", "compressed" or "exchange"
+        (hierarchy.py); "nccl" for backend="nccl". ShmRank.what_ran, the
+        loop's `last_step` and HierarchyRanks.last_path say what ran
+        (tests/test_routes.py holds each answer against it).
 
         Raises InvalidUsageError for an unknown collective or algorithm, a
         bad root, or `nbytes` not an int >= 0.
         """
-        nbytes = validation.byte_count(nbytes)
-        if collective == ALL_TO_ALL_V:   # all_to_all's schedules and paths; out of place or through a workspace
-            return self.chosen_algorithm(ALL_TO_ALL, nbytes, dtype=dtype, in_place=False, algorithm=algorithm)
-        if collective not in COLLECTIVE_NAMES:
-            raise InvalidUsageError(
-                f"collective: unknown collective {collective!r}; expected one of "
-                f"{', '.join((*COLLECTIVE_NAMES, ALL_TO_ALL_V))}")
-        rooted = collective in ROOTED_COLLECTIVES
-        # (the ranks' own loop: a hierarchical communicator's shortcuts run its steps, not the loop's; it
-        # runs NCCL's five collectives, not the exchanges)
-        loop = None if collective in EXCHANGES else \
-            getattr(self._ranks, "fast_allreduce" if collective == ALLREDUCE else "fast_collective", None)
-        if loop is not None and compression is None and nbytes > 0 and (dtype is None or fastpath.takes(dtype)) \
-                and (algorithm == "auto" or fastpath.runs_as(collective, algorithm, nbytes, self._fast_small_max)):
-            if rooted:
-                validation.root_rank(root, self.size)   # a bad root raises, as below
-            step = self._loop_step(collective, nbytes)
-            return auto.Choice(fastpath.step_algorithm(collective, step), "compiled_loop", step)
+        return router.route(self, collective, nbytes, root, dtype, in_place, compression, algorithm, symmetric)
+
+    def _call_shape(self, collective, nbytes, dtype, root, algorithm, compression, in_place):
+        """What router.route asks the ranks' paths about, for a call that
+        reaches the plans: the plan of a compressed call (of float32), else
+        a paths.CallShape with the algorithm `auto` picks or the one named,
+        its arguments checked as a call's (InvalidUsageError)."""
         if compression is not None:
-            plan = self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, algorithm,
+            return self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, algorithm,
                               (WORKSPACE, True), compression)
-            return auto.Choice(plan.algorithm, self._chosen_path(plan))
-        root = validation.root_rank(root, self.size) if rooted else 0
+        root = validation.root_rank(root, self.size) if collective in ROOTED_COLLECTIVES else 0
         if algorithm == "auto":
-            itemsize = 1  # nbytes is already bytes
             if in_place is None:   # as a call without `out`: broadcast, reduce and all_to_all in place
                 in_place = collective in (BROADCAST, REDUCE_TO_ROOT, ALL_TO_ALL)
             binding = self._in_place_binding() if in_place else OUT_OF_PLACE
-            algorithm = self._auto(collective, nbytes, itemsize, root,
+            algorithm = self._auto(collective, nbytes, 1, root,   # (nbytes are elements of 1 byte)
                                    binding if getattr(self._ranks, "addressable", False) else None)
         else:
             validation.call_arguments(collective, "sum", root, algorithm, None, self.size)
         dtype = np.dtype(np.uint8) if dtype is None else np.dtype(dtype)
         elements = max(nbytes // dtype.itemsize, 0)
-        shape = CallShape(collective, algorithm, self.size, _work_elements(collective, elements, self.size),
-                          dtype, root, None)
-        return auto.Choice(algorithm, self._chosen_path(shape, symmetric))
-
-    def _loop_step(self, collective, nbytes):
-        """The compiled loop's step for a call it takes (fastpath.STEPS)."""
-        loop = getattr(self._ranks, "fast", None)
-        if loop is not None:
-            return loop.step_for(collective, nbytes)
-        return fastpath.MERGED if nbytes <= self._fast_small_max else fastpath.STAGED
-
-    def _chosen_path(self, plan, symmetric=False):
-        """The execution path of a call of `plan` (or a paths.CallShape): the
-        ranks' selector's choice (GPU ranks), else what runs every call."""
-        chosen = getattr(self._ranks, "chosen_path", None)
-        if chosen is None:
-            return getattr(self._ranks, "path", type(self._ranks).__name__)
-        return chosen(plan, SYMMETRIC if symmetric else PLAIN)
+        return CallShape(collective, algorithm, self.size, _work_elements(collective, elements, self.size),
+                         dtype, root, None)
 
     def _auto(self, collective, elements, itemsize, root, binding=None, compression=None):
         """What `auto` runs for a call of `elements` per rank: the model asks

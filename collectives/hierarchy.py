@@ -105,7 +105,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import auto, bootstrap
+from . import bootstrap
 from .algorithms.schedule import (
     ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BROADCAST, GATHER, REDUCE_SCATTER, REDUCE_TO_ROOT,
     ROOTED_COLLECTIVES, SCATTER,
@@ -123,7 +123,7 @@ from .transport import fastpath
 from .transport.layout import RECOVERY_ROUNDS
 from .transport.mpi import MpiLink
 from .transport.protocol import call_signature
-from .validation import call_arguments, compressed_dtype
+from .validation import call_arguments, compressed_dtype, root_rank
 
 # The paths a call takes (`route`, at the end, decides; HierarchicalCommunicator.chosen_algorithm answers them)
 PROGRAM = "program"            # a compiled Program (across.py): the small path, or a larger call it takes
@@ -318,21 +318,16 @@ class HierarchicalCommunicator(Communicator):
                 self._p2p.close()
             h.close()
 
-    def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=None, compression=None,
-                         algorithm="auto", symmetric=False):
-        """Communicator.chosen_algorithm's checks; the answer is always
-        "hierarchical" (every call runs this module's steps; a named
-        algorithm is checked, not used), on the path `route` takes: "program"
-        (a compiled Program, across.py), "counterparts" (the small path's
-        steps, where no Program can run), "hierarchical" (the phases),
-        "compressed" (allreduce's codec between nodes) or "exchange"."""
-        super().chosen_algorithm(collective, nbytes, root, dtype, in_place, compression, algorithm, symmetric)
-        if collective == ALL_TO_ALL_V:
-            collective = ALL_TO_ALL
+    def _call_shape(self, collective, nbytes, dtype, root, algorithm, compression, in_place):
+        """The checked Call router.route asks `route` about (float32 where
+        no dtype is given): every call runs this module's steps, so the
+        algorithm is "hierarchical", a named one checked, not used."""
+        if collective in ROOTED_COLLECTIVES:
+            root = root_rank(root, self.size)
+        else:
+            root = 0
         dtype = np.dtype(np.float32 if dtype is None else dtype)
-        root = root if collective in ROOTED_COLLECTIVES else 0
-        call = self._plan(collective, dtype, nbytes // dtype.itemsize, "sum", root, algorithm, None, compression)
-        return auto.Choice(Call.algorithm, route(self._ranks, call))
+        return self._plan(collective, dtype, nbytes // dtype.itemsize, "sum", root, algorithm, None, compression)
 
     def _plan_v(self, dtype, matrix, algorithm, binding):
         """all_to_all_v's Call (its counts checked alike on every rank by Communicator.all_to_all_v)."""
@@ -360,7 +355,7 @@ class HierarchyRanks:
     locations = None
     compresses = True     # allreduce(compression=): what crosses nodes is encoded (compressed_allreduce)
     transport = "host-hierarchical"
-    path = PHASES   # (the general path's name; `route` says which path a call takes)
+    path = PHASES   # (the general path's name; `route` says which path a call takes: chosen_path)
     # (HierarchicalCommunicator.start's: every rank's (pid, rank in the job's world), and the world's
     # size, for shrink; the ranks a shrink still counts on, and its agreement, once one began)
     processes = world_size = None
@@ -396,6 +391,10 @@ class HierarchyRanks:
         compiled = Call("barrier", np.dtype(np.uint8), 1, ReduceOp.SUM, 0, "barrier")
         self._compiled_barrier = ((compiled, np.zeros(1, np.uint8))
                                   if self.programs is not None and takes_small(self, compiled) else None)
+
+    def chosen_path(self, call, kind=None):
+        """The path a call (a checked Call) takes: `route`'s (router.path_of)."""
+        return route(self, call)
 
     def run(self, call, inputs, outputs, input_infos, output_infos, deadline):
         """Communicator._collective's last step: `call` is what _plan returned."""
