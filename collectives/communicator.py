@@ -266,7 +266,7 @@ class Communicator:
                      and op "sum" or "avg" only; data between ranks is
                      encoded, the accumulation is float32, and the result is
                      float32 and the same bits on every rank (error bounds:
-                     README, compression/wire.py).
+                     docs/compression.md, compression/wire.py).
 
         Returns the result: `out`, or `x` when computed in place (a list for
         a list). Raises InvalidUsageError for a bad argument (nothing is

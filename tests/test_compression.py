@@ -26,7 +26,7 @@ ALLREDUCE_ALGORITHMS = tuple(name for name, entry in REGISTRY.items() if "allred
 MAGNITUDES = ("1e-8", "1", "1e5", "mixed")
 
 UNIT = wire.UNIT
-error_bound = wire.error_bound   # the documented bound (README, "Error bounds")
+error_bound = wire.error_bound   # the documented bound (docs/compression.md, "Error bounds")
 
 
 def gradients(nranks, count, magnitude, seed):

@@ -391,7 +391,7 @@ UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "int8": 2 / 255}
 def error_bound(inputs, codec, quantizations, op="sum"):
     """Elementwise bound on |result - exact| of a compressed allreduce of
     `inputs` (one float32 array per rank) whose elements went through at
-    most `quantizations` encodings (README, "Error bounds"): each encoding of
+    most `quantizations` encodings (docs/compression.md, "Error bounds"): each encoding of
     a partial sum errs by UNIT of its magnitude, at most P_i = sum over ranks
     of |x_i| (int8, and fp16's float16 subnormals: of the block's largest,
     at most the sum over ranks of each rank's block maximum), and the float32
