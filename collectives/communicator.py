@@ -174,6 +174,12 @@ class Communicator:
         # The loop's merged-step limit (bytes per rank; config.FastSizes):
         # where a call naming `direct` is the loop's step, and which step it is.
         self._fast_small_max = getattr(ranks, "fast_small_max", DEFAULT_FAST_SMALL_MAX)
+        # A repeated call of a plan the ranks bound, recognised and run in C
+        # (ShmRank's, where the compiled executor runs plans): repeat(collective,
+        # x, op, out, root, algorithm, timeout) returns the result, or None to
+        # decline (see _collective); forget_repeats(x_id, out_id) when an array goes.
+        self._repeat_in_c = getattr(ranks, "repeat", None)
+        self._forget_repeats = getattr(ranks, "forget_repeats", None)
         # Made by shrink(): how many shrinks led here, and the rank each rank had before the last one.
         self.epoch = 0
         self.old_ranks = None
@@ -1203,6 +1209,10 @@ class Communicator:
             self._check_open()
         if self._busy:
             self._check_idle()
+        if self._repeat_in_c is not None and compression is None:   # a repeat the ranks run in C (_offer_repeat)
+            result = self._repeat_in_c(collective, x, op, out, root, algorithm, self._timeout)
+            if result is not None:
+                return result
         # A call with the arguments and the very arrays of an earlier call
         # that passed every check, none of them changed since, would pass
         # again: it takes that call's verdict, plan and bound form (_Call).
@@ -1230,7 +1240,11 @@ class Communicator:
                 key = None
             else:
                 if call is not None and call.states_of(objects) == call.states:
-                    return self._repeat(call, xs, objects, as_sequence)
+                    result = self._repeat(call, xs, objects, as_sequence)
+                    if not call.offered:
+                        call.offered = True
+                        self._offer_repeat(call, collective, x, op, out, root, algorithm, compression, as_sequence)
+                    return result
 
         checked = self._checked(collective, x, op, out, root, algorithm, compression)
         inputs, outputs, input_infos, output_infos, made, plan, as_sequence = checked
@@ -1288,6 +1302,19 @@ class Communicator:
         plan = self._plan(collective, dtype, elements, op, root, algorithm, binding, compression)
         return inputs, outputs, input_infos, output_infos, made, plan, as_sequence
 
+    def _offer_repeat(self, call, collective, x, op, out, root, algorithm, compression, as_sequence):
+        """Hand a repeated call to the ranks to recognise and run in C from
+        now on (_collective tries that first), where they can: a call on one
+        NumPy array (and `out`, or in place) bound to a compiled plan
+        (host_process.BoundPlan.remember_as). _remember's callback forgets
+        it with the call."""
+        remember = getattr(call.bound, "remember_as", None)
+        if remember is None or self._repeat_in_c is None or as_sequence or compression is not None \
+                or call.made not in (_GIVEN, _IN_PLACE) or type(x) is not np.ndarray \
+                or (call.made is _GIVEN) != (type(out) is np.ndarray):
+            return
+        remember(collective, op, root, algorithm, x, None if call.made is _IN_PLACE else out)
+
     def _remember(self, key, objects, states_of, plan, input_infos, output_infos, made):
         """Keep a call that passed for `_collective` to recognise its repeats,
         when its arrays are all of one type whose state is cheap to read back
@@ -1309,11 +1336,18 @@ class Communicator:
         if not all(type(a) is kind for a in objects):
             return
         calls = self._calls
+        forget_in_c = self._forget_repeats
         if len(calls) >= _CALLS_KEPT:   # all alive (the gone are forgotten): start afresh
             calls = self._calls = {}
+            if forget_in_c is not None:
+                forget_in_c(None)
+        # (the ids the ranks' repeats in C know the call by: its x, and its out, 0 in place)
+        ids = (id(objects[0]), id(objects[1]) if made is _GIVEN and len(objects) == 2 else 0)
 
-        def forget(_, calls=calls, key=key):   # not `self`: the communicator is not kept alive either
-            calls.pop(key, None)
+        def forget(_, calls=calls, key=key, forget_in_c=forget_in_c, ids=ids):   # not `self`: nor is the
+            calls.pop(key, None)                                                 # communicator kept alive
+            if forget_in_c is not None:
+                forget_in_c(*ids)
 
         refs = tuple(weakref.ref(a, forget) for a in objects)
         calls[key] = _Call(refs, states_of, states_of(objects), plan, input_infos, output_infos, made)
@@ -1469,12 +1503,13 @@ class _Call:
     (VirtualHostRanks.bind): None until the first repeat, False where there
     is no bound form."""
 
-    __slots__ = ("refs", "states_of", "states", "plan", "input_infos", "output_infos", "made", "bound")
+    __slots__ = ("refs", "states_of", "states", "plan", "input_infos", "output_infos", "made", "bound", "offered")
 
     def __init__(self, refs, states_of, states, plan, input_infos, output_infos, made):
         self.refs, self.states_of, self.states, self.plan, self.made = refs, states_of, states, plan, made
         self.input_infos, self.output_infos = input_infos, output_infos
         self.bound = None
+        self.offered = False   # handed to the ranks' repeats in C once (Communicator._offer_repeat)
 
 
 # "ours": our plans on our executors; "nccl": whole collectives handed to NCCL.

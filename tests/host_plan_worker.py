@@ -10,6 +10,7 @@ test) that this rank uses instead of the installed one. Each rank prints
 """
 
 import importlib.util
+import os
 import sys
 import time
 
@@ -97,6 +98,112 @@ def scenario_takes_the_plans(comm):
     assert comm.chosen_algorithm("allgather", 1024, dtype=np.float16).path == "step"
     for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"):
         assert comm.chosen_algorithm(collective, 1024, dtype=np.float32).path == "compiled_loop"
+
+
+def scenario_repeats(comm):
+    """Calls repeated on the same arrays, new values in them each time: from
+    the second repeat on the runner recognises and runs them from C (its
+    Repeats, counted), with the interpreter's bits. An array reshaped or
+    made read-only in place is not taken for what it was (the checks run:
+    a read-only out raises, nothing written), and neither is a new array
+    that took a gone one's id."""
+    compiled = comm._ranks.compiled  # noqa: SLF001
+    assert compiled is not None and compiled.repeat is not None, "the runner's repeats are not built"
+    r, n = comm.rank, comm.size
+    k = 6
+    x, out = np.empty(n * k, np.float32), np.empty(n * k, np.float32)
+    block, gathered = np.empty(k, np.float32), np.empty(n * n * k, np.float32)
+    calls = {   # what each call is: (run it, what every rank's inputs make of it in the interpreter)
+        "all_to_all direct": (lambda: comm.all_to_all(x, out=out),
+                              lambda ref, xs: ref.all_to_all(xs, out=[np.empty_like(a) for a in xs])),
+        "all_to_all round_robin in place": (lambda: comm.all_to_all(x, algorithm="round_robin"),
+                                            lambda ref, xs: ref.all_to_all(xs, algorithm="round_robin")),
+        "gather": (lambda: comm.gather(x, root=n - 1, out=gathered),
+                   lambda ref, xs: ref.gather(xs, root=n - 1, out=[np.zeros(n * n * k, np.float32) for _ in xs])),
+        "scatter": (lambda: comm.scatter(x, root=0, out=block),
+                    lambda ref, xs: ref.scatter(xs, root=0, out=[np.empty(k, np.float32) for _ in xs])),
+        "allreduce ring": (lambda: comm.allreduce(x, op="max", out=out, algorithm="ring"),
+                           lambda ref, xs: ref.allreduce(xs, op="max", out=[np.empty_like(a) for a in xs],
+                                                         algorithm="ring")),
+        "broadcast tree in place": (lambda: comm.broadcast(x, root=1, algorithm="tree"),
+                                    lambda ref, xs: ref.broadcast(xs, root=1, algorithm="tree")),
+    }
+    rounds = 5
+    with collectives.Communicator.local(n) as reference:
+        for name, (call, expected) in calls.items():
+            before = compiled.repeats_run
+            for i in range(rounds):
+                inputs = [random_floats(1000 * i + q, n * k) for q in range(n)]
+                x[...] = inputs[r]
+                if name.startswith("gather") and r != n - 1:
+                    gathered[...] = 0   # (only the root's out is written)
+                got = np.array(call(), copy=True)
+                want = expected(reference, [a.copy() for a in inputs])
+                want = np.asarray(want[r] if want[r] is not None else got)
+                if name.startswith("gather") and r != n - 1:
+                    want = np.zeros_like(gathered)
+                assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{name}, round {i}: {got} {want}"
+            ran = compiled.repeats_run - before
+            assert ran == rounds - 2, f"{name}: {ran} of {rounds} calls ran from C, not {rounds - 2}"
+
+        # reshaped in place: the checks run again (a new call), and it is remembered anew
+        before = compiled.repeats_run
+        x[...] = r
+        x.shape = (n, k)
+        out.shape = (n, k)
+        got = comm.all_to_all(x, out=out)
+        assert compiled.repeats_run == before and got.shape == (n, k), (compiled.repeats_run, got.shape)
+        assert np.array_equal(got, np.repeat(np.arange(n, dtype=np.float32), k).reshape(n, k)), got
+        x.shape = out.shape = (n * k,)
+
+        # made read-only: refused by the checks, nothing written
+        comm.all_to_all(x, out=out)
+        comm.all_to_all(x, out=out)
+        before = compiled.repeats_run
+        out[...] = -1
+        out.flags.writeable = False
+        try:
+            comm.all_to_all(x, out=out)
+        except collectives.InvalidUsageError:
+            pass
+        else:
+            raise AssertionError("a read-only out was written")
+        assert compiled.repeats_run == before and (out == -1).all()
+        out.flags.writeable = True
+
+        # a gone array's id taken by another: not the remembered call
+        for size in (k, 2 * k, k):
+            y = np.full(n * size, r, np.float32)
+            o = np.empty(n * size, np.float32)
+            for _ in range(3):
+                got = comm.all_to_all(y, out=o)
+                assert np.array_equal(got, np.repeat(np.arange(n, dtype=np.float32), size)), (size, got)
+            del y, o
+
+
+def scenario_repeat_killed(comm):
+    """Rank 1 dies between repeats that run from C: the others' next repeat
+    raises RankFailedError within a second (the runner's waits read the dead
+    rank's pid), and so does every later one (the communicator is aborted)."""
+    r, n = comm.rank, comm.size
+    x, out = np.full(4 * n, r, np.float32), np.empty(4 * n, np.float32)
+    for _ in range(6):   # (from the third on, from C)
+        comm.all_to_all(x, out=out)
+    assert comm._ranks.compiled.repeats_run == 4  # noqa: SLF001
+    comm.barrier()
+    if r == 1:
+        os._exit(0)
+    for attempt in ("the first", "a later"):
+        start = time.perf_counter()
+        try:
+            comm.all_to_all(x, out=out)
+        except collectives.RankFailedError as error:
+            assert time.perf_counter() - start < 1.0, f"{attempt} repeat took {time.perf_counter() - start:.2f} s"
+            assert "rank 1" in str(error), error
+        else:
+            raise AssertionError(f"{attempt} repeat completed without rank 1")
+    print(f"OK repeat_killed {r}", flush=True)
+    os._exit(0)   # (MPI_Finalize would wait for the dead rank)
 
 
 def scenario_broken(comm):

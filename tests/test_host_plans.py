@@ -25,12 +25,13 @@ WORKER = Path(__file__).with_name("host_plan_worker.py")
 SOURCE = ROOT / "collectives" / "executors" / "_host_plan.c"
 
 
-def run(ranks, scenario, *arguments, environments=None, limit=180):
+def run(ranks, scenario, *arguments, environments=None, limit=180, flags=()):
     """mpiexec of `ranks` workers; `environments`: per rank, extra variables
-    (MPMD: one program block per rank). Returns (exit code, output)."""
+    (MPMD: one program block per rank); `flags`: the launcher's. Returns
+    (exit code, output)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_COMPILED_PLANS", None)
-    command = [mpiexec(), *launcher_flags(ranks)]
+    command = [mpiexec(), *launcher_flags(ranks, *flags)]
     for rank in range(ranks):
         if rank:
             command.append(":")
@@ -52,6 +53,17 @@ def test_every_collective_gives_the_interpreters_bits_whichever_executor_each_ra
 def test_the_compiled_executor_takes_the_plans_and_leaves_float16_to_the_interpreter():
     code, output = run(2, "takes_the_plans")
     assert code == 0 and len(re.findall(r"OK takes_the_plans \d", output)) == 2, output
+
+
+def test_calls_repeated_on_the_same_arrays_run_from_c_with_the_interpreters_bits():
+    code, output = run(3, "repeats")
+    assert code == 0 and len(re.findall(r"OK repeats \d", output)) == 3, output
+
+
+def test_a_rank_killed_between_repeats_run_from_c_is_reported_at_once():
+    # (hydra would otherwise end the survivors itself when one rank exits)
+    code, output = run(3, "repeat_killed", flags=("-disable-auto-cleanup",))
+    assert sorted(re.findall(r"OK repeat_killed (\d)", output)) == ["0", "2"], output
 
 
 # (what the build gets wrong, the text it replaces, its replacement)

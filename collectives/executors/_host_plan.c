@@ -38,6 +38,7 @@
 #include "shm_waits.h"
 #include "host_folds.h"
 #include "signatures.h"
+#include "raised.h"
 
 enum { GEN = 4, CAP = 5 };                                  /* row slots (protocol.py) */
 enum { WORK = 0, SCRATCH = 1, INPUT = 2, OUTPUT = 3 };      /* buffer ids (plan.py) */
@@ -50,11 +51,14 @@ typedef struct {
     Waits waits;
     int64_t base, seq, signature;   /* of the call running, or last run */
     long long waits_made;           /* peer waits over the runner's life (bench.spmd_overhead counts them) */
+    long long repeats_run;          /* calls its Repeats ran (the tests count them) */
     /* Per rank, held for the runner's life (Python writes them, between calls):
      * the address of the rank's workspace as mapped here (0: not opened) and
      * the generation that is. */
     Py_buffer bases_view, generations_view;
     const int64_t *bases, *generations;
+    PyObject *last;                 /* the Python plan of the last call run (CompiledPlans.last_plan), or None */
+    struct Repeats *repeats;        /* a repeated call's shortcut (see "Repeats" below), or NULL */
 } Runner;
 
 /* The arrays and numbers of one call (see Runner_run). */
@@ -390,20 +394,11 @@ static PyTypeObject PlanType = {
  * for the calls that resume it; it first finds this rank's workspace of
  * the generation opened (else NEED_OPEN naming this rank). For a
  * single-copy plan, REFUSED means run the call again on the staged plan. */
-static PyObject *Runner_run(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *run_plan(Runner *self, Plan *plan, char *input, char *output, int64_t start_phase, double deadline)
 {
-    if (nargs != 5 || !PyObject_TypeCheck(args[0], &PlanType)) {
-        PyErr_SetString(PyExc_TypeError, "run(plan, input, output, start_phase, deadline): see _host_plan.c");
-        return NULL;
-    }
-    Plan *plan = (Plan *)args[0];
     Call call = plan->call;
-    call.input = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(args[1]);
-    call.output = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(args[2]);
-    int64_t start_phase = PyLong_AsLongLong(args[3]);
-    double deadline = PyFloat_AsDouble(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
+    call.input = input;
+    call.output = output;
     if (call.nranks != self->waits.nranks || start_phase < 0 || start_phase > call.phases) {
         PyErr_SetString(PyExc_ValueError, "run(): a plan of another rank count, or a phase it does not have");
         return NULL;
@@ -440,6 +435,276 @@ static PyObject *Runner_run(Runner *self, PyObject *const *args, Py_ssize_t narg
                          (long long)seq, (long long)stopped_at);
 }
 
+static PyObject *Runner_run(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyObject_TypeCheck(args[0], &PlanType)) {
+        PyErr_SetString(PyExc_TypeError, "run(plan, input, output, start_phase, deadline): see _host_plan.c");
+        return NULL;
+    }
+    char *input = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(args[1]);
+    char *output = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(args[2]);
+    int64_t start_phase = PyLong_AsLongLong(args[3]);
+    double deadline = PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    return run_plan(self, (Plan *)args[0], input, output, start_phase, deadline);
+}
+
+/* ---- Repeats: a repeated call's shortcut -----------------------------------
+ *
+ * A call of the plans' path repeated on the very NumPy arrays of an earlier
+ * call, with the same arguments, runs the plan that call bound to them
+ * (CompiledPlans.bind) from here: the communicator tries
+ * `runner.repeat(...)` first (Communicator._collective), so such a call
+ * runs no Python between the collective's method and the run, as the
+ * compiled loop's calls do (its shortcuts, _shmloop.c). The communicator
+ * remembers a call here once it has bound it (`remember`), and forgets it
+ * when one of its arrays goes (`forget`) or when it forgets all its calls.
+ * A call is recognised as the communicator recognises it: the arrays by
+ * their ids and their states (_arraystate.numpy_states: address, dtype,
+ * flags, shape) equal to the remembered ones, its collective, op,
+ * algorithm (the same objects, or equal ones) and root (an int). Anything
+ * else returns None, and the Python path runs the call. A run that stops
+ * (a workspace to grow or open, a failure) goes on in Python, as a bound
+ * plan's does (on_stop: CompiledPlans._stopped_repeat). */
+
+enum { REPEATS_KEPT = 32 };
+
+typedef struct {
+    uintptr_t x_id, out_id;         /* ids; out_id 0: in place (the result is x); x_id 0: a free slot */
+    PyObject *collective, *op, *algorithm, *states;   /* held */
+    long root;
+    PyObject *entry;                /* held: (plan, Plan, description), CompiledPlans._prepare's */
+    char *input, *output;           /* the arrays' addresses the plan is bound to */
+} Repeat;
+
+struct Repeats {
+    PyObject *states_of;            /* _arraystate.numpy_states */
+    PyObject *ndarray;              /* numpy.ndarray: the one array type taken */
+    PyObject *on_stop;              /* on_stop(entry, input, output, deadline, result, error) */
+    int next;                       /* the slot a new call takes when none is free */
+    Repeat slots[REPEATS_KEPT];
+};
+
+static void repeat_clear(Repeat *r)
+{
+    Py_CLEAR(r->collective);
+    Py_CLEAR(r->op);
+    Py_CLEAR(r->algorithm);
+    Py_CLEAR(r->states);
+    Py_CLEAR(r->entry);
+    r->x_id = r->out_id = 0;
+}
+
+static void repeats_free(Runner *self)
+{
+    struct Repeats *repeats = self->repeats;
+    if (repeats == NULL)
+        return;
+    for (int i = 0; i < REPEATS_KEPT; i++)
+        repeat_clear(&repeats->slots[i]);
+    Py_CLEAR(repeats->states_of);
+    Py_CLEAR(repeats->ndarray);
+    Py_CLEAR(repeats->on_stop);
+    PyMem_Free(repeats);
+    self->repeats = NULL;
+}
+
+/* runner.bind_repeats(states_of, ndarray, on_stop): what the shortcut reads
+ * the arrays' states with, the array type it takes, and whom a run that
+ * stops goes on with. */
+static PyObject *Runner_bind_repeats(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyCallable_Check(args[0]) || !PyType_Check(args[1]) || !PyCallable_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "bind_repeats(states_of, ndarray, on_stop)");
+        return NULL;
+    }
+    repeats_free(self);
+    struct Repeats *repeats = PyMem_Calloc(1, sizeof *repeats);
+    if (repeats == NULL)
+        return PyErr_NoMemory();
+    repeats->states_of = Py_NewRef(args[0]);
+    repeats->ndarray = Py_NewRef(args[1]);
+    repeats->on_stop = Py_NewRef(args[2]);
+    self->repeats = repeats;
+    Py_RETURN_NONE;
+}
+
+/* The states of the call's arrays: of (x,) in place, of (x, out) else. */
+static PyObject *states_now(struct Repeats *repeats, PyObject *x, PyObject *out)
+{
+    PyObject *arrays = out == Py_None ? PyTuple_Pack(1, x) : PyTuple_Pack(2, x, out);
+    if (arrays == NULL)
+        return NULL;
+    PyObject *states = PyObject_CallOneArg(repeats->states_of, arrays);
+    Py_DECREF(arrays);
+    return states;
+}
+
+/* The same object, or an equal one (as the communicator's dictionary of calls compares them). */
+static int same_argument(PyObject *remembered, PyObject *given)
+{
+    if (remembered == given)
+        return 1;
+    int equal = PyObject_RichCompareBool(remembered, given, Py_EQ);
+    if (equal < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return equal;
+}
+
+/* The remembered call of these arrays and arguments, or NULL. */
+static Repeat *find_repeat(struct Repeats *repeats, uintptr_t x_id, uintptr_t out_id, PyObject *collective,
+                           PyObject *op, long root, PyObject *algorithm)
+{
+    for (int i = 0; i < REPEATS_KEPT; i++) {
+        Repeat *r = &repeats->slots[i];
+        if (r->x_id == x_id && r->out_id == out_id && r->root == root && same_argument(r->collective, collective)
+            && same_argument(r->op, op) && same_argument(r->algorithm, algorithm))
+            return r;
+    }
+    return NULL;
+}
+
+/* runner.remember(collective, op, root, algorithm, x, out, entry, input, output): a call the
+ * communicator bound (out None: in place), to be recognised from now on. */
+static PyObject *Runner_remember(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    struct Repeats *repeats = self->repeats;
+    if (nargs != 9 || !PyLong_CheckExact(args[2]) || !PyTuple_Check(args[6]) || PyTuple_GET_SIZE(args[6]) != 3
+        || !PyObject_TypeCheck(PyTuple_GET_ITEM(args[6], 1), &PlanType)) {
+        PyErr_SetString(PyExc_TypeError, "remember(collective, op, root, algorithm, x, out, entry, input, output)");
+        return NULL;
+    }
+    if (repeats == NULL)
+        Py_RETURN_NONE;
+    long root = PyLong_AsLong(args[2]);
+    char *input = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(args[7]);
+    char *output = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *states = states_now(repeats, args[4], args[5]);
+    if (states == NULL)
+        return NULL;
+    uintptr_t x_id = (uintptr_t)args[4], out_id = args[5] == Py_None ? 0 : (uintptr_t)args[5];
+    Repeat *slot = find_repeat(repeats, x_id, out_id, args[0], args[1], root, args[3]);   /* the same call again */
+    for (int i = 0; i < REPEATS_KEPT && slot == NULL; i++)
+        if (repeats->slots[i].x_id == 0)
+            slot = &repeats->slots[i];
+    if (slot == NULL) {   /* all taken: the oldest goes */
+        slot = &repeats->slots[repeats->next];
+        repeats->next = (repeats->next + 1) % REPEATS_KEPT;
+    }
+    repeat_clear(slot);
+    slot->x_id = x_id;
+    slot->out_id = out_id;
+    slot->collective = Py_NewRef(args[0]);
+    slot->op = Py_NewRef(args[1]);
+    slot->algorithm = Py_NewRef(args[3]);
+    slot->states = states;
+    slot->root = root;
+    slot->entry = Py_NewRef(args[6]);
+    slot->input = input;
+    slot->output = output;
+    Py_RETURN_NONE;
+}
+
+/* runner.forget(x_id, out_id): the calls of these arrays (out_id 0: in
+ * place), whose x or out went; runner.forget(None): every call. */
+static PyObject *Runner_forget(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    struct Repeats *repeats = self->repeats;
+    if (nargs == 1 && args[0] == Py_None) {
+        for (int i = 0; repeats != NULL && i < REPEATS_KEPT; i++)
+            repeat_clear(&repeats->slots[i]);
+        Py_RETURN_NONE;
+    }
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "forget(x_id, out_id) or forget(None)");
+        return NULL;
+    }
+    uintptr_t x_id = (uintptr_t)PyLong_AsUnsignedLongLong(args[0]);
+    uintptr_t out_id = (uintptr_t)PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    for (int i = 0; repeats != NULL && i < REPEATS_KEPT; i++)
+        if (repeats->slots[i].x_id == x_id && repeats->slots[i].out_id == out_id)
+            repeat_clear(&repeats->slots[i]);
+    Py_RETURN_NONE;
+}
+
+/* runner.repeat(collective, x, op, out, root, algorithm, timeout) -> the
+ * result (out, or x in place) once the remembered call ran; None where
+ * this is no remembered call (the Python path runs it); failures raise
+ * (on_stop's). */
+static PyObject *Runner_repeat(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    struct Repeats *repeats = self->repeats;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "repeat(collective, x, op, out, root, algorithm, timeout)");
+        return NULL;
+    }
+    PyObject *x = args[1], *out = args[3];
+    if (repeats == NULL || (PyObject *)Py_TYPE(x) != repeats->ndarray
+        || (out != Py_None && (PyObject *)Py_TYPE(out) != repeats->ndarray) || !PyLong_CheckExact(args[4]))
+        Py_RETURN_NONE;
+    long root = PyLong_AsLong(args[4]);
+    if (root == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Repeat *found = find_repeat(repeats, (uintptr_t)x, out == Py_None ? 0 : (uintptr_t)out, args[0], args[2], root,
+                                args[5]);
+    if (found == NULL)
+        Py_RETURN_NONE;
+    double timeout = PyFloat_AsDouble(args[6]);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *states = states_now(repeats, x, out);
+    if (states == NULL)
+        return NULL;
+    int same = PyBytes_CheckExact(states) && PyBytes_CheckExact(found->states)
+               && PyBytes_GET_SIZE(states) == PyBytes_GET_SIZE(found->states)
+               && memcmp(PyBytes_AS_STRING(states), PyBytes_AS_STRING(found->states),
+                         (size_t)PyBytes_GET_SIZE(states)) == 0;
+    Py_DECREF(states);
+    if (!same)
+        Py_RETURN_NONE;
+
+    /* the entry held for the run: a forget() while the GIL is released (another thread) frees nothing in use */
+    PyObject *entry = Py_NewRef(found->entry);
+    char *input = found->input, *output = found->output;
+    Py_XSETREF(self->last, Py_NewRef(PyTuple_GET_ITEM(entry, 0)));
+    self->repeats_run++;
+    double deadline = now_seconds() + timeout;
+    PyObject *result = run_plan(self, (Plan *)PyTuple_GET_ITEM(entry, 1), input, output, 0, deadline);
+    if (result == NULL || !PyLong_CheckExact(result)) {   /* stopped: Python goes on, or raises */
+        PyObject *error = NULL;
+        if (result == NULL) {
+            error = take_raised();
+            if (error == NULL) {
+                Py_DECREF(entry);
+                return NULL;
+            }
+        }
+        PyObject *went_on = PyObject_CallFunction(repeats->on_stop, "OKKdOO", entry,
+                                                  (unsigned long long)(uintptr_t)input,
+                                                  (unsigned long long)(uintptr_t)output, deadline,
+                                                  result != NULL ? result : Py_None, error != NULL ? error : Py_None);
+        Py_XDECREF(result);
+        Py_XDECREF(error);
+        Py_DECREF(entry);
+        if (went_on == NULL)
+            return NULL;
+        Py_DECREF(went_on);
+        return Py_NewRef(out == Py_None ? x : out);
+    }
+    Py_DECREF(result);
+    Py_DECREF(entry);
+    return Py_NewRef(out == Py_None ? x : out);
+}
+
 static PyObject *Runner_call(Runner *self, PyObject *Py_UNUSED(ignored))
 {
     return Py_BuildValue("(LLL)", (long long)self->seq, (long long)self->base, (long long)self->signature);
@@ -457,6 +722,8 @@ static void Runner_release_arrays(Runner *self)
 static void Runner_dealloc(Runner *self)
 {
     Runner_release_arrays(self);
+    repeats_free(self);
+    Py_CLEAR(self->last);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -491,7 +758,9 @@ static int Runner_init(Runner *self, PyObject *args, PyObject *kwargs)
     self->waits.spin = spin;
     self->waits.yield_seconds = yield_seconds;
     self->base = self->seq = self->signature = 0;
-    self->waits_made = 0;
+    self->waits_made = self->repeats_run = 0;
+    repeats_free(self);
+    Py_XSETREF(self->last, Py_NewRef(Py_None));
     return 0;
 }
 
@@ -526,11 +795,21 @@ static PyMethodDef Runner_methods[] = {
      "run(plan, input, output, start_phase, deadline): see _host_plan.c"},
     {"call", (PyCFunction)Runner_call, METH_NOARGS,
      "call() -> (seq, base, signature) of the call running, or last run"},
+    {"bind_repeats", (PyCFunction)(void (*)(void))Runner_bind_repeats, METH_FASTCALL,
+     "bind_repeats(states_of, ndarray, on_stop): see Repeats in _host_plan.c"},
+    {"remember", (PyCFunction)(void (*)(void))Runner_remember, METH_FASTCALL,
+     "remember(collective, op, root, algorithm, x, out, entry, input, output): a bound call, recognised from now on"},
+    {"forget", (PyCFunction)(void (*)(void))Runner_forget, METH_FASTCALL,
+     "forget(x_id, out_id): the calls of these arrays; forget(None): every call"},
+    {"repeat", (PyCFunction)(void (*)(void))Runner_repeat, METH_FASTCALL,
+     "repeat(collective, x, op, out, root, algorithm, timeout): a remembered call's result once run, else None"},
     {NULL},
 };
 
 static PyMemberDef Runner_members[] = {
     {"waits_made", T_LONGLONG, offsetof(Runner, waits_made), READONLY, "peer waits made over the runner's life"},
+    {"repeats_run", T_LONGLONG, offsetof(Runner, repeats_run), READONLY, "calls its Repeats ran"},
+    {"last", T_OBJECT, offsetof(Runner, last), 0, "the plan of the last call run (CompiledPlans.last_plan), or None"},
     {NULL},
 };
 

@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from ..errors import CollectiveError
+from ..transport.fastpath import weakly
 from ..ops import ReduceOp
 from ..transport.failures import BAD_PLAN, NEED_GROW, NEED_OPEN, REFUSED, raise_wait_failure
 from ..transport.layout import CAP, GEN
@@ -43,6 +44,10 @@ try:
     from . import _host_plan
 except ImportError:   # built without a C compiler: the interpreter runs every plan
     _host_plan = None
+try:
+    from .._arraystate import numpy_states
+except ImportError:   # not built: repeated calls are recognised in Python alone
+    numpy_states = None
 
 
 _OPS = {op: code for code, op in enumerate(ReduceOp)}
@@ -73,7 +78,28 @@ class CompiledPlans:
                                          generations=self._generations)
         self._types = {np.dtype(name): code for code, name in enumerate(_host_plan.TYPES.split())}
         self._prepared = {}   # id(plan) -> (plan, the runner's Plan, ...): the plan held, so its id stays its own
-        self.last_plan = None  # the plan of the last call run (ShmRank.what_ran)
+        # A repeated call of a bound plan straight from C (the runner's
+        # Repeats: Communicator._collective tries `repeat` first), where the
+        # arrays' states are read in C too (collectives/_arraystate.c).
+        self.repeat = self.forget_repeats = None
+        if numpy_states is not None:
+            self._runner.bind_repeats(numpy_states, np.ndarray, weakly(self._stopped_repeat))
+            self.repeat, self.forget_repeats = self._runner.repeat, self._runner.forget
+
+    @property
+    def repeats_run(self):
+        """Calls the runner recognised and ran from C (its Repeats) so far."""
+        return self._runner.repeats_run
+
+    @property
+    def last_plan(self):
+        """The plan of the last call run (ShmRank.what_ran), or None: the
+        runner's, since its repeats run without Python."""
+        return self._runner.last
+
+    @last_plan.setter
+    def last_plan(self, plan):
+        self._runner.last = plan
 
     @property
     def waits_made(self):
@@ -129,6 +155,15 @@ class CompiledPlans:
         except BaseException as error:
             self._abort_for(error)
             raise
+
+    def _stopped_repeat(self, entry, x_address, out_address, deadline, result, error):
+        """A repeat the runner ran from C (its Repeats) stopped: with `result`
+        (the runner's tuple) it goes on as a bound plan's run does, or with
+        `error` (a signal handler's) the communicator is aborted and it raises."""
+        if error is not None:
+            self._abort_for(error)
+            raise error
+        self._run_on(entry, x_address, out_address, deadline, result)
 
     def _abort_for(self, error):
         """A call that raised `error` aborts the communicator for every rank."""
@@ -196,6 +231,12 @@ class BoundPlan:
     def __init__(self, compiled, plan, x_address, out_address, timeout):
         self._compiled, self._entry = compiled, compiled._entry(plan)
         self._x, self._out, self._timeout = x_address, out_address, timeout
+
+    def remember_as(self, collective, op, root, algorithm, x, out):
+        """Have the runner recognise this call from now on (its Repeats):
+        `collective` with these arguments on the very arrays `x` and `out`
+        (None: in place), which are the ones bound."""
+        self._compiled._runner.remember(collective, op, root, algorithm, x, out, self._entry, self._x, self._out)
 
     def run(self, arrays):
         """Run the call (`arrays`, the call's, are what keeps the addresses valid)."""

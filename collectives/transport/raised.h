@@ -1,8 +1,8 @@
 /* The exception a C call of Python raised, taken out of the thread's error
  * indicator so that C can hand it to Python code (a failure handler that
  * aborts the communicator, then raises it again). Shared by the compiled
- * loop's shortcuts (_shmloop.c) and the Programs' (_across.c); the
- * including file includes Python.h first. */
+ * loop's shortcuts (_shmloop.c), the Programs' (_across.c) and the plans'
+ * repeats (_host_plan.c); the including file includes Python.h first. */
 
 #ifndef COLLECTIVES_RAISED_H
 #define COLLECTIVES_RAISED_H

@@ -62,6 +62,11 @@ class ShmRank(Recoverable):
         executor = host_process.CompiledPlans(self.group, self._spin, fastpath.YIELD_SECONDS) \
             if host_process.available() else None
         self.compiled = executor if resolve_compiled_plans() else None
+        # A repeated call of a plan it bound, recognised and run in C
+        # (host_process.py: the runner's Repeats), which the communicator
+        # tries first; None: the Python path recognises every repeat.
+        self.repeat = None if self.compiled is None else self.compiled.repeat
+        self.forget_repeats = None if self.compiled is None else self.compiled.forget_repeats
         # The exchanges from this many bytes read peers' inputs in place, in
         # the compiled executor whatever runs the other plans (the
         # interpreter has no such reads); None: never. Once a call found a
