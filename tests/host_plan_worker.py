@@ -146,6 +146,19 @@ def scenario_repeats(comm):
             ran = compiled.repeats_run - before
             assert ran == rounds - 2, f"{name}: {ran} of {rounds} calls ran from C, not {rounds - 2}"
 
+        # the other ranks' workspaces grown by a larger gather in between,
+        # which only its root read: the next repeat from C stops on the
+        # others to open their peers' new workspaces, and goes on in Python
+        comm.all_to_all(x, out=out)
+        comm.all_to_all(x, out=out)
+        big = np.full(1 << 16, r, np.float32)
+        comm.gather(big, root=n - 1, algorithm="direct")
+        before = compiled.repeats_run
+        x[...] = r + 1
+        got = comm.all_to_all(x, out=out)
+        assert compiled.repeats_run == before + 1, "the repeat after the growth did not run from C"
+        assert np.array_equal(got, np.repeat(np.arange(1, n + 1, dtype=np.float32), k)), got
+
         # reshaped in place: the checks run again (a new call), and it is remembered anew
         before = compiled.repeats_run
         x[...] = r

@@ -488,12 +488,12 @@ struct Repeats {
 
 static void repeat_clear(Repeat *r)
 {
+    r->x_id = r->out_id = 0;   /* first: a release below may run Python that looks the slots up */
     Py_CLEAR(r->collective);
     Py_CLEAR(r->op);
     Py_CLEAR(r->algorithm);
     Py_CLEAR(r->states);
     Py_CLEAR(r->entry);
-    r->x_id = r->out_id = 0;
 }
 
 static void repeats_free(Runner *self)
@@ -560,8 +560,20 @@ static Repeat *find_repeat(struct Repeats *repeats, uintptr_t x_id, uintptr_t ou
 {
     for (int i = 0; i < REPEATS_KEPT; i++) {
         Repeat *r = &repeats->slots[i];
-        if (r->x_id == x_id && r->out_id == out_id && r->root == root && same_argument(r->collective, collective)
-            && same_argument(r->op, op) && same_argument(r->algorithm, algorithm))
+        if (r->x_id != x_id || r->out_id != out_id || r->root != root)
+            continue;
+        if (r->collective == collective && r->op == op && r->algorithm == algorithm)
+            return r;   /* the same objects: no Python ran */
+        /* Equal ones: a comparison may run Python, and that may forget this
+         * slot (an array's weak reference): compare the objects held here,
+         * and take the slot only if it still holds the call. */
+        PyObject *held[3] = {Py_NewRef(r->collective), Py_NewRef(r->op), Py_NewRef(r->algorithm)};
+        int same = same_argument(held[0], collective) && same_argument(held[1], op)
+                   && same_argument(held[2], algorithm);
+        for (int j = 0; j < 3; j++)
+            Py_DECREF(held[j]);
+        if (same && r->x_id == x_id && r->out_id == out_id && r->collective == held[0] && r->op == held[1]
+            && r->algorithm == held[2])
             return r;
     }
     return NULL;
@@ -658,50 +670,54 @@ static PyObject *Runner_repeat(Runner *self, PyObject *const *args, Py_ssize_t n
                                 args[5]);
     if (found == NULL)
         Py_RETURN_NONE;
+    /* What the run needs, held from here on: reading the states may run
+     * Python (a collection, an array's weak reference) that forgets the
+     * slot, and so may another thread while the run releases the GIL. */
+    PyObject *entry = Py_NewRef(found->entry), *remembered = Py_NewRef(found->states);
+    char *input = found->input, *output = found->output;
     double timeout = PyFloat_AsDouble(args[6]);
-    if (timeout == -1.0 && PyErr_Occurred())
+    PyObject *states = timeout == -1.0 && PyErr_Occurred() ? NULL : states_now(repeats, x, out);
+    if (states == NULL) {
+        Py_DECREF(entry);
+        Py_DECREF(remembered);
         return NULL;
-    PyObject *states = states_now(repeats, x, out);
-    if (states == NULL)
-        return NULL;
-    int same = PyBytes_CheckExact(states) && PyBytes_CheckExact(found->states)
-               && PyBytes_GET_SIZE(states) == PyBytes_GET_SIZE(found->states)
-               && memcmp(PyBytes_AS_STRING(states), PyBytes_AS_STRING(found->states),
+    }
+    int same = PyBytes_CheckExact(states) && PyBytes_CheckExact(remembered)
+               && PyBytes_GET_SIZE(states) == PyBytes_GET_SIZE(remembered)
+               && memcmp(PyBytes_AS_STRING(states), PyBytes_AS_STRING(remembered),
                          (size_t)PyBytes_GET_SIZE(states)) == 0;
     Py_DECREF(states);
-    if (!same)
+    Py_DECREF(remembered);
+    if (!same) {
+        Py_DECREF(entry);
         Py_RETURN_NONE;
-
-    /* the entry held for the run: a forget() while the GIL is released (another thread) frees nothing in use */
-    PyObject *entry = Py_NewRef(found->entry);
-    char *input = found->input, *output = found->output;
+    }
     Py_XSETREF(self->last, Py_NewRef(PyTuple_GET_ITEM(entry, 0)));
     self->repeats_run++;
     double deadline = now_seconds() + timeout;
     PyObject *result = run_plan(self, (Plan *)PyTuple_GET_ITEM(entry, 1), input, output, 0, deadline);
-    if (result == NULL || !PyLong_CheckExact(result)) {   /* stopped: Python goes on, or raises */
-        PyObject *error = NULL;
-        if (result == NULL) {
-            error = take_raised();
-            if (error == NULL) {
-                Py_DECREF(entry);
-                return NULL;
-            }
-        }
-        PyObject *went_on = PyObject_CallFunction(repeats->on_stop, "OKKdOO", entry,
-                                                  (unsigned long long)(uintptr_t)input,
-                                                  (unsigned long long)(uintptr_t)output, deadline,
-                                                  result != NULL ? result : Py_None, error != NULL ? error : Py_None);
-        Py_XDECREF(result);
-        Py_XDECREF(error);
+    if (result != NULL && PyLong_CheckExact(result)) {   /* done */
+        Py_DECREF(result);
         Py_DECREF(entry);
-        if (went_on == NULL)
-            return NULL;
-        Py_DECREF(went_on);
         return Py_NewRef(out == Py_None ? x : out);
     }
-    Py_DECREF(result);
+    /* stopped: Python goes on with the call (a workspace to grow or open), or raises its failure */
+    PyObject *error = NULL;
+    if (result == NULL && (error = take_raised()) == NULL) {
+        Py_DECREF(entry);
+        return NULL;
+    }
+    PyObject *on_stop = Py_NewRef(repeats->on_stop);
+    PyObject *went_on = PyObject_CallFunction(on_stop, "OKKdOO", entry, (unsigned long long)(uintptr_t)input,
+                                              (unsigned long long)(uintptr_t)output, deadline,
+                                              result != NULL ? result : Py_None, error != NULL ? error : Py_None);
+    Py_DECREF(on_stop);
+    Py_XDECREF(result);
+    Py_XDECREF(error);
     Py_DECREF(entry);
+    if (went_on == NULL)
+        return NULL;
+    Py_DECREF(went_on);
     return Py_NewRef(out == Py_None ? x : out);
 }
 
