@@ -1305,15 +1305,22 @@ class Communicator:
     def _offer_repeat(self, call, collective, x, op, out, root, algorithm, compression, as_sequence):
         """Hand a repeated call to the ranks to recognise and run in C from
         now on (_collective tries that first), where they can: a call on one
-        NumPy array (and `out`, or in place) bound to a compiled plan
+        NumPy array (and `out`, in place, or returning its own block of x
+        along the first axis) bound to a compiled plan
         (host_process.BoundPlan.remember_as). _remember's callback forgets
         it with the call."""
         remember = getattr(call.bound, "remember_as", None)
+        made = call.made
         if remember is None or self._repeat_in_c is None or as_sequence or compression is not None \
-                or call.made not in (_GIVEN, _IN_PLACE) or type(x) is not np.ndarray \
-                or (call.made is _GIVEN) != (type(out) is np.ndarray):
+                or type(x) is not np.ndarray or (made is _GIVEN) != (type(out) is np.ndarray):
             return
-        remember(collective, op, root, algorithm, x, None if call.made is _IN_PLACE else out)
+        if made is _GIVEN:
+            remember(collective, op, root, algorithm, x, out)
+        elif made is _IN_PLACE:
+            remember(collective, op, root, algorithm, x, None)
+        elif made is _OWN_BLOCKS and x.ndim >= 1 and x.shape[0] % self.size == 0:   # (_own_block's first form)
+            rows = x.shape[0] // self.size
+            remember(collective, op, root, algorithm, x, None, slice(self.rank * rows, (self.rank + 1) * rows))
 
     def _remember(self, key, objects, states_of, plan, input_infos, output_infos, made):
         """Keep a call that passed for `_collective` to recognise its repeats,

@@ -475,6 +475,8 @@ typedef struct {
     PyObject *collective, *op, *algorithm, *states;   /* held */
     long root;
     PyObject *entry;                /* held: (plan, Plan, description), CompiledPlans._prepare's */
+    PyObject *view;                 /* held, or NULL: the result is x[view] (a reduce_scatter's or a scatter's
+                                     * own block of x, without `out`), else out, or x in place */
     char *input, *output;           /* the arrays' addresses the plan is bound to */
 } Repeat;
 
@@ -494,6 +496,7 @@ static void repeat_clear(Repeat *r)
     Py_CLEAR(r->algorithm);
     Py_CLEAR(r->states);
     Py_CLEAR(r->entry);
+    Py_CLEAR(r->view);
 }
 
 static void repeats_free(Runner *self)
@@ -554,6 +557,16 @@ static int same_argument(PyObject *remembered, PyObject *given)
     return equal;
 }
 
+/* What a call returns: out, x in place, or x[view] (the view released). */
+static PyObject *result_of(PyObject *x, PyObject *out, PyObject *view)
+{
+    if (view == NULL)
+        return Py_NewRef(out == Py_None ? x : out);
+    PyObject *block = PyObject_GetItem(x, view);
+    Py_DECREF(view);
+    return block;
+}
+
 /* The remembered call of these arrays and arguments, or NULL. */
 static Repeat *find_repeat(struct Repeats *repeats, uintptr_t x_id, uintptr_t out_id, PyObject *collective,
                            PyObject *op, long root, PyObject *algorithm)
@@ -579,14 +592,16 @@ static Repeat *find_repeat(struct Repeats *repeats, uintptr_t x_id, uintptr_t ou
     return NULL;
 }
 
-/* runner.remember(collective, op, root, algorithm, x, out, entry, input, output): a call the
- * communicator bound (out None: in place), to be recognised from now on. */
+/* runner.remember(collective, op, root, algorithm, x, out, entry, input, output, view): a call
+ * the communicator bound (out None: in place, or, with a view, the result is x[view]), to be
+ * recognised from now on. */
 static PyObject *Runner_remember(Runner *self, PyObject *const *args, Py_ssize_t nargs)
 {
     struct Repeats *repeats = self->repeats;
-    if (nargs != 9 || !PyLong_CheckExact(args[2]) || !PyTuple_Check(args[6]) || PyTuple_GET_SIZE(args[6]) != 3
-        || !PyObject_TypeCheck(PyTuple_GET_ITEM(args[6], 1), &PlanType)) {
-        PyErr_SetString(PyExc_TypeError, "remember(collective, op, root, algorithm, x, out, entry, input, output)");
+    if (nargs != 10 || !PyLong_CheckExact(args[2]) || !PyTuple_Check(args[6]) || PyTuple_GET_SIZE(args[6]) != 3
+        || !PyObject_TypeCheck(PyTuple_GET_ITEM(args[6], 1), &PlanType) || (args[9] != Py_None && args[5] != Py_None)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "remember(collective, op, root, algorithm, x, out, entry, input, output, view)");
         return NULL;
     }
     if (repeats == NULL)
@@ -619,6 +634,7 @@ static PyObject *Runner_remember(Runner *self, PyObject *const *args, Py_ssize_t
     slot->entry = Py_NewRef(args[6]);
     slot->input = input;
     slot->output = output;
+    slot->view = args[9] == Py_None ? NULL : Py_NewRef(args[9]);
     Py_RETURN_NONE;
 }
 
@@ -673,13 +689,14 @@ static PyObject *Runner_repeat(Runner *self, PyObject *const *args, Py_ssize_t n
     /* What the run needs, held from here on: reading the states may run
      * Python (a collection, an array's weak reference) that forgets the
      * slot, and so may another thread while the run releases the GIL. */
-    PyObject *entry = Py_NewRef(found->entry), *remembered = Py_NewRef(found->states);
+    PyObject *entry = Py_NewRef(found->entry), *remembered = Py_NewRef(found->states), *view = Py_XNewRef(found->view);
     char *input = found->input, *output = found->output;
     double timeout = PyFloat_AsDouble(args[6]);
     PyObject *states = timeout == -1.0 && PyErr_Occurred() ? NULL : states_now(repeats, x, out);
     if (states == NULL) {
         Py_DECREF(entry);
         Py_DECREF(remembered);
+        Py_XDECREF(view);
         return NULL;
     }
     int same = PyBytes_CheckExact(states) && PyBytes_CheckExact(remembered)
@@ -690,6 +707,7 @@ static PyObject *Runner_repeat(Runner *self, PyObject *const *args, Py_ssize_t n
     Py_DECREF(remembered);
     if (!same) {
         Py_DECREF(entry);
+        Py_XDECREF(view);
         Py_RETURN_NONE;
     }
     Py_XSETREF(self->last, Py_NewRef(PyTuple_GET_ITEM(entry, 0)));
@@ -699,12 +717,13 @@ static PyObject *Runner_repeat(Runner *self, PyObject *const *args, Py_ssize_t n
     if (result != NULL && PyLong_CheckExact(result)) {   /* done */
         Py_DECREF(result);
         Py_DECREF(entry);
-        return Py_NewRef(out == Py_None ? x : out);
+        return result_of(x, out, view);
     }
     /* stopped: Python goes on with the call (a workspace to grow or open), or raises its failure */
     PyObject *error = NULL;
     if (result == NULL && (error = take_raised()) == NULL) {
         Py_DECREF(entry);
+        Py_XDECREF(view);
         return NULL;
     }
     PyObject *on_stop = Py_NewRef(repeats->on_stop);
@@ -715,10 +734,12 @@ static PyObject *Runner_repeat(Runner *self, PyObject *const *args, Py_ssize_t n
     Py_XDECREF(result);
     Py_XDECREF(error);
     Py_DECREF(entry);
-    if (went_on == NULL)
+    if (went_on == NULL) {
+        Py_XDECREF(view);
         return NULL;
+    }
     Py_DECREF(went_on);
-    return Py_NewRef(out == Py_None ? x : out);
+    return result_of(x, out, view);
 }
 
 static PyObject *Runner_call(Runner *self, PyObject *Py_UNUSED(ignored))
@@ -814,7 +835,8 @@ static PyMethodDef Runner_methods[] = {
     {"bind_repeats", (PyCFunction)(void (*)(void))Runner_bind_repeats, METH_FASTCALL,
      "bind_repeats(states_of, ndarray, on_stop): see Repeats in _host_plan.c"},
     {"remember", (PyCFunction)(void (*)(void))Runner_remember, METH_FASTCALL,
-     "remember(collective, op, root, algorithm, x, out, entry, input, output): a bound call, recognised from now on"},
+     "remember(collective, op, root, algorithm, x, out, entry, input, output, view): a bound call, recognised "
+     "from now on"},
     {"forget", (PyCFunction)(void (*)(void))Runner_forget, METH_FASTCALL,
      "forget(x_id, out_id): the calls of these arrays; forget(None): every call"},
     {"repeat", (PyCFunction)(void (*)(void))Runner_repeat, METH_FASTCALL,

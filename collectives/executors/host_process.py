@@ -232,11 +232,13 @@ class BoundPlan:
         self._compiled, self._entry = compiled, compiled._entry(plan)
         self._x, self._out, self._timeout = x_address, out_address, timeout
 
-    def remember_as(self, collective, op, root, algorithm, x, out):
+    def remember_as(self, collective, op, root, algorithm, x, out, view=None):
         """Have the runner recognise this call from now on (its Repeats):
         `collective` with these arguments on the very arrays `x` and `out`
-        (None: in place), which are the ones bound."""
-        self._compiled._runner.remember(collective, op, root, algorithm, x, out, self._entry, self._x, self._out)
+        (None: in place, or, with `view`, the result is x[view]), which are
+        the ones bound."""
+        self._compiled._runner.remember(collective, op, root, algorithm, x, out, self._entry, self._x, self._out,
+                                        view)
 
     def run(self, arrays):
         """Run the call (`arrays`, the call's, are what keeps the addresses valid)."""
