@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from bench import cli
+from bench.harness import seconds_per_call, slowest
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 LIBRARIES = ("ours", "mpich")
@@ -41,7 +42,6 @@ def calls(comm, world, collective, x, y):
 
 
 def measure(comm, world, collective, nbytes, args):
-    from mpi4py import MPI
     count, n = nbytes // 4, world.size
     x = np.ones(count, np.float32)
     y = np.empty({"allgather": count * n, "reduce_scatter": count // n}.get(collective, count), np.float32)
@@ -54,12 +54,10 @@ def measure(comm, world, collective, nbytes, args):
         for lib in LIBRARIES:
             run[lib]()
             run[lib]()
-            cpu_start, start = time.process_time(), time.perf_counter()
-            for _ in range(args.per_sample):
-                run[lib]()
-            seconds = (time.perf_counter() - start) / args.per_sample
+            cpu_start = time.process_time()
+            seconds = seconds_per_call(run[lib], args.per_sample)
             cpu[lib] += time.process_time() - cpu_start
-            samples[lib].append(world.allreduce(seconds, op=MPI.MAX))
+            samples[lib].append(slowest(world, seconds))
     every_cpu = world.gather(cpu, root=0)
     if world.rank != 0:
         return None

@@ -43,11 +43,11 @@ numbers say nothing of a GPU; the mode runs there so CI checks it.
 import inspect
 import json
 import sys
-import time
 
 import numpy as np
 
 from bench import cli
+from bench.harness import seconds_per_call
 from collectives.compression import kernels
 from collectives.compression.wire import Region
 
@@ -97,14 +97,8 @@ def measure(codecs, ops, mib, repeat):
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeat):
         for key, call in calls.items():
-            best[key] = min(best[key], _time(call))
+            best[key] = min(best[key], seconds_per_call(call, 1))
     return {key: 4 * n / seconds / 1e9 for key, seconds in best.items()}
-
-
-def _time(call):
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
 
 
 # -- the kernels on a device ---------------------------------------------------------

@@ -33,13 +33,13 @@ import ctypes
 import json
 import statistics
 import sys
-import time
 
 import numpy as np
 
 import collectives
 from bench import cli
 from bench.environment import command_line, device_environment, git_commit
+from bench.harness import seconds_per_call
 
 METHODS = ("call", "prepared", "graph", "launch", "cupy_launch", "copy")
 
@@ -109,14 +109,6 @@ def device_copy(kind, dst_address, src_address, nbytes):
         ctypes.memmove(dst_address, src_address, nbytes)
 
 
-def time_per_call(issue, calls, synchronize):
-    began = time.perf_counter()
-    for _ in range(calls):
-        issue()
-    synchronize()
-    return (time.perf_counter() - began) / calls
-
-
 def measure_size(comm, device, nbytes, args):
     """One size: the methods' medians (seconds per call), after a check."""
     n, count = args.ranks, max(nbytes // 4, 1)
@@ -142,11 +134,11 @@ def measure_size(comm, device, nbytes, args):
               "copy": device.copy(floor_dst, floor_src)}
     issues = {name: issue for name, issue in issues.items() if issue is not None}
     for issue in issues.values():   # warm-up: kernels loaded, caches made
-        time_per_call(issue, 2, device.synchronize)
+        seconds_per_call(issue, 2, after=device.synchronize)
     seconds = {name: [] for name in issues}
     for _ in range(args.rounds):
         for name, issue in issues.items():
-            seconds[name].append(time_per_call(issue, args.calls, device.synchronize))
+            seconds[name].append(seconds_per_call(issue, args.calls, after=device.synchronize))
     return {name: statistics.median(values) for name, values in seconds.items()}, step.algorithm
 
 

@@ -21,7 +21,6 @@ rank per process (`--processes` relaunches so, pinned one per core).
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import environment
-from bench.harness import RELAUNCHED, mpi_world, relaunch_under_mpiexec
+from bench.harness import mpi_world, relaunch_once, slowest
 from bench.model_shapes import MODELS
 
 MODES = ("fused", "per-array")
@@ -172,7 +171,7 @@ def measure(comm, args, model, world):
             else:
                 host = seconds
             if world is not None:   # a collective is as slow as its slowest rank
-                seconds, host = world.allreduce(seconds, op=_mpi_max()), world.allreduce(host, op=_mpi_max())
+                seconds, host = slowest(world, seconds), slowest(world, host)
             row = rows[mode]
             row["seconds"].append(seconds)
             row["host_seconds"].append(host)
@@ -202,9 +201,7 @@ def main(argv=None):
     args = parse_args(argv)
     world = mpi_world()
     if world is None and args.processes:
-        if os.environ.get(RELAUNCHED):
-            sys.exit("the relaunched benchmark found no MPI launcher")
-        return relaunch_under_mpiexec(args, argv, ["-bind-to", "core"])
+        return relaunch_once(args, argv, ["-bind-to", "core"])
     comm = make_communicator(args, world)
     leader = world is None or world.rank == 0
     results = {}
@@ -237,11 +234,6 @@ def main(argv=None):
         print(f"# wrote {args.output_file}")
     comm.close()
     return 0
-
-
-def _mpi_max():
-    from mpi4py import MPI
-    return MPI.MAX
 
 
 if __name__ == "__main__":

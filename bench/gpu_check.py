@@ -110,11 +110,7 @@ class Timer:
             stop.record()
             stop.synchronize()
             return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
-        began = time.perf_counter()
-        for _ in range(repeats):
-            issue()
-        self.device.synchronize()
-        return (time.perf_counter() - began) / repeats
+        return harness.seconds_per_call(issue, repeats, after=self.device.synchronize)
 
 
 def kernel_bandwidth(args, device, buffers, timer, variant):

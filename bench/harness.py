@@ -351,22 +351,38 @@ def relaunch_under_torchrun(args, argv):
     return subprocess.call(command, env=env)
 
 
-def relaunch_under_mpiexec(args, argv, launcher_flags=()):
-    """Run this same benchmark as `--ranks` processes under MPICH's mpiexec,
-    or under Open MPI's mpirun with its environment's Python for --backend
-    openmpi (`launcher_flags` in hydra's syntax, translated: bench/mpis.py);
-    return its exit code."""
+def relaunch_under_mpiexec(args, argv, launcher_flags=(), ranks=None, variables=None):
+    """Run this same benchmark as `ranks` processes (default `--ranks`) under
+    MPICH's mpiexec, or under Open MPI's mpirun with its environment's Python
+    for --backend openmpi (`launcher_flags` in hydra's syntax, translated:
+    bench/mpis.py); return its exit code. `variables` ({name: value}) are
+    set for the ranks and written before the launcher in the command the
+    record shows, so that it reruns as it ran (hierarchy_perf's pretend
+    nodes)."""
     from bench import mpis
+    ranks = args.ranks if ranks is None else ranks
+    variables = dict(variables or {})
     install = mpis.find(mpis.OPEN_MPI if OPENMPI_BACKEND in getattr(args, "backends", ()) else mpis.MPICH)
-    launcher = [install.mpiexec, *mpis.translate_hydra_flags(install.name, args.ranks, launcher_flags),
-                "-n", str(args.ranks)]
+    launcher = [install.mpiexec, *mpis.translate_hydra_flags(install.name, ranks, launcher_flags),
+                "-n", str(ranks)]
     command = [*launcher, install.python, "-m", module_name(), *argv]
-    print(f"# relaunching as {args.ranks} processes: {' '.join(command)}", flush=True)
-    env = dict(os.environ, **{RELAUNCHED: "1", LAUNCHER_COMMAND: " ".join([os.path.basename(launcher[0]),
-                                                                          *launcher[1:]])})
+    prefix = "".join(f"{name}={value} " for name, value in variables.items())
+    print(f"# relaunching as {ranks} processes: {prefix}{' '.join(command)}", flush=True)
+    env = dict(os.environ, **variables, **{RELAUNCHED: "1", LAUNCHER_COMMAND: prefix + " ".join(
+        [os.path.basename(launcher[0]), *launcher[1:]])})
     if not getattr(args, "quiet", True) and sys.stderr.isatty():
         env[SHOW_PROGRESS] = "1"
     return subprocess.call(command, env=env)
+
+
+def relaunch_once(args, argv, launcher_flags=(), ranks=None, variables=None,
+                  missing="the relaunched benchmark found no MPI launcher"):
+    """relaunch_under_mpiexec for a tool that runs only under a launcher;
+    in the relaunched process itself (which found none after all) it stops
+    with `missing` instead, rather than relaunching again and again."""
+    if os.environ.get(RELAUNCHED):
+        sys.exit(missing)
+    return relaunch_under_mpiexec(args, argv, launcher_flags, ranks, variables)
 
 
 # -- what each backend can run ------------------------------------------------------
@@ -538,43 +554,56 @@ def refill(backend, spec, args, nbytes, buffers, seeded):
 WARM_SECONDS = 20e-3
 
 
-def warm_up(backend, buffers, world, seconds_per_call):
+def warm_up(backend, buffers, world, last_per_call):
     """Untimed calls for about WARM_SECONDS, as many on every rank: from
-    `seconds_per_call` (the backend's last batch, the slowest rank's), else
+    `last_per_call` (the backend's last batch, the slowest rank's), else
     from one call timed first; none where a call takes that long anyway."""
-    if seconds_per_call is None:
-        seconds_per_call = timed_calls(backend, buffers, 1, world)
-    for _ in range(warm_calls(seconds_per_call)):
+    if last_per_call is None:
+        last_per_call = timed_calls(backend, buffers, 1, world)
+    for _ in range(warm_calls(last_per_call)):
         backend.run(buffers)
 
 
-def warm_calls(seconds_per_call):
-    """How many calls of `seconds_per_call` make about WARM_SECONDS: none
+def warm_calls(per_call):
+    """How many calls of `per_call` seconds make about WARM_SECONDS: none
     where one call takes that long anyway."""
-    if seconds_per_call >= WARM_SECONDS:
+    if per_call >= WARM_SECONDS:
         return 0
-    return int(WARM_SECONDS / max(seconds_per_call, 1e-6)) + 1
+    return int(WARM_SECONDS / max(per_call, 1e-6)) + 1
 
 
 def timed_batch(backend, buffers, args, world):
     """Seconds per call of -n calls, the slowest rank's."""
     if args.cudagraph and backend.device == "cuda":
         seconds = graph_timed_batch(backend, buffers, args.iters, args.cudagraph)
-        return seconds if world is None else _slowest(world, seconds)
+        return seconds if world is None else slowest(world, seconds)
     if args.compute_between:
         return timed_after_compute(backend, buffers, args.iters, world, args.compute_between / 1e3)
     return timed_calls(backend, buffers, args.iters, world)
 
 
-def timed_calls(backend, buffers, calls, world):
-    """Seconds per call of `calls` calls, the slowest rank's."""
-    backend.barrier()
+def seconds_per_call(call, calls, *arguments, before=None, after=None):
+    """Seconds per call of `calls` calls of `call(*arguments)`, on this
+    process's clock: the one timing loop of the bench tools. The arguments
+    are passed as they are, not bound in a lambda, so that no wrapper's frame
+    is timed with every call. `before` runs untimed first (a barrier, so
+    that the ranks start together); `after` inside the timed span (a barrier
+    or a synchronize: work a call leaves queued, as GPU work is, counts
+    until it is done)."""
+    if before is not None:
+        before()
     start = time.perf_counter()
     for _ in range(calls):
-        backend.run(buffers)
-    backend.barrier()  # GPU work is asynchronous: the time is until it is done
-    seconds = (time.perf_counter() - start) / calls
-    return seconds if world is None else _slowest(world, seconds)
+        call(*arguments)
+    if after is not None:
+        after()
+    return (time.perf_counter() - start) / calls
+
+
+def timed_calls(backend, buffers, calls, world):
+    """Seconds per call of `calls` calls, the slowest rank's."""
+    seconds = seconds_per_call(backend.run, calls, buffers, before=backend.barrier, after=backend.barrier)
+    return seconds if world is None else slowest(world, seconds)
 
 
 def timed_after_compute(backend, buffers, calls, world, compute_seconds):
@@ -591,7 +620,7 @@ def timed_after_compute(backend, buffers, calls, world, compute_seconds):
         seconds += time.perf_counter() - start
     backend.barrier()
     seconds /= calls
-    return seconds if world is None else _slowest(world, seconds)
+    return seconds if world is None else slowest(world, seconds)
 
 
 COMPUTE_BYTES = 64 << 20   # larger than the caches: what compute leaves in them is its own data
@@ -617,7 +646,9 @@ def compute(seconds):
         at = (at + _COMPUTE_SLICE) % _compute_buffer.size
 
 
-def _slowest(world, seconds):
+def slowest(world, seconds):
+    """The largest of the ranks' `seconds` (a collective is as slow as its
+    last rank), on an MPI communicator or a TorchWorld."""
     return world.allreduce(seconds, op=world.MAX if isinstance(world, TorchWorld) else _mpi_max())
 
 

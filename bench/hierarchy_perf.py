@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -41,8 +40,8 @@ import collectives
 from bench import cli
 from collectives import hierarchy
 from collectives.ops import ReduceOp
-from bench.environment import LAUNCHER_COMMAND, environment
-from bench.harness import find_mpiexec, warm_calls
+from bench.environment import environment
+from bench.harness import relaunch_once, seconds_per_call, slowest, warm_calls
 from collectives.bootstrap import LAUNCHER_VARIABLES, PRETEND_NODES_ENV
 from collectives.plan import KIND, REDUCE_FINAL_OP
 
@@ -62,16 +61,6 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=120.0, help="communicator timeout in seconds")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     return p.parse_args(argv)
-
-
-def relaunch(args, argv):
-    ranks = len(args.nodes.split(","))
-    command = [find_mpiexec(), "-bind-to", "core", "-n", str(ranks), sys.executable, "-m", "bench.hierarchy_perf",
-               *argv]
-    print(f"# relaunching: {PRETEND_NODES_ENV}={args.nodes} {' '.join(command)}", flush=True)
-    env = dict(os.environ, **{PRETEND_NODES_ENV: args.nodes,
-                              LAUNCHER_COMMAND: f"{PRETEND_NODES_ENV}={args.nodes} mpiexec -bind-to core -n {ranks}"})
-    return subprocess.call(command, env=env)
 
 
 def one_node_communicator(world, timeout):
@@ -98,13 +87,8 @@ def make_calls(world, hierarchical, one_node):
 
 
 def timed_batch(world, call, x, y, iters):
-    from mpi4py import MPI
-    world.Barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        call(x, y)
-    seconds = (time.perf_counter() - start) / iters
-    return world.allreduce(seconds, op=MPI.MAX)
+    """Seconds per call of `iters` calls after a barrier, the slowest rank's."""
+    return slowest(world, seconds_per_call(call, iters, x, y, before=world.Barrier))
 
 
 def measure(world, calls, nbytes, args):
@@ -190,7 +174,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if not any(v in os.environ for v in LAUNCHER_VARIABLES):
-        return relaunch(args, argv)
+        return relaunch_once(args, argv, ["-bind-to", "core"], ranks=len(args.nodes.split(",")),
+                             variables={PRETEND_NODES_ENV: args.nodes})
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     if len(args.nodes.split(",")) != world.Get_size():

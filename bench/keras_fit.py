@@ -57,7 +57,7 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import environment
-from bench.harness import RELAUNCHED, bind_to, mpi_world, relaunch_under_mpiexec
+from bench.harness import bind_to, mpi_world, relaunch_once
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "keras_digits.py"
 KINDS = ("ours_fit", "ours_loop", "mwms_loop")
@@ -117,9 +117,7 @@ def main(argv=None):
     args = parse_args(argv)
     world = mpi_world()
     if world is None:
-        if os.environ.get(RELAUNCHED):
-            sys.exit("the relaunched benchmark found no MPI launcher")
-        return relaunch_under_mpiexec(args, argv, ["-bind-to", bind_to(args.bind_to, args.ranks)])
+        return relaunch_once(args, argv, ["-bind-to", bind_to(args.bind_to, args.ranks)])
     example = load_example()   # (sets KERAS_BACKEND and TensorFlow's log level before importing them)
     import keras
     import tensorflow as tf

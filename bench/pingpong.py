@@ -13,16 +13,14 @@ one per core (-bind-to core).
 """
 
 import json
-import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
 import collectives
 from bench import cli
-from bench.harness import RELAUNCHED, mpi_world, relaunch_under_mpiexec
+from bench.harness import mpi_world, relaunch_once, seconds_per_call
 
 
 def parse_args(argv=None):
@@ -41,24 +39,22 @@ def parse_args(argv=None):
 
 def one_way_seconds(send, recv, rank, round_trips):
     """Seconds one way, from `round_trips` round trips timed on rank 0."""
-    start = time.perf_counter()
-    for _ in range(round_trips):
+    def round_trip():
         if rank == 0:
             send()
             recv()
         else:
             recv()
             send()
-    return (time.perf_counter() - start) / round_trips / 2
+    return seconds_per_call(round_trip, round_trips) / 2
 
 
 def main(argv=None):
     args = parse_args(argv)
     world = mpi_world()
     if world is None or world.Get_size() == 1:
-        if os.environ.get(RELAUNCHED):
-            sys.exit("bench.pingpong needs 2 processes")
-        return relaunch_under_mpiexec(args, sys.argv[1:] if argv is None else argv, ["-bind-to", "core"])
+        return relaunch_once(args, sys.argv[1:] if argv is None else argv, ["-bind-to", "core"],
+                             missing="bench.pingpong needs 2 processes")
     if world.Get_size() != 2:
         sys.exit("bench.pingpong runs on exactly 2 processes")
     from mpi4py import MPI

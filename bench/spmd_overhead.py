@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -33,7 +32,7 @@ import collectives
 from bench import cli
 from collectives.algorithms.schedule import COLLECTIVES
 from collectives.config import ONE_KERNEL_ALLREDUCE_ENV
-from bench.harness import RELAUNCHED, environment, mpi_world, relaunch_under_mpiexec
+from bench.harness import environment, mpi_world, relaunch_once, seconds_per_call, slowest
 
 
 def parse_args(argv=None):
@@ -136,15 +135,12 @@ def issue_time(comm, collective, x, out, algorithm, calls):
     deferred = getattr(device, "call_returned", None)
     device.call_returned = lambda: None
     try:
-        start = time.perf_counter()
-        for _ in range(calls):
-            call(comm, collective, x, out, algorithm)
-        elapsed = time.perf_counter() - start
+        seconds = seconds_per_call(call, calls, comm, collective, x, out, algorithm)
     finally:
         del device.call_returned
     comm.synchronize()
     assert deferred is not None
-    return elapsed / calls
+    return seconds
 
 
 def main(argv=None):
@@ -155,9 +151,7 @@ def main(argv=None):
     os.environ["COLLECTIVES_FAST_PATH"] = "0"
     world = mpi_world()
     if world is None:
-        if os.environ.get(RELAUNCHED):
-            sys.exit("the relaunched benchmark found no MPI launcher")
-        return relaunch_under_mpiexec(args, argv, args.launcher_flags)
+        return relaunch_once(args, argv, args.launcher_flags)
     leader = world.rank == 0
     host = collectives.init(comm=world)
     gpu = collectives.init(comm=world, device=args.device)
@@ -191,20 +185,16 @@ def main(argv=None):
             call(comm, args.collective, x, out, args.algorithm)
     for _ in range(args.batches):
         for name, (comm, x, out) in arrays.items():
-            comm.barrier()
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                call(comm, args.collective, x, out, args.algorithm)
-            comm.synchronize()
-            samples[name].append((time.perf_counter() - start) / args.calls)
+            samples[name].append(seconds_per_call(call, args.calls, comm, args.collective, x, out, args.algorithm,
+                                                  before=comm.barrier, after=comm.synchronize))
     # Per batch the slowest rank's time (a collective is as slow as its last rank), then the median.
-    medians = {name: statistics.median([world.allreduce(t, op=_max()) for t in times])
+    medians = {name: statistics.median([slowest(world, t) for t in times])
                for name, times in samples.items()}
     trips = {name: round_trips(comm, args.collective, x, out, args.algorithm)
              for name, (comm, x, out) in arrays.items()}
     ll_name = f"{args.device}+ll"
     ll_comm, ll_x, ll_out = arrays[ll_name]
-    issue = [world.allreduce(issue_time(ll_comm, args.collective, ll_x, ll_out, args.algorithm, args.calls), op=_max())
+    issue = [slowest(world, issue_time(ll_comm, args.collective, ll_x, ll_out, args.algorithm, args.calls))
              for _ in range(args.batches)]
     issue_us = statistics.median(issue) * 1e6
     plan = next(iter(host._plans.values()))  # noqa: SLF001
@@ -236,11 +226,6 @@ def main(argv=None):
     gpu.close()
     host.close()
     return 0
-
-
-def _max():
-    from mpi4py import MPI
-    return MPI.MAX
 
 
 def _harness_args(args):

@@ -44,14 +44,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
 import collectives
 from bench import cli
 from bench.environment import environment
-from bench.harness import RELAUNCHED, mpi_world, relaunch_under_mpiexec
+from bench.harness import mpi_world, relaunch_once, seconds_per_call
 
 KINDS = ("ours", "eager", "graph", "graph8", "empty", "floor", "npf8", "oop")
 CHAIN = 8   # allreduces in one tf.function for graph8
@@ -78,21 +77,12 @@ def node_cost(row):
     return row["graph8_us"] - row["empty_us"] / CHAIN
 
 
-def timed(call, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    return (time.perf_counter() - start) / calls
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     world = mpi_world()
     if world is None:
-        if os.environ.get(RELAUNCHED):
-            sys.exit("the relaunched benchmark found no MPI launcher")
-        return relaunch_under_mpiexec(args, argv, ["-bind-to", "core"])
+        return relaunch_once(args, argv, ["-bind-to", "core"])
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
@@ -149,7 +139,7 @@ def main(argv=None):
                 # ranks start each batch together: a peer still in its last
                 # batch would otherwise be charged to this one
                 comm.barrier()
-                times[kind].append(timed(calls[kind], per_batch) / (CHAIN if kind in ("graph8", "npf8") else 1))
+                times[kind].append(seconds_per_call(calls[kind], per_batch) / (CHAIN if kind in ("graph8", "npf8") else 1))
         median = {kind: statistics.median(values) * 1e6 for kind, values in times.items()}
         rows.append({"bytes": nbytes, "calls_per_batch": per_batch, "batches": args.batches,
                      **{f"{kind}_us": median[kind] for kind in kinds}})
