@@ -44,6 +44,15 @@ def parse_size(text):
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
+def size_label(nbytes):
+    """A byte count as a table shows it, parse_size's inverse for whole
+    units: 64 MiB, 1 KiB, 1000 B (a count that is no whole unit stays in B)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
 def size(text):
     """An argparse type for a byte or element count with an optional suffix
     K, M or G (parse_size's syntax): checks it and returns the text as given,

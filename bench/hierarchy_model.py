@@ -79,7 +79,7 @@ def table(links, node_counts, ranks_per_node, sizes):
             seconds, parts, scheme = predict(links, k, ranks_per_node, nbytes)
             busbw = nbytes / seconds * 2 * (n - 1) / n / 1e9
             shares = " | ".join(f"{parts[p] / seconds:.0%}" for p in ("inside", "across", "fold"))
-            print(f"| {k} | {n} | {_size(nbytes)} | {scheme} | {seconds * 1e6:.1f} | {busbw:.1f} | {shares} |")
+            print(f"| {k} | {n} | {cli.size_label(nbytes)} | {scheme} | {seconds * 1e6:.1f} | {busbw:.1f} | {shares} |")
 
 
 def calibrate(path, fallback):
@@ -117,7 +117,7 @@ def calibrate(path, fallback):
     for row in rows:
         measured = row["backends"]["hierarchical"]["out_of_place"]
         seconds, _, _ = predict(links, k, g, row["size"])
-        print(f"| {_size(row['size'])} | {measured:.1f} | {seconds * 1e6:.1f} | {seconds * 1e6 / measured:.2f} |")
+        print(f"| {cli.size_label(row['size'])} | {measured:.1f} | {seconds * 1e6:.1f} | {seconds * 1e6 / measured:.2f} |")
     return links
 
 
@@ -127,13 +127,6 @@ def _fit(latency_factor, byte_factor, seconds):
     if a < 0:
         a, per_byte = 0.0, float(np.dot(byte_factor, seconds) / np.dot(byte_factor, byte_factor))
     return float(a), float(max(per_byte, 1e-15))
-
-
-def _size(nbytes):
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
 
 
 def main(argv=None):

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from bench.cli import size_label  # noqa: F401 - the report modules take it from here, with the other table helpers
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTES = "notes.json"  # per file: the commit a run describes where it recorded none, and what is stale
 LINK_BASE = "../bench/results/"  # from docs/benchmarks.md to the files it digests
@@ -320,13 +322,6 @@ def ratio(numerator, denominator):
 def and_join(items):
     """"a", "a and b", "a, b and c"."""
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
-def size_label(nbytes):
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
 
 
 def cell(value):
