@@ -285,8 +285,7 @@ def main(argv=None):
               "environment": measured_on(args), "results": report}
     print(json.dumps(report, indent=1))
     if args.output_file:
-        with open(args.output_file, "w") as f:
-            json.dump(report, f, indent=1)
+        cli.write_json(args.output_file, report, say=None)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ spinning is a core its peers lack where ranks outnumber cores). No result
 is checked here (the harness's tools do that).
 """
 
-import json
 import sys
 import time
 
@@ -96,8 +95,7 @@ def main(argv=None):
                       f"MPICH/ours {m['p50_us'] / o['p50_us']:6.3f}x  CPU/call {o['cpu_us_per_call']:.0f} / "
                       f"{m['cpu_us_per_call']:.0f} us", flush=True)
     if world.rank == 0 and args.output_file:
-        with open(args.output_file, "w") as f:
-            json.dump({"command": sys.argv, "ranks": world.size, "rows": rows}, f)
+        cli.write_json(args.output_file, {"command": sys.argv, "ranks": world.size, "rows": rows}, say=None)
     comm.close()
     return 0
 

@@ -334,9 +334,9 @@ def main(argv=None):
     summary = summarize(trials)
     print(json.dumps(summary, indent=1))
     if args.output_file:
-        with open(args.output_file, "w") as f:
-            json.dump({"command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "machine": machine(), "timeout_s": args.timeout, "summary": summary, "trials": trials}, f, indent=1)
+        report = {"command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "machine": machine(), "timeout_s": args.timeout, "summary": summary, "trials": trials}
+        cli.write_json(args.output_file, report, say=None)
     return 1 if summary["failed"] else 0
 
 

@@ -3,8 +3,10 @@ errors (a bad flag, a missing toolchain) that fit on one line, with no
 traceback, since a newcomer's first run should end in a sentence, not a stack."""
 
 import argparse
+import json
 import sys
 import textwrap
+from pathlib import Path
 
 from collectives.errors import CollectiveError
 
@@ -71,6 +73,17 @@ def sizes(text):
         if item.strip():
             size(item)
     return text
+
+
+def write_json(path, report, say=print):
+    """Write a tool's JSON to `path`, where its -J told it to (no tool writes
+    anywhere else), making the folder if need be; every tool's file has the
+    same layout (indent 1, a final newline). `say` names the file after
+    (None: not, where the tool's stdout is itself the result)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    if say is not None:
+        say(f"# wrote {path}")
 
 
 def fail(prog, message, code=1):

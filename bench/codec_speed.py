@@ -41,7 +41,6 @@ numbers say nothing of a GPU; the mode runs there so CI checks it.
 """
 
 import inspect
-import json
 import sys
 
 import numpy as np
@@ -274,8 +273,7 @@ def report_device(args, codecs, ops, argv=None):
         environment = device_environment(args.device)
         environment["git_commit"] = git_commit()
         environment["command"] = " ".join(["python", "-m", "bench.codec_speed", *(sys.argv[1:] if argv is None else argv)])
-        with open(args.output_file, "w") as f:
-            json.dump({"environment": environment, "rows": rows}, f, indent=1)
+        cli.write_json(args.output_file, {"environment": environment, "rows": rows}, say=None)
     return 0
 
 

@@ -12,7 +12,6 @@ bounds"; at most 1), beside q, the most encodings any element went through.
 """
 
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -71,11 +70,10 @@ def main(argv=None):
                 print(f"  {codec:>5s} {algorithm:>17s} {q:2d} {magnitude:>9s} {row['norm_error']:11.3e} "
                       f"{row['max_error_over_P']:10.3e} {row['max_error_over_bound']:13.3f}")
     if args.output_file:
-        with open(args.output_file, "w") as f:
-            json.dump({"benchmark": "compression_error", "count": count, "seed": args.seed,
-                       "environment": environment(argparse.Namespace(device="host"), args.ranks, ["ours"]),
-                       "rows": rows}, f, indent=1)
-        print(f"# wrote {args.output_file}")
+        report = {"benchmark": "compression_error", "count": count, "seed": args.seed,
+                  "environment": environment(argparse.Namespace(device="host"), args.ranks, ["ours"]),
+                  "rows": rows}
+        cli.write_json(args.output_file, report)
     comm.close()
     return 0
 

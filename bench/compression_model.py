@@ -35,7 +35,6 @@ slower link compression wins. It is independent of the link's latency,
 which both pay alike.
 """
 
-import json
 import math
 import sys
 
@@ -233,12 +232,12 @@ def main(argv=None):
           + ", ".join(f"{name} {bps / GB:.0f}" for name, bps in args.links.items()))
     print_table(rows, args.codecs, args.links)
     if args.output_file:
-        with open(args.output_file, "w") as f:
-            json.dump({"command": "python -m bench.compression_model " + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "environment": {"git_commit": git_commit()},   # a model: the code, not the machine
-                       "ranks": args.ranks, "memory_gbps": args.memory_gbps, "codec_gbps": args.codec_gbps,
-                       "step_us": args.step_us, "links_gbps": {k: v / GB for k, v in args.links.items()},
-                       "rows": rows}, f, indent=1)
+        report = {"command": "python -m bench.compression_model " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "environment": {"git_commit": git_commit()},   # a model: the code, not the machine
+                  "ranks": args.ranks, "memory_gbps": args.memory_gbps, "codec_gbps": args.codec_gbps,
+                  "step_us": args.step_us, "links_gbps": {k: v / GB for k, v in args.links.items()},
+                  "rows": rows}
+        cli.write_json(args.output_file, report, say=None)
 
 
 if __name__ == "__main__":

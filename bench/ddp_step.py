@@ -24,7 +24,6 @@ their own network, PID, IPC and mount namespaces, each link shaped to
 afterwards: the bytes between hosts cross a shaped link.
 """
 
-import json
 import os
 import re
 import signal
@@ -175,10 +174,7 @@ def main(argv=None):
                   "hosts": ({"count": args.hosts, "link": args.link, "measured_bytes_per_second": link_rate}
                             if args.hosts else None),
                   "runs": rows}
-        path = Path(args.output_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"# wrote {path}")
+        cli.write_json(Path(args.output_file), report)
     return 0 if all(row["ranks_bitwise_identical"] for row in rows) else 1
 
 

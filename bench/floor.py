@@ -30,7 +30,6 @@ up: at least 0.9 of the floor's speed).
 """
 
 import ctypes
-import json
 import statistics
 import sys
 
@@ -216,8 +215,7 @@ def main(argv=None):
         **device_environment(args.device), "git_commit": git_commit(), "ranks": args.ranks,
         "in_place": args.in_place, "calls": args.calls, "rounds": args.rounds}, "rows": rows}
     if args.output_file:
-        with open(args.output_file, "w") as f:
-            json.dump(report, f, indent=1)
+        cli.write_json(args.output_file, report, say=None)
     return report
 
 

@@ -20,7 +20,6 @@ rank per process (`--processes` relaunches so, pinned one per core).
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -226,12 +225,11 @@ def main(argv=None):
                   + (f", {ratio:.1f}x fewer launches" if ratio else ""))
     if args.output_file and leader:
         args_for_env = argparse.Namespace(device=args.device)
-        with open(args.output_file, "w") as f:
-            json.dump({"benchmark": "fusion_perf", "threshold_bytes": args.threshold_bytes,
-                       "compression": args.compression, "scale": args.scale, "op": "avg",
-                       "environment": environment(args_for_env, comm.size, ["ours"]),
-                       "models": results}, f, indent=1)
-        print(f"# wrote {args.output_file}")
+        report = {"benchmark": "fusion_perf", "threshold_bytes": args.threshold_bytes,
+                  "compression": args.compression, "scale": args.scale, "op": "avg",
+                  "environment": environment(args_for_env, comm.size, ["ours"]),
+                  "models": results}
+        cli.write_json(args.output_file, report)
     comm.close()
     return 0
 

@@ -314,9 +314,7 @@ def main(argv=None):
     report["ours_vs_nccl"] = ours_against_nccl(args)
 
     if args.output_file:
-        Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output_file).write_text(json.dumps(report, indent=1))
-        print(f"# wrote {args.output_file}")
+        cli.write_json(args.output_file, report)
     failed = (report.get("gpu_tests", {}).get("returncode", 0) not in (0, 5)) or code != 0 \
         or any(run["returncode"] != 0 for run in report["processes"].values()) \
         or report["ours_vs_nccl"].get("returncode", 0) != 0 or "error" in report["against_floor"]

@@ -59,8 +59,6 @@ where it differs from ours.
 """
 
 import argparse
-import json
-import os
 import sys
 import time
 import types
@@ -496,10 +494,7 @@ def main(argv=None):
             "rounding": summaries,
             "rows": rows,
         }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"# wrote {args.json}", file=sys.stderr)
+        cli.write_json(args.json, out, say=lambda text: print(text, file=sys.stderr))   # stdout: the tables
     return rows
 
 

@@ -49,7 +49,6 @@ peers. Compressed rows have no bitwise #wrong; uncompressed rows keep it.
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
 import statistics
@@ -880,10 +879,9 @@ def main(spec, argv=None):
     wrong = wrong_count(rows)
     worst = worst_error(r.get("maxrel") for r in rows)
     if args.output_file and leader:
-        with open(args.output_file, "w") as f:
-            json.dump({"collective": spec.name, "environment": environment(args, nranks, names),
-                       "rows": rows}, f, indent=1)
-        say(f"# wrote {args.output_file}")
+        report = {"collective": spec.name, "environment": environment(args, nranks, names),
+                  "rows": rows}
+        cli.write_json(args.output_file, report, say)
     for backend in backends:
         backend.close()
     if isinstance(world, TorchWorld):

@@ -28,7 +28,6 @@ every size on the phases.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -225,9 +224,7 @@ def main(argv=None):
                   "environment": environment(argparse.Namespace(device="host"), world.Get_size(),
                                              ["hierarchical", "mpi", "ours"]),
                   "rows": rows}
-        with open(args.output_file, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"# wrote {args.output_file}")
+        cli.write_json(args.output_file, report)
     hierarchical.close()
     one_node.close()
     return 1 if wrong else 0

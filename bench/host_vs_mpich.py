@@ -557,10 +557,7 @@ def write_report(args, runs, command):
                    "data": "the <collective>_perf specs' closed-form inputs, checked bit for bit after the rounds"},
         "runs": runs,
     }
-    path = Path(args.output_file)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"# wrote {path}", flush=True)
+    cli.write_json(Path(args.output_file), report)
 
 
 def launch(install, args, nranks, argv_run, made_hosts=None):

@@ -45,7 +45,6 @@ it relaunches itself under mpiexec with --ranks processes (-bind-to as
 """
 
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -229,9 +228,7 @@ def main(argv=None):
               f"largest weight difference after training: ours loop - mwms loop "
               f"{apart['ours_loop_vs_mwms_loop']:.2e}, ours fit - ours loop {apart['ours_fit_vs_ours_loop']:.2e}")
         if args.output_file:
-            with open(args.output_file, "w") as f:
-                json.dump({"environment": environment(args, size, ["ours", "mwms"]), **result}, f, indent=1)
-            print(f"# wrote {args.output_file}")
+            cli.write_json(args.output_file, {"environment": environment(args, size, ["ours", "mwms"]), **result})
     comm.close()
     return 0
 

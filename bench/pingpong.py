@@ -12,7 +12,6 @@ Without a launcher it relaunches itself under mpiexec, 2 processes pinned
 one per core (-bind-to core).
 """
 
-import json
 import statistics
 import sys
 
@@ -63,9 +62,9 @@ def main(argv=None):
         rows = measure(args, world, comm, MPI)
         if comm.rank == 0 and args.output_file:
             from bench.environment import environment
-            with open(args.output_file, "w") as f:
-                json.dump({"command": "python -m bench.pingpong " + " ".join(sys.argv[1:] if argv is None else argv),
-                           "environment": environment(args, 2, ["ours", "mpi"]), "one_way": rows}, f, indent=1)
+            report = {"command": "python -m bench.pingpong " + " ".join(sys.argv[1:] if argv is None else argv),
+                      "environment": environment(args, 2, ["ours", "mpi"]), "one_way": rows}
+            cli.write_json(args.output_file, report, say=None)
     return 0
 
 

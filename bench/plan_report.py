@@ -30,7 +30,6 @@ rank on one device is one codec_round_sum instead, at the floor (the
 rounding done in registers: no wire form is written).
 """
 
-import json
 import sys
 
 import numpy as np
@@ -160,11 +159,11 @@ def main(argv=None):
               f"{'-' if r['workspace_copy_bytes'] is None else format(r['workspace_copy_bytes'] / mib, '.1f'):>10s} "
               f"{r['workspace_bytes_per_rank'] / mib:10.1f}")
     if args.output_file:
-        with open(args.output_file, "w") as f:
-            json.dump({"command": " ".join(["python", "-m", "bench.plan_report", *(argv or sys.argv[1:])]),
-                       # counted from the plans: the code, not the machine, sets them
-                       "environment": {"git_commit": git_commit()},
-                       "ranks": args.ranks, "bytes": nbytes, "rows": rows}, f, indent=1)
+        document = {"command": " ".join(["python", "-m", "bench.plan_report", *(argv or sys.argv[1:])]),
+                    # counted from the plans: the code, not the machine, sets them
+                    "environment": {"git_commit": git_commit()},
+                    "ranks": args.ranks, "bytes": nbytes, "rows": rows}
+        cli.write_json(args.output_file, document, say=None)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ under mpiexec with --ranks processes, pinned one per core (-bind-to core).
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -208,20 +207,19 @@ def main(argv=None):
                   + ", ".join(f"{k} {v}" for k, v in trips[name].items()))
         print(f"# {ll_name}: issue us/call (host time, kernels left queued) {issue_us:.1f}")
     if args.output_file and leader:
-        with open(args.output_file, "w") as f:
-            json.dump({"benchmark": "spmd_overhead", "collective": args.collective, "bytes": args.nbytes,
-                       "in_place": args.in_place, "symmetric": args.symmetric,
-                       "algorithm": plan.algorithm, "phases": len(plan.phases),
-                       # the phases rank 0 runs rows in (an empty one launches nothing: a
-                       # process's plan keeps its last phase, empty or not, binding.bind)
-                       "phases_with_rows": sum(1 for phase in plan.phases if len(phase.rows_by_rank[0])),
-                       "environment": environment(_harness_args(args), world.size, ["host", args.device]),
-                       "median_us_per_call": {k: v * 1e6 for k, v in medians.items()},
-                       "ratio_to_host": {k: v / medians["host"] for k, v in medians.items()},
-                       "round_trips_per_call": trips,
-                       "one_kernel_issue_us_per_call": issue_us,
-                       "samples_us": {k: [t * 1e6 for t in v] for k, v in samples.items()}}, f, indent=1)
-        print(f"# wrote {args.output_file}")
+        report = {"benchmark": "spmd_overhead", "collective": args.collective, "bytes": args.nbytes,
+                  "in_place": args.in_place, "symmetric": args.symmetric,
+                  "algorithm": plan.algorithm, "phases": len(plan.phases),
+                  # the phases rank 0 runs rows in (an empty one launches nothing: a
+                  # process's plan keeps its last phase, empty or not, binding.bind)
+                  "phases_with_rows": sum(1 for phase in plan.phases if len(phase.rows_by_rank[0])),
+                  "environment": environment(_harness_args(args), world.size, ["host", args.device]),
+                  "median_us_per_call": {k: v * 1e6 for k, v in medians.items()},
+                  "ratio_to_host": {k: v / medians["host"] for k, v in medians.items()},
+                  "round_trips_per_call": trips,
+                  "one_kernel_issue_us_per_call": issue_us,
+                  "samples_us": {k: [t * 1e6 for t in v] for k, v in samples.items()}}
+        cli.write_json(args.output_file, report)
     one_kernel.close()
     gpu.close()
     host.close()

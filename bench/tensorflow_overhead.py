@@ -40,7 +40,6 @@ docs/training.md states: at most 30 µs more than ours at 1 KiB and at most
 under mpiexec with --ranks processes, pinned one per core (-bind-to core).
 """
 
-import json
 import os
 import statistics
 import sys
@@ -163,12 +162,11 @@ def main(argv=None):
                   + (f" {row['mwms_us']:>9.1f} {row['mwms_us'] / ours:>9.2f} {row['mwms_us'] / graph:>10.2f}"
                      if args.mwms else ""))
         if args.output_file:
-            with open(args.output_file, "w") as f:
-                measured = environment(args, comm.size, ["ours", *(["mwms"] if args.mwms else [])])
-                measured["tensorflow"] = tf.__version__   # every row is TensorFlow's, with or without --mwms
-                measured["graph_node"] = native.OP_NAME if native.op() else "PyFunc"
-                json.dump({"environment": measured, "ranks": comm.size, "load_average": load, "rows": rows}, f,
-                          indent=1)
+            measured = environment(args, comm.size, ["ours", *(["mwms"] if args.mwms else [])])
+            measured["tensorflow"] = tf.__version__   # every row is TensorFlow's, with or without --mwms
+            measured["graph_node"] = native.OP_NAME if native.op() else "PyFunc"
+            cli.write_json(args.output_file, {"environment": measured, "ranks": comm.size, "load_average": load,
+                                              "rows": rows}, say=None)
     comm.close()
     return 0
 

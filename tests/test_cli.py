@@ -223,3 +223,16 @@ def test_gpu_check_writes_its_report_only_where_told(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert gpu_check.parse_args(["--device", "emulated"]).output_file is None
     assert gpu_check.parse_args(["--device", "emulated", "-J", "r.json"]).output_file == str(tmp_path / "r.json")
+
+
+def test_every_tool_writes_its_json_one_way(tmp_path, capsys):
+    """cli.write_json, what each tool's -J goes through: the folder made if
+    need be, indent 1 and a final newline, the file named after (not where
+    the tool's stdout is its result)."""
+    import json
+    path = tmp_path / "new folder" / "run.json"
+    cli.write_json(str(path), {"rows": [1, 2]})
+    assert path.read_text() == json.dumps({"rows": [1, 2]}, indent=1) + "\n"
+    assert capsys.readouterr().out == f"# wrote {path}\n"
+    cli.write_json(path, {"rows": []}, say=None)
+    assert json.loads(path.read_text()) == {"rows": []} and capsys.readouterr().out == ""
