@@ -55,6 +55,17 @@ def size_label(nbytes):
     return f"{nbytes} B"
 
 
+def size_sweep(first, last, factor):
+    """The sizes of a sweep, as nccl-tests' -b, -e and -f give them: from
+    `first` to at most `last` (either as parse_size takes it), each `factor`
+    times the one before; empty where `first` is above `last`."""
+    sweep, size, last = [], parse_size(first), parse_size(last)
+    while size <= last:
+        sweep.append(size)
+        size *= factor
+    return sweep
+
+
 def size(text):
     """An argparse type for a byte or element count with an optional suffix
     K, M or G (parse_size's syntax): checks it and returns the text as given,

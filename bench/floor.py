@@ -184,11 +184,7 @@ def parse_args(argv):
     args.rounds = args.rounds or (5 if gpu else 2)
     if args.ranks < 1 or args.stepfactor < 2 or args.calls < 1 or args.rounds < 1:
         p.error("--ranks, --calls and --rounds must be at least 1, -f at least 2")
-    args.sizes = []
-    size, last = cli.parse_size(args.minbytes), cli.parse_size(args.maxbytes)
-    while size <= last:
-        args.sizes.append(size)
-        size *= args.stepfactor
+    args.sizes = cli.size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
     if not args.sizes:
         p.error("-b is above -e: no size to measure")
     cli.require_device_toolchain(p.prog, args.device)

@@ -299,10 +299,7 @@ def parse_args(spec, argv=None):
 
 
 def sizes(args):
-    size = args.minbytes
-    while size <= args.maxbytes:
-        yield size
-        size *= args.stepfactor
+    return cli.size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
 
 
 def mpi_world():
@@ -834,7 +831,7 @@ def main(spec, argv=None):
     say(header(args.compressed) + ("  backend" + ("  vs first" if len(backends) > 1 else "")))
     itemsize = args.dtype.itemsize
     sweep = [s for s in sizes(args) if spec.param_count(s, itemsize, nranks) > 0]
-    if len(sweep) < len(list(sizes(args))):
+    if len(sweep) < len(sizes(args)):
         say(f"# sizes under {nranks * itemsize} B skipped: less than one {args.dtype.name} per rank")
     showing = leader and not args.quiet and (sys.stderr.isatty() or os.environ.get(SHOW_PROGRESS) == "1")
     progress = Progress(spec.name, sweep, showing)

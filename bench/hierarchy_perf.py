@@ -185,10 +185,7 @@ def main(argv=None):
     assert type(hierarchical).__name__ == "HierarchicalCommunicator", "the pretend nodes gave one node"
     calls = make_calls(world, hierarchical, one_node)
     nodes = hierarchical.topology.nodes
-    sizes, size = [], cli.parse_size(args.minbytes)
-    while size <= cli.parse_size(args.maxbytes):
-        sizes.append(size)
-        size *= args.stepfactor
+    sizes = cli.size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
     rank0 = world.Get_rank() == 0
     if rank0:
         print(f"# allreduce, float32 sum, {world.Get_size()} processes on pretend nodes "

@@ -236,3 +236,9 @@ def test_every_tool_writes_its_json_one_way(tmp_path, capsys):
     assert capsys.readouterr().out == f"# wrote {path}\n"
     cli.write_json(path, {"rows": []}, say=None)
     assert json.loads(path.read_text()) == {"rows": []} and capsys.readouterr().out == ""
+
+
+def test_a_sweep_goes_from_b_to_at_most_e_by_f():
+    assert cli.size_sweep("1K", "64K", 4) == [1024, 4096, 16384, 65536]
+    assert cli.size_sweep(8, "100", 3) == [8, 24, 72]
+    assert cli.size_sweep("2M", "1M", 2) == []
