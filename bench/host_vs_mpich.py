@@ -29,7 +29,8 @@ Ours runs in every launch: each MPI's ratio is against ours in the same
 processes, alternating batch by batch.
 
 It is a spec over the benchmark harness (bench/harness.py), the one the
-per-collective tools (bench/<collective>_perf.py) run on, with their specs:
+per-collective tools (bench/<collective>_perf.py) run on, with their specs
+(bench/specs.py):
 the same inputs, checks, alternation and timing, the libraries as the
 harness's backends ours, mpi (the launch's MPI), gloo and floor. What this
 tool adds: every collective in one launch per MPI and process count, calls
@@ -121,20 +122,11 @@ from pathlib import Path
 import numpy as np
 
 from bench import cli, harness, hosts, mpis
-from bench.all_gather_perf import ALLGATHER
-from bench.all_reduce_perf import ALLREDUCE
-from bench.alltoall_perf import ALL_TO_ALL
 from bench.backends import COPY_FLOOR, FLOOR_PIECES, GLOO, MPI_BACKEND, NO_COMPRESSION, OURS, make_backends
-from bench.broadcast_perf import BROADCAST
 from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment, library_settings
-from bench.gather_perf import GATHER
-from bench.reduce_perf import REDUCE
-from bench.reduce_scatter_perf import REDUCE_SCATTER
 from bench.report_runs import size_label
-from bench.scatter_perf import SCATTER
+from bench.specs import SPECS
 
-SPECS = {spec.name: spec for spec in (ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE,
-                                      ALL_TO_ALL, GATHER, SCATTER)}
 # The names the JSON (and bench.report) gives the libraries, and the tables.
 NAMES = {"ours": "ours", mpis.MPICH: "MPICH", mpis.OPEN_MPI: "Open MPI", "gloo": "Gloo", "floor": "floor",
          "link": "link"}

@@ -30,8 +30,23 @@ def test_every_command_line_is_listed():
     with_parser = {name[:-3] for name in os.listdir(bench)
                    if name.endswith(".py") and "cli.Parser(" in open(os.path.join(bench, name)).read()}
     harness_tools = {name[:-3] for name in os.listdir(bench)  # bench/harness.py's parser, through its main
-                     if name.endswith("_perf.py") and "Spec(" in open(os.path.join(bench, name)).read()}
+                     if name.endswith("_perf.py")
+                     and "from bench.specs import" in open(os.path.join(bench, name)).read()}
     assert (with_parser - {"harness"}) | harness_tools == set(TOOLS)
+    # and each spec of bench/specs.py is the one spec of one tool
+    from bench.specs import SPECS
+    swept = sorted((tool_spec(name) for name in harness_tools), key=lambda spec: spec.name)
+    assert [spec.name for spec in swept] == sorted(SPECS)
+    assert all(spec is SPECS[spec.name] for spec in swept)
+
+
+def tool_spec(tool):
+    """The Spec that `python -m bench.TOOL` sweeps (a harness tool)."""
+    import importlib
+    from bench.harness import Spec
+    specs = [value for value in vars(importlib.import_module(f"bench.{tool}")).values() if isinstance(value, Spec)]
+    assert len(specs) == 1, (tool, specs)
+    return specs[0]
 
 
 def run_tool(monkeypatch, tool, argv):
