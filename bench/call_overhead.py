@@ -242,7 +242,7 @@ def measured_on(args):
     """bench.environment's block, saying which adapter ran (a dry run's
     device is stand-ins, whatever --device says)."""
     from bench.environment import environment
-    env = environment(args, args.ranks, ["ours"])
+    env = environment(args.device, args.ranks, ["ours"])
     if args.adapter == "dry":
         env["device"] = "dry CUDA adapter (devices/dry_cuda.py: stand-ins for CuPy, no GPU)"
     if args.callgrind:

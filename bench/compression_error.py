@@ -11,7 +11,6 @@ documented bound (collectives.compression.wire.error_bound, README "Error
 bounds"; at most 1), beside q, the most encodings any element went through.
 """
 
-import argparse
 import sys
 
 import numpy as np
@@ -71,7 +70,7 @@ def main(argv=None):
                       f"{row['max_error_over_P']:10.3e} {row['max_error_over_bound']:13.3f}")
     if args.output_file:
         report = {"benchmark": "compression_error", "count": count, "seed": args.seed,
-                  "environment": environment(argparse.Namespace(device="host"), args.ranks, ["ours"]),
+                  "environment": environment("host", args.ranks, ["ours"]),
                   "rows": rows}
         cli.write_json(args.output_file, report)
     comm.close()

@@ -164,8 +164,7 @@ def main(argv=None):
         print(f"  {row['run']:20s} {row['step_ms_median']:9.2f} {row['over_first']:7.2f}  "
               f"{statistics.median(row['test_accuracy']):.4f}     {row['ranks_bitwise_identical']}")
     if args.output_file:
-        import argparse as _argparse
-        env = environment(_argparse.Namespace(device="host"), processes, ["torch:gloo", "torch:collectives"])
+        env = environment("host", processes, ["torch:gloo", "torch:collectives"])
         env["command"] = " ".join(["python -m bench.ddp_step", *argv])
         report = {"benchmark": "examples/ddp.py under torchrun: DDP's time per step, ours against Gloo, with and "
                                "without our compression hook",

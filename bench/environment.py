@@ -41,8 +41,9 @@ def library_settings():
             if name.startswith("COLLECTIVES_") and not name.startswith(_BENCH_PREFIX)}
 
 
-def environment(args, nranks, backends):
-    """What the numbers were measured on and with."""
+def environment(device, nranks, backends):
+    """What the numbers were measured on and with: this machine, the command,
+    the ranks and backends, and `device` (--device: host, emulated, cuda)."""
     torchrun = launched_by_torchrun()
     # (MPICH's hydra says PMI_SIZE, Open MPI's mpirun OMPI_COMM_WORLD_SIZE)
     processes = int(os.environ.get("WORLD_SIZE", "1") if torchrun else
@@ -63,7 +64,7 @@ def environment(args, nranks, backends):
         "processes": processes,
         "backends": backends,
         "settings": library_settings(),
-        **device_environment(args.device),
+        **device_environment(device),
     }
     if set(MPI_BACKENDS) & set(backends) or (env["processes"] > 1 and not torchrun):
         from mpi4py import MPI

@@ -18,7 +18,6 @@ rank per process (`--processes` relaunches so, pinned one per core).
 `--scale` shrinks every array (keeping their number) for quick runs.
 """
 
-import argparse
 import contextlib
 import statistics
 import sys
@@ -224,10 +223,9 @@ def main(argv=None):
                   f"{summary['host_time_ratio']:.1f}x less host time"
                   + (f", {ratio:.1f}x fewer launches" if ratio else ""))
     if args.output_file and leader:
-        args_for_env = argparse.Namespace(device=args.device)
         report = {"benchmark": "fusion_perf", "threshold_bytes": args.threshold_bytes,
                   "compression": args.compression, "scale": args.scale, "op": "avg",
-                  "environment": environment(args_for_env, comm.size, ["ours"]),
+                  "environment": environment(args.device, comm.size, ["ours"]),
                   "models": results}
         cli.write_json(args.output_file, report)
     comm.close()

@@ -61,7 +61,6 @@ where it differs from ours.
 import argparse
 import sys
 import time
-import types
 
 import ml_dtypes
 import numpy as np
@@ -468,7 +467,7 @@ def main(argv=None):
               f"  chain {c[PER_ADD]}|{c[PER_TRANSFER]}  order {s['order_chunk0']}")
     if args.json:
         from bench.environment import environment
-        env = environment(types.SimpleNamespace(device="host"), args.ranks, ["ours"])
+        env = environment("host", args.ranks, ["ours"])
         env["command"] = command_line("bench.half_precision_error", argv)
         env["devices"] = ["host", "emulated"] if emulated else ["host"]
         env["emulated_device"] = "emulated (our CUDA kernels compiled for the CPU)" if emulated else None

@@ -876,7 +876,7 @@ def main(spec, argv=None):
     wrong = wrong_count(rows)
     worst = worst_error(r.get("maxrel") for r in rows)
     if args.output_file and leader:
-        report = {"collective": spec.name, "environment": environment(args, nranks, names),
+        report = {"collective": spec.name, "environment": environment(args.device, nranks, names),
                   "rows": rows}
         cli.write_json(args.output_file, report, say)
     for backend in backends:

@@ -27,7 +27,6 @@ with no split: its total alone ("compiled"); COLLECTIVES_FAST_PATH=0 keeps
 every size on the phases.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -218,7 +217,7 @@ def main(argv=None):
                   f"(total {c['total']:.0f} µs)")
     if rank0 and args.output_file:
         report = {"collective": "allreduce", "dtype": "float32", "op": "sum", "nodes": [list(n) for n in nodes],
-                  "environment": environment(argparse.Namespace(device="host"), world.Get_size(),
+                  "environment": environment("host", world.Get_size(),
                                              ["hierarchical", "mpi", "ours"]),
                   "rows": rows}
         cli.write_json(args.output_file, report)

@@ -124,7 +124,6 @@ import numpy as np
 from bench import cli, harness, hosts, mpis
 from bench.backends import COPY_FLOOR, FLOOR_PIECES, GLOO, MPI_BACKEND, NO_COMPRESSION, OURS, make_backends
 from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment, library_settings
-from bench.report_runs import size_label
 from bench.specs import SPECS
 
 # The names the JSON (and bench.report) gives the libraries, and the tables.
@@ -361,7 +360,7 @@ def run_launch(args, world):
         if leader:
             print(f"# {name}, float32{f' {OP}' if spec.has_op else ''}, {world.size} processes, -bind-to {binding}"
                   f"{settings}: ours, {NAMES[mpi]} (mpi4py)" + ("" if args.no_gloo else ", Gloo (torch.distributed)")
-                  + (f", the copy floor from {size_label(args.floor_from)}" if name in FLOORED else "")
+                  + (f", the copy floor from {cli.size_label(args.floor_from)}" if name in FLOORED else "")
                   + (f", ours with {','.join(args.compression_list)}"
                      if args.compression_list and name == "allreduce" else "")
                   + (f"; {args.hosts} hosts, each link {args.link} ({args.link_rate * 8 / 1e9:.2f} Gbit/s measured), "
@@ -376,7 +375,7 @@ def run_launch(args, world):
         cpu_after = cpu_ticks(pids) if leader else None
         if not leader:
             continue
-        env = environment(argparse.Namespace(device="host"), world.size, libraries(args))
+        env = environment("host", world.size, libraries(args))
         launch = env.pop("command").split(" --worker-output ")[0]  # the report's own temporary file
         across = ({"hosts": {"count": args.hosts, "link": args.link, "measured_bytes_per_second": args.link_rate,
                              "hostnames": sorted(set(hostnames))}}
@@ -393,7 +392,7 @@ def header(others, floor_from, link=False, codecs=()):
     """The table's two header lines for the libraries beside ours (format_row's cells)."""
     names = [NAMES[lib].replace(" ", "") for lib in others]
     columns = "".join(f"{n + ' µs':>12s}" for n in ["ours", *names]) + "".join(f"{n + '/ours':>14s}" for n in names)
-    after = [f"from {size_label(floor_from)}, {'/'.join(FLOORED)}: | floor µs, floor/ours"]
+    after = [f"from {cli.size_label(floor_from)}, {'/'.join(FLOORED)}: | floor µs, floor/ours"]
     if link:
         after.append("| link: the link floor µs, link/ours")
     if codecs:
@@ -421,7 +420,7 @@ def ratio(row, placement, other):
 
 
 def format_row(row):
-    cells = f"{size_label(row['size']):>10s}"
+    cells = f"{cli.size_label(row['size']):>10s}"
     others = libraries_of(row)
     for placement in PLACEMENTS:
         times = row[placement]
@@ -470,9 +469,9 @@ def other_processes_cores(before, after):
 def verdict(run):
     """Sizes where another library was at least as fast as ours, per library
     and placement; and the sizes with wrong results."""
-    slower = {(lib, p): [size_label(r["size"]) for r in run["rows"] if p in r and ratio(r, p, lib) <= 1]
+    slower = {(lib, p): [cli.size_label(r["size"]) for r in run["rows"] if p in r and ratio(r, p, lib) <= 1]
               for lib in run_libraries(run) for p in run["placements"]}
-    wrong = [size_label(r["size"]) for r in run["rows"]
+    wrong = [cli.size_label(r["size"]) for r in run["rows"]
              if any(m.get("wrong") for p in run["placements"] for m in r[p].values())]
     return slower, wrong
 

@@ -32,7 +32,7 @@ def parse_args(argv=None):
                         "round trips)")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
-    args.ranks, args.device = 2, "host"
+    args.ranks = 2   # (the relaunch starts this many)
     return args
 
 
@@ -63,7 +63,7 @@ def main(argv=None):
         if comm.rank == 0 and args.output_file:
             from bench.environment import environment
             report = {"command": "python -m bench.pingpong " + " ".join(sys.argv[1:] if argv is None else argv),
-                      "environment": environment(args, 2, ["ours", "mpi"]), "one_way": rows}
+                      "environment": environment("host", 2, ["ours", "mpi"]), "one_way": rows}
             cli.write_json(args.output_file, report, say=None)
     return 0
 

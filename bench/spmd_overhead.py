@@ -20,7 +20,6 @@ on symmetric memory (three launches, no host wait). Without a launcher it relaun
 under mpiexec with --ranks processes, pinned one per core (-bind-to core).
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -213,7 +212,7 @@ def main(argv=None):
                   # the phases rank 0 runs rows in (an empty one launches nothing: a
                   # process's plan keeps its last phase, empty or not, binding.bind)
                   "phases_with_rows": sum(1 for phase in plan.phases if len(phase.rows_by_rank[0])),
-                  "environment": environment(_harness_args(args), world.size, ["host", args.device]),
+                  "environment": environment(args.device, world.size, ["host", args.device]),
                   "median_us_per_call": {k: v * 1e6 for k, v in medians.items()},
                   "ratio_to_host": {k: v / medians["host"] for k, v in medians.items()},
                   "round_trips_per_call": trips,
@@ -224,10 +223,6 @@ def main(argv=None):
     gpu.close()
     host.close()
     return 0
-
-
-def _harness_args(args):
-    return argparse.Namespace(device=args.device)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,6 @@ def parse_args(argv=None):
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     args.nbytes = [cli.parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    args.device = "host"   # (for bench.environment's record)
     return args
 
 
@@ -162,7 +161,7 @@ def main(argv=None):
                   + (f" {row['mwms_us']:>9.1f} {row['mwms_us'] / ours:>9.2f} {row['mwms_us'] / graph:>10.2f}"
                      if args.mwms else ""))
         if args.output_file:
-            measured = environment(args, comm.size, ["ours", *(["mwms"] if args.mwms else [])])
+            measured = environment("host", comm.size, ["ours", *(["mwms"] if args.mwms else [])])
             measured["tensorflow"] = tf.__version__   # every row is TensorFlow's, with or without --mwms
             measured["graph_node"] = native.OP_NAME if native.op() else "PyFunc"
             cli.write_json(args.output_file, {"environment": measured, "ranks": comm.size, "load_average": load,
