@@ -46,7 +46,7 @@ import sys
 import numpy as np
 
 from bench import cli
-from bench.harness import seconds_per_call
+from bench.harness import DeviceTimer, seconds_per_call
 from collectives.compression import kernels
 from collectives.compression.wire import Region
 
@@ -190,10 +190,9 @@ def bytes_moved(regions, kernel):
 def measure_device(kind, codecs, ops, mib, repeat, rounds=3):
     """Per codec and operation: the kernel's and a same-bytes device copy's
     GB/s (read plus written), best of `rounds` alternating batches."""
-    from bench.gpu_check import Timer
     from collectives.devices import open_device
     device = open_device("cuda:0" if kind == "cuda" else "emulated:0")
-    timer = Timer(kind, device)
+    timer = DeviceTimer(kind, device)
     n = (mib << 20) // 4 // kernels.BLOCK * kernels.BLOCK
     rng = np.random.default_rng(0)
     rows = []

@@ -92,27 +92,6 @@ def run_gpu_tests(device):
 
 # -- 2. kernel bandwidth against a device copy -------------------------------------
 
-class Timer:
-    """Seconds per launch of `issue`, measured on the device's own clock."""
-
-    def __init__(self, device_kind, device):
-        self.kind, self.device = device_kind, device
-
-    def seconds(self, issue, repeats):
-        issue()  # warm up (and compile)
-        self.device.synchronize()
-        if self.kind == "cuda":
-            import cupy
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            for _ in range(repeats):
-                issue()
-            stop.record()
-            stop.synchronize()
-            return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
-        return harness.seconds_per_call(issue, repeats, after=self.device.synchronize)
-
-
 def kernel_bandwidth(args, device, buffers, timer, variant):
     """plan_step rows moving `args.nbytes` per source, against a device copy."""
     dtype = np.dtype(np.float32)
@@ -283,7 +262,7 @@ def main(argv=None):
         buffers = [device.allocate(args.nbytes) for _ in range(5)]
         for b in buffers:
             fill(args.device, b, args.nbytes)
-        report["kernel_bandwidth"] += kernel_bandwidth(args, device, buffers, Timer(args.device, device), variant)
+        report["kernel_bandwidth"] += kernel_bandwidth(args, device, buffers, harness.DeviceTimer(args.device, device), variant)
         del buffers
 
     print(f"# 3. allreduce on {args.ranks} ranks of one device", flush=True)

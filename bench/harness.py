@@ -596,6 +596,30 @@ def seconds_per_call(call, calls, *arguments, before=None, after=None):
     return (time.perf_counter() - start) / calls
 
 
+class DeviceTimer:
+    """Seconds per launch of `issue` on one device (a kernel's, a copy's), after
+    one untimed launch that warms up (and compiles): on a GPU by its own
+    clock (CUDA events around the launches), on the emulated device by
+    this process's, up to a synchronize."""
+
+    def __init__(self, device_kind, device):
+        self.kind, self.device = device_kind, device
+
+    def seconds(self, issue, repeats):
+        issue()  # warm up (and compile)
+        self.device.synchronize()
+        if self.kind == "cuda":
+            import cupy
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            for _ in range(repeats):
+                issue()
+            stop.record()
+            stop.synchronize()
+            return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
+        return seconds_per_call(issue, repeats, after=self.device.synchronize)
+
+
 def timed_calls(backend, buffers, calls, world):
     """Seconds per call of `calls` calls, the slowest rank's."""
     seconds = seconds_per_call(backend.run, calls, buffers, before=backend.barrier, after=backend.barrier)
