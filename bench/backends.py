@@ -448,6 +448,14 @@ class TensorFlowBackend(Backend):
     tf.Tensors in and out, and the last call's result kept for the check
     (TensorFlow's tensors are immutable: every call returns a new one)."""
 
+    def __init__(self, name, spec, args, world, unit="rank"):
+        super().__init__(name, spec, args)
+        if world is None or isinstance(world, TorchWorld):
+            raise SystemExit(f"the {name} backend runs one {unit} per process: run under mpiexec")
+        self.tf, self.world = _tensorflow(name), world
+        self.local_ranks, self.nranks = [world.rank], world.size
+        self.last = (None, None)   # (the Buffers of the last call, its result)
+
     def results(self, buffers):
         ran, result = self.last
         if ran is not buffers:
@@ -480,12 +488,9 @@ class Mwms(TensorFlowBackend):
     columns time the same call), and the check reads the last call's."""
 
     def __init__(self, name, spec, args, world, comm=None):
-        super().__init__(name, spec, args)
-        if world is None or isinstance(world, TorchWorld):
-            raise SystemExit("the mwms backend runs one worker per process: run under mpiexec")
-        tf = _tensorflow(name)
+        super().__init__(name, spec, args, world, unit="worker")
+        tf = self.tf
         import collectives.tensorflow as ctf
-        self.tf, self.world = tf, world
         if not _STRATEGIES:
             # (our backend's communicator where it runs too, else one of its own)
             self.owns_comm = comm is None
@@ -495,7 +500,6 @@ class Mwms(TensorFlowBackend):
         else:
             self.owns_comm, self.comm = False, None
         self.strategy = _STRATEGIES[0]
-        self.local_ranks, self.nranks = [world.rank], world.size
         call, call_args, strategy = spec.run_mwms, self.args, self.strategy
 
         @tf.function
@@ -505,7 +509,6 @@ class Mwms(TensorFlowBackend):
             return strategy.run(lambda: call(tf.distribute.get_replica_context(), tf.identity(x), call_args))
 
         self.step = step
-        self.last = (None, None)   # (the Buffers of the last call, its result)
 
     def run(self, buffers):
         result = self.step(buffers.inputs[0])
@@ -522,18 +525,13 @@ class TfCollectives(TensorFlowBackend):
     time the same call, and the check reads the last call's."""
 
     def __init__(self, name, spec, args, world, comm=None):
-        super().__init__(name, spec, args)
-        if world is None or isinstance(world, TorchWorld):
-            raise SystemExit(f"the {name} backend runs one rank per process: run under mpiexec")
-        tf = _tensorflow(name)
+        super().__init__(name, spec, args, world)
         import collectives.tensorflow as ctf
-        self.tf, self.world, self.device = tf, world, "host"
+        self.device = "host"
         self.owns_comm = comm is None
         self.comm = collectives.init(comm=world, timeout=args.timeout) if comm is None else comm
-        self.local_ranks, self.nranks = [world.rank], world.size
         call, call_args, comm = spec.run_tf, self.args, self.comm
-        self.step = tf.function(lambda x: call(ctf, comm, x, call_args))
-        self.last = (None, None)   # (the Buffers of the last call, its result)
+        self.step = self.tf.function(lambda x: call(ctf, comm, x, call_args))
 
     def run(self, buffers):
         self.last = (buffers, self.step(buffers.inputs[0]))
