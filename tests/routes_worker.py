@@ -120,7 +120,9 @@ def main():
     cases = 0
     for call in calls(comm):
         chosen = call.chosen()
-        for time in ("first", "repeated"):   # (a repeat is recognised, bound, and may run elsewhere)
+        # (a repeat is recognised and bound, and may run elsewhere; from the
+        # second repeat on, a bound plan runs from C: the runner's repeats)
+        for time in ("first", "repeated", "repeated again"):
             ran = what_ran(comm, call)
             assert (chosen.algorithm, chosen.path, chosen.step) == ran, \
                 f"{call}, {time} call: chosen_algorithm said {chosen!r}, but {ran} ran"

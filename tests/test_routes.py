@@ -2,7 +2,7 @@
 walk every collective over the loop's steps and the plans' paths (tests/
 routes_worker.py) and hold each answer, a registered algorithm with its
 path and the loop's step, against what ran the call, its first time and
-its repeat, under each setting that moves calls between paths; and ranks
+two repeats (the second a bound plan's run from C), under each setting that moves calls between paths; and ranks
 on pretend nodes, whose HierarchicalCommunicator answers the path
 hierarchy.route takes (a compiled Program, the phases, the codec between
 nodes, the exchanges)."""
