@@ -70,7 +70,8 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
     _shmloop = None
 
 # Large messages take the single copy where every rank can reach every
-# other's memory, but for the folding collectives (FOLDS) up to
+# other's memory, but for the folding collectives (allreduce, reduce_scatter,
+# reduce: _shmloop.c's stages_anyway) up to
 # config.LoopTunables.staged_max per rank (4 MiB), and everything with
 # COLLECTIVES_FAST_SINGLE_COPY=0 (config.resolve_fast_single_copy, read
 # when a communicator is made): those take the staged pipeline. Which is
@@ -108,8 +109,6 @@ assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the
 # last one taken): the merged step, and a large message's, which reads and
 # writes peers' arrays in place (the single copy) or moves through staging.
 MERGED, SINGLE_COPY, STAGED = "merged", "single_copy", "staged"
-# The collectives whose large messages fold (config.LoopTunables.staged_max).
-FOLDS = ("allreduce", "reduce_scatter", "reduce")
 STEPS = (MERGED, SINGLE_COPY, STAGED)
 
 
@@ -119,8 +118,8 @@ ARRAYS = (np.ndarray, np.memmap)
 
 # The collectives the loop runs besides allreduce (_shmloop.c's K_ codes).
 KINDS = {"reduce_scatter": 1, "allgather": 2, "broadcast": 3, "reduce": 4}
-ALLREDUCE_KIND = 0
 COLLECTIVES = ("allreduce", *KINDS)
+KIND_CODES = {"allreduce": 0, **KINDS}   # (allreduce's K_ code too: Channel.step_for takes all five)
 
 
 def step_algorithm(collective, step):
@@ -276,7 +275,7 @@ class FastCollectives:
         before that, as this rank would propose: the single copy where it
         may take it. None once closed."""
         channel = self._channel
-        return None if channel is None else channel.step_for(KINDS.get(collective, ALLREDUCE_KIND), nbytes)
+        return None if channel is None else channel.step_for(KIND_CODES[collective], nbytes)
 
     def algorithm_of(self, collective, nbytes):
         """The registered algorithm a call the loop takes runs (step_algorithm)."""
