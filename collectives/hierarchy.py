@@ -125,7 +125,7 @@ from .transport.mpi import MpiLink
 from .transport.protocol import call_signature
 from .validation import call_arguments, compressed_dtype, root_rank
 
-# The paths a call takes (`route`, at the end, decides; HierarchicalCommunicator.chosen_algorithm answers them)
+# The paths a call takes (`route`, at the end, decides; chosen_algorithm answers them: router.py)
 PROGRAM = "program"            # a compiled Program (across.py): the small path, or a larger call it takes
 COUNTERPARTS = "counterparts"  # the small path's steps (`small`), where no Program can run
 PHASES = "hierarchical"        # the phases: node, between nodes, node (allreduce, reduce, ... below)
@@ -322,10 +322,7 @@ class HierarchicalCommunicator(Communicator):
         """The checked Call router.route asks `route` about (float32 where
         no dtype is given): every call runs this module's steps, so the
         algorithm is "hierarchical", a named one checked, not used."""
-        if collective in ROOTED_COLLECTIVES:
-            root = root_rank(root, self.size)
-        else:
-            root = 0
+        root = root_rank(root, self.size) if collective in ROOTED_COLLECTIVES else 0
         dtype = np.dtype(np.float32 if dtype is None else dtype)
         return self._plan(collective, dtype, nbytes // dtype.itemsize, "sum", root, algorithm, None, compression)
 
