@@ -199,9 +199,18 @@ struct PackFold<E, true> {
     }
 };
 
+// The table of addresses is a kernel parameter, passed by value on the GPU
+// (2 KiB of its parameter space). The emulation calls this function once per
+// (block, thread) and takes it by reference (emulation/cuda_host.h): by
+// value, copying it was nine tenths of a small launch's time there.
+#ifndef COLLECTIVES_BUFFER_TABLE_PARAMETER
+#define COLLECTIVES_BUFFER_TABLE_PARAMETER BufferTable
+#endif
+
 template <typename E, int Op>
 __global__ void __launch_bounds__(kStepThreads, kStepMinBlocks)
-plan_step(const long long* __restrict__ table, int width, BufferTable buffers, int divisor, int fanout) {
+plan_step(const long long* __restrict__ table, int width, COLLECTIVES_BUFFER_TABLE_PARAMETER buffers, int divisor,
+          int fanout) {
     using S = typename E::Storage;
     using A = typename E::Accumulator;
     constexpr long long kLanes = 16 / sizeof(S);

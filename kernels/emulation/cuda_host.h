@@ -21,6 +21,11 @@ extern thread_local uint3 blockIdx;
 extern thread_local dim3 blockDim;
 extern thread_local dim3 gridDim;
 
+// plan_step's table of addresses, by reference: the walk calls the kernel
+// once per thread, and a 2 KiB copy each time cost more than the kernel's
+// work at small counts. The kernel only reads it, so nothing else changes.
+#define COLLECTIVES_BUFFER_TABLE_PARAMETER const BufferTable&
+
 // Warp shuffles, for kernels launched with launch.cpp's cooperative walk:
 // every thread of the warp deposits its value, all meet, each reads its
 // partner's (launch.cpp: shuffle_exchange).
