@@ -160,6 +160,34 @@ def resolve_exchange_single_copy_min(min_bytes=None):
                    DEFAULT_EXCHANGE_SINGLE_COPY_MIN, int)
 
 
+# From how many bytes send and recv between processes go in one copy (the
+# receiver reads the sender's array with process_vm_readv, p2p.py); 0:
+# never. Below it a message streams through the mailbox's slots, each
+# fragment put in as soon as the receiver has freed a slot: two copies, but
+# the sender's and the receiver's at once, through slots that stay in cache,
+# where the single copy leaves the sender idle and pins every page it
+# reads. Measured on the 2-core machine (2 processes pinned, alternating
+# launches of bench.pingpong or the same loop, MPICH's Send/Recv in the
+# same processes), one way: streamed 57-69 us at 1 MiB against 132-147 in
+# one copy (MPICH 114-133); at 4 MiB 270-327 against 525-906, and once 873
+# against 559 (MPICH 420-590); at 16 and 64 MiB 1.56-2.98 and 6.1-8.0 ms
+# against 2.67-3.26 and 8.6-9.5 in three launches, 3.4-3.6 and 13.4-15.6
+# against 2.67-2.69 and 8.6-8.8 in two others (MPICH about 2.0 and 8.4): a
+# stream needs both processes running at once, and when the machine's
+# cores were contended it fell behind, where one process reading is not
+# held up by the other. As the exchanges' threshold above, for the same
+# reason: the single copy from 4 MiB.
+MESSAGE_SINGLE_COPY_MIN_ENV = "COLLECTIVES_MESSAGE_SINGLE_COPY_MIN"
+DEFAULT_MESSAGE_SINGLE_COPY_MIN = 4 << 20
+
+
+def resolve_message_single_copy_min(min_bytes=None):
+    """send and recv's single-copy threshold in bytes (0: never): the
+    argument, else $COLLECTIVES_MESSAGE_SINGLE_COPY_MIN, else 4 MiB."""
+    return _number(min_bytes, "message_single_copy_min", MESSAGE_SINGLE_COPY_MIN_ENV,
+                   DEFAULT_MESSAGE_SINGLE_COPY_MIN, int)
+
+
 # The compiled loop's settings other than its layout (FastSizes), read once
 # when a communicator is made: the fence's wait and the stalls are a rank's own; the
 # staging limit must be the same on every rank (the loop names a rank whose differs).
@@ -258,7 +286,7 @@ def check_switches():
     call it), not on the first rank to read it while the others wait."""
     for resolve in (resolve_one_kernel_allreduce, resolve_compiled_plans, resolve_fast_path,
                     resolve_fast_single_copy, resolve_fast_sizes, resolve_loop_tunables,
-                    resolve_exchange_single_copy_min):
+                    resolve_exchange_single_copy_min, resolve_message_single_copy_min):
         resolve()
 
 

@@ -291,18 +291,36 @@ def scenario_point_to_point(comm):
         assert seen == set(range(1, n)), seen
     else:
         comm.send(np.full(4, r, np.float64), 0, tag=9)
-    # Both ways at once, far past the slots: the waits move each other's requests.
-    big = np.full(5 << 20, r, np.uint8)
-    out = np.empty_like(big)
-    for request in (comm.isend(big, right), comm.irecv(out, left)):
-        request.wait()
-    check(out, np.full(5 << 20, left, np.uint8), "5 MiB both ways")
-    # Those larger than the slots were read straight out of their sender, in
+    # Both ways at once, far past the slots: the waits move each other's
+    # requests. Streamed through the slots, then in one copy (p2p.py: from
+    # $COLLECTIVES_MESSAGE_SINGLE_COPY_MIN).
+    p2p = comm._p2p   # noqa: SLF001
+    for way, single_copy_min in enumerate((float("inf"), collectives.transport.p2p.SLOTS_BYTES + 1)):
+        p2p.single_copy_min = single_copy_min
+        big = np.full(5 << 20, r + way, np.uint8)
+        out = np.empty_like(big)
+        for request in (comm.isend(big, right), comm.irecv(out, left)):
+            request.wait()
+        check(out, np.full(5 << 20, left + way, np.uint8), f"5 MiB both ways, single copy from {single_copy_min}")
+        # Blocking, one way then back: the compiled calls that wait (streamed, or in one copy).
+        if r < 2:
+            message = ((np.arange(3 << 20) * (r + 3)) % 253).astype(np.uint8)
+            out = np.empty_like(message)
+            if r == 0:
+                comm.send(message, 1)
+                comm.recv(out, 1)
+            else:
+                comm.recv(out, 0)
+                comm.send(message, 0)
+            check(out, ((np.arange(3 << 20) * (4 - r)) % 253).astype(np.uint8),
+                  f"3 MiB blocking, single copy from {single_copy_min}")
+        comm.barrier()
+    # Those from single_copy_min were read straight out of their sender, in
     # one copy: no receiver refused. Then receivers that refuse (as where a
     # process may not read its peers' memory): the message goes as
     # fragments after all, refused by the compiled receive (rank 1) and by
     # the engine's (rank 0), and the sender sends fragments from then on.
-    assert not comm._p2p._refused, f"rank {r}: a large message did not go in one copy"   # noqa: SLF001
+    assert not p2p._refused, f"rank {r}: a large message did not go in one copy"   # noqa: SLF001
     if r < 2:
         from collectives.transport import _shmloop
         _shmloop.mailbox_test_refuse(True)
@@ -532,6 +550,7 @@ def scenario_point_to_point_killed(comm):
     r = comm.rank
     comm.barrier()
     if r == 1:
+        comm._p2p.single_copy_min = 1 << 20   # noqa: SLF001 (in one copy, as $COLLECTIVES_MESSAGE_SINGLE_COPY_MIN)
         comm.isend(np.zeros(4 << 20, np.uint8), 0)   # the descriptor is posted, then this rank dies
         os._exit(0)
     time.sleep(0.3)   # (rank 1 gone before the receive reads its memory)

@@ -156,6 +156,26 @@ def test_the_loops_tunables_come_from_the_environment_when_resolved_and_bad_ones
             check_switches()
         monkeypatch.setenv(variable, "0")
 
+def test_send_and_recvs_single_copy_threshold_comes_from_the_environment_and_never_fits_the_slots(monkeypatch):
+    """$COLLECTIVES_MESSAGE_SINGLE_COPY_MIN: 4 MiB unset, 0 never, and a
+    value at or below the slots' bytes still streams what fits them."""
+    from collectives.config import resolve_message_single_copy_min
+    from collectives.transport.p2p import SLOTS_BYTES, PointToPoint
+
+    def threshold():
+        return PointToPoint(0, 2, None, lambda: 1.0, None, None).single_copy_min
+
+    monkeypatch.delenv("COLLECTIVES_MESSAGE_SINGLE_COPY_MIN", raising=False)
+    assert resolve_message_single_copy_min() == 4 << 20 == threshold()
+    for value, expected in (("0", float("inf")), ("1", SLOTS_BYTES + 1), (str(8 << 20), 8 << 20)):
+        monkeypatch.setenv("COLLECTIVES_MESSAGE_SINGLE_COPY_MIN", value)
+        assert threshold() == expected, value
+    for value in ("-1", "4M"):
+        monkeypatch.setenv("COLLECTIVES_MESSAGE_SINGLE_COPY_MIN", value)
+        with pytest.raises(InvalidUsageError, match="COLLECTIVES_MESSAGE_SINGLE_COPY_MIN"):
+            check_switches()
+
+
 def test_the_compiled_loop_agrees_on_the_row_and_header_sizes():
     _shmloop = pytest.importorskip("collectives.transport._shmloop", reason="built without a C compiler")
     assert (layout.ROW, layout.HEADER) == (_shmloop.ROW_SLOTS, _shmloop.HEADER_SLOTS)

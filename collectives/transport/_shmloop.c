@@ -1440,12 +1440,13 @@ static PyObject *py_compare_exchange(PyObject *Py_UNUSED(self), PyObject *const 
 /* Point-to-point mailboxes (p2p.py: the protocol; layout.py: the bytes)    */
 /*                                                                          */
 /* The common case of send and recv without Python in the loop: a send     */
-/* whose every fragment fits the free slots now (it never waits), and a    */
+/* whose every fragment fits the free slots now (it never waits), a send   */
+/* that streams its fragments in as the receiver frees slots, and a        */
 /* receive from one peer by a rank with nothing else pending, whose head   */
 /* message has the receive's tag and bytes. Anything else is declined      */
 /* (NOT_FAST, nothing consumed) and p2p.py's engine does it.                */
 /*                                                                          */
-/* A message larger than the slots goes in one copy (p2p.py's module doc):  */
+/* Where p2p.py asks, a large message goes in one copy (its module doc):    */
 /* its one fragment is a descriptor (FRAGMENT_OFFSET SINGLE_COPY, the       */
 /* sender's pid and the address of its bytes), which the receiver reads     */
 /* straight out of the sender's process (process_vm_readv) before it        */
@@ -1502,6 +1503,21 @@ static inline int64_t fragment_bytes(int64_t total)
     return bytes < box_layout.slot_bytes ? bytes : box_layout.slot_bytes;
 }
 
+/* Fragment k of a message (`fragment` bytes each, the last shorter) into
+ * the slot of SENT index `index`, published once copied in. */
+static void put_fragment(char *box, int64_t index, const char *data, int64_t nbytes, int64_t tag, int64_t fragment,
+                         int64_t k)
+{
+    char *slot = box_slot(box, index);
+    int64_t *head = (int64_t *)slot, offset = k * fragment;
+    int64_t length = nbytes - offset < fragment ? nbytes - offset : fragment;
+    head[box_layout.bytes_word] = nbytes, head[box_layout.tag_word] = tag, head[box_layout.offset_word] = offset;
+    head[box_layout.fragment_word] = length;
+    if (length > 0)
+        memcpy(slot + box_layout.slot_header, data + offset, (size_t)length);
+    __atomic_store_n(&((int64_t *)box)[box_layout.sent], index + 1, __ATOMIC_RELEASE);   /* after its fragment */
+}
+
 /* mailbox_put(box, data, tag) -> True once every fragment of the message
  * (`data`: any object with the buffer protocol, all its bytes) is in a
  * slot and published, False (nothing written) where they do not all fit
@@ -1530,23 +1546,16 @@ static PyObject *py_mailbox_put(PyObject *Py_UNUSED(self), PyObject *const *args
         PyBuffer_Release(&view);
         Py_RETURN_FALSE;
     }
-    for (int64_t k = 0; k < fragments; k++) {
-        char *slot = box_slot(box, sent + k);
-        int64_t *head = (int64_t *)slot, offset = k * fragment;
-        int64_t length = nbytes - offset < fragment ? nbytes - offset : fragment;
-        head[box_layout.bytes_word] = nbytes, head[box_layout.tag_word] = tag, head[box_layout.offset_word] = offset;
-        head[box_layout.fragment_word] = length;
-        if (length > 0)
-            memcpy(slot + box_layout.slot_header, data + offset, (size_t)length);
-        __atomic_store_n(&words[box_layout.sent], sent + k + 1, __ATOMIC_RELEASE);   /* after its fragment */
-    }
+    for (int64_t k = 0; k < fragments; k++)
+        put_fragment(box, sent + k, data, nbytes, tag, fragment, k);
     PyBuffer_Release(&view);
     Py_RETURN_TRUE;
 }
 
 /* Wait until the mailbox's counter `sent` passes `taken`: spin, yield, then
  * sleep, looking at the abort flag, the peer's process and the deadline.
- * (The single-copy sender waits so on TAKEN, for the receiver.) */
+ * (The senders wait so on TAKEN, for the receiver: the single copy's for
+ * its descriptor to be read, the stream's for a free slot.) */
 static int wait_for_fragment(const int64_t *sent, int64_t taken, const int64_t *abort_flag, int64_t pid,
                              double deadline, long spin, double yield_seconds)
 {
@@ -1703,6 +1712,53 @@ static PyObject *py_mailbox_send_single_copy(PyObject *Py_UNUSED(self), PyObject
     return PyLong_FromLong(status);
 }
 
+/* mailbox_stream(box, data, tag, deadline, abort_address, pid, spin, yield_seconds) -> status:
+ * the message `data` as fragments through the slots, each put in as soon
+ * as the receiver (process `pid`) has freed a slot: OK once the last one
+ * is in (as mailbox_put, the send is then done); else why it stopped
+ * (TIMED_OUT, ABORTED, PEER_DEAD, INTERRUPTED with the exception set),
+ * with some fragments published: the communicator is then aborted. For
+ * messages that do not fit the free slots now, the larger than the slots
+ * among them (below p2p.py's single-copy size): the receiver copies one
+ * fragment out while this copies the next in. */
+static PyObject *py_mailbox_stream(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8 || !box_layout.ready) {
+        PyErr_SetString(PyExc_TypeError, "mailbox_stream(box, data, tag, deadline, abort_address, pid, spin, "
+                                         "yield_seconds), after mailbox_layout()");
+        return NULL;
+    }
+    char *box = (char *)PyLong_AsVoidPtr(args[0]);
+    long long tag = PyLong_AsLongLong(args[2]);
+    double deadline = PyFloat_AsDouble(args[3]);
+    const int64_t *abort_flag = (const int64_t *)PyLong_AsVoidPtr(args[4]);
+    long long pid = PyLong_AsLongLong(args[5]);
+    long spin = PyLong_AsLong(args[6]);
+    double yield_seconds = PyFloat_AsDouble(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int64_t *words = (int64_t *)box;
+    int64_t nbytes = (int64_t)view.len, sent = load_acquire(&words[box_layout.sent]);
+    int64_t fragment = fragment_bytes(nbytes);
+    int64_t fragments = nbytes == 0 ? 1 : (nbytes + fragment - 1) / fragment;
+    int status = OK;
+    for (int64_t k = 0; k < fragments && status == OK; k++) {
+        int64_t index = sent + k;   /* its slot is free once TAKEN passes index - slots */
+        if (index - load_acquire(&words[box_layout.taken]) >= box_layout.slots)
+            status = wait_for_fragment(&words[box_layout.taken], index - box_layout.slots, abort_flag, pid,
+                                       deadline, spin, yield_seconds);
+        if (status == OK)
+            put_fragment(box, index, (const char *)view.buf, nbytes, tag, fragment, k);
+    }
+    PyBuffer_Release(&view);
+    if (status == INTERRUPTED)
+        return NULL;
+    return PyLong_FromLong(status);
+}
+
 /* mailbox_take(box, data, tag, deadline, abort_address, pid, spin, yield_seconds) -> status:
  * OK once the whole message is in `data` (a writable buffer of exactly its
  * bytes); NOT_FAST where the head message is not one of `tag` and of
@@ -1806,6 +1862,9 @@ static PyMethodDef module_methods[] = {
     {"read_process", (PyCFunction)(void (*)(void))py_read_process, METH_FASTCALL,
      "read_process(pid, address, data, abort_address): a descriptor's bytes into data; OK, PEER_DEAD, REFUSED "
      "or ABORTED"},
+    {"mailbox_stream", (PyCFunction)(void (*)(void))py_mailbox_stream, METH_FASTCALL,
+     "mailbox_stream(box, data, tag, deadline, abort_address, pid, spin, yield_seconds): a status; every fragment "
+     "put in as the receiver frees slots"},
     {"mailbox_take", (PyCFunction)(void (*)(void))py_mailbox_take, METH_FASTCALL,
      "mailbox_take(box, data, tag, deadline, abort_address, pid, spin, yield_seconds): a status; see _shmloop.c"},
     {"store_release", (PyCFunction)(void (*)(void))py_store_release, METH_FASTCALL,

@@ -19,19 +19,23 @@ stores, acquire loads: Counters), so the mailbox needs no lock. A message
 that fits the free slots is sent at once (a send returns with the data
 copied out of the caller's array).
 
-A message larger than the slots (SINGLE_COPY_MIN), which would wait for
-the receiver to drain them anyway, is copied once instead of twice: its
-one fragment is a descriptor (FRAGMENT_OFFSET SINGLE_COPY, the sender's
-pid and the address of its bytes), and the receiver reads the bytes
-straight out of the sender's process into its array (process_vm_readv,
-as the compiled loop's large collectives do), then publishes TAKEN; the
-send completes once TAKEN passes the descriptor, and the sender's array
-is read in place until then (an isend's, until its wait). A receiver that
-cannot read the sender's memory (another user, a ptrace restriction, a
-seccomp filter, or no compiled loop) raises the descriptor's REFUSED word
-before TAKEN: the sender then sends that message, and every later one to
-that rank, as fragments, which the receiver goes on reading into the same
-array.
+A message larger than the free slots streams through them: the sender
+puts each fragment in as soon as the receiver has freed its slot, so the
+two copy at once, through slots that stay in cache.
+
+A message of 4 MiB or more ($COLLECTIVES_MESSAGE_SINGLE_COPY_MIN,
+config.py: where a stream, which needs both processes running at once,
+stopped gaining) is copied once instead: its one fragment is a descriptor
+(FRAGMENT_OFFSET SINGLE_COPY, the sender's pid and the address of its
+bytes), and the receiver reads the bytes straight out of the sender's
+process into its array (process_vm_readv, as the compiled loop's large
+collectives do), then publishes TAKEN; the send completes once TAKEN
+passes the descriptor, and the sender's array is read in place until then
+(an isend's, until its wait). A receiver that cannot read the sender's
+memory (another user, a ptrace restriction, a seccomp filter, or no
+compiled loop) raises the descriptor's REFUSED word before TAKEN: the
+sender then sends that message, and every later one to that rank, as
+fragments, which the receiver goes on reading into the same array.
 
 Matching is MPI's. Messages of one pair arrive in the order they were
 sent. A receive takes the first message from its peer (any peer, for
@@ -47,11 +51,12 @@ order posted, so two ranks that each wait for their own send while the
 other's receive is pending both get through.
 
 The blocking send and recv skip the engine where it has nothing to do
-(_shmloop.c's mailbox_put and mailbox_take: the same slots and counters,
-one compiled call): a send whose fragments all fit the free slots, and a
-receive from a named peer by a rank with nothing pending, of the head
-message when it has the receive's tag and bytes. Otherwise the engine
-runs, and it reads the same mailboxes, so both mix.
+(_shmloop.c's mailbox_put, mailbox_stream, mailbox_send_single_copy and
+mailbox_take: the same slots and counters, one compiled call): a send to
+a rank with no send to it pending, and a receive from a named peer by a
+rank with nothing pending, of the head message when it has the receive's
+tag and bytes. Otherwise the engine runs, and it reads the same
+mailboxes, so both mix.
 
 A failure (a timeout, a peer that died, a receive whose array does not
 have the message's bytes) aborts the communicator as a failed collective
@@ -59,12 +64,14 @@ does: the message half-sent in a mailbox leaves that pair unusable.
 """
 
 import collections
+import math
 import os
 import time
 from typing import Callable, NamedTuple
 
 import numpy as np
 
+from ..config import resolve_message_single_copy_min
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 from ..validation import MAX_TAG, MESSAGE_DTYPES
 from .layout import (
@@ -75,9 +82,7 @@ from .layout import (
 from .protocol import Counters, Waiter
 
 _SLOT_STRIDE = MAILBOX_SLOT_HEADER + MAILBOX_SLOT_BYTES
-# Messages of more bytes than this go in one copy (see the module doc):
-# those larger than the slots, whose send waits for the receiver anyway.
-SINGLE_COPY_MIN = MAILBOX_SLOTS * MAILBOX_SLOT_BYTES
+SLOTS_BYTES = MAILBOX_SLOTS * MAILBOX_SLOT_BYTES   # a message up to this fits a mailbox's free slots at once
 
 try:
     from . import _shmloop   # the compiled send and receive (setup.py builds it when a C compiler is there)
@@ -148,8 +153,13 @@ class PointToPoint:
     or receive takes the compiled mailbox calls where they apply (see
     send and recv)."""
 
-    def __init__(self, rank, size, mailboxes, timeout_of, check_health, abort, compiled=None):
+    def __init__(self, rank, size, mailboxes, timeout_of, check_health, abort, compiled=None,
+                 single_copy_min=None):
         self.rank, self.size = rank, size
+        # Messages of at least this many bytes go in one copy (module doc;
+        # infinity: none), never one that fits the slots at once.
+        threshold = resolve_message_single_copy_min(single_copy_min)
+        self.single_copy_min = max(SLOTS_BYTES + 1, threshold) if threshold else math.inf
         self._mailboxes = mailboxes
         self._compiled = compiled if _shmloop is not None and mailboxes is not None else None
         self._timeout_of = timeout_of           # () -> the communicator's timeout
@@ -180,7 +190,7 @@ class PointToPoint:
         if x.__class__ is not np.ndarray or peer.__class__ is not int or tag.__class__ is not int \
                 or self._outboxes is None or self._compiled is None or not 0 <= peer < self.size \
                 or peer == self.rank or not 0 <= tag <= MAX_TAG or self._sends.get(peer) \
-                or x.dtype not in MESSAGE_DTYPES or not x.flags.c_contiguous or x.nbytes > SINGLE_COPY_MIN:
+                or x.dtype not in MESSAGE_DTYPES or not x.flags.c_contiguous or x.nbytes > SLOTS_BYTES:
             return False
         return _shmloop.mailbox_put(self._outboxes[peer], x, tag)
 
@@ -237,25 +247,42 @@ class PointToPoint:
 
     def send(self, data, peer, tag):
         """A blocking send. Where nothing to `peer` is pending, one compiled
-        call: every fragment put in the free slots (it never waits), or a
-        message larger than the slots sent in one copy (it waits for the
-        receiver to read it); else isend and wait."""
+        call puts every fragment in the free slots if they fit (it never
+        waits); else, where this rank has nothing pending at all, one
+        compiled call that waits (_sent_waiting). Else isend and wait."""
         compiled = self._compiled
         if compiled is not None and peer != self.rank and not self._sends.get(peer):
             box = self._mailboxes.address(self.rank * self.size + peer)
-            if data.nbytes > SINGLE_COPY_MIN and peer not in self._refused:
-                status = _shmloop.mailbox_send_single_copy(
-                    box, data, tag, time.perf_counter() + self._timeout_of(), compiled.abort_address,
-                    compiled.pid_of(peer), compiled.spin, compiled.yield_seconds)
-                if status == 0:
-                    return
-                if status == _shmloop.REFUSED:   # the receiver now expects the message as fragments
-                    self._refused.add(peer)
-                elif status != _shmloop.NOT_FAST:
-                    self._compiled_failure(status, peer, tag, data.nbytes, "send")
-            elif _shmloop.mailbox_put(box, data, tag):
+            if _shmloop.mailbox_put(box, data, tag):
+                return
+            # (a waiting compiled call moves no other request, and a peer may
+            # need one of this rank's to move before it takes this message)
+            if not (self._receives or self._reading or any(self._sends.values())) \
+                    and self._sent_waiting(box, data, peer, tag, compiled):
                 return
         self.wait(self.isend(data, peer, tag), None)
+
+    def _sent_waiting(self, box, data, peer, tag, compiled):
+        """Send `data` in one compiled call that waits for the receiver: in
+        one copy from `single_copy_min` (until the receiver has read it),
+        else fragment by fragment as the receiver frees slots (until all
+        but the slots' worth are taken). True once sent; False where the
+        single copy found no free slot (nothing sent)."""
+        waits = (time.perf_counter() + self._timeout_of(), compiled.abort_address, compiled.pid_of(peer),
+                 compiled.spin, compiled.yield_seconds)
+        if data.nbytes >= self.single_copy_min and peer not in self._refused:
+            status = _shmloop.mailbox_send_single_copy(box, data, tag, *waits)
+            if status == _shmloop.NOT_FAST:
+                return False
+            if status != _shmloop.REFUSED:
+                if status != 0:
+                    self._compiled_failure(status, peer, tag, data.nbytes, "send")
+                return True
+            self._refused.add(peer)   # the receiver now expects the message as fragments
+        status = _shmloop.mailbox_stream(box, data, tag, *waits)
+        if status != 0:
+            self._compiled_failure(status, peer, tag, data.nbytes, "send")
+        return True
 
     def recv(self, data, peer, tag):
         """A blocking receive; returns the source. Where this rank has
@@ -348,7 +375,7 @@ class PointToPoint:
         box = self._mailboxes
         pair = self.rank * self.size + peer
         total = request.data.nbytes
-        if total > SINGLE_COPY_MIN and peer not in self._refused:
+        if total >= self.single_copy_min and peer not in self._refused:
             return self._push_descriptor(box, pair, peer, request)
         while True:
             sent = box.load(pair, MAILBOX_SENT)
