@@ -314,6 +314,12 @@ def scenario_point_to_point(comm):
                 comm.send(message, 0)
             check(out, ((np.arange(3 << 20) * (4 - r)) % 253).astype(np.uint8),
                   f"3 MiB blocking, single copy from {single_copy_min}")
+            # Head to head, each rank's receive posted first: a blocking send
+            # that waited in C alone would never move it (MPI's progress rule).
+            pending = comm.irecv(out, 1 - r)
+            comm.send(np.full(3 << 20, r + 5, np.uint8), 1 - r)
+            pending.wait()
+            check(out, np.full(3 << 20, 6 - r, np.uint8), f"3 MiB head to head, single copy from {single_copy_min}")
         comm.barrier()
     # Those from single_copy_min were read straight out of their sender, in
     # one copy: no receiver refused. Then receivers that refuse (as where a
