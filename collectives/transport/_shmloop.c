@@ -1559,9 +1559,11 @@ static PyObject *py_mailbox_put(PyObject *Py_UNUSED(self), PyObject *const *args
 static int wait_for_fragment(const int64_t *sent, int64_t taken, const int64_t *abort_flag, int64_t pid,
                              double deadline, long spin, double yield_seconds)
 {
-    for (long i = 0; i < spin; i++)
+    for (long i = 0; i < spin; i++) {
         if (load_acquire(sent) > taken)
             return OK;
+        CPU_RELAX();   /* as the loop's waits (shm_waits.h) */
+    }
     int status = OK;
     PyThreadState *released = PyEval_SaveThread();
     double now = now_seconds(), yield_until = now + yield_seconds, next_check = now + FIRST_LOOK_SECONDS, nap = 1e-5;
