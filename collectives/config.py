@@ -172,11 +172,13 @@ def resolve_exchange_single_copy_min(min_bytes=None):
 # one copy (MPICH 114-133); at 4 MiB 270-327 against 525-906, and once 873
 # against 559 (MPICH 420-590); at 16 and 64 MiB 1.56-2.98 and 6.1-8.0 ms
 # against 2.67-3.26 and 8.6-9.5 in three launches, 3.4-3.6 and 13.4-15.6
-# against 2.67-2.69 and 8.6-8.8 in two others (MPICH about 2.0 and 8.4): a
-# stream needs both processes running at once, and when the machine's
-# cores were contended it fell behind, where one process reading is not
-# held up by the other. As the exchanges' threshold above, for the same
-# reason: the single copy from 4 MiB.
+# against 2.67-2.69 and 8.6-8.8 in two others (MPICH about 2.0 and 8.4).
+# The slow launches were those where the hypervisor had put the two cores
+# in different core complexes (a cache line took 225-260 ns from one to
+# the other, against 40-70: docs/noticed.md), and a stream hands every
+# byte from one core's cache to the other's; the single copy reads the
+# sender's pages from memory. As the exchanges' threshold above: the single
+# copy from 4 MiB.
 MESSAGE_SINGLE_COPY_MIN_ENV = "COLLECTIVES_MESSAGE_SINGLE_COPY_MIN"
 DEFAULT_MESSAGE_SINGLE_COPY_MIN = 4 << 20
 
