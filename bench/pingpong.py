@@ -1,6 +1,7 @@
-"""Point-to-point latency: send/recv ping-pong between 2 processes, ours beside MPICH's.
+"""Point-to-point latency: send/recv ping-pong between 2 processes, ours beside MPI's.
 
-    python -m bench.pingpong [--sizes 8,1K,64K,1M] [--batches 20] [--round-trips 500] [-J pingpong.json]
+    python -m bench.pingpong [--mpi mpich|openmpi] [--sizes 8,1K,64K,1M] [--batches 20] [--round-trips 500]
+                             [-J pingpong.json]
 
 Rank 0 sends a message to rank 1 and waits for it back; one way is half a
 round trip. Batches of --round-trips (fewer for large messages: a batch
@@ -8,8 +9,11 @@ moves at most --batch-bytes each way, and makes at least 3) alternate between ou
 `comm.send`/`comm.recv` and MPI's `Send`/`Recv` (mpi4py, on the same
 NumPy arrays), in the same 2 processes, after a barrier each; the median
 batch is reported, with MPI's time over ours (above 1: we are faster).
-Without a launcher it relaunches itself under mpiexec, 2 processes pinned
-one per core (-bind-to core).
+Without a launcher it relaunches itself, 2 processes pinned one per core:
+under MPICH's mpiexec (`--mpi mpich`, the default), or under Open MPI's
+mpirun with the Python of its own environment (`--mpi openmpi`:
+bench/mpis.py finds or makes it). The record names the MPI library the
+ranks loaded.
 """
 
 import statistics
@@ -18,7 +22,7 @@ import sys
 import numpy as np
 
 import collectives
-from bench import cli
+from bench import cli, mpis
 from bench.harness import mpi_world, relaunch_once, seconds_per_call
 
 
@@ -30,9 +34,13 @@ def parse_args(argv=None):
     p.add_argument("--batch-bytes", default="256M", type=cli.parse_size,
                    help="fewer round trips for large messages: a batch moves at most this each way (at least 3 "
                         "round trips)")
+    p.add_argument("--mpi", default=mpis.MPICH, choices=mpis.MPIS,
+                   help="the MPI beside ours: mpich (mpiexec beside this Python) or openmpi (mpirun in "
+                        ".venv-openmpi, made if missing: bench/mpis.py)")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     args.ranks = 2   # (the relaunch starts this many)
+    args.backends = [args.mpi]   # (which launcher the relaunch takes: harness.relaunch_under_mpiexec)
     return args
 
 
@@ -93,8 +101,9 @@ def measure(args, world, comm, MPI):
         row["mpi_over_ours"] = row["mpi_us"] / row["ours_us"]
         rows.append(row)
         if rank == 0:
-            print(f"{nbytes:>10d} B   ours {row['ours_us']:8.2f} us   MPICH {row['mpi_us']:8.2f} us   "
-                  f"MPICH/ours {row['mpi_over_ours']:5.2f}", flush=True)
+            mpi = mpis.NAMES[mpis.loaded_mpi()]
+            print(f"{nbytes:>10d} B   ours {row['ours_us']:8.2f} us   {mpi} {row['mpi_us']:8.2f} us   "
+                  f"{mpi}/ours {row['mpi_over_ours']:5.2f}", flush=True)
     return rows
 
 

@@ -276,25 +276,34 @@ def library_version(name, environments):
     return name
 
 
-# -- point to point against MPICH -------------------------------------------------------
+# -- point to point against MPI -----------------------------------------------------------
 
 
 def pingpong(run):
-    """bench.pingpong: one-way times of our send/recv and MPICH's, per message size."""
+    """bench.pingpong: one-way times of our send/recv and an MPI's (the one
+    its ranks loaded: MPICH, or Open MPI), per message size."""
     rows = run.data.get("one_way")
     if not isinstance(rows, list) or not rows or "mpi_over_ours" not in rows[0]:
         return []
     processes = run.environment.get("processes", 2)
-    return [Measurement(run, ("bench.pingpong", processes, settings_of(run.environment)), f"{processes} processes",
-                        rows)]
+    mpi = pingpong_mpi(run.environment)
+    return [Measurement(run, ("bench.pingpong", mpi, processes, settings_of(run.environment)),
+                        f"{processes} processes", rows)]
+
+
+def pingpong_mpi(environment):
+    """The MPI a ping-pong ran beside: Open MPI where its ranks loaded it, else MPICH (older runs name none)."""
+    return "Open MPI" if str(environment.get("mpi_library", "")).startswith("Open MPI") else "MPICH"
 
 
 def write_pingpong(shown, runs):
     lines = []
     for m in shown:
+        mpi = pingpong_mpi(m.machine_environment)
         body = [[size_label(r["bytes"]), cell(r["ours_us"]), cell(r["mpi_us"]), f"{r['mpi_over_ours']:.2f}"]
                 for r in m.content]
-        lines += [*markdown(["message", "ours, µs one way", "MPICH, µs one way", "MPICH / ours"], body), ""]
+        lines += [f"{m.label}, beside {mpi}:", "", *markdown(["message", "ours, µs one way", f"{mpi}, µs one way",
+                                                               f"{mpi} / ours"], body), ""]
     return lines + provenance(shown)
 
 
@@ -302,7 +311,7 @@ def readme_pingpong(shown, runs):
     rows = []
     for m in shown:
         sizes = [r["bytes"] for r in m.content]
-        rows.append([library_version("MPICH", [m.machine_environment]),
+        rows.append([library_version(pingpong_mpi(m.machine_environment), [m.machine_environment]),
                      f"send/recv one way; host ranks, {m.label} (`bench.pingpong`); "
                      f"{size_label(min(sizes))} to {size_label(max(sizes))}",
                      span([r["mpi_over_ours"] for r in m.content]), short_machines([m])])
@@ -311,5 +320,5 @@ def readme_pingpong(shown, runs):
 
 HOST_PARTS = (Part("", against_libraries, write_against_libraries,
                    "No current run measures host ranks against another library.", readme_against_libraries),
-              Part("Point to point: send and recv against MPICH", pingpong, write_pingpong,
+              Part("Point to point: send and recv against MPICH and Open MPI", pingpong, write_pingpong,
                    "No current run of `bench.pingpong`.", readme_pingpong))

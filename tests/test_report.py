@@ -315,6 +315,30 @@ def test_host_vs_mpich_open_mpi_beside_mpich_and_the_copy_floor(tmp_path):
     assert table.index("| MPICH 9.9.9 |") < table.index("| Open MPI 8.8.8 |") < table.index("| a memory copy")
 
 
+def test_pingpong_beside_mpich_and_open_mpi_are_two_configurations_named_by_the_library_loaded(tmp_path):
+    """bench.pingpong --mpi openmpi: a run beside Open MPI shows beside the
+    MPICH run (neither replaces the other), each table and README row named
+    by the MPI its ranks loaded; a run that names none is MPICH's."""
+    def pingpong(library, mpi_us):
+        environment = {"git_commit": NEW, "device": "host (no GPU)", "cores": 2, "cpu": "Test CPU", "processes": 2}
+        if library:
+            environment["mpi_library"] = library
+        return {"command": "python -m bench.pingpong", "environment": environment,
+                "one_way": [{"bytes": 8, "round_trips": 200, "ours_us": 1.0, "mpi_us": mpi_us,
+                             "mpi_over_ours": mpi_us}]}
+    write(tmp_path, {"pingpong_mpich.json": pingpong(None, 2.0),
+                     "pingpong_openmpi.json": pingpong("Open MPI v8.8.8, package: x", 1.5)})
+    page = report.render(tmp_path, HISTORY)
+    point = section(page, "Host ranks against MPICH, Open MPI and Gloo").split(
+        "### Point to point: send and recv against MPICH and Open MPI\n", 1)[1]
+    assert "2 processes, beside MPICH:" in point and "2 processes, beside Open MPI:" in point
+    assert "| 8 B | 1 | 2 | 2.00 |" in point and "| 8 B | 1 | 1.5 | 1.50 |" in point
+    table = report.readme_table(report.load_runs(tmp_path), HISTORY)
+    assert "| MPICH | send/recv one way; host ranks, 2 processes (`bench.pingpong`); 8 B to 8 B | 2.00x |" in table
+    assert "| Open MPI 8.8.8 | send/recv one way; host ranks, 2 processes (`bench.pingpong`); 8 B to 8 B | 1.50x |" \
+        in table
+
+
 def test_the_gpu_floor_is_one_copy_of_what_the_call_moves(tmp_path):
     """gpu_check's allreduce against a copy of 2 x ranks x size bytes at the
     copy bandwidth it measured: 4 ranks of 32 MiB at 1000 GB/s is 268.4 µs."""
