@@ -614,14 +614,16 @@ class Communicator:
 
         Messages from one rank to another arrive in the order sent; a
         receive takes the first one with its tag (MPI's matching). A message
-        that fits the mailbox's slots (512 KiB) is copied there and the call
-        returns; a larger one is read by the receiver straight out of `x`
-        (one copy) and the call returns once it has been (where the receiver
-        may not read this process's memory, it goes through the slots and
-        returns once the receiver has taken all but the last ones). Raises InvalidUsageError for a bad argument (nothing is
-        sent), CollectiveTimeoutError when the receiver does not take it
-        within the timeout, RankFailedError when it died; a failure aborts
-        the communicator, as a failed collective does.
+        that fits the mailbox's free slots (512 KiB in all) is copied there
+        and the call returns; a larger one streams through them, and the
+        call returns once the receiver has taken all but the slots' worth;
+        from 4 MiB ($COLLECTIVES_MESSAGE_SINGLE_COPY_MIN) the receiver reads
+        it straight out of `x` (one copy), and the call returns once it has
+        (where the receiver may not read this process's memory, it streams).
+        Raises InvalidUsageError for a bad argument (nothing is sent),
+        CollectiveTimeoutError when the receiver does not take it within
+        the timeout, RankFailedError when it died; a failure aborts the
+        communicator, as a failed collective does.
         """
         engine = self._p2p
         if engine is not None and not self._closed and engine.sent_at_once(x, peer, tag):   # (the common case)
