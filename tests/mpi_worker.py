@@ -556,7 +556,7 @@ def scenario_point_to_point_killed(comm):
     r = comm.rank
     comm.barrier()
     if r == 1:
-        comm._p2p.single_copy_min = 1 << 20   # noqa: SLF001 (in one copy, as $COLLECTIVES_MESSAGE_SINGLE_COPY_MIN)
+        os.environ["COLLECTIVES_MESSAGE_SINGLE_COPY_MIN"] = str(1 << 20)   # in one copy (read at the first send)
         comm.isend(np.zeros(4 << 20, np.uint8), 0)   # the descriptor is posted, then this rank dies
         os._exit(0)
     time.sleep(0.3)   # (rank 1 gone before the receive reads its memory)
