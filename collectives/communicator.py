@@ -161,6 +161,7 @@ class Communicator:
         self._calls = {}           # arguments and arrays' ids -> _Call that passed (see _collective)
         self._fusion = None        # fusion.Fuser, made on first use
         self._p2p = None           # transport.p2p.PointToPoint, made at the first send or receive
+        self._postbox = None       # its compiled shortcuts (p2p.py), which send and recv try first
         self._worker = None        # the background thread of fusion buffers on host ranks
         self._worker_thread = None
         self._busy = set()         # fusion buffers with allreduces started and not yet waited for
@@ -625,8 +626,11 @@ class Communicator:
         the timeout, RankFailedError when it died; a failure aborts the
         communicator, as a failed collective does.
         """
+        postbox = self._postbox   # (the common case: one compiled call, checks and all)
+        if postbox is not None and postbox.send(x, peer, tag):
+            return
         engine = self._p2p
-        if engine is not None and not self._closed and engine.sent_at_once(x, peer, tag):   # (the common case)
+        if engine is not None and not self._closed and engine.sent_at_once(x, peer, tag):
             return
         engine = self._point_to_point("send")
         data = validation.message_bytes(x, self._ranks, "x", written=False)
@@ -644,8 +648,13 @@ class Communicator:
         sender would wait for a receive that never comes);
         CollectiveTimeoutError or RankFailedError as `send`.
         """
+        postbox = self._postbox   # (the common case: one compiled call, checks and all)
+        if postbox is not None:
+            source = postbox.recv(out, peer, tag, self._timeout)
+            if source is not None:
+                return source
         engine = self._p2p
-        if engine is not None and not self._closed:   # (the common case)
+        if engine is not None and not self._closed:
             source = engine.received_at_once(out, peer, tag)
             if source is not None:
                 return source
@@ -687,6 +696,7 @@ class Communicator:
                     f"{what}: not available yet on {type(self._ranks).__name__} ranks; host ranks in processes "
                     "on one machine have it")
             engine = self._p2p = make(lambda: self.timeout)
+            self._postbox = engine.postbox
         return engine
 
     def prepare(self, collective, x, **arguments):

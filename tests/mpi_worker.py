@@ -280,6 +280,24 @@ def scenario_point_to_point(comm):
             out = np.empty(10, np.int64)
             comm.recv(out, 0, tag=tag)
             check(out, np.full(10, tag, np.int64), f"tag {tag}")
+    # Receives match in the order posted: a blocking receive behind a
+    # pending one of the same peer and tag takes the second message (the
+    # compiled shortcut declines while anything is pending), and a message
+    # read ahead is found by the receive after it.
+    if r == 0:
+        for value in (1, 2, 3):
+            comm.send(np.full(3, value, np.int32), 1, tag=4)
+        comm.send(np.full(3, 9, np.int32), 1, tag=5)
+    elif r == 1:
+        first, second, third = (np.zeros(3, np.int32) for _ in range(3))
+        pending = comm.irecv(first, 0, tag=4)
+        comm.recv(second, 0, tag=4)
+        pending.wait()
+        late = np.zeros(3, np.int32)
+        comm.recv(late, 0, tag=5)   # reads the third tag-4 message ahead, into this process
+        comm.recv(third, 0, tag=4)
+        for got, value in ((first, 1), (second, 2), (third, 3), (late, 9)):
+            check(got, np.full(3, value, np.int32), f"the tag-4 message {value}, in the order posted")
     # Any source: every other rank's message, whoever comes first.
     if r == 0:
         seen = set()

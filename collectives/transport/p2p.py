@@ -79,10 +79,12 @@ from .layout import (
     MAILBOX_HEADER, MAILBOX_SENT, MAILBOX_SLOT_BYTES, MAILBOX_SLOT_HEADER, MAILBOX_SLOTS, MAILBOX_TAKEN,
     MESSAGE_BYTES, MESSAGE_TAG, SINGLE_COPY, fragment_bytes, mailbox_bytes, mailboxes_offset,
 )
+from .fastpath import weakly
 from .protocol import Counters, Waiter
 
 _SLOT_STRIDE = MAILBOX_SLOT_HEADER + MAILBOX_SLOT_BYTES
 SLOTS_BYTES = MAILBOX_SLOTS * MAILBOX_SLOT_BYTES   # a message up to this fits a mailbox's free slots at once
+MESSAGE_ARRAYS = (np.ndarray,)   # what the one-frame send and receive take: exactly NumPy's arrays
 
 try:
     from . import _shmloop   # the compiled send and receive (setup.py builds it when a C compiler is there)
@@ -139,11 +141,13 @@ class _ReadAhead:
 
 class CompiledWaits(NamedTuple):
     """What the compiled send and receive need of the ranks (shm.py):
-    where the abort flag is, each rank's process id, and how a wait spins."""
+    where the abort flag is, each rank's process id (and where the ranks'
+    rows that hold them are), and how a wait spins."""
     abort_address: int
     pid_of: Callable[[int], int]
     spin: int
     yield_seconds: float
+    rows_address: int
 
 
 class PointToPoint:
@@ -177,6 +181,14 @@ class PointToPoint:
         if mailboxes is not None:
             self._outboxes = [mailboxes.address(rank * size + peer) for peer in range(size)]
             self._inboxes = [mailboxes.address(peer * size + rank) for peer in range(size)]
+        # The communicator's first try at a blocking send or receive, with no
+        # Python frame (_shmloop.c, Postbox); None without the compiled calls.
+        self.postbox = None
+        if self._compiled is not None:
+            self.postbox = _shmloop.Postbox(
+                mailboxes.address(0), mailboxes.address(1) - mailboxes.address(0), rank, size,
+                self._compiled.rows_address, self._compiled.abort_address, self._compiled.spin,
+                self._compiled.yield_seconds, MESSAGE_ARRAYS, weakly(self._compiled_failure))
 
     # -- the common case in one frame (Communicator.send and recv ask these first) --
 
@@ -228,6 +240,7 @@ class PointToPoint:
             copied.data[:] = data
             self._unexpected[peer].append(copied)
             request.done_bytes, request.done = data.nbytes, True
+            self._tell_postbox()
             return request
         self._sends[peer].append(request)
         self.progress()
@@ -336,6 +349,16 @@ class PointToPoint:
         except BaseException as error:
             self._fail(error)
             raise
+        finally:
+            self._tell_postbox()
+
+    def _tell_postbox(self):
+        """Whether anything is pending here, for the postbox's shortcuts,
+        which decline then (they would move no request and match nothing read
+        ahead). Every change of the pending state ends in progress() or here."""
+        if self.postbox is not None:
+            self.postbox.busy = bool(self._receives or self._reading or any(self._sends.values())
+                                     or any(self._unexpected.values()))
 
     def wait(self, request, timeout):
         if request.done:
@@ -364,6 +387,8 @@ class PointToPoint:
     def close(self):
         """Drop the mailboxes' views (before their segment goes); pending
         requests then raise when waited for."""
+        if self.postbox is not None:
+            self.postbox.closed = 1
         self._mailboxes = None
         self.closed = True
 

@@ -82,8 +82,8 @@ class ShmRank(Recoverable):
         segment's mailboxes; `timeout_of()` gives the communicator's timeout.
         The communicator closes it before this rank (its views go first)."""
         group = self.group
-        header, _, _ = group.channel_addresses()
-        compiled = CompiledWaits(header + 8 * ABORT, group.pid_of, self._spin, fastpath.YIELD_SECONDS)
+        header, rows, _ = group.channel_addresses()
+        compiled = CompiledWaits(header + 8 * ABORT, group.pid_of, self._spin, fastpath.YIELD_SECONDS, rows)
         return PointToPoint(self.rank, self.size, Mailboxes(group.control_buffer, self.size, group.fast_sizes),
                             timeout_of, group.check_peers, group.abort, compiled)
 
