@@ -56,7 +56,10 @@ mailbox_take: the same slots and counters, one compiled call): a send to
 a rank with no send to it pending, and a receive from a named peer by a
 rank with nothing pending, of the head message when it has the receive's
 tag and bytes. Otherwise the engine runs, and it reads the same
-mailboxes, so both mix.
+mailboxes, so both mix. The communicator tries the common two before any
+Python of its own, through this rank's Postbox (_shmloop.c), which checks
+the arguments itself and declines while the engine has anything pending
+(the engine tells it: _tell_postbox); what it declines comes here.
 
 A failure (a timeout, a peer that died, a receive whose array does not
 have the message's bytes) aborts the communicator as a failed collective
