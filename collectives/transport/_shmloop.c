@@ -1668,6 +1668,35 @@ static PyObject *py_read_process(PyObject *Py_UNUSED(self), PyObject *const *arg
     return PyLong_FromLong(status);
 }
 
+/* The arguments the mailbox's waiting calls share, parsed: (box, data, tag,
+ * deadline, abort_address, pid, spin, yield_seconds), data left to each. */
+typedef struct {
+    char *box;
+    long long tag;
+    double deadline;
+    const int64_t *abort_flag;
+    long long pid;
+    long spin;
+    double yield_seconds;
+} BoxCall;
+
+static int box_call(const char *name, PyObject *const *args, Py_ssize_t nargs, BoxCall *call)
+{
+    if (nargs != 8 || !box_layout.ready) {
+        PyErr_Format(PyExc_TypeError, "%s(box, data, tag, deadline, abort_address, pid, spin, yield_seconds), "
+                                      "after mailbox_layout()", name);
+        return -1;
+    }
+    call->box = (char *)PyLong_AsVoidPtr(args[0]);
+    call->tag = PyLong_AsLongLong(args[2]);
+    call->deadline = PyFloat_AsDouble(args[3]);
+    call->abort_flag = (const int64_t *)PyLong_AsVoidPtr(args[4]);
+    call->pid = PyLong_AsLongLong(args[5]);
+    call->spin = PyLong_AsLong(args[6]);
+    call->yield_seconds = PyFloat_AsDouble(args[7]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 /* mailbox_send_single_copy(box, data, tag, deadline, abort_address, pid, spin, yield_seconds) -> status:
  * the message `data` (its bytes, which stay put until this returns) as a
  * descriptor in the mailbox: OK once the receiver (process `pid`) has read
@@ -1678,35 +1707,25 @@ static PyObject *py_read_process(PyObject *Py_UNUSED(self), PyObject *const *arg
  * then aborted. */
 static PyObject *py_mailbox_send_single_copy(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 8 || !box_layout.ready) {
-        PyErr_SetString(PyExc_TypeError, "mailbox_send_single_copy(box, data, tag, deadline, abort_address, pid, "
-                                         "spin, yield_seconds), after mailbox_layout()");
-        return NULL;
-    }
-    char *box = (char *)PyLong_AsVoidPtr(args[0]);
-    long long tag = PyLong_AsLongLong(args[2]);
-    double deadline = PyFloat_AsDouble(args[3]);
-    const int64_t *abort_flag = (const int64_t *)PyLong_AsVoidPtr(args[4]);
-    long long pid = PyLong_AsLongLong(args[5]);
-    long spin = PyLong_AsLong(args[6]);
-    double yield_seconds = PyFloat_AsDouble(args[7]);
-    if (PyErr_Occurred())
+    BoxCall a;
+    if (box_call("mailbox_send_single_copy", args, nargs, &a) < 0)
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    int64_t *words = (int64_t *)box;
+    int64_t *words = (int64_t *)a.box;
     int64_t sent = load_acquire(&words[box_layout.sent]);
     if (sent - load_acquire(&words[box_layout.taken]) >= box_layout.slots) {
         PyBuffer_Release(&view);
         return PyLong_FromLong(NOT_FAST);
     }
-    int64_t *head = (int64_t *)box_slot(box, sent);
-    head[box_layout.bytes_word] = (int64_t)view.len, head[box_layout.tag_word] = tag;
+    int64_t *head = (int64_t *)box_slot(a.box, sent);
+    head[box_layout.bytes_word] = (int64_t)view.len, head[box_layout.tag_word] = a.tag;
     head[box_layout.offset_word] = SINGLE_COPY, head[box_layout.pid_word] = (int64_t)getpid();
     head[box_layout.address_word] = (int64_t)(uintptr_t)view.buf, head[box_layout.refused_word] = 0;
     __atomic_store_n(&words[box_layout.sent], sent + 1, __ATOMIC_RELEASE);   /* last: the descriptor first */
-    int status = wait_for_fragment(&words[box_layout.taken], sent, abort_flag, pid, deadline, spin, yield_seconds);
+    int status = wait_for_fragment(&words[box_layout.taken], sent, a.abort_flag, a.pid, a.deadline, a.spin,
+                                   a.yield_seconds);
     if (status == OK && __atomic_load_n(&head[box_layout.refused_word], __ATOMIC_ACQUIRE))
         status = REFUSED;
     PyBuffer_Release(&view);
@@ -1726,24 +1745,13 @@ static PyObject *py_mailbox_send_single_copy(PyObject *Py_UNUSED(self), PyObject
  * fragment out while this copies the next in. */
 static PyObject *py_mailbox_stream(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 8 || !box_layout.ready) {
-        PyErr_SetString(PyExc_TypeError, "mailbox_stream(box, data, tag, deadline, abort_address, pid, spin, "
-                                         "yield_seconds), after mailbox_layout()");
-        return NULL;
-    }
-    char *box = (char *)PyLong_AsVoidPtr(args[0]);
-    long long tag = PyLong_AsLongLong(args[2]);
-    double deadline = PyFloat_AsDouble(args[3]);
-    const int64_t *abort_flag = (const int64_t *)PyLong_AsVoidPtr(args[4]);
-    long long pid = PyLong_AsLongLong(args[5]);
-    long spin = PyLong_AsLong(args[6]);
-    double yield_seconds = PyFloat_AsDouble(args[7]);
-    if (PyErr_Occurred())
+    BoxCall a;
+    if (box_call("mailbox_stream", args, nargs, &a) < 0)
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    int64_t *words = (int64_t *)box;
+    int64_t *words = (int64_t *)a.box;
     int64_t nbytes = (int64_t)view.len, sent = load_acquire(&words[box_layout.sent]);
     int64_t fragment = fragment_bytes(nbytes);
     int64_t fragments = nbytes == 0 ? 1 : (nbytes + fragment - 1) / fragment;
@@ -1751,10 +1759,10 @@ static PyObject *py_mailbox_stream(PyObject *Py_UNUSED(self), PyObject *const *a
     for (int64_t k = 0; k < fragments && status == OK; k++) {
         int64_t index = sent + k;   /* its slot is free once TAKEN passes index - slots */
         if (index - load_acquire(&words[box_layout.taken]) >= box_layout.slots)
-            status = wait_for_fragment(&words[box_layout.taken], index - box_layout.slots, abort_flag, pid,
-                                       deadline, spin, yield_seconds);
+            status = wait_for_fragment(&words[box_layout.taken], index - box_layout.slots, a.abort_flag, a.pid,
+                                       a.deadline, a.spin, a.yield_seconds);
         if (status == OK)
-            put_fragment(box, index, (const char *)view.buf, nbytes, tag, fragment, k);
+            put_fragment(a.box, index, (const char *)view.buf, nbytes, a.tag, fragment, k);
     }
     PyBuffer_Release(&view);
     if (status == INTERRUPTED)
@@ -1770,25 +1778,14 @@ static PyObject *py_mailbox_stream(PyObject *Py_UNUSED(self), PyObject *const *a
  * possibly with some fragments taken: the communicator is then aborted. */
 static PyObject *py_mailbox_take(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 8 || !box_layout.ready) {
-        PyErr_SetString(PyExc_TypeError, "mailbox_take(box, data, tag, deadline, abort_address, pid, spin, "
-                                         "yield_seconds), after mailbox_layout()");
-        return NULL;
-    }
-    char *box = (char *)PyLong_AsVoidPtr(args[0]);
-    long long tag = PyLong_AsLongLong(args[2]);
-    double deadline = PyFloat_AsDouble(args[3]);
-    const int64_t *abort_flag = (const int64_t *)PyLong_AsVoidPtr(args[4]);
-    long long pid = PyLong_AsLongLong(args[5]);
-    long spin = PyLong_AsLong(args[6]);
-    double yield_seconds = PyFloat_AsDouble(args[7]);
-    if (PyErr_Occurred())
+    BoxCall a;
+    if (box_call("mailbox_take", args, nargs, &a) < 0)
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE) < 0)
         return NULL;
-    int status = take_message(box, (char *)view.buf, (int64_t)view.len, tag, deadline, abort_flag, pid, spin,
-                              yield_seconds);
+    int status = take_message(a.box, (char *)view.buf, (int64_t)view.len, a.tag, a.deadline, a.abort_flag, a.pid,
+                              a.spin, a.yield_seconds);
     PyBuffer_Release(&view);
     if (status == INTERRUPTED)
         return NULL;
