@@ -48,7 +48,10 @@ later receive finds it. A message to oneself goes there directly.
 Nothing moves without a call: the requests of this rank progress whenever
 it waits for one of them (and at each post), every pending one, in the
 order posted, so two ranks that each wait for their own send while the
-other's receive is pending both get through.
+other's receive is pending both get through. Where nothing else is
+pending, an isend whose fragments fit the free slots is done at its post
+(mailbox_put), and an irecv from a named peer waits for its message in
+one compiled call (mailbox_take) when it is waited for.
 
 The blocking send and recv skip the engine where it has nothing to do
 (_shmloop.c's mailbox_put, mailbox_stream, mailbox_send_single_copy and
@@ -245,14 +248,25 @@ class PointToPoint:
             request.done_bytes, request.done = data.nbytes, True
             self._tell_postbox()
             return request
+        if self._compiled is not None and not self._pending() and _shmloop.mailbox_put(self._outboxes[peer], data, tag):
+            request.done_bytes, request.done = data.nbytes, True   # (in the free slots: nothing else to move)
+            return request
         self._sends[peer].append(request)
         self.progress()
         return request
 
+    def _pending(self):
+        """Whether this rank has anything pending: a request, or a message read ahead."""
+        return bool(self._receives or self._reading or any(self._sends.values()) or any(self._unexpected.values()))
+
     def irecv(self, data, peer, tag):
         request = Request(self, "recv", peer, tag, data)
+        alone = self._compiled is not None and peer is not None and not self._pending()
         self._receives.append(request)
-        self.progress()
+        if alone:   # nothing else to move: its wait takes the message in one compiled call (_received_in_c)
+            self._tell_postbox()
+        else:
+            self.progress()
         return request
 
     def _pid_of(self, peer):
@@ -355,13 +369,36 @@ class PointToPoint:
         finally:
             self._tell_postbox()
 
+    def _received_in_c(self, request, limit):
+        """Wait for `request` in one compiled call where it is a receive from
+        a named peer and the only thing pending here, nothing of its message
+        taken yet (irecv then wait, as torch's backend does): the compiled
+        take (mailbox_take) waits for the head message of that peer. True
+        once done; False where it declined (another tag or size at the head:
+        the engine matches it), nothing taken."""
+        peer = request.peer
+        if request.kind != "recv" or peer is None or self._compiled is None or self._receives != [request] \
+                or self._reading or any(self._sends.values()) or any(self._unexpected.values()):
+            return False
+        compiled = self._compiled
+        status = _shmloop.mailbox_take(self._inboxes[peer], request.data, request.tag, time.perf_counter() + limit,
+                                       compiled.abort_address, self._pids[peer] or self._pid_of(peer), compiled.spin,
+                                       compiled.yield_seconds)
+        if status == _shmloop.NOT_FAST:
+            return False
+        if status != 0:
+            self._compiled_failure(status, peer, request.tag, request.data.nbytes, "recv")
+        self._receives.remove(request)
+        request.done_bytes, request.done, request.source = request.data.nbytes, True, peer
+        self._tell_postbox()
+        return True
+
     def _tell_postbox(self):
         """Whether anything is pending here, for the postbox's shortcuts,
         which decline then (they would move no request and match nothing read
         ahead). Every change of the pending state ends in progress() or here."""
         if self.postbox is not None:
-            self.postbox.busy = bool(self._receives or self._reading or any(self._sends.values())
-                                     or any(self._unexpected.values()))
+            self.postbox.busy = self._pending()
 
     def wait(self, request, timeout):
         if request.done:
@@ -369,6 +406,8 @@ class PointToPoint:
         if self.closed:
             raise InvalidUsageError(f"{request!r}: its communicator was closed before the request completed")
         limit = self._timeout_of() if timeout is None else timeout
+        if self._received_in_c(request, limit):
+            return
         waiter = Waiter(time.perf_counter() + limit)
         who = "any rank" if request.peer is None else f"rank {request.peer}"
 
