@@ -196,7 +196,7 @@ class PointToPoint:
                 self._compiled.rows_address, self._compiled.abort_address, self._compiled.spin,
                 self._compiled.yield_seconds, MESSAGE_ARRAYS, weakly(self._compiled_failure))
 
-    # -- the common case in one frame (Communicator.send and recv ask these first) --
+    # -- the common case in one frame (Communicator.send and recv ask these after the postbox) --
 
     def sent_at_once(self, x, peer, tag):
         """A blocking send of `x`, one C-contiguous NumPy array of a
