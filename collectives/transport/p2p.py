@@ -227,15 +227,23 @@ class PointToPoint:
         flags = out.flags
         if not (flags.c_contiguous and flags.writeable):
             return None
+        return peer if self._taken(out, peer, tag, self._timeout_of()) else None
+
+    def _taken(self, data, peer, tag, limit):
+        """Take the head message of `peer`'s mailbox, of `tag` and of
+        `data`'s bytes, into `data`, in one compiled call that waits for it
+        up to `limit` seconds: True once done, False where it declined
+        (another message at the head: nothing taken); a failure aborts the
+        communicator and raises."""
         compiled = self._compiled
-        pid = self._pids[peer] or self._pid_of(peer)
-        status = _shmloop.mailbox_take(self._inboxes[peer], out, tag, time.perf_counter() + self._timeout_of(),
-                                       compiled.abort_address, pid, compiled.spin, compiled.yield_seconds)
-        if status == 0:
-            return peer
-        if status != _shmloop.NOT_FAST:
-            self._compiled_failure(status, peer, tag, out.nbytes, "recv")
-        return None
+        status = _shmloop.mailbox_take(self._inboxes[peer], data, tag, time.perf_counter() + limit,
+                                       compiled.abort_address, self._pids[peer] or self._pid_of(peer), compiled.spin,
+                                       compiled.yield_seconds)
+        if status == _shmloop.NOT_FAST:
+            return False
+        if status != 0:
+            self._compiled_failure(status, peer, tag, data.nbytes, "recv")
+        return True
 
     # -- posting ------------------------------------------------------------------
 
@@ -320,17 +328,10 @@ class PointToPoint:
         names its peer, one compiled call waits for the message and copies
         it out, if the head of the mailbox is a message of `tag` and of
         `data`'s bytes; else (or for a message read ahead) irecv and wait."""
-        compiled = self._compiled
-        if compiled is not None and peer is not None and peer != self.rank and not self._receives \
-                and not self._reading and not self._unexpected.get(peer) and not any(self._sends.values()):
-            status = _shmloop.mailbox_take(
-                self._mailboxes.address(peer * self.size + self.rank), data, tag,
-                time.perf_counter() + self._timeout_of(), compiled.abort_address, compiled.pid_of(peer),
-                compiled.spin, compiled.yield_seconds)
-            if status == 0:
-                return peer
-            if status != _shmloop.NOT_FAST:
-                self._compiled_failure(status, peer, tag, data.nbytes, "recv")
+        if self._compiled is not None and peer is not None and peer != self.rank and not self._receives \
+                and not self._reading and not self._unexpected.get(peer) and not any(self._sends.values()) \
+                and self._taken(data, peer, tag, self._timeout_of()):
+            return peer
         request = self.irecv(data, peer, tag)
         self.wait(request, None)
         return request.source
@@ -380,14 +381,8 @@ class PointToPoint:
         if request.kind != "recv" or peer is None or self._compiled is None or self._receives != [request] \
                 or self._reading or any(self._sends.values()) or any(self._unexpected.values()):
             return False
-        compiled = self._compiled
-        status = _shmloop.mailbox_take(self._inboxes[peer], request.data, request.tag, time.perf_counter() + limit,
-                                       compiled.abort_address, self._pids[peer] or self._pid_of(peer), compiled.spin,
-                                       compiled.yield_seconds)
-        if status == _shmloop.NOT_FAST:
+        if not self._taken(request.data, peer, request.tag, limit):
             return False
-        if status != 0:
-            self._compiled_failure(status, peer, request.tag, request.data.nbytes, "recv")
         self._receives.remove(request)
         request.done_bytes, request.done, request.source = request.data.nbytes, True, peer
         self._tell_postbox()
