@@ -21,8 +21,10 @@ hang. (That is why nodes are found from host names rather than with
 MPI_Comm_split_type, a blocking collective with no nonblocking form.)
 """
 
+import ctypes
 import functools
 import os
+import signal
 import socket
 import sys
 import time
@@ -70,6 +72,20 @@ def rendezvous(comm=None, deadline=None, environ=os.environ):
 NO_COLLECTIVE_FINALIZE = "MPIR_CVAR_NO_COLLECTIVE_FINALIZE"
 
 
+# MPICH's MPI_Init installs a handler for SIGUSR1, which its launcher
+# (hydra, under -disable-auto-cleanup) sends the ranks of a machine when one
+# of them exits without finalizing. The next MPI call then asks mpiexec which
+# processes died, and blocks reading the answer. Where mpiexec is out of
+# reach (a cut link, its machine lost) the answer never comes: the rank hangs
+# inside MPI, where no timeout of ours reaches it. We find dead ranks
+# ourselves, and MPICH keeps nothing of the answer but for its fault-tolerant
+# mode (off). So once MPI runs, the signal gets back the process's Python
+# handler, or is ignored (its default action would end the process, which
+# MPICH's handler had kept it from doing).
+FAILURE_SIGNAL = signal.SIGUSR1
+_BEFORE_MPI = {}   # FAILURE_SIGNAL's disposition before we replaced MPICH's handler
+
+
 def mpi_world(comm=None):
     """The MPI communicator to bootstrap from, or None when running alone
     without mpi4py. Under a launcher, mpi4py is required."""
@@ -85,7 +101,31 @@ def mpi_world(comm=None):
                 f"{', '.join(launched) or 'a communicator'}) but mpi4py is not installed: "
                 "pip install 'collectives[mpi]'") from None
         return None
+    _undo_mpich_failure_handler(MPI)
     return comm if comm is not None else MPI.COMM_WORLD
+
+
+def failure_signal_before_mpi():
+    """SIGUSR1's disposition as the process had it before MPI_Init, as
+    signal.getsignal gives it (SIG_DFL, SIG_IGN as a launch's `trap "" USR1`
+    leaves it, a Python handler)."""
+    return _BEFORE_MPI.get(FAILURE_SIGNAL, signal.getsignal(FAILURE_SIGNAL))
+
+
+def _undo_mpich_failure_handler(MPI):
+    """Under MPICH, SIGUSR1 back to the process's Python handler, or ignored:
+    see FAILURE_SIGNAL. Once per process, as MPI_Init runs once: a handler
+    the program sets later stays. (signal.getsignal still gives what Python
+    last saw: MPI_Init sets its handler in C.)"""
+    if FAILURE_SIGNAL in _BEFORE_MPI or not MPI.Get_library_version().startswith("MPICH"):
+        return
+    before = _BEFORE_MPI[FAILURE_SIGNAL] = signal.getsignal(FAILURE_SIGNAL)
+    try:
+        signal.signal(FAILURE_SIGNAL, before if callable(before) else signal.SIG_IGN)
+    except ValueError:   # (not the main thread, where Python alone sets handlers: ignoring needs no Python)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype, libc.signal.argtypes = ctypes.c_void_p, (ctypes.c_int, ctypes.c_void_p)
+        libc.signal(FAILURE_SIGNAL, int(signal.SIG_IGN))
 
 
 WATCH_SECONDS = 0.005   # between looks at the watched processes while a start-up exchange waits

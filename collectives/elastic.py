@@ -43,6 +43,7 @@ import warnings
 
 import numpy as np
 
+from .bootstrap import failure_signal_before_mpi
 from .errors import CollectiveTimeoutError, InvalidUsageError, RankFailedError, RevokedError
 
 # What a failure of a peer raises on a survivor (RankFailedError is a CollectiveTimeoutError).
@@ -77,7 +78,7 @@ def launcher_kills_survivors(environ=os.environ):
                 "start each rank through a shell that lets the others live: mpiexec -disable-auto-cleanup -n N "
                 "sh -c 'trap \"\" USR1; python ...; exit $?'")
     if _process_name(_parent_of(os.getppid())) == "hydra_pmi_proxy" \
-            and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+            and failure_signal_before_mpi() == signal.SIG_DFL:
         return ("MPICH's mpiexec sends SIGUSR1 to every rank when one fails, and this process does not ignore it "
                 "(its default action ends the process): start the shell with trap \"\" USR1, and mpiexec with "
                 "-disable-auto-cleanup")

@@ -931,13 +931,21 @@ def scenario_host_died(comm):
 
 def scenario_link_cut(comm):
     """The last rank takes its host's only link down (`ip link set eth0
-    down`, in the host's own network namespace): every rank, on either side
-    of the cut, raises within the timeout."""
+    down`, in the host's own network namespace), and every rank of that host
+    gets SIGUSR1, as hydra's proxy (under -disable-auto-cleanup) signals the
+    ranks of a host when one of them exits without finalizing: MPICH would
+    answer it by asking mpiexec, across the cut, which ranks died, and wait
+    for the answer forever (bootstrap.py). Every rank, on either side of the
+    cut, raises within the timeout."""
+    import signal
+    cut_host = comm.topology.nodes[comm.topology.node_of(comm.size - 1)]
     comm.barrier()
     time.sleep(0.5)   # (the barrier's last messages arrive before the cut, on every rank)
     if comm.rank == comm.size - 1:
         subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
     time.sleep(0.5)   # (the link is down before any rank's allreduce sends a byte across it)
+    if comm.rank in cut_host:
+        os.kill(os.getpid(), signal.SIGUSR1)
     raises_in_time(comm, "the link was cut")
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -232,6 +233,61 @@ def test_elastic_names_a_launcher_that_would_end_the_survivors():
     assert wrapped.stdout.strip() == "[]", wrapped.stdout + wrapped.stderr
     assert "--nproc-per-node 1" in elastic.launcher_kills_survivors({"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "4"})
     assert elastic.launcher_kills_survivors({"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "1"}) == ""
+
+
+# One process that starts MPI through collectives.init (a singleton: MPI_Init
+# runs as under mpiexec) and prints what became of SIGUSR1 (bootstrap.py's
+# FAILURE_SIGNAL): `handler` sets a Python handler first; `thread` calls
+# init from a thread other than the main one.
+SIGNAL_AFTER_INIT = r"""
+import json, os, signal, sys, threading
+import collectives
+from collectives import bootstrap
+
+case, fired = sys.argv[1], []
+if case == "handler":
+    signal.signal(signal.SIGUSR1, lambda *_: fired.append(1))
+if case == "thread":
+    started = threading.Thread(target=collectives.init)
+    started.start()
+    started.join()
+else:
+    collectives.init()
+from mpi4py import MPI
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+bit = 1 << (signal.SIGUSR1 - 1)
+ignored, caught = bool(int(status["SigIgn"], 16) & bit), bool(int(status["SigCgt"], 16) & bit)
+if ignored or caught:   # (the default action would end the process)
+    os.kill(os.getpid(), signal.SIGUSR1)
+print(json.dumps({"mpich": MPI.Get_library_version().startswith("MPICH"),
+                  "ignored": ignored, "caught": caught,
+                  "fired": len(fired), "before": str(bootstrap.failure_signal_before_mpi())}))
+"""
+
+
+def test_under_mpich_a_launchers_failure_signal_leaves_mpi_alone():
+    """MPICH's handler for SIGUSR1 would make the next MPI call wait for
+    mpiexec's word on dead processes, forever where mpiexec is out of reach
+    (tests/test_hosts.py's cut link): after init the signal is ignored, or
+    goes to the Python handler the process had, from the main thread or
+    another."""
+    pytest.importorskip("mpi4py")
+    def default_action():   # (as a launch without a trap gives it; pytest's workers may ignore the signal)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    launched = {case: subprocess.Popen([sys.executable, "-c", SIGNAL_AFTER_INIT, case], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, preexec_fn=default_action)
+                for case in ("plain", "handler", "thread")}
+    seen = {}
+    for case, process in launched.items():
+        out, err = process.communicate(timeout=LIMIT)
+        assert process.returncode == 0, f"{case}: exit {process.returncode}\n{out}{err}"
+        seen[case] = json.loads(out)
+    if not seen["plain"]["mpich"]:
+        pytest.skip("MPICH's handler only: this mpi4py runs on another MPI")
+    assert seen["plain"] == {"mpich": True, "ignored": True, "caught": False, "fired": 0,
+                             "before": str(signal.SIG_DFL)}, seen
+    assert seen["thread"]["ignored"] and not seen["thread"]["caught"], seen
+    assert seen["handler"]["caught"] and not seen["handler"]["ignored"] and seen["handler"]["fired"] == 1, seen
 
 
 @pytest.mark.parametrize("what", ["revoke", "agree", "shrink"])
