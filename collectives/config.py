@@ -148,7 +148,9 @@ def _bytes(value, argument, variable, default, multiple):
 # 1 MiB, mixed at 2 and 4 MiB (docs/host-ranks.md, "The exchanges: one
 # copy"). An earlier measurement under heavy load (load average 4 to 18)
 # had the single copy ahead from 128 KiB: a staged pipeline suffers most
-# from a descheduled peer.
+# from a descheduled peer. On an Intel Xeon VM (2026-12-01) the single copy
+# was ahead from 256 KiB (gather 256 KiB 12-13 against 22-25 us, all_to_all
+# 1 MiB 61-63 against 138-142; docs/noticed.md): the limit is the machine's.
 EXCHANGE_SINGLE_COPY_MIN_ENV = "COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN"
 DEFAULT_EXCHANGE_SINGLE_COPY_MIN = 4 << 20
 
