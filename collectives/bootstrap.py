@@ -122,7 +122,7 @@ def _undo_mpich_failure_handler(MPI):
     before = _BEFORE_MPI[FAILURE_SIGNAL] = signal.getsignal(FAILURE_SIGNAL)
     try:
         signal.signal(FAILURE_SIGNAL, before if callable(before) else signal.SIG_IGN)
-    except ValueError:   # (not the main thread, where Python alone sets handlers: ignoring needs no Python)
+    except ValueError:   # (not the main thread: only there does Python set handlers, so ignored, even over one)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.signal.restype, libc.signal.argtypes = ctypes.c_void_p, (ctypes.c_int, ctypes.c_void_p)
         libc.signal(FAILURE_SIGNAL, int(signal.SIG_IGN))
