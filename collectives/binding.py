@@ -49,11 +49,19 @@ plan's reads, peers reading only workspaces, in one of two bindings:
                    receivers, a direct allgather's or reduce_scatter's
                    blocks); INPUT is read only by the copy in, before any
                    step, so any overlap with OUTPUT is still safe
+    WORKSPACE_APART
+                   INPUT and OUTPUT are separate memory: also, a block
+                   that only its own rank reads back out of its workspace
+                   (a gather's or scatter's root's own, all_to_all's own)
+                   is copied straight from INPUT to OUTPUT in phase 0,
+                   beside the copies in, one copy where it made two
     WORKSPACE_IN_PLACE
                    INPUT and OUTPUT are the same memory, chunk for chunk:
                    also, a copy out of a chunk that still holds the rank's
                    own input (a broadcast's root, allgather's own block) is
-                   left out, its value being there already
+                   left out, its value being there already, and so is such
+                   a block's copy in (WORKSPACE_APART's straight copy is a
+                   copy onto itself here)
 
 Each proved by the same symbolic run. Compressed plans keep the plain plan
 (their wire copies are lowered from its moves).
@@ -72,11 +80,13 @@ REDUCE_OP = 1
 REDUCE_FINAL_OP = 2
 
 WORKSPACE = "workspace"
+WORKSPACE_APART = "workspace_apart"
 WORKSPACE_IN_PLACE = "workspace_in_place"
 OUT_OF_PLACE = "out_of_place"
 IN_PLACE = "in_place"
 IN_PLACE_LOCKSTEP = "in_place_lockstep"
-BINDINGS = (WORKSPACE, WORKSPACE_IN_PLACE, OUT_OF_PLACE, IN_PLACE, IN_PLACE_LOCKSTEP)
+BINDINGS = (WORKSPACE, WORKSPACE_APART, WORKSPACE_IN_PLACE, OUT_OF_PLACE, IN_PLACE, IN_PLACE_LOCKSTEP)
+WORKSPACE_BINDINGS = (WORKSPACE, WORKSPACE_APART, WORKSPACE_IN_PLACE)
 IN_PLACE_BINDINGS = frozenset({WORKSPACE_IN_PLACE, IN_PLACE, IN_PLACE_LOCKSTEP})
 
 
@@ -133,12 +143,12 @@ def bind(phases, schedule, binding, rewrite_workspace_plans=True):
     bindings (compressed plans)."""
     if binding not in BINDINGS:
         raise ValueError(f"unknown binding {binding!r}")
-    if binding in (WORKSPACE, WORKSPACE_IN_PLACE) and not rewrite_workspace_plans:
+    if binding in WORKSPACE_BINDINGS and not rewrite_workspace_plans:
         return phases
     layout = _Layout(schedule, in_place=binding in IN_PLACE_BINDINGS, lockstep=binding == IN_PLACE_LOCKSTEP)
     expected = layout.run(phases)
     assert expected is not None, "a valid schedule's plain plan has no conflicts"
-    if binding in (WORKSPACE, WORKSPACE_IN_PLACE):
+    if binding in WORKSPACE_BINDINGS:
         direct = _last_results_in_output(phases)
         candidates = [direct, phases]
         workspace = next(c for c in candidates if c is phases or layout.run(c) == expected)
@@ -147,11 +157,22 @@ def bind(phases, schedule, binding, rewrite_workspace_plans=True):
             candidates = [_without_copies_of_untouched_input(direct), _without_copies_of_untouched_input(phases),
                           *candidates]
             chosen = next(c for c in candidates if c is phases or layout.run(c) == expected)
+        if binding != WORKSPACE:   # (the symbolic run knows how INPUT and OUTPUT relate: apart, or the same)
+            straight = _straight_from_input(chosen)
+            chosen = next((c for c in (_straight_copies_first(straight), straight) if layout.run(c) == expected),
+                          chosen)
+            onto_itself = [[m for m in phase if not (m.kind == COPY_OP
+                                                     and layout.storage(m.dst) == layout.storage(m.srcs[0]))]
+                           for phase in chosen]   # (in place, a block copied onto itself)
+            chosen = onto_itself if layout.run(onto_itself) == expected else chosen
         # No copy out left: one phase less. But only where WORKSPACE has none
         # left either: each process binds by its own arrays, so the ranks of
         # one call may bind differently (MPI_IN_PLACE at a gather's root
         # alone), and their counters count phases: every rank of a call must
-        # run as many. (WORKSPACE_IN_PLACE only leaves copies out.)
+        # run as many. (WORKSPACE_IN_PLACE only leaves copies out, and the
+        # straight copies above only move copies out into phase 0, so that
+        # where WORKSPACE's own plan kept a copy out, a phase is left, empty
+        # or not.)
         return chosen[:-1] if len(chosen) > 2 and not workspace[-1] else chosen
     for policy in POLICIES:
         rewritten = _rewrite(phases, schedule, policy, layout)
@@ -215,6 +236,37 @@ def _without_copies_of_untouched_input(phases):
         src = m.srcs[0]
         return src not in written and loaded_from.get(src) == Loc(m.dst.rank, INPUT, m.dst.chunk)
     return [copy_in, *steps, [m for m in copy_out if not untouched_input(m)]]
+
+
+def _straight_from_input(phases):
+    """The plan with each copy of a rank's own WORK chunk that only the copy
+    in wrote taken straight from that INPUT chunk, and each copy in that
+    nothing reads then left out: a block no peer reads (a gather's root's
+    own, all_to_all's own) costs one copy where it cost two."""
+    copy_in, *later = phases
+    written = {m.dst for phase in later for m in phase}
+    loaded_from = {m.dst: m.srcs[0] for m in copy_in}
+
+    def straight(m):
+        src = m.srcs[0]
+        if m.kind == COPY_OP and src.rank == m.rank and src in loaded_from and src not in written:
+            return m._replace(srcs=(loaded_from[src],))
+        return m
+    later = [[straight(m) for m in phase] for phase in later]
+    read = {src for phase in later for m in phase for src in m.srcs}
+    return [[m for m in copy_in if m.dst in read], *later]
+
+
+def _straight_copies_first(phases):
+    """The plan with its copies from INPUT to OUTPUT moved into phase 0,
+    beside the copies in: a rank's own block moves while its peers copy
+    theirs in."""
+    copy_in, *later = phases
+
+    def straight(m):
+        return m.kind == COPY_OP and m.dst.buffer == OUTPUT and all(src.buffer == INPUT for src in m.srcs)
+    return [copy_in + [m for phase in later for m in phase if straight(m)],
+            *[[m for m in phase if not straight(m)] for phase in later]]
 
 
 def _without_round_trips(phases, layout):

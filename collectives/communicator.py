@@ -14,7 +14,7 @@ from .algorithms.schedule import (
     ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BROADCAST, GATHER, REDUCE_SCATTER, REDUCE_TO_ROOT,
     ROOTED_COLLECTIVES, SCATTER,
 )
-from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
+from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE, WORKSPACE_APART, WORKSPACE_IN_PLACE
 from .compression import wire
 from .config import DEFAULT_FAST_SMALL_MAX, resolve_timeout
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, RevokedError
@@ -1470,7 +1470,8 @@ class Communicator:
         address each other's arrays: IN_PLACE when every rank's output is
         its input chunk for chunk, OUT_OF_PLACE when they are separate, else
         through a workspace. Other ranks: through a workspace, in place
-        (WORKSPACE_IN_PLACE) or not."""
+        (WORKSPACE_IN_PLACE), apart (WORKSPACE_APART) or overlapping
+        otherwise (WORKSPACE)."""
         ranks = self.local_ranks
         if collective in (REDUCE_SCATTER, SCATTER):    # the output is the rank's block of the input
             def same(i, a, b): return b.address == a.address + ranks[i] * b.nbytes and a.device == b.device
@@ -1480,7 +1481,7 @@ class Communicator:
             def same(i, a, b): return a.address == b.address and a.device == b.device
         relation = validation.relation(inputs, outputs, same)
         if not self._ranks.addressable:
-            return WORKSPACE_IN_PLACE if relation == validation.SAME else WORKSPACE
+            return {validation.SAME: WORKSPACE_IN_PLACE, validation.DISJOINT: WORKSPACE_APART}.get(relation, WORKSPACE)
         return {validation.SAME: self._in_place_binding(), validation.DISJOINT: OUT_OF_PLACE}.get(relation, WORKSPACE)
 
     def _in_place_binding(self):

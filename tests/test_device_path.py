@@ -18,7 +18,9 @@ from collectives.algorithms.schedule import COLLECTIVES
 from collectives import binding as bindings
 from collectives.algorithms import schedule_for
 from collectives.algorithms.schedule import SCRATCH, WORK
-from collectives.binding import IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE, WORKSPACE, WORKSPACE_IN_PLACE
+from collectives.binding import (
+    IN_PLACE, IN_PLACE_LOCKSTEP, OUT_OF_PLACE, WORKSPACE, WORKSPACE_APART, WORKSPACE_IN_PLACE,
+)
 from collectives.devices import emulated, open_device
 from collectives.executors import device as device_executor
 from collectives.plan import build_plan
@@ -52,29 +54,35 @@ def test_in_process_plans_copy_nothing_through_a_workspace(collective, algorithm
     assert plain.traffic.workspace_copies > 0
     # In place through a workspace (ranks in processes) only the copies out
     # of input no step touched go: a broadcast's root's, allgather's own
-    # blocks, and for one rank every output.
+    # blocks, and for one rank every output; and the copies in that nothing
+    # reads then (one rank's: no peer reads its workspace).
     through = build_plan(collective, algorithm, n, count, np.dtype("float32"), "sum", 0, WORKSPACE_IN_PLACE)
     untouched_input_bytes = count * 4 if collective in ("broadcast", "allgather") or n == 1 else 0
-    assert plain.traffic.workspace_copies - through.traffic.workspace_copies == 2 * untouched_input_bytes
+    unread_input_bytes = count * 4 if n == 1 else 0
+    assert plain.traffic.workspace_copies - through.traffic.workspace_copies \
+        == 2 * untouched_input_bytes + 2 * unread_input_bytes
 
 
 @IMPLEMENTED
 @pytest.mark.parametrize("n", range(2, 9))
 def test_workspace_plans_write_results_straight_to_the_output(collective, algorithm, n):
     """Ranks in processes: peers still read only workspaces, the caller's
-    input only before any step (so any overlap with the output is safe),
-    and a result chunk no one reads after its last write goes straight to
-    the output, with no copy out: fewer bytes than the plain plan."""
+    input only before any step where input and output may overlap in any
+    way (WORKSPACE: so any overlap is safe), and a result chunk no one
+    reads after its last write goes straight to the output, with no copy
+    out: fewer bytes than the plain plan."""
     schedule = schedule_for(algorithm, collective, n, n - 1 if collective in ROOTED else None)
     plain = bindings.logical_phases(schedule)
 
     def accesses(phases):
         return sum(len(m.srcs) + 1 for phase in phases for m in phase)
-    for binding in (WORKSPACE, WORKSPACE_IN_PLACE):
+    for binding in (WORKSPACE, WORKSPACE_APART, WORKSPACE_IN_PLACE):
         bound = bindings.bind(plain, schedule, binding)
         assert all(src.rank == m.rank or src.buffer in (WORK, SCRATCH) for phase in bound for m in phase
                    for src in m.srcs), binding
-        assert all(src.buffer != bindings.INPUT for phase in bound[1:] for m in phase for src in m.srcs), binding
+        if binding == WORKSPACE:
+            assert all(src.buffer != bindings.INPUT for phase in bound[1:] for m in phase for src in m.srcs)
+            assert all(m.dst.buffer != bindings.OUTPUT for m in bound[0])
         assert accesses(bound) < accesses(plain), binding
     assert bindings.bind(plain, schedule, WORKSPACE, rewrite_workspace_plans=False) is plain
 
@@ -117,6 +125,11 @@ def test_bound_plans_give_the_plain_plans_bits(collective, algorithm, n):
             outs_through = [x[r * (count // n):(r + 1) * (count // n)] for r, x in enumerate(ins_through)] \
                 if collective == "reduce_scatter" else ins_through
         VirtualHostRanks(n).run(through, ins_through, outs_through, None, None, None)
+        # Out of place through a workspace, as processes run separate arrays.
+        apart = build_plan(collective, algorithm, n, count * (n if collective == "allgather" else 1),
+                           np.dtype("float32"), "sum", n - 1 if collective in ROOTED else 0, WORKSPACE_APART)
+        outs_apart = [np.full(np.asarray(o).size, np.nan, np.float32) for o in out_of_place]
+        VirtualHostRanks(n).run(apart, [x.copy() for x in xs], outs_apart, None, None, None)
         for r in range(n):
             want = expected[r].reshape(-1).view(np.uint32)
             got = np.asarray(in_place[r]).reshape(-1)
@@ -125,6 +138,7 @@ def test_bound_plans_give_the_plain_plans_bits(collective, algorithm, n):
                 continue
             assert np.array_equal(out_of_place[r].view(np.uint32), want), r
             assert np.array_equal(outs_through[r].view(np.uint32), want), r
+            assert np.array_equal(outs_apart[r].view(np.uint32), want), r
 
 
 def test_overlapping_input_and_output_fall_back_to_the_workspace():

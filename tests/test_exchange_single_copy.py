@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from collectives import binding as bindings
 from collectives import plan as plans
 from collectives.executors import host_process
 from test_mpi import run_worker
@@ -42,6 +43,36 @@ def test_single_copy_plans_read_peers_inputs_in_phase_1_only_and_wait_for_the_ve
                         assert (peer, 1) in phase.waits[row[plans.RANK]]
             for rank in range(n):   # every peer past its reads before any rank writes its input or returns
                 assert {peer for peer, done in plan.phases[2].waits[rank] if done >= 2} == set(range(n)) - {rank}
+
+
+@pytest.mark.parametrize("collective", ["gather", "scatter", "all_to_all"])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_staged_plans_move_a_block_only_its_rank_needs_once_or_not_at_all(collective, n):
+    """Below the single-copy limit the exchanges go through workspaces: a
+    block no peer reads (the root's own of gather and scatter, each rank's
+    own of all_to_all) goes straight from INPUT to OUTPUT in phase 0,
+    beside the peers' copies in, not in and out of the workspace; in place
+    it does not move. Elements each rank's rows move: every other block
+    twice between them (into a workspace, out of it), its own once."""
+    block = 8
+    for in_place in (False, True):
+        binding = bindings.WORKSPACE_IN_PLACE if in_place else bindings.WORKSPACE_APART
+        plan = plans.build_plan(collective, "direct", n, block * n, np.dtype(np.float32), "sum", 0, binding)
+        moved = [sum(int(row[plans.COUNT]) for phase in plan.phases for row in phase.rows_by_rank[r])
+                 for r in range(n)]
+        own = 0 if in_place else block
+        if collective == "all_to_all":
+            assert moved == [2 * (n - 1) * block + own] * n, (in_place, moved)
+        else:   # the root, rank 0, copies the others' blocks in (scatter) or out (gather); each other rank one
+            assert moved == [(n - 1) * block + own] + [block] * (n - 1), (collective, in_place, moved)
+        straight = [row for row in plan.phases[0].rows_by_rank[0]
+                    if row[plans.DST_BUF] == plans.OUTPUT and row[plans.SRC0 + plans.SRC_BUF] == plans.INPUT]
+        assert len(straight) == (0 if in_place else 1), straight
+    # Where x and out may overlap in any other way, INPUT is read only in
+    # phase 0, and nothing is written into OUTPUT there, as always.
+    plan = plans.build_plan(collective, "direct", n, block * n, np.dtype(np.float32), "sum", 0, bindings.WORKSPACE)
+    assert all(row[plans.SRC0 + plans.SRC_BUF] != plans.INPUT for phase in plan.phases[1:] for row in phase.table)
+    assert all(row[plans.DST_BUF] != plans.OUTPUT for row in plan.phases[0].table)
 
 
 def test_all_to_all_v_single_copy_plans_skip_empty_blocks():
