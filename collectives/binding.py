@@ -170,9 +170,9 @@ def bind(phases, schedule, binding, rewrite_workspace_plans=True):
         # one call may bind differently (MPI_IN_PLACE at a gather's root
         # alone), and their counters count phases: every rank of a call must
         # run as many. (WORKSPACE_IN_PLACE only leaves copies out, and the
-        # straight copies above only move copies out into phase 0, so that
-        # where WORKSPACE's own plan kept a copy out, a phase is left, empty
-        # or not.)
+        # straight copies above only move copies into phase 0 or leave them
+        # out: a last phase WORKSPACE's plan has empty is empty here too, and
+        # where it is not, a phase is left, empty or not.)
         return chosen[:-1] if len(chosen) > 2 and not workspace[-1] else chosen
     for policy in POLICIES:
         rewritten = _rewrite(phases, schedule, policy, layout)

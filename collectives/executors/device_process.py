@@ -14,10 +14,11 @@ differences:
   peer that sees the counter may read what the phase wrote.
 
 A user's array enters the workspace by one copy row and leaves it by one (the
-plan's workspace bindings), as NCCL's eager path does: peers read only
-workspaces, never a caller's arrays. (A block only its own rank receives, an
-exchange's own, goes from input to output by one row, binding.py.) Because the host waits between phases, a
-call returns with its work complete, and cannot be captured in a CUDA graph.
+plan's workspace bindings; a block only its own rank receives, an exchange's
+own, goes from input to output by one row), as NCCL's eager path does: peers
+read only workspaces, never a caller's arrays. Because the host waits between
+phases, a call returns with its work complete, and cannot be captured in a
+CUDA graph.
 
 That is the step path (StepProtocolPath), which serves every call. With
 $COLLECTIVES_ONE_KERNEL_ALLREDUCE=1 (config.py) the selector (paths.py)
