@@ -70,6 +70,20 @@ def reduction_input(op, dtype, n, r, count):
     return values.astype(dtype)
 
 
+def made_once(make):
+    """`make`, an array maker of hashable arguments, made once per process
+    for each: later calls return a copy of the first array (the caller may
+    write into it, as into a new one). The workers ask for the same random
+    inputs for every algorithm, op or root, and drawing them anew cost
+    several times the copy: a fifth of some scenarios' time."""
+    first = functools.lru_cache(maxsize=None)(make)
+
+    @functools.wraps(make)
+    def copy_of_first(*arguments):
+        return first(*arguments).copy()
+    return copy_of_first
+
+
 @functools.lru_cache(maxsize=32)
 def _residues(modulus, count):
     """i % modulus for i < count, read-only: the matrix asks for the same few

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import OPS, counts_for, dtypes_for, gather_input, reduction_expected, reduction_input, run_scenario
+from cases import OPS, counts_for, dtypes_for, gather_input, made_once, reduction_expected, reduction_input, run_scenario
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives import hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV
@@ -82,6 +82,7 @@ def reference(inputs, nodes, op):
     return fold(partials, op, True, len(inputs))
 
 
+@made_once
 def random_values(dtype, rank, count):
     """Floats of every magnitude, with NaN, infinities and signed zeros."""
     g = np.random.default_rng([rank, count, dtype.itemsize])

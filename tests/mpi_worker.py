@@ -23,8 +23,8 @@ from mpi4py import MPI
 
 import collectives
 import collectives.compression
-from cases import (DTYPES, OPS, counts_for, dtypes_for, expect_a_different_call, gather_input, reduction_expected,
-                   reduction_input, run_scenario)
+from cases import (DTYPES, OPS, counts_for, dtypes_for, expect_a_different_call, gather_input, made_once,
+                   reduction_expected, reduction_input, run_scenario)
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.algorithms import REGISTRY
 
@@ -451,6 +451,7 @@ def scenario_prepared(comm):
     comm.barrier()
 
 
+@made_once
 def random_floats(rank, size):
     return np.random.default_rng([rank, size]).standard_normal(size).astype(np.float32)
 
