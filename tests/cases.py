@@ -9,6 +9,7 @@ so one expectation serves every algorithm and backend, with no tolerance.
 import functools
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -148,6 +149,39 @@ def expect_a_different_call(call, what):
         assert "aborted" in str(error) and "different call" in str(error), error
         return
     raise AssertionError(f"{what} completed")
+
+
+# A stalled rank's wait: it must not call again before every other rank has
+# given up on it (and aborted the communicator), and a fixed sleep long
+# enough for a loaded machine was most of these scenarios' time. Each other
+# rank, once its call has raised, says so to the stalled rank over MPI.
+_GAVE_UP_TAG = 7001
+
+
+def stall_until_the_others_gave_up(stalled, longest, stall=0):
+    """On rank `stalled`: wait until every other rank has called
+    gave_up_on(stalled) for the same `stall` (a scenario's stalls counted
+    from 0), or `longest` seconds (a rank whose check failed says nothing:
+    the stalled rank then goes on as after a fixed sleep)."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    flags = np.zeros(world.size, np.int32)
+    pending = [world.Irecv([flags[q:q + 1], MPI.INT], source=q, tag=_GAVE_UP_TAG + stall)
+               for q in range(world.size) if q != stalled]
+    deadline = time.monotonic() + longest
+    while not MPI.Request.Testall(pending) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for request in pending:
+        if request:   # not completed: withdrawn, so MPI_Finalize finds no receive pending
+            request.Cancel()
+            request.Wait()
+
+
+def gave_up_on(stalled, stall=0):
+    """On every other rank, once its call has raised: tell rank `stalled`
+    (an eager send of one int, which returns at once)."""
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Send([np.ones(1, np.int32), MPI.INT], dest=stalled, tag=_GAVE_UP_TAG + stall)
 
 
 def run_scenario(run, ranks_leave):

@@ -20,7 +20,7 @@ from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageErr
 from collectives.bootstrap import PRETEND_NODES_ENV
 from collectives.hierarchy import HierarchicalCommunicator
 from collectives.ops import BFLOAT16
-from cases import run_scenario
+from cases import gave_up_on, run_scenario, stall_until_the_others_gave_up
 from hierarchy_worker import check, no_segment_crosses_a_node, random_values, record_segments
 
 TIMEOUT = 3.0
@@ -250,7 +250,7 @@ def scenario_stalled(comm):
         call(comm)
         comm.timeout = STALL_TIMEOUT
         if comm.rank == last:
-            time.sleep(STALL_TIMEOUT + 2)
+            stall_until_the_others_gave_up(last, longest=STALL_TIMEOUT + 2, stall=case)
             continue
         start = time.perf_counter()
         try:
@@ -259,6 +259,7 @@ def scenario_stalled(comm):
             elapsed = time.perf_counter() - start
             assert isinstance(error, CollectiveTimeoutError) or "aborted" in str(error), error
             assert elapsed < STALL_TIMEOUT + 1.5, f"took {elapsed:.1f}s with a {STALL_TIMEOUT}s timeout"
+            gave_up_on(last, stall=case)
         else:
             raise AssertionError(f"case {case} completed without the last rank")
 

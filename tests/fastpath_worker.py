@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import expect_a_different_call, run_scenario
+from cases import expect_a_different_call, gave_up_on, run_scenario, stall_until_the_others_gave_up
 from collectives.errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.transport import fastpath
 
@@ -333,7 +333,7 @@ def without_rank_1(comm, call, named):
     the short timeout, not a hang."""
     comm.timeout = STALL_TIMEOUT
     if comm.rank == 1:
-        time.sleep(STALL_TIMEOUT + 2)
+        stall_until_the_others_gave_up(1, longest=STALL_TIMEOUT + 2)
         return
     start = time.perf_counter()
     try:
@@ -345,6 +345,7 @@ def without_rank_1(comm, call, named):
     else:
         raise AssertionError("the call completed without rank 1")
     assert time.perf_counter() - start < STALL_TIMEOUT + 1.5
+    gave_up_on(1)
 
 
 def scenario_stalled_large(comm):

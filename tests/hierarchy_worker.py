@@ -21,7 +21,8 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import OPS, counts_for, dtypes_for, gather_input, made_once, reduction_expected, reduction_input, run_scenario
+from cases import (OPS, counts_for, dtypes_for, gather_input, gave_up_on, made_once, reduction_expected, reduction_input,
+                   run_scenario, stall_until_the_others_gave_up)
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives import hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV
@@ -375,7 +376,7 @@ def scenario_stalled(comm):
     comm.allreduce(x.copy())   # (in place: x stays ones)
     comm.timeout = STALL_TIMEOUT
     if comm.rank == last:
-        time.sleep(STALL_TIMEOUT + 2)
+        stall_until_the_others_gave_up(last, longest=STALL_TIMEOUT + 2)
         try:
             # Its peers' messages of this call may all have arrived before they
             # gave up: then it completes, with the right result ...
@@ -398,6 +399,7 @@ def scenario_stalled(comm):
         assert isinstance(error, CollectiveTimeoutError) or "aborted" in str(error), error
         assert not isinstance(error, RankFailedError), error
         assert elapsed < STALL_TIMEOUT + 1.5, f"took {elapsed:.1f}s with a {STALL_TIMEOUT}s timeout"
+        gave_up_on(last)
         return
     raise AssertionError("allreduce completed without the last rank")
 
@@ -420,7 +422,7 @@ def scenario_stalled_by_node(comm):
             call(comm)
         comm.timeout = STALL_TIMEOUT
         if comm.rank == last:
-            time.sleep(STALL_TIMEOUT + 2)
+            stall_until_the_others_gave_up(last, longest=STALL_TIMEOUT + 2, stall=which)
             try:
                 call(comm)
                 comm.barrier()
@@ -436,6 +438,7 @@ def scenario_stalled_by_node(comm):
                 elapsed = time.perf_counter() - start
                 assert isinstance(error, CollectiveTimeoutError) or "aborted" in str(error), error
                 assert elapsed < STALL_TIMEOUT + 1.5, f"{name}: took {elapsed:.1f}s with a {STALL_TIMEOUT}s timeout"
+                gave_up_on(last, stall=which)
             else:
                 raise AssertionError(f"{name} completed without the last rank")
         comm.close()

@@ -45,7 +45,8 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import DTYPES, OPS, capacity, expect_a_different_call, expected, rank_input, run_scenario
+from cases import (DTYPES, OPS, capacity, expect_a_different_call, expected, gave_up_on, rank_input, run_scenario,
+                   stall_until_the_others_gave_up)
 from collectives import CollectiveTimeoutError, RankFailedError, kernels
 from collectives.executors.paths import ONE_PASS_COLLECTIVES
 from collectives.transport.layout import COUNTER
@@ -320,10 +321,11 @@ def stop_on_failing_rank(comm, run, names, timeout=TIMEOUT):
     captured with: pass comm's.)"""
     comm.timeout = timeout
     if comm.rank == FAILING:
-        time.sleep(timeout + 1.5)   # the others gave up by now, and aborted the communicator
+        stall_until_the_others_gave_up(FAILING, longest=timeout + 1.5)   # and aborted the communicator
         expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
         return
     expect(CollectiveTimeoutError, run, names=names, within=timeout + 1.0)
+    gave_up_on(FAILING)
 
 
 def one_call(comm):
@@ -357,13 +359,14 @@ def scenario_stalled(comm):
     run()
     comm.timeout = STALL_TIMEOUT
     if comm.rank == FAILING:
-        time.sleep(STALL_TIMEOUT + 1.5)   # the others gave up by now, and aborted the communicator
+        stall_until_the_others_gave_up(FAILING, longest=STALL_TIMEOUT + 1.5)   # and aborted the communicator
         expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
         return
     # A rank that reads nobody in this call (a broadcast's root, a reduce's
     # other ranks) learns of the stall in the next one (the kernel's step 1).
     expect(CollectiveTimeoutError, lambda: (run(), run()), names=[f"waiting for rank {FAILING}", COLLECTIVE],
            within=STALL_TIMEOUT + 1.0)
+    gave_up_on(FAILING)
 
 
 def scenario_mismatch(comm):

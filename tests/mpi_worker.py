@@ -23,8 +23,8 @@ from mpi4py import MPI
 
 import collectives
 import collectives.compression
-from cases import (DTYPES, OPS, counts_for, dtypes_for, expect_a_different_call, gather_input, made_once,
-                   reduction_expected, reduction_input, run_scenario)
+from cases import (DTYPES, OPS, counts_for, dtypes_for, expect_a_different_call, gather_input, gave_up_on, made_once,
+                   reduction_expected, reduction_input, run_scenario, stall_until_the_others_gave_up)
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.algorithms import REGISTRY
 
@@ -477,7 +477,7 @@ def scenario_stalled(comm):
     comm.allreduce(x)
     comm.timeout = STALL_TIMEOUT
     if comm.rank == 1:
-        time.sleep(STALL_TIMEOUT + 2)
+        stall_until_the_others_gave_up(1, longest=STALL_TIMEOUT + 2)
         try:
             comm.allreduce(x)
         except CollectiveError as error:
@@ -491,18 +491,18 @@ def scenario_stalled(comm):
         elapsed = time.perf_counter() - start
         assert not isinstance(error, RankFailedError), error
         assert elapsed < STALL_TIMEOUT + 1.5, f"took {elapsed:.1f}s with a {STALL_TIMEOUT}s timeout"
-        return
     except CollectiveError as error:  # a peer timed out first and aborted the group
         assert "aborted" in str(error) and "timed out" in str(error), error
-        return
-    raise AssertionError("allreduce completed without rank 1")
+    else:
+        raise AssertionError("allreduce completed without rank 1")
+    gave_up_on(1)
 
 
 def scenario_stalled_barrier(comm):
     comm.barrier()
     comm.timeout = STALL_TIMEOUT
     if comm.rank == 1:
-        time.sleep(STALL_TIMEOUT + 2)
+        stall_until_the_others_gave_up(1, longest=STALL_TIMEOUT + 2)
         return
     start = time.perf_counter()
     try:
@@ -510,8 +510,9 @@ def scenario_stalled_barrier(comm):
     except CollectiveError as error:
         assert "timed out" in str(error), error
         assert time.perf_counter() - start < STALL_TIMEOUT + 1.5
-        return
-    raise AssertionError("barrier completed without rank 1")
+    else:
+        raise AssertionError("barrier completed without rank 1")
+    gave_up_on(1)
 
 
 def scenario_killed(comm):

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 import collectives
-from cases import run_scenario
+from cases import gave_up_on, run_scenario, stall_until_the_others_gave_up
 from collectives import CollectiveTimeoutError, RankFailedError
 
 TIMEOUT = 2.0
@@ -72,7 +72,7 @@ def scenario_stalled(comm, path):
     run()   # one call that every rank makes: the failure comes in the middle of a run
     comm.timeout = STALL_TIMEOUT
     if comm.rank == FAILING:
-        time.sleep(STALL_TIMEOUT + 1.5)   # a margin for a loaded machine: the others must have given up
+        stall_until_the_others_gave_up(FAILING, longest=STALL_TIMEOUT + 1.5)
         # By now the others gave up and aborted: this rank's next call
         # raises at once, as a timeout too.
         expect(CollectiveTimeoutError, run, names=["aborted"], within=0.5)
@@ -81,6 +81,7 @@ def scenario_stalled(comm, path):
     # for it or for a peer that waited for it (the note of the ranks that
     # never entered the call, carried in the abort's reason).
     expect(CollectiveTimeoutError, run, names=[f"rank {FAILING} has not entered call", what], within=STALL_TIMEOUT + 1.5)
+    gave_up_on(FAILING)
 
 
 def scenario_killed(comm, path):
