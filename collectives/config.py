@@ -233,7 +233,10 @@ STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
 # the single copy: staged they were faster in one run and 2 to 4 times
 # slower in the other. An earlier day's measurement on this machine had the
 # single copy ahead at every size (docs/host-ranks.md): how process_vm_readv
-# compares with memcpy is the machine's, and so is this limit.
+# compares with memcpy is the machine's, and so is this limit. On an Intel
+# Xeon VM (2026-12-01) the single copy was 2 to 3 times the faster from
+# 256 KiB to 4 MiB (reduce_scatter 1 MiB 41-43 against 120-131 us;
+# docs/noticed.md).
 DEFAULT_STAGED_MAX = 4 << 20
 # For tests only: seconds a writer is held inside each chunk's writes (so
 # that the fence has something to wait for), and a reader before each read
