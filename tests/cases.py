@@ -154,7 +154,9 @@ def expect_a_different_call(call, what):
 # A stalled rank's wait: it must not call again before every other rank has
 # given up on it (and aborted the communicator), and a fixed sleep long
 # enough for a loaded machine was most of these scenarios' time. Each other
-# rank, once its call has raised, says so to the stalled rank over MPI.
+# rank, once its call has raised, says so to the stalled rank over MPI
+# (imported in the functions: the pytest process imports this module too,
+# and must not start MPI).
 _GAVE_UP_TAG = 7001
 
 
