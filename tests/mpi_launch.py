@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench import mpis
+from bench.mpis import remove_orphaned_mpich_segments  # noqa: F401 - conftest and test_no_leftovers call it here
 
 
 def mpiexec():
@@ -71,33 +72,6 @@ def openmpi_backing_directory():
     folder = tempfile.mkdtemp(prefix="collectives-tests-openmpi-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
-
-
-def remove_orphaned_mpich_segments(since):
-    """MPICH's shared-memory files in /dev/shm (mpich_shm_*, mpich_vci_*:
-    one per launch and machine, which MPI_Finalize removes) that ranks
-    ending without it left behind: the killed-rank scenarios' ranks, and
-    their survivors, which leave by os._exit. Removed: those changed since
-    `since` (a time.time()) that no process maps any more, the names
-    returned. (A CI run left 80 of them, 260 MB of memory, before this.)"""
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        return []
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            mapped.update(re.findall(r"/dev/shm/(mpich_\S+)", maps.read_text()))
-        except OSError:   # a process that ended, or another user's
-            continue
-    removed = []
-    for path in shm.glob("mpich_*"):
-        try:
-            if path.name not in mapped and path.stat().st_mtime >= since:
-                path.unlink()
-                removed.append(path.name)
-        except OSError:   # gone meanwhile, or not ours to remove
-            continue
-    return removed
 
 
 def killed_ranks_fail_the_launch():
