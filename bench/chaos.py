@@ -262,8 +262,8 @@ def run_trial(seed, n, mpiexec, timeout=TIMEOUT, nodes=1):
     # hundreds of MB. Removed where no process maps them any more.
     trial["mpich_files_removed"] = len(remove_orphaned_mpich_segments(started))
     # Ours would carry the communicator's prefix (protocol.new_prefix); the
-    # library names nothing there (memfd segments), and other programs'
-    # files (MPICH's, which its killed ranks leave) are not ours to judge.
+    # library names nothing there (memfd segments). MPICH's files are
+    # removed below, not judged: its killed ranks cannot remove them.
     ours_left = sorted(f for f in after - before if f.startswith("coll-"))
     kills = [float(t) for t in re.findall(r"KILL ([\d.]+)", out)]
     recovered = re.findall(r"RECOVERED ([\d.]+) SHRINKS (\d+) MEMBERS (\[[\d, ]*\]) RANK (\d+)", out)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_launch import remove_orphaned_mpich_segments
+from bench.mpis import remove_orphaned_mpich_segments
 
 pytest_plugins = ("cpu_times",)   # pytest --cpu-times=PATH: where the suite's CPU goes
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from bench import mpis
-from bench.mpis import remove_orphaned_mpich_segments  # noqa: F401 - conftest and test_no_leftovers call it here
 
 
 def mpiexec():

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 import mpi_launch
+from bench import mpis
 
 THIS = Path(__file__).resolve()
 SHM = "/dev/shm"
@@ -145,7 +146,7 @@ def test_mpichs_files_that_no_process_maps_are_removed_and_mapped_ones_kept():
     os.utime(paths[2], (since - 60, since - 60))
     try:
         with open(paths[1], "r+b") as f, mmap.mmap(f.fileno(), 4096):
-            removed = mpi_launch.remove_orphaned_mpich_segments(since)
+            removed = mpis.remove_orphaned_mpich_segments(since)
         assert names[0] in removed and names[1] not in removed and names[2] not in removed, removed
         assert [path.exists() for path in paths] == [False, True, True]
     finally:
