@@ -110,6 +110,16 @@ def start(rendezvous, device="host", backend="ours", timeout=None, deadline=None
     return _start(rendezvous, device, backend, check_device(device, backend), timeout, deadline)
 
 
+def _measure(communicator, ranks, timeout):
+    """ranks.measure(timeout) (ShmRank's: the settings that are the
+    machine's), the communicator closed where it raises."""
+    try:
+        ranks.measure(timeout)
+    except BaseException as error:
+        communicator.__exit__(type(error), error, None)
+        raise
+
+
 def _start(rendezvous, device, backend, binding, timeout, deadline):
     from . import bootstrap
     from .communicator import VirtualHostRanks
@@ -124,7 +134,9 @@ def _start(rendezvous, device, backend, binding, timeout, deadline):
             return HierarchicalCommunicator.start(rendezvous, found, deadline, timeout)
         from .transport.shm import ShmRank
         ranks = bootstrap.process_rank(rendezvous, deadline, ShmRank)
-        return Communicator(ranks, size=rendezvous.size, local_ranks=[rendezvous.rank], timeout=timeout)
+        communicator = Communicator(ranks, size=rendezvous.size, local_ranks=[rendezvous.rank], timeout=timeout)
+        _measure(communicator, ranks, timeout)
+        return communicator
 
     from .devices import device_for_rank
     if backend == "nccl":

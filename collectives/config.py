@@ -220,23 +220,25 @@ SPREAD_STAGED_MAX_ENV = "COLLECTIVES_SPREAD_STAGED_MAX"
 DEFAULT_SPREAD_STAGED_MAX = 2 << 20
 STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
 # A large allreduce, reduce_scatter or reduce of up to this many bytes per
-# rank takes the loop's staged pipeline even where the single copy was
+# rank may take the loop's staged pipeline even where the single copy was
 # agreed: the fold from slices that stay in cache, both ranks copying at
 # once, against a fold of what one process_vm_readv per block brings in
-# (it pins the pages it reads: on this 2-core machine, 2026-11-30, a 1 MiB
-# process_vm_readv took 129 us where a memcpy took 52; 16 MiB 1947
-# against 1575). Measured with bench.host_vs_mpich --ranks 2 --bind-to
-# core, 3 rounds, this variable at 0 against 4 MiB, alternating, two runs
-# each: our time with the single copy over staged, 256 KiB to 4 MiB,
-# allreduce 1.95-3.38, reduce 1.72-3.48, reduce_scatter 1.02-2.31; at
-# 16 MiB 0.95-1.21 (even). allgather and broadcast, which only copy, keep
-# the single copy: staged they were faster in one run and 2 to 4 times
-# slower in the other. An earlier day's measurement on this machine had the
-# single copy ahead at every size (docs/host-ranks.md): how process_vm_readv
-# compares with memcpy is the machine's, and so is this limit. On an Intel
-# Xeon VM (2026-12-01) the single copy was 2 to 3 times the faster from
-# 256 KiB to 4 MiB (reduce_scatter 1 MiB 41-43 against 120-131 us;
-# docs/noticed.md).
+# (it pins the pages it reads). Which is faster is the machine's, and by
+# 2 to 3 times either way, so unless this variable pins it, the ranks
+# measure it when the communicator starts (fastpath.py,
+# FastCollectives.choose_staged_max: 1 MiB allreduces both ways,
+# alternating) and all take the faster: staging up to this default, or
+# never (0). Measured with bench.host_vs_mpich --ranks 2 --bind-to core,
+# 3 rounds, the variable at 0 against 4 MiB, alternating: on an AMD EPYC
+# VM (2026-11-30; a 1 MiB process_vm_readv took 129 us where a memcpy
+# took 52) our time with the single copy over staged, 256 KiB to 4 MiB,
+# allreduce 1.95-3.38, reduce 1.72-3.48, reduce_scatter 1.02-2.31, at
+# 16 MiB 0.95-1.21 (even); on an Intel Xeon VM (2026-12-01) the other way
+# round, the single copy 2 to 3 times the faster from 256 KiB to 4 MiB
+# (reduce_scatter 1 MiB 41-43 against 120-131 us, allreduce 71-76 against
+# 133-150; docs/noticed.md). allgather and broadcast, which only copy,
+# keep the single copy: staged they were faster in one run and 2 to 4
+# times slower in the other.
 DEFAULT_STAGED_MAX = 4 << 20
 # For tests only: seconds a writer is held inside each chunk's writes (so
 # that the fence has something to wait for), and a reader before each read
@@ -250,7 +252,8 @@ class LoopTunables(NamedTuple):
     """The compiled loop's tunables (transport/fastpath.py), one rank's."""
     fence_seconds: float
     spread_staged_max: int   # bytes per rank; 0: allgather reads in place however many cores
-    staged_max: int          # bytes per rank; 0: large folds take the single copy where agreed
+    staged_max: int | None   # bytes per rank; 0: large folds take the single copy where agreed;
+                             # None: measured when the communicator starts
     test_write_stall: float
     test_read_stall: float
 
@@ -261,11 +264,11 @@ def resolve_loop_tunables(fence_seconds=None, spread_staged_max=None, test_write
     ($COLLECTIVES_FENCE_SECONDS, $COLLECTIVES_SPREAD_STAGED_MAX,
     $COLLECTIVES_STAGED_MAX, and the
     tests' $COLLECTIVES_TEST_WRITE_STALL, $COLLECTIVES_TEST_READ_STALL), else
-    the default above (no stall)."""
+    the default above (no stall; staged_max None: measured)."""
     return LoopTunables(_number(fence_seconds, "fence_seconds", FENCE_SECONDS_ENV, DEFAULT_FENCE_SECONDS, float),
                         _number(spread_staged_max, "spread_staged_max", SPREAD_STAGED_MAX_ENV,
                                 DEFAULT_SPREAD_STAGED_MAX, int),
-                        _number(staged_max, "staged_max", STAGED_MAX_ENV, DEFAULT_STAGED_MAX, int),
+                        _number(staged_max, "staged_max", STAGED_MAX_ENV, None, int),
                         _number(test_write_stall, "test_write_stall", TEST_WRITE_STALL_ENV, 0.0, float),
                         _number(test_read_stall, "test_read_stall", TEST_READ_STALL_ENV, 0.0, float))
 

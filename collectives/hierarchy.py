@@ -183,7 +183,11 @@ class HierarchicalCommunicator(Communicator):
             me = rendezvous.rank
             link.watch({q: ranks.processes[q][0] for q in range(rendezvous.size)
                         if found.machines[q] == found.machines[me] and found.node_of(q) != found.node_of(me)})
-        return cls(ranks, size=rendezvous.size, local_ranks=[rendezvous.rank], timeout=timeout)
+        communicator = cls(ranks, size=rendezvous.size, local_ranks=[rendezvous.rank], timeout=timeout)
+        if shm is not None:   # (each node's ranks choose their loop's settings on their own)
+            from . import _measure
+            _measure(communicator, shm, timeout)
+        return communicator
 
     def __init__(self, ranks, *, size, local_ranks, timeout):
         super().__init__(ranks, size=size, local_ranks=local_ranks, timeout=timeout)

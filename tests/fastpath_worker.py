@@ -622,8 +622,38 @@ def scenario_slow_reader(comm):
                                  f"a peer returned before this rank had read its input")
 
 
+def scenario_measured(comm):
+    """What the ranks chose for the loop's staging limit as the
+    communicator started (FastCollectives.choose_staged_max), and the step
+    a 1 MiB allreduce then takes: "MEASURED rank staged_max single-copy
+    staged last-step" (the probe's seconds, None where none ran)."""
+    loop = comm._ranks.fast   # noqa: SLF001
+    probe = loop.probe_seconds or {}
+    x = np.ones(fastpath.PROBE_BYTES // 4, np.float32)
+    assert np.array_equal(comm.allreduce(x, out=np.empty_like(x)), np.full_like(x, comm.size))
+    print(f"MEASURED {comm.rank} {loop.staged_max} {probe.get(fastpath.SINGLE_COPY)!r} {probe.get(fastpath.STAGED)!r} "
+          f"{loop.last_step}", flush=True)
+
+
+def staged_max_differs():
+    """Rank 1 pins $COLLECTIVES_STAGED_MAX, the others leave it unset: every
+    rank's start raises InvalidUsageError naming it (rank 1 would not probe
+    while the others do), none waits for the timeout."""
+    if MPI.COMM_WORLD.rank == 1:
+        os.environ["COLLECTIVES_STAGED_MAX"] = "65536"
+    try:
+        collectives.init(timeout=TIMEOUT)
+    except InvalidUsageError as error:
+        assert "COLLECTIVES_STAGED_MAX differs among the ranks" in str(error), error
+        print(f"OK staged_max_differs {MPI.COMM_WORLD.rank} {'0' * 16}", flush=True)
+        return
+    raise AssertionError("a start whose ranks disagree on COLLECTIVES_STAGED_MAX went on")
+
+
 def main():
     scenario = sys.argv[1]
+    if scenario == "staged_max_differs":
+        return staged_max_differs()
     # The loop's tunables (config.LoopTunables), read when the communicator is made.
     if scenario == "fenced" and MPI.COMM_WORLD.rank == 1:
         os.environ["COLLECTIVES_TEST_WRITE_STALL"] = str(FENCED_STALL)

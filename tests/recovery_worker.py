@@ -85,8 +85,13 @@ def until_failure(comm, path, values):
     raise AssertionError("no allreduce failed, yet a rank was meant to die")
 
 
-def check_shrunk(comm, shrunk, members, epoch):
+def check_shrunk(comm, shrunk, members, epoch, staged_max=None):
+    """`staged_max`: the loop's in `comm` (where it had one), which the
+    shrunk communicator keeps, measuring nothing while the survivors recover."""
     assert shrunk.size == len(members), (shrunk.size, members)
+    loop = getattr(shrunk._ranks, "fast", None)   # noqa: SLF001
+    if staged_max is not None and loop is not None:
+        assert loop.staged_max == staged_max and loop.probe_seconds is None, (loop.staged_max, staged_max)
     assert shrunk.old_ranks == tuple(members), (shrunk.old_ranks, members)
     assert shrunk.old_ranks[shrunk.rank] == comm.rank
     assert shrunk.epoch == epoch, shrunk.epoch
@@ -100,6 +105,8 @@ def scenario_killed(comm, path, how, victims, seed):
     victims = [int(v) for v in victims.split(",")]
     values = [float(r + 1) for r in range(comm.size)]
     allreduce_once(comm, path, values)   # every rank past its first call (which may compile or map)
+    loop = getattr(comm._ranks, "fast", None)   # noqa: SLF001
+    staged_max = None if loop is None else loop.staged_max
     if comm.rank in victims:
         rng = np.random.default_rng([int(seed), comm.rank])
         delay = float(rng.uniform(0, 0.05))
@@ -114,7 +121,7 @@ def scenario_killed(comm, path, how, victims, seed):
     start = time.perf_counter()
     shrunk = comm.shrink()
     took = time.perf_counter() - start
-    check_shrunk(comm, shrunk, [r for r in range(comm.size) if r not in victims], 1)
+    check_shrunk(comm, shrunk, [r for r in range(comm.size) if r not in victims], 1, staged_max)
     print(f"SHRINK {took * 1e3:.1f} ms rank {comm.rank}", flush=True)
     shrunk.close()
 

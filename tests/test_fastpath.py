@@ -60,6 +60,52 @@ def check_large_path(report, large_path):
     assert taken == {large_path}, report
 
 
+# How the ranks come by the folds' staging limit (FastCollectives.choose_staged_max):
+# measured, measured with the single copy's reads slowed (so staging must
+# win), pinned by the variable, and no probe where every message stages.
+STAGING_LIMITS = {
+    "measured": {},
+    "measured, single copy slowed": {"COLLECTIVES_TEST_READ_STALL": "0.002"},
+    "pinned": {"COLLECTIVES_STAGED_MAX": str(2 << 20)},
+    "every message staged": {"COLLECTIVES_FAST_SINGLE_COPY": "0"},
+}
+
+
+@pytest.mark.parametrize("setting", STAGING_LIMITS)
+def test_the_ranks_choose_the_folds_staging_limit_alike_as_they_start(setting, monkeypatch):
+    """Unpinned, the ranks time a 1 MiB allreduce both ways and all take the
+    faster (the same probe times on every rank: the slowest rank's); a
+    1 MiB allreduce then takes the step that limit names."""
+    from collectives.config import DEFAULT_STAGED_MAX
+    monkeypatch.delenv("COLLECTIVES_STAGED_MAX", raising=False)
+    oks, report = run_worker(2, "measured", env=STAGING_LIMITS[setting])
+    assert len(oks) == 2, report
+    # (mpiexec may splice one rank's line into another's: match the fields themselves)
+    seconds = r"(None|[0-9.]+(?:e-?[0-9]+)?)"
+    chosen = set(re.findall(rf"MEASURED \d+ (\d+) {seconds} {seconds} (single_copy|staged)", report))
+    assert len(chosen) == 1, report   # every rank alike
+    ((staged_max, single_copy, staged, step),) = chosen
+    staged_max = int(staged_max)
+    if setting.startswith("measured") and single_copy == "None":
+        check_large_path(report, "single-copy")   # (skips where no rank may read another's memory)
+    if setting == "pinned":
+        assert (staged_max, single_copy, step) == (2 << 20, "None", "staged"), report
+    elif setting == "every message staged":
+        assert (staged_max, single_copy, step) == (DEFAULT_STAGED_MAX, "None", "staged"), report
+    else:
+        faster_staged = float(staged) < float(single_copy)
+        assert staged_max == (DEFAULT_STAGED_MAX if faster_staged else 0), report
+        assert step == ("staged" if faster_staged else "single_copy"), report
+        if setting == "measured, single copy slowed":   # 2 ms a read, at least one read a call
+            assert float(single_copy) > 0.002 and faster_staged, report
+
+
+def test_ranks_that_disagree_on_the_pinned_staging_limit_are_told_as_they_start(monkeypatch):
+    monkeypatch.delenv("COLLECTIVES_STAGED_MAX", raising=False)
+    oks, report = run_worker(3, "staged_max_differs")
+    assert len(oks) == 3, report
+
+
 @functools.lru_cache(maxsize=None)
 def interpreter_digests(n):
     without_loop, report = run_worker(n, "bits", "no-loop")

@@ -139,7 +139,7 @@ def test_the_loops_tunables_come_from_the_environment_when_resolved_and_bad_ones
     for variable in ("COLLECTIVES_FENCE_SECONDS", "COLLECTIVES_SPREAD_STAGED_MAX", "COLLECTIVES_STAGED_MAX",
                      "COLLECTIVES_TEST_WRITE_STALL", "COLLECTIVES_TEST_READ_STALL"):
         monkeypatch.delenv(variable, raising=False)
-    assert resolve_loop_tunables() == (5.0, 2 << 20, 4 << 20, 0.0, 0.0)
+    assert resolve_loop_tunables() == (5.0, 2 << 20, None, 0.0, 0.0)   # (staged_max None: measured)
     monkeypatch.setenv("COLLECTIVES_FENCE_SECONDS", "0.2")
     monkeypatch.setenv("COLLECTIVES_SPREAD_STAGED_MAX", "0")
     monkeypatch.setenv("COLLECTIVES_STAGED_MAX", "65536")

@@ -1304,6 +1304,27 @@ static PyObject *Channel_merged_max(Channel *c, void *Py_UNUSED(closure))
     return PyLong_FromSize_t(c->merged_max);
 }
 
+static PyObject *Channel_get_staged_max(Channel *c, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(c->staged_max);
+}
+
+/* Every rank sets the same value between the same two calls (fastpath.py's
+ * measured choice): a rank whose value differs at a call is named at once
+ * (run_large's path 4), not waited for. */
+static int Channel_set_staged_max(Channel *c, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError, "staged_max cannot be deleted");
+        return -1;
+    }
+    size_t staged_max = PyLong_AsSize_t(value);
+    if (staged_max == (size_t)-1 && PyErr_Occurred())
+        return -1;
+    c->staged_max = staged_max;
+    return 0;
+}
+
 static PyObject *Channel_staged_calls(Channel *c, void *Py_UNUSED(closure))
 {
     return PyLong_FromLongLong(c->staged_calls);
@@ -1326,6 +1347,9 @@ static PyGetSetDef Channel_getset[] = {
     {"last_step", (getter)Channel_last_step, NULL,
      "the step of the last call taken: merged, single_copy or staged (None: none, or it failed first)", NULL},
     {"merged_max", (getter)Channel_merged_max, NULL, "messages of up to this many bytes take the merged step", NULL},
+    {"staged_max", (getter)Channel_get_staged_max, (setter)Channel_set_staged_max,
+     "a large allreduce, reduce_scatter or reduce of up to this many bytes per rank stages even where the "
+     "single copy was agreed (0: never); every rank sets the same value between the same two calls", NULL},
     {"staged_calls", (getter)Channel_staged_calls, NULL,
      "large calls of reduce_scatter, allgather, broadcast and reduce run through staging so far", NULL},
     {"large_path", (getter)Channel_large_path, NULL,

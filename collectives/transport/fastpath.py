@@ -53,14 +53,15 @@ there is no fast path.
 """
 
 import os
+import time
 import warnings
 import weakref
 
 import numpy as np
 
-from ..errors import CollectiveError
+from ..errors import CollectiveError, InvalidUsageError
 from ..ops import ReduceOp
-from ..config import resolve_fast_path, resolve_fast_single_copy, resolve_loop_tunables
+from ..config import DEFAULT_STAGED_MAX, STAGED_MAX_ENV, resolve_fast_path, resolve_fast_single_copy, resolve_loop_tunables
 from .failures import raise_wait_failure
 from .layout import HEADER, ROW, small_area
 
@@ -71,14 +72,19 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 
 # Large messages take the single copy where every rank can reach every
 # other's memory, but for the folding collectives (allreduce, reduce_scatter,
-# reduce: _shmloop.c's stages_anyway) up to
-# config.LoopTunables.staged_max per rank (4 MiB), and everything with
-# COLLECTIVES_FAST_SINGLE_COPY=0 (config.resolve_fast_single_copy, read
-# when a communicator is made): those take the staged pipeline. Which is
-# faster depends on how fast the machine's process_vm_readv is against
-# memcpy (config.py, DEFAULT_STAGED_MAX: on 2026-11-30 the staged folds
-# were 1.5x to 3.5x as fast up to 4 MiB a rank; an earlier day's run had
-# the single copy ahead from 128 KiB).
+# reduce: _shmloop.c's stages_anyway) up to the channel's staged_max per
+# rank, and everything with COLLECTIVES_FAST_SINGLE_COPY=0
+# (config.resolve_fast_single_copy, read when a communicator is made):
+# those take the staged pipeline. Which is faster for a fold depends on how
+# fast the machine's process_vm_readv is against memcpy, by 2 to 3 times
+# either way (config.py, DEFAULT_STAGED_MAX), so the ranks measure it when
+# the communicator starts (choose_staged_max), unless $COLLECTIVES_STAGED_MAX
+# pins it: PROBE_CALLS allreduces of PROBE_BYTES a rank, PROBE_ROUNDS times
+# each way, alternating; the slowest rank's median of each way decides, the
+# same on every rank (an allreduce of the times with op max).
+PROBE_BYTES = 1 << 20
+PROBE_CALLS = 4
+PROBE_ROUNDS = 3   # (odd: the median is the middle one)
 #
 # How long a failed call waits for peers still writing into its output
 # (the fence), and where ranks that outnumber the cores stage their
@@ -181,6 +187,9 @@ class FastCollectives:
         # ranks decide alike: they share its cores).
         self.merged_max = sizes.small_max if oversubscribed else min(sizes.small_max, MERGED_MAX_DEDICATED)
         self.tunables = tunables = resolve_loop_tunables()
+        # The median seconds of the probe's allreduce each way, on the
+        # slowest rank ({"single_copy": s, "staged": s}), once measured.
+        self.probe_seconds = None
         # (the channel decides each call's step from these: step_for)
         staged_spread_max = tunables.spread_staged_max if stages_spread(group) else 0
         self._channel = _shmloop.Channel(
@@ -190,10 +199,77 @@ class FastCollectives:
             staging=channel_address + small_area(group.size, sizes),
             chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=tunables.test_write_stall,
             test_read_stall=tunables.test_read_stall, staged_spread_max=staged_spread_max,
-            merged_max=self.merged_max, staged_max=tunables.staged_max)
+            merged_max=self.merged_max,
+            staged_max=DEFAULT_STAGED_MAX if tunables.staged_max is None else tunables.staged_max)
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
         self.collective = self._channel.shortcut
+
+    @property
+    def staged_max(self):
+        """A large fold of up to this many bytes per rank stages even where
+        the ranks agreed on the single copy (0: never); None once closed."""
+        return None if self._channel is None else self._channel.staged_max
+
+    def choose_staged_max(self, timeout, inherited=None):
+        """Set staged_max on every rank alike: `inherited` (the value of the
+        communicator this one was shrunk from, the same on every survivor),
+        else $COLLECTIVES_STAGED_MAX where every rank gives the same, else
+        the faster of staging up to DEFAULT_STAGED_MAX and never, timed on
+        the probe (see PROBE_BYTES). Every rank of the loop calls it
+        together, before any other call; InvalidUsageError on every rank
+        where the variable differs among them; a call that fails raises as
+        a collective's does (`timeout` seconds each)."""
+        channel = self._channel
+        if inherited is not None:
+            channel.staged_max = inherited
+            return
+        pinned = self._agreed_staged_max(timeout)
+        if pinned is not None or PROBE_BYTES <= self.merged_max:
+            channel.staged_max = DEFAULT_STAGED_MAX if pinned is None else pinned
+            return
+        x = np.ones(PROBE_BYTES // 4, np.float32)
+        out = np.empty_like(x)
+
+        def seconds(staged_max, calls=PROBE_CALLS):
+            channel.staged_max = staged_max
+            start = time.perf_counter()
+            for _ in range(calls):
+                done = self.allreduce(x, "sum", out, timeout)
+                assert done is not None, "the loop declined its own probe"
+            return (time.perf_counter() - start) / calls
+
+        seconds(0, 1)   # the ranks' first large call: they agree whether all may take the single copy
+        if channel.large_path != "single-copy":   # every large message stages: nothing to choose
+            channel.staged_max = DEFAULT_STAGED_MAX
+            return
+        seconds(DEFAULT_STAGED_MAX, 1)   # (both ways once untimed: pages and staging touched)
+        rounds = [(seconds(0), seconds(DEFAULT_STAGED_MAX)) for _ in range(PROBE_ROUNDS)]
+        medians = np.array([sorted(way)[PROBE_ROUNDS // 2] for way in zip(*rounds)])   # (np.median's
+        slowest = np.empty(2)                                                        # first call imports for ms)
+        self.allreduce(medians, "max", slowest, timeout)
+        single_copy, staged = slowest
+        self.probe_seconds = {SINGLE_COPY: float(single_copy), STAGED: float(staged)}
+        channel.staged_max = DEFAULT_STAGED_MAX if staged < single_copy else 0
+
+    def _agreed_staged_max(self, timeout):
+        """$COLLECTIVES_STAGED_MAX where every rank gives it alike, None
+        where none does (one merged step: the largest and smallest of the
+        ranks' values, -1 for unset); InvalidUsageError on every rank
+        where they differ, since one rank would probe while another runs
+        its first call."""
+        mine = -1 if self.tunables.staged_max is None else self.tunables.staged_max
+        extremes = np.empty(2, np.int64)
+        self.allreduce(np.array([mine, -mine], np.int64), "max", extremes, timeout)
+        largest, smallest = int(extremes[0]), -int(extremes[1])
+        if largest != smallest:
+            def name(value):
+                return "unset" if value < 0 else str(value)
+            raise InvalidUsageError(
+                f"${STAGED_MAX_ENV} differs among the ranks ({name(smallest)} on some, {name(largest)} on others, "
+                f"{name(mine)} on rank {self._group.names[self._group.rank]}): give every rank the same value, "
+                "or none (then they measure it)")
+        return None if largest < 0 else largest
 
     def barrier(self, deadline):
         """Return once every rank has entered the barrier (a merged step of

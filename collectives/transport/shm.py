@@ -37,12 +37,15 @@ class ShmRank(Recoverable):
     locations = None
     compresses = True    # runs compressed plans
 
-    def __init__(self, rank, size, prefix, ranks_on_machine=None):
+    def __init__(self, rank, size, prefix, ranks_on_machine=None, staged_max=None):
         """`ranks_on_machine`: the processes of the job on this machine, where
-        they are more than this communicator's (pretend nodes share one)."""
+        they are more than this communicator's (pretend nodes share one);
+        `staged_max`: the loop's, where a shrunk communicator keeps its
+        parent's (else `measure`, called once every rank is attached, sets it)."""
         self.group = ProcessGroup(rank, size, prefix, HostMemory)
         self.rank, self.size, self.prefix = rank, size, prefix
         self._ranks_on_machine = ranks_on_machine
+        self._inherited_staged_max = staged_max
         self._timeout = None   # the communicator's, which it sets at once (use_timeout)
         # Which cost model `auto` asks: ranks that outnumber the cores wait
         # for the scheduler at every step, a cost of its own.
@@ -86,6 +89,13 @@ class ShmRank(Recoverable):
         compiled = CompiledWaits(header + 8 * ABORT, group.pid_of, self._spin, fastpath.YIELD_SECONDS, rows)
         return PointToPoint(self.rank, self.size, Mailboxes(group.control_buffer, self.size, group.fast_sizes),
                             timeout_of, group.check_peers, group.abort, compiled)
+
+    def measure(self, timeout):
+        """Choose, on every rank alike, the settings that are the machine's
+        (the loop's staged_max: fastpath.FastCollectives.choose_staged_max),
+        once every rank has attached; every rank calls it together."""
+        if self.fast is not None:
+            self.fast.choose_staged_max(timeout, self._inherited_staged_max)
 
     def use_timeout(self, seconds):
         """The communicator's timeout (Communicator.timeout passes each new
@@ -247,7 +257,10 @@ class ShmRank(Recoverable):
 
     def remake(self, rank, size, prefix):
         """This rank's like, for another communicator (a shrunk one: recovery.Recoverable)."""
-        return ShmRank(rank, size, prefix, self._ranks_on_machine)
+        made = ShmRank(rank, size, prefix, self._ranks_on_machine,
+                       None if self.fast is None else self.fast.staged_max)
+        made.measure(self._timeout)   # (no call: it keeps this communicator's choice)
+        return made
 
     def abort(self, reason, cause=CollectiveError):
         """Abort the communicator for every rank: theirs raise `cause`'s class (protocol.py)."""
