@@ -302,11 +302,13 @@ def harness_args(spec, args):
 # -- one launch: every rank runs this --------------------------------------------------
 
 def measure_collective(spec, args, world, mpi):
-    """Every rank: one collective over the sizes. Rank 0 returns its rows (else None)."""
+    """Every rank: one collective over the sizes. Returns its rows (rank 0's;
+    else None) and what our communicator measured as it started (its `tuning`)."""
     hargs = harness_args(spec, args)
     floored = spec.name in FLOORED
     backends = make_backends(libraries(args) + ([COPY_FLOOR] if floored else []), spec, hargs, world)
     ours = backends[0]
+    tuning = ours.comm.tuning   # (what its communicator measured as it started: Communicator.tuning)
     places = PLACEMENTS
     nranks, itemsize, rows = world.size, hargs.dtype.itemsize, []
     # compressed: every library's timed calls on seeded normal floats, ours compressed judged by maxrel
@@ -340,7 +342,7 @@ def measure_collective(spec, args, world, mpi):
     finally:
         for backend in backends:
             backend.close()
-    return rows
+    return rows, tuning
 
 
 def run_launch(args, world):
@@ -371,7 +373,7 @@ def run_launch(args, world):
                          args.compression_list if name == "allreduce" else ()), flush=True)
         load_before = os.getloadavg()
         cpu_before = cpu_ticks(pids) if leader else None
-        rows = measure_collective(spec, args, world, mpi)
+        rows, tuning = measure_collective(spec, args, world, mpi)
         cpu_after = cpu_ticks(pids) if leader else None
         if not leader:
             continue
@@ -384,7 +386,8 @@ def run_launch(args, world):
                      **across,
                      "placements": list(PLACEMENTS), "launch": launch, "environment": env,
                      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-                     "other_processes_cores": other_processes_cores(cpu_before, cpu_after), "rows": rows})
+                     "other_processes_cores": other_processes_cores(cpu_before, cpu_after), "tuning": tuning,
+                     "rows": rows})
     return runs if leader else None
 
 

@@ -868,6 +868,19 @@ class Communicator:
         for future in pending:
             future.add_done_callback(one_done)
 
+    @property
+    def tuning(self):
+        """What this rank's communicator measured or was given as it
+        started, as a dict: for host ranks in processes (across nodes, this
+        rank's node), `staged_max` (a large allreduce, reduce_scatter or
+        reduce of up to this many bytes per rank stages; 0: never) and
+        `probe_us` (the slowest rank's median microseconds of the probe's
+        allreduce, `single_copy` and `staged`; None where nothing was
+        timed: pinned by $COLLECTIVES_STAGED_MAX, kept from before a
+        shrink, or every large message stages). {} elsewhere."""
+        tuning = getattr(self._ranks, "tuning", None)
+        return {} if tuning is None else tuning()
+
     def chosen_algorithm(self, collective, nbytes, root=0, dtype=None, in_place=None, compression=None,
                          algorithm="auto", symmetric=False):
         """What a call runs: the algorithm, a name of

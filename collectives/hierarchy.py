@@ -364,6 +364,10 @@ class HierarchyRanks:
     agreement = None
     shrink_calls = 0   # shrink() calls (at most RECOVERY_ROUNDS)
 
+    def tuning(self):
+        """Communicator.tuning: this node's loop's (none where alone on its node)."""
+        return {} if self.shm is None else self.shm.tuning()
+
     def __init__(self, topology, rank, shm, link):
 
         self.topology, self.rank, self.shm, self.link = topology, rank, shm, link

@@ -627,12 +627,14 @@ def scenario_measured(comm):
     communicator started (FastCollectives.choose_staged_max), and the step
     a 1 MiB allreduce then takes: "MEASURED rank staged_max single-copy
     staged last-step" (the probe's seconds, None where none ran)."""
-    loop = comm._ranks.fast   # noqa: SLF001
-    probe = loop.probe_seconds or {}
+    tuning = comm.tuning
+    probe = tuning["probe_us"] or {}
     x = np.ones(fastpath.PROBE_BYTES // 4, np.float32)
     assert np.array_equal(comm.allreduce(x, out=np.empty_like(x)), np.full_like(x, comm.size))
-    print(f"MEASURED {comm.rank} {loop.staged_max} {probe.get(fastpath.SINGLE_COPY)!r} {probe.get(fastpath.STAGED)!r} "
-          f"{loop.last_step}", flush=True)
+    step = comm._ranks.fast.last_step   # noqa: SLF001 - what ran
+    assert comm.chosen_algorithm("allreduce", x.nbytes, dtype=np.float32).step == step, "the answer is what ran"
+    print(f"MEASURED {comm.rank} {tuning['staged_max']} {probe.get(fastpath.SINGLE_COPY)!r} "
+          f"{probe.get(fastpath.STAGED)!r} {step}", flush=True)
 
 
 def staged_max_differs():

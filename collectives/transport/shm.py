@@ -97,6 +97,14 @@ class ShmRank(Recoverable):
         if self.fast is not None:
             self.fast.choose_staged_max(timeout, self._inherited_staged_max)
 
+    def tuning(self):
+        """Communicator.tuning: the loop's staged_max and its probe's times."""
+        if self.fast is None or self.fast.staged_max is None:
+            return {}
+        probe = self.fast.probe_seconds
+        return {"staged_max": self.fast.staged_max,
+                "probe_us": None if probe is None else {step: s * 1e6 for step, s in probe.items()}}
+
     def use_timeout(self, seconds):
         """The communicator's timeout (Communicator.timeout passes each new
         value on): what a bound call waits at most."""
