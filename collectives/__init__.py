@@ -110,11 +110,12 @@ def start(rendezvous, device="host", backend="ours", timeout=None, deadline=None
     return _start(rendezvous, device, backend, check_device(device, backend), timeout, deadline)
 
 
-def _measure(communicator, ranks, timeout):
-    """ranks.measure(timeout) (ShmRank's: the settings that are the
-    machine's), the communicator closed where it raises."""
+def _measure(communicator, ranks, timeout, node_of=None):
+    """ranks.measure (ShmRank's: the limits that are the machine's), the
+    communicator closed where it raises. `node_of`: where `ranks` is the
+    node's part of a communicator across nodes (its loop's limit only)."""
     try:
-        ranks.measure(timeout)
+        ranks.measure(timeout, communicator if node_of is None else None)
     except BaseException as error:
         communicator.__exit__(type(error), error, None)
         raise

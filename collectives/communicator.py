@@ -877,7 +877,10 @@ class Communicator:
         `probe_us` (the slowest rank's median microseconds of the probe's
         allreduce, `single_copy` and `staged`; None where nothing was
         timed: pinned by $COLLECTIVES_STAGED_MAX, kept from before a
-        shrink, or every large message stages). {} elsewhere."""
+        shrink, or every large message stages); on one machine also
+        `exchange_single_copy_min` (the exchanges take the single copy from
+        this many bytes of a call's blocks; None: never) and
+        `exchange_probe_us` (the probe's all_to_all, likewise). {} elsewhere."""
         tuning = getattr(self._ranks, "tuning", None)
         return {} if tuning is None else tuning()
 
@@ -945,18 +948,20 @@ class Communicator:
             return self._plan(collective, np.dtype(np.float32), max(1, nbytes // 4), "sum", root, algorithm,
                               (WORKSPACE, True), compression)
         root = validation.root_rank(root, self.size) if collective in ROOTED_COLLECTIVES else 0
-        if algorithm == "auto":
-            if in_place is None:   # as a call without `out`: broadcast, reduce and all_to_all in place
-                in_place = collective in (BROADCAST, REDUCE_TO_ROOT, ALL_TO_ALL)
+        if in_place is None:   # as a call without `out`: broadcast, reduce and all_to_all in place
+            in_place = collective in (BROADCAST, REDUCE_TO_ROOT, ALL_TO_ALL)
+        if getattr(self._ranks, "addressable", False):
             binding = self._in_place_binding() if in_place else OUT_OF_PLACE
-            algorithm = self._auto(collective, nbytes, 1, root,   # (nbytes are elements of 1 byte)
-                                   binding if getattr(self._ranks, "addressable", False) else None)
+        else:   # (as _binding gives other ranks for arrays in place or apart)
+            binding = WORKSPACE_IN_PLACE if in_place else WORKSPACE_APART
+        if algorithm == "auto":
+            algorithm = self._auto(collective, nbytes, 1, root, binding)   # (nbytes are elements of 1 byte)
         else:
             validation.call_arguments(collective, "sum", root, algorithm, None, self.size)
         dtype = np.dtype(np.uint8) if dtype is None else np.dtype(dtype)
         elements = max(nbytes // dtype.itemsize, 0)
         return CallShape(collective, algorithm, self.size, _work_elements(collective, elements, self.size),
-                         dtype, root, None)
+                         dtype, root, None, binding)
 
     def _auto(self, collective, elements, itemsize, root, binding=None, compression=None):
         """What `auto` runs for a call of `elements` per rank: the model asks
@@ -964,7 +969,7 @@ class Communicator:
         all share one GPU price bound plans, for a binding or a codec (auto.py)."""
         count = _work_elements(collective, elements, self.size)
         single_copy = getattr(self._ranks, "single_copy_takes", None)
-        if compression is None and single_copy is not None and single_copy(collective, count * itemsize):
+        if compression is None and single_copy is not None and single_copy(collective, count * itemsize, binding):
             return "direct"   # host ranks in processes: the exchange reads peers' inputs in place (shm.py)
         return auto.choose(collective, self.size, count * itemsize, root, self._ranks, binding, compression)
 

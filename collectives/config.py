@@ -137,29 +137,40 @@ def _bytes(value, argument, variable, default, multiple):
 # Below it the staged plans run: each block through the sender's workspace,
 # two copies, but both ranks copying at once through cache-sized slices,
 # where the single copy pays a process_vm_readv (page pinning) per block and
-# three rounds. Measured on a quiet 2-core machine, this variable at 128 KiB
-# (the single copy) against 1 GiB (staged), MPICH 5.0.2, 2 processes pinned
-# (bench.host_vs_mpich, 3 rounds; bench.alltoall_perf -n 20 -w 5 --rounds 3
-# agreeing): staged faster at 128 KiB to 2 MiB in all three exchanges
-# (all_to_all out of place 12.9 against 21.4 us at 128 KiB, 68.6 against
-# 105.4 at 1 MiB, in place 63.3 against 159.0; gather 46.8 against 100.8
-# at 1 MiB), from 4 MiB the single copy ahead or even (all_to_all at 8 MiB
-# 433 against 1189 us); with 4 processes on the 2 cores the same up to
-# 1 MiB, mixed at 2 and 4 MiB (docs/host-ranks.md, "The exchanges: one
-# copy"). An earlier measurement under heavy load (load average 4 to 18)
-# had the single copy ahead from 128 KiB: a staged pipeline suffers most
-# from a descheduled peer. On an Intel Xeon VM (2026-12-01) the single copy
-# was ahead from 256 KiB (gather 256 KiB 12-13 against 22-25 us, all_to_all
-# 1 MiB 61-63 against 138-142; docs/noticed.md): the limit is the machine's.
+# three rounds. Which is faster is the machine's, so unless this variable
+# pins it, the ranks measure it as the communicator starts
+# (transport/shm.py, ShmRank.measure: 256 KiB all_to_alls out of place both
+# ways, alternating, probe.py) and all take the faster: the single copy from
+# MEASURED_EXCHANGE_SINGLE_COPY_MIN, or from the default. An in-place
+# all_to_all keeps the default even then: it reads into scratch and copies
+# over x after, two copies either way, and staged it was the faster on both
+# machines below. Measured, this variable at 128 KiB (the single copy)
+# against 1 GiB or 4 MiB (staged), 2 processes pinned (bench.host_vs_mpich,
+# 3 rounds): on an AMD EPYC VM (2026-11-30, MPICH 5.0.2;
+# bench.alltoall_perf -n 20 -w 5 --rounds 3 agreeing) staged faster at
+# 128 KiB to 2 MiB in all three exchanges (all_to_all out of place 12.9
+# against 21.4 us at 128 KiB, 68.6 against 105.4 at 1 MiB, in place 63.3
+# against 159.0; gather 46.8 against 100.8 at 1 MiB), from 4 MiB the single
+# copy ahead or even (all_to_all at 8 MiB 433 against 1189 us); with 4
+# processes on the 2 cores the same up to 1 MiB, mixed at 2 and 4 MiB
+# (docs/host-ranks.md, "The exchanges: one copy"). On an Intel Xeon VM
+# (2026-12-01), the variable at 64 KiB against 4 MiB, two launches each:
+# the single copy ahead from 128 KiB out of place (all_to_all 8.4-8.7
+# against 13.0-13.2 us at 128 KiB, 11.6-12.2 against 17.7-18.0 at 256 KiB,
+# 59-61 against 97-107 at 1 MiB; gather and scatter alike, and in place
+# too: gather 1 MiB 20-22 against 51), at 64 KiB even or staged slightly
+# ahead (gather 6.5-6.8 against 5.5), and in place all_to_all staged ahead (22.9 against 15.6 at 256 KiB, 74-78 against 60
+# at 1 MiB; docs/noticed.md).
 EXCHANGE_SINGLE_COPY_MIN_ENV = "COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN"
 DEFAULT_EXCHANGE_SINGLE_COPY_MIN = 4 << 20
+MEASURED_EXCHANGE_SINGLE_COPY_MIN = 128 << 10
 
 
 def resolve_exchange_single_copy_min(min_bytes=None):
     """The exchanges' single-copy threshold in bytes: the argument, else
-    $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN, else the default above."""
-    return _number(min_bytes, "exchange_single_copy_min", EXCHANGE_SINGLE_COPY_MIN_ENV,
-                   DEFAULT_EXCHANGE_SINGLE_COPY_MIN, int)
+    $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN, else None (measured as the
+    communicator starts)."""
+    return _number(min_bytes, "exchange_single_copy_min", EXCHANGE_SINGLE_COPY_MIN_ENV, None, int)
 
 
 # From how many bytes send and recv between processes go in one copy (the

@@ -189,8 +189,31 @@ def scenario_stalled(comm):
     expect(CollectiveTimeoutError, lambda: comm.all_to_all(x, out=np.empty_like(x)), 3.0, ["rank 1"])
 
 
+def scenario_measured(comm):
+    """What the ranks chose for the exchanges' single-copy limit as the
+    communicator started (ShmRank.measure), and the paths an all_to_all of
+    the probe's size takes out of place and in place, as answered and as
+    run: "MEASURED rank limit single-copy staged out-path in-path" (the
+    probe's microseconds, None where none ran)."""
+    tuning = comm.tuning
+    probe = tuning["exchange_probe_us"] or {}
+    x = data(0, comm.rank, np.float32, shm.EXCHANGE_PROBE_BYTES // 4 // comm.size * comm.size)
+    paths = []
+    for in_place in (False, True):
+        answer = comm.chosen_algorithm("all_to_all", x.nbytes, dtype=np.float32, in_place=in_place)
+        comm.all_to_all(x.copy(), out=None if in_place else np.empty_like(x))
+        assert comm._ranks.what_ran() == ("direct", answer.path), (answer, comm._ranks.what_ran())   # noqa: SLF001
+        paths.append(answer.path)
+    print(f"MEASURED {comm.rank} {tuning['exchange_single_copy_min']} {probe.get('single_copy')!r} "
+          f"{probe.get('staged')!r} {paths[0]} {paths[1]}", flush=True)
+
+
 def main():
     scenario = sys.argv[1]
+    if scenario == "measured" and sys.argv[2:] == ["slow"]:
+        _host_plan.test_stall_reads(0.002)   # every rank's probe: the single copy must lose
+    if scenario == "measured" and sys.argv[2:] == ["refused"] and int(os.environ["PMI_RANK"]) == 1:
+        _host_plan.test_refuse_reads(True)   # the probe's first call falls back: nothing to time
     comm = collectives.init(timeout=TIMEOUT)
     leaves = scenario == "killed"
     run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=leaves)

@@ -7,6 +7,7 @@ returns before its readers are done caught; a killed and a stalled rank
 raising the typed error on the others. The checks of each rank are in
 tests/exchange_worker.py; the plans' form is checked here."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,8 @@ SMALL = {"COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN": "4096"}   # small calls take th
 needs_the_executor = pytest.mark.skipif(not host_process.available(), reason="the compiled executor is not built")
 
 
-def run(n, scenario, environment=SMALL, flags=(), limit=240):
-    oks, report = run_worker(WORKER, n, scenario, launcher_flags=flags, environment=environment, limit=limit)
+def run(n, scenario, environment=SMALL, flags=(), limit=240, extra=()):
+    oks, report = run_worker(WORKER, n, scenario, *extra, launcher_flags=flags, environment=environment, limit=limit)
     return oks, report
 
 
@@ -111,3 +112,33 @@ def test_a_killed_or_stalled_rank_raises_the_typed_error_on_the_others(event):
     # Hydra would otherwise kill the survivors itself when one rank exits.
     oks, report = run(3, event, flags=["-disable-auto-cleanup"], limit=120)
     assert len(oks) == (2 if event == "killed" else 3), report
+
+
+@needs_the_executor
+@pytest.mark.parametrize("setting", ["plain", "slow", "refused"])
+def test_the_ranks_measure_the_exchanges_single_copy_limit_as_they_start(setting, monkeypatch):
+    """Unpinned, the ranks time 256 KiB all_to_alls both ways and all take
+    the faster limit (the same times on every rank: the slowest rank's),
+    while an in-place all_to_all keeps staging below 4 MiB; with every
+    read held 2 ms the single copy loses; with one rank's reads refused
+    nothing is timed and every exchange stages. What runs is what
+    chosen_algorithm answers (the worker checks)."""
+    from collectives.config import DEFAULT_EXCHANGE_SINGLE_COPY_MIN, MEASURED_EXCHANGE_SINGLE_COPY_MIN
+    monkeypatch.delenv("COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN", raising=False)
+    oks, report = run(2, "measured", environment={}, extra=(setting,))
+    assert len(oks) == 2, report
+    seconds = r"(None|[0-9.]+(?:e-?[0-9]+)?)"   # (mpiexec may splice lines: match the fields themselves)
+    chosen = set(re.findall(rf"MEASURED \d+ (\d+) {seconds} {seconds} (single_copy|compiled_plan) "
+                            r"(single_copy|compiled_plan)", report))
+    assert len(chosen) == 1, report   # every rank alike
+    ((limit, single_copy, staged, out_of_place, in_place),) = chosen
+    assert in_place == "compiled_plan", report
+    if setting == "refused":
+        assert (int(limit), single_copy, out_of_place) == (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, "None",
+                                                           "compiled_plan"), report
+        return
+    faster = float(single_copy) < float(staged)
+    assert int(limit) == (MEASURED_EXCHANGE_SINGLE_COPY_MIN if faster else DEFAULT_EXCHANGE_SINGLE_COPY_MIN), report
+    assert out_of_place == ("single_copy" if faster else "compiled_plan"), report
+    if setting == "slow":   # 2 ms a read, one read of the peer a call
+        assert float(single_copy) > 2000 and not faster, report

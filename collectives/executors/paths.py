@@ -95,6 +95,7 @@ class CallShape(NamedTuple):
     dtype: object       # a NumPy dtype
     root: int
     compression: object
+    binding: object = None   # how the call would bind its arrays (binding.py), as a Plan's
 
 
 class Path:

@@ -53,15 +53,15 @@ there is no fast path.
 """
 
 import os
-import time
 import warnings
 import weakref
 
 import numpy as np
 
-from ..errors import CollectiveError, InvalidUsageError
+from ..errors import CollectiveError
 from ..ops import ReduceOp
 from ..config import DEFAULT_STAGED_MAX, STAGED_MAX_ENV, resolve_fast_path, resolve_fast_single_copy, resolve_loop_tunables
+from . import probe
 from .failures import raise_wait_failure
 from .layout import HEADER, ROW, small_area
 
@@ -79,12 +79,9 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 # fast the machine's process_vm_readv is against memcpy, by 2 to 3 times
 # either way (config.py, DEFAULT_STAGED_MAX), so the ranks measure it when
 # the communicator starts (choose_staged_max), unless $COLLECTIVES_STAGED_MAX
-# pins it: PROBE_CALLS allreduces of PROBE_BYTES a rank, PROBE_ROUNDS times
-# each way, alternating; the slowest rank's median of each way decides, the
-# same on every rank (an allreduce of the times with op max).
+# pins it: allreduces of PROBE_BYTES a rank both ways, alternating, the
+# slowest rank's median of each way deciding alike on every rank (probe.py).
 PROBE_BYTES = 1 << 20
-PROBE_CALLS = 4
-PROBE_ROUNDS = 3   # (odd: the median is the middle one)
 #
 # How long a failed call waits for peers still writing into its output
 # (the fence), and where ranks that outnumber the cores stage their
@@ -216,7 +213,7 @@ class FastCollectives:
         communicator this one was shrunk from, the same on every survivor),
         else $COLLECTIVES_STAGED_MAX where every rank gives the same, else
         the faster of staging up to DEFAULT_STAGED_MAX and never, timed on
-        the probe (see PROBE_BYTES). Every rank of the loop calls it
+        PROBE_BYTES allreduces (probe.py). Every rank of the loop calls it
         together, before any other call; InvalidUsageError on every rank
         where the variable differs among them; a call that fails raises as
         a collective's does (`timeout` seconds each)."""
@@ -224,52 +221,34 @@ class FastCollectives:
         if inherited is not None:
             channel.staged_max = inherited
             return
-        pinned = self._agreed_staged_max(timeout)
+
+        def allreduce(x, op, out):
+            done = self.allreduce(x, op, out, timeout)
+            assert done is not None, "the loop declined its own probe"
+
+        group = self._group
+        pinned = probe.agreed_pin(allreduce, STAGED_MAX_ENV, self.tunables.staged_max, group.names[group.rank])
         if pinned is not None or PROBE_BYTES <= self.merged_max:
             channel.staged_max = DEFAULT_STAGED_MAX if pinned is None else pinned
             return
         x = np.ones(PROBE_BYTES // 4, np.float32)
         out = np.empty_like(x)
 
-        def seconds(staged_max, calls=PROBE_CALLS):
-            channel.staged_max = staged_max
-            start = time.perf_counter()
-            for _ in range(calls):
-                done = self.allreduce(x, "sum", out, timeout)
-                assert done is not None, "the loop declined its own probe"
-            return (time.perf_counter() - start) / calls
+        def staged_up_to(staged_max):
+            def call():
+                channel.staged_max = staged_max
+                allreduce(x, "sum", out)
+            return call
 
-        seconds(0, 1)   # the ranks' first large call: they agree whether all may take the single copy
+        single_copy, staged = staged_up_to(0), staged_up_to(DEFAULT_STAGED_MAX)
+        single_copy()   # the ranks' first large call: they agree whether all may take the single copy
         if channel.large_path != "single-copy":   # every large message stages: nothing to choose
             channel.staged_max = DEFAULT_STAGED_MAX
             return
-        seconds(DEFAULT_STAGED_MAX, 1)   # (both ways once untimed: pages and staging touched)
-        rounds = [(seconds(0), seconds(DEFAULT_STAGED_MAX)) for _ in range(PROBE_ROUNDS)]
-        medians = np.array([sorted(way)[PROBE_ROUNDS // 2] for way in zip(*rounds)])   # (np.median's
-        slowest = np.empty(2)                                                        # first call imports for ms)
-        self.allreduce(medians, "max", slowest, timeout)
-        single_copy, staged = slowest
-        self.probe_seconds = {SINGLE_COPY: float(single_copy), STAGED: float(staged)}
-        channel.staged_max = DEFAULT_STAGED_MAX if staged < single_copy else 0
-
-    def _agreed_staged_max(self, timeout):
-        """$COLLECTIVES_STAGED_MAX where every rank gives it alike, None
-        where none does (one merged step: the largest and smallest of the
-        ranks' values, -1 for unset); InvalidUsageError on every rank
-        where they differ, since one rank would probe while another runs
-        its first call."""
-        mine = -1 if self.tunables.staged_max is None else self.tunables.staged_max
-        extremes = np.empty(2, np.int64)
-        self.allreduce(np.array([mine, -mine], np.int64), "max", extremes, timeout)
-        largest, smallest = int(extremes[0]), -int(extremes[1])
-        if largest != smallest:
-            def name(value):
-                return "unset" if value < 0 else str(value)
-            raise InvalidUsageError(
-                f"${STAGED_MAX_ENV} differs among the ranks ({name(smallest)} on some, {name(largest)} on others, "
-                f"{name(mine)} on rank {self._group.names[self._group.rank]}): give every rank the same value, "
-                "or none (then they measure it)")
-        return None if largest < 0 else largest
+        staged()   # (both ways once untimed: pages and staging touched)
+        seconds = probe.slowest_medians(allreduce, [single_copy, staged])
+        self.probe_seconds = dict(zip((SINGLE_COPY, STAGED), seconds))
+        channel.staged_max = DEFAULT_STAGED_MAX if seconds[1] < seconds[0] else 0
 
     def barrier(self, deadline):
         """Return once every rank has entered the barrier (a merged step of

@@ -11,21 +11,36 @@ mapped workspaces.
 
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 from ..compression import wire
 from ..errors import CollectiveError
-from ..config import resolve_compiled_plans, resolve_exchange_single_copy_min, resolve_fast_single_copy
+from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN_ENV, MEASURED_EXCHANGE_SINGLE_COPY_MIN,
+                      resolve_compiled_plans, resolve_exchange_single_copy_min, resolve_fast_single_copy)
 from ..executors import host, host_process
-from ..plan import INPUT, OUTPUT, SINGLE_COPY_COLLECTIVES, WORK, single_copy_plan
+from ..plan import ALL_TO_ALL, INPUT, OUTPUT, SINGLE_COPY_COLLECTIVES, WORK, single_copy_plan
 from ..binding import WORKSPACE_IN_PLACE
-from . import fastpath
+from . import fastpath, probe
 from .layout import ABORT
 from .p2p import CompiledWaits, Mailboxes, PointToPoint
 from .protocol import ProcessGroup, describe_call
 from .recovery import Recoverable
 from .segments import HostMemory
+
+
+# The exchanges' probe: an all_to_all out of place of this many bytes a
+# rank, where the machines measured differ (config.py).
+EXCHANGE_PROBE_BYTES = 256 << 10
+EXCHANGE_PROBE_CALLS = 8   # a batch's (each call 10 to 20 us)
+
+
+class Limits(NamedTuple):
+    """The size limits a rank chose as its communicator started (ShmRank.measure)."""
+    staged_max: int | None                 # the loop's (None: no loop)
+    exchange_single_copy_min: int | None   # None: the exchanges never take the single copy
+    in_place_all_to_all_min: int | None
 
 
 class ShmRank(Recoverable):
@@ -37,15 +52,16 @@ class ShmRank(Recoverable):
     locations = None
     compresses = True    # runs compressed plans
 
-    def __init__(self, rank, size, prefix, ranks_on_machine=None, staged_max=None):
+    def __init__(self, rank, size, prefix, ranks_on_machine=None, inherited=None):
         """`ranks_on_machine`: the processes of the job on this machine, where
         they are more than this communicator's (pretend nodes share one);
-        `staged_max`: the loop's, where a shrunk communicator keeps its
-        parent's (else `measure`, called once every rank is attached, sets it)."""
+        `inherited`: the Limits of the communicator a shrunk one comes
+        from, which it keeps (else `measure`, called once every rank is
+        attached, chooses them)."""
         self.group = ProcessGroup(rank, size, prefix, HostMemory)
         self.rank, self.size, self.prefix = rank, size, prefix
         self._ranks_on_machine = ranks_on_machine
-        self._inherited_staged_max = staged_max
+        self._inherited = inherited
         self._timeout = None   # the communicator's, which it sets at once (use_timeout)
         # Which cost model `auto` asks: ranks that outnumber the cores wait
         # for the scheduler at every step, a cost of its own.
@@ -73,9 +89,16 @@ class ShmRank(Recoverable):
         # The exchanges from this many bytes read peers' inputs in place, in
         # the compiled executor whatever runs the other plans (the
         # interpreter has no such reads); None: never. Once a call found a
-        # read refused, on every rank alike, they stage (`_refused`).
-        self.single_copy_min = resolve_exchange_single_copy_min() \
+        # read refused, on every rank alike, they stage (`_refused`). The
+        # limit is $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN's, else measured
+        # (`measure`), and then an in-place all_to_all keeps the default
+        # (config.py says why): `_in_place_all_to_all_min`.
+        self._pinned_single_copy_min = resolve_exchange_single_copy_min()
+        self.single_copy_min = (DEFAULT_EXCHANGE_SINGLE_COPY_MIN if self._pinned_single_copy_min is None
+                                else self._pinned_single_copy_min) \
             if executor is not None and size > 1 and resolve_fast_single_copy() else None
+        self._in_place_all_to_all_min = self.single_copy_min
+        self.exchange_probe_seconds = None   # {"single_copy": s, "staged": s}, once measured
         self._single = executor
         self._refused = False
         self._interpreted = None   # the last plan the interpreter ran (what_ran)
@@ -90,36 +113,96 @@ class ShmRank(Recoverable):
         return PointToPoint(self.rank, self.size, Mailboxes(group.control_buffer, self.size, group.fast_sizes),
                             timeout_of, group.check_peers, group.abort, compiled)
 
-    def measure(self, timeout):
-        """Choose, on every rank alike, the settings that are the machine's
-        (the loop's staged_max: fastpath.FastCollectives.choose_staged_max),
-        once every rank has attached; every rank calls it together."""
+    def measure(self, timeout, communicator=None):
+        """Choose, on every rank alike, the limits that are the machine's,
+        once every rank has attached (every rank calls it together): the
+        loop's staged_max (fastpath.FastCollectives.choose_staged_max), and
+        with the `communicator` whose rank this is (one machine's), the
+        exchanges' single-copy limit. A shrunk communicator's rank keeps
+        the Limits it inherited, with no call."""
+        inherited = self._inherited
         if self.fast is not None:
-            self.fast.choose_staged_max(timeout, self._inherited_staged_max)
+            self.fast.choose_staged_max(timeout, None if inherited is None else inherited.staged_max)
+        if inherited is not None:
+            self.single_copy_min = inherited.exchange_single_copy_min
+            self._in_place_all_to_all_min = inherited.in_place_all_to_all_min
+        elif communicator is not None:
+            self._choose_exchange_single_copy_min(communicator)
+
+    def _choose_exchange_single_copy_min(self, communicator):
+        """The exchanges' single-copy limit: pinned by the variable where
+        every rank gives the same (InvalidUsageError where they differ),
+        else the faster of the single copy from
+        MEASURED_EXCHANGE_SINGLE_COPY_MIN and staging up to the default,
+        timed on EXCHANGE_PROBE_BYTES all_to_alls out of place (probe.py);
+        nothing to choose where some rank may not take the single copy."""
+        def allreduce(x, op, out):
+            communicator.allreduce(x, op, out=out)
+
+        pinned = probe.agreed_pin(allreduce, EXCHANGE_SINGLE_COPY_MIN_ENV, self._pinned_single_copy_min,
+                                  self.group.names[self.rank])
+        everyone = np.empty(1, np.int64)
+        allreduce(np.array([self.single_copy_min is not None], np.int64), "min", everyone)
+        if pinned is not None or not everyone[0]:
+            return
+        x = np.ones(EXCHANGE_PROBE_BYTES // 4 // self.size * self.size, np.float32)   # (size blocks)
+
+        def single_copy_from(limit):
+            out = np.empty_like(x)   # (one pair of arrays a way: a repeated call keeps the path it was bound with)
+
+            def call():
+                self.single_copy_min = limit
+                communicator.all_to_all(x, out=out, algorithm="direct")
+            return call
+
+        single_copy = single_copy_from(MEASURED_EXCHANGE_SINGLE_COPY_MIN)
+        staged = single_copy_from(DEFAULT_EXCHANGE_SINGLE_COPY_MIN)
+        single_copy()
+        if self._refused:   # a read was refused, on every rank alike: every exchange stages
+            self.single_copy_min = DEFAULT_EXCHANGE_SINGLE_COPY_MIN
+            return
+        staged()   # (both ways once untimed)
+        seconds = probe.slowest_medians(allreduce, [single_copy, staged], calls=EXCHANGE_PROBE_CALLS)
+        self.exchange_probe_seconds = dict(zip((fastpath.SINGLE_COPY, fastpath.STAGED), seconds))
+        self.single_copy_min = MEASURED_EXCHANGE_SINGLE_COPY_MIN if seconds[0] < seconds[1] \
+            else DEFAULT_EXCHANGE_SINGLE_COPY_MIN
+        self._in_place_all_to_all_min = DEFAULT_EXCHANGE_SINGLE_COPY_MIN
+
+    def limits(self):
+        """The Limits this rank holds (what a shrunk communicator keeps)."""
+        return Limits(None if self.fast is None else self.fast.staged_max, self.single_copy_min,
+                      self._in_place_all_to_all_min)
 
     def tuning(self):
-        """Communicator.tuning: the loop's staged_max and its probe's times."""
-        if self.fast is None or self.fast.staged_max is None:
-            return {}
-        probe = self.fast.probe_seconds
-        return {"staged_max": self.fast.staged_max,
-                "probe_us": None if probe is None else {step: s * 1e6 for step, s in probe.items()}}
+        """Communicator.tuning: the limits, and the probes' microseconds."""
+        def microseconds(probe_seconds):
+            return None if probe_seconds is None else {way: s * 1e6 for way, s in probe_seconds.items()}
+
+        tuning = {}
+        if self.fast is not None and self.fast.staged_max is not None:
+            tuning.update(staged_max=self.fast.staged_max, probe_us=microseconds(self.fast.probe_seconds))
+        if self._single is not None and self.size > 1:
+            tuning.update(exchange_single_copy_min=self.single_copy_min,
+                          exchange_probe_us=microseconds(self.exchange_probe_seconds))
+        return tuning
 
     def use_timeout(self, seconds):
         """The communicator's timeout (Communicator.timeout passes each new
         value on): what a bound call waits at most."""
         self._timeout = seconds
 
-    def single_copy_takes(self, collective, nbytes):
+    def single_copy_takes(self, collective, nbytes, binding=None):
         """Whether an exchange whose blocks are `nbytes` in all runs
-        reading peers' inputs in place (so `auto` names `direct` for it)."""
-        return self.single_copy_min is not None and not self._refused and collective in SINGLE_COPY_COLLECTIVES \
-            and nbytes >= self.single_copy_min
+        reading peers' inputs in place (so `auto` names `direct` for it);
+        `binding`: the call's (binding.py), WORKSPACE_IN_PLACE in place."""
+        limit = self._in_place_all_to_all_min if collective == ALL_TO_ALL and binding == WORKSPACE_IN_PLACE \
+            else self.single_copy_min
+        return limit is not None and not self._refused and collective in SINGLE_COPY_COLLECTIVES and nbytes >= limit
 
     def _single_copy_of(self, plan):
         """Whether `plan` (a Plan or a paths.CallShape) runs as a single-copy plan."""
         return plan.algorithm == "direct" and getattr(plan, "compression", None) is None \
-            and self.single_copy_takes(plan.collective, plan.count * plan.dtype.itemsize) \
+            and self.single_copy_takes(plan.collective, plan.count * plan.dtype.itemsize, plan.binding) \
             and self._single.takes(plan)
 
     def _single_plan(self, plan, in_place):
@@ -265,9 +348,8 @@ class ShmRank(Recoverable):
 
     def remake(self, rank, size, prefix):
         """This rank's like, for another communicator (a shrunk one: recovery.Recoverable)."""
-        made = ShmRank(rank, size, prefix, self._ranks_on_machine,
-                       None if self.fast is None else self.fast.staged_max)
-        made.measure(self._timeout)   # (no call: it keeps this communicator's choice)
+        made = ShmRank(rank, size, prefix, self._ranks_on_machine, self.limits())
+        made.measure(self._timeout)   # (no call: it keeps this communicator's limits)
         return made
 
     def abort(self, reason, cause=CollectiveError):
