@@ -720,13 +720,14 @@ def error_check(backend, spec, args, nbytes, in_place, seeded):
     return float(np.max(errors)) if errors else 0.0
 
 
-def picked_algorithm(backend, spec, args, in_count):
+def picked_algorithm(backend, spec, args, in_count, in_place=None):
     """What our backend's calls ran (Communicator.chosen_algorithm): the
     algorithm, its own or what auto picks, a str with the execution path
-    that ran it in `.path` (symmetric memory where --symmetric asks for it)."""
+    that ran it in `.path` (symmetric memory where --symmetric asks for it);
+    `in_place` as chosen_algorithm takes it (None: as a call without `out`)."""
     nbytes = in_count * args.dtype.itemsize   # (with a compression, chosen_algorithm weighs the encoded size)
     return backend.comm.chosen_algorithm(spec.name, nbytes, root=args.root if spec.rooted else 0,
-                                         dtype=args.dtype, compression=backend.compression,
+                                         dtype=args.dtype, in_place=in_place, compression=backend.compression,
                                          algorithm=backend.algorithm, symmetric=getattr(args, "symmetric", False))
 
 

@@ -322,12 +322,14 @@ def measure_collective(spec, args, world, mpi):
             measured = harness.measure(timed, spec, hargs, nbytes, world, seeded=seeded,
                                        placements=[place == "in_place" for place in places])
             in_count, _ = spec.counts(nbytes, itemsize, nranks)
-            picked = harness.picked_algorithm(ours, spec, hargs, in_count)
+            # (what ran may differ by placement: an in-place all_to_all keeps staging longer)
+            picked = {place: harness.picked_algorithm(ours, spec, hargs, in_count, in_place=place == "in_place")
+                      for place in places}
             size = spec.bytes_moved(nbytes, itemsize, nranks)
             row = {"size": size,
                    "count": spec.param_count(nbytes, itemsize, nranks),
-                   "iters": hargs.iters, "algorithm": picked.algorithm, "path": picked.path,
-                   **({"step": picked.step} if picked.step else {})}
+                   "iters": hargs.iters, **picked_fields(picked["out_of_place"]),
+                   "picked": {place: picked_fields(picked[place]) for place in places}}
             for i, place in enumerate(places):
                 row[place] = {json_name(b, mpi): {"time_us": m[i]["seconds"] * 1e6, "wrong": m[i]["wrong"],
                                                   "rounds_us": [s * 1e6 for s in m[i]["rounds"]],
@@ -343,6 +345,11 @@ def measure_collective(spec, args, world, mpi):
         for backend in backends:
             backend.close()
     return rows, tuning
+
+
+def picked_fields(picked):
+    """A chosen_algorithm answer as the JSON records it: the algorithm, the path, the loop's step."""
+    return {"algorithm": picked.algorithm, "path": picked.path, **({"step": picked.step} if picked.step else {})}
 
 
 def run_launch(args, world):

@@ -33,7 +33,8 @@ from .segments import HostMemory
 # The exchanges' probe: an all_to_all out of place of this many bytes a
 # rank, where the machines measured differ (config.py).
 EXCHANGE_PROBE_BYTES = 256 << 10
-EXCHANGE_PROBE_CALLS = 8   # a batch's (each call 10 to 20 us)
+EXCHANGE_PROBE_CALLS = 8    # a batch's (each call 10 to 20 us)
+EXCHANGE_PROBE_ROUNDS = 5   # (cheap at that size, and one noisy round is outvoted)
 
 
 class Limits(NamedTuple):
@@ -162,7 +163,7 @@ class ShmRank(Recoverable):
             self.single_copy_min = DEFAULT_EXCHANGE_SINGLE_COPY_MIN
             return
         staged()   # (both ways once untimed)
-        seconds = probe.slowest_medians(allreduce, [single_copy, staged], calls=EXCHANGE_PROBE_CALLS)
+        seconds = probe.slowest_medians(allreduce, [single_copy, staged], EXCHANGE_PROBE_CALLS, EXCHANGE_PROBE_ROUNDS)
         self.exchange_probe_seconds = dict(zip((fastpath.SINGLE_COPY, fastpath.STAGED), seconds))
         self.single_copy_min = MEASURED_EXCHANGE_SINGLE_COPY_MIN if seconds[0] < seconds[1] \
             else DEFAULT_EXCHANGE_SINGLE_COPY_MIN
