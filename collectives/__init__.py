@@ -110,12 +110,12 @@ def start(rendezvous, device="host", backend="ours", timeout=None, deadline=None
     return _start(rendezvous, device, backend, check_device(device, backend), timeout, deadline)
 
 
-def _measure(communicator, ranks, timeout, node_of=None):
+def _measure(communicator, ranks, timeout, across_nodes=False):
     """ranks.measure (ShmRank's: the limits that are the machine's), the
-    communicator closed where it raises. `node_of`: where `ranks` is the
+    communicator closed where it raises. `across_nodes`: `ranks` is this
     node's part of a communicator across nodes (its loop's limit only)."""
     try:
-        ranks.measure(timeout, communicator if node_of is None else None)
+        ranks.measure(timeout, None if across_nodes else communicator)
     except BaseException as error:
         communicator.__exit__(type(error), error, None)
         raise

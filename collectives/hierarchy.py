@@ -186,7 +186,7 @@ class HierarchicalCommunicator(Communicator):
         communicator = cls(ranks, size=rendezvous.size, local_ranks=[rendezvous.rank], timeout=timeout)
         if shm is not None:   # (each node's ranks choose their loop's settings on their own)
             from . import _measure
-            _measure(communicator, shm, timeout, node_of=communicator)
+            _measure(communicator, shm, timeout, across_nodes=True)
         return communicator
 
     def __init__(self, ranks, *, size, local_ranks, timeout):

@@ -125,8 +125,9 @@ class ShmRank(Recoverable):
         if self.fast is not None:
             self.fast.choose_staged_max(timeout, None if inherited is None else inherited.staged_max)
         if inherited is not None:
-            self.single_copy_min = inherited.exchange_single_copy_min
-            self._in_place_all_to_all_min = inherited.in_place_all_to_all_min
+            if self.single_copy_min is not None:   # (a shrunk communicator of one rank has no exchange to copy)
+                self.single_copy_min = inherited.exchange_single_copy_min
+                self._in_place_all_to_all_min = inherited.in_place_all_to_all_min
         elif communicator is not None:
             self._choose_exchange_single_copy_min(communicator)
 
