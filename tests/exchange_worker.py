@@ -208,8 +208,26 @@ def scenario_measured(comm):
           f"{probe.get('staged')!r} {paths[0]} {paths[1]}", flush=True)
 
 
+def limit_differs():
+    """Rank 1 pins $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN, the others leave it
+    unset: every rank's start raises InvalidUsageError naming it (rank 1
+    would not probe while the others do), none waits for the timeout."""
+    rank = int(os.environ["PMI_RANK"])
+    if rank == 1:
+        os.environ["COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN"] = "65536"
+    try:
+        collectives.init(timeout=TIMEOUT)
+    except collectives.InvalidUsageError as error:
+        assert "COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN differs among the ranks" in str(error), error
+        print(f"OK limit_differs {rank}", flush=True)
+        return
+    raise AssertionError("a start whose ranks disagree on COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN went on")
+
+
 def main():
     scenario = sys.argv[1]
+    if scenario == "limit_differs":
+        return limit_differs()
     if scenario == "measured" and sys.argv[2:] == ["slow"]:
         _host_plan.test_stall_reads(0.002)   # every rank's probe: the single copy must lose
     if scenario == "measured" and sys.argv[2:] == ["refused"] and int(os.environ["PMI_RANK"]) == 1:

@@ -142,3 +142,10 @@ def test_the_ranks_measure_the_exchanges_single_copy_limit_as_they_start(setting
     assert out_of_place == ("single_copy" if faster else "compiled_plan"), report
     if setting == "slow":   # 2 ms a read, one read of the peer a call
         assert float(single_copy) > 2000 and not faster, report
+
+
+@needs_the_executor
+def test_ranks_that_disagree_on_the_pinned_single_copy_limit_are_told_as_they_start(monkeypatch):
+    monkeypatch.delenv("COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN", raising=False)
+    oks, report = run(3, "limit_differs", environment={})
+    assert len(oks) == 3, report
