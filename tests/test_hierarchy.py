@@ -214,13 +214,16 @@ def test_survivors_of_two_sigkills_shrink_across_nodes_then_to_one_node_and_go_o
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("scenario", ["shrink_start_death", "shrink_group_death"])
+@pytest.mark.parametrize("scenario", ["shrink_start_death", "shrink_group_death", "shrink_start_death_late_part"])
 def test_a_member_that_dies_as_the_shrunk_communicator_starts_costs_the_others_no_timeout(scenario):
     """tests/hierarchy_worker.py's `shrink_start_death` on 0,0,1,1 (rank 1,
-    then rank 3 inside the shrunk communicator's start-up), and
+    then rank 3 inside the shrunk communicator's start-up),
     `shrink_group_death` (rank 3 dying where the others make MPI's
     communicator of the members, whose threads then stay blocked in
-    MPI_Comm_create_group): ranks 0 and 2 print OK, having shrunk within
+    MPI_Comm_create_group), and `shrink_start_death_late_part` (rank 2's
+    part of MPI_Comm_create_group returning after it saw rank 3 dead: it
+    must still join the others' agreement on the start, not leave them
+    waiting there for it): ranks 0 and 2 print OK, having shrunk within
     half the timeout."""
     if scenario == "shrink_group_death" and mpis.chosen_for_tests() == mpis.OPEN_MPI:
         pytest.skip("Open MPI 5.0.11's MPI_Comm_create_group waits behind one blocked by a dead member, whatever "

@@ -364,13 +364,25 @@ def group_tag(decision):
     return GROUP_TAG_BASE + (coordinator * 64 + number) % GROUP_TAGS
 
 
+# How long a member that saw another fail still waits for its own part of
+# MPI_Comm_create_group. A member that died after its part had returned (in
+# the shrunk communicator's start) leaves the others' parts about to return,
+# and a part that returns goes on to that start, which fails there on every
+# member alike and is agreed on (hierarchy.py, _start_on_every_member); a
+# member that gave up here instead would leave the others waiting for it in
+# that agreement until the deadline. One that died before its part never
+# lets the others' return: they wait this long for nothing.
+FAILED_MEMBER_GRACE = 0.25
+
+
 def create_group(link, members, decision, pids, deadline):
     """MPI's communicator of `members` (ranks of the link's communicator),
     made by the members alone (MPI_Comm_create_group), for decision number
     `decision`. It has no nonblocking form: it runs on a thread of its
     own, and a member that dies during it leaves that thread blocked in
     MPI (on its decision's tag: group_tag); this rank raises
-    RankFailedError at the deadline or when it sees a member fail."""
+    RankFailedError at the deadline, or FAILED_MEMBER_GRACE after it saw a
+    member fail where its own part has not returned by then."""
     group = link.comm.Get_group().Incl(list(members))
     made, errors = [], []
 
@@ -382,9 +394,12 @@ def create_group(link, members, decision, pids, deadline):
 
     thread = threading.Thread(target=create, name="collectives-create-group", daemon=True)
     thread.start()
+    failed_at = None
     while thread.is_alive():
         failed = [q for q in members if q != link.rank and process_failed(pids[q])]
-        if failed or time.perf_counter() >= deadline:
+        now = time.perf_counter()
+        failed_at = failed_at or (now if failed else None)
+        if now >= deadline or failed and now - failed_at >= FAILED_MEMBER_GRACE:
             what = (f"rank(s) {', '.join(map(str, failed))} failed" if failed
                     else "the members did not all come within the timeout")
             raise RankFailedError(f"making MPI's communicator of the shrunk communicator's ranks failed: {what}")
