@@ -364,12 +364,7 @@ class HierarchyRanks:
     agreement = None
     shrink_calls = 0   # shrink() calls (at most RECOVERY_ROUNDS)
 
-    def tuning(self):
-        """Communicator.tuning: this node's loop's (none where alone on its node)."""
-        return {} if self.shm is None else self.shm.tuning()
-
     def __init__(self, topology, rank, shm, link):
-
         self.topology, self.rank, self.shm, self.link = topology, rank, shm, link
         self.node_index = topology.node_of(rank)
         self.node_ranks = topology.nodes[self.node_index]
@@ -396,6 +391,10 @@ class HierarchyRanks:
         compiled = Call("barrier", np.dtype(np.uint8), 1, ReduceOp.SUM, 0, "barrier")
         self._compiled_barrier = ((compiled, np.zeros(1, np.uint8))
                                   if self.programs is not None and takes_small(self, compiled) else None)
+
+    def tuning(self):
+        """Communicator.tuning: this node's loop's (none where alone on its node)."""
+        return {} if self.shm is None else self.shm.tuning()
 
     def chosen_path(self, call, kind=None):
         """The path a call (a checked Call) takes: `route`'s (router.path_of)."""
