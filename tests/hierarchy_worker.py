@@ -1069,12 +1069,12 @@ def scenario_shrink_start_death(comm, in_group=False, late_part=False):
     from collectives import bootstrap
     from collectives.transport import mpi_recovery
 
-    class LatePart(threading.Thread):
-        def run(self):
-            super().run()
-            time.sleep(0.1)
-
     if late_part and comm.rank == 2:
+        class LatePart(threading.Thread):
+            def run(self):
+                super().run()
+                time.sleep(0.1)
+
         mpi_recovery.threading = types.SimpleNamespace(Thread=LatePart)
     _rank_1_dies(comm)
     if comm.rank == 3 and in_group:   # where the others make MPI's communicator of the members

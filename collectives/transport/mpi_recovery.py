@@ -398,7 +398,8 @@ def create_group(link, members, decision, pids, deadline):
     while thread.is_alive():
         failed = [q for q in members if q != link.rank and process_failed(pids[q])]
         now = time.perf_counter()
-        failed_at = failed_at or (now if failed else None)
+        if failed and failed_at is None:
+            failed_at = now
         if now >= deadline or failed and now - failed_at >= FAILED_MEMBER_GRACE:
             what = (f"rank(s) {', '.join(map(str, failed))} failed" if failed
                     else "the members did not all come within the timeout")
