@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import collectives
-from collectives.ops import BFLOAT16, is_floating
+from collectives.ops import bfloat16, is_bfloat16, is_floating
 
 OURS, MPI_BACKEND, GLOO, NCCL = "ours", "mpi", "gloo", "nccl"
 # TensorFlow's MultiWorkerMirroredStrategy: its collectives (CollectiveReduceV2,
@@ -80,7 +80,7 @@ def unsupported(backend, spec, args):
     if backend in MPI_BACKENDS:
         if reduces and args.op not in MPI_OPS:
             return f"MPI has no {args.op!r} reduction (it has {', '.join(MPI_OPS)})"
-        if reduces and args.dtype == BFLOAT16 and _mpi_bfloat16() is None:
+        if reduces and is_bfloat16(args.dtype) and _mpi_bfloat16() is None:
             return "this MPI library has no bfloat16 type to reduce (mpi4py's BFLOAT16_T is null)"
     if backend in (GLOO, TORCH_GLOO, TORCH_COLLECTIVES) and spec.run_gloo is None:
         return f"no torch.distributed call for {spec.name}"
@@ -127,7 +127,7 @@ def mpi_op(op):
 def mpi_buffer(array):
     """`array` as mpi4py takes it: NumPy infers the MPI type, except for
     bfloat16, which NumPy's buffer protocol does not describe."""
-    if array.dtype == BFLOAT16:
+    if is_bfloat16(array.dtype):
         return [array.view(np.uint16), _mpi_bfloat16()]
     return array
 
@@ -320,13 +320,13 @@ class Gloo(Backend):
         self.dist.barrier()
 
     def to_device(self, array):
-        if array.dtype == BFLOAT16:  # the same two bytes, seen as torch's bfloat16
+        if is_bfloat16(array.dtype):  # the same two bytes, seen as torch's bfloat16
             return self.torch.from_numpy(array.view(np.int16)).view(self.torch.bfloat16)
         return self.torch.from_numpy(array)
 
     def to_host(self, tensor):
         if tensor.dtype == self.torch.bfloat16:
-            return tensor.view(self.torch.int16).numpy().view(BFLOAT16)
+            return tensor.view(self.torch.int16).numpy().view(bfloat16())
         return tensor.numpy()
 
     def close(self):

@@ -71,7 +71,7 @@ from bench.environment import LAUNCHER_COMMAND, environment, module_name
 from bench.progress import Progress
 from collectives.bootstrap import LAUNCHER_VARIABLES
 from collectives.compression.kernels import CODECS
-from collectives.ops import BFLOAT16
+from collectives.ops import bfloat16
 
 DTYPE_NAMES = {  # nccl-tests' type names -> NumPy
     "int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32", "int64": "int64",
@@ -242,7 +242,7 @@ def parse_args(spec, argv=None):
         p.error("--compute-between must be >= 0")
     args.minbytes, args.maxbytes = cli.parse_size(args.minbytes), cli.parse_size(args.maxbytes)
     name = DTYPE_NAMES[args.datatype]
-    args.dtype = BFLOAT16 if name == "bfloat16" else np.dtype(name)
+    args.dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
     args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     args.algorithms = [a.strip() for a in args.algorithm.split(",") if a.strip()]
     from collectives.algorithms import REGISTRY

@@ -16,7 +16,7 @@ from typing import NamedTuple, Tuple
 import numpy as np
 
 from .errors import InvalidUsageError
-from .ops import BFLOAT16, SUPPORTED_DTYPES
+from .ops import SUPPORTED_DTYPES, bfloat16, is_bfloat16, supported_dtype_set
 
 HOST = "host"
 
@@ -68,11 +68,12 @@ _cupy = describe_cupy
 
 
 _TORCH_DTYPES = {f"torch.{name}": np.dtype(name) for name in SUPPORTED_DTYPES if name != "bfloat16"}
-_TORCH_DTYPES["torch.bfloat16"] = BFLOAT16
 
 
 def _torch(t):
     dtype = _TORCH_DTYPES.get(str(t.dtype))
+    if dtype is None and str(t.dtype) == "torch.bfloat16":
+        dtype = _TORCH_DTYPES["torch.bfloat16"] = bfloat16()
     if dtype is None:
         raise InvalidUsageError(f"a tensor of {t.dtype} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
     device = f"cuda:{t.device.index}" if t.device.type == "cuda" else HOST if t.device.type == "cpu" else None
@@ -201,7 +202,7 @@ def is_array(obj):
 
 
 # Dtype objects rather than names: dtype.name costs microseconds in NumPy 2.
-_SUPPORTED = frozenset(np.dtype(name) for name in SUPPORTED_DTYPES if name != "bfloat16") | {BFLOAT16}
+_SUPPORTED = supported_dtype_set()
 
 
 def describe(obj, name="the array"):
@@ -217,7 +218,7 @@ def describe(obj, name="the array"):
     if describer is None:
         raise InvalidUsageError(f"{name} must be an array (NumPy, CuPy, PyTorch, ...), got {type(obj).__name__}")
     info = describer(obj)
-    if info.dtype not in _SUPPORTED:
+    if info.dtype not in _SUPPORTED and not is_bfloat16(info.dtype):
         hint = " (use uint8 for flags)" if info.dtype == np.bool_ else ""
         raise InvalidUsageError(f"{name} has dtype {info.dtype}{hint}; supported: {', '.join(SUPPORTED_DTYPES)}")
     if not info.contiguous:

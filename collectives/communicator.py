@@ -18,7 +18,7 @@ from .binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE, WORKSPACE_APART, WORKSPA
 from .compression import wire
 from .config import DEFAULT_FAST_SMALL_MAX, resolve_timeout
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, RevokedError
-from .ops import ReduceOp
+from .ops import ReduceOp, as_dtype
 from .executors import host
 from .executors.paths import CallShape
 from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
@@ -958,7 +958,7 @@ class Communicator:
             algorithm = self._auto(collective, nbytes, 1, root, binding)   # (nbytes are elements of 1 byte)
         else:
             validation.call_arguments(collective, "sum", root, algorithm, None, self.size)
-        dtype = np.dtype(np.uint8) if dtype is None else np.dtype(dtype)
+        dtype = np.dtype(np.uint8) if dtype is None else as_dtype(dtype)
         elements = max(nbytes // dtype.itemsize, 0)
         return CallShape(collective, algorithm, self.size, _work_elements(collective, elements, self.size),
                          dtype, root, None, binding)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import CollectiveError, InvalidUsageError
-from .ops import ReduceOp
+from .ops import ReduceOp, as_dtype
 
 STEP_THREADS = 256   # kStepThreads: threads per block of plan_step
 MAX_RANKS = 64       # kMaxRanks: ranks a buffer table addresses
@@ -499,7 +499,7 @@ def ll_signature(count, dtype, op, collective="allreduce", root=0):
     Never 0: a call whose generation is a multiple of 65536 would otherwise
     have flag 0, which is also what a line nobody ever wrote holds (zeroed
     memory), so a reader would take the zeros for that call's data."""
-    text = f"{collective} {count} {np.dtype(dtype).name} {int(OP_CODES[op])} {op} {root}".encode()
+    text = f"{collective} {count} {as_dtype(dtype).name} {int(OP_CODES[op])} {op} {root}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=2).digest(), "little") % 0xFFFF + 1
 
 

@@ -45,6 +45,7 @@ from .algorithms.schedule import (
 )
 from .binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, WORKSPACE  # noqa: F401 (re-exported)
 from .compression import wire
+from .ops import as_dtype
 
 BUFFER_COUNT = 4  # WORK, SCRATCH, INPUT, OUTPUT: the buffer ids a row may name
 
@@ -187,7 +188,7 @@ def build_plan(collective, algorithm, nranks, count, dtype, op, root=0, binding=
     ints: block_counts[q][r] elements go from rank q to rank r; see
     BlockLayout) and ignores `count`, uncompressed only.
     """
-    dtype = np.dtype(dtype)
+    dtype = as_dtype(dtype)
     if compression is not None:
         wire.check_compression(compression, dtype, op, collective)
         return _build_plan(collective, algorithm, nranks, count, dtype, op, root, WORKSPACE, compression, streamlined)

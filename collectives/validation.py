@@ -400,9 +400,9 @@ def message_bytes(array, ranks, name, written):
 
 
 def _message_dtypes():
-    """The supported dtypes as dtype objects (a set lookup: dtype.name costs microseconds)."""
-    from .ops import BFLOAT16, SUPPORTED_DTYPES
-    return frozenset(BFLOAT16 if name == "bfloat16" else np.dtype(name) for name in SUPPORTED_DTYPES)
+    """The supported dtypes as dtype objects (ops.supported_dtype_set)."""
+    from .ops import supported_dtype_set
+    return supported_dtype_set()
 
 
 MESSAGE_DTYPES = _message_dtypes()
@@ -411,7 +411,7 @@ MESSAGE_DTYPES = _message_dtypes()
 def allocation(shape, dtype):
     """Communicator.alloc's (shape as a tuple of ints, np.dtype), or
     InvalidUsageError naming the argument."""
-    from .ops import BFLOAT16, SUPPORTED_DTYPES
+    from .ops import SUPPORTED_DTYPES, bfloat16, is_bfloat16
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
     try:
@@ -421,9 +421,9 @@ def allocation(shape, dtype):
     if any(d < 0 for d in dims):
         raise InvalidUsageError(f"shape: dimensions must be >= 0, got {dims}")
     try:
-        kind = BFLOAT16 if str(dtype) == "bfloat16" else np.dtype(dtype)
+        kind = bfloat16() if str(dtype) == "bfloat16" else np.dtype(dtype)
     except TypeError:
         kind = None
-    if kind is None or (kind.name not in SUPPORTED_DTYPES and kind != BFLOAT16):
+    if kind is None or (kind.name not in SUPPORTED_DTYPES and not is_bfloat16(kind)):
         raise InvalidUsageError(f"dtype: {dtype!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
     return dims, kind

@@ -15,9 +15,22 @@ import traceback
 import numpy as np
 
 from collectives import SUPPORTED_DTYPES, CollectiveError, InvalidUsageError, kernels
-from collectives.ops import is_floating
+from collectives.ops import bfloat16, is_floating
 
-DTYPES = tuple(np.dtype(name) for name in SUPPORTED_DTYPES)
+
+def all_dtypes():
+    """Every supported dtype. A function, not a constant: bfloat16's
+    ml_dtypes is imported by the scenarios that use it, not by every rank
+    process (0.6 s of CPU each; collectives.ops.bfloat16)."""
+    return tuple(bfloat16() if name == "bfloat16" else np.dtype(name) for name in SUPPORTED_DTYPES)
+
+
+def __getattr__(name):
+    """cases.DTYPES, all_dtypes(), for the test modules that take it at import."""
+    if name == "DTYPES":
+        return all_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 OPS = ("sum", "prod", "max", "min", "avg")
 RANK_COUNTS = tuple(range(1, 9))
 
@@ -44,9 +57,9 @@ def counts_for(n):
 LARGEST_COUNT_DTYPES = ("int8", "float16", "bfloat16", "float32", "float64")
 
 
-def dtypes_for(count, among=DTYPES):
-    """The dtypes of `among` the matrix runs at `count` elements (per block for reduce_scatter)."""
-    return [d for d in among if count < LARGEST_COUNT or d.name in LARGEST_COUNT_DTYPES]
+def dtypes_for(count, among=None):
+    """The dtypes of `among` (all_dtypes()) the matrix runs at `count` elements (per block for reduce_scatter)."""
+    return [d for d in (all_dtypes() if among is None else among) if count < LARGEST_COUNT or d.name in LARGEST_COUNT_DTYPES]
 
 
 # Ranks spread over several devices (the emulated-3 backend) run the same

@@ -19,22 +19,25 @@ import collectives
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.bootstrap import PRETEND_NODES_ENV
 from collectives.hierarchy import HierarchicalCommunicator
-from collectives.ops import BFLOAT16
+from collectives.ops import bfloat16, is_floating
 from cases import gave_up_on, run_scenario, stall_until_the_others_gave_up
 from hierarchy_worker import check, no_segment_crosses_a_node, random_values, record_segments
 
 TIMEOUT = 3.0
 STALL_TIMEOUT = 1.0
 WORLD = MPI.COMM_WORLD
-DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BFLOAT16, np.dtype(np.int8),
-          np.dtype(np.int64), np.dtype(np.uint16))
+
+
+def dtypes():
+    return (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), bfloat16(), np.dtype(np.int8),
+            np.dtype(np.int64), np.dtype(np.uint16))
 
 
 def block(dtype, sender, receiver, count):
     """The block rank `sender` sends rank `receiver`: floats of every
     magnitude with NaN, infinities and signed zeros (random_values), or
     integers over the dtype's whole range; compared bit for bit."""
-    if dtype.kind == "f" or dtype == BFLOAT16:
+    if is_floating(dtype):
         return random_values(dtype, 1000 * sender + receiver + 1, count)
     g = np.random.default_rng([sender, receiver + 1, count, dtype.itemsize])
     return g.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, count, dtype=dtype, endpoint=True)
@@ -62,7 +65,7 @@ def scenario_exchanges(comm):
     nodes = comm.topology.nodes
     node_of = {q: k for k, node in enumerate(nodes) for q in node}
     sent = traffic(comm)
-    for dtype in DTYPES:
+    for dtype in dtypes():
         for k in (0, 1, 7, 3000):
             case = f"{dtype} k={k} rank {r} nodes {nodes}"
             # all_to_all: block q of the result is block r of rank q's x
@@ -129,7 +132,7 @@ def all_to_all_v(comm):
     """Uneven and zero counts, out given (of the right size) or not, recv_counts
     given or not, out overlapping the rank's own x."""
     r, n = comm.rank, comm.size
-    for seed, dtype in enumerate((np.dtype(np.float32), BFLOAT16, np.dtype(np.int16), np.dtype(np.float64))):
+    for seed, dtype in enumerate((np.dtype(np.float32), bfloat16(), np.dtype(np.int16), np.dtype(np.float64))):
         counts = counts_matrix(n, seed)
         x = np.concatenate([block(dtype, r, q, counts[r][q]) for q in range(n)])
         want = np.concatenate([block(dtype, q, r, counts[q][r]) for q in range(n)])

@@ -21,7 +21,6 @@ import weakref
 if len(sys.argv) > 2 and sys.argv[2] == "no-loop":
     sys.modules["collectives.transport._shmloop"] = None   # import now raises ImportError
 
-import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
@@ -36,7 +35,10 @@ SIZES = collectives.config.resolve_fast_sizes()
 STALL_TIMEOUT = 1.0   # what a stalled-rank scenario waits: its waiting is the test's whole cost
 LOOP = sys.argv[2:] != ["no-loop"]
 DTYPES = [np.float32, np.float64, np.int8, np.uint8, np.int16, np.int32, np.uint32, np.int64, np.uint64]
-DECLINED = [np.float16, ml_dtypes.bfloat16]   # 16-bit floats accumulate in float32: the interpreter's
+
+
+def declined_dtypes():   # 16-bit floats accumulate in float32: the interpreter's
+    return [np.dtype(np.float16), collectives.ops.bfloat16()]
 OPS = ["sum", "prod", "max", "min", "avg"]
 
 
@@ -50,7 +52,7 @@ def sizes_to_cover(itemsize):
 
 def inputs(rank, count, dtype, rng):
     dtype = np.dtype(dtype)
-    if dtype.kind == "f" or dtype == ml_dtypes.bfloat16:
+    if collectives.ops.is_floating(dtype):
         x = rng.standard_normal(count).astype(np.float32) * 3
         if count > 10:   # the IEEE corner cases of max/min and sums: NaN, -0 and +0, inf
             x[:6] = [np.nan if rank == 1 else 1.0, -0.0 if rank % 2 else 0.0, np.inf, -np.inf if rank else 2.0,
@@ -296,7 +298,7 @@ def scenario_declined(comm, digest):
     """What the loop does not take goes to the interpreter, unchanged."""
     fast = comm._ranks.fast_allreduce   # noqa: SLF001
     x = np.ones(1000, np.float32)
-    declined = [np.ones(10, dtype) for dtype in DECLINED] + [
+    declined = [np.ones(10, dtype) for dtype in declined_dtypes()] + [
         [x],                                    # a list, even of one array
         np.ones((10, 10), np.float32)[:, ::2],  # not contiguous: the interpreter refuses it
         np.ones(0, np.float32),                 # nothing to reduce
@@ -311,7 +313,7 @@ def scenario_declined(comm, digest):
     assert fast is None or fast(x, "no such op", None, TIMEOUT) is None
     # chosen_algorithm names the loop's step exactly for the dtypes it takes
     loop_dtypes = DTYPES + [np.uint16]
-    for dtype in loop_dtypes + DECLINED + [np.dtype(">f4"), np.complex64]:
+    for dtype in loop_dtypes + declined_dtypes() + [np.dtype(">f4"), np.complex64]:
         taken = fast is not None and fast(np.ones(10, dtype), "sum", None, TIMEOUT) is not None
         for nbytes, steps in ((40, {fastpath.MERGED}), (SIZES.small_max + 8, {fastpath.SINGLE_COPY, fastpath.STAGED})):
             named = comm.chosen_algorithm("allreduce", nbytes, dtype=dtype)
@@ -321,7 +323,7 @@ def scenario_declined(comm, digest):
         assert taken == (LOOP and np.dtype(dtype) in loop_dtypes), dtype
     # no dtype: one the path takes
     assert (comm.chosen_algorithm("allreduce", 40).path == "compiled_loop") == LOOP
-    for dtype in DECLINED:
+    for dtype in declined_dtypes():
         y = comm.allreduce(np.full(100, comm.rank + 0.5, dtype), algorithm="direct")
         assert float(y[0]) == sum(r + 0.5 for r in range(comm.size))
         digest.update(y.tobytes())

@@ -30,7 +30,7 @@ from collectives.compression import wire
 from collectives.executors import host
 from collectives import hierarchy
 from collectives.hierarchy import HierarchicalCommunicator
-from collectives.ops import BFLOAT16, ReduceOp
+from collectives.ops import ReduceOp, bfloat16
 from collectives.plan import REDUCE_FINAL_OP, REDUCE_OP, SRC0
 from collectives.transport import segments
 
@@ -160,7 +160,7 @@ def scenario_order(comm):
     taken = []
     takes_small = hierarchy.takes_small   # (what hierarchy.route asks of each call)
     hierarchy.takes_small = lambda *arguments: (taken.append(1) or True) if takes_small(*arguments) else False
-    for dtype in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16, np.dtype(np.float64)):
+    for dtype in (np.dtype(np.float32), np.dtype(np.float16), bfloat16(), np.dtype(np.float64)):
         for op in OPS:
             # 40000 per rank: ranges large enough for two_shot across 3 or more nodes (hierarchy.uses_two_shot).
             for count in (7, 4099, 40000) if dtype.itemsize >= 4 else (7, 4099):

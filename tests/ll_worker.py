@@ -45,7 +45,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from cases import (DTYPES, OPS, capacity, expect_a_different_call, expected, gave_up_on, rank_input, run_scenario,
+from cases import (OPS, all_dtypes, capacity, expect_a_different_call, expected, gave_up_on, rank_input, run_scenario,
                    stall_until_the_others_gave_up)
 from collectives import CollectiveTimeoutError, RankFailedError, kernels
 from collectives.executors.paths import ONE_PASS_COLLECTIVES
@@ -168,7 +168,7 @@ def bits(comm, collective_on_the_path):
     with collectives.Communicator.local(n) as reference:
         check = Checker(comm, reference)
         in_place = False
-        for dtype in DTYPES:
+        for dtype in all_dtypes():
             for op in ops:
                 for count in (0, 1, 7, 1001, capacity(COLLECTIVE, n, dtype)):
                     in_place = not in_place
@@ -178,7 +178,8 @@ def bits(comm, collective_on_the_path):
         rng = np.random.default_rng(7)   # the same on every rank
         for i in range(150):
             collective = COLLECTIVE if rng.random() < 0.7 else "allreduce"   # another kind of LL call between
-            dtype = DTYPES[rng.integers(len(DTYPES))]
+            dtypes = all_dtypes()
+            dtype = dtypes[rng.integers(len(dtypes))]
             count = int(rng.integers(0, capacity(collective, n, dtype) + 1)) if i % 10 == 0 else \
                 int(rng.integers(1, 64))
             if i == 75:   # the step protocol in between (another algorithm), then the LL again
@@ -287,7 +288,8 @@ def scenario_graph(comm):
             for _ in range(int(rng.integers(3))):   # direct calls in between, 0 to 2 (replays back to back too)
                 collective = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")[rng.integers(5)]
                 check.calls = made
-                check.call(collective, DTYPES[rng.integers(len(DTYPES))], OPS[rng.integers(len(OPS))],
+                dtypes = all_dtypes()
+                check.call(collective, dtypes[rng.integers(len(dtypes))], OPS[rng.integers(len(OPS))],
                            int(rng.integers(1, 200)), bool(rng.integers(2)), "direct", root=int(rng.integers(n)))
                 made += 1
         check.calls = made

@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 import collectives
 import collectives.compression
-from cases import (DTYPES, OPS, counts_for, dtypes_for, expect_a_different_call, gather_input, gave_up_on, made_once,
+from cases import (OPS, all_dtypes, counts_for, dtypes_for, expect_a_different_call, gather_input, gave_up_on, made_once,
                    reduction_expected, reduction_input, run_scenario, stall_until_the_others_gave_up)
 from collectives import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.algorithms import REGISTRY
@@ -74,8 +74,8 @@ def scenario_collectives(comm):
     r, n = comm.rank, comm.size
     # Host ranks run the NumPy interpreter, which the other suites cover for
     # every dtype; ranks on devices run every dtype through the step kernel.
-    dtypes = DTYPES if DEVICE != "host" else \
-        [d for d in DTYPES if d.name in ("int8", "uint16", "int64", "float16", "float32", "float64")]
+    dtypes = all_dtypes() if DEVICE != "host" else \
+        [d for d in all_dtypes() if d.name in ("int8", "uint16", "int64", "float16", "float32", "float64")]
     # Host ranks run every algorithm through the whole matrix; devices run ring
     # and direct through it, and every algorithm in the random-float check below.
     for algorithm in (ALGORITHMS if DEVICE == "host" else ("ring", "direct")):

@@ -27,13 +27,14 @@ import numpy as np
 import pytest
 
 import collectives
+from cases import all_dtypes
 from collectives import kernels
 from collectives.devices import emulated
 from collectives.ops import ReduceOp
 from collectives.transport.layout import LL_FAULT, LL_REGION_WORDS
 
 SOURCES = Path(kernels.source_dir())
-DTYPES = tuple(np.dtype(name) for name in collectives.SUPPORTED_DTYPES)
+DTYPES = all_dtypes()
 OPS = ("sum", "prod", "max", "min", "avg")
 COLLECTIVES = kernels.LL_COLLECTIVES
 

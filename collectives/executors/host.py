@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ..ops import BFLOAT16, ReduceOp, is_floating
+from ..ops import ReduceOp, is_floating
 from ..plan import COPY_OP, REDUCE_FINAL_OP, SRC0
 
 
@@ -100,7 +100,7 @@ def fold_row(dst, srcs, op, nranks, final):
     np.errstate(all="ignore"), as execute does)."""
     fold = _FOLD[op]
     divides = final and op is ReduceOp.AVG
-    if dst.dtype in _ACCUMULATE_IN_FLOAT32:
+    if _accumulates_in_float32(dst.dtype):
         _reduce_in_float32(dst, srcs, fold, nranks if divides else None)
         return
     # Every source is read before dst is written, as in the kernel; folding
@@ -122,7 +122,9 @@ def fold_row(dst, srcs, op, nranks, final):
 # once, not n-1 times. NCCL's ring rounds at every hop (__hadd2); our ring,
 # whose rows have two sources, does the same. bench/half_precision_error.py
 # measures what this buys.
-_ACCUMULATE_IN_FLOAT32 = (np.dtype(np.float16), BFLOAT16)
+def _accumulates_in_float32(dtype):
+    """float16 and bfloat16, the 16-bit floats."""
+    return dtype.itemsize == 2 and is_floating(dtype)
 
 
 def _reduce_in_float32(dst, srcs, fold, divisor):
@@ -278,7 +280,7 @@ class BoundTables:
                 copies = []
             reduces = True
             divisor = nranks if kind == REDUCE_FINAL_OP and op is ReduceOp.AVG else None
-            if views[dst].dtype in _ACCUMULATE_IN_FLOAT32:
+            if _accumulates_in_float32(views[dst].dtype):
                 steps.append(_float32_step(fold, dst, srcs, divisor))
             else:
                 late_alias = any(np.may_share_memory(views[dst], views[s]) for s in srcs[2:])

@@ -77,14 +77,14 @@ from ..algorithms.schedule import (
 )
 from ..devices import open_device, parse_spec
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
-from ..ops import BFLOAT16, ReduceOp
+from ..ops import ReduceOp, as_dtype, bfloat16
 
 # Our dtypes -> the binding's constants for NCCL's types. NCCL has no 16-bit integers.
 NCCL_TYPES = {
     np.dtype("int8"): "NCCL_INT8", np.dtype("uint8"): "NCCL_UINT8",
     np.dtype("int32"): "NCCL_INT32", np.dtype("uint32"): "NCCL_UINT32",
     np.dtype("int64"): "NCCL_INT64", np.dtype("uint64"): "NCCL_UINT64",
-    np.dtype("float16"): "NCCL_FLOAT16", BFLOAT16: "NCCL_BFLOAT16",
+    np.dtype("float16"): "NCCL_FLOAT16", bfloat16(): "NCCL_BFLOAT16",
     np.dtype("float32"): "NCCL_FLOAT32", np.dtype("float64"): "NCCL_FLOAT64",
 }
 NCCL_OPS = {
@@ -106,10 +106,10 @@ class NcclCall(NamedTuple):
 def nccl_type_name(dtype):
     """The binding's constant for `dtype`, or InvalidUsageError for a dtype NCCL lacks."""
     try:
-        return NCCL_TYPES[np.dtype(dtype)]
+        return NCCL_TYPES[as_dtype(dtype)]
     except KeyError:
         raise InvalidUsageError(
-            f"NCCL has no {np.dtype(dtype)} type, so backend='nccl' cannot reduce or move it; "
+            f"NCCL has no {as_dtype(dtype)} type, so backend='nccl' cannot reduce or move it; "
             "backend='ours' supports it") from None
 
 

@@ -59,7 +59,7 @@ import weakref
 import numpy as np
 
 from ..errors import CollectiveError
-from ..ops import ReduceOp
+from ..ops import ReduceOp, as_dtype
 from ..config import DEFAULT_STAGED_MAX, STAGED_MAX_ENV, resolve_fast_path, resolve_fast_single_copy, resolve_loop_tunables
 from . import probe
 from .failures import raise_wait_failure
@@ -152,7 +152,7 @@ LOOP_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, n
 
 def takes(dtype):
     """Whether the loop runs allreduces of `dtype` (native byte order only)."""
-    return np.dtype(dtype) in LOOP_DTYPES
+    return as_dtype(dtype) in LOOP_DTYPES
 
 
 def weakly(method):
