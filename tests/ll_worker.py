@@ -203,7 +203,7 @@ class GraphCall:
     def __init__(self, check, collective, dtype, op, count, in_place, root=0):
         comm, n = check.comm, check.comm.size
         self.check, self.collective, self.dtype, self.op, self.count, self.root = \
-            check, collective, np.dtype(dtype), op, count, root
+            check, collective, collectives.ops.as_dtype(dtype), op, count, root
         self.elements = n * count if collective == "reduce_scatter" else count   # x's
         self.x = on_device(np.zeros(self.elements, self.dtype))
         r = comm.rank
