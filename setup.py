@@ -1,4 +1,4 @@
-"""The compiled parts of collectives: five optional C/C++ extensions.
+"""The compiled parts of collectives: six optional C/C++ extensions.
 
 Everything else (metadata, dependencies, extras, packages, tool settings)
 is in pyproject.toml, which also names NumPy as a build requirement: the
@@ -33,6 +33,9 @@ def host_ranks_extension(name):
 # The compiled inner loop of host ranks in separate processes (copy, reduce,
 # wait; release/acquire counters); without it, the NumPy interpreter runs every call.
 SHMLOOP = host_ranks_extension("transport/_shmloop")
+# The compiled send and recv of host ranks in separate processes (p2p.py's
+# mailboxes); without it, p2p.py's engine runs every message.
+MAILBOX = host_ranks_extension("transport/_mailbox")
 # The compiled plan executor of host ranks in separate processes: any plan's
 # rows and waits (executors/host_process.py), with the loop's waits and folds.
 HOST_PLAN = host_ranks_extension("executors/_host_plan")
@@ -109,4 +112,4 @@ class BuildExt(build_ext):
 
 
 # The extensions, and build_ext with NumPy's headers: everything else is in pyproject.toml.
-setup(ext_modules=[SHMLOOP, HOST_PLAN, ACROSS, CODEC, ARRAYSTATE], cmdclass={"build_ext": BuildExt})
+setup(ext_modules=[SHMLOOP, MAILBOX, HOST_PLAN, ACROSS, CODEC, ARRAYSTATE], cmdclass={"build_ext": BuildExt})

@@ -357,8 +357,8 @@ def scenario_point_to_point(comm):
     # the engine's (rank 0), and the sender sends fragments from then on.
     assert not p2p._refused, f"rank {r}: a large message did not go in one copy"   # noqa: SLF001
     if r < 2:
-        from collectives.transport import _shmloop
-        _shmloop.mailbox_test_refuse(True)
+        from collectives.transport import _mailbox
+        _mailbox.mailbox_test_refuse(True)
         comm.barrier()
         big = ((np.arange(3 << 20) * (r + 1)) % 251).astype(np.uint8)
         out = np.empty_like(big)
@@ -372,7 +372,7 @@ def scenario_point_to_point(comm):
             comm.send(big, 0)
         check(out, ((np.arange(3 << 20) * (2 - r)) % 251).astype(np.uint8), f"refused, as fragments, rank {r}")
         assert comm._p2p._refused == {1 - r}, comm._p2p._refused   # noqa: SLF001
-        _shmloop.mailbox_test_refuse(False)
+        _mailbox.mailbox_test_refuse(False)
     else:
         comm.barrier()
     # Bad arguments where the compiled calls are live (send_at_once, received_at_once):

@@ -91,7 +91,7 @@ def test_a_mailbox_fragment_is_a_fourth_of_its_message_between_the_least_and_a_s
 
 @pytest.mark.parametrize("nbytes", [0, 1, 8 << 10, (8 << 10) + 1, 40_000, 64 << 10, 100_001, 512 << 10])
 def test_the_compiled_send_cuts_and_the_compiled_receive_joins_the_fragments_layout_py_names(nbytes):
-    """_shmloop.c's mailbox_put writes fragments of layout.fragment_bytes,
+    """_mailbox.c's mailbox_put writes fragments of layout.fragment_bytes,
     each with its bytes in its header (what p2p.py's engine reads too), and
     mailbox_take puts them back together."""
     import os
@@ -99,11 +99,11 @@ def test_the_compiled_send_cuts_and_the_compiled_receive_joins_the_fragments_lay
     import numpy as np
 
     from collectives.transport import p2p
-    if p2p._shmloop is None:
-        pytest.skip("the compiled loop (_shmloop) is not built")
+    if p2p._mailbox is None:
+        pytest.skip("the compiled send and receive (_mailbox) are not built")
     box = np.zeros(layout.mailbox_bytes() // 8, np.int64)
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes, np.uint8)
-    assert p2p._shmloop.mailbox_put(box.ctypes.data, data, 7)
+    assert p2p._mailbox.mailbox_put(box.ctypes.data, data, 7)
     fragment, slot_words = layout.fragment_bytes(nbytes), (layout.MAILBOX_SLOT_HEADER + layout.MAILBOX_SLOT_BYTES) // 8
     count = max(1, -(-nbytes // fragment))
     assert box[layout.MAILBOX_SENT] == count
@@ -112,7 +112,7 @@ def test_the_compiled_send_cuts_and_the_compiled_receive_joins_the_fragments_lay
         assert (head[layout.MESSAGE_BYTES], head[layout.MESSAGE_TAG], head[layout.FRAGMENT_OFFSET],
                 head[layout.FRAGMENT_BYTES]) == (nbytes, 7, k * fragment, min(fragment, nbytes - k * fragment))
     out, abort = np.zeros(nbytes, np.uint8), np.zeros(1, np.int64)
-    assert p2p._shmloop.mailbox_take(box.ctypes.data, out, 7, 1e18, abort.ctypes.data, os.getpid(), 10, 0.0) == 0
+    assert p2p._mailbox.mailbox_take(box.ctypes.data, out, 7, 1e18, abort.ctypes.data, os.getpid(), 10, 0.0) == 0
     assert box[layout.MAILBOX_TAKEN] == count and np.array_equal(out, data)
 
 
@@ -182,8 +182,8 @@ def test_the_compiled_loop_agrees_on_the_row_and_header_sizes():
 
 
 
-@pytest.mark.parametrize("module", ["collectives.transport._shmloop", "collectives.executors._host_plan",
-                                    "collectives.transport._across"])
+@pytest.mark.parametrize("module", ["collectives.transport._shmloop", "collectives.transport._mailbox",
+                                    "collectives.executors._host_plan", "collectives.transport._across"])
 def test_every_c_module_exports_the_one_table_of_statuses(module):
     """statuses.h is the C side's one table; failures.py repeats it for
     Python, which translates the statuses of all three engines."""

@@ -150,8 +150,8 @@ enum { REDUCE_TILE = 4096 };   /* bytes folded at a time, in a stack buffer */
  * the fold (avg folds as sum). dst may be any source at the same offsets
  * (in place): with two sources each element is read before it is written;
  * with more, a tile is folded aside first (writing dst early would lose a
- * later source). */
-static void reduce_sources(int type, int op, const char *const *srcs, int n, char *dst, char *dst2,
+ * later source). (Unused where a file includes this header for element_type alone.) */
+__attribute__((unused)) static void reduce_sources(int type, int op, const char *const *srcs, int n, char *dst, char *dst2,
                            size_t nbytes, size_t itemsize, int divisor)
 {
     fold_fn fold = FOLD[type][op];

@@ -1,5 +1,5 @@
 """The C side's statuses (statuses.h: one table for _shmloop.c,
-executors/_host_plan.c and _across.c) and the one translation of a failed
+_mailbox.c, executors/_host_plan.c and _across.c) and the one translation of a failed
 wait into our errors.
 
 The numbers are repeated here because the package runs without its C

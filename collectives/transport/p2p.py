@@ -54,13 +54,13 @@ pending, an isend whose fragments fit the free slots is done at its post
 one compiled call (mailbox_take) when it is waited for.
 
 The blocking send and recv skip the engine where it has nothing to do
-(_shmloop.c's mailbox_put, mailbox_stream, mailbox_send_single_copy and
+(_mailbox.c's mailbox_put, mailbox_stream, mailbox_send_single_copy and
 mailbox_take: the same slots and counters, one compiled call): a send to
 a rank with no send to it pending, and a receive from a named peer by a
 rank with nothing pending, of the head message when it has the receive's
 tag and bytes. Otherwise the engine runs, and it reads the same
 mailboxes, so both mix. The communicator tries the common two before any
-Python of its own, through this rank's Postbox (_shmloop.c), which checks
+Python of its own, through this rank's Postbox (_mailbox.c), which checks
 the arguments itself and declines while the engine has anything pending
 (the engine tells it: _tell_postbox); what it declines comes here.
 
@@ -93,13 +93,13 @@ SLOTS_BYTES = MAILBOX_SLOTS * MAILBOX_SLOT_BYTES   # a message up to this fits a
 MESSAGE_ARRAYS = (np.ndarray,)   # what the one-frame send and receive take: exactly NumPy's arrays
 
 try:
-    from . import _shmloop   # the compiled send and receive (setup.py builds it when a C compiler is there)
-    _shmloop.mailbox_layout(MAILBOX_HEADER, MAILBOX_SENT, MAILBOX_TAKEN, MAILBOX_SLOTS, MAILBOX_SLOT_HEADER,
+    from . import _mailbox   # the compiled send and receive (setup.py builds it when a C compiler is there)
+    _mailbox.mailbox_layout(MAILBOX_HEADER, MAILBOX_SENT, MAILBOX_TAKEN, MAILBOX_SLOTS, MAILBOX_SLOT_HEADER,
                             MAILBOX_SLOT_BYTES, MESSAGE_BYTES, MESSAGE_TAG, FRAGMENT_OFFSET, DESCRIPTOR_PID,
                             DESCRIPTOR_ADDRESS, DESCRIPTOR_REFUSED, FRAGMENT_BYTES, MAILBOX_FRAGMENT_MIN)
-    assert _shmloop.SINGLE_COPY == SINGLE_COPY, "_shmloop.c's descriptor offset"
+    assert _mailbox.SINGLE_COPY == SINGLE_COPY, "_mailbox.c's descriptor offset"
 except ImportError:
-    _shmloop = None
+    _mailbox = None
 
 
 class Request:
@@ -171,7 +171,7 @@ class PointToPoint:
         threshold = resolve_message_single_copy_min(single_copy_min)
         self.single_copy_min = max(SLOTS_BYTES + 1, threshold) if threshold else math.inf
         self._mailboxes = mailboxes
-        self._compiled = compiled if _shmloop is not None and mailboxes is not None else None
+        self._compiled = compiled if _mailbox is not None and mailboxes is not None else None
         self._timeout_of = timeout_of           # () -> the communicator's timeout
         self._check_health = check_health       # (peer or None, during) -> raises if aborted or peer died
         self._abort = abort                     # (reason, cause)
@@ -188,10 +188,10 @@ class PointToPoint:
             self._outboxes = [mailboxes.address(rank * size + peer) for peer in range(size)]
             self._inboxes = [mailboxes.address(peer * size + rank) for peer in range(size)]
         # The communicator's first try at a blocking send or receive, with no
-        # Python frame (_shmloop.c, Postbox); None without the compiled calls.
+        # Python frame (_mailbox.c, Postbox); None without the compiled calls.
         self.postbox = None
         if self._compiled is not None:
-            self.postbox = _shmloop.Postbox(
+            self.postbox = _mailbox.Postbox(
                 mailboxes.address(0), mailboxes.address(1) - mailboxes.address(0), rank, size,
                 self._compiled.rows_address, self._compiled.abort_address, self._compiled.spin,
                 self._compiled.yield_seconds, MESSAGE_ARRAYS, weakly(self._compiled_failure))
@@ -210,7 +210,7 @@ class PointToPoint:
                 or peer == self.rank or not 0 <= tag <= MAX_TAG or self._sends.get(peer) \
                 or x.dtype not in MESSAGE_DTYPES or not x.flags.c_contiguous or x.nbytes > SLOTS_BYTES:
             return False
-        return _shmloop.mailbox_put(self._outboxes[peer], x, tag)
+        return _mailbox.mailbox_put(self._outboxes[peer], x, tag)
 
     def received_at_once(self, out, peer, tag):
         """A blocking receive into `out`, one C-contiguous writable NumPy
@@ -236,10 +236,10 @@ class PointToPoint:
         (another message at the head: nothing taken); a failure aborts the
         communicator and raises."""
         compiled = self._compiled
-        status = _shmloop.mailbox_take(self._inboxes[peer], data, tag, time.perf_counter() + limit,
+        status = _mailbox.mailbox_take(self._inboxes[peer], data, tag, time.perf_counter() + limit,
                                        compiled.abort_address, self._pids[peer] or self._pid_of(peer), compiled.spin,
                                        compiled.yield_seconds)
-        if status == _shmloop.NOT_FAST:
+        if status == _mailbox.NOT_FAST:
             return False
         if status != 0:
             self._compiled_failure(status, peer, tag, data.nbytes, "recv")
@@ -256,7 +256,7 @@ class PointToPoint:
             request.done_bytes, request.done = data.nbytes, True
             self._tell_postbox()
             return request
-        if self._compiled is not None and not self._pending() and _shmloop.mailbox_put(self._outboxes[peer], data, tag):
+        if self._compiled is not None and not self._pending() and _mailbox.mailbox_put(self._outboxes[peer], data, tag):
             request.done_bytes, request.done = data.nbytes, True   # (in the free slots: nothing else to move)
             return request
         self._sends[peer].append(request)
@@ -291,7 +291,7 @@ class PointToPoint:
         compiled = self._compiled
         if compiled is not None and peer != self.rank and not self._sends.get(peer):
             box = self._mailboxes.address(self.rank * self.size + peer)
-            if _shmloop.mailbox_put(box, data, tag):
+            if _mailbox.mailbox_put(box, data, tag):
                 return
             # (a waiting compiled call moves no other request, and a peer may
             # need one of this rank's to move before it takes this message)
@@ -309,15 +309,15 @@ class PointToPoint:
         waits = (time.perf_counter() + self._timeout_of(), compiled.abort_address, compiled.pid_of(peer),
                  compiled.spin, compiled.yield_seconds)
         if data.nbytes >= self.single_copy_min and peer not in self._refused:
-            status = _shmloop.mailbox_send_single_copy(box, data, tag, *waits)
-            if status == _shmloop.NOT_FAST:
+            status = _mailbox.mailbox_send_single_copy(box, data, tag, *waits)
+            if status == _mailbox.NOT_FAST:
                 return False
-            if status != _shmloop.REFUSED:
+            if status != _mailbox.REFUSED:
                 if status != 0:
                     self._compiled_failure(status, peer, tag, data.nbytes, "send")
                 return True
             self._refused.add(peer)   # the receiver now expects the message as fragments
-        status = _shmloop.mailbox_stream(box, data, tag, *waits)
+        status = _mailbox.mailbox_stream(box, data, tag, *waits)
         if status != 0:
             self._compiled_failure(status, peer, tag, data.nbytes, "send")
         return True
@@ -340,10 +340,10 @@ class PointToPoint:
         """Raise what the engine's wait raises for the compiled send's or
         receive's (`kind`) `status`, the communicator aborted first."""
         try:
-            if status == _shmloop.TIMED_OUT:
+            if status == _mailbox.TIMED_OUT:
                 raise CollectiveTimeoutError(f"timed out waiting for rank {peer} to complete a {kind} of {nbytes} "
                                              f"bytes (tag {tag})")
-            if status == _shmloop.MISMATCH:
+            if status == _mailbox.MISMATCH:
                 raise CollectiveError(f"a {kind} of {nbytes} bytes with rank {peer} (tag {tag}): a fragment in the "
                                       "mailbox lies outside its message (the control segment was overwritten)")
             self._check_health(peer, f"a {kind} with this rank")   # ABORTED, PEER_DEAD: the class of what happened
@@ -549,9 +549,9 @@ class PointToPoint:
         told so, and sends fragments). Raises where the sender died."""
         if self._compiled is None:   # (no compiled loop, nothing to read with)
             return False
-        status = _shmloop.read_process(int(header[DESCRIPTOR_PID]), int(header[DESCRIPTOR_ADDRESS]), into,
+        status = _mailbox.read_process(int(header[DESCRIPTOR_PID]), int(header[DESCRIPTOR_ADDRESS]), into,
                                        self._compiled.abort_address)
-        if status in (_shmloop.PEER_DEAD, _shmloop.ABORTED):   # (aborted: see take_message in _shmloop.c)
+        if status in (_mailbox.PEER_DEAD, _mailbox.ABORTED):   # (aborted: see take_message in _mailbox.c)
             self._check_health(peer, "a recv with this rank")
             raise CollectiveError(f"rank {peer}'s message could not be read: its process is gone, or the "
                                   "communicator was aborted")

@@ -1,8 +1,10 @@
 /* Waiting between host ranks in separate processes, and the control
  * segment's slots the waits read (collectives/transport/layout.py says where
  * each is; protocol.py, fastpath.py and executors/host_process.py use them).
- * Included by the compiled loop (transport/_shmloop.c) and the compiled plan
- * executor (executors/_host_plan.c); the including file includes Python.h
+ * Included by the compiled loop (transport/_shmloop.c), the mailboxes
+ * (transport/_mailbox.c), the across-node Programs (transport/_across.c)
+ * and the compiled plan executor (executors/_host_plan.c); the including
+ * file includes Python.h
  * first.
  *
  * Memory ordering: a rank writes its data, then publishes a counter with a

@@ -1,5 +1,6 @@
 /* What a call of the C side returns: one table for the three engines
- * (_shmloop.c, executors/_host_plan.c, _across.c), which Python reads back
+ * (_shmloop.c, executors/_host_plan.c, _across.c) and the mailboxes
+ * (_mailbox.c), which Python reads back
  * as module constants (add_status_constants) and turns into our errors in
  * one place (transport/failures.py; tests/test_layout.py checks that every
  * module exports the same numbers).
