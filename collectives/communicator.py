@@ -181,6 +181,9 @@ class Communicator:
         # decline (see _collective); forget_repeats(x_id, out_id) when an array goes.
         self._repeat_in_c = getattr(ranks, "repeat", None)
         self._forget_repeats = getattr(ranks, "forget_repeats", None)
+        # And where it ran the call: its shape, taken from then on by the same
+        # call on new arrays, in C too (shm.py; see _remember_shape).
+        self._shape_in_c = getattr(ranks, "remember_shape", None)
         # Made by shrink(): how many shrinks led here, and the rank each rank had before the last one.
         self.epoch = 0
         self.old_ranks = None
@@ -1283,7 +1286,28 @@ class Communicator:
             states_of = arrays.repeat_state(objects[0])  # None: arrays of a kind whose calls are checked in full
             if states_of is not None:
                 self._remember(key, objects, states_of, plan, input_infos, output_infos, made)
+            if self._shape_in_c is not None and not as_sequence and compression is None:
+                self._remember_shape(plan, collective, op, root, algorithm, x, out, made, input_infos, output_infos)
         return outputs if as_sequence else outputs[0]
+
+    def _remember_shape(self, plan, collective, op, root, algorithm, x, out, made, input_infos, output_infos):
+        """Hand a call that passed every check to the ranks, to run the same
+        call on new arrays that differ from these only in their addresses
+        from C (the runner's Shapes, _host_plan.c): one NumPy array (and
+        `out`, in place, or returning its own block of x along the first
+        axis), as _offer_repeat hands a repeat."""
+        if type(x) is not np.ndarray or (made is _GIVEN) != (type(out) is np.ndarray):
+            return
+        view = None
+        if made is _OWN_BLOCKS:
+            if x.ndim < 1 or x.shape[0] % self.size:   # (_own_block's second form is no view of x)
+                return
+            rows = x.shape[0] // self.size
+            view = slice(self.rank * rows, (self.rank + 1) * rows)
+        elif made is not _GIVEN and made is not _IN_PLACE:   # (new outputs each call: Python makes them)
+            return
+        self._shape_in_c(plan, collective, op, root, algorithm, x, out if made is _GIVEN else None, view,
+                         input_infos[0], output_infos[0])
 
     def _checked(self, collective, x, op, out, root, algorithm, compression):
         """Every check of a call, then its plan: (inputs, outputs, their

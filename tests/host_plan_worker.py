@@ -102,8 +102,9 @@ def scenario_takes_the_plans(comm):
 
 def scenario_repeats(comm):
     """Calls repeated on the same arrays, new values in them each time: from
-    the second repeat on the runner recognises and runs them from C (its
-    Repeats, counted), with the interpreter's bits. An array reshaped or
+    the first repeat on the runner recognises and runs them from C (its
+    Shapes: the first call's shape, on arrays that differ at most in their
+    addresses; counted), with the interpreter's bits. An array reshaped or
     made read-only in place is not taken for what it was (the checks run:
     a read-only out raises, nothing written), and neither is a new array
     that took a gone one's id."""
@@ -151,7 +152,7 @@ def scenario_repeats(comm):
                     want = np.zeros_like(gathered)
                 assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{name}, round {i}: {got} {want}"
             ran = compiled.repeats_run - before
-            assert ran == rounds - 2, f"{name}: {ran} of {rounds} calls ran from C, not {rounds - 2}"
+            assert ran == rounds - 1, f"{name}: {ran} of {rounds} calls ran from C, not {rounds - 1}"
 
         # the other ranks' workspaces grown by a larger gather in between,
         # which only its root read: the next repeat from C stops on the
@@ -200,6 +201,54 @@ def scenario_repeats(comm):
                 assert np.array_equal(got, np.repeat(np.arange(n, dtype=np.float32), size)), (size, got)
             del y, o
 
+        new_arrays_of_a_shape(comm, compiled, reference)
+
+
+def new_arrays_of_a_shape(comm, compiled, reference):
+    """New arrays each call, of a shape a call ran before: run from C (the
+    runner's Shapes) with the interpreter's bits; arrays that differ in
+    more than their addresses, or an out that overlaps x, go to the checks."""
+    r, n, k, rounds = comm.rank, comm.size, 5, 4
+    calls = {   # (run it on new arrays, what every rank's inputs make of it in the interpreter)
+        "all_to_all direct": (lambda x: comm.all_to_all(x, out=np.empty(n * k, np.float32)),
+                              lambda xs: reference.all_to_all(xs, out=[np.empty_like(a) for a in xs])),
+        "gather": (lambda x: comm.gather(x, root=1, out=np.full(n * n * k, -1, np.float32)),
+                   lambda xs: reference.gather(xs, root=1, out=[np.full(n * n * k, -1, np.float32) for _ in xs])),
+        "allreduce ring in place": (lambda x: comm.allreduce(x, op="min", algorithm="ring"),
+                                    lambda xs: reference.allreduce(xs, op="min", algorithm="ring")),
+        "reduce_scatter ring, own block": (lambda x: comm.reduce_scatter(x, algorithm="ring"),
+                                           lambda xs: reference.reduce_scatter(xs, algorithm="ring")),
+    }
+    for name, (call, expected) in calls.items():
+        before = compiled.repeats_run
+        for i in range(rounds):
+            inputs = [random_floats(50 * i + q, n * k) for q in range(n)]
+            x = inputs[r].copy()
+            got = np.array(call(x), copy=True)
+            want = expected([a.copy() for a in inputs])[r]
+            want = np.full_like(got, -1) if want is None else np.asarray(want)
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{name} on new arrays, {i}: {got} {want}"
+        ran = compiled.repeats_run - before
+        assert ran == rounds - 1, f"{name}: {ran} of {rounds} calls on new arrays ran from C, not {rounds - 1}"
+
+    before = compiled.repeats_run
+    x = np.full(n * k, r, np.float32)
+    comm.all_to_all(x.astype(np.float64), out=np.empty(n * k, np.float64))          # another dtype
+    comm.all_to_all(np.full((n, k), r, np.float32), out=np.empty((n, k), np.float32))   # another shape
+    buffer = np.zeros(2 * n * k, np.float32)   # an out that overlaps x: the checks bind it through a workspace
+    buffer[:n * k] = r
+    got = comm.all_to_all(buffer[:n * k], out=buffer[k:k + n * k])
+    assert np.array_equal(got, np.repeat(np.arange(n, dtype=np.float32), k)), got
+    read_only = np.full(n * k, -1, np.float32)
+    read_only.flags.writeable = False
+    try:
+        comm.all_to_all(x, out=read_only)
+    except collectives.InvalidUsageError:
+        pass
+    else:
+        raise AssertionError("a read-only out of a known shape was written")
+    assert (read_only == -1).all() and compiled.repeats_run == before, compiled.repeats_run - before
+
 
 def scenario_repeat_killed(comm):
     """Rank 1 dies between repeats that run from C: the others' next repeat
@@ -208,9 +257,9 @@ def scenario_repeat_killed(comm):
     r, n = comm.rank, comm.size
     x, out = np.full(4 * n, r, np.float32), np.empty(4 * n, np.float32)
     before = comm._ranks.compiled.repeats_run   # noqa: SLF001 - (the start's probe made some)
-    for _ in range(6):   # (from the third on, from C)
+    for _ in range(6):   # (from the second on, from C)
         comm.all_to_all(x, out=out)
-    assert comm._ranks.compiled.repeats_run == before + 4  # noqa: SLF001
+    assert comm._ranks.compiled.repeats_run == before + 5  # noqa: SLF001
     comm.barrier()
     if r == 1:
         os._exit(0)

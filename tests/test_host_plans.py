@@ -55,7 +55,7 @@ def test_the_compiled_executor_takes_the_plans_and_leaves_float16_to_the_interpr
     assert code == 0 and len(re.findall(r"OK takes_the_plans \d", output)) == 2, output
 
 
-def test_calls_repeated_on_the_same_arrays_run_from_c_with_the_interpreters_bits():
+def test_calls_repeated_on_the_same_arrays_or_on_new_ones_of_their_shape_run_from_c_with_the_interpreters_bits():
     code, output = run(3, "repeats")
     assert code == 0 and len(re.findall(r"OK repeats \d", output)) == 3, output
 

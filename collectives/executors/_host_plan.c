@@ -480,13 +480,56 @@ typedef struct {
     char *input, *output;           /* the arrays' addresses the plan is bound to */
 } Repeat;
 
+/* ---- Shapes: the same call on new arrays ------------------------------------
+ *
+ * A call on other arrays than any remembered one, but of a shape the
+ * communicator has run on the plans' path (remember_shape), arrays whose
+ * states differ from that call's only in their data addresses (the same
+ * dtype, flags, dimensions: so the same checks pass and the same plan
+ * binds) and, with `out`, that do not overlap (as the shape's did not),
+ * runs that plan on the new addresses: where the plan reads (INPUT) and
+ * writes (OUTPUT) lie at the same offsets from x's or out's data as in the
+ * remembered call. So a new array each call (a result made per step, a
+ * tensor's fresh buffer) runs no Python either, as the compiled loop's
+ * calls do. Runs are counted with the Repeats'. */
+
+enum { SHAPES_KEPT = 16 };
+
+typedef struct {
+    PyObject *collective, *op, *algorithm;   /* held; collective NULL: a free slot */
+    long root;
+    int has_out;                    /* out given (else in place, or the result is x[view]) */
+    PyObject *states;               /* held: the shape's arrays' states, their data words not compared */
+    PyObject *dtype;                /* held: x's dtype, whose address the states hold */
+    PyObject *entry;                /* held: (plan, Plan, description) */
+    PyObject *view;                 /* held, or NULL: as a Repeat's */
+    int input_base, output_base;    /* where INPUT and OUTPUT lie: 0 in x's data, 1 in out's, -1 none (address 0) */
+    int64_t input_offset, output_offset;   /* bytes from that data's start */
+    int64_t x_bytes, out_bytes;     /* the arrays' sizes (the same for every call of the shape) */
+} Shape;
+
 struct Repeats {
     PyObject *states_of;            /* _arraystate.numpy_states */
     PyObject *ndarray;              /* numpy.ndarray: the one array type taken */
     PyObject *on_stop;              /* on_stop(entry, input, output, deadline, result, error) */
     int next;                       /* the slot a new call takes when none is free */
     Repeat slots[REPEATS_KEPT];
+    int next_shape;                 /* the shape slot a new shape takes when none is free */
+    Shape shapes[SHAPES_KEPT];
 };
+
+static void shape_clear(Shape *shape)
+{
+    PyObject *collective = shape->collective;
+    shape->collective = NULL;   /* first, as repeat_clear does */
+    Py_XDECREF(collective);
+    Py_CLEAR(shape->op);
+    Py_CLEAR(shape->algorithm);
+    Py_CLEAR(shape->states);
+    Py_CLEAR(shape->dtype);
+    Py_CLEAR(shape->entry);
+    Py_CLEAR(shape->view);
+}
 
 static void repeat_clear(Repeat *r)
 {
@@ -506,6 +549,8 @@ static void repeats_free(Runner *self)
         return;
     for (int i = 0; i < REPEATS_KEPT; i++)
         repeat_clear(&repeats->slots[i]);
+    for (int i = 0; i < SHAPES_KEPT; i++)
+        shape_clear(&repeats->shapes[i]);
     Py_CLEAR(repeats->states_of);
     Py_CLEAR(repeats->ndarray);
     Py_CLEAR(repeats->on_stop);
@@ -662,54 +707,14 @@ static PyObject *Runner_forget(Runner *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-/* runner.repeat(collective, x, op, out, root, algorithm, timeout) -> the
- * result (out, or x in place) once the remembered call ran; None where
- * this is no remembered call (the Python path runs it); failures raise
- * (on_stop's). */
-static PyObject *Runner_repeat(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+/* Run a remembered call's plan (`entry`: CompiledPlans._prepare's) on
+ * `input` and `output`, and return its result (out, x in place, or
+ * x[view]); a run that stops goes on in Python (on_stop). Takes the
+ * references to entry and view. */
+static PyObject *run_remembered(Runner *self, PyObject *entry, char *input, char *output, PyObject *view,
+                                PyObject *x, PyObject *out, double timeout)
 {
     struct Repeats *repeats = self->repeats;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "repeat(collective, x, op, out, root, algorithm, timeout)");
-        return NULL;
-    }
-    PyObject *x = args[1], *out = args[3];
-    if (repeats == NULL || (PyObject *)Py_TYPE(x) != repeats->ndarray
-        || (out != Py_None && (PyObject *)Py_TYPE(out) != repeats->ndarray) || !PyLong_CheckExact(args[4]))
-        Py_RETURN_NONE;
-    long root = PyLong_AsLong(args[4]);
-    if (root == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    Repeat *found = find_repeat(repeats, (uintptr_t)x, out == Py_None ? 0 : (uintptr_t)out, args[0], args[2], root,
-                                args[5]);
-    if (found == NULL)
-        Py_RETURN_NONE;
-    /* What the run needs, held from here on: reading the states may run
-     * Python (a collection, an array's weak reference) that forgets the
-     * slot, and so may another thread while the run releases the GIL. */
-    PyObject *entry = Py_NewRef(found->entry), *remembered = Py_NewRef(found->states), *view = Py_XNewRef(found->view);
-    char *input = found->input, *output = found->output;
-    double timeout = PyFloat_AsDouble(args[6]);
-    PyObject *states = timeout == -1.0 && PyErr_Occurred() ? NULL : states_now(repeats, x, out);
-    if (states == NULL) {
-        Py_DECREF(entry);
-        Py_DECREF(remembered);
-        Py_XDECREF(view);
-        return NULL;
-    }
-    int same = PyBytes_CheckExact(states) && PyBytes_CheckExact(remembered)
-               && PyBytes_GET_SIZE(states) == PyBytes_GET_SIZE(remembered)
-               && memcmp(PyBytes_AS_STRING(states), PyBytes_AS_STRING(remembered),
-                         (size_t)PyBytes_GET_SIZE(states)) == 0;
-    Py_DECREF(states);
-    Py_DECREF(remembered);
-    if (!same) {
-        Py_DECREF(entry);
-        Py_XDECREF(view);
-        Py_RETURN_NONE;
-    }
     Py_XSETREF(self->last, Py_NewRef(PyTuple_GET_ITEM(entry, 0)));
     self->repeats_run++;
     double deadline = now_seconds() + timeout;
@@ -740,6 +745,238 @@ static PyObject *Runner_repeat(Runner *self, PyObject *const *args, Py_ssize_t n
     }
     Py_DECREF(went_on);
     return result_of(x, out, view);
+}
+
+
+/* The data address of a call's first (x) or second (out) array, from its states. */
+static intptr_t data_of(PyObject *states, int second)
+{
+    const intptr_t *word = (const intptr_t *)PyBytes_AS_STRING(states);
+    return second ? word[4 + word[3]] : word[0];
+}
+
+/* Whether two calls' states (per array: data, dtype, flags, ndim, each
+ * dimension) differ at most in the arrays' data words. */
+static int same_but_addresses(PyObject *then, PyObject *now)
+{
+    if (!PyBytes_CheckExact(then) || !PyBytes_CheckExact(now) || PyBytes_GET_SIZE(then) != PyBytes_GET_SIZE(now))
+        return 0;
+    const intptr_t *a = (const intptr_t *)PyBytes_AS_STRING(then), *b = (const intptr_t *)PyBytes_AS_STRING(now);
+    Py_ssize_t words = PyBytes_GET_SIZE(now) / (Py_ssize_t)sizeof(intptr_t), i = 0;
+    while (i < words) {
+        if (i + 4 > words || a[i + 1] != b[i + 1] || a[i + 2] != b[i + 2] || a[i + 3] != b[i + 3] || b[i + 3] < 0
+            || i + 4 + b[i + 3] > words || memcmp(a + i + 4, b + i + 4, (size_t)b[i + 3] * sizeof *a) != 0)
+            return 0;
+        i += 4 + b[i + 3];
+    }
+    return 1;
+}
+
+static int apart(intptr_t x, int64_t x_bytes, intptr_t out, int64_t out_bytes)
+{
+    return x + x_bytes <= out || out + out_bytes <= x;
+}
+
+/* Where `address` lies: in x's data (base 0) or out's (1), at *offset; -1 for address 0; -2 elsewhere. */
+static int locate(intptr_t address, intptr_t x, int64_t x_bytes, intptr_t out, int64_t out_bytes, int64_t *offset)
+{
+    *offset = 0;
+    if (address == 0)
+        return -1;
+    if (address >= x && address < x + x_bytes) {
+        *offset = address - x;
+        return 0;
+    }
+    if (out != 0 && address >= out && address < out + out_bytes) {
+        *offset = address - out;
+        return 1;
+    }
+    return -2;
+}
+
+static char *address_in(int base, int64_t offset, intptr_t x, intptr_t out)
+{
+    return base < 0 ? NULL : (char *)(base == 0 ? x : out) + offset;
+}
+
+/* The remembered shape of these arguments whose arrays' states differ from
+ * `states` at most in their data words, or NULL. */
+static Shape *find_shape(struct Repeats *repeats, PyObject *collective, PyObject *op, long root, PyObject *algorithm,
+                         int has_out, PyObject *states)
+{
+    for (int i = 0; i < SHAPES_KEPT; i++) {
+        Shape *shape = &repeats->shapes[i];
+        if (shape->collective == NULL || shape->root != root || shape->has_out != has_out
+            || !same_but_addresses(shape->states, states))
+            continue;
+        if (shape->collective == collective && shape->op == op && shape->algorithm == algorithm)
+            return shape;
+        /* equal objects: compared as find_repeat compares them (the comparison may run Python) */
+        PyObject *held[3] = {Py_NewRef(shape->collective), Py_NewRef(shape->op), Py_NewRef(shape->algorithm)};
+        int same = same_argument(held[0], collective) && same_argument(held[1], op)
+                   && same_argument(held[2], algorithm);
+        for (int j = 0; j < 3; j++)
+            Py_DECREF(held[j]);
+        if (same && shape->collective == held[0] && shape->op == held[1] && shape->algorithm == held[2])
+            return shape;
+    }
+    return NULL;
+}
+
+/* runner.remember_shape(collective, op, root, algorithm, x, out, entry,
+ * input, output, view, x_bytes, out_bytes): a call the communicator ran on
+ * the plans' path (out None: in place, or, with a view, the result is
+ * x[view]), whose shape later calls on new arrays may take (see Shapes);
+ * nothing where its plan's buffers do not lie in x and out, or out
+ * overlaps x. */
+static PyObject *Runner_remember_shape(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    struct Repeats *repeats = self->repeats;
+    if (nargs != 12 || !PyLong_CheckExact(args[2]) || !PyTuple_Check(args[6]) || PyTuple_GET_SIZE(args[6]) != 3
+        || !PyObject_TypeCheck(PyTuple_GET_ITEM(args[6], 1), &PlanType) || (args[9] != Py_None && args[5] != Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "remember_shape(collective, op, root, algorithm, x, out, entry, input, "
+                                         "output, view, x_bytes, out_bytes)");
+        return NULL;
+    }
+    PyObject *x = args[4], *out = args[5];
+    int has_out = out != Py_None;
+    if (repeats == NULL || (PyObject *)Py_TYPE(x) != repeats->ndarray
+        || (has_out && (PyObject *)Py_TYPE(out) != repeats->ndarray))
+        Py_RETURN_NONE;
+    long root = PyLong_AsLong(args[2]);
+    intptr_t input = (intptr_t)PyLong_AsUnsignedLongLong(args[7]), output = (intptr_t)PyLong_AsUnsignedLongLong(args[8]);
+    int64_t x_bytes = PyLong_AsLongLong(args[10]), out_bytes = PyLong_AsLongLong(args[11]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *states = states_now(repeats, x, out);
+    if (states == NULL)
+        return NULL;
+    intptr_t x_data = data_of(states, 0), out_data = has_out ? data_of(states, 1) : 0;
+    int64_t input_offset, output_offset;
+    int input_base = locate(input, x_data, x_bytes, out_data, out_bytes, &input_offset);
+    int output_base = locate(output, x_data, x_bytes, out_data, out_bytes, &output_offset);
+    if (x_bytes <= 0 || input_base == -2 || output_base == -2
+        || (has_out && (out_bytes <= 0 || !apart(x_data, x_bytes, out_data, out_bytes)))) {
+        Py_DECREF(states);
+        Py_RETURN_NONE;
+    }
+    PyObject *dtype = PyObject_GetAttrString(x, "dtype");
+    if (dtype == NULL) {
+        Py_DECREF(states);
+        return NULL;
+    }
+    Shape *slot = find_shape(repeats, args[0], args[1], root, args[3], has_out, states);   /* the same shape again */
+    for (int i = 0; i < SHAPES_KEPT && slot == NULL; i++)
+        if (repeats->shapes[i].collective == NULL)
+            slot = &repeats->shapes[i];
+    if (slot == NULL) {   /* all taken: the oldest goes */
+        slot = &repeats->shapes[repeats->next_shape];
+        repeats->next_shape = (repeats->next_shape + 1) % SHAPES_KEPT;
+    }
+    shape_clear(slot);
+    slot->op = Py_NewRef(args[1]);
+    slot->algorithm = Py_NewRef(args[3]);
+    slot->root = root;
+    slot->has_out = has_out;
+    slot->states = states;
+    slot->dtype = dtype;
+    slot->entry = Py_NewRef(args[6]);
+    slot->view = args[9] == Py_None ? NULL : Py_NewRef(args[9]);
+    slot->input_base = input_base;
+    slot->output_base = output_base;
+    slot->input_offset = input_offset;
+    slot->output_offset = output_offset;
+    slot->x_bytes = x_bytes;
+    slot->out_bytes = has_out ? out_bytes : 0;
+    slot->collective = Py_NewRef(args[0]);   /* last: the slot is taken once it is whole */
+    Py_RETURN_NONE;
+}
+
+/* runner.forget_shapes(): every shape (the communicator's choice of path
+ * for some of them changed: shm.py's exchange limits). */
+static PyObject *Runner_forget_shapes(Runner *self, PyObject *Py_UNUSED(ignored))
+{
+    for (int i = 0; self->repeats != NULL && i < SHAPES_KEPT; i++)
+        shape_clear(&self->repeats->shapes[i]);
+    Py_RETURN_NONE;
+}
+
+/* A call of no remembered arrays: run as a remembered shape's (see Shapes), or None. */
+static PyObject *repeat_shape(Runner *self, PyObject *const *args, PyObject *x, PyObject *out, long root)
+{
+    struct Repeats *repeats = self->repeats;
+    int has_out = out != Py_None, any = 0;
+    for (int i = 0; i < SHAPES_KEPT && !any; i++)   /* (no states read for a call of no shape kept) */
+        any = repeats->shapes[i].collective != NULL && repeats->shapes[i].root == root
+              && repeats->shapes[i].has_out == has_out;
+    if (!any)
+        Py_RETURN_NONE;
+    double timeout = PyFloat_AsDouble(args[6]);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *states = states_now(repeats, x, out);
+    if (states == NULL)
+        return NULL;
+    Shape *shape = find_shape(repeats, args[0], args[2], root, args[5], has_out, states);
+    intptr_t x_data = data_of(states, 0), out_data = has_out ? data_of(states, 1) : 0;
+    Py_DECREF(states);
+    if (shape == NULL || (has_out && !apart(x_data, shape->x_bytes, out_data, shape->out_bytes)))
+        Py_RETURN_NONE;
+    return run_remembered(self, Py_NewRef(shape->entry), address_in(shape->input_base, shape->input_offset, x_data,
+                                                                     out_data),
+                          address_in(shape->output_base, shape->output_offset, x_data, out_data),
+                          Py_XNewRef(shape->view), x, out, timeout);
+}
+
+/* runner.repeat(collective, x, op, out, root, algorithm, timeout) -> the
+ * result (out, or x in place) once a remembered call, or a call of a
+ * remembered shape on new arrays, ran; None where it is neither (the
+ * Python path runs it); failures raise (on_stop's). */
+static PyObject *Runner_repeat(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    struct Repeats *repeats = self->repeats;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "repeat(collective, x, op, out, root, algorithm, timeout)");
+        return NULL;
+    }
+    PyObject *x = args[1], *out = args[3];
+    if (repeats == NULL || (PyObject *)Py_TYPE(x) != repeats->ndarray
+        || (out != Py_None && (PyObject *)Py_TYPE(out) != repeats->ndarray) || !PyLong_CheckExact(args[4]))
+        Py_RETURN_NONE;
+    long root = PyLong_AsLong(args[4]);
+    if (root == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Repeat *found = find_repeat(repeats, (uintptr_t)x, out == Py_None ? 0 : (uintptr_t)out, args[0], args[2], root,
+                                args[5]);
+    if (found == NULL)
+        return repeat_shape(self, args, x, out, root);
+    /* What the run needs, held from here on: reading the states may run
+     * Python (a collection, an array's weak reference) that forgets the
+     * slot, and so may another thread while the run releases the GIL. */
+    PyObject *entry = Py_NewRef(found->entry), *remembered = Py_NewRef(found->states), *view = Py_XNewRef(found->view);
+    char *input = found->input, *output = found->output;
+    double timeout = PyFloat_AsDouble(args[6]);
+    PyObject *states = timeout == -1.0 && PyErr_Occurred() ? NULL : states_now(repeats, x, out);
+    if (states == NULL) {
+        Py_DECREF(entry);
+        Py_DECREF(remembered);
+        Py_XDECREF(view);
+        return NULL;
+    }
+    int same = PyBytes_CheckExact(states) && PyBytes_CheckExact(remembered)
+               && PyBytes_GET_SIZE(states) == PyBytes_GET_SIZE(remembered)
+               && memcmp(PyBytes_AS_STRING(states), PyBytes_AS_STRING(remembered),
+                         (size_t)PyBytes_GET_SIZE(states)) == 0;
+    Py_DECREF(states);
+    Py_DECREF(remembered);
+    if (!same) {
+        Py_DECREF(entry);
+        Py_XDECREF(view);
+        Py_RETURN_NONE;
+    }
+    return run_remembered(self, entry, input, output, view, x, out, timeout);
 }
 
 static PyObject *Runner_call(Runner *self, PyObject *Py_UNUSED(ignored))
@@ -837,6 +1074,11 @@ static PyMethodDef Runner_methods[] = {
     {"remember", (PyCFunction)(void (*)(void))Runner_remember, METH_FASTCALL,
      "remember(collective, op, root, algorithm, x, out, entry, input, output, view): a bound call, recognised "
      "from now on"},
+    {"remember_shape", (PyCFunction)(void (*)(void))Runner_remember_shape, METH_FASTCALL,
+     "remember_shape(collective, op, root, algorithm, x, out, entry, input, output, view, x_bytes, out_bytes): "
+     "a call's shape, taken from now on by calls on new arrays (see Shapes in _host_plan.c)"},
+    {"forget_shapes", (PyCFunction)Runner_forget_shapes, METH_NOARGS,
+     "forget_shapes(): every remembered shape"},
     {"forget", (PyCFunction)(void (*)(void))Runner_forget, METH_FASTCALL,
      "forget(x_id, out_id): the calls of these arrays; forget(None): every call"},
     {"repeat", (PyCFunction)(void (*)(void))Runner_repeat, METH_FASTCALL,
@@ -846,7 +1088,8 @@ static PyMethodDef Runner_methods[] = {
 
 static PyMemberDef Runner_members[] = {
     {"waits_made", T_LONGLONG, offsetof(Runner, waits_made), READONLY, "peer waits made over the runner's life"},
-    {"repeats_run", T_LONGLONG, offsetof(Runner, repeats_run), READONLY, "calls its Repeats ran"},
+    {"repeats_run", T_LONGLONG, offsetof(Runner, repeats_run), READONLY,
+     "calls its Repeats ran (of remembered arrays, or of remembered shapes on new ones)"},
     {"last", T_OBJECT, offsetof(Runner, last), 0, "the plan of the last call run (CompiledPlans.last_plan), or None"},
     {NULL},
 };

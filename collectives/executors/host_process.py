@@ -86,10 +86,24 @@ class CompiledPlans:
             self._runner.bind_repeats(numpy_states, np.ndarray, weakly(self._stopped_repeat))
             self.repeat, self.forget_repeats = self._runner.repeat, self._runner.forget
 
+    def forget_shapes(self):
+        """Forget every shape remember_shape handed the runner (the path a
+        call of some shape takes changed)."""
+        self._runner.forget_shapes()
+
     @property
     def repeats_run(self):
-        """Calls the runner recognised and ran from C (its Repeats) so far."""
+        """Calls the runner recognised and ran from C (its Repeats and Shapes) so far."""
         return self._runner.repeats_run
+
+    def remember_shape(self, plan, collective, op, root, algorithm, x, out, view, x_address, out_address):
+        """Have the runner take this call's shape on new arrays from now on
+        (its Shapes, _host_plan.c): `collective` with these arguments ran
+        `plan` on x and out (None: in place, or, with `view`, the result is
+        x[view]) at these addresses."""
+        if self.repeat is not None:
+            self._runner.remember_shape(collective, op, root, algorithm, x, out, self._entry(plan), x_address,
+                                        out_address, view, x.nbytes, 0 if out is None else out.nbytes)
 
     @property
     def last_plan(self):

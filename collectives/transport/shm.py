@@ -128,6 +128,7 @@ class ShmRank(Recoverable):
             if self.single_copy_min is not None:   # (a shrunk communicator of one rank has no exchange to copy)
                 self.single_copy_min = inherited.exchange_single_copy_min
                 self._in_place_all_to_all_min = inherited.in_place_all_to_all_min
+                self._forget_shapes()
         elif communicator is not None:
             self._choose_exchange_single_copy_min(communicator)
 
@@ -169,6 +170,7 @@ class ShmRank(Recoverable):
         self.single_copy_min = MEASURED_EXCHANGE_SINGLE_COPY_MIN if seconds[0] < seconds[1] \
             else DEFAULT_EXCHANGE_SINGLE_COPY_MIN
         self._in_place_all_to_all_min = DEFAULT_EXCHANGE_SINGLE_COPY_MIN
+        self._forget_shapes()
 
     def limits(self):
         """The Limits this rank holds (what a shrunk communicator keeps)."""
@@ -192,6 +194,25 @@ class ShmRank(Recoverable):
         """The communicator's timeout (Communicator.timeout passes each new
         value on): what a bound call waits at most."""
         self._timeout = seconds
+
+    @property
+    def single_copy_min(self):
+        """The exchanges' single-copy limit in bytes (see __init__), or None."""
+        return self._single_copy_min
+
+    @single_copy_min.setter
+    def single_copy_min(self, limit):
+        self._single_copy_min = limit
+        self._forget_shapes()
+
+    def _forget_shapes(self):
+        """The path of an exchange's call may have changed (its single-copy
+        limits, a refused read): the compiled executor forgets every call
+        shape it was handed to run on new arrays (remember_shape), which it
+        would otherwise run on the path it had."""
+        compiled = getattr(self, "compiled", None)
+        if compiled is not None:
+            compiled.forget_shapes()
 
     def single_copy_takes(self, collective, nbytes, binding=None):
         """Whether an exchange whose blocks are `nbytes` in all runs
@@ -234,6 +255,7 @@ class ShmRank(Recoverable):
         if self._single.run(single, x_address, out_address, deadline) is None:
             return True
         self._refused = True
+        self._forget_shapes()
         return False
 
     def bind(self, plan, inputs, outputs, input_infos, output_infos):
@@ -250,6 +272,14 @@ class ShmRank(Recoverable):
         if path == "compiled_plan":
             return self.compiled.bind(plan, input_infos[0].address, output_infos[0].address, lambda: self._timeout)
         return None
+
+    def remember_shape(self, plan, collective, op, root, algorithm, x, out, view, input_info, output_info):
+        """A call that ran on the plans' path: where the compiled executor
+        ran it, it takes the same call on new arrays of this shape from now
+        on, from C (host_process.CompiledPlans.remember_shape)."""
+        if self.compiled is not None and self.route(plan) == "compiled_plan":
+            self.compiled.remember_shape(plan, collective, op, root, algorithm, x, out, view, input_info.address,
+                                         output_info.address)
 
     def route(self, plan, contiguous=True):
         """How this rank runs a call of `plan` (a Plan or a paths.CallShape)
