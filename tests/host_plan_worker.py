@@ -181,15 +181,8 @@ def scenario_repeats(comm):
         comm.all_to_all(x, out=out)
         comm.all_to_all(x, out=out)
         before = compiled.repeats_run
-        out[...] = -1
-        out.flags.writeable = False
-        try:
-            comm.all_to_all(x, out=out)
-        except collectives.InvalidUsageError:
-            pass
-        else:
-            raise AssertionError("a read-only out was written")
-        assert compiled.repeats_run == before and (out == -1).all()
+        refused_read_only(lambda read_only: comm.all_to_all(x, out=read_only), out)
+        assert compiled.repeats_run == before
         out.flags.writeable = True
 
         # a gone array's id taken by another: not the remembered call
@@ -235,19 +228,36 @@ def new_arrays_of_a_shape(comm, compiled, reference):
     x = np.full(n * k, r, np.float32)
     comm.all_to_all(x.astype(np.float64), out=np.empty(n * k, np.float64))          # another dtype
     comm.all_to_all(np.full((n, k), r, np.float32), out=np.empty((n, k), np.float32))   # another shape
-    buffer = np.zeros(2 * n * k, np.float32)   # an out that overlaps x: the checks bind it through a workspace
+    # views of one buffer: apart (a shape of views, run from C from the
+    # second call on), then an out that overlaps x, which the checks bind
+    # through a workspace
+    buffer = np.zeros(3 * n * k, np.float32)
+    for _ in range(2):
+        buffer[:n * k] = r
+        got = comm.all_to_all(buffer[:n * k], out=buffer[2 * n * k:])
+        assert np.array_equal(got, np.repeat(np.arange(n, dtype=np.float32), k)), got
+    assert compiled.repeats_run == before + 1, compiled.repeats_run - before
     buffer[:n * k] = r
     got = comm.all_to_all(buffer[:n * k], out=buffer[k:k + n * k])
     assert np.array_equal(got, np.repeat(np.arange(n, dtype=np.float32), k)), got
-    read_only = np.full(n * k, -1, np.float32)
-    read_only.flags.writeable = False
+    assert compiled.repeats_run == before + 1, compiled.repeats_run - before
+    before = compiled.repeats_run
+    refused_read_only(lambda read_only: comm.all_to_all(x, out=read_only), np.empty(n * k, np.float32))
+    assert compiled.repeats_run == before, compiled.repeats_run - before
+
+
+def refused_read_only(call, out):
+    """`call(out)`, `out` filled with -1 and made read-only: the checks
+    refuse it (InvalidUsageError), nothing written."""
+    out[...] = -1
+    out.flags.writeable = False
     try:
-        comm.all_to_all(x, out=read_only)
+        call(out)
     except collectives.InvalidUsageError:
         pass
     else:
-        raise AssertionError("a read-only out of a known shape was written")
-    assert (read_only == -1).all() and compiled.repeats_run == before, compiled.repeats_run - before
+        raise AssertionError("a read-only out was taken")
+    assert (out == -1).all(), "a read-only out was written"
 
 
 def scenario_repeat_killed(comm):

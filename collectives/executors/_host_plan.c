@@ -602,6 +602,24 @@ static int same_argument(PyObject *remembered, PyObject *given)
     return equal;
 }
 
+/* Whether a slot's arguments (*slot_collective, *slot_op, *slot_algorithm)
+ * are the given ones: the same objects, or equal ones. Comparing equal
+ * ones may run Python, and that may clear the slot (an array's weak
+ * reference forgets a call): the objects are held while compared, and
+ * the slot counts only if it still holds them after. */
+static int same_arguments(PyObject **slot_collective, PyObject **slot_op, PyObject **slot_algorithm,
+                          PyObject *collective, PyObject *op, PyObject *algorithm)
+{
+    if (*slot_collective == collective && *slot_op == op && *slot_algorithm == algorithm)
+        return 1;   /* the same objects: no Python ran */
+    PyObject *held[3] = {Py_NewRef(*slot_collective), Py_NewRef(*slot_op), Py_NewRef(*slot_algorithm)};
+    int same = same_argument(held[0], collective) && same_argument(held[1], op) && same_argument(held[2], algorithm)
+               && *slot_collective == held[0] && *slot_op == held[1] && *slot_algorithm == held[2];
+    for (int j = 0; j < 3; j++)
+        Py_DECREF(held[j]);
+    return same;
+}
+
 /* What a call returns: out, x in place, or x[view] (the view released). */
 static PyObject *result_of(PyObject *x, PyObject *out, PyObject *view)
 {
@@ -620,18 +638,8 @@ static Repeat *find_repeat(struct Repeats *repeats, uintptr_t x_id, uintptr_t ou
         Repeat *r = &repeats->slots[i];
         if (r->x_id != x_id || r->out_id != out_id || r->root != root)
             continue;
-        if (r->collective == collective && r->op == op && r->algorithm == algorithm)
-            return r;   /* the same objects: no Python ran */
-        /* Equal ones: a comparison may run Python, and that may forget this
-         * slot (an array's weak reference): compare the objects held here,
-         * and take the slot only if it still holds the call. */
-        PyObject *held[3] = {Py_NewRef(r->collective), Py_NewRef(r->op), Py_NewRef(r->algorithm)};
-        int same = same_argument(held[0], collective) && same_argument(held[1], op)
-                   && same_argument(held[2], algorithm);
-        for (int j = 0; j < 3; j++)
-            Py_DECREF(held[j]);
-        if (same && r->x_id == x_id && r->out_id == out_id && r->collective == held[0] && r->op == held[1]
-            && r->algorithm == held[2])
+        if (same_arguments(&r->collective, &r->op, &r->algorithm, collective, op, algorithm)
+            && r->x_id == x_id && r->out_id == out_id)   /* (still: a comparison may have run Python) */
             return r;
     }
     return NULL;
@@ -809,15 +817,7 @@ static Shape *find_shape(struct Repeats *repeats, PyObject *collective, PyObject
         if (shape->collective == NULL || shape->root != root || shape->has_out != has_out
             || !same_but_addresses(shape->states, states))
             continue;
-        if (shape->collective == collective && shape->op == op && shape->algorithm == algorithm)
-            return shape;
-        /* equal objects: compared as find_repeat compares them (the comparison may run Python) */
-        PyObject *held[3] = {Py_NewRef(shape->collective), Py_NewRef(shape->op), Py_NewRef(shape->algorithm)};
-        int same = same_argument(held[0], collective) && same_argument(held[1], op)
-                   && same_argument(held[2], algorithm);
-        for (int j = 0; j < 3; j++)
-            Py_DECREF(held[j]);
-        if (same && shape->collective == held[0] && shape->op == held[1] && shape->algorithm == held[2])
+        if (same_arguments(&shape->collective, &shape->op, &shape->algorithm, collective, op, algorithm))
             return shape;
     }
     return NULL;
