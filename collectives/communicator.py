@@ -1,6 +1,7 @@
 """The public API: a Communicator validates, plans, and hands the plan to its ranks."""
 
 import concurrent.futures
+import functools
 import threading
 import time
 import weakref
@@ -1287,27 +1288,32 @@ class Communicator:
             if states_of is not None:
                 self._remember(key, objects, states_of, plan, input_infos, output_infos, made)
             if self._shape_in_c is not None and not as_sequence and compression is None:
-                self._remember_shape(plan, collective, op, root, algorithm, x, out, made, input_infos, output_infos)
+                self._remember_shape(plan, collective, op, root, algorithm, x, out, made, outputs, input_infos,
+                                     output_infos)
         return outputs if as_sequence else outputs[0]
 
-    def _remember_shape(self, plan, collective, op, root, algorithm, x, out, made, input_infos, output_infos):
+    def _remember_shape(self, plan, collective, op, root, algorithm, x, out, made, outputs, input_infos,
+                        output_infos):
         """Hand a call that passed every check to the ranks, to run the same
         call on new arrays that differ from these only in their addresses
         from C (the runner's Shapes, _host_plan.c): one NumPy array (and
-        `out`, in place, or returning its own block of x along the first
-        axis), as _offer_repeat hands a repeat."""
+        `out`, in place, returning its own block of x along the first axis,
+        or a new NumPy array each call), as _offer_repeat hands a repeat."""
         if type(x) is not np.ndarray or (made is _GIVEN) != (type(out) is np.ndarray):
             return
-        view = None
+        view = make_output = None
         if made is _OWN_BLOCKS:
             if x.ndim < 1 or x.shape[0] % self.size:   # (_own_block's second form is no view of x)
                 return
             rows = x.shape[0] // self.size
             view = slice(self.rank * rows, (self.rank + 1) * rows)
-        elif made is not _GIVEN and made is not _IN_PLACE:   # (new outputs each call: Python makes them)
-            return
-        self._shape_in_c(plan, collective, op, root, algorithm, x, out if made is _GIVEN else None, view,
-                         input_infos[0], output_infos[0])
+        elif made is _FRESH:
+            out = outputs[0]
+            if type(out) is not np.ndarray:
+                return
+            make_output = functools.partial(np.empty, out.shape, out.dtype)   # (arrays.empty_like's for NumPy)
+        self._shape_in_c(plan, collective, op, root, algorithm, x, None if made is _IN_PLACE or made is _OWN_BLOCKS
+                         else out, view, input_infos[0], output_infos[0], make_output)
 
     def _checked(self, collective, x, op, out, root, algorithm, compression):
         """Every check of a call, then its plan: (inputs, outputs, their

@@ -503,6 +503,8 @@ typedef struct {
     PyObject *dtype;                /* held: x's dtype, whose address the states hold */
     PyObject *entry;                /* held: (plan, Plan, description) */
     PyObject *view;                 /* held, or NULL: as a Repeat's */
+    PyObject *make_output;          /* held, or NULL: makes a new out each call (an allgather or gather without
+                                     * out), whose states are then not compared (a new array of one shape) */
     int input_base, output_base;    /* where INPUT and OUTPUT lie: 0 in x's data, 1 in out's, -1 none (address 0) */
     int64_t input_offset, output_offset;   /* bytes from that data's start */
     int64_t x_bytes, out_bytes;     /* the arrays' sizes (the same for every call of the shape) */
@@ -529,6 +531,7 @@ static void shape_clear(Shape *shape)
     Py_CLEAR(shape->dtype);
     Py_CLEAR(shape->entry);
     Py_CLEAR(shape->view);
+    Py_CLEAR(shape->make_output);
 }
 
 static void repeat_clear(Repeat *r)
@@ -824,22 +827,24 @@ static Shape *find_shape(struct Repeats *repeats, PyObject *collective, PyObject
 }
 
 /* runner.remember_shape(collective, op, root, algorithm, x, out, entry,
- * input, output, view, x_bytes, out_bytes): a call the communicator ran on
- * the plans' path (out None: in place, or, with a view, the result is
- * x[view]), whose shape later calls on new arrays may take (see Shapes);
- * nothing where its plan's buffers do not lie in x and out, or out
- * overlaps x. */
+ * input, output, view, x_bytes, out_bytes, make_output): a call the
+ * communicator ran on the plans' path (out None: in place, or, with a
+ * view, the result is x[view]; with make_output, a callable, `out` is the
+ * output the call made, which later calls make with it), whose shape later
+ * calls on new arrays may take (see Shapes); nothing where its plan's
+ * buffers do not lie in x and out, or out overlaps x. */
 static PyObject *Runner_remember_shape(Runner *self, PyObject *const *args, Py_ssize_t nargs)
 {
     struct Repeats *repeats = self->repeats;
-    if (nargs != 12 || !PyLong_CheckExact(args[2]) || !PyTuple_Check(args[6]) || PyTuple_GET_SIZE(args[6]) != 3
-        || !PyObject_TypeCheck(PyTuple_GET_ITEM(args[6], 1), &PlanType) || (args[9] != Py_None && args[5] != Py_None)) {
+    if (nargs != 13 || !PyLong_CheckExact(args[2]) || !PyTuple_Check(args[6]) || PyTuple_GET_SIZE(args[6]) != 3
+        || !PyObject_TypeCheck(PyTuple_GET_ITEM(args[6], 1), &PlanType) || (args[9] != Py_None && args[5] != Py_None)
+        || (args[12] != Py_None && (!PyCallable_Check(args[12]) || args[5] == Py_None))) {
         PyErr_SetString(PyExc_TypeError, "remember_shape(collective, op, root, algorithm, x, out, entry, input, "
-                                         "output, view, x_bytes, out_bytes)");
+                                         "output, view, x_bytes, out_bytes, make_output)");
         return NULL;
     }
-    PyObject *x = args[4], *out = args[5];
-    int has_out = out != Py_None;
+    PyObject *x = args[4], *out = args[5], *make_output = args[12] == Py_None ? NULL : args[12];
+    int has_out = out != Py_None && make_output == NULL;   /* (the caller's: a made out is no argument) */
     if (repeats == NULL || (PyObject *)Py_TYPE(x) != repeats->ndarray
         || (has_out && (PyObject *)Py_TYPE(out) != repeats->ndarray))
         Py_RETURN_NONE;
@@ -851,12 +856,17 @@ static PyObject *Runner_remember_shape(Runner *self, PyObject *const *args, Py_s
     PyObject *states = states_now(repeats, x, out);
     if (states == NULL)
         return NULL;
-    intptr_t x_data = data_of(states, 0), out_data = has_out ? data_of(states, 1) : 0;
+    intptr_t x_data = data_of(states, 0), out_data = out != Py_None ? data_of(states, 1) : 0;
+    if (make_output != NULL) {   /* the shape is x's alone */
+        Py_DECREF(states);
+        if ((states = states_now(repeats, x, Py_None)) == NULL)
+            return NULL;
+    }
     int64_t input_offset, output_offset;
     int input_base = locate(input, x_data, x_bytes, out_data, out_bytes, &input_offset);
     int output_base = locate(output, x_data, x_bytes, out_data, out_bytes, &output_offset);
     if (x_bytes <= 0 || input_base == -2 || output_base == -2
-        || (has_out && (out_bytes <= 0 || !apart(x_data, x_bytes, out_data, out_bytes)))) {
+        || (out != Py_None && (out_bytes <= 0 || !apart(x_data, x_bytes, out_data, out_bytes)))) {
         Py_DECREF(states);
         Py_RETURN_NONE;
     }
@@ -882,12 +892,13 @@ static PyObject *Runner_remember_shape(Runner *self, PyObject *const *args, Py_s
     slot->dtype = dtype;
     slot->entry = Py_NewRef(args[6]);
     slot->view = args[9] == Py_None ? NULL : Py_NewRef(args[9]);
+    slot->make_output = Py_XNewRef(make_output);
     slot->input_base = input_base;
     slot->output_base = output_base;
     slot->input_offset = input_offset;
     slot->output_offset = output_offset;
     slot->x_bytes = x_bytes;
-    slot->out_bytes = has_out ? out_bytes : 0;
+    slot->out_bytes = out != Py_None ? out_bytes : 0;
     slot->collective = Py_NewRef(args[0]);   /* last: the slot is taken once it is whole */
     Py_RETURN_NONE;
 }
@@ -922,10 +933,29 @@ static PyObject *repeat_shape(Runner *self, PyObject *const *args, PyObject *x, 
     Py_DECREF(states);
     if (shape == NULL || (has_out && !apart(x_data, shape->x_bytes, out_data, shape->out_bytes)))
         Py_RETURN_NONE;
-    return run_remembered(self, Py_NewRef(shape->entry), address_in(shape->input_base, shape->input_offset, x_data,
-                                                                     out_data),
-                          address_in(shape->output_base, shape->output_offset, x_data, out_data),
-                          Py_XNewRef(shape->view), x, out, timeout);
+    PyObject *entry = Py_NewRef(shape->entry), *view = Py_XNewRef(shape->view), *made = NULL;
+    int input_base = shape->input_base, output_base = shape->output_base;
+    int64_t input_offset = shape->input_offset, output_offset = shape->output_offset;
+    if (shape->make_output != NULL) {   /* a new out, as the call made it (a new array: apart from x) */
+        PyObject *make_output = Py_NewRef(shape->make_output);
+        made = PyObject_CallNoArgs(make_output);
+        Py_DECREF(make_output);
+        PyObject *made_states = made == NULL ? NULL : states_now(repeats, x, made);
+        if (made_states == NULL) {
+            Py_XDECREF(made);
+            Py_DECREF(entry);
+            Py_XDECREF(view);
+            return NULL;
+        }
+        out_data = data_of(made_states, 1);
+        Py_DECREF(made_states);
+        out = made;
+    }
+    PyObject *result = run_remembered(self, entry, address_in(input_base, input_offset, x_data, out_data),
+                                      address_in(output_base, output_offset, x_data, out_data), view, x, out,
+                                      timeout);
+    Py_XDECREF(made);
+    return result;
 }
 
 /* runner.repeat(collective, x, op, out, root, algorithm, timeout) -> the
@@ -1075,7 +1105,8 @@ static PyMethodDef Runner_methods[] = {
      "remember(collective, op, root, algorithm, x, out, entry, input, output, view): a bound call, recognised "
      "from now on"},
     {"remember_shape", (PyCFunction)(void (*)(void))Runner_remember_shape, METH_FASTCALL,
-     "remember_shape(collective, op, root, algorithm, x, out, entry, input, output, view, x_bytes, out_bytes): "
+     "remember_shape(collective, op, root, algorithm, x, out, entry, input, output, view, x_bytes, out_bytes, "
+     "make_output): "
      "a call's shape, taken from now on by calls on new arrays (see Shapes in _host_plan.c)"},
     {"forget_shapes", (PyCFunction)Runner_forget_shapes, METH_NOARGS,
      "forget_shapes(): every remembered shape"},

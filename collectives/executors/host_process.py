@@ -96,14 +96,16 @@ class CompiledPlans:
         """Calls the runner recognised and ran from C (its Repeats and Shapes) so far."""
         return self._runner.repeats_run
 
-    def remember_shape(self, plan, collective, op, root, algorithm, x, out, view, x_address, out_address):
+    def remember_shape(self, plan, collective, op, root, algorithm, x, out, view, x_address, out_address,
+                       make_output=None):
         """Have the runner take this call's shape on new arrays from now on
         (its Shapes, _host_plan.c): `collective` with these arguments ran
         `plan` on x and out (None: in place, or, with `view`, the result is
-        x[view]) at these addresses."""
+        x[view]; with `make_output`, out is what the call made, and
+        make_output() makes the next) at these addresses."""
         if self.repeat is not None:
             self._runner.remember_shape(collective, op, root, algorithm, x, out, self._entry(plan), x_address,
-                                        out_address, view, x.nbytes, 0 if out is None else out.nbytes)
+                                        out_address, view, x.nbytes, 0 if out is None else out.nbytes, make_output)
 
     @property
     def last_plan(self):

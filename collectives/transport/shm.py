@@ -273,13 +273,14 @@ class ShmRank(Recoverable):
             return self.compiled.bind(plan, input_infos[0].address, output_infos[0].address, lambda: self._timeout)
         return None
 
-    def remember_shape(self, plan, collective, op, root, algorithm, x, out, view, input_info, output_info):
+    def remember_shape(self, plan, collective, op, root, algorithm, x, out, view, input_info, output_info,
+                       make_output=None):
         """A call that ran on the plans' path: where the compiled executor
         ran it, it takes the same call on new arrays of this shape from now
         on, from C (host_process.CompiledPlans.remember_shape)."""
         if self.compiled is not None and self.route(plan) == "compiled_plan":
             self.compiled.remember_shape(plan, collective, op, root, algorithm, x, out, view, input_info.address,
-                                         output_info.address)
+                                         output_info.address, make_output)
 
     def route(self, plan, contiguous=True):
         """How this rank runs a call of `plan` (a Plan or a paths.CallShape)
