@@ -40,8 +40,8 @@ import numpy as np
 from . import binding as bindings
 from .algorithms import schedule_for
 from .algorithms.schedule import (
-    ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BLOCKED_COLLECTIVES, GATHER, REDUCE, REDUCE_SCATTER, ROOTED_COLLECTIVES,
-    SCATTER, SCRATCH, WORK,
+    ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BLOCKED_COLLECTIVES, BROADCAST, GATHER, REDUCE, REDUCE_SCATTER,
+    ROOTED_COLLECTIVES, SCATTER, SCRATCH, WORK,
 )
 from .binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, WORKSPACE  # noqa: F401 (re-exported)
 from .compression import wire
@@ -357,12 +357,13 @@ def _wire_bytes(phases, itemsize, compression):
 
 
 # The collectives single_copy_plan serves: those that only move blocks.
-SINGLE_COPY_COLLECTIVES = (GATHER, SCATTER, ALL_TO_ALL, ALL_TO_ALL_V)
+SINGLE_COPY_COLLECTIVES = (GATHER, SCATTER, ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BROADCAST)
 
 
 @functools.lru_cache(maxsize=256)
 def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=False, block_counts=None):
-    """The `direct` plan of an exchange (SINGLE_COPY_COLLECTIVES) for ranks
+    """The `direct` plan of a collective that only moves blocks
+    (SINGLE_COPY_COLLECTIVES: the exchanges, allgather, broadcast) for ranks
     in separate processes that read each other's arrays in place: each
     rank reads its blocks straight out of its peers' INPUT into its OUTPUT
     (in place, into its SCRATCH first), one copy where the WORKSPACE plan
@@ -408,7 +409,9 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
                     peer_reads.add((src_rank, src_off, src_off + int(row[COUNT])))
     if in_place:   # a phase-1 write into a rank's input must miss what its peers read there
         block = count // nranks
-        shift = {ALL_TO_ALL: 0, GATHER: -1, SCATTER: 1}[collective]
+        # (where a rank's INPUT lies in its OUTPUT, in blocks of its rank: in place, x is the rank's block of
+        # a gather's or allgather's out, a scatter's out the rank's block of x, and the whole of the other two)
+        shift = {ALL_TO_ALL: 0, GATHER: -1, ALLGATHER: -1, SCATTER: 1, BROADCAST: 0}[collective]
         for row in plans[binding].phases[1].table:
             if row[DST_BUF] not in (INPUT, OUTPUT):
                 continue

@@ -102,6 +102,28 @@ def scenario_bits(comm):
     assert len(runs) > 50, len(runs)
 
 
+def scenario_moves_without_the_loop(comm):
+    """allgather and broadcast on the plans' path (the test turns the loop
+    off), in and out of place, every root: the interpreter's bits, each call
+    in one copy."""
+    runs = counting_single_copies()
+    r, n, k = comm.rank, comm.size, 5000   # (an int8 broadcast too at least the test's limit, 4096 bytes)
+    assert comm.chosen_algorithm("allgather", 4 * k, dtype=np.float32).path == "single_copy"
+    with collectives.Communicator.local(n) as reference:
+        for dtype in DTYPES:
+            xs = [data(7, q, dtype, k) for q in range(n)]
+            want = reference.allgather([x.copy() for x in xs])[r]
+            same_bits(comm.allgather(xs[r].copy()), want, "allgather")
+            out = np.zeros(n * k, dtype)
+            out[r * k:(r + 1) * k] = xs[r]
+            same_bits(comm.allgather(out[r * k:(r + 1) * k], out=out), want, "allgather in place")
+            for root in range(n):
+                same_bits(comm.broadcast(xs[r].copy(), root=root, out=np.empty(k, dtype)), xs[root],
+                          f"broadcast root {root}")
+                same_bits(comm.broadcast(xs[r].copy(), root=root), xs[root], f"broadcast root {root} in place")
+    assert len(runs) == len(DTYPES) * (2 + 2 * n), len(runs)
+
+
 def scenario_refused(comm):
     """Rank 1 may not read its peers: the first call (in place, so that an
     input overwritten before the verdict would show) falls back to the

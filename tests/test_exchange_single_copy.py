@@ -1,6 +1,7 @@
 """all_to_all, all_to_all_v, gather and scatter between host processes in
 one copy: the compiled plan executor reads peers' inputs in place
-(plan.single_copy_plan, _host_plan.c). The interpreter's bits on 2, 3 and 4
+(plan.single_copy_plan, _host_plan.c); allgather and broadcast too where
+the plans run them (without the compiled loop). The interpreter's bits on 2, 3 and 4
 processes, in and out of place, uneven all_to_all_v blocks with empty ones;
 a refused read falling back to the staged plan on every rank; a rank that
 returns before its readers are done caught; a killed and a stalled rank
@@ -29,10 +30,10 @@ def run(n, scenario, environment=SMALL, flags=(), limit=240, extra=()):
     return oks, report
 
 
-@pytest.mark.parametrize("collective", ["gather", "scatter", "all_to_all"])
+@pytest.mark.parametrize("collective", ["gather", "scatter", "all_to_all", "allgather", "broadcast"])
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 def test_single_copy_plans_read_peers_inputs_in_phase_1_only_and_wait_for_the_verdict(collective, n):
-    for root in range(n) if collective != "all_to_all" else [0]:
+    for root in range(n) if collective in ("gather", "scatter", "broadcast") else [0]:
         for in_place in (False, True):
             plan = plans.single_copy_plan(collective, n, 8 * n, np.dtype(np.float32), "sum", root, in_place)
             assert plan.single_copy and len(plan.phases) == 3 and not len(plan.phases[0].table)
@@ -89,6 +90,16 @@ def test_all_to_all_v_single_copy_plans_skip_empty_blocks():
 def test_exchanges_in_one_copy_give_the_interpreters_bits(n):
     oks, report = run(n, "bits")
     assert len(oks) == n, report
+
+
+@pytest.mark.mpi
+@needs_the_executor
+def test_allgather_and_broadcast_on_the_plans_read_peers_inputs_in_one_copy_with_the_interpreters_bits():
+    """Without the compiled loop (COLLECTIVES_FAST_PATH=0), which runs them
+    otherwise, allgather and broadcast's `direct` plans read peers' inputs
+    in one copy too."""
+    oks, report = run(3, "moves_without_the_loop", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"})
+    assert len(oks) == 3, report
 
 
 @pytest.mark.mpi
