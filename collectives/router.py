@@ -11,7 +11,8 @@ that holds:
     processes on      (fastpath.LOOP_DTYPES), `auto` or the algorithm  + its step      an allreduce above
     one machine       the loop's step is (fastpath.runs_as)                            the merged step
                       `direct` all_to_all(_v), gather, scatter of      single_copy     direct
-                      blocks from the single-copy limit (shm.py)
+                      blocks from the single-copy limit (shm.py);
+                      allgather, broadcast the loop did not take
                       a plan the compiled executor takes               compiled_plan   auto's, or the named
                       (executors/host_process.py)
                       anything else: compressed, float16, bfloat16     step            auto's, or the named
