@@ -22,7 +22,7 @@ from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, 
 from .ops import ReduceOp, as_dtype
 from .executors import host
 from .executors.paths import CallShape
-from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan
+from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan, segmented_plan
 from .transport import fastpath
 from .transport.p2p import PointToPoint
 
@@ -1469,12 +1469,20 @@ class Communicator:
             binding, streamlined = binding
             plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding, compression, streamlined)
         else:
-            plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding)
+            segment = self._plan_segment(collective, count, dtype.itemsize, binding)
+            plan = segmented_plan(collective, algorithm, self.size, count, dtype, op, root, binding, segment) \
+                if segment else build_plan(collective, algorithm, self.size, count, dtype, op, root, binding)
         if key is not None:
             if len(self._plans) >= 1024:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
+
+    def _plan_segment(self, collective, count, itemsize, binding):
+        """The elements of a segment the ranks run a plan of `count` in
+        (ShmRank.plan_segment: plan.segmented_plan), or 0: one run."""
+        segment_of = getattr(self._ranks, "plan_segment", None)
+        return segment_of(collective, count, itemsize, binding) if segment_of is not None else 0
 
     def _check_arguments(self, collective, op, root, algorithm, compression):
         """The call's own arguments (validation.call_arguments), before any

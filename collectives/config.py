@@ -251,6 +251,27 @@ STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
 # keep the single copy: staged they were faster in one run and 2 to 4
 # times slower in the other.
 DEFAULT_STAGED_MAX = 4 << 20
+# Host ranks in processes run an allreduce, broadcast or reduce of more
+# than 2 segments of this many bytes on the plans' staged path (where the
+# compiled loop does not take it) as consecutive runs of the same plan on
+# segments of it (plan.segmented_plan), so that a segment's copy into the
+# workspace, its fold and its copy out find it in cache; 0: one run. The
+# same on every rank (a call's signature names it). Measured with 2
+# processes pinned (docs/host-ranks.md, "The plans in segments").
+PLAN_SEGMENT_BYTES_ENV = "COLLECTIVES_PLAN_SEGMENT_BYTES"
+DEFAULT_PLAN_SEGMENT_BYTES = 2 << 20
+
+
+def resolve_plan_segment_bytes(nbytes=None):
+    """The plans' segment in bytes (0: none): the argument, else
+    $COLLECTIVES_PLAN_SEGMENT_BYTES, else 2 MiB; a multiple of 4096."""
+    segment = _number(nbytes, "plan_segment_bytes", PLAN_SEGMENT_BYTES_ENV, DEFAULT_PLAN_SEGMENT_BYTES, int)
+    if segment % 4096:
+        source = _given(nbytes, "plan_segment_bytes", PLAN_SEGMENT_BYTES_ENV)[1]
+        raise InvalidUsageError(f"{source}: expected 0 or a multiple of 4096 bytes, got {segment}")
+    return segment
+
+
 # For tests only: seconds a writer is held inside each chunk's writes (so
 # that the fence has something to wait for), and a reader before each read
 # out of a peer's input (so that a peer which returned before every reader
@@ -307,7 +328,7 @@ def check_switches():
     call it), not on the first rank to read it while the others wait."""
     for resolve in (resolve_one_kernel_allreduce, resolve_compiled_plans, resolve_fast_path,
                     resolve_fast_single_copy, resolve_fast_sizes, resolve_loop_tunables,
-                    resolve_exchange_single_copy_min, resolve_message_single_copy_min):
+                    resolve_exchange_single_copy_min, resolve_message_single_copy_min, resolve_plan_segment_bytes):
         resolve()
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from . import binding as bindings
 from .algorithms import schedule_for
 from .algorithms.schedule import (
-    ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BLOCKED_COLLECTIVES, BROADCAST, GATHER, REDUCE, REDUCE_SCATTER,
+    ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, ALLREDUCE, BLOCKED_COLLECTIVES, BROADCAST, GATHER, REDUCE, REDUCE_SCATTER,
     ROOTED_COLLECTIVES, SCATTER, SCRATCH, WORK,
 )
 from .binding import COPY_OP, INPUT, OUTPUT, REDUCE_FINAL_OP, REDUCE_OP, WORKSPACE  # noqa: F401 (re-exported)
@@ -109,6 +109,9 @@ class Plan(NamedTuple):
     # single_copy_plan's plans: ranks in separate processes read peers'
     # INPUT in place (the compiled executor, _host_plan.c).
     single_copy: bool = False
+    # segmented_plan's plans: the elements of each segment but the last
+    # (a shorter tail), the same plan run on one segment after the other; 0: one run.
+    segment: int = 0
 
 
 class BlockLayout:
@@ -211,6 +214,7 @@ def clear_cache():
     build_plan.cache_clear()
     _uncompressed_plan.cache_clear()
     _bound_phases.cache_clear()
+    segmented_plan.cache_clear()
 
 
 def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, compression, streamlined,
@@ -431,6 +435,64 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
     phases[1] = phases[1]._replace(waits=waits1)
     phases[2] = phases[2]._replace(waits=waits2)
     return plan._replace(phases=tuple(phases), single_copy=True)
+
+
+# The collectives whose result element i is made of element i of the
+# inputs alone, so that a call on a message is the same call on each of its
+# segments in turn: segmented_plan's.
+SEGMENTED_COLLECTIVES = (ALLREDUCE, BROADCAST, REDUCE)
+
+
+@functools.lru_cache(maxsize=64)
+def segmented_plan(collective, algorithm, nranks, count, dtype, op, root, binding, segment):
+    """The plan of `collective` (SEGMENTED_COLLECTIVES) on `count` elements
+    as consecutive runs of its plan on `segment` elements, the last run on
+    what is left: a chunk loop, written out as phases. Run whole, a large
+    staged call copies each rank's input into its WORK, folds and copies
+    out, each pass over the whole message from memory; in segments that fit
+    the cache, the passes of a segment find it there (measured: docs/host-ranks.md,
+    "The plans in segments").
+
+    Segment s's phases are the segment plan's, after every phase of the
+    segments before: its rows on elements [s * segment, ...) of INPUT and
+    OUTPUT and on the same WORK and SCRATCH; its waits (peer, t) become
+    (peer, t + the phases before). So its phase 0, which waits for every peer
+    to have completed the phases before (the previous segment: every read of
+    this rank's workspace done), is what the first phase of a new call
+    waits for, and each segment's runs are those of a call proved by the
+    symbolic trace. A segment's bits are its plan's: the same on every
+    rank, and, where the algorithm folds each element in an order that does
+    not depend on the chunk it lies in (direct), the same as one run's."""
+    if collective not in SEGMENTED_COLLECTIVES:
+        raise ValueError(f"segmented_plan serves {SEGMENTED_COLLECTIVES}, not {collective!r}")
+    if not 0 < segment < count:
+        raise ValueError(f"segmented_plan: a segment of {segment} elements in {count}")
+    dtype = as_dtype(dtype)
+    whole, tail = divmod(count, segment)
+    runs = [(build_plan(collective, algorithm, nranks, segment, dtype, op, root, binding), s * segment)
+            for s in range(whole)]
+    if tail:
+        runs.append((build_plan(collective, algorithm, nranks, tail, dtype, op, root, binding), whole * segment))
+    first = runs[0][0]
+    width = max(phase.table.shape[1] for plan, _ in runs for phase in plan.phases)
+    phases, access, done_before = [], [], 0
+    for plan, offset in runs:   # (a row's SCRATCH offset counts from SCRATCH's start: the segment's, for the tail too)
+        for phase in plan.phases:
+            table = np.full((len(phase.table), width), -1, np.int64)
+            table[:, :phase.table.shape[1]] = phase.table
+            for buffer_column, offset_column in [(DST_BUF, DST_OFF)] + [
+                    (SRC0 + 3 * i + SRC_BUF, SRC0 + 3 * i + SRC_OFF) for i in range((width - SRC0) // 3)]:
+                buffers = table[:, buffer_column]
+                table[:, offset_column] += np.where((buffers == INPUT) | (buffers == OUTPUT), offset, 0)
+            table.setflags(write=False)
+            waits = tuple(tuple((peer, done + done_before) for peer, done in rank_waits) for rank_waits in phase.waits)
+            phases.append(Phase(table, tuple(table[table[:, RANK] == r] for r in range(nranks)), waits))
+        access.extend(plan.access)   # (regions by chunk: the device executors', which run no segmented plan)
+        done_before += len(plan.phases)
+    return first._replace(
+        count=count, phases=tuple(phases), access=tuple(access), segment=segment,
+        traffic=Traffic(*(sum(getattr(plan.traffic, f) for plan, _ in runs) for f in Traffic._fields)),
+        wire_bytes=sum(plan.wire_bytes for plan, _ in runs))
 
 
 def _at_least(waits, need):

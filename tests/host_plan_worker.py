@@ -293,6 +293,70 @@ def scenario_repeat_killed(comm):
     os._exit(0)   # (MPI_Finalize would wait for the dead rank)
 
 
+def plan_that_ran(comm):
+    """The plan of this rank's last call on the plans, whichever executor ran it."""
+    ranks = comm._ranks  # noqa: SLF001
+    return ranks._interpreted or ranks._single.last_plan  # noqa: SLF001
+
+
+def scenario_segments(comm):
+    """With $COLLECTIVES_PLAN_SEGMENT_BYTES small (the test's), allreduce,
+    broadcast and reduce of more than two segments run their plans in
+    segments (the plan that ran says so: counted, not assumed) with the
+    bits of the same calls made on the segments one after the other: every
+    algorithm, in place and out of place, with and without a shorter last
+    segment; a call of two segments runs whole."""
+    segment = int(os.environ["COLLECTIVES_PLAN_SEGMENT_BYTES"]) // 4
+    r, n, root = comm.rank, comm.size, 1
+    segmented = 0
+    with collectives.Communicator.local(n) as reference:
+        for count in (3 * segment, 4 * segment + 37, 2 * segment):
+            inputs = [random_floats(q, count) for q in range(n)]
+            pieces = [slice(s, min(s + segment, count)) for s in range(0, count, segment)]
+            for algorithm in ("auto",) + ALGORITHMS:
+                for collective in ("allreduce", "broadcast", "reduce"):
+                    if algorithm != "auto" and collective not in REGISTRY[algorithm].collectives:
+                        continue
+                    for in_place in (False, True):
+                        case = f"{collective} {algorithm} of {count} {'in place' if in_place else 'out of place'}"
+                        x = inputs[r].copy()
+                        out = None if in_place else np.empty(count, np.float32)
+                        rooted = {} if collective == "allreduce" else {"root": root}
+                        comm._ranks.forget_what_ran()  # noqa: SLF001
+                        getattr(comm, collective)(x, out=out, algorithm=algorithm, **rooted)
+                        plan = plan_that_ran(comm)
+                        want_segments = count > 2 * segment
+                        assert plan.segment == (segment if want_segments else 0), (case, plan.segment)
+                        segmented += want_segments
+                        if collective == "reduce" and r != root:
+                            continue
+                        got = x if in_place else out
+                        if collective == "broadcast":
+                            want = inputs[root]
+                        else:   # the same algorithm's calls on the segments, one after the other (or one call)
+                            method = getattr(reference, collective)
+                            want = np.concatenate([method([a[piece].copy() for a in inputs], algorithm=plan.algorithm,
+                                                          **rooted)[r] for piece in (pieces if want_segments
+                                                                                     else [slice(None)])])
+                        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (case, got[:4], want[:4])
+    assert segmented > 30, segmented
+
+
+def scenario_segments_differ(comm):
+    """Ranks that cut a call into segments of different sizes: each names the
+    mismatch (the call's signature says how it is cut), nothing is exchanged."""
+    segment = int(os.environ["COLLECTIVES_PLAN_SEGMENT_BYTES"]) // 4
+    try:
+        comm.allreduce(np.ones(9 * segment, np.float32), algorithm="ring")
+    except collectives.InvalidUsageError as error:
+        assert "a different call" in str(error) and "in segments of" in str(error), error
+    else:
+        raise AssertionError("ranks that cut a call differently were not told")
+    print(f"OK segments_differ {comm.rank}", flush=True)
+    MPI.COMM_WORLD.Barrier()
+    os._exit(0)   # (the communicator is aborted: its close would say so again)
+
+
 def scenario_broken(comm):
     """A broken build: some rank's result differs from the interpreter's.
     The first call grows every workspace past what the others need, so that

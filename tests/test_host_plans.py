@@ -50,6 +50,21 @@ def test_every_collective_gives_the_interpreters_bits_whichever_executor_each_ra
     assert code == 0 and len(re.findall(r"OK bits \d", output)) == 3, output
 
 
+@pytest.mark.parametrize("interpreted", [(), (0,)], ids=["all-compiled", "rank0-interpreted"])
+def test_large_calls_on_the_plans_run_in_segments_with_the_bits_of_calls_on_each_segment(interpreted):
+    segments = {"COLLECTIVES_PLAN_SEGMENT_BYTES": "4096", "COLLECTIVES_FAST_PATH": "0"}
+    code, output = run(3, "segments", environments={
+        r: dict(segments, **({"COLLECTIVES_COMPILED_PLANS": "0"} if r in interpreted else {})) for r in range(3)})
+    assert code == 0 and len(re.findall(r"OK segments \d", output)) == 3, output
+
+
+def test_ranks_that_cut_a_call_into_other_segments_are_told_so():
+    sizes = {0: "4096", 1: "8192"}
+    code, output = run(2, "segments_differ", environments={
+        r: {"COLLECTIVES_PLAN_SEGMENT_BYTES": sizes[r], "COLLECTIVES_FAST_PATH": "0"} for r in range(2)})
+    assert code == 0 and len(re.findall(r"OK segments_differ \d", output)) == 2, output
+
+
 def test_the_compiled_executor_takes_the_plans_and_leaves_float16_to_the_interpreter():
     code, output = run(2, "takes_the_plans")
     assert code == 0 and len(re.findall(r"OK takes_the_plans \d", output)) == 2, output

@@ -156,6 +156,19 @@ def test_the_loops_tunables_come_from_the_environment_when_resolved_and_bad_ones
             check_switches()
         monkeypatch.setenv(variable, "0")
 
+def test_the_plans_segment_comes_from_the_environment_and_bad_ones_are_named(monkeypatch):
+    """$COLLECTIVES_PLAN_SEGMENT_BYTES: 2 MiB unset, 0 never, else a multiple of a page."""
+    from collectives.config import resolve_plan_segment_bytes
+    monkeypatch.delenv("COLLECTIVES_PLAN_SEGMENT_BYTES", raising=False)
+    assert resolve_plan_segment_bytes() == 2 << 20 and resolve_plan_segment_bytes(0) == 0
+    monkeypatch.setenv("COLLECTIVES_PLAN_SEGMENT_BYTES", "8192")
+    assert resolve_plan_segment_bytes() == 8192
+    for value in ("1000", "-4096", "2M"):
+        monkeypatch.setenv("COLLECTIVES_PLAN_SEGMENT_BYTES", value)
+        with pytest.raises(InvalidUsageError, match="COLLECTIVES_PLAN_SEGMENT_BYTES"):
+            check_switches()
+
+
 def test_send_and_recvs_single_copy_threshold_comes_from_the_environment_and_never_fits_the_slots(monkeypatch):
     """$COLLECTIVES_MESSAGE_SINGLE_COPY_MIN: 4 MiB unset, 0 never, and a
     value at or below the slots' bytes still streams what fits them."""

@@ -18,10 +18,11 @@ import numpy as np
 from ..compression import wire
 from ..errors import CollectiveError
 from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN_ENV, MEASURED_EXCHANGE_SINGLE_COPY_MIN,
-                      resolve_compiled_plans, resolve_exchange_single_copy_min, resolve_fast_single_copy)
+                      resolve_compiled_plans, resolve_exchange_single_copy_min, resolve_fast_single_copy,
+                      resolve_plan_segment_bytes)
 from ..executors import host, host_process
-from ..plan import ALL_TO_ALL, INPUT, OUTPUT, SINGLE_COPY_COLLECTIVES, WORK, single_copy_plan
-from ..binding import WORKSPACE_IN_PLACE
+from ..plan import ALL_TO_ALL, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_COLLECTIVES, WORK, single_copy_plan
+from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
 from .p2p import CompiledWaits, Mailboxes, PointToPoint
@@ -95,6 +96,9 @@ class ShmRank(Recoverable):
         # (`measure`), and then an in-place all_to_all keeps the default
         # (config.py says why): `_in_place_all_to_all_min`.
         self._pinned_single_copy_min = resolve_exchange_single_copy_min()
+        # An allreduce, broadcast or reduce on the plans of more than two
+        # segments of this many bytes runs them one after the other (plan_segment).
+        self.plan_segment_bytes = resolve_plan_segment_bytes()
         self.single_copy_min = (DEFAULT_EXCHANGE_SINGLE_COPY_MIN if self._pinned_single_copy_min is None
                                 else self._pinned_single_copy_min) \
             if executor is not None and size > 1 and resolve_fast_single_copy() else None
@@ -213,6 +217,15 @@ class ShmRank(Recoverable):
         compiled = getattr(self, "compiled", None)
         if compiled is not None:
             compiled.forget_shapes()
+
+    def plan_segment(self, collective, count, itemsize, binding):
+        """The elements of a segment of a staged plan of `count` elements
+        (plan.segmented_plan), or 0: one run. The same on every rank of a
+        call, whose ranks may bind differently but all to a workspace."""
+        segment = self.plan_segment_bytes // itemsize
+        if segment and collective in SEGMENTED_COLLECTIVES and binding in WORKSPACE_BINDINGS and count > 2 * segment:
+            return segment
+        return 0
 
     def single_copy_takes(self, collective, nbytes, binding=None):
         """Whether an exchange whose blocks are `nbytes` in all runs
