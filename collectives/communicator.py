@@ -1469,7 +1469,7 @@ class Communicator:
             binding, streamlined = binding
             plan = build_plan(collective, algorithm, self.size, count, dtype, op, root, binding, compression, streamlined)
         else:
-            segment = self._plan_segment(collective, count, dtype.itemsize, binding)
+            segment = self._plan_segment(collective, count, dtype, binding)
             plan = segmented_plan(collective, algorithm, self.size, count, dtype, op, root, binding, segment) \
                 if segment else build_plan(collective, algorithm, self.size, count, dtype, op, root, binding)
         if key is not None:
@@ -1478,11 +1478,11 @@ class Communicator:
             self._plans[key] = plan
         return plan
 
-    def _plan_segment(self, collective, count, itemsize, binding):
+    def _plan_segment(self, collective, count, dtype, binding):
         """The elements of a segment the ranks run a plan of `count` in
         (ShmRank.plan_segment: plan.segmented_plan), or 0: one run."""
         segment_of = getattr(self._ranks, "plan_segment", None)
-        return segment_of(collective, count, itemsize, binding) if segment_of is not None else 0
+        return segment_of(collective, count, dtype, binding) if segment_of is not None else 0
 
     def _check_arguments(self, collective, op, root, algorithm, compression):
         """The call's own arguments (validation.call_arguments), before any

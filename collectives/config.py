@@ -251,13 +251,16 @@ STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
 # keep the single copy: staged they were faster in one run and 2 to 4
 # times slower in the other.
 DEFAULT_STAGED_MAX = 4 << 20
-# Host ranks in processes run an allreduce, broadcast or reduce of more
-# than 2 segments of this many bytes on the plans' staged path (where the
-# compiled loop does not take it) as consecutive runs of the same plan on
-# segments of it (plan.segmented_plan), so that a segment's copy into the
-# workspace, its fold and its copy out find it in cache; 0: one run. The
-# same on every rank (a call's signature names it). Measured with 2
-# processes pinned (docs/host-ranks.md, "The plans in segments").
+# Host ranks in processes run an allreduce, broadcast, reduce,
+# reduce_scatter or allgather of a dtype the compiled executor folds (not
+# float16 or bfloat16: ShmRank.plan_segment) whose workspace would hold more than 2
+# segments of this many bytes on the plans' staged path (where the compiled
+# loop does not take it) as consecutive runs of the same plan on segments
+# of it (plan.segmented_plan; of every rank's block alike for the last
+# two), so that a segment's copy into the workspace, its fold and its copy
+# out find it in cache; 0: one run. The same on every rank (a call's
+# signature names it). Measured with 2 processes pinned
+# (docs/host-ranks.md, "The plans in segments").
 PLAN_SEGMENT_BYTES_ENV = "COLLECTIVES_PLAN_SEGMENT_BYTES"
 DEFAULT_PLAN_SEGMENT_BYTES = 2 << 20
 

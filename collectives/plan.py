@@ -109,8 +109,8 @@ class Plan(NamedTuple):
     # single_copy_plan's plans: ranks in separate processes read peers'
     # INPUT in place (the compiled executor, _host_plan.c).
     single_copy: bool = False
-    # segmented_plan's plans: the elements of each segment but the last
-    # (a shorter tail), the same plan run on one segment after the other; 0: one run.
+    # segmented_plan's plans: the elements of WORK one segment takes (every
+    # run of the segment plan but a shorter last one); WORK holds no more. 0: one run.
     segment: int = 0
 
 
@@ -437,62 +437,97 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
     return plan._replace(phases=tuple(phases), single_copy=True)
 
 
-# The collectives whose result element i is made of element i of the
-# inputs alone, so that a call on a message is the same call on each of its
-# segments in turn: segmented_plan's.
-SEGMENTED_COLLECTIVES = (ALLREDUCE, BROADCAST, REDUCE)
+# The collectives a call of which is the same call on segments of its
+# message, one after the other (segmented_plan): those whose result element i
+# is made of element i of the inputs alone, and those of blocks, each
+# segment a slice of every rank's block. The caller's array that holds
+# every rank's block, where one does (else each segment is a slice of the
+# arrays):
+SEGMENTED_COLLECTIVES = (ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER)
+_ARRAY_OF_BLOCKS = {REDUCE_SCATTER: INPUT, ALLGATHER: OUTPUT}
 
 
 @functools.lru_cache(maxsize=64)
 def segmented_plan(collective, algorithm, nranks, count, dtype, op, root, binding, segment):
     """The plan of `collective` (SEGMENTED_COLLECTIVES) on `count` elements
-    as consecutive runs of its plan on `segment` elements, the last run on
-    what is left: a chunk loop, written out as phases. Run whole, a large
-    staged call copies each rank's input into its WORK, folds and copies
-    out, each pass over the whole message from memory; in segments that fit
-    the cache, the passes of a segment find it there (measured: docs/host-ranks.md,
-    "The plans in segments").
+    of WORK as consecutive runs of its plan on `segment` of them, the last
+    run on what is left: a chunk loop, written out as phases. Run whole, a
+    large staged call copies each rank's input into its WORK, folds and
+    copies out, each pass over the whole message from memory; in segments
+    that fit the cache, the passes of a segment find it there (measured:
+    docs/host-ranks.md, "The plans in segments").
 
     Segment s's phases are the segment plan's, after every phase of the
-    segments before: its rows on elements [s * segment, ...) of INPUT and
-    OUTPUT and on the same WORK and SCRATCH; its waits (peer, t) become
-    (peer, t + the phases before). So its phase 0, which waits for every peer
-    to have completed the phases before (the previous segment: every read of
-    this rank's workspace done), is what the first phase of a new call
-    waits for, and each segment's runs are those of a call proved by the
-    symbolic trace. A segment's bits are its plan's: the same on every
-    rank, and, where the algorithm folds each element in an order that does
-    not depend on the chunk it lies in (direct), the same as one run's."""
+    segments before: its rows on its slice of INPUT and OUTPUT (of every
+    rank's block, where the array holds them all: reduce_scatter's INPUT,
+    allgather's OUTPUT; a row that crosses blocks cut at their bounds) and
+    on the same WORK and SCRATCH (a row's SCRATCH offset counts from
+    SCRATCH's start, the segment's for the last run too); its waits (peer,
+    t) become (peer, t + the phases before). So its phase 0, which waits for
+    every peer to have completed the phases before (the previous segment:
+    every read of this rank's workspace done), is what the first phase of a
+    new call waits for, and each segment's runs are those of a call proved
+    by the symbolic trace. A segment's bits are its plan's: the same on
+    every rank, and, where the algorithm folds each element in an order
+    that does not depend on the chunk it lies in (direct), the same as one
+    run's."""
     if collective not in SEGMENTED_COLLECTIVES:
         raise ValueError(f"segmented_plan serves {SEGMENTED_COLLECTIVES}, not {collective!r}")
-    if not 0 < segment < count:
-        raise ValueError(f"segmented_plan: a segment of {segment} elements in {count}")
+    blocks = nranks if collective in _ARRAY_OF_BLOCKS else 1
+    if not 0 < segment < count or segment % blocks or count % blocks:
+        raise ValueError(f"segmented_plan: a segment of {segment} elements in {count}, over {blocks} blocks")
     dtype = as_dtype(dtype)
-    whole, tail = divmod(count, segment)
-    runs = [(build_plan(collective, algorithm, nranks, segment, dtype, op, root, binding), s * segment)
-            for s in range(whole)]
-    if tail:
-        runs.append((build_plan(collective, algorithm, nranks, tail, dtype, op, root, binding), whole * segment))
-    first = runs[0][0]
-    width = max(phase.table.shape[1] for plan, _ in runs for phase in plan.phases)
+    block, per_block = count // blocks, segment // blocks
+    whole, tail = divmod(block, per_block)
+    runs = [(s * per_block, per_block) for s in range(whole)] + ([(whole * per_block, tail)] if tail else [])
+    runs = [(build_plan(collective, algorithm, nranks, length * blocks, dtype, op, root, binding), start, length)
+            for start, length in runs]
+    width = max(phase.table.shape[1] for plan, _, _ in runs for phase in plan.phases)
     phases, access, done_before = [], [], 0
-    for plan, offset in runs:   # (a row's SCRATCH offset counts from SCRATCH's start: the segment's, for the tail too)
+    for plan, start, length in runs:
         for phase in plan.phases:
-            table = np.full((len(phase.table), width), -1, np.int64)
-            table[:, :phase.table.shape[1]] = phase.table
-            for buffer_column, offset_column in [(DST_BUF, DST_OFF)] + [
-                    (SRC0 + 3 * i + SRC_BUF, SRC0 + 3 * i + SRC_OFF) for i in range((width - SRC0) // 3)]:
-                buffers = table[:, buffer_column]
-                table[:, offset_column] += np.where((buffers == INPUT) | (buffers == OUTPUT), offset, 0)
+            rows = [row for original in phase.table.tolist()
+                    for row in _rows_of_segment(original, _ARRAY_OF_BLOCKS.get(collective), start, length, block)]
+            table = np.full((len(rows), width), -1, np.int64)
+            for i, row in enumerate(rows):
+                table[i, :len(row)] = row
             table.setflags(write=False)
             waits = tuple(tuple((peer, done + done_before) for peer, done in rank_waits) for rank_waits in phase.waits)
             phases.append(Phase(table, tuple(table[table[:, RANK] == r] for r in range(nranks)), waits))
         access.extend(plan.access)   # (regions by chunk: the device executors', which run no segmented plan)
         done_before += len(plan.phases)
-    return first._replace(
+    return runs[0][0]._replace(
         count=count, phases=tuple(phases), access=tuple(access), segment=segment,
-        traffic=Traffic(*(sum(getattr(plan.traffic, f) for plan, _ in runs) for f in Traffic._fields)),
-        wire_bytes=sum(plan.wire_bytes for plan, _ in runs))
+        traffic=Traffic(*(sum(getattr(plan.traffic, f) for plan, _, _ in runs) for f in Traffic._fields)),
+        wire_bytes=sum(plan.wire_bytes for plan, _, _ in runs))
+
+
+def _rows_of_segment(row, array_of_blocks, start, length, block):
+    """A segment plan's row (a list) on the call's arrays: the segment's
+    elements [start, start + length) of each block of `block` elements. In
+    `array_of_blocks` (a buffer id, or None) the segment plan's block b is
+    at b * length, the call's at b * block: a row that crosses a block's
+    bound there is cut at it. In the other caller's array the segment lies
+    at `start`; WORK and SCRATCH are the segment plan's own."""
+    operands = [(DST_BUF, DST_OFF)] + [(SRC0 + 3 * i + SRC_BUF, SRC0 + 3 * i + SRC_OFF) for i in range(row[NSRC])]
+    cuts = {0, row[COUNT]}
+    for buffer, offset in operands:
+        if row[buffer] == array_of_blocks:
+            cuts.update(range(-row[offset] % length, row[COUNT], length))
+    cuts = sorted(cuts)
+    pieces = []
+    for first, last in zip(cuts, cuts[1:]):
+        piece = list(row)
+        piece[COUNT] = last - first
+        for buffer, offset in operands:
+            at = row[offset] + first
+            if row[buffer] == array_of_blocks:
+                at = at // length * block + start + at % length
+            elif row[buffer] in (INPUT, OUTPUT):
+                at += start
+            piece[offset] = at
+        pieces.append(piece)
+    return pieces
 
 
 def _at_least(waits, need):

@@ -30,7 +30,10 @@ that holds:
     backend="nccl"    every call                                       nccl            auto's, or the named
 
 The loop's step (compiled_loop) is "merged" up to its merged-step limit,
-else "staged" or "single_copy" as _shmloop.c's step_for decides. Across
+else "staged" or "single_copy" as _shmloop.c's step_for decides. A plan of
+host ranks in processes whose workspace would hold more than two of
+$COLLECTIVES_PLAN_SEGMENT_BYTES runs its algorithm in segments
+(plan.segmented_plan, ShmRank.plan_segment) on the same path. Across
 nodes the algorithm is "hierarchical" (the node's steps and the messages
 between nodes, hierarchy.py), not one of the registry's plans.
 

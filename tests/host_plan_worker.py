@@ -300,46 +300,73 @@ def plan_that_ran(comm):
 
 
 def scenario_segments(comm):
-    """With $COLLECTIVES_PLAN_SEGMENT_BYTES small (the test's), allreduce,
-    broadcast and reduce of more than two segments run their plans in
-    segments (the plan that ran says so: counted, not assumed) with the
-    bits of the same calls made on the segments one after the other: every
+    """With $COLLECTIVES_PLAN_SEGMENT_BYTES small (the test's), the five
+    collectives of more than two segments run their plans in segments (the
+    plan that ran says so: counted, not assumed) with the bits of the same
+    calls made on the segments one after the other (reduce_scatter's and
+    allgather's segments are slices of every rank's block): every
     algorithm, in place and out of place, with and without a shorter last
     segment; a call of two segments runs whole."""
-    segment = int(os.environ["COLLECTIVES_PLAN_SEGMENT_BYTES"]) // 4
+    segment_bytes = int(os.environ["COLLECTIVES_PLAN_SEGMENT_BYTES"])
     r, n, root = comm.rank, comm.size, 1
     segmented = 0
     with collectives.Communicator.local(n) as reference:
-        for count in (3 * segment, 4 * segment + 37, 2 * segment):
-            inputs = [random_floats(q, count) for q in range(n)]
-            pieces = [slice(s, min(s + segment, count)) for s in range(0, count, segment)]
-            for algorithm in ("auto",) + ALGORITHMS:
-                for collective in ("allreduce", "broadcast", "reduce"):
+        for collective in ("allreduce", "broadcast", "reduce", "reduce_scatter", "allgather"):
+            blocks = n if collective in ("reduce_scatter", "allgather") else 1
+            per_block = segment_bytes // 4 // blocks   # (the segment's elements of each rank's block)
+            for block in (3 * per_block, 4 * per_block + 37, 2 * per_block):
+                inputs = [random_floats(q, blocks * block) for q in range(n)]
+                in_segments = block > 2 * per_block
+                runs = [(s, min(per_block, block - s)) for s in range(0, block, per_block)] if in_segments \
+                    else [(0, block)]
+                for algorithm in ("auto",) + ALGORITHMS:
                     if algorithm != "auto" and collective not in REGISTRY[algorithm].collectives:
                         continue
                     for in_place in (False, True):
-                        case = f"{collective} {algorithm} of {count} {'in place' if in_place else 'out of place'}"
-                        x = inputs[r].copy()
-                        out = None if in_place else np.empty(count, np.float32)
-                        rooted = {} if collective == "allreduce" else {"root": root}
+                        case = f"{collective} {algorithm} of {block} {'in place' if in_place else 'out of place'}"
                         comm._ranks.forget_what_ran()  # noqa: SLF001
-                        getattr(comm, collective)(x, out=out, algorithm=algorithm, **rooted)
+                        got = segments_call(comm, collective, inputs[r], block, root, algorithm, in_place)
                         plan = plan_that_ran(comm)
-                        want_segments = count > 2 * segment
-                        assert plan.segment == (segment if want_segments else 0), (case, plan.segment)
-                        segmented += want_segments
+                        assert plan.segment == (per_block * blocks if in_segments else 0), (case, plan.segment)
+                        segmented += in_segments
                         if collective == "reduce" and r != root:
                             continue
-                        got = x if in_place else out
-                        if collective == "broadcast":
-                            want = inputs[root]
+                        if collective in ("broadcast", "allgather"):   # (copies: the same bits however cut)
+                            want = inputs[root] if collective == "broadcast" else \
+                                np.concatenate([a[:block] for a in inputs])
                         else:   # the same algorithm's calls on the segments, one after the other (or one call)
                             method = getattr(reference, collective)
-                            want = np.concatenate([method([a[piece].copy() for a in inputs], algorithm=plan.algorithm,
-                                                          **rooted)[r] for piece in (pieces if want_segments
-                                                                                     else [slice(None)])])
+                            rooted = {"root": root} if collective == "reduce" else {}
+                            want = np.concatenate([method(
+                                [np.concatenate([a[b * block + s:b * block + s + length] for b in range(blocks)])
+                                 for a in inputs], algorithm=plan.algorithm, **rooted)[r] for s, length in runs])
                         assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (case, got[:4], want[:4])
-    assert segmented > 30, segmented
+    assert segmented > 60, segmented
+    # A message larger than every workspace so far (the start's probes grew them to about 1 MiB): each
+    # rank's workspace holds one segment, and both executors address no more of it.
+    x = np.full(1 << 20, r + 1, np.float32)
+    comm.allreduce(x, algorithm="ring")
+    assert plan_that_ran(comm).segment == segment_bytes // 4 and (x == n * (n + 1) // 2).all()
+
+
+def segments_call(comm, collective, values, block, root, algorithm, in_place):
+    """scenario_segments' call of `collective` on this rank's `values`
+    (blocks of `block` elements): its result (x or out; reduce_scatter's,
+    this rank's block)."""
+    n, r = comm.size, comm.rank
+    if collective == "allgather":
+        out = np.zeros(n * block, np.float32)
+        if in_place:   # (x is the rank's block of out)
+            out[r * block:(r + 1) * block] = values[:block]
+            return comm.allgather(out[r * block:(r + 1) * block], out=out, algorithm=algorithm)
+        return comm.allgather(values[:block].copy(), out=out, algorithm=algorithm)
+    x = values.copy()
+    out = None if in_place else np.empty(block, np.float32)
+    if collective == "reduce_scatter":
+        return comm.reduce_scatter(x, out=out, algorithm=algorithm)   # (in place: x's block of this rank)
+    rooted = {} if collective == "allreduce" else {"root": root}
+    getattr(comm, collective)(x, out=out, algorithm=algorithm, **rooted)
+    return x if in_place else out
 
 
 def scenario_segments_differ(comm):

@@ -21,7 +21,8 @@ from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN
                       resolve_compiled_plans, resolve_exchange_single_copy_min, resolve_fast_single_copy,
                       resolve_plan_segment_bytes)
 from ..executors import host, host_process
-from ..plan import ALL_TO_ALL, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_COLLECTIVES, WORK, single_copy_plan
+from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_COLLECTIVES, WORK,
+                    single_copy_plan)
 from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
@@ -96,8 +97,8 @@ class ShmRank(Recoverable):
         # (`measure`), and then an in-place all_to_all keeps the default
         # (config.py says why): `_in_place_all_to_all_min`.
         self._pinned_single_copy_min = resolve_exchange_single_copy_min()
-        # An allreduce, broadcast or reduce on the plans of more than two
-        # segments of this many bytes runs them one after the other (plan_segment).
+        # A staged plan whose workspace would hold more than two segments of
+        # this many bytes runs them one after the other (plan_segment).
         self.plan_segment_bytes = resolve_plan_segment_bytes()
         self.single_copy_min = (DEFAULT_EXCHANGE_SINGLE_COPY_MIN if self._pinned_single_copy_min is None
                                 else self._pinned_single_copy_min) \
@@ -218,14 +219,22 @@ class ShmRank(Recoverable):
         if compiled is not None:
             compiled.forget_shapes()
 
-    def plan_segment(self, collective, count, itemsize, binding):
-        """The elements of a segment of a staged plan of `count` elements
-        (plan.segmented_plan), or 0: one run. The same on every rank of a
-        call, whose ranks may bind differently but all to a workspace."""
-        segment = self.plan_segment_bytes // itemsize
-        if segment and collective in SEGMENTED_COLLECTIVES and binding in WORKSPACE_BINDINGS and count > 2 * segment:
-            return segment
-        return 0
+    def plan_segment(self, collective, count, dtype, binding):
+        """The elements of WORK a segment of a staged plan of `count` of them
+        takes (plan.segmented_plan: of every rank's block alike, for
+        reduce_scatter and allgather), or 0: one run. The same on every rank
+        of a call, whose ranks may bind differently but all to a workspace.
+        Only for the dtypes the compiled executor folds: the interpreter,
+        which folds 16-bit floats in float32, paid for the segments (a 16 MiB
+        float16 allreduce over 2 processes: 52-53 ms whole, 69-70 in
+        segments); a rank that interprets them anyway (without the executor)
+        runs the same segments."""
+        if collective not in SEGMENTED_COLLECTIVES or binding not in WORKSPACE_BINDINGS \
+                or dtype not in fastpath.LOOP_DTYPES:
+            return 0
+        blocks = self.size if collective in BLOCKED_COLLECTIVES else 1
+        segment = self.plan_segment_bytes // dtype.itemsize // blocks * blocks
+        return segment if segment and count > 2 * segment else 0
 
     def single_copy_takes(self, collective, nbytes, binding=None):
         """Whether an exchange whose blocks are `nbytes` in all runs
@@ -350,7 +359,8 @@ class ShmRank(Recoverable):
             key = (rank, buffer_id)
             if key not in views:
                 offset = 0 if buffer_id == WORK else plan.scratch_offset
-                count = plan.count if buffer_id == WORK else plan.scratch_elements
+                # (WORK holds the call's count of elements, or a segmented plan's one segment)
+                count = (plan.segment or plan.count) if buffer_id == WORK else plan.scratch_elements
                 views[key] = np.ndarray((count,), plan.dtype, group.workspace(rank).buf, offset=offset)
             return views[key]
 
