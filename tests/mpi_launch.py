@@ -9,11 +9,13 @@ The tests write hydra's (MPICH's) flags; launcher_flags() says them in the
 chosen launcher's syntax."""
 
 import atexit
+import contextlib
 import functools
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -100,6 +102,87 @@ def mpi_launch(n, *flags):
     return [mpiexec(), *launcher_flags(n, *flags), "-n", str(n), worker_python()]
 
 
+# How long a hung launch's ranks get to print their stacks and go.
+STACKS_GRACE = 15
+
+
+def run_launch(command, limit, env=None):
+    """subprocess.run(command, capture_output=True, text=True) of a launcher
+    that must end within `limit` s. Past it, the test fails with what the
+    ranks had printed and each rank's Python stacks, every thread's (its
+    faulthandler, on in every rank, prints them on SIGABRT), and nothing
+    the launch started is left running: a hang says where it hung."""
+    env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as launch:
+        try:
+            stdout, stderr = launch.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            ranks = [pid for pid in descendants(launch.pid) if process_name(pid).startswith("python")]
+            waits = "\n".join(map(threads_waiting, ranks))
+            signal_all(ranks, signal.SIGABRT)
+            try:   # a retried communicate() returns the whole output, from the start
+                stdout, stderr = launch.communicate(timeout=STACKS_GRACE)
+            except subprocess.TimeoutExpired:
+                signal_all([launch.pid, *descendants(launch.pid)], signal.SIGKILL)
+                stdout, stderr = launch.communicate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launch.pid, signal.SIGKILL)   # what is left of the launch, in its process group
+            pytest.fail(f"the launch ran past {limit} s; where its ranks' threads waited in the kernel, then "
+                        f"their stacks on SIGABRT\n{waits}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    return subprocess.CompletedProcess(command, launch.returncode, stdout, stderr)
+
+
+def descendants(pid):
+    """The pids of every process below `pid`, children first, from /proc."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue   # not a process, or one that ended meanwhile
+        # the parent is the second field after the name, which may hold spaces and ")"
+        children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for parent in frontier for child in children.get(parent, [])]
+        found += below
+        frontier = below
+    return found
+
+
+def threads_waiting(pid):
+    """Each thread of `pid`: its name, the kernel function it sleeps in and
+    its system call's number (-1: none, running), from /proc (a thread
+    stuck in C shows there what its Python stack cannot)."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            name, wchan = ((task / part).read_text().strip() for part in ("comm", "wchan"))
+            syscall = (task / "syscall").read_text().split()[0]
+        except (OSError, IndexError):
+            continue
+        lines.append(f"pid {pid} thread {task.name} {name}: in {wchan or 'nothing'}, system call {syscall}")
+    return "\n".join(lines)
+
+
+def process_name(pid):
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def signal_all(pids, number):
+    for pid in pids:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass
+
+
 def run_nodes_worker(worker, scenario, layout, *flags, limit=240):
     """Start ranks of `worker` (a script taking SCENARIO LAYOUT), one per node
     label of `layout` ($COLLECTIVES_PRETEND_NODES, which the worker sets);
@@ -108,8 +191,7 @@ def run_nodes_worker(worker, scenario, layout, *flags, limit=240):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(worker).parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     env.pop("COLLECTIVES_PRETEND_NODES", None)   # the worker sets it from `layout`
-    done = subprocess.run([*mpi_launch(len(layout.split(",")), *flags), str(worker), scenario, layout],
-                          capture_output=True, text=True, timeout=limit, env=env)
+    done = run_launch([*mpi_launch(len(layout.split(",")), *flags), str(worker), scenario, layout], limit, env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report
     return ok_lines(done.stdout, scenario), report

@@ -6,12 +6,11 @@ SPMD tests on both of its paths (the merged small step, the pipeline)."""
 import functools
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from test_mpi import mpi_launch
+from test_mpi import mpi_launch, run_launch
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi
@@ -23,8 +22,7 @@ def run_worker(n, scenario, *extra, env=None, limit=300, launcher_flags=()):
     env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join([str(WORKER.parent),
                                                                        os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
-    done = subprocess.run([*mpi_launch(n, *launcher_flags), str(WORKER), scenario, *extra],
-                          capture_output=True, text=True, timeout=limit, env=env)
+    done = run_launch([*mpi_launch(n, *launcher_flags), str(WORKER), scenario, *extra], limit, env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report
     return re.findall(rf"OK {scenario} (\d+) ([0-9a-f]{{16}})", done.stdout), report

@@ -12,7 +12,6 @@ scenarios that leave every rank alive share one job per layout.
 import os
 import random
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from bench import mpis
 from collectives import InvalidUsageError, hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV, Topology, pretend_label
 from collectives.compression.kernels import BLOCK
-from mpi_launch import run_nodes_worker, scenarios_not_held, survivable_launch
+from mpi_launch import run_launch, run_nodes_worker, scenarios_not_held, survivable_launch
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 
@@ -46,8 +45,7 @@ def run_survivors(scenario, layout):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     env.pop("COLLECTIVES_PRETEND_NODES", None)
-    done = subprocess.run(survivable_launch(len(layout.split(",")), [str(WORKER), scenario, layout]),
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = run_launch(survivable_launch(len(layout.split(",")), [str(WORKER), scenario, layout]), 120, env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     return sorted(int(rank) for rank in re.findall(rf"OK {scenario} (\d+)", done.stdout)), report
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_mpi import launcher_flags, mpiexec, worker_python
+from test_mpi import launcher_flags, mpiexec, run_launch, worker_python
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 host_process = pytest.importorskip("collectives.executors.host_process")
@@ -39,7 +39,7 @@ def run(ranks, scenario, *arguments, environments=None, limit=180, flags=()):
         for name, value in (environments or {}).get(rank, {}).items():
             command += launcher_flags(1, "-env", name, value, whole_launch=False)
         command += [worker_python(), str(WORKER), scenario, *arguments]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=limit, env=env)
+    done = run_launch(command, limit, env)
     return done.returncode, done.stdout + done.stderr
 
 

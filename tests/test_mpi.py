@@ -6,14 +6,14 @@ Each test has a hard time limit: a hang fails the test instead of CI.
 """
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from backends import gpu_unavailable_reason
 from mpi_launch import (  # noqa: F401 (the other modules import them from here)
-    launcher_flags, mpi_launch, mpich_mpiexec, mpiexec, ok_lines, scenarios_not_held, survivable_launch, worker_python)
+    launcher_flags, mpi_launch, mpich_mpiexec, mpiexec, ok_lines, run_launch, scenarios_not_held, survivable_launch,
+    worker_python)
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi
@@ -36,14 +36,7 @@ def run_worker(worker, n, scenario, *arguments, launcher_flags=(), limit=240, en
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")]),
                **(environment or {}))
     env.pop("COLLECTIVES_TIMEOUT", None)
-    try:
-        done = subprocess.run(
-            [*mpi_launch(n, *launcher_flags), str(worker), scenario, *arguments],
-            capture_output=True, text=True, timeout=limit, env=env,
-        )
-    except subprocess.TimeoutExpired as hung:   # say what the ranks had printed, whole
-        printed = [o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (hung.stdout, hung.stderr)]
-        pytest.fail(f"mpiexec ran past {limit} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
+    done = run_launch([*mpi_launch(n, *launcher_flags), str(worker), scenario, *arguments], limit, env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report
     return ok_lines(done.stdout, scenario), report

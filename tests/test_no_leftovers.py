@@ -88,8 +88,8 @@ def run_job(n, scenario, device, limit=180):
                                                        os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     # -disable-auto-cleanup: each rank dies by its own SIGKILL, not by Hydra's hand.
-    done = subprocess.run([*mpi_launch.mpi_launch(n, "-disable-auto-cleanup"), str(THIS),
-                           scenario, device], capture_output=True, text=True, timeout=limit, env=env)
+    done = mpi_launch.run_launch([*mpi_launch.mpi_launch(n, "-disable-auto-cleanup"), str(THIS), scenario, device],
+                                 limit, env)
     ranks = {int(r): (int(pid), prefix) for r, pid, prefix in
              re.findall(r"RANK (\d+) (\d+) (coll-\d+-[0-9a-f]+)", done.stdout)}
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"

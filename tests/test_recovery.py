@@ -27,7 +27,7 @@ import collectives
 from collectives import InvalidUsageError, elastic
 from collectives.bootstrap import PRETEND_NODES_ENV
 from collectives.transport import fastpath
-from test_mpi import mpich_mpiexec, survivable_launch
+from test_mpi import mpich_mpiexec, run_launch, survivable_launch
 
 WORKER = Path(__file__).with_name("recovery_worker.py")
 ELASTIC_WORKER = Path(__file__).with_name("elastic_worker.py")
@@ -43,12 +43,7 @@ def run_survivors(n, scenario, *arguments, survivors, worker=WORKER, device="hos
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     env["RECOVERY_DEVICE"] = device
-    try:
-        done = subprocess.run(survivable_launch(n, [str(worker), scenario, *arguments]),
-                              capture_output=True, text=True, timeout=LIMIT, env=env)
-    except subprocess.TimeoutExpired as hung:
-        printed = [o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (hung.stdout, hung.stderr)]
-        pytest.fail(f"mpiexec ran past {LIMIT} s\n--- stdout\n{printed[0]}\n--- stderr\n{printed[1]}")
+    done = run_launch(survivable_launch(n, [str(worker), scenario, *arguments]), LIMIT, env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     oks = sorted(int(rank) for rank in re.findall(rf"OK {scenario} (\d+)", done.stdout))
     assert oks == sorted(survivors), report
@@ -144,8 +139,7 @@ def test_the_elastic_example_loses_a_rank_and_ends_on_the_uninterrupted_runs_acc
         env = {name: value for name, value in os.environ.items() if name != PRETEND_NODES_ENV}
         if pretend_nodes:
             env[PRETEND_NODES_ENV] = pretend_nodes
-        done = subprocess.run(survivable_launch(n, [str(example), "--epochs", "8", *flags]),
-                              capture_output=True, text=True, timeout=LIMIT, env=env)
+        done = run_launch(survivable_launch(n, [str(example), "--epochs", "8", *flags]), LIMIT, env)
         found = re.search(r"(\d) ranks finished (\d+) steps; test accuracy ([\d.]+); parameters bitwise identical: "
                           r"True", done.stdout)
         assert found, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"

@@ -8,12 +8,11 @@ hierarchy.route takes (a compiled Program, the phases, the codec between
 nodes, the exchanges)."""
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from mpi_launch import mpi_launch, run_nodes_worker
+from mpi_launch import mpi_launch, run_launch, run_nodes_worker
 
 pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
 pytestmark = pytest.mark.mpi
@@ -38,7 +37,7 @@ LAUNCHES = {
 def test_chosen_algorithm_names_what_ran_every_call(launch):
     ranks, settings = LAUNCHES[launch]
     flags = [flag for name, value in settings.items() for flag in ("-env", name, value)]
-    done = subprocess.run([*mpi_launch(ranks, *flags), str(WORKER)], capture_output=True, text=True, timeout=300)
+    done = run_launch([*mpi_launch(ranks, *flags), str(WORKER)], 300)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     oks = re.findall(r"OK routes \d+ (\d+)", done.stdout)
     assert done.returncode == 0 and len(oks) == ranks, report

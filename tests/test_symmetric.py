@@ -241,13 +241,12 @@ def test_a_broken_barrier_is_caught(tmp_path, broken, scenario, found, emulation
     pytest.importorskip("mpi4py", reason="the multi-process tests need mpi4py: pip install '.[test]'")
     from collectives.devices import emulated
     from test_ll_kernel import broken_copy
-    from test_mpi import mpi_launch
+    from test_mpi import mpi_launch, run_launch
     from symmetric_worker import BROKEN_KERNELS
     sources = broken_copy(tmp_path, *broken)
     emulated.library(sources)   # built here, not by every rank within its start-up timeout
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
                COLLECTIVES_ONE_KERNEL_ALLREDUCE="1", **{BROKEN_KERNELS: str(sources)})
     env.pop("COLLECTIVES_TIMEOUT", None)
-    done = subprocess.run([*mpi_launch(3), str(WORKER), scenario], capture_output=True,
-                          text=True, timeout=240, env=env)
+    done = run_launch([*mpi_launch(3), str(WORKER), scenario], 240, env)
     assert done.returncode != 0 and found in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]

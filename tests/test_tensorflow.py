@@ -17,7 +17,6 @@ import functools
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -394,8 +393,8 @@ def run_worker(n, scenario, *arguments, launcher_flags=(), limit=240, environmen
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), str(WORKER.parents[1]),
                                                        os.environ.get("PYTHONPATH", "")]), **(environment or {}))
     env.pop("COLLECTIVES_TIMEOUT", None)
-    done = subprocess.run([*mpi_launch.mpi_launch(n, *launcher_flags), str(WORKER), scenario,
-                           *map(str, arguments)], capture_output=True, text=True, timeout=limit, env=env)
+    done = mpi_launch.run_launch([*mpi_launch.mpi_launch(n, *launcher_flags), str(WORKER), scenario,
+                                  *map(str, arguments)], limit, env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-20000:]}"
     oks = {}
     for part, rank in re.findall(r"OK (\w+) (\d+)", done.stdout):   # ranks' lines can arrive glued together
@@ -492,8 +491,7 @@ def test_every_argument_and_the_errors_are_documented(function):
 def test_the_keras_example_runs():
     pytest.importorskip("sklearn", reason="the digits data set comes with scikit-learn: pip install scikit-learn")
     example = Path(__file__).resolve().parent.parent / "examples" / "keras_digits.py"
-    done = subprocess.run([*mpi_launch.mpi_launch(2), str(example), "--epochs", "2"],
-                          capture_output=True, text=True, timeout=240)
+    done = mpi_launch.run_launch([*mpi_launch.mpi_launch(2), str(example), "--epochs", "2"], 240)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-20000:]}"
     assert done.returncode == 0, report
     assert re.search(r"epoch +2 +loss \d\.\d+ +test accuracy 0\.\d+", done.stdout), report

@@ -16,7 +16,6 @@ the others raise within the timeout: one launch, which the three tests read. And
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -188,8 +187,7 @@ def mpiexec():
 def run(n, command, *launcher_flags, limit=120):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
-    done = subprocess.run([*mpi_launch.mpi_launch(n, *launcher_flags), *command],
-                          capture_output=True, text=True, timeout=limit, env=env)
+    done = mpi_launch.run_launch([*mpi_launch.mpi_launch(n, *launcher_flags), *command], limit, env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, report
     return done.stdout, report
@@ -215,9 +213,8 @@ def four_ranks(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("COLLECTIVES_TIMEOUT", None)
     # Hydra would otherwise kill the survivors itself when the killed scenario's rank exits.
-    done = subprocess.run([*mpi_launch.mpi_launch(4, "-disable-auto-cleanup"), str(WORKER),
-                           ",".join(scenarios_on_four()), str(folder)],
-                          capture_output=True, text=True, timeout=240, env=env)
+    done = mpi_launch.run_launch([*mpi_launch.mpi_launch(4, "-disable-auto-cleanup"), str(WORKER),
+                                  ",".join(scenarios_on_four()), str(folder)], 240, env)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     oks = {}
     for scenario, rank in re.findall(r"OK (\w+) (\d+)", done.stdout):   # ranks' lines can arrive glued together
