@@ -360,18 +360,22 @@ def _wire_bytes(phases, itemsize, compression):
     return total
 
 
-# The collectives single_copy_plan serves: those that only move blocks.
+# The collectives single_copy_plan serves: those that only move blocks,
+# and the folds whose `direct` plan reads each peer's input once, in one
+# phase, and writes only the reader's output.
 SINGLE_COPY_COLLECTIVES = (GATHER, SCATTER, ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BROADCAST)
+SINGLE_COPY_FOLDS = (REDUCE_SCATTER, REDUCE)
 
 
 @functools.lru_cache(maxsize=256)
 def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=False, block_counts=None):
     """The `direct` plan of a collective that only moves blocks
-    (SINGLE_COPY_COLLECTIVES: the exchanges, allgather, broadcast) for ranks
-    in separate processes that read each other's arrays in place: each
-    rank reads its blocks straight out of its peers' INPUT into its OUTPUT
-    (in place, into its SCRATCH first), one copy where the WORKSPACE plan
-    makes two. Its moves are the OUT_OF_PLACE or IN_PLACE binding of
+    (SINGLE_COPY_COLLECTIVES: the exchanges, allgather, broadcast) or folds
+    each peer's input once (SINGLE_COPY_FOLDS: reduce_scatter, reduce) for
+    ranks in separate processes that read each other's arrays in place:
+    each rank reads its blocks straight out of its peers' INPUT into its
+    OUTPUT, or folds them there with its own, one copy where the WORKSPACE
+    plan makes two. Its moves are the OUT_OF_PLACE or IN_PLACE binding of
     direct's schedule, proved by binding.py's symbolic run, in three phases:
 
         0  nothing to copy: the executor publishes the rank's input address
@@ -386,12 +390,16 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
     runs three phases whichever binding its own arrays take (the ranks of
     one call may differ), and every binding's phase 1 reads the same
     INPUT regions, which no binding's phase 1 writes (checked here).
+    A fold has no in-place single copy: its phase 1 would write the rank's
+    own block of its input, which the staged call that runs instead of a
+    refused one reads again.
     ValueError where the binding does not give that form."""
-    if collective not in SINGLE_COPY_COLLECTIVES:
-        raise ValueError(f"single_copy_plan serves {SINGLE_COPY_COLLECTIVES}, not {collective!r}")
+    if collective not in SINGLE_COPY_COLLECTIVES + SINGLE_COPY_FOLDS:
+        raise ValueError(f"single_copy_plan serves {SINGLE_COPY_COLLECTIVES + SINGLE_COPY_FOLDS}, "
+                         f"not {collective!r}")
     dtype = np.dtype(dtype)
-    bindings_tried = (bindings.OUT_OF_PLACE,) if collective == ALL_TO_ALL_V else (bindings.OUT_OF_PLACE,
-                                                                                  bindings.IN_PLACE)
+    bindings_tried = (bindings.OUT_OF_PLACE,) if collective in (ALL_TO_ALL_V, *SINGLE_COPY_FOLDS) \
+        else (bindings.OUT_OF_PLACE, bindings.IN_PLACE)
     plans = {b: build_plan(collective, "direct", nranks, count, dtype, op, root, b, block_counts=block_counts)
              for b in bindings_tried}
     binding = bindings.IN_PLACE if in_place else bindings.OUT_OF_PLACE
@@ -407,7 +415,7 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
                     src_rank, src_buf, src_off = (int(v) for v in row[SRC0 + 3 * s: SRC0 + 3 * s + 3])
                     if src_rank == row[RANK]:
                         continue
-                    if p != 1 or src_buf != INPUT or row[KIND] != COPY_OP:
+                    if p != 1 or src_buf != INPUT or (row[KIND] != COPY_OP and collective not in SINGLE_COPY_FOLDS):
                         raise ValueError(f"single_copy_plan: {collective}'s {b} plan reads a peer's "
                                          f"{bindings.BUFFER_NAMES[src_buf]} in phase {p}")
                     peer_reads.add((src_rank, src_off, src_off + int(row[COUNT])))

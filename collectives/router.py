@@ -12,7 +12,9 @@ that holds:
     one machine       the loop's step is (fastpath.runs_as)                            the merged step
                       `direct` all_to_all(_v), gather, scatter of      single_copy     direct
                       blocks from the single-copy limit (shm.py);
-                      allgather, broadcast the loop did not take
+                      allgather, broadcast the loop did not take;
+                      reduce_scatter, reduce out of place past the
+                      loop's staged_max
                       a plan the compiled executor takes               compiled_plan   auto's, or the named
                       (executors/host_process.py)
                       anything else: compressed, float16, bfloat16     step            auto's, or the named

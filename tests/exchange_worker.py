@@ -124,6 +124,57 @@ def scenario_moves_without_the_loop(comm):
     assert len(runs) == len(DTYPES) * (2 + 2 * n), len(runs)
 
 
+def scenario_folds(comm):
+    """reduce_scatter and reduce named `direct` on the plans' path (the
+    test turns the loop off), every root and op, several dtypes, slices of
+    a peer's input and a tail (the executor folds up to PEER_SLICE_MAX bytes
+    at a time): the interpreter's bits, out of place in one copy, in place
+    staged (plan.single_copy_plan says why); then a read refused, which
+    runs the call staged on every rank."""
+    runs = counting_single_copies()
+    r, n = comm.rank, comm.size
+    k = (512 << 10) // 4 + 1000   # float32 and float64: a block past one slice of a peer's input
+    # (`auto` takes `direct` where the single copy takes the call, which
+    # the in-place calls name: the reference's bits are direct's)
+    for collective in ("reduce_scatter", "reduce"):
+        assert comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=False).path == "single_copy"
+        assert comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=True).path == "compiled_plan"
+    single_copies = 0
+    with collectives.Communicator.local(n) as reference:
+        for dtype, op in [(np.float32, "sum"), (np.int8, "max"), (np.float64, "avg"), (np.uint16, "min"),
+                          (np.float32, "prod")]:
+            xs = [data(11, q, dtype, n * k) for q in range(n)]
+            if np.dtype(dtype).kind == "f":   # finite values, whose folds' bits then mean something
+                xs = [np.random.default_rng([11, q]).standard_normal(n * k).astype(dtype) for q in range(n)]
+            want = reference.reduce_scatter([x.copy() for x in xs], op=op, algorithm="direct")
+            same_bits(comm.reduce_scatter(xs[r].copy(), op=op, out=np.empty(k, dtype)), want[r],
+                      f"reduce_scatter {op}")
+            x = xs[r].copy()
+            comm.reduce_scatter(x, op=op, algorithm="direct", out=x[r * k:(r + 1) * k])
+            same_bits(x[r * k:(r + 1) * k], want[r], f"reduce_scatter {op} in place")
+            single_copies += 1
+            for root in range(n):
+                wants = reference.reduce([x.copy() for x in xs], op=op, root=root, algorithm="direct")
+                got = comm.reduce(xs[r].copy(), op=op, root=root, out=np.empty(n * k, dtype))
+                if r == root:
+                    same_bits(got, wants[root], f"reduce {op} root {root}")
+                x = xs[r].copy()
+                comm.reduce(x, op=op, root=root, algorithm="direct")
+                if r == root:
+                    same_bits(x, wants[root], f"reduce {op} root {root} in place")
+                single_copies += 1
+        assert len(runs) == single_copies, (len(runs), single_copies)
+        if r == 1:
+            _host_plan.test_refuse_reads(True)
+        xs = [data(12, q, np.float32, n * k) for q in range(n)]
+        want = reference.reduce_scatter([x.copy() for x in xs], algorithm="direct")
+        same_bits(comm.reduce_scatter(xs[r].copy(), out=np.empty(k, np.float32)), want[r],
+                  "the refused reduce_scatter")
+        assert comm._ranks._refused and len(runs) == single_copies + 1   # noqa: SLF001
+        assert comm.chosen_algorithm("reduce_scatter", 4 * n * k, dtype=np.float32, in_place=False).path \
+            == "compiled_plan"
+
+
 def scenario_refused(comm):
     """Rank 1 may not read its peers: the first call (in place, so that an
     input overwritten before the verdict would show) falls back to the

@@ -1,7 +1,8 @@
 """all_to_all, all_to_all_v, gather and scatter between host processes in
 one copy: the compiled plan executor reads peers' inputs in place
-(plan.single_copy_plan, _host_plan.c); allgather and broadcast too where
-the plans run them (without the compiled loop). The interpreter's bits on 2, 3 and 4
+(plan.single_copy_plan, _host_plan.c); allgather and broadcast, and the
+folds reduce_scatter and reduce out of place, too where the plans run them
+(without the compiled loop). The interpreter's bits on 2, 3 and 4
 processes, in and out of place, uneven all_to_all_v blocks with empty ones;
 a refused read falling back to the staged plan on every rank; a rank that
 returns before its readers are done caught; a killed and a stalled rank
@@ -45,6 +46,35 @@ def test_single_copy_plans_read_peers_inputs_in_phase_1_only_and_wait_for_the_ve
                         assert (peer, 1) in phase.waits[row[plans.RANK]]
             for rank in range(n):   # every peer past its reads before any rank writes its input or returns
                 assert {peer for peer, done in plan.phases[2].waits[rank] if done >= 2} == set(range(n)) - {rank}
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "reduce"])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_single_copy_folds_read_each_peers_input_once_out_of_place_only(collective, n):
+    """A fold's single copy: phase 1 folds peers' INPUT (every element of a
+    peer read once, by the rank that keeps its fold) into the reader's own
+    OUTPUT; in place there is none (the staged call after a refused read
+    would read an input the fold overwrote)."""
+    for root in range(n) if collective == "reduce" else [0]:
+        plan = plans.single_copy_plan(collective, n, 8 * n, np.dtype(np.float32), "avg", root, False)
+        assert plan.single_copy and len(plan.phases) == 3 and not len(plan.phases[0].table)
+        assert not len(plan.phases[2].table)
+        read = {}
+        for row in plan.phases[1].table:
+            assert row[plans.KIND] == plans.REDUCE_FINAL_OP and row[plans.DST_BUF] == plans.OUTPUT
+            for s in range(row[plans.NSRC]):
+                peer, buffer, offset = row[plans.SRC0 + 3 * s: plans.SRC0 + 3 * s + 3]
+                assert buffer == plans.INPUT
+                if peer != row[plans.RANK]:
+                    assert (peer, 1) in plan.phases[1].waits[row[plans.RANK]]
+                for element in range(offset, offset + row[plans.COUNT]):
+                    read[peer, element] = read.get((peer, element), 0) + 1
+        total = 8 * n
+        assert read == {(q, e): 1 for q in range(n) for e in range(total)}
+        for rank in range(n):
+            assert {peer for peer, done in plan.phases[2].waits[rank] if done >= 2} == set(range(n)) - {rank}
+        with pytest.raises(ValueError, match="in-place single copy"):
+            plans.single_copy_plan(collective, n, 8 * n, np.dtype(np.float32), "avg", root, True)
 
 
 @pytest.mark.parametrize("collective", ["gather", "scatter", "all_to_all"])
@@ -100,6 +130,17 @@ def test_allgather_and_broadcast_on_the_plans_read_peers_inputs_in_one_copy_with
     in one copy too."""
     oks, report = run(3, "moves_without_the_loop", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"})
     assert len(oks) == 3, report
+
+
+@pytest.mark.mpi
+@needs_the_executor
+@pytest.mark.parametrize("n", [2, 3])
+def test_reduce_scatter_and_reduce_on_the_plans_fold_peers_inputs_in_one_copy_with_the_interpreters_bits(n):
+    """Without the compiled loop (COLLECTIVES_FAST_PATH=0), which runs them
+    otherwise, `direct` reduce_scatter and reduce out of place fold peers'
+    inputs read in place, slice by slice (_host_plan.c's fold_peers)."""
+    oks, report = run(n, "folds", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"})
+    assert len(oks) == n, report
 
 
 @pytest.mark.mpi

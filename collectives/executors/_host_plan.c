@@ -58,6 +58,8 @@ typedef struct {
     Py_buffer bases_view, generations_view;
     const int64_t *bases, *generations;
     PyObject *last;                 /* the Python plan of the last call run (CompiledPlans.last_plan), or None */
+    char *peer_slices;              /* a single-copy fold's slices of peers' inputs (see "Single copy") */
+    size_t peer_slices_bytes;
     struct Repeats *repeats;        /* a repeated call's shortcut (see "Repeats" below), or NULL */
 } Runner;
 
@@ -72,13 +74,19 @@ typedef struct {
     int type, op, nranks;
     int single_copy;            /* a plan that reads peers' inputs in place (see "Single copy" below) */
     size_t itemsize;
+    char **peer_slices;         /* the runner's buffer for a fold's reads, and its size (grown here) */
+    size_t *peer_slices_bytes;
 } Call;
 
 /* ---- Single copy ------------------------------------------------------------
  *
- * The exchanges' single-copy plans (plan.single_copy_plan) read peers'
- * INPUT straight out of their processes (process_vm_readv) into this
- * rank's own memory; every row still writes only its own rank's memory.
+ * The single-copy plans (plan.single_copy_plan) read peers' INPUT straight
+ * out of their processes (process_vm_readv): an exchange's copy row into
+ * this rank's own memory, a fold's row (reduce_scatter, reduce) in slices
+ * (PEER_SLICE_MAX bytes at most) into the runner's buffer, one per peer
+ * source, which it folds with its own sources in the row's order (the same
+ * bits as the staged plan's fold of the same sources); every row still
+ * writes only its own rank's memory.
  * They have three phases, and the executor adds to each:
  *
  *   0  publish this call's input address (the row's IN_ADDR) and "not
@@ -156,9 +164,84 @@ static char *address(const Call *call, int me, int64_t rank, int64_t buffer, int
     return start == NULL ? NULL : start + (size_t)offset * call->itemsize;
 }
 
+/* Whether a row's sources name a peer's INPUT (a single-copy fold). */
+static int reads_a_peer(const int64_t *row, int me)
+{
+    for (int64_t s = 0; s < row[NSRC]; s++)
+        if (row[SRC0 + 3 * s] != me && row[SRC0 + 3 * s + 1] == INPUT)
+            return 1;
+    return 0;
+}
+
+/* Bytes a single-copy fold reads of each peer source at a time: the most
+ * that, read by one process_vm_readv each, measured fastest (2 processes,
+ * 16 MiB reduce_scatter: 64 KiB slices 3.1 ms, 256 KiB 2.4, 512 KiB and 1
+ * MiB 1.8-1.9, the loop's single copy 2.3-2.4; docs/host-ranks.md), within
+ * PEER_SLICES_BYTES for all of a row's peers together. */
+enum { PEER_SLICE_MAX = 512 << 10, PEER_SLICES_BYTES = 4 << 20 };
+
+/* A fold row of a single-copy plan, slice by slice: each peer INPUT source
+ * read into the runner's buffer, then the row's sources folded in its
+ * order into dst (which may be this rank's own source: in place). */
+static int fold_peers(Waits *w, const Call *call, int me, const int64_t *row, char *dst)
+{
+    int divisor = row[KIND] == REDUCE_FINAL_OP && call->op == OP_AVG ? call->nranks : 0;
+    int64_t nsrc = row[NSRC], peers = 0;
+    const char *srcs[MAX_SOURCES];
+    int64_t remote[MAX_SOURCES];   /* a peer source's address in its process, else -1 */
+    for (int64_t s = 0; s < nsrc; s++) {
+        const int64_t *src = row + SRC0 + 3 * s;
+        remote[s] = -1;
+        if (src[0] != me && src[1] == INPUT) {
+            if (src[0] < 0 || src[0] >= call->nranks)
+                return BAD_PLAN;
+            remote[s] = load_acquire(&w->rows[src[0] * ROW_SLOTS + IN_ADDR]) + src[2] * (int64_t)call->itemsize;
+            peers++;
+        } else if ((srcs[s] = address(call, me, src[0], src[1], src[2])) == NULL) {
+            return BAD_PLAN;
+        }
+    }
+    size_t slice = PEER_SLICES_BYTES / (size_t)peers < PEER_SLICE_MAX ? PEER_SLICES_BYTES / (size_t)peers
+                                                                      : PEER_SLICE_MAX;
+    slice -= slice % 64;   /* whole cache lines, whole elements (an itemsize divides 64) */
+    size_t need = (size_t)peers * slice;
+    if (*call->peer_slices_bytes < need) {
+        char *grown = realloc(*call->peer_slices, need);
+        if (grown == NULL) {   /* "reading rank q's buffer failed: Cannot allocate memory" */
+            for (int64_t s = 0; s < nsrc; s++)
+                if (remote[s] >= 0)
+                    w->failed_peer = (int)row[SRC0 + 3 * s];
+            w->failed_have = ENOMEM;
+            w->failed_need = (int64_t)need;
+            return READ_FAILED;
+        }
+        *call->peer_slices = grown;
+        *call->peer_slices_bytes = need;
+    }
+    size_t nbytes = (size_t)row[COUNT] * call->itemsize;
+    const char *slices[MAX_SOURCES];
+    for (size_t at = 0; at < nbytes; at += slice) {
+        size_t len = nbytes - at < slice ? nbytes - at : slice;
+        char *into = *call->peer_slices;
+        for (int64_t s = 0; s < nsrc; s++) {
+            if (remote[s] < 0) {
+                slices[s] = srcs[s] + at;
+                continue;
+            }
+            int status = read_peer(w, (int)row[SRC0 + 3 * s], into, remote[s] + (int64_t)at, len);
+            if (status != OK)
+                return status;
+            slices[s] = into;
+            into += slice;
+        }
+        reduce_sources(call->type, call->op, slices, (int)nsrc, dst + at, NULL, len, call->itemsize, divisor);
+    }
+    return OK;
+}
+
 /* Run rows [first, last) of the table. BAD_PLAN where a row names memory
- * this rank cannot address (a peer's INPUT, but for a single-copy plan's
- * copy) or has more sources than the loop takes. */
+ * this rank cannot address (a peer's INPUT, but in a single-copy plan's
+ * copy or fold) or has more sources than the loop takes. */
 static int run_rows(Waits *w, const Call *call, int me, int64_t first, int64_t last)
 {
     const char *srcs[MAX_SOURCES];
@@ -175,6 +258,12 @@ static int run_rows(Waits *w, const Call *call, int me, int64_t first, int64_t l
                 return BAD_PLAN;
             int64_t there = load_acquire(&w->rows[peer * ROW_SLOTS + IN_ADDR]);
             int status = read_peer(w, (int)peer, dst, there + row[SRC0 + 2] * (int64_t)call->itemsize, nbytes);
+            if (status != OK)
+                return status;
+            continue;
+        }
+        if (call->single_copy && row[KIND] != COPY_OP && reads_a_peer(row, me)) {
+            int status = fold_peers(w, call, me, row, dst);
             if (status != OK)
                 return status;
             continue;
@@ -405,6 +494,8 @@ static PyObject *run_plan(Runner *self, Plan *plan, char *input, char *output, i
     }
     call.bases = self->bases;
     call.generations = self->generations;
+    call.peer_slices = &self->peer_slices;
+    call.peer_slices_bytes = &self->peer_slices_bytes;
 
     Waits *w = &self->waits;
     if (start_phase == 0) {   /* a new call */
@@ -1028,6 +1119,7 @@ static void Runner_dealloc(Runner *self)
     Runner_release_arrays(self);
     repeats_free(self);
     Py_CLEAR(self->last);
+    free(self->peer_slices);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

@@ -21,8 +21,8 @@ from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN
                       resolve_compiled_plans, resolve_exchange_single_copy_min, resolve_fast_single_copy,
                       resolve_plan_segment_bytes)
 from ..executors import host, host_process
-from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_COLLECTIVES, WORK,
-                    single_copy_plan)
+from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_COLLECTIVES,
+                    SINGLE_COPY_FOLDS, WORK, single_copy_plan)
 from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
@@ -237,12 +237,31 @@ class ShmRank(Recoverable):
         return segment if segment and count > 2 * segment else 0
 
     def single_copy_takes(self, collective, nbytes, binding=None):
-        """Whether an exchange whose blocks are `nbytes` in all runs
-        reading peers' inputs in place (so `auto` names `direct` for it);
-        `binding`: the call's (binding.py), WORKSPACE_IN_PLACE in place."""
-        limit = self._in_place_all_to_all_min if collective == ALL_TO_ALL and binding == WORKSPACE_IN_PLACE \
-            else self.single_copy_min
-        return limit is not None and not self._refused and collective in SINGLE_COPY_COLLECTIVES and nbytes >= limit
+        """Whether an exchange, or a fold out of place (plan.single_copy_plan),
+        whose blocks are `nbytes` in all runs reading peers' inputs in place
+        (so `auto` names `direct` for it); `binding`: the call's (binding.py),
+        WORKSPACE_IN_PLACE in place."""
+        in_place = binding == WORKSPACE_IN_PLACE
+        if collective in SINGLE_COPY_FOLDS:
+            limit = None if in_place else self._fold_single_copy_min()
+        elif collective in SINGLE_COPY_COLLECTIVES:
+            limit = self._in_place_all_to_all_min if collective == ALL_TO_ALL and in_place else self.single_copy_min
+        else:
+            limit = None
+        return limit is not None and not self._refused and nbytes >= limit
+
+    def _fold_single_copy_min(self):
+        """The least bytes of a fold (plan.SINGLE_COPY_FOLDS) that reads
+        peers' inputs in place: past the loop's staged_max, which its probe
+        chose by timing folds both ways (the exchanges' probe times an
+        all_to_all, which on a machine where reading another process costs
+        four copies in memory chose 128 KiB, where folds were twice as fast
+        staged up to 4 MiB); without the loop,
+        $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN where pinned; else None."""
+        if self.single_copy_min is None:   # no compiled executor, or the single copy turned off
+            return None
+        staged_max = None if self.fast is None else self.fast.staged_max
+        return self._pinned_single_copy_min if staged_max is None else staged_max + 1
 
     def _single_copy_of(self, plan):
         """Whether `plan` (a Plan or a paths.CallShape) runs as a single-copy plan."""
