@@ -22,7 +22,7 @@ from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, 
 from .ops import ReduceOp, as_dtype
 from .executors import host
 from .executors.paths import CallShape
-from .plan import INPUT, OUTPUT, SCRATCH, WORK, build_plan, segmented_plan
+from .plan import INPUT, OUTPUT, SCRATCH, SINGLE_COPY_ALGORITHMS, WORK, build_plan, segmented_plan
 from .transport import fastpath
 from .transport.p2p import PointToPoint
 
@@ -974,7 +974,7 @@ class Communicator:
         count = _work_elements(collective, elements, self.size)
         single_copy = getattr(self._ranks, "single_copy_takes", None)
         if compression is None and single_copy is not None and single_copy(collective, count * itemsize, binding):
-            return "direct"   # host ranks in processes: the exchange reads peers' inputs in place (shm.py)
+            return SINGLE_COPY_ALGORITHMS[collective][0]   # host ranks in processes: peers' inputs read in place (shm.py)
         return auto.choose(collective, self.size, count * itemsize, root, self._ranks, binding, compression)
 
     def barrier(self):

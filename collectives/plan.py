@@ -365,22 +365,31 @@ def _wire_bytes(phases, itemsize, compression):
 # phase, and writes only the reader's output.
 SINGLE_COPY_COLLECTIVES = (GATHER, SCATTER, ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BROADCAST)
 SINGLE_COPY_FOLDS = (REDUCE_SCATTER, REDUCE)
+# The algorithms single_copy_plan makes plans of, by collective: the first
+# is the one `auto` names where the single copy takes a call.
+SINGLE_COPY_ALGORITHMS = {**{c: ("direct",) for c in SINGLE_COPY_COLLECTIVES + SINGLE_COPY_FOLDS},
+                          REDUCE: ("two_shot", "direct")}
 
 
 @functools.lru_cache(maxsize=256)
-def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=False, block_counts=None):
-    """The `direct` plan of a collective that only moves blocks
-    (SINGLE_COPY_COLLECTIVES: the exchanges, allgather, broadcast) or folds
-    each peer's input once (SINGLE_COPY_FOLDS: reduce_scatter, reduce) for
-    ranks in separate processes that read each other's arrays in place:
-    each rank reads its blocks straight out of its peers' INPUT into its
-    OUTPUT, or folds them there with its own, one copy where the WORKSPACE
-    plan makes two. Its moves are the OUT_OF_PLACE or IN_PLACE binding of
-    direct's schedule, proved by binding.py's symbolic run, in three phases:
+def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=False, block_counts=None,
+                     algorithm="direct"):
+    """The plan of `algorithm` (SINGLE_COPY_ALGORITHMS) for a collective
+    that only moves blocks (SINGLE_COPY_COLLECTIVES: the exchanges,
+    allgather, broadcast) or folds each peer's input once
+    (SINGLE_COPY_FOLDS: reduce_scatter, reduce) for ranks in separate
+    processes that read each other's arrays in place: each rank reads its
+    blocks straight out of its peers' INPUT into its OUTPUT, or folds them
+    there with its own, one copy where the WORKSPACE plan makes two (a
+    two_shot reduce: each rank folds its chunk into its SCRATCH, in its
+    workspace, and the root copies the others' from there). Its moves are
+    the OUT_OF_PLACE or IN_PLACE binding of the algorithm's schedule,
+    proved by binding.py's symbolic run, in three phases or more:
 
         0  nothing to copy: the executor publishes the rank's input address
         1  the reads of peers' INPUT (and a rank's own blocks)
-        2  local copies only (in place: SCRATCH over the input)
+        2  local copies (in place: SCRATCH over the input), and copies out
+           of peers' workspaces; empty phases after it
 
     and waits of their own, beside those derived from the moves: phase 1
     reads a peer's INPUT once the peer completed phase 0 (its address is
@@ -394,27 +403,26 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
     own block of its input, which the staged call that runs instead of a
     refused one reads again.
     ValueError where the binding does not give that form."""
-    if collective not in SINGLE_COPY_COLLECTIVES + SINGLE_COPY_FOLDS:
-        raise ValueError(f"single_copy_plan serves {SINGLE_COPY_COLLECTIVES + SINGLE_COPY_FOLDS}, "
-                         f"not {collective!r}")
+    if algorithm not in SINGLE_COPY_ALGORITHMS.get(collective, ()):
+        raise ValueError(f"single_copy_plan serves {SINGLE_COPY_ALGORITHMS}, not {collective!r} by {algorithm!r}")
     dtype = np.dtype(dtype)
     bindings_tried = (bindings.OUT_OF_PLACE,) if collective in (ALL_TO_ALL_V, *SINGLE_COPY_FOLDS) \
         else (bindings.OUT_OF_PLACE, bindings.IN_PLACE)
-    plans = {b: build_plan(collective, "direct", nranks, count, dtype, op, root, b, block_counts=block_counts)
+    plans = {b: build_plan(collective, algorithm, nranks, count, dtype, op, root, b, block_counts=block_counts)
              for b in bindings_tried}
     binding = bindings.IN_PLACE if in_place else bindings.OUT_OF_PLACE
     if binding not in plans:
         raise ValueError(f"single_copy_plan: {collective} has no in-place single copy")
     peer_reads = set()
     for b, plan in plans.items():
-        if len(plan.phases) != 3 or len(plan.phases[0].table):
+        if len(plan.phases) < 3 or len(plan.phases[0].table) or any(len(phase.table) for phase in plan.phases[3:]):
             raise ValueError(f"single_copy_plan: {collective}'s {b} plan is not of three phases, the first empty")
         for p, phase in enumerate(plan.phases):
             for row in phase.table:
                 for s in range(int(row[NSRC])):
                     src_rank, src_buf, src_off = (int(v) for v in row[SRC0 + 3 * s: SRC0 + 3 * s + 3])
-                    if src_rank == row[RANK]:
-                        continue
+                    if src_rank == row[RANK] or (p == 2 and src_buf in (WORK, SCRATCH)):
+                        continue   # (a peer's workspace is shared memory: the waits the moves derive order it)
                     if p != 1 or src_buf != INPUT or (row[KIND] != COPY_OP and collective not in SINGLE_COPY_FOLDS):
                         raise ValueError(f"single_copy_plan: {collective}'s {b} plan reads a peer's "
                                          f"{bindings.BUFFER_NAMES[src_buf]} in phase {p}")

@@ -13,8 +13,8 @@ that holds:
                       `direct` all_to_all(_v), gather, scatter of      single_copy     direct
                       blocks from the single-copy limit (shm.py);
                       allgather, broadcast the loop did not take;
-                      reduce_scatter, reduce out of place past the
-                      loop's staged_max
+                      reduce_scatter, reduce out of place past the     single_copy     direct; a reduce
+                      loop's staged_max                                                two_shot
                       a plan the compiled executor takes               compiled_plan   auto's, or the named
                       (executors/host_process.py)
                       anything else: compressed, float16, bfloat16     step            auto's, or the named

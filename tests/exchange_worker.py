@@ -125,20 +125,23 @@ def scenario_moves_without_the_loop(comm):
 
 
 def scenario_folds(comm):
-    """reduce_scatter and reduce named `direct` on the plans' path (the
-    test turns the loop off), every root and op, several dtypes, slices of
-    a peer's input and a tail (the executor folds up to PEER_SLICE_MAX bytes
-    at a time): the interpreter's bits, out of place in one copy, in place
-    staged (plan.single_copy_plan says why); then a read refused, which
-    runs the call staged on every rank."""
+    """reduce_scatter and reduce on the plans' path (the test turns the
+    loop off), every root and op, several dtypes, slices of a peer's input
+    and a tail (the executor folds up to PEER_SLICE_MAX bytes at a time):
+    the interpreter's bits, out of place in one copy (`auto`'s: direct's
+    reduce_scatter, two_shot's reduce, whose ranks each fold a chunk into
+    their workspace for the root to copy; and direct's reduce, whose root
+    folds everything), in place staged (plan.single_copy_plan says why);
+    then a read refused, which runs the call staged on every rank."""
     runs = counting_single_copies()
     r, n = comm.rank, comm.size
     k = (512 << 10) // 4 + 1000   # float32 and float64: a block past one slice of a peer's input
-    # (`auto` takes `direct` where the single copy takes the call, which
-    # the in-place calls name: the reference's bits are direct's)
-    for collective in ("reduce_scatter", "reduce"):
-        assert comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=False).path == "single_copy"
+    for collective, algorithm in (("reduce_scatter", "direct"), ("reduce", "two_shot")):
+        choice = comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=False)
+        assert (choice, choice.path) == (algorithm, "single_copy"), (choice, choice.path)
         assert comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=True).path == "compiled_plan"
+    # (two_shot folds each element in rank order, as direct does: the
+    # reference's bits are direct's, the in-place calls name it)
     single_copies = 0
     with collectives.Communicator.local(n) as reference:
         for dtype, op in [(np.float32, "sum"), (np.int8, "max"), (np.float64, "avg"), (np.uint16, "min"),
@@ -155,14 +158,15 @@ def scenario_folds(comm):
             single_copies += 1
             for root in range(n):
                 wants = reference.reduce([x.copy() for x in xs], op=op, root=root, algorithm="direct")
-                got = comm.reduce(xs[r].copy(), op=op, root=root, out=np.empty(n * k, dtype))
-                if r == root:
-                    same_bits(got, wants[root], f"reduce {op} root {root}")
+                for algorithm in ("auto", "direct"):
+                    got = comm.reduce(xs[r].copy(), op=op, root=root, algorithm=algorithm, out=np.empty(n * k, dtype))
+                    if r == root:
+                        same_bits(got, wants[root], f"reduce {op} root {root} ({algorithm})")
+                    single_copies += 1
                 x = xs[r].copy()
                 comm.reduce(x, op=op, root=root, algorithm="direct")
                 if r == root:
                     same_bits(x, wants[root], f"reduce {op} root {root} in place")
-                single_copies += 1
         assert len(runs) == single_copies, (len(runs), single_copies)
         if r == 1:
             _host_plan.test_refuse_reads(True)

@@ -77,6 +77,25 @@ def test_single_copy_folds_read_each_peers_input_once_out_of_place_only(collecti
             plans.single_copy_plan(collective, n, 8 * n, np.dtype(np.float32), "avg", root, True)
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_a_two_shot_reduce_folds_a_chunk_on_every_rank_and_the_root_copies_them_from_the_workspaces(n):
+    """Phase 1: rank r folds chunk r of every rank's INPUT, read in place,
+    into its own memory (the root: its OUTPUT; the others: SCRATCH, in
+    their workspaces); phase 2, after every peer's reads: the root copies
+    each other rank's chunk out of its SCRATCH. No other rank writes
+    anything it does not own."""
+    for root in range(n):
+        plan = plans.single_copy_plan("reduce", n, 8 * n, np.dtype(np.float32), "sum", root, False, None, "two_shot")
+        assert plan.algorithm == "two_shot" and plan.single_copy and plan.workspace_bytes > 0
+        folds = sorted((int(row[plans.RANK]), int(row[plans.DST_BUF])) for row in plan.phases[1].table)
+        assert folds == [(r, plans.OUTPUT if r == root else plans.SCRATCH) for r in range(n)]
+        copies = sorted((int(row[plans.RANK]), int(row[plans.SRC0]), int(row[plans.SRC0 + 1]))
+                        for row in plan.phases[2].table)
+        assert copies == [(root, q, plans.SCRATCH) for q in range(n) if q != root]
+        assert {peer for peer, done in plan.phases[2].waits[root] if done >= 2} == set(range(n)) - {root}
+        assert not any(len(phase.table) for phase in plan.phases[3:])
+
+
 @pytest.mark.parametrize("collective", ["gather", "scatter", "all_to_all"])
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_staged_plans_move_a_block_only_its_rank_needs_once_or_not_at_all(collective, n):

@@ -21,8 +21,8 @@ from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN
                       resolve_compiled_plans, resolve_exchange_single_copy_min, resolve_fast_single_copy,
                       resolve_plan_segment_bytes)
 from ..executors import host, host_process
-from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_COLLECTIVES,
-                    SINGLE_COPY_FOLDS, WORK, single_copy_plan)
+from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS,
+                    SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, WORK, single_copy_plan)
 from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
@@ -239,8 +239,8 @@ class ShmRank(Recoverable):
     def single_copy_takes(self, collective, nbytes, binding=None):
         """Whether an exchange, or a fold out of place (plan.single_copy_plan),
         whose blocks are `nbytes` in all runs reading peers' inputs in place
-        (so `auto` names `direct` for it); `binding`: the call's (binding.py),
-        WORKSPACE_IN_PLACE in place."""
+        (so `auto` names its first SINGLE_COPY_ALGORITHMS for it); `binding`:
+        the call's (binding.py), WORKSPACE_IN_PLACE in place."""
         in_place = binding == WORKSPACE_IN_PLACE
         if collective in SINGLE_COPY_FOLDS:
             limit = None if in_place else self._fold_single_copy_min()
@@ -265,13 +265,14 @@ class ShmRank(Recoverable):
 
     def _single_copy_of(self, plan):
         """Whether `plan` (a Plan or a paths.CallShape) runs as a single-copy plan."""
-        return plan.algorithm == "direct" and getattr(plan, "compression", None) is None \
+        return plan.algorithm in SINGLE_COPY_ALGORITHMS.get(plan.collective, ()) \
+            and getattr(plan, "compression", None) is None \
             and self.single_copy_takes(plan.collective, plan.count * plan.dtype.itemsize, plan.binding) \
             and self._single.takes(plan)
 
     def _single_plan(self, plan, in_place):
         return single_copy_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
-                                plan.block_counts)
+                                plan.block_counts, plan.algorithm)
 
     def _run_single_copy(self, plan, inputs, outputs, input_infos, output_infos, deadline):
         """Run `plan` (a `direct` exchange) as its single-copy plan: True,
