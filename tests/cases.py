@@ -134,9 +134,12 @@ def keeps_a_workspace_copy(collective, algorithm, binding, n):
     still copies between a caller's array and a workspace: in place, where a
     step has every rank read its peers' inputs while it writes its own result
     (direct allreduce, butterfly allreduce for 2 and 3 ranks), so the result
-    waits in a workspace; and halving_doubling reduce_scatter for n not a
+    waits in a workspace; halving_doubling reduce_scatter for n not a
     power of two, whose extra ranks fetch their block from their partner's
-    workspace. Listed, so that a change either way is seen. (`staged`: GPU
+    workspace; and two_shot reduce, whose ranks but the root fold their
+    chunk into their workspace (a reduce gives them no output to hold it),
+    where the root copies it from. Listed, so that a change either way is
+    seen. (`staged`: GPU
     ranks in processes through their staging buffers, a copy in and out;
     `symmetric`: on the caller's arrays, no copy; a broadcast in place
     through staging too: its root copies in, the other ranks out.)"""
@@ -146,6 +149,8 @@ def keeps_a_workspace_copy(collective, algorithm, binding, n):
         return binding == "workspace"
     if (collective, algorithm) == ("reduce_scatter", "halving_doubling"):
         return n & (n - 1) != 0
+    if (collective, algorithm) == ("reduce", "two_shot"):
+        return True
     return binding == "in_place" and ((collective, algorithm) == ("allreduce", "direct")
                                       or (collective, algorithm) == ("allreduce", "butterfly") and n in (2, 3))
 
