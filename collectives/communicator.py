@@ -974,7 +974,7 @@ class Communicator:
         count = _work_elements(collective, elements, self.size)
         single_copy = getattr(self._ranks, "single_copy_takes", None)
         if compression is None and single_copy is not None and single_copy(collective, count * itemsize, binding):
-            return SINGLE_COPY_ALGORITHMS[collective][0]   # host ranks in processes: peers' inputs read in place (shm.py)
+            return SINGLE_COPY_ALGORITHMS[collective][0]   # host ranks in processes: peers' inputs read in place
         return auto.choose(collective, self.size, count * itemsize, root, self._ranks, binding, compression)
 
     def barrier(self):
