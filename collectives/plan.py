@@ -361,8 +361,8 @@ def _wire_bytes(phases, itemsize, compression):
 
 
 # The collectives single_copy_plan serves: those that only move blocks,
-# and the folds whose `direct` plan reads each peer's input once, in one
-# phase, and writes only the reader's output.
+# and the folds whose plans read each peer's input once, in phase 1, into
+# the reader's own memory (out of place only: single_copy_plan says why).
 SINGLE_COPY_COLLECTIVES = (GATHER, SCATTER, ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BROADCAST)
 SINGLE_COPY_FOLDS = (REDUCE_SCATTER, REDUCE)
 # The algorithms single_copy_plan makes plans of, by collective: the first

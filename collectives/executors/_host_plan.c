@@ -182,7 +182,7 @@ enum { PEER_SLICE_MAX = 512 << 10, PEER_SLICES_BYTES = 4 << 20 };
 
 /* A fold row of a single-copy plan, slice by slice: each peer INPUT source
  * read into the runner's buffer, then the row's sources folded in its
- * order into dst (which may be this rank's own source: in place). */
+ * order into dst. */
 static int fold_peers(Waits *w, const Call *call, int me, const int64_t *row, char *dst)
 {
     int divisor = row[KIND] == REDUCE_FINAL_OP && call->op == OP_AVG ? call->nranks : 0;
