@@ -40,6 +40,15 @@ Otherwise the next, more cautious, rewrite is
 tried, and the plain plan is the last resort. So binding can cost speed,
 never bits.
 
+Ranks in separate processes that read each other's INPUT in place (the
+single copy, plan.single_copy_plan) but no peer's OUTPUT take a third:
+
+    PEERS_READ_INPUT
+                   OUT_OF_PLACE, except that a result chunk a peer reads
+                   stays in the rank's workspace (a peer can read that)
+                   and is copied out after: two_shot allreduce's reduced
+                   chunks, which every peer copies out of the reducer
+
 Ranks that cannot address each other's arrays (processes) keep the plain
 plan's reads, peers reading only workspaces, in one of two bindings:
 
@@ -85,7 +94,9 @@ WORKSPACE_IN_PLACE = "workspace_in_place"
 OUT_OF_PLACE = "out_of_place"
 IN_PLACE = "in_place"
 IN_PLACE_LOCKSTEP = "in_place_lockstep"
-BINDINGS = (WORKSPACE, WORKSPACE_APART, WORKSPACE_IN_PLACE, OUT_OF_PLACE, IN_PLACE, IN_PLACE_LOCKSTEP)
+PEERS_READ_INPUT = "peers_read_input"
+BINDINGS = (WORKSPACE, WORKSPACE_APART, WORKSPACE_IN_PLACE, OUT_OF_PLACE, IN_PLACE, IN_PLACE_LOCKSTEP,
+            PEERS_READ_INPUT)
 WORKSPACE_BINDINGS = (WORKSPACE, WORKSPACE_APART, WORKSPACE_IN_PLACE)
 IN_PLACE_BINDINGS = frozenset({WORKSPACE_IN_PLACE, IN_PLACE, IN_PLACE_LOCKSTEP})
 
@@ -135,6 +146,8 @@ RESULT_IN_OUTPUT = "every write of the result buffer goes to OUTPUT"
 LAST_WRITE_IN_OUTPUT = "only the last write of the result buffer goes to OUTPUT"
 RESULT_IN_WORKSPACE = "the result stays in the workspace and is copied out"
 POLICIES = (RESULT_IN_OUTPUT, LAST_WRITE_IN_OUTPUT, RESULT_IN_WORKSPACE)
+# PEERS_READ_INPUT's one policy:
+RESULT_IN_OUTPUT_UNLESS_PEERS_READ = "a write of the result buffer goes to OUTPUT unless a peer reads the chunk"
 
 
 def bind(phases, schedule, binding, rewrite_workspace_plans=True):
@@ -174,7 +187,7 @@ def bind(phases, schedule, binding, rewrite_workspace_plans=True):
         # out: a last phase WORKSPACE's plan has empty is empty here too, and
         # where it is not, a phase is left, empty or not.)
         return chosen[:-1] if len(chosen) > 2 and not workspace[-1] else chosen
-    for policy in POLICIES:
+    for policy in (RESULT_IN_OUTPUT_UNLESS_PEERS_READ,) if binding == PEERS_READ_INPUT else POLICIES:
         rewritten = _rewrite(phases, schedule, policy, layout)
         candidate = next((c for c in (_without_round_trips(rewritten, layout), rewritten)
                           if layout.run(c) == expected), None)
@@ -290,10 +303,12 @@ def _rewrite(phases, schedule, policy, layout):
     copy_in, *steps, copy_out = phases
     outputs = {Loc(r, schedule.result_buffer, c) for r in range(schedule.nranks) for c in schedule.output_chunks(r)}
     last_write = {m.dst: p for p, step in enumerate(steps) for m in step}
+    read_by_peers = {src for step in steps for m in step for src in m.srcs if src.rank != m.rank}
     home = {m.dst: m.srcs[0] for m in copy_in}  # logical chunk -> where its value is now
 
     def destination(loc, p):
-        if loc in outputs and (policy == RESULT_IN_OUTPUT or (policy == LAST_WRITE_IN_OUTPUT and last_write[loc] == p)):
+        if loc in outputs and (policy == RESULT_IN_OUTPUT or (policy == LAST_WRITE_IN_OUTPUT and last_write[loc] == p)
+                               or (policy == RESULT_IN_OUTPUT_UNLESS_PEERS_READ and loc not in read_by_peers)):
             return Loc(loc.rank, OUTPUT, loc.chunk)
         return loc
 

@@ -224,10 +224,11 @@ def _build_plan(collective, algorithm, nranks, count, dtype, op, root, binding, 
     if collective == ALL_TO_ALL_V:
         if block_counts is None or compression is not None or len(block_counts) != nranks:
             raise ValueError("all_to_all_v plans take block_counts, one row of nranks counts per rank, uncompressed")
-        if binding not in (WORKSPACE, bindings.OUT_OF_PLACE):
+        if binding not in (WORKSPACE, bindings.OUT_OF_PLACE, bindings.PEERS_READ_INPUT):
             # the in-place bindings take an output chunk to be the input
             # chunk of the same number, which blocks of other sizes are not
-            raise ValueError(f"all_to_all_v plans bind {WORKSPACE} or {bindings.OUT_OF_PLACE}, not {binding}")
+            raise ValueError(f"all_to_all_v plans bind {WORKSPACE}, {bindings.OUT_OF_PLACE} or "
+                             f"{bindings.PEERS_READ_INPUT}, not {binding}")
         blocks = BlockLayout(block_counts)
         count = blocks.work_elements
     schedule = schedule_for(algorithm, ALL_TO_ALL if blocks else collective, nranks,
@@ -362,13 +363,15 @@ def _wire_bytes(phases, itemsize, compression):
 
 # The collectives single_copy_plan serves: those that only move blocks,
 # and the folds whose plans read each peer's input once, in phase 1, into
-# the reader's own memory (out of place only: single_copy_plan says why).
+# the reader's own memory (out of place only, single_copy_plan says why:
+# but for allreduce, whose phase 1 writes only the workspace).
 SINGLE_COPY_COLLECTIVES = (GATHER, SCATTER, ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BROADCAST)
-SINGLE_COPY_FOLDS = (REDUCE_SCATTER, REDUCE)
+SINGLE_COPY_FOLDS = (REDUCE_SCATTER, REDUCE, ALLREDUCE)
+SINGLE_COPY_FOLDS_IN_PLACE = (ALLREDUCE,)
 # The algorithms single_copy_plan makes plans of, by collective: the first
 # is the one `auto` names where the single copy takes a call.
-SINGLE_COPY_ALGORITHMS = {**{c: ("direct",) for c in SINGLE_COPY_COLLECTIVES + SINGLE_COPY_FOLDS},
-                          REDUCE: ("two_shot", "direct")}
+SINGLE_COPY_ALGORITHMS = {**{c: ("direct",) for c in SINGLE_COPY_COLLECTIVES + (REDUCE_SCATTER, REDUCE)},
+                          REDUCE: ("two_shot", "direct"), ALLREDUCE: ("two_shot",)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -377,14 +380,15 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
     """The plan of `algorithm` (SINGLE_COPY_ALGORITHMS) for a collective
     that only moves blocks (SINGLE_COPY_COLLECTIVES: the exchanges,
     allgather, broadcast) or folds each peer's input once
-    (SINGLE_COPY_FOLDS: reduce_scatter, reduce) for ranks in separate
-    processes that read each other's arrays in place: each rank reads its
-    blocks straight out of its peers' INPUT into its OUTPUT, or folds them
-    there with its own, one copy where the WORKSPACE plan makes two (a
-    two_shot reduce: each rank folds its chunk into its SCRATCH, in its
-    workspace, and the root copies the others' from there). Its moves are
-    the OUT_OF_PLACE or IN_PLACE binding of the algorithm's schedule,
-    proved by binding.py's symbolic run, in three phases or more:
+    (SINGLE_COPY_FOLDS: reduce_scatter, reduce, allreduce) for ranks in
+    separate processes that read each other's arrays in place: each rank
+    reads its blocks straight out of its peers' INPUT into its OUTPUT, or
+    folds them there with its own, one copy where the WORKSPACE plan makes
+    two (two_shot: each rank folds its chunk into its SCRATCH, in its
+    workspace, and the root, or for allreduce every rank, copies the chunks
+    out of there). Its moves are the PEERS_READ_INPUT or IN_PLACE binding
+    of the algorithm's schedule, proved by binding.py's symbolic run, in
+    three phases or more:
 
         0  nothing to copy: the executor publishes the rank's input address
         1  the reads of peers' INPUT (and a rank's own blocks)
@@ -401,16 +405,19 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
     INPUT regions, which no binding's phase 1 writes (checked here).
     A fold has no in-place single copy: its phase 1 would write the rank's
     own block of its input, which the staged call that runs instead of a
-    refused one reads again.
+    refused one reads again; but allreduce's phase 1 writes only the
+    workspace, so in place it runs its out-of-place plan (phase 2 writes
+    x once no peer reads it).
     ValueError where the binding does not give that form."""
     if algorithm not in SINGLE_COPY_ALGORITHMS.get(collective, ()):
         raise ValueError(f"single_copy_plan serves {SINGLE_COPY_ALGORITHMS}, not {collective!r} by {algorithm!r}")
     dtype = np.dtype(dtype)
-    bindings_tried = (bindings.OUT_OF_PLACE,) if collective in (ALL_TO_ALL_V, *SINGLE_COPY_FOLDS) \
-        else (bindings.OUT_OF_PLACE, bindings.IN_PLACE)
+    apart = bindings.PEERS_READ_INPUT
+    in_place_binding = apart if collective in SINGLE_COPY_FOLDS_IN_PLACE else bindings.IN_PLACE
+    bindings_tried = (apart,) if collective in (ALL_TO_ALL_V, *SINGLE_COPY_FOLDS) else (apart, in_place_binding)
     plans = {b: build_plan(collective, algorithm, nranks, count, dtype, op, root, b, block_counts=block_counts)
              for b in bindings_tried}
-    binding = bindings.IN_PLACE if in_place else bindings.OUT_OF_PLACE
+    binding = in_place_binding if in_place else apart
     if binding not in plans:
         raise ValueError(f"single_copy_plan: {collective} has no in-place single copy")
     peer_reads = set()
@@ -431,7 +438,7 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
         block = count // nranks
         # (where a rank's INPUT lies in its OUTPUT, in blocks of its rank: in place, x is the rank's block of
         # a gather's or allgather's out, a scatter's out the rank's block of x, and the whole of the other two)
-        shift = {ALL_TO_ALL: 0, GATHER: -1, ALLGATHER: -1, SCATTER: 1, BROADCAST: 0}[collective]
+        shift = {ALL_TO_ALL: 0, GATHER: -1, ALLGATHER: -1, SCATTER: 1, BROADCAST: 0, ALLREDUCE: 0}[collective]
         for row in plans[binding].phases[1].table:
             if row[DST_BUF] not in (INPUT, OUTPUT):
                 continue

@@ -13,8 +13,9 @@ that holds:
                       `direct` all_to_all(_v), gather, scatter of      single_copy     direct
                       blocks from the single-copy limit (shm.py);
                       allgather, broadcast the loop did not take;
-                      reduce_scatter, reduce out of place past the     single_copy     direct; a reduce
-                      loop's staged_max                                                two_shot
+                      reduce_scatter, reduce out of place, allreduce   single_copy     direct; a reduce
+                      in place too, past the loop's staged_max and                     or allreduce
+                      from the single-copy limit                                       two_shot
                       a plan the compiled executor takes               compiled_plan   auto's, or the named
                       (executors/host_process.py)
                       anything else: compressed, float16, bfloat16     step            auto's, or the named

@@ -125,21 +125,25 @@ def scenario_moves_without_the_loop(comm):
 
 
 def scenario_folds(comm):
-    """reduce_scatter and reduce on the plans' path (the test turns the
-    loop off), every root and op, several dtypes, slices of a peer's input
-    and a tail (the executor folds up to PEER_SLICE_MAX bytes at a time):
-    the interpreter's bits, out of place in one copy (`auto`'s: direct's
-    reduce_scatter, two_shot's reduce, whose ranks each fold a chunk into
-    their workspace for the root to copy; and direct's reduce, whose root
-    folds everything), in place staged (plan.single_copy_plan says why);
-    then a read refused, which runs the call staged on every rank."""
+    """reduce_scatter, reduce and allreduce on the plans' path (the test
+    turns the loop off), every root and op, several dtypes, slices of a
+    peer's input and a tail (the executor folds up to PEER_SLICE_MAX bytes
+    at a time): the interpreter's bits, out of place in one copy (`auto`'s:
+    direct's reduce_scatter, two_shot's reduce and allreduce, whose ranks
+    each fold a chunk into their workspace for the root, or every rank, to
+    copy; and direct's reduce, whose root folds everything); in place
+    staged (plan.single_copy_plan says why), but allreduce in one copy too;
+    then a read refused, in an allreduce in place (x must be intact for
+    the staged rerun) and a reduce_scatter, each run staged on every rank."""
     runs = counting_single_copies()
     r, n = comm.rank, comm.size
     k = (512 << 10) // 4 + 1000   # float32 and float64: a block past one slice of a peer's input
-    for collective, algorithm in (("reduce_scatter", "direct"), ("reduce", "two_shot")):
+    for collective, algorithm in (("reduce_scatter", "direct"), ("reduce", "two_shot"), ("allreduce", "two_shot")):
         choice = comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=False)
         assert (choice, choice.path) == (algorithm, "single_copy"), (choice, choice.path)
-        assert comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=True).path == "compiled_plan"
+        choice = comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=True)
+        want = (algorithm, "single_copy") if collective == "allreduce" else (choice, "compiled_plan")
+        assert (choice, choice.path) == want, (collective, choice, choice.path)
     # (two_shot folds each element in rank order, as direct does: the
     # reference's bits are direct's, the in-place calls name it)
     single_copies = 0
@@ -156,6 +160,12 @@ def scenario_folds(comm):
             comm.reduce_scatter(x, op=op, algorithm="direct", out=x[r * k:(r + 1) * k])
             same_bits(x[r * k:(r + 1) * k], want[r], f"reduce_scatter {op} in place")
             single_copies += 1
+            want = reference.allreduce([x.copy() for x in xs], op=op, algorithm="two_shot")
+            same_bits(comm.allreduce(xs[r].copy(), op=op, out=np.empty(n * k, dtype)), want[r], f"allreduce {op}")
+            x = xs[r].copy()
+            same_bits(comm.allreduce(x, op=op), want[r], f"allreduce {op} in place")
+            same_bits(x, want[r], f"allreduce {op} in place, x")
+            single_copies += 2
             for root in range(n):
                 wants = reference.reduce([x.copy() for x in xs], op=op, root=root, algorithm="direct")
                 for algorithm in ("auto", "direct"):
@@ -171,12 +181,18 @@ def scenario_folds(comm):
         if r == 1:
             _host_plan.test_refuse_reads(True)
         xs = [data(12, q, np.float32, n * k) for q in range(n)]
+        want = reference.allreduce([x.copy() for x in xs], algorithm="two_shot")
+        x = xs[r].copy()
+        same_bits(comm.allreduce(x), want[r], "the refused allreduce in place")
+        same_bits(x, want[r], "the refused allreduce in place, x")
+        assert comm._ranks._refused and len(runs) == single_copies + 1   # noqa: SLF001
         want = reference.reduce_scatter([x.copy() for x in xs], algorithm="direct")
         same_bits(comm.reduce_scatter(xs[r].copy(), out=np.empty(k, np.float32)), want[r],
-                  "the refused reduce_scatter")
-        assert comm._ranks._refused and len(runs) == single_copies + 1   # noqa: SLF001
-        assert comm.chosen_algorithm("reduce_scatter", 4 * n * k, dtype=np.float32, in_place=False).path \
-            == "compiled_plan"
+                  "a reduce_scatter after the refusal")
+        assert len(runs) == single_copies + 1, (len(runs), single_copies)   # (staged)
+        for collective in ("reduce_scatter", "allreduce"):
+            assert comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=False).path \
+                == "compiled_plan"
 
 
 def scenario_refused(comm):

@@ -1,7 +1,7 @@
 """all_to_all, all_to_all_v, gather and scatter between host processes in
 one copy: the compiled plan executor reads peers' inputs in place
 (plan.single_copy_plan, _host_plan.c); allgather and broadcast, and the
-folds reduce_scatter and reduce out of place, too where the plans run them
+folds reduce_scatter, reduce and allreduce, too where the plans run them
 (without the compiled loop). The interpreter's bits on 2, 3 and 4
 processes, in and out of place, uneven all_to_all_v blocks with empty ones;
 a refused read falling back to the staged plan on every rank; a rank that
@@ -96,6 +96,43 @@ def test_a_two_shot_reduce_folds_a_chunk_on_every_rank_and_the_root_copies_them_
         assert not any(len(phase.table) for phase in plan.phases[3:])
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_a_two_shot_allreduce_folds_a_chunk_into_each_workspace_and_every_rank_copies_them_all_out(n):
+    """Phase 1: rank r folds chunk r of every rank's INPUT, read in place,
+    into its SCRATCH (not its OUTPUT, which no peer can read); phase 2,
+    after every peer's reads: each rank copies chunk q out of rank q's
+    SCRATCH into its OUTPUT. Phase 1 writes no caller's array, so in place
+    runs the same plan (x is written only once no peer reads it)."""
+    count = 8 * n + 3   # chunks of unequal sizes
+    plan = plans.single_copy_plan("allreduce", n, count, np.dtype(np.float32), "avg", 0, False, None, "two_shot")
+    assert plan.algorithm == "two_shot" and plan.single_copy and plan.workspace_bytes > 0
+    assert plans.single_copy_plan("allreduce", n, count, np.dtype(np.float32), "avg", 0, True, None,
+                                  "two_shot").phases == plan.phases
+    read, folded = {}, {}
+    for row in plan.phases[1].table:
+        rank = int(row[plans.RANK])
+        assert row[plans.KIND] == plans.REDUCE_FINAL_OP and row[plans.DST_BUF] == plans.SCRATCH
+        assert [int(row[plans.SRC0 + 3 * s]) for s in range(row[plans.NSRC])] == list(range(n))   # rank order
+        for s in range(row[plans.NSRC]):
+            peer, buffer, offset = (int(v) for v in row[plans.SRC0 + 3 * s: plans.SRC0 + 3 * s + 3])
+            assert buffer == plans.INPUT and offset == row[plans.DST_OFF]
+            for element in range(offset, offset + int(row[plans.COUNT])):
+                read[peer, element] = read.get((peer, element), 0) + 1
+                folded[element] = rank
+    assert read == {(q, e): 1 for q in range(n) for e in range(count)}
+    copied = {}
+    for row in plan.phases[2].table:
+        rank, source, buffer = int(row[plans.RANK]), int(row[plans.SRC0]), int(row[plans.SRC0 + 1])
+        assert row[plans.KIND] == plans.COPY_OP and row[plans.DST_BUF] == plans.OUTPUT and buffer == plans.SCRATCH
+        for element in range(int(row[plans.DST_OFF]), int(row[plans.DST_OFF] + row[plans.COUNT])):
+            assert folded[element] == source
+            copied[rank, element] = copied.get((rank, element), 0) + 1
+    assert copied == {(r, e): 1 for r in range(n) for e in range(count)}
+    for rank in range(n):
+        assert {peer for peer, done in plan.phases[2].waits[rank] if done >= 2} == set(range(n)) - {rank}
+    assert not any(len(phase.table) for phase in plan.phases[3:])
+
+
 @pytest.mark.parametrize("collective", ["gather", "scatter", "all_to_all"])
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_staged_plans_move_a_block_only_its_rank_needs_once_or_not_at_all(collective, n):
@@ -154,10 +191,10 @@ def test_allgather_and_broadcast_on_the_plans_read_peers_inputs_in_one_copy_with
 @pytest.mark.mpi
 @needs_the_executor
 @pytest.mark.parametrize("n", [2, 3])
-def test_reduce_scatter_and_reduce_on_the_plans_fold_peers_inputs_in_one_copy_with_the_interpreters_bits(n):
+def test_the_folds_on_the_plans_fold_peers_inputs_in_one_copy_with_the_interpreters_bits(n):
     """Without the compiled loop (COLLECTIVES_FAST_PATH=0), which runs them
-    otherwise, `direct` reduce_scatter and reduce out of place fold peers'
-    inputs read in place, slice by slice (_host_plan.c's fold_peers)."""
+    otherwise, reduce_scatter, reduce and allreduce (in place too) fold
+    peers' inputs read in place, slice by slice (_host_plan.c's fold_peers)."""
     oks, report = run(n, "folds", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"})
     assert len(oks) == n, report
 

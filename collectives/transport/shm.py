@@ -22,7 +22,7 @@ from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN
                       resolve_plan_segment_bytes)
 from ..executors import host, host_process
 from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS,
-                    SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, WORK, single_copy_plan)
+                    SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE, WORK, single_copy_plan)
 from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
@@ -243,7 +243,8 @@ class ShmRank(Recoverable):
         the call's (binding.py), WORKSPACE_IN_PLACE in place."""
         in_place = binding == WORKSPACE_IN_PLACE
         if collective in SINGLE_COPY_FOLDS:
-            limit = None if in_place else self._fold_single_copy_min()
+            in_place_refused = in_place and collective not in SINGLE_COPY_FOLDS_IN_PLACE
+            limit = None if in_place_refused else self._fold_single_copy_min()
         elif collective in SINGLE_COPY_COLLECTIVES:
             limit = self._in_place_all_to_all_min if collective == ALL_TO_ALL and in_place else self.single_copy_min
         else:
@@ -256,12 +257,14 @@ class ShmRank(Recoverable):
         chose by timing folds both ways (the exchanges' probe times an
         all_to_all, which on a machine where reading another process costs
         four copies in memory chose 128 KiB, where folds were twice as fast
-        staged up to 4 MiB); without the loop,
-        $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN where pinned; else None."""
+        staged up to 4 MiB), and from the exchanges' limit (where the loop
+        never stages, staged_max is 0, but a small call's single copy costs
+        more than staging: a 4 KiB allreduce 5.9 us against 1.9); without
+        the loop, $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN where pinned; else None."""
         if self.single_copy_min is None:   # no compiled executor, or the single copy turned off
             return None
         staged_max = None if self.fast is None else self.fast.staged_max
-        return self._pinned_single_copy_min if staged_max is None else staged_max + 1
+        return self._pinned_single_copy_min if staged_max is None else max(staged_max + 1, self.single_copy_min)
 
     def _single_copy_of(self, plan):
         """Whether `plan` (a Plan or a paths.CallShape) runs as a single-copy plan."""
