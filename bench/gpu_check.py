@@ -83,11 +83,30 @@ def run_gpu_tests(device):
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "-p", "no:cacheprovider", "tests"]
     env = dict(os.environ, COLLECTIVES_TEST_DEVICE=device)
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    done = run_shown(command, env, timeout=None)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
-    print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
     return {"command": " ".join(command), "env": f"COLLECTIVES_TEST_DEVICE={device}", "returncode": done.returncode,
             "summary": summary, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def run_shown(command, env=None, timeout=1800):
+    """Run a step's command in the checkout's root and show the end of its
+    output: the report keeps the figures, the log what went wrong."""
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
+    return done
+
+
+def run_tool(command, shown, env=None):
+    """A bench tool run for one step, its -J written to a temporary folder and
+    read back (so nothing is left on disk but the report -J asks for): the
+    command as shown, its exit code and its JSON (None if it wrote none)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "result.json"
+        print(shown, flush=True)
+        done = run_shown([*command, "-J", str(path)], env)
+        return {"command": shown, "returncode": done.returncode,
+                "result": json.loads(path.read_text()) if path.exists() else None}
 
 
 # -- 2. kernel bandwidth against a device copy -------------------------------------
@@ -191,35 +210,26 @@ def run_processes(args):
 
 def run_process_benchmarks(args, env):
     mpiexec = harness.find_mpiexec()
-    results = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        emulated = args.device == "emulated"
-        processes = [mpiexec, "-bind-to", "core", "-n", str(args.processes), sys.executable, "-m"]
-        sweep = ["bench.all_reduce_perf", "--device", args.device, "-b", "8", "-e", args.maxbytes, "-f", "4",
-                 "-n", "3" if emulated else "20", "-w", "1" if emulated else "5"]
-        one_kernel = {ONE_KERNEL_ALLREDUCE_ENV: "1"}
-        # name: (command, extra environment): the step protocol's sweep, then the
-        # one-kernel path's on plain arrays and on symmetric memory (comm.alloc),
-        # whose large calls are barrier, step kernel, barrier: the 128 MiB goal
-        # of processes sharing a GPU (at least 0.7 of the copy floor).
-        commands = {
-            "allreduce": (processes + sweep, {}),
-            "allreduce_one_kernel": (processes + sweep, one_kernel),
-            "allreduce_one_kernel_symmetric": (processes + sweep + ["--symmetric"], one_kernel),
-            "overhead": (processes + ["bench.spmd_overhead", "--device", args.device,
-                                      "--batches", "5" if emulated else "20"], {}),
-        }
-        for name, (command, extra) in commands.items():
-            path = Path(scratch) / f"{name}.json"
-            command = command + ["-J", str(path)]
-            shown = " ".join([*(f"{k}={v}" for k, v in extra.items()), *command])
-            print(shown, flush=True)
-            done = subprocess.run(command, cwd=ROOT, env=dict(env, **extra), capture_output=True, text=True,
-                                  timeout=1800)
-            print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
-            results[name] = {"command": shown, "returncode": done.returncode,
-                             "result": json.loads(path.read_text()) if path.exists() else None}
-    return results
+    emulated = args.device == "emulated"
+    processes = [mpiexec, "-bind-to", "core", "-n", str(args.processes), sys.executable, "-m"]
+    sweep = ["bench.all_reduce_perf", "--device", args.device, "-b", "8", "-e", args.maxbytes, "-f", "4",
+             "-n", "3" if emulated else "20", "-w", "1" if emulated else "5"]
+    one_kernel = {ONE_KERNEL_ALLREDUCE_ENV: "1"}
+    # name: (command, extra environment): the step protocol's sweep, then the
+    # one-kernel path's on plain arrays and on symmetric memory (comm.alloc),
+    # whose large calls are barrier, step kernel, barrier: the 128 MiB goal
+    # of processes sharing a GPU (at least 0.7 of the copy floor).
+    commands = {
+        "allreduce": (processes + sweep, {}),
+        "allreduce_one_kernel": (processes + sweep, one_kernel),
+        "allreduce_one_kernel_symmetric": (processes + sweep + ["--symmetric"], one_kernel),
+        "overhead": (processes + ["bench.spmd_overhead", "--device", args.device,
+                                  "--batches", "5" if emulated else "20"], {}),
+    }
+    # (the command shown without its -J, which names a folder that is gone)
+    return {name: run_tool(command, " ".join([*(f"{k}={v}" for k, v in extra.items()), *command]),
+                           dict(env, **extra))
+            for name, (command, extra) in commands.items()}
 
 
 # -- 5. ours against NCCL ------------------------------------------------------------
@@ -230,16 +240,10 @@ def ours_against_nccl(args):
         return {"skipped": "NCCL needs a GPU"}
     import cupy
     ranks = cupy.cuda.runtime.getDeviceCount()
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "nccl.json"
-        command = [sys.executable, "-m", "bench.all_reduce_perf", "--device", "cuda", "--backend", "ours,nccl",
-                   "--ranks", str(ranks), "-b", "8", "-e", args.maxbytes, "-f", "4", "-n", "20", "-w", "5",
-                   "--rounds", "3", "-J", str(path)]
-        print(" ".join(command), flush=True)
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-        print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
-        return {"command": " ".join(command), "returncode": done.returncode,
-                "result": json.loads(path.read_text()) if path.exists() else None}
+    command = [sys.executable, "-m", "bench.all_reduce_perf", "--device", "cuda", "--backend", "ours,nccl",
+               "--ranks", str(ranks), "-b", "8", "-e", args.maxbytes, "-f", "4", "-n", "20", "-w", "5",
+               "--rounds", "3"]
+    return run_tool(command, " ".join(command))
 
 
 # -- 3. and 6. ----------------------------------------------------------------------
