@@ -47,7 +47,7 @@ from collectives.algorithms.schedule import ALLREDUCE
 from collectives.binding import WORKSPACE
 from collectives.compression.kernels import CODECS
 from collectives.compression.wire import encoded_nbytes
-from collectives.plan import COUNT, KIND, NSRC, RANK, SRC0, SRC_RANK, build_plan
+from collectives.plan import COUNT, NSRC, RANK, SRC0, SRC_RANK, build_plan
 
 GB = 1e9
 LINKS = {   # bytes per second, one direction, one GPU

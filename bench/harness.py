@@ -47,7 +47,6 @@ rank's regenerated input, and wire B, what a call makes a rank read from its
 peers. Compressed rows have no bitwise #wrong; uncompressed rows keep it.
 """
 
-import argparse
 import importlib.util
 import os
 import shutil
@@ -63,7 +62,7 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.backends import (
-    BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, MPI_BACKEND, MPI_BACKENDS, MWMS, NCCL, NO_COMPRESSION,
+    BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, MPI_BACKENDS, NCCL, NO_COMPRESSION,
     OPENMPI_BACKEND, PROCESS_BACKENDS, TENSORFLOW_BACKENDS, TENSORFLOW_INSTALL, TORCH_BACKENDS, TORCH_PIN, Buffers, TorchWorld,
     launched_by_torchrun, make_backends, unsupported,
 )

@@ -119,8 +119,6 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-
 from bench import cli, harness, hosts, mpis
 from bench.backends import COPY_FLOOR, FLOOR_PIECES, GLOO, MPI_BACKEND, NO_COMPRESSION, OURS, make_backends
 from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment, library_settings
