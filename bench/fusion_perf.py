@@ -28,7 +28,7 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import environment
-from bench.harness import mpi_world, relaunch_once, slowest
+from bench.harness import adding_seconds, mpi_world, relaunch_once, slowest
 from bench.model_shapes import MODELS
 
 MODES = ("fused", "per-array")
@@ -97,7 +97,7 @@ class Counters:
     def __init__(self, comm):
         self.comm = comm
         self.calls = self.launches = 0
-        self.kernel_seconds = 0.0
+        self.spent = {}   # "kernels": seconds in the emulated device's kernels
 
     @contextlib.contextmanager
     def active(self):
@@ -109,7 +109,7 @@ class Counters:
                     patched.append((device, name, self._count("launches", getattr(device, name))))
             for name in ("_run_step", "_run_copies", "_run_codec", "_run_codec_batch"):
                 if hasattr(device, name):
-                    patched.append((device, name, self._timed(getattr(device, name))))
+                    patched.append((device, name, adding_seconds(getattr(device, name), self.spent, "kernels")))
         for target, name, wrapper in patched:
             setattr(target, name, wrapper)
         try:
@@ -123,15 +123,6 @@ class Counters:
             setattr(self, field, getattr(self, field) + 1)
             return real(*args, **kwargs)
         return counted
-
-    def _timed(self, real):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                self.kernel_seconds += time.perf_counter() - start
-        return timed
 
 
 def step(comm, mode, per_rank, args):
@@ -163,7 +154,7 @@ def measure(comm, args, model, world):
             with counters.active():
                 seconds, issued = step(comm, mode, per_rank, args)
             if args.device == "emulated":
-                host = seconds - counters.kernel_seconds
+                host = seconds - counters.spent.get("kernels", 0.0)
             elif args.device == "cuda":
                 host = issued
             else:

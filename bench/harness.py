@@ -595,6 +595,20 @@ def seconds_per_call(call, calls, *arguments, before=None, after=None):
     return (time.perf_counter() - start) / calls
 
 
+def adding_seconds(method, spent, key):
+    """`method`, wrapped to add the seconds of its every call to spent[key]
+    (a dict): a part of a call timed from inside it (a device's kernels, a
+    hierarchy's exchanges), for the tools that split a call's time into
+    parts. The wrapper's own cost lands outside the parts it times."""
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[key] = spent.get(key, 0.0) + time.perf_counter() - start
+    return timed
+
+
 class DeviceTimer:
     """Seconds per launch of `issue` on one device (a kernel's, a copy's), after
     one untimed launch that warms up (and compiles): on a GPU by its own

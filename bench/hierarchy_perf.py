@@ -39,7 +39,7 @@ from bench import cli
 from collectives import hierarchy
 from collectives.ops import ReduceOp
 from bench.environment import environment
-from bench.harness import relaunch_once, seconds_per_call, slowest, warm_calls
+from bench.harness import adding_seconds, relaunch_once, seconds_per_call, slowest, warm_calls
 from collectives.bootstrap import LAUNCHER_VARIABLES, PRETEND_NODES_ENV
 from collectives.plan import KIND, REDUCE_FINAL_OP
 
@@ -133,19 +133,10 @@ def components(world, comm, nbytes, calls=5):
     call = hierarchy.Call("allreduce", np.dtype(np.float32), nbytes // 4, ReduceOp.SUM, 0, "")
     compiled = ranks.programs is not None and (hierarchy.takes_small(ranks, call) or ranks.programs.takes_large(call))
     spent = {}
-
-    def timed(name, method):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
-        return wrapper
-
     exchange, fold = ranks.exchange, ranks.fold
-    ranks.exchange = timed("exchanges", exchange)
-    ranks.fold = lambda table, *a: (timed("folds_across", fold) if len(table) and table[0, KIND] == REDUCE_FINAL_OP
+    fold_across = adding_seconds(fold, spent, "folds_across")
+    ranks.exchange = adding_seconds(exchange, spent, "exchanges")
+    ranks.fold = lambda table, *a: (fold_across if len(table) and table[0, KIND] == REDUCE_FINAL_OP
                                     else fold)(table, *a)
     x, y = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
     samples = []
