@@ -48,7 +48,7 @@ import numpy as np
 
 from bench import cli
 from bench.mpis import remove_orphaned_mpich_segments
-from bench.environment import git_commit
+from bench.environment import command_line, git_commit
 from bench.harness import find_mpiexec
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -339,7 +339,7 @@ def main(argv=None):
     summary = summarize(trials)
     print(json.dumps(summary, indent=1))
     if args.output_file:
-        report = {"command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
+        report = {"command": command_line("bench.chaos", sys.argv[1:] if argv is None else argv),
                   "machine": machine(), "timeout_s": args.timeout, "summary": summary, "trials": trials}
         cli.write_json(args.output_file, report, say=None)
     return 1 if summary["failed"] else 0

@@ -268,10 +268,10 @@ def report_device(args, codecs, ops, argv=None):
         print(f"  {r['codec']:6s} {r['op']:28s} {r['codec_us']:10.1f} {r['codec_GBps']:8.1f} {r['copy_GBps']:10.1f} "
               f"{r['codec_vs_copy']:6.2f}")
     if args.output_file:
-        from bench.environment import git_commit, device_environment
+        from bench.environment import command_line, device_environment, git_commit
         environment = device_environment(args.device)
         environment["git_commit"] = git_commit()
-        environment["command"] = " ".join(["python", "-m", "bench.codec_speed", *(sys.argv[1:] if argv is None else argv)])
+        environment["command"] = command_line("bench.codec_speed", sys.argv[1:] if argv is None else argv)
         cli.write_json(args.output_file, {"environment": environment, "rows": rows}, say=None)
     return 0
 

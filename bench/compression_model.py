@@ -41,7 +41,7 @@ import sys
 import numpy as np
 
 from bench import cli
-from bench.environment import git_commit
+from bench.environment import command_line, git_commit
 from collectives.algorithms import MODELS, REGISTRY
 from collectives.algorithms.schedule import ALLREDUCE
 from collectives.binding import WORKSPACE
@@ -232,7 +232,7 @@ def main(argv=None):
           + ", ".join(f"{name} {bps / GB:.0f}" for name, bps in args.links.items()))
     print_table(rows, args.codecs, args.links)
     if args.output_file:
-        report = {"command": "python -m bench.compression_model " + " ".join(argv if argv is not None else sys.argv[1:]),
+        report = {"command": command_line("bench.compression_model", sys.argv[1:] if argv is None else argv),
                   "environment": {"git_commit": git_commit()},   # a model: the code, not the machine
                   "ranks": args.ranks, "memory_gbps": args.memory_gbps, "codec_gbps": args.codec_gbps,
                   "step_us": args.step_us, "links_gbps": {k: v / GB for k, v in args.links.items()},

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from bench import cli, hosts
-from bench.environment import environment
+from bench.environment import command_line, environment
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ddp.py"
@@ -165,7 +165,7 @@ def main(argv=None):
               f"{statistics.median(row['test_accuracy']):.4f}     {row['ranks_bitwise_identical']}")
     if args.output_file:
         env = environment("host", processes, ["torch:gloo", "torch:collectives"])
-        env["command"] = " ".join(["python -m bench.ddp_step", *argv])
+        env["command"] = command_line("bench.ddp_step", argv)
         report = {"benchmark": "examples/ddp.py under torchrun: DDP's time per step, ours against Gloo, with and "
                                "without our compression hook",
                   "environment": env, "processes": processes, "hidden": args.hidden, "epochs": args.epochs,

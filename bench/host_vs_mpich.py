@@ -121,7 +121,7 @@ from pathlib import Path
 
 from bench import cli, harness, hosts, mpis
 from bench.backends import COPY_FLOOR, FLOOR_PIECES, GLOO, MPI_BACKEND, NO_COMPRESSION, OURS, make_backends
-from bench.environment import BIND_TO, LAUNCHER_COMMAND, environment, library_settings
+from bench.environment import BIND_TO, LAUNCHER_COMMAND, command_line, environment, library_settings
 from bench.specs import SPECS
 
 # The names the JSON (and bench.report) gives the libraries, and the tables.
@@ -640,12 +640,11 @@ def main(argv=None):
         if args.worker_output:
             Path(args.worker_output).write_text(json.dumps(runs))
             return 0
-        command = " ".join([os.environ.get(LAUNCHER_COMMAND, f"mpiexec -n {world.size}"), "python", "-m", MODULE,
-                            *argv])
+        command = command_line(MODULE, argv, [os.environ.get(LAUNCHER_COMMAND, f"mpiexec -n {world.size}")])
         for run in runs:
             run["launch"] = command
     else:
-        command = " ".join(["python", "-m", MODULE, *argv])
+        command = command_line(MODULE, argv)
         print(f"# {command}", flush=True)
         installs = [mpis.find(mpi) for mpi in args.mpi_list]
         for install in installs:

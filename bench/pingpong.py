@@ -69,8 +69,8 @@ def main(argv=None):
     with collectives.init(comm=world) as comm:
         rows = measure(args, world, comm, MPI)
         if comm.rank == 0 and args.output_file:
-            from bench.environment import environment
-            report = {"command": "python -m bench.pingpong " + " ".join(sys.argv[1:] if argv is None else argv),
+            from bench.environment import command_line, environment
+            report = {"command": command_line("bench.pingpong", sys.argv[1:] if argv is None else argv),
                       "environment": environment("host", 2, ["ours", "mpi"]), "one_way": rows}
             cli.write_json(args.output_file, report, say=None)
     return 0

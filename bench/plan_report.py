@@ -36,7 +36,7 @@ import numpy as np
 
 from bench import cli
 from bench.compression_model import codec_phase_bytes
-from bench.environment import git_commit
+from bench.environment import command_line, git_commit
 from collectives.algorithms import REGISTRY
 from collectives.algorithms.schedule import ALLGATHER, ALLREDUCE, BROADCAST, COLLECTIVES, REDUCE_SCATTER, REDUCE_TO_ROOT
 from collectives.binding import IN_PLACE, OUT_OF_PLACE, WORKSPACE
@@ -159,7 +159,7 @@ def main(argv=None):
               f"{'-' if r['workspace_copy_bytes'] is None else format(r['workspace_copy_bytes'] / mib, '.1f'):>10s} "
               f"{r['workspace_bytes_per_rank'] / mib:10.1f}")
     if args.output_file:
-        document = {"command": " ".join(["python", "-m", "bench.plan_report", *(argv or sys.argv[1:])]),
+        document = {"command": command_line("bench.plan_report", argv or sys.argv[1:]),
                     # counted from the plans: the code, not the machine, sets them
                     "environment": {"git_commit": git_commit()},
                     "ranks": args.ranks, "bytes": nbytes, "rows": rows}
