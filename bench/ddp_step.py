@@ -104,17 +104,11 @@ def run_once(run, args, made=None, port=29541):
                      "--nproc-per-node", str(args.nproc_per_node), *program]]
     else:
         commands = hosts.torchrun_commands(made["dir"], args.nproc_per_node, program, port)
-    started = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                env=dict(os.environ, OMP_NUM_THREADS="1")) for c in commands]
-    try:
-        outputs = [p.communicate(timeout=args.timeout)[0] for p in started]
-    finally:
-        for p in started:
-            if p.poll() is None:
-                p.kill()
+    codes, outputs = hosts.run_together(commands, args.timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     found = parse_output(outputs[0])
-    if any(p.returncode for p in started) or found is None:
-        raise SystemExit(f"{run} failed (exit {[p.returncode for p in started]}):\n" + "\n".join(outputs)[-3000:])
+    if any(codes) or found is None:
+        raise SystemExit(f"{run} failed (exit {codes}):\n" + "\n".join(outputs)[-3000:])
     return found
 
 

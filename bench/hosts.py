@@ -302,14 +302,22 @@ def torchrun_commands(directory, nproc_per_node, program, port=29512):
 
 def torchrun(directory, nproc_per_node, program, port=29512):
     """Run torchrun on every host (torchrun_commands); the worst exit code."""
-    started = [subprocess.Popen(command) for command in torchrun_commands(directory, nproc_per_node, program, port)]
+    codes, _ = run_together(torchrun_commands(directory, nproc_per_node, program, port))
+    return max(codes, key=abs)
+
+
+def run_together(commands, timeout=None, **popen):
+    """Start `commands` at once (one job's launchers, one per host) and wait
+    for every one, killing those still running if the wait fails (a
+    timeout, Ctrl-C); their exit codes and outputs (None where not piped)."""
+    started = [subprocess.Popen(command, **popen) for command in commands]
     try:
-        codes = [p.wait() for p in started]
+        outputs = [p.communicate(timeout=timeout)[0] for p in started]
     finally:
         for p in started:
             if p.poll() is None:
                 p.kill()
-    return max(codes, key=abs)
+    return [p.returncode for p in started], outputs
 
 
 def mpiexec_command(directory, args):
