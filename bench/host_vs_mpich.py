@@ -638,7 +638,7 @@ def main(argv=None):
         if runs is None:
             return 0
         if args.worker_output:
-            Path(args.worker_output).write_text(json.dumps(runs))
+            cli.write_json(args.worker_output, runs, say=None)   # (a temporary file the launching process reads)
             return 0
         command = command_line(MODULE, argv, [os.environ.get(LAUNCHER_COMMAND, f"mpiexec -n {world.size}")])
         for run in runs:
