@@ -232,6 +232,12 @@ def parse_args(spec, argv=None):
                         "cache, as a training step's compute leaves it), the call alone timed, and no warm-up "
                         "calls before a batch: what a training step's collective costs (default 0: calls back "
                         "to back after about 20 ms of warm-up calls)")
+    p.add_argument("--read-results", action="store_true",
+                   help="after each timed call, untimed, every rank reads its outputs (a sum over them, as a "
+                        "training step's optimizer reads its gradients), the call alone timed, and no warm-up "
+                        "calls before a batch: where a peer's core wrote a rank's result, the rank's read brings "
+                        "it over, and the next call writes it there again; host arrays only (default: calls "
+                        "back to back, their outputs never read)")
     p.add_argument("--bind-to", default="core",
                    help="when the mpi or gloo backend relaunches the benchmark as processes: mpiexec's -bind-to "
                         "(core: rank r on core r mod cores; none; hwthread; hydra's user:C0,C1,...; "
@@ -239,6 +245,9 @@ def parse_args(spec, argv=None):
     args = p.parse_args(argv)
     if args.compute_between < 0:
         p.error("--compute-between must be >= 0")
+    if args.read_results and (args.compute_between or args.device != "host"):
+        p.error("--read-results reads host arrays between calls back to back: not with --compute-between "
+                "or --device emulated/cuda")
     args.minbytes, args.maxbytes = cli.parse_size(args.minbytes), cli.parse_size(args.maxbytes)
     name = DTYPE_NAMES[args.datatype]
     args.dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
@@ -472,7 +481,7 @@ def measure(backends, spec, args, nbytes, world, progress=None, seeded=None, pla
             for backend, bufs, times in zip(backends, buffers, batches):
                 if progress is not None:
                     progress.at(backend.label)
-                if not args.compute_between:   # (after compute, calls come cold: that is what is timed)
+                if not args.compute_between and not args.read_results:   # (what a step leaves is what is timed)
                     warm_up(backend, bufs, world, times[-1] if times else None)
                 if seeded is not None and in_place:
                     refill(backend, spec, args, nbytes, bufs, seeded)
@@ -573,7 +582,10 @@ def timed_batch(backend, buffers, args, world):
         seconds = graph_timed_batch(backend, buffers, args.iters, args.cudagraph)
         return seconds if world is None else slowest(world, seconds)
     if args.compute_between:
-        return timed_after_compute(backend, buffers, args.iters, world, args.compute_between / 1e3)
+        seconds = args.compute_between / 1e3
+        return timed_one_by_one(backend, buffers, args.iters, world, before=lambda: compute(seconds))
+    if args.read_results:
+        return timed_one_by_one(backend, buffers, args.iters, world, after=lambda: read_results(buffers))
     return timed_calls(backend, buffers, args.iters, world)
 
 
@@ -639,21 +651,31 @@ def timed_calls(backend, buffers, calls, world):
     return seconds if world is None else slowest(world, seconds)
 
 
-def timed_after_compute(backend, buffers, calls, world, compute_seconds):
-    """Seconds per call of `calls` calls, each after `compute_seconds` of
-    compute on every rank (compute), the calls alone timed; the slowest
-    rank's. No barrier before a call: as in a training step, ranks come
-    from their compute when they are done with it."""
+def timed_one_by_one(backend, buffers, calls, world, before=None, after=None):
+    """Seconds per call of `calls` calls, each call alone timed, `before()`
+    and `after()` untimed around each (a training step's compute, its read
+    of the results); the slowest rank's. No barrier between calls: as in a
+    training step, ranks come from their own work when they are done with it."""
     backend.barrier()
     seconds = 0.0
     for _ in range(calls):
-        compute(compute_seconds)
+        if before is not None:
+            before()
         start = time.perf_counter()
         backend.run(buffers)
         seconds += time.perf_counter() - start
+        if after is not None:
+            after()
     backend.barrier()
     seconds /= calls
     return seconds if world is None else slowest(world, seconds)
+
+
+def read_results(buffers):
+    """Read every output this process holds, as the code after a call would
+    (a sum: every line read, none written): host arrays, torch's CPU tensors."""
+    for out in buffers.outputs:
+        np.asarray(out).sum()
 
 
 COMPUTE_BYTES = 64 << 20   # larger than the caches: what compute leaves in them is its own data

@@ -182,6 +182,10 @@ def parse_args(argv=None):
                    help="MS milliseconds of compute before each timed call on every rank, the call alone timed, "
                         "no warm-up calls before a batch: a training step's collective, which comes after "
                         "compute (bench/harness.py; default 0: calls back to back after 20 ms of warm-up calls)")
+    p.add_argument("--read-results", action="store_true",
+                   help="after each timed call every rank reads its outputs, untimed, the call alone timed, no "
+                        "warm-up calls before a batch: a result a peer's core wrote is brought over by its reader "
+                        "(bench/harness.py; default: calls back to back, outputs never read)")
     p.add_argument("--floor-from", default=FLOOR_FROM, type=cli.size,
                    help=f"time the memory-copy floor beside the calls of {', '.join(FLOORED)} of this size and larger")
     p.add_argument("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 2 rounds of a few calls")
@@ -294,6 +298,8 @@ def harness_args(spec, args):
         argv += ["--timeout", repr(args.timeout)]
     if args.compute_between:
         argv += ["--compute-between", repr(args.compute_between)]
+    if args.read_results:
+        argv += ["--read-results"]
     return harness.parse_args(spec, argv)
 
 
@@ -522,6 +528,19 @@ def summary_lines(run):
     return lines
 
 
+def time_us_method(args):
+    """What a row's time_us is, in words, for the report's method."""
+    if args.compute_between:
+        return (f"median over rounds of the batch's time per call: its slowest rank's mean of its calls' own "
+                f"times, each call after {args.compute_between:g} ms of compute (bench/harness.py timed_one_by_one)")
+    if args.read_results:
+        return ("median over rounds of the batch's time per call: its slowest rank's mean of its calls' own "
+                "times, each call followed, untimed, by the rank's read of its outputs (bench/harness.py "
+                "read_results)")
+    return ("median over rounds of the batch's time per call: its slowest rank's time for the batch (barriers "
+            "at both ends included) over its calls")
+
+
 def write_report(args, runs, command):
     if not args.output_file:
         return
@@ -536,7 +555,8 @@ def write_report(args, runs, command):
         "machine": machine,
         "method": {"collectives": args.collective_list, "sizes": args.size_list, "rounds": args.rounds,
                    "batch_bytes": args.batch_bytes, "min_iters": args.min_iters, "max_iters": args.max_iters,
-                   "warmup": args.warmup, "compute_between_ms": args.compute_between, "bind_to": args.bind_to, "mpi": args.mpi_list,
+                   "warmup": args.warmup, "compute_between_ms": args.compute_between,
+                   "read_results": args.read_results, "bind_to": args.bind_to, "mpi": args.mpi_list,
                    "compression": args.compression_list,
                    **({"hosts": f"{args.hosts} hosts made on this machine by bench/hosts.py (network, UTS, IPC, PID "
                                 f"and mount namespaces, a private /dev/shm), each link shaped to {args.link} by tc "
@@ -547,11 +567,7 @@ def write_report(args, runs, command):
                    "floor": f"{', '.join(FLOORED)} from {args.floor_from} B: every rank copies the bytes its result "
                             "needs once, from a private array, all ranks at once (bench/backends.py CopyFloor); "
                             "floor/ours is ours' fraction of that speed",
-                   "time_us": ("median over rounds of the batch's time per call: its slowest rank's time for the "
-                               "batch (barriers at both ends included) over its calls") if not args.compute_between
-                              else (f"median over rounds of the batch's time per call: its slowest rank's mean of "
-                                    f"its calls' own times, each call after {args.compute_between:g} ms of compute "
-                                    "(bench/harness.py timed_after_compute)"),
+                   "time_us": time_us_method(args),
                    "placements": "out of place and in place",
                    "data": "the <collective>_perf specs' closed-form inputs, checked bit for bit after the rounds"},
         "runs": runs,
@@ -598,6 +614,8 @@ def worker_argv(args):
         argv += ["--timeout", repr(args.timeout)]
     if args.compute_between:
         argv += ["--compute-between", repr(args.compute_between)]
+    if args.read_results:
+        argv += ["--read-results"]
     if args.compression_list:
         argv += ["--compression", ",".join(args.compression_list)]
     if args.hosts:

@@ -70,9 +70,12 @@ def host_vs_mpich_measurement(run, one):
     settings = settings_of(environment)
     nodes = pretend_nodes(dict(settings)) or across_hosts(one.get("hosts"), processes)
     where = "host ranks" if nodes is None else nodes
-    # (--compute-between: each call after compute, as a training step's; a comparison of its own)
-    compute = (run.data.get("method") or {}).get("compute_between_ms")
-    after = f"each call after {compute:g} ms of compute" if compute else None
+    # (--compute-between: each call after compute, as a training step's; --read-results: each call's
+    # outputs read after it, as a step's optimizer reads its gradients; each a comparison of its own)
+    method = run.data.get("method") or {}
+    compute = method.get("compute_between_ms")
+    after = f"each call after {compute:g} ms of compute" if compute \
+        else "each call's results read after it" if method.get("read_results") else None
     if after is not None:
         where = f"{where}, {processes} processes, {after}" if nodes is None else f"{where}, {after}"
     content = comparison(collective, ratios, "bench.host_vs_mpich", where, processes)

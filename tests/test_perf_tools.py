@@ -573,12 +573,12 @@ def test_compute_between_puts_compute_before_each_timed_call_and_no_warm_up(monk
     events = []
     monkeypatch.setattr(harness, "compute", lambda seconds: events.append(("compute", seconds)))
     monkeypatch.setattr(harness, "warm_up", lambda *arguments: events.append(("warm_up",)))
-    run = harness.timed_after_compute
+    run = harness.timed_one_by_one
 
-    def counted(backend, buffers, calls, world, seconds):
+    def counted(backend, buffers, calls, world, **around):
         events.append(("batch", calls))
-        return run(backend, buffers, calls, world, seconds)
-    monkeypatch.setattr(harness, "timed_after_compute", counted)
+        return run(backend, buffers, calls, world, **around)
+    monkeypatch.setattr(harness, "timed_one_by_one", counted)
     code, out, report = run_tool(ALLREDUCE, ["--ranks", "2", "-b", "1K", "-e", "4K", "-f", "4", "-n", "3", "-w", "0",
                                              "--rounds", "2", "--compute-between", "1.5"], capsys, tmp_path)
     assert code == 0 and report["rows"], out
@@ -586,3 +586,23 @@ def test_compute_between_puts_compute_before_each_timed_call_and_no_warm_up(monk
     batches = [e for e in events if e[0] == "batch"]
     assert len(batches) == 2 * 2 * 2 and all(calls == 3 for _, calls in batches)   # sizes x placements x rounds
     assert events.count(("compute", 1.5e-3)) == 3 * len(batches) == len(events) - len(batches)
+
+
+def test_read_results_reads_every_output_after_each_timed_call_and_no_warm_up(monkeypatch, capsys, tmp_path):
+    """--read-results: after every timed call each rank reads its outputs,
+    untimed (every output of the batch, as many reads as calls), and no
+    warm-up batch runs before a round; refused with --compute-between and
+    off the host."""
+    events = []
+    monkeypatch.setattr(harness, "warm_up", lambda *arguments: events.append(("warm_up",)))
+    monkeypatch.setattr(harness, "read_results", lambda buffers: events.append(("read", len(buffers.outputs))))
+    code, out, report = run_tool(ALLREDUCE, ["--ranks", "2", "-b", "1K", "-e", "4K", "-f", "4", "-n", "3", "-w", "0",
+                                             "--rounds", "2", "--read-results"], capsys, tmp_path)
+    assert code == 0 and report["rows"], out
+    assert ("warm_up",) not in events
+    assert events == [("read", 2)] * (3 * 2 * 2 * 2), events   # calls x rounds x placements x sizes, 2 local ranks
+    for refused in (["--compute-between", "1"], ["--device", "emulated"]):
+        with pytest.raises(SystemExit):
+            harness.parse_args(ALLREDUCE, ["--read-results", *refused])
+    buffers = harness.Buffers([np.zeros(4)], [np.ones(4), np.ones(2)], None)
+    harness.read_results(buffers)   # (host arrays: reads, writes nothing)
