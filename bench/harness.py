@@ -234,10 +234,10 @@ def parse_args(spec, argv=None):
                         "to back after about 20 ms of warm-up calls)")
     p.add_argument("--read-results", action="store_true",
                    help="after each timed call, untimed, every rank reads its outputs (a sum over them, as a "
-                        "training step's optimizer reads its gradients), the call alone timed, and no warm-up "
-                        "calls before a batch: where a peer's core wrote a rank's result, the rank's read brings "
-                        "it over, and the next call writes it there again; host arrays only (default: calls "
-                        "back to back, their outputs never read)")
+                        "training step's optimizer reads its gradients; after each warm-up call too), the calls "
+                        "timed one by one: where a peer's core wrote a rank's result, the rank's read brings it "
+                        "over, and the next call writes it there again; host arrays only (default: calls back "
+                        "to back, their outputs never read)")
     p.add_argument("--bind-to", default="core",
                    help="when the mpi or gloo backend relaunches the benchmark as processes: mpiexec's -bind-to "
                         "(core: rank r on core r mod cores; none; hwthread; hydra's user:C0,C1,...; "
@@ -481,8 +481,9 @@ def measure(backends, spec, args, nbytes, world, progress=None, seeded=None, pla
             for backend, bufs, times in zip(backends, buffers, batches):
                 if progress is not None:
                     progress.at(backend.label)
-                if not args.compute_between and not args.read_results:   # (what a step leaves is what is timed)
-                    warm_up(backend, bufs, world, times[-1] if times else None)
+                if not args.compute_between:   # (after compute, calls come cold: that is what is timed)
+                    warm_up(backend, bufs, world, times[-1] if times else None,
+                            after=(lambda: read_results(bufs)) if args.read_results else None)
                 if seeded is not None and in_place:
                     refill(backend, spec, args, nbytes, bufs, seeded)
                 times.append(timed_batch(backend, bufs, args, world))
@@ -558,14 +559,17 @@ def refill(backend, spec, args, nbytes, buffers, seeded):
 WARM_SECONDS = 20e-3
 
 
-def warm_up(backend, buffers, world, last_per_call):
+def warm_up(backend, buffers, world, last_per_call, after=None):
     """Untimed calls for about WARM_SECONDS, as many on every rank: from
     `last_per_call` (the backend's last batch, the slowest rank's), else
-    from one call timed first; none where a call takes that long anyway."""
+    from one call timed first; none where a call takes that long anyway.
+    `after()` after each, as after each timed call (--read-results)."""
     if last_per_call is None:
         last_per_call = timed_calls(backend, buffers, 1, world)
     for _ in range(warm_calls(last_per_call)):
         backend.run(buffers)
+        if after is not None:
+            after()
 
 
 def warm_calls(per_call):

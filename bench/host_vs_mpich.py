@@ -183,8 +183,8 @@ def parse_args(argv=None):
                         "no warm-up calls before a batch: a training step's collective, which comes after "
                         "compute (bench/harness.py; default 0: calls back to back after 20 ms of warm-up calls)")
     p.add_argument("--read-results", action="store_true",
-                   help="after each timed call every rank reads its outputs, untimed, the call alone timed, no "
-                        "warm-up calls before a batch: a result a peer's core wrote is brought over by its reader "
+                   help="after each call (warm-up calls too) every rank reads its outputs, untimed, the calls "
+                        "timed one by one: a result a peer's core wrote is brought over by its reader "
                         "(bench/harness.py; default: calls back to back, outputs never read)")
     p.add_argument("--floor-from", default=FLOOR_FROM, type=cli.size,
                    help=f"time the memory-copy floor beside the calls of {', '.join(FLOORED)} of this size and larger")
@@ -535,8 +535,8 @@ def time_us_method(args):
                 f"times, each call after {args.compute_between:g} ms of compute (bench/harness.py timed_one_by_one)")
     if args.read_results:
         return ("median over rounds of the batch's time per call: its slowest rank's mean of its calls' own "
-                "times, each call followed, untimed, by the rank's read of its outputs (bench/harness.py "
-                "read_results)")
+                "times, each call followed, untimed, by the rank's read of its outputs, the warm-up calls' "
+                "too (bench/harness.py read_results)")
     return ("median over rounds of the batch's time per call: its slowest rank's time for the batch (barriers "
             "at both ends included) over its calls")
 

@@ -588,19 +588,23 @@ def test_compute_between_puts_compute_before_each_timed_call_and_no_warm_up(monk
     assert events.count(("compute", 1.5e-3)) == 3 * len(batches) == len(events) - len(batches)
 
 
-def test_read_results_reads_every_output_after_each_timed_call_and_no_warm_up(monkeypatch, capsys, tmp_path):
+def test_read_results_reads_every_output_after_each_call_warm_up_calls_too(monkeypatch, capsys, tmp_path):
     """--read-results: after every timed call each rank reads its outputs,
-    untimed (every output of the batch, as many reads as calls), and no
-    warm-up batch runs before a round; refused with --compute-between and
-    off the host."""
+    untimed (every output of the batch, as many reads as calls), and the
+    warm-up before each batch reads after its calls too; refused with
+    --compute-between and off the host."""
     events = []
-    monkeypatch.setattr(harness, "warm_up", lambda *arguments: events.append(("warm_up",)))
+
+    def warm_up(backend, buffers, world, last, after=None):
+        events.append("warm_up")
+        after()
+    monkeypatch.setattr(harness, "warm_up", warm_up)
     monkeypatch.setattr(harness, "read_results", lambda buffers: events.append(("read", len(buffers.outputs))))
     code, out, report = run_tool(ALLREDUCE, ["--ranks", "2", "-b", "1K", "-e", "4K", "-f", "4", "-n", "3", "-w", "0",
                                              "--rounds", "2", "--read-results"], capsys, tmp_path)
     assert code == 0 and report["rows"], out
-    assert ("warm_up",) not in events
-    assert events == [("read", 2)] * (3 * 2 * 2 * 2), events   # calls x rounds x placements x sizes, 2 local ranks
+    batch = ["warm_up", ("read", 2)] + [("read", 2)] * 3   # a warm-up's read, then each of 3 calls', 2 local ranks
+    assert events == batch * (2 * 2 * 2), events   # rounds x placements x sizes
     for refused in (["--compute-between", "1"], ["--device", "emulated"]):
         with pytest.raises(SystemExit):
             harness.parse_args(ALLREDUCE, ["--read-results", *refused])
