@@ -229,6 +229,19 @@ SPREAD_STAGED_MAX_ENV = "COLLECTIVES_SPREAD_STAGED_MAX"
 # 1 MiB rows) took 866 to 903 us in place reading in place, 1158 to 1330
 # staged (MPICH 882 to 929).
 DEFAULT_SPREAD_STAGED_MAX = 2 << 20
+# A broadcast of fewer bytes than this, where the node's ranks have a core
+# each, takes no spread (_shmloop.c, spread_from_root): every reader pulls
+# all of x, and no rank writes into a peer's output. A block the root's
+# core wrote there is still in that core's cache when the reader's code
+# reads it, and the next call's write must take the lines back. On an
+# Intel Xeon VM (2026-12-02), 2 processes pinned, in place, each call's
+# output read after it: 64 KiB 8.5 us spread against 4.2 pulled (MPICH
+# 5.6), 256 KiB 24 against 11.5-12 (12.3-12.8), 512 KiB 27-29 against 23.7,
+# 1 MiB 52-54 against 60-63; back to back, nobody reading, the spread is
+# ahead at every size (256 KiB 7.2 against 11.0, 512 KiB 11.7 against
+# 21.3). With 4 processes on the 2 cores the spread won at 256 KiB either
+# way (in place 52 us against 94 back to back): there it stays.
+BROADCAST_PULL_MAX = 512 << 10
 STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
 # A large allreduce, reduce_scatter or reduce of up to this many bytes per
 # rank may take the loop's staged pipeline even where the single copy was

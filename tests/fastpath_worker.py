@@ -161,6 +161,7 @@ def scenario_collectives(comm, digest):
                     before = x.copy()
                     for how, fast, reference in calls_of(comm, collective, x, root, op):
                         plan_waits, staged = compiled.waits_made, loop._channel.staged_calls   # noqa: SLF001
+                        writes = loop._channel.peer_writes   # noqa: SLF001
                         got = fast()
                         assert compiled.waits_made == plan_waits, f"{collective} {how}: the loop declined the call"
                         if count * itemsize > SIZES.small_max:   # staged where it must be, and only there
@@ -169,6 +170,15 @@ def scenario_collectives(comm, digest):
                             want = loop.large_path == "staged" or spread_staged
                             assert (loop._channel.staged_calls > staged) == want, (   # noqa: SLF001
                                 f"{collective} {how} {x.nbytes} bytes: staged {not want}, expected {want}")
+                            if collective == "broadcast" and loop.large_path == "single-copy":
+                                # below the channel's pull limit every reader pulls all of x and
+                                # nobody writes into a peer; above it the root writes a block into
+                                # every other output (spread_from_root)
+                                wrote = loop._channel.peer_writes > writes   # noqa: SLF001
+                                if x.nbytes < loop._channel.broadcast_pull_max:   # noqa: SLF001
+                                    assert not wrote, f"broadcast {how} {x.nbytes} bytes: wrote into a peer"
+                                elif comm.rank == root:
+                                    assert wrote, f"broadcast {how} {x.nbytes} bytes: the root wrote nothing"
                         want = reference()
                         assert compiled.waits_made > plan_waits, "the reference ran no plan"
                         if collective == "reduce" and comm.rank != root:

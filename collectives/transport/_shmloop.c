@@ -49,10 +49,13 @@ typedef struct {
                                 * per rank stages even where the single copy was agreed (0: never;
                                 * config.LoopTunables.staged_max: folding from cache beat folding what
                                 * a process_vm_readv per block brought in) */
+    size_t broadcast_pull_max; /* a broadcast below this many bytes: every reader pulls all of x, nobody
+                                * writes into a peer (spread_from_root; 0: always spread) */
     size_t staged_spread_max;  /* allgather of up to this many bytes per rank stages even
                                 * where the single copy was agreed (0: never; fastpath.py sets it when
                                 * the ranks outnumber the cores, where staging measured faster) */
     int64_t staged_calls;      /* large calls of the other four run through staging, for the tests */
+    int64_t peer_writes;       /* chunks this rank began writing into peers' outputs, for the tests */
     int64_t steps_taken;       /* calls this channel took (what ran: Communicator.chosen_algorithm's check) */
     int last_step;             /* the step of the last one taken: STEP_MERGED, STEP_SINGLE_COPY or STEP_STAGED */
     char *scratch;          /* the single-copy path's landing space: a chunk per rank */
@@ -414,6 +417,7 @@ static int run_single_copy(Channel *c, const char *in, char *out, size_t itemsiz
             w->failed_peer = -1;
             return ABORTED;
         }
+        c->peer_writes++;
         if (c->test_write_stall > 0)
             stall(c->test_write_stall);
         for (int p = 0; p < n; p++) {
@@ -504,6 +508,7 @@ static int fold_range(Channel *c, const Collective *k, size_t lo, size_t hi, cha
             w->failed_peer = -1;
             return ABORTED;
         }
+        c->peer_writes++;
         if (c->test_write_stall > 0)
             stall(c->test_write_stall);
         status = copy_with_peer(w, root, reduced, load_acquire(&w->rows[root * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
@@ -524,7 +529,14 @@ static int fold_range(Channel *c, const Collective *k, size_t lo, size_t hi, cha
  * idle: with 2 processes the root writes half of the reader's output while
  * the reader reads the other half. Block b of every output is written by
  * rank b alone, and the root's x is only read, so in place needs no other
- * order. */
+ * order.
+ *
+ * Below broadcast_pull_max every reader pulls all of x itself and nobody
+ * writes into a peer: a block another core wrote into a reader's output is
+ * still in that core's cache when the reader's code reads it, and the next
+ * call's write must take the lines back (config.BROADCAST_PULL_MAX says
+ * when that costs more than the root's share saves). */
+
 static int spread_from_root(Channel *c, const Collective *k)
 {
     Waits *w = &c->waits;
@@ -536,6 +548,11 @@ static int spread_from_root(Channel *c, const Collective *k)
     int64_t root_x = load_acquire(&w->rows[root * ROW_SLOTS + IN_ADDR]);
     int root_apart = load_acquire(&w->rows[root * ROW_SLOTS + OUT_ADDR]) != root_x;   /* out of place */
     int targets = n - 1 - (r != root && !root_apart);   /* outputs this rank writes into */
+    if (k->nbytes < c->broadcast_pull_max) {   /* every rank its own output, all of it */
+        lo = 0;
+        hi = k->nbytes;
+        targets = 0;
+    }
     if (r != root && c->test_read_stall > 0)
         stall(c->test_read_stall);
     for (size_t offset = lo; offset < hi; offset += c->chunk) {
@@ -556,6 +573,7 @@ static int spread_from_root(Channel *c, const Collective *k)
             w->failed_peer = -1;
             return ABORTED;
         }
+        c->peer_writes++;
         if (c->test_write_stall > 0)
             stall(c->test_write_stall);
         for (int p = 0; p < n && status == OK; p++)
@@ -1155,7 +1173,7 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", "small", "small_max",
                             "staging", "chunk", "single_copy", "test_write_stall", "test_read_stall",
-                            "staged_spread_max", "merged_max", "staged_max", NULL};
+                            "staged_spread_max", "merged_max", "staged_max", "broadcast_pull_max", NULL};
     unsigned long long header, rows, small, staging;
     unsigned long long small_max, chunk;
     int rank, nranks;
@@ -1163,11 +1181,11 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     double yield_seconds;
     int single_copy = 1;
     double test_write_stall = 0, test_read_stall = 0;
-    unsigned long long staged_spread_max = 0, merged_max = ULLONG_MAX, staged_max = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pddKKK", names, &header, &rows, &rank, &nranks,
+    unsigned long long staged_spread_max = 0, merged_max = ULLONG_MAX, staged_max = 0, broadcast_pull_max = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pddKKKK", names, &header, &rows, &rank, &nranks,
                                      &spin, &yield_seconds, &small, &small_max, &staging, &chunk, &single_copy,
                                      &test_write_stall, &test_read_stall, &staged_spread_max, &merged_max,
-                                     &staged_max))
+                                     &staged_max, &broadcast_pull_max))
         return -1;
     if (nranks < 1 || nranks > 256 || rank < 0 || rank >= nranks || chunk == 0 || chunk % 64) {
         PyErr_SetString(PyExc_ValueError, "a channel has 1 to 256 ranks and chunks of a multiple of 64 bytes");
@@ -1196,7 +1214,9 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     c->test_read_stall = test_read_stall;
     c->staged_spread_max = (size_t)staged_spread_max;
     c->staged_max = (size_t)staged_max;
+    c->broadcast_pull_max = (size_t)broadcast_pull_max;
     c->staged_calls = 0;
+    c->peer_writes = 0;
     Py_XSETREF(c->allreduce_name, PyUnicode_InternFromString("allreduce"));
     if (c->allreduce_name == NULL)
         return -1;
@@ -1330,6 +1350,16 @@ static PyObject *Channel_staged_calls(Channel *c, void *Py_UNUSED(closure))
     return PyLong_FromLongLong(c->staged_calls);
 }
 
+static PyObject *Channel_peer_writes(Channel *c, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLongLong(c->peer_writes);
+}
+
+static PyObject *Channel_broadcast_pull_max(Channel *c, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(c->broadcast_pull_max);
+}
+
 static PyObject *Channel_steps_taken(Channel *c, void *Py_UNUSED(closure))
 {
     return PyLong_FromLongLong(c->steps_taken);
@@ -1352,6 +1382,10 @@ static PyGetSetDef Channel_getset[] = {
      "single copy was agreed (0: never); every rank sets the same value between the same two calls", NULL},
     {"staged_calls", (getter)Channel_staged_calls, NULL,
      "large calls of reduce_scatter, allgather, broadcast and reduce run through staging so far", NULL},
+    {"peer_writes", (getter)Channel_peer_writes, NULL,
+     "chunks this rank began writing into peers' outputs so far (allreduce, reduce, broadcast)", NULL},
+    {"broadcast_pull_max", (getter)Channel_broadcast_pull_max, NULL,
+     "a broadcast below this many bytes: every reader pulls all of x, nobody writes into a peer", NULL},
     {"large_path", (getter)Channel_large_path, NULL,
      "how large messages move: single-copy, staged (some rank cannot read and write another's memory, or "
      "COLLECTIVES_FAST_SINGLE_COPY=0), or undecided before the first", NULL},

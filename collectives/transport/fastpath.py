@@ -60,7 +60,8 @@ import numpy as np
 
 from ..errors import CollectiveError
 from ..ops import ReduceOp, as_dtype
-from ..config import DEFAULT_STAGED_MAX, STAGED_MAX_ENV, resolve_fast_path, resolve_fast_single_copy, resolve_loop_tunables
+from ..config import (BROADCAST_PULL_MAX, DEFAULT_STAGED_MAX, STAGED_MAX_ENV, resolve_fast_path,
+                      resolve_fast_single_copy, resolve_loop_tunables)
 from . import probe
 from .failures import raise_wait_failure
 from .layout import HEADER, ROW, small_area
@@ -197,7 +198,8 @@ class FastCollectives:
             chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=tunables.test_write_stall,
             test_read_stall=tunables.test_read_stall, staged_spread_max=staged_spread_max,
             merged_max=self.merged_max,
-            staged_max=DEFAULT_STAGED_MAX if tunables.staged_max is None else tunables.staged_max)
+            staged_max=DEFAULT_STAGED_MAX if tunables.staged_max is None else tunables.staged_max,
+            broadcast_pull_max=0 if oversubscribed else BROADCAST_PULL_MAX)
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
         self.collective = self._channel.shortcut
