@@ -112,6 +112,9 @@ class Plan(NamedTuple):
     # segmented_plan's plans: the elements of WORK one segment takes (every
     # run of the segment plan but a shorter last one); WORK holds no more. 0: one run.
     segment: int = 0
+    # pushed_plan's plans: a rank's table also holds rows whose destination
+    # is a peer's OUTPUT, which it writes into the peer's process.
+    pushes: bool = False
 
 
 class BlockLayout:
@@ -458,6 +461,110 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
     phases[1] = phases[1]._replace(waits=waits1)
     phases[2] = phases[2]._replace(waits=waits2)
     return plan._replace(phases=tuple(phases), single_copy=True)
+
+
+# The folds whose single copy can push (pushed_plan), and the bytes of a
+# reduced chunk each rank folds and pushes at a time: the compiled loop's
+# chunk, a slice that stays in cache between its fold and its writes.
+PUSHED_FOLDS = (ALLREDUCE,)
+PUSH_SLICE_BYTES = 256 << 10
+
+
+@functools.lru_cache(maxsize=256)
+def pushed_plan(collective, nranks, count, dtype, op, root=0, in_place=False, algorithm="two_shot"):
+    """The single copy of a fold whose reduced chunks every rank receives
+    (PUSHED_FOLDS: two_shot allreduce), with the reducer writing them into
+    its peers' outputs instead of each peer copying them out of its
+    workspace (single_copy_plan's PEERS_READ_INPUT form):
+
+        1  rank r folds chunk r of every input (a peer's read in place)
+           into chunk r of its own output, a slice at a time, and writes
+           each slice, still in cache, into chunk r of every peer's output
+        2  nothing: every rank waits until every peer has completed
+           phase 1 (its reads of this rank's input and its writes into
+           this rank's output are done) before it returns
+
+    Derived from the algorithm's OUT_OF_PLACE (in place: IN_PLACE) binding,
+    proved by binding.py's symbolic run, whose phase 2 copies chunk r of
+    rank r's output into the peers' outputs: each such copy moves to the
+    end of its source rank's phase 1, which holds because (checked here)
+    its source was written in phase 1 by its own rank and by nothing after,
+    and its destination is touched in phase 1 by no rank but the pusher,
+    which reads it (in place) before it writes it. Every rank reads every
+    peer's input and writes every peer's output, so phase 1 waits for
+    every peer's phase 0 (its addresses are this call's). Out of place only
+    where a refused read or write may yet fall back to the staged plan:
+    this form writes outputs in phase 1 (in place, the inputs).
+    ValueError where the binding does not give that form."""
+    if collective not in PUSHED_FOLDS or algorithm not in SINGLE_COPY_ALGORITHMS.get(collective, ()):
+        raise ValueError(f"pushed_plan serves {PUSHED_FOLDS} by {SINGLE_COPY_ALGORITHMS}, "
+                         f"not {collective!r} by {algorithm!r}")
+    dtype = np.dtype(dtype)
+    binding = bindings.IN_PLACE if in_place else bindings.OUT_OF_PLACE
+    plan = build_plan(collective, algorithm, nranks, count, dtype, op, root, binding)
+    phases = plan.phases
+    if len(phases) < 3 or len(phases[0].table) or any(len(phase.table) for phase in phases[3:]):
+        raise ValueError(f"pushed_plan: {collective}'s plan is not of three phases, the first empty")
+    folds, copies = phases[1].table, phases[2].table
+    for row in folds:
+        if row[DST_BUF] != OUTPUT or row[KIND] == COPY_OP or \
+                any(row[SRC0 + 3 * s + 1] != INPUT for s in range(int(row[NSRC]))):
+            raise ValueError(f"pushed_plan: {collective}'s phase 1 has a row other than a fold into OUTPUT")
+
+    def span(rank, offset, elements):
+        return int(rank), int(offset), int(offset) + int(elements)
+
+    def overlaps(a, b):
+        return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+    folded = [span(row[RANK], row[DST_OFF], row[COUNT]) for row in folds]
+    pushes = [[] for _ in range(nranks)]   # per pushing rank: (destination rank, start, stop)
+    for row in copies:
+        owner, buffer, start = (int(v) for v in row[SRC0:SRC0 + 3])
+        source, target = span(owner, start, row[COUNT]), span(row[RANK], row[DST_OFF], row[COUNT])
+        if row[KIND] != COPY_OP or row[NSRC] != 1 or buffer != OUTPUT or owner == row[RANK] \
+                or int(row[DST_OFF]) != start:
+            raise ValueError(f"pushed_plan: {collective}'s phase 2 has a row other than a copy of a peer's OUTPUT")
+        if not any(f[0] == owner and f[1] <= source[1] and source[2] <= f[2] for f in folded) or \
+                any(overlaps(source, span(r[RANK], r[DST_OFF], r[COUNT])) for r in copies):
+            raise ValueError(f"pushed_plan: {collective} copies a chunk its owner did not fold in phase 1, or "
+                             "that phase 2 writes")
+        touched = [(int(r[RANK]), span(r[RANK], r[DST_OFF], r[COUNT])) for r in folds] + \
+                  [(int(r[RANK]), span(r[SRC0 + 3 * s], r[SRC0 + 3 * s + 2], r[COUNT]))
+                   for r in folds for s in range(int(r[NSRC])) if in_place]
+        if any(rank != owner and overlaps(target, region) for rank, region in touched):
+            raise ValueError(f"pushed_plan: {collective}'s phase 1 touches on another rank what a push writes")
+        pushes[owner].append(target)
+    slice_elements = max(1, PUSH_SLICE_BYTES // dtype.itemsize)
+    rows_by_rank = []
+    for rank in range(nranks):
+        rows = []
+        for row in folds[folds[:, RANK] == rank]:
+            for at in range(int(row[DST_OFF]), int(row[DST_OFF] + row[COUNT]), slice_elements):
+                stop = min(at + slice_elements, int(row[DST_OFF] + row[COUNT]))
+                shift = at - int(row[DST_OFF])
+                piece = row.copy()
+                piece[COUNT] = stop - at
+                piece[DST_OFF] = at
+                for s in range(int(row[NSRC])):
+                    piece[SRC0 + 3 * s + 2] += shift
+                rows.append(piece)
+                for target_rank, start, end in pushes[rank]:
+                    lo, hi = max(start, at), min(end, stop)
+                    if lo < hi:
+                        push = np.full_like(row, -1)
+                        push[:SRC0 + 3] = (target_rank, COPY_OP, hi - lo, OUTPUT, lo, 1, rank, OUTPUT, lo)
+                        rows.append(push)
+        table = np.array(rows, np.int64).reshape(-1, folds.shape[1])
+        table.setflags(write=False)
+        rows_by_rank.append(table)
+    everyone = [{q: 1 for q in range(nranks) if q != r} for r in range(nranks)]
+    phase1 = Phase(np.concatenate(rows_by_rank), tuple(rows_by_rank),
+                   tuple(_at_least(phases[1].waits[r], everyone[r]) for r in range(nranks)))
+    empty = phases[2].table[:0]
+    phase2 = Phase(empty, tuple(empty for _ in range(nranks)),
+                   tuple(_at_least(phases[2].waits[r], {q: 2 for q in everyone[r]}) for r in range(nranks)))
+    return plan._replace(phases=(phases[0], phase1, phase2, *phases[3:]), single_copy=True, pushes=True)
 
 
 # The collectives a call of which is the same call on segments of its

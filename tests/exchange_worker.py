@@ -133,8 +133,9 @@ def scenario_folds(comm):
     each fold a chunk into their workspace for the root, or every rank, to
     copy; and direct's reduce, whose root folds everything); in place
     staged (plan.single_copy_plan says why), but allreduce in one copy too;
-    then a read refused, in an allreduce in place (x must be intact for
-    the staged rerun) and a reduce_scatter, each run staged on every rank."""
+    then a read refused, in an allreduce out of place (pushed: its peers
+    push into the refusing rank) and a reduce_scatter, each run staged on
+    every rank (a refused read in place: scenario_pushes_probe_refused)."""
     runs = counting_single_copies()
     r, n = comm.rank, comm.size
     k = (512 << 10) // 4 + 1000   # float32 and float64: a block past one slice of a peer's input
@@ -182,9 +183,7 @@ def scenario_folds(comm):
             _host_plan.test_refuse_reads(True)
         xs = [data(12, q, np.float32, n * k) for q in range(n)]
         want = reference.allreduce([x.copy() for x in xs], algorithm="two_shot")
-        x = xs[r].copy()
-        same_bits(comm.allreduce(x), want[r], "the refused allreduce in place")
-        same_bits(x, want[r], "the refused allreduce in place, x")
+        same_bits(comm.allreduce(xs[r].copy(), out=np.empty(n * k, np.float32)), want[r], "the refused allreduce")
         assert comm._ranks._refused and len(runs) == single_copies + 1   # noqa: SLF001
         want = reference.reduce_scatter([x.copy() for x in xs], algorithm="direct")
         same_bits(comm.reduce_scatter(xs[r].copy(), out=np.empty(k, np.float32)), want[r],
@@ -215,6 +214,125 @@ def scenario_refused(comm):
         for what, got, want in calls(comm, reference, 5):
             same_bits(got, want, f"{what} after the refusal")
         assert len(runs) == 1, len(runs)
+
+
+def scenario_pushes(comm):
+    """allreduce on the plans' path (the test turns the loop off) pushes
+    (plan.pushed_plan): in place, the first call reads (the read form, whose
+    probe finds that every rank may push) and every later one pushes; out
+    of place, every call pushes; the interpreter's bits. Then rank 1's
+    pushes are refused: out of place, after its peers have pushed into it,
+    every rank runs the call again staged, with the same bits; in place
+    (the refusal forgotten, white-box), every rank raises, x being partly
+    overwritten."""
+    runs = counting_single_copies()
+    r, n = comm.rank, comm.size
+    compiled = comm._ranks._single   # noqa: SLF001
+    assert compiled.pushes_reached == 0, compiled.pushes_reached
+    k = (600 << 10) // 4   # past a push slice on each rank
+    cases = [(20, np.float32, "sum"), (21, np.int16, "max"), (22, np.float64, "avg")]
+    with collectives.Communicator.local(n) as reference:
+        for in_place in (True, False):
+            for seed, dtype, op in cases:
+                xs = [data(seed, q, dtype, n * k) for q in range(n)]
+                if np.dtype(dtype).kind == "f":
+                    xs = [np.random.default_rng([seed, q]).standard_normal(n * k).astype(dtype) for q in range(n)]
+                want = reference.allreduce([x.copy() for x in xs], op=op, algorithm="two_shot")
+                x = xs[r].copy()
+                got = comm.allreduce(x, op=op, out=None if in_place else np.empty(n * k, dtype))
+                same_bits(got, want[r], f"allreduce {op} {'in place' if in_place else ''}")
+                same_bits(x, want[r] if in_place else xs[r], "x")
+                first = in_place and seed == cases[0][0]
+                assert compiled.last_plan.pushes == (not first), (in_place, seed)
+                assert compiled.pushes_reached == 1, compiled.pushes_reached
+        assert len(runs) == 2 * len(cases), runs
+        if r == 1:
+            _host_plan.test_refuse_pushes(True)
+        xs = [data(23, q, np.float32, n * k) for q in range(n)]
+        want = reference.allreduce([x.copy() for x in xs], algorithm="two_shot")
+        same_bits(comm.allreduce(xs[r].copy(), out=np.empty(n * k, np.float32)), want[r], "the refused allreduce")
+        assert comm._ranks._refused and len(runs) == 2 * len(cases) + 1, runs   # noqa: SLF001
+        assert comm.chosen_algorithm("allreduce", 4 * n * k, dtype=np.float32).path == "compiled_plan"
+        comm._ranks._refused = False   # noqa: SLF001 - as if the refusal had not been seen
+        try:
+            comm.allreduce(xs[r].copy())
+        except collectives.CollectiveError as error:
+            assert "x is partly overwritten" in str(error), error
+        else:
+            raise AssertionError("a refused in-place push did not raise")
+        assert comm._ranks._refused   # noqa: SLF001
+        same_bits(comm.allreduce(xs[r].copy()), want[r], "the in-place allreduce after the refusal")
+
+
+def scenario_pushes_probe_refused(comm):
+    """Rank 1 may not write into its peers: the read form's probe finds it
+    in the first in-place allreduce (the plans' path, the loop off), every
+    rank's pushes_reached is -1, and in-place calls keep reading, with the
+    interpreter's bits; then rank 1 may not read either: an in-place call
+    is refused before it wrote any x, which the staged rerun reads whole."""
+    r, n = comm.rank, comm.size
+    compiled = comm._ranks._single   # noqa: SLF001
+    if r == 1:
+        _host_plan.test_refuse_pushes(True)
+    k = (300 << 10) // 4
+    with collectives.Communicator.local(n) as reference:
+        for seed in (30, 31):
+            xs = [data(seed, q, np.int32, n * k) for q in range(n)]
+            want = reference.allreduce([x.copy() for x in xs], algorithm="two_shot")
+            x = xs[r].copy()
+            same_bits(comm.allreduce(x), want[r], "allreduce in place")
+            same_bits(x, want[r], "x")
+            assert not compiled.last_plan.pushes and compiled.pushes_reached == -1, compiled.pushes_reached
+        assert not comm._ranks._refused   # noqa: SLF001
+        if r == 1:
+            _host_plan.test_refuse_reads(True)
+        x = xs[r].copy()
+        same_bits(comm.allreduce(x), want[r], "the refused allreduce in place")
+        same_bits(x, want[r], "the refused allreduce in place, x")
+        assert comm._ranks._refused   # noqa: SLF001
+
+
+# pushes_fenced: rank 1 holds each push this long inside its window; rank 0
+# gives up after PUSH_FENCED_TIMEOUT, by when rank 1 is inside its first push.
+PUSH_FENCED_STALL = 2.5
+PUSH_FENCED_TIMEOUT = 0.8
+
+
+def scenario_pushes_fenced(comm):
+    """Rank 0 gives up while rank 1 is inside its first push into rank 0's
+    output (an allreduce out of place on the plans' path, the loop off):
+    the failed call raises only once that push is done (the executor's
+    fence), so rank 0's output does not change after the call raised;
+    rank 1 learns of the abort before its next push."""
+    count = (4 << 20) // 4
+    x = np.ones(count, np.float32)
+    out = np.zeros_like(x)
+    if comm.rank == 0:
+        comm.timeout = PUSH_FENCED_TIMEOUT
+    else:
+        _host_plan.test_stall_writes(PUSH_FENCED_STALL)
+    start = time.perf_counter()
+    try:
+        comm.allreduce(x, out=out)
+    except collectives.CollectiveError as error:
+        if comm.rank == 1:
+            assert "aborted" in str(error) and "timed out" in str(error), error
+            return
+        assert "timed out waiting for rank 1" in str(error) and "still writing" not in str(error), error
+    else:
+        raise AssertionError("the call completed although rank 0 gave up")
+    assert time.perf_counter() - start >= PUSH_FENCED_STALL - 0.1, "raised before rank 1's push was done"
+    pushed = out[count // 2: count // 2 + plan_slice()]
+    assert (pushed == 2).all(), pushed[:4]   # rank 1's held slice landed before the call raised ...
+    after_the_call = out.copy()
+    time.sleep(PUSH_FENCED_STALL + 0.5)
+    changed = np.flatnonzero(out != after_the_call)   # ... and nothing after it
+    assert changed.size == 0, f"{changed.size} elements changed after the call raised, from {changed[0]}"
+
+
+def plan_slice():
+    from collectives.plan import PUSH_SLICE_BYTES
+    return PUSH_SLICE_BYTES // 4
 
 
 def scenario_slow_readers(comm):

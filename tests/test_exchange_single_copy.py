@@ -133,6 +133,53 @@ def test_a_two_shot_allreduce_folds_a_chunk_into_each_workspace_and_every_rank_c
     assert not any(len(phase.table) for phase in plan.phases[3:])
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_pushed_allreduce_folds_each_chunk_once_and_its_folder_writes_it_into_every_peers_output(n, in_place):
+    """plan.pushed_plan: phase 1, rank r folds chunk r of every rank's
+    INPUT (rank order, every element read once) into its own OUTPUT, a
+    slice of at most PUSH_SLICE_BYTES at a time, and after each slice's
+    fold pushes that slice into every peer's OUTPUT (rows in its own table
+    whose RANK is the peer); every element of every output is written
+    once, by the rank that folded it. Phase 1 waits for every peer's phase
+    0 (its addresses), phase 2 for every peer's phase 1 (its pushes into
+    this rank are done) and has no rows."""
+    itemsize = 4
+    count = 3 * plans.PUSH_SLICE_BYTES // itemsize * n // 2 + 7   # several slices per chunk, and a tail
+    plan = plans.pushed_plan("allreduce", n, count, np.dtype(np.float32), "avg", 0, in_place)
+    assert plan.single_copy and plan.pushes and len(plan.phases) >= 3 and not len(plan.phases[0].table)
+    assert not any(len(phase.table) for phase in plan.phases[2:])
+    read, written = np.zeros((n, count), int), np.zeros((n, count), int)
+    folded = np.full(count, -1)
+    slice_elements = plans.PUSH_SLICE_BYTES // itemsize
+    for rank, rows in enumerate(plan.phases[1].rows_by_rank):
+        last_fold = None
+        for row in rows:
+            start, stop = int(row[plans.DST_OFF]), int(row[plans.DST_OFF] + row[plans.COUNT])
+            assert row[plans.DST_BUF] == plans.OUTPUT
+            if row[plans.RANK] == rank:   # a fold, into this rank's own output
+                assert row[plans.KIND] == plans.REDUCE_FINAL_OP and stop - start <= slice_elements
+                assert [int(row[plans.SRC0 + 3 * s]) for s in range(row[plans.NSRC])] == list(range(n))
+                for s in range(row[plans.NSRC]):
+                    peer, buffer, offset = (int(v) for v in row[plans.SRC0 + 3 * s: plans.SRC0 + 3 * s + 3])
+                    assert buffer == plans.INPUT and offset == start
+                    read[peer, start:stop] += 1
+                folded[start:stop] = rank
+                last_fold = (start, stop)
+            else:   # a push of the slice just folded
+                assert row[plans.KIND] == plans.COPY_OP and row[plans.NSRC] == 1
+                assert tuple(int(v) for v in row[plans.SRC0:plans.SRC0 + 3]) == (rank, plans.OUTPUT, start)
+                assert last_fold[0] <= start and stop <= last_fold[1]
+            written[int(row[plans.RANK]), start:stop] += 1
+            assert (folded[start:stop] == rank).all()
+        assert {peer for peer, done in plan.phases[1].waits[rank] if done >= 1} == set(range(n)) - {rank}
+        assert {peer for peer, done in plan.phases[2].waits[rank] if done >= 2} == set(range(n)) - {rank}
+    assert (read == 1).all() and (written == 1).all()
+    assert sorted(set(folded.tolist())) == list(range(n))
+    with pytest.raises(ValueError, match="pushed_plan serves"):
+        plans.pushed_plan("reduce", n, count, np.dtype(np.float32), "sum", 0, False)
+
+
 @pytest.mark.parametrize("collective", ["gather", "scatter", "all_to_all"])
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_staged_plans_move_a_block_only_its_rank_needs_once_or_not_at_all(collective, n):
@@ -197,6 +244,28 @@ def test_the_folds_on_the_plans_fold_peers_inputs_in_one_copy_with_the_interpret
     peers' inputs read in place, slice by slice (_host_plan.c's fold_peers)."""
     oks, report = run(n, "folds", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"})
     assert len(oks) == n, report
+
+
+@pytest.mark.mpi
+@needs_the_executor
+def test_a_pushed_allreduce_gives_the_interpreters_bits_and_a_refused_push_falls_back_on_every_rank():
+    oks, report = run(3, "pushes", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"})
+    assert len(oks) == 3, report
+
+
+@pytest.mark.mpi
+@needs_the_executor
+def test_where_a_rank_may_not_push_allreduce_in_place_keeps_reading():
+    oks, report = run(2, "pushes_probe_refused", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"})
+    assert len(oks) == 2, report
+
+
+@pytest.mark.mpi
+@needs_the_executor
+def test_a_failed_call_returns_only_once_no_peer_pushes_into_its_output():
+    oks, report = run(2, "pushes_fenced", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"},
+                      flags=["-disable-auto-cleanup"])
+    assert len(oks) == 2, report
 
 
 @pytest.mark.mpi

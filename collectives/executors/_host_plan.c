@@ -25,7 +25,7 @@
  *
  * The same waits, counters and signatures as the interpreter's ProcessGroup.run,
  * so ranks on either executor run one call together. It writes only this
- * rank's own memory. The GIL is released for the whole run (the waits
+ * rank's own memory, but for a single-copy plan's pushes (below). The GIL is released for the whole run (the waits
  * take it back briefly to run Python's signal handlers).
  */
 
@@ -59,6 +59,7 @@ typedef struct {
     const int64_t *bases, *generations;
     PyObject *last;                 /* the Python plan of the last call run (CompiledPlans.last_plan), or None */
     char *peer_slices;              /* a single-copy fold's slices of peers' inputs (see "Single copy") */
+    int pushes_reached;             /* 0: not known; 1: every rank may push into every peer; -1: not (see "Single copy") */
     size_t peer_slices_bytes;
     struct Repeats *repeats;        /* a repeated call's shortcut (see "Repeats" below), or NULL */
 } Runner;
@@ -72,7 +73,8 @@ typedef struct {
     char *input, *output;
     int64_t scratch_offset, workspace_bytes;
     int type, op, nranks;
-    int single_copy;            /* a plan that reads peers' inputs in place (see "Single copy" below) */
+    int single_copy;            /* a plan that reads peers' inputs in place: SINGLE_COPY_* (see "Single copy" below) */
+    int *pushes_reached;        /* the runner's verdict on pushes (Runner.pushes_reached) */
     size_t itemsize;
     char **peer_slices;         /* the runner's buffer for a fold's reads, and its size (grown here) */
     size_t *peer_slices_bytes;
@@ -82,34 +84,56 @@ typedef struct {
  *
  * The single-copy plans (plan.single_copy_plan) read peers' INPUT straight
  * out of their processes (process_vm_readv): an exchange's copy row into
- * this rank's own memory, a fold's row (reduce_scatter, reduce) in slices
- * (PEER_SLICE_MAX bytes at most) into the runner's buffer, one per peer
- * source, which it folds with its own sources in the row's order (the same
- * bits as the staged plan's fold of the same sources); every row still
- * writes only its own rank's memory.
+ * this rank's own memory, a fold's row (reduce_scatter, reduce, allreduce)
+ * in slices (PEER_SLICE_MAX bytes at most) into the runner's buffer, one
+ * per peer source, which it folds with its own sources in the row's order
+ * (the same bits as the staged plan's fold of the same sources). A pushed
+ * plan (plan.pushed_plan) also has push rows: a row in this rank's table
+ * whose destination is a peer's OUTPUT (its RANK another rank), copied out
+ * of this rank's own memory into the peer's process (process_vm_writev),
+ * under shm_waits.h's rule for writes into peers (WRITING, the fence).
  * They have three phases, and the executor adds to each:
  *
- *   0  publish this call's input address (the row's IN_ADDR) and "not
- *      refused" (OUT_ADDR 0) with the counter;
- *   1  the reads: a peer's INPUT is read once the peer has completed
- *      phase 0 (its address is this call's). A read the kernel refuses
- *      (EPERM: another user, a ptrace restriction, a seccomp rule)
- *      raises OUT_ADDR to 1 and ends the phase's rows;
+ *   0  publish this call's input and output addresses (the row's IN_ADDR
+ *      and OUT_ADDR, "not refused": REFUSED_FLAG clear) with the counter;
+ *   1  the reads, and pushes: a peer's INPUT is read, or its OUTPUT
+ *      written, once the peer has completed phase 0 (its addresses are
+ *      this call's). A read or write the kernel refuses (EPERM: another
+ *      user, a ptrace restriction, a seccomp rule) sets REFUSED_FLAG in
+ *      OUT_ADDR and ends the phase's rows;
  *   2  every rank waits for every peer to have completed phase 1 (no
  *      reader is left in its input, which it may then overwrite or hand
- *      back to its caller), then looks at every rank's OUT_ADDR: one
- *      raised, and every rank returns REFUSED before any row of phase 2
- *      (nothing of the input overwritten), and Python runs the call
- *      again on the staged plan. Else this phase's local rows (in place:
- *      the blocks read into SCRATCH copied over the input).
+ *      back to its caller, and no writer in its output), then looks at
+ *      every rank's REFUSED_FLAG: one set, and every rank returns REFUSED
+ *      before any row of phase 2 (nothing of the input overwritten: a
+ *      pushed plan writes only outputs apart from inputs before it), and
+ *      Python runs the call again on the staged plan, which writes every
+ *      output whole. Else this phase's local rows (in place: the blocks
+ *      read into SCRATCH copied over the input).
  *
  * (IN_ADDR and OUT_ADDR are the compiled loop's slots too: a call of either
  * engine sets them before any peer reads them.) */
-/* Set by the tests alone: every read is refused (test_refuse_reads), or
+#define REFUSED_FLAG ((int64_t)1 << 62)   /* above any user-space address */
+#define PUSH_REFUSED_FLAG ((int64_t)1 << 61)
+/* Plan(single_copy=): none, reads, reads and a probe of pushes, pushes. A
+ * plan that probes (the read form of a fold that can push: allreduce, in
+ * place before the ranks know pushes work) ends its phase 1 with a write
+ * into every peer's output of the 8 bytes it just read there: in that
+ * form's phase 1 no rank writes any output, so the bytes stay what they
+ * were. A write refused sets PUSH_REFUSED_FLAG, which refuses nothing of
+ * the call. At phase 2's verdict, a plan that probes or pushes sets the
+ * runner's pushes_reached, on every rank alike: 1 where no rank's push or
+ * probe was refused, else -1; Python then takes the pushed plan in place
+ * (which writes inputs in phase 1, so may no longer fall back) only at 1. */
+enum { SINGLE_COPY_NONE = 0, SINGLE_COPY_READS = 1, SINGLE_COPY_PROBES = 2, SINGLE_COPY_PUSHES = 3 };
+/* Set by the tests alone: every read and push is refused (test_refuse_reads),
+ * every push only (test_refuse_pushes), or
  * held this long before it starts (test_stall_reads: a rank that returned
  * before its readers were done would have its input overwritten under them). */
 static int refuse_for_tests;
+static int refuse_pushes_for_tests;
 static double read_stall_for_tests;
+static double write_stall_for_tests;   /* each push held this long inside its WRITING window (the fence's tests) */
 
 /* Copy `nbytes` out of peer `peer`'s process at `remote` into `local`:
  * OK, REFUSED, PEER_DEAD, ABORTED (a peer that aborted may have handed its
@@ -149,6 +173,81 @@ static int read_peer(Waits *w, int peer, char *local, int64_t remote, size_t nby
         remote += got;
         nbytes -= (size_t)got;
     }
+    return OK;
+}
+
+/* Copy `nbytes` at `local` into peer `peer`'s output at byte `offset`
+ * (process_vm_writev), inside this rank's WRITING window: OK, REFUSED,
+ * PEER_DEAD, ABORTED (the communicator was aborted: its ranks may have
+ * handed their buffers back), or WRITE_FAILED with the errno. */
+static int push_to_peer(Waits *w, int peer, const char *local, int64_t offset, size_t nbytes)
+{
+    if ((refuse_for_tests || refuse_pushes_for_tests) && nbytes > 0) {
+        w->failed_peer = peer;
+        return REFUSED;
+    }
+    if (!begin_writes(w)) {
+        w->failed_peer = -1;
+        return ABORTED;
+    }
+    if (write_stall_for_tests > 0)
+        sleep_seconds(write_stall_for_tests);
+    pid_t pid = (pid_t)load_acquire(&w->rows[peer * ROW_SLOTS + PID]);
+    int64_t remote = (load_acquire(&w->rows[peer * ROW_SLOTS + OUT_ADDR]) & ~REFUSED_FLAG & ~PUSH_REFUSED_FLAG) + offset;
+    int status = OK;
+    while (nbytes > 0) {
+        struct iovec here = {(void *)local, nbytes}, there = {(void *)(uintptr_t)remote, nbytes};
+        ssize_t put = process_vm_writev(pid, &here, 1, &there, 1, 0);
+        if (put <= 0) {
+            int error = put < 0 ? errno : 0;
+            if (error == EINTR)
+                continue;
+            w->failed_peer = peer;
+            w->failed_have = error;
+            w->failed_need = (int64_t)nbytes;
+            if (error == ESRCH || !process_alive(pid))
+                status = PEER_DEAD;
+            else if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
+                w->failed_peer = -1;
+                status = ABORTED;
+            } else
+                status = error == EPERM || error == ENOSYS ? REFUSED : WRITE_FAILED;
+            break;
+        }
+        local += put;
+        remote += put;
+        nbytes -= (size_t)put;
+    }
+    end_writes(w);
+    return status;
+}
+
+/* A plan that probes (SINGLE_COPY_PROBES): the 8 bytes at the start of
+ * every peer's output, read and written back unchanged; PUSH_REFUSED_FLAG
+ * where the kernel refuses either. OK, or ABORTED (the communicator was
+ * aborted: no write made). */
+static int probe_pushes(Waits *w)
+{
+    int64_t *mine = &w->rows[w->rank * ROW_SLOTS];
+    if (!begin_writes(w)) {
+        w->failed_peer = -1;
+        return ABORTED;
+    }
+    int reached = !(refuse_for_tests || refuse_pushes_for_tests);
+    for (int q = 0; q < w->nranks && reached; q++) {
+        if (q == w->rank)
+            continue;
+        char bytes[8];
+        pid_t pid = (pid_t)load_acquire(&w->rows[q * ROW_SLOTS + PID]);
+        struct iovec here = {bytes, sizeof bytes};
+        struct iovec there = {(void *)(uintptr_t)(load_acquire(&w->rows[q * ROW_SLOTS + OUT_ADDR]) & ~REFUSED_FLAG
+                                                   & ~PUSH_REFUSED_FLAG), sizeof bytes};
+        reached = process_vm_readv(pid, &here, 1, &there, 1, 0) == (ssize_t)sizeof bytes
+                  && process_vm_writev(pid, &here, 1, &there, 1, 0) == (ssize_t)sizeof bytes;
+    }
+    end_writes(w);
+    if (!reached)
+        __atomic_fetch_or(&mine[OUT_ADDR], PUSH_REFUSED_FLAG, __ATOMIC_RELEASE);   /* published with the counter */
     return OK;
 }
 
@@ -241,7 +340,8 @@ static int fold_peers(Waits *w, const Call *call, int me, const int64_t *row, ch
 
 /* Run rows [first, last) of the table. BAD_PLAN where a row names memory
  * this rank cannot address (a peer's INPUT, but in a single-copy plan's
- * copy or fold) or has more sources than the loop takes. */
+ * copy or fold; a peer's OUTPUT, but as a single-copy plan's push of this
+ * rank's own memory) or has more sources than the loop takes. */
 static int run_rows(Waits *w, const Call *call, int me, int64_t first, int64_t last)
 {
     const char *srcs[MAX_SOURCES];
@@ -249,6 +349,16 @@ static int run_rows(Waits *w, const Call *call, int me, int64_t first, int64_t l
         const int64_t *row = call->rows + i * call->width;
         int64_t nsrc = row[NSRC];
         size_t nbytes = (size_t)row[COUNT] * call->itemsize;
+        if (row[RANK] != me) {   /* a push: this rank's memory into the peer's OUTPUT */
+            const char *src = nsrc == 1 && row[SRC0] == me ? address(call, me, me, row[SRC0 + 1], row[SRC0 + 2]) : NULL;
+            if (!call->single_copy || row[KIND] != COPY_OP || row[DST_BUF] != OUTPUT || src == NULL
+                || row[RANK] < 0 || row[RANK] >= call->nranks)
+                return BAD_PLAN;
+            int status = push_to_peer(w, (int)row[RANK], src, row[DST_OFF] * (int64_t)call->itemsize, nbytes);
+            if (status != OK)
+                return status;
+            continue;
+        }
         char *dst = address(call, me, row[RANK], row[DST_BUF], row[DST_OFF]);
         if (dst == NULL || nsrc < 1 || nsrc > MAX_SOURCES || SRC0 + 3 * nsrc > call->width)
             return BAD_PLAN;
@@ -331,25 +441,33 @@ static int run_phases(Waits *w, const Call *call, int64_t start_phase, int64_t b
             mine[SIG] = signature;
             if (call->single_copy) {   /* published with the counter below */
                 mine[IN_ADDR] = (int64_t)(uintptr_t)call->input;
-                mine[OUT_ADDR] = 0;
+                mine[OUT_ADDR] = (int64_t)(uintptr_t)call->output;
             }
         }
         if (call->single_copy && p == 2) {   /* every peer is done reading: the verdict */
             for (int q = 0; q < call->nranks; q++)
-                if (load_acquire(&w->rows[q * ROW_SLOTS + OUT_ADDR]) != 0) {
+                if (load_acquire(&w->rows[q * ROW_SLOTS + OUT_ADDR]) & REFUSED_FLAG) {
                     /* the call ends here, its rows unrun: counted whole, so that the staged call
                      * that follows waits until every peer has looked at the verdict (and at SIGs) */
                     publish(mine, COUNTER, base + call->phases);
                     w->failed_peer = q;
                     return REFUSED;
                 }
+            if (call->single_copy >= SINGLE_COPY_PROBES) {   /* (a pushed plan got here with every push made) */
+                *call->pushes_reached = 1;
+                for (int q = 0; q < call->nranks; q++)
+                    if (load_acquire(&w->rows[q * ROW_SLOTS + OUT_ADDR]) & PUSH_REFUSED_FLAG)
+                        *call->pushes_reached = -1;
+            }
         }
         int64_t first = call->row_starts[p], last = call->row_starts[p + 1];
         int status = check_generations(w, call, first, last);
         if (status == OK)
             status = run_rows(w, call, me, first, last);
+        if (status == OK && call->single_copy == SINGLE_COPY_PROBES && p == 1)
+            status = probe_pushes(w);
         if (status == REFUSED && call->single_copy && p == 1)
-            __atomic_store_n(&mine[OUT_ADDR], 1, __ATOMIC_RELEASE);   /* published with the counter */
+            __atomic_fetch_or(&mine[OUT_ADDR], REFUSED_FLAG, __ATOMIC_RELEASE);   /* published with the counter */
         else if (status != OK)
             return status;
         publish(mine, COUNTER, base + p + 1);
@@ -401,17 +519,18 @@ static void Plan_dealloc(Plan *self)
 static int Plan_init(Plan *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"rows", "row_starts", "waits", "wait_starts", "scratch_offset", "workspace_bytes",
-                            "type", "op", "nranks", "description_hash", "single_copy", NULL};
+                            "type", "op", "nranks", "description_hash", "single_copy", NULL};   /* SINGLE_COPY_* */
     PyObject *objects[4];
     long long scratch_offset, workspace_bytes;
     int type, op, nranks, single_copy;
     unsigned long long description_hash;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLLiiiKp", names, &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLLiiiKi", names, &objects[0], &objects[1], &objects[2],
                                      &objects[3], &scratch_offset, &workspace_bytes, &type, &op, &nranks,
                                      &description_hash, &single_copy))
         return -1;
-    if (type < 0 || type >= NTYPES || op < 0 || op > OP_AVG || nranks < 1 || nranks > MAX_SOURCES) {
-        PyErr_SetString(PyExc_ValueError, "Plan(): an element type, op or rank count no runner takes");
+    if (type < 0 || type >= NTYPES || op < 0 || op > OP_AVG || nranks < 1 || nranks > MAX_SOURCES
+        || single_copy < SINGLE_COPY_NONE || single_copy > SINGLE_COPY_PUSHES) {
+        PyErr_SetString(PyExc_ValueError, "Plan(): an element type, op, rank count or single-copy form no runner takes");
         return -1;
     }
     Py_buffer views[4];
@@ -496,6 +615,7 @@ static PyObject *run_plan(Runner *self, Plan *plan, char *input, char *output, i
     call.generations = self->generations;
     call.peer_slices = &self->peer_slices;
     call.peer_slices_bytes = &self->peer_slices_bytes;
+    call.pushes_reached = &self->pushes_reached;
 
     Waits *w = &self->waits;
     if (start_phase == 0) {   /* a new call */
@@ -1155,6 +1275,7 @@ static int Runner_init(Runner *self, PyObject *args, PyObject *kwargs)
     self->waits.yield_seconds = yield_seconds;
     self->base = self->seq = self->signature = 0;
     self->waits_made = self->repeats_run = 0;
+    self->pushes_reached = 0;
     repeats_free(self);
     Py_XSETREF(self->last, Py_NewRef(Py_None));
     return 0;
@@ -1178,7 +1299,44 @@ static PyObject *py_test_stall_reads(PyObject *Py_UNUSED(self), PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_test_refuse_pushes(PyObject *Py_UNUSED(self), PyObject *arg)
+{
+    int refuse = PyObject_IsTrue(arg);
+    if (refuse < 0)
+        return NULL;
+    refuse_pushes_for_tests = refuse;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_test_stall_writes(PyObject *Py_UNUSED(self), PyObject *arg)
+{
+    double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred())
+        return NULL;
+    write_stall_for_tests = seconds;
+    Py_RETURN_NONE;
+}
+
+/* runner.fence_writes(seconds) -> the peer still writing into peers'
+ * memory `seconds` after this rank's call failed, or -1 (shm_waits.h's
+ * fence_peer_writes: it sets the abort flag where the abort did not). */
+static PyObject *Runner_fence_writes(Runner *self, PyObject *arg)
+{
+    double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred())
+        return NULL;
+    int still_writing;
+    Py_BEGIN_ALLOW_THREADS
+    still_writing = fence_peer_writes(&self->waits, seconds);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(still_writing);
+}
+
 static PyMethodDef module_functions[] = {
+    {"test_refuse_pushes", py_test_refuse_pushes, METH_O,
+     "test_refuse_pushes(flag): for the tests, this process's pushes into peers are refused (or no longer)"},
+    {"test_stall_writes", py_test_stall_writes, METH_O,
+     "test_stall_writes(seconds): for the tests, each push of this process waits so long inside its window"},
     {"test_stall_reads", py_test_stall_reads, METH_O,
      "test_stall_reads(seconds): for the tests, each single-copy read of this process waits so long first"},
     {"test_refuse_reads", py_test_refuse_reads, METH_O,
@@ -1189,6 +1347,8 @@ static PyMethodDef module_functions[] = {
 static PyMethodDef Runner_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Runner_run, METH_FASTCALL,
      "run(plan, input, output, start_phase, deadline): see _host_plan.c"},
+    {"fence_writes", (PyCFunction)Runner_fence_writes, METH_O,
+     "fence_writes(seconds) -> the peer still writing into peers' memory after so long, or -1"},
     {"call", (PyCFunction)Runner_call, METH_NOARGS,
      "call() -> (seq, base, signature) of the call running, or last run"},
     {"bind_repeats", (PyCFunction)(void (*)(void))Runner_bind_repeats, METH_FASTCALL,
@@ -1211,6 +1371,8 @@ static PyMethodDef Runner_methods[] = {
 
 static PyMemberDef Runner_members[] = {
     {"waits_made", T_LONGLONG, offsetof(Runner, waits_made), READONLY, "peer waits made over the runner's life"},
+    {"pushes_reached", T_INT, offsetof(Runner, pushes_reached), READONLY,
+     "1 where every rank may push into every peer's output, -1 where not, 0 before a call found out"},
     {"repeats_run", T_LONGLONG, offsetof(Runner, repeats_run), READONLY,
      "calls its Repeats ran (of remembered arrays, or of remembered shapes on new ones)"},
     {"last", T_OBJECT, offsetof(Runner, last), 0, "the plan of the last call run (CompiledPlans.last_plan), or None"},

@@ -36,7 +36,8 @@ import numpy as np
 from ..errors import CollectiveError
 from ..transport.fastpath import weakly
 from ..ops import ReduceOp
-from ..transport.failures import BAD_PLAN, NEED_GROW, NEED_OPEN, REFUSED, raise_wait_failure
+from ..plan import PUSHED_FOLDS
+from ..transport.failures import BAD_PLAN, NEED_GROW, NEED_OPEN, REFUSED, abort_fence_and_raise, raise_wait_failure
 from ..transport.layout import CAP, GEN
 from ..transport.protocol import describe_call, description_hash
 
@@ -57,6 +58,17 @@ _PREPARED_KEPT = 1024
 assert [op.value for op in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "host_folds.h's OP_ codes"
 
 
+def _single_copy_form(plan):
+    """The runner's single-copy form of `plan` (_host_plan.c's SINGLE_COPY_*):
+    none, reads, reads and a probe of pushes (the read form of a fold that
+    can push), pushes."""
+    if not plan.single_copy:
+        return 0
+    if plan.pushes:
+        return 3
+    return 2 if plan.collective in PUSHED_FOLDS else 1
+
+
 def available():
     return _host_plan is not None
 
@@ -64,10 +76,11 @@ def available():
 class CompiledPlans:
     """This rank's compiled executor: runs a plan's phases in C."""
 
-    def __init__(self, group, spin, yield_seconds):
+    def __init__(self, group, spin, yield_seconds, fence_seconds):
         assert (_host_plan.GEN, _host_plan.CAP) == (GEN, CAP), "layout.py and _host_plan.c disagree"
         header, rows, _ = group.channel_addresses()
         self._group = group
+        self._fence_seconds = fence_seconds   # a failed call's wait for peers still pushing into its output
         # Per rank: the address of its workspace as mapped here, and the
         # generation that is; the runner reads them (it holds them), this
         # writes them (_refresh), between calls.
@@ -122,6 +135,14 @@ class CompiledPlans:
         """Peer waits the compiled executor made so far (each a poll of a peer's counter, in C)."""
         return self._runner.waits_made
 
+    @property
+    def pushes_reached(self):
+        """1 where a call found that every rank may write into every peer's
+        output (a pushed plan's run, or the probe of the read form that can
+        push: _host_plan.c's "Single copy"), -1 where it found not, else 0;
+        the same on every rank between calls."""
+        return self._runner.pushes_reached
+
     def takes(self, plan):
         """Whether the compiled executor runs `plan` (else the interpreter does)."""
         return plan.compression is None and plan.dtype in self._types
@@ -138,7 +159,6 @@ class CompiledPlans:
             result = self._runner.run(entry[1], x_address, out_address, 0, deadline)
         except BaseException as error:
             self._abort_for(error)
-            raise
         return None if result == 0 else self._run_on(entry, x_address, out_address, deadline, result)
 
     def _entry(self, plan):
@@ -170,7 +190,6 @@ class CompiledPlans:
             return None
         except BaseException as error:
             self._abort_for(error)
-            raise
 
     def _stopped_repeat(self, entry, x_address, out_address, deadline, result, error):
         """A repeat the runner ran from C (its Repeats) stopped: with `result`
@@ -178,14 +197,16 @@ class CompiledPlans:
         `error` (a signal handler's) the communicator is aborted and it raises."""
         if error is not None:
             self._abort_for(error)
-            raise error
         self._run_on(entry, x_address, out_address, deadline, result)
 
     def _abort_for(self, error):
-        """A call that raised `error` aborts the communicator for every rank."""
+        """A call that raised `error` aborts the communicator for every rank,
+        fences this rank's buffers against peers still pushing into them,
+        and raises `error` (failures.abort_fence_and_raise)."""
         group = self._group
         group.note_call(self._runner.call()[0])
-        group.abort(f"{type(error).__name__}: {error}", error)
+        abort_fence_and_raise(group, f"{type(error).__name__}: {error}", error, self._runner.fence_writes,
+                              self._fence_seconds)
 
     def bind(self, plan, x_address, out_address, timeout):
         """`run` for one plan and pair of arrays, ready to repeat:
@@ -208,7 +229,7 @@ class CompiledPlans:
         description = describe_call(plan)
         prepared = _host_plan.Plan(rows, row_starts, pairs, wait_starts, plan.scratch_offset, plan.workspace_bytes,
                                    self._types[plan.dtype], _OPS[ReduceOp(plan.op)], plan.nranks,
-                                   description_hash(description), plan.single_copy)
+                                   description_hash(description), _single_copy_form(plan))
         entry = (plan, prepared, description)
         if len(self._prepared) >= _PREPARED_KEPT:   # all_to_all_v makes a plan per matrix of counts
             self._prepared.clear()

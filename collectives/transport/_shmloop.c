@@ -242,17 +242,10 @@ static PyObject *run_small(Channel *c, const Collective *k, int64_t base, int64_
  * after rank b read chunk t of that input. So in place needs no other
  * order.
  *
- * Writing into peers adds one rule: nothing is written into a rank's
- * output once the rank has handed it back to its caller. A rank returns
- * normally only after every peer has published the end of its writes. A
- * rank that fails aborts the communicator, then fences (fence_writes).
- * Before each chunk's writes, a writer raises its row's WRITING slot, then
- * looks at the abort flag, and gives up if it is set; the fence, once the
- * abort flag is stored, issues a full barrier and waits until no live
- * peer's WRITING is raised. Each side stores, then loads, with a
- * sequentially consistent barrier between: either the writer sees the
- * abort or the fence sees the writer, and waits for the one chunk it is
- * writing. */
+ * Writing into peers adds one rule, shm_waits.h's (the plan executor's
+ * pushes follow it too): each chunk's writes inside the rank's WRITING
+ * window, opened after a look at the abort flag; a rank that fails aborts
+ * the communicator, then fences (fence_writes: fence_peer_writes). */
 
 /* Copy `nbytes` between `local` and `remote` in peer `peer`'s process: out
  * of the peer (process_vm_readv) or into it (process_vm_writev). */
@@ -284,31 +277,6 @@ static int copy_with_peer(Waits *w, int peer, char *local, int64_t remote, size_
         nbytes -= (size_t)got;
     }
     return OK;
-}
-
-/* Sleep `seconds` (test_write_stall: a writer held inside its window). */
-static void stall(double seconds)
-{
-    struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
-        ;
-}
-
-/* Raise this rank's WRITING slot before writing into peers: 1 to go on,
- * or 0 (the slot lowered again) when the communicator was aborted. */
-static int begin_writes(Waits *w)
-{
-    int64_t *writing = &w->rows[w->rank * ROW_SLOTS + WRITING];
-    __atomic_store_n(writing, 1, __ATOMIC_SEQ_CST);
-    if (!__atomic_load_n(&w->header[ABORT], __ATOMIC_SEQ_CST))
-        return 1;
-    __atomic_store_n(writing, 0, __ATOMIC_RELEASE);
-    return 0;
-}
-
-static void end_writes(Waits *w)
-{
-    __atomic_store_n(&w->rows[w->rank * ROW_SLOTS + WRITING], 0, __ATOMIC_RELEASE);
 }
 
 /* Whether this rank may read every peer's input and write into its memory
@@ -388,7 +356,7 @@ static int fold_from_peers(Channel *c, const char *in, char *dst, size_t offset,
         }
         char *landed = landing + (size_t)p * c->chunk;
         if (c->test_read_stall > 0)
-            stall(c->test_read_stall);
+            sleep_seconds(c->test_read_stall);
         int status = copy_with_peer(w, p, landed, load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]) + (int64_t)offset,
                                     bytes, 0);
         if (status != OK)
@@ -419,7 +387,7 @@ static int run_single_copy(Channel *c, const char *in, char *out, size_t itemsiz
         }
         c->peer_writes++;
         if (c->test_write_stall > 0)
-            stall(c->test_write_stall);
+            sleep_seconds(c->test_write_stall);
         for (int p = 0; p < n; p++) {
             if (p == r)
                 continue;
@@ -510,7 +478,7 @@ static int fold_range(Channel *c, const Collective *k, size_t lo, size_t hi, cha
         }
         c->peer_writes++;
         if (c->test_write_stall > 0)
-            stall(c->test_write_stall);
+            sleep_seconds(c->test_write_stall);
         status = copy_with_peer(w, root, reduced, load_acquire(&w->rows[root * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
                                 bytes, 1);
         end_writes(w);
@@ -554,7 +522,7 @@ static int spread_from_root(Channel *c, const Collective *k)
         targets = 0;
     }
     if (r != root && c->test_read_stall > 0)
-        stall(c->test_read_stall);
+        sleep_seconds(c->test_read_stall);
     for (size_t offset = lo; offset < hi; offset += c->chunk) {
         size_t bytes = hi - offset < c->chunk ? hi - offset : c->chunk;
         char *here = k->out + offset;   /* the chunk in this rank's output, once there */
@@ -575,7 +543,7 @@ static int spread_from_root(Channel *c, const Collective *k)
         }
         c->peer_writes++;
         if (c->test_write_stall > 0)
-            stall(c->test_write_stall);
+            sleep_seconds(c->test_write_stall);
         for (int p = 0; p < n && status == OK; p++)
             if (p != r && (p != root || root_apart))
                 status = copy_with_peer(w, p, here, load_acquire(&w->rows[p * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
@@ -602,7 +570,7 @@ static int read_from_peers(Channel *c, const Collective *k)
             char *block = k->out + (size_t)p * k->nbytes;
             int status = OK;
             if (p != r && c->test_read_stall > 0)
-                stall(c->test_read_stall);
+                sleep_seconds(c->test_read_stall);
             if (p != r)
                 status = copy_with_peer(w, p, block, load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]), k->nbytes, 0);
             else if (block != k->in)
@@ -1271,25 +1239,9 @@ static PyObject *Channel_fence_writes(Channel *c, PyObject *arg)
     if (PyErr_Occurred())
         return NULL;
     Waits *w = &c->waits;
-    int still_writing = -1;
+    int still_writing;
     Py_BEGIN_ALLOW_THREADS
-    if (!__atomic_load_n(&w->header[ABORT], __ATOMIC_SEQ_CST))
-        __atomic_store_n(&w->header[ABORT], 1, __ATOMIC_SEQ_CST);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* the abort flag's store before the loads below */
-    wake_every_sleeper(w->rows, w->nranks);
-    double give_up = now_seconds() + seconds;
-    for (int p = 0; p < w->nranks && still_writing < 0; p++) {
-        const int64_t *writing = &w->rows[p * ROW_SLOTS + WRITING];
-        int64_t pid = load_acquire(&w->rows[p * ROW_SLOTS + PID]);
-        /* a chunk's writes take microseconds; a writer that died writes no more */
-        while (p != w->rank && __atomic_load_n(writing, __ATOMIC_SEQ_CST) && process_alive(pid)) {
-            if (now_seconds() >= give_up) {
-                still_writing = p;
-                break;
-            }
-            stall(1e-4);
-        }
-    }
+    still_writing = fence_peer_writes(w, seconds);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(still_writing);
 }

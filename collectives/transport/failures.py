@@ -7,6 +7,7 @@ modules too; tests/test_layout.py checks that every built module exports
 the same ones."""
 
 import os
+import warnings
 
 from ..errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError
 
@@ -43,3 +44,26 @@ def raise_wait_failure(group, status, peer, have, need, seq, description, progre
             "the same order")
     raise CollectiveError(f"call #{seq}, {description}, failed with status {status} "
                           f"({next((n for n, v in NAMES.items() if v == status), 'unknown')})")
+
+
+def abort_fence_and_raise(group, reason, error, fence, fence_seconds):
+    """Abort `group`'s communicator for every rank, wait until no peer
+    writes into this rank's buffers any more (`fence(fence_seconds)`, the
+    C side's fence_peer_writes: the peer still writing, or -1; it runs
+    even if a second Ctrl-C cuts the abort short), then raise `error`, or
+    one that names the peer the fence gave up on."""
+    writer = -1
+    try:
+        group.abort(reason, error)   # peers raise error's class too
+    finally:
+        if fence is not None:
+            writer = fence(fence_seconds)
+    if writer < 0:
+        raise error
+    note = (f"rank {group.names[writer]} was still writing into peers' outputs {fence_seconds:g} s after this "
+            "call failed (a stopped process?): this rank's output may still change until that process runs on "
+            "or ends")
+    if not isinstance(error, CollectiveError):   # Ctrl-C stays a KeyboardInterrupt
+        warnings.warn(note, RuntimeWarning, stacklevel=4)
+        raise error
+    raise type(error)(f"{error}; {note}") from error

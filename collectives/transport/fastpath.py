@@ -53,17 +53,15 @@ there is no fast path.
 """
 
 import os
-import warnings
 import weakref
 
 import numpy as np
 
-from ..errors import CollectiveError
 from ..ops import ReduceOp, as_dtype
 from ..config import (BROADCAST_PULL_MAX, DEFAULT_STAGED_MAX, STAGED_MAX_ENV, resolve_fast_path,
                       resolve_fast_single_copy, resolve_loop_tunables)
 from . import probe
-from .failures import raise_wait_failure
+from .failures import abort_fence_and_raise, raise_wait_failure
 from .layout import HEADER, ROW, small_area
 
 try:
@@ -303,25 +301,11 @@ class FastCollectives:
         raise_wait_failure(group, kind, peer, have, need, seq, description)
 
     def _abort_and_raise(self, reason, error):
-        """Abort the communicator for every rank, wait until no peer writes
-        into this rank's buffers any more (the fence; it runs even if a
-        second Ctrl-C cuts the abort short), then raise `error`, or one that
-        names the peer the fence gave up on."""
-        writer = -1
-        try:
-            self._group.abort(reason, error)   # peers raise error's class too
-        finally:
-            if self._channel is not None:
-                writer = self._channel.fence_writes(self.tunables.fence_seconds)
-        if writer < 0:
-            raise error
-        note = (f"rank {self._group.names[writer]} was still writing into peers' outputs {self.tunables.fence_seconds:g} s after this "
-                "call failed (a stopped process?): this rank's output may still change until that process runs on "
-                "or ends")
-        if not isinstance(error, CollectiveError):   # Ctrl-C stays a KeyboardInterrupt
-            warnings.warn(note, RuntimeWarning, stacklevel=3)
-            raise error
-        raise type(error)(f"{error}; {note}") from error
+        """Abort the communicator for every rank, fence this rank's buffers
+        against peers still writing into them, then raise `error`
+        (failures.abort_fence_and_raise)."""
+        fence = None if self._channel is None else self._channel.fence_writes
+        abort_fence_and_raise(self._group, reason, error, fence, self.tunables.fence_seconds)
 
     def step_for(self, collective, nbytes):
         """The step a call of `collective` with `nbytes` per rank takes in

@@ -95,6 +95,7 @@ def control_name(prefix):
 def describe_call(plan):
     return (f"{plan.collective} of {plan.count} {plan.dtype} (op {plan.op}, root {plan.root}, "
             f"algorithm {plan.algorithm}{', one copy' if getattr(plan, 'single_copy', False) else ''}"
+            f"{', pushed' if getattr(plan, 'pushes', False) else ''}"
             f"{f', in segments of {plan.segment}' if getattr(plan, 'segment', 0) else ''})")
 
 

@@ -19,10 +19,11 @@ from ..compression import wire
 from ..errors import CollectiveError
 from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN_ENV, MEASURED_EXCHANGE_SINGLE_COPY_MIN,
                       resolve_compiled_plans, resolve_exchange_single_copy_min, resolve_fast_single_copy,
-                      resolve_plan_segment_bytes)
+                      resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
 from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS,
-                    SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE, WORK, single_copy_plan)
+                    PUSHED_FOLDS, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE, WORK,
+                    pushed_plan, single_copy_plan)
 from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
@@ -81,7 +82,8 @@ class ShmRank(Recoverable):
         self.fast_allreduce = None if self.fast is None else self.fast.allreduce
         self.fast_collective = None if self.fast is None else self.fast.collective
         # Every other plan it takes in the compiled executor; None: the interpreter runs them all.
-        executor = host_process.CompiledPlans(self.group, self._spin, fastpath.YIELD_SECONDS) \
+        executor = host_process.CompiledPlans(self.group, self._spin, fastpath.YIELD_SECONDS,
+                                              resolve_loop_tunables().fence_seconds) \
             if host_process.available() else None
         self.compiled = executor if resolve_compiled_plans() else None
         # A repeated call of a plan it bound, recognised and run in C
@@ -274,6 +276,15 @@ class ShmRank(Recoverable):
             and self._single.takes(plan)
 
     def _single_plan(self, plan, in_place):
+        """The single-copy plan of `plan`: pushed (plan.pushed_plan) where
+        the fold's reduced chunks go to every rank, out of place (a refused
+        read or write may still fall back to the staged plan), or in place
+        once a call found that every rank may push into every peer (the
+        compiled executor's pushes_reached, the same on every rank); else
+        read (plan.single_copy_plan)."""
+        if plan.collective in PUSHED_FOLDS and (not in_place or self._single.pushes_reached == 1):
+            return pushed_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
+                               plan.algorithm)
         return single_copy_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
                                 plan.block_counts, plan.algorithm)
 
@@ -301,6 +312,10 @@ class ShmRank(Recoverable):
             return True
         self._refused = True
         self._forget_shapes()
+        if single.pushes and x_address == out_address:   # (every rank alike: the verdict is every rank's)
+            raise CollectiveError(f"a push into a peer's array was refused in an in-place {single.collective} "
+                                  "after a call had found that pushes work; x is partly overwritten: this "
+                                  "communicator now stages, but this call's result is lost")
         return False
 
     def bind(self, plan, inputs, outputs, input_infos, output_infos):

@@ -267,4 +267,68 @@ static inline int wait_peers(Waits *w, int slot, int64_t need)
     return status;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Writing into peers' memory                                               */
+/*                                                                          */
+/* Nothing may be written into a rank's buffers once the rank has handed   */
+/* them back to its caller. A rank returns normally only after every peer  */
+/* has published the end of its writes; a rank that fails aborts the       */
+/* communicator, then fences (fence_peer_writes). Before each write a      */
+/* writer raises its row's WRITING slot, then looks at the abort flag, and */
+/* gives up if it is set; the fence, once the abort flag is stored, issues */
+/* a full barrier and waits until no live peer's WRITING is raised. Each   */
+/* side stores, then loads, with a sequentially consistent barrier between: */
+/* either the writer sees the abort or the fence sees the writer, and      */
+/* waits for the one write it is making. Both engines that write into      */
+/* peers (the compiled loop, the plan executor's pushes) follow it.        */
+
+/* Raise this rank's WRITING slot before writing into peers: 1 to go on,
+ * or 0 (the slot lowered again) when the communicator was aborted. */
+static inline int begin_writes(Waits *w)
+{
+    int64_t *writing = &w->rows[w->rank * ROW_SLOTS + WRITING];
+    __atomic_store_n(writing, 1, __ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(&w->header[ABORT], __ATOMIC_SEQ_CST))
+        return 1;
+    __atomic_store_n(writing, 0, __ATOMIC_RELEASE);
+    return 0;
+}
+
+static inline void end_writes(Waits *w)
+{
+    __atomic_store_n(&w->rows[w->rank * ROW_SLOTS + WRITING], 0, __ATOMIC_RELEASE);
+}
+
+/* Sleep `seconds`. */
+static inline void sleep_seconds(double seconds)
+{
+    struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+}
+
+/* The fence of a rank whose call failed: set the abort flag (where the
+ * abort did not), then wait up to `seconds` until no live peer is writing
+ * into peers' memory. Returns the peer still writing then, or -1. Called
+ * without the GIL. */
+static inline int fence_peer_writes(Waits *w, double seconds)
+{
+    if (!__atomic_load_n(&w->header[ABORT], __ATOMIC_SEQ_CST))
+        __atomic_store_n(&w->header[ABORT], 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* the abort flag's store before the loads below */
+    wake_every_sleeper(w->rows, w->nranks);
+    double give_up = now_seconds() + seconds;
+    for (int p = 0; p < w->nranks; p++) {
+        const int64_t *writing = &w->rows[p * ROW_SLOTS + WRITING];
+        int64_t pid = load_acquire(&w->rows[p * ROW_SLOTS + PID]);
+        /* a write takes microseconds; a writer that died writes no more */
+        while (p != w->rank && __atomic_load_n(writing, __ATOMIC_SEQ_CST) && process_alive(pid)) {
+            if (now_seconds() >= give_up)
+                return p;
+            sleep_seconds(1e-4);
+        }
+    }
+    return -1;
+}
+
 #endif
