@@ -220,11 +220,14 @@ def scenario_pushes(comm):
     """allreduce on the plans' path (the test turns the loop off) pushes
     (plan.pushed_plan): in place, the first call reads (the read form, whose
     probe finds that every rank may push) and every later one pushes; out
-    of place, every call pushes; the interpreter's bits. Then rank 1's
-    pushes are refused: out of place, after its peers have pushed into it,
-    every rank runs the call again staged, with the same bits; in place
-    (the refusal forgotten, white-box), every rank raises, x being partly
-    overwritten."""
+    of place, every call pushes; the interpreter's bits, on new arrays and
+    on the same ones (whose repeats the runner runs from C). Then rank 1's
+    pushes are refused, first in a call the runner repeats from C, then
+    (the refusal forgotten, white-box) in one from Python: `first` says
+    which placement comes first. Out of place, after its peers have pushed
+    into it, every rank runs the call again staged, with the same bits; in
+    place every rank raises, x being partly overwritten."""
+    first = sys.argv[2]
     runs = counting_single_copies()
     r, n = comm.rank, comm.size
     compiled = comm._ranks._single   # noqa: SLF001
@@ -242,26 +245,39 @@ def scenario_pushes(comm):
                 got = comm.allreduce(x, op=op, out=None if in_place else np.empty(n * k, dtype))
                 same_bits(got, want[r], f"allreduce {op} {'in place' if in_place else ''}")
                 same_bits(x, want[r] if in_place else xs[r], "x")
-                first = in_place and seed == cases[0][0]
-                assert compiled.last_plan.pushes == (not first), (in_place, seed)
+                first_in_place = in_place and seed == cases[0][0]
+                assert compiled.last_plan.pushes == (not first_in_place), (in_place, seed)
                 assert compiled.pushes_reached == 1, compiled.pushes_reached
         assert len(runs) == 2 * len(cases), runs
+        xs = [data(23, q, np.int32, n * k) for q in range(n)]
+        want = reference.allreduce([x.copy() for x in xs], algorithm="two_shot")
+        x, y, out = xs[r].copy(), xs[r].copy(), np.empty(n * k, np.int32)
+        wants = [xs]
+        repeats = compiled.repeats_run
+        for _ in range(4):   # the first from Python, the second bound, the others from C
+            wants.append(reference.allreduce([w.copy() for w in wants[-1]], algorithm="two_shot"))
+            same_bits(comm.allreduce(x), wants[-1][r], "a repeated allreduce in place")
+            same_bits(comm.allreduce(y, out=out), want[r], "a repeated allreduce out of place")
+        assert compiled.repeats_run == repeats + 4 and compiled.last_plan.pushes, (compiled.repeats_run, repeats)
         if r == 1:
             _host_plan.test_refuse_pushes(True)
-        xs = [data(23, q, np.float32, n * k) for q in range(n)]
-        want = reference.allreduce([x.copy() for x in xs], algorithm="two_shot")
-        same_bits(comm.allreduce(xs[r].copy(), out=np.empty(n * k, np.float32)), want[r], "the refused allreduce")
-        assert comm._ranks._refused and len(runs) == 2 * len(cases) + 1, runs   # noqa: SLF001
-        assert comm.chosen_algorithm("allreduce", 4 * n * k, dtype=np.float32).path == "compiled_plan"
-        comm._ranks._refused = False   # noqa: SLF001 - as if the refusal had not been seen
-        try:
-            comm.allreduce(xs[r].copy())
-        except collectives.CollectiveError as error:
-            assert "x is partly overwritten" in str(error), error
-        else:
-            raise AssertionError("a refused in-place push did not raise")
-        assert comm._ranks._refused   # noqa: SLF001
-        same_bits(comm.allreduce(xs[r].copy()), want[r], "the in-place allreduce after the refusal")
+        for placement in (first, "in" if first == "out" else "out"):
+            if placement == "out":
+                out[:] = -1   # (the last call's result is this one's too)
+                same_bits(comm.allreduce(y, out=out), want[r], "the refused allreduce")
+            else:
+                try:
+                    comm.allreduce(x)
+                except collectives.CollectiveError as error:
+                    assert "x is partly overwritten" in str(error), error
+                else:
+                    raise AssertionError("a refused in-place push did not raise")
+            assert comm._ranks._refused   # noqa: SLF001
+            assert comm.chosen_algorithm("allreduce", 4 * n * k, dtype=np.int32).path == "compiled_plan"
+            comm._ranks._refused = False   # noqa: SLF001 - as if the refusal had not been seen
+        comm._ranks._refused = True   # noqa: SLF001
+        x = xs[r].copy()
+        same_bits(comm.allreduce(x), want[r], "the in-place allreduce after the refusals")
 
 
 def scenario_pushes_probe_refused(comm):

@@ -248,8 +248,9 @@ def test_the_folds_on_the_plans_fold_peers_inputs_in_one_copy_with_the_interpret
 
 @pytest.mark.mpi
 @needs_the_executor
-def test_a_pushed_allreduce_gives_the_interpreters_bits_and_a_refused_push_falls_back_on_every_rank():
-    oks, report = run(3, "pushes", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"})
+@pytest.mark.parametrize("first", ["out", "in"])
+def test_a_pushed_allreduce_gives_the_interpreters_bits_and_a_refused_push_falls_back_on_every_rank(first):
+    oks, report = run(3, "pushes", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"}, extra=[first])
     assert len(oks) == 3, report
 
 

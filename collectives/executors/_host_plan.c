@@ -303,7 +303,7 @@ static int fold_peers(Waits *w, const Call *call, int me, const int64_t *row, ch
     size_t slice = PEER_SLICES_BYTES / (size_t)peers < PEER_SLICE_MAX ? PEER_SLICES_BYTES / (size_t)peers
                                                                       : PEER_SLICE_MAX;
     slice -= slice % 64;   /* whole cache lines, whole elements (an itemsize divides 64) */
-    size_t need = (size_t)peers * slice;
+    size_t need = (size_t)peers * slice + 4096;   /* (and room to start half a page from dst: below) */
     if (*call->peer_slices_bytes < need) {
         char *grown = realloc(*call->peer_slices, need);
         if (grown == NULL) {   /* "reading rank q's buffer failed: Cannot allocate memory" */
@@ -319,9 +319,16 @@ static int fold_peers(Waits *w, const Call *call, int me, const int64_t *row, ch
     }
     size_t nbytes = (size_t)row[COUNT] * call->itemsize;
     const char *slices[MAX_SOURCES];
+    /* The slices start half a page away from dst's offset in its page: a
+     * store to dst[i] and a load of a slice's [i] at the same offset in
+     * their pages stall each other (4K aliasing), and malloc puts large
+     * buffers, the caller's and this one, at one offset (the loop's
+     * landing_for, measured there). */
+    char *first = *call->peer_slices;
+    first += (((uintptr_t)dst & 4095) + 2048 - ((uintptr_t)first & 4095)) & 4095 & ~(uintptr_t)63;
     for (size_t at = 0; at < nbytes; at += slice) {
         size_t len = nbytes - at < slice ? nbytes - at : slice;
-        char *into = *call->peer_slices;
+        char *into = first;
         for (int64_t s = 0; s < nsrc; s++) {
             if (remote[s] < 0) {
                 slices[s] = srcs[s] + at;
@@ -961,9 +968,12 @@ static PyObject *run_remembered(Runner *self, PyObject *entry, char *input, char
     Py_XDECREF(result);
     Py_XDECREF(error);
     Py_DECREF(entry);
-    if (went_on == NULL) {
+    if (went_on == NULL || went_on == Py_False) {   /* False: a refused single copy, run again from Python */
         Py_XDECREF(view);
-        return NULL;
+        if (went_on == NULL)
+            return NULL;
+        Py_DECREF(went_on);
+        Py_RETURN_NONE;
     }
     Py_DECREF(went_on);
     return result_of(x, out, view);

@@ -95,6 +95,10 @@ class CompiledPlans:
         # Repeats: Communicator._collective tries `repeat` first), where the
         # arrays' states are read in C too (collectives/_arraystate.c).
         self.repeat = self.forget_repeats = None
+        # Called with (plan, in place) when a single-copy plan the runner
+        # repeated from C was refused (ShmRank._refusal): it raises, or the
+        # call runs again from Python.
+        self.on_refused = None
         if numpy_states is not None:
             self._runner.bind_repeats(numpy_states, np.ndarray, weakly(self._stopped_repeat))
             self.repeat, self.forget_repeats = self._runner.repeat, self._runner.forget
@@ -194,10 +198,16 @@ class CompiledPlans:
     def _stopped_repeat(self, entry, x_address, out_address, deadline, result, error):
         """A repeat the runner ran from C (its Repeats) stopped: with `result`
         (the runner's tuple) it goes on as a bound plan's run does, or with
-        `error` (a signal handler's) the communicator is aborted and it raises."""
+        `error` (a signal handler's) the communicator is aborted and it
+        raises. False where a single-copy plan was refused (on_refused did
+        not raise): the runner declines the call, which the communicator
+        then runs from Python, staged."""
         if error is not None:
             self._abort_for(error)
-        self._run_on(entry, x_address, out_address, deadline, result)
+        if self._run_on(entry, x_address, out_address, deadline, result) == REFUSED:
+            self.on_refused(entry[0], x_address == out_address)
+            return False
+        return True
 
     def _abort_for(self, error):
         """A call that raised `error` aborts the communicator for every rank,
@@ -286,6 +296,5 @@ class BoundPlan:
             result = compiled._runner.run(entry[1], self._x, self._out, 0, deadline)
         except BaseException as error:
             compiled._abort_for(error)
-            raise
         if result != 0:
             compiled._run_on(entry, self._x, self._out, deadline, result)

@@ -109,6 +109,8 @@ class ShmRank(Recoverable):
         self.exchange_probe_seconds = None   # {"single_copy": s, "staged": s}, once measured
         self._single = executor
         self._refused = False
+        if executor is not None:
+            executor.on_refused = fastpath.weakly(self._refusal)
         self._interpreted = None   # the last plan the interpreter ran (what_ran)
 
     def point_to_point(self, timeout_of):
@@ -310,13 +312,23 @@ class ShmRank(Recoverable):
     def _run_single_plan(self, single, x_address, out_address, deadline):
         if self._single.run(single, x_address, out_address, deadline) is None:
             return True
+        self._refusal(single, x_address == out_address)
+        return False
+
+    def _refusal(self, single, in_place):
+        """A read or push of `single` (a single-copy plan) was refused, on
+        every rank alike: every later call stages (the shapes and repeated
+        calls the runner took from C forgotten), and this one is run again
+        staged, but for an in-place pushed plan, which has written x: it
+        raises."""
         self._refused = True
         self._forget_shapes()
-        if single.pushes and x_address == out_address:   # (every rank alike: the verdict is every rank's)
+        if self.forget_repeats is not None:
+            self.forget_repeats(None)
+        if single.pushes and in_place:   # (every rank alike: the verdict is every rank's)
             raise CollectiveError(f"a push into a peer's array was refused in an in-place {single.collective} "
                                   "after a call had found that pushes work; x is partly overwritten: this "
                                   "communicator now stages, but this call's result is lost")
-        return False
 
     def bind(self, plan, inputs, outputs, input_infos, output_infos):
         """A repeated call of `plan` on these very arrays, bound
@@ -471,3 +483,24 @@ class _BoundExchange:
         input_infos, output_infos = self._args
         inputs, outputs = list(arrays[:1]), list(arrays[-1:])
         rank.run(plan, inputs, outputs, input_infos, output_infos, time.perf_counter() + rank._timeout)
+
+    def remember_as(self, collective, op, root, algorithm, x, out, view=None):
+        """Have the compiled executor's runner recognise this call from now
+        on and run its single-copy plan from C (host_process.BoundPlan's
+        remember_as), where that plan cannot change from call to call: the
+        arrays read in place (contiguous, x and out the same or apart), and
+        not the read form of a plan that pushes once the ranks know pushes
+        work (a refusal makes the runner forget the call: ShmRank._refusal)."""
+        rank, plan = self._rank, self._plan
+        (xi,), (oi,) = self._args
+        in_place = plan.binding == WORKSPACE_IN_PLACE and xi.contiguous and oi.contiguous
+        overlap = xi.address < oi.address + oi.nbytes and oi.address < xi.address + xi.nbytes
+        if rank.compiled is None or not (in_place or (xi.contiguous and oi.contiguous and not overlap)) \
+                or not rank._single_copy_of(plan):
+            return
+        single = rank._single_plan(plan, in_place)
+        if single.collective in PUSHED_FOLDS and in_place and not single.pushes and rank._single.pushes_reached == 0:
+            return
+        runner = rank._single._runner
+        runner.remember(collective, op, root, algorithm, x, out, rank._single._entry(single), xi.address,
+                        oi.address, view)
