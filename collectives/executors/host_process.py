@@ -113,6 +113,14 @@ class CompiledPlans:
         """Calls the runner recognised and ran from C (its Repeats and Shapes) so far."""
         return self._runner.repeats_run
 
+    def remember(self, plan, collective, op, root, algorithm, x, out, x_address, out_address, view=None):
+        """Have the runner recognise this call from now on (its Repeats):
+        `collective` with these arguments ran `plan` on the very arrays x
+        and out (None: in place, or, with `view`, the result is x[view]) at
+        these addresses."""
+        self._runner.remember(collective, op, root, algorithm, x, out, self._entry(plan), x_address, out_address,
+                              view)
+
     def remember_shape(self, plan, collective, op, root, algorithm, x, out, view, x_address, out_address,
                        make_output=None):
         """Have the runner take this call's shape on new arrays from now on
@@ -284,8 +292,7 @@ class BoundPlan:
         `collective` with these arguments on the very arrays `x` and `out`
         (None: in place, or, with `view`, the result is x[view]), which are
         the ones bound."""
-        self._compiled._runner.remember(collective, op, root, algorithm, x, out, self._entry, self._x, self._out,
-                                        view)
+        self._compiled.remember(self._entry[0], collective, op, root, algorithm, x, out, self._x, self._out, view)
 
     def run(self, arrays):
         """Run the call (`arrays`, the call's, are what keeps the addresses valid)."""

@@ -297,9 +297,8 @@ class ShmRank(Recoverable):
         being the same memory, are read through a private copy."""
         x, out = inputs[0], outputs[0]
         xi, oi = input_infos[0], output_infos[0]
-        in_place = plan.binding == WORKSPACE_IN_PLACE and xi.contiguous and oi.contiguous
-        overlap = xi.address < oi.address + oi.nbytes and oi.address < xi.address + xi.nbytes
-        if in_place or (xi.contiguous and oi.contiguous and not overlap):
+        in_place = self._read_in_place(plan, xi, oi)
+        if in_place is not None:
             return self._run_single_plan(self._single_plan(plan, in_place), xi.address, oi.address, deadline)
         own_x = np.ascontiguousarray(x).reshape(-1).copy()
         own_out = np.empty(oi.size, oi.dtype)
@@ -308,6 +307,32 @@ class ShmRank(Recoverable):
             return False
         out[...] = own_out.reshape(out.shape)
         return True
+
+    @staticmethod
+    def _read_in_place(plan, xi, oi):
+        """Whether a single copy of `plan` on arrays of these infos runs in
+        place (True) or apart (False), reading them where they lie; None
+        where it reads private copies (arrays not contiguous, or that
+        overlap without being the same memory)."""
+        if plan.binding == WORKSPACE_IN_PLACE and xi.contiguous and oi.contiguous:
+            return True
+        overlap = xi.address < oi.address + oi.nbytes and oi.address < xi.address + xi.nbytes
+        return False if xi.contiguous and oi.contiguous and not overlap else None
+
+    def repeatable_single_plan(self, plan, xi, oi):
+        """The single-copy plan a call of `plan` on arrays of these infos
+        runs, where the runner may run it again from C, on these arrays or
+        on new ones of their shape (its Repeats and Shapes): the arrays read
+        where they lie, and not the read form of a plan that pushes once
+        the ranks know pushes work (a refusal makes the runner forget them:
+        _refusal). Else None."""
+        in_place = self._read_in_place(plan, xi, oi)
+        if self.compiled is None or in_place is None or not self._single_copy_of(plan):
+            return None
+        single = self._single_plan(plan, in_place)
+        if single.collective in PUSHED_FOLDS and in_place and not single.pushes and self._single.pushes_reached == 0:
+            return None
+        return single
 
     def _run_single_plan(self, single, x_address, out_address, deadline):
         if self._single.run(single, x_address, out_address, deadline) is None:
@@ -350,7 +375,12 @@ class ShmRank(Recoverable):
         """A call that ran on the plans' path: where the compiled executor
         ran it, it takes the same call on new arrays of this shape from now
         on, from C (host_process.CompiledPlans.remember_shape)."""
-        if self.compiled is not None and self.route(plan) == "compiled_plan":
+        if self.compiled is None:
+            return
+        path = self.route(plan)
+        if path == "single_copy":
+            plan = self.repeatable_single_plan(plan, input_info, output_info)
+        if plan is not None and path in ("compiled_plan", "single_copy"):
             self.compiled.remember_shape(plan, collective, op, root, algorithm, x, out, view, input_info.address,
                                          output_info.address, make_output)
 
@@ -487,20 +517,10 @@ class _BoundExchange:
     def remember_as(self, collective, op, root, algorithm, x, out, view=None):
         """Have the compiled executor's runner recognise this call from now
         on and run its single-copy plan from C (host_process.BoundPlan's
-        remember_as), where that plan cannot change from call to call: the
-        arrays read in place (contiguous, x and out the same or apart), and
-        not the read form of a plan that pushes once the ranks know pushes
-        work (a refusal makes the runner forget the call: ShmRank._refusal)."""
-        rank, plan = self._rank, self._plan
+        remember_as), where that plan cannot change from call to call
+        (ShmRank.repeatable_single_plan)."""
+        rank = self._rank
         (xi,), (oi,) = self._args
-        in_place = plan.binding == WORKSPACE_IN_PLACE and xi.contiguous and oi.contiguous
-        overlap = xi.address < oi.address + oi.nbytes and oi.address < xi.address + xi.nbytes
-        if rank.compiled is None or not (in_place or (xi.contiguous and oi.contiguous and not overlap)) \
-                or not rank._single_copy_of(plan):
-            return
-        single = rank._single_plan(plan, in_place)
-        if single.collective in PUSHED_FOLDS and in_place and not single.pushes and rank._single.pushes_reached == 0:
-            return
-        runner = rank._single._runner
-        runner.remember(collective, op, root, algorithm, x, out, rank._single._entry(single), xi.address,
-                        oi.address, view)
+        single = rank.repeatable_single_plan(self._plan, xi, oi)
+        if single is not None:
+            rank.compiled.remember(single, collective, op, root, algorithm, x, out, xi.address, oi.address, view)
