@@ -567,6 +567,73 @@ def pushed_plan(collective, nranks, count, dtype, op, root=0, in_place=False, al
     return plan._replace(phases=(phases[0], phase1, phase2, *phases[3:]), single_copy=True, pushes=True)
 
 
+# The collectives whose single copy can spread (spread_plan): each rank
+# reads one chunk of what every rank receives and pushes it into the others.
+SPREAD_COLLECTIVES = (BROADCAST,)
+
+
+@functools.lru_cache(maxsize=256)
+def spread_plan(collective, nranks, count, dtype, root=0, in_place=False):
+    """broadcast's single copy spread over the ranks (the compiled loop's
+    spread_from_root, as a plan): where direct's single copy has every
+    rank read the whole of the root's x (single_copy_plan), rank c reads
+    chunk c of it once into its own output (the root: copies it; in
+    place, has it) and pushes it into every other rank's output, a slice
+    of PUSH_SLICE_BYTES at a time, each slice still in cache:
+
+        1  rank c: OUTPUT_c[c] = the root's INPUT[c], and OUTPUT_q[c] =
+           that, pushed into every rank q that has a row (in place: every
+           rank but the root, whose x holds the result)
+        2  nothing: every rank waits until every peer completed phase 1
+
+    Derived from direct's single-copy plan (a row per receiving rank q:
+    OUTPUT_q = the root's INPUT, all of it), each row cut at the chunks'
+    bounds (chunk_bounds) and piece c run by rank c: its own as it was,
+    every other as a push of rank c's copy, which holds the same values
+    once its own piece ran (in place, the root's: its input). Checked
+    here: direct's rows are of that form, so every receiving output
+    element is written once, from the root's input. Phase 1 writes only
+    outputs no staged rerun reads (in place, the root's x is only read),
+    so a refused read or push falls back to the staged plan in place too."""
+    if collective not in SPREAD_COLLECTIVES:
+        raise ValueError(f"spread_plan serves {SPREAD_COLLECTIVES}, not {collective!r}")
+    dtype = np.dtype(dtype)
+    base = single_copy_plan(collective, nranks, count, dtype, "sum", root, in_place)
+    rows = base.phases[1].table
+    receivers = [int(row[RANK]) for row in rows]
+    for row in rows:
+        if (row[KIND], row[COUNT], row[DST_BUF], row[DST_OFF], row[NSRC]) != (COPY_OP, count, OUTPUT, 0, 1) \
+                or tuple(int(v) for v in row[SRC0:SRC0 + 3]) != (root, INPUT, 0):
+            raise ValueError(f"spread_plan: {collective}'s single-copy row is not a copy of the root's input")
+    if sorted(receivers) != [q for q in range(nranks) if not (in_place and q == root)]:
+        raise ValueError(f"spread_plan: {collective}'s single copy does not give every receiving rank one row")
+    slice_elements = max(1, PUSH_SLICE_BYTES // dtype.itemsize)
+    width = rows.shape[1] if len(rows) else SRC0 + 3
+
+    def row_of(rank, start, stop, source):
+        made = np.full(width, -1, np.int64)
+        made[:SRC0 + 3] = (rank, COPY_OP, stop - start, OUTPUT, start, 1, *source)
+        return made
+
+    rows_by_rank = []
+    for c, (lo, hi) in enumerate(chunk_bounds(collective, nranks, nranks, count, dtype.itemsize)):
+        mine = []
+        for at in range(lo, hi, slice_elements):
+            stop = min(at + slice_elements, hi)
+            if c in receivers:
+                mine.append(row_of(c, at, stop, (root, INPUT, at)))
+            source = (c, OUTPUT, at) if c in receivers else (root, INPUT, at)   # (in place, the root's x)
+            mine += [row_of(q, at, stop, source) for q in receivers if q != c]
+        table = np.array(mine, np.int64).reshape(-1, width)
+        table.setflags(write=False)
+        rows_by_rank.append(table)
+    phases = base.phases
+    everyone = [{q: 1 for q in range(nranks) if q != r} for r in range(nranks)]
+    phase1 = Phase(np.concatenate(rows_by_rank), tuple(rows_by_rank),
+                   tuple(_at_least(phases[1].waits[r], everyone[r]) for r in range(nranks)))
+    return base._replace(phases=(phases[0], phase1, *phases[2:]), pushes=True)
+
+
 # The collectives a call of which is the same call on segments of its
 # message, one after the other (segmented_plan): those whose result element i
 # is made of element i of the inputs alone, and those of blocks, each

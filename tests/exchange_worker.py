@@ -18,6 +18,7 @@ import numpy as np
 import collectives
 from cases import run_scenario
 from collectives import CollectiveTimeoutError, RankFailedError
+from collectives.config import BROADCAST_PULL_MAX
 from collectives.executors import _host_plan
 from collectives.transport import shm
 
@@ -278,6 +279,39 @@ def scenario_pushes(comm):
         comm._ranks._refused = True   # noqa: SLF001
         x = xs[r].copy()
         same_bits(comm.allreduce(x), want[r], "the in-place allreduce after the refusals")
+
+
+def scenario_spread(comm):
+    """broadcast on the plans' path (the test turns the loop off): past the
+    pull limit it spreads (plan.spread_plan), below it every rank reads the
+    root's x (where ranks outnumber cores, it spreads at every size); in and out of place, every root, the root's bits. Then the
+    pushes of rank 1, the root, are refused in an in-place spread: every
+    rank runs it again staged (the root's x only read), with its bits."""
+    runs = counting_single_copies()
+    r, n = comm.rank, comm.size
+    compiled = comm._ranks._single   # noqa: SLF001
+    oversubscribed = comm._ranks.transport == "host-processes-oversubscribed"   # noqa: SLF001 - spreads at any size
+    calls = 0
+    for k, spreads in ((BROADCAST_PULL_MAX // 4 + 1000, True), (20000, oversubscribed)):
+        for seed, dtype in ((40, np.float32), (41, np.int8)):
+            kk = k * 4 // np.dtype(dtype).itemsize
+            xs = [data(seed, q, dtype, kk) for q in range(n)]
+            for root in range(n):
+                same_bits(comm.broadcast(xs[r].copy(), root=root, out=np.empty(kk, dtype)), xs[root],
+                          f"broadcast root {root}")
+                assert compiled.last_plan.pushes == spreads, (k, compiled.last_plan.pushes)
+                x = xs[r].copy()
+                same_bits(comm.broadcast(x, root=root), xs[root], f"broadcast root {root} in place")
+                assert compiled.last_plan.pushes == spreads
+                calls += 2
+    assert len(runs) == calls, (len(runs), calls)
+    if r == 1:   # (in place, only the root pushes where n is 2)
+        _host_plan.test_refuse_pushes(True)
+    k = BROADCAST_PULL_MAX // 4 + 2000   # (a shape not run before: from Python, counted)
+    xs = [data(42, q, np.float32, k) for q in range(n)]
+    x = xs[r].copy()
+    same_bits(comm.broadcast(x, root=1), xs[1], "the refused broadcast in place")
+    assert comm._ranks._refused and len(runs) == calls + 1, (comm._ranks._refused, len(runs))   # noqa: SLF001
 
 
 def scenario_pushes_probe_refused(comm):

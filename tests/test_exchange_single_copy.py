@@ -246,12 +246,65 @@ def test_the_folds_on_the_plans_fold_peers_inputs_in_one_copy_with_the_interpret
     assert len(oks) == n, report
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_spread_broadcast_reads_each_chunk_of_the_roots_x_once_and_pushes_it_into_every_other_output(n, in_place):
+    """plan.spread_plan: run each rank's phase-1 rows in order on element
+    labels (what the root's x holds at each place): rank c reads chunk c of
+    the root's x once (the root: copies it; in place, has it), a slice at a
+    time, and each slice's pushes carry what it just read; every receiving
+    output ends with the root's x, each element written once; phase 1
+    waits for every peer's phase 0, phase 2 for every peer's phase 1."""
+    count = 3 * plans.PUSH_SLICE_BYTES // 4 * n // 2 + 5
+    for root in range(n):
+        plan = plans.spread_plan("broadcast", n, count, np.dtype(np.float32), root, in_place)
+        assert plan.single_copy and plan.pushes and not any(len(phase.table) for phase in plan.phases[2:])
+        x = np.arange(count)
+        outputs = {q: np.full(count, -1) for q in range(n) if not (in_place and q == root)}
+        writes = {q: np.zeros(count, int) for q in outputs}
+        reads = np.zeros(count, int)
+        for rank, rows in enumerate(plan.phases[1].rows_by_rank):
+            for row in rows:
+                start, stop = int(row[plans.DST_OFF]), int(row[plans.DST_OFF] + row[plans.COUNT])
+                source, buffer, at = (int(v) for v in row[plans.SRC0:plans.SRC0 + 3])
+                assert row[plans.KIND] == plans.COPY_OP and row[plans.DST_BUF] == plans.OUTPUT and at == start
+                assert row[plans.RANK] == rank or source == rank   # a rank writes its own output or pushes its own
+                assert stop - start <= plans.PUSH_SLICE_BYTES // 4
+                if buffer == plans.INPUT:
+                    assert source == root
+                    reads[start:stop] += row[plans.RANK] == rank   # (an in-place root pushes its x: no read)
+                    values = x[start:stop]
+                else:
+                    assert buffer == plans.OUTPUT
+                    values = outputs[source][start:stop]
+                    assert (values == x[start:stop]).all(), "a push of what its rank has not read yet"
+                outputs[int(row[plans.RANK])][start:stop] = values
+                writes[int(row[plans.RANK])][start:stop] += 1
+        assert all((out == x).all() for out in outputs.values())
+        assert all((w == 1).all() for w in writes.values())
+        for c, (lo, hi) in enumerate(plans.chunk_bounds("broadcast", n, n, count, 4)):
+            assert (reads[lo:hi] == (0 if in_place and c == root else 1)).all()
+        for rank in range(n):
+            assert {peer for peer, done in plan.phases[1].waits[rank] if done >= 1} == set(range(n)) - {rank}
+            assert {peer for peer, done in plan.phases[2].waits[rank] if done >= 2} == set(range(n)) - {rank}
+    with pytest.raises(ValueError, match="spread_plan serves"):
+        plans.spread_plan("allgather", n, count, np.dtype(np.float32), 0, in_place)
+
+
 @pytest.mark.mpi
 @needs_the_executor
 @pytest.mark.parametrize("first", ["out", "in"])
 def test_a_pushed_allreduce_gives_the_interpreters_bits_and_a_refused_push_falls_back_on_every_rank(first):
     oks, report = run(3, "pushes", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"}, extra=[first])
     assert len(oks) == 3, report
+
+
+@pytest.mark.mpi
+@needs_the_executor
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_spread_broadcast_gives_the_roots_bits_and_a_refused_push_falls_back_on_every_rank(n):
+    oks, report = run(n, "spread", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"})
+    assert len(oks) == n, report
 
 
 @pytest.mark.mpi

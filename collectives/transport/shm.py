@@ -17,13 +17,13 @@ import numpy as np
 
 from ..compression import wire
 from ..errors import CollectiveError
-from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN_ENV, MEASURED_EXCHANGE_SINGLE_COPY_MIN,
-                      resolve_compiled_plans, resolve_exchange_single_copy_min, resolve_fast_single_copy,
-                      resolve_loop_tunables, resolve_plan_segment_bytes)
+from ..config import (BROADCAST_PULL_MAX, DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN_ENV,
+                      MEASURED_EXCHANGE_SINGLE_COPY_MIN, resolve_compiled_plans, resolve_exchange_single_copy_min,
+                      resolve_fast_single_copy, resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
 from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS,
-                    PUSHED_FOLDS, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE, WORK,
-                    pushed_plan, single_copy_plan)
+                    PUSHED_FOLDS, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE,
+                    SPREAD_COLLECTIVES, WORK, pushed_plan, single_copy_plan, spread_plan)
 from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
@@ -283,10 +283,15 @@ class ShmRank(Recoverable):
         read or write may still fall back to the staged plan), or in place
         once a call found that every rank may push into every peer (the
         compiled executor's pushes_reached, the same on every rank); else
-        read (plan.single_copy_plan)."""
+        read (plan.single_copy_plan). A broadcast past the loop's pull limit
+        (every size where ranks outnumber cores, as the loop's) spreads
+        (plan.spread_plan)."""
         if plan.collective in PUSHED_FOLDS and (not in_place or self._single.pushes_reached == 1):
             return pushed_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
                                plan.algorithm)
+        if plan.collective in SPREAD_COLLECTIVES and (plan.count * plan.dtype.itemsize > BROADCAST_PULL_MAX
+                                                     or self.transport == "host-processes-oversubscribed"):
+            return spread_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.root, in_place)
         return single_copy_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
                                 plan.block_counts, plan.algorithm)
 
@@ -350,7 +355,7 @@ class ShmRank(Recoverable):
         self._forget_shapes()
         if self.forget_repeats is not None:
             self.forget_repeats(None)
-        if single.pushes and in_place:   # (every rank alike: the verdict is every rank's)
+        if single.pushes and in_place and single.collective in PUSHED_FOLDS:   # (every rank alike: the verdict)
             raise CollectiveError(f"a push into a peer's array was refused in an in-place {single.collective} "
                                   "after a call had found that pushes work; x is partly overwritten: this "
                                   "communicator now stages, but this call's result is lost")
