@@ -463,42 +463,47 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
     return plan._replace(phases=tuple(phases), single_copy=True)
 
 
-# The folds whose single copy can push (pushed_plan), and the bytes of a
-# reduced chunk each rank folds and pushes at a time: the compiled loop's
-# chunk, a slice that stays in cache between its fold and its writes.
-PUSHED_FOLDS = (ALLREDUCE,)
+# The folds whose single copy can push (pushed_plan), those of them whose
+# every rank pushes into every peer (which run pushed in place once the
+# ranks know pushes work), and the bytes of a reduced chunk each rank
+# folds and pushes at a time: the compiled loop's chunk, a slice that stays
+# in cache between its fold and its writes.
+PUSHED_FOLDS = (ALLREDUCE, REDUCE)
+PUSHED_IN_PLACE = (ALLREDUCE,)
 PUSH_SLICE_BYTES = 256 << 10
 
 
 @functools.lru_cache(maxsize=256)
 def pushed_plan(collective, nranks, count, dtype, op, root=0, in_place=False, algorithm="two_shot"):
-    """The single copy of a fold whose reduced chunks every rank receives
-    (PUSHED_FOLDS: two_shot allreduce), with the reducer writing them into
-    its peers' outputs instead of each peer copying them out of its
-    workspace (single_copy_plan's PEERS_READ_INPUT form):
+    """The single copy of a fold whose reduced chunks go to other ranks'
+    outputs (PUSHED_FOLDS by two_shot: allreduce's to every rank, reduce's
+    to the root), with the reducer writing them into those outputs instead
+    of each receiver copying them out of the reducer's workspace
+    (single_copy_plan's PEERS_READ_INPUT form):
 
         1  rank r folds chunk r of every input (a peer's read in place)
-           into chunk r of its own output, a slice at a time, and writes
-           each slice, still in cache, into chunk r of every peer's output
+           into its own memory (its output, or a reduce's non-root its
+           SCRATCH), a slice at a time, and writes each slice, still in
+           cache, into chunk r of every receiver's output
         2  nothing: every rank waits until every peer has completed
            phase 1 (its reads of this rank's input and its writes into
            this rank's output are done) before it returns
 
     Derived from the algorithm's OUT_OF_PLACE (in place: IN_PLACE) binding,
-    proved by binding.py's symbolic run, whose phase 2 copies chunk r of
-    rank r's output into the peers' outputs: each such copy moves to the
-    end of its source rank's phase 1, which holds because (checked here)
+    proved by binding.py's symbolic run, whose phase 2 copies chunk r out
+    of rank r's memory into the receivers' outputs: each such copy moves to
+    the end of its source rank's phase 1, which holds because (checked here)
     its source was written in phase 1 by its own rank and by nothing after,
     and its destination is touched in phase 1 by no rank but the pusher,
-    which reads it (in place) before it writes it. Every rank reads every
-    peer's input and writes every peer's output, so phase 1 waits for
-    every peer's phase 0 (its addresses are this call's). Out of place only
-    where a refused read or write may yet fall back to the staged plan:
-    this form writes outputs in phase 1 (in place, the inputs).
+    which reads it (in place) before it writes it. Phase 1 waits for every
+    peer's phase 0 (its addresses are this call's). Out of place, a refused
+    read or write may yet fall back to the staged plan (only outputs were
+    written); in place this form writes inputs in phase 1, so it runs only
+    once the ranks know pushes work (PUSHED_IN_PLACE, shm.py).
     ValueError where the binding does not give that form."""
-    if collective not in PUSHED_FOLDS or algorithm not in SINGLE_COPY_ALGORITHMS.get(collective, ()):
-        raise ValueError(f"pushed_plan serves {PUSHED_FOLDS} by {SINGLE_COPY_ALGORITHMS}, "
-                         f"not {collective!r} by {algorithm!r}")
+    if collective not in PUSHED_FOLDS or algorithm != "two_shot" \
+            or algorithm not in SINGLE_COPY_ALGORITHMS.get(collective, ()):
+        raise ValueError(f"pushed_plan serves {PUSHED_FOLDS} by two_shot, not {collective!r} by {algorithm!r}")
     dtype = np.dtype(dtype)
     binding = bindings.IN_PLACE if in_place else bindings.OUT_OF_PLACE
     plan = build_plan(collective, algorithm, nranks, count, dtype, op, root, binding)
@@ -506,35 +511,40 @@ def pushed_plan(collective, nranks, count, dtype, op, root=0, in_place=False, al
     if len(phases) < 3 or len(phases[0].table) or any(len(phase.table) for phase in phases[3:]):
         raise ValueError(f"pushed_plan: {collective}'s plan is not of three phases, the first empty")
     folds, copies = phases[1].table, phases[2].table
+    own_memory = (OUTPUT, SCRATCH)
     for row in folds:
-        if row[DST_BUF] != OUTPUT or row[KIND] == COPY_OP or \
+        if row[DST_BUF] not in own_memory or row[KIND] == COPY_OP or \
                 any(row[SRC0 + 3 * s + 1] != INPUT for s in range(int(row[NSRC]))):
-            raise ValueError(f"pushed_plan: {collective}'s phase 1 has a row other than a fold into OUTPUT")
+            raise ValueError(f"pushed_plan: {collective}'s phase 1 has a row other than a fold into its own memory")
 
-    def span(rank, offset, elements):
-        return int(rank), int(offset), int(offset) + int(elements)
+    def span(rank, buffer, offset, elements):   # (in place, a rank's INPUT is its OUTPUT)
+        buffer = OUTPUT if in_place and buffer == INPUT else int(buffer)
+        return int(rank), buffer, int(offset), int(offset) + int(elements)
 
     def overlaps(a, b):
-        return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+        return a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3]
 
-    folded = [span(row[RANK], row[DST_OFF], row[COUNT]) for row in folds]
-    pushes = [[] for _ in range(nranks)]   # per pushing rank: (destination rank, start, stop)
+    folded = [span(row[RANK], row[DST_BUF], row[DST_OFF], row[COUNT]) for row in folds]
+    written = [span(r[RANK], r[DST_BUF], r[DST_OFF], r[COUNT]) for r in copies]
+    pushes = [[] for _ in range(nranks)]   # per pushing rank: (destination rank, source buffer, start, stop)
     for row in copies:
         owner, buffer, start = (int(v) for v in row[SRC0:SRC0 + 3])
-        source, target = span(owner, start, row[COUNT]), span(row[RANK], row[DST_OFF], row[COUNT])
-        if row[KIND] != COPY_OP or row[NSRC] != 1 or buffer != OUTPUT or owner == row[RANK] \
-                or int(row[DST_OFF]) != start:
-            raise ValueError(f"pushed_plan: {collective}'s phase 2 has a row other than a copy of a peer's OUTPUT")
-        if not any(f[0] == owner and f[1] <= source[1] and source[2] <= f[2] for f in folded) or \
-                any(overlaps(source, span(r[RANK], r[DST_OFF], r[COUNT])) for r in copies):
+        source = span(owner, buffer, start, row[COUNT])
+        target = span(row[RANK], row[DST_BUF], row[DST_OFF], row[COUNT])
+        if row[KIND] != COPY_OP or row[NSRC] != 1 or buffer not in own_memory or row[DST_BUF] != OUTPUT \
+                or owner == row[RANK] or int(row[DST_OFF]) != start:
+            raise ValueError(f"pushed_plan: {collective}'s phase 2 has a row other than a copy out of a peer's "
+                             "memory into an output")
+        if not any(f[:2] == source[:2] and f[2] <= source[2] and source[3] <= f[3] for f in folded) or \
+                any(overlaps(source, w) for w in written):
             raise ValueError(f"pushed_plan: {collective} copies a chunk its owner did not fold in phase 1, or "
                              "that phase 2 writes")
-        touched = [(int(r[RANK]), span(r[RANK], r[DST_OFF], r[COUNT])) for r in folds] + \
-                  [(int(r[RANK]), span(r[SRC0 + 3 * s], r[SRC0 + 3 * s + 2], r[COUNT]))
-                   for r in folds for s in range(int(r[NSRC])) if in_place]
+        touched = [(int(r[RANK]), span(r[RANK], r[DST_BUF], r[DST_OFF], r[COUNT])) for r in folds] + \
+                  [(int(r[RANK]), span(r[SRC0 + 3 * s], INPUT, r[SRC0 + 3 * s + 2], r[COUNT]))
+                   for r in folds for s in range(int(r[NSRC]))]
         if any(rank != owner and overlaps(target, region) for rank, region in touched):
             raise ValueError(f"pushed_plan: {collective}'s phase 1 touches on another rank what a push writes")
-        pushes[owner].append(target)
+        pushes[owner].append((target[0], buffer, target[2], target[3]))
     slice_elements = max(1, PUSH_SLICE_BYTES // dtype.itemsize)
     rows_by_rank = []
     for rank in range(nranks):
@@ -549,11 +559,11 @@ def pushed_plan(collective, nranks, count, dtype, op, root=0, in_place=False, al
                 for s in range(int(row[NSRC])):
                     piece[SRC0 + 3 * s + 2] += shift
                 rows.append(piece)
-                for target_rank, start, end in pushes[rank]:
+                for target_rank, buffer, start, end in pushes[rank]:
                     lo, hi = max(start, at), min(end, stop)
-                    if lo < hi:
+                    if lo < hi and buffer == row[DST_BUF]:
                         push = np.full_like(row, -1)
-                        push[:SRC0 + 3] = (target_rank, COPY_OP, hi - lo, OUTPUT, lo, 1, rank, OUTPUT, lo)
+                        push[:SRC0 + 3] = (target_rank, COPY_OP, hi - lo, OUTPUT, lo, 1, rank, buffer, lo)
                         rows.append(push)
         table = np.array(rows, np.int64).reshape(-1, folds.shape[1])
         table.setflags(write=False)

@@ -177,7 +177,37 @@ def test_a_pushed_allreduce_folds_each_chunk_once_and_its_folder_writes_it_into_
     assert (read == 1).all() and (written == 1).all()
     assert sorted(set(folded.tolist())) == list(range(n))
     with pytest.raises(ValueError, match="pushed_plan serves"):
-        plans.pushed_plan("reduce", n, count, np.dtype(np.float32), "sum", 0, False)
+        plans.pushed_plan("reduce_scatter", n, count, np.dtype(np.float32), "sum", 0, False)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_a_pushed_reduce_folds_each_chunk_once_and_its_folder_writes_it_into_the_roots_output(n):
+    """plan.pushed_plan for two_shot's reduce: rank r folds chunk r of every
+    rank's INPUT into its own memory (the root its OUTPUT, the others their
+    SCRATCH) and pushes each slice into the root's OUTPUT; every element of
+    the root's output is written once, by the rank that folded it, and no
+    other rank's output is written."""
+    count = 3 * plans.PUSH_SLICE_BYTES // 4 * n // 2 + 7
+    for root in range(n):
+        plan = plans.pushed_plan("reduce", n, count, np.dtype(np.float32), "sum", root, False)
+        assert plan.single_copy and plan.pushes and not any(len(phase.table) for phase in plan.phases[2:])
+        folded, written = np.full(count, -1), np.zeros(count, int)
+        for rank, rows in enumerate(plan.phases[1].rows_by_rank):
+            for row in rows:
+                start, stop = int(row[plans.DST_OFF]), int(row[plans.DST_OFF] + row[plans.COUNT])
+                if row[plans.RANK] == rank:
+                    assert row[plans.DST_BUF] == (plans.OUTPUT if rank == root else plans.SCRATCH)
+                    assert [int(row[plans.SRC0 + 3 * s]) for s in range(row[plans.NSRC])] == list(range(n))
+                    assert (folded[start:stop] == -1).all()
+                    folded[start:stop] = rank
+                    if rank != root:
+                        continue
+                else:
+                    assert row[plans.RANK] == root and row[plans.DST_BUF] == plans.OUTPUT
+                    assert tuple(int(v) for v in row[plans.SRC0:plans.SRC0 + 3]) == (rank, plans.SCRATCH, start)
+                    assert (folded[start:stop] == rank).all()
+                written[start:stop] += 1
+        assert (written == 1).all() and sorted(set(folded.tolist())) == list(range(n))
 
 
 @pytest.mark.parametrize("collective", ["gather", "scatter", "all_to_all"])

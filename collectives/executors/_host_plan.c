@@ -115,17 +115,21 @@ typedef struct {
  * engine sets them before any peer reads them.) */
 #define REFUSED_FLAG ((int64_t)1 << 62)   /* above any user-space address */
 #define PUSH_REFUSED_FLAG ((int64_t)1 << 61)
-/* Plan(single_copy=): none, reads, reads and a probe of pushes, pushes. A
- * plan that probes (the read form of a fold that can push: allreduce, in
- * place before the ranks know pushes work) ends its phase 1 with a write
- * into every peer's output of the 8 bytes it just read there: in that
- * form's phase 1 no rank writes any output, so the bytes stay what they
- * were. A write refused sets PUSH_REFUSED_FLAG, which refuses nothing of
- * the call. At phase 2's verdict, a plan that probes or pushes sets the
- * runner's pushes_reached, on every rank alike: 1 where no rank's push or
- * probe was refused, else -1; Python then takes the pushed plan in place
- * (which writes inputs in phase 1, so may no longer fall back) only at 1. */
-enum { SINGLE_COPY_NONE = 0, SINGLE_COPY_READS = 1, SINGLE_COPY_PROBES = 2, SINGLE_COPY_PUSHES = 3 };
+/* Plan(single_copy=): none, reads, reads and a probe of pushes, pushes
+ * from every rank into every peer, other pushes. A plan that probes (the
+ * read form of a fold that can push: allreduce, in place before the ranks
+ * know pushes work) ends its phase 1 with a write into every peer's output
+ * of the 8 bytes it just read there: in that form's phase 1 no rank writes
+ * any output, so the bytes stay what they were. A write refused sets
+ * PUSH_REFUSED_FLAG, which refuses nothing of the call. At phase 2's
+ * verdict, a plan that probes or pushes from every rank into every peer
+ * sets the runner's pushes_reached, on every rank alike: 1 where no rank's
+ * push or probe was refused, else -1; Python then takes the pushed plan in
+ * place (which writes inputs in phase 1, so may no longer fall back) only
+ * at 1. Other pushes (a reduce's into the root, a broadcast's) prove
+ * nothing of every pair. */
+enum { SINGLE_COPY_NONE = 0, SINGLE_COPY_READS = 1, SINGLE_COPY_PROBES = 2, SINGLE_COPY_PUSHES_EVERY_PEER = 3,
+       SINGLE_COPY_PUSHES = 4 };
 /* Set by the tests alone: every read and push is refused (test_refuse_reads),
  * every push only (test_refuse_pushes), or
  * held this long before it starts (test_stall_reads: a rank that returned
@@ -460,7 +464,8 @@ static int run_phases(Waits *w, const Call *call, int64_t start_phase, int64_t b
                     w->failed_peer = q;
                     return REFUSED;
                 }
-            if (call->single_copy >= SINGLE_COPY_PROBES) {   /* (a pushed plan got here with every push made) */
+            if (call->single_copy == SINGLE_COPY_PROBES || call->single_copy == SINGLE_COPY_PUSHES_EVERY_PEER) {
+                /* (a pushed plan got here with every push made) */
                 *call->pushes_reached = 1;
                 for (int q = 0; q < call->nranks; q++)
                     if (load_acquire(&w->rows[q * ROW_SLOTS + OUT_ADDR]) & PUSH_REFUSED_FLAG)

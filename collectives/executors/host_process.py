@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import CollectiveError
 from ..transport.fastpath import weakly
 from ..ops import ReduceOp
-from ..plan import PUSHED_FOLDS
+from ..plan import PUSHED_IN_PLACE
 from ..transport.failures import BAD_PLAN, NEED_GROW, NEED_OPEN, REFUSED, abort_fence_and_raise, raise_wait_failure
 from ..transport.layout import CAP, GEN
 from ..transport.protocol import describe_call, description_hash
@@ -61,12 +61,13 @@ assert [op.value for op in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "h
 def _single_copy_form(plan):
     """The runner's single-copy form of `plan` (_host_plan.c's SINGLE_COPY_*):
     none, reads, reads and a probe of pushes (the read form of a fold that
-    can push), pushes."""
+    pushes in place once the ranks know pushes work), pushes from every
+    rank into every peer (that fold's pushed form), other pushes."""
     if not plan.single_copy:
         return 0
-    if plan.pushes:
-        return 3
-    return 2 if plan.collective in PUSHED_FOLDS else 1
+    if plan.collective not in PUSHED_IN_PLACE:
+        return 4 if plan.pushes else 1
+    return 3 if plan.pushes else 2
 
 
 def available():

@@ -22,7 +22,7 @@ from ..config import (BROADCAST_PULL_MAX, DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCH
                       resolve_fast_single_copy, resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
 from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS,
-                    PUSHED_FOLDS, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE,
+                    PUSHED_FOLDS, PUSHED_IN_PLACE, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE,
                     SPREAD_COLLECTIVES, WORK, pushed_plan, single_copy_plan, spread_plan)
 from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
@@ -279,14 +279,15 @@ class ShmRank(Recoverable):
 
     def _single_plan(self, plan, in_place):
         """The single-copy plan of `plan`: pushed (plan.pushed_plan) where
-        the fold's reduced chunks go to every rank, out of place (a refused
-        read or write may still fall back to the staged plan), or in place
-        once a call found that every rank may push into every peer (the
-        compiled executor's pushes_reached, the same on every rank); else
-        read (plan.single_copy_plan). A broadcast past the loop's pull limit
+        a fold's reduced chunks go to other ranks (two_shot), out of place
+        (a refused read or write may still fall back to the staged plan),
+        or in place (PUSHED_IN_PLACE) once a call found that every rank may
+        push into every peer (the compiled executor's pushes_reached, the
+        same on every rank); else read (plan.single_copy_plan). A broadcast past the loop's pull limit
         (every size where ranks outnumber cores, as the loop's) spreads
         (plan.spread_plan)."""
-        if plan.collective in PUSHED_FOLDS and (not in_place or self._single.pushes_reached == 1):
+        if plan.collective in PUSHED_FOLDS and plan.algorithm == "two_shot" \
+                and (not in_place or (plan.collective in PUSHED_IN_PLACE and self._single.pushes_reached == 1)):
             return pushed_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
                                plan.algorithm)
         if plan.collective in SPREAD_COLLECTIVES and (plan.count * plan.dtype.itemsize > BROADCAST_PULL_MAX
@@ -335,7 +336,7 @@ class ShmRank(Recoverable):
         if self.compiled is None or in_place is None or not self._single_copy_of(plan):
             return None
         single = self._single_plan(plan, in_place)
-        if single.collective in PUSHED_FOLDS and in_place and not single.pushes and self._single.pushes_reached == 0:
+        if single.collective in PUSHED_IN_PLACE and in_place and not single.pushes and self._single.pushes_reached == 0:
             return None
         return single
 
@@ -355,7 +356,7 @@ class ShmRank(Recoverable):
         self._forget_shapes()
         if self.forget_repeats is not None:
             self.forget_repeats(None)
-        if single.pushes and in_place and single.collective in PUSHED_FOLDS:   # (every rank alike: the verdict)
+        if single.pushes and in_place and single.collective in PUSHED_IN_PLACE:   # (every rank alike: the verdict)
             raise CollectiveError(f"a push into a peer's array was refused in an in-place {single.collective} "
                                   "after a call had found that pushes work; x is partly overwritten: this "
                                   "communicator now stages, but this call's result is lost")
