@@ -1,5 +1,6 @@
 """One rank of tests/test_exchange_single_copy.py: the exchanges between host
-processes in one copy (plan.single_copy_plan, run by _host_plan.c).
+processes in one copy (plan.single_copy_plan, run by _host_plan.c), and the
+folds' and broadcast's single copies that push (plan.pushed_plan, spread_plan).
 
     mpiexec -n N python tests/exchange_worker.py SCENARIO
 
@@ -433,6 +434,20 @@ def scenario_killed(comm):
     expect(RankFailedError, lambda: comm.all_to_all(x, out=np.empty_like(x)), 3.0, ["rank 1 (pid", "died"])
 
 
+def scenario_killed_pushing(comm):
+    """Rank 1 dies inside a pushed allreduce (held in its first push into
+    rank 0, the loop off): the others raise RankFailedError naming it, long
+    before the timeout, whether they were pushing into it or waiting for it."""
+    r, n = comm.rank, comm.size
+    x = data(0, r, np.float32, n * 100000)
+    comm.allreduce(x, out=np.empty_like(x))
+    assert comm._ranks._single.last_plan.pushes   # noqa: SLF001
+    if r == 1:
+        _host_plan.test_stall_writes(1.0)
+        threading.Timer(0.2, os._exit, (0,)).start()
+    expect(RankFailedError, lambda: comm.allreduce(x, out=np.empty_like(x)), 3.0, ["rank 1 (pid", "died"])
+
+
 def scenario_stalled(comm):
     """Rank 1 is held in its reads past the timeout: the others raise
     CollectiveTimeoutError naming it, within the timeout and a margin."""
@@ -494,7 +509,7 @@ def main():
     if scenario == "measured" and sys.argv[2:] == ["refused"] and int(os.environ["PMI_RANK"]) == 1:
         _host_plan.test_refuse_reads(True)   # the probe's first call falls back: nothing to time
     comm = collectives.init(timeout=TIMEOUT)
-    leaves = scenario == "killed"
+    leaves = scenario in ("killed", "killed_pushing")
     run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=leaves)
     print(f"OK {scenario} {comm.rank}", flush=True)
     if leaves:

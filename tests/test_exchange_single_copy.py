@@ -2,10 +2,14 @@
 one copy: the compiled plan executor reads peers' inputs in place
 (plan.single_copy_plan, _host_plan.c); allgather and broadcast, and the
 folds reduce_scatter, reduce and allreduce, too where the plans run them
-(without the compiled loop). The interpreter's bits on 2, 3 and 4
-processes, in and out of place, uneven all_to_all_v blocks with empty ones;
-a refused read falling back to the staged plan on every rank; a rank that
-returns before its readers are done caught; a killed and a stalled rank
+(without the compiled loop), allreduce and reduce pushing their reduced
+chunks into the receivers' outputs (plan.pushed_plan) and a large
+broadcast spreading (plan.spread_plan). The interpreter's bits on 2, 3 and
+4 processes, in and out of place, uneven all_to_all_v blocks with empty
+ones; a refused read or push falling back to the staged plan on every
+rank (in place, after pushes were found to work, raising); a rank that
+returns before its readers are done caught, and one whose failed call
+returned while a peer still pushed into it; a killed and a stalled rank
 raising the typed error on the others. The checks of each rank are in
 tests/exchange_worker.py; the plans' form is checked here."""
 
@@ -368,11 +372,12 @@ def test_a_rank_returns_only_once_its_readers_are_done():
 
 @pytest.mark.mpi
 @needs_the_executor
-@pytest.mark.parametrize("event", ["killed", "stalled"])
+@pytest.mark.parametrize("event", ["killed", "stalled", "killed_pushing"])
 def test_a_killed_or_stalled_rank_raises_the_typed_error_on_the_others(event):
     # Hydra would otherwise kill the survivors itself when one rank exits.
-    oks, report = run(3, event, flags=["-disable-auto-cleanup"], limit=120)
-    assert len(oks) == (2 if event == "killed" else 3), report
+    environment = {**SMALL, "COLLECTIVES_FAST_PATH": "0"} if event == "killed_pushing" else SMALL
+    oks, report = run(3, event, environment=environment, flags=["-disable-auto-cleanup"], limit=120)
+    assert len(oks) == (3 if event == "stalled" else 2), report
 
 
 @needs_the_executor
