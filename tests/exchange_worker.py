@@ -285,9 +285,10 @@ def scenario_pushes(comm):
 def scenario_spread(comm):
     """broadcast on the plans' path (the test turns the loop off): past the
     pull limit it spreads (plan.spread_plan), below it every rank reads the
-    root's x (where ranks outnumber cores, it spreads at every size); in and out of place, every root, the root's bits. Then the
-    pushes of rank 1, the root, are refused in an in-place spread: every
-    rank runs it again staged (the root's x only read), with its bits."""
+    root's x (where ranks outnumber cores, it spreads at every size); in
+    and out of place, every root, the root's bits. Then the pushes of rank
+    1, the root, are refused in an in-place spread: every rank runs it
+    again staged (the root's x only read), with its bits."""
     runs = counting_single_copies()
     r, n = comm.rank, comm.size
     compiled = comm._ranks._single   # noqa: SLF001

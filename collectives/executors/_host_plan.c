@@ -25,8 +25,9 @@
  *
  * The same waits, counters and signatures as the interpreter's ProcessGroup.run,
  * so ranks on either executor run one call together. It writes only this
- * rank's own memory, but for a single-copy plan's pushes (below). The GIL is released for the whole run (the waits
- * take it back briefly to run Python's signal handlers).
+ * rank's own memory, but for a single-copy plan's pushes (below). The
+ * GIL is released for the whole run (the waits take it back briefly to
+ * run Python's signal handlers).
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -59,7 +60,8 @@ typedef struct {
     const int64_t *bases, *generations;
     PyObject *last;                 /* the Python plan of the last call run (CompiledPlans.last_plan), or None */
     char *peer_slices;              /* a single-copy fold's slices of peers' inputs (see "Single copy") */
-    int pushes_reached;             /* 0: not known; 1: every rank may push into every peer; -1: not (see "Single copy") */
+    int pushes_reached;             /* 0: not known; 1: every rank may push into every peer; -1: not
+                                     * (see "Single copy") */
     size_t peer_slices_bytes;
     struct Repeats *repeats;        /* a repeated call's shortcut (see "Repeats" below), or NULL */
 } Runner;
@@ -197,7 +199,8 @@ static int push_to_peer(Waits *w, int peer, const char *local, int64_t offset, s
     if (write_stall_for_tests > 0)
         sleep_seconds(write_stall_for_tests);
     pid_t pid = (pid_t)load_acquire(&w->rows[peer * ROW_SLOTS + PID]);
-    int64_t remote = (load_acquire(&w->rows[peer * ROW_SLOTS + OUT_ADDR]) & ~REFUSED_FLAG & ~PUSH_REFUSED_FLAG) + offset;
+    int64_t remote = (load_acquire(&w->rows[peer * ROW_SLOTS + OUT_ADDR]) & ~(REFUSED_FLAG | PUSH_REFUSED_FLAG))
+                     + offset;
     int status = OK;
     while (nbytes > 0) {
         struct iovec here = {(void *)local, nbytes}, there = {(void *)(uintptr_t)remote, nbytes};
@@ -244,8 +247,8 @@ static int probe_pushes(Waits *w)
         char bytes[8];
         pid_t pid = (pid_t)load_acquire(&w->rows[q * ROW_SLOTS + PID]);
         struct iovec here = {bytes, sizeof bytes};
-        struct iovec there = {(void *)(uintptr_t)(load_acquire(&w->rows[q * ROW_SLOTS + OUT_ADDR]) & ~REFUSED_FLAG
-                                                   & ~PUSH_REFUSED_FLAG), sizeof bytes};
+        int64_t output = load_acquire(&w->rows[q * ROW_SLOTS + OUT_ADDR]) & ~(REFUSED_FLAG | PUSH_REFUSED_FLAG);
+        struct iovec there = {(void *)(uintptr_t)output, sizeof bytes};
         reached = process_vm_readv(pid, &here, 1, &there, 1, 0) == (ssize_t)sizeof bytes
                   && process_vm_writev(pid, &here, 1, &there, 1, 0) == (ssize_t)sizeof bytes;
     }
@@ -542,7 +545,8 @@ static int Plan_init(Plan *self, PyObject *args, PyObject *kwargs)
         return -1;
     if (type < 0 || type >= NTYPES || op < 0 || op > OP_AVG || nranks < 1 || nranks > MAX_SOURCES
         || single_copy < SINGLE_COPY_NONE || single_copy > SINGLE_COPY_PUSHES) {
-        PyErr_SetString(PyExc_ValueError, "Plan(): an element type, op, rank count or single-copy form no runner takes");
+        PyErr_SetString(PyExc_ValueError,
+                        "Plan(): an element type, op, rank count or single-copy form no runner takes");
         return -1;
     }
     Py_buffer views[4];

@@ -21,9 +21,9 @@ from ..config import (BROADCAST_PULL_MAX, DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCH
                       MEASURED_EXCHANGE_SINGLE_COPY_MIN, resolve_compiled_plans, resolve_exchange_single_copy_min,
                       resolve_fast_single_copy, resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
-from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS,
-                    PUSHED_FOLDS, PUSHED_IN_PLACE, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE,
-                    SPREAD_COLLECTIVES, WORK, pushed_plan, single_copy_plan, spread_plan)
+from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, PUSHED_FOLDS, PUSHED_IN_PLACE,
+                    SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS,
+                    SINGLE_COPY_FOLDS_IN_PLACE, SPREAD_COLLECTIVES, WORK, pushed_plan, single_copy_plan, spread_plan)
 from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
