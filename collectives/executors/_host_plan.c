@@ -141,27 +141,20 @@ static int refuse_pushes_for_tests;
 static double read_stall_for_tests;
 static double write_stall_for_tests;   /* each push held this long inside its WRITING window (the fence's tests) */
 
-/* Copy `nbytes` out of peer `peer`'s process at `remote` into `local`:
- * OK, REFUSED, PEER_DEAD, ABORTED (a peer that aborted may have handed its
- * input back), or READ_FAILED with the errno. */
-static int read_peer(Waits *w, int peer, char *local, int64_t remote, size_t nbytes)
+/* Copy `nbytes` between `local` and `remote` in peer `peer`'s process,
+ * out of it (process_vm_readv) or `into_peer` (process_vm_writev): OK,
+ * REFUSED (EPERM: another user, a ptrace restriction, a seccomp rule),
+ * PEER_DEAD, ABORTED (a peer that aborted may have handed its buffers
+ * back), or READ_FAILED / WRITE_FAILED with the errno. */
+static int copy_with_peer(Waits *w, int peer, char *local, int64_t remote, size_t nbytes, int into_peer)
 {
-    if (refuse_for_tests && nbytes > 0) {
-        w->failed_peer = peer;
-        return REFUSED;
-    }
-    if (read_stall_for_tests > 0) {
-        struct timespec ts = {(time_t)read_stall_for_tests,
-                              (long)((read_stall_for_tests - (double)(time_t)read_stall_for_tests) * 1e9)};
-        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
-            ;
-    }
     pid_t pid = (pid_t)load_acquire(&w->rows[peer * ROW_SLOTS + PID]);
     while (nbytes > 0) {
         struct iovec here = {local, nbytes}, there = {(void *)(uintptr_t)remote, nbytes};
-        ssize_t got = process_vm_readv(pid, &here, 1, &there, 1, 0);
-        if (got <= 0) {
-            int error = got < 0 ? errno : 0;
+        ssize_t moved = into_peer ? process_vm_writev(pid, &here, 1, &there, 1, 0)
+                                  : process_vm_readv(pid, &here, 1, &there, 1, 0);
+        if (moved <= 0) {
+            int error = moved < 0 ? errno : 0;
             if (error == EINTR)
                 continue;
             w->failed_peer = peer;
@@ -173,19 +166,32 @@ static int read_peer(Waits *w, int peer, char *local, int64_t remote, size_t nby
                 w->failed_peer = -1;
                 return ABORTED;
             }
-            return error == EPERM || error == ENOSYS ? REFUSED : READ_FAILED;
+            return error == EPERM || error == ENOSYS ? REFUSED : into_peer ? WRITE_FAILED : READ_FAILED;
         }
-        local += got;
-        remote += got;
-        nbytes -= (size_t)got;
+        local += moved;
+        remote += moved;
+        nbytes -= (size_t)moved;
     }
     return OK;
 }
 
-/* Copy `nbytes` at `local` into peer `peer`'s output at byte `offset`
- * (process_vm_writev), inside this rank's WRITING window: OK, REFUSED,
- * PEER_DEAD, ABORTED (the communicator was aborted: its ranks may have
- * handed their buffers back), or WRITE_FAILED with the errno. */
+/* Copy `nbytes` out of peer `peer`'s process at `remote` into `local`
+ * (copy_with_peer's statuses). */
+static int read_peer(Waits *w, int peer, char *local, int64_t remote, size_t nbytes)
+{
+    if (refuse_for_tests && nbytes > 0) {
+        w->failed_peer = peer;
+        return REFUSED;
+    }
+    if (read_stall_for_tests > 0)
+        sleep_seconds(read_stall_for_tests);
+    return copy_with_peer(w, peer, local, remote, nbytes, 0);
+}
+
+/* Copy `nbytes` at `local` into peer `peer`'s output at byte `offset`,
+ * inside this rank's WRITING window (copy_with_peer's statuses; ABORTED
+ * too where the communicator was aborted before the write: its ranks may
+ * have handed their buffers back). */
 static int push_to_peer(Waits *w, int peer, const char *local, int64_t offset, size_t nbytes)
 {
     if ((refuse_for_tests || refuse_pushes_for_tests) && nbytes > 0) {
@@ -198,33 +204,8 @@ static int push_to_peer(Waits *w, int peer, const char *local, int64_t offset, s
     }
     if (write_stall_for_tests > 0)
         sleep_seconds(write_stall_for_tests);
-    pid_t pid = (pid_t)load_acquire(&w->rows[peer * ROW_SLOTS + PID]);
-    int64_t remote = (load_acquire(&w->rows[peer * ROW_SLOTS + OUT_ADDR]) & ~(REFUSED_FLAG | PUSH_REFUSED_FLAG))
-                     + offset;
-    int status = OK;
-    while (nbytes > 0) {
-        struct iovec here = {(void *)local, nbytes}, there = {(void *)(uintptr_t)remote, nbytes};
-        ssize_t put = process_vm_writev(pid, &here, 1, &there, 1, 0);
-        if (put <= 0) {
-            int error = put < 0 ? errno : 0;
-            if (error == EINTR)
-                continue;
-            w->failed_peer = peer;
-            w->failed_have = error;
-            w->failed_need = (int64_t)nbytes;
-            if (error == ESRCH || !process_alive(pid))
-                status = PEER_DEAD;
-            else if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
-                w->failed_peer = -1;
-                status = ABORTED;
-            } else
-                status = error == EPERM || error == ENOSYS ? REFUSED : WRITE_FAILED;
-            break;
-        }
-        local += put;
-        remote += put;
-        nbytes -= (size_t)put;
-    }
+    int64_t output = load_acquire(&w->rows[peer * ROW_SLOTS + OUT_ADDR]) & ~(REFUSED_FLAG | PUSH_REFUSED_FLAG);
+    int status = copy_with_peer(w, peer, (char *)local, output + offset, nbytes, 1);
     end_writes(w);
     return status;
 }
@@ -1300,40 +1281,43 @@ static int Runner_init(Runner *self, PyObject *args, PyObject *kwargs)
     return 0;
 }
 
-static PyObject *py_test_refuse_reads(PyObject *Py_UNUSED(self), PyObject *arg)
+/* The tests' hooks (module functions below): a flag, or seconds, set. */
+static PyObject *set_test_flag(int *flag, PyObject *arg)
 {
-    int refuse = PyObject_IsTrue(arg);
-    if (refuse < 0)
+    int value = PyObject_IsTrue(arg);
+    if (value < 0)
         return NULL;
-    refuse_for_tests = refuse;
+    *flag = value;
     Py_RETURN_NONE;
 }
 
-static PyObject *py_test_stall_reads(PyObject *Py_UNUSED(self), PyObject *arg)
+static PyObject *set_test_seconds(double *seconds, PyObject *arg)
 {
-    double seconds = PyFloat_AsDouble(arg);
-    if (seconds == -1.0 && PyErr_Occurred())
+    double value = PyFloat_AsDouble(arg);
+    if (value == -1.0 && PyErr_Occurred())
         return NULL;
-    read_stall_for_tests = seconds;
+    *seconds = value;
     Py_RETURN_NONE;
+}
+
+static PyObject *py_test_refuse_reads(PyObject *Py_UNUSED(self), PyObject *arg)
+{
+    return set_test_flag(&refuse_for_tests, arg);
 }
 
 static PyObject *py_test_refuse_pushes(PyObject *Py_UNUSED(self), PyObject *arg)
 {
-    int refuse = PyObject_IsTrue(arg);
-    if (refuse < 0)
-        return NULL;
-    refuse_pushes_for_tests = refuse;
-    Py_RETURN_NONE;
+    return set_test_flag(&refuse_pushes_for_tests, arg);
+}
+
+static PyObject *py_test_stall_reads(PyObject *Py_UNUSED(self), PyObject *arg)
+{
+    return set_test_seconds(&read_stall_for_tests, arg);
 }
 
 static PyObject *py_test_stall_writes(PyObject *Py_UNUSED(self), PyObject *arg)
 {
-    double seconds = PyFloat_AsDouble(arg);
-    if (seconds == -1.0 && PyErr_Occurred())
-        return NULL;
-    write_stall_for_tests = seconds;
-    Py_RETURN_NONE;
+    return set_test_seconds(&write_stall_for_tests, arg);
 }
 
 /* runner.fence_writes(seconds) -> the peer still writing into peers'
