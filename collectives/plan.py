@@ -501,8 +501,7 @@ def pushed_plan(collective, nranks, count, dtype, op, root=0, in_place=False, al
     written); in place this form writes inputs in phase 1, so it runs only
     once the ranks know pushes work (PUSHED_IN_PLACE, shm.py).
     ValueError where the binding does not give that form."""
-    if collective not in PUSHED_FOLDS or algorithm != "two_shot" \
-            or algorithm not in SINGLE_COPY_ALGORITHMS.get(collective, ()):
+    if collective not in PUSHED_FOLDS or algorithm != "two_shot":
         raise ValueError(f"pushed_plan serves {PUSHED_FOLDS} by two_shot, not {collective!r} by {algorithm!r}")
     dtype = np.dtype(dtype)
     binding = bindings.IN_PLACE if in_place else bindings.OUT_OF_PLACE
@@ -526,6 +525,9 @@ def pushed_plan(collective, nranks, count, dtype, op, root=0, in_place=False, al
 
     folded = [span(row[RANK], row[DST_BUF], row[DST_OFF], row[COUNT]) for row in folds]
     written = [span(r[RANK], r[DST_BUF], r[DST_OFF], r[COUNT]) for r in copies]
+    touched = [(int(r[RANK]), region) for r, region in zip(folds, folded)] + \
+              [(int(r[RANK]), span(r[SRC0 + 3 * s], INPUT, r[SRC0 + 3 * s + 2], r[COUNT]))
+               for r in folds for s in range(int(r[NSRC]))]   # (phase 1's writes and reads, by their rank)
     pushes = [[] for _ in range(nranks)]   # per pushing rank: (destination rank, source buffer, start, stop)
     for row in copies:
         owner, buffer, start = (int(v) for v in row[SRC0:SRC0 + 3])
@@ -539,9 +541,6 @@ def pushed_plan(collective, nranks, count, dtype, op, root=0, in_place=False, al
                 any(overlaps(source, w) for w in written):
             raise ValueError(f"pushed_plan: {collective} copies a chunk its owner did not fold in phase 1, or "
                              "that phase 2 writes")
-        touched = [(int(r[RANK]), span(r[RANK], r[DST_BUF], r[DST_OFF], r[COUNT])) for r in folds] + \
-                  [(int(r[RANK]), span(r[SRC0 + 3 * s], INPUT, r[SRC0 + 3 * s + 2], r[COUNT]))
-                   for r in folds for s in range(int(r[NSRC]))]
         if any(rank != owner and overlaps(target, region) for rank, region in touched):
             raise ValueError(f"pushed_plan: {collective}'s phase 1 touches on another rank what a push writes")
         pushes[owner].append((target[0], buffer, target[2], target[3]))
@@ -559,22 +558,41 @@ def pushed_plan(collective, nranks, count, dtype, op, root=0, in_place=False, al
                 for s in range(int(row[NSRC])):
                     piece[SRC0 + 3 * s + 2] += shift
                 rows.append(piece)
-                for target_rank, buffer, start, end in pushes[rank]:
-                    lo, hi = max(start, at), min(end, stop)
-                    if lo < hi and buffer == row[DST_BUF]:
-                        push = np.full_like(row, -1)
-                        push[:SRC0 + 3] = (target_rank, COPY_OP, hi - lo, OUTPUT, lo, 1, rank, buffer, lo)
-                        rows.append(push)
-        table = np.array(rows, np.int64).reshape(-1, folds.shape[1])
-        table.setflags(write=False)
-        rows_by_rank.append(table)
-    everyone = [{q: 1 for q in range(nranks) if q != r} for r in range(nranks)]
-    phase1 = Phase(np.concatenate(rows_by_rank), tuple(rows_by_rank),
-                   tuple(_at_least(phases[1].waits[r], everyone[r]) for r in range(nranks)))
+                rows += [_copy_row(folds.shape[1], target_rank, max(start, at), min(end, stop), (rank, buffer))
+                         for target_rank, buffer, start, end in pushes[rank]
+                         if max(start, at) < min(end, stop) and buffer == row[DST_BUF]]
+        rows_by_rank.append(rows)
+    phase1 = _phase_of_pushes(rows_by_rank, folds.shape[1], phases[1].waits)
     empty = phases[2].table[:0]
     phase2 = Phase(empty, tuple(empty for _ in range(nranks)),
-                   tuple(_at_least(phases[2].waits[r], {q: 2 for q in everyone[r]}) for r in range(nranks)))
+                   tuple(_at_least(waits, {q: 2 for q in range(nranks) if q != r})
+                         for r, waits in enumerate(phases[2].waits)))
     return plan._replace(phases=(phases[0], phase1, phase2, *phases[3:]), single_copy=True, pushes=True)
+
+
+def _copy_row(width, rank, start, stop, source):
+    """A copy row of `width` columns into rank `rank`'s OUTPUT elements
+    [start, stop) from (source rank, source buffer) at `start`: a push
+    where the rank whose table holds it is not `rank`."""
+    row = np.full(width, -1, np.int64)
+    row[:SRC0 + 3] = (rank, COPY_OP, stop - start, OUTPUT, start, 1, *source, start)
+    return row
+
+
+def _phase_of_pushes(rows_by_rank, width, waits):
+    """Phase 1 of a plan whose ranks push (pushed_plan, spread_plan): each
+    rank's rows as given (the rank that runs a row is the one whose list
+    holds it), `waits` raised to every peer's phase 0 (every rank reads a
+    peer's input or writes its output, at the addresses the peer publishes
+    then)."""
+    tables = []
+    for rows in rows_by_rank:
+        table = np.array(rows, np.int64).reshape(-1, width)
+        table.setflags(write=False)
+        tables.append(table)
+    nranks = len(tables)
+    return Phase(np.concatenate(tables), tuple(tables),
+                 tuple(_at_least(waits[r], {q: 1 for q in range(nranks) if q != r}) for r in range(nranks)))
 
 
 # The collectives whose single copy can spread (spread_plan): each rank
@@ -619,28 +637,18 @@ def spread_plan(collective, nranks, count, dtype, root=0, in_place=False):
         raise ValueError(f"spread_plan: {collective}'s single copy does not give every receiving rank one row")
     slice_elements = max(1, PUSH_SLICE_BYTES // dtype.itemsize)
     width = rows.shape[1] if len(rows) else SRC0 + 3
-
-    def row_of(rank, start, stop, source):
-        made = np.full(width, -1, np.int64)
-        made[:SRC0 + 3] = (rank, COPY_OP, stop - start, OUTPUT, start, 1, *source)
-        return made
-
     rows_by_rank = []
     for c, (lo, hi) in enumerate(chunk_bounds(collective, nranks, nranks, count, dtype.itemsize)):
         mine = []
         for at in range(lo, hi, slice_elements):
             stop = min(at + slice_elements, hi)
             if c in receivers:
-                mine.append(row_of(c, at, stop, (root, INPUT, at)))
-            source = (c, OUTPUT, at) if c in receivers else (root, INPUT, at)   # (in place, the root's x)
-            mine += [row_of(q, at, stop, source) for q in receivers if q != c]
-        table = np.array(mine, np.int64).reshape(-1, width)
-        table.setflags(write=False)
-        rows_by_rank.append(table)
+                mine.append(_copy_row(width, c, at, stop, (root, INPUT)))
+            source = (c, OUTPUT) if c in receivers else (root, INPUT)   # (in place, the root's x)
+            mine += [_copy_row(width, q, at, stop, source) for q in receivers if q != c]
+        rows_by_rank.append(mine)
     phases = base.phases
-    everyone = [{q: 1 for q in range(nranks) if q != r} for r in range(nranks)]
-    phase1 = Phase(np.concatenate(rows_by_rank), tuple(rows_by_rank),
-                   tuple(_at_least(phases[1].waits[r], everyone[r]) for r in range(nranks)))
+    phase1 = _phase_of_pushes(rows_by_rank, width, phases[1].waits)
     return base._replace(phases=(phases[0], phase1, *phases[2:]), pushes=True)
 
 
