@@ -242,6 +242,14 @@ DEFAULT_SPREAD_STAGED_MAX = 2 << 20
 # 21.3). With 4 processes on the 2 cores the spread won at 256 KiB either
 # way (in place 52 us against 94 back to back): there it stays.
 BROADCAST_PULL_MAX = 512 << 10
+
+
+def broadcast_pull_max(oversubscribed):
+    """BROADCAST_PULL_MAX where the ranks have a core each, else 0 (a
+    broadcast spreads at every size): the rule of the loop and the plans."""
+    return 0 if oversubscribed else BROADCAST_PULL_MAX
+
+
 STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
 # A large allreduce, reduce_scatter or reduce of up to this many bytes per
 # rank may take the loop's staged pipeline even where the single copy was

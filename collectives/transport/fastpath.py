@@ -58,7 +58,7 @@ import weakref
 import numpy as np
 
 from ..ops import ReduceOp, as_dtype
-from ..config import (BROADCAST_PULL_MAX, DEFAULT_STAGED_MAX, STAGED_MAX_ENV, resolve_fast_path,
+from ..config import (DEFAULT_STAGED_MAX, STAGED_MAX_ENV, broadcast_pull_max, resolve_fast_path,
                       resolve_fast_single_copy, resolve_loop_tunables)
 from . import probe
 from .failures import abort_fence_and_raise, raise_wait_failure
@@ -197,7 +197,7 @@ class FastCollectives:
             test_read_stall=tunables.test_read_stall, staged_spread_max=staged_spread_max,
             merged_max=self.merged_max,
             staged_max=DEFAULT_STAGED_MAX if tunables.staged_max is None else tunables.staged_max,
-            broadcast_pull_max=0 if oversubscribed else BROADCAST_PULL_MAX)
+            broadcast_pull_max=broadcast_pull_max(oversubscribed))
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
         self.collective = self._channel.shortcut

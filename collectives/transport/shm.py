@@ -17,8 +17,8 @@ import numpy as np
 
 from ..compression import wire
 from ..errors import CollectiveError
-from ..config import (BROADCAST_PULL_MAX, DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN_ENV,
-                      MEASURED_EXCHANGE_SINGLE_COPY_MIN, resolve_compiled_plans, resolve_exchange_single_copy_min,
+from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN_ENV, MEASURED_EXCHANGE_SINGLE_COPY_MIN,
+                      broadcast_pull_max, resolve_compiled_plans, resolve_exchange_single_copy_min,
                       resolve_fast_single_copy, resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
 from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, PUSHED_FOLDS, PUSHED_IN_PLACE,
@@ -71,6 +71,7 @@ class ShmRank(Recoverable):
         # for the scheduler at every step, a cost of its own.
         oversubscribed = max(size, ranks_on_machine or 0) > (os.cpu_count() or 1)
         self.transport = "host-processes-oversubscribed" if oversubscribed else "host-processes"
+        self._broadcast_pull_max = broadcast_pull_max(oversubscribed)   # (a single-copy broadcast spreads from it)
         # Calls with `auto` in the compiled loop (fastpath.py); None without
         # it. The communicator calls its shortcuts first: allreduce's, and
         # the other four collectives'.
@@ -283,15 +284,14 @@ class ShmRank(Recoverable):
         (a refused read or write may still fall back to the staged plan),
         or in place (PUSHED_IN_PLACE) once a call found that every rank may
         push into every peer (the compiled executor's pushes_reached, the
-        same on every rank); else read (plan.single_copy_plan). A broadcast past the loop's pull limit
-        (every size where ranks outnumber cores, as the loop's) spreads
-        (plan.spread_plan)."""
+        same on every rank); else read (plan.single_copy_plan). A broadcast
+        from the loop's pull limit on (every size where ranks outnumber
+        cores, as the loop's) spreads (plan.spread_plan)."""
         if plan.collective in PUSHED_FOLDS and plan.algorithm == "two_shot" \
                 and (not in_place or (plan.collective in PUSHED_IN_PLACE and self._single.pushes_reached == 1)):
             return pushed_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
                                plan.algorithm)
-        if plan.collective in SPREAD_COLLECTIVES and (plan.count * plan.dtype.itemsize > BROADCAST_PULL_MAX
-                                                     or self.transport == "host-processes-oversubscribed"):
+        if plan.collective in SPREAD_COLLECTIVES and plan.count * plan.dtype.itemsize >= self._broadcast_pull_max:
             return spread_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.root, in_place)
         return single_copy_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
                                 plan.block_counts, plan.algorithm)
