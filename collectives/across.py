@@ -415,7 +415,7 @@ def _address(array):
 def _loop_allreduce(h, call, into):
     """The node's loop allreduces x into `into` (in-node op: avg sums)."""
     code = fastpath.OP_CODES[partial_op(call.op)]
-    return h.shm.fast.channel.allreduce, (None, into, code, None, 0), 0, -1, 3, -1   # (0: the loop takes any size)
+    return h.shm.fast.channel.node_allreduce, (None, into, code, None), 0, -1, 3, -1   # (any size: _shmloop.c)
 
 
 def _loop(h, collective, source, into, code, root, own_source=False):

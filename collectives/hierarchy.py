@@ -1008,11 +1008,10 @@ def _in_node(h, collective, x, out, op, root, deadline):
         if out is not x:
             np.copyto(out, x)
         return
-    timeout = max(deadline - time.perf_counter(), 0.0)
-    if collective == ALLREDUCE:
-        done = h.shm.fast_allreduce(x, op, out, timeout) is not None
+    if collective == ALLREDUCE:   # (a node step of any size: one the shortcut leaves to the plans stages)
+        done = h.shm.fast.node_allreduce(x, op, out, deadline)
     else:
-        done = h.shm.fast_collective(collective, x, op, out, root, timeout)
+        done = h.shm.fast_collective(collective, x, op, out, root, max(deadline - time.perf_counter(), 0.0))
     if not done:
         raise CollectiveError(f"the node's compiled loop declined a {collective} of {x.size} {x.dtype}")
 

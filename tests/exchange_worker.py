@@ -216,6 +216,13 @@ def scenario_refused(comm):
         for what, got, want in calls(comm, reference, 5):
             same_bits(got, want, f"{what} after the refusal")
         assert len(runs) == 1, len(runs)
+    loop = comm._ranks.fast   # noqa: SLF001
+    if loop is not None:   # the refusal is the loop's too: a large allreduce, which it left to the plans, stages there
+        assert loop.large_path == "staged", loop.large_path
+        x = np.ones(1 << 18, np.float32)
+        choice = comm.chosen_algorithm("allreduce", x.nbytes, dtype=np.float32)
+        got = comm.allreduce(x, out=np.empty_like(x))
+        assert (choice.step, loop.last_step) == ("staged", "staged") and (got == n).all(), (choice, loop.last_step)
 
 
 def scenario_pushes(comm):
@@ -352,13 +359,19 @@ PUSH_FENCED_TIMEOUT = 0.8
 
 def scenario_pushes_fenced(comm):
     """Rank 0 gives up while rank 1 is inside its first push into rank 0's
-    output (an allreduce out of place on the plans' path, the loop off):
-    the failed call raises only once that push is done (the executor's
-    fence), so rank 0's output does not change after the call raised;
-    rank 1 learns of the abort before its next push."""
+    output (a pushed allreduce on the plans' path): the failed call raises
+    only once that push is done (the executor's fence), so rank 0's output
+    does not change after the call raised; rank 1 learns of the abort
+    before its next push. Out of place ("out"); in place, once a call
+    found that pushes work ("in"); and a writer held longer than rank 0's
+    fence waits, named in its error ("held", out of place)."""
+    case = sys.argv[2]
     count = (4 << 20) // 4
     x = np.ones(count, np.float32)
-    out = np.zeros_like(x)
+    out = x if case == "in" else np.zeros_like(x)
+    if case == "in":   # (a pushed allreduce in place only once the ranks know pushes work)
+        comm.allreduce(np.ones(2 * count // 64, np.float32), out=np.empty(2 * count // 64, np.float32))
+        assert comm._ranks._single.pushes_reached == 1   # noqa: SLF001
     if comm.rank == 0:
         comm.timeout = PUSH_FENCED_TIMEOUT
     else:
@@ -369,6 +382,9 @@ def scenario_pushes_fenced(comm):
     except collectives.CollectiveError as error:
         if comm.rank == 1:
             assert "aborted" in str(error) and "timed out" in str(error), error
+            return
+        if case == "held":
+            assert "rank 1 was still writing into peers' outputs" in str(error), error
             return
         assert "timed out waiting for rank 1" in str(error) and "still writing" not in str(error), error
     else:
@@ -507,6 +523,8 @@ def main():
         return limit_differs()
     if scenario == "measured" and sys.argv[2:] == ["slow"]:
         _host_plan.test_stall_reads(0.002)   # every rank's probe: the single copy must lose
+    if scenario == "pushes_fenced" and sys.argv[2:] == ["held"] and int(os.environ["PMI_RANK"]) == 0:
+        os.environ["COLLECTIVES_FENCE_SECONDS"] = "0.2"   # rank 1 is held longer than its fence waits
     if scenario == "measured" and sys.argv[2:] == ["refused"] and int(os.environ["PMI_RANK"]) == 1:
         _host_plan.test_refuse_reads(True)   # the probe's first call falls back: nothing to time
     comm = collectives.init(timeout=TIMEOUT)

@@ -321,15 +321,19 @@ def scenario_declined(comm, digest):
     got = comm.allreduce(y[:600], out=y[400:])
     assert got.base is y and np.array_equal(y[400:], np.arange(600, dtype=np.float32) * comm.size), y[400:410]
     assert fast is None or fast(x, "no such op", None, TIMEOUT) is None
-    # chosen_algorithm names the loop's step exactly for the dtypes it takes
+    # chosen_algorithm names the loop's step exactly for the dtypes it takes, but
+    # a large allreduce the loop leaves to the plans' single copy (its step PLANS)
     loop_dtypes = DTYPES + [np.uint16]
     for dtype in loop_dtypes + declined_dtypes() + [np.dtype(">f4"), np.complex64]:
         taken = fast is not None and fast(np.ones(10, dtype), "sum", None, TIMEOUT) is not None
-        for nbytes, steps in ((40, {fastpath.MERGED}), (SIZES.small_max + 8, {fastpath.SINGLE_COPY, fastpath.STAGED})):
+        for nbytes, steps in ((40, {fastpath.MERGED}), (SIZES.small_max + 8, {fastpath.STAGED})):
             named = comm.chosen_algorithm("allreduce", nbytes, dtype=dtype)
             looped = (named.path, named.step in steps, named) == ("compiled_loop", True,
                                                                   fastpath.step_algorithm("allreduce", named.step))
-            assert looped == taken, (dtype, nbytes, named, taken)
+            left_to_plans = taken and comm._ranks.fast.step_for("allreduce", nbytes) == fastpath.PLANS   # noqa: SLF001
+            assert looped == (taken and not left_to_plans), (dtype, nbytes, named, taken)
+            if left_to_plans:
+                assert (named, named.path) == ("two_shot", "single_copy"), (dtype, nbytes, named)
         assert taken == (LOOP and np.dtype(dtype) in loop_dtypes), dtype
     # no dtype: one the path takes
     assert (comm.chosen_algorithm("allreduce", 40).path == "compiled_loop") == LOOP
@@ -514,38 +518,34 @@ FENCED_TIMEOUT = 1.0
 
 def scenario_fenced(comm):
     """Rank 0 gives up while rank 1 is inside its writes into rank 0's output
-    (the single copy): the failed call raises only once that write is done,
-    in place (case 0) and out of place (case 2), so the output does not
-    change after the call raised; a writer held longer than the fence waits
-    is named in the error (case 1); and the same for a reduce to rank 0,
-    whose peers write their blocks into the root's output (case 3), and a
-    broadcast from rank 1, which writes its block into rank 0's (case 4)."""
-    case = int(os.environ["FASTPATH_CASE"])
+    (the loop's single copy): the failed call raises only once that write
+    is done, so the output does not change after the call raised: a reduce
+    to rank 0, whose peers write their blocks into the root's output
+    ("reduce"), and a broadcast from rank 1, which writes its block into
+    rank 0's ("broadcast"). (allreduce's single copy is the plans':
+    test_exchange_single_copy.py's pushes_fenced.)"""
+    case = os.environ["FASTPATH_CASE"]
     count = (4 << 20) // 4
-    x = np.full(count, comm.rank + 1.0, np.float32) if case == 4 else np.ones(count, np.float32)
-    out = x if case in (0, 1) else np.zeros_like(x)
+    x = np.full(count, comm.rank + 1.0, np.float32) if case == "broadcast" else np.ones(count, np.float32)
+    out = np.zeros_like(x)
     if comm.rank == 0:
         comm.timeout = FENCED_TIMEOUT
     MPI.COMM_WORLD.Barrier()
     try:
-        if case == 3:
+        if case == "reduce":
             comm.reduce(x, root=0, out=out)
-        elif case == 4:
-            comm.broadcast(x, root=1, out=out)
         else:
-            comm.allreduce(x, out=out)
+            comm.broadcast(x, root=1, out=out)
     except CollectiveError as error:
         if comm.rank == 1:
             assert "aborted" in str(error) and "timed out" in str(error), error
-        elif case == 1:
-            assert "rank 1 was still writing into peers' outputs" in str(error), error
         else:
             assert "timed out waiting for rank 1" in str(error) and "still writing" not in str(error), error
     else:
         # only where the ranks cannot reach each other's memory (no writes to hold): the test skips
         assert comm._ranks.fast.large_path == "staged"   # noqa: SLF001
         return
-    if comm.rank == 0 and case != 1:
+    if comm.rank == 0:
         # rank 1's held chunk (the first of block 1) landed before the call raised ...
         assert out[count // 2] == 2, out[count // 2]
         after_the_call = out.copy()
@@ -642,9 +642,15 @@ def scenario_measured(comm):
     tuning = comm.tuning
     probe = tuning["probe_us"] or {}
     x = np.ones(fastpath.PROBE_BYTES // 4, np.float32)
+    comm._ranks.forget_what_ran()   # noqa: SLF001
     assert np.array_equal(comm.allreduce(x, out=np.empty_like(x)), np.full_like(x, comm.size))
-    step = comm._ranks.fast.last_step   # noqa: SLF001 - what ran
-    assert comm.chosen_algorithm("allreduce", x.nbytes, dtype=np.float32).step == step, "the answer is what ran"
+    chosen = comm.chosen_algorithm("allreduce", x.nbytes, dtype=np.float32)
+    if chosen.path == "compiled_loop":   # staged in the loop
+        step = comm._ranks.fast.last_step   # noqa: SLF001 - what ran
+        assert chosen.step == step and comm._ranks.what_ran() is None, "the answer is what ran"   # noqa: SLF001
+    else:   # the single copy, which the loop leaves to the plans
+        step = chosen.path
+        assert comm._ranks.what_ran() == (chosen, chosen.path) == ("two_shot", "single_copy"), chosen   # noqa: SLF001
     print(f"MEASURED {comm.rank} {tuning['staged_max']} {probe.get(fastpath.SINGLE_COPY)!r} "
           f"{probe.get(fastpath.STAGED)!r} {step}", flush=True)
 
@@ -664,6 +670,18 @@ def staged_max_differs():
     raise AssertionError("a start whose ranks disagree on COLLECTIVES_STAGED_MAX went on")
 
 
+def large_path(ranks):
+    """How large messages moved: as the loop's ranks agreed at their first
+    (FastCollectives.large_path), or, where only the plans took a large
+    allreduce (the loop leaves its single copy to them), "single-copy" once
+    it pushed into every peer (a refusal they met, the loop stages too:
+    "staged")."""
+    path = ranks.fast.large_path
+    if path == "undecided" and ranks._single is not None and ranks._single.pushes_reached == 1:   # noqa: SLF001
+        return "single-copy"
+    return path
+
+
 def main():
     scenario = sys.argv[1]
     if scenario == "staged_max_differs":
@@ -671,8 +689,6 @@ def main():
     # The loop's tunables (config.LoopTunables), read when the communicator is made.
     if scenario == "fenced" and MPI.COMM_WORLD.rank == 1:
         os.environ["COLLECTIVES_TEST_WRITE_STALL"] = str(FENCED_STALL)
-    if scenario == "fenced" and MPI.COMM_WORLD.rank == 0 and os.environ["FASTPATH_CASE"] == "1":
-        os.environ["COLLECTIVES_FENCE_SECONDS"] = "0.2"   # the writer is held longer than the fence waits
     if scenario == "spread_mismatch" and MPI.COMM_WORLD.rank == 0:
         os.environ["COLLECTIVES_SPREAD_STAGED_MAX"] = "0"
     if scenario == "slow_reader":
@@ -698,7 +714,7 @@ def main():
     run_scenario(run, ranks_leave)
     print(f"OK {scenario} {comm.rank} {digest.hexdigest()[:16]}", flush=True)
     if LOOP:
-        print(f"LARGE PATH {comm.rank} {comm._ranks.fast.large_path}", flush=True)   # noqa: SLF001
+        print(f"LARGE PATH {comm.rank} {large_path(comm._ranks)}", flush=True)   # noqa: SLF001
     if ranks_leave:
         os._exit(0)
     comm.close()

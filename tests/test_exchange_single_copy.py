@@ -350,9 +350,12 @@ def test_where_a_rank_may_not_push_allreduce_in_place_keeps_reading():
 
 @pytest.mark.mpi
 @needs_the_executor
-def test_a_failed_call_returns_only_once_no_peer_pushes_into_its_output():
-    oks, report = run(2, "pushes_fenced", environment={**SMALL, "COLLECTIVES_FAST_PATH": "0"},
-                      flags=["-disable-auto-cleanup"])
+@pytest.mark.parametrize("case", ["out", "in", pytest.param("held", marks=pytest.mark.slow)])
+def test_a_failed_call_returns_only_once_no_peer_pushes_into_its_output(case):
+    """The pushed allreduce that `auto` runs (the loop leaves it to the
+    plans: COLLECTIVES_STAGED_MAX=0 makes every large one a single copy)."""
+    oks, report = run(2, "pushes_fenced", environment={**SMALL, "COLLECTIVES_STAGED_MAX": "0"},
+                      flags=["-disable-auto-cleanup"], extra=[case])
     assert len(oks) == 2, report
 
 

@@ -204,10 +204,9 @@ def test_a_rank_returns_only_once_its_readers_are_done_with_its_input():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [0, 2, 1, 3, 4], ids=["waits-for-the-write", "out-of-place", "names-a-writer-held-longer",
-                                                     "reduce", "broadcast"])
+@pytest.mark.parametrize("case", ["reduce", "broadcast"])
 def test_a_failed_call_raises_only_once_no_peer_writes_into_its_output(case):
-    oks, report = run_worker(2, "fenced", env={**LARGE_PATHS["single-copy"], "FASTPATH_CASE": str(case)},
+    oks, report = run_worker(2, "fenced", env={**LARGE_PATHS["single-copy"], "FASTPATH_CASE": case},
                              launcher_flags=["-disable-auto-cleanup"])
     check_large_path(report, "single-copy")
     assert len(oks) == 2, report

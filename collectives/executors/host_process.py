@@ -77,11 +77,21 @@ def available():
 class CompiledPlans:
     """This rank's compiled executor: runs a plan's phases in C."""
 
-    def __init__(self, group, spin, yield_seconds, fence_seconds):
+    def __init__(self, group, spin, yield_seconds, tunables):
+        """`tunables`: config.LoopTunables, whose fence and test stalls
+        the single copy takes here as in the loop."""
         assert (_host_plan.GEN, _host_plan.CAP) == (GEN, CAP), "layout.py and _host_plan.c disagree"
         header, rows, _ = group.channel_addresses()
         self._group = group
-        self._fence_seconds = fence_seconds   # a failed call's wait for peers still pushing into its output
+        self._fence_seconds = tunables.fence_seconds   # a failed call's wait for peers still pushing into its output
+        # The tests' stalls of every read and push ($COLLECTIVES_TEST_READ_STALL,
+        # ..._WRITE_STALL): the loop's, and since the plans run allreduce's
+        # single copy, this process's runner's too (only where set: the tests
+        # also set them straight).
+        if tunables.test_read_stall:
+            _host_plan.test_stall_reads(tunables.test_read_stall)
+        if tunables.test_write_stall:
+            _host_plan.test_stall_writes(tunables.test_write_stall)
         # Per rank: the address of its workspace as mapped here, and the
         # generation that is; the runner reads them (it holds them), this
         # writes them (_refresh), between calls.

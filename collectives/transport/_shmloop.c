@@ -25,8 +25,10 @@
 /* ------------------------------------------------------------------------ */
 /* The channel                                                              */
 
-/* The steps a taken call runs (Channel.last_step names them, as fastpath.STEPS does) */
-enum { STEP_NONE, STEP_MERGED, STEP_SINGLE_COPY, STEP_STAGED };
+/* The steps a taken call runs (Channel.last_step names them, as fastpath.STEPS does), and
+ * STEP_PLANS: a large allreduce the ranks may single copy, which the loop leaves to the plans
+ * (its shortcut declines it: ShmRank's pushed_plan) and stages as a node's step (as_node_step) */
+enum { STEP_NONE, STEP_MERGED, STEP_SINGLE_COPY, STEP_STAGED, STEP_PLANS };
 
 typedef struct {
     PyObject_HEAD
@@ -367,42 +369,6 @@ static int fold_from_peers(Channel *c, const char *in, char *dst, size_t offset,
     return OK;
 }
 
-static int run_single_copy(Channel *c, const char *in, char *out, size_t itemsize, int type, int op,
-                           const size_t *block_start)
-{
-    Waits *w = &c->waits;
-    int r = w->rank, n = w->nranks;
-    size_t my_start = block_start[r] * itemsize, my_end = block_start[r + 1] * itemsize;
-    size_t chunk = c->chunk / itemsize * itemsize;
-    char *landing = landing_for(c, out + my_start);
-
-    for (size_t offset = my_start; offset < my_end; offset += chunk) {
-        size_t bytes = my_end - offset < chunk ? my_end - offset : chunk;
-        int status = fold_from_peers(c, in, out + offset, offset, bytes, landing, type, op, itemsize); /* read, fold */
-        if (status != OK)
-            return status;
-        if (!begin_writes(w)) {                                                  /* write */
-            w->failed_peer = -1;
-            return ABORTED;
-        }
-        c->peer_writes++;
-        if (c->test_write_stall > 0)
-            sleep_seconds(c->test_write_stall);
-        for (int p = 0; p < n; p++) {
-            if (p == r)
-                continue;
-            status = copy_with_peer(w, p, out + offset, load_acquire(&w->rows[p * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
-                                    bytes, 1);
-            if (status != OK) {
-                end_writes(w);
-                return status;
-            }
-        }
-        end_writes(w);
-    }
-    return OK;
-}
-
 /* Enter a large call as protocol.py's phase 0 does: once every peer has
  * left the previous call (which may still read this row's SIG), name this
  * call and its buffers; then every peer is in it, and named the same,
@@ -649,8 +615,10 @@ static int stages_anyway(const Channel *c, int kind, size_t nbytes)
  * (Communicator.chosen_algorithm). Up to merged_max the merged step; a
  * larger message stages where stages_anyway says so, else it reads and
  * writes peers' arrays in place once the ranks agreed that all may
- * (single_copy 2). Before their first large call (single_copy 0) it
- * answers what this rank proposes. */
+ * (single_copy 2): an allreduce in the plans (STEP_PLANS), the other four
+ * here. Before their first large call (single_copy 0) it answers what this
+ * rank proposes; a refusal the plans met is the ranks' too (single_copy 1,
+ * refuse_single_copy). */
 static int step_for(const Channel *c, int kind, size_t nbytes)
 {
     if (nbytes <= c->merged_max)
@@ -658,7 +626,7 @@ static int step_for(const Channel *c, int kind, size_t nbytes)
     if (stages_anyway(c, kind, nbytes))
         return STEP_STAGED;
     int single_copy = c->single_copy == 0 ? c->may_single_copy : c->single_copy == 2;
-    return single_copy ? STEP_SINGLE_COPY : STEP_STAGED;
+    return !single_copy ? STEP_STAGED : kind == K_ALLREDUCE ? STEP_PLANS : STEP_SINGLE_COPY;
 }
 
 static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_t seq)
@@ -722,15 +690,7 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     int status = enter_large(c, in, out, nbytes, base, seq, signature);
     if (status != OK)
         return failure(w, status, seq);
-    c->last_step = step_for(c, K_ALLREDUCE, nbytes);
-    if (c->last_step == STEP_SINGLE_COPY) {
-        status = run_single_copy(c, in, out, itemsize, type, op, block_start);
-        /* the peers' reads of this rank's input and writes into its output
-         * are over once they all end */
-        if (status == OK)
-            status = leave_single_copy(w, base);
-        return status == OK ? PyLong_FromLong(OK) : failure(w, status, seq);
-    }
+    c->last_step = STEP_STAGED;   /* (a node's step that the plans would take as a call stages too) */
 
     const char *srcs[256];
     for (int64_t t = 0; t < iterations; t++) {
@@ -828,13 +788,14 @@ static const char *input_to_read(const char *x, size_t nbytes, const char *out, 
 }
 
 /* An allreduce of x into out (x itself: in place): 0, or None when this
- * loop does not take the call (the interpreter's path then checks it and
- * runs or refuses it), or (status, peer, have, need, seq) when it failed,
- * or NULL with an exception (a signal handler's while it waited). A message
- * above merged_max takes the pipeline only from `pipelined_from` bytes on
- * (0: at every size). */
+ * loop does not take the call (the plans' path then checks it and runs or
+ * refuses it), or (status, peer, have, need, seq) when it failed, or NULL
+ * with an exception (a signal handler's while it waited). A message whose
+ * step is the plans' (STEP_PLANS) is declined, but as a node's step across
+ * nodes (`as_node_step`: a Program's, hierarchy.py's), which takes every
+ * size, staging it. */
 static PyObject *run_allreduce(Channel *c, PyObject *x_object, PyObject *out_object, int op, double deadline,
-                               Py_ssize_t pipelined_from)
+                               int as_node_step)
 {
     if (c->closed)
         Py_RETURN_NONE;
@@ -855,7 +816,7 @@ static PyObject *run_allreduce(Channel *c, PyObject *x_object, PyObject *out_obj
     size_t nbytes = (size_t)x.len;
     int takes = type >= 0 && op >= 0 && op <= OP_AVG && x.len > 0 && c->waits.nranks <= 256
                 && o->len == x.len && element_type(o) == type && o->itemsize == x.itemsize
-                && (nbytes <= c->merged_max || (Py_ssize_t)nbytes >= pipelined_from);
+                && (as_node_step || step_for(c, K_ALLREDUCE, nbytes) != STEP_PLANS);
     char *copy = NULL;
     const char *in = takes ? input_to_read(x.buf, nbytes, o->buf, nbytes, x.buf == o->buf, &copy) : x.buf;
     if (in == NULL) {
@@ -875,21 +836,21 @@ static PyObject *run_allreduce(Channel *c, PyObject *x_object, PyObject *out_obj
     return result;
 }
 
-/* channel.allreduce(x, out, op, deadline, pipelined_from): run_allreduce's
- * answer; `out` is x for in place, op an OP_ code, the deadline a
- * time.perf_counter() value (the calls across.py's Programs make). */
-static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+/* channel.node_allreduce(x, out, op, deadline): run_allreduce's answer as
+ * a node's step, at any size; `out` is x for in place, op an OP_ code,
+ * the deadline a time.perf_counter() value (the calls across.py's Programs
+ * and hierarchy.py's phases make). */
+static PyObject *Channel_node_allreduce(Channel *c, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "allreduce(x, out, op, deadline, pipelined_from)");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "node_allreduce(x, out, op, deadline)");
         return NULL;
     }
     int op = (int)PyLong_AsLong(args[2]);
     double deadline = PyFloat_AsDouble(args[3]);
-    Py_ssize_t pipelined_from = PyLong_AsSsize_t(args[4]);
     if (PyErr_Occurred())
         return NULL;
-    return run_allreduce(c, args[0], args[1], op, deadline, pipelined_from);
+    return run_allreduce(c, args[0], args[1], op, deadline, 1);
 }
 
 /* Whether rank `rank` writes its output in a call of `kind` (`root`'s):
@@ -1246,7 +1207,17 @@ static PyObject *Channel_fence_writes(Channel *c, PyObject *arg)
     return PyLong_FromLong(still_writing);
 }
 
-static const char *const step_names[] = {NULL, "merged", "single_copy", "staged"};
+/* channel.refuse_single_copy(): large messages stage from now on
+ * (single_copy 1), as where the ranks' agreement refused the single copy:
+ * the plans met a refused read or write (ShmRank._refusal), on every rank
+ * alike, between the same two calls. */
+static PyObject *Channel_refuse_single_copy(Channel *c, PyObject *Py_UNUSED(ignored))
+{
+    c->single_copy = 1;
+    Py_RETURN_NONE;
+}
+
+static const char *const step_names[] = {NULL, "merged", "single_copy", "staged", "plans"};
 
 /* channel.step_for(kind, nbytes) -> the step's name (step_for) */
 static PyObject *Channel_step_for(Channel *c, PyObject *const *args, Py_ssize_t nargs)
@@ -1335,7 +1306,7 @@ static PyGetSetDef Channel_getset[] = {
     {"staged_calls", (getter)Channel_staged_calls, NULL,
      "large calls of reduce_scatter, allgather, broadcast and reduce run through staging so far", NULL},
     {"peer_writes", (getter)Channel_peer_writes, NULL,
-     "chunks this rank began writing into peers' outputs so far (allreduce, reduce, broadcast)", NULL},
+     "chunks this rank began writing into peers' outputs so far (reduce, broadcast)", NULL},
     {"broadcast_pull_max", (getter)Channel_broadcast_pull_max, NULL,
      "a broadcast below this many bytes: every reader pulls all of x, nobody writes into a peer", NULL},
     {"large_path", (getter)Channel_large_path, NULL,
@@ -1345,8 +1316,10 @@ static PyGetSetDef Channel_getset[] = {
 };
 
 static PyMethodDef Channel_methods[] = {
-    {"allreduce", (PyCFunction)(void (*)(void))Channel_allreduce, METH_FASTCALL,
-     "allreduce(x, out, op, deadline, pipelined_from): see _shmloop.c"},
+    {"node_allreduce", (PyCFunction)(void (*)(void))Channel_node_allreduce, METH_FASTCALL,
+     "node_allreduce(x, out, op, deadline): a node's allreduce step at any size; see _shmloop.c"},
+    {"refuse_single_copy", (PyCFunction)Channel_refuse_single_copy, METH_NOARGS,
+     "refuse_single_copy(): large messages stage from now on (the plans met a refused single copy)"},
     {"collective", (PyCFunction)(void (*)(void))Channel_collective, METH_FASTCALL,
      "collective(kind, x, out, op, root, deadline): reduce_scatter, allgather, broadcast or reduce; see _shmloop.c"},
     {"shortcut_allreduce", (PyCFunction)(void (*)(void))Channel_shortcut_allreduce, METH_FASTCALL,
@@ -1358,7 +1331,8 @@ static PyMethodDef Channel_methods[] = {
     {"bind_shortcuts", (PyCFunction)(void (*)(void))Channel_bind_shortcuts, METH_FASTCALL,
      "bind_shortcuts(arrays, ops, kinds, on_failure): what the shortcuts take, whom they tell of failures"},
     {"step_for", (PyCFunction)(void (*)(void))Channel_step_for, METH_FASTCALL,
-     "step_for(kind, nbytes): the step ('merged', 'single_copy', 'staged') such a call takes; see _shmloop.c"},
+     "step_for(kind, nbytes): the step ('merged', 'single_copy', 'staged', or 'plans': declined) such a "
+     "call takes; see _shmloop.c"},
     {"barrier", (PyCFunction)Channel_barrier, METH_O,
      "barrier(deadline): 0 once every rank entered it, None once closed, else a failure; see _shmloop.c"},
     {"close", (PyCFunction)Channel_close, METH_NOARGS,

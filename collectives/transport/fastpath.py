@@ -27,19 +27,22 @@ place (tests/test_fastpath.py compares them).
 Where it can, a large message skips staging (the single copy): readers
 pull straight from the peer's input (process_vm_readv): allgather into
 their output, reduce_scatter through a chunk in cache that it folds;
-allreduce's ranks fold their block of every peer's input and write the
-reduced block straight into every peer's output (process_vm_writev), one
-copy where staging makes two, and reduce's ranks into the root's output
-alone; broadcast's ranks each read one block of the root's x and write it
-into every other output, so the root's core copies a share too. That needs every rank to be allowed to read
-and write every other's memory (the same user;
-Yama's ptrace_scope 0, or 1 with ranks that are each other's ancestors; no
-seccomp rule against it): the ranks find out at their first large call and
-all agree, and where any may not, every message keeps to staging
-(`FastCollectives.large_path` says which). Since allreduce's, reduce's and
-broadcast's peers write into a rank's output, a call that fails aborts the communicator
-and then waits until no peer is writing (`_shmloop.c`'s fence) before it
-raises.
+reduce's ranks fold their block of every peer's input and write the
+reduced block straight into the root's output (process_vm_writev);
+broadcast's ranks each read one block of the root's x and write it into
+every other output, so the root's core copies a share too. A large
+allreduce the ranks may single copy the loop declines: the plans run it
+(ShmRank, plan.pushed_plan), the same reads and writes as a plan; a node's
+allreduce step across nodes (`node_allreduce`) stages it instead. The
+single copy needs every rank to be allowed to read and write every other's
+memory (the same user; Yama's ptrace_scope 0, or 1 with ranks that are
+each other's ancestors; no seccomp rule against it): the ranks find out at
+their first large call and all agree, and where any may not, every message
+keeps to staging (`FastCollectives.large_path` says which; a refusal the
+plans met is handed to the loop: `refuse_single_copy`). Since reduce's and
+broadcast's peers write into a rank's output, a call that fails aborts the
+communicator and then waits until no peer is writing (`_shmloop.c`'s
+fence) before it raises.
 
 Calls advance COUNTER by 2 and SEQ by 1 like any other call
 (protocol.py), so loop and plan calls mix freely. The loop takes
@@ -78,8 +81,11 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 # fast the machine's process_vm_readv is against memcpy, by 2 to 3 times
 # either way (config.py, DEFAULT_STAGED_MAX), so the ranks measure it when
 # the communicator starts (choose_staged_max), unless $COLLECTIVES_STAGED_MAX
-# pins it: allreduces of PROBE_BYTES a rank both ways, alternating, the
-# slowest rank's median of each way deciding alike on every rank (probe.py).
+# pins it: calls of PROBE_BYTES a rank both ways, alternating, the slowest
+# rank's median of each way deciding alike on every rank (probe.py): the
+# communicator's allreduce (past staged_max the plans' single copy, up to it
+# the loop's staging), or a node's reduce_scatter across nodes, the node step
+# a large allreduce takes there (across._blocks).
 PROBE_BYTES = 1 << 20
 #
 # How long a failed call waits for peers still writing into its output
@@ -112,6 +118,9 @@ assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the
 # writes peers' arrays in place (the single copy) or moves through staging.
 MERGED, SINGLE_COPY, STAGED = "merged", "single_copy", "staged"
 STEPS = (MERGED, SINGLE_COPY, STAGED)
+# What Channel.step_for answers for a call the loop leaves to the plans: a
+# large allreduce the ranks may single copy (_shmloop.c's STEP_PLANS).
+PLANS = "plans"
 
 
 # The arrays the loop takes: NumPy's, and its memory-mapped ones (a rank
@@ -208,45 +217,50 @@ class FastCollectives:
         the ranks agreed on the single copy (0: never); None once closed."""
         return None if self._channel is None else self._channel.staged_max
 
-    def choose_staged_max(self, timeout, inherited=None):
+    def choose_staged_max(self, timeout, inherited=None, allreduce=None):
         """Set staged_max on every rank alike: `inherited` (the value of the
         communicator this one was shrunk from, the same on every survivor),
         else $COLLECTIVES_STAGED_MAX where every rank gives the same, else
         the faster of staging up to DEFAULT_STAGED_MAX and never, timed on
-        PROBE_BYTES allreduces (probe.py). Every rank of the loop calls it
-        together, before any other call; InvalidUsageError on every rank
-        where the variable differs among them; a call that fails raises as
-        a collective's does (`timeout` seconds each)."""
+        calls of PROBE_BYTES (probe.py): `allreduce(x, op, out)`, the
+        communicator's (one machine's), else the loop's reduce_scatter (a
+        node's, across nodes). Every rank of the loop calls it together,
+        before any other call; InvalidUsageError on every rank where the
+        variable differs among them; a call that fails raises as a
+        collective's does (`timeout` seconds each)."""
         channel = self._channel
         if inherited is not None:
             channel.staged_max = inherited
             return
 
-        def allreduce(x, op, out):
+        def small_allreduce(x, op, out):
             done = self.allreduce(x, op, out, timeout)
             assert done is not None, "the loop declined its own probe"
 
         group = self._group
-        pinned = probe.agreed_pin(allreduce, STAGED_MAX_ENV, self.tunables.staged_max, group.names[group.rank])
+        pinned = probe.agreed_pin(small_allreduce, STAGED_MAX_ENV, self.tunables.staged_max, group.names[group.rank])
         if pinned is not None or PROBE_BYTES <= self.merged_max:
             channel.staged_max = DEFAULT_STAGED_MAX if pinned is None else pinned
             return
-        x = np.ones(PROBE_BYTES // 4, np.float32)
-        out = np.empty_like(x)
+        x = np.ones(PROBE_BYTES // 4 // group.size * group.size, np.float32)   # (blocks for a reduce_scatter)
+        out = np.empty_like(x) if allreduce is not None else np.empty(x.size // group.size, x.dtype)
 
         def staged_up_to(staged_max):
             def call():
                 channel.staged_max = staged_max
-                allreduce(x, "sum", out)
+                if allreduce is not None:
+                    allreduce(x, "sum", out)
+                elif not self.collective("reduce_scatter", x, "sum", out, 0, timeout):
+                    raise AssertionError("the loop declined its own probe")
             return call
 
         single_copy, staged = staged_up_to(0), staged_up_to(DEFAULT_STAGED_MAX)
-        single_copy()   # the ranks' first large call: they agree whether all may take the single copy
-        if channel.large_path != "single-copy":   # every large message stages: nothing to choose
+        single_copy()   # the ranks' first large call: the loop's agreement, or the plans' verdict (ShmRank._refusal)
+        if channel.large_path == "staged":   # every large message stages: nothing to choose
             channel.staged_max = DEFAULT_STAGED_MAX
             return
         staged()   # (both ways once untimed: pages and staging touched)
-        seconds = probe.slowest_medians(allreduce, [single_copy, staged])
+        seconds = probe.slowest_medians(small_allreduce, [single_copy, staged])
         self.probe_seconds = dict(zip((SINGLE_COPY, STAGED), seconds))
         channel.staged_max = DEFAULT_STAGED_MAX if seconds[1] < seconds[0] else 0
 
@@ -307,6 +321,30 @@ class FastCollectives:
         fence = None if self._channel is None else self._channel.fence_writes
         abort_fence_and_raise(self._group, reason, error, fence, self.tunables.fence_seconds)
 
+    def node_allreduce(self, x, op, out, deadline):
+        """A node's allreduce step across nodes (hierarchy.py's phases):
+        the loop's at any size, staged where the shortcut would leave it to
+        the plans (a node's ranks run none); True once done, False where
+        the loop does not take it; a failure raises as the shortcut's does."""
+        channel = self._channel
+        if channel is None:
+            return False
+        try:
+            status = channel.node_allreduce(x, x if out is None else out, OP_CODES[op], deadline)
+        except BaseException as error:   # a signal handler's (Ctrl-C) while it waited
+            self._failed(None, x, op, "allreduce", 0, error)
+        if status is None:
+            return False
+        if status != 0:
+            self._failed(status, x, op, "allreduce", 0, None)
+        return True
+
+    def refuse_single_copy(self):
+        """Every rank alike, between the same two calls: large messages
+        stage from now on (the plans met a refused single copy)."""
+        if self._channel is not None:
+            self._channel.refuse_single_copy()
+
     def step_for(self, collective, nbytes):
         """The step a call of `collective` with `nbytes` per rank takes in
         the loop, as the loop itself decides it (_shmloop.c's step_for):
@@ -314,7 +352,8 @@ class FastCollectives:
         for an oversubscribed allgather up to its limit; else the large
         message's as the ranks agreed at their first (`large_path`), or
         before that, as this rank would propose: the single copy where it
-        may take it. None once closed."""
+        may take it, which for an allreduce is PLANS (the loop declines
+        it). None once closed."""
         channel = self._channel
         return None if channel is None else channel.step_for(KIND_CODES[collective], nbytes)
 

@@ -21,7 +21,7 @@ from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN
                       broadcast_pull_max, resolve_compiled_plans, resolve_exchange_single_copy_min,
                       resolve_fast_single_copy, resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
-from ..plan import (ALL_TO_ALL, BLOCKED_COLLECTIVES, INPUT, OUTPUT, PUSHED_FOLDS, PUSHED_IN_PLACE,
+from ..plan import (ALL_TO_ALL, ALLREDUCE, BLOCKED_COLLECTIVES, INPUT, OUTPUT, PUSHED_FOLDS, PUSHED_IN_PLACE,
                     SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS,
                     SINGLE_COPY_FOLDS_IN_PLACE, SPREAD_COLLECTIVES, WORK, pushed_plan, single_copy_plan, spread_plan)
 from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
@@ -83,8 +83,7 @@ class ShmRank(Recoverable):
         self.fast_allreduce = None if self.fast is None else self.fast.allreduce
         self.fast_collective = None if self.fast is None else self.fast.collective
         # Every other plan it takes in the compiled executor; None: the interpreter runs them all.
-        executor = host_process.CompiledPlans(self.group, self._spin, fastpath.YIELD_SECONDS,
-                                              resolve_loop_tunables().fence_seconds) \
+        executor = host_process.CompiledPlans(self.group, self._spin, fastpath.YIELD_SECONDS, resolve_loop_tunables()) \
             if host_process.available() else None
         self.compiled = executor if resolve_compiled_plans() else None
         # A repeated call of a plan it bound, recognised and run in C
@@ -133,7 +132,10 @@ class ShmRank(Recoverable):
         the Limits it inherited, with no call."""
         inherited = self._inherited
         if self.fast is not None:
-            self.fast.choose_staged_max(timeout, None if inherited is None else inherited.staged_max)
+            def allreduce(x, op, out):
+                communicator.allreduce(x, op, out=out)
+            self.fast.choose_staged_max(timeout, None if inherited is None else inherited.staged_max,
+                                        None if communicator is None else allreduce)
         if inherited is not None:
             if self.single_copy_min is not None:   # (a shrunk communicator of one rank has no exchange to copy)
                 self.single_copy_min = inherited.exchange_single_copy_min
@@ -249,27 +251,34 @@ class ShmRank(Recoverable):
         in_place = binding == WORKSPACE_IN_PLACE
         if collective in SINGLE_COPY_FOLDS:
             in_place_refused = in_place and collective not in SINGLE_COPY_FOLDS_IN_PLACE
-            limit = None if in_place_refused else self._fold_single_copy_min()
+            limit = None if in_place_refused else self._fold_single_copy_min(collective)
         elif collective in SINGLE_COPY_COLLECTIVES:
             limit = self._in_place_all_to_all_min if collective == ALL_TO_ALL and in_place else self.single_copy_min
         else:
             limit = None
         return limit is not None and not self._refused and nbytes >= limit
 
-    def _fold_single_copy_min(self):
+    def _fold_single_copy_min(self, collective):
         """The least bytes of a fold (plan.SINGLE_COPY_FOLDS) that reads
         peers' inputs in place: past the loop's staged_max, which its probe
         chose by timing folds both ways (the exchanges' probe times an
         all_to_all, which on a machine where reading another process costs
         four copies in memory chose 128 KiB, where folds were twice as fast
-        staged up to 4 MiB), and from the exchanges' limit (where the loop
-        never stages, staged_max is 0, but a small call's single copy costs
-        more than staging: a 4 KiB allreduce 5.9 us against 1.9); without
-        the loop, $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN where pinned; else None."""
+        staged up to 4 MiB). An allreduce: every one the loop declines
+        (past its merged step too: _shmloop.c's STEP_PLANS). The other two,
+        which the loop single copies itself, from the exchanges' limit too
+        (where the loop never stages, staged_max is 0, but a small call's
+        single copy costs more than staging: a 4 KiB reduce_scatter named
+        `direct`). Without the loop, $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN
+        where pinned; else None."""
         if self.single_copy_min is None:   # no compiled executor, or the single copy turned off
             return None
         staged_max = None if self.fast is None else self.fast.staged_max
-        return self._pinned_single_copy_min if staged_max is None else max(staged_max + 1, self.single_copy_min)
+        if staged_max is None:
+            return self._pinned_single_copy_min
+        if collective == ALLREDUCE:
+            return max(staged_max, self.fast.merged_max) + 1
+        return max(staged_max + 1, self.single_copy_min)
 
     def _single_copy_of(self, plan):
         """Whether `plan` (a Plan or a paths.CallShape) runs as a single-copy plan."""
@@ -353,6 +362,8 @@ class ShmRank(Recoverable):
         staged, but for an in-place pushed plan, which has written x: it
         raises."""
         self._refused = True
+        if self.fast is not None:   # (the loop stages too: the allreduces it leaves to the plans)
+            self.fast.refuse_single_copy()
         self._forget_shapes()
         if self.forget_repeats is not None:
             self.forget_repeats(None)
