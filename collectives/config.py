@@ -258,7 +258,8 @@ STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
 # (it pins the pages it reads). Which is faster is the machine's, and by
 # 2 to 3 times either way, so unless this variable pins it, the ranks
 # measure it when the communicator starts (fastpath.py,
-# FastCollectives.choose_staged_max: 1 MiB allreduces both ways,
+# FastCollectives.choose_staged_max: the communicator's 1 MiB allreduces
+# both ways, the loop's staging against the plans' single copy,
 # alternating) and all take the faster: staging up to this default, or
 # never (0). Measured with bench.host_vs_mpich --ranks 2 --bind-to core,
 # 3 rounds, the variable at 0 against 4 MiB, alternating: on an AMD EPYC
