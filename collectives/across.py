@@ -413,9 +413,15 @@ def _address(array):
 
 
 def _loop_allreduce(h, call, into):
-    """The node's loop allreduces x into `into` (in-node op: avg sums)."""
-    code = fastpath.OP_CODES[partial_op(call.op)]
-    return h.shm.fast.channel.node_allreduce, (None, into, code, None), 0, -1, 3, -1   # (any size: _shmloop.c)
+    """The node's loop allreduces x into `into` (in-node op: avg sums), or
+    where it leaves such a call to the plans (a single copy), the node's
+    plans do (HierarchyRanks.plans_allreduce: the same on every rank, and
+    on every later call, which may only find the single copy refused and
+    then stage in the loop that way)."""
+    op = partial_op(call.op)
+    if h.shm.fast.step_for(ALLREDUCE, call.count * call.dtype.itemsize) == fastpath.PLANS:
+        return h.plans_allreduce, (None, into, op.value, None), 0, -1, 3, -1
+    return h.shm.fast.channel.allreduce, (None, into, fastpath.OP_CODES[op], None), 0, -1, 3, -1
 
 
 def _loop(h, collective, source, into, code, root, own_source=False):

@@ -370,6 +370,7 @@ class HierarchyRanks:
         self.node_ranks = topology.nodes[self.node_index]
         self.local = topology.local_of(rank)
         self._scratch = {}
+        self._node = None       # the node's Communicator over shm (plans_allreduce)
         self.residual = None    # error feedback for the next compressed call (feeding_back)
         self.calls = 0          # calls made: each one's number goes into its signature
         self.candidates = tuple(range(topology.size))   # who a shrink counts on (HierarchicalCommunicator.shrink)
@@ -391,6 +392,19 @@ class HierarchyRanks:
         compiled = Call("barrier", np.dtype(np.uint8), 1, ReduceOp.SUM, 0, "barrier")
         self._compiled_barrier = ((compiled, np.zeros(1, np.uint8))
                                   if self.programs is not None and takes_small(self, compiled) else None)
+
+    def plans_allreduce(self, x, out, op, deadline):
+        """A node step: the node's allreduce of x into `out` (x: in place)
+        where its loop leaves the call to the plans (a single copy: its
+        step_for answers fastpath.PLANS), as on one machine, through the
+        node's own Communicator over `shm` (made at the first such step).
+        0 once done (a Program's node step); else it raises what that
+        call raises, the node aborted."""
+        if self._node is None:
+            self._node = Communicator(self.shm, size=self.shm.size, local_ranks=[self.shm.rank], timeout=0.0)
+        self._node.timeout = max(deadline - time.perf_counter(), 0.0)
+        self._node.allreduce(x, op, out=None if out is x else out)
+        return 0
 
     def tuning(self):
         """Communicator.tuning: this node's loop's (none where alone on its node)."""
@@ -1008,10 +1022,14 @@ def _in_node(h, collective, x, out, op, root, deadline):
         if out is not x:
             np.copyto(out, x)
         return
-    if collective == ALLREDUCE:   # (a node step of any size: one the shortcut leaves to the plans stages)
-        done = h.shm.fast.node_allreduce(x, op, out, deadline)
+    timeout = max(deadline - time.perf_counter(), 0.0)
+    if collective == ALLREDUCE and h.shm.fast.step_for(ALLREDUCE, x.nbytes) == fastpath.PLANS:
+        h.plans_allreduce(x, out, op, deadline)   # (the single copy, which the loop leaves to the plans)
+        return
+    if collective == ALLREDUCE:
+        done = h.shm.fast_allreduce(x, op, out, timeout) is not None
     else:
-        done = h.shm.fast_collective(collective, x, op, out, root, max(deadline - time.perf_counter(), 0.0))
+        done = h.shm.fast_collective(collective, x, op, out, root, timeout)
     if not done:
         raise CollectiveError(f"the node's compiled loop declined a {collective} of {x.size} {x.dtype}")
 

@@ -28,6 +28,7 @@ from collectives import hierarchy
 from collectives.bootstrap import PRETEND_NODES_ENV
 from collectives.compression import wire
 from collectives.executors import host
+from collectives.transport import fastpath
 from collectives import hierarchy
 from collectives.hierarchy import HierarchicalCommunicator
 from collectives.ops import ReduceOp, bfloat16
@@ -695,6 +696,17 @@ def scenario_shortcut_edges(comm):
         raise AssertionError(f"rank {r} made a call after a peer's abort")
 
 
+def node_step_of_plans(comm, nbytes, case):
+    """Where the node's loop leaves an allreduce of `nbytes` to the plans
+    (COLLECTIVES_STAGED_MAX=0, run_one) and a reduce_scatter's Program
+    allreduces x in the node (nodes of ranks that are not consecutive):
+    the node's plans ran that step, in one copy."""
+    shm = comm._ranks.shm   # noqa: SLF001
+    if shm is None or comm.topology.consecutive or shm.fast.step_for("allreduce", nbytes) != fastpath.PLANS:
+        return
+    assert shm.what_ran() == ("two_shot", "single_copy"), (case, shm.what_ran())
+
+
 def scenario_by_node(comm):
     """Allgathers and reduce_scatters past the small path's limit, in and
     out of place, repeated (their Programs: where every node holds
@@ -727,6 +739,7 @@ def scenario_by_node(comm):
                     want = reference(values, nodes, op)[r * block:(r + 1) * block]
                     case = f"reduce_scatter {op} of {n} x {block} {dtype} repeat {repeat} rank {r}"
                     check(comm.reduce_scatter(values[r], op=op, out=np.empty(block, dtype)), want, case)
+                    node_step_of_plans(comm, values[r].nbytes, case)
                     check(comm.reduce_scatter(values[r].copy(), op=op), want, f"{case} in place")
     # broadcasts whose count the node size divides: in slices (a node size's share), with no message buffers
     size = len(comm.topology.nodes[comm.node])
@@ -1179,7 +1192,17 @@ def main():
         run_one(scenario, layout)
 
 
+def consecutive(layout):
+    """Whether every node of `layout` (a label per rank) holds consecutive ranks."""
+    labels = layout.split(",")
+    runs = [label for i, label in enumerate(labels) if i == 0 or labels[i - 1] != label]
+    return len(runs) == len(set(runs))
+
+
 def run_one(scenario, layout):
+    pinned = scenario == "by_node" and not consecutive(layout)
+    if pinned:   # (read when the communicator is made) a node's allreduce step past its merged step: the plans'
+        os.environ["COLLECTIVES_STAGED_MAX"] = "0"
     if scenario == "mixed_paths" and layout.split(",")[WORLD.rank] != layout.split(",")[0]:
         os.environ["COLLECTIVES_FAST_PATH"] = "0"   # (read when the communicator is made)
     OPENED.clear()
@@ -1191,6 +1214,8 @@ def run_one(scenario, layout):
         no_segment_crosses_a_node(comm)
     if scenario not in ABORTED:   # (an aborted communicator closes with the process)
         comm.close()
+    if pinned:
+        del os.environ["COLLECTIVES_STAGED_MAX"]
     print(f"OK {scenario} {comm.rank}", flush=True)
     if os.environ.get(OK_FILES):   # (on hosts: a rank's stdout crosses its host's link, which may be cut)
         with open(os.path.join(os.environ[OK_FILES], f"ok-{comm.rank}"), "w") as f:

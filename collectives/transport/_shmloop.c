@@ -26,8 +26,8 @@
 /* The channel                                                              */
 
 /* The steps a taken call runs (Channel.last_step names them, as fastpath.STEPS does), and
- * STEP_PLANS: a large allreduce the ranks may single copy, which the loop leaves to the plans
- * (its shortcut declines it: ShmRank's pushed_plan) and stages as a node's step (as_node_step) */
+ * STEP_PLANS: a large allreduce the ranks may single copy, which the loop declines (the plans
+ * run it: ShmRank's pushed_plan; a node's step across nodes too: HierarchyRanks.plans_allreduce) */
 enum { STEP_NONE, STEP_MERGED, STEP_SINGLE_COPY, STEP_STAGED, STEP_PLANS };
 
 typedef struct {
@@ -690,7 +690,7 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     int status = enter_large(c, in, out, nbytes, base, seq, signature);
     if (status != OK)
         return failure(w, status, seq);
-    c->last_step = STEP_STAGED;   /* (a node's step that the plans would take as a call stages too) */
+    c->last_step = STEP_STAGED;
 
     const char *srcs[256];
     for (int64_t t = 0; t < iterations; t++) {
@@ -789,13 +789,10 @@ static const char *input_to_read(const char *x, size_t nbytes, const char *out, 
 
 /* An allreduce of x into out (x itself: in place): 0, or None when this
  * loop does not take the call (the plans' path then checks it and runs or
- * refuses it), or (status, peer, have, need, seq) when it failed, or NULL
- * with an exception (a signal handler's while it waited). A message whose
- * step is the plans' (STEP_PLANS) is declined, but as a node's step across
- * nodes (`as_node_step`: a Program's, hierarchy.py's), which takes every
- * size, staging it. */
-static PyObject *run_allreduce(Channel *c, PyObject *x_object, PyObject *out_object, int op, double deadline,
-                               int as_node_step)
+ * refuses it: a message whose step is STEP_PLANS, too), or (status, peer,
+ * have, need, seq) when it failed, or NULL with an exception (a signal
+ * handler's while it waited). */
+static PyObject *run_allreduce(Channel *c, PyObject *x_object, PyObject *out_object, int op, double deadline)
 {
     if (c->closed)
         Py_RETURN_NONE;
@@ -816,7 +813,7 @@ static PyObject *run_allreduce(Channel *c, PyObject *x_object, PyObject *out_obj
     size_t nbytes = (size_t)x.len;
     int takes = type >= 0 && op >= 0 && op <= OP_AVG && x.len > 0 && c->waits.nranks <= 256
                 && o->len == x.len && element_type(o) == type && o->itemsize == x.itemsize
-                && (as_node_step || step_for(c, K_ALLREDUCE, nbytes) != STEP_PLANS);
+                && step_for(c, K_ALLREDUCE, nbytes) != STEP_PLANS;
     char *copy = NULL;
     const char *in = takes ? input_to_read(x.buf, nbytes, o->buf, nbytes, x.buf == o->buf, &copy) : x.buf;
     if (in == NULL) {
@@ -836,21 +833,21 @@ static PyObject *run_allreduce(Channel *c, PyObject *x_object, PyObject *out_obj
     return result;
 }
 
-/* channel.node_allreduce(x, out, op, deadline): run_allreduce's answer as
- * a node's step, at any size; `out` is x for in place, op an OP_ code,
- * the deadline a time.perf_counter() value (the calls across.py's Programs
- * and hierarchy.py's phases make). */
-static PyObject *Channel_node_allreduce(Channel *c, PyObject *const *args, Py_ssize_t nargs)
+/* channel.allreduce(x, out, op, deadline): run_allreduce's answer; `out`
+ * is x for in place, op an OP_ code, the deadline a time.perf_counter()
+ * value (a node's steps across nodes: across.py's Programs, hierarchy.py's
+ * phases, which leave a step of STEP_PLANS to the plans themselves). */
+static PyObject *Channel_allreduce(Channel *c, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "node_allreduce(x, out, op, deadline)");
+        PyErr_SetString(PyExc_TypeError, "allreduce(x, out, op, deadline)");
         return NULL;
     }
     int op = (int)PyLong_AsLong(args[2]);
     double deadline = PyFloat_AsDouble(args[3]);
     if (PyErr_Occurred())
         return NULL;
-    return run_allreduce(c, args[0], args[1], op, deadline, 1);
+    return run_allreduce(c, args[0], args[1], op, deadline);
 }
 
 /* Whether rank `rank` writes its output in a call of `kind` (`root`'s):
@@ -1033,7 +1030,7 @@ static PyObject *Channel_shortcut_allreduce(Channel *c, PyObject *const *args, P
         return NULL;
     if (op < 0)
         Py_RETURN_NONE;
-    PyObject *status = run_allreduce(c, x, out, op, now_seconds() + timeout, 0);
+    PyObject *status = run_allreduce(c, x, out, op, now_seconds() + timeout);
     return answer(c, status, out, x, args[1], c->allreduce_name, 0);
 }
 
@@ -1316,8 +1313,8 @@ static PyGetSetDef Channel_getset[] = {
 };
 
 static PyMethodDef Channel_methods[] = {
-    {"node_allreduce", (PyCFunction)(void (*)(void))Channel_node_allreduce, METH_FASTCALL,
-     "node_allreduce(x, out, op, deadline): a node's allreduce step at any size; see _shmloop.c"},
+    {"allreduce", (PyCFunction)(void (*)(void))Channel_allreduce, METH_FASTCALL,
+     "allreduce(x, out, op, deadline): a node's allreduce step; see _shmloop.c"},
     {"refuse_single_copy", (PyCFunction)Channel_refuse_single_copy, METH_NOARGS,
      "refuse_single_copy(): large messages stage from now on (the plans met a refused single copy)"},
     {"collective", (PyCFunction)(void (*)(void))Channel_collective, METH_FASTCALL,

@@ -32,8 +32,8 @@ reduced block straight into the root's output (process_vm_writev);
 broadcast's ranks each read one block of the root's x and write it into
 every other output, so the root's core copies a share too. A large
 allreduce the ranks may single copy the loop declines: the plans run it
-(ShmRank, plan.pushed_plan), the same reads and writes as a plan; a node's
-allreduce step across nodes (`node_allreduce`) stages it instead. The
+(ShmRank, plan.pushed_plan; a node's step across nodes too,
+HierarchyRanks.plans_allreduce), the same reads and writes as a plan. The
 single copy needs every rank to be allowed to read and write every other's
 memory (the same user; Yama's ptrace_scope 0, or 1 with ranks that are
 each other's ancestors; no seccomp rule against it): the ranks find out at
@@ -320,24 +320,6 @@ class FastCollectives:
         (failures.abort_fence_and_raise)."""
         fence = None if self._channel is None else self._channel.fence_writes
         abort_fence_and_raise(self._group, reason, error, fence, self.tunables.fence_seconds)
-
-    def node_allreduce(self, x, op, out, deadline):
-        """A node's allreduce step across nodes (hierarchy.py's phases):
-        the loop's at any size, staged where the shortcut would leave it to
-        the plans (a node's ranks run none); True once done, False where
-        the loop does not take it; a failure raises as the shortcut's does."""
-        channel = self._channel
-        if channel is None:
-            return False
-        try:
-            status = channel.node_allreduce(x, x if out is None else out, OP_CODES[op], deadline)
-        except BaseException as error:   # a signal handler's (Ctrl-C) while it waited
-            self._failed(None, x, op, "allreduce", 0, error)
-        if status is None:
-            return False
-        if status != 0:
-            self._failed(status, x, op, "allreduce", 0, None)
-        return True
 
     def refuse_single_copy(self):
         """Every rank alike, between the same two calls: large messages
