@@ -95,12 +95,13 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
  *   broadcast       the root's, only     all of it (r != root)         all of it
  *   reduce          all but the root's   all of it (r == root)         fold, in rank order
  *
- * Three large messages take other steps, as allreduce's first form did:
- * allreduce's the pipeline below (a reduce-scatter and an all-gather),
- * reduce's single copy a reduce-scatter whose blocks are written into the
- * root's output (read_from_peers), and broadcast's single copy a scatter of
- * the root's x by block, each rank writing its block into every output
- * (spread_from_root): all three write into a peer's memory, and a failed
+ * Three large messages take other steps: allreduce's staged step is the
+ * pipeline below (a reduce-scatter and an all-gather; its single copy the
+ * loop declines, to the plans: STEP_PLANS), reduce's single copy a
+ * reduce-scatter whose blocks are written into the root's output
+ * (read_from_peers), and broadcast's single copy a scatter of the root's x
+ * by block, each rank writing its block into every output
+ * (spread_from_root): those two write into a peer's memory, and a failed
  * call of theirs waits at the fence. The other two only read. */
 
 enum { K_ALLREDUCE = 0, K_REDUCE_SCATTER = 1, K_ALLGATHER = 2, K_BROADCAST = 3, K_REDUCE = 4,
@@ -550,8 +551,8 @@ static int read_from_peers(Channel *c, const Collective *k)
         return spread_from_root(c, k);
     if (k->kind == K_REDUCE_SCATTER)
         return fold_range(c, k, lo, hi, k->out, -1);
-    /* reduce: as allreduce's single copy, rank r folds block r of every
-     * rank's input, but only the root receives: the root folds straight
+    /* reduce: as allreduce's single copy (plan.pushed_plan), rank r folds
+     * block r of every rank's input, but only the root receives: the root folds straight
      * into its output, the others write their block into the root's. Block
      * b of the root's output is written by rank b alone, chunk t after rank
      * b read chunk t of the root's input, so in place needs no other order. */
