@@ -1022,10 +1022,10 @@ def _in_node(h, collective, x, out, op, root, deadline):
         if out is not x:
             np.copyto(out, x)
         return
-    timeout = max(deadline - time.perf_counter(), 0.0)
     if collective == ALLREDUCE and h.shm.fast.step_for(ALLREDUCE, x.nbytes) == fastpath.PLANS:
         h.plans_allreduce(x, out, op, deadline)   # (the single copy, which the loop leaves to the plans)
         return
+    timeout = max(deadline - time.perf_counter(), 0.0)
     if collective == ALLREDUCE:
         done = h.shm.fast_allreduce(x, op, out, timeout) is not None
     else:
