@@ -104,8 +104,6 @@ def unsupported(backend, spec, args):
         if reduces and args.op == "avg" and not is_floating(args.dtype):
             return "MultiWorkerMirroredStrategy's mean of integers is a float, not the integer average"
     if backend in (GLOO, TORCH_GLOO):
-        if spec.run_gloo is None:
-            return f"no gloo call for {spec.name}"
         if args.dtype.name not in GLOO_DTYPES:
             return f"Gloo has no {args.dtype.name} (it takes {', '.join(GLOO_DTYPES)})"
         if reduces and args.op == "avg" and not is_floating(args.dtype):

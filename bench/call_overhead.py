@@ -272,7 +272,7 @@ def main(argv=None):
     p.add_argument("--callgrind", action="store_true", help="instructions per call, under valgrind")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
-    args.collectives = [c.strip() for c in args.collectives.split(",")]
+    args.collectives = cli.names(p, "--collectives", args.collectives, COLLECTIVES)
     if args.callgrind:
         args.calls = min(args.calls, 4000)
         report = callgrind(args)

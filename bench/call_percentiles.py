@@ -78,13 +78,14 @@ def main(argv=None):
     p.add_argument("--per-sample", type=int, default=4, help="timed calls per sample")
     p.add_argument("-J", "--output_file", default=None, help="write the rows as JSON here (default: no file)")
     args = p.parse_args(argv)
+    collective_list = cli.names(p, "--collectives", args.collectives, COLLECTIVES)
     from mpi4py import MPI
 
     import collectives
     world = MPI.COMM_WORLD
     comm = collectives.init()
     rows = []
-    for collective in args.collectives.split(","):
+    for collective in collective_list:
         for nbytes in (cli.parse_size(s) for s in args.sizes.split(",")):
             row = measure(comm, world, collective, nbytes, args)
             if row is not None:

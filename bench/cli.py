@@ -86,6 +86,16 @@ def sizes(text):
     return text
 
 
+def names(parser, flag, text, known):
+    """The comma-separated names of `flag`, in order, each once; a name not in
+    `known`, or none at all, is a one-line usage error naming the flag."""
+    given = list(dict.fromkeys(name.strip() for name in str(text).split(",") if name.strip()))
+    unknown = [name for name in given if name not in known]
+    if unknown or not given:
+        parser.error(f"{flag}: unknown {unknown}; choose from {', '.join(known)}")
+    return given
+
+
 def write_json(path, report, say=print):
     """Write a tool's JSON to `path`, where its -J told it to (no tool writes
     anywhere else), making the folder if need be; every tool's file has the

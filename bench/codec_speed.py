@@ -239,13 +239,9 @@ def main(argv=None):
                         help="cpu: the C++ loops on one core; cuda or emulated: the codec kernels against a device copy")
     parser.add_argument("-J", "--output_file", help="write the results as JSON here (device modes; default: no file)")
     args = parser.parse_args(argv)
-    codecs = args.codecs.split(",")
-    ops = args.ops.split(",") if args.ops else list(OPS) + (list(DEVICE_ONLY_OPS) if args.device != "cpu" else [])
     known_ops = OPS + DEVICE_ONLY_OPS if args.device != "cpu" else OPS
-    for name, given, known in (("--codecs", codecs, kernels.CODECS), ("--ops", ops, known_ops)):
-        unknown = [g for g in given if g not in known]
-        if unknown:
-            parser.error(f"{name}: unknown {unknown[0]!r}; expected some of {', '.join(known)}")
+    codecs = cli.names(parser, "--codecs", args.codecs, kernels.CODECS)
+    ops = cli.names(parser, "--ops", args.ops or ",".join(known_ops), known_ops)
     if args.device != "cpu":
         cli.require_device_toolchain(parser.prog, args.device)
         return report_device(args, codecs, ops, argv)

@@ -24,6 +24,7 @@ from collectives.compression.kernels import CODECS
 from collectives.plan import build_plan
 
 MAGNITUDES = ("1e-8", "1", "1e5", "mixed")
+ALLREDUCE_ALGORITHMS = [name for name, algorithm in REGISTRY.items() if "allreduce" in algorithm.collectives]
 
 
 def gradients(nranks, count, magnitude, seed):
@@ -38,12 +39,12 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=8, help="virtual ranks in this process")
     p.add_argument("--count", default="1M", type=cli.size, help="float32 elements per rank (suffixes K, M)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random gradients")
-    p.add_argument("--algorithms", default=",".join(n for n, a in REGISTRY.items() if "allreduce" in a.collectives),
+    p.add_argument("--algorithms", default=",".join(ALLREDUCE_ALGORITHMS),
                    help="allreduce algorithms, comma-separated")
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     count = cli.parse_size(args.count)
-    algorithms = args.algorithms.split(",")
+    algorithms = cli.names(p, "--algorithms", args.algorithms, ALLREDUCE_ALGORITHMS)
     comm = collectives.Communicator.local(args.ranks)
     rows = []
     print(f"# compressed allreduce (sum) of {count} float32 on {args.ranks} ranks; error against float64")

@@ -425,16 +425,10 @@ def _algorithm_list(text):
     return names
 
 
-def _count(text):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip()
-    return int(text[:-1]) * units[text[-1].upper()] if text[-1:].upper() in units else int(text)
-
-
 def parse_args(argv=None):
     p = cli.Parser(prog="python -m bench.half_precision_error", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=8, help="virtual ranks in this process")
-    p.add_argument("--count", type=_count, default=1 << 20, help="elements per rank (K, M suffixes)")
+    p.add_argument("--count", type=cli.size, default="1M", help="elements per rank (K, M suffixes)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--trials", type=int, default=3, help="random inputs per distribution; the worst error is kept")
     p.add_argument("--algorithms", type=_algorithm_list, default=ALLREDUCE_ALGORITHMS,
@@ -443,7 +437,9 @@ def parse_args(argv=None):
                    help="algorithms also run on emulated devices (our CUDA kernel on the CPU): all, none, or a list")
     p.add_argument("-J", "--output_file", "--json", dest="json", default=None,
                    help="write the results as JSON here (default: no file)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.count = cli.parse_size(args.count)
+    return args
 
 
 def main(argv=None):

@@ -251,19 +251,10 @@ def parse_args(spec, argv=None):
     args.minbytes, args.maxbytes = cli.parse_size(args.minbytes), cli.parse_size(args.maxbytes)
     name = DTYPE_NAMES[args.datatype]
     args.dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
-    args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    args.algorithms = [a.strip() for a in args.algorithm.split(",") if a.strip()]
     from collectives.algorithms import REGISTRY
-    unknown = set(args.algorithms) - {"auto", *REGISTRY}
-    if unknown or not args.algorithms:
-        p.error(f"unknown algorithm(s) {sorted(unknown)}; choose from auto, {', '.join(REGISTRY)}")
-    unknown = set(args.backends) - set(BACKENDS)
-    if unknown or not args.backends:
-        p.error(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
-    args.compressions = list(dict.fromkeys(c.strip() for c in args.compression.split(",") if c.strip()))
-    unknown = set(args.compressions) - set(COMPRESSIONS)
-    if unknown or not args.compressions:
-        p.error(f"unknown compression(s) {sorted(unknown)}; choose from {', '.join(COMPRESSIONS)}")
+    args.backends = cli.names(p, "--backend", args.backend, BACKENDS)
+    args.algorithms = cli.names(p, "--algorithm", args.algorithm, ["auto", *REGISTRY])
+    args.compressions = cli.names(p, "--compression", args.compression, COMPRESSIONS)
     args.compressed = args.compressions != [NO_COMPRESSION]  # the error columns, and labels that name the codec
     if args.compressed:
         asked = f"--compression {args.compression}"

@@ -207,23 +207,16 @@ def parse_args(argv=None):
         args.rank_list = [int(r) for r in args.ranks.split(",") if r.strip()]
     except ValueError as error:
         p.error(f"--sizes and --ranks are comma-separated numbers: {error}")
-    args.collective_list = [c.strip() for c in args.collectives.split(",") if c.strip()]
-    args.mpi_list = list(dict.fromkeys(m.strip() for m in args.mpi.split(",") if m.strip()))
-    if not args.mpi_list or set(args.mpi_list) - set(mpis.MPIS):
-        p.error(f"--mpi: comma-separated, from {', '.join(mpis.MPIS)}")
-    unknown = sorted(set(args.collective_list) - set(SPECS))
-    if unknown or not args.collective_list:
-        p.error(f"--collectives: unknown {unknown}; choose from {', '.join(SPECS)}")
+    args.collective_list = cli.names(p, "--collectives", args.collectives, SPECS)
+    args.mpi_list = cli.names(p, "--mpi", args.mpi, mpis.MPIS)
     if not args.size_list or any(s < 4 or s % 4 for s in args.size_list):
         p.error("--sizes: each a positive multiple of 4 B (float32)")
     if not args.rank_list or any(r < 2 for r in args.rank_list):
         p.error("--ranks: process counts of at least 2")
     if args.compute_between < 0:
         p.error("--compute-between must be >= 0")
-    args.compression_list = [c.strip() for c in args.compression.split(",") if c.strip() != NO_COMPRESSION]
-    unknown = sorted(set(args.compression_list) - set(harness.COMPRESSIONS))
-    if unknown or not args.compression_list and args.compression.strip() != NO_COMPRESSION:
-        p.error(f"--compression: unknown {unknown}; choose from {', '.join(harness.COMPRESSIONS)}")
+    args.compression_list = [codec for codec in cli.names(p, "--compression", args.compression, harness.COMPRESSIONS)
+                             if codec != NO_COMPRESSION]
     if args.hosts:
         if args.hosts < 2:
             p.error("--hosts: at least 2 (0: one machine)")
