@@ -49,7 +49,7 @@ import numpy as np
 from bench import cli
 from bench.mpis import remove_orphaned_mpich_segments
 from bench.environment import command_line, git_commit
-from bench.harness import find_mpiexec
+from bench.mpis import find_mpiexec
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 SIZES = (1 << 10, 64 << 10, 4 << 20)

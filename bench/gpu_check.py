@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import cli
-from bench import all_reduce_perf, floor, harness
+from bench import all_reduce_perf, floor, harness, mpis
 from bench.environment import command_line, device_environment
 from collectives import kernels
 from collectives.binding import INPUT, OUTPUT
@@ -209,7 +209,7 @@ def run_processes(args):
 
 
 def run_process_benchmarks(args, env):
-    mpiexec = harness.find_mpiexec()
+    mpiexec = mpis.find_mpiexec()
     emulated = args.device == "emulated"
     processes = [mpiexec, "-bind-to", "core", "-n", str(args.processes), sys.executable, "-m"]
     sweep = ["bench.all_reduce_perf", "--device", args.device, "-b", "8", "-e", args.maxbytes, "-f", "4",

@@ -49,7 +49,6 @@ peers. Compressed rows have no bitwise #wrong; uncompressed rows keep it.
 
 import importlib.util
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -60,7 +59,7 @@ from typing import Callable, Optional
 import numpy as np
 
 import collectives
-from bench import cli
+from bench import cli, mpis
 from bench.backends import (
     BACKENDS, COMPRESSING_BACKENDS, DEFAULT_BACKEND, GLOO, MPI_BACKENDS, NCCL, NO_COMPRESSION,
     OPENMPI_BACKEND, PROCESS_BACKENDS, TENSORFLOW_BACKENDS, TENSORFLOW_INSTALL, TORCH_BACKENDS, TORCH_PIN, Buffers, TorchWorld,
@@ -312,16 +311,6 @@ def mpi_world():
     return MPI.COMM_WORLD
 
 
-def find_mpiexec():
-    """MPICH's mpiexec beside this Python (the mpich wheel), else the PATH's."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        sys.exit("running ranks as processes needs mpiexec: pip install '.[mpi]'")
-    return mpiexec
-
-
 def bind_to(value, nranks):
     """mpiexec's -bind-to for `nranks` processes on this machine: `value`,
     except `auto`, which is `core` while every process has a core of its own
@@ -354,7 +343,6 @@ def relaunch_under_mpiexec(args, argv, launcher_flags=(), ranks=None, variables=
     set for the ranks and written before the launcher in the command the
     record shows, so that it reruns as it ran (hierarchy_perf's pretend
     nodes)."""
-    from bench import mpis
     ranks = args.ranks if ranks is None else ranks
     variables = dict(variables or {})
     install = mpis.find(mpis.OPEN_MPI if OPENMPI_BACKEND in getattr(args, "backends", ()) else mpis.MPICH)

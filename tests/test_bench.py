@@ -248,7 +248,7 @@ def test_gpu_ranks_across_processes_in_the_benchmarks(tmp_path):
     """all_reduce_perf and spmd_overhead under mpiexec with --device emulated:
     one GPU rank per process, results checked, round trips counted."""
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
-    from bench.harness import find_mpiexec
+    from bench.mpis import find_mpiexec
     sweep = tmp_path / "sweep.json"
     done = subprocess.run(
         [find_mpiexec(), "-n", "2", sys.executable, "-m", "bench.all_reduce_perf", "--device", "emulated",

@@ -194,7 +194,7 @@ def test_the_benchmarks_run_on_symmetric_memory(tool, tmp_path, emulation_librar
     # out of place, on buffers from comm.alloc (the path itself is checked
     # by the worker's barrier counts, above).
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
-    from bench.harness import find_mpiexec
+    from bench.mpis import find_mpiexec
     sweep = tmp_path / "sweep.json"
     done = subprocess.run(
         [find_mpiexec(), "-n", "2", sys.executable, "-m", f"bench.{tool}", "--device", "emulated", "--symmetric",
