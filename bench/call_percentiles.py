@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from bench import cli
+from bench.environment import environment
 from bench.harness import seconds_per_call, slowest
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -96,7 +97,8 @@ def main(argv=None):
                       f"MPICH/ours {m['p50_us'] / o['p50_us']:6.3f}x  CPU/call {o['cpu_us_per_call']:.0f} / "
                       f"{m['cpu_us_per_call']:.0f} us", flush=True)
     if world.rank == 0 and args.output_file:
-        cli.write_json(args.output_file, {"command": sys.argv, "ranks": world.size, "rows": rows}, say=None)
+        cli.write_json(args.output_file, {"environment": environment("host", world.size, list(LIBRARIES)), "rows": rows},
+                       say=None)
     comm.close()
     return 0
 

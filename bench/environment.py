@@ -151,5 +151,3 @@ def _cpu_model():
         pass
     return platform.processor() or "unknown"
 
-
-# -- the table -------------------------------------------------------------------
