@@ -227,9 +227,9 @@ def scenario_refused(comm):
 
 def scenario_pushes(comm):
     """allreduce on the plans' path (the test turns the loop off) pushes
-    (plan.pushed_plan): in place, the first call reads (the read form, whose
-    probe finds that every rank may push) and every later one pushes; out
-    of place, every call pushes; the interpreter's bits, on new arrays and
+    (plan.pushed_plan), in and out of place from the first call (the start
+    found that every rank may push: ShmRank._learn_reach); the
+    interpreter's bits, on new arrays and
     on the same ones (whose repeats the runner runs from C). Then rank 1's
     pushes are refused, first in a call the runner repeats from C, then
     (the refusal forgotten, white-box) in one from Python: `first` says
@@ -240,7 +240,7 @@ def scenario_pushes(comm):
     runs = counting_single_copies()
     r, n = comm.rank, comm.size
     compiled = comm._ranks._single   # noqa: SLF001
-    assert compiled.pushes_reached == 0, compiled.pushes_reached
+    assert compiled.pushes_reached == 1, compiled.pushes_reached
     k = (600 << 10) // 4   # past a push slice on each rank
     cases = [(20, np.float32, "sum"), (21, np.int16, "max"), (22, np.float64, "avg")]
     with collectives.Communicator.local(n) as reference:
@@ -254,9 +254,7 @@ def scenario_pushes(comm):
                 got = comm.allreduce(x, op=op, out=None if in_place else np.empty(n * k, dtype))
                 same_bits(got, want[r], f"allreduce {op} {'in place' if in_place else ''}")
                 same_bits(x, want[r] if in_place else xs[r], "x")
-                first_in_place = in_place and seed == cases[0][0]
-                assert compiled.last_plan.pushes == (not first_in_place), (in_place, seed)
-                assert compiled.pushes_reached == 1, compiled.pushes_reached
+                assert compiled.last_plan.pushes and compiled.pushes_reached == 1, (in_place, seed)
         assert len(runs) == 2 * len(cases), runs
         xs = [data(23, q, np.int32, n * k) for q in range(n)]
         want = reference.allreduce([x.copy() for x in xs], algorithm="two_shot")
@@ -324,15 +322,15 @@ def scenario_spread(comm):
 
 
 def scenario_pushes_probe_refused(comm):
-    """Rank 1 may not write into its peers: the read form's probe finds it
-    in the first in-place allreduce (the plans' path, the loop off), every
-    rank's pushes_reached is -1, and in-place calls keep reading, with the
-    interpreter's bits; then rank 1 may not read either: an in-place call
-    is refused before it wrote any x, which the staged rerun reads whole."""
+    """Rank 1 may not write into its peers (from before the start, main):
+    the start finds it (ShmRank._learn_reach), every rank's pushes_reached
+    is -1, and in-place allreduces (the plans' path, the loop off) read,
+    with the interpreter's bits; then rank 1 may not read either: an
+    in-place call is refused before it wrote any x, which the staged rerun
+    reads whole."""
     r, n = comm.rank, comm.size
     compiled = comm._ranks._single   # noqa: SLF001
-    if r == 1:
-        _host_plan.test_refuse_pushes(True)
+    assert compiled.pushes_reached == -1 and not comm._ranks._refused, compiled.pushes_reached   # noqa: SLF001
     k = (300 << 10) // 4
     with collectives.Communicator.local(n) as reference:
         for seed in (30, 31):
@@ -369,8 +367,7 @@ def scenario_pushes_fenced(comm):
     count = (4 << 20) // 4
     x = np.ones(count, np.float32)
     out = x if case == "in" else np.zeros_like(x)
-    if case == "in":   # (a pushed allreduce in place only once the ranks know pushes work)
-        comm.allreduce(np.ones(2 * count // 64, np.float32), out=np.empty(2 * count // 64, np.float32))
+    if case == "in":   # (a pushed allreduce in place only where the start found that pushes work)
         assert comm._ranks._single.pushes_reached == 1   # noqa: SLF001
     if comm.rank == 0:
         comm.timeout = PUSH_FENCED_TIMEOUT
@@ -526,7 +523,9 @@ def main():
     if scenario == "pushes_fenced" and sys.argv[2:] == ["held"] and int(os.environ["PMI_RANK"]) == 0:
         os.environ["COLLECTIVES_FENCE_SECONDS"] = "0.2"   # rank 1 is held longer than its fence waits
     if scenario == "measured" and sys.argv[2:] == ["refused"] and int(os.environ["PMI_RANK"]) == 1:
-        _host_plan.test_refuse_reads(True)   # the probe's first call falls back: nothing to time
+        _host_plan.test_refuse_reads(True)   # the start's pushed call falls back: nothing to time
+    if scenario == "pushes_probe_refused" and int(os.environ["PMI_RANK"]) == 1:
+        _host_plan.test_refuse_pushes(True)
     comm = collectives.init(timeout=TIMEOUT)
     leaves = scenario in ("killed", "killed_pushing")
     run_scenario(lambda: globals()[f"scenario_{scenario}"](comm), ranks_leave=leaves)

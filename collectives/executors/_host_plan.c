@@ -1374,8 +1374,9 @@ static PyMethodDef Runner_methods[] = {
 
 static PyMemberDef Runner_members[] = {
     {"waits_made", T_LONGLONG, offsetof(Runner, waits_made), READONLY, "peer waits made over the runner's life"},
-    {"pushes_reached", T_INT, offsetof(Runner, pushes_reached), READONLY,
-     "1 where every rank may push into every peer's output, -1 where not, 0 before a call found out"},
+    {"pushes_reached", T_INT, offsetof(Runner, pushes_reached), 0,
+     "1 where every rank may push into every peer's output, -1 where not, 0 before a call found out "
+     "(a shrunk communicator's runner is given its parent's)"},
     {"repeats_run", T_LONGLONG, offsetof(Runner, repeats_run), READONLY,
      "calls its Repeats ran (of remembered arrays, or of remembered shapes on new ones)"},
     {"last", T_OBJECT, offsetof(Runner, last), 0, "the plan of the last call run (CompiledPlans.last_plan), or None"},

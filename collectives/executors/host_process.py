@@ -166,6 +166,10 @@ class CompiledPlans:
         the same on every rank between calls."""
         return self._runner.pushes_reached
 
+    @pushes_reached.setter
+    def pushes_reached(self, verdict):
+        self._runner.pushes_reached = verdict
+
     def takes(self, plan):
         """Whether the compiled executor runs `plan` (else the interpreter does)."""
         return plan.compression is None and plan.dtype in self._types

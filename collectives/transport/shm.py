@@ -40,11 +40,15 @@ EXCHANGE_PROBE_CALLS = 8    # a batch's (each call 10 to 20 us)
 EXCHANGE_PROBE_ROUNDS = 5   # (cheap at that size, and one noisy round is outvoted)
 
 
+REACH_PROBE_BYTES = 64   # a rank's part of the start's pushed allreduce (_learn_reach)
+
+
 class Limits(NamedTuple):
     """The size limits a rank chose as its communicator started (ShmRank.measure)."""
     staged_max: int | None                 # the loop's (None: no loop)
     exchange_single_copy_min: int | None   # None: the exchanges never take the single copy
     in_place_all_to_all_min: int | None
+    pushes_reached: int = 0                # the compiled executor's verdict (ShmRank._learn_reach)
 
 
 class ShmRank(Recoverable):
@@ -131,6 +135,10 @@ class ShmRank(Recoverable):
         exchanges' single-copy limit. A shrunk communicator's rank keeps
         the Limits it inherited, with no call."""
         inherited = self._inherited
+        if inherited is None:
+            self._learn_reach(timeout)
+        elif self._single is not None:
+            self._single.pushes_reached = inherited.pushes_reached   # (the survivors reach each other as before)
         if self.fast is not None:
             def allreduce(x, op, out):
                 communicator.allreduce(x, op, out=out)
@@ -143,6 +151,24 @@ class ShmRank(Recoverable):
                 self._forget_shapes()
         elif communicator is not None:
             self._choose_exchange_single_copy_min(communicator)
+
+    def _learn_reach(self, timeout):
+        """Learn, on every rank together as the communicator starts, whether
+        every rank may read and write every peer's arrays (the single
+        copy's reads and pushes): one allreduce of REACH_PROBE_BYTES a
+        rank in the read form whose probe writes into every peer (the form
+        of a fold that can push, before the ranks know: _host_plan.c's
+        SINGLE_COPY_PROBES). Its verdict is the runner's pushes_reached (1,
+        or -1 where a push was refused: the folds then read); a read
+        refused is the ranks' refusal (_refusal: every large call stages). So no call's route waits on an earlier call to
+        find out: a fold that writes x in its reads' phase runs in place
+        only where no read or push can be refused (SINGLE_COPY_FOLDS_IN_PLACE)."""
+        if self._single is None or self.single_copy_min is None:
+            return
+        count = REACH_PROBE_BYTES // 4 * self.size
+        x, out = np.zeros(count, np.float32), np.empty(count, np.float32)
+        probing = single_copy_plan(ALLREDUCE, self.size, count, x.dtype, "sum", algorithm="two_shot")
+        self._run_single_plan(probing, x.ctypes.data, out.ctypes.data, time.perf_counter() + timeout)
 
     def _choose_exchange_single_copy_min(self, communicator):
         """The exchanges' single-copy limit: pinned by the variable where
@@ -187,7 +213,7 @@ class ShmRank(Recoverable):
     def limits(self):
         """The Limits this rank holds (what a shrunk communicator keeps)."""
         return Limits(None if self.fast is None else self.fast.staged_max, self.single_copy_min,
-                      self._in_place_all_to_all_min)
+                      self._in_place_all_to_all_min, 0 if self._single is None else self._single.pushes_reached)
 
     def tuning(self):
         """Communicator.tuning: the limits, and the probes' microseconds."""
