@@ -30,8 +30,9 @@ from bench.report_costs import COMPRESSION_PARTS, HOST_COST_PARTS
 from bench.report_gpu import GPU_PARTS
 from bench.report_host import HOST_PARTS
 from bench.report_training import TRAINING_PARTS
-from bench.report_runs import (NOTES, ROOT, Question, latest, load_runs, markdown, repository_history,  # noqa: F401
-                               run_environment, shown_command)  # NOTES, run_environment: for tests/test_report.py
+from bench.report_runs import (NOTES, ROOT, Question, latest, load_runs, markdown, provenance,  # noqa: F401
+                               repository_history, run_environment,  # NOTES, run_environment: for tests/test_report.py
+                               shown_command)
 
 RESULTS = Path("bench") / "results"
 OUTPUT = Path("docs") / "benchmarks.md"
@@ -141,8 +142,9 @@ def anchor(heading):
 
 
 def question_section(question, runs, history):
-    """The question's tables from its latest runs, then links to its other
-    runs; and the paths of every file it reads."""
+    """The question's tables from its latest runs, each part's followed by
+    where its numbers came from, then links to its other runs; and the paths
+    of every file it reads."""
     lines = [f"## {question.title}", "", question.intro, ""]
     measured, shown = [], []
     for part in question.parts:
@@ -152,9 +154,10 @@ def question_section(question, runs, history):
         shown += picked
         if part.title:
             lines += [f"### {part.title}", ""]
-        lines += part.write(picked, runs) if picked else [part.missing, ""]
+        lines += part.write(picked, runs) if picked else [part.missing]
         if lines[-1]:
             lines.append("")
+        lines += provenance(picked)
     lines += other_runs(measured, shown)
     return "\n".join(lines), {m.run.path for m in measured}
 

@@ -4,8 +4,8 @@ bench.compression_error, bench.half_precision_error); and what does a call
 cost the host (bench.call_overhead in one process, bench.spmd_overhead
 across processes)?"""
 
-from bench.report_runs import (Measurement, Part, cell, harness_rows, markdown, pair, place_times, provenance,
-                               ratio, rows_by_size, settings_of, size_label)
+from bench.report_runs import (Measurement, Part, cell, harness_rows, markdown, pair, place_times, ratio,
+                               rows_by_size, settings_of, size_label)
 
 
 # -- compression: a compressed allreduce against a plain one -----------------------------
@@ -46,7 +46,7 @@ def write_compressed_allreduce(shown, runs):
         error = ", ".join(f"{c} {cell(m.content['maxrel'][c])}" for c in codecs)
         lines += [f"**{m.label}**", "", *markdown(header, body), "",
                   f"Largest relative error of any element, any size: {error}.", ""]
-    return lines + provenance(shown)
+    return lines
 
 
 # -- compression: error against the bound ---------------------------------------------
@@ -70,7 +70,7 @@ def write_compression_error(shown, runs):
         body = [[codec, algorithm, ranks, cell(max(r["max_error_over_bound"] for r in rows)),
                  cell(max(r["norm_error"] for r in rows))] for (codec, algorithm, ranks), rows in groups.items()]
         lines += [*markdown(header, body, text_columns=2), ""]
-    return lines + provenance(shown)
+    return lines
 
 
 def half_precision_error(run):
@@ -93,7 +93,7 @@ def write_half_precision_error(shown, runs):
             worst[key] = max(worst.get(key, 0), r["norm_rel_max"])
         body = [[method] + [cell(worst.get((method, dtype))) for dtype in dtypes] for method in methods]
         lines += [*markdown(["method", *dtypes], body), ""]
-    return lines + provenance(shown)
+    return lines
 
 
 # -- host cost per call --------------------------------------------------------------
@@ -142,7 +142,7 @@ def write_call_overhead(shown, runs):
                      "yes" if prepared else "no", compression or "none", settings_text(settings) or "-", cell(count),
                      cell(row.get("us")), cell(row.get("instructions")), cell(row.get("launches"))])
     return ["The adapters: `timed` is the device's own, `noop` launches nothing, `dry` stands in for CuPy with "
-            "no GPU (bench/call_overhead.py).", "", *markdown(header, body, text_columns=8), "", *provenance(shown)]
+            "no GPU (bench/call_overhead.py).", "", *markdown(header, body, text_columns=8)]
 
 
 def spmd_overhead(run):
@@ -164,7 +164,7 @@ def write_spmd_overhead(shown, runs):
     header = ["call", *[f"{mode} µs (/ host)" for mode in modes]]
     body = [[m.label] + [mode_cell(m.content, mode) for mode in modes] for m in shown]
     return ["Median µs per call of each way of running the same call across processes, and its ratio to host "
-            "ranks'.", "", *markdown(header, body), "", *provenance(shown)]
+            "ranks'.", "", *markdown(header, body)]
 
 
 def mode_cell(data, mode):

@@ -8,7 +8,7 @@ import re
 import statistics
 
 from bench.report_runs import (Measurement, Part, harness_rows, is_cpu, markdown, our_backend, pair,
-                               place_times, provenance, ratio, rows_by_size, settings_of, short_machine,
+                               place_times, ratio, rows_by_size, settings_of, short_machine,
                                short_machines, size_label, span)
 
 # bench.floor judges a call by the copy from this size up; below, a call is bound by its launch, not by memory.
@@ -46,7 +46,7 @@ def write_step_kernel(shown, runs):
         body = [[r.get("min_blocks"), r.get("unroll"), r.get("sources"), size_label(r["bytes_per_source"]),
                  f"{r['step_GBps']:.0f}", f"{r['copy_GBps']:.0f}", f"{r['step_vs_copy']:.2f}"] for r in m.content]
         lines += [f"**{m.label}**", "", *markdown(header, body), ""]
-    return lines + provenance(shown)
+    return lines
 
 
 def readme_step_kernel(shown, runs):
@@ -160,7 +160,7 @@ def write_against_floor(shown, runs):
         lines.append(f"For every column: {next(iter(sources))}.")
     else:
         lines += [f"- {'; '.join(labels)}: {source}." for source, labels in sources.items()]
-    return lines + ["", *provenance(shown)]
+    return lines
 
 
 def readme_against_floor(shown, runs):
@@ -204,7 +204,7 @@ def write_against_nccl(shown, runs):
     sizes = sorted({size for m in shown for size in m.content})
     body = [[size_label(size)] + [pair(m.content.get(size, [None, None])) for m in shown] for size in sizes]
     return ["NCCL's time over ours, out of place · in place: above 1, we are faster.", "",
-            *markdown(header, body), "", *provenance(shown)]
+            *markdown(header, body)]
 
 
 def readme_against_nccl(shown, runs):

@@ -12,7 +12,7 @@ bench.pingpong's runs."""
 import re
 
 from bench.report_runs import (PLACES, Measurement, Part, and_join, cell, harness_rows, markdown, our_backend, pair,
-                               place_times, provenance, ratio, rows_by_size, settings_of, short_machines, size_label,
+                               place_times, ratio, rows_by_size, settings_of, short_machines, size_label,
                                span)
 from collectives.bootstrap import PRETEND_NODES_ENV
 
@@ -200,7 +200,6 @@ def write_against_libraries(shown, runs):
             notes.append(f"`bench.host_vs_mpich` measured {collective} in place only (before our `{collective}` took "
                          "`out=`): its out-of-place cells are empty.")
         lines += [*notes, ""] if notes else []
-        lines += provenance(mine)
     return lines
 
 
@@ -307,7 +306,7 @@ def write_pingpong(shown, runs):
                 for r in m.content]
         lines += [f"{m.label}, beside {mpi}:", "", *markdown(["message", "ours, µs one way", f"{mpi}, µs one way",
                                                                f"{mpi} / ours"], body), ""]
-    return lines + provenance(shown)
+    return lines
 
 
 def readme_pingpong(shown, runs):

@@ -78,8 +78,9 @@ class Measurement:
 class Part:
     """One table of a question: which measurements it takes from a run
     (`measure`: a file it does not answer gives none), its tables from the
-    latest measurement of each configuration (`write`), and its rows of the
-    README's results table (`readme`, where it gives any)."""
+    latest measurement of each configuration (`write`; the report puts their
+    provenance under them), and its rows of the README's results table
+    (`readme`, where it gives any)."""
     title: str                      # its heading; "" for a question of one part
     measure: Callable               # run -> [Measurement]
     write: Callable                 # (latest measurements, every run) -> markdown lines
@@ -254,19 +255,35 @@ def commit_text(measurement):
 
 
 def provenance(measurements):
-    """Under a table: each measurement's file, commit, command and notes,
-    under the machine it ran on (named once for all that share it)."""
-    by_machine = {}
+    """Under a part's tables: each file once, with the labels of what it
+    measured, its commit, command and notes, under the machines it ran on
+    (named once for all the files that share them)."""
+    files = {}
     for m in measurements:
-        by_machine.setdefault(machine(m.machine_environment), []).append(m)
+        files.setdefault(m.run.path, []).append(m)
+    by_machines = {}
+    for mine in files.values():
+        by_machines.setdefault(tuple(dict.fromkeys(machine(m.machine_environment) for m in mine)), []).append(mine)
     lines = []
-    for name, group in by_machine.items():
-        lines += [f"Machine: {name}.", ""]
-        for m in group:
-            line = f"- {m.label}: {m.run.link}, {commit_text(m)}; `{shown_command(m.run)}`"
-            lines.append(line + (f". {m.run.note['note']}" if m.run.note.get("note") else ""))
+    for machines, group in by_machines.items():
+        lines += [machines_text(machines), ""]
+        for mine in group:
+            run = mine[0].run
+            labels = "; ".join(dict.fromkeys(m.label for m in mine))
+            commits = ", ".join(dict.fromkeys(commit_text(m) for m in mine))
+            line = f"- {labels}: {run.link}, {commits}; `{shown_command(run)}`"
+            lines.append(line + (f". {run.note['note']}" if run.note.get("note") else ""))
         lines.append("")
     return lines
+
+
+def machines_text(machines):
+    """"Machine: A." or, for a file whose runs ran under several (each MPI in
+    launches of its own, say), "Machines: (1) A; (2) B.": numbered, since a
+    machine's own parts are separated by semicolons."""
+    if len(machines) == 1:
+        return f"Machine: {machines[0]}."
+    return "Machines: " + "; ".join(f"({i}) {name}" for i, name in enumerate(machines, 1)) + "."
 
 
 # -- bench/harness.py's rows -----------------------------------------------------------

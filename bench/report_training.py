@@ -8,7 +8,7 @@ bench.ddp_step's runs: examples/ddp.py under torchrun, DDP on our process
 group against Gloo's, with and without our compression hook."""
 
 from bench.report_host import MWMS_NAME, library_version
-from bench.report_runs import Measurement, Part, and_join, cell, markdown, provenance, short_machines, span
+from bench.report_runs import Measurement, Part, and_join, cell, markdown, short_machines, span
 
 KERAS_FIT = "bench.keras_fit"
 KINDS = {"ours_fit": "ours, Keras fit", "ours_loop": "ours, custom loop", "mwms_loop": "MWMS, custom loop"}
@@ -42,7 +42,7 @@ def write_keras_fit(shown, runs):
         lines += [f"{m.label}: largest difference between the weights the trainings ended with: ours' loop "
                   f"and MWMS' {cell(apart.get('ours_loop_vs_mwms_loop'))}, ours' fit and loop "
                   f"{cell(apart.get('ours_fit_vs_ours_loop'))}.", ""]
-    return lines + provenance(shown)
+    return lines
 
 
 def ratio_of(content):
@@ -93,7 +93,7 @@ def write_ddp_step(shown, runs):
     body = [[m.label, r["run"], cell(r["step_ms_median"]), cell(ddp_ratio(m.content, r["run"])),
              and_join(sorted({f"{100 * a:.2f}%" for a in r["test_accuracy"]})), str(r["ranks_bitwise_identical"])]
             for m in shown for r in m.content["runs"]]
-    return [*lines, *markdown(header, body, text_columns=2), "", *provenance(shown)]
+    return [*lines, *markdown(header, body, text_columns=2)]
 
 
 def readme_ddp_step(shown, runs):

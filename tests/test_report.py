@@ -243,7 +243,8 @@ def test_host_vs_mpich_across_pretend_nodes_is_a_configuration_of_its_own(tmp_pa
             "2 pretend nodes of 2 processes |") in allreduce
     assert "| 64 B | 2.00 · 2.00 | 2.00 · 0.50 |" in allreduce
     assert "an older run" not in allreduce
-    assert "COLLECTIVES_PRETEND_NODES=0,0,1,1 python -m bench.host_vs_mpich --ranks 2" in allreduce
+    # (the runs are listed once, under the part's tables, not under each collective's)
+    assert "COLLECTIVES_PRETEND_NODES=0,0,1,1 python -m bench.host_vs_mpich --ranks 2" in host
     table = report.readme_table(report.load_runs(tmp_path), HISTORY)
     assert "| MPICH 9.9.9 | allreduce; host ranks, 4 processes; 64 B to 64 B | 2.00x |" in table
     assert "| MPICH 9.9.9 | allreduce; 2 pretend nodes of 2 processes; 64 B to 64 B | 0.50x to 2.00x |" in table
@@ -277,7 +278,7 @@ def test_host_vs_mpich_gloo_beside_mpich_and_in_place_only_collectives(tmp_path)
     assert "| 1 KiB | - · 3.00 | - · 25.00 | - · 6.00 | - · 25.00 |" in broadcast
     assert ("`bench.host_vs_mpich` measured broadcast in place only (before our `broadcast` took `out=`): its "
             "out-of-place cells are empty.") in broadcast
-    assert "Machine: Test CPU, 2 cores; no GPU; MPICH Version: 9.9.9; torch 2.13.0+cpu." in broadcast
+    assert "Machine: Test CPU, 2 cores; no GPU; MPICH Version: 9.9.9; torch 2.13.0+cpu." in host
     table = report.readme_table(report.load_runs(tmp_path), HISTORY)
     assert ("| MPICH 9.9.9 | allgather; host ranks, 2 and 4 processes; 1 KiB to 1 KiB | 3.00x to 6.00x "
             "| 2-core CPU, no GPU |\n"
@@ -308,6 +309,10 @@ def test_host_vs_mpich_open_mpi_beside_mpich_and_the_copy_floor(tmp_path):
             ) in allgather
     assert "| 1 MiB | 3.00 · 3.00 | 0.95 · 0.95 | 1.50 · 1.50 | 0.95 · 0.95 |" in allgather
     assert "No current run against MPICH" not in allgather and "No current run against Open MPI" not in allgather
+    # The file is listed once, under both machines its launches ran on.
+    assert host.count("- 2 processes, -bind-to core: [`host_vs_mpi.json`]") == 1
+    assert ("Machines: (1) Test CPU, 2 cores; no GPU; MPICH Version: 9.9.9; "
+            "(2) Test CPU, 2 cores; no GPU; Open MPI v8.8.8, package: x.") in host
     table = report.readme_table(report.load_runs(tmp_path), HISTORY)
     assert "| MPICH 9.9.9 | allgather; host ranks, 2 processes; 1 MiB to 1 MiB | 3.00x |" in table
     assert "| Open MPI 8.8.8 | allgather; host ranks, 2 processes; 1 MiB to 1 MiB | 1.50x |" in table
