@@ -1,17 +1,20 @@
 """bench.report's first question: how do host ranks compare with MPICH,
 Open MPI and Gloo (and TensorFlow's MultiWorkerMirroredStrategy), collective
 by collective, and, for the large calls that only move bytes (allgather,
-broadcast and the exchanges), with a memory copy of the same bytes? From bench.host_vs_mpich's runs (one per MPI, process
-count and collective; broadcast and reduce in place only before they took
-out=; the copy floor since --mpi), the suite's runs on host ranks with an
-mpi, mpich, openmpi, gloo or mwms backend (bench/harness.py: the exchanges'
-tools, alltoall_perf, gather_perf and scatter_perf, too), and
-bench.hierarchy_perf's across pretend nodes; and point to point, from
-bench.pingpong's runs."""
+broadcast and the exchanges), with a memory copy of the same bytes? Here are
+its parts, which bench.report's QUESTIONS name, and the libraries' names and
+versions, which the training question's README rows use too.
+
+From bench.host_vs_mpich's runs (one per MPI, process count and collective;
+broadcast and reduce in place only before they took out=; the copy floor
+since --mpi), the suite's runs on host ranks with an mpi, mpich, openmpi,
+gloo or mwms backend (bench/harness.py: the exchanges' tools, alltoall_perf,
+gather_perf and scatter_perf, too), and bench.hierarchy_perf's across
+pretend nodes; and point to point, from bench.pingpong's runs."""
 
 import re
 
-from bench.report_runs import (PLACES, Measurement, Part, and_join, cell, harness_rows, markdown, our_backend, pair,
+from bench.report_runs import (PLACES, Measurement, and_join, cell, harness_rows, markdown, our_backend, pair,
                                place_times, ratio, rows_by_size, settings_of, short_machines, size_label,
                                span)
 from collectives.bootstrap import PRETEND_NODES_ENV
@@ -318,9 +321,3 @@ def readme_pingpong(shown, runs):
                      f"{size_label(min(sizes))} to {size_label(max(sizes))}",
                      span([r["mpi_over_ours"] for r in m.content]), short_machines([m])])
     return rows
-
-
-HOST_PARTS = (Part("", against_libraries, write_against_libraries,
-                   "No current run measures host ranks against another library.", readme_against_libraries),
-              Part("Point to point: send and recv against MPICH and Open MPI", pingpong, write_pingpong,
-                   "No current run of `bench.pingpong`.", readme_pingpong))
