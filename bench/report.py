@@ -23,11 +23,11 @@ from pathlib import Path
 
 from bench import cli, report_host
 from bench.report_host import MWMS_NAME, library_version
-from bench.report_runs import (NOTES, ROOT, Measurement, Part, Question, and_join, cell,  # noqa: F401
-                               harness_rows, is_cpu, latest, load_runs, markdown, our_backend, pair, place_times,
-                               provenance, ratio, repository_history, rows_by_size,
-                               run_environment,  # NOTES, run_environment: for tests/test_report.py
-                               settings_of, short_machine, short_machines, shown_command, size_label, span)
+from bench.report_runs import (NOTES, ROOT, Measurement, Part, Question, and_join, cell, every_value,  # noqa: F401
+                               harness_rows, is_cpu, latest, load_runs, markdown, our_backend, provenance, ratio,
+                               repository_history, run_environment,  # NOTES, run_environment: for tests/test_report.py
+                               settings_of, short_machine, short_machines, shown_command, size_label, size_range,
+                               size_ratios, size_table, size_times, span)
 
 RESULTS = Path("bench") / "results"
 OUTPUT = Path("docs") / "benchmarks.md"
@@ -262,9 +262,8 @@ def ddp_step(run):
     data = run.data
     if run.tool != DDP_STEP or not isinstance(data.get("runs"), list):
         return []
-    hosts = data.get("hosts")
-    where = (f"{hosts['count']} hosts of {data['processes'] // hosts['count']} processes, {hosts['link']} links"
-             if hosts else f"{data.get('processes')} processes on one machine")
+    where = (report_host.across_hosts(data.get("hosts"), data.get("processes"))
+             or f"{data.get('processes')} processes on one machine")
     configuration = (DDP_STEP, data.get("processes"), where, data.get("hidden"), data.get("epochs"))
     return [Measurement(run, configuration, f"{where}, hidden {data.get('hidden')}", data)]
 
@@ -394,7 +393,7 @@ def sweep_measurement(run, tool, rows, command):
     ranks = int(flag(command, "--ranks") or environment.get("ranks") or 1)
     algorithm = flag(command, "--algorithm") or next((r["algorithm"] for r in rows if r.get("algorithm")),
                                                      "the default algorithm")
-    times = {size: place_times(got.get(ours)) for size, got in rows_by_size(rows).items()}
+    times = size_times(rows, ours)
     configuration = (tool, environment.get("device"), ranks, environment.get("processes", 1), algorithm,
                      "--symmetric" in (command or ""), settings_of(environment))
     return Measurement(run, configuration, f"{tool}, {ranks} ranks, {algorithm}", {"times": times, "ranks": ranks})
@@ -436,14 +435,10 @@ def copy_source(measurement, runs):
 
 
 def write_against_floor(shown, runs):
-    ratios = [floor_ratios(m, runs) for m in shown]
-    sizes = sorted({size for r in ratios for size in r})
-    header = ["size per rank"] + [f"copy / call, {m.label}" for m in shown]
-    body = [[size_label(size)] + [pair(r.get(size, [None, None])) for r in ratios] for size in sizes]
     lines = [f"The floor is one device copy of every input read once and every output written once "
              f"(2 × ranks × size bytes); each cell is its time over the call's, out of place · in place, from "
              f"{size_label(FLOOR_FROM_BYTES)} per rank up (below, a call is bound by its launch).", "",
-             *markdown(header, body), ""]
+             *size_table([(f"copy / call, {m.label}", floor_ratios(m, runs)) for m in shown], "size per rank"), ""]
     sources = {}
     for m in shown:
         sources.setdefault(copy_source(m, runs), []).append(m.label)
@@ -458,12 +453,11 @@ def readme_against_floor(shown, runs):
     if not shown:
         return []
     ratios = [floor_ratios(m, runs) for m in shown]
-    sizes = sorted({size for r in ratios for size in r})
+    sizes = [size for r in ratios for size in r]
     ranks = sorted({m.content["ranks"] for m in shown})
-    what = (f"allreduce, {' or '.join(map(str, ranks))} ranks on one GPU, "
-            f"{size_label(sizes[0])} to {size_label(sizes[-1])} per rank" if sizes else "allreduce")
-    values = [v for r in ratios for cells in r.values() for v in cells]
-    return [["a device copy", what, span(values) + " of its speed", short_machines(shown)]]
+    what = (f"allreduce, {' or '.join(map(str, ranks))} ranks on one GPU, {size_range(sizes)} per rank" if sizes
+            else "allreduce")
+    return [["a device copy", what, span(every_value(ratios)) + " of its speed", short_machines(shown)]]
 
 
 # -- against NCCL ------------------------------------------------------------------
@@ -478,33 +472,25 @@ def against_nccl(run):
         backends = {r["backend"] for r in rows or []}
         if rows and "nccl" in backends and our_backend(backends):
             environment = data.get("environment") or run.environment
-            ours = our_backend(backends)
-            ratios = {size: [ratio(theirs, mine) for theirs, mine in zip(place_times(got.get("nccl")),
-                                                                         place_times(got.get(ours)))]
-                      for size, got in rows_by_size(rows).items()}
             ranks = environment.get("ranks")
             configuration = (run.tool, data.get("collective"), environment.get("device"), ranks,
                              environment.get("processes", 1))
             found.append(Measurement(run, configuration, f"{data.get('collective')}, {ranks} ranks",
-                                     ratios, environment))
+                                     size_ratios(rows, "nccl", our_backend(backends)), environment))
     return found
 
 
 def write_against_nccl(shown, runs):
-    header = ["size"] + [f"NCCL / ours, {m.label}" for m in shown]
-    sizes = sorted({size for m in shown for size in m.content})
-    body = [[size_label(size)] + [pair(m.content.get(size, [None, None])) for m in shown] for size in sizes]
     return ["NCCL's time over ours, out of place · in place: above 1, we are faster.", "",
-            *markdown(header, body)]
+            *size_table([(f"NCCL / ours, {m.label}", m.content) for m in shown])]
 
 
 def readme_against_nccl(shown, runs):
     if not shown:
         return [["NCCL", "any collective on GPU ranks", "not measured yet", "-"]]
-    values = [v for m in shown for cells in m.content.values() for v in cells]
     versions = sorted({str(m.machine_environment.get("nccl")) for m in shown if m.machine_environment.get("nccl")})
-    return [[" ".join(["NCCL", *versions]), ", ".join(sorted({m.label for m in shown})), span(values),
-             short_machines(shown)]]
+    return [[" ".join(["NCCL", *versions]), ", ".join(sorted({m.label for m in shown})),
+             span(every_value(m.content for m in shown)), short_machines(shown)]]
 
 
 # == Compression: cost and error ===============================================================
@@ -518,16 +504,12 @@ def compressed_allreduce(run):
     rows = harness_rows(run.data)
     if not rows or not any(r.get("compression") not in (None, "none") for r in rows):
         return []
-    by_size = rows_by_size(rows)
     codecs = sorted({r["compression"] for r in rows if r.get("compression") not in (None, "none")})
     plain = next((r["backend"] for r in rows if r.get("compression") == "none"), None)
-    content = {"codecs": codecs, "plain": {size: place_times(got.get(plain)) for size, got in by_size.items()},
-               "ratios": {}, "maxrel": {}}
+    content = {"codecs": codecs, "plain": size_times(rows, plain), "ratios": {}, "maxrel": {}}
     for codec in codecs:
         backend = next(r["backend"] for r in rows if r.get("compression") == codec)
-        content["ratios"][codec] = {size: [ratio(mine, theirs) for mine, theirs in
-                                           zip(place_times(got.get(backend)), place_times(got.get(plain)))]
-                                    for size, got in by_size.items()}
+        content["ratios"][codec] = size_ratios(rows, backend, plain)
         content["maxrel"][codec] = max((r.get("maxrel") or 0 for r in rows if r["backend"] == backend), default=None)
     environment = run.environment
     processes, ranks = environment.get("processes", 1), environment.get("ranks")
@@ -542,11 +524,10 @@ def write_compressed_allreduce(shown, runs):
              "compression pays.", ""]
     for m in shown:
         codecs = m.content["codecs"]
-        header = ["size", "uncompressed (µs)"] + [f"{codec} / uncompressed" for codec in codecs]
-        body = [[size_label(size), pair(times, 1)] + [pair(m.content["ratios"][c][size]) for c in codecs]
-                for size, times in m.content["plain"].items()]
+        table = size_table([("uncompressed (µs)", m.content["plain"], 1),
+                            *((f"{c} / uncompressed", m.content["ratios"][c]) for c in codecs)])
         error = ", ".join(f"{c} {cell(m.content['maxrel'][c])}" for c in codecs)
-        lines += [f"**{m.label}**", "", *markdown(header, body), "",
+        lines += [f"**{m.label}**", "", *table, "",
                   f"Largest relative error of any element, any size: {error}.", ""]
     return lines
 

@@ -14,8 +14,8 @@ pretend nodes; and point to point, from bench.pingpong's runs."""
 
 import re
 
-from bench.report_runs import (PLACES, Measurement, and_join, cell, harness_rows, markdown, our_backend, pair,
-                               place_times, ratio, rows_by_size, settings_of, short_machines, size_label,
+from bench.report_runs import (PLACES, Measurement, and_join, cell, every_value, harness_rows, markdown, our_backend,
+                               ratio, settings_of, short_machines, size_label, size_range, size_ratios, size_table,
                                span)
 from collectives.bootstrap import PRETEND_NODES_ENV
 
@@ -32,6 +32,10 @@ FLOORS = (COPY_FLOOR, LINK_FLOOR)
 HARNESS_REFERENCES = {"mpi": "MPICH", "mpich": "MPICH", "openmpi": "Open MPI", "gloo": "Gloo", "mwms": MWMS_NAME,
                       "tf:mwms": MWMS_NAME}
 SOURCES = ("bench.host_vs_mpich", "the suite", "bench.hierarchy_perf")  # the order of their columns and README rows
+# Harness backends whose in-place column times their out-of-place call again
+# (bench/backends.py: Mwms.run takes a tf.Tensor and returns a new one):
+# only their out-of-place figure is a comparison.
+OUT_OF_PLACE_ONLY = {"mwms", "tf:mwms"}
 
 
 # -- host ranks against MPICH and Gloo, per collective --------------------------------
@@ -115,36 +119,20 @@ def pretend_nodes(settings):
 def suite_measurement(run):
     """A harness run on host ranks with ours and mpi or gloo among its backends."""
     rows, environment = harness_rows(run.data), run.environment
-    by_size = rows_by_size(rows)
     backends = sorted({r["backend"] for r in rows})
     ours = our_backend(backends)
     references = [b for b in backends if b in HARNESS_REFERENCES]
     if not ours or not references:
         return None
-    ratios = {}
-    for backend in references:
-        name = reference_name(backend, environment)
-        ratios[name] = {size: [ratio(theirs, mine) for theirs, mine in zip(reference_times(backend, got.get(backend)),
-                                                                             place_times(got.get(ours)))]
-                        for size, got in by_size.items()}
+    ratios = {reference_name(backend, environment):
+              size_ratios(rows, backend, ours, PLACES[:1] if backend in OUT_OF_PLACE_ONLY else PLACES)
+              for backend in references}
     processes, ranks = environment.get("processes", 1), environment.get("ranks")
     label = f"{processes} processes" + (f", {ranks} ranks" if ranks and ranks != processes else "")
     configuration = (run.tool, run.data.get("collective"), "host", processes, ranks, tuple(backends),
                      settings_of(environment))
     return Measurement(run, configuration, label,
                        comparison(run.data.get("collective"), ratios, "the suite", "host ranks", processes))
-
-
-# Harness backends whose in-place column times their out-of-place call again
-# (bench/backends.py: Mwms.run takes a tf.Tensor and returns a new one):
-# only their out-of-place figure is a comparison.
-OUT_OF_PLACE_ONLY = {"mwms", "tf:mwms"}
-
-
-def reference_times(backend, row):
-    """A reference backend's place_times, in place None where it has no call of its own."""
-    times = place_times(row)
-    return [times[0], None] if backend in OUT_OF_PLACE_ONLY else times
 
 
 def hierarchy_measurement(run):
@@ -190,11 +178,7 @@ def write_against_libraries(shown, runs):
             lines += [f"No current run measures {collective} on host ranks against another library.", ""]
             continue
         columns = [(m, name) for m in mine for name in sorted(m.content["ratios"], key=reference_order)]
-        sizes = sorted({size for m, name in columns for size in m.content["ratios"][name]})
-        header = ["size"] + [f"{name} / ours, {m.label}" for m, name in columns]
-        body = [[size_label(size)] + [pair(m.content["ratios"][name].get(size, [None, None])) for m, name in columns]
-                for size in sizes]
-        lines += [*markdown(header, body), ""]
+        lines += [*size_table([(f"{name} / ours, {m.label}", m.content["ratios"][name]) for m, name in columns]), ""]
         measured = {name for m, name in columns}
         notes = [f"No current run against {name}." for name in REFERENCES if name not in measured]
         if not any(m.configuration[0] == "bench.host_vs_mpich" for m in mine):
@@ -227,19 +211,18 @@ def readme_against_libraries(shown, runs):
     for (source, *_), members in sorted(groups.items()):
         name = members[0][1]
         named = {m.content["collective"] for m, _ in members}
+        tables = [m.content["ratios"][n] for m, n in members]
         collectives = [c + (" (in place only)" if all(m.content.get("in_place_only") for m, _ in members
                                                       if m.content["collective"] == c) else "")
                        for c in sorted(named, key=collective_order)]
-        sizes = sorted({s for m, n in members for s in m.content["ratios"][n]})
         # (the README names the first tool's command; the suite's rows name their tools)
         tools = sorted({m.run.tool for m, _ in members if m.run.tool}) if SOURCES[source] == "the suite" else []
         tool = f" ({', '.join(f'`{t}`' for t in tools)})" if tools else f" (`{SOURCES[source]}`)" if source else ""
         what = (f"{', '.join(collectives)}; {where_text([m.content for m, _ in members])}{tool}; "
-                f"{size_label(sizes[0])} to {size_label(sizes[-1])}")
+                f"{size_range([size for table in tables for size in table])}")
         if name == MWMS_NAME:   # (what a TensorFlow user calls: the tf.function is its cost, not ours)
             what += "; theirs a tf.function of strategy.run per call, ours the NumPy API"
-        values = [v for m, n in members for cells in m.content["ratios"][n].values() for v in cells]
-        result = span(values) + (" of its speed" if name in FLOORS else "")
+        result = span(every_value(tables)) + (" of its speed" if name in FLOORS else "")
         rows.append([library_version(name, [m.machine_environment for m, _ in members]), what, result,
                      short_machines([m for m, _ in members])])
     return rows
@@ -315,9 +298,8 @@ def write_pingpong(shown, runs):
 def readme_pingpong(shown, runs):
     rows = []
     for m in shown:
-        sizes = [r["bytes"] for r in m.content]
         rows.append([library_version(pingpong_mpi(m.machine_environment), [m.machine_environment]),
                      f"send/recv one way; host ranks, {m.label} (`bench.pingpong`); "
-                     f"{size_label(min(sizes))} to {size_label(max(sizes))}",
+                     f"{size_range([r['bytes'] for r in m.content])}",
                      span([r["mpi_over_ours"] for r in m.content]), short_machines([m])])
     return rows

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from bench.cli import size_label  # noqa: F401 - the report modules take it from here, with the other table helpers
+from bench.cli import size_label
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTES = "notes.json"  # per file: the commit a run describes where it recorded none, and what is stale
@@ -314,6 +314,21 @@ def place_times(row):
     return [(row or {}).get(place, {}).get("time_us") for place in PLACES]
 
 
+def size_times(rows, backend):
+    """{size: [out of place, in place]}: `backend`'s place_times at every size
+    of a harness run's rows."""
+    return {size: place_times(got.get(backend)) for size, got in rows_by_size(rows).items()}
+
+
+def size_ratios(rows, numerator, denominator, places=PLACES):
+    """{size: [out of place, in place]}: backend `numerator`'s time per call
+    over `denominator`'s in a harness run's rows (None where either was not
+    timed, and for a placement not in `places`)."""
+    under = size_times(rows, denominator)
+    return {size: [ratio(t, u) if place in places else None for place, t, u in zip(PLACES, times, under[size])]
+            for size, times in size_times(rows, numerator).items()}
+
+
 # -- tables ------------------------------------------------------------------------
 
 
@@ -330,6 +345,26 @@ def pair(values, digits=2):
     if all(v is None for v in values):
         return "-"
     return " · ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
+
+
+def size_table(columns, first="size"):
+    """A table of a row per size: `columns` are (header, {size: [out of place,
+    in place]}), or (header, cells, digits) for other than 2 digits; a pair()
+    a cell, "-" where its column lacks the size."""
+    sizes = sorted({size for column in columns for size in column[1]})
+    body = [[size_label(size)] + [pair(cells.get(size, [None, None]), *digits) for _, cells, *digits in columns]
+            for size in sizes]
+    return markdown([first, *(column[0] for column in columns)], body)
+
+
+def size_range(sizes):
+    """"1 KiB to 64 MiB": the smallest and the largest of some sizes."""
+    return f"{size_label(min(sizes))} to {size_label(max(sizes))}"
+
+
+def every_value(tables):
+    """Every value, out of place and in place, of some {size: [out of place, in place]} tables."""
+    return [v for table in tables for cells in table.values() for v in cells]
 
 
 def ratio(numerator, denominator):
