@@ -13,8 +13,7 @@ import math
 from pathlib import Path
 from typing import NamedTuple
 from bench import cli
-
-PLACEMENTS = ("out_of_place", "in_place")
+from bench.report_runs import PLACES
 
 
 class Series(NamedTuple):
@@ -56,8 +55,8 @@ _DISTINGUISHING = (_mode, _device, lambda env: env.get("cpu"),
 
 def series(files, placement="out_of_place"):
     """One Series per backend per file, files being {name: results dict}."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"unknown placement {placement!r}: one of {', '.join(PLACEMENTS)}")
+    if placement not in PLACES:
+        raise ValueError(f"unknown placement {placement!r}: one of {', '.join(PLACES)}")
     envs = [data["environment"] for data in files.values()]
     differ = [f for f in _DISTINGUISHING if len({f(env) for env in envs} - {None}) > 1]
     suffixes = [", ".join(str(f(env)) for f in differ if f(env) is not None) for env in envs]
@@ -139,7 +138,7 @@ def main(argv=None):
     p = cli.Parser(prog="python -m bench.plot", description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", metavar="RESULTS.json", help="written by a benchmark's -J")
     p.add_argument("-o", "--output", required=True, help="the picture to write (.png, .svg, .pdf)")
-    p.add_argument("--placement", default="out_of_place", help=f"one of {', '.join(PLACEMENTS)}")
+    p.add_argument("--placement", default="out_of_place", help=f"one of {', '.join(PLACES)}")
     p.add_argument("--title", help="put before the title's collective and placement (default: none)")
     args = p.parse_args(argv)
     try:

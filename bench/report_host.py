@@ -6,11 +6,11 @@ its parts, which bench.report's QUESTIONS name, and the libraries' names and
 versions, which the training question's README rows use too.
 
 From bench.host_vs_mpich's runs (one per MPI, process count and collective;
-broadcast and reduce in place only before they took out=; the copy floor
-since --mpi), the suite's runs on host ranks with an mpi, mpich, openmpi,
-gloo or mwms backend (bench/harness.py: the exchanges' tools, alltoall_perf,
-gather_perf and scatter_perf, too), and bench.hierarchy_perf's across
-pretend nodes; and point to point, from bench.pingpong's runs."""
+the copy floor since --mpi), the suite's runs on host ranks with an mpi,
+mpich, openmpi, gloo or mwms backend (bench/harness.py: the exchanges'
+tools, alltoall_perf, gather_perf and scatter_perf, too), and
+bench.hierarchy_perf's across pretend nodes; and point to point, from
+bench.pingpong's runs."""
 
 import re
 
@@ -87,8 +87,6 @@ def host_vs_mpich_measurement(run, one):
         where = f"{where}, {processes} processes, {after}" if nodes is None else f"{where}, {after}"
     content = comparison(collective, ratios, "bench.host_vs_mpich", where, processes)
     content["own_row"] = after is not None or across_hosts(one.get("hosts"), processes) is not None
-    # Runs made before broadcast and reduce took out= measured them in place only, and say so.
-    content["in_place_only"] = one.get("placements") == ["in_place"]
     label = f"{processes} processes, -bind-to {bind_to}" + ("" if nodes is None else f", {nodes}") \
         + ("" if after is None else f", {after}")
     # (a run under the library's settings, pretend nodes say, or across hosts, or after compute, is a
@@ -183,9 +181,6 @@ def write_against_libraries(shown, runs):
         notes = [f"No current run against {name}." for name in REFERENCES if name not in measured]
         if not any(m.configuration[0] == "bench.host_vs_mpich" for m in mine):
             notes.append(f"`bench.host_vs_mpich` has not measured {collective} yet.")
-        elif any(m.content.get("in_place_only") for m in mine):
-            notes.append(f"`bench.host_vs_mpich` measured {collective} in place only (before our `{collective}` took "
-                         "`out=`): its out-of-place cells are empty.")
         lines += [*notes, ""] if notes else []
     return lines
 
@@ -210,11 +205,8 @@ def readme_against_libraries(shown, runs):
     rows = []
     for (source, *_), members in sorted(groups.items()):
         name = members[0][1]
-        named = {m.content["collective"] for m, _ in members}
+        collectives = sorted({m.content["collective"] for m, _ in members}, key=collective_order)
         tables = [m.content["ratios"][n] for m, n in members]
-        collectives = [c + (" (in place only)" if all(m.content.get("in_place_only") for m, _ in members
-                                                      if m.content["collective"] == c) else "")
-                       for c in sorted(named, key=collective_order)]
         # (the README names the first tool's command; the suite's rows name their tools)
         tools = sorted({m.run.tool for m, _ in members if m.run.tool}) if SOURCES[source] == "the suite" else []
         tool = f" ({', '.join(f'`{t}`' for t in tools)})" if tools else f" (`{SOURCES[source]}`)" if source else ""
