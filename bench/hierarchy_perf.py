@@ -19,9 +19,9 @@ mean; a row is the median over --rounds batches, out of place and in place. Ever
 checked exactly on fresh inputs.
 
 Last, an untimed pass of the hierarchical allreduce at each size splits its
-time into what the model (bench/hierarchy_model.py) weighs: inside nodes,
+time into what the model (bench/model.py's hierarchy) weighs: inside nodes,
 the MPI exchanges between nodes, and the folds across nodes; written to the
-JSON as "components" for `python -m bench.hierarchy_model --calibrate`. A
+JSON as "components" for `python -m bench.model hierarchy --calibrate`. A
 size that runs as a compiled Program (collectives/across.py) is one C call
 with no split: its total alone ("compiled"); COLLECTIVES_FAST_PATH=0 keeps
 every size on the phases.

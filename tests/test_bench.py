@@ -287,8 +287,8 @@ def test_gpu_ranks_across_processes_in_the_benchmarks(tmp_path):
     assert trips["emulated+ll"] == {"peer waits": 0, "launches": 1, "event polls": 0}
 
 
-def test_call_overhead_and_plan_report(tmp_path, capsys):
-    from bench import call_overhead, plan_report
+def test_call_overhead_and_the_plans_model(tmp_path, capsys):
+    from bench import call_overhead, model
     call_overhead.main(["--calls", "50", "--in-place", "--collectives", "allreduce,broadcast",
                         "-J", str(tmp_path / "overhead.json")])
     results = json.loads((tmp_path / "overhead.json").read_text())["results"]
@@ -297,7 +297,7 @@ def test_call_overhead_and_plan_report(tmp_path, capsys):
     # The devices are the process's: they get their own methods back.
     from collectives.devices import open_device
     assert not set(call_overhead.ADAPTER_CALLS) & set(vars(open_device("emulated:0")))
-    plan_report.main(["--ranks", "3", "--bytes", "3K", "-J", str(tmp_path / "plans.json")])
+    model.main(["plans", "--ranks", "3", "--bytes", "3K", "-J", str(tmp_path / "plans.json")])
     rows = json.loads((tmp_path / "plans.json").read_text())["rows"]
     for r in rows:
         copies = keeps_a_workspace_copy(r["collective"], r["algorithm"], r["binding"], 3)
@@ -398,6 +398,29 @@ def test_the_model_prints_its_prediction_next_to_measured_times(capsys):
     assert sorted(row[0] for row in table) == sorted(REGISTRY)   # every algorithm, with a measured time
     assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in table)
     assert "measured (us)" in out and "| auto picks |" in out
+
+
+def test_the_hierarchy_model_calibrates_to_the_phases_of_a_run(tmp_path, capsys):
+    """Fitted to the steps' times the model itself predicts, on 3 nodes
+    whose step across is direct at some sizes and two_shot at others,
+    --calibrate gives back the constants, and its model the totals. (The
+    fit has no term for a round's further messages: they cost 0 here.)"""
+    from bench import model
+    known = model.Links(4e-6, 20e9, 30e-6, 3e9, 0.0, 60e9, "known")
+    rows, schemes = [], set()
+    for size in (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 26):
+        seconds, parts, scheme = model.predict(known, 3, 2, size)
+        schemes.add(scheme)
+        rows.append({"size": size, "backends": {"hierarchical": {"out_of_place": seconds * 1e6}},
+                     "components": {"inside_nodes": parts["inside"] * 1e6, "exchanges": parts["across"] * 1e6,
+                                    "folds_across": parts["fold"] * 1e6}})
+    assert schemes == {"direct", "two_shot"}
+    run = tmp_path / "hierarchy.json"
+    run.write_text(json.dumps({"nodes": [[0, 1], [2, 3], [4, 5]], "environment": {"command": "a run"}, "rows": rows}))
+    fitted = model.calibrate_hierarchy(str(run), known._replace(source="the fallback"))
+    assert fitted[:6] == pytest.approx(known[:6], rel=1e-6)
+    ratios = [line.split("|")[-2].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert ratios == ["model / measured"] + ["1.00"] * len(rows)
 
 
 def test_ours_beside_nccl_runs_the_nccl_rows_through_the_api(monkeypatch, capsys):

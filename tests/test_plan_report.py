@@ -1,4 +1,4 @@
-"""bench.plan_report: every plan against the floor, and the compressed plans'
+"""bench.model plans: every plan against the floor, and the compressed plans'
 codec launches and bytes beside the plain ones."""
 
 import json
@@ -6,14 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from bench import plan_report
+from bench import model
 from collectives.plan import build_plan
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     path = tmp_path_factory.mktemp("plans") / "plans.json"
-    plan_report.main(["--ranks", "4", "--bytes", "64K", "--compression", "bf16,int8", "-J", str(path)])
+    model.main(["plans", "--ranks", "4", "--bytes", "64K", "--compression", "bf16,int8", "-J", str(path)])
     return json.loads(path.read_text())["rows"]
 
 
@@ -37,13 +37,13 @@ def test_direct_allreduce_of_ranks_on_one_device_is_one_launch_at_the_floor(rows
 def test_the_floor_is_one_read_of_each_input_and_one_write_of_each_output():
     n, count, itemsize = 4, 1024, 4
     s = count * itemsize
-    assert plan_report.floor_bytes("allreduce", n, count, itemsize) == 2 * n * s
-    assert plan_report.floor_bytes("reduce_scatter", n, count, itemsize) == n * s + s
-    assert plan_report.floor_bytes("allgather", n, count, itemsize) == s + n * s
-    assert plan_report.floor_bytes("allgather", n, count, itemsize, in_place=True) == s + (n - 1) * s
-    assert plan_report.floor_bytes("broadcast", n, count, itemsize) == s + n * s
-    assert plan_report.floor_bytes("broadcast", n, count, itemsize, in_place=True) == n * s   # the root's x is its output
-    assert plan_report.floor_bytes("reduce", n, count, itemsize) == n * s + s
+    assert model.floor_bytes("allreduce", n, count, itemsize) == 2 * n * s
+    assert model.floor_bytes("reduce_scatter", n, count, itemsize) == n * s + s
+    assert model.floor_bytes("allgather", n, count, itemsize) == s + n * s
+    assert model.floor_bytes("allgather", n, count, itemsize, in_place=True) == s + (n - 1) * s
+    assert model.floor_bytes("broadcast", n, count, itemsize) == s + n * s
+    assert model.floor_bytes("broadcast", n, count, itemsize, in_place=True) == n * s   # the root's x is its output
+    assert model.floor_bytes("reduce", n, count, itemsize) == n * s + s
 
 
 def codec_operations(algorithm, codec, nranks=4, count=64 << 10 >> 2):
@@ -83,7 +83,7 @@ def test_compressed_allreduce_rows_count_codec_batches(rows):
 
 def test_an_unknown_codec_is_refused(capsys):
     with pytest.raises(SystemExit):
-        plan_report.main(["--compression", "fp8"])
+        model.main(["plans", "--compression", "fp8"])
     assert "--compression" in capsys.readouterr().err
 
 

@@ -384,10 +384,10 @@ def test_bench_floor_rows_and_an_nccl_backend_fill_their_tables(tmp_path):
 
 
 def test_runs_no_question_reads_are_linked_at_the_end(tmp_path):
-    write(tmp_path, {"sub/plan.json": {"command": "python -m bench.plan_report", "rows": [{"x": 1}]}},
+    write(tmp_path, {"sub/plan.json": {"command": "python -m bench.model plans", "rows": [{"x": 1}]}},
           notes={"sub/plan.json": {"commit": OLD, "note": "counted, not measured"}})
     others = section(report.render(tmp_path, HISTORY), "Runs no question reads")
-    assert "- [`sub/plan.json`](../bench/results/sub/plan.json): `python -m bench.plan_report`. counted, not measured" \
+    assert "- [`sub/plan.json`](../bench/results/sub/plan.json): `python -m bench.model plans`. counted, not measured" \
         in others
 
 

@@ -114,7 +114,7 @@ class Path:
                          to run, made once: the route's `call` (None: nothing)
     run(route, inputs, outputs, deadline)
                          issue the call (ArrayInfos of the ranks of this process)
-    launches(plan)       the kernel launches a call makes (bench.plan_report, tests)
+    launches(plan)       the kernel launches a call makes (bench.model plans, tests)
 
     and, for ranks in one process, bind(route, inputs, outputs): the call
     bound to these arrays, for Communicator._repeat (None: run each time)."""

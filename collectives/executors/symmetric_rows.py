@@ -102,7 +102,7 @@ def staged_copies(collective, nranks, rank, root, count, itemsize, in_place=True
 def call_traffic(collective, nranks, root, count, itemsize, staged, in_place=False):
     """(bytes read plus written by every rank's launches, the most launches a
     rank makes) of a call on symmetric memory, or `staged` through staging
-    buffers (bench.plan_report): a share reads each source once for all its
+    buffers (bench.model plans): a share reads each source once for all its
     destinations (fan-out); a copy reads and writes its bytes."""
     traffic, launches = 0, 0
     for rank in range(nranks):
