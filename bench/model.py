@@ -312,13 +312,15 @@ NVLINK_400G = Links(3e-6, 360e9, 8e-6, 45e9, 5e-7, 2.5e12,
 
 def across_nodes(nodes, range_bytes):
     """(scheme, rounds R, bytes V a rank sends, bytes W its fold reads and
-    writes) of the step across nodes for a rank's range s, the scheme the
-    code's (hierarchy.uses_two_shot): the fold reads K partials and writes
-    one, of the whole range (direct) or of its 1/K (two_shot)."""
-    k, s = nodes, range_bytes
-    if uses_two_shot(k, s):
-        return "two_shot", 2, 2 * (k - 1) / k * s, (k + 1) / k * s
-    return "direct", 1, (k - 1) * s, (k + 1) * s
+    writes) of the step across nodes for a rank's range, the scheme the
+    code's (hierarchy.uses_two_shot). R and V are the scheme's own costs;
+    W is not its `moved`, which for two_shot also counts the all-gather's
+    copies: the fold reads K partials and writes one, of the whole range
+    (direct) or of its 1/K (two_shot)."""
+    two_shot = uses_two_shot(nodes, range_bytes)
+    scheme = "two_shot" if two_shot else "direct"
+    costs = REGISTRY[scheme].costs(ALLREDUCE, nodes, range_bytes)
+    return scheme, costs.steps, costs.sent, ((nodes + 1) / nodes if two_shot else nodes + 1) * range_bytes
 
 
 def predict(links, nodes, ranks_per_node, nbytes):

@@ -400,6 +400,23 @@ def test_the_model_prints_its_prediction_next_to_measured_times(capsys):
     assert "measured (us)" in out and "| auto picks |" in out
 
 
+@pytest.mark.parametrize("nodes", [2, 3, 4, 8, 64])
+@pytest.mark.parametrize("range_bytes", [1 << 10, 1 << 20, 1 << 27])
+def test_the_hierarchy_model_steps_across_nodes_as_the_code_does(nodes, range_bytes):
+    """The scheme's own costs give docs/across-nodes.md's rounds and bytes
+    sent (direct R = 1, V = (K-1) s; two_shot R = 2, V = 2 (K-1)/K s), and
+    the fold reads K partials and writes one, of a rank's whole range s
+    (direct) or its 1/K (two_shot)."""
+    from bench import model
+    from collectives.hierarchy import uses_two_shot
+    step = model.across_nodes(nodes, range_bytes)
+    k, s = nodes, range_bytes
+    if uses_two_shot(k, s):
+        assert step == ("two_shot", 2, pytest.approx(2 * (k - 1) / k * s), pytest.approx((k + 1) / k * s))
+    else:
+        assert step == ("direct", 1, (k - 1) * s, (k + 1) * s)
+
+
 def test_the_hierarchy_model_calibrates_to_the_phases_of_a_run(tmp_path, capsys):
     """Fitted to the steps' times the model itself predicts, on 3 nodes
     whose step across is direct at some sizes and two_shot at others,
