@@ -443,6 +443,9 @@ LINKS = {   # bytes per second, one direction, one GPU
     "host": MODELS["host-processes"].bytes_per_second,   # our host transport between processes, as auto's model fits it
 }
 FLOAT32 = np.dtype("float32")
+# A phase's fixed cost, the GPU model's step (rounded: in binary floating
+# point 7.11e-6 * 1e6 is 7.109999999999999, which --help would show).
+GPU_STEP_US = round(MODELS["gpu-processes"].step_seconds * 1e6, 6)
 
 # Which refs of a codec operation (compression/wire.py, lower_rows) it
 # writes and reads, by position after the kind, and in which form:
@@ -593,7 +596,7 @@ def parse_compression_args(argv):
     p.add_argument("--codec-gbps", type=float, default=None,
                    help="codec operations' bytes read plus written per second, GB/s (default: 0.8 x memory, the "
                         "goal the GPU codec kernels are built for; bench.codec_speed --device cuda measures it)")
-    p.add_argument("--step-us", type=float, default=MODELS["gpu-processes"].step_seconds * 1e6,
+    p.add_argument("--step-us", type=float, default=GPU_STEP_US,
                    help="fixed cost of a phase (a launch and a flag handshake: the GPU model's step), us")
     p.add_argument("-J", "--output_file", help="write the rows as JSON here (default: no file)")
     args = p.parse_args(argv)

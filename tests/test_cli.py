@@ -76,10 +76,13 @@ def test_help_describes_every_flag_and_shows_defaults(tool, monkeypatch, capsys)
     assert parser.description and " ".join(parser.description.split())[:40] in " ".join(text.split())
     undescribed = [a.option_strings or a.dest for a in parser._actions if not a.help]
     assert not undescribed, f"flags with no description: {undescribed}"
-    # Every flag with a value to default to says what it is.
+    # Every flag with a value to default to says what it is, as a reader
+    # would type it, not with binary floating point's noise (7.109999999999999).
     for action in parser._actions:
         if action.option_strings and action.default not in (None, False, "==SUPPRESS=="):
             assert "default" in parser._get_formatter()._get_help_string(action), action.option_strings
+        if isinstance(action.default, float):
+            assert float(f"{action.default:.12g}") == action.default, (action.option_strings, action.default)
 
 
 def test_help_shows_the_defaults_in_its_text(monkeypatch, capsys):
