@@ -366,11 +366,16 @@ def _wire_bytes(phases, itemsize, compression):
 
 # The collectives single_copy_plan serves: those that only move blocks,
 # and the folds whose plans read each peer's input once, in phase 1, into
-# the reader's own memory (out of place only, single_copy_plan says why:
-# but for allreduce, whose phase 1 writes only the workspace).
+# the reader's own memory; those of the folds with an in-place form
+# (single_copy_plan says why reduce has none), and those of them whose
+# in-place form writes x in phase 1 (reduce_scatter's: the rank's own
+# block, which no peer reads), which may not fall back to the staged
+# plan, so runs only where the ranks know that no read is refused
+# (ShmRank._learn_reach).
 SINGLE_COPY_COLLECTIVES = (GATHER, SCATTER, ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BROADCAST)
 SINGLE_COPY_FOLDS = (REDUCE_SCATTER, REDUCE, ALLREDUCE)
-SINGLE_COPY_FOLDS_IN_PLACE = (ALLREDUCE,)
+SINGLE_COPY_FOLDS_IN_PLACE = (ALLREDUCE, REDUCE_SCATTER)
+FOLDS_INTO_X_IN_PLACE = (REDUCE_SCATTER,)
 # The algorithms single_copy_plan makes plans of, by collective: the first
 # is the one `auto` names where the single copy takes a call.
 SINGLE_COPY_ALGORITHMS = {**{c: ("direct",) for c in SINGLE_COPY_COLLECTIVES + (REDUCE_SCATTER, REDUCE)},
@@ -406,18 +411,20 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
     runs three phases whichever binding its own arrays take (the ranks of
     one call may differ), and every binding's phase 1 reads the same
     INPUT regions, which no binding's phase 1 writes (checked here).
-    A fold has no in-place single copy: its phase 1 would write the rank's
-    own block of its input, which the staged call that runs instead of a
-    refused one reads again; but allreduce's phase 1 writes only the
-    workspace, so in place it runs its out-of-place plan (phase 2 writes
-    x once no peer reads it).
+    In place a fold's phase 1 writes into x what the staged call that runs
+    instead of a refused one would read again: allreduce's phase 1 writes
+    only the workspace, so in place it runs its out-of-place plan (phase 2
+    writes x once no peer reads it); reduce_scatter's IN_PLACE plan writes
+    the rank's own block of x, which no peer reads, so it runs only where no
+    read can be refused (FOLDS_INTO_X_IN_PLACE); reduce has none (its
+    root's x is what every rank reads).
     ValueError where the binding does not give that form."""
     if algorithm not in SINGLE_COPY_ALGORITHMS.get(collective, ()):
         raise ValueError(f"single_copy_plan serves {SINGLE_COPY_ALGORITHMS}, not {collective!r} by {algorithm!r}")
     dtype = np.dtype(dtype)
     apart = bindings.PEERS_READ_INPUT
-    in_place_binding = apart if collective in SINGLE_COPY_FOLDS_IN_PLACE else bindings.IN_PLACE
-    bindings_tried = (apart,) if collective in (ALL_TO_ALL_V, *SINGLE_COPY_FOLDS) else (apart, in_place_binding)
+    in_place_binding = apart if collective == ALLREDUCE else bindings.IN_PLACE
+    bindings_tried = (apart,) if collective in (ALL_TO_ALL_V, REDUCE, ALLREDUCE) else (apart, in_place_binding)
     plans = {b: build_plan(collective, algorithm, nranks, count, dtype, op, root, b, block_counts=block_counts)
              for b in bindings_tried}
     binding = in_place_binding if in_place else apart
@@ -440,8 +447,10 @@ def single_copy_plan(collective, nranks, count, dtype, op, root=0, in_place=Fals
     if in_place:   # a phase-1 write into a rank's input must miss what its peers read there
         block = count // nranks
         # (where a rank's INPUT lies in its OUTPUT, in blocks of its rank: in place, x is the rank's block of
-        # a gather's or allgather's out, a scatter's out the rank's block of x, and the whole of the other two)
-        shift = {ALL_TO_ALL: 0, GATHER: -1, ALLGATHER: -1, SCATTER: 1, BROADCAST: 0, ALLREDUCE: 0}[collective]
+        # a gather's or allgather's out, a scatter's or reduce_scatter's out the rank's block of x, and the
+        # whole of the other two)
+        shift = {ALL_TO_ALL: 0, GATHER: -1, ALLGATHER: -1, SCATTER: 1, REDUCE_SCATTER: 1, BROADCAST: 0,
+                 ALLREDUCE: 0}[collective]
         for row in plans[binding].phases[1].table:
             if row[DST_BUF] not in (INPUT, OUTPUT):
                 continue

@@ -134,10 +134,13 @@ def scenario_folds(comm):
     direct's reduce_scatter, two_shot's reduce and allreduce, whose ranks
     each fold a chunk into their workspace for the root, or every rank, to
     copy; and direct's reduce, whose root folds everything); in place
-    staged (plan.single_copy_plan says why), but allreduce in one copy too;
-    then a read refused, in an allreduce out of place (pushed: its peers
-    push into the refusing rank) and a reduce_scatter, each run staged on
-    every rank (a refused read in place: scenario_pushes_probe_refused)."""
+    allreduce and reduce_scatter in one copy too (the start found that
+    reads work), reduce staged (plan.single_copy_plan says why); then a
+    read refused, in an allreduce out of place (pushed: its peers push into
+    the refusing rank) and a reduce_scatter, each run staged on every rank,
+    and in an in-place reduce_scatter, which raises on every rank (x may be
+    partly written; a refused read of the allreduce's read form in place:
+    scenario_pushes_probe_refused)."""
     runs = counting_single_copies()
     r, n = comm.rank, comm.size
     k = (512 << 10) // 4 + 1000   # float32 and float64: a block past one slice of a peer's input
@@ -145,7 +148,7 @@ def scenario_folds(comm):
         choice = comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=False)
         assert (choice, choice.path) == (algorithm, "single_copy"), (choice, choice.path)
         choice = comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=True)
-        want = (algorithm, "single_copy") if collective == "allreduce" else (choice, "compiled_plan")
+        want = (choice, "compiled_plan") if collective == "reduce" else (algorithm, "single_copy")
         assert (choice, choice.path) == want, (collective, choice, choice.path)
     # (two_shot folds each element in rank order, as direct does: the
     # reference's bits are direct's, the in-place calls name it)
@@ -162,7 +165,9 @@ def scenario_folds(comm):
             x = xs[r].copy()
             comm.reduce_scatter(x, op=op, algorithm="direct", out=x[r * k:(r + 1) * k])
             same_bits(x[r * k:(r + 1) * k], want[r], f"reduce_scatter {op} in place")
-            single_copies += 1
+            same_bits(np.delete(x, np.s_[r * k:(r + 1) * k]), np.delete(xs[r], np.s_[r * k:(r + 1) * k]),
+                      f"reduce_scatter {op} in place, the other blocks of x")
+            single_copies += 2
             want = reference.allreduce([x.copy() for x in xs], op=op, algorithm="two_shot")
             same_bits(comm.allreduce(xs[r].copy(), op=op, out=np.empty(n * k, dtype)), want[r], f"allreduce {op}")
             x = xs[r].copy()
@@ -194,6 +199,15 @@ def scenario_folds(comm):
         for collective in ("reduce_scatter", "allreduce"):
             assert comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=False).path \
                 == "compiled_plan"
+        comm._ranks._refused = False   # noqa: SLF001 - as if the refusal had not been seen: the start's verdict stands
+        x = xs[r].copy()
+        try:
+            comm.reduce_scatter(x, algorithm="direct", out=x[r * k:(r + 1) * k])
+        except collectives.CollectiveError as error:
+            assert "x is partly overwritten" in str(error), error
+        else:
+            raise AssertionError("a refused read in an in-place reduce_scatter did not raise")
+        assert comm._ranks._refused and len(runs) == single_copies + 2, len(runs)   # noqa: SLF001
 
 
 def scenario_refused(comm):

@@ -54,11 +54,12 @@ def test_single_copy_plans_read_peers_inputs_in_phase_1_only_and_wait_for_the_ve
 
 @pytest.mark.parametrize("collective", ["reduce_scatter", "reduce"])
 @pytest.mark.parametrize("n", [2, 3, 5])
-def test_single_copy_folds_read_each_peers_input_once_out_of_place_only(collective, n):
+def test_single_copy_folds_read_each_peers_input_once_and_in_place_only_reduce_scatter(collective, n):
     """A fold's single copy: phase 1 folds peers' INPUT (every element of a
     peer read once, by the rank that keeps its fold) into the reader's own
-    OUTPUT; in place there is none (the staged call after a refused read
-    would read an input the fold overwrote)."""
+    OUTPUT. In place, reduce_scatter's writes the rank's own block of x,
+    which no peer reads; reduce has none (the root's x is what every rank
+    reads)."""
     for root in range(n) if collective == "reduce" else [0]:
         plan = plans.single_copy_plan(collective, n, 8 * n, np.dtype(np.float32), "avg", root, False)
         assert plan.single_copy and len(plan.phases) == 3 and not len(plan.phases[0].table)
@@ -77,8 +78,17 @@ def test_single_copy_folds_read_each_peers_input_once_out_of_place_only(collecti
         assert read == {(q, e): 1 for q in range(n) for e in range(total)}
         for rank in range(n):
             assert {peer for peer, done in plan.phases[2].waits[rank] if done >= 2} == set(range(n)) - {rank}
-        with pytest.raises(ValueError, match="in-place single copy"):
-            plans.single_copy_plan(collective, n, 8 * n, np.dtype(np.float32), "avg", root, True)
+        if collective == "reduce":
+            with pytest.raises(ValueError, match="in-place single copy"):
+                plans.single_copy_plan(collective, n, 8 * n, np.dtype(np.float32), "avg", root, True)
+            continue
+        in_place = plans.single_copy_plan(collective, n, 8 * n, np.dtype(np.float32), "avg", root, True)
+        assert in_place.binding == "in_place" and collective in plans.FOLDS_INTO_X_IN_PLACE
+        for row in in_place.phases[1].table:   # (in place a rank's OUTPUT is block `rank` of its x)
+            rank = int(row[plans.RANK])
+            assert (row[plans.DST_BUF], row[plans.DST_OFF], row[plans.COUNT]) == (plans.OUTPUT, 0, 8)
+            assert [tuple(row[plans.SRC0 + 3 * s: plans.SRC0 + 3 * s + 3]) for s in range(n)] == \
+                [(q, plans.INPUT, 8 * rank) for q in range(n)]
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])

@@ -106,7 +106,7 @@ class CompiledPlans:
         # Repeats: Communicator._collective tries `repeat` first), where the
         # arrays' states are read in C too (collectives/_arraystate.c).
         self.repeat = self.forget_repeats = None
-        # Called with (plan, in place) when a single-copy plan the runner
+        # Called with the plan when a single-copy plan the runner
         # repeated from C was refused (ShmRank._refusal): it raises, or the
         # call runs again from Python.
         self.on_refused = None
@@ -228,7 +228,7 @@ class CompiledPlans:
         if error is not None:
             self._abort_for(error)
         if self._run_on(entry, x_address, out_address, deadline, result) == REFUSED:
-            self.on_refused(entry[0], x_address == out_address)
+            self.on_refused(entry[0])
             return False
         return True
 

@@ -21,10 +21,11 @@ from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN
                       broadcast_pull_max, resolve_compiled_plans, resolve_exchange_single_copy_min,
                       resolve_fast_single_copy, resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
-from ..plan import (ALL_TO_ALL, ALLREDUCE, BLOCKED_COLLECTIVES, INPUT, OUTPUT, PUSHED_FOLDS, PUSHED_IN_PLACE,
-                    SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS,
-                    SINGLE_COPY_FOLDS_IN_PLACE, SPREAD_COLLECTIVES, WORK, pushed_plan, single_copy_plan, spread_plan)
-from ..binding import WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
+from ..plan import (ALL_TO_ALL, ALLREDUCE, BLOCKED_COLLECTIVES, FOLDS_INTO_X_IN_PLACE, INPUT, OUTPUT, PUSHED_FOLDS,
+                    PUSHED_IN_PLACE, SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS, SINGLE_COPY_COLLECTIVES,
+                    SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE, SPREAD_COLLECTIVES, WORK, pushed_plan,
+                    single_copy_plan, spread_plan)
+from ..binding import IN_PLACE, WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
 from .p2p import CompiledWaits, Mailboxes, PointToPoint
@@ -276,13 +277,20 @@ class ShmRank(Recoverable):
         the call's (binding.py), WORKSPACE_IN_PLACE in place."""
         in_place = binding == WORKSPACE_IN_PLACE
         if collective in SINGLE_COPY_FOLDS:
-            in_place_refused = in_place and collective not in SINGLE_COPY_FOLDS_IN_PLACE
+            in_place_refused = in_place and (collective not in SINGLE_COPY_FOLDS_IN_PLACE or (
+                collective in FOLDS_INTO_X_IN_PLACE and not self._reads_known))
             limit = None if in_place_refused else self._fold_single_copy_min(collective)
         elif collective in SINGLE_COPY_COLLECTIVES:
             limit = self._in_place_all_to_all_min if collective == ALL_TO_ALL and in_place else self.single_copy_min
         else:
             limit = None
         return limit is not None and not self._refused and nbytes >= limit
+
+    @property
+    def _reads_known(self):
+        """Whether the start found that every rank may read every peer
+        (_learn_reach: any verdict but a refusal, which stages all)."""
+        return self._single is not None and self._single.pushes_reached != 0 and not self._refused
 
     def _fold_single_copy_min(self, collective):
         """The least bytes of a fold (plan.SINGLE_COPY_FOLDS) that reads
@@ -317,9 +325,9 @@ class ShmRank(Recoverable):
         """The single-copy plan of `plan`: pushed (plan.pushed_plan) where
         a fold's reduced chunks go to other ranks (two_shot), out of place
         (a refused read or write may still fall back to the staged plan),
-        or in place (PUSHED_IN_PLACE) once a call found that every rank may
-        push into every peer (the compiled executor's pushes_reached, the
-        same on every rank); else read (plan.single_copy_plan). A broadcast
+        or in place (PUSHED_IN_PLACE) where the start found that every rank
+        may push into every peer (the compiled executor's pushes_reached,
+        the same on every rank); else read (plan.single_copy_plan). A broadcast
         from the loop's pull limit on (every size where ranks outnumber
         cores, as the loop's) spreads (plan.spread_plan)."""
         if plan.collective in PUSHED_FOLDS and plan.algorithm == "two_shot" \
@@ -378,25 +386,26 @@ class ShmRank(Recoverable):
     def _run_single_plan(self, single, x_address, out_address, deadline):
         if self._single.run(single, x_address, out_address, deadline) is None:
             return True
-        self._refusal(single, x_address == out_address)
+        self._refusal(single)
         return False
 
-    def _refusal(self, single, in_place):
+    def _refusal(self, single):
         """A read or push of `single` (a single-copy plan) was refused, on
         every rank alike: every later call stages (the shapes and repeated
         calls the runner took from C forgotten), and this one is run again
-        staged, but for an in-place pushed plan, which has written x: it
-        raises."""
+        staged, but for an in-place form that writes x in phase 1 (a pushed
+        allreduce's, a reduce_scatter's), which may have: it raises."""
         self._refused = True
         if self.fast is not None:   # (the loop stages too: the allreduces it leaves to the plans)
             self.fast.refuse_single_copy()
         self._forget_shapes()
         if self.forget_repeats is not None:
             self.forget_repeats(None)
-        if single.pushes and in_place and single.collective in PUSHED_IN_PLACE:   # (every rank alike: the verdict)
-            raise CollectiveError(f"a push into a peer's array was refused in an in-place {single.collective} "
-                                  "after a call had found that pushes work; x is partly overwritten: this "
-                                  "communicator now stages, but this call's result is lost")
+        writes_x = single.pushes and single.collective in PUSHED_IN_PLACE or single.collective in FOLDS_INTO_X_IN_PLACE
+        if single.binding == IN_PLACE and writes_x:   # (every rank alike: the verdict)
+            raise CollectiveError(f"a read or push of a peer's array was refused in an in-place "
+                                  f"{single.collective} after the start had found that they work; x is partly "
+                                  "overwritten: this communicator now stages, but this call's result is lost")
 
     def bind(self, plan, inputs, outputs, input_infos, output_infos):
         """A repeated call of `plan` on these very arrays, bound
