@@ -186,6 +186,24 @@ def scenario_folds(comm):
                 if r == root:
                     same_bits(x, wants[root], f"reduce {op} root {root} in place")
         assert len(runs) == single_copies, (len(runs), single_copies)
+        # a repeated in-place reduce_scatter whose out, a view of x, is made anew each call runs from C (the
+        # runner's Shapes take an out at the offset from x's data the remembered one had), with the
+        # interpreter's bits; an out overlapping x at another offset runs from Python, with the same bits
+        compiled = comm._ranks.compiled   # noqa: SLF001
+        xs = [data(13, q, np.float32, n * k) for q in range(n)]
+        want = reference.reduce_scatter([x.copy() for x in xs], algorithm="direct")
+        repeats = compiled.repeats_run
+        for _ in range(3):
+            x = xs[r].copy()
+            same_bits(comm.reduce_scatter(x, out=x[r * k:(r + 1) * k]), want[r], "a repeated in-place reduce_scatter")
+        assert compiled.repeats_run == repeats + 2 and len(runs) == single_copies + 1, (compiled.repeats_run, runs)
+        room = np.zeros((n + 1) * k, np.float32)
+        x = room[:n * k]
+        x[:] = xs[r]
+        same_bits(comm.reduce_scatter(x, out=room[n * k - k // 2:][:k]), want[r], "a reduce_scatter whose out "
+                  "overlaps x elsewhere")
+        assert compiled.repeats_run == repeats + 2, compiled.repeats_run
+        single_copies = len(runs)
         if r == 1:
             _host_plan.test_refuse_reads(True)
         xs = [data(12, q, np.float32, n * k) for q in range(n)]

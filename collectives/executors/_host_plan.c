@@ -697,9 +697,12 @@ typedef struct {
  * binds) and, with `out`, that do not overlap (as the shape's did not),
  * runs that plan on the new addresses: where the plan reads (INPUT) and
  * writes (OUTPUT) lie at the same offsets from x's or out's data as in the
- * remembered call. So a new array each call (a result made per step, a
- * tensor's fresh buffer) runs no Python either, as the compiled loop's
- * calls do. Runs are counted with the Repeats'. */
+ * remembered call. An out that overlapped x (in place: a reduce_scatter's
+ * out=x's own block, a view made anew each call) is taken where it lies
+ * at the same offset from x's data as the remembered one did, the plan
+ * the same. So a new array each call (a result made per step, a tensor's
+ * fresh buffer) runs no Python either, as the compiled loop's calls do.
+ * Runs are counted with the Repeats'. */
 
 enum { SHAPES_KEPT = 16 };
 
@@ -716,6 +719,8 @@ typedef struct {
     int input_base, output_base;    /* where INPUT and OUTPUT lie: 0 in x's data, 1 in out's, -1 none (address 0) */
     int64_t input_offset, output_offset;   /* bytes from that data's start */
     int64_t x_bytes, out_bytes;     /* the arrays' sizes (the same for every call of the shape) */
+    int out_overlaps;               /* out overlapped x: a call's must lie out_from_x bytes from x's data */
+    int64_t out_from_x;
 } Shape;
 
 struct Repeats {
@@ -1043,7 +1048,7 @@ static Shape *find_shape(struct Repeats *repeats, PyObject *collective, PyObject
  * view, the result is x[view]; with make_output, a callable, `out` is the
  * output the call made, which later calls make with it), whose shape later
  * calls on new arrays may take (see Shapes); nothing where its plan's
- * buffers do not lie in x and out, or out overlaps x. */
+ * buffers do not lie in x and out. */
 static PyObject *Runner_remember_shape(Runner *self, PyObject *const *args, Py_ssize_t nargs)
 {
     struct Repeats *repeats = self->repeats;
@@ -1077,7 +1082,7 @@ static PyObject *Runner_remember_shape(Runner *self, PyObject *const *args, Py_s
     int input_base = locate(input, x_data, x_bytes, out_data, out_bytes, &input_offset);
     int output_base = locate(output, x_data, x_bytes, out_data, out_bytes, &output_offset);
     if (x_bytes <= 0 || input_base == -2 || output_base == -2
-        || (out != Py_None && (out_bytes <= 0 || !apart(x_data, x_bytes, out_data, out_bytes)))) {
+        || (out != Py_None && out_bytes <= 0)) {
         Py_DECREF(states);
         Py_RETURN_NONE;
     }
@@ -1110,6 +1115,8 @@ static PyObject *Runner_remember_shape(Runner *self, PyObject *const *args, Py_s
     slot->output_offset = output_offset;
     slot->x_bytes = x_bytes;
     slot->out_bytes = out != Py_None ? out_bytes : 0;
+    slot->out_overlaps = out != Py_None && !apart(x_data, x_bytes, out_data, out_bytes);
+    slot->out_from_x = out != Py_None ? (int64_t)(out_data - x_data) : 0;
     slot->collective = Py_NewRef(args[0]);   /* last: the slot is taken once it is whole */
     Py_RETURN_NONE;
 }
@@ -1142,7 +1149,8 @@ static PyObject *repeat_shape(Runner *self, PyObject *const *args, PyObject *x, 
     Shape *shape = find_shape(repeats, args[0], args[2], root, args[5], has_out, states);
     intptr_t x_data = data_of(states, 0), out_data = has_out ? data_of(states, 1) : 0;
     Py_DECREF(states);
-    if (shape == NULL || (has_out && !apart(x_data, shape->x_bytes, out_data, shape->out_bytes)))
+    if (shape == NULL || (has_out && (shape->out_overlaps ? (int64_t)(out_data - x_data) != shape->out_from_x
+                                                          : !apart(x_data, shape->x_bytes, out_data, shape->out_bytes))))
         Py_RETURN_NONE;
     PyObject *entry = Py_NewRef(shape->entry), *view = Py_XNewRef(shape->view), *made = NULL;
     int input_base = shape->input_base, output_base = shape->output_base;
