@@ -24,7 +24,7 @@ import numpy as np
 
 from bench import cli
 from bench.environment import environment
-from bench.harness import seconds_per_call, slowest
+from bench.harness import abort_on_uncaught_exceptions, seconds_per_call, slowest
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 LIBRARIES = ("ours", "mpich")
@@ -84,6 +84,7 @@ def main(argv=None):
 
     import collectives
     world = MPI.COMM_WORLD
+    abort_on_uncaught_exceptions(world)
     comm = collectives.init()
     rows = []
     for collective in collective_list:

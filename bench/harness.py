@@ -301,14 +301,36 @@ def sizes(args):
 
 
 def mpi_world():
-    """The ranks' world: MPI's when launched by mpiexec, a Gloo group's
-    (TorchWorld) when launched by torchrun, else None (and no MPI import)."""
+    """The ranks' world: MPI's when launched by mpiexec (an exception no code
+    catches then ends every rank: abort_on_uncaught_exceptions), a Gloo
+    group's (TorchWorld) when launched by torchrun, else None (and no MPI
+    import)."""
     if launched_by_torchrun():
         return TorchWorld()
     if not any(v in os.environ for v in LAUNCHER_VARIABLES):
         return None
     from mpi4py import MPI
+    abort_on_uncaught_exceptions(MPI.COMM_WORLD)
     return MPI.COMM_WORLD
+
+
+def abort_on_uncaught_exceptions(world):
+    """Make an exception that no code catches end every rank of `world`
+    (MPI_Abort, after the traceback), not this rank alone: its exit would
+    finalize MPI, which waits for the peers, themselves waiting in a
+    collective for this rank, and the launch would never end (as
+    `python -m mpi4py` does for a script). Once per process."""
+    if getattr(sys.excepthook, "aborts_world", False):
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        previous(kind, value, traceback)
+        sys.stderr.flush()
+        time.sleep(0.2)   # (the launcher forwards the ranks' output: an abort cut the traceback's last line)
+        world.Abort(1)
+    excepthook.aborts_world = True
+    sys.excepthook = excepthook
 
 
 def bind_to(value, nranks):

@@ -39,7 +39,8 @@ from bench import cli
 from collectives import hierarchy
 from collectives.ops import ReduceOp
 from bench.environment import environment
-from bench.harness import adding_seconds, relaunch_once, seconds_per_call, slowest, warm_calls
+from bench.harness import (abort_on_uncaught_exceptions, adding_seconds, relaunch_once, seconds_per_call, slowest,
+                           warm_calls)
 from collectives.bootstrap import LAUNCHER_VARIABLES, PRETEND_NODES_ENV
 from collectives.plan import KIND, REDUCE_FINAL_OP
 
@@ -167,6 +168,7 @@ def main(argv=None):
                              variables={PRETEND_NODES_ENV: args.nodes})
     from mpi4py import MPI
     world = MPI.COMM_WORLD
+    abort_on_uncaught_exceptions(world)
     if len(args.nodes.split(",")) != world.Get_size():
         raise SystemExit(f"--nodes names {len(args.nodes.split(','))} ranks, but {world.Get_size()} processes run")
     os.environ[PRETEND_NODES_ENV] = args.nodes

@@ -106,14 +106,15 @@ def mpi_launch(n, *flags):
 STACKS_GRACE = 15
 
 
-def run_launch(command, limit, env=None):
-    """subprocess.run(command, capture_output=True, text=True) of a launcher
-    that must end within `limit` s. Past it, the test fails with what the
+def run_launch(command, limit, env=None, cwd=None):
+    """subprocess.run(command, capture_output=True, text=True, cwd=cwd) of a
+    launcher (or a tool that relaunches itself under one) that must end
+    within `limit` s. Past it, the test fails with what the
     ranks had printed and each rank's Python stacks, every thread's (its
     faulthandler, on in every rank, prints them on SIGABRT), and nothing
     the launch started is left running: a hang says where it hung."""
     env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
                           start_new_session=True) as launch:
         try:
             stdout, stderr = launch.communicate(timeout=limit)

@@ -14,6 +14,7 @@ import pytest
 from bench import backends, cli, harness
 from bench.all_reduce_perf import ALLREDUCE
 from cases import keeps_a_workspace_copy
+from mpi_launch import mpi_launch, run_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,14 +79,32 @@ def test_a_wrong_backend_is_caught(capsys):
     assert "# 2 WRONG elements" in out  # one out of place, one in place
 
 
+UNCAUGHT_ON_RANK_1 = """
+from bench.harness import mpi_world
+world = mpi_world()
+if world.rank == 1:
+    raise RuntimeError("an error no code catches, on rank 1")
+world.Barrier()   # where rank 0 would wait for rank 1 for ever
+"""
+
+
+@pytest.mark.mpi
+def test_an_uncaught_exception_on_one_rank_ends_every_rank_of_a_tool(tmp_path):
+    """A bench tool's rank that raises where nothing catches it aborts the
+    world (harness.abort_on_uncaught_exceptions): the launch ends, with the
+    traceback, where the other rank would have waited in MPI for ever."""
+    pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
+    done = run_launch([*mpi_launch(2), "-c", UNCAUGHT_ON_RANK_1], 60, cwd=ROOT)
+    assert done.returncode != 0 and "RuntimeError" in done.stderr, done.stdout + done.stderr
+
+
 @pytest.mark.mpi
 def test_host_and_mpi_side_by_side_across_processes(tmp_path):
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
     path = tmp_path / "side.json"
-    done = subprocess.run(
+    done = run_launch(
         [sys.executable, "-m", "bench.all_reduce_perf", "--backend", "host,mpi", "--ranks", "2",
-         "-b", "1K", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "-J", str(path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+         "-b", "1K", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "-J", str(path)], 120, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(path.read_text())
     assert report["environment"]["processes"] == 2 and "MPICH" in report["environment"]["mpi_library"]
@@ -105,7 +124,7 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     path = tmp_path / "host_vs_mpich.json"
     command = [sys.executable, "-m", "bench.host_vs_mpich", "--quick", "--ranks", "2", "--sizes", "1K,4K",
                "--collectives", "all_to_all,broadcast", "--rounds", "3", "--floor-from", "4K", "-J", str(path)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    done = run_launch(command, 240, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     table = [line for line in done.stdout.splitlines() if line.strip() and not line.startswith("#")]
     assert [line.split()[:2] for line in table] == [["1", "KiB"], ["4", "KiB"]] * 2
@@ -249,19 +268,18 @@ def test_gpu_ranks_across_processes_in_the_benchmarks(tmp_path):
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
     from bench.mpis import find_mpiexec
     sweep = tmp_path / "sweep.json"
-    done = subprocess.run(
+    done = run_launch(
         [find_mpiexec(), "-n", "2", sys.executable, "-m", "bench.all_reduce_perf", "--device", "emulated",
-         "-b", "8", "-e", "64K", "-f", "32", "-n", "2", "-w", "1", "-d", "bfloat16", "-J", str(sweep)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+         "-b", "8", "-e", "64K", "-f", "32", "-n", "2", "-w", "1", "-d", "bfloat16", "-J", str(sweep)], 120, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(sweep.read_text())
     assert report["environment"]["processes"] == 2 and "2 processes on emulated" in done.stdout
     assert all(r["out_of_place"]["wrong"] == r["in_place"]["wrong"] == 0 for r in report["rows"])
 
     overhead = tmp_path / "overhead.json"
-    done = subprocess.run(
+    done = run_launch(
         [sys.executable, "-m", "bench.spmd_overhead", "--ranks", "2", "--batches", "2", "--calls", "20",
-         "-J", str(overhead)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+         "-J", str(overhead)], 120, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(overhead.read_text())
     assert result["environment"]["processes"] == 2 and "-bind-to core" in done.stdout
@@ -275,10 +293,9 @@ def test_gpu_ranks_across_processes_in_the_benchmarks(tmp_path):
     assert result["one_kernel_issue_us_per_call"] > 0
 
     # Another collective (allgather in place: x is its block of out) takes the one-kernel path too.
-    done = subprocess.run(
+    done = run_launch(
         [sys.executable, "-m", "bench.spmd_overhead", "--ranks", "2", "--batches", "2", "--calls", "20",
-         "--collective", "allgather", "--algorithm", "direct", "--in-place", "-J", str(overhead)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+         "--collective", "allgather", "--algorithm", "direct", "--in-place", "-J", str(overhead)], 120, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(overhead.read_text())
     assert result["collective"] == "allgather" and result["algorithm"] == "direct" and "allgather of" in done.stdout

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from bench.reduce_perf import REDUCE
 from bench.reduce_scatter_perf import REDUCE_SCATTER
 from bench.scatter_perf import SCATTER
 from collectives.transport import fastpath
+from mpi_launch import run_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = {"all_reduce_perf": ALLREDUCE, "reduce_scatter_perf": REDUCE_SCATTER, "all_gather_perf": ALLGATHER,
@@ -390,8 +390,7 @@ def test_the_progress_line():
 
 def run_processes(tool, argv, tmp_path):
     path = tmp_path / f"{tool}.json"
-    done = subprocess.run([sys.executable, "-m", f"bench.{tool}", "--ranks", "2", *argv, "-J", str(path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_launch([sys.executable, "-m", f"bench.{tool}", "--ranks", "2", *argv, "-J", str(path)], 120, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout, json.loads(path.read_text())
 
