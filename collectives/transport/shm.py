@@ -41,7 +41,7 @@ EXCHANGE_PROBE_CALLS = 8    # a batch's (each call 10 to 20 us)
 EXCHANGE_PROBE_ROUNDS = 5   # (cheap at that size, and one noisy round is outvoted)
 
 
-REACH_PROBE_BYTES = 64   # a rank's part of the start's pushed allreduce (_learn_reach)
+REACH_PROBE_BYTES = 64   # a rank's part of the start's probing allreduce (_learn_reach)
 
 
 class Limits(NamedTuple):
@@ -161,9 +161,10 @@ class ShmRank(Recoverable):
         of a fold that can push, before the ranks know: _host_plan.c's
         SINGLE_COPY_PROBES). Its verdict is the runner's pushes_reached (1,
         or -1 where a push was refused: the folds then read); a read
-        refused is the ranks' refusal (_refusal: every large call stages). So no call's route waits on an earlier call to
-        find out: a fold that writes x in its reads' phase runs in place
-        only where no read or push can be refused (SINGLE_COPY_FOLDS_IN_PLACE)."""
+        refused is the ranks' refusal (_refusal: every large call stages).
+        So no call's route waits on an earlier call to find out: a fold
+        that writes x in its reads' phase runs in place only where no read
+        or push can be refused (plan.FOLDS_INTO_X_IN_PLACE, PUSHED_IN_PLACE)."""
         if self._single is None or self.single_copy_min is None:
             return
         count = REACH_PROBE_BYTES // 4 * self.size
