@@ -95,13 +95,16 @@ BROKEN = {
         "        { struct timespec pause = {0, 1000000}; nanosleep(&pause, NULL); }\n"
         "        int64_t first = call->row_starts[p], last = call->row_starts[p + 1];"),
     # Every wait for a peer's phase of this call, after the executor's first
-    # call (which makes every rank's workspace: without it a peer's would not
-    # exist yet; the loop's calls as the communicator starts came before it).
+    # two calls: the start's reach probe (ShmRank._learn_reach) and the
+    # scenario's first, which makes every rank's workspace (without it a
+    # peer's would not exist yet; the loop's calls as the communicator
+    # starts came before them).
     "missing wait": (
         "            int status = wait_for(w, peer, COUNTER, base + done, released);",
-        "            static int64_t first_seq = 0;\n"
-        "            if (first_seq == 0) first_seq = seq;\n"
-        "            if (done >= 1 && seq > first_seq) continue;\n"
+        "            static int64_t first_seqs[2] = {0, 0};\n"
+        "            if (first_seqs[0] == 0) first_seqs[0] = seq;\n"
+        "            else if (first_seqs[1] == 0 && seq != first_seqs[0]) first_seqs[1] = seq;\n"
+        "            if (done >= 1 && first_seqs[1] != 0 && seq > first_seqs[1]) continue;\n"
         "            int status = wait_for(w, peer, COUNTER, base + done, released);"),
 }
 
