@@ -424,6 +424,31 @@ def _loop_allreduce(h, call, into):
     return h.shm.fast.channel.allreduce, (None, into, fastpath.OP_CODES[op], None), 0, -1, 3, -1
 
 
+def _loop_reduce_scatter(h, call, into):
+    """The node's loop reduce-scatters x into `into` (in-node op), or where
+    it leaves such a call to the plans, the node's plans do
+    (HierarchyRanks.plans_reduce_scatter), as _loop_allreduce."""
+    op = partial_op(call.op)
+    if h.shm.fast.step_for(REDUCE_SCATTER, call.count * call.dtype.itemsize) == fastpath.PLANS:
+        return h.plans_reduce_scatter, (None, into, op.value, None), 0, -1, 3, -1
+    return _loop(h, REDUCE_SCATTER, None, into, fastpath.OP_CODES[op], 0)
+
+
+def node_reduce_scatter(h, nbytes, op):
+    """The node's reduce_scatter of `nbytes` a rank with `op` (its in-node
+    op), for a step's own function to call: `(x, out, deadline)` -> 0 or
+    the loop's failure status, the loop's call, or where the loop leaves
+    such a call to the plans (a single copy), the node's plans' (which
+    raise a failure), decided once for every call of the shape as
+    _loop_allreduce's."""
+    op = partial_op(op)
+    if h.shm.fast.step_for(REDUCE_SCATTER, nbytes) == fastpath.PLANS:
+        ranks, value = weakref.proxy(h), op.value   # (h holds the Programs that hold this)
+        return lambda x, out, deadline: ranks.plans_reduce_scatter(x, out, value, deadline)
+    channel, kind, code = h.shm.fast.channel, fastpath.KINDS[REDUCE_SCATTER], fastpath.OP_CODES[op]
+    return lambda x, out, deadline: channel.collective(kind, x, out, code, 0, deadline)
+
+
 def _loop(h, collective, source, into, code, root, own_source=False):
     """The node's loop runs `collective` from `source` into `into` (None:
     the call's x, or its out; `own_source`: the call's `own`)."""
@@ -502,13 +527,12 @@ def _reduce_scatter_by_node_blocks(h, call, counterparts, others):
     partials = iter(payload.view(call.dtype) for payload in exchange.send_payloads)
     into = [own_partial if k == k_me else next(partials) for k in range(len(nodes))]
     ranges = [(node[0] * count, (node[0] + len(node)) * count) for node in nodes]
-    channel, kind = h.shm.fast.channel, fastpath.KINDS["reduce_scatter"]
-    code = fastpath.OP_CODES[partial_op(call.op)]
+    reduce_scatter = node_reduce_scatter(h, len(h.node_ranks) * count * call.dtype.itemsize, call.op)
 
     def every_nodes_blocks(x, deadline):
         flat = x.reshape(-1)
         for partial, (start, stop) in zip(into, ranges):
-            result = channel.collective(kind, flat[start:stop], partial, code, 0, deadline)
+            result = reduce_scatter(flat[start:stop], partial, deadline)
             if result != 0:
                 return result
         return 0
@@ -538,7 +562,7 @@ def _blocks(h, call, counterparts, others):
         result = (OUT, 0)
     else:   # the fold into out's block of this rank, which the all-gather then reads in place
         before = []
-        first = _loop(h, "reduce_scatter", None, part, fastpath.OP_CODES[partial_op(call.op)], 0)
+        first = _loop_reduce_scatter(h, call, part)
         last = _loop(h, "allgather", None, None, 0, 0, own_source=True)
         count = call.count // size
         own = (h.local * count, (h.local + 1) * count)

@@ -114,7 +114,7 @@ from .communicator import Communicator
 from .config import resolve_fast_sizes
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, RevokedError
 from .executors import host
-from .across import PROGRAM_MAX_BYTES, Programs, Shape, loop_runs_nodes
+from .across import PROGRAM_MAX_BYTES, Programs, Shape, loop_runs_nodes, node_reduce_scatter
 from .ops import ReduceOp, partial_op
 from .compression import kernels as codec_kernels
 from .compression.kernels import BLOCK
@@ -370,7 +370,7 @@ class HierarchyRanks:
         self.node_ranks = topology.nodes[self.node_index]
         self.local = topology.local_of(rank)
         self._scratch = {}
-        self._node = None       # the node's Communicator over shm (plans_allreduce)
+        self._node = None       # the node's Communicator over shm (_node_until)
         self.residual = None    # error feedback for the next compressed call (feeding_back)
         self.calls = 0          # calls made: each one's number goes into its signature
         self.candidates = tuple(range(topology.size))   # who a shrink counts on (HierarchicalCommunicator.shrink)
@@ -397,14 +397,25 @@ class HierarchyRanks:
         """A node step: the node's allreduce of x into `out` (x: in place)
         where its loop leaves the call to the plans (a single copy: its
         step_for answers fastpath.PLANS), as on one machine, through the
-        node's own Communicator over `shm` (made at the first such step).
-        0 once done (a Program's node step); else it raises what that
-        call raises, the node aborted."""
+        node's own Communicator over `shm` (`_node_until`). 0 once done (a
+        Program's node step); else it raises what that call raises, the
+        node aborted."""
+        self._node_until(deadline).allreduce(x, op, out=None if out is x else out)
+        return 0
+
+    def plans_reduce_scatter(self, x, out, op, deadline):
+        """A node step: the node's reduce_scatter of x into `out`, as
+        plans_allreduce's allreduce (`out` x's own block: in place)."""
+        self._node_until(deadline).reduce_scatter(x, op, out=out)
+        return 0
+
+    def _node_until(self, deadline):
+        """The node's own Communicator over `shm` (made at the first node
+        step the loop leaves to the plans), its timeout until `deadline`."""
         if self._node is None:
             self._node = Communicator(self.shm, size=self.shm.size, local_ranks=[self.shm.rank], timeout=0.0)
         self._node.timeout = max(deadline - time.perf_counter(), 0.0)
-        self._node.allreduce(x, op, out=None if out is x else out)
-        return 0
+        return self._node
 
     def tuning(self):
         """Communicator.tuning: this node's loop's (none where alone on its node)."""
@@ -696,13 +707,13 @@ def compressed_program(h, call, counterparts, others):
                 sources.append(wire(message, count))
         steps += _fold_decoded_steps(codec, part[offset:offset + count], sources, divisor, temp[:count])
     collective, kinds = h.shm.fast.channel.collective, fastpath.KINDS
-    reduce_code = fastpath.OP_CODES[partial_op(call.op)]
+    node_fold = node_reduce_scatter(h, call.count * call.dtype.itemsize, call.op)
     encode = codec_kernels.bound_encode(codec, part, *sent, round_x=True)
     start, stop = plan.ranges[h.local]
     ranks = weakref.proxy(h)   # (h holds this Program: no cycle through it)
 
     def reduce_scatter_and_encode(x, deadline):
-        result = collective(kinds[REDUCE_SCATTER], x, part, reduce_code, 0, deadline)
+        result = node_fold(x, part, deadline)
         if result != 0:
             return result
         if feedback:   # the residual is added first and receives what the encoding lost
@@ -1016,14 +1027,17 @@ def takes_small(h, call):
 
 def _in_node(h, collective, x, out, op, root, deadline):
     """One call of the node's compiled loop (nothing when alone on the node:
-    out = x). The loop takes these buffers on every rank alike; its
-    declining would be a bug, and is raised as one."""
+    out = x), or of the node's plans where the loop leaves it to them (a
+    large allreduce or reduce_scatter the ranks may single copy). The loop
+    takes these buffers on every rank alike; its declining would be a bug,
+    and is raised as one."""
     if h.shm is None:
         if out is not x:
             np.copyto(out, x)
         return
-    if collective == ALLREDUCE and h.shm.fast.step_for(ALLREDUCE, x.nbytes) == fastpath.PLANS:
-        h.plans_allreduce(x, out, op, deadline)   # (the single copy, which the loop leaves to the plans)
+    if collective in fastpath.DECLINED_SINGLE_COPIES and h.shm.fast.step_for(collective, x.nbytes) == fastpath.PLANS:
+        # (the single copy, which the loop leaves to the plans)
+        (h.plans_allreduce if collective == ALLREDUCE else h.plans_reduce_scatter)(x, out, op, deadline)
         return
     timeout = max(deadline - time.perf_counter(), 0.0)
     if collective == ALLREDUCE:

@@ -28,6 +28,7 @@ import collectives
 from cases import expect_a_different_call, gave_up_on, run_scenario, stall_until_the_others_gave_up
 from collectives.errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError
 from collectives.transport import fastpath
+from collectives.plan import SINGLE_COPY_ALGORITHMS
 
 TIMEOUT = 5.0
 # The loop's sizes, as the communicators made here resolve them (config.FastSizes).
@@ -141,7 +142,8 @@ def scenario_collectives(comm, digest):
     loop's bits equal the `direct` plan's on every rank, out of place and in
     place (reduce_scatter's own block, allgather's block of `out`), for every
     dtype on the merged step and three over staging segments or the single
-    copy; every op; both ends for the root. Inputs are left as they were."""
+    copy (a reduce_scatter's the loop leaves to the plans: theirs); every
+    op; both ends for the root. Inputs are left as they were."""
     rng = np.random.default_rng(99 + comm.rank)
     n = comm.size
     compiled = comm._ranks.compiled   # noqa: SLF001 - its waits tell a plan's run from the loop's
@@ -159,12 +161,19 @@ def scenario_collectives(comm, digest):
                     if count % n == 0 and count > n:
                         x = x.reshape(n, -1)
                     before = x.copy()
+                    # (a large reduce_scatter the ranks may single copy the loop leaves to the plans)
+                    left_to_plans = loop.step_for(collective, x.nbytes) == fastpath.PLANS
                     for how, fast, reference in calls_of(comm, collective, x, root, op):
                         plan_waits, staged = compiled.waits_made, loop._channel.staged_calls   # noqa: SLF001
                         writes = loop._channel.peer_writes   # noqa: SLF001
                         got = fast()
-                        assert compiled.waits_made == plan_waits, f"{collective} {how}: the loop declined the call"
-                        if count * itemsize > SIZES.small_max:   # staged where it must be, and only there
+                        assert (compiled.waits_made > plan_waits) == left_to_plans, \
+                            f"{collective} {how}: expected {'the plans' if left_to_plans else 'the loop'} to run it"
+                        if left_to_plans:
+                            ran = comm._ranks.what_ran()   # noqa: SLF001
+                            assert ran == ("direct", "single_copy"), (collective, how, ran)
+                            assert loop._channel.staged_calls == staged, f"{collective} {how}: staged"   # noqa: SLF001
+                        elif count * itemsize > SIZES.small_max:   # staged where it must be, and only there
                             spread_staged = (stages_spread and collective == "allgather"
                                              and x.nbytes <= loop.tunables.spread_staged_max)
                             want = loop.large_path == "staged" or spread_staged
@@ -197,7 +206,8 @@ def scenario_collectives(comm, digest):
 def named_direct_takes_the_loop(comm, digest, rng):
     """A call naming `direct` on one array runs in the loop where the loop's
     step is direct's (every collective's merged step; the large step but
-    allreduce's, whose pipeline is two_shot's traffic), with the plan's bits."""
+    allreduce's, whose pipeline is two_shot's traffic, and a reduce_scatter's
+    the loop leaves to the plans), with the plan's bits."""
     n, compiled = comm.size, comm._ranks.compiled   # noqa: SLF001
     small = inputs(comm.rank, 4 * n, np.float64, rng)
     large = inputs(comm.rank, SIZES.small_max // 8 * n + n, np.float64, rng)
@@ -215,12 +225,17 @@ def named_direct_takes_the_loop(comm, digest, rng):
                        lambda: planned(comm.reduce, x, root=0, out=np.empty_like(x))),
         }
         for collective, (named, reference) in calls.items():
-            looped = fastpath.runs_as(collective, "direct", x.nbytes, comm._ranks.fast_small_max)   # noqa: SLF001
+            # (a large reduce_scatter the ranks may single copy the loop leaves to the plans' direct)
+            left_to_plans = comm._ranks.fast.step_for(collective, x.nbytes) == fastpath.PLANS   # noqa: SLF001
+            looped = fastpath.runs_as(collective, "direct", x.nbytes, comm._ranks.fast_small_max) \
+                and not left_to_plans   # noqa: SLF001
             plan_waits = compiled.waits_made
             got = named()
             assert (compiled.waits_made == plan_waits) == looped, f"{collective} {x.nbytes} bytes naming direct"
             chosen = comm.chosen_algorithm(collective, x.nbytes, dtype=x.dtype, algorithm="direct")
-            assert (chosen, chosen.path) == ("direct", "compiled_loop" if looped else "compiled_plan"), chosen
+            single_copy = left_to_plans and "direct" in SINGLE_COPY_ALGORITHMS[collective]   # (not allreduce's)
+            path = "compiled_loop" if looped else "single_copy" if single_copy else "compiled_plan"
+            assert (chosen, chosen.path) == ("direct", path), (chosen, chosen.path, path)
             want = reference()
             if collective == "reduce" and comm.rank != 0:
                 want = got = np.zeros(0)   # only the root's output is defined

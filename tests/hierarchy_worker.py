@@ -697,24 +697,35 @@ def scenario_shortcut_edges(comm):
 
 
 def node_step_of_plans(comm, nbytes, case):
-    """Where the node's loop leaves an allreduce of `nbytes` to the plans
-    (COLLECTIVES_STAGED_MAX=0, run_one) and a reduce_scatter's Program
-    allreduces x in the node (nodes of ranks that are not consecutive):
-    the node's plans ran that step, in one copy."""
-    shm = comm._ranks.shm   # noqa: SLF001
-    if shm is None or comm.topology.consecutive or shm.fast.step_for("allreduce", nbytes) != fastpath.PLANS:
-        return
-    assert shm.what_ran() == ("two_shot", "single_copy"), (case, shm.what_ran())
+    """Where the node's loop leaves a reduce_scatter's node step to the
+    plans (COLLECTIVES_STAGED_MAX=0, run_one), the node's plans ran it, in
+    one copy: past the small path's limit on consecutive nodes, the node's
+    reduce_scatter of each node's range of x (laid out node by node);
+    else the node's allreduce of x. 1 where it did, else 0."""
+    ranks = comm._ranks   # noqa: SLF001
+    shm, nodes = ranks.shm, comm.topology.nodes
+    if shm is None:
+        return 0
+    if comm.topology.consecutive and nbytes > ranks.fast_small_max:
+        collective, step_bytes, algorithm = "reduce_scatter", nbytes * len(nodes[comm.node]) // comm.size, "direct"
+    else:
+        collective, step_bytes, algorithm = "allreduce", nbytes, "two_shot"
+    if shm.fast.step_for(collective, step_bytes) != fastpath.PLANS:
+        return 0
+    assert shm.what_ran() == (algorithm, "single_copy"), (case, collective, shm.what_ran())
+    return 1
 
 
 def scenario_by_node(comm):
     """Allgathers and reduce_scatters past the small path's limit, in and
-    out of place, repeated (their Programs: where every node holds
-    consecutive ranks, laid out node by node, across.py): every node's
-    rows land in their place, every block holds the documented fold order;
+    out of place, repeated, and allreduces of the reduce_scatters' x
+    (their Programs: where every node holds consecutive ranks, laid out
+    node by node, across.py): every node's rows land in their place, every
+    block holds the documented fold order;
     and broadcasts in slices from every root. Rows of 36 KB too (below
     the small path's limit, by node rows where nodes are consecutive)."""
     r, n, nodes = comm.rank, comm.size, comm.topology.nodes
+    plans_steps = 0
     for dtype in (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.uint8)):
         for count in (36000 // dtype.itemsize + 1, 70000, 70001):   # (70000: past 64 KiB in every dtype)
             for repeat in range(3):
@@ -739,8 +750,13 @@ def scenario_by_node(comm):
                     want = reference(values, nodes, op)[r * block:(r + 1) * block]
                     case = f"reduce_scatter {op} of {n} x {block} {dtype} repeat {repeat} rank {r}"
                     check(comm.reduce_scatter(values[r], op=op, out=np.empty(block, dtype)), want, case)
-                    node_step_of_plans(comm, values[r].nbytes, case)
+                    plans_steps += node_step_of_plans(comm, values[r].nbytes, case)
                     check(comm.reduce_scatter(values[r].copy(), op=op), want, f"{case} in place")
+                    if repeat == 0 and count == 70000:   # a large allreduce's node step: the same reduce_scatter
+                        summed = comm.allreduce(values[r], op=op, out=np.empty_like(values[r]))
+                        check(summed, reference(values, nodes, op), f"allreduce {op} of {n * block} {dtype} rank {r}")
+    if os.environ.get("COLLECTIVES_STAGED_MAX") == "0" and comm._ranks.shm is not None:   # noqa: SLF001
+        assert plans_steps, f"rank {r}: no node step of a reduce_scatter ran on the plans (run_one pins them)"
     # broadcasts whose count the node size divides: in slices (a node size's share), with no message buffers
     size = len(comm.topology.nodes[comm.node])
     count = 70000 * size
@@ -1200,8 +1216,10 @@ def consecutive(layout):
 
 
 def run_one(scenario, layout):
-    pinned = scenario == "by_node" and not consecutive(layout)
-    if pinned:   # (read when the communicator is made) a node's allreduce step past its merged step: the plans'
+    # (read when the communicator is made) a node's step past its merged step the plans': an allreduce
+    # where nodes are interleaved, a reduce_scatter of a node's range on three nodes (two of two stage)
+    pinned = scenario == "by_node" and (not consecutive(layout) or len(set(layout.split(","))) > 2)
+    if pinned:
         os.environ["COLLECTIVES_STAGED_MAX"] = "0"
     if scenario == "mixed_paths" and layout.split(",")[WORLD.rank] != layout.split(",")[0]:
         os.environ["COLLECTIVES_FAST_PATH"] = "0"   # (read when the communicator is made)

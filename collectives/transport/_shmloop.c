@@ -26,8 +26,9 @@
 /* The channel                                                              */
 
 /* The steps a taken call runs (Channel.last_step names them, as fastpath.STEPS does), and
- * STEP_PLANS: a large allreduce the ranks may single copy, which the loop declines (the plans
- * run it: ShmRank's pushed_plan; a node's step across nodes too: HierarchyRanks.plans_allreduce) */
+ * STEP_PLANS: a large allreduce or reduce_scatter the ranks may single copy, which the loop
+ * declines (the plans run it: ShmRank's pushed plan, the reduce_scatter's read plan; a node's
+ * step across nodes too: HierarchyRanks.plans_fold) */
 enum { STEP_NONE, STEP_MERGED, STEP_SINGLE_COPY, STEP_STAGED, STEP_PLANS };
 
 typedef struct {
@@ -97,7 +98,7 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
  *
  * Three large messages take other steps: allreduce's staged step is the
  * pipeline below (a reduce-scatter and an all-gather; its single copy the
- * loop declines, to the plans: STEP_PLANS), reduce's single copy a
+ * loop declines, to the plans: STEP_PLANS, as reduce_scatter's), reduce's single copy a
  * reduce-scatter whose blocks are written into the root's output
  * (read_from_peers), and broadcast's single copy a scatter of the root's x
  * by block, each rank writing its block into every output
@@ -522,16 +523,14 @@ static int spread_from_root(Channel *c, const Collective *k)
     return OK;
 }
 
-/* The other four collectives' large messages, single copy: rank r reads
- * what it wants of its peers' inputs straight out of their processes, into
- * its output where it copies (allgather, broadcast), through landing
- * chunks where it folds (reduce_scatter, reduce: fold_range). */
+/* Allgather's, broadcast's and reduce's large messages, single copy: rank
+ * r reads what it wants of its peers' inputs straight out of their
+ * processes, into its output where it copies (allgather, broadcast),
+ * through landing chunks where it folds (reduce: fold_range). */
 static int read_from_peers(Channel *c, const Collective *k)
 {
     Waits *w = &c->waits;
     int r = w->rank, n = w->nranks;
-    size_t lo, hi;
-    wanted(k, r, n, &lo, &hi);
     if (k->kind == K_ALLGATHER) {
         for (int p = 0; p < n; p++) {
             char *block = k->out + (size_t)p * k->nbytes;
@@ -549,8 +548,6 @@ static int read_from_peers(Channel *c, const Collective *k)
     }
     if (k->kind == K_BROADCAST)
         return spread_from_root(c, k);
-    if (k->kind == K_REDUCE_SCATTER)
-        return fold_range(c, k, lo, hi, k->out, -1);
     /* reduce: as allreduce's single copy (plan.pushed_plan), rank r folds
      * block r of every rank's input, but only the root receives: the root folds straight
      * into its output, the others write their block into the root's. Block
@@ -616,8 +613,8 @@ static int stages_anyway(const Channel *c, int kind, size_t nbytes)
  * (Communicator.chosen_algorithm). Up to merged_max the merged step; a
  * larger message stages where stages_anyway says so, else it reads and
  * writes peers' arrays in place once the ranks agreed that all may
- * (single_copy 2): an allreduce in the plans (STEP_PLANS), the other four
- * here. Before their first large call (single_copy 0) it answers what this
+ * (single_copy 2): an allreduce or reduce_scatter in the plans
+ * (STEP_PLANS), the other three here. Before their first large call (single_copy 0) it answers what this
  * rank proposes; a refusal the plans met is the ranks' too (single_copy 1,
  * refuse_single_copy). */
 static int step_for(const Channel *c, int kind, size_t nbytes)
@@ -627,7 +624,8 @@ static int step_for(const Channel *c, int kind, size_t nbytes)
     if (stages_anyway(c, kind, nbytes))
         return STEP_STAGED;
     int single_copy = c->single_copy == 0 ? c->may_single_copy : c->single_copy == 2;
-    return !single_copy ? STEP_STAGED : kind == K_ALLREDUCE ? STEP_PLANS : STEP_SINGLE_COPY;
+    return !single_copy ? STEP_STAGED
+           : kind == K_ALLREDUCE || kind == K_REDUCE_SCATTER ? STEP_PLANS : STEP_SINGLE_COPY;
 }
 
 static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_t seq)
@@ -865,7 +863,7 @@ static int writes_output(int kind, int rank, int root, int in_place)
  * of the sizes the collective needs, and outputs that are apart from x or
  * exactly its in-place form; a buffer is asked to be writable only where
  * this rank writes it. Anything else returns None: the Python path checks
- * it. */
+ * it (a reduce_scatter whose step is STEP_PLANS, too). */
 static PyObject *run_collective(Channel *c, int kind, PyObject *x_object, PyObject *out_object, int op, int root,
                                 double deadline)
 {
@@ -896,7 +894,8 @@ static PyObject *run_collective(Channel *c, int kind, PyObject *x_object, PyObje
     char *in_place_out = kind == K_ALLGATHER ? NULL : (char *)x.buf + (kind == K_REDUCE_SCATTER ? (size_t)r * out_bytes : 0);
     const char *in_place_x = kind == K_ALLGATHER ? out + (size_t)r * nbytes : NULL;
     int takes = type >= 0 && nbytes > 0 && (kind != K_REDUCE_SCATTER || nbytes % ((size_t)n * (size_t)x.itemsize) == 0)
-                && (in_place || ((size_t)y.len == out_bytes && element_type(&y) == type && y.itemsize == x.itemsize));
+                && (in_place || ((size_t)y.len == out_bytes && element_type(&y) == type && y.itemsize == x.itemsize))
+                && step_for(c, kind, nbytes) != STEP_PLANS;
     char *copy = NULL;
     const char *in = takes ? input_to_read(x.buf, nbytes, out, out_bytes,
                                            in_place || out == in_place_out || (const char *)x.buf == in_place_x, &copy)

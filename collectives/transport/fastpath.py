@@ -119,8 +119,10 @@ assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the
 MERGED, SINGLE_COPY, STAGED = "merged", "single_copy", "staged"
 STEPS = (MERGED, SINGLE_COPY, STAGED)
 # What Channel.step_for answers for a call the loop leaves to the plans: a
-# large allreduce the ranks may single copy (_shmloop.c's STEP_PLANS).
+# large allreduce or reduce_scatter the ranks may single copy (_shmloop.c's
+# STEP_PLANS), the collectives DECLINED_SINGLE_COPIES names.
 PLANS = "plans"
+DECLINED_SINGLE_COPIES = ("allreduce", "reduce_scatter")
 
 
 # The arrays the loop takes: NumPy's, and its memory-mapped ones (a rank
@@ -217,17 +219,19 @@ class FastCollectives:
         the ranks agreed on the single copy (0: never); None once closed."""
         return None if self._channel is None else self._channel.staged_max
 
-    def choose_staged_max(self, timeout, inherited=None, allreduce=None):
+    def choose_staged_max(self, timeout, inherited, collective, fold):
         """Set staged_max on every rank alike: `inherited` (the value of the
         communicator this one was shrunk from, the same on every survivor),
         else $COLLECTIVES_STAGED_MAX where every rank gives the same, else
         the faster of staging up to DEFAULT_STAGED_MAX and never, timed on
-        calls of PROBE_BYTES (probe.py): `allreduce(x, op, out)`, the
-        communicator's (one machine's), else the loop's reduce_scatter (a
-        node's, across nodes). Every rank of the loop calls it together,
-        before any other call; InvalidUsageError on every rank where the
-        variable differs among them; a call that fails raises as a
-        collective's does (`timeout` seconds each)."""
+        calls of PROBE_BYTES (probe.py): `fold(x, op, out)` runs
+        `collective` as `auto` does, the loop's staging or the plans'
+        single copy (the communicator's allreduce on one machine; across
+        nodes, a node's reduce_scatter, the node step of a large
+        allreduce). Every rank of the loop calls it together, before any
+        other call; InvalidUsageError on every rank where the variable
+        differs among them; a call that fails raises as a collective's does
+        (`timeout` seconds each)."""
         channel = self._channel
         if inherited is not None:
             channel.staged_max = inherited
@@ -243,15 +247,12 @@ class FastCollectives:
             channel.staged_max = DEFAULT_STAGED_MAX if pinned is None else pinned
             return
         x = np.ones(PROBE_BYTES // 4 // group.size * group.size, np.float32)   # (blocks for a reduce_scatter)
-        out = np.empty_like(x) if allreduce is not None else np.empty(x.size // group.size, x.dtype)
+        out = np.empty_like(x) if collective == "allreduce" else np.empty(x.size // group.size, x.dtype)
 
         def staged_up_to(staged_max):
             def call():
                 channel.staged_max = staged_max
-                if allreduce is not None:
-                    allreduce(x, "sum", out)
-                elif not self.collective("reduce_scatter", x, "sum", out, 0, timeout):
-                    raise AssertionError("the loop declined its own probe")
+                fold(x, "sum", out)
             return call
 
         single_copy, staged = staged_up_to(0), staged_up_to(DEFAULT_STAGED_MAX)
@@ -334,8 +335,8 @@ class FastCollectives:
         for an oversubscribed allgather up to its limit; else the large
         message's as the ranks agreed at their first (`large_path`), or
         before that, as this rank would propose: the single copy where it
-        may take it, which for an allreduce is PLANS (the loop declines
-        it). None once closed."""
+        may take it, which for an allreduce or reduce_scatter is PLANS (the
+        loop declines it: DECLINED_SINGLE_COPIES). None once closed."""
         channel = self._channel
         return None if channel is None else channel.step_for(KIND_CODES[collective], nbytes)
 

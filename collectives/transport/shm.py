@@ -22,9 +22,9 @@ from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN
                       resolve_fast_single_copy, resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
 from ..plan import (ALL_TO_ALL, ALLREDUCE, BLOCKED_COLLECTIVES, FOLDS_INTO_X_IN_PLACE, INPUT, OUTPUT, PUSHED_FOLDS,
-                    PUSHED_IN_PLACE, SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS, SINGLE_COPY_COLLECTIVES,
-                    SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE, SPREAD_COLLECTIVES, WORK, pushed_plan,
-                    single_copy_plan, spread_plan)
+                    PUSHED_IN_PLACE, REDUCE_SCATTER, SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS,
+                    SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE, SPREAD_COLLECTIVES, WORK,
+                    pushed_plan, single_copy_plan, spread_plan)
 from ..binding import IN_PLACE, WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
@@ -141,10 +141,13 @@ class ShmRank(Recoverable):
         elif self._single is not None:
             self._single.pushes_reached = inherited.pushes_reached   # (the survivors reach each other as before)
         if self.fast is not None:
-            def allreduce(x, op, out):
-                communicator.allreduce(x, op, out=out)
+            if communicator is not None:
+                def fold(x, op, out):
+                    communicator.allreduce(x, op, out=out)
+            else:
+                fold = self._node_reduce_scatter(timeout)
             self.fast.choose_staged_max(timeout, None if inherited is None else inherited.staged_max,
-                                        None if communicator is None else allreduce)
+                                        "allreduce" if communicator is not None else "reduce_scatter", fold)
         if inherited is not None:
             if self.single_copy_min is not None:   # (a shrunk communicator of one rank has no exchange to copy)
                 self.single_copy_min = inherited.exchange_single_copy_min
@@ -171,6 +174,23 @@ class ShmRank(Recoverable):
         x, out = np.zeros(count, np.float32), np.empty(count, np.float32)
         probing = single_copy_plan(ALLREDUCE, self.size, count, x.dtype, "sum", algorithm="two_shot")
         self._run_single_plan(probing, x.ctypes.data, out.ctypes.data, time.perf_counter() + timeout)
+
+    def _node_reduce_scatter(self, timeout):
+        """`reduce_scatter(x, op, out)` out of place as a node's `auto`
+        runs it across nodes, for the staged_max probe of a rank with no
+        Communicator of its own: the loop's staging, or the read plan's
+        single copy where the loop leaves it to the plans (that plan
+        built at the first such call, one size of x)."""
+        plans = {}
+
+        def reduce_scatter(x, op, out):
+            if self.fast.collective("reduce_scatter", x, op, out, 0, timeout):
+                return
+            if x.size not in plans:
+                plans[x.size] = single_copy_plan(REDUCE_SCATTER, self.size, x.size, x.dtype, op)
+            if not self._run_single_plan(plans[x.size], x.ctypes.data, out.ctypes.data, time.perf_counter() + timeout):
+                assert self.fast.collective("reduce_scatter", x, op, out, 0, timeout), "the loop declined its probe"
+        return reduce_scatter
 
     def _choose_exchange_single_copy_min(self, communicator):
         """The exchanges' single-copy limit: pinned by the variable where
@@ -299,19 +319,19 @@ class ShmRank(Recoverable):
         chose by timing folds both ways (the exchanges' probe times an
         all_to_all, which on a machine where reading another process costs
         four copies in memory chose 128 KiB, where folds were twice as fast
-        staged up to 4 MiB). An allreduce: every one the loop declines
-        (past its merged step too: _shmloop.c's STEP_PLANS). The other two,
-        which the loop single copies itself, from the exchanges' limit too
-        (where the loop never stages, staged_max is 0, but a small call's
-        single copy costs more than staging: a 4 KiB reduce_scatter named
-        `direct`). Without the loop, $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN
-        where pinned; else None."""
+        staged up to 4 MiB). An allreduce or reduce_scatter: every one the
+        loop declines (past its merged step too: _shmloop.c's STEP_PLANS).
+        A reduce, which the loop single copies itself, from the exchanges'
+        limit too (where the loop never stages, staged_max is 0, but a
+        small call's single copy costs more than staging: a 4 KiB reduce
+        named `two_shot`). Without the loop,
+        $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN where pinned; else None."""
         if self.single_copy_min is None:   # no compiled executor, or the single copy turned off
             return None
         staged_max = None if self.fast is None else self.fast.staged_max
         if staged_max is None:
             return self._pinned_single_copy_min
-        if collective == ALLREDUCE:
+        if collective in fastpath.DECLINED_SINGLE_COPIES:
             return max(staged_max, self.fast.merged_max) + 1
         return max(staged_max + 1, self.single_copy_min)
 
