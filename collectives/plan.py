@@ -366,16 +366,18 @@ def _wire_bytes(phases, itemsize, compression):
 
 # The collectives single_copy_plan serves: those that only move blocks,
 # and the folds whose plans read each peer's input once, in phase 1, into
-# the reader's own memory; those of the folds with an in-place form
-# (single_copy_plan says why reduce has none), and those of them whose
-# in-place form writes x in phase 1 (reduce_scatter's: the rank's own
-# block, which no peer reads), which may not fall back to the staged
-# plan, so runs only where the ranks know that no read is refused
-# (ShmRank._learn_reach).
+# the reader's own memory; those of the folds with a single copy in
+# place, and those of them whose in-place form writes x in phase 1
+# (reduce_scatter's: the rank's own block, which no peer reads), which
+# may not fall back to the staged plan, so runs only where the ranks know
+# that no read is refused (ShmRank._learn_reach). Reduce has no in-place
+# read form (single_copy_plan says why): in place it runs only pushed
+# (pushed_plan, PUSHED_ONLY_IN_PLACE), where the ranks know pushes work.
 SINGLE_COPY_COLLECTIVES = (GATHER, SCATTER, ALL_TO_ALL, ALL_TO_ALL_V, ALLGATHER, BROADCAST)
 SINGLE_COPY_FOLDS = (REDUCE_SCATTER, REDUCE, ALLREDUCE)
-SINGLE_COPY_FOLDS_IN_PLACE = (ALLREDUCE, REDUCE_SCATTER)
+SINGLE_COPY_FOLDS_IN_PLACE = (ALLREDUCE, REDUCE_SCATTER, REDUCE)
 FOLDS_INTO_X_IN_PLACE = (REDUCE_SCATTER,)
+PUSHED_ONLY_IN_PLACE = (REDUCE,)
 # The algorithms single_copy_plan makes plans of, by collective: the first
 # is the one `auto` names where the single copy takes a call.
 SINGLE_COPY_ALGORITHMS = {**{c: ("direct",) for c in SINGLE_COPY_COLLECTIVES + (REDUCE_SCATTER, REDUCE)},

@@ -135,7 +135,9 @@ def scenario_folds(comm):
     each fold a chunk into their workspace for the root, or every rank, to
     copy; and direct's reduce, whose root folds everything); in place
     allreduce and reduce_scatter in one copy too (the start found that
-    reads work), reduce staged (plan.single_copy_plan says why); then a
+    reads work), and two_shot's reduce, pushed into the root's x (the
+    start found that pushes work), `direct`'s staged (it has no in-place
+    read form: plan.single_copy_plan says why); then a
     read refused, in an allreduce out of place (pushed: its peers push into
     the refusing rank) and a reduce_scatter, each run staged on every rank,
     and in an in-place reduce_scatter, which raises on every rank (x may be
@@ -148,8 +150,10 @@ def scenario_folds(comm):
         choice = comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=False)
         assert (choice, choice.path) == (algorithm, "single_copy"), (choice, choice.path)
         choice = comm.chosen_algorithm(collective, 4 * n * k, dtype=np.float32, in_place=True)
-        want = (choice, "compiled_plan") if collective == "reduce" else (algorithm, "single_copy")
-        assert (choice, choice.path) == want, (collective, choice, choice.path)
+        assert (choice, choice.path) == (algorithm, "single_copy"), (collective, choice, choice.path)
+    # (reduce in place has no read form: `direct` named stages, two_shot's pushes into the root's x)
+    choice = comm.chosen_algorithm("reduce", 4 * n * k, dtype=np.float32, in_place=True, algorithm="direct")
+    assert (choice, choice.path) == ("direct", "compiled_plan"), (choice, choice.path)
     # (two_shot folds each element in rank order, as direct does: the
     # reference's bits are direct's, the in-place calls name it)
     single_copies = 0
@@ -181,10 +185,11 @@ def scenario_folds(comm):
                     if r == root:
                         same_bits(got, wants[root], f"reduce {op} root {root} ({algorithm})")
                     single_copies += 1
-                x = xs[r].copy()
-                comm.reduce(x, op=op, root=root, algorithm="direct")
-                if r == root:
-                    same_bits(x, wants[root], f"reduce {op} root {root} in place")
+                for algorithm in ("auto", "direct"):
+                    x = xs[r].copy()
+                    comm.reduce(x, op=op, root=root, algorithm=algorithm)
+                    same_bits(x, wants[root] if r == root else xs[r], f"reduce {op} root {root} in place ({algorithm})")
+                single_copies += 1   # (auto's)
         assert len(runs) == single_copies, (len(runs), single_copies)
         # a repeated in-place reduce_scatter whose out, a view of x, is made anew each call runs from C (the
         # runner's Shapes take an out at the offset from x's data the remembered one had), with the
@@ -267,7 +272,9 @@ def scenario_pushes(comm):
     (the refusal forgotten, white-box) in one from Python: `first` says
     which placement comes first. Out of place, after its peers have pushed
     into it, every rank runs the call again staged, with the same bits; in
-    place every rank raises, x being partly overwritten."""
+    place every rank raises, x being partly overwritten. A reduce in place
+    pushes too, from the first call, into the root's x, and raises so
+    once rank 1's pushes are refused."""
     first = sys.argv[2]
     runs = counting_single_copies()
     r, n = comm.rank, comm.size
@@ -288,6 +295,15 @@ def scenario_pushes(comm):
                 same_bits(x, want[r] if in_place else xs[r], "x")
                 assert compiled.last_plan.pushes and compiled.pushes_reached == 1, (in_place, seed)
         assert len(runs) == 2 * len(cases), runs
+        for root in range(n):   # reduce in place pushes into the root's x (x its output), from the first call
+            xs = [data(24 + root, q, np.float32, n * k) for q in range(n)]
+            want = reference.reduce([x.copy() for x in xs], root=root, algorithm="two_shot")
+            x = xs[r].copy()
+            got = comm.reduce(x, root=root)
+            same_bits(x, want[root] if r == root else xs[r], f"reduce in place to {root}: x")
+            assert r != root or np.shares_memory(got, x), "the root's result is its x"
+            single = compiled.last_plan
+            assert (single.collective, single.pushes, single.binding) == ("reduce", True, "in_place"), single
         xs = [data(23, q, np.int32, n * k) for q in range(n)]
         want = reference.allreduce([x.copy() for x in xs], algorithm="two_shot")
         x, y, out = xs[r].copy(), xs[r].copy(), np.empty(n * k, np.int32)
@@ -314,6 +330,12 @@ def scenario_pushes(comm):
             assert comm._ranks._refused   # noqa: SLF001
             assert comm.chosen_algorithm("allreduce", 4 * n * k, dtype=np.int32).path == "compiled_plan"
             comm._ranks._refused = False   # noqa: SLF001 - as if the refusal had not been seen
+        try:   # a reduce in place whose pushes into the root's x are refused (rank 1's, into root 0)
+            comm.reduce(xs[r].copy(), root=0)
+        except collectives.CollectiveError as error:
+            assert "x is partly overwritten" in str(error), error
+        else:
+            raise AssertionError("a refused in-place reduce did not raise")
         comm._ranks._refused = True   # noqa: SLF001
         x = xs[r].copy()
         same_bits(comm.allreduce(x), want[r], "the in-place allreduce after the refusals")

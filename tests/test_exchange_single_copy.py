@@ -195,15 +195,18 @@ def test_a_pushed_allreduce_folds_each_chunk_once_and_its_folder_writes_it_into_
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
-def test_a_pushed_reduce_folds_each_chunk_once_and_its_folder_writes_it_into_the_roots_output(n):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_pushed_reduce_folds_each_chunk_once_and_its_folder_writes_it_into_the_roots_output(n, in_place):
     """plan.pushed_plan for two_shot's reduce: rank r folds chunk r of every
     rank's INPUT into its own memory (the root its OUTPUT, the others their
     SCRATCH) and pushes each slice into the root's OUTPUT; every element of
     the root's output is written once, by the rank that folded it, and no
-    other rank's output is written."""
+    other rank's output is written. In place too (the root's OUTPUT is its
+    x, chunk r of which rank r alone reads, before it writes it)."""
     count = 3 * plans.PUSH_SLICE_BYTES // 4 * n // 2 + 7
     for root in range(n):
-        plan = plans.pushed_plan("reduce", n, count, np.dtype(np.float32), "sum", root, False)
+        plan = plans.pushed_plan("reduce", n, count, np.dtype(np.float32), "sum", root, in_place)
+        assert plan.binding == ("in_place" if in_place else "out_of_place"), plan.binding
         assert plan.single_copy and plan.pushes and not any(len(phase.table) for phase in plan.phases[2:])
         folded, written = np.full(count, -1), np.zeros(count, int)
         for rank, rows in enumerate(plan.phases[1].rows_by_rank):

@@ -96,14 +96,15 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
  *   broadcast       the root's, only     all of it (r != root)         all of it
  *   reduce          all but the root's   all of it (r == root)         fold, in rank order
  *
- * Three large messages take other steps: allreduce's staged step is the
- * pipeline below (a reduce-scatter and an all-gather; its single copy the
- * loop declines, to the plans: STEP_PLANS, as reduce_scatter's), reduce's single copy a
- * reduce-scatter whose blocks are written into the root's output
- * (read_from_peers), and broadcast's single copy a scatter of the root's x
- * by block, each rank writing its block into every output
- * (spread_from_root): those two write into a peer's memory, and a failed
- * call of theirs waits at the fence. The other two only read. */
+ * The loop declines allreduce's and reduce_scatter's single copies (the
+ * plans run them: STEP_PLANS). Two large messages take other steps:
+ * allreduce's staged step is the pipeline below (a reduce-scatter and an
+ * all-gather), reduce's single copy a reduce-scatter whose blocks are
+ * written into the root's output (read_from_peers), and broadcast's single
+ * copy a scatter of the root's x by block, each rank writing its block
+ * into every output (spread_from_root): reduce's and broadcast's write
+ * into a peer's memory, and a failed call of theirs waits at the fence.
+ * Allgather's only reads. */
 
 enum { K_ALLREDUCE = 0, K_REDUCE_SCATTER = 1, K_ALLGATHER = 2, K_BROADCAST = 3, K_REDUCE = 4,
        K_BARRIER = 5 };   /* a merged step of no bytes: Channel.barrier */

@@ -22,9 +22,9 @@ from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN
                       resolve_fast_single_copy, resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
 from ..plan import (ALL_TO_ALL, ALLREDUCE, BLOCKED_COLLECTIVES, FOLDS_INTO_X_IN_PLACE, INPUT, OUTPUT, PUSHED_FOLDS,
-                    PUSHED_IN_PLACE, REDUCE_SCATTER, SEGMENTED_COLLECTIVES, SINGLE_COPY_ALGORITHMS,
-                    SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE, SPREAD_COLLECTIVES, WORK,
-                    pushed_plan, single_copy_plan, spread_plan)
+                    PUSHED_IN_PLACE, PUSHED_ONLY_IN_PLACE, REDUCE_SCATTER, SEGMENTED_COLLECTIVES,
+                    SINGLE_COPY_ALGORITHMS, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE,
+                    SPREAD_COLLECTIVES, WORK, pushed_plan, single_copy_plan, spread_plan)
 from ..binding import IN_PLACE, WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
 from . import fastpath, probe
 from .layout import ABORT
@@ -298,8 +298,10 @@ class ShmRank(Recoverable):
         the call's (binding.py), WORKSPACE_IN_PLACE in place."""
         in_place = binding == WORKSPACE_IN_PLACE
         if collective in SINGLE_COPY_FOLDS:
-            in_place_refused = in_place and (collective not in SINGLE_COPY_FOLDS_IN_PLACE or (
-                collective in FOLDS_INTO_X_IN_PLACE and not self._reads_known))
+            in_place_refused = in_place and (
+                collective not in SINGLE_COPY_FOLDS_IN_PLACE
+                or (collective in FOLDS_INTO_X_IN_PLACE and not self._reads_known)
+                or (collective in PUSHED_ONLY_IN_PLACE and self._single.pushes_reached != 1))
             limit = None if in_place_refused else self._fold_single_copy_min(collective)
         elif collective in SINGLE_COPY_COLLECTIVES:
             limit = self._in_place_all_to_all_min if collective == ALL_TO_ALL and in_place else self.single_copy_min
@@ -337,7 +339,9 @@ class ShmRank(Recoverable):
 
     def _single_copy_of(self, plan):
         """Whether `plan` (a Plan or a paths.CallShape) runs as a single-copy plan."""
+        pushed_only = plan.collective in PUSHED_ONLY_IN_PLACE and plan.binding == WORKSPACE_IN_PLACE
         return plan.algorithm in SINGLE_COPY_ALGORITHMS.get(plan.collective, ()) \
+            and not (pushed_only and plan.algorithm != "two_shot") \
             and getattr(plan, "compression", None) is None \
             and self.single_copy_takes(plan.collective, plan.count * plan.dtype.itemsize, plan.binding) \
             and self._single.takes(plan)
@@ -346,13 +350,15 @@ class ShmRank(Recoverable):
         """The single-copy plan of `plan`: pushed (plan.pushed_plan) where
         a fold's reduced chunks go to other ranks (two_shot), out of place
         (a refused read or write may still fall back to the staged plan),
-        or in place (PUSHED_IN_PLACE) where the start found that every rank
-        may push into every peer (the compiled executor's pushes_reached,
-        the same on every rank); else read (plan.single_copy_plan). A broadcast
+        or in place (PUSHED_IN_PLACE, PUSHED_ONLY_IN_PLACE) where the start
+        found that every rank may push into every peer (the compiled
+        executor's pushes_reached, the same on every rank); else read
+        (plan.single_copy_plan). A broadcast
         from the loop's pull limit on (every size where ranks outnumber
         cores, as the loop's) spreads (plan.spread_plan)."""
+        pushes_in_place = plan.collective in PUSHED_IN_PLACE + PUSHED_ONLY_IN_PLACE
         if plan.collective in PUSHED_FOLDS and plan.algorithm == "two_shot" \
-                and (not in_place or (plan.collective in PUSHED_IN_PLACE and self._single.pushes_reached == 1)):
+                and (not in_place or (pushes_in_place and self._single.pushes_reached == 1)):
             return pushed_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
                                plan.algorithm)
         if plan.collective in SPREAD_COLLECTIVES and plan.count * plan.dtype.itemsize >= self._broadcast_pull_max:
@@ -422,7 +428,8 @@ class ShmRank(Recoverable):
         self._forget_shapes()
         if self.forget_repeats is not None:
             self.forget_repeats(None)
-        writes_x = single.pushes and single.collective in PUSHED_IN_PLACE or single.collective in FOLDS_INTO_X_IN_PLACE
+        writes_x = single.pushes and single.collective in PUSHED_IN_PLACE + PUSHED_ONLY_IN_PLACE \
+            or single.collective in FOLDS_INTO_X_IN_PLACE
         if single.binding == IN_PLACE and writes_x:   # (every rank alike: the verdict)
             raise CollectiveError(f"a read or push of a peer's array was refused in an in-place "
                                   f"{single.collective} after the start had found that they work; x is partly "
