@@ -578,7 +578,10 @@ def pushed_plan(collective, nranks, count, dtype, op, root=0, in_place=False, al
     phase2 = Phase(empty, tuple(empty for _ in range(nranks)),
                    tuple(_at_least(waits, {q: 2 for q in range(nranks) if q != r})
                          for r, waits in enumerate(phases[2].waits)))
-    return plan._replace(phases=(phases[0], phase1, phase2, *phases[3:]), single_copy=True, pushes=True)
+    # (the phases after 2, empty, would only publish a counter no peer waits for: one more store, each call,
+    # into the line every peer polls)
+    tail = phases[3:] if any(any(waits) for phase in phases[3:] for waits in phase.waits) else ()
+    return plan._replace(phases=(phases[0], phase1, phase2, *tail), single_copy=True, pushes=True)
 
 
 def _copy_row(width, rank, start, stop, source):
