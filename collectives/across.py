@@ -412,26 +412,19 @@ def _address(array):
     return array.ctypes.data
 
 
-def _loop_allreduce(h, call, into):
-    """The node's loop allreduces x into `into` (in-node op: avg sums), or
-    where it leaves such a call to the plans (a single copy), the node's
-    plans do (HierarchyRanks.plans_allreduce: the same on every rank, and
-    on every later call, which may only find the single copy refused and
-    then stage in the loop that way)."""
+def _loop_fold(h, collective, call, into, root=0):
+    """The node's loop folds x into `into` (allreduce, reduce_scatter, or
+    reduce to local rank `root`; the in-node op: avg sums), or where it
+    leaves such a call to the plans (a single copy), the node's plans do
+    (HierarchyRanks.plans_fold: the same on every rank, and on every later
+    call, which may only find the single copy refused and then stage in
+    the loop that way)."""
     op = partial_op(call.op)
-    if h.shm.fast.step_for(ALLREDUCE, call.count * call.dtype.itemsize) == fastpath.PLANS:
-        return h.plans_allreduce, (None, into, op.value, None), 0, -1, 3, -1
-    return h.shm.fast.channel.allreduce, (None, into, fastpath.OP_CODES[op], None), 0, -1, 3, -1
-
-
-def _loop_reduce_scatter(h, call, into):
-    """The node's loop reduce-scatters x into `into` (in-node op), or where
-    it leaves such a call to the plans, the node's plans do
-    (HierarchyRanks.plans_reduce_scatter), as _loop_allreduce."""
-    op = partial_op(call.op)
-    if h.shm.fast.step_for(REDUCE_SCATTER, call.count * call.dtype.itemsize) == fastpath.PLANS:
-        return h.plans_reduce_scatter, (None, into, op.value, None), 0, -1, 3, -1
-    return _loop(h, REDUCE_SCATTER, None, into, fastpath.OP_CODES[op], 0)
+    if h.shm.fast.step_for(collective, call.count * call.dtype.itemsize) == fastpath.PLANS:
+        return h.plans_fold, (collective, None, into, op.value, root, None), 1, -1, 5, -1
+    if collective == ALLREDUCE:
+        return h.shm.fast.channel.allreduce, (None, into, fastpath.OP_CODES[op], None), 0, -1, 3, -1
+    return _loop(h, collective, None, into, fastpath.OP_CODES[op], root)
 
 
 def node_reduce_scatter(h, nbytes, op):
@@ -440,11 +433,11 @@ def node_reduce_scatter(h, nbytes, op):
     the loop's failure status, the loop's call, or where the loop leaves
     such a call to the plans (a single copy), the node's plans' (which
     raise a failure), decided once for every call of the shape as
-    _loop_allreduce's."""
+    _loop_fold's."""
     op = partial_op(op)
     if h.shm.fast.step_for(REDUCE_SCATTER, nbytes) == fastpath.PLANS:
         ranks, value = weakref.proxy(h), op.value   # (h holds the Programs that hold this)
-        return lambda x, out, deadline: ranks.plans_reduce_scatter(x, out, value, deadline)
+        return lambda x, out, deadline: ranks.plans_fold(REDUCE_SCATTER, x, out, value, 0, deadline)
     channel, kind, code = h.shm.fast.channel, fastpath.KINDS[REDUCE_SCATTER], fastpath.OP_CODES[op]
     return lambda x, out, deadline: channel.collective(kind, x, out, code, 0, deadline)
 
@@ -492,9 +485,9 @@ def _reducing(h, call, counterparts, others):
     if h.shm is None:
         before.append(((X, 0), (ADDRESS, _address(part)), x_bytes))
     elif call.collective == REDUCE_TO_ROOT:
-        first = _loop(h, "reduce", None, part, fastpath.OP_CODES[partial_op(call.op)], h.topology.local_of(call.root))
+        first = _loop_fold(h, REDUCE_TO_ROOT, call, part, h.topology.local_of(call.root))
     else:
-        first = _loop_allreduce(h, call, part)
+        first = _loop_fold(h, ALLREDUCE, call, part)
     for peer, payload in zip(senders, exchange.send_payloads):
         piece = _address(part) + (peer * block if call.collective == REDUCE_SCATTER else 0)
         if _address(payload) != piece:
@@ -562,7 +555,7 @@ def _blocks(h, call, counterparts, others):
         result = (OUT, 0)
     else:   # the fold into out's block of this rank, which the all-gather then reads in place
         before = []
-        first = _loop_reduce_scatter(h, call, part)
+        first = _loop_fold(h, REDUCE_SCATTER, call, part)
         last = _loop(h, "allgather", None, None, 0, 0, own_source=True)
         count = call.count // size
         own = (h.local * count, (h.local + 1) * count)

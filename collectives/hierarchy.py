@@ -370,7 +370,7 @@ class HierarchyRanks:
         self.node_ranks = topology.nodes[self.node_index]
         self.local = topology.local_of(rank)
         self._scratch = {}
-        self._node = None       # the node's Communicator over shm (_node_until)
+        self._node = None       # the node's Communicator over shm (plans_fold)
         self.residual = None    # error feedback for the next compressed call (feeding_back)
         self.calls = 0          # calls made: each one's number goes into its signature
         self.candidates = tuple(range(topology.size))   # who a shrink counts on (HierarchicalCommunicator.shrink)
@@ -393,20 +393,21 @@ class HierarchyRanks:
         self._compiled_barrier = ((compiled, np.zeros(1, np.uint8))
                                   if self.programs is not None and takes_small(self, compiled) else None)
 
-    def plans_allreduce(self, x, out, op, deadline):
-        """A node step: the node's allreduce of x into `out` (x: in place)
-        where its loop leaves the call to the plans (a single copy: its
-        step_for answers fastpath.PLANS), as on one machine, through the
-        node's own Communicator over `shm` (`_node_until`). 0 once done (a
-        Program's node step); else it raises what that call raises, the
-        node aborted."""
-        self._node_until(deadline).allreduce(x, op, out=None if out is x else out)
-        return 0
-
-    def plans_reduce_scatter(self, x, out, op, deadline):
-        """A node step: the node's reduce_scatter of x into `out`, as
-        plans_allreduce's allreduce (`out` x's own block: in place)."""
-        self._node_until(deadline).reduce_scatter(x, op, out=out)
+    def plans_fold(self, collective, x, out, op, root, deadline):
+        """A node step: the node's allreduce, reduce_scatter or reduce (to
+        local rank `root`) of x into `out` where its loop leaves the call
+        to the plans (a single copy: its step_for answers fastpath.PLANS),
+        as on one machine, through the node's own Communicator over `shm`
+        (`_node_until`); `out` x (allreduce, reduce) or x's own block
+        (reduce_scatter): in place. 0 once done (a Program's node step);
+        else it raises what that call raises, the node aborted."""
+        node = self._node_until(deadline)
+        if collective == REDUCE_SCATTER:
+            node.reduce_scatter(x, op, out=out)
+        elif collective == ALLREDUCE:
+            node.allreduce(x, op, out=None if out is x else out)
+        else:
+            node.reduce(x, root=root, op=op, out=None if out is x else out)
         return 0
 
     def _node_until(self, deadline):
@@ -1028,7 +1029,7 @@ def takes_small(h, call):
 def _in_node(h, collective, x, out, op, root, deadline):
     """One call of the node's compiled loop (nothing when alone on the node:
     out = x), or of the node's plans where the loop leaves it to them (a
-    large allreduce or reduce_scatter the ranks may single copy). The loop
+    large fold the ranks may single copy). The loop
     takes these buffers on every rank alike; its declining would be a bug,
     and is raised as one."""
     if h.shm is None:
@@ -1036,8 +1037,7 @@ def _in_node(h, collective, x, out, op, root, deadline):
             np.copyto(out, x)
         return
     if collective in fastpath.DECLINED_SINGLE_COPIES and h.shm.fast.step_for(collective, x.nbytes) == fastpath.PLANS:
-        # (the single copy, which the loop leaves to the plans)
-        (h.plans_allreduce if collective == ALLREDUCE else h.plans_reduce_scatter)(x, out, op, deadline)
+        h.plans_fold(collective, x, out, op, root, deadline)   # (the single copy, which the loop leaves to the plans)
         return
     timeout = max(deadline - time.perf_counter(), 0.0)
     if collective == ALLREDUCE:

@@ -9,17 +9,15 @@ that holds:
     ranks             the call                                         path            algorithm
     host ranks in     uncompressed, of a dtype the loop folds          compiled_loop   direct; two_shot for
     processes on      (fastpath.LOOP_DTYPES), `auto` or the algorithm  + its step      an allreduce above
-    one machine       the loop's step is (fastpath.runs_as), but an                    the merged step
-                      allreduce or reduce_scatter the loop leaves to
-                      the plans
-                      an allreduce or reduce_scatter past the loop's   single_copy     two_shot; a
-                      merged step and staged_max, where the ranks                      reduce_scatter
-                      may single copy                                                  direct
+    one machine       the loop's step is (fastpath.runs_as), but a                     the merged step
+                      fold the loop leaves to the plans
+                      a fold (allreduce, reduce_scatter, reduce) past  single_copy     two_shot; a
+                      the loop's merged step and staged_max, where                     reduce_scatter
+                      the ranks may single copy (a reduce in place                     direct (a reduce
+                      where they may push)                                             direct named)
                       `direct` all_to_all(_v), gather, scatter of      single_copy     direct
                       blocks from the single-copy limit (shm.py);
-                      allgather, broadcast the loop did not take;
-                      reduce out of place, past the loop's             single_copy     two_shot (or
-                      staged_max and from the single-copy limit                        direct named)
+                      allgather, broadcast the loop did not take
                       a plan the compiled executor takes               compiled_plan   auto's, or the named
                       (executors/host_process.py)
                       anything else: compressed, float16, bfloat16     step            auto's, or the named
@@ -91,8 +89,8 @@ def loop_step(comm, collective, nbytes, dtype, compression, algorithm):
     """The compiled loop's step for a call it takes (the first rule), or
     None: the loop runs NCCL's five collectives, uncompressed, of a dtype
     it folds (None: one it does), with `auto` or naming the algorithm its
-    step is, but a large allreduce or reduce_scatter that the ranks may
-    single copy, which it leaves to the plans. (A hierarchical communicator's shortcuts run its Programs,
+    step is, but a large fold (allreduce, reduce_scatter, reduce) that the
+    ranks may single copy, which it leaves to the plans. (A hierarchical communicator's shortcuts run its Programs,
     not the loop: its ranks have no loop of their own.)"""
     ranks = comm._ranks   # noqa: SLF001
     if collective in EXCHANGES or compression is not None or nbytes == 0:

@@ -378,8 +378,10 @@ def scenario_spread(comm):
 def scenario_pushes_probe_refused(comm):
     """Rank 1 may not write into its peers (from before the start, main):
     the start finds it (ShmRank._learn_reach), every rank's pushes_reached
-    is -1, and in-place allreduces (the plans' path, the loop off) read,
-    with the interpreter's bits; then rank 1 may not read either: an
+    is -1, and allreduces (the plans' path, the loop off) read, in place
+    and out of place (where pushing first would have been refused), with
+    the interpreter's bits, and a reduce in place stages, with the same
+    bits; nothing is refused. Then rank 1 may not read either: an
     in-place call is refused before it wrote any x, which the staged rerun
     reads whole."""
     r, n = comm.rank, comm.size
@@ -394,6 +396,13 @@ def scenario_pushes_probe_refused(comm):
             same_bits(comm.allreduce(x), want[r], "allreduce in place")
             same_bits(x, want[r], "x")
             assert not compiled.last_plan.pushes and compiled.pushes_reached == -1, compiled.pushes_reached
+            same_bits(comm.allreduce(xs[r], out=np.empty(n * k, np.int32)), want[r], "allreduce out of place")
+            assert not compiled.last_plan.pushes, "an out-of-place allreduce pushed"
+            wants = reference.reduce([x.copy() for x in xs], root=0, algorithm="two_shot")
+            x = xs[r].copy()
+            comm.reduce(x, root=0)   # (in place it stages: a reduce has no in-place read form)
+            same_bits(x, wants[0] if r == 0 else xs[r], "reduce in place")
+            assert comm.chosen_algorithm("reduce", x.nbytes, dtype=np.int32, in_place=True).path == "compiled_plan"
         assert not comm._ranks._refused   # noqa: SLF001
         if r == 1:
             _host_plan.test_refuse_reads(True)

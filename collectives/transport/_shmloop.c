@@ -26,9 +26,9 @@
 /* The channel                                                              */
 
 /* The steps a taken call runs (Channel.last_step names them, as fastpath.STEPS does), and
- * STEP_PLANS: a large allreduce or reduce_scatter the ranks may single copy, which the loop
- * declines (the plans run it: ShmRank's pushed plan, the reduce_scatter's read plan; a node's
- * step across nodes too: HierarchyRanks.plans_fold) */
+ * STEP_PLANS: a large fold (allreduce, reduce_scatter, reduce) the ranks may single copy,
+ * which the loop declines (the plans run it: ShmRank's single-copy plans; a node's step across
+ * nodes too: HierarchyRanks.plans_fold) */
 enum { STEP_NONE, STEP_MERGED, STEP_SINGLE_COPY, STEP_STAGED, STEP_PLANS };
 
 typedef struct {
@@ -61,7 +61,7 @@ typedef struct {
     int64_t peer_writes;       /* chunks this rank began writing into peers' outputs, for the tests */
     int64_t steps_taken;       /* calls this channel took (what ran: Communicator.chosen_algorithm's check) */
     int last_step;             /* the step of the last one taken: STEP_MERGED, STEP_SINGLE_COPY or STEP_STAGED */
-    char *scratch;          /* the single-copy path's landing space: a chunk per rank */
+    char *scratch;          /* 8 bytes of this rank's that peers write into (can_reach_peers) */
     /* The shortcuts' (bind_shortcuts): the communicator calls them with its
      * own arguments, so a call that succeeds runs no Python at all. */
     PyObject *arrays;       /* the array types taken (a tuple) */
@@ -96,15 +96,13 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
  *   broadcast       the root's, only     all of it (r != root)         all of it
  *   reduce          all but the root's   all of it (r == root)         fold, in rank order
  *
- * The loop declines allreduce's and reduce_scatter's single copies (the
- * plans run them: STEP_PLANS). Two large messages take other steps:
- * allreduce's staged step is the pipeline below (a reduce-scatter and an
- * all-gather), reduce's single copy a reduce-scatter whose blocks are
- * written into the root's output (read_from_peers), and broadcast's single
- * copy a scatter of the root's x by block, each rank writing its block
- * into every output (spread_from_root): reduce's and broadcast's write
- * into a peer's memory, and a failed call of theirs waits at the fence.
- * Allgather's only reads. */
+ * The loop declines the folds' single copies (allreduce, reduce_scatter,
+ * reduce: the plans run them, STEP_PLANS). Two large messages take other
+ * steps: allreduce's staged step is the pipeline below (a reduce-scatter
+ * and an all-gather), and broadcast's single copy a scatter of the root's
+ * x by block, each rank writing its block into every output
+ * (spread_from_root): it writes into a peer's memory, and a failed call
+ * of its waits at the fence. Allgather's only reads. */
 
 enum { K_ALLREDUCE = 0, K_REDUCE_SCATTER = 1, K_ALLGATHER = 2, K_BROADCAST = 3, K_REDUCE = 4,
        K_BARRIER = 5 };   /* a merged step of no bytes: Channel.barrier */
@@ -227,25 +225,12 @@ static PyObject *run_small(Channel *c, const Collective *k, int64_t base, int64_
  *
  * Where every rank may read and write every peer's memory
  * (process_vm_readv/writev: the same user, and no ptrace restriction in the
- * way), large messages skip the staging copies. Rank r owns block r of the
- * buffer and, chunk by chunk,
- *   reads    chunk t of block r of every peer's input, straight from the
- *            peer's process, into a landing chunk (one per peer, in cache);
- *   folds    them in rank order into its own output;
- *   writes   the reduced chunk, still in cache, into every peer's output.
- * No rank waits for another between chunks; each waits once at the end,
- * for every peer's COUNTER base + 2 (its writes are done), and returns.
- *
- * Pushing the reduced chunks, rather than reading the peers' reduced blocks
- * once they publish them (this path's first form), measured 1.5x faster at
- * 4 MiB in place over 2 processes (README): the chunk leaves the writer's
- * cache, in place into lines the writer has just read, instead of being
- * pulled out of the other core's cache after a wait.
- *
- * Whose memory changes when: block b of a rank's input is read by rank b
- * alone, and block b of its output is written by rank b alone, chunk t
- * after rank b read chunk t of that input. So in place needs no other
- * order.
+ * way), large messages skip the staging copies: an allgather's rank reads
+ * each peer's x straight into its block of its output, a broadcast's ranks
+ * read and spread the root's x (spread_from_root). The folds' single copies
+ * are the plans' (STEP_PLANS: _host_plan.c, plan.pushed_plan and
+ * single_copy_plan), which read peers' inputs and push reduced chunks the
+ * same way.
  *
  * Writing into peers adds one rule, shm_waits.h's (the plan executor's
  * pushes follow it too): each chunk's writes inside the rank's WRITING
@@ -334,44 +319,6 @@ static int agree_on_single_copy(Channel *c, size_t nbytes)
     return OK;
 }
 
-/* Where the landing chunks (one per peer) start for a fold into `dst`:
- * half a page away from dst's page offset, since a store to dst[i] and a
- * load of landing[i] at the same offset in their pages stall each other
- * (4K aliasing), and malloc puts user buffers at one offset. */
-static char *landing_for(Channel *c, const char *dst)
-{
-    uintptr_t page_base = ((uintptr_t)c->scratch + 4095) & ~(uintptr_t)4095;
-    char *landing = (char *)page_base - 4096 + ((((uintptr_t)dst & 4095) + 2048) & 4095 & ~(uintptr_t)63);
-    return landing < c->scratch ? landing + 4096 : landing;
-}
-
-/* dst = the fold, in rank order, of bytes [offset, offset + bytes) of every
- * rank's input: this rank's from `in`, each peer's read straight out of its
- * process into its landing chunk. */
-static int fold_from_peers(Channel *c, const char *in, char *dst, size_t offset, size_t bytes, char *landing,
-                           int type, int op, size_t itemsize)
-{
-    Waits *w = &c->waits;
-    int r = w->rank, n = w->nranks;
-    const char *srcs[256];
-    for (int p = 0; p < n; p++) {
-        if (p == r) {
-            srcs[p] = in + offset;
-            continue;
-        }
-        char *landed = landing + (size_t)p * c->chunk;
-        if (c->test_read_stall > 0)
-            sleep_seconds(c->test_read_stall);
-        int status = copy_with_peer(w, p, landed, load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]) + (int64_t)offset,
-                                    bytes, 0);
-        if (status != OK)
-            return status;
-        srcs[p] = landed;
-    }
-    reduce_sources(type, op, srcs, n, dst, NULL, bytes, itemsize, op == OP_AVG ? n : 0);
-    return OK;
-}
-
 /* Enter a large call as protocol.py's phase 0 does: once every peer has
  * left the previous call (which may still read this row's SIG), name this
  * call and its buffers; then every peer is in it, and named the same,
@@ -420,41 +367,6 @@ static int leave_single_copy(Waits *w, int64_t base)
         status = ABORTED;
     }
     return status;
-}
-
-/* Fold bytes [lo, hi) of every rank's input in rank order, chunk by
- * chunk, each peer's chunk read straight out of its process: into `into`
- * (byte lo at into[0]), or, where `into` is NULL, into a chunk in cache
- * that is then written into the same bytes of rank `root`'s output. */
-static int fold_range(Channel *c, const Collective *k, size_t lo, size_t hi, char *into, int root)
-{
-    Waits *w = &c->waits;
-    size_t chunk = c->chunk / k->itemsize * k->itemsize;
-    char *landing = landing_for(c, into != NULL ? into : k->in + lo);
-    /* (this rank's own landing chunk is free: its own source is its input) */
-    char *reduced = landing + (size_t)w->rank * c->chunk;
-    for (size_t offset = lo; offset < hi; offset += chunk) {
-        size_t bytes = hi - offset < chunk ? hi - offset : chunk;
-        int status = fold_from_peers(c, k->in, into != NULL ? into + (offset - lo) : reduced, offset, bytes,
-                                     landing, k->type, k->op, k->itemsize);
-        if (status != OK)
-            return status;
-        if (into != NULL)
-            continue;
-        if (!begin_writes(w)) {
-            w->failed_peer = -1;
-            return ABORTED;
-        }
-        c->peer_writes++;
-        if (c->test_write_stall > 0)
-            sleep_seconds(c->test_write_stall);
-        status = copy_with_peer(w, root, reduced, load_acquire(&w->rows[root * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
-                                bytes, 1);
-        end_writes(w);
-        if (status != OK)
-            return status;
-    }
-    return OK;
 }
 
 /* A broadcast's large message, single copy: the root's x in nranks blocks
@@ -524,10 +436,9 @@ static int spread_from_root(Channel *c, const Collective *k)
     return OK;
 }
 
-/* Allgather's, broadcast's and reduce's large messages, single copy: rank
- * r reads what it wants of its peers' inputs straight out of their
- * processes, into its output where it copies (allgather, broadcast),
- * through landing chunks where it folds (reduce: fold_range). */
+/* Allgather's and broadcast's large messages, single copy: rank r reads
+ * what it wants of its peers' inputs straight out of their processes into
+ * its output (a broadcast's readers spread it too: spread_from_root). */
 static int read_from_peers(Channel *c, const Collective *k)
 {
     Waits *w = &c->waits;
@@ -547,16 +458,7 @@ static int read_from_peers(Channel *c, const Collective *k)
         }
         return OK;
     }
-    if (k->kind == K_BROADCAST)
-        return spread_from_root(c, k);
-    /* reduce: as allreduce's single copy (plan.pushed_plan), rank r folds
-     * block r of every rank's input, but only the root receives: the root folds straight
-     * into its output, the others write their block into the root's. Block
-     * b of the root's output is written by rank b alone, chunk t after rank
-     * b read chunk t of the root's input, so in place needs no other order. */
-    size_t count = k->nbytes / k->itemsize;
-    size_t start = count * (size_t)r / (size_t)n * k->itemsize, end = count * (size_t)(r + 1) / (size_t)n * k->itemsize;
-    return fold_range(c, k, start, end, r == k->root ? k->out + start : NULL, k->root);
+    return spread_from_root(c, k);
 }
 
 /* The other four collectives' large messages where some rank may not reach
@@ -614,8 +516,8 @@ static int stages_anyway(const Channel *c, int kind, size_t nbytes)
  * (Communicator.chosen_algorithm). Up to merged_max the merged step; a
  * larger message stages where stages_anyway says so, else it reads and
  * writes peers' arrays in place once the ranks agreed that all may
- * (single_copy 2): an allreduce or reduce_scatter in the plans
- * (STEP_PLANS), the other three here. Before their first large call (single_copy 0) it answers what this
+ * (single_copy 2): a fold in the plans (STEP_PLANS), allgather and
+ * broadcast here. Before their first large call (single_copy 0) it answers what this
  * rank proposes; a refusal the plans met is the ranks' too (single_copy 1,
  * refuse_single_copy). */
 static int step_for(const Channel *c, int kind, size_t nbytes)
@@ -625,8 +527,8 @@ static int step_for(const Channel *c, int kind, size_t nbytes)
     if (stages_anyway(c, kind, nbytes))
         return STEP_STAGED;
     int single_copy = c->single_copy == 0 ? c->may_single_copy : c->single_copy == 2;
-    return !single_copy ? STEP_STAGED
-           : kind == K_ALLREDUCE || kind == K_REDUCE_SCATTER ? STEP_PLANS : STEP_SINGLE_COPY;
+    int folds = kind == K_ALLREDUCE || kind == K_REDUCE_SCATTER || kind == K_REDUCE;
+    return !single_copy ? STEP_STAGED : folds ? STEP_PLANS : STEP_SINGLE_COPY;
 }
 
 static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_t seq)
@@ -864,7 +766,7 @@ static int writes_output(int kind, int rank, int root, int in_place)
  * of the sizes the collective needs, and outputs that are apart from x or
  * exactly its in-place form; a buffer is asked to be writable only where
  * this rank writes it. Anything else returns None: the Python path checks
- * it (a reduce_scatter whose step is STEP_PLANS, too). */
+ * it (a fold whose step is STEP_PLANS, too). */
 static PyObject *run_collective(Channel *c, int kind, PyObject *x_object, PyObject *out_object, int op, int root,
                                 double deadline)
 {
@@ -882,6 +784,10 @@ static PyObject *run_collective(Channel *c, int kind, PyObject *x_object, PyObje
         PyErr_Clear();
         Py_RETURN_NONE;
     }
+    if (step_for(c, kind, (size_t)x.len) == STEP_PLANS) {   /* declined: the sooner the cheaper */
+        PyBuffer_Release(&x);
+        Py_RETURN_NONE;
+    }
     if (!in_place && PyObject_GetBuffer(out_object, &y, (writes ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         PyBuffer_Release(&x);
@@ -895,8 +801,7 @@ static PyObject *run_collective(Channel *c, int kind, PyObject *x_object, PyObje
     char *in_place_out = kind == K_ALLGATHER ? NULL : (char *)x.buf + (kind == K_REDUCE_SCATTER ? (size_t)r * out_bytes : 0);
     const char *in_place_x = kind == K_ALLGATHER ? out + (size_t)r * nbytes : NULL;
     int takes = type >= 0 && nbytes > 0 && (kind != K_REDUCE_SCATTER || nbytes % ((size_t)n * (size_t)x.itemsize) == 0)
-                && (in_place || ((size_t)y.len == out_bytes && element_type(&y) == type && y.itemsize == x.itemsize))
-                && step_for(c, kind, nbytes) != STEP_PLANS;
+                && (in_place || ((size_t)y.len == out_bytes && element_type(&y) == type && y.itemsize == x.itemsize));
     char *copy = NULL;
     const char *in = takes ? input_to_read(x.buf, nbytes, out, out_bytes,
                                            in_place || out == in_place_out || (const char *)x.buf == in_place_x, &copy)
@@ -1148,7 +1053,7 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     if (c->allreduce_name == NULL)
         return -1;
     PyMem_Free(c->scratch);
-    c->scratch = PyMem_Malloc((size_t)nranks * (size_t)chunk + 8192);
+    c->scratch = PyMem_Malloc(64);
     if (c->scratch == NULL) {
         PyErr_NoMemory();
         return -1;

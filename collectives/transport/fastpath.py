@@ -19,21 +19,18 @@ of shared memory at the end of the control segment (layout.py), per rank
 
 Every collective is its `direct` algorithm: rank r reads, of every rank it
 needs, the part of its input it needs (reduce_scatter: block r; broadcast:
-the root's; reduce: the root reads all), and folds in rank order or copies
-(reduce's single copy below splits the folds by block, in the same order).
+the root's; reduce: the root reads all), and folds in rank order or copies.
 So the bits equal the `direct` plan's on every rank, in place and out of
 place (tests/test_fastpath.py compares them).
 
-Where it can, a large message skips staging (the single copy): readers
-pull straight from the peer's input (process_vm_readv): allgather into
-their output, reduce_scatter through a chunk in cache that it folds;
-reduce's ranks fold their block of every peer's input and write the
-reduced block straight into the root's output (process_vm_writev);
-broadcast's ranks each read one block of the root's x and write it into
-every other output, so the root's core copies a share too. A large
-allreduce the ranks may single copy the loop declines: the plans run it
-(ShmRank, plan.pushed_plan; a node's step across nodes too,
-HierarchyRanks.plans_allreduce), the same reads and writes as a plan. The
+Where it can, a large message skips staging (the single copy): allgather's
+readers pull straight from the peer's input into their output
+(process_vm_readv); broadcast's ranks each read one block of the root's x
+and write it into every other output (process_vm_writev), so the root's
+core copies a share too. A large fold (allreduce, reduce_scatter, reduce)
+the ranks may single copy the loop declines: the plans run it (ShmRank's
+single-copy plans; a node's step across nodes too,
+HierarchyRanks.plans_fold), with the same reads and writes. The
 single copy needs every rank to be allowed to read and write every other's
 memory (the same user; Yama's ptrace_scope 0, or 1 with ranks that are
 each other's ancestors; no seccomp rule against it): the ranks find out at
@@ -119,10 +116,10 @@ assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the
 MERGED, SINGLE_COPY, STAGED = "merged", "single_copy", "staged"
 STEPS = (MERGED, SINGLE_COPY, STAGED)
 # What Channel.step_for answers for a call the loop leaves to the plans: a
-# large allreduce or reduce_scatter the ranks may single copy (_shmloop.c's
-# STEP_PLANS), the collectives DECLINED_SINGLE_COPIES names.
+# large fold the ranks may single copy (_shmloop.c's STEP_PLANS), of the
+# collectives DECLINED_SINGLE_COPIES names.
 PLANS = "plans"
-DECLINED_SINGLE_COPIES = ("allreduce", "reduce_scatter")
+DECLINED_SINGLE_COPIES = ("allreduce", "reduce_scatter", "reduce")
 
 
 # The arrays the loop takes: NumPy's, and its memory-mapped ones (a rank
@@ -335,8 +332,8 @@ class FastCollectives:
         for an oversubscribed allgather up to its limit; else the large
         message's as the ranks agreed at their first (`large_path`), or
         before that, as this rank would propose: the single copy where it
-        may take it, which for an allreduce or reduce_scatter is PLANS (the
-        loop declines it: DECLINED_SINGLE_COPIES). None once closed."""
+        may take it, which for a fold is PLANS (the loop declines it:
+        DECLINED_SINGLE_COPIES). None once closed."""
         channel = self._channel
         return None if channel is None else channel.step_for(KIND_CODES[collective], nbytes)
 

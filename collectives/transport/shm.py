@@ -317,25 +317,21 @@ class ShmRank(Recoverable):
 
     def _fold_single_copy_min(self, collective):
         """The least bytes of a fold (plan.SINGLE_COPY_FOLDS) that reads
-        peers' inputs in place: past the loop's staged_max, which its probe
-        chose by timing folds both ways (the exchanges' probe times an
-        all_to_all, which on a machine where reading another process costs
-        four copies in memory chose 128 KiB, where folds were twice as fast
-        staged up to 4 MiB). An allreduce or reduce_scatter: every one the
-        loop declines (past its merged step too: _shmloop.c's STEP_PLANS).
-        A reduce, which the loop single copies itself, from the exchanges'
-        limit too (where the loop never stages, staged_max is 0, but a
-        small call's single copy costs more than staging: a 4 KiB reduce
-        named `two_shot`). Without the loop,
+        peers' inputs in place: every one the loop declines (past its
+        merged step and its staged_max, which its probe chose by timing
+        folds both ways: _shmloop.c's STEP_PLANS), so the same bound for a
+        call naming a fold's single-copy algorithm (the exchanges' probe
+        times an all_to_all, which on a machine where reading another
+        process costs four copies in memory chose 128 KiB, where folds
+        were twice as fast staged up to 4 MiB). Without the loop,
         $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN where pinned; else None."""
+        assert collective in fastpath.DECLINED_SINGLE_COPIES, collective
         if self.single_copy_min is None:   # no compiled executor, or the single copy turned off
             return None
         staged_max = None if self.fast is None else self.fast.staged_max
         if staged_max is None:
             return self._pinned_single_copy_min
-        if collective in fastpath.DECLINED_SINGLE_COPIES:
-            return max(staged_max, self.fast.merged_max) + 1
-        return max(staged_max + 1, self.single_copy_min)
+        return max(staged_max, self.fast.merged_max) + 1
 
     def _single_copy_of(self, plan):
         """Whether `plan` (a Plan or a paths.CallShape) runs as a single-copy plan."""
@@ -348,17 +344,18 @@ class ShmRank(Recoverable):
 
     def _single_plan(self, plan, in_place):
         """The single-copy plan of `plan`: pushed (plan.pushed_plan) where
-        a fold's reduced chunks go to other ranks (two_shot), out of place
-        (a refused read or write may still fall back to the staged plan),
-        or in place (PUSHED_IN_PLACE, PUSHED_ONLY_IN_PLACE) where the start
-        found that every rank may push into every peer (the compiled
-        executor's pushes_reached, the same on every rank); else read
-        (plan.single_copy_plan). A broadcast
+        a fold's reduced chunks go to other ranks (two_shot): in place
+        (PUSHED_IN_PLACE, PUSHED_ONLY_IN_PLACE) where the start found that
+        every rank may push into every peer (the compiled executor's
+        pushes_reached, the same on every rank), out of place unless it
+        found a push refused (a refused read or write may still fall back
+        to the staged plan); else read (plan.single_copy_plan). A broadcast
         from the loop's pull limit on (every size where ranks outnumber
         cores, as the loop's) spreads (plan.spread_plan)."""
+        reached = self._single.pushes_reached
         pushes_in_place = plan.collective in PUSHED_IN_PLACE + PUSHED_ONLY_IN_PLACE
         if plan.collective in PUSHED_FOLDS and plan.algorithm == "two_shot" \
-                and (not in_place or (pushes_in_place and self._single.pushes_reached == 1)):
+                and (reached == 1 and pushes_in_place if in_place else reached != -1):
             return pushed_plan(plan.collective, plan.nranks, plan.count, plan.dtype, plan.op, plan.root, in_place,
                                plan.algorithm)
         if plan.collective in SPREAD_COLLECTIVES and plan.count * plan.dtype.itemsize >= self._broadcast_pull_max:
