@@ -188,8 +188,11 @@ class ShmRank(Recoverable):
                 return
             if x.size not in plans:
                 plans[x.size] = single_copy_plan(REDUCE_SCATTER, self.size, x.size, x.dtype, op)
-            if not self._run_single_plan(plans[x.size], x.ctypes.data, out.ctypes.data, time.perf_counter() + timeout):
-                assert self.fast.collective("reduce_scatter", x, op, out, 0, timeout), "the loop declined its probe"
+            deadline = time.perf_counter() + timeout
+            # (a refused read: the loop stages from now on, and runs this call so)
+            if not self._run_single_plan(plans[x.size], x.ctypes.data, out.ctypes.data, deadline) \
+                    and not self.fast.collective("reduce_scatter", x, op, out, 0, timeout):
+                raise AssertionError("the loop declined its own probe")
         return reduce_scatter
 
     def _choose_exchange_single_copy_min(self, communicator):
