@@ -1217,7 +1217,7 @@ def consecutive(layout):
 
 def run_one(scenario, layout):
     # (read when the communicator is made) a node's step past its merged step the plans': an allreduce
-    # where nodes are interleaved, a reduce_scatter of a node's range on three nodes (two of two stage)
+    # where nodes are interleaved, a reduce_scatter of a node's range on three nodes (two of two: the probe's)
     pinned = scenario == "by_node" and (not consecutive(layout) or len(set(layout.split(","))) > 2)
     if pinned:
         os.environ["COLLECTIVES_STAGED_MAX"] = "0"
