@@ -412,43 +412,45 @@ def _address(array):
     return array.ctypes.data
 
 
-def _loop_fold(h, collective, call, into, root=0):
-    """The node's loop folds x into `into` (allreduce, reduce_scatter, or
-    reduce to local rank `root`; the in-node op: avg sums), or where it
-    leaves such a call to the plans (a single copy), the node's plans do
-    (HierarchyRanks.plans_fold: the same on every rank, and on every later
+def _loop(h, collective, nbytes, source, into, op=ReduceOp.SUM, root=0, own_source=False):
+    """The node step that runs `collective` of `nbytes` a rank from
+    `source` into `into` (None: the call's x, or its out; `own_source`: the
+    call's `own`), with the in-node op of `op` (avg sums) and local rank
+    `root` (reduce, broadcast): the node's loop, or where it leaves such a
+    call to the plans (a single copy), the node's plans
+    (HierarchyRanks.plans_step: the same on every rank, and on every later
     call, which may only find the single copy refused and then stage in
     the loop that way)."""
-    op = partial_op(call.op)
-    if h.shm.fast.step_for(collective, call.count * call.dtype.itemsize) == fastpath.PLANS:
-        return h.plans_fold, (collective, None, into, op.value, root, None), 1, -1, 5, -1
-    if collective == ALLREDUCE:
+    op = partial_op(op)
+    x_at, own_at = (-1, 1) if own_source else (1 if source is None else -1, -1)
+    out_at = 2 if into is None else -1
+    if h.shm.fast.step_for(collective, nbytes) == fastpath.PLANS:
+        ranks = weakref.proxy(h)   # (h holds the Programs that hold this)
+        return (lambda *arguments: ranks.plans_step(*arguments), (collective, source, into, op.value, root, None),
+                x_at, out_at, 5, own_at)
+    if collective == ALLREDUCE:   # (the channel's allreduce takes neither a root nor a kind)
+        assert source is None and into is not None and not own_source, "a node allreduce from x into a buffer"
         return h.shm.fast.channel.allreduce, (None, into, fastpath.OP_CODES[op], None), 0, -1, 3, -1
-    return _loop(h, collective, None, into, fastpath.OP_CODES[op], root)
+    args = (fastpath.KINDS[collective], source, into, fastpath.OP_CODES[op], root, None)
+    return h.shm.fast.channel.collective, args, x_at, out_at, 5, own_at
 
 
-def node_reduce_scatter(h, nbytes, op):
-    """The node's reduce_scatter of `nbytes` a rank with `op` (its in-node
-    op), for a step's own function to call: `(x, out, deadline)` -> 0 or
+def node_call(h, collective, nbytes, op=ReduceOp.SUM, root=0):
+    """The node's `collective` of `nbytes` a rank with the in-node op of
+    `op`, for a step's own function to call: `(x, out, deadline)` -> 0 or
     the loop's failure status, the loop's call, or where the loop leaves
     such a call to the plans (a single copy), the node's plans' (which
     raise a failure), decided once for every call of the shape as
-    _loop_fold's."""
+    _loop's."""
     op = partial_op(op)
-    if h.shm.fast.step_for(REDUCE_SCATTER, nbytes) == fastpath.PLANS:
+    if h.shm.fast.step_for(collective, nbytes) == fastpath.PLANS:
         ranks, value = weakref.proxy(h), op.value   # (h holds the Programs that hold this)
-        return lambda x, out, deadline: ranks.plans_fold(REDUCE_SCATTER, x, out, value, 0, deadline)
-    channel, kind, code = h.shm.fast.channel, fastpath.KINDS[REDUCE_SCATTER], fastpath.OP_CODES[op]
-    return lambda x, out, deadline: channel.collective(kind, x, out, code, 0, deadline)
-
-
-def _loop(h, collective, source, into, code, root, own_source=False):
-    """The node's loop runs `collective` from `source` into `into` (None:
-    the call's x, or its out; `own_source`: the call's `own`)."""
-    args = (fastpath.KINDS[collective], source, into, code, root, None)
-    x_at = 1 if source is None and not own_source else -1
-    return (h.shm.fast.channel.collective, args, x_at, 2 if into is None else -1, 5,
-            1 if own_source else -1)
+        return lambda x, out, deadline: ranks.plans_step(collective, x, out, value, root, deadline)
+    channel, code = h.shm.fast.channel, fastpath.OP_CODES[op]
+    if collective == ALLREDUCE:
+        return lambda x, out, deadline: channel.allreduce(x, out, code, deadline)
+    kind = fastpath.KINDS[collective]
+    return lambda x, out, deadline: channel.collective(kind, x, out, code, root, deadline)
 
 
 def _fold(sources, into, call, nbytes, size):
@@ -485,9 +487,9 @@ def _reducing(h, call, counterparts, others):
     if h.shm is None:
         before.append(((X, 0), (ADDRESS, _address(part)), x_bytes))
     elif call.collective == REDUCE_TO_ROOT:
-        first = _loop_fold(h, REDUCE_TO_ROOT, call, part, h.topology.local_of(call.root))
+        first = _loop(h, REDUCE_TO_ROOT, x_bytes, None, part, call.op, h.topology.local_of(call.root))
     else:
-        first = _loop_fold(h, ALLREDUCE, call, part)
+        first = _loop(h, ALLREDUCE, x_bytes, None, part, call.op)
     for peer, payload in zip(senders, exchange.send_payloads):
         piece = _address(part) + (peer * block if call.collective == REDUCE_SCATTER else 0)
         if _address(payload) != piece:
@@ -520,7 +522,7 @@ def _reduce_scatter_by_node_blocks(h, call, counterparts, others):
     partials = iter(payload.view(call.dtype) for payload in exchange.send_payloads)
     into = [own_partial if k == k_me else next(partials) for k in range(len(nodes))]
     ranges = [(node[0] * count, (node[0] + len(node)) * count) for node in nodes]
-    reduce_scatter = node_reduce_scatter(h, len(h.node_ranks) * count * call.dtype.itemsize, call.op)
+    reduce_scatter = node_call(h, REDUCE_SCATTER, len(h.node_ranks) * count * call.dtype.itemsize, call.op)
 
     def every_nodes_blocks(x, deadline):
         flat = x.reshape(-1)
@@ -555,8 +557,8 @@ def _blocks(h, call, counterparts, others):
         result = (OUT, 0)
     else:   # the fold into out's block of this rank, which the all-gather then reads in place
         before = []
-        first = _loop_fold(h, REDUCE_SCATTER, call, part)
-        last = _loop(h, "allgather", None, None, 0, 0, own_source=True)
+        first = _loop(h, REDUCE_SCATTER, x_bytes, None, part, call.op)
+        last = _loop(h, ALLGATHER, block, None, None, own_source=True)
         count = call.count // size
         own = (h.local * count, (h.local + 1) * count)
         result = (OUT, h.local * block)
@@ -583,7 +585,7 @@ def _allgather(h, call, counterparts, others):
     if h.shm is None:
         first, before = None, [((X, 0), (ADDRESS, _address(mine)), row)]
     else:
-        first, before = _loop(h, "allgather", None, mine.view(call.dtype), 0, 0), []
+        first, before = _loop(h, ALLGATHER, row, None, mine.view(call.dtype)), []
     before += [((ADDRESS, _address(mine)), (ADDRESS, _address(payload)), node_bytes)
                for payload in exchange.send_payloads[1:] if _address(payload) != _address(mine)]
     received = iter(exchange.receive_payloads)
@@ -615,14 +617,13 @@ def _allgather_by_node_rows(h, call, counterparts, others):
     k_me, count = h.node_index, call.count
     row = count * call.dtype.itemsize
     exchange, own_node, ranges = _signatures_and_own_node(h, call, others)
-    channel, kind = h.shm.fast.channel, fastpath.KINDS["allgather"]
+    gather = node_call(h, ALLGATHER, row)
 
     def other_nodes(out, deadline):
         flat = out.reshape(-1)
         for k, (start, stop) in enumerate(ranges):
             peer = counterparts[k]
-            result = 0 if k == k_me else channel.collective(kind, flat[peer * count:(peer + 1) * count],
-                                                            flat[start:stop], 0, 0, deadline)
+            result = 0 if k == k_me else gather(flat[peer * count:(peer + 1) * count], flat[start:stop], deadline)
             if result != 0:
                 return result
         return 0
@@ -641,12 +642,12 @@ def _signatures_and_own_node(h, call, others):
     x into the node's range of out, and every node's range of out (elements)."""
     exchange = h.link.repeated_exchange([(peer, 0) for peer in others], [(peer, 0) for peer in others],
                                         one_payload=True)
-    channel, kind = h.shm.fast.channel, fastpath.KINDS["allgather"]
+    gather = node_call(h, ALLGATHER, call.count * call.dtype.itemsize)
     ranges = [(node[0] * call.count, (node[0] + len(node)) * call.count) for node in h.topology.nodes]
     start, stop = ranges[h.node_index]
 
     def own_node(x, out, deadline):
-        return channel.collective(kind, x, out.reshape(-1)[start:stop], 0, 0, deadline)
+        return gather(x, out.reshape(-1)[start:stop], deadline)
 
     return exchange, (own_node, (None, None, None), 0, 1, 2, -1), ranges
 
@@ -665,7 +666,7 @@ def _broadcast(h, call, counterparts, others):
     in_root_node = h.node_index == root_node
     if h.shm is not None and h.local != root_local:   # the node's broadcast alone (out of place, x as it was)
         exchange = h.link.repeated_exchange([], [])
-        step = _loop(h, "broadcast", None, None, 0, root_local)
+        step = _loop(h, BROADCAST, nbytes, None, None, root=root_local)
         if in_root_node:
             return Shape(exchange, nbytes, nbytes, first_step=step, steps=("broadcast", ""))
         return Shape(exchange, nbytes, nbytes, last_step=step, steps=("", "broadcast"))
@@ -674,15 +675,15 @@ def _broadcast(h, call, counterparts, others):
         received = exchange.receive_payloads[0]
         if h.shm is None:
             return Shape(exchange, nbytes, nbytes, after=[((ADDRESS, _address(received)), (OUT, 0), nbytes)])
-        step = _loop(h, "broadcast", received.view(call.dtype), None, 0, root_local)
+        step = _loop(h, BROADCAST, nbytes, received.view(call.dtype), None, root=root_local)
         return Shape(exchange, nbytes, nbytes, last_step=step, steps=("", "broadcast"))
     # The root: its message leaves first, then its node broadcasts (from x into out).
     exchange = h.link.repeated_exchange([(peer, nbytes) for peer in others], [], one_payload=True)
     before = [((X, 0), (ADDRESS, _address(payload)), nbytes) for payload in exchange.send_payloads[:1]]
     if h.shm is None:
         return Shape(exchange, nbytes, nbytes, before=before, after=[((X, 0), (OUT, 0), nbytes)])
-    return Shape(exchange, nbytes, nbytes, before=before, last_step=_loop(h, "broadcast", None, None, 0, root_local),
-                 steps=("", "broadcast"))
+    return Shape(exchange, nbytes, nbytes, before=before,
+                 last_step=_loop(h, BROADCAST, nbytes, None, None, root=root_local), steps=("", "broadcast"))
 
 
 def _broadcast_in_slices(h, call, counterparts, others):
@@ -702,16 +703,16 @@ def _broadcast_in_slices(h, call, counterparts, others):
     root_node = h.topology.node_of(call.root)
     if h.node_index == root_node:
         exchange = h.link.repeated_exchange([(peer, 0) for peer in others], [], one_payload=True)
-        first = _loop(h, "broadcast", None, None, 0, h.topology.local_of(call.root))
+        first = _loop(h, BROADCAST, nbytes, None, None, root=h.topology.local_of(call.root))
         return Shape(exchange, nbytes, nbytes, first_step=first, steps=("broadcast", ""),
                      direct=([], [(peer, (OUT, local * piece), piece) for peer in others], None, False))
     source = nodes[root_node][local]
     exchange = h.link.repeated_exchange([], [(source, 0)])
-    channel, kind = h.shm.fast.channel, fastpath.KINDS["allgather"]
+    gather = node_call(h, ALLGATHER, piece)
 
     def gather_slices(out, deadline):
         flat = out.reshape(-1)
-        return channel.collective(kind, flat[local * count:(local + 1) * count], flat, 0, 0, deadline)
+        return gather(flat[local * count:(local + 1) * count], flat, deadline)
 
     return Shape(exchange, nbytes, nbytes, last_step=(gather_slices, (None, None), -1, 0, 1, -1),
                  steps=("", "allgather"), direct=([(source, (OUT, local * piece), piece)], [], None, False))

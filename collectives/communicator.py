@@ -922,15 +922,14 @@ class Communicator:
         Returns a Choice (collectives/auto.py): a str, the algorithm's
         name (always one of collectives.algorithms.REGISTRY, but
         "hierarchical" across nodes), with the path in `.path` and, on the
-        compiled loop's path, its step in `.step` ("merged", "single_copy"
-        or "staged"; before the ranks' first large call, the single copy
-        where this rank may take it: they agree at that call). The paths,
+        compiled loop's path, its step in `.step` ("merged" or "staged").
+        The paths,
         and which call takes which, are collectives/router.py's table, the
         one decision: for GPU ranks "ll", "symmetric", "staged" or "step"
         in processes, "peer_ll" or "events" in one process (docs/design.md,
         "Execution paths"); "interpreter" for host ranks in one process;
-        for host ranks in processes "compiled_loop", "single_copy" (an
-        exchange reading peers' inputs in place), "compiled_plan" (the
+        for host ranks in processes "compiled_loop", "single_copy" (a
+        plan reading peers' inputs in place), "compiled_plan" (the
         compiled plan executor) or "step" (the interpreter: compressed,
         float16 and bfloat16 calls); across nodes "program",
         "counterparts", "hierarchical", "compressed" or "exchange"

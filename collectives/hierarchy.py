@@ -114,7 +114,7 @@ from .communicator import Communicator
 from .config import resolve_fast_sizes
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, RevokedError
 from .executors import host
-from .across import PROGRAM_MAX_BYTES, Programs, Shape, loop_runs_nodes, node_reduce_scatter
+from .across import PROGRAM_MAX_BYTES, Programs, Shape, loop_runs_nodes, node_call
 from .ops import ReduceOp, partial_op
 from .compression import kernels as codec_kernels
 from .compression.kernels import BLOCK
@@ -370,7 +370,7 @@ class HierarchyRanks:
         self.node_ranks = topology.nodes[self.node_index]
         self.local = topology.local_of(rank)
         self._scratch = {}
-        self._node = None       # the node's Communicator over shm (plans_fold)
+        self._node = None       # the node's Communicator over shm (plans_step)
         self.residual = None    # error feedback for the next compressed call (feeding_back)
         self.calls = 0          # calls made: each one's number goes into its signature
         self.candidates = tuple(range(topology.size))   # who a shrink counts on (HierarchicalCommunicator.shrink)
@@ -393,17 +393,23 @@ class HierarchyRanks:
         self._compiled_barrier = ((compiled, np.zeros(1, np.uint8))
                                   if self.programs is not None and takes_small(self, compiled) else None)
 
-    def plans_fold(self, collective, x, out, op, root, deadline):
-        """A node step: the node's allreduce, reduce_scatter or reduce (to
-        local rank `root`) of x into `out` where its loop leaves the call
-        to the plans (a single copy: its step_for answers fastpath.PLANS),
-        as on one machine, through the node's own Communicator over `shm`
-        (`_node_until`); `out` x (allreduce, reduce) or x's own block
-        (reduce_scatter): in place. 0 once done (a Program's node step);
-        else it raises what that call raises, the node aborted."""
+    def plans_step(self, collective, x, out, op, root, deadline):
+        """A node step: the node's `collective` (one of the five; reduce
+        and broadcast to or from local rank `root`; `op` a fold's) of x
+        into `out` where its loop leaves the call to the plans (a single
+        copy: its step_for answers fastpath.PLANS), as on one machine,
+        through the node's own Communicator over `shm` (`_node_until`).
+        In place: `out` x (allreduce, broadcast, reduce), x's own block
+        (reduce_scatter), or x out's block of this rank (allgather). 0 once
+        done (a Program's node step); else it raises what that call
+        raises, the node aborted."""
         node = self._node_until(deadline)
         if collective == REDUCE_SCATTER:
             node.reduce_scatter(x, op, out=out)
+        elif collective == ALLGATHER:
+            node.allgather(x.reshape(-1), out=out.reshape(-1))
+        elif collective == BROADCAST:
+            node.broadcast(x, root=root, out=None if out is x else out)
         elif collective == ALLREDUCE:
             node.allreduce(x, op, out=None if out is x else out)
         else:
@@ -707,8 +713,8 @@ def compressed_program(h, call, counterparts, others):
                 assert count <= held, (count, held)
                 sources.append(wire(message, count))
         steps += _fold_decoded_steps(codec, part[offset:offset + count], sources, divisor, temp[:count])
-    collective, kinds = h.shm.fast.channel.collective, fastpath.KINDS
-    node_fold = node_reduce_scatter(h, call.count * call.dtype.itemsize, call.op)
+    node_fold = node_call(h, REDUCE_SCATTER, call.count * call.dtype.itemsize, call.op)
+    node_gather = node_call(h, ALLGATHER, part.nbytes)
     encode = codec_kernels.bound_encode(codec, part, *sent, round_x=True)
     start, stop = plan.ranges[h.local]
     ranks = weakref.proxy(h)   # (h holds this Program: no cycle through it)
@@ -730,7 +736,7 @@ def compressed_program(h, call, counterparts, others):
     def fold_and_gather(out, deadline):
         for step in steps:
             step()
-        return collective(kinds[ALLGATHER], part, out, 0, 0, deadline)
+        return node_gather(part, out, deadline)
 
     x_bytes = call.count * call.dtype.itemsize
     return Shape(exchange, x_bytes, x_bytes, first_step=(reduce_scatter_and_encode, (None, None), 0, -1, 1, -1),
@@ -1029,15 +1035,15 @@ def takes_small(h, call):
 def _in_node(h, collective, x, out, op, root, deadline):
     """One call of the node's compiled loop (nothing when alone on the node:
     out = x), or of the node's plans where the loop leaves it to them (a
-    large fold the ranks may single copy). The loop
+    large message the ranks may single copy). The loop
     takes these buffers on every rank alike; its declining would be a bug,
     and is raised as one."""
     if h.shm is None:
         if out is not x:
             np.copyto(out, x)
         return
-    if collective in fastpath.DECLINED_SINGLE_COPIES and h.shm.fast.step_for(collective, x.nbytes) == fastpath.PLANS:
-        h.plans_fold(collective, x, out, op, root, deadline)   # (the single copy, which the loop leaves to the plans)
+    if h.shm.fast.step_for(collective, x.nbytes) == fastpath.PLANS:
+        h.plans_step(collective, x, out, op, root, deadline)   # (the single copy, which the loop leaves to the plans)
         return
     timeout = max(deadline - time.perf_counter(), 0.0)
     if collective == ALLREDUCE:

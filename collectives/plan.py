@@ -616,23 +616,30 @@ SPREAD_COLLECTIVES = (BROADCAST,)
 
 @functools.lru_cache(maxsize=256)
 def spread_plan(collective, nranks, count, dtype, root=0, in_place=False):
-    """broadcast's single copy spread over the ranks (the compiled loop's
-    spread_from_root, as a plan): where direct's single copy has every
+    """broadcast's single copy spread over the ranks (what the compiled
+    loop's spread_from_root was): where direct's single copy has every
     rank read the whole of the root's x (single_copy_plan), rank c reads
-    chunk c of it once into its own output (the root: copies it; in
-    place, has it) and pushes it into every other rank's output, a slice
-    of PUSH_SLICE_BYTES at a time, each slice still in cache:
+    chunk c of it once into its own output (the root has it) and pushes
+    it into every other rank's output but the root's, a slice of
+    PUSH_SLICE_BYTES at a time, each slice still in cache; the root's
+    output, out of place, is the root's own copy of its x:
 
-        1  rank c: OUTPUT_c[c] = the root's INPUT[c], and OUTPUT_q[c] =
-           that, pushed into every rank q that has a row (in place: every
-           rank but the root, whose x holds the result)
+        1  rank c but the root: OUTPUT_c[c] = the root's INPUT[c]; every
+           rank c: OUTPUT_q[c] = that (the root's: its INPUT[c]), pushed
+           into every rank q but c and the root; the root out of place:
+           OUTPUT = INPUT, all of it
         2  nothing: every rank waits until every peer completed phase 1
 
+    No peer pushes into the root because none knows whether the root's x
+    is its output: ranks may differ in placement, and each builds its plan
+    from its own (a peer that took the root for in place left the second
+    half of an out-of-place root's output unwritten).
+
     Derived from direct's single-copy plan (a row per receiving rank q:
-    OUTPUT_q = the root's INPUT, all of it), each row cut at the chunks'
-    bounds (chunk_bounds) and piece c run by rank c: its own as it was,
-    every other as a push of rank c's copy, which holds the same values
-    once its own piece ran (in place, the root's: its input). Checked
+    OUTPUT_q = the root's INPUT, all of it), each row but the root's cut at
+    the chunks' bounds (chunk_bounds) and piece c run by rank c: its own
+    as it was, every other as a push of rank c's copy, which holds the
+    same values once its own piece ran (the root's: its input). Checked
     here: direct's rows are of that form, so every receiving output
     element is written once, from the root's input. Phase 1 writes only
     outputs no staged rerun reads (in place, the root's x is only read),
@@ -651,15 +658,19 @@ def spread_plan(collective, nranks, count, dtype, root=0, in_place=False):
         raise ValueError(f"spread_plan: {collective}'s single copy does not give every receiving rank one row")
     slice_elements = max(1, PUSH_SLICE_BYTES // dtype.itemsize)
     width = rows.shape[1] if len(rows) else SRC0 + 3
+    pushed_into = [q for q in receivers if q != root]
     rows_by_rank = []
     for c, (lo, hi) in enumerate(chunk_bounds(collective, nranks, nranks, count, dtype.itemsize)):
         mine = []
         for at in range(lo, hi, slice_elements):
             stop = min(at + slice_elements, hi)
-            if c in receivers:
+            if c != root:
                 mine.append(_copy_row(width, c, at, stop, (root, INPUT)))
-            source = (c, OUTPUT) if c in receivers else (root, INPUT)   # (in place, the root's x)
-            mine += [_copy_row(width, q, at, stop, source) for q in receivers if q != c]
+            source = (root, INPUT) if c == root else (c, OUTPUT)
+            mine += [_copy_row(width, q, at, stop, source) for q in pushed_into if q != c]
+        if c == root and root in receivers:   # (out of place, after its pushes: the peers' first)
+            mine += [_copy_row(width, root, at, min(at + slice_elements, count), (root, INPUT))
+                     for at in range(0, count, slice_elements)]
         rows_by_rank.append(mine)
     phases = base.phases
     phase1 = _phase_of_pushes(rows_by_rank, width, phases[1].waits)

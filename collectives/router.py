@@ -10,11 +10,12 @@ that holds:
     host ranks in     uncompressed, of a dtype the loop folds          compiled_loop   direct; two_shot for
     processes on      (fastpath.LOOP_DTYPES), `auto` or the algorithm  + its step      an allreduce above
     one machine       the loop's step is (fastpath.runs_as), but a                     the merged step
-                      fold the loop leaves to the plans
-                      a fold (allreduce, reduce_scatter, reduce) past  single_copy     two_shot; a
-                      the loop's merged step and staged_max, where                     reduce_scatter
-                      the ranks may single copy (a reduce in place                     direct (a reduce
-                      where they may push)                                             direct named)
+                      message the loop leaves to the plans
+                      one of the five past the loop's merged step      single_copy     two_shot for an
+                      and staging limits (a fold's staged_max, an                      allreduce or reduce
+                      oversubscribed allgather's), where the ranks                     (or direct named);
+                      may single copy (a reduce in place where they                    the others direct
+                      may push)
                       `direct` all_to_all(_v), gather, scatter of      single_copy     direct
                       blocks from the single-copy limit (shm.py);
                       allgather, broadcast the loop did not take
@@ -35,7 +36,7 @@ that holds:
     backend="nccl"    every call                                       nccl            auto's, or the named
 
 The loop's step (compiled_loop) is "merged" up to its merged-step limit,
-else "staged" or "single_copy" as _shmloop.c's step_for decides. A plan of
+else "staged" where _shmloop.c's step_for decides so. A plan of
 host ranks in processes whose workspace would hold more than two of
 $COLLECTIVES_PLAN_SEGMENT_BYTES runs its algorithm in segments
 (plan.segmented_plan, ShmRank.plan_segment) on the same path. Across
@@ -89,9 +90,9 @@ def loop_step(comm, collective, nbytes, dtype, compression, algorithm):
     """The compiled loop's step for a call it takes (the first rule), or
     None: the loop runs NCCL's five collectives, uncompressed, of a dtype
     it folds (None: one it does), with `auto` or naming the algorithm its
-    step is, but a large fold (allreduce, reduce_scatter, reduce) that the
-    ranks may single copy, which it leaves to the plans. (A hierarchical communicator's shortcuts run its Programs,
-    not the loop: its ranks have no loop of their own.)"""
+    step is, but a large message that the ranks may single copy, which it
+    leaves to the plans. (A hierarchical communicator's shortcuts run its
+    Programs, not the loop: its ranks have no loop of their own.)"""
     ranks = comm._ranks   # noqa: SLF001
     if collective in EXCHANGES or compression is not None or nbytes == 0:
         return None

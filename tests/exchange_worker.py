@@ -345,7 +345,8 @@ def scenario_spread(comm):
     """broadcast on the plans' path (the test turns the loop off): past the
     pull limit it spreads (plan.spread_plan), below it every rank reads the
     root's x (where ranks outnumber cores, it spreads at every size); in
-    and out of place, every root, the root's bits. Then the pushes of rank
+    and out of place, every root, the root's bits; ranks that differ in
+    placement, likewise. Then the pushes of rank
     1, the root, are refused in an in-place spread: every rank runs it
     again staged (the root's x only read), with its bits."""
     runs = counting_single_copies()
@@ -366,6 +367,19 @@ def scenario_spread(comm):
                 assert compiled.last_plan.pushes == spreads
                 calls += 2
     assert len(runs) == calls, (len(runs), calls)
+    # Ranks that differ in placement, the root in place and the others not,
+    # and the other way round: each builds its plan from its own, so no
+    # peer may take the root's output for its x (the second half of an
+    # out-of-place root's output was left unwritten across nodes so).
+    k = BROADCAST_PULL_MAX // 4 + 1000
+    xs = [data(43, q, np.float32, k) for q in range(n)]
+    for root in range(n):
+        for root_in_place in (True, False):
+            in_place = root_in_place == (r == root)
+            got = comm.broadcast(xs[r].copy(), root=root, out=None if in_place else np.zeros(k, np.float32))
+            same_bits(got, xs[root], f"broadcast root {root}, the root in place {root_in_place}")
+            assert compiled.last_plan.pushes
+    calls = len(runs)
     if r == 1:   # (in place, only the root pushes where n is 2)
         _host_plan.test_refuse_pushes(True)
     k = BROADCAST_PULL_MAX // 4 + 2000   # (a shape not run before: from Python, counted)

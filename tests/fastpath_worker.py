@@ -165,7 +165,6 @@ def scenario_collectives(comm, digest):
                     left_to_plans = loop.step_for(collective, x.nbytes) == fastpath.PLANS
                     for how, fast, reference in calls_of(comm, collective, x, root, op):
                         plan_waits, staged = compiled.waits_made, loop._channel.staged_calls   # noqa: SLF001
-                        writes = loop._channel.peer_writes   # noqa: SLF001
                         got = fast()
                         assert (compiled.waits_made > plan_waits) == left_to_plans, \
                             f"{collective} {how}: expected {'the plans' if left_to_plans else 'the loop'} to run it"
@@ -173,21 +172,19 @@ def scenario_collectives(comm, digest):
                             ran = comm._ranks.what_ran()   # noqa: SLF001
                             assert ran == (SINGLE_COPY_ALGORITHMS[collective][0], "single_copy"), (collective, how, ran)
                             assert loop._channel.staged_calls == staged, f"{collective} {how}: staged"   # noqa: SLF001
+                            if collective == "broadcast":
+                                # below the pull limit every reader pulls all of x and nobody writes into
+                                # a peer; from it the root's x is spread, each rank writing a block into
+                                # every other output (plan.spread_plan)
+                                spread = x.nbytes >= comm._ranks._broadcast_pull_max   # noqa: SLF001
+                                pushed = comm._ranks._single.last_plan.pushes   # noqa: SLF001
+                                assert bool(pushed) == spread, f"broadcast {how} {x.nbytes} bytes: pushes {pushed}"
                         elif count * itemsize > SIZES.small_max:   # staged where it must be, and only there
                             spread_staged = (stages_spread and collective == "allgather"
                                              and x.nbytes <= loop.tunables.spread_staged_max)
                             want = loop.large_path == "staged" or spread_staged
                             assert (loop._channel.staged_calls > staged) == want, (   # noqa: SLF001
                                 f"{collective} {how} {x.nbytes} bytes: staged {not want}, expected {want}")
-                            if collective == "broadcast" and loop.large_path == "single-copy":
-                                # below the channel's pull limit every reader pulls all of x and
-                                # nobody writes into a peer; above it the root writes a block into
-                                # every other output (spread_from_root)
-                                wrote = loop._channel.peer_writes > writes   # noqa: SLF001
-                                if x.nbytes < loop._channel.broadcast_pull_max:   # noqa: SLF001
-                                    assert not wrote, f"broadcast {how} {x.nbytes} bytes: wrote into a peer"
-                                elif comm.rank == root:
-                                    assert wrote, f"broadcast {how} {x.nbytes} bytes: the root wrote nothing"
                         want = reference()
                         assert compiled.waits_made > plan_waits, "the reference ran no plan"
                         if collective == "reduce" and comm.rank != root:
@@ -687,18 +684,6 @@ def staged_max_differs():
     raise AssertionError("a start whose ranks disagree on COLLECTIVES_STAGED_MAX went on")
 
 
-def large_path(ranks):
-    """How large messages moved: as the loop's ranks agreed at their first
-    (FastCollectives.large_path), or, where only the plans took a large
-    allreduce (the loop leaves its single copy to them), "single-copy" once
-    it pushed into every peer (a refusal they met, the loop stages too:
-    "staged")."""
-    path = ranks.fast.large_path
-    if path == "undecided" and ranks._single is not None and ranks._single.pushes_reached == 1:   # noqa: SLF001
-        return "single-copy"
-    return path
-
-
 def main():
     scenario = sys.argv[1]
     if scenario == "staged_max_differs":
@@ -731,7 +716,8 @@ def main():
     run_scenario(run, ranks_leave)
     print(f"OK {scenario} {comm.rank} {digest.hexdigest()[:16]}", flush=True)
     if LOOP:
-        print(f"LARGE PATH {comm.rank} {large_path(comm._ranks)}", flush=True)   # noqa: SLF001
+        # (how messages past the loop's staging limits moved: FastCollectives.large_path)
+        print(f"LARGE PATH {comm.rank} {comm._ranks.fast.large_path}", flush=True)   # noqa: SLF001
     if ranks_leave:
         os._exit(0)
     comm.close()

@@ -11,6 +11,7 @@ and fails with a traceback (non-zero exit) otherwise. Several scenarios
 that leave every rank alive run in turn in one launch (`main`).
 """
 
+import itertools
 import os
 import re
 import subprocess
@@ -451,16 +452,35 @@ class StallingChannel:
     Program's node step, where no test can stop it from outside."""
 
     def __init__(self, channel, stall_at, seconds):
-        self._channel, self._stall_at, self._seconds, self._calls = channel, stall_at, seconds, 0
+        self._channel = channel
+        self.collective = stalling(channel.collective, stall_at, seconds)
 
     def __getattr__(self, name):
         return getattr(self._channel, name)
 
-    def collective(self, *arguments):
-        self._calls += 1
-        if self._calls == self._stall_at:
-            time.sleep(self._seconds)
-        return self._channel.collective(*arguments)
+
+def stalling(step, stall_at, seconds):
+    """`step`, but its `stall_at`-th call (counted from 1) first sleeps `seconds`."""
+    calls = itertools.count(1)
+
+    def stalled(*arguments):
+        if next(calls) == stall_at:
+            time.sleep(seconds)
+        return step(*arguments)
+    return stalled
+
+
+def stall_node_steps(comm, collective, nbytes, stall_at, seconds):
+    """Stop this rank in the `stall_at`-th node step of calls of
+    `collective` of `nbytes` a rank (before the shape's first call: its
+    Program takes the steps then): the node's loop's, or where the loop
+    leaves such a step to the plans (their single copy), the node's plans'
+    (HierarchyRanks.plans_step)."""
+    ranks = comm._ranks   # noqa: SLF001
+    if ranks.shm.fast.step_for(collective, nbytes) == fastpath.PLANS:
+        ranks.plans_step = stalling(ranks.plans_step, stall_at, seconds)
+    else:
+        ranks.shm.fast._channel = StallingChannel(ranks.shm.fast._channel, stall_at, seconds)   # noqa: SLF001
 
 
 
@@ -472,10 +492,9 @@ def scenario_stalled_in_last_step(comm):
     complete that call with the right rows, and then learn of the abort."""
     last, count = comm.size - 1, 70000
     rows = np.concatenate([np.full(count, q, np.float32) for q in range(comm.size)])
-    if comm.rank == last:   # (before the shape's first call: its Program takes the channel then)
-        shm = comm._ranks.shm   # noqa: SLF001
-        shm.fast._channel = StallingChannel(shm.fast._channel, stall_at=6, seconds=STALL_TIMEOUT + 2)   # noqa: SLF001
     x = np.full(count, comm.rank, np.float32)
+    if comm.rank == last:
+        stall_node_steps(comm, "allgather", x.nbytes, stall_at=6, seconds=STALL_TIMEOUT + 2)
     for _ in range(2):   # (two node steps each)
         check(comm.allgather(x), rows, "allgather before the stall")
     comm.timeout = STALL_TIMEOUT

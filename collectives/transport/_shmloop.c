@@ -14,7 +14,6 @@
 #include <Python.h>
 #include <structmember.h>
 
-#include <sys/uio.h>
 #include <time.h>
 
 #include "shm_waits.h"
@@ -26,10 +25,9 @@
 /* The channel                                                              */
 
 /* The steps a taken call runs (Channel.last_step names them, as fastpath.STEPS does), and
- * STEP_PLANS: a large fold (allreduce, reduce_scatter, reduce) the ranks may single copy,
- * which the loop declines (the plans run it: ShmRank's single-copy plans; a node's step across
- * nodes too: HierarchyRanks.plans_fold) */
-enum { STEP_NONE, STEP_MERGED, STEP_SINGLE_COPY, STEP_STAGED, STEP_PLANS };
+ * STEP_PLANS: a large message the ranks may single copy, which the loop declines (the plans
+ * run it: ShmRank's single-copy plans; a node's step across nodes too: HierarchyRanks.plans_step) */
+enum { STEP_NONE, STEP_MERGED, STEP_STAGED, STEP_PLANS };
 
 typedef struct {
     PyObject_HEAD
@@ -43,25 +41,18 @@ typedef struct {
     size_t chunk;           /* bytes per chunk */
     int64_t small_calls;    /* small calls made, for the slot parity */
     int64_t chunks_done;    /* pipelined iterations made over the channel's life */
-    int may_single_copy;    /* large messages may take the single copy (COLLECTIVES_FAST_SINGLE_COPY) */
-    int single_copy;        /* 0: not asked yet; 1: staged pipeline; 2: read and write peers' buffers */
-    double test_write_stall;   /* seconds each chunk's writes wait first (tests of the fence only) */
-    double test_read_stall;    /* seconds each read out of a peer's input waits first (tests of the
-                                * single copy's last wait only) */
+    int single_copy;        /* 1: large messages past the staging limits are the plans' single copy;
+                             * 0: every one stages (COLLECTIVES_FAST_SINGLE_COPY=0, refuse_single_copy) */
     size_t staged_max;         /* a large allreduce, reduce_scatter or reduce of up to this many bytes
-                                * per rank stages even where the single copy was agreed (0: never;
+                                * per rank stages even where the ranks may single copy (0: never;
                                 * config.LoopTunables.staged_max: folding from cache beat folding what
                                 * a process_vm_readv per block brought in) */
-    size_t broadcast_pull_max; /* a broadcast below this many bytes: every reader pulls all of x, nobody
-                                * writes into a peer (spread_from_root; 0: always spread) */
     size_t staged_spread_max;  /* allgather of up to this many bytes per rank stages even
-                                * where the single copy was agreed (0: never; fastpath.py sets it when
+                                * where the ranks may single copy (0: never; fastpath.py sets it when
                                 * the ranks outnumber the cores, where staging measured faster) */
     int64_t staged_calls;      /* large calls of the other four run through staging, for the tests */
-    int64_t peer_writes;       /* chunks this rank began writing into peers' outputs, for the tests */
     int64_t steps_taken;       /* calls this channel took (what ran: Communicator.chosen_algorithm's check) */
-    int last_step;             /* the step of the last one taken: STEP_MERGED, STEP_SINGLE_COPY or STEP_STAGED */
-    char *scratch;          /* 8 bytes of this rank's that peers write into (can_reach_peers) */
+    int last_step;             /* the step of the last one taken: STEP_MERGED or STEP_STAGED */
     /* The shortcuts' (bind_shortcuts): the communicator calls them with its
      * own arguments, so a call that succeeds runs no Python at all. */
     PyObject *arrays;       /* the array types taken (a tuple) */
@@ -83,9 +74,10 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
 /* ---- What each collective is ------------------------------------------------
  *
  * All five collectives run the same two steps: a small message is one
- * merged step through the small slots; a larger one moves chunk by chunk,
- * straight out of peers' inputs where the ranks may reach each other's
- * memory (single copy), else through staging. Each is its `direct`
+ * merged step through the small slots; a larger one moves chunk by chunk
+ * through staging (where the ranks may reach each other's memory, a large
+ * message past the staging limits is the plans' single copy: "Large
+ * messages" below). Each is its `direct`
  * algorithm: rank r reads, from every rank it needs, the part of its input
  * it needs, and folds those parts in rank order or copies them:
  *
@@ -96,13 +88,11 @@ static PyObject *failure(Waits *w, int status, int64_t seq)
  *   broadcast       the root's, only     all of it (r != root)         all of it
  *   reduce          all but the root's   all of it (r == root)         fold, in rank order
  *
- * The loop declines the folds' single copies (allreduce, reduce_scatter,
- * reduce: the plans run them, STEP_PLANS). Two large messages take other
- * steps: allreduce's staged step is the pipeline below (a reduce-scatter
- * and an all-gather), and broadcast's single copy a scatter of the root's
- * x by block, each rank writing its block into every output
- * (spread_from_root): it writes into a peer's memory, and a failed call
- * of its waits at the fence. Allgather's only reads. */
+ * Allreduce's large message is the pipeline below (a reduce-scatter and an
+ * all-gather), the other four's segments of merged steps. The loop never
+ * writes into a peer's memory; the plans' single copy does, and a failed
+ * call of the loop still waits at the fence (fence_writes) for a peer's
+ * plan still writing. */
 
 enum { K_ALLREDUCE = 0, K_REDUCE_SCATTER = 1, K_ALLGATHER = 2, K_BROADCAST = 3, K_REDUCE = 4,
        K_BARRIER = 5 };   /* a merged step of no bytes: Channel.barrier */
@@ -164,6 +154,11 @@ static void take_segment(const Collective *k, int r, int n, const char *const *a
     }
 }
 
+/* The signature's path: the merged step's, or a large message's, whatever
+ * made it stage (a rank that stages where its peers single copy is named
+ * at once: the plans' signatures differ from every one of the loop's). */
+enum { PATH_MERGED = 1, PATH_STAGED = 2 };
+
 /* The call's signature (signatures.h): its number and its shape (a
  * Collective's root is 0 where the collective has none). */
 static int64_t collective_signature(const Collective *k, int64_t seq, int path)
@@ -182,7 +177,7 @@ static PyObject *run_small(Channel *c, const Collective *k, int64_t base, int64_
     int r = w->rank, n = w->nranks;
     int odd = (int)(c->small_calls & 1);
     size_t parity = (size_t)odd * (SLOT_HEADER + c->small_max);
-    int64_t signature = collective_signature(k, seq, 1);
+    int64_t signature = collective_signature(k, seq, PATH_MERGED);
     int64_t *mine = &w->rows[r * ROW_SLOTS];
     char *slot = c->small + r * c->small_stride + parity;
 
@@ -221,111 +216,23 @@ static PyObject *run_small(Channel *c, const Collective *k, int64_t base, int64_
     return PyLong_FromLong(OK);
 }
 
-/* ---- Large messages, single copy ------------------------------------------
+/* ---- Large messages ----------------------------------------------------------
  *
- * Where every rank may read and write every peer's memory
- * (process_vm_readv/writev: the same user, and no ptrace restriction in the
- * way), large messages skip the staging copies: an allgather's rank reads
- * each peer's x straight into its block of its output, a broadcast's ranks
- * read and spread the root's x (spread_from_root). The folds' single copies
- * are the plans' (STEP_PLANS: _host_plan.c, plan.pushed_plan and
- * single_copy_plan), which read peers' inputs and push reduced chunks the
- * same way.
- *
- * Writing into peers adds one rule, shm_waits.h's (the plan executor's
- * pushes follow it too): each chunk's writes inside the rank's WRITING
- * window, opened after a look at the abort flag; a rank that fails aborts
- * the communicator, then fences (fence_writes: fence_peer_writes). */
-
-/* Copy `nbytes` between `local` and `remote` in peer `peer`'s process: out
- * of the peer (process_vm_readv) or into it (process_vm_writev). */
-static int copy_with_peer(Waits *w, int peer, char *local, int64_t remote, size_t nbytes, int into_peer)
-{
-    pid_t pid = (pid_t)load_acquire(&w->rows[peer * ROW_SLOTS + PID]);
-    while (nbytes > 0) {
-        struct iovec here = {local, nbytes}, there = {(void *)(uintptr_t)remote, nbytes};
-        ssize_t got = into_peer ? process_vm_writev(pid, &here, 1, &there, 1, 0)
-                                : process_vm_readv(pid, &here, 1, &there, 1, 0);
-        if (got <= 0) {
-            int error = got < 0 ? errno : 0;
-            if (error == EINTR)
-                continue;
-            /* a peer that aborted may have handed its buffers back: its reason is the one to report */
-            if (__atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
-                w->failed_peer = -1;
-                return ABORTED;
-            }
-            w->failed_peer = peer;
-            w->failed_have = error;
-            w->failed_need = (int64_t)nbytes;
-            if (error == ESRCH || !process_alive(pid))
-                return PEER_DEAD;
-            return into_peer ? WRITE_FAILED : READ_FAILED;
-        }
-        local += got;
-        remote += got;
-        nbytes -= (size_t)got;
-    }
-    return OK;
-}
-
-/* Whether this rank may read every peer's input and write into its memory
- * (1 or 0; -1 if the communicator was aborted), asked once per channel
- * with the peers' inputs of the first large call. The write goes to the
- * peer's private scratch (its row's SCRATCH_ADDR), which no call touches
- * while the ranks wait for each other's verdict, and writes back the bytes
- * just read there: a caller's buffer is only ever read. */
-static int can_reach_peers(Waits *w, size_t nbytes)
-{
-    size_t probe_bytes = nbytes < 8 ? nbytes : 8;
-    if (!begin_writes(w))
-        return -1;
-    int reached = 1;
-    for (int p = 0; p < w->nranks && reached; p++) {
-        if (p == w->rank)
-            continue;
-        char probe[8];
-        pid_t pid = (pid_t)load_acquire(&w->rows[p * ROW_SLOTS + PID]);
-        struct iovec here = {probe, probe_bytes};
-        struct iovec input = {(void *)(uintptr_t)load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]), probe_bytes};
-        struct iovec scratch = {(void *)(uintptr_t)load_acquire(&w->rows[p * ROW_SLOTS + SCRATCH_ADDR]), 8};
-        struct iovec mine = {probe, 8};
-        reached = process_vm_readv(pid, &here, 1, &input, 1, 0) == (ssize_t)probe_bytes
-                  && process_vm_readv(pid, &mine, 1, &scratch, 1, 0) == 8
-                  && process_vm_writev(pid, &mine, 1, &scratch, 1, 0) == 8;
-    }
-    end_writes(w);
-    return reached;
-}
-
-/* Every rank's verdict, the same on all: the single copy if all can reach all. */
-static int agree_on_single_copy(Channel *c, size_t nbytes)
-{
-    Waits *w = &c->waits;
-    int64_t *mine = &w->rows[w->rank * ROW_SLOTS];
-    int reached = can_reach_peers(w, nbytes);
-    if (reached < 0) {
-        w->failed_peer = -1;
-        return ABORTED;
-    }
-    publish(mine, CAN_REACH, reached ? 2 : 1);
-    int status = wait_peers(w, CAN_REACH, 1);
-    if (status != OK)
-        return status;
-    c->single_copy = 2;
-    for (int p = 0; p < w->nranks; p++)
-        if (load_acquire(&w->rows[p * ROW_SLOTS + CAN_REACH]) != 2)
-            c->single_copy = 1;
-    return OK;
-}
+ * The loop moves a large message through staging only: the segments below
+ * (run_staged_segments) and allreduce's pipeline (run_pipelined). Where
+ * every rank may read and write every peer's memory (process_vm_readv and
+ * writev: the same user, and no ptrace restriction in the way) a large
+ * message skips the staging copies instead, and that single copy is the
+ * plans' (STEP_PLANS: _host_plan.c running plan.single_copy_plan,
+ * pushed_plan and spread_plan). The plans learn whether the ranks may, as
+ * the communicator starts (ShmRank._learn_reach), and hand a refusal to
+ * the loop (refuse_single_copy), which then stages every large message. */
 
 /* Enter a large call as protocol.py's phase 0 does: once every peer has
  * left the previous call (which may still read this row's SIG), name this
- * call and its buffers; then every peer is in it, and named the same,
- * before any byte moves. At the channel's first large call the ranks also
- * agree whether they may take the single copy. */
-static int enter_large(Channel *c, const char *in, const char *out, size_t nbytes, int64_t base, int64_t seq,
-                       int64_t signature)
+ * call; then every peer is in it, and named the same, before any byte
+ * moves. */
+static int enter_large(Channel *c, int64_t base, int64_t seq, int64_t signature)
 {
     Waits *w = &c->waits;
     int r = w->rank, n = w->nranks;
@@ -335,8 +242,6 @@ static int enter_large(Channel *c, const char *in, const char *out, size_t nbyte
     if (status != OK)
         return status;
     mine[SIG] = signature;
-    mine[IN_ADDR] = (int64_t)(uintptr_t)in;
-    mine[OUT_ADDR] = (int64_t)(uintptr_t)out;
     publish(mine, COUNTER, base + 1);
     status = wait_peers(w, COUNTER, base + 1);
     if (status != OK)
@@ -349,116 +254,7 @@ static int enter_large(Channel *c, const char *in, const char *out, size_t nbyte
             return MISMATCH;
         }
     }
-    if (c->single_copy == 0)
-        return agree_on_single_copy(c, nbytes);
     return OK;
-}
-
-/* Leave a call whose inputs peers read in place: publish the end of this
- * rank's reads, then wait until every peer has ended its own. A peer that
- * gave up waiting for this rank aborted before its caller could touch the
- * buffers this rank read: what was read may be wrong, so the call fails. */
-static int leave_single_copy(Waits *w, int64_t base)
-{
-    publish(&w->rows[w->rank * ROW_SLOTS], COUNTER, base + 2);
-    int status = wait_peers(w, COUNTER, base + 2);
-    if (status == OK && __atomic_load_n(&w->header[ABORT], __ATOMIC_ACQUIRE)) {
-        w->failed_peer = -1;
-        status = ABORTED;
-    }
-    return status;
-}
-
-/* A broadcast's large message, single copy: the root's x in nranks blocks
- * of whole cache lines; rank b moves block b, chunk by chunk: it reads the
- * chunk out of the root's x into its own output (the root has it), then
- * writes it from there, still in cache, into every other rank's output
- * (the root's too, out of place). So every rank's core copies a share, the
- * root's too, where readers that each pulled all of x left the root's
- * idle: with 2 processes the root writes half of the reader's output while
- * the reader reads the other half. Block b of every output is written by
- * rank b alone, and the root's x is only read, so in place needs no other
- * order.
- *
- * Below broadcast_pull_max every reader pulls all of x itself and nobody
- * writes into a peer: a block another core wrote into a reader's output is
- * still in that core's cache when the reader's code reads it, and the next
- * call's write must take the lines back (config.BROADCAST_PULL_MAX says
- * when that costs more than the root's share saves). */
-
-static int spread_from_root(Channel *c, const Collective *k)
-{
-    Waits *w = &c->waits;
-    int r = w->rank, n = w->nranks, root = k->root;
-    size_t lines = (k->nbytes + 63) / 64;
-    size_t lo = lines * (size_t)r / (size_t)n * 64, hi = lines * (size_t)(r + 1) / (size_t)n * 64;
-    hi = hi < k->nbytes ? hi : k->nbytes;
-    lo = lo < hi ? lo : hi;
-    int64_t root_x = load_acquire(&w->rows[root * ROW_SLOTS + IN_ADDR]);
-    int root_apart = load_acquire(&w->rows[root * ROW_SLOTS + OUT_ADDR]) != root_x;   /* out of place */
-    int targets = n - 1 - (r != root && !root_apart);   /* outputs this rank writes into */
-    if (k->nbytes < c->broadcast_pull_max) {   /* every rank its own output, all of it */
-        lo = 0;
-        hi = k->nbytes;
-        targets = 0;
-    }
-    if (r != root && c->test_read_stall > 0)
-        sleep_seconds(c->test_read_stall);
-    for (size_t offset = lo; offset < hi; offset += c->chunk) {
-        size_t bytes = hi - offset < c->chunk ? hi - offset : c->chunk;
-        char *here = k->out + offset;   /* the chunk in this rank's output, once there */
-        int status = OK;
-        if (r != root)
-            status = copy_with_peer(w, root, here, root_x + (int64_t)offset, bytes, 0);
-        else if (k->out != k->in)
-            memcpy(here, k->in + offset, bytes);
-        else
-            here = (char *)k->in + offset;
-        if (status != OK)
-            return status;
-        if (targets == 0)
-            continue;
-        if (!begin_writes(w)) {
-            w->failed_peer = -1;
-            return ABORTED;
-        }
-        c->peer_writes++;
-        if (c->test_write_stall > 0)
-            sleep_seconds(c->test_write_stall);
-        for (int p = 0; p < n && status == OK; p++)
-            if (p != r && (p != root || root_apart))
-                status = copy_with_peer(w, p, here, load_acquire(&w->rows[p * ROW_SLOTS + OUT_ADDR]) + (int64_t)offset,
-                                        bytes, 1);
-        end_writes(w);
-        if (status != OK)
-            return status;
-    }
-    return OK;
-}
-
-/* Allgather's and broadcast's large messages, single copy: rank r reads
- * what it wants of its peers' inputs straight out of their processes into
- * its output (a broadcast's readers spread it too: spread_from_root). */
-static int read_from_peers(Channel *c, const Collective *k)
-{
-    Waits *w = &c->waits;
-    int r = w->rank, n = w->nranks;
-    if (k->kind == K_ALLGATHER) {
-        for (int p = 0; p < n; p++) {
-            char *block = k->out + (size_t)p * k->nbytes;
-            int status = OK;
-            if (p != r && c->test_read_stall > 0)
-                sleep_seconds(c->test_read_stall);
-            if (p != r)
-                status = copy_with_peer(w, p, block, load_acquire(&w->rows[p * ROW_SLOTS + IN_ADDR]), k->nbytes, 0);
-            else if (block != k->in)
-                memcpy(block, k->in, k->nbytes);
-            if (status != OK)
-                return status;
-        }
-        return OK;
-    }
-    return spread_from_root(c, k);
 }
 
 /* The other four collectives' large messages where some rank may not reach
@@ -502,9 +298,8 @@ static int run_staged_segments(Channel *c, const Collective *k)
     return OK;
 }
 
-/* Whether a large message of `kind` stages even where the ranks agreed on
- * the single copy: a fold up to staged_max, an allgather up to
- * staged_spread_max (such a call enters under another signature). */
+/* Whether a large message of `kind` stages even where the ranks may single
+ * copy: a fold up to staged_max, an allgather up to staged_spread_max. */
 static int stages_anyway(const Channel *c, int kind, size_t nbytes)
 {
     int folds = kind == K_ALLREDUCE || kind == K_REDUCE_SCATTER || kind == K_REDUCE;
@@ -514,46 +309,29 @@ static int stages_anyway(const Channel *c, int kind, size_t nbytes)
 /* The step a call of `kind` with `nbytes` per rank takes: the one place
  * that decides it, which run_taken follows and Channel.step_for reports
  * (Communicator.chosen_algorithm). Up to merged_max the merged step; a
- * larger message stages where stages_anyway says so, else it reads and
- * writes peers' arrays in place once the ranks agreed that all may
- * (single_copy 2): a fold in the plans (STEP_PLANS), allgather and
- * broadcast here. Before their first large call (single_copy 0) it answers what this
- * rank proposes; a refusal the plans met is the ranks' too (single_copy 1,
- * refuse_single_copy). */
+ * larger message stages where stages_anyway says so or where the ranks may
+ * not single copy (single_copy 0: COLLECTIVES_FAST_SINGLE_COPY=0, or the
+ * plans found a read refused: refuse_single_copy); every other the loop
+ * declines, and the plans single copy it (STEP_PLANS). */
 static int step_for(const Channel *c, int kind, size_t nbytes)
 {
     if (nbytes <= c->merged_max)
         return STEP_MERGED;
-    if (stages_anyway(c, kind, nbytes))
-        return STEP_STAGED;
-    int single_copy = c->single_copy == 0 ? c->may_single_copy : c->single_copy == 2;
-    int folds = kind == K_ALLREDUCE || kind == K_REDUCE_SCATTER || kind == K_REDUCE;
-    return !single_copy ? STEP_STAGED : folds ? STEP_PLANS : STEP_SINGLE_COPY;
+    return stages_anyway(c, kind, nbytes) || !c->single_copy ? STEP_STAGED : STEP_PLANS;
 }
 
 static PyObject *run_large(Channel *c, const Collective *k, int64_t base, int64_t seq)
 {
     Waits *w = &c->waits;
-    /* a rank that may not take the single copy makes another call (path 2), and so does one that would
-     * stage this message where it may (path 4): a rank whose staged_max or staged_spread_max differs
-     * from its peers' is named at once, where the two sides would wait for each other until the timeout */
-    int stages = stages_anyway(c, k->kind, k->nbytes);
-    int64_t signature = collective_signature(k, seq, !c->may_single_copy ? 2 : stages ? 4 : 3);
-    int status = enter_large(c, k->in, k->out, k->nbytes < k->itemsize ? k->nbytes : k->itemsize, base, seq,
-                             signature);
+    int status = enter_large(c, base, seq, collective_signature(k, seq, PATH_STAGED));
     if (status != OK)
         return failure(w, status, seq);
-    /* (every rank decides alike: the same agreement, call and setting) */
-    c->last_step = step_for(c, k->kind, k->nbytes);
-    if (c->last_step == STEP_SINGLE_COPY) {
-        status = read_from_peers(c, k);
-        if (status == OK)
-            status = leave_single_copy(w, base);
-    } else if ((status = run_staged_segments(c, k)) == OK) {
-        c->staged_calls++;
-        publish(&w->rows[w->rank * ROW_SLOTS], COUNTER, base + 2);
-    }
-    return status == OK ? PyLong_FromLong(OK) : failure(w, status, seq);
+    c->last_step = STEP_STAGED;
+    if ((status = run_staged_segments(c, k)) != OK)
+        return failure(w, status, seq);
+    c->staged_calls++;
+    publish(&w->rows[w->rank * ROW_SLOTS], COUNTER, base + 2);
+    return PyLong_FromLong(OK);
 }
 
 /* Large messages, pipelined: the buffer is cut into nranks blocks (rank b
@@ -572,11 +350,7 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     Waits *w = &c->waits;
     int r = w->rank, n = w->nranks;
     int64_t *mine = &w->rows[r * ROW_SLOTS];
-    /* a rank that may not take the single copy makes another call (path 2), and so does one that would
-     * stage this message where it may (path 4), as in run_large */
-    int stages = stages_anyway(c, K_ALLREDUCE, nbytes);
-    int64_t signature = call_signature(
-        loop_shape_hash(K_ALLREDUCE, type, op, nbytes, 0, !c->may_single_copy ? 2 : stages ? 4 : 3), seq);
+    int64_t signature = call_signature(loop_shape_hash(K_ALLREDUCE, type, op, nbytes, 0, PATH_STAGED), seq);
     size_t count = nbytes / itemsize;
     size_t chunk_items = c->chunk / itemsize;
     size_t block_start[257];
@@ -589,7 +363,7 @@ static PyObject *run_pipelined(Channel *c, const char *in, char *out, size_t nby
     int64_t iterations = (int64_t)((longest + chunk_items - 1) / chunk_items);
 
     /* The chunk counters run on from the last call's. */
-    int status = enter_large(c, in, out, nbytes, base, seq, signature);
+    int status = enter_large(c, base, seq, signature);
     if (status != OK)
         return failure(w, status, seq);
     c->last_step = STEP_STAGED;
@@ -1004,20 +778,18 @@ static PyObject *Channel_close(Channel *c, PyObject *Py_UNUSED(ignored))
 static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", "small", "small_max",
-                            "staging", "chunk", "single_copy", "test_write_stall", "test_read_stall",
-                            "staged_spread_max", "merged_max", "staged_max", "broadcast_pull_max", NULL};
+                            "staging", "chunk", "single_copy", "staged_spread_max", "merged_max", "staged_max",
+                            NULL};
     unsigned long long header, rows, small, staging;
     unsigned long long small_max, chunk;
     int rank, nranks;
     long spin;
     double yield_seconds;
     int single_copy = 1;
-    double test_write_stall = 0, test_read_stall = 0;
-    unsigned long long staged_spread_max = 0, merged_max = ULLONG_MAX, staged_max = 0, broadcast_pull_max = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pddKKKK", names, &header, &rows, &rank, &nranks,
+    unsigned long long staged_spread_max = 0, merged_max = ULLONG_MAX, staged_max = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pKKK", names, &header, &rows, &rank, &nranks,
                                      &spin, &yield_seconds, &small, &small_max, &staging, &chunk, &single_copy,
-                                     &test_write_stall, &test_read_stall, &staged_spread_max, &merged_max,
-                                     &staged_max, &broadcast_pull_max))
+                                     &staged_spread_max, &merged_max, &staged_max))
         return -1;
     if (nranks < 1 || nranks > 256 || rank < 0 || rank >= nranks || chunk == 0 || chunk % 64) {
         PyErr_SetString(PyExc_ValueError, "a channel has 1 to 256 ranks and chunks of a multiple of 64 bytes");
@@ -1039,26 +811,13 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     c->staging_stride = 2 * (size_t)nranks * (size_t)chunk;
     c->small_calls = 0;
     c->chunks_done = 0;
-    /* where it may, the ranks agree at the first large call */
-    c->may_single_copy = single_copy;
-    c->single_copy = single_copy ? 0 : 1;
-    c->test_write_stall = test_write_stall;
-    c->test_read_stall = test_read_stall;
+    c->single_copy = single_copy;
     c->staged_spread_max = (size_t)staged_spread_max;
     c->staged_max = (size_t)staged_max;
-    c->broadcast_pull_max = (size_t)broadcast_pull_max;
     c->staged_calls = 0;
-    c->peer_writes = 0;
     Py_XSETREF(c->allreduce_name, PyUnicode_InternFromString("allreduce"));
     if (c->allreduce_name == NULL)
         return -1;
-    PyMem_Free(c->scratch);
-    c->scratch = PyMem_Malloc(64);
-    if (c->scratch == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    __atomic_store_n(&c->waits.rows[rank * ROW_SLOTS + SCRATCH_ADDR], (int64_t)(uintptr_t)c->scratch, __ATOMIC_RELEASE);
     return 0;
 }
 
@@ -1088,14 +847,13 @@ static void Channel_dealloc(Channel *c)
     PyObject_GC_UnTrack(c);
     Channel_clear(c);
     Py_CLEAR(c->allreduce_name);
-    PyMem_Free(c->scratch);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
 /* channel.fence_writes(seconds) -> -1 once no live peer writes into this
  * rank's memory, or the first peer still writing after `seconds`. Called
  * by a failed call after it aborted the communicator, before the caller
- * gets its buffers back (see "Large messages, single copy"). Sets the
+ * gets its buffers back (a peer's plan may still push into them: shm_waits.h's rule). Sets the
  * abort flag itself where the abort did not (a second Ctrl-C in it). */
 static PyObject *Channel_fence_writes(Channel *c, PyObject *arg)
 {
@@ -1111,16 +869,16 @@ static PyObject *Channel_fence_writes(Channel *c, PyObject *arg)
 }
 
 /* channel.refuse_single_copy(): large messages stage from now on
- * (single_copy 1), as where the ranks' agreement refused the single copy:
- * the plans met a refused read or write (ShmRank._refusal), on every rank
- * alike, between the same two calls. */
+ * (single_copy 0): the plans met a refused read or write (ShmRank._refusal,
+ * at the communicator's start or later), on every rank alike, between the
+ * same two calls. */
 static PyObject *Channel_refuse_single_copy(Channel *c, PyObject *Py_UNUSED(ignored))
 {
-    c->single_copy = 1;
+    c->single_copy = 0;
     Py_RETURN_NONE;
 }
 
-static const char *const step_names[] = {NULL, "merged", "single_copy", "staged", "plans"};
+static const char *const step_names[] = {NULL, "merged", "staged", "plans"};
 
 /* channel.step_for(kind, nbytes) -> the step's name (step_for) */
 static PyObject *Channel_step_for(Channel *c, PyObject *const *args, Py_ssize_t nargs)
@@ -1142,7 +900,7 @@ static PyObject *Channel_step_for(Channel *c, PyObject *const *args, Py_ssize_t 
 
 static PyObject *Channel_large_path(Channel *c, void *Py_UNUSED(closure))
 {
-    return PyUnicode_FromString(c->single_copy == 2 ? "single-copy" : c->single_copy == 1 ? "staged" : "undecided");
+    return PyUnicode_FromString(c->single_copy ? "single-copy" : "staged");
 }
 
 static PyObject *Channel_merged_max(Channel *c, void *Py_UNUSED(closure))
@@ -1176,16 +934,6 @@ static PyObject *Channel_staged_calls(Channel *c, void *Py_UNUSED(closure))
     return PyLong_FromLongLong(c->staged_calls);
 }
 
-static PyObject *Channel_peer_writes(Channel *c, void *Py_UNUSED(closure))
-{
-    return PyLong_FromLongLong(c->peer_writes);
-}
-
-static PyObject *Channel_broadcast_pull_max(Channel *c, void *Py_UNUSED(closure))
-{
-    return PyLong_FromSize_t(c->broadcast_pull_max);
-}
-
 static PyObject *Channel_steps_taken(Channel *c, void *Py_UNUSED(closure))
 {
     return PyLong_FromLongLong(c->steps_taken);
@@ -1201,20 +949,16 @@ static PyObject *Channel_last_step(Channel *c, void *Py_UNUSED(closure))
 static PyGetSetDef Channel_getset[] = {
     {"steps_taken", (getter)Channel_steps_taken, NULL, "calls this channel took so far", NULL},
     {"last_step", (getter)Channel_last_step, NULL,
-     "the step of the last call taken: merged, single_copy or staged (None: none, or it failed first)", NULL},
+     "the step of the last call taken: merged or staged (None: none, or it failed first)", NULL},
     {"merged_max", (getter)Channel_merged_max, NULL, "messages of up to this many bytes take the merged step", NULL},
     {"staged_max", (getter)Channel_get_staged_max, (setter)Channel_set_staged_max,
      "a large allreduce, reduce_scatter or reduce of up to this many bytes per rank stages even where the "
-     "single copy was agreed (0: never); every rank sets the same value between the same two calls", NULL},
+     "ranks may single copy (0: never); every rank sets the same value between the same two calls", NULL},
     {"staged_calls", (getter)Channel_staged_calls, NULL,
      "large calls of reduce_scatter, allgather, broadcast and reduce run through staging so far", NULL},
-    {"peer_writes", (getter)Channel_peer_writes, NULL,
-     "chunks this rank began writing into peers' outputs so far (reduce, broadcast)", NULL},
-    {"broadcast_pull_max", (getter)Channel_broadcast_pull_max, NULL,
-     "a broadcast below this many bytes: every reader pulls all of x, nobody writes into a peer", NULL},
     {"large_path", (getter)Channel_large_path, NULL,
-     "how large messages move: single-copy, staged (some rank cannot read and write another's memory, or "
-     "COLLECTIVES_FAST_SINGLE_COPY=0), or undecided before the first", NULL},
+     "how large messages past the staging limits move: single-copy (the plans'), or staged (some rank "
+     "cannot read and write another's memory, or COLLECTIVES_FAST_SINGLE_COPY=0)", NULL},
     {NULL},
 };
 
@@ -1234,7 +978,7 @@ static PyMethodDef Channel_methods[] = {
     {"bind_shortcuts", (PyCFunction)(void (*)(void))Channel_bind_shortcuts, METH_FASTCALL,
      "bind_shortcuts(arrays, ops, kinds, on_failure): what the shortcuts take, whom they tell of failures"},
     {"step_for", (PyCFunction)(void (*)(void))Channel_step_for, METH_FASTCALL,
-     "step_for(kind, nbytes): the step ('merged', 'single_copy', 'staged', or 'plans': declined) such a "
+     "step_for(kind, nbytes): the step ('merged', 'staged', or 'plans': declined) such a "
      "call takes; see _shmloop.c"},
     {"barrier", (PyCFunction)Channel_barrier, METH_O,
      "barrier(deadline): 0 once every rank entered it, None once closed, else a failure; see _shmloop.c"},

@@ -23,23 +23,20 @@ the root's; reduce: the root reads all), and folds in rank order or copies.
 So the bits equal the `direct` plan's on every rank, in place and out of
 place (tests/test_fastpath.py compares them).
 
-Where it can, a large message skips staging (the single copy): allgather's
-readers pull straight from the peer's input into their output
-(process_vm_readv); broadcast's ranks each read one block of the root's x
-and write it into every other output (process_vm_writev), so the root's
-core copies a share too. A large fold (allreduce, reduce_scatter, reduce)
-the ranks may single copy the loop declines: the plans run it (ShmRank's
-single-copy plans; a node's step across nodes too,
-HierarchyRanks.plans_fold), with the same reads and writes. The
+Where it can, a large message skips staging (the single copy), and that
+is the plans' (the loop declines it: its step_for answers PLANS): they
+read peers' inputs straight into their outputs (process_vm_readv) and
+push into peers' outputs (process_vm_writev) (ShmRank's single-copy
+plans; a node's step across nodes too, HierarchyRanks.plans_step). The
 single copy needs every rank to be allowed to read and write every other's
 memory (the same user; Yama's ptrace_scope 0, or 1 with ranks that are
-each other's ancestors; no seccomp rule against it): the ranks find out at
-their first large call and all agree, and where any may not, every message
-keeps to staging (`FastCollectives.large_path` says which; a refusal the
-plans met is handed to the loop: `refuse_single_copy`). Since reduce's and
-broadcast's peers write into a rank's output, a call that fails aborts the
-communicator and then waits until no peer is writing (`_shmloop.c`'s
-fence) before it raises.
+each other's ancestors; no seccomp rule against it): the ranks find out as
+the communicator starts (ShmRank._learn_reach), and where any may not, the
+plans hand the refusal to the loop (`refuse_single_copy`), which stages
+every large message from then on (`FastCollectives.large_path` says
+which). Since the plans' pushes write into a rank's output, a call of the
+loop that fails aborts the communicator and then waits until no peer is
+writing (`_shmloop.c`'s fence) before it raises.
 
 Calls advance COUNTER by 2 and SEQ by 1 like any other call
 (protocol.py), so loop and plan calls mix freely. The loop takes
@@ -58,8 +55,8 @@ import weakref
 import numpy as np
 
 from ..ops import ReduceOp, as_dtype
-from ..config import (DEFAULT_STAGED_MAX, STAGED_MAX_ENV, broadcast_pull_max, resolve_fast_path,
-                      resolve_fast_single_copy, resolve_loop_tunables)
+from ..config import (DEFAULT_STAGED_MAX, STAGED_MAX_ENV, resolve_fast_path, resolve_fast_single_copy,
+                      resolve_loop_tunables)
 from . import probe
 from .failures import abort_fence_and_raise, raise_wait_failure
 from .layout import HEADER, ROW, small_area
@@ -72,7 +69,8 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
 # Large messages take the single copy where every rank can reach every
 # other's memory, but for the folding collectives (allreduce, reduce_scatter,
 # reduce: _shmloop.c's stages_anyway) up to the channel's staged_max per
-# rank, and everything with COLLECTIVES_FAST_SINGLE_COPY=0
+# rank, oversubscribed allgathers up to their own limit (stages_spread), and
+# everything with COLLECTIVES_FAST_SINGLE_COPY=0
 # (config.resolve_fast_single_copy, read when a communicator is made):
 # those take the staged pipeline. Which is faster for a fold depends on how
 # fast the machine's process_vm_readv is against memcpy, by 2 to 3 times
@@ -111,15 +109,13 @@ OP_CODES = {**{o: i for i, o in enumerate(ReduceOp)}, **{o.value: i for i, o in 
 assert [o.value for o in ReduceOp] == ["sum", "prod", "max", "min", "avg"], "the loop's OP_ codes"
 
 # The loop's steps (_shmloop.c's STEP_ codes; `Channel.last_step` names the
-# last one taken): the merged step, and a large message's, which reads and
-# writes peers' arrays in place (the single copy) or moves through staging.
-MERGED, SINGLE_COPY, STAGED = "merged", "single_copy", "staged"
-STEPS = (MERGED, SINGLE_COPY, STAGED)
+# last one taken): the merged step, and a large message's through staging.
+MERGED, STAGED = "merged", "staged"
+STEPS = (MERGED, STAGED)
 # What Channel.step_for answers for a call the loop leaves to the plans: a
-# large fold the ranks may single copy (_shmloop.c's STEP_PLANS), of the
-# collectives DECLINED_SINGLE_COPIES names.
-PLANS = "plans"
-DECLINED_SINGLE_COPIES = ("allreduce", "reduce_scatter", "reduce")
+# large message the ranks may single copy (_shmloop.c's STEP_PLANS), of any
+# of the five collectives; and the name of that way in the probes' timings.
+PLANS, SINGLE_COPY = "plans", "single_copy"
 
 
 # The arrays the loop takes: NumPy's, and its memory-mapped ones (a rank
@@ -201,11 +197,12 @@ class FastCollectives:
             spin=SPIN_OVERSUBSCRIBED if oversubscribed else SPIN_DEDICATED, yield_seconds=YIELD_SECONDS,
             small=channel_address, small_max=sizes.small_max,
             staging=channel_address + small_area(group.size, sizes),
-            chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), test_write_stall=tunables.test_write_stall,
-            test_read_stall=tunables.test_read_stall, staged_spread_max=staged_spread_max,
+            chunk=sizes.chunk, single_copy=resolve_fast_single_copy(), staged_spread_max=staged_spread_max,
             merged_max=self.merged_max,
-            staged_max=DEFAULT_STAGED_MAX if tunables.staged_max is None else tunables.staged_max,
-            broadcast_pull_max=broadcast_pull_max(oversubscribed))
+            staged_max=DEFAULT_STAGED_MAX if tunables.staged_max is None else tunables.staged_max)
+        # An allgather of up to this many bytes a rank stages even where the
+        # ranks may single copy (0: never), as the channel decides.
+        self.staged_spread_max = staged_spread_max
         self._channel.bind_shortcuts(ARRAYS, OP_CODES, KINDS, weakly(self._failed))
         self.allreduce = self._channel.shortcut_allreduce
         self.collective = self._channel.shortcut
@@ -213,7 +210,7 @@ class FastCollectives:
     @property
     def staged_max(self):
         """A large fold of up to this many bytes per rank stages even where
-        the ranks agreed on the single copy (0: never); None once closed."""
+        the ranks may single copy (0: never); None once closed."""
         return None if self._channel is None else self._channel.staged_max
 
     def choose_staged_max(self, timeout, inherited, collective, fold):
@@ -253,7 +250,7 @@ class FastCollectives:
             return call
 
         single_copy, staged = staged_up_to(0), staged_up_to(DEFAULT_STAGED_MAX)
-        single_copy()   # the ranks' first large call: the loop's agreement, or the plans' verdict (ShmRank._refusal)
+        single_copy()   # (a read the plans find refused here: ShmRank._refusal, on every rank alike)
         if channel.large_path == "staged":   # every large message stages: nothing to choose
             channel.staged_max = DEFAULT_STAGED_MAX
             return
@@ -328,12 +325,11 @@ class FastCollectives:
     def step_for(self, collective, nbytes):
         """The step a call of `collective` with `nbytes` per rank takes in
         the loop, as the loop itself decides it (_shmloop.c's step_for):
-        merged up to merged_max; staged for a fold up to staged_max, and
-        for an oversubscribed allgather up to its limit; else the large
-        message's as the ranks agreed at their first (`large_path`), or
-        before that, as this rank would propose: the single copy where it
-        may take it, which for a fold is PLANS (the loop declines it:
-        DECLINED_SINGLE_COPIES). None once closed."""
+        merged up to merged_max; staged for a fold up to staged_max, for
+        an oversubscribed allgather up to staged_spread_max, and for every
+        large message where the ranks may not single copy (`large_path`);
+        else PLANS: the loop declines it, the plans single copy it. None
+        once closed."""
         channel = self._channel
         return None if channel is None else channel.step_for(KIND_CODES[collective], nbytes)
 
@@ -353,11 +349,11 @@ class FastCollectives:
 
     @property
     def large_path(self):
-        """How messages above the merged step's limit move: "single-copy"
-        or "staged" once the ranks agreed (at their first such message;
-        staged where some rank may not read and write another's memory, or
-        with COLLECTIVES_FAST_SINGLE_COPY=0), "undecided" before; None once
-        closed."""
+        """How messages past the loop's staging limits move: "single-copy"
+        (the plans'), or "staged" where some rank may not read and write
+        another's memory (the plans found out as the communicator started:
+        refuse_single_copy), or with COLLECTIVES_FAST_SINGLE_COPY=0; None
+        once closed."""
         return None if self._channel is None else self._channel.large_path
 
     def close(self):

@@ -21,8 +21,8 @@ from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN
                       broadcast_pull_max, resolve_compiled_plans, resolve_exchange_single_copy_min,
                       resolve_fast_single_copy, resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
-from ..plan import (ALL_TO_ALL, ALLREDUCE, BLOCKED_COLLECTIVES, FOLDS_INTO_X_IN_PLACE, INPUT, OUTPUT, PUSHED_FOLDS,
-                    PUSHED_IN_PLACE, PUSHED_ONLY_IN_PLACE, REDUCE_SCATTER, SEGMENTED_COLLECTIVES,
+from ..plan import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, BLOCKED_COLLECTIVES, BROADCAST, FOLDS_INTO_X_IN_PLACE, INPUT,
+                    OUTPUT, PUSHED_FOLDS, PUSHED_IN_PLACE, PUSHED_ONLY_IN_PLACE, REDUCE_SCATTER, SEGMENTED_COLLECTIVES,
                     SINGLE_COPY_ALGORITHMS, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE,
                     SPREAD_COLLECTIVES, WORK, pushed_plan, single_copy_plan, spread_plan)
 from ..binding import IN_PLACE, WORKSPACE_BINDINGS, WORKSPACE_IN_PLACE
@@ -111,6 +111,8 @@ class ShmRank(Recoverable):
                                 else self._pinned_single_copy_min) \
             if executor is not None and size > 1 and resolve_fast_single_copy() else None
         self._in_place_all_to_all_min = self.single_copy_min
+        if self.fast is not None and self.single_copy_min is None:   # no plan single copies: the loop stages all
+            self.fast.refuse_single_copy()
         self.exchange_probe_seconds = None   # {"single_copy": s, "staged": s}, once measured
         self._single = executor
         self._refused = False
@@ -305,7 +307,9 @@ class ShmRank(Recoverable):
                 collective not in SINGLE_COPY_FOLDS_IN_PLACE
                 or (collective in FOLDS_INTO_X_IN_PLACE and not self._reads_known)
                 or (collective in PUSHED_ONLY_IN_PLACE and self._single.pushes_reached != 1))
-            limit = None if in_place_refused else self._fold_single_copy_min(collective)
+            limit = None if in_place_refused else self._declined_single_copy_min(collective)
+        elif collective in fastpath.KIND_CODES:   # allgather, broadcast
+            limit = self._declined_single_copy_min(collective)
         elif collective in SINGLE_COPY_COLLECTIVES:
             limit = self._in_place_all_to_all_min if collective == ALL_TO_ALL and in_place else self.single_copy_min
         else:
@@ -318,23 +322,27 @@ class ShmRank(Recoverable):
         (_learn_reach: any verdict but a refusal, which stages all)."""
         return self._single is not None and self._single.pushes_reached != 0 and not self._refused
 
-    def _fold_single_copy_min(self, collective):
-        """The least bytes of a fold (plan.SINGLE_COPY_FOLDS) that reads
-        peers' inputs in place: every one the loop declines (past its
-        merged step and its staged_max, which its probe chose by timing
-        folds both ways: _shmloop.c's STEP_PLANS), so the same bound for a
-        call naming a fold's single-copy algorithm (the exchanges' probe
+    def _declined_single_copy_min(self, collective):
+        """The least bytes a rank of a call of one of the loop's five
+        collectives that reads peers' inputs in place: every one the loop
+        declines (_shmloop.c's STEP_PLANS: past its merged step, a fold's
+        staged_max, which its probe chose by timing folds both ways, and
+        an oversubscribed allgather's staged_spread_max), so the same bound
+        for a call naming the single copy's algorithm (the exchanges' probe
         times an all_to_all, which on a machine where reading another
-        process costs four copies in memory chose 128 KiB, where folds
-        were twice as fast staged up to 4 MiB). Without the loop,
-        $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN where pinned; else None."""
-        assert collective in fastpath.DECLINED_SINGLE_COPIES, collective
+        process costs four copies in memory chose 128 KiB, where folds were
+        twice as fast staged up to 4 MiB). Without the loop, a fold from
+        $COLLECTIVES_EXCHANGE_SINGLE_COPY_MIN where pinned, an allgather or
+        broadcast from the exchanges' limit; None where the single copy
+        never runs."""
+        assert collective in fastpath.KIND_CODES, collective
         if self.single_copy_min is None:   # no compiled executor, or the single copy turned off
             return None
         staged_max = None if self.fast is None else self.fast.staged_max
         if staged_max is None:
-            return self._pinned_single_copy_min
-        return max(staged_max, self.fast.merged_max) + 1
+            return self._pinned_single_copy_min if collective in SINGLE_COPY_FOLDS else self.single_copy_min
+        stages_up_to = {ALLGATHER: self.fast.staged_spread_max, BROADCAST: 0}.get(collective, staged_max)
+        return max(stages_up_to, self.fast.merged_max) + 1
 
     def _single_copy_of(self, plan):
         """Whether `plan` (a Plan or a paths.CallShape) runs as a single-copy plan."""
