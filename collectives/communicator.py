@@ -876,8 +876,8 @@ class Communicator:
     def tuning(self):
         """What this rank's communicator measured or was given as it
         started, as a dict: for host ranks in processes (across nodes, this
-        rank's node), `staged_max` (a large allreduce, reduce_scatter or
-        reduce of up to this many bytes per rank stages; 0: never) and
+        rank's node), `staged_max` (a large message of any of the five
+        collectives of up to this many bytes per rank stages; 0: never) and
         `probe_us` (the slowest rank's median microseconds of the probe's
         allreduce, `single_copy` and `staged`; None where nothing was
         timed: pinned by $COLLECTIVES_STAGED_MAX, kept from before a

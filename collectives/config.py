@@ -214,14 +214,14 @@ DEFAULT_FENCE_SECONDS = 5.0
 SPREAD_STAGED_MAX_ENV = "COLLECTIVES_SPREAD_STAGED_MAX"
 # Where the loop's ranks outnumber the cores (fastpath.stages_spread),
 # allgather of up to this many bytes per rank takes the staged pipeline even
-# where the single copy was agreed: there every reader's process_vm_readv of
+# where the ranks may single copy: there every reader's process_vm_readv of
 # the same pages, and the readers' wait for each other's end, cost more than
 # staging. Measured with 4 processes on the 2 cores (docs/host-ranks.md,
 # "Oversubscribed"): MPICH/ours at 128 KiB to 2 MiB, broadcast 0.77-1.06
 # reading in place against 1.17-1.59 staged (out of place); at 8 MiB per
 # rank and above, mixed or the single copy ahead. Broadcast no longer
 # stages: since each rank moves one block of the root's x into every output
-# (_shmloop.c, spread_from_root), its single copy measured faster than
+# (then _shmloop.c's spread_from_root, now plan.spread_plan), its single copy measured faster than
 # staging at 256 KiB and 1 MiB too (4 processes, in place 1 MiB: 0.13 ms
 # against 0.22). Not where only the machine is oversubscribed: on 2 pretend
 # nodes of 2 (each node's loop 2 ranks, a core each, shared with the other
@@ -230,7 +230,7 @@ SPREAD_STAGED_MAX_ENV = "COLLECTIVES_SPREAD_STAGED_MAX"
 # staged (MPICH 882 to 929).
 DEFAULT_SPREAD_STAGED_MAX = 2 << 20
 # A broadcast of fewer bytes than this, where the node's ranks have a core
-# each, takes no spread (_shmloop.c, spread_from_root): every reader pulls
+# each, takes no spread (plan.spread_plan): every reader pulls
 # all of x, and no rank writes into a peer's output. A block the root's
 # core wrote there is still in that core's cache when the reader's code
 # reads it, and the next call's write must take the lines back. On an
@@ -246,15 +246,15 @@ BROADCAST_PULL_MAX = 512 << 10
 
 def broadcast_pull_max(oversubscribed):
     """BROADCAST_PULL_MAX where the ranks have a core each, else 0 (a
-    broadcast spreads at every size): the rule of the loop and the plans."""
+    broadcast spreads at every size): the plans' rule (ShmRank._single_plan)."""
     return 0 if oversubscribed else BROADCAST_PULL_MAX
 
 
 STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
-# A large allreduce, reduce_scatter or reduce of up to this many bytes per
-# rank may take the loop's staged pipeline even where the single copy was
-# agreed: the fold from slices that stay in cache, both ranks copying at
-# once, against a fold of what one process_vm_readv per block brings in
+# A large message of any of the five collectives of up to this many bytes
+# per rank may take the loop's staged pipeline even where the ranks may
+# single copy: the fold or copy from slices that stay in cache, both ranks
+# copying at once, against what one process_vm_readv per block brings in
 # (it pins the pages it reads). Which is faster is the machine's, and by
 # 2 to 3 times either way, so unless this variable pins it, the ranks
 # measure it when the communicator starts (fastpath.py,
@@ -270,8 +270,10 @@ STAGED_MAX_ENV = "COLLECTIVES_STAGED_MAX"
 # round, the single copy 2 to 3 times the faster from 256 KiB to 4 MiB
 # (reduce_scatter 1 MiB 41-43 against 120-131 us, allreduce 71-76 against
 # 133-150; docs/noticed.md). allgather and broadcast, which only copy,
-# keep the single copy: staged they were faster in one run and 2 to 4
-# times slower in the other.
+# follow the folds' limit (2026-12-03, the AMD VM, 2 processes pinned,
+# batches after a barrier: staging up to 4 MiB 1.1-3.6 times as fast as the
+# plans' single copy from 32 KiB to 4 MiB, at 8 MiB and more the single
+# copy as fast or faster; docs/host-ranks.md).
 DEFAULT_STAGED_MAX = 4 << 20
 # Host ranks in processes run an allreduce, broadcast, reduce,
 # reduce_scatter or allgather of a dtype the compiled executor folds (not
@@ -300,7 +302,8 @@ def resolve_plan_segment_bytes(nbytes=None):
 # For tests only: seconds a writer is held inside each chunk's writes (so
 # that the fence has something to wait for), and a reader before each read
 # out of a peer's input (so that a peer which returned before every reader
-# was done with its input would be caught).
+# was done with its input would be caught): the compiled plan executor's
+# single copies (executors/host_process.py).
 TEST_WRITE_STALL_ENV = "COLLECTIVES_TEST_WRITE_STALL"
 TEST_READ_STALL_ENV = "COLLECTIVES_TEST_READ_STALL"
 
@@ -309,7 +312,7 @@ class LoopTunables(NamedTuple):
     """The compiled loop's tunables (transport/fastpath.py), one rank's."""
     fence_seconds: float
     spread_staged_max: int   # bytes per rank; 0: allgather reads in place however many cores
-    staged_max: int | None   # bytes per rank; 0: large folds take the single copy where agreed;
+    staged_max: int | None   # bytes per rank; 0: large messages take the single copy where they may;
                              # None: measured when the communicator starts
     test_write_stall: float
     test_read_stall: float

@@ -115,6 +115,10 @@ class Plan(NamedTuple):
     # pushed_plan's plans: a rank's table also holds rows whose destination
     # is a peer's OUTPUT, which it writes into the peer's process.
     pushes: bool = False
+    # spread_plan's: the rank (the root) whose pushes the executor skips
+    # where, at the call, its output is its input (its x holds what they
+    # would write: peers cannot tell from their own placement); -1: none.
+    no_push_in_place: int = -1
 
 
 class BlockLayout:
@@ -619,31 +623,33 @@ def spread_plan(collective, nranks, count, dtype, root=0, in_place=False):
     """broadcast's single copy spread over the ranks (what the compiled
     loop's spread_from_root was): where direct's single copy has every
     rank read the whole of the root's x (single_copy_plan), rank c reads
-    chunk c of it once into its own output (the root has it) and pushes
-    it into every other rank's output but the root's, a slice of
-    PUSH_SLICE_BYTES at a time, each slice still in cache; the root's
-    output, out of place, is the root's own copy of its x:
+    chunk c of it once into its own output (the root: copies it; in
+    place, has it) and pushes it into every other rank's output, a slice
+    of PUSH_SLICE_BYTES at a time, each slice still in cache:
 
-        1  rank c but the root: OUTPUT_c[c] = the root's INPUT[c]; every
-           rank c: OUTPUT_q[c] = that (the root's: its INPUT[c]), pushed
-           into every rank q but c and the root; the root out of place:
-           OUTPUT = INPUT, all of it
+        1  rank c: OUTPUT_c[c] = the root's INPUT[c], and OUTPUT_q[c] =
+           that, pushed into every other rank q (the root in place: from
+           its x); a push into the root is skipped where its output is
+           its x (no_push_in_place)
         2  nothing: every rank waits until every peer completed phase 1
 
-    No peer pushes into the root because none knows whether the root's x
-    is its output: ranks may differ in placement, and each builds its plan
-    from its own (a peer that took the root for in place left the second
-    half of an out-of-place root's output unwritten).
+    Ranks may differ in placement, and each builds its plan from its own,
+    so a peer cannot tell whether the root's x is its output: the executor
+    looks at the call's addresses (a plan that took the root for in place
+    left half of an out-of-place root's output unwritten; one whose root
+    copied all of its x itself took 1.3-1.4 times as long at 16 and 64
+    MiB out of place).
 
     Derived from direct's single-copy plan (a row per receiving rank q:
-    OUTPUT_q = the root's INPUT, all of it), each row but the root's cut at
-    the chunks' bounds (chunk_bounds) and piece c run by rank c: its own
-    as it was, every other as a push of rank c's copy, which holds the
-    same values once its own piece ran (the root's: its input). Checked
-    here: direct's rows are of that form, so every receiving output
-    element is written once, from the root's input. Phase 1 writes only
-    outputs no staged rerun reads (in place, the root's x is only read),
-    so a refused read or push falls back to the staged plan in place too."""
+    OUTPUT_q = the root's INPUT, all of it), each row cut at the chunks'
+    bounds (chunk_bounds) and piece c run by rank c: its own as it was,
+    every other as a push of rank c's copy, which holds the same values
+    once its own piece ran (the root in place: its input), the root's too
+    where this rank's own placement has none. Checked here: direct's rows
+    are of that form, so every receiving output element is written once,
+    from the root's input. Phase 1 writes only outputs no staged rerun
+    reads (in place, the root's x is only read: no push goes into it), so
+    a refused read or push falls back to the staged plan in place too."""
     if collective not in SPREAD_COLLECTIVES:
         raise ValueError(f"spread_plan serves {SPREAD_COLLECTIVES}, not {collective!r}")
     dtype = np.dtype(dtype)
@@ -658,23 +664,19 @@ def spread_plan(collective, nranks, count, dtype, root=0, in_place=False):
         raise ValueError(f"spread_plan: {collective}'s single copy does not give every receiving rank one row")
     slice_elements = max(1, PUSH_SLICE_BYTES // dtype.itemsize)
     width = rows.shape[1] if len(rows) else SRC0 + 3
-    pushed_into = [q for q in receivers if q != root]
     rows_by_rank = []
     for c, (lo, hi) in enumerate(chunk_bounds(collective, nranks, nranks, count, dtype.itemsize)):
         mine = []
         for at in range(lo, hi, slice_elements):
             stop = min(at + slice_elements, hi)
-            if c != root:
+            if c in receivers:
                 mine.append(_copy_row(width, c, at, stop, (root, INPUT)))
-            source = (root, INPUT) if c == root else (c, OUTPUT)
-            mine += [_copy_row(width, q, at, stop, source) for q in pushed_into if q != c]
-        if c == root and root in receivers:   # (out of place, after its pushes: the peers' first)
-            mine += [_copy_row(width, root, at, min(at + slice_elements, count), (root, INPUT))
-                     for at in range(0, count, slice_elements)]
+            source = (c, OUTPUT) if c in receivers else (root, INPUT)   # (the root in place: its x)
+            mine += [_copy_row(width, q, at, stop, source) for q in range(nranks) if q != c]
         rows_by_rank.append(mine)
     phases = base.phases
     phase1 = _phase_of_pushes(rows_by_rank, width, phases[1].waits)
-    return base._replace(phases=(phases[0], phase1, *phases[2:]), pushes=True)
+    return base._replace(phases=(phases[0], phase1, *phases[2:]), pushes=True, no_push_in_place=root)
 
 
 # The collectives a call of which is the same call on segments of its

@@ -665,6 +665,15 @@ def scenario_measured(comm):
     else:   # the single copy, which the loop leaves to the plans
         step = chosen.path
         assert comm._ranks.what_ran() == (chosen, chosen.path) == ("two_shot", "single_copy"), chosen   # noqa: SLF001
+    # the limit is all five collectives': up to it a large message stages, past it the plans single
+    # copy it where the ranks may (an oversubscribed allgather stages up to its own limit too)
+    loop = comm._ranks.fast   # noqa: SLF001
+    for collective in fastpath.KIND_CODES:
+        limit = max(tuning["staged_max"], loop.staged_spread_max if collective == "allgather" else 0)
+        if limit > loop.merged_max:
+            assert loop.step_for(collective, limit) == fastpath.STAGED, (collective, limit)
+        past = loop.step_for(collective, max(limit, loop.merged_max) + 1)
+        assert past == (fastpath.PLANS if loop.large_path == "single-copy" else fastpath.STAGED), (collective, past)
     print(f"MEASURED {comm.rank} {tuning['staged_max']} {probe.get(fastpath.SINGLE_COPY)!r} "
           f"{probe.get(fastpath.STAGED)!r} {step}", flush=True)
 

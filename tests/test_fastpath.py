@@ -58,7 +58,7 @@ def check_large_path(report, large_path):
     assert taken == {large_path}, report
 
 
-# How the ranks come by the folds' staging limit (FastCollectives.choose_staged_max):
+# How the ranks come by the loop's staging limit, all five collectives' (FastCollectives.choose_staged_max):
 # measured, measured with the single copy's reads slowed (so staging must
 # win), pinned by the variable, and no probe where every message stages.
 STAGING_LIMITS = {
@@ -72,10 +72,12 @@ STAGING_LIMITS = {
 
 
 @pytest.mark.parametrize("setting", STAGING_LIMITS)
-def test_the_ranks_choose_the_folds_staging_limit_alike_as_they_start(setting, monkeypatch):
+def test_the_ranks_choose_the_staging_limit_alike_as_they_start(setting, monkeypatch):
     """Unpinned, the ranks time a 1 MiB allreduce both ways and all take the
     faster (the same probe times on every rank: the slowest rank's); a
-    1 MiB allreduce then takes the step that limit names."""
+    1 MiB allreduce then takes the step that limit names, and every one of
+    the five collectives stages up to the limit and not past it (the
+    worker asks the loop's step_for)."""
     from collectives.config import DEFAULT_STAGED_MAX
     monkeypatch.delenv("COLLECTIVES_STAGED_MAX", raising=False)
     oks, report = run_worker(2, "measured", env=STAGING_LIMITS[setting])

@@ -76,6 +76,8 @@ typedef struct {
     int64_t scratch_offset, workspace_bytes;
     int type, op, nranks;
     int single_copy;            /* a plan that reads peers' inputs in place: SINGLE_COPY_* (see "Single copy" below) */
+    int no_push_in_place;       /* the rank that takes no push where its output is its input, or -1 (a spread
+                                 * broadcast's root in place: its x holds what a push would write) */
     int *pushes_reached;        /* the runner's verdict on pushes (Runner.pushes_reached) */
     size_t itemsize;
     char **peer_slices;         /* the runner's buffer for a fold's reads, and its size (grown here) */
@@ -192,6 +194,13 @@ static int read_peer(Waits *w, int peer, char *local, int64_t remote, size_t nby
  * inside this rank's WRITING window (copy_with_peer's statuses; ABORTED
  * too where the communicator was aborted before the write: its ranks may
  * have handed their buffers back). */
+/* Whether `peer`'s output is its input, this call (its phase 0's addresses). */
+static int peer_in_place(Waits *w, int peer)
+{
+    int64_t output = load_acquire(&w->rows[peer * ROW_SLOTS + OUT_ADDR]) & ~(REFUSED_FLAG | PUSH_REFUSED_FLAG);
+    return output == load_acquire(&w->rows[peer * ROW_SLOTS + IN_ADDR]);
+}
+
 static int push_to_peer(Waits *w, int peer, const char *local, int64_t offset, size_t nbytes)
 {
     if ((refuse_for_tests || refuse_pushes_for_tests) && nbytes > 0) {
@@ -349,6 +358,8 @@ static int run_rows(Waits *w, const Call *call, int me, int64_t first, int64_t l
             if (!call->single_copy || row[KIND] != COPY_OP || row[DST_BUF] != OUTPUT || src == NULL
                 || row[RANK] < 0 || row[RANK] >= call->nranks)
                 return BAD_PLAN;
+            if (row[RANK] == call->no_push_in_place && peer_in_place(w, (int)row[RANK]))
+                continue;
             int status = push_to_peer(w, (int)row[RANK], src, row[DST_OFF] * (int64_t)call->itemsize, nbytes);
             if (status != OK)
                 return status;
@@ -490,7 +501,7 @@ static const int64_t *int64s(PyObject *object, Py_buffer *view, Py_ssize_t at_le
 /* ---- A plan, prepared once ---------------------------------------------------
  *
  * Plan(rows, row_starts, waits, wait_starts, scratch_offset, workspace_bytes,
- *      type, op, nranks, description_hash, single_copy)
+ *      type, op, nranks, description_hash, single_copy[, no_push_in_place])
  *
  * One rank's part of a plan, checked and copied into memory of its own
  * once, so that a call passes only what changes between calls (the arrays'
@@ -498,7 +509,8 @@ static const int64_t *int64s(PyObject *object, Py_buffer *view, Py_ssize_t at_le
  * of every phase in one table; row_starts, phases + 1 row indexes; waits,
  * (peer, phases done) pairs, wait_starts their phases' starts;
  * single_copy, a plan that reads peers' inputs in place (see "Single
- * copy"). */
+ * copy"); no_push_in_place, the rank whose pushes are skipped where its
+ * output is its input (plan.Plan.no_push_in_place; -1: none). */
 typedef struct {
     PyObject_HEAD
     int64_t *data;              /* rows, row_starts, waits, wait_starts, one allocation */
@@ -515,14 +527,15 @@ static void Plan_dealloc(Plan *self)
 static int Plan_init(Plan *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"rows", "row_starts", "waits", "wait_starts", "scratch_offset", "workspace_bytes",
-                            "type", "op", "nranks", "description_hash", "single_copy", NULL};   /* SINGLE_COPY_* */
+                            "type", "op", "nranks", "description_hash", "single_copy", "no_push_in_place",
+                            NULL};   /* SINGLE_COPY_* */
     PyObject *objects[4];
     long long scratch_offset, workspace_bytes;
-    int type, op, nranks, single_copy;
+    int type, op, nranks, single_copy, no_push_in_place = -1;
     unsigned long long description_hash;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLLiiiKi", names, &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLLiiiKi|i", names, &objects[0], &objects[1], &objects[2],
                                      &objects[3], &scratch_offset, &workspace_bytes, &type, &op, &nranks,
-                                     &description_hash, &single_copy))
+                                     &description_hash, &single_copy, &no_push_in_place))
         return -1;
     if (type < 0 || type >= NTYPES || op < 0 || op > OP_AVG || nranks < 1 || nranks > MAX_SOURCES
         || single_copy < SINGLE_COPY_NONE || single_copy > SINGLE_COPY_PUSHES) {
@@ -569,6 +582,7 @@ static int Plan_init(Plan *self, PyObject *args, PyObject *kwargs)
     self->call.op = op;
     self->call.nranks = nranks;
     self->call.single_copy = single_copy;
+    self->call.no_push_in_place = no_push_in_place;
     self->call.itemsize = itemsizes[type];
     self->description_hash = description_hash;
     failed = 0;

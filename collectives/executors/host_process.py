@@ -262,7 +262,7 @@ class CompiledPlans:
         description = describe_call(plan)
         prepared = _host_plan.Plan(rows, row_starts, pairs, wait_starts, plan.scratch_offset, plan.workspace_bytes,
                                    self._types[plan.dtype], _OPS[ReduceOp(plan.op)], plan.nranks,
-                                   description_hash(description), _single_copy_form(plan))
+                                   description_hash(description), _single_copy_form(plan), plan.no_push_in_place)
         entry = (plan, prepared, description)
         if len(self._prepared) >= _PREPARED_KEPT:   # all_to_all_v makes a plan per matrix of counts
             self._prepared.clear()

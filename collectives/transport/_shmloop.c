@@ -43,10 +43,10 @@ typedef struct {
     int64_t chunks_done;    /* pipelined iterations made over the channel's life */
     int single_copy;        /* 1: large messages past the staging limits are the plans' single copy;
                              * 0: every one stages (COLLECTIVES_FAST_SINGLE_COPY=0, refuse_single_copy) */
-    size_t staged_max;         /* a large allreduce, reduce_scatter or reduce of up to this many bytes
-                                * per rank stages even where the ranks may single copy (0: never;
-                                * config.LoopTunables.staged_max: folding from cache beat folding what
-                                * a process_vm_readv per block brought in) */
+    size_t staged_max;         /* a large message of up to this many bytes per rank stages even where
+                                * the ranks may single copy (0: never; config.LoopTunables.staged_max:
+                                * copying and folding through staging in cache beat what a
+                                * process_vm_readv per block brought in) */
     size_t staged_spread_max;  /* allgather of up to this many bytes per rank stages even
                                 * where the ranks may single copy (0: never; fastpath.py sets it when
                                 * the ranks outnumber the cores, where staging measured faster) */
@@ -299,11 +299,10 @@ static int run_staged_segments(Channel *c, const Collective *k)
 }
 
 /* Whether a large message of `kind` stages even where the ranks may single
- * copy: a fold up to staged_max, an allgather up to staged_spread_max. */
+ * copy: up to staged_max, and an allgather up to staged_spread_max. */
 static int stages_anyway(const Channel *c, int kind, size_t nbytes)
 {
-    int folds = kind == K_ALLREDUCE || kind == K_REDUCE_SCATTER || kind == K_REDUCE;
-    return (folds && nbytes <= c->staged_max) || (kind == K_ALLGATHER && nbytes <= c->staged_spread_max);
+    return nbytes <= c->staged_max || (kind == K_ALLGATHER && nbytes <= c->staged_spread_max);
 }
 
 /* The step a call of `kind` with `nbytes` per rank takes: the one place
@@ -952,8 +951,8 @@ static PyGetSetDef Channel_getset[] = {
      "the step of the last call taken: merged or staged (None: none, or it failed first)", NULL},
     {"merged_max", (getter)Channel_merged_max, NULL, "messages of up to this many bytes take the merged step", NULL},
     {"staged_max", (getter)Channel_get_staged_max, (setter)Channel_set_staged_max,
-     "a large allreduce, reduce_scatter or reduce of up to this many bytes per rank stages even where the "
-     "ranks may single copy (0: never); every rank sets the same value between the same two calls", NULL},
+     "a large message of up to this many bytes per rank stages even where the ranks may single copy "
+     "(0: never); every rank sets the same value between the same two calls", NULL},
     {"staged_calls", (getter)Channel_staged_calls, NULL,
      "large calls of reduce_scatter, allgather, broadcast and reduce run through staging so far", NULL},
     {"large_path", (getter)Channel_large_path, NULL,

@@ -67,14 +67,13 @@ except ImportError:   # installed without a C compiler: the interpreter runs eve
     _shmloop = None
 
 # Large messages take the single copy where every rank can reach every
-# other's memory, but for the folding collectives (allreduce, reduce_scatter,
-# reduce: _shmloop.c's stages_anyway) up to the channel's staged_max per
-# rank, oversubscribed allgathers up to their own limit (stages_spread), and
-# everything with COLLECTIVES_FAST_SINGLE_COPY=0
+# other's memory, but up to the channel's staged_max per rank (_shmloop.c's
+# stages_anyway), oversubscribed allgathers up to their own limit
+# (stages_spread), and everything with COLLECTIVES_FAST_SINGLE_COPY=0
 # (config.resolve_fast_single_copy, read when a communicator is made):
-# those take the staged pipeline. Which is faster for a fold depends on how
-# fast the machine's process_vm_readv is against memcpy, by 2 to 3 times
-# either way (config.py, DEFAULT_STAGED_MAX), so the ranks measure it when
+# those take the staged pipeline. Which is faster depends on how fast the
+# machine's process_vm_readv is against memcpy, by 2 to 3 times either way
+# (config.py, DEFAULT_STAGED_MAX), so the ranks measure it on a fold when
 # the communicator starts (choose_staged_max), unless $COLLECTIVES_STAGED_MAX
 # pins it: calls of PROBE_BYTES a rank both ways, alternating, the slowest
 # rank's median of each way deciding alike on every rank (probe.py): the
@@ -209,7 +208,7 @@ class FastCollectives:
 
     @property
     def staged_max(self):
-        """A large fold of up to this many bytes per rank stages even where
+        """A large message of up to this many bytes per rank stages even where
         the ranks may single copy (0: never); None once closed."""
         return None if self._channel is None else self._channel.staged_max
 

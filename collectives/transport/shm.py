@@ -21,7 +21,7 @@ from ..config import (DEFAULT_EXCHANGE_SINGLE_COPY_MIN, EXCHANGE_SINGLE_COPY_MIN
                       broadcast_pull_max, resolve_compiled_plans, resolve_exchange_single_copy_min,
                       resolve_fast_single_copy, resolve_loop_tunables, resolve_plan_segment_bytes)
 from ..executors import host, host_process
-from ..plan import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, BLOCKED_COLLECTIVES, BROADCAST, FOLDS_INTO_X_IN_PLACE, INPUT,
+from ..plan import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, BLOCKED_COLLECTIVES, FOLDS_INTO_X_IN_PLACE, INPUT,
                     OUTPUT, PUSHED_FOLDS, PUSHED_IN_PLACE, PUSHED_ONLY_IN_PLACE, REDUCE_SCATTER, SEGMENTED_COLLECTIVES,
                     SINGLE_COPY_ALGORITHMS, SINGLE_COPY_COLLECTIVES, SINGLE_COPY_FOLDS, SINGLE_COPY_FOLDS_IN_PLACE,
                     SPREAD_COLLECTIVES, WORK, pushed_plan, single_copy_plan, spread_plan)
@@ -325,7 +325,7 @@ class ShmRank(Recoverable):
     def _declined_single_copy_min(self, collective):
         """The least bytes a rank of a call of one of the loop's five
         collectives that reads peers' inputs in place: every one the loop
-        declines (_shmloop.c's STEP_PLANS: past its merged step, a fold's
+        declines (_shmloop.c's STEP_PLANS: past its merged step, its
         staged_max, which its probe chose by timing folds both ways, and
         an oversubscribed allgather's staged_spread_max), so the same bound
         for a call naming the single copy's algorithm (the exchanges' probe
@@ -341,7 +341,7 @@ class ShmRank(Recoverable):
         staged_max = None if self.fast is None else self.fast.staged_max
         if staged_max is None:
             return self._pinned_single_copy_min if collective in SINGLE_COPY_FOLDS else self.single_copy_min
-        stages_up_to = {ALLGATHER: self.fast.staged_spread_max, BROADCAST: 0}.get(collective, staged_max)
+        stages_up_to = max(staged_max, self.fast.staged_spread_max) if collective == ALLGATHER else staged_max
         return max(stages_up_to, self.fast.merged_max) + 1
 
     def _single_copy_of(self, plan):
