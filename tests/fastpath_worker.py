@@ -665,11 +665,14 @@ def scenario_measured(comm):
     else:   # the single copy, which the loop leaves to the plans
         step = chosen.path
         assert comm._ranks.what_ran() == (chosen, chosen.path) == ("two_shot", "single_copy"), chosen   # noqa: SLF001
-    # the limit is all five collectives': up to it a large message stages, past it the plans single
-    # copy it where the ranks may (an oversubscribed allgather stages up to its own limit too)
+    # the limit is the folds', and allgather's and broadcast's where the machine's processes have a core
+    # each: up to it a large message stages, past it the plans single copy it where the ranks may (an
+    # oversubscribed allgather stages up to its own limit too)
     loop = comm._ranks.fast   # noqa: SLF001
     for collective in fastpath.KIND_CODES:
-        limit = max(tuning["staged_max"], loop.staged_spread_max if collective == "allgather" else 0)
+        copies = collective in ("allgather", "broadcast")
+        limit = max(tuning["staged_max"] if loop.copies_stage or not copies else 0,
+                    loop.staged_spread_max if collective == "allgather" else 0)
         if limit > loop.merged_max:
             assert loop.step_for(collective, limit) == fastpath.STAGED, (collective, limit)
         past = loop.step_for(collective, max(limit, loop.merged_max) + 1)

@@ -43,10 +43,12 @@ typedef struct {
     int64_t chunks_done;    /* pipelined iterations made over the channel's life */
     int single_copy;        /* 1: large messages past the staging limits are the plans' single copy;
                              * 0: every one stages (COLLECTIVES_FAST_SINGLE_COPY=0, refuse_single_copy) */
-    size_t staged_max;         /* a large message of up to this many bytes per rank stages even where
-                                * the ranks may single copy (0: never; config.LoopTunables.staged_max:
+    size_t staged_max;         /* a large fold (see copies_stage) of up to this many bytes per rank stages
+                                * even where the ranks may single copy (0: never; config.LoopTunables.staged_max:
                                 * copying and folding through staging in cache beat what a
                                 * process_vm_readv per block brought in) */
+    int copies_stage;          /* allgather and broadcast stage up to staged_max too (0 where the
+                                * machine's processes outnumber its cores: fastpath.py says why) */
     size_t staged_spread_max;  /* allgather of up to this many bytes per rank stages even
                                 * where the ranks may single copy (0: never; fastpath.py sets it when
                                 * the ranks outnumber the cores, where staging measured faster) */
@@ -299,10 +301,13 @@ static int run_staged_segments(Channel *c, const Collective *k)
 }
 
 /* Whether a large message of `kind` stages even where the ranks may single
- * copy: up to staged_max, and an allgather up to staged_spread_max. */
+ * copy: a fold up to staged_max, allgather and broadcast too where
+ * copies_stage, and an allgather up to staged_spread_max. */
 static int stages_anyway(const Channel *c, int kind, size_t nbytes)
 {
-    return nbytes <= c->staged_max || (kind == K_ALLGATHER && nbytes <= c->staged_spread_max);
+    int folds = kind == K_ALLREDUCE || kind == K_REDUCE_SCATTER || kind == K_REDUCE;
+    return (nbytes <= c->staged_max && (folds || c->copies_stage))
+           || (kind == K_ALLGATHER && nbytes <= c->staged_spread_max);
 }
 
 /* The step a call of `kind` with `nbytes` per rank takes: the one place
@@ -778,17 +783,17 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"header", "rows", "rank", "nranks", "spin", "yield_seconds", "small", "small_max",
                             "staging", "chunk", "single_copy", "staged_spread_max", "merged_max", "staged_max",
-                            NULL};
+                            "copies_stage", NULL};
     unsigned long long header, rows, small, staging;
     unsigned long long small_max, chunk;
     int rank, nranks;
     long spin;
     double yield_seconds;
-    int single_copy = 1;
+    int single_copy = 1, copies_stage = 1;
     unsigned long long staged_spread_max = 0, merged_max = ULLONG_MAX, staged_max = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pKKK", names, &header, &rows, &rank, &nranks,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKiildKKKK|pKKKp", names, &header, &rows, &rank, &nranks,
                                      &spin, &yield_seconds, &small, &small_max, &staging, &chunk, &single_copy,
-                                     &staged_spread_max, &merged_max, &staged_max))
+                                     &staged_spread_max, &merged_max, &staged_max, &copies_stage))
         return -1;
     if (nranks < 1 || nranks > 256 || rank < 0 || rank >= nranks || chunk == 0 || chunk % 64) {
         PyErr_SetString(PyExc_ValueError, "a channel has 1 to 256 ranks and chunks of a multiple of 64 bytes");
@@ -811,6 +816,7 @@ static int Channel_init(Channel *c, PyObject *args, PyObject *kwargs)
     c->small_calls = 0;
     c->chunks_done = 0;
     c->single_copy = single_copy;
+    c->copies_stage = copies_stage;
     c->staged_spread_max = (size_t)staged_spread_max;
     c->staged_max = (size_t)staged_max;
     c->staged_calls = 0;
@@ -951,8 +957,9 @@ static PyGetSetDef Channel_getset[] = {
      "the step of the last call taken: merged or staged (None: none, or it failed first)", NULL},
     {"merged_max", (getter)Channel_merged_max, NULL, "messages of up to this many bytes take the merged step", NULL},
     {"staged_max", (getter)Channel_get_staged_max, (setter)Channel_set_staged_max,
-     "a large message of up to this many bytes per rank stages even where the ranks may single copy "
-     "(0: never); every rank sets the same value between the same two calls", NULL},
+     "a large fold (allgather and broadcast too where copies_stage) of up to this many bytes per rank stages "
+     "even where the ranks may single copy (0: never); every rank sets the same value between the same two "
+     "calls", NULL},
     {"staged_calls", (getter)Channel_staged_calls, NULL,
      "large calls of reduce_scatter, allgather, broadcast and reduce run through staging so far", NULL},
     {"large_path", (getter)Channel_large_path, NULL,

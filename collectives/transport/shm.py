@@ -326,8 +326,9 @@ class ShmRank(Recoverable):
         """The least bytes a rank of a call of one of the loop's five
         collectives that reads peers' inputs in place: every one the loop
         declines (_shmloop.c's STEP_PLANS: past its merged step, its
-        staged_max, which its probe chose by timing folds both ways, and
-        an oversubscribed allgather's staged_spread_max), so the same bound
+        staged_max, which its probe chose by timing folds both ways (a
+        copy's where copies_stage), and an oversubscribed allgather's
+        staged_spread_max), so the same bound
         for a call naming the single copy's algorithm (the exchanges' probe
         times an all_to_all, which on a machine where reading another
         process costs four copies in memory chose 128 KiB, where folds were
@@ -341,7 +342,9 @@ class ShmRank(Recoverable):
         staged_max = None if self.fast is None else self.fast.staged_max
         if staged_max is None:
             return self._pinned_single_copy_min if collective in SINGLE_COPY_FOLDS else self.single_copy_min
-        stages_up_to = max(staged_max, self.fast.staged_spread_max) if collective == ALLGATHER else staged_max
+        stages_up_to = staged_max if collective in SINGLE_COPY_FOLDS or self.fast.copies_stage else 0
+        if collective == ALLGATHER:
+            stages_up_to = max(stages_up_to, self.fast.staged_spread_max)
         return max(stages_up_to, self.fast.merged_max) + 1
 
     def _single_copy_of(self, plan):
