@@ -84,10 +84,8 @@ enum { COUNTER = 0, PID = 1, SEQ = 2, SIG = 3,      /* row slots (protocol.py) *
        SMALL_SIG = 6,                               /* 6 and 7: the merged step's call, by slot parity */
        STAGED = 8, REDUCED = 9,                     /* the pipelined path's chunk counters */
        SLEEPERS = 10,                               /* waits asleep on this row's counters */
-       IN_ADDR = 11, OUT_ADDR = 12,                 /* the single-copy path's buffers, this call */
-       CAN_REACH = 13,                              /* 1: cannot read and write every peer's memory, 2: can */
-       WRITING = 14,                                /* 1 while writing into peers' memory */
-       SCRATCH_ADDR = 15 };                         /* the compiled loop's private scratch (the reach probe's) */
+       IN_ADDR = 11, OUT_ADDR = 12,                 /* the single-copy plans' buffers, this call */
+       WRITING = 14 };                              /* 1 while writing into peers' memory (13 and 15: free) */
 enum { SLOT_HEADER = 128 };                         /* a small slot's first bytes, unused: the data starts a line pair on */
 
 /* What waits return to Python: statuses.h, the C side's one table. */
