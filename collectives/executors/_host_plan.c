@@ -190,10 +190,6 @@ static int read_peer(Waits *w, int peer, char *local, int64_t remote, size_t nby
     return copy_with_peer(w, peer, local, remote, nbytes, 0);
 }
 
-/* Copy `nbytes` at `local` into peer `peer`'s output at byte `offset`,
- * inside this rank's WRITING window (copy_with_peer's statuses; ABORTED
- * too where the communicator was aborted before the write: its ranks may
- * have handed their buffers back). */
 /* Whether `peer`'s output is its input, this call (its phase 0's addresses). */
 static int peer_in_place(Waits *w, int peer)
 {
@@ -201,6 +197,10 @@ static int peer_in_place(Waits *w, int peer)
     return output == load_acquire(&w->rows[peer * ROW_SLOTS + IN_ADDR]);
 }
 
+/* Copy `nbytes` at `local` into peer `peer`'s output at byte `offset`,
+ * inside this rank's WRITING window (copy_with_peer's statuses; ABORTED
+ * too where the communicator was aborted before the write: its ranks may
+ * have handed their buffers back). */
 static int push_to_peer(Waits *w, int peer, const char *local, int64_t offset, size_t nbytes)
 {
     if ((refuse_for_tests || refuse_pushes_for_tests) && nbytes > 0) {
