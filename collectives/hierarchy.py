@@ -400,7 +400,7 @@ class HierarchyRanks:
         copy: its step_for answers fastpath.PLANS), as on one machine,
         through the node's own Communicator over `shm` (`_node_until`).
         In place: `out` x (allreduce, broadcast, reduce), x's own block
-        (reduce_scatter), or x out's block of this rank (allgather). 0 once
+        (reduce_scatter), or x this rank's block of `out` (allgather). 0 once
         done (a Program's node step); else it raises what that call
         raises, the node aborted."""
         node = self._node_until(deadline)
