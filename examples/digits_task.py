@@ -1,5 +1,6 @@
-"""What the PyTorch examples share: scikit-learn's handwritten digits and
-the MLP they train on it, and starting a torch.distributed process group.
+"""What the PyTorch examples share: scikit-learn's handwritten digits as
+tensors (digits_data.py reads them), the MLP they train on them, and
+starting a torch.distributed process group.
 
 The examples import it as a sibling module: run them as scripts
 (`python examples/torch_mlp.py`, `torchrun ... examples/ddp.py`).
@@ -8,18 +9,15 @@ The examples import it as a sibling module: run them as scripts
 import os
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
+
+import digits_data
 
 
 def digits(seed=0):
     """(x_train, y_train, x_test, y_test) as tensors: 1197 training and 600 test images."""
-    data = load_digits()
-    order = np.random.default_rng(seed).permutation(len(data.target))
-    x, y = torch.tensor(data.data[order] / 16.0, dtype=torch.float32), torch.tensor(data.target[order])
-    return x[:1197], y[:1197], x[1197:], y[1197:]
+    return tuple(torch.from_numpy(array) for array in digits_data.digits(seed))
 
 
 def mlp(sizes):

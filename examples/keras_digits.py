@@ -30,18 +30,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")      # TensorFlow's start-up 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
 
 import collectives  # noqa: E402
 from collectives.keras import BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback  # noqa: E402
-
-
-def digits(seed=0):
-    """(x_train, y_train, x_test, y_test): 1197 training and 600 test images, as digits_task.py splits them."""
-    data = load_digits()
-    order = np.random.default_rng(seed).permutation(len(data.target))
-    x, y = (data.data[order] / 16.0).astype(np.float32), data.target[order]
-    return x[:1197], y[:1197], x[1197:], y[1197:]
+from digits_data import digits  # noqa: E402
 
 
 def mlp(seed):

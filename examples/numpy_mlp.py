@@ -20,18 +20,10 @@ Options: --epochs, --batch (global), --lr, --compression bf16|fp16|int8.
 import argparse
 
 import numpy as np
-from sklearn.datasets import load_digits
 
 import collectives
 import collectives.compression
-
-
-def digits(seed=0):
-    """(x_train, y_train, x_test, y_test): 1197 training and 600 test images, pixels in [0, 1]."""
-    data = load_digits()
-    order = np.random.default_rng(seed).permutation(len(data.target))
-    x, y = (data.data[order] / 16.0).astype(np.float32), data.target[order]
-    return x[:1197], y[:1197], x[1197:], y[1197:]
+from digits_data import digits
 
 
 def init_params(rng, sizes=(64, 32, 10)):

@@ -13,6 +13,7 @@ uncompressed run's test accuracy; (d) a rank that dies mid-training makes
 the others raise within the timeout: one launch, which the three tests read. And both examples run.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -193,13 +194,28 @@ def run(n, command, *launcher_flags, limit=120):
     return done.stdout, report
 
 
+def test_the_examples_read_the_digits_as_scikit_learn_loads_them():
+    """digits_data.py reads scikit-learn's table itself (importing scikit-learn
+    costs every process about 1.7 CPU-s); it must give load_digits' arrays."""
+    datasets = pytest.importorskip("sklearn.datasets", reason=NEEDS_SKLEARN)
+    spec = importlib.util.spec_from_file_location("digits_data", EXAMPLES / "digits_data.py")
+    digits_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(digits_data)
+    pixels, labels = digits_data.load_digits()
+    expected = datasets.load_digits()
+    np.testing.assert_array_equal(pixels, expected.data)
+    np.testing.assert_array_equal(labels, expected.target)
+    assert pixels.shape == (1797, 64) and labels.dtype == np.int64 and set(labels) == set(range(10))
+    x_train, y_train, x_test, y_test = digits_data.digits()
+    assert (x_train.shape, x_test.shape, y_train.shape, y_test.shape) == ((1197, 64), (600, 64), (1197,), (600,))
+    assert x_train.dtype == np.float32 and 0 <= x_train.min() and x_train.max() == 1
+
+
 # The scenarios on 4 processes run in one launch (tests/training_worker.py
 # says why), killed last; each test reads its own part of it. (compression
 # trains on the digits, which need scikit-learn: its test skips without.)
 def scenarios_on_four():
-    try:
-        import sklearn  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("sklearn") is None:
         return ("sync", "killed")
     return ("sync", "compression", "killed")
 

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,12 +48,10 @@ def synthetic(samples=4096, seed=0):
 
 
 def digits():
-    """scikit-learn's handwritten digits: 1197 training and 600 test images, as the examples split them."""
-    from sklearn.datasets import load_digits
-    data = load_digits()
-    order = np.random.default_rng(0).permutation(len(data.target))
-    x, y = torch.tensor(data.data[order] / 16.0, dtype=torch.float32), torch.tensor(data.target[order])
-    return x[:1197], y[:1197], x[1197:], y[1197:]
+    """scikit-learn's handwritten digits as tensors: 1197 training and 600 test images, as the examples split them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from digits_data import digits as split_digits
+    return tuple(torch.from_numpy(array) for array in split_digits())
 
 
 def global_batches(nsamples, batch, steps):
