@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from digits_task import digits, mlp, start
+from digits_task import digits, let_go, mlp, start
 
 
 class Experts(torch.nn.Module):
@@ -144,11 +144,14 @@ def train(args):
         print(f"largest difference of a step's loss from one process on the whole batch: {worst:.2e}", flush=True)
         print(f"final test accuracy {accuracy:.4f} (one process: {alone:.4f})", flush=True)
         print(f"{1e3 * elapsed / max(steps, 1):.2f} ms per step (rank 0)", flush=True)
-    # Every rank waits for rank 0's reference before any tears the group down:
-    # once, with Gloo, a rank that destroyed its group while rank 0 still ran
-    # ended in "terminate called without an active exception" (seen once, in a
-    # fresh-clone run of the suite; not in 8 reruns).
-    dist.barrier()
+    # Every rank waits for rank 0's reference before any tears the group down,
+    # and for Gloo's worker threads to let go of the tensor of that last
+    # collective: a rank that exited while one still held it aborted with
+    # "terminate called without an active exception" (twice in fresh runs of
+    # the suite, with dist.barrier() here, whose tensor let_go cannot see).
+    done = torch.zeros(1)
+    dist.all_reduce(done)
+    let_go([done])
     dist.destroy_process_group()
 
 

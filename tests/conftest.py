@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.mpis import remove_orphaned_mpich_segments
+from rare_collections import collect_rarely
 
 pytest_plugins = ("cpu_times",)   # pytest --cpu-times=PATH: where the suite's CPU goes
 
@@ -24,6 +25,10 @@ pytest_plugins = ("cpu_times",)   # pytest --cpu-times=PATH: where the suite's C
 # the 2-core machine, 0.09 without, in a suite that starts thousands of
 # ranks (docs/testing.md). No test gives BLAS enough work to want threads.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# This process loads PyTorch and TensorFlow as it collects, and keeps every
+# test item; its collector runs rarely, as in the workers that load them.
+collect_rarely()
 
 # The algorithms whose schedules the emulated backends run on the whole
 # collective matrix; the others run it whole on host ranks, and on emulated

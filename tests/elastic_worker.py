@@ -19,6 +19,10 @@ import os
 import signal
 import sys
 
+from rare_collections import collect_rarely
+
+collect_rarely()   # before PyTorch and TensorFlow load: rare_collections.py says why
+
 import numpy as np
 
 import collectives

@@ -26,6 +26,10 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # them), and no scenario uses either: None in sys.modules is that ImportError.
 sys.modules.update(sklearn=None, matplotlib=None)
 
+from rare_collections import collect_rarely
+
+collect_rarely()   # before PyTorch and TensorFlow load: rare_collections.py says why
+
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402

@@ -40,6 +40,10 @@ import signal
 import time
 import warnings
 
+from rare_collections import collect_rarely
+
+collect_rarely()   # before PyTorch and TensorFlow load: rare_collections.py says why
+
 import numpy as np
 import torch
 import torch.distributed as dist

@@ -16,6 +16,10 @@ import sys
 import traceback
 from pathlib import Path
 
+from rare_collections import collect_rarely
+
+collect_rarely()   # before PyTorch and TensorFlow load: rare_collections.py says why
+
 import numpy as np
 import torch
 import torch.distributed as dist

@@ -57,6 +57,11 @@ try:
     import expecttest  # noqa: F401  (torch's test modules import it)
 except ImportError:
     sys.exit("tests/torch_suite.py: PyTorch's test modules need expecttest: pip install expecttest")
+
+from rare_collections import collect_rarely
+
+collect_rarely()   # before PyTorch and TensorFlow load: rare_collections.py says why
+
 import torch  # noqa: E402
 
 torch.backends.cuda.matmul.allow_tf32 = False   # as test_distributed_spawn.py

@@ -17,6 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from rare_collections import collect_rarely
+
+collect_rarely()   # before PyTorch and TensorFlow load: rare_collections.py says why
+
 import numpy as np
 import torch
 import torch.nn.functional as F
