@@ -189,7 +189,9 @@ def test_arrays_whose_ids_are_reused():
             comm.allreduce(xs)
             assert all((x == 3 * step + 3).all() for x in xs), step
             del xs
-            gc.collect()
+            # What this step made is young: a full collection walked the pytest
+            # worker's whole heap, 0.5 s each in a run of the suite.
+            gc.collect(1)
 
 
 @pytest.fixture(params=["compiled", "attributes"])
