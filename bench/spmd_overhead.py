@@ -56,16 +56,23 @@ def parse_args(argv=None):
 
 
 def call(comm, collective, x, out, algorithm):
-    """One call of the collective timed, as every rank makes it."""
-    if collective == "allreduce":
-        return comm.allreduce(x, out=out, algorithm=algorithm)
-    if collective == "reduce_scatter":
-        return comm.reduce_scatter(x, out=out, algorithm=algorithm)
-    if collective == "allgather":
-        return comm.allgather(x, out=out, algorithm=algorithm)
-    if collective == "broadcast":
-        return comm.broadcast(x, out=out, algorithm=algorithm)
-    return comm.reduce(x, out=out, algorithm=algorithm)
+    """One call of the collective timed, as every rank makes it (each of
+    COLLECTIVES is a method of that name, taking out= and algorithm=)."""
+    return getattr(comm, collective)(x, out=out, algorithm=algorithm)
+
+
+# The device's calls that each make a host round trip: a launch, or an
+# event poll until a launch is done.
+DEVICE_TRIPS = {"launch_step": "launches", "launch_ll_allreduce": "launches", "launch_ll_barrier": "launches",
+                "launch_copies": "launches", "query": "event polls"}
+
+
+def counting(method, counts, key):
+    """`method`, wrapped to add 1 to counts[key] at its every call."""
+    def counted(*args, **kwargs):
+        counts[key] += 1
+        return method(*args, **kwargs)
+    return counted
 
 
 def round_trips(comm, collective, x, out, algorithm):
@@ -75,42 +82,10 @@ def round_trips(comm, collective, x, out, algorithm):
     counts = {"peer waits": 0, "launches": 0, "event polls": 0}
     group = ranks.group
     device = getattr(ranks, "device", None)
-    originals = {"wait": group._wait_for}  # noqa: SLF001
-
-    def counted_wait(*a, **k):
-        counts["peer waits"] += 1
-        return originals["wait"](*a, **k)
-
-    group._wait_for = counted_wait  # noqa: SLF001
+    group._wait_for = counting(group._wait_for, counts, "peer waits")  # noqa: SLF001
     if device is not None:
-        originals["launch"], originals["query"] = device.launch_step, device.query
-        originals["ll"] = device.launch_ll_allreduce
-        originals["barrier"] = device.launch_ll_barrier
-        originals["copies"] = device.launch_copies
-
-        def counted_launch(*a):
-            counts["launches"] += 1
-            return originals["launch"](*a)
-
-        def counted_ll_launch(*a):
-            counts["launches"] += 1
-            return originals["ll"](*a)
-
-        def counted_query(*a):
-            counts["event polls"] += 1
-            return originals["query"](*a)
-
-        def counted_barrier(*a):
-            counts["launches"] += 1
-            return originals["barrier"](*a)
-
-        device.launch_step, device.query = counted_launch, counted_query
-        def counted_copies(*a):
-            counts["launches"] += 1
-            return originals["copies"](*a)
-
-        device.launch_ll_allreduce, device.launch_ll_barrier = counted_ll_launch, counted_barrier
-        device.launch_copies = counted_copies
+        for name, key in DEVICE_TRIPS.items():
+            setattr(device, name, counting(getattr(device, name), counts, key))
     compiled = getattr(ranks, "compiled", None)   # host ranks' compiled executor waits in C: its own count
     waited_in_c = compiled.waits_made if compiled is not None else 0
     try:
@@ -120,8 +95,8 @@ def round_trips(comm, collective, x, out, algorithm):
     finally:
         del group._wait_for  # noqa: SLF001 - the instance attributes go, the methods stay
         if device is not None:
-            del device.launch_step, device.query, device.launch_ll_allreduce, device.launch_ll_barrier
-            del device.launch_copies
+            for name in DEVICE_TRIPS:
+                delattr(device, name)
     return counts
 
 
