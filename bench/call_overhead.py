@@ -52,23 +52,10 @@ def instrument(devices, noop, wrapped=None):
     of the process."""
     spent = {"seconds": 0.0, **{name: 0 for name in ADAPTER_CALLS}}
     wrapped = [] if wrapped is None else wrapped
-    clock = time.perf_counter
     for device in devices:
         for name in ADAPTER_CALLS:
-            original = getattr(device, name)
-
-            def timed(*args, _original=original, _name=name):
-                spent[_name] += 1
-                if noop:
-                    return None
-                began = clock()
-                try:
-                    return _original(*args)
-                finally:
-                    spent["seconds"] += clock() - began
-
             wrapped.append((device, name, vars(device).get(name, _CLASS_METHOD)))
-            setattr(device, name, timed)
+            setattr(device, name, counted_and_timed(getattr(device, name), name, spent, noop))
         # The CUDA adapter's prepared launches (the executors' launch records): their issue(stream) is the launch.
         for maker, counted in (("step_launcher", "launch_step"), ("ll_launcher", "launch_ll_allreduce")):
             if hasattr(device, maker):
@@ -89,24 +76,26 @@ def uninstrument(wrapped):
             setattr(device, name, held)
 
 
-def timed_launcher(prepare, counted, spent, noop):
-    """`prepare` (a device's launcher maker), whose launches count as `counted` and are timed."""
+def counted_and_timed(method, counted, spent, noop):
+    """`method`, its calls counted in spent[counted] and their seconds added
+    to spent["seconds"]; with `noop` counted only, and not run."""
     clock = time.perf_counter
 
-    def prepared(*args):
-        issue = prepare(*args)
+    def timed(*args):
+        spent[counted] += 1
+        if noop:
+            return None
+        began = clock()
+        try:
+            return method(*args)
+        finally:
+            spent["seconds"] += clock() - began
+    return timed
 
-        def timed_issue(stream):
-            spent[counted] += 1
-            if noop:
-                return None
-            began = clock()
-            try:
-                return issue(stream)
-            finally:
-                spent["seconds"] += clock() - began
-        return timed_issue
-    return prepared
+
+def timed_launcher(prepare, counted, spent, noop):
+    """`prepare` (a device's launcher maker), whose launches count as `counted` and are timed."""
+    return lambda *args: counted_and_timed(prepare(*args), counted, spent, noop)
 
 
 def arguments(collective, xs, outs, in_place, compression=None):
