@@ -287,13 +287,7 @@ def harness_args(spec, args):
             "--rounds", str(args.rounds), "-e", str(max(args.size_list)), "-q"]
     if args.compression_list and spec.name == "allreduce":
         argv += ["--compression", ",".join([NO_COMPRESSION, *args.compression_list])]
-    if args.timeout is not None:
-        argv += ["--timeout", repr(args.timeout)]
-    if args.compute_between:
-        argv += ["--compute-between", repr(args.compute_between)]
-    if args.read_results:
-        argv += ["--read-results"]
-    return harness.parse_args(spec, argv)
+    return harness.parse_args(spec, argv + call_flags(args))
 
 
 # -- one launch: every rank runs this --------------------------------------------------
@@ -603,17 +597,21 @@ def worker_argv(args):
     argv = ["--collectives", ",".join(args.collective_list), "--sizes", ",".join(str(s) for s in args.size_list),
             "--rounds", str(args.rounds), "--batch-bytes", str(args.batch_bytes), "--min-iters", str(args.min_iters),
             "--max-iters", str(args.max_iters), "-w", str(args.warmup), "--floor-from", str(args.floor_from)]
-    if args.timeout is not None:
-        argv += ["--timeout", repr(args.timeout)]
-    if args.compute_between:
-        argv += ["--compute-between", repr(args.compute_between)]
-    if args.read_results:
-        argv += ["--read-results"]
+    argv += call_flags(args)
     if args.compression_list:
         argv += ["--compression", ",".join(args.compression_list)]
     if args.hosts:
         argv += ["--hosts", str(args.hosts), "--link", args.link]
     return argv
+
+
+def call_flags(args):
+    """The flags of how each call runs that a launch's ranks and the harness
+    under them take alike (the same names and values in both)."""
+    argv = ["--timeout", repr(args.timeout)] if args.timeout is not None else []
+    if args.compute_between:
+        argv += ["--compute-between", repr(args.compute_between)]
+    return argv + (["--read-results"] if args.read_results else [])
 
 
 def run_launches(args, installs, made_hosts=None):
