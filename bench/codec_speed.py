@@ -46,7 +46,7 @@ import sys
 import numpy as np
 
 from bench import cli
-from bench.harness import DeviceTimer, seconds_per_call
+from bench.harness import DeviceTimer, seconds_per_call, upload
 from collectives.compression import kernels
 from collectives.compression.wire import Region
 
@@ -148,12 +148,7 @@ def _device_only_op(op, device, kind, codec, buffers, n, rng, stream):
     assert op == ROUND_SUM4
     memory = [device.allocate(4 * n) for _ in range(8)]
     for m in memory[:4]:
-        values = rng.standard_normal(n).astype(np.float32)
-        if kind == "cuda":
-            import cupy
-            cupy.cuda.runtime.memcpy(m.address, values.ctypes.data, values.nbytes, cupy.cuda.runtime.memcpyHostToDevice)
-        else:
-            m.array[:values.nbytes] = values.view(np.uint8)
+        upload(kind, m, rng.standard_normal(n).astype(np.float32))
     inputs, outputs = [m.address for m in memory[:4]], [m.address for m in memory[4:]]
     buffers["round_sum"] = (memory, None)   # kept alive with the other buffers
     return (lambda: device.launch_codec_round_sum(stream, codec, inputs, outputs, n, 0)), 8 * 4 * n
@@ -170,12 +165,7 @@ def device_buffers(device, kind, codec, n, rng):
     buffers = {}
     for name, values in host.items():
         memory = device.allocate(max(values.nbytes, 16))
-        if kind == "cuda":
-            import cupy
-            cupy.cuda.runtime.memcpy(memory.address, values.ctypes.data, values.nbytes,
-                                     cupy.cuda.runtime.memcpyHostToDevice)
-        else:
-            memory.array[:values.nbytes] = values.view(np.uint8)
+        upload(kind, memory, values)
         buffers[name] = (memory, Region(memory.address, values.size, values.dtype.name))
     return buffers
 

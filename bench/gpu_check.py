@@ -307,12 +307,7 @@ def main(argv=None):
 
 def fill(kind, memory, nbytes):
     """Random float32 data (never zeros: they hide unwritten outputs)."""
-    values = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
-    if kind == "cuda":
-        import cupy
-        cupy.cuda.runtime.memcpy(memory.address, values.ctypes.data, nbytes, cupy.cuda.runtime.memcpyHostToDevice)
-    else:
-        memory.array[:nbytes] = values.view(np.uint8)
+    harness.upload(kind, memory, np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32))
 
 
 if __name__ == "__main__":

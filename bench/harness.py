@@ -650,6 +650,18 @@ class DeviceTimer:
         return seconds_per_call(issue, repeats, after=self.device.synchronize)
 
 
+def upload(kind, memory, values):
+    """Copy the host array `values` to the start of `memory`, an allocation
+    of a device of `kind`: a GPU's by cudaMemcpy, the emulated device's
+    (host memory) by assignment."""
+    if kind == "cuda":
+        import cupy
+        runtime = cupy.cuda.runtime
+        runtime.memcpy(memory.address, values.ctypes.data, values.nbytes, runtime.memcpyHostToDevice)
+    else:
+        memory.array[:values.nbytes] = values.view(np.uint8)
+
+
 def timed_calls(backend, buffers, calls, world):
     """Seconds per call of `calls` calls, the slowest rank's."""
     seconds = seconds_per_call(backend.run, calls, buffers, before=backend.barrier, after=backend.barrier)
