@@ -28,7 +28,7 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import environment
-from bench.harness import adding_seconds, mpi_world, relaunch_once, slowest
+from bench.harness import adding_calls, adding_seconds, mpi_world, relaunch_once, slowest
 from bench.model_shapes import MODELS
 
 MODES = ("fused", "per-array")
@@ -96,17 +96,17 @@ class Counters:
 
     def __init__(self, comm):
         self.comm = comm
-        self.calls = self.launches = 0
+        self.counts = {"calls": 0, "launches": 0}
         self.spent = {}   # "kernels": seconds in the emulated device's kernels
 
     @contextlib.contextmanager
     def active(self):
         ranks = self.comm._ranks  # noqa: SLF001 - the benchmark looks inside on purpose
-        patched = [(ranks, "run", self._count("calls", ranks.run))]
+        patched = [(ranks, "run", adding_calls(ranks.run, self.counts, "calls"))]
         for device in dict.fromkeys(getattr(ranks, "rank_devices", ())):
             for name in ("launch_step", "launch_copies", "launch_codec", "launch_codec_batch"):
                 if hasattr(device, name):
-                    patched.append((device, name, self._count("launches", getattr(device, name))))
+                    patched.append((device, name, adding_calls(getattr(device, name), self.counts, "launches")))
             for name in ("_run_step", "_run_copies", "_run_codec", "_run_codec_batch"):
                 if hasattr(device, name):
                     patched.append((device, name, adding_seconds(getattr(device, name), self.spent, "kernels")))
@@ -117,12 +117,6 @@ class Counters:
         finally:
             for target, name, _ in patched:
                 delattr(target, name)
-
-    def _count(self, field, real):
-        def counted(*args, **kwargs):
-            setattr(self, field, getattr(self, field) + 1)
-            return real(*args, **kwargs)
-        return counted
 
 
 def step(comm, mode, per_rank, args):
@@ -164,8 +158,8 @@ def measure(comm, args, model, world):
             row = rows[mode]
             row["seconds"].append(seconds)
             row["host_seconds"].append(host)
-            row["calls"].append(counters.calls)
-            row["launches"].append(counters.launches)
+            row["calls"].append(counters.counts["calls"])
+            row["launches"].append(counters.counts["launches"])
     summary = {}
     for mode, row in rows.items():
         summary[mode] = {

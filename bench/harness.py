@@ -626,6 +626,16 @@ def adding_seconds(method, spent, key):
     return timed
 
 
+def adding_calls(method, counts, key):
+    """`method`, wrapped to add 1 to counts[key] (a dict) at its every call:
+    the launches, waits or collective calls a call makes, for the tools that
+    count them."""
+    def counted(*args, **kwargs):
+        counts[key] += 1
+        return method(*args, **kwargs)
+    return counted
+
+
 class DeviceTimer:
     """Seconds per launch of `issue` on one device (a kernel's, a copy's), after
     one untimed launch that warms up (and compiles): on a GPU by its own

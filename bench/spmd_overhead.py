@@ -30,7 +30,7 @@ import collectives
 from bench import cli
 from collectives.algorithms.schedule import COLLECTIVES
 from collectives.config import ONE_KERNEL_ALLREDUCE_ENV
-from bench.harness import environment, mpi_world, relaunch_once, seconds_per_call, slowest
+from bench.harness import adding_calls, environment, mpi_world, relaunch_once, seconds_per_call, slowest
 
 
 def parse_args(argv=None):
@@ -67,14 +67,6 @@ DEVICE_TRIPS = {"launch_step": "launches", "launch_ll_allreduce": "launches", "l
                 "launch_copies": "launches", "query": "event polls"}
 
 
-def counting(method, counts, key):
-    """`method`, wrapped to add 1 to counts[key] at its every call."""
-    def counted(*args, **kwargs):
-        counts[key] += 1
-        return method(*args, **kwargs)
-    return counted
-
-
 def round_trips(comm, collective, x, out, algorithm):
     """Host round trips of one call, counted on an instrumented copy of the
     communicator's rank (outside the timed batches)."""
@@ -82,10 +74,10 @@ def round_trips(comm, collective, x, out, algorithm):
     counts = {"peer waits": 0, "launches": 0, "event polls": 0}
     group = ranks.group
     device = getattr(ranks, "device", None)
-    group._wait_for = counting(group._wait_for, counts, "peer waits")  # noqa: SLF001
+    group._wait_for = adding_calls(group._wait_for, counts, "peer waits")  # noqa: SLF001
     if device is not None:
         for name, key in DEVICE_TRIPS.items():
-            setattr(device, name, counting(getattr(device, name), counts, key))
+            setattr(device, name, adding_calls(getattr(device, name), counts, key))
     compiled = getattr(ranks, "compiled", None)   # host ranks' compiled executor waits in C: its own count
     waited_in_c = compiled.waits_made if compiled is not None else 0
     try:
