@@ -49,10 +49,7 @@ def parse_args(argv=None):
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     cli.require_device_toolchain(p.prog, args.device)
-    args.models = [m for m in args.models.split(",") if m]
-    for model in args.models:
-        if model not in MODELS:
-            p.error(f"unknown model {model!r}; expected some of {', '.join(MODELS)}")
+    args.models = cli.names(p, "--models", args.models, MODELS)
     args.threshold_bytes = cli.parse_size(args.threshold)
     return args
 

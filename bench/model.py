@@ -601,18 +601,9 @@ def parse_compression_args(argv):
     p.add_argument("-J", "--output_file", help="write the rows as JSON here (default: no file)")
     args = p.parse_args(argv)
     args.sizes = [cli.parse_size(s) for s in args.sizes.split(",")]
-    args.algorithms = args.algorithms.split(",")
-    args.codecs = args.codecs.split(",")
-    for name in args.algorithms:
-        if name not in ALLREDUCE_ALGORITHMS:
-            p.error(f"--algorithms: {name!r} is not an allreduce algorithm")
-    for name in args.codecs:
-        if name not in CODECS:
-            p.error(f"--codecs: unknown codec {name!r}; expected some of {', '.join(CODECS)}")
-    unknown = [name for name in args.links.split(",") if name not in LINKS]
-    if unknown:
-        p.error(f"--links: unknown link {unknown[0]!r}; expected some of {', '.join(LINKS)}")
-    args.links = {name: LINKS[name] for name in args.links.split(",")}
+    args.algorithms = cli.names(p, "--algorithms", args.algorithms, ALLREDUCE_ALGORITHMS)
+    args.codecs = cli.names(p, "--codecs", args.codecs, CODECS)
+    args.links = {name: LINKS[name] for name in cli.names(p, "--links", args.links, LINKS)}
     if args.codec_gbps is None:
         args.codec_gbps = 0.8 * args.memory_gbps
     return args
@@ -732,10 +723,7 @@ def run_plans_model(argv):
     p.add_argument("-J", "--output_file", help="write the results as JSON here (default: no file)")
     args = p.parse_args(argv)
     nbytes = cli.parse_size(args.bytes)
-    codecs = [c for c in args.compression.split(",") if c]
-    for codec in codecs:
-        if codec not in CODECS:
-            p.error(f"--compression: unknown codec {codec!r}; expected some of {', '.join(CODECS)}")
+    codecs = cli.names(p, "--compression", args.compression, CODECS) if args.compression else []
     rows = plan_rows(args.ranks, nbytes, codecs=codecs)
     mib = 1 << 20
     print(f"# {args.ranks} ranks, {nbytes} bytes of float32 per rank's buffer; traffic = bytes read + written, "
