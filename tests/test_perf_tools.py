@@ -529,6 +529,29 @@ def test_fusion_perf_places_cuda_ranks_on_the_gpus_there_are(monkeypatch, gpus, 
     assert asked == [expected]
 
 
+@pytest.mark.parametrize("device", ["host", "emulated"])
+def test_fusion_perf_counts_every_steps_calls_and_launches_repeated_calls_too(device, tmp_path, capsys):
+    """Each step after the warm-up repeats the same calls on the same arrays,
+    which run their bound forms, not the ranks' run: the counts are of the
+    communicator's calls (one per array, or one per fusion buffer) and of
+    the kernels the emulated device runs (one per call at least)."""
+    import json
+    from bench import fusion_perf
+    out = tmp_path / "fusion.json"
+    assert fusion_perf.main(["--device", device, "--ranks", "2", "--steps", "2", "--models", "resnet50",
+                             "--scale", "0.001", "-J", str(out)]) in (0, None)
+    capsys.readouterr()
+    model = json.loads(out.read_text())["models"]["resnet50"]
+    fused, per_array = model["fused"], model["per-array"]
+    assert per_array["collective_calls_per_step"] == model["tensors"] == 161
+    assert 1 <= fused["collective_calls_per_step"] < model["tensors"]
+    if device == "emulated":
+        assert per_array["kernel_launches_per_step"] >= per_array["collective_calls_per_step"]
+        assert fused["kernel_launches_per_step"] >= fused["collective_calls_per_step"]
+    else:
+        assert per_array["kernel_launches_per_step"] == fused["kernel_launches_per_step"] == 0
+
+
 def test_codec_speed_on_a_device_times_each_kernel_against_a_copy_of_as_many_bytes(tmp_path, capsys):
     """The --device mode, on the emulated device (what CI can run): every row
     has the kernel's and the copy's rates, and the bytes the operation moves."""
