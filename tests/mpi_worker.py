@@ -653,6 +653,16 @@ def scenario_fusion(comm):
             buffer.wait()
             for i, (got, expected) in enumerate(zip(queued, want[r])):
                 check(got, expected, f"fusion_buffer compression={codec} array {i}")
+    loop = getattr(comm._ranks, "fast", None)   # noqa: SLF001
+    if loop is not None:
+        # Host ranks in processes: a fused call's allreduces are the loop's,
+        # as the caller's own allreduce(x) is (four 4000-byte arrays under an
+        # 8192-byte threshold: two buffers of two, two calls).
+        taken = loop.steps_taken
+        fused = comm.allreduce_many([np.full(1000, r + 1.0, np.float32) for _ in range(4)], fusion_threshold=8192)
+        assert loop.steps_taken == taken + 2, f"the loop took {loop.steps_taken - taken} of the 2 fused calls"
+        for got in fused:
+            check(got, np.full(1000, n * (n + 1) / 2, np.float32), "allreduce_many through the loop")
 
 
 def scenario_fusion_killed(comm):
