@@ -291,7 +291,7 @@ class Communicator:
             result = fast(x, op, out, self.timeout)
             if result is not None:
                 return result
-        return self._collective(ALLREDUCE, x, op, out, 0, algorithm, compression)
+        return self._list_or_collective(ALLREDUCE, x, op, out, 0, algorithm, compression)
 
     def reduce_scatter(self, x, op="sum", out=None, algorithm="auto"):
         """Reduce all ranks' `x` and give rank r block r of the result.
@@ -320,7 +320,7 @@ class Communicator:
                 result = self._fast(REDUCE_SCATTER, x, op, out, 0, algorithm)
                 if result is not None:
                     return result
-        return self._collective(REDUCE_SCATTER, x, op, out, 0, algorithm)
+        return self._list_or_collective(REDUCE_SCATTER, x, op, out, 0, algorithm)
 
     def allgather(self, x, out=None, algorithm="auto"):
         """Every rank gets all ranks' `x` concatenated in rank order.
@@ -348,7 +348,7 @@ class Communicator:
                 result = self._fast(ALLGATHER, x, "sum", out, 0, algorithm)
                 if result is not None:
                     return result
-        return self._collective(ALLGATHER, x, "sum", out, 0, algorithm)
+        return self._list_or_collective(ALLGATHER, x, "sum", out, 0, algorithm)
 
     def broadcast(self, x, root=0, out=None, algorithm="auto"):
         """Every rank gets a copy of the root's `x`.
@@ -378,7 +378,7 @@ class Communicator:
                 result = self._fast(BROADCAST, x, "sum", out, root, algorithm)
                 if result is not None:
                     return result
-        return self._collective(BROADCAST, x, "sum", out, root, algorithm)
+        return self._list_or_collective(BROADCAST, x, "sum", out, root, algorithm)
 
     def reduce(self, x, root=0, op="sum", out=None, algorithm="auto"):
         """The root gets the reduction (`op`) of all ranks' `x`.
@@ -408,7 +408,7 @@ class Communicator:
                 result = self._fast(REDUCE_TO_ROOT, x, op, out, root, algorithm)
                 if result is not None:
                     return result
-        return self._collective(REDUCE_TO_ROOT, x, op, out, root, algorithm)
+        return self._list_or_collective(REDUCE_TO_ROOT, x, op, out, root, algorithm)
 
     def gather(self, x, root=0, out=None, algorithm="auto"):
         """The root gets all ranks' `x` concatenated in rank order.
@@ -1235,6 +1235,42 @@ class Communicator:
             return out
         return self._own_block(x, self.rank) if collective == REDUCE_SCATTER else x
 
+
+    def _list_or_collective(self, collective, x, op, out, root, algorithm, compression=None):
+        """The five collectives' last step: _collective, but for a list of
+        one array (and `out`: None or a list of one) on a process's one
+        rank, which the compiled loop runs as it runs the bare array's call
+        where it takes that ([the result]). Rank-agnostic code passes a
+        list of its local ranks' arrays, one in a process; without this the
+        plans ran what allreduce(x) runs in the loop (2026-12-03: a fused
+        step went so and was 1.2-1.4x as slow), while chosen_algorithm named
+        the loop. What the loop declines goes on to _collective, which
+        checks it and names x[0] in what it raises. (_collective itself
+        always plans a list: the tests' reference.)"""
+        if x.__class__ is list and len(x) == 1 and self._fast_collective is not None and compression is None:
+            taken = self._loop_takes_a_list_of_one(collective, x[0], op, out, root, algorithm)
+            if taken is not None:
+                return taken
+        return self._collective(collective, x, op, out, root, algorithm, compression)
+
+    def _loop_takes_a_list_of_one(self, collective, x, op, out, root, algorithm):
+        """_list_or_collective's call of the loop on the bare array `x`:
+        [the result], or None where the loop declines it."""
+        if out is not None and (out.__class__ is not list or len(out) != 1):
+            return None
+        out = None if out is None else out[0]
+        if collective == ALLREDUCE:   # allreduce's own test of its fast path, on the bare array
+            fast = self._fast_allreduce
+            if fast is None or self._busy or algorithm.__class__ is not str or not (
+                    algorithm == "auto" or x.__class__ in fastpath.ARRAYS
+                    and fastpath.runs_as(ALLREDUCE, algorithm, x.nbytes, self._fast_small_max)):
+                return None
+            result = fast(x, op, out, self.timeout)
+        elif collective in (REDUCE_SCATTER, ALLGATHER, BROADCAST, REDUCE_TO_ROOT):
+            result = self._fast(collective, x, op, out, root, algorithm)
+        else:
+            return None
+        return None if result is None else [result]
 
     def _collective(self, collective, x, op="sum", out=None, root=0, algorithm="auto", compression=None):
         # (The collectives pass their arguments by position: the cheaper call.)

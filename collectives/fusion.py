@@ -195,12 +195,13 @@ class Fuser:
         self.last_call = None
 
     def run(self, group, per_rank, infos, op, compression, before_allreduce=None, algorithm="auto", table_key=None):
+        comm = self.comm
         if not group.packed:
             (slot,) = group.slots
             targets = [rank_arrays[slot.index] for rank_arrays in per_rank]
             feedback = before_allreduce and before_allreduce(group, [t.reshape(-1) for t in targets])
             with feedback or contextlib.nullcontext():
-                self._allreduce(targets, op, compression, algorithm)
+                comm.allreduce(targets, op=op, algorithm=algorithm, compression=compression)   # (a process's one: the loop's)
             return
         first = group.slots[0].index
         buffers = [self._buffer(rank, group, per_rank[rank][first], infos[rank][first]) for rank in range(len(per_rank))]
@@ -208,21 +209,8 @@ class Fuser:
         # (error feedback: None, or a context the allreduce runs in, where the ranks keep the residual themselves)
         feedback = before_allreduce and before_allreduce(group, buffers)
         with feedback or contextlib.nullcontext():
-            self._allreduce(buffers, op, compression, algorithm)
+            comm.allreduce(buffers, op=op, algorithm=algorithm, compression=compression)
         self._copy(group, per_rank, infos, buffers, False, False, table_key and (*table_key, False))
-
-    def _allreduce(self, per_rank, op, compression, algorithm):
-        """Allreduce in place each local rank's array of `per_rank`. A
-        process's one array goes bare through the public allreduce, where
-        its compiled loop takes the call (on host ranks in processes:
-        staged where the start measured staging faster), as an
-        `allreduce(x)` of the caller's would; a list, even of one array,
-        always went to the plans, which made a fused step 1.2-1.3x as slow
-        as one call per array (bench.fusion_perf, 2 processes)."""
-        if len(per_rank) == 1:
-            self.comm.allreduce(per_rank[0], op=op, algorithm=algorithm, compression=compression)
-        else:
-            self.comm._collective(ALLREDUCE, per_rank, op=op, compression=compression, algorithm=algorithm)
 
     def finished(self):
         """A fused call is done issuing: devices whose arrays the caller reads

@@ -93,11 +93,14 @@ def scenario_bits(comm, digest):
             assert block[0] == comm.size - 1
 
 
-def planned(method, x, out=None, **arguments):
-    """`method` (a Communicator's collective) run by the `direct` plan, the
-    loop's reference: the arrays as lists of one, which the loop declines
-    (a single array naming `direct` takes the loop: fastpath.runs_as)."""
-    return method([x], out=None if out is None else [out], algorithm="direct", **arguments)[0]
+def planned(method, x, out=None, op="sum", root=0):
+    """`method` (a Communicator's collective, named as the registry names
+    it) run by the `direct` plan, the loop's reference: through
+    _collective, which plans every call on a list (a single array naming
+    `direct` takes the loop: fastpath.runs_as; so does a list of one given
+    to the collective itself)."""
+    comm = method.__self__
+    return comm._collective(method.__name__, [x], op, None if out is None else [out], root, "direct")[0]   # noqa: SLF001
 
 
 def counts_to_cover(itemsize, n, collective):

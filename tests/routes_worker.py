@@ -53,9 +53,9 @@ def what_ran(comm, call):
 class Call:
     """One call of the walk: `collective` on this rank's fresh arrays."""
 
-    def __init__(self, comm, collective, count, dtype, algorithm, in_place, compression):
+    def __init__(self, comm, collective, count, dtype, algorithm, in_place, compression, as_list=False):
         self.comm, self.collective, self.algorithm, self.compression = comm, collective, algorithm, compression
-        self.in_place = in_place
+        self.in_place, self.as_list = in_place, as_list
         n = comm.size
         self.x = (np.arange(count) % 7 + comm.rank).astype(dtype)
         gathered = collective in ("allgather", "gather")
@@ -72,6 +72,10 @@ class Call:
             keywords["root"] = self.root
         if collective == "all_to_all_v":
             return comm.all_to_all_v(x, [x.size // comm.size] * comm.size, out=out, **keywords)
+        if self.as_list:   # the rank-agnostic form: a list of this process's one rank's arrays
+            result = getattr(comm, collective)([x], out=None if out is None else [out], **keywords)
+            assert isinstance(result, list) and len(result) == 1, f"{self}: returned {type(result).__name__}"
+            return result
         return getattr(comm, collective)(x, out=out, **keywords)
 
     def chosen(self):
@@ -81,8 +85,8 @@ class Call:
 
     def __str__(self):
         placement = "in place" if self.in_place else "out of place"
-        return (f"{self.collective} of {self.x.size} {self.x.dtype} {placement}, algorithm {self.algorithm}, "
-                f"compression {self.compression}")
+        return (f"{self.collective} of {self.x.size} {self.x.dtype}{' in a list' if self.as_list else ''} "
+                f"{placement}, algorithm {self.algorithm}, compression {self.compression}")
 
 
 def calls(comm):
@@ -110,6 +114,11 @@ def calls(comm):
     for compression in ("bf16", "int8"):
         for count in counts:
             yield Call(comm, "allreduce", count, np.float32, "auto", False, compression)
+    # A list of one array takes the bare array's path (chosen_algorithm's answer).
+    for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"):
+        for count in counts:
+            for in_place in (False,) if collective == "allgather" else (False, True):
+                yield Call(comm, collective, count, np.float32, "auto", in_place, None, as_list=True)
 
 
 def main():
