@@ -1235,7 +1235,6 @@ class Communicator:
             return out
         return self._own_block(x, self.rank) if collective == REDUCE_SCATTER else x
 
-
     def _list_or_collective(self, collective, x, op, out, root, algorithm, compression=None):
         """The five collectives' last step: _collective, but for a list of
         one array (and `out`: None or a list of one) on a process's one
@@ -1261,7 +1260,7 @@ class Communicator:
         out = None if out is None else out[0]
         if collective == ALLREDUCE:   # allreduce's own test of its fast path, on the bare array
             fast = self._fast_allreduce
-            if fast is None or self._busy or algorithm.__class__ is not str or not (
+            if fast is None or self._closed or self._busy or algorithm.__class__ is not str or not (
                     algorithm == "auto" or x.__class__ in fastpath.ARRAYS
                     and fastpath.runs_as(ALLREDUCE, algorithm, x.nbytes, self._fast_small_max)):
                 return None
