@@ -201,7 +201,8 @@ class Fuser:
             targets = [rank_arrays[slot.index] for rank_arrays in per_rank]
             feedback = before_allreduce and before_allreduce(group, [t.reshape(-1) for t in targets])
             with feedback or contextlib.nullcontext():
-                comm.allreduce(targets, op=op, algorithm=algorithm, compression=compression)   # (a process's one: the loop's)
+                # (a process's one rank: the compiled loop takes it, Communicator._list_or_collective)
+                comm.allreduce(targets, op=op, algorithm=algorithm, compression=compression)
             return
         first = group.slots[0].index
         buffers = [self._buffer(rank, group, per_rank[rank][first], infos[rank][first]) for rank in range(len(per_rank))]
