@@ -39,6 +39,7 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import command_line
+from bench.harness import held, put_back
 
 ADAPTER_CALLS = ("launch_step", "launch_codec_batch", "launch_codec_round_sum", "launch_ll_allreduce", "record", "wait",
                  "call_returned")
@@ -54,26 +55,19 @@ def instrument(devices, noop, wrapped=None):
     wrapped = [] if wrapped is None else wrapped
     for device in devices:
         for name in ADAPTER_CALLS:
-            wrapped.append((device, name, vars(device).get(name, _CLASS_METHOD)))
+            wrapped.append(held(device, name))
             setattr(device, name, counted_and_timed(getattr(device, name), name, spent, noop))
         # The CUDA adapter's prepared launches (the executors' launch records): their issue(stream) is the launch.
         for maker, counted in (("step_launcher", "launch_step"), ("ll_launcher", "launch_ll_allreduce")):
             if hasattr(device, maker):
-                wrapped.append((device, maker, vars(device).get(maker, _CLASS_METHOD)))
+                wrapped.append(held(device, maker))
                 setattr(device, maker, timed_launcher(getattr(device, maker), counted, spent, noop))
     return spent
 
 
-_CLASS_METHOD = object()   # what `wrapped` records where the device's method was its class's
-
-
 def uninstrument(wrapped):
     """Give the devices back what they held before `instrument` (the wrappers are instance attributes)."""
-    for device, name, held in reversed(wrapped):
-        if held is _CLASS_METHOD:
-            vars(device).pop(name, None)
-        else:
-            setattr(device, name, held)
+    put_back(wrapped)
 
 
 def counted_and_timed(method, counted, spent, noop):

@@ -28,7 +28,7 @@ import numpy as np
 import collectives
 from bench import cli
 from bench.environment import environment
-from bench.harness import adding_calls, adding_seconds, mpi_world, relaunch_once, slowest
+from bench.harness import adding_calls, adding_seconds, held, mpi_world, put_back, relaunch_once, slowest
 from bench.model_shapes import MODELS
 
 MODES = ("fused", "per-array")
@@ -127,17 +127,13 @@ class Counters:
             for name in () if emulated else DEVICE_LAUNCHES:
                 if hasattr(device, name):
                     patched.append((device, name, adding_calls(getattr(device, name), self.counts, "launches")))
-        held = [(target, name, vars(target).get(name, _ABSENT)) for target, name, _ in patched]
+        helds = [held(target, name) for target, name, _ in patched]
         for target, name, wrapper in patched:
             setattr(target, name, wrapper)
         try:
             yield self
         finally:
-            for target, name, original in held:   # an instance's own attribute back, a class's uncovered
-                if original is _ABSENT:
-                    delattr(target, name)
-                else:
-                    setattr(target, name, original)
+            put_back(helds)
 
     def _counted_when_taken(self, fast):
         def counted(*args):
@@ -147,8 +143,6 @@ class Counters:
             return result
         return counted
 
-
-_ABSENT = object()
 
 
 def step(comm, mode, per_rank, args):

@@ -626,6 +626,25 @@ def adding_seconds(method, spent, key):
     return timed
 
 
+_CLASS_ATTRIBUTE = object()   # what held() records where the attribute was the class's
+
+
+def held(target, name):
+    """(target, name, what `target` itself held as `name`), before a tool
+    wraps it with an instance attribute: for put_back."""
+    return target, name, vars(target).get(name, _CLASS_ATTRIBUTE)
+
+
+def put_back(helds):
+    """Give each target what held() saw it hold (an instance attribute
+    back; a class's uncovered), the last wrapped first."""
+    for target, name, original in reversed(helds):
+        if original is _CLASS_ATTRIBUTE:
+            vars(target).pop(name, None)
+        else:
+            setattr(target, name, original)
+
+
 def adding_calls(method, counts, key):
     """`method`, wrapped to add 1 to counts[key] (a dict) at its every call:
     the launches, waits or collective calls a call makes, for the tools that
