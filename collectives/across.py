@@ -101,6 +101,7 @@ PROGRAM_MAX_BYTES = 128 << 20   # a call whose Program's buffers would hold more
 # against 34-69, one more node step and two messages a peer).
 NODE_ROWS_FROM = 32 << 10
 HEALTH_EVERY = 0.02     # seconds a Program polls before Python looks at the deadline, the abort channel and signals
+STARTED_ONLY = -1.0     # a Program's run() poll_until: return once its messages started (run_in_pieces)
 
 
 class Laid(NamedTuple):
@@ -244,20 +245,72 @@ class Programs:
         has its own (a compressed allreduce: hierarchy.compressed_program)."""
         if self._stopped:
             self._h.link.check_health()   # raises: the communicator was aborted
+        laid = self._laid_for(call, layout)
+        if not self._run(laid, x, out, self._h.calls, deadline):
+            raise CollectiveError(f"{call.description}: the compiled program declined arrays the checks passed")
+
+    def run_in_pieces(self, call, pieces, x, out, deadline, layout, before_piece=None):
+        """Run `call` as consecutive pieces of x and out, `pieces` their
+        (start, count) in elements, each piece a Program of its own laid
+        out by `layout`, two in flight: piece i's first step runs and its
+        messages start before piece i-1 is waited for and its last step
+        runs, so the node's and the codec's work on one piece overlaps the
+        link carrying the other. Each run only starts its piece
+        (STARTED_ONLY): were piece i to finish inside its run on one rank
+        and not on its node-mate, their node steps would come in different
+        orders; so every rank's node steps go first(0), first(1), last(0),
+        first(2), last(1), ... MPI moves a started message only while the
+        rank calls into it (the polls of the piece it waits for), so a
+        piece's steps should take no longer than the kernel's socket
+        buffers take to drain. `before_piece(start, count)` runs before
+        each piece starts (error feedback points h.residual at the
+        piece's). Every rank runs the same pieces in the same order and MPI
+        matches a pair's messages in the order they were started, so the
+        two Programs in flight (one per parity, on the same tag) never take
+        each other's messages; a failure leaves both to abort (stop()
+        orphans them)."""
+        if self._stopped:
+            self._h.link.check_health()   # raises: the communicator was aborted
+        in_flight = None   # (laid, status, x, out) of the piece before, started, its last step not run
+        for index, (start, count) in enumerate(pieces):
+            laid = self._laid_for(call._replace(count=count), layout, index % 2, in_flight and in_flight[0])
+            if before_piece is not None:
+                before_piece(start, count)
+            xs, outs = x[start:start + count], out[start:start + count]
+            own = () if laid.own is None else (_own(outs, laid),)
+            status = laid.program.run(xs, outs, self._h.calls, deadline, STARTED_ONLY, *own)
+            if status is None:
+                raise CollectiveError(f"{call.description}: the compiled program declined a piece the checks passed")
+            if in_flight is not None:
+                self._go_on(*in_flight, deadline)
+            if status[0] != PENDING:   # (a failure: _go_on raises what it says)
+                self._go_on(laid, status, xs, outs, deadline)
+            in_flight = (laid, status, xs, outs)
+        if in_flight is not None:
+            self._go_on(*in_flight, deadline)
+
+    def _laid_for(self, call, layout, parity=None, in_flight=None):
+        """`call`'s Program (laid out first if need be: `layout`, or the
+        collective's own), now the most recently used; `parity` tells apart
+        the two Programs of a shape that run_in_pieces keeps in flight, and
+        the one `in_flight` is never dropped to make room."""
         key = (call.collective, call.dtype, call.count, call.op, call.root)
         if call.compression is not None:   # (a longer key: never one the shortcuts look up; the
             key += (call.compression, call.description)   # description tells error feedback apart)
+        if parity is not None:
+            key += ("piece", parity)
         laid = self._laid.pop(key, None)
         if laid is None:
             laid = lay_out(self._h, call, layout)
             self._bytes += laid.nbytes
             while self._laid and (len(self._laid) >= PROGRAMS_KEPT or self._bytes > PROGRAM_BYTES_KEPT):
+                if self._laid[next(iter(self._laid))] is in_flight:
+                    break
                 dropped = self._laid.pop(next(iter(self._laid)))
                 dropped.exchange.free()
                 self._bytes -= dropped.nbytes
         self._laid[key] = laid
-        if not self._run(laid, x, out, self._h.calls, deadline):
-            raise CollectiveError(f"{call.description}: the compiled program declined arrays the checks passed")
+        return laid
 
     def _run(self, laid, x, out, seq, deadline):
         """One call of `laid`'s program: True once done, False where it declined (nothing ran)."""

@@ -299,6 +299,23 @@ def resolve_plan_segment_bytes(nbytes=None):
     return segment
 
 
+# A compressed allreduce across nodes of more than twice this many bytes a
+# rank runs in pieces of about this many (hierarchy.compressed_allreduce,
+# across.Programs.run_in_pieces): each piece's node reduction and encoding
+# while the one before is on the link, and its decoding and node gather
+# while the one after is. 0: one piece. The same on every rank (mpiexec
+# and torchrun give every rank the same environment); the bits do not
+# depend on it (every piece starts on a codec block of every rank's range).
+COMPRESSED_PIECE_BYTES_ENV = "COLLECTIVES_COMPRESSED_PIECE_BYTES"
+DEFAULT_COMPRESSED_PIECE_BYTES = 4 << 20
+
+
+def resolve_compressed_piece_bytes(nbytes=None):
+    """The compressed allreduce's piece across nodes in bytes a rank (0:
+    none): the argument, else $COLLECTIVES_COMPRESSED_PIECE_BYTES, else 4 MiB."""
+    return _number(nbytes, "compressed_piece_bytes", COMPRESSED_PIECE_BYTES_ENV, DEFAULT_COMPRESSED_PIECE_BYTES, int)
+
+
 # For tests only: seconds a writer is held inside each chunk's writes (so
 # that the fence has something to wait for), and a reader before each read
 # out of a peer's input (so that a peer which returned before every reader
@@ -356,7 +373,8 @@ def check_switches():
     call it), not on the first rank to read it while the others wait."""
     for resolve in (resolve_one_kernel_allreduce, resolve_compiled_plans, resolve_fast_path,
                     resolve_fast_single_copy, resolve_fast_sizes, resolve_loop_tunables,
-                    resolve_exchange_single_copy_min, resolve_message_single_copy_min, resolve_plan_segment_bytes):
+                    resolve_exchange_single_copy_min, resolve_message_single_copy_min, resolve_plan_segment_bytes,
+                    resolve_compressed_piece_bytes):
         resolve()
 
 

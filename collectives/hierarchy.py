@@ -111,7 +111,7 @@ from .algorithms.schedule import (
     ROOTED_COLLECTIVES, SCATTER,
 )
 from .communicator import Communicator
-from .config import resolve_fast_sizes
+from .config import resolve_compressed_piece_bytes, resolve_fast_sizes
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidUsageError, RankFailedError, RevokedError
 from .executors import host
 from .across import PROGRAM_MAX_BYTES, Programs, Shape, loop_runs_nodes, node_call
@@ -378,6 +378,7 @@ class HierarchyRanks:
         # the small path's limit (config.FastSizes): the loop's slots, the same on every node whatever its
         # cores (inside a node, its loop may take a message above its own merged step's limit the large way)
         self.fast_small_max = (resolve_fast_sizes() if shm is None else shm.group.fast_sizes).small_max
+        self.compressed_piece_bytes = resolve_compressed_piece_bytes()   # (compressed_pieces)
         # Polls of a Program's MPI requests before it yields its core: none
         # where this machine's ranks outnumber its cores (the peer may need this one): the ranks of
         # every node on this kernel, whatever their host names (Topology.sharing_cores).
@@ -646,7 +647,18 @@ def compressed_allreduce(h, call, x, out, deadline):
     if call.count and h.shm is not None and call.count % (len(h.node_ranks) * BLOCK) == 0 \
             and loop_runs_nodes(h, call):
         if takes_compressed_program(h, call):
-            h.programs.run(call, x, out, deadline, compressed_program)
+            pieces = compressed_pieces(h, call)
+            if len(pieces) == 1:
+                h.programs.run(call, x, out, deadline, compressed_program)
+            elif h.residual is None:
+                h.programs.run_in_pieces(call, pieces, x, out, deadline, compressed_program)
+            else:
+                whole = h.residual
+                try:
+                    h.programs.run_in_pieces(call, pieces, x, out, deadline, compressed_program,
+                                             functools.partial(_point_residual_at_piece, h, whole))
+                finally:
+                    h.residual = whole
         else:
             compressed_in_blocks(h, call, x, out, deadline)
     else:
@@ -663,6 +675,29 @@ def takes_compressed_program(h, call):
     nodes = len(h.topology.nodes)
     direct = h.residual is not None or not uses_two_shot(nodes, k * call.dtype.itemsize)
     return h.programs is not None and direct and nodes * (2 * k * call.dtype.itemsize + 16) <= PROGRAM_MAX_BYTES
+
+
+def compressed_pieces(h, call):
+    """The pieces (start, count) a compressed Program runs in
+    (Programs.run_in_pieces): about h.compressed_piece_bytes each, the last
+    up to twice that; one where the call is not above twice it. Every
+    piece is a multiple of G codec blocks (G: the node's ranks), so each
+    rank's range in each piece starts on a block of the whole call: the
+    codec's blocks, and so the bits, are those of the call in one piece
+    (and with error feedback each element meets its own residual)."""
+    unit = len(h.node_ranks) * BLOCK
+    piece = h.compressed_piece_bytes // call.dtype.itemsize // unit * unit
+    if piece == 0 or call.count < 2 * piece:
+        return [(0, call.count)]
+    last = (call.count // piece - 1) * piece   # (the last piece takes the rest)
+    return [(start, piece) for start in range(0, last, piece)] + [(last, call.count - last)]
+
+
+def _point_residual_at_piece(h, whole, start, count):
+    """run_in_pieces' before_piece with error feedback: h.residual is the
+    piece's part of the call's residual `whole` (compressed_program reads
+    it there as the piece's first step runs)."""
+    h.residual = whole[start:start + count]
 
 
 def compressed_program(h, call, counterparts, others):

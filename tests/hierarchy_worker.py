@@ -314,6 +314,31 @@ def scenario_compressed(comm):
         compressed_feedback(comm)
 
 
+PIECE_BYTES = 512   # compressed_in_pieces' pieces: 128 float32 on 2 ranks a node, two codec blocks each
+
+
+def scenario_compressed_in_pieces(comm):
+    """scenario_compressed with the compressed Programs in pieces of
+    PIECE_BYTES (run_one sets the variable): the same bits (the reference's)
+    and bound, error feedback's residuals what was lost, where each call in
+    blocks ran in pieces, two of them in flight."""
+    assert comm._ranks.compressed_piece_bytes == PIECE_BYTES   # noqa: SLF001
+    pieces, compressed_pieces = [], hierarchy.compressed_pieces
+
+    def counted_pieces(*arguments):
+        made = compressed_pieces(*arguments)
+        pieces.append(len(made))
+        return made
+
+    hierarchy.compressed_pieces = counted_pieces
+    try:
+        scenario_compressed(comm)
+    finally:
+        hierarchy.compressed_pieces = compressed_pieces
+    # 4096 and 131072 elements in 128s; error feedback's 256 in 2 (counted where Programs run: 2 nodes of 2)
+    assert {32, 1024, 2} <= set(pieces), sorted(set(pieces))
+
+
 def compressed_fusion(comm):
     """allreduce_many and fusion_buffer with a codec: the same bits (the same
     buffers), on every rank, each array within the bound."""
@@ -1240,6 +1265,8 @@ def run_one(scenario, layout):
     pinned = scenario == "by_node" and (not consecutive(layout) or len(set(layout.split(","))) > 2)
     if pinned:
         os.environ["COLLECTIVES_STAGED_MAX"] = "0"
+    if scenario == "compressed_in_pieces":
+        os.environ["COLLECTIVES_COMPRESSED_PIECE_BYTES"] = str(PIECE_BYTES)   # (read when the communicator is made)
     if scenario == "mixed_paths" and layout.split(",")[WORLD.rank] != layout.split(",")[0]:
         os.environ["COLLECTIVES_FAST_PATH"] = "0"   # (read when the communicator is made)
     OPENED.clear()
@@ -1253,9 +1280,10 @@ def run_one(scenario, layout):
         comm.close()
     if pinned:
         del os.environ["COLLECTIVES_STAGED_MAX"]
+    os.environ.pop("COLLECTIVES_COMPRESSED_PIECE_BYTES", None)
     print(f"OK {scenario} {comm.rank}", flush=True)
     if os.environ.get(OK_FILES):   # (on hosts: a rank's stdout crosses its host's link, which may be cut)
-        with open(os.path.join(os.environ[OK_FILES], f"ok-{comm.rank}"), "w") as f:
+        with open(os.path.join(os.environ[OK_FILES], f"ok-{comm.rank}"), "a") as f:   # (a line a scenario)
             f.write(f"OK {scenario} {comm.rank}\n")
     if scenario in RANKS_DIE:
         os._exit(0)   # MPI_Finalize would wait for the dead rank (or one across the cut link)

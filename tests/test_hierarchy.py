@@ -61,12 +61,14 @@ CHECKED_BY = {
                   "docs/compression.md's bound (two_shot's second encoding reached on 3 nodes); on 2 nodes also "
                   "allreduce_many, fusion_buffer and error feedback, whose residuals are what was lost; on 3 "
                   "nodes of 2 the node's steps run in blocks and two_shot re-encodes, both in one call",
+    "compressed_in_pieces": "the same in pieces of 128 elements, two in flight: the same bits, the residuals what "
+                            "was lost",
     "refusals": "rejected calls across nodes modify nothing",
     "repeated": "repeated calls take the compiled programs with the same bits",
     "by_node": "large allgathers and reduce_scatters laid out node by node hold the right bits",
 }
 SCENARIOS_ON = {
-    TWO_AND_TWO: ("matrix", "order", "compressed", "repeated", "by_node"),
+    TWO_AND_TWO: ("matrix", "order", "compressed", "compressed_in_pieces", "repeated", "by_node"),
     THREE_AND_ONE: ("matrix", "order", "refusals"),
     ONE_PER_NODE: ("matrix", "order", "repeated"),
     THREE_NODES: ("order", "compressed"),

@@ -169,6 +169,19 @@ def test_the_plans_segment_comes_from_the_environment_and_bad_ones_are_named(mon
             check_switches()
 
 
+def test_the_compressed_piece_across_nodes_comes_from_the_environment_and_bad_ones_are_named(monkeypatch):
+    """$COLLECTIVES_COMPRESSED_PIECE_BYTES: 4 MiB unset, 0 one piece, else bytes a rank."""
+    from collectives.config import resolve_compressed_piece_bytes
+    monkeypatch.delenv("COLLECTIVES_COMPRESSED_PIECE_BYTES", raising=False)
+    assert resolve_compressed_piece_bytes() == 4 << 20 and resolve_compressed_piece_bytes(0) == 0
+    monkeypatch.setenv("COLLECTIVES_COMPRESSED_PIECE_BYTES", "512")
+    assert resolve_compressed_piece_bytes() == 512
+    for value in ("-4096", "2M", "1.5"):
+        monkeypatch.setenv("COLLECTIVES_COMPRESSED_PIECE_BYTES", value)
+        with pytest.raises(InvalidUsageError, match="COLLECTIVES_COMPRESSED_PIECE_BYTES"):
+            check_switches()
+
+
 def test_send_and_recvs_single_copy_threshold_comes_from_the_environment_and_never_fits_the_slots(monkeypatch):
     """$COLLECTIVES_MESSAGE_SINGLE_COPY_MIN: 4 MiB unset, 0 never, and a
     value at or below the slots' bytes still streams what fits them."""
