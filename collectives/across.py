@@ -281,10 +281,10 @@ class Programs:
             status = laid.program.run(xs, outs, self._h.calls, deadline, STARTED_ONLY, *own)
             if status is None:
                 raise CollectiveError(f"{call.description}: the compiled program declined a piece the checks passed")
+            if status[0] != PENDING:   # a failure: raised before the piece in flight's last step, which the
+                self._go_on(laid, status, xs, outs, deadline)   # node-mates will not run (the abort orphans it)
             if in_flight is not None:
                 self._go_on(*in_flight, deadline)
-            if status[0] != PENDING:   # (a failure: _go_on raises what it says)
-                self._go_on(laid, status, xs, outs, deadline)
             in_flight = (laid, status, xs, outs)
         if in_flight is not None:
             self._go_on(*in_flight, deadline)

@@ -2,6 +2,8 @@
 
 import concurrent.futures
 import functools
+import math
+import numbers
 import threading
 import time
 import weakref
@@ -196,6 +198,9 @@ class Communicator:
 
     @timeout.setter
     def timeout(self, seconds):
+        # (0 is taken: a caller's remaining time, hierarchy.py's node steps; every wait then times out at once)
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 <= seconds < math.inf:
+            raise InvalidUsageError(f"timeout: expected a finite number of seconds >= 0, got {seconds!r}")
         self._timeout = seconds
         # Ranks whose kernels wait for their peers by themselves take it as a
         # kernel argument (DeviceRanks: the one-kernel calls between GPUs).

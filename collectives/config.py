@@ -299,13 +299,14 @@ def resolve_plan_segment_bytes(nbytes=None):
     return segment
 
 
-# A compressed allreduce across nodes of more than twice this many bytes a
+# A compressed allreduce across nodes of at least twice this many bytes a
 # rank runs in pieces of about this many (hierarchy.compressed_allreduce,
 # across.Programs.run_in_pieces): each piece's node reduction and encoding
 # while the one before is on the link, and its decoding and node gather
-# while the one after is. 0: one piece. The same on every rank (mpiexec
-# and torchrun give every rank the same environment); the bits do not
-# depend on it (every piece starts on a codec block of every rank's range).
+# while the one after is. 0: one piece. Give every rank the same: a call in
+# pieces says so in its signature, so ranks that piece it differently are
+# named (InvalidUsageError), not misread. The result's bits do not depend
+# on it (every piece starts on a codec block of every rank's range).
 COMPRESSED_PIECE_BYTES_ENV = "COLLECTIVES_COMPRESSED_PIECE_BYTES"
 DEFAULT_COMPRESSED_PIECE_BYTES = 4 << 20
 

@@ -648,6 +648,8 @@ def compressed_allreduce(h, call, x, out, deadline):
             and loop_runs_nodes(h, call):
         if takes_compressed_program(h, call):
             pieces = compressed_pieces(h, call)
+            if len(pieces) > 1:   # (in its signature: a rank that pieces it otherwise is named, not misread)
+                call = call._replace(description=f"{call.description} in pieces of {pieces[0][1]}")
             if len(pieces) == 1:
                 h.programs.run(call, x, out, deadline, compressed_program)
             elif h.residual is None:
@@ -680,7 +682,7 @@ def takes_compressed_program(h, call):
 def compressed_pieces(h, call):
     """The pieces (start, count) a compressed Program runs in
     (Programs.run_in_pieces): about h.compressed_piece_bytes each, the last
-    up to twice that; one where the call is not above twice it. Every
+    up to twice that; one where the call is below twice it. Every
     piece is a multiple of G codec blocks (G: the node's ranks), so each
     rank's range in each piece starts on a block of the whole call: the
     codec's blocks, and so the bits, are those of the call in one piece

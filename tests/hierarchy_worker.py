@@ -548,11 +548,17 @@ def scenario_mismatched(comm):
     a message longer than its buffer on one side, another call's signature
     on the other), then every node an allreduce, some node a
     reduce_scatter of as many elements (another call's signature alone),
-    then node 0 a compressed allreduce in int8, the others in bf16.
-    Every rank raises, none waits out its timeout."""
+    then node 0 a compressed allreduce in int8, the others in bf16; where
+    the nodes' sizes are equal (compressed Programs), node 0 a compressed
+    allreduce in pieces of PIECE_BYTES, the others in one piece (the
+    variable differs between the nodes). Every rank raises, none waits
+    out its timeout."""
     calls = (lambda: comm.allreduce(np.ones(100 if comm.node == 0 else 200, np.float32)),
              lambda: (comm.allreduce if comm.node == 0 else comm.reduce_scatter)(np.ones(8 * comm.size, np.int32)),
              lambda: comm.allreduce(np.ones(1000, np.float32), compression="int8" if comm.node == 0 else "bf16"))
+    nodes = comm.topology.nodes
+    if len({len(node) for node in nodes}) == 1 and len(nodes[0]) > 1:   # (4096 elements: 32 pieces on node 0)
+        calls += (lambda: comm.allreduce(np.ones(4096, np.float32), compression="int8"),)
     for case, call in enumerate(calls):
         start = time.perf_counter()
         try:
@@ -565,6 +571,8 @@ def scenario_mismatched(comm):
             raise AssertionError(f"case {case}: a mismatched call completed")
         if case < len(calls) - 1:   # the failure aborted this communicator: the next case needs another
             WORLD.Barrier()
+            if case == 2 and comm.node == 0:   # (read when the communicator is made)
+                os.environ["COLLECTIVES_COMPRESSED_PIECE_BYTES"] = str(PIECE_BYTES)
             comm = collectives.init(timeout=TIMEOUT)
 
 

@@ -245,6 +245,20 @@ def test_timeout_from_argument_and_environment(monkeypatch):
             collectives.Communicator.local(1)
 
 
+def test_a_timeout_set_later_is_checked_too():
+    """comm.timeout = x takes what init takes (and 0: no wait at all), and
+    names anything else: a negative one made every compiled wait's first
+    look come at once, before any poll."""
+    comm = collectives.Communicator.local(1, timeout=5)
+    comm.timeout = 0.25
+    assert comm.timeout == 0.25
+    comm.timeout = 0
+    for bad in (-1, float("nan"), float("inf"), "5", None, True):
+        with pytest.raises(InvalidUsageError, match="^timeout: expected a finite number of seconds >= 0"):
+            comm.timeout = bad
+    assert comm.timeout == 0
+
+
 @pytest.mark.parametrize("variable", ["COLLECTIVES_FAST_PATH", "COLLECTIVES_FAST_SINGLE_COPY",
                                       "COLLECTIVES_COMPILED_PLANS", "COLLECTIVES_ONE_KERNEL_ALLREDUCE"])
 def test_a_bad_switch_in_the_environment_stops_init_before_any_exchange(monkeypatch, variable):
