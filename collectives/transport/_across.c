@@ -423,8 +423,9 @@ static PyObject *finish_polled(Program *p, int status, Py_ssize_t failed, int co
 /* run(x, out, seq, deadline, poll_until[, own]): call number `seq` (the
  * hierarchy's count, which makes its signature); 0 once done, else
  * (PENDING, 0, 0): resume (always where poll_until < 0: the messages
- * started, nothing polled, so the last node step runs only in resume()); (NODE_FAILED, result, 0 or 1): the first or
- * last node step returned `result`; (MPI_FAILED, request, code);
+ * started, nothing polled, so the last node step runs only in resume());
+ * (NODE_FAILED, result, 0 or 1): the first or last node step returned
+ * `result`; (MPI_FAILED, request, code);
  * (MISMATCH, receive, 0); (ABORT_ARRIVED, 0, 0): a peer's abort
  * message is there (nothing ran); None: the arrays are not this Program's
  * (nothing ran). */
