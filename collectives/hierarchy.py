@@ -648,19 +648,10 @@ def compressed_allreduce(h, call, x, out, deadline):
             and loop_runs_nodes(h, call):
         if takes_compressed_program(h, call):
             pieces = compressed_pieces(h, call)
-            if len(pieces) > 1:   # (in its signature: a rank that pieces it otherwise is named, not misread)
-                call = call._replace(description=f"{call.description} in pieces of {pieces[0][1]}")
             if len(pieces) == 1:
                 h.programs.run(call, x, out, deadline, compressed_program)
-            elif h.residual is None:
-                h.programs.run_in_pieces(call, pieces, x, out, deadline, compressed_program)
             else:
-                whole = h.residual
-                try:
-                    h.programs.run_in_pieces(call, pieces, x, out, deadline, compressed_program,
-                                             functools.partial(_point_residual_at_piece, h, whole))
-                finally:
-                    h.residual = whole
+                _compressed_in_pieces(h, call, pieces, x, out, deadline)
         else:
             compressed_in_blocks(h, call, x, out, deadline)
     else:
@@ -695,11 +686,25 @@ def compressed_pieces(h, call):
     return [(start, piece) for start in range(0, last, piece)] + [(last, call.count - last)]
 
 
-def _point_residual_at_piece(h, whole, start, count):
-    """run_in_pieces' before_piece with error feedback: h.residual is the
-    piece's part of the call's residual `whole` (compressed_program reads
-    it there as the piece's first step runs)."""
-    h.residual = whole[start:start + count]
+def _compressed_in_pieces(h, call, pieces, x, out, deadline):
+    """The compressed Program in `pieces` (Programs.run_in_pieces), the
+    pieces named in the call's signature (a rank that pieces it otherwise
+    is named, not misread). With error feedback, h.residual is each
+    piece's part of the call's residual as the piece starts
+    (compressed_program reads it there), and the whole again after."""
+    call = call._replace(description=f"{call.description} in pieces of {pieces[0][1]}")
+    whole = h.residual
+    if whole is None:
+        h.programs.run_in_pieces(call, pieces, x, out, deadline, compressed_program)
+        return
+
+    def point_residual_at_piece(start, count):
+        h.residual = whole[start:start + count]
+
+    try:
+        h.programs.run_in_pieces(call, pieces, x, out, deadline, compressed_program, point_residual_at_piece)
+    finally:
+        h.residual = whole
 
 
 def compressed_program(h, call, counterparts, others):
