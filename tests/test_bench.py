@@ -14,6 +14,7 @@ import pytest
 from bench import backends, cli, harness
 from bench.all_reduce_perf import ALLREDUCE
 from cases import keeps_a_workspace_copy
+from installed import require
 from mpi_launch import mpi_launch, run_launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +121,7 @@ def test_host_vs_mpich_times_three_libraries_per_collective(tmp_path):
     specs, each size checked, every round in the JSON beside the machine,
     the versions and the exact command; every collective in both placements."""
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
-    pytest.importorskip("torch", reason="needs PyTorch for Gloo: pip install torch")
+    require("torch", reason="needs PyTorch for Gloo: pip install torch")
     path = tmp_path / "host_vs_mpich.json"
     command = [sys.executable, "-m", "bench.host_vs_mpich", "--quick", "--ranks", "2", "--sizes", "1K,4K",
                "--collectives", "all_to_all,broadcast", "--rounds", "3", "--floor-from", "4K", "-J", str(path)]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import hosts
+from installed import require
 
 pytest.importorskip("mpi4py", reason="the hosts' ranks need mpi4py: pip install '.[test]'")
 
@@ -106,7 +107,7 @@ def test_host_vs_mpich_across_two_hosts_times_the_link_floor_and_ours_compressed
     reason = hosts.why_not()
     if reason:
         pytest.skip(f"cannot make hosts here: {reason}")
-    pytest.importorskip("torch", reason="needs PyTorch for Gloo: pip install torch")
+    require("torch", reason="needs PyTorch for Gloo: pip install torch")
     path = tmp_path / "across.json"
     command = [sys.executable, "-m", "bench.host_vs_mpich", "--hosts", "2", "--link", "1gbit", "--ranks", "2",
                "--quick", "--sizes", "64K", "--collectives", "allreduce,reduce", "--compression", "int8",
@@ -155,7 +156,7 @@ TORCH_PROBE = textwrap.dedent("""
 @pytest.mark.processes
 @pytest.mark.slow
 def test_torchrun_on_every_host_meets_at_h0_and_our_backend_reduces_across_them(made, tmp_path):
-    pytest.importorskip("torch", reason="needs PyTorch: pip install torch")
+    require("torch", reason="needs PyTorch: pip install torch")
     directory, state = made
     script = tmp_path / "probe.py"
     script.write_text(TORCH_PROBE)

@@ -23,6 +23,7 @@ from bench.reduce_perf import REDUCE
 from bench.reduce_scatter_perf import REDUCE_SCATTER
 from bench.scatter_perf import SCATTER
 from collectives.transport import fastpath
+from installed import require
 from mpi_launch import run_launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -410,7 +411,7 @@ def test_ours_and_mpi_side_by_side(tmp_path):
 @pytest.mark.mpi
 def test_gloo_beside_ours_and_mpi(tmp_path):
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
-    pytest.importorskip("torch", reason="the gloo backend needs PyTorch: pip install torch==2.13.0")
+    require("torch", reason="the gloo backend needs PyTorch: pip install torch==2.13.0")
     out, report = run_processes("all_gather_perf", ["--backend", "ours,mpi,gloo", "-b", "1K", "-e", "64K",
                                                     "-f", "8", "-n", "2", "-w", "1", "-d", "int32"], tmp_path)
     assert [r["backend"] for r in report["rows"]] == ["ours", "mpi", "gloo"] * 3
@@ -423,7 +424,7 @@ def test_gloo_beside_ours_and_mpi(tmp_path):
 def test_a_backend_without_the_op_is_skipped(tmp_path):
     """MPI has no average: its rows are left out, with the reason; Gloo averages floats."""
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
-    pytest.importorskip("torch", reason="the gloo backend needs PyTorch: pip install torch==2.13.0")
+    require("torch", reason="the gloo backend needs PyTorch: pip install torch==2.13.0")
     out, report = run_processes("reduce_scatter_perf", ["--backend", "ours,mpi,gloo", "-b", "4K", "-e", "4K",
                                                         "-n", "1", "-w", "0", "-o", "avg", "-d", "half"], tmp_path)
     assert "# mpi skipped: MPI has no 'avg' reduction" in out
@@ -452,7 +453,7 @@ def test_the_exchanges_in_gloo(tool, tmp_path):
     """Gloo's all_to_all_single (in place on a copy), gather and scatter into
     views of one buffer, checked as ours."""
     pytest.importorskip("mpi4py", reason="needs mpi4py: pip install '.[test]'")
-    pytest.importorskip("torch", reason="the gloo backend needs PyTorch: pip install torch==2.13.0")
+    require("torch", reason="the gloo backend needs PyTorch: pip install torch==2.13.0")
     _, report = run_processes(tool, ["--backend", "gloo", "-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1",
                                      "-d", "bfloat16", "-r", "1"], tmp_path)
     assert [r["backend"] for r in report["rows"]] == ["gloo"] * 3

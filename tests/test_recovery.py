@@ -27,6 +27,7 @@ import collectives
 from collectives import InvalidUsageError, elastic
 from collectives.bootstrap import PRETEND_NODES_ENV
 from collectives.transport import fastpath
+from installed import require
 from test_mpi import mpich_mpiexec, run_launch, survivable_launch
 
 WORKER = Path(__file__).with_name("recovery_worker.py")
@@ -115,7 +116,7 @@ def test_a_shrink_that_timed_out_goes_on_when_called_again():
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_elastic_training_loses_a_rank_and_ends_on_the_one_process_weights(kind):
     if kind == "torch":
-        pytest.importorskip("torch")
+        require("torch", "needs PyTorch: pip install '.[test]'")
     printed = run_survivors(3, kind, "3", survivors=[0, 2], worker=ELASTIC_WORKER)
     assert len(re.findall(r"KILLED at step \d+, 40 commits", printed)) == 2, printed
 
@@ -125,14 +126,14 @@ def test_torch_distributeds_default_group_shrinks_and_its_training_goes_on(tmp_p
     """A rank of torch.distributed's default group (ours, from a FileStore)
     dies; the survivors' all_reduce raises, shrink_default_group makes the
     default group theirs, and the steps end on one process's weights."""
-    pytest.importorskip("torch")
+    require("torch", "needs PyTorch: pip install '.[test]'")
     printed = run_survivors(3, "torch_group", "3", str(tmp_path / "store"), survivors=[0, 2], worker=ELASTIC_WORKER)
     assert sorted(re.findall(r"rank (\d) is rank (\d) of 2", printed)) == [("0", "0"), ("2", "1")], printed
 
 
 @pytest.mark.mpi
 def test_the_elastic_example_loses_a_rank_and_ends_on_the_uninterrupted_runs_accuracy_on_one_node_and_across_two():
-    pytest.importorskip("sklearn")
+    require("sklearn", "needs scikit-learn: pip install '.[test]'")
     example = Path(__file__).parent.parent / "examples" / "elastic.py"
 
     def accuracy(n, *flags, pretend_nodes=None):

@@ -22,18 +22,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import collectives
 import mpi_launch
+from collectives import CollectiveTimeoutError, InvalidUsageError, RankFailedError
+from installed import needs, require
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-tf = pytest.importorskip("tensorflow", reason="the TensorFlow tests need TensorFlow: pip install '.[test]' "
-                                              "(or '.[tensorflow]')")
-keras = pytest.importorskip("keras", reason="the Keras tests need Keras 3, which TensorFlow >= 2.17 brings")
+pytestmark = [needs("tensorflow", reason="the TensorFlow tests need TensorFlow: pip install '.[test]' "
+                                         "(or '.[tensorflow]')"),
+              needs("keras", reason="the Keras tests need Keras 3, which TensorFlow >= 2.17 brings")]
 
-import collectives  # noqa: E402
-import collectives.tensorflow as ctf  # noqa: E402
-from collectives.tensorflow import native  # noqa: E402
-from collectives import CollectiveTimeoutError, InvalidUsageError, RankFailedError  # noqa: E402
-from collectives.keras import BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback  # noqa: E402
+# TensorFlow, Keras and our modules over them, imported by the first test of
+# this process that runs TensorFlow in it, not when pytest collects the
+# module: the import costs about 5 CPU-s (Keras brings scikit-learn and
+# SciPy), which each xdist worker paid at collection, and the tests marked
+# mpi only start processes that import it themselves.
+tf = keras = ctf = native = BroadcastGlobalVariablesCallback = DistributedOptimizer = MetricAverageCallback = None
+
+
+@pytest.fixture(autouse=True)
+def tensorflow_in_this_process(request):
+    global tf, keras, ctf, native, BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback
+    if tf is None and request.node.get_closest_marker("mpi") is None:
+        import tensorflow as tf
+        import keras
+
+        import collectives.tensorflow as ctf
+        from collectives.keras import BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback
+        from collectives.tensorflow import native
+
 
 WORKER = Path(__file__).with_name("tensorflow_worker.py")
 
@@ -466,17 +483,19 @@ def test_keras_fit_on_the_torch_backend_trains_as_one_process_on_the_whole_batch
     assert measured["keras fit"] <= 1e-5, measured
 
 
-PUBLIC = [ctf.allreduce, ctf.allgather, ctf.reduce_scatter, ctf.broadcast, ctf.broadcast_variables,
-          ctf.grouped_allreduce, ctf.reduce_gradients, ctf.typed_error, ctf.DistributedGradientTape,
-          ctf.DistributedGradientTape.gradient, DistributedOptimizer, BroadcastGlobalVariablesCallback,
-          MetricAverageCallback, ctf.CrossDeviceOps, ctf.CrossDeviceOps.reduce_implementation,
-          ctf.CrossDeviceOps.batch_reduce_implementation, ctf.cluster_resolver, ctf.tf_config]
+# (named, so that collecting them imports nothing)
+PUBLIC = ["allreduce", "allgather", "reduce_scatter", "broadcast", "broadcast_variables", "grouped_allreduce",
+          "reduce_gradients", "typed_error", "DistributedGradientTape", "DistributedGradientTape.gradient",
+          "keras.DistributedOptimizer", "keras.BroadcastGlobalVariablesCallback", "keras.MetricAverageCallback",
+          "CrossDeviceOps", "CrossDeviceOps.reduce_implementation", "CrossDeviceOps.batch_reduce_implementation",
+          "cluster_resolver", "tf_config"]
 
 
-@pytest.mark.parametrize("function", PUBLIC, ids=[f.__qualname__ for f in PUBLIC])
-def test_every_argument_and_the_errors_are_documented(function):
+@pytest.mark.parametrize("name", PUBLIC)
+def test_every_argument_and_the_errors_are_documented(name):
     """As tests/test_docstrings.py asks of the core API: help() names each argument and says what is raised."""
     import inspect
+    function = functools.reduce(getattr, name.split("."), collectives if name.startswith("keras.") else ctf)
     doc = inspect.getdoc(function)
     assert doc, f"{function.__qualname__} has no docstring"
     target = function.__init__ if inspect.isclass(function) else function
@@ -489,7 +508,7 @@ def test_every_argument_and_the_errors_are_documented(function):
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_the_keras_example_runs():
-    pytest.importorskip("sklearn", reason="the digits data set comes with scikit-learn: pip install scikit-learn")
+    require("sklearn", reason="the digits data set comes with scikit-learn: pip install scikit-learn")
     example = Path(__file__).resolve().parent.parent / "examples" / "keras_digits.py"
     done = mpi_launch.run_launch([*mpi_launch.mpi_launch(2), str(example), "--epochs", "2"], 240)
     report = f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-20000:]}"

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch", reason="the torch backend needs PyTorch: pip install '.[torch]'")
+from installed import needs
+
+pytestmark = needs("torch", reason="the torch backend needs PyTorch: pip install '.[torch]'")
 
 WORKER = Path(__file__).with_name("torch_backend_worker.py")
 RANKS = 4

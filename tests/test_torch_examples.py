@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch", reason="the examples need PyTorch: pip install '.[test]'")
-pytest.importorskip("sklearn", reason="the examples train on scikit-learn's digits: pip install '.[examples]'")
+from installed import needs
+
+pytestmark = [needs("torch", reason="the examples need PyTorch: pip install '.[test]'"),
+              needs("sklearn", reason="the examples train on scikit-learn's digits: pip install '.[examples]'")]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

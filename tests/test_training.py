@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from installed import require
 import mpi_launch
 
 torch = pytest.importorskip("torch", reason="the training tests need PyTorch: pip install '.[test]' (or '.[torch]')")
@@ -250,7 +251,7 @@ def test_four_ranks_stay_bitwise_identical_and_match_one_process(four_ranks):
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_compressed_training_ends_within_one_point_of_uncompressed(four_ranks):
-    pytest.importorskip("sklearn", reason=NEEDS_SKLEARN)
+    require("sklearn", reason=NEEDS_SKLEARN)
     report, oks, folder = four_ranks
     assert oks.get("compression") == {0, 1, 2, 3}, report
     results = json.loads((folder / "compression.json").read_text())
@@ -285,7 +286,7 @@ def test_a_rank_that_dies_mid_training_makes_the_others_raise(four_ranks):
     ("torch_mlp.py", 2, ["--measure", "--hidden", "64", "--layers", "2", "--rounds", "1", "--steps", "2"]),
 ])
 def test_the_examples_run(example, n, flags):
-    pytest.importorskip("sklearn", reason=NEEDS_SKLEARN)
+    require("sklearn", reason=NEEDS_SKLEARN)
     stdout, report = run(n, [str(EXAMPLES / example), *flags])
     if "--measure" in flags:
         assert stdout.count("| overlap") == 1 and stdout.count("| after backward") == 2, report
